@@ -1,0 +1,1 @@
+"""Envoy: the per-node gRPC process that all-reduces expert outputs."""

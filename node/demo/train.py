@@ -1,0 +1,175 @@
+"""`moe-cluster train-demo`: train the embedded demo MoE on the bundled Shakespeare corpus."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..checkpoint import model_classes, write_checkpoint
+from . import CORPUS_DIR, tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2500
+    batch: int = 16
+    seq: int = 128
+    lr: float = 3e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    # Switch-Transformer load-balancing loss weight: small, so routing stays skewed as in real
+    # models but no expert dies.
+    aux_loss: float = 0.002
+    seed: int = 0
+    vocab: int = 1024
+    hidden: int = 128
+    layers: int = 4
+    experts: int = 16
+    top_k: int = 4
+    expert_ffn: int = 80
+
+
+def demo_config(tc: TrainConfig) -> dict:
+    return {
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": tc.vocab,
+        "hidden_size": tc.hidden,
+        "num_hidden_layers": tc.layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": tc.hidden // 4,
+        "intermediate_size": 4 * tc.hidden,
+        "moe_intermediate_size": tc.expert_ffn,
+        "num_experts": tc.experts,
+        "num_experts_per_tok": tc.top_k,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": True,
+        "eos_token_id": 0,
+    }
+
+
+class _RouterTap(nn.Module):
+    """Wraps a router so its logits are kept for the load-balancing loss."""
+
+    def __init__(self, gate: nn.Module, sink: list):
+        super().__init__()
+        self.gate = gate
+        self._sink = sink
+
+    def __call__(self, x):
+        logits = self.gate(x)
+        self._sink.append(logits)
+        return logits
+
+
+def encode_corpus(tok_dir: Path, corpus_dir: Path = CORPUS_DIR) -> np.ndarray:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    eos = tok.token_to_id(tokenizer.EOS)
+    ids: list[int] = []
+    for text in tokenizer.corpus_texts(corpus_dir):
+        ids.extend(tok.encode(text).ids)
+        ids.append(eos)
+    return np.array(ids, dtype=np.int32)
+
+
+def train_demo(out: Path, tc: TrainConfig = TrainConfig(), corpus_dir: Path = CORPUS_DIR) -> dict:
+    """Train the demo model and write it, with its tokenizer, into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.train_tokenizer(out, tc.vocab, corpus_dir)
+    data = encode_corpus(out, corpus_dir)
+    logger.info("corpus: %d tokens", len(data))
+    split = int(len(data) * 0.98)
+    train_ids, val_ids = data[:split], data[split:]
+
+    config = demo_config(tc)
+    model_cls, args_cls = model_classes(config)
+    mx.random.seed(tc.seed)
+    model = model_cls(args_cls.from_dict(config))
+    router_logits: list = []
+    for layer in model.layers:
+        layer.mlp.gate = _RouterTap(layer.mlp.gate, router_logits)
+
+    def loss_fn(model, x, y):
+        router_logits.clear()
+        logits = model(x)
+        ce = nn.losses.cross_entropy(logits, y, reduction="mean")
+        aux = 0.0
+        for g in router_logits:
+            probs = mx.softmax(g.astype(mx.float32), axis=-1).reshape(-1, tc.experts)
+            top = mx.stop_gradient(mx.argpartition(-probs, kth=tc.top_k - 1, axis=-1)[:, : tc.top_k])
+            frac = mx.stop_gradient(mx.zeros((tc.experts,)).at[top.reshape(-1)].add(1.0) / top.size)
+            aux = aux + tc.experts * (frac * probs.mean(axis=0)).sum()
+        return ce + tc.aux_loss * aux / len(model.layers), ce
+
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(1e-5, tc.lr, tc.warmup), optim.cosine_decay(tc.lr, tc.steps - tc.warmup, tc.lr * 0.05)],
+        [tc.warmup],
+    )
+    opt = optim.AdamW(learning_rate=schedule, weight_decay=tc.weight_decay)
+    value_and_grad = nn.value_and_grad(model, loss_fn)
+    state = [model.state, opt.state]
+
+    def train_step(x, y):
+        (_, ce), grads = value_and_grad(model, x, y)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(model, grads)
+        return ce
+
+    rng = np.random.default_rng(tc.seed)
+
+    def batch(ids: np.ndarray):
+        starts = rng.integers(0, len(ids) - tc.seq - 1, tc.batch)
+        x = np.stack([ids[s : s + tc.seq] for s in starts])
+        y = np.stack([ids[s + 1 : s + tc.seq + 1] for s in starts])
+        return mx.array(x), mx.array(y)
+
+    t0 = time.time()
+    history = []
+    for step in range(1, tc.steps + 1):
+        x, y = batch(train_ids)
+        ce = train_step(x, y)
+        mx.eval(state, ce)
+        if step % 100 == 0 or step == tc.steps:
+            vx, vy = batch(val_ids)
+            _, vce = loss_fn(model, vx, vy)
+            rec = {"step": step, "train_ce": round(ce.item(), 4), "val_ce": round(vce.item(), 4),
+                   "seconds": round(time.time() - t0, 1)}
+            history.append(rec)
+            logger.info("step %d  train %.3f  val %.3f  (%.0fs)", step, rec["train_ce"], rec["val_ce"], rec["seconds"])
+
+    for layer in model.layers:
+        layer.mlp.gate = layer.mlp.gate.gate
+    weights = dict(tree_flatten(model.parameters()))
+    write_checkpoint(out, weights, config)
+    report = {
+        "trained_by": "moe-cluster train-demo",
+        "config": asdict(tc),
+        "corpus": "node/demo/corpus (Shakespeare, public domain; see SOURCE.md)",
+        "corpus_tokens": int(len(data)),
+        "parameters": int(sum(v.size for v in weights.values())),
+        "bytes": int(sum(v.nbytes for v in weights.values())),
+        "history": history,
+        "val_perplexity": round(math.exp(history[-1]["val_ce"]), 2) if history else None,
+    }
+    (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report

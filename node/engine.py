@@ -1,0 +1,124 @@
+"""The token loop every node runs: chunked prefill and decode on mlx-lm's `generate_step`.
+
+One node or many, the loop is the same; on a cluster the model's MoE blocks all-reduce inside
+the forward pass and the sampler is wrapped so every node takes rank 0's token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+DEFAULT_PREFILL_STEP = 512
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick tokens; temperature 0 is greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def check(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1 (got {self.max_tokens})")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+
+
+@dataclass
+class Stats:
+    """Figures of one generation, filled in as it runs."""
+
+    prompt_tokens: int = 0
+    generated: int = 0
+    prompt_seconds: float = 0.0
+    generation_seconds: float = 0.0
+    finish_reason: str | None = None
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        # The first token comes with the prompt; the rest are timed as generation (as mlx-lm does).
+        return self.generated / self.generation_seconds if self.generation_seconds else 0.0
+
+
+TokenHook = Callable[[mx.array], mx.array]
+
+
+def make_sampler(sampling: Sampling, token_hook: TokenHook | None = None):
+    from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
+
+    top_p = sampling.top_p if sampling.top_p < 1.0 else 0.0
+    sampler = mlx_make_sampler(temp=sampling.temperature, top_p=top_p)
+    if token_hook is None:
+        return sampler
+    return lambda logprobs: token_hook(sampler(logprobs))
+
+
+def generate_tokens(
+    model: nn.Module,
+    prompt: Sequence[int],
+    sampling: Sampling,
+    *,
+    eos_token_ids: Sequence[int] = (),
+    prompt_cache: list | None = None,
+    prefill_step: int = DEFAULT_PREFILL_STEP,
+    token_hook: TokenHook | None = None,
+    stats: Stats | None = None,
+) -> Iterator[int]:
+    """Yield generated token ids until an EOS token (not yielded) or `max_tokens`.
+
+    Args:
+        prompt: token ids to process; with a `prompt_cache`, only the part not cached yet.
+        token_hook: called on each sampled token (as an array) and returns the token to use;
+            the cluster uses it to agree on rank 0's token and on cancellation.
+        stats: filled in with timings and the finish reason.
+    """
+    from mlx_lm.generate import generate_step
+
+    sampling.check()
+    if not prompt:
+        raise ValueError("the prompt has no tokens")
+    stats = stats if stats is not None else Stats()
+    stats.prompt_tokens = len(prompt)
+    if sampling.seed is not None:
+        mx.random.seed(sampling.seed)
+    eos = set(eos_token_ids)
+    steps = generate_step(
+        mx.array(list(prompt), dtype=mx.uint32),
+        model,
+        max_tokens=sampling.max_tokens,
+        sampler=make_sampler(sampling, token_hook),
+        prompt_cache=prompt_cache,
+        prefill_step_size=prefill_step,
+    )
+    tic = time.perf_counter()
+    stats.finish_reason = "length"
+    for n, (token, _) in enumerate(steps):
+        now = time.perf_counter()
+        if n == 0:
+            stats.prompt_seconds = now - tic
+            tic = now
+        else:
+            stats.generation_seconds = now - tic
+        if token in eos:
+            stats.finish_reason = "stop"
+            break
+        stats.generated += 1
+        stats.tokens.append(token)
+        yield token
+        if stats.generated == sampling.max_tokens:
+            break

@@ -1,0 +1,1 @@
+"""The gRPC contract between coordinator, nodes and envoys, with generated stubs."""
