@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler="moe_cluster.coordinator.demo_cmds:train_demo")
 
+    p = sub.add_parser("plan", help="capacity planning: predicted tok/s and memory per node count (paper Eq. 1)")
+    importlib.import_module("moe_cluster.coordinator.plan_cmd").add_arguments(p)
+    p.set_defaults(handler="moe_cluster.coordinator.plan_cmd:main")
+
     return parser
 
 

@@ -1,0 +1,63 @@
+"""Which node computes each selected expert: the one deterministic rule every node applies.
+
+The router is replicated, so every node sees the same selection and, applying the same rule to
+the same placement, reaches the same assignment without talking to the others. The performance
+model uses the same rule to compute the expected per-node load.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+# holders[e] = the ranks that hold expert e of this layer, ascending.
+Holders = Mapping[int, Sequence[int]]
+
+
+def assign(selected: Iterable[int], holders: Holders) -> dict[int, int]:
+    """Map each selected expert to the rank that computes it.
+
+    An expert held once goes to its holder. Replicated experts are then taken in order of
+    (number of holders, expert id) and each goes to its least-loaded holder, the lowest rank on a
+    tie, so the largest per-node count stays small and every node agrees.
+    """
+    chosen: dict[int, int] = {}
+    load: dict[int, int] = {}
+    replicated = []
+    for e in sorted(set(selected)):
+        hs = holders.get(e)
+        if not hs:
+            raise KeyError(f"expert {e} is held by no node")
+        if len(hs) == 1:
+            chosen[e] = hs[0]
+            load[hs[0]] = load.get(hs[0], 0) + 1
+        else:
+            replicated.append(e)
+    for e in sorted(replicated, key=lambda e: (len(holders[e]), e)):
+        r = min(holders[e], key=lambda r: (load.get(r, 0), r))
+        chosen[e] = r
+        load[r] = load.get(r, 0) + 1
+    return chosen
+
+
+def rank_counts(selected: Iterable[int], holders: Holders, world_size: int) -> list[int]:
+    """How many distinct selected experts each rank computes under `assign`."""
+    counts = [0] * world_size
+    for r in assign(selected, holders).values():
+        counts[r] += 1
+    return counts
+
+
+def holders_of(layer_placement: Mapping[int, Sequence[int]], num_experts: int) -> dict[int, tuple[int, ...]]:
+    """Invert {rank: [experts]} into {expert: (ranks...)}; every expert must have a holder."""
+    out: dict[int, list[int]] = {e: [] for e in range(num_experts)}
+    for rank in sorted(layer_placement):
+        for e in layer_placement[rank]:
+            if not 0 <= e < num_experts:
+                raise ValueError(f"expert id {e} on rank {rank} is out of range 0..{num_experts - 1}")
+            if rank in out[e]:
+                raise ValueError(f"expert {e} is listed twice on rank {rank}")
+            out[e].append(rank)
+    missing = [e for e, rs in out.items() if not rs]
+    if missing:
+        raise ValueError(f"experts {missing} are on no node")
+    return {e: tuple(rs) for e, rs in out.items()}
