@@ -1,0 +1,309 @@
+"""Fit Eq. 1's overheads to a real cluster from `moe-cluster bench decode --json` output.
+
+Fitted form, per decoded token on N nodes (bytes and E from the bench):
+
+    compute(N) = (R + X · E_N) / BW_eff + layers · o          attention_router + experts + other
+    comm(N)    = moe_layers · (a + b · (N − 2))   for N ≥ 2    collective_wait (0 on one node)
+
+R = replicated bytes read per token, X = one expert summed over the MoE layers, E_N = the
+measured mean experts computed per node per MoE layer (max over nodes). Least squares gives
+BW_eff (effective memory bandwidth) and o (fixed compute cost per decoder layer: kernel launches,
+the host sync on the routing, sampling folded in) from every cluster including N = 1, and a
+(per-layer collective cost at 2 nodes: software stack + wire + transfer as measured) and b (its
+growth per extra node) from the N ≥ 2 clusters. Coefficients are kept non-negative; with a
+single distinct point a term that cannot be separated is set to 0 and the fit says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from .perfmodel import Overheads
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "moe-cluster-calibration/1"
+
+
+class CalibrationError(ValueError):
+    """A bench or calibration file that cannot be used, naming the file and the field."""
+
+
+@dataclass(frozen=True)
+class BenchCluster:
+    nodes: int
+    keepalive: str
+    transport: str
+    generation_tps: float
+    time_per_token_s: float
+    expected_experts: float
+    attention_router_s: float
+    experts_s: float
+    collective_wait_s: float
+    other_s: float
+
+    @property
+    def compute_s(self) -> float:
+        return self.attention_router_s + self.experts_s + self.other_s
+
+
+@dataclass(frozen=True)
+class Bench:
+    model: str
+    replicated_read_bytes: int
+    expert_bytes: int  # one expert summed over the MoE layers
+    layers: int
+    moe_layers: int
+    hidden: int
+    dtype_bytes: int
+    clusters: tuple[BenchCluster, ...]
+
+
+@dataclass(frozen=True)
+class MeasuredPoint:
+    nodes: int
+    tokens_per_s: float
+    keepalive: str
+    transport: str
+    expected_experts: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    model: str
+    bandwidth_Bps: float
+    layer_overhead_s: float
+    collective_base_s: float | None  # None: the bench had no cluster of 2 nodes or more
+    collective_per_node_s: float
+    transport: str
+    network: str | None  # network preset the bench ran on (given when calibrating)
+    hardware: str | None
+    residual_rms_s: float  # of the fitted time per token against the measured one
+    points: tuple[MeasuredPoint, ...]
+    notes: tuple[str, ...] = ()
+
+    def overheads(self, apply_collective: bool) -> Overheads:
+        return Overheads(
+            bandwidth_Bps=self.bandwidth_Bps,
+            layer_overhead_s=self.layer_overhead_s,
+            collective_base_s=self.collective_base_s if apply_collective else None,
+            collective_per_node_s=self.collective_per_node_s,
+        )
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["points"] = [asdict(p) for p in self.points]
+        d["notes"] = list(self.notes)
+        return {"format": FORMAT, **d}
+
+
+# --- reading --------------------------------------------------------------------------------
+
+
+def _get(obj: Any, key: str, kind, where: str):
+    if not isinstance(obj, dict) or key not in obj:
+        raise CalibrationError(f"{where}: missing field {key!r}")
+    v = obj[key]
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, kind) or isinstance(v, bool):
+        raise CalibrationError(f"{where}: field {key!r} should be {kind.__name__}, got {v!r}")
+    if kind in (int, float) and (v < 0 or (kind is float and not math.isfinite(v))):
+        raise CalibrationError(f"{where}: field {key!r} must be a finite number >= 0, got {v!r}")
+    return v
+
+
+def parse_bench(obj: Any, where: str = "bench") -> Bench:
+    """Check a `bench decode --json` object (unknown fields are ignored: the bench may grow)."""
+    mb = _get(obj, "model_bytes", dict, where)
+    w = f"{where}: model_bytes"
+    clusters = []
+    raw = _get(obj, "clusters", list, where)
+    if not raw:
+        raise CalibrationError(f"{where}: 'clusters' is empty; nothing to fit")
+    for i, c in enumerate(raw):
+        cw = f"{where}: clusters[{i}]"
+        b = _get(c, "breakdown_s", dict, cw)
+        nodes = _get(c, "nodes", int, cw)
+        if nodes < 1:
+            raise CalibrationError(f"{cw}: nodes must be >= 1, got {nodes}")
+        clusters.append(BenchCluster(
+            nodes=nodes,
+            keepalive=_get(c, "keepalive", str, cw),
+            transport=_get(c, "transport", str, cw),
+            generation_tps=_get(c, "generation_tps", float, cw),
+            time_per_token_s=_get(c, "time_per_token_s", float, cw),
+            expected_experts=_get(c, "expected_experts", float, cw),
+            attention_router_s=_get(b, "attention_router", float, f"{cw}.breakdown_s"),
+            experts_s=_get(b, "experts", float, f"{cw}.breakdown_s"),
+            collective_wait_s=_get(b, "collective_wait", float, f"{cw}.breakdown_s"),
+            other_s=_get(b, "other", float, f"{cw}.breakdown_s"),
+        ))
+    bench = Bench(
+        model=_get(obj, "model", str, where),
+        replicated_read_bytes=_get(mb, "replicated_read_per_token", int, w),
+        expert_bytes=_get(mb, "expert", int, w),
+        layers=_get(mb, "layers", int, w),
+        moe_layers=_get(mb, "moe_layers", int, w),
+        hidden=_get(mb, "hidden", int, w),
+        dtype_bytes=_get(mb, "dtype_bytes", int, w),
+        clusters=tuple(clusters),
+    )
+    if bench.layers < 1 or bench.moe_layers < 1:
+        raise CalibrationError(f"{where}: layers ({bench.layers}) and moe_layers ({bench.moe_layers}) must be >= 1")
+    return bench
+
+
+def read_bench(path: str | Path) -> Bench:
+    return parse_bench(_load_json(path), str(path))
+
+
+def _load_json(path: str | Path) -> Any:
+    p = Path(path)
+    try:
+        return json.loads(p.read_text())
+    except FileNotFoundError:
+        raise CalibrationError(f"{p}: no such file") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CalibrationError(f"{p} is not readable JSON: {exc}") from exc
+
+
+_CAL_FIELDS = {"format", "model", "bandwidth_Bps", "layer_overhead_s", "collective_base_s", "collective_per_node_s",
+               "transport", "network", "hardware", "residual_rms_s", "points", "notes"}
+
+
+def parse_calibration(obj: Any, where: str = "calibration") -> Calibration:
+    """Strict: this file is ours, so unknown fields are errors."""
+    if not isinstance(obj, dict):
+        raise CalibrationError(f"{where}: expected a JSON object")
+    unknown = sorted(set(obj) - _CAL_FIELDS)
+    if unknown:
+        raise CalibrationError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    if obj.get("format") != FORMAT:
+        raise CalibrationError(f"{where}: format is {obj.get('format')!r}, expected {FORMAT!r}")
+    base = obj.get("collective_base_s")
+    if base is not None:
+        base = _get(obj, "collective_base_s", float, where)
+    points = []
+    for i, p in enumerate(_get(obj, "points", list, where)):
+        pw = f"{where}: points[{i}]"
+        points.append(MeasuredPoint(_get(p, "nodes", int, pw), _get(p, "tokens_per_s", float, pw),
+                                    _get(p, "keepalive", str, pw), _get(p, "transport", str, pw),
+                                    _get(p, "expected_experts", float, pw)))
+    bw = _get(obj, "bandwidth_Bps", float, where)
+    if bw <= 0:
+        raise CalibrationError(f"{where}: bandwidth_Bps must be > 0, got {bw}")
+    optional = {k: obj.get(k) for k in ("network", "hardware")}
+    for k, v in optional.items():
+        if v is not None and not isinstance(v, str):
+            raise CalibrationError(f"{where}: field {k!r} should be a string or null, got {v!r}")
+    return Calibration(
+        model=_get(obj, "model", str, where),
+        bandwidth_Bps=bw,
+        layer_overhead_s=_get(obj, "layer_overhead_s", float, where),
+        collective_base_s=base,
+        collective_per_node_s=_get(obj, "collective_per_node_s", float, where),
+        transport=_get(obj, "transport", str, where),
+        network=optional["network"],
+        hardware=optional["hardware"],
+        residual_rms_s=_get(obj, "residual_rms_s", float, where),
+        points=tuple(points),
+        notes=tuple(str(n) for n in obj.get("notes", [])),
+    )
+
+
+def read_calibration(path: str | Path) -> Calibration:
+    return parse_calibration(_load_json(path), str(path))
+
+
+# --- fitting --------------------------------------------------------------------------------
+
+
+def _line_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float] | None:
+    """Least-squares slope and intercept; None when the xs do not vary."""
+    n = len(xs)
+    mx_, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx_) ** 2 for x in xs)
+    if sxx <= 1e-30 * max(1.0, mx_ * mx_):
+        return None
+    slope = sum((x - mx_) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return slope, my - slope * mx_
+
+
+def _through_origin(xs: Sequence[float], ys: Sequence[float]) -> float:
+    return sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+
+
+def fit(bench: Bench, *, network: str | None = None, hardware: str | None = None) -> Calibration:
+    """Fit BW_eff, o, a and b (module docstring) to a bench run."""
+    notes: list[str] = []
+    cs = bench.clusters
+    bytes_read = [bench.replicated_read_bytes + bench.expert_bytes * c.expected_experts for c in cs]
+    if not any(bytes_read):
+        raise CalibrationError(f"bench of {bench.model}: zero bytes read per token; model_bytes look empty")
+    compute = [c.compute_s for c in cs]
+    line = _line_fit(bytes_read, compute)
+    if line is not None and line[0] > 0 and line[1] >= 0:
+        inv_bw, fixed = line
+    else:
+        inv_bw, fixed = _through_origin(bytes_read, compute), 0.0
+        notes.append("per-layer overhead not separable from bandwidth (one distinct bytes-per-token "
+                     "or a negative fit); set to 0")
+    if inv_bw <= 0:
+        raise CalibrationError(f"bench of {bench.model}: compute time does not grow with bytes read; cannot fit bandwidth")
+
+    multi = [c for c in cs if c.nodes >= 2]
+    base = per_node = None
+    if multi:
+        xs = [float(c.nodes - 2) for c in multi]
+        ys = [c.collective_wait_s / bench.moe_layers for c in multi]
+        line = _line_fit(xs, ys)
+        if line is not None and line[0] >= 0 and line[1] >= 0:
+            per_node, base = line
+        else:
+            per_node, base = 0.0, sum(ys) / len(ys)
+            if line is not None:
+                notes.append("collective cost did not grow with node count; fitted as constant")
+            else:
+                notes.append("one node count of 2 or more: collective growth per node set to 0")
+    else:
+        notes.append("no cluster of 2 or more nodes: collective cost not fitted")
+
+    transports = sorted({c.transport for c in multi}) or sorted({c.transport for c in cs})
+    cal = Calibration(
+        model=bench.model,
+        bandwidth_Bps=1.0 / inv_bw,
+        layer_overhead_s=fixed / bench.layers,
+        collective_base_s=base,
+        collective_per_node_s=per_node or 0.0,
+        transport=",".join(transports),
+        network=network,
+        hardware=hardware,
+        residual_rms_s=0.0,
+        points=tuple(MeasuredPoint(c.nodes, c.generation_tps, c.keepalive, c.transport, c.expected_experts)
+                     for c in cs),
+        notes=tuple(notes),
+    )
+    predicted = [predict_time(cal, bench, c.nodes, c.expected_experts) for c in cs]
+    rms = math.sqrt(sum((p - c.time_per_token_s) ** 2 for p, c in zip(predicted, cs)) / len(cs))
+    logger.info("calibration of %s: BW_eff %.3g B/s, o %.3g s/layer, a %s s/layer, b %.3g s/layer/node, rms %.3g s",
+                bench.model, cal.bandwidth_Bps, cal.layer_overhead_s, base, cal.collective_per_node_s, rms)
+    return replace(cal, residual_rms_s=rms)
+
+
+def predict_time(cal: Calibration, bench: Bench, nodes: int, expected_experts: float) -> float:
+    """The fitted form's time per token for a bench's model (compute side + collective)."""
+    t = (bench.replicated_read_bytes + bench.expert_bytes * expected_experts) / cal.bandwidth_Bps
+    t += cal.layer_overhead_s * bench.layers
+    if nodes >= 2 and cal.collective_base_s is not None:
+        t += bench.moe_layers * max(0.0, cal.collective_base_s + cal.collective_per_node_s * (nodes - 2))
+    return t
+
+
+def write_calibration(cal: Calibration, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(cal.to_json(), indent=2) + "\n")

@@ -1,0 +1,273 @@
+"""E[experts computed per node per MoE layer]: the `E` of Eq. 1, computed rather than typed in.
+
+Eq. 1 is bound by the slowest node, so E is the expectation of the *maximum* over nodes of the
+experts each computes in a layer, under the placement, the keepalive policy and the routing:
+
+- `none`: each node computes its selected local experts; E = E[max over nodes].
+- `lru`: each node pads its compute up to the cluster's max with least-recently-used local
+  experts, so every node computes the max; E[max] is the same as for `none`.
+- `busy`: each node computes all of its local experts every layer; E = max local expert count.
+
+Routing is uniform top-k without replacement (every k-subset equally likely) unless a measured
+profile gives the selected sets. Which replica computes a selected expert is decided by the one
+rule every node applies, `node.routing.assign`. Methods, best first: exact over the
+hypergeometric distribution of counts (placements without replicas, any size); exact
+enumeration of all C(E, k) selections (small replicated placements); a seeded Monte-Carlo
+estimate with its standard error (large replicated placements); the empirical mean over a
+profile's recorded selections (exact for that profile).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import random
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Iterable, Mapping, Sequence
+
+from ..node.routing import holders_of, rank_counts
+from .perfmodel import PlanError
+
+logger = logging.getLogger(__name__)
+
+KEEPALIVES = ("none", "lru", "busy")
+ENUMERATION_LIMIT = 100_000  # selections; beyond this a replicated placement is sampled
+MONTE_CARLO_SAMPLES = 20_000
+MONTE_CARLO_SEED = 0
+
+Placement = Mapping[int, Sequence[int]]  # {rank: [expert ids]}
+
+
+@dataclass(frozen=True)
+class ExpectedExperts:
+    """E for one MoE layer, and how it was obtained."""
+
+    value: float
+    method: str
+    stderr: float = 0.0  # Monte-Carlo standard error; 0 when exact
+
+
+# --- placements -----------------------------------------------------------------------------
+
+
+def even_split(num_experts: int, nodes: int) -> dict[int, list[int]]:
+    """Contiguous blocks of expert ids; the first `num_experts % nodes` ranks get one more."""
+    if nodes < 1:
+        raise PlanError(f"node count must be at least 1 (got {nodes})")
+    if num_experts < nodes:
+        raise PlanError(f"{num_experts} experts cannot be split over {nodes} nodes (each node needs one)")
+    base, extra = divmod(num_experts, nodes)
+    out, start = {}, 0
+    for r in range(nodes):
+        n = base + (r < extra)
+        out[r] = list(range(start, start + n))
+        start += n
+    return out
+
+
+def placement_for(
+    num_experts: int,
+    nodes: int,
+    replicas_per_node: int = 0,
+    profile_counts: Sequence[int] | None = None,
+) -> dict[int, list[int]]:
+    """Experts split evenly, then up to `replicas_per_node` extra experts per node.
+
+    Replicas go to the hottest experts first (by `profile_counts`; under uniform routing the
+    ranks' blocks are interleaved so every rank's experts get copies alike), each to the node with the most free replica slots that lacks it (lowest rank on a
+    tie), cycling through the experts until the slots are used. Small and pure on purpose: the
+    placement planner (coordinator/placement.py) can replace it.
+    """
+    placement = even_split(num_experts, nodes)
+    if replicas_per_node < 0:
+        raise PlanError(f"replicas per node must be >= 0 (got {replicas_per_node})")
+    if profile_counts is not None and len(profile_counts) != num_experts:
+        raise PlanError(f"profile has counts for {len(profile_counts)} experts, the model has {num_experts}")
+    if replicas_per_node == 0 or nodes == 1:
+        return placement
+    if profile_counts is not None:
+        order = sorted(range(num_experts), key=lambda e: (-profile_counts[e], e))
+    else:
+        blocks = [placement[r] for r in sorted(placement)]
+        order = [b[i] for i in range(max(map(len, blocks))) for b in blocks if i < len(b)]
+    held = {r: set(es) for r, es in placement.items()}
+    free = {r: min(replicas_per_node, num_experts - len(held[r])) for r in placement}
+    placed = True
+    while placed and any(free.values()):
+        placed = False
+        for e in order:
+            candidates = [r for r in placement if free[r] > 0 and e not in held[r]]
+            if not candidates:
+                continue
+            r = max(candidates, key=lambda r: (free[r], -r))
+            held[r].add(e)
+            placement[r].append(e)
+            free[r] -= 1
+            placed = True
+    return {r: sorted(es) for r, es in placement.items()}
+
+
+def is_disjoint(placement: Placement) -> bool:
+    seen: set[int] = set()
+    for es in placement.values():
+        if seen & set(es):
+            return False
+        seen |= set(es)
+    return True
+
+
+# --- E[max] under uniform routing -----------------------------------------------------------
+
+
+def expected_max_hypergeometric(sizes: Sequence[int], k: int) -> Fraction:
+    """Exact E[max_r c_r] when k of sum(sizes) experts are drawn uniformly without replacement
+    and rank r holds `sizes[r]` of them (no replicas): the counts are multivariate
+    hypergeometric, P(all c_r <= t) = [x^k] Π_r Σ_{c<=t} C(s_r, c) x^c / C(E, k), and
+    E[max] = Σ_{t=0}^{k-1} (1 - P(max <= t))."""
+    total = sum(sizes)
+    if not 0 <= k <= total:
+        raise PlanError(f"top-k {k} must be between 0 and the expert count {total}")
+    denom = math.comb(total, k)
+    expect = Fraction(0)
+    for t in range(k):
+        poly = [1] + [0] * k  # coefficients of x^0..x^k
+        for s in sizes:
+            term = [math.comb(s, c) for c in range(min(t, s) + 1)]
+            nxt = [0] * (k + 1)
+            for i, a in enumerate(poly):
+                if a:
+                    for c, b in enumerate(term):
+                        if i + c > k:
+                            break
+                        nxt[i + c] += a * b
+            poly = nxt
+        expect += 1 - Fraction(poly[k], denom)
+    return expect
+
+
+def _max_count(selected: Iterable[int], holders: Mapping[int, Sequence[int]], nodes: int) -> int:
+    return max(rank_counts(selected, holders, nodes))
+
+
+def expected_max_enumerated(placement: Placement, num_experts: int, k: int) -> Fraction:
+    """Exact E[max] by applying `assign` to every one of the C(E, k) selections."""
+    holders = holders_of(placement, num_experts)
+    nodes = len(placement)
+    total = sum(_max_count(s, holders, nodes) for s in itertools.combinations(range(num_experts), k))
+    return Fraction(total, math.comb(num_experts, k))
+
+
+def expected_max_sampled(
+    placement: Placement, num_experts: int, k: int, samples: int = MONTE_CARLO_SAMPLES, seed: int = MONTE_CARLO_SEED
+) -> tuple[float, float]:
+    """Monte-Carlo E[max] over uniform k-subsets: (mean, standard error)."""
+    holders = holders_of(placement, num_experts)
+    nodes = len(placement)
+    rng = random.Random(seed)
+    xs = [_max_count(rng.sample(range(num_experts), k), holders, nodes) for _ in range(samples)]
+    mean = sum(xs) / samples
+    var = sum((x - mean) ** 2 for x in xs) / max(1, samples - 1)
+    return mean, math.sqrt(var / samples)
+
+
+def expected_max_from_sets(placement: Placement, num_experts: int, sets: Sequence[Sequence[int]]) -> float:
+    """Empirical E[max] over recorded selections (one set of expert ids per token)."""
+    if not sets:
+        raise PlanError("the routing profile has no recorded selections ('sets') for a layer")
+    holders = holders_of(placement, num_experts)
+    nodes = len(placement)
+    for s in sets:
+        bad = [e for e in s if not 0 <= e < num_experts]
+        if bad:
+            raise PlanError(f"profile selection {list(s)} names experts {bad} outside 0..{num_experts - 1}")
+    return sum(_max_count(s, holders, nodes) for s in sets) / len(sets)
+
+
+def expected_experts(
+    placement: Placement,
+    num_experts: int,
+    top_k: int,
+    keepalive: str = "lru",
+    sets: Sequence[Sequence[int]] | None = None,
+) -> ExpectedExperts:
+    """E for one MoE layer under a placement and keepalive policy (see the module docstring)."""
+    if keepalive not in KEEPALIVES:
+        raise PlanError(f"unknown keepalive policy {keepalive!r}; choose from {', '.join(KEEPALIVES)}")
+    nodes = len(placement)
+    if nodes == 1:
+        # One node runs stock mlx-lm: exactly the selected experts.
+        return ExpectedExperts(float(top_k), "one node: the k selected experts")
+    if keepalive == "busy":
+        most = max(len(es) for es in placement.values())
+        return ExpectedExperts(float(most), "busy: every local expert, every layer")
+    if sets is not None:
+        return ExpectedExperts(expected_max_from_sets(placement, num_experts, sets),
+                               f"profile: mean over {len(sets)} recorded tokens")
+    if is_disjoint(placement):
+        sizes = [len(placement[r]) for r in sorted(placement)]
+        value = expected_max_hypergeometric(sizes, top_k)
+        return ExpectedExperts(float(value), "exact: hypergeometric counts, uniform routing")
+    n = math.comb(num_experts, top_k)
+    if n <= ENUMERATION_LIMIT:
+        return ExpectedExperts(float(expected_max_enumerated(placement, num_experts, top_k)),
+                               f"exact: all C({num_experts},{top_k}) = {n} selections, uniform routing")
+    mean, se = expected_max_sampled(placement, num_experts, top_k)
+    return ExpectedExperts(mean, f"Monte Carlo: {MONTE_CARLO_SAMPLES} uniform selections, seed {MONTE_CARLO_SEED}, "
+                                 f"standard error {se:.4f}", stderr=se)
+
+
+# --- routing profiles -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    counts: tuple[int, ...]  # tokens that selected each expert
+    tokens: int
+    sets: tuple[tuple[int, ...], ...]  # the experts selected for each recorded token
+
+
+@dataclass(frozen=True)
+class RoutingProfile:
+    """`moe-cluster profile` output: per decoder layer, expert counts and recorded selections."""
+
+    model: str
+    num_experts: int
+    top_k: int
+    layers: Mapping[int, LayerProfile]
+
+
+def parse_profile(obj, where: str = "profile") -> RoutingProfile:
+    """Check a routing profile `{"model", "num_experts", "top_k", "layers": {"<layer>": {"counts",
+    "tokens", "sets"}}}`; errors name the file and the field."""
+    if not isinstance(obj, dict):
+        raise PlanError(f"{where}: expected a JSON object")
+    for key in ("model", "num_experts", "top_k", "layers"):
+        if key not in obj:
+            raise PlanError(f"{where}: missing field {key!r}")
+    E, k = obj["num_experts"], obj["top_k"]
+    if not isinstance(E, int) or E < 2 or not isinstance(k, int) or not 1 <= k <= E:
+        raise PlanError(f"{where}: num_experts ({E!r}) and top_k ({k!r}) must be whole numbers, 1 <= top_k <= num_experts")
+    if not isinstance(obj["layers"], dict) or not obj["layers"]:
+        raise PlanError(f"{where}: 'layers' must be a non-empty object keyed by decoder layer index")
+    layers: dict[int, LayerProfile] = {}
+    for key, layer in obj["layers"].items():
+        lw = f"{where}: layers[{key!r}]"
+        if not str(key).isdigit():
+            raise PlanError(f"{lw}: the key must be a decoder layer index")
+        if not isinstance(layer, dict) or not all(f in layer for f in ("counts", "tokens", "sets")):
+            raise PlanError(f"{lw}: expected an object with counts, tokens and sets")
+        counts, sets = layer["counts"], layer["sets"]
+        if not isinstance(counts, list) or len(counts) != E or not all(isinstance(c, int) and c >= 0 for c in counts):
+            raise PlanError(f"{lw}: counts must be {E} whole numbers >= 0")
+        if not isinstance(sets, list) or not sets:
+            raise PlanError(f"{lw}: sets must be a non-empty list of selections (one list of expert ids per token)")
+        clean = []
+        for s in sets:
+            if (not isinstance(s, list) or not s or len(s) > k or len(set(s)) != len(s)
+                    or not all(isinstance(e, int) and 0 <= e < E for e in s)):
+                raise PlanError(f"{lw}: selection {s!r} must hold 1..{k} distinct expert ids in 0..{E - 1}")
+            clean.append(tuple(s))
+        layers[int(key)] = LayerProfile(tuple(counts), int(layer["tokens"]), tuple(clean))
+    return RoutingProfile(str(obj["model"]), E, k, layers)

@@ -1,0 +1,114 @@
+"""Fitting Eq. 1's overheads to synthetic `bench decode --json` output with known answers."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_cluster.coordinator import presets
+from moe_cluster.coordinator.calibration import (
+    FORMAT,
+    CalibrationError,
+    fit,
+    parse_bench,
+    parse_calibration,
+    predict_time,
+)
+from moe_cluster.coordinator.perfmodel import estimate
+
+R, X, LAYERS, MOE = 7_000_000_000, 15_854_469_120, 40, 40  # DBRX as in Table 1
+TRUTH = dict(bw=600e9, o=150e-6, a=700e-6, b=120e-6)
+E = {1: 4.0, 2: 2.65, 3: 2.32, 4: 1.57}
+
+
+def bench(nodes=(1, 2, 3, 4), truth=TRUTH, noise=None) -> dict:
+    clusters = []
+    for i, n in enumerate(nodes):
+        compute = (R + X * E[n]) / truth["bw"] + LAYERS * truth["o"]
+        comm = MOE * (truth["a"] + truth["b"] * (n - 2)) if n >= 2 else 0.0
+        if noise:
+            compute += noise[i]
+        t = compute + comm
+        clusters.append({
+            "nodes": n, "keepalive": "lru", "transport": "envoy" if n > 1 else "local",
+            "generation_tps": 1 / t, "time_per_token_s": t, "expected_experts": E[n],
+            "breakdown_s": {"attention_router": 0.2 * compute, "experts": 0.7 * compute, "collective_wait": comm,
+                            "other": 0.1 * compute},
+            "future_field": "ignored",
+        })
+    return {"model": "dbrx-instruct", "prompt_tokens": 128, "generated_tokens": 128, "ours_tps": 6.1,
+            "mlx_lm_tps": 7.0, "ratio": 0.87,
+            "model_bytes": {"replicated_read_per_token": R, "expert": X, "layers": LAYERS, "moe_layers": MOE,
+                            "hidden": 6144, "dtype_bytes": 2},
+            "clusters": clusters}
+
+
+def test_fit_recovers_known_parameters():
+    cal = fit(parse_bench(bench()), network="10gbe", hardware="m2-ultra-192")
+    assert cal.bandwidth_Bps == pytest.approx(TRUTH["bw"], rel=1e-9)
+    assert cal.layer_overhead_s == pytest.approx(TRUTH["o"], rel=1e-6)
+    assert cal.collective_base_s == pytest.approx(TRUTH["a"], rel=1e-9)
+    assert cal.collective_per_node_s == pytest.approx(TRUTH["b"], rel=1e-9)
+    assert cal.residual_rms_s == pytest.approx(0, abs=1e-12)
+    assert [p.nodes for p in cal.points] == [1, 2, 3, 4]
+    assert cal.points[1].tokens_per_s == pytest.approx(bench()["clusters"][1]["generation_tps"])
+    assert cal.transport == "envoy" and cal.network == "10gbe" and not cal.notes
+
+
+def test_fit_with_noise_stays_close():
+    cal = fit(parse_bench(bench(noise=[1e-3, -1e-3, 5e-4, -5e-4])))
+    assert cal.bandwidth_Bps == pytest.approx(TRUTH["bw"], rel=0.1)
+    assert cal.residual_rms_s < 2e-3
+
+
+def test_one_multi_node_count_gives_a_constant_collective():
+    cal = fit(parse_bench(bench(nodes=(1, 2))))
+    assert cal.collective_base_s == pytest.approx(TRUTH["a"])
+    assert cal.collective_per_node_s == 0
+    assert any("one node count" in n for n in cal.notes)
+
+
+def test_single_node_only_has_no_collective():
+    cal = fit(parse_bench(bench(nodes=(1,))))
+    assert cal.collective_base_s is None
+    assert cal.layer_overhead_s == 0 and any("not separable" in n for n in cal.notes)
+    assert cal.overheads(apply_collective=True).collective_s(4) is None
+
+
+def test_calibrated_plan_reproduces_the_bench():
+    cal = fit(parse_bench(bench()))
+    b = parse_bench(bench())
+    for c in b.clusters:
+        assert predict_time(cal, b, c.nodes, c.expected_experts) == pytest.approx(c.time_per_token_s, rel=1e-9)
+    # Eq. 1 with the fitted overheads on a model whose bytes are the bench's (the dbrx preset) agrees too.
+    dbrx = presets.model_preset("dbrx")
+    m2, net = presets.hardware_preset("m2-ultra-192"), presets.network_preset("10gbe")
+    row = estimate(dbrx, m2, net, 3, [2.32], overheads=cal.overheads(apply_collective=True))
+    assert row.time_s == pytest.approx(b.clusters[2].time_per_token_s, rel=2e-3)  # FLOPs bound is not the max
+
+
+def test_round_trip_and_strictness():
+    cal = fit(parse_bench(bench()), network="10gbe")
+    data = cal.to_json()
+    assert data["format"] == FORMAT
+    assert parse_calibration(data) == cal
+    with pytest.raises(CalibrationError, match="unknown field.*bogus"):
+        parse_calibration({**data, "bogus": 1})
+    with pytest.raises(CalibrationError, match="format"):
+        parse_calibration({**data, "format": "other/9"})
+    with pytest.raises(CalibrationError, match="bandwidth_Bps"):
+        parse_calibration({**data, "bandwidth_Bps": 0})
+
+
+def test_bad_bench_names_the_field():
+    b = bench()
+    del b["clusters"][1]["breakdown_s"]["collective_wait"]
+    with pytest.raises(CalibrationError, match=r"clusters\[1\].breakdown_s: missing field 'collective_wait'"):
+        parse_bench(b, "b.json")
+    b = bench()
+    b["clusters"][0]["time_per_token_s"] = -1
+    with pytest.raises(CalibrationError, match="time_per_token_s"):
+        parse_bench(b)
+    with pytest.raises(CalibrationError, match="'clusters' is empty"):
+        parse_bench({**bench(), "clusters": []})
+    with pytest.raises(CalibrationError, match="missing field 'model_bytes'"):
+        parse_bench({"model": "m", "clusters": []})
