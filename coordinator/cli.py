@@ -71,6 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler="moe_cluster.coordinator.run_local:main")
 
+    p = sub.add_parser("simulate", help="run N node processes of a sharded model on this machine")
+    p.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
+    p.add_argument("--nodes", type=_positive_int, required=True)
+    p.add_argument("--keepalive", choices=("none", "lru", "busy"), default="lru")
+    p.add_argument("--placement", default=None, help='JSON file {"layers": {"<layer>": {"<rank>": [experts]}}}')
+    p.add_argument("--prompt", required=True)
+    add_sampling_args(p, max_tokens=32)
+    p.add_argument("--check", action="store_true", help="also run stock mlx-lm and compare tokens and logits")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler="moe_cluster.coordinator.simulate:main")
+
     p = sub.add_parser("demo-model", help="write a random-weight MoE checkpoint of a chosen family")
     p.add_argument("--arch", required=True, help="mixtral, qwen2_moe, qwen3_moe, deepseek_v3, dbrx, gpt_oss, olmoe, qwen3_next")
     p.add_argument("--out", required=True, help="output folder")

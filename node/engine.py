@@ -78,6 +78,7 @@ def generate_tokens(
     prefill_step: int = DEFAULT_PREFILL_STEP,
     token_hook: TokenHook | None = None,
     stats: Stats | None = None,
+    logits_sink: list | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids until an EOS token (not yielded) or `max_tokens`.
 
@@ -86,6 +87,7 @@ def generate_tokens(
         token_hook: called on each sampled token (as an array) and returns the token to use;
             the cluster uses it to agree on rank 0's token and on cancellation.
         stats: filled in with timings and the finish reason.
+        logits_sink: if given, each step's raw logits (float32 numpy) are appended to it.
     """
     from mlx_lm.generate import generate_step
 
@@ -104,6 +106,7 @@ def generate_tokens(
         sampler=make_sampler(sampling, token_hook),
         prompt_cache=prompt_cache,
         prefill_step_size=prefill_step,
+        logits_processors=[_recorder(logits_sink)] if logits_sink is not None else None,
     )
     tic = time.perf_counter()
     stats.finish_reason = "length"
@@ -122,3 +125,13 @@ def generate_tokens(
         yield token
         if stats.generated == sampling.max_tokens:
             break
+
+
+def _recorder(sink: list):
+    import numpy as np
+
+    def record(tokens, logits):
+        sink.append(np.array(logits.astype(mx.float32)).reshape(-1))
+        return logits
+
+    return record

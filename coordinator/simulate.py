@@ -1,0 +1,211 @@
+"""`moe-cluster simulate`: run N node processes of a sharded model on this machine.
+
+The nodes exchange data only through the collective interface (shared memory here), each in its
+own process so each node's memory is measured on its own. `--check` adds stock mlx-lm's tokens and
+logits on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import queue
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..node.checkpoint import Checkpoint
+from ..node.collective import CollectiveError, ShmCollective
+from ..node.engine import Sampling
+from ..node.placement import Placement
+from ..node.sim import SimJob, run as sim_run
+
+# Bytes one all-reduce may carry: a prefill chunk of this many tokens of float32 hidden states.
+_MAX_TOKENS_PER_CALL = 2048
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    model: str
+    nodes: int
+    prompt: str
+    sampling: Sampling
+    keepalive: str = "lru"
+    placement: Path | None = None
+    check: bool = False
+    repeats: int = 1
+    timeout_s: float = 60.0
+
+
+def _hidden_size(config: dict) -> int:
+    for key in ("hidden_size", "d_model", "n_embd"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    raise ValueError("config.json has no hidden_size")
+
+
+def run_nodes(model: str, nodes: int, prompt_ids: list[int], sampling: Sampling, *, keepalive: str = "lru",
+              placement_json: dict | None = None, eos: tuple[int, ...] = (), record_logits: bool = False,
+              repeats: int = 1, timeout_s: float = 60.0) -> list[dict]:
+    """Spawn the node processes, wait for all of them, return their reports in rank order."""
+    ckpt = Checkpoint.open(model)
+    ctx = mp.get_context("spawn")
+    slot = _MAX_TOKENS_PER_CALL * _hidden_size(ckpt.config) * 4
+    spec, shm = ShmCollective.create(nodes, slot, ctx, timeout_s=timeout_s)
+    results = ctx.Queue()
+    procs = []
+    try:
+        for rank in range(nodes):
+            job = SimJob(str(ckpt.path), rank, nodes, placement_json, keepalive, tuple(prompt_ids), sampling,
+                         tuple(eos), record_logits, spec, repeats)
+            p = ctx.Process(target=sim_run, args=(job, results), name=f"moe-node-{rank}", daemon=True)
+            p.start()
+            procs.append(p)
+        reports: dict[int, dict] = {}
+        deadline = time.monotonic() + timeout_s * 4 + 120
+        while len(reports) < nodes:
+            try:
+                rep = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+                if dead:
+                    raise CollectiveError(f"node process {dead[0].name} died (exit code {dead[0].exitcode})")
+                if time.monotonic() > deadline:
+                    raise CollectiveError("simulated nodes did not finish in time")
+                continue
+            if "error" in rep:
+                raise _node_error(rep)
+            reports[rep["rank"]] = rep
+        return [reports[r] for r in range(nodes)]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+        shm.close()
+        shm.unlink()
+
+
+def _node_error(rep: dict) -> Exception:
+    from ..node.placement import PlacementError
+    from ..node.shard import ShardError
+
+    msg = f"node {rep['rank']}: {rep['error']}"
+    kind = rep["error"].split(":", 1)[0]
+    if kind in ("ShardError", "CheckpointError"):
+        return ShardError(msg)
+    if kind == "PlacementError":
+        return PlacementError(msg)
+    return CollectiveError(msg + "\n" + rep.get("traceback", ""))
+
+
+def reference(model: str, prompt_ids: list[int], sampling: Sampling, eos: tuple[int, ...]) -> tuple[list[int], list]:
+    """Stock mlx-lm on the same checkpoint: its tokens and per-step logits."""
+    from mlx_lm.utils import load_model
+
+    from ..node.engine import generate_tokens
+
+    ref_model, _ = load_model(Checkpoint.open(model).path)
+    logits: list = []
+    tokens = list(generate_tokens(ref_model, prompt_ids, sampling, eos_token_ids=eos, logits_sink=logits))
+    return tokens, logits
+
+
+def compare(tokens: list[int], logits: list, ref_tokens: list[int], ref_logits: list) -> dict:
+    """Max |Δlogit| over the steps both runs share, and the first token that differs."""
+    n = 0
+    while n < min(len(tokens), len(ref_tokens)) and tokens[n] == ref_tokens[n]:
+        n += 1
+    steps = min(n + 1, len(logits), len(ref_logits))
+    diff = max((float(np.max(np.abs(logits[i] - ref_logits[i]))) for i in range(steps)), default=0.0)
+    out = {"reference_tokens": ref_tokens, "max_abs_logit_diff": diff, "tokens_match": tokens == ref_tokens}
+    if tokens != ref_tokens and n < min(len(logits), len(ref_logits)):
+        ref = ref_logits[n]
+        top2 = np.sort(ref)[-2:]
+        out["first_difference"] = {
+            "step": n,
+            "token": tokens[n] if n < len(tokens) else None,
+            "reference_token": ref_tokens[n] if n < len(ref_tokens) else None,
+            # how close the reference's top two were: a near-tie if small
+            "reference_top2_gap": float(top2[1] - top2[0]),
+            "our_gap_between_the_two": float(logits[n][tokens[n]] - logits[n][ref_tokens[n]])
+            if n < len(tokens) and n < len(ref_tokens) else None,
+        }
+    return out
+
+
+def simulate(req: SimRequest) -> dict:
+    from ..node.shard import moe_layers_of
+    from .run_local import encode_prompt
+
+    ckpt = Checkpoint.open(req.model)
+    if req.nodes < 1:
+        raise ValueError(f"--nodes must be at least 1 (got {req.nodes})")
+    placement_json = None
+    if req.placement is not None:
+        placement = Placement.from_json(Path(req.placement), req.nodes)
+        placement.check(moe_layers_of(ckpt))
+        placement_json = placement.to_json()
+    else:
+        moe_layers_of(ckpt)  # a checkpoint with no MoE layers is refused before any process starts
+    tokenizer = _tokenizer(ckpt.path)
+    ids = encode_prompt(tokenizer, req.prompt)
+    eos = tuple(tokenizer.eos_token_ids)
+    reports = run_nodes(str(ckpt.path), req.nodes, ids, req.sampling, keepalive=req.keepalive,
+                        placement_json=placement_json, eos=eos, record_logits=req.check,
+                        repeats=req.repeats, timeout_s=req.timeout_s)
+    r0 = reports[0]
+    out = {
+        "tokens": r0["tokens"],
+        "text": tokenizer.decode(r0["tokens"]),
+        "nodes": [
+            {k: rep[k] for k in ("rank", "experts_per_layer", "resident_weight_bytes", "peak_memory_bytes",
+                                 "replicated_bytes", "expert_bytes", "rss_load_delta_bytes")}
+            for rep in reports
+        ],
+        "counters": {k: float(np.mean([rep["counters"][k] for rep in reports])) for k in ("selected", "computed", "filler")},
+        "generation_tps": r0["generation_tps"],
+        "prompt_tps": r0["prompt_tps"],
+        "keepalive": req.keepalive,
+    }
+    if any(rep["tokens"] != r0["tokens"] for rep in reports):
+        raise CollectiveError("nodes disagree on the generated tokens")
+    if req.check:
+        ref_tokens, ref_logits = reference(str(ckpt.path), ids, req.sampling, eos)
+        out.update(compare(r0["tokens"], r0["logits"], ref_tokens, ref_logits))
+    return out
+
+
+def _tokenizer(path: Path):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def main(args) -> int:
+    sampling = Sampling(args.max_tokens, args.temperature, args.top_p, args.seed)
+    sampling.check()
+    req = SimRequest(args.model, args.nodes, args.prompt, sampling, args.keepalive,
+                     Path(args.placement) if args.placement else None, args.check)
+    out = simulate(req)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(out["text"])
+    print("=" * 10, file=sys.stderr)
+    for n in out["nodes"]:
+        print(f"node {n['rank']}: {sum(n['experts_per_layer'].values())} experts, "
+              f"{n['resident_weight_bytes'] / 1e6:.1f} MB resident, load peak {n['peak_memory_bytes'] / 1e6:.1f} MB",
+              file=sys.stderr)
+    c = out["counters"]
+    print(f"per node per MoE layer: selected {c['selected']:.2f}, computed {c['computed']:.2f}, "
+          f"filler {c['filler']:.2f} (keepalive {out['keepalive']})", file=sys.stderr)
+    print(f"generation: {out['generation_tps']:.1f} tokens/s", file=sys.stderr)
+    if args.check:
+        print(f"check: tokens {'match' if out['tokens_match'] else 'DIFFER'} stock mlx-lm; "
+              f"max |Δlogit| {out['max_abs_logit_diff']:.2e}", file=sys.stderr)
+    return 0

@@ -1,0 +1,247 @@
+"""ExpertShard: a node's local experts of one MoE layer, computed exactly, with keepalive.
+
+It replaces an mlx-lm expert bank (`SwitchGLU`/`SwitchMLP`) and answers the same call,
+`bank(x, inds) -> (..., k, D)`, with zeros where an expert is computed by another node, so the MoE
+block's weighted sum becomes this node's partial sum.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .routing import assign
+
+KEEPALIVE = ("none", "lru", "busy")
+
+
+@dataclass
+class LayerCounters:
+    """Sums over calls, per MoE layer: distinct experts selected for this node, computed, filler."""
+
+    calls: int = 0
+    selected: int = 0
+    computed: int = 0
+    filler: int = 0
+    cluster_max: int = 0  # the largest per-node selected count, summed over calls
+
+
+@dataclass
+class Timers:
+    """Seconds per phase, summed over the forward passes of a request (the paper's Table 3)."""
+
+    attention_router: float = 0.0  # up to the router's decision (host sync on the indices)
+    experts: float = 0.0  # the MoE block's own compute (routed + shared experts)
+    collective: float = 0.0  # waiting on the all-reduce
+
+    def reset(self) -> None:
+        self.attention_router = self.experts = self.collective = 0.0
+
+
+@dataclass
+class ShardState:
+    """What all the shards of one node share: its rank, the keepalive policy and the counters."""
+
+    rank: int
+    world_size: int
+    keepalive: str = "lru"
+    counters: dict[int, LayerCounters] = field(default_factory=dict)
+    timers: Timers = field(default_factory=Timers)
+
+    def __post_init__(self):
+        if self.keepalive not in KEEPALIVE:
+            raise ValueError(f"keepalive must be one of {', '.join(KEEPALIVE)} (got {self.keepalive!r})")
+
+    def reset_counters(self) -> None:
+        self.counters = {layer: LayerCounters() for layer in self.counters}
+
+    def means(self) -> dict[str, float]:
+        """Mean per MoE layer per call of selected/computed/filler on this node."""
+        calls = sum(c.calls for c in self.counters.values())
+        if not calls:
+            return {"selected": 0.0, "computed": 0.0, "filler": 0.0}
+        return {
+            k: sum(getattr(c, k) for c in self.counters.values()) / calls for k in ("selected", "computed", "filler")
+        }
+
+
+class ShardLinear(nn.Module):
+    """One projection of the local experts: weight (E_local, out, in), maybe quantized, maybe biased."""
+
+    def __init__(self, weight: mx.array, *, scales=None, biases=None, bias=None, quant: Mapping | None = None):
+        super().__init__()
+        self.weight = weight
+        if scales is not None:
+            self.scales = scales
+        if biases is not None:
+            self.biases = biases
+        if bias is not None:
+            self.bias = bias
+        self.quant = dict(quant) if quant else None  # {"group_size", "bits", "mode"}
+
+    def __call__(self, x: mx.array, slots: mx.array, groups: Sequence[tuple[int, int, int]]) -> mx.array:
+        """x (M, 1, in) rows sorted by slot; slots (M,); groups [(slot, start, end)] -> (M, 1, out)."""
+        if self.quant is not None:
+            y = mx.gather_qmm(
+                x, self["weight"], self["scales"], self.get("biases"), rhs_indices=slots, transpose=True,
+                group_size=self.quant["group_size"], bits=self.quant["bits"], mode=self.quant["mode"],
+                sorted_indices=True,
+            )
+        elif _gather_mm_ok(self.weight.dtype):
+            y = mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=slots, sorted_indices=True)
+        else:
+            # MLX's CPU backend has gather_mm for float32 only: one matmul per expert instead.
+            w = self["weight"]
+            y = mx.concatenate([x[a:b] @ w[s].T for s, a, b in groups], axis=0)
+        if "bias" in self:
+            y = y + mx.expand_dims(self["bias"][slots], -2)
+        return y
+
+
+def _gather_mm_ok(dtype: mx.Dtype) -> bool:
+    return dtype == mx.float32 or mx.default_device().type != mx.DeviceType.cpu
+
+
+class ExpertShard(nn.Module):
+    """The local experts of one MoE layer, stacked (E_local, ...) per projection."""
+
+    def __init__(
+        self,
+        layer: int,
+        global_ids: Sequence[int],
+        holders: Mapping[int, Sequence[int]],
+        projections: Mapping[str, ShardLinear],
+        kind: str,
+        activation: Callable,
+        state: ShardState,
+    ):
+        super().__init__()
+        if kind not in ("glu", "mlp"):
+            raise ValueError(f"unknown expert kind {kind!r}")
+        for name, proj in projections.items():
+            setattr(self, name, proj)
+        self._layer = layer
+        self._ids = tuple(global_ids)
+        self._slot = np.full(max(len(holders), 1), -1, dtype=np.int64)
+        for slot, e in enumerate(self._ids):
+            self._slot[e] = slot
+        self._holders = {e: tuple(rs) for e, rs in holders.items()}
+        self._kind = kind
+        self._activation = activation
+        self._state = state
+        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(len(self._ids)))
+        state.counters.setdefault(layer, LayerCounters())
+
+    @property
+    def global_ids(self) -> tuple[int, ...]:
+        return self._ids
+
+    def _mlp(self, x: mx.array, slots: mx.array, groups) -> mx.array:
+        if self._kind == "glu":
+            up = self.up_proj(x, slots, groups)
+            gate = self.gate_proj(x, slots, groups)
+            return self.down_proj(self._activation(up, gate), slots, groups)
+        return self.fc2(self._activation(self.fc1(x, slots, groups)), slots, groups)
+
+    def _fillers(self, mine: list[int], cluster_max: int) -> list[int]:
+        policy = self._state.keepalive
+        if policy == "none":
+            return []
+        taken = set(mine)
+        free = [s for s in self._lru if s not in taken]
+        if policy == "busy":
+            return free
+        want = min(cluster_max, len(self._ids)) - len(mine)
+        return free[: max(want, 0)]  # least recently used first
+
+    def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
+        state = self._state
+        t0 = time.perf_counter()
+        flat = np.array(inds).reshape(-1, inds.shape[-1])  # host sync: tiny
+        state.timers.attention_router += time.perf_counter() - t0
+        T, k = flat.shape
+        chosen = assign(np.unique(flat).tolist(), self._holders)
+        counts = [0] * state.world_size
+        for r in chosen.values():
+            counts[r] += 1
+        mine = sorted(int(self._slot[e]) for e, r in chosen.items() if r == state.rank)
+        fillers = self._fillers(mine, max(counts))
+        for s in mine + fillers:
+            self._lru.move_to_end(s)
+        c = state.counters[self._layer]
+        c.calls += 1
+        c.selected += len(mine)
+        c.computed += len(mine) + len(fillers)
+        c.filler += len(fillers)
+        c.cluster_max += max(counts)
+
+        out_shape = tuple(inds.shape) + (x.shape[-1],)
+        if not mine and not fillers:
+            return mx.zeros(out_shape, dtype=x.dtype)
+        # The (token, j) positions whose expert this node computes, then one row per filler
+        # expert; rows sorted by slot so each expert's tokens are contiguous (gather_mm's
+        # sorted path, or one matmul per expert).
+        flat1 = flat.reshape(-1)
+        here = np.array([e for e, r in chosen.items() if r == state.rank], dtype=flat1.dtype)
+        positions = np.flatnonzero(np.isin(flat1, here))
+        row_slots = np.concatenate([self._slot[flat1[positions]], np.asarray(fillers, dtype=np.int64)])
+        row_tokens = np.concatenate([positions // k, np.zeros(len(fillers), dtype=np.int64)])
+        perm = np.argsort(row_slots, kind="stable")
+        row_slots, row_tokens = row_slots[perm], row_tokens[perm]
+        sorted_row = np.empty(len(perm), dtype=np.int64)
+        sorted_row[perm] = np.arange(len(perm))
+        xf = x.reshape(-1, x.shape[-1])
+        rows = xf[mx.array(row_tokens.astype(np.int32))][:, None, :]
+        y = self._mlp(rows, mx.array(row_slots.astype(np.uint32)), _groups(row_slots))[:, 0, :]
+        # Every position takes its row, or the appended zero row if another node computes it.
+        # Filler rows are computed with the rest (one primitive) and then left out.
+        src = np.full(T * k, len(row_slots), dtype=np.int32)
+        src[positions] = sorted_row[: len(positions)]
+        y = mx.concatenate([y, mx.zeros((1, y.shape[-1]), dtype=y.dtype)], axis=0)
+        return y[mx.array(src)].reshape(out_shape)
+
+    def warm_up(self) -> None:
+        """Touch every local expert once (the paper's warm-up before the first request)."""
+        if not self._ids:
+            return
+        d_in = self.down_proj if self._kind == "glu" else self.fc2
+        hidden = _out_dim(d_in)
+        slots = np.arange(len(self._ids))
+        x = mx.zeros((len(self._ids), 1, hidden), dtype=_act_dtype(d_in))
+        groups = _groups(slots)
+        mx.eval(self._mlp(x, mx.array(slots.astype(np.uint32)), groups))
+
+    def resident_bytes(self) -> int:
+        return sum(v.nbytes for _, v in _leaves(self.parameters()))
+
+
+def _groups(slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """Runs of equal slot in sorted rows: [(slot, start, end)]."""
+    if len(slots) == 0:
+        return []
+    edges = np.flatnonzero(np.diff(slots)) + 1
+    starts = np.concatenate([[0], edges])
+    ends = np.concatenate([edges, [len(slots)]])
+    return [(int(slots[a]), int(a), int(b)) for a, b in zip(starts, ends)]
+
+
+def _out_dim(lin: ShardLinear) -> int:
+    return lin.weight.shape[1]
+
+
+def _act_dtype(lin: ShardLinear) -> mx.Dtype:
+    if lin.quant is not None:
+        return lin.scales.dtype if lin.scales.dtype in (mx.float32, mx.float16, mx.bfloat16) else mx.float32
+    return lin.weight.dtype
+
+
+def _leaves(tree):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(tree)

@@ -1,0 +1,109 @@
+"""The placement a node loads: for each MoE layer, which experts each rank holds."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+from .routing import holders_of
+
+
+class PlacementError(ValueError):
+    """A placement that cannot run, with the reason."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """`layers[layer][rank]` = sorted expert ids that rank holds in that (decoder) layer.
+
+    An expert may be held by several ranks (replication); `node.routing.assign` then decides
+    which of them computes it.
+    """
+
+    world_size: int
+    layers: Mapping[int, Mapping[int, tuple[int, ...]]]
+
+    @classmethod
+    def even(cls, moe_layers: Mapping[int, int], world_size: int) -> "Placement":
+        """Contiguous, even split of every layer's experts: {layer: num_experts} -> Placement."""
+        if world_size < 1:
+            raise PlacementError(f"world size must be at least 1 (got {world_size})")
+        layers = {}
+        for layer, n in moe_layers.items():
+            base, extra = divmod(n, world_size)
+            start, per_rank = 0, {}
+            for r in range(world_size):
+                size = base + (1 if r < extra else 0)
+                per_rank[r] = tuple(range(start, start + size))
+                start += size
+            layers[layer] = per_rank
+        return cls(world_size, layers)
+
+    @classmethod
+    def from_json(cls, data: dict | str | Path, world_size: int) -> "Placement":
+        """Parse `{"layers": {"<layer>": {"<rank>": [expert ids]}}}` (a dict, JSON text or a file)."""
+        where = "placement"
+        if isinstance(data, Path) or (isinstance(data, str) and not data.lstrip().startswith("{")):
+            where = str(data)
+            try:
+                data = Path(data).read_text()
+            except OSError as exc:
+                raise PlacementError(f"cannot read placement file {where}: {exc.strerror}") from exc
+        if isinstance(data, str):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as exc:
+                raise PlacementError(f"{where} is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict) or not isinstance(data.get("layers"), dict):
+            raise PlacementError(f'{where} must be a JSON object {{"layers": {{"<layer>": {{"<rank>": [experts]}}}}}}')
+        layers = {}
+        for lk, ranks in data["layers"].items():
+            try:
+                layer = int(lk)
+            except ValueError:
+                raise PlacementError(f"{where}: layer key {lk!r} is not an integer") from None
+            if not isinstance(ranks, dict):
+                raise PlacementError(f"{where}: layer {layer} must map ranks to expert lists")
+            per_rank = {}
+            for rk, experts in ranks.items():
+                try:
+                    rank = int(rk)
+                except ValueError:
+                    raise PlacementError(f"{where}: layer {layer}: rank key {rk!r} is not an integer") from None
+                if not 0 <= rank < world_size:
+                    raise PlacementError(f"{where}: layer {layer}: rank {rank} is out of range 0..{world_size - 1}")
+                if not isinstance(experts, list) or not all(isinstance(e, int) for e in experts):
+                    raise PlacementError(f"{where}: layer {layer}, rank {rank}: experts must be a list of integers")
+                per_rank[rank] = tuple(sorted(experts))
+            layers[layer] = {r: per_rank.get(r, ()) for r in range(world_size)}
+        return cls(world_size, layers)
+
+    def to_json(self) -> dict:
+        return {"layers": {str(l): {str(r): list(es) for r, es in ranks.items()} for l, ranks in sorted(self.layers.items())}}
+
+    def check(self, moe_layers: Mapping[int, int]) -> None:
+        """Validate against the model's MoE layers {layer: num_experts}."""
+        missing = sorted(set(moe_layers) - set(self.layers))
+        if missing:
+            raise PlacementError(f"placement has no entry for MoE layers {missing}")
+        extra = sorted(set(self.layers) - set(moe_layers))
+        if extra:
+            raise PlacementError(f"placement names layers {extra}, which are not MoE layers of this model "
+                                 f"(MoE layers: {sorted(moe_layers)})")
+        for layer, n in moe_layers.items():
+            try:
+                holders_of(self.layers[layer], n)
+            except ValueError as exc:
+                raise PlacementError(f"layer {layer}: {exc}") from exc
+
+    def local(self, rank: int) -> dict[int, tuple[int, ...]]:
+        return {layer: ranks.get(rank, ()) for layer, ranks in self.layers.items()}
+
+    def holders(self, layer: int, num_experts: int) -> dict[int, tuple[int, ...]]:
+        return holders_of(self.layers[layer], num_experts)
+
+    def experts_per_layer(self, rank: int) -> dict[int, int]:
+        return {layer: len(ranks.get(rank, ())) for layer, ranks in self.layers.items()}
+
