@@ -21,7 +21,7 @@ from ..node.checkpoint import Checkpoint
 from ..node.collective import CollectiveError, ShmCollective
 from ..node.engine import Sampling
 from ..node.placement import Placement
-from ..node.sim import SimJob, run as sim_run
+from ..node.sim import SimJob, SimTask, run as sim_run
 
 # Bytes one all-reduce may carry: a prefill chunk of this many tokens of float32 hidden states.
 _MAX_TOKENS_PER_CALL = 2048
@@ -47,26 +47,27 @@ def _hidden_size(config: dict) -> int:
     raise ValueError("config.json has no hidden_size")
 
 
-def run_nodes(model: str, nodes: int, prompt_ids: list[int], sampling: Sampling, *, keepalive: str = "lru",
-              placement_json: dict | None = None, eos: tuple[int, ...] = (), record_logits: bool = False,
-              repeats: int = 1, timeout_s: float = 60.0) -> list[dict]:
-    """Spawn the node processes, wait for all of them, return their reports in rank order."""
-    ckpt = Checkpoint.open(model)
+def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0) -> list[list[dict]]:
+    """Spawn the node processes, run every task on all of them, return reports[task][rank].
+
+    Each node process loads each task's model in turn, so one spawn serves many checks.
+    """
+    if nodes < 1:
+        raise ValueError(f"--nodes must be at least 1 (got {nodes})")
     ctx = mp.get_context("spawn")
-    slot = _MAX_TOKENS_PER_CALL * _hidden_size(ckpt.config) * 4
+    slot = _MAX_TOKENS_PER_CALL * max(_hidden_size(Checkpoint.open(t.model).config) for t in tasks) * 4
     spec, shm = ShmCollective.create(nodes, slot, ctx, timeout_s=timeout_s)
     results = ctx.Queue()
     procs = []
     try:
         for rank in range(nodes):
-            job = SimJob(str(ckpt.path), rank, nodes, placement_json, keepalive, tuple(prompt_ids), sampling,
-                         tuple(eos), record_logits, spec, repeats)
+            job = SimJob(rank, nodes, spec, tuple(tasks))
             p = ctx.Process(target=sim_run, args=(job, results), name=f"moe-node-{rank}", daemon=True)
             p.start()
             procs.append(p)
-        reports: dict[int, dict] = {}
-        deadline = time.monotonic() + timeout_s * 4 + 120
-        while len(reports) < nodes:
+        reports: dict[tuple[int, int], dict] = {}
+        deadline = time.monotonic() + (timeout_s + 120) * len(tasks)
+        while len(reports) < nodes * len(tasks):
             try:
                 rep = results.get(timeout=1.0)
             except queue.Empty:
@@ -78,8 +79,8 @@ def run_nodes(model: str, nodes: int, prompt_ids: list[int], sampling: Sampling,
                 continue
             if "error" in rep:
                 raise _node_error(rep)
-            reports[rep["rank"]] = rep
-        return [reports[r] for r in range(nodes)]
+            reports[(rep["task"], rep["rank"])] = rep
+        return [[reports[(t, r)] for r in range(nodes)] for t in range(len(tasks))]
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -155,9 +156,9 @@ def simulate(req: SimRequest) -> dict:
     tokenizer = _tokenizer(ckpt.path)
     ids = encode_prompt(tokenizer, req.prompt)
     eos = tuple(tokenizer.eos_token_ids)
-    reports = run_nodes(str(ckpt.path), req.nodes, ids, req.sampling, keepalive=req.keepalive,
-                        placement_json=placement_json, eos=eos, record_logits=req.check,
-                        repeats=req.repeats, timeout_s=req.timeout_s)
+    task = SimTask(str(ckpt.path), tuple(ids), req.sampling, placement_json, req.keepalive, eos,
+                   record_logits=req.check, repeats=req.repeats)
+    reports = run_nodes([task], req.nodes, timeout_s=req.timeout_s)[0]
     r0 = reports[0]
     out = {
         "tokens": r0["tokens"],
@@ -195,7 +196,7 @@ def main(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(out["text"])
+    print(out["text"], flush=True)
     print("=" * 10, file=sys.stderr)
     for n in out["nodes"]:
         print(f"node {n['rank']}: {sum(n['experts_per_layer'].values())} experts, "

@@ -1,4 +1,4 @@
-"""One node process of `moe-cluster simulate`: load a shard, generate in lock-step, report."""
+"""One node process of `moe-cluster simulate`: load shards, generate in lock-step, report."""
 
 from __future__ import annotations
 
@@ -13,20 +13,27 @@ from .engine import Sampling
 
 
 @dataclass(frozen=True)
-class SimJob:
-    """Everything a simulated node needs (picklable)."""
+class SimTask:
+    """One model to load and one request to run on it (picklable)."""
 
     model: str
-    rank: int
-    world_size: int
-    placement_json: dict | None
-    keepalive: str
     prompt: tuple[int, ...]
     sampling: Sampling
-    eos_token_ids: tuple[int, ...]
-    record_logits: bool
-    shm: object  # collective.ShmSpec
-    repeats: int = 1  # run the request this many times (benchmarks keep the last)
+    placement_json: dict | None = None
+    keepalive: str = "lru"
+    eos_token_ids: tuple[int, ...] = ()
+    record_logits: bool = False
+    repeats: int = 1  # run the request this many times and report the last (benchmarks)
+
+
+@dataclass(frozen=True)
+class SimJob:
+    """Everything one simulated node needs: its rank, how to reach the others, its tasks."""
+
+    rank: int
+    world_size: int
+    collective: object  # a spec the transport factory understands (collective.ShmSpec here)
+    tasks: tuple[SimTask, ...]
 
 
 def _rss_bytes() -> int:
@@ -35,47 +42,62 @@ def _rss_bytes() -> int:
 
 
 def run(job: SimJob, results) -> None:
-    """Process entry point: puts one dict on `results` (with "error" if anything failed)."""
+    """Process entry point: puts one dict per task on `results` ("error" set if one failed)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
-        results.put(_run(job))
+        collective = _collective(job)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as a value
-        results.put({"rank": job.rank, "error": f"{type(exc).__name__}: {exc}",
-                     "traceback": traceback.format_exc()})
+        results.put(_error(job.rank, 0, exc))
+        return
+    try:
+        for i, task in enumerate(job.tasks):
+            try:
+                results.put(_run(job, i, task, collective))
+            except BaseException as exc:  # noqa: BLE001
+                results.put(_error(job.rank, i, exc))
+                return
+    finally:
+        collective.close()
 
 
-def _run(job: SimJob) -> dict:
+def _error(rank: int, task: int, exc: BaseException) -> dict:
+    return {"rank": rank, "task": task, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+
+
+def _collective(job: SimJob):
+    from .collective import ShmCollective
+
+    return ShmCollective(job.collective, job.rank)
+
+
+def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
     import mlx.core as mx
 
-    from .collective import ShmCollective
     from .placement import Placement
     from .runtime import GenerateRequest, GenerateResult, NodeRuntime
     from .shard import load_shard
 
-    collective = ShmCollective(job.shm, job.rank)
-    placement = Placement.from_json(job.placement_json, job.world_size) if job.placement_json else None
+    placement = Placement.from_json(task.placement_json, job.world_size) if task.placement_json else None
     rss_before = _rss_bytes()
-    sharded = load_shard(job.model, placement, job.rank, keepalive=job.keepalive, collective=collective)
+    sharded = load_shard(task.model, placement, job.rank, keepalive=task.keepalive, collective=collective)
     rss_load = _rss_bytes()
     runtime = NodeRuntime(sharded)
-    result = None
-    for i in range(job.repeats):
+    result, wall = None, 0.0
+    for i in range(task.repeats):
         sharded.state.reset_counters()
         sharded.state.timers.reset()
         result = GenerateResult()
-        req = GenerateRequest(f"sim-{i}", job.prompt, job.sampling, job.eos_token_ids,
-                              record_logits=job.record_logits and job.rank == 0)
+        req = GenerateRequest(f"sim-{index}-{i}", task.prompt, task.sampling, task.eos_token_ids,
+                              record_logits=task.record_logits and job.rank == 0)
         t0 = time.perf_counter()
         for n, _ in enumerate(runtime.generate(req, result=result)):
             if n == 0:  # from here on the timers cover decode steps only, like generation_seconds
                 sharded.state.timers.reset()
         wall = time.perf_counter() - t0
     info = sharded.info
-    timers = sharded.state.timers
-    counters = {str(layer): vars(c) for layer, c in sharded.state.counters.items()}
-    collective.close()
     return {
         "rank": job.rank,
+        "task": index,
         "tokens": result.tokens,
         "logits": result.logits if job.rank == 0 else None,
         "experts_per_layer": {str(k): v for k, v in info.experts_per_layer.items()},
@@ -86,11 +108,12 @@ def _run(job: SimJob) -> dict:
         "rss_load_delta_bytes": max(rss_load - rss_before, 0),
         "load_seconds": info.load_seconds,
         "counters": sharded.state.means(),
-        "layer_counters": counters,
+        "layer_counters": {str(layer): vars(c) for layer, c in sharded.state.counters.items()},
         "prompt_tps": result.stats.prompt_tps,
         "generation_tps": result.stats.generation_tps,
+        "generated": result.stats.generated,
         "generation_seconds": result.stats.generation_seconds,
         "wall_seconds": wall,
-        "timers": vars(timers),
+        "timers": vars(sharded.state.timers),
         "peak_memory_run_bytes": int(mx.get_peak_memory()),
     }
