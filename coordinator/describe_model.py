@@ -63,31 +63,10 @@ def _layer_index(path: str) -> int | None:
 
 
 def _find_banks(model: nn.Module) -> list[_Bank]:
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear, SwitchMLP
+    """The routed-expert banks, found by the same rule the node shards them by."""
+    from ..node.shard import find_moe_blocks
 
-    modules = dict(model.named_modules())
-    found: dict[str, int] = {}
-    for path, m in modules.items():
-        if isinstance(m, (SwitchGLU, SwitchMLP)):
-            found[path] = next(lin.weight.shape[0] for lin in m.children().values()
-                               if isinstance(lin, (SwitchLinear, QuantizedSwitchLinear)))
-    for path, m in modules.items():
-        if isinstance(m, (SwitchLinear, QuantizedSwitchLinear)) and "." in path:
-            parent = path.rsplit(".", 1)[0]
-            if not any(parent == b or parent.startswith(b + ".") for b in found):
-                found[parent] = m.weight.shape[0]
-    for path, m in modules.items():
-        for name, value in m.items():
-            if ("expert" in name and "shared" not in name and isinstance(value, list) and len(value) >= 2
-                    and all(isinstance(v, nn.Module) for v in value) and len({type(v) for v in value}) == 1):
-                found[f"{path}.{name}" if path else name] = len(value)
-    banks = []
-    for path, n in sorted(found.items()):
-        layer = _layer_index(path)
-        if layer is None or "." not in path:
-            raise PlanError(f"expert bank {path!r} is not inside a numbered decoder layer")
-        banks.append(_Bank(path, path.rsplit(".", 1)[0], layer, n))
-    return banks
+    return [_Bank(b.bank_path, b.path, b.layer, b.num_experts) for b in find_moe_blocks(model)]
 
 
 def _embeddings(model: nn.Module) -> dict[str, int]:
