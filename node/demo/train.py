@@ -62,7 +62,8 @@ def demo_config(tc: TrainConfig) -> dict:
         "rope_theta": 10000.0,
         "max_position_embeddings": 4096,
         "tie_word_embeddings": True,
-        "eos_token_id": 0,
+        # <|endoftext|> ends documents; <|end|> ends a chat turn (see tokenizer.CHAT_TEMPLATE)
+        "eos_token_id": [0, 4],
     }
 
 
