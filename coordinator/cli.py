@@ -29,6 +29,9 @@ def _known_errors() -> tuple[type[BaseException], ...]:
         ("moe_cluster.coordinator.placement", "PlacementError"),
         ("moe_cluster.node.shard", "ShardError"),
         ("moe_cluster.coordinator.client", "ClusterError"),
+        ("moe_cluster.coordinator.config", "ConfigError"),
+        ("moe_cluster.node.placement", "PlacementError"),
+        ("moe_cluster.node.mdns", "DiscoveryError"),
         ("moe_cluster.node.collective", "CollectiveError"),
     ):
         try:
@@ -79,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     add_sampling_args(p, max_tokens=32)
     p.add_argument("--check", action="store_true", help="also run stock mlx-lm and compare tokens and logits")
+    p.add_argument("--transport", choices=("shm", "envoy", "mlx"), default="shm",
+                   help="how the nodes all-reduce: shared memory, envoy processes (gRPC) or mx.distributed ring")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler="moe_cluster.coordinator.simulate:main")
 
@@ -103,6 +108,96 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive_int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler="moe_cluster.coordinator.demo_cmds:train_demo")
+
+    p = sub.add_parser("bench", help="benchmarks on this machine")
+    bench = p.add_subparsers(dest="benchmark", metavar="BENCHMARK")
+    bench.required = True
+    b = bench.add_parser("allreduce", help="one all-reduce: envoy path vs plain sockets vs mx.distributed ring")
+    importlib.import_module("moe_cluster.coordinator.bench_allreduce").add_arguments(b)
+    b.set_defaults(handler="moe_cluster.coordinator.bench_allreduce:main")
+
+    b = bench.add_parser("decode", help="decode tok/s of our path vs stock mlx-lm, and the per-token breakdown on N nodes")
+    b.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
+    b.add_argument("--nodes", default="1", help="comma list of node counts, e.g. 1,2,3,4")
+    b.add_argument("--keepalive", default="none,lru", help="comma list of policies for N > 1")
+    b.add_argument("--max-tokens", type=_positive_int, default=64)
+    b.add_argument("--rounds", type=_positive_int, default=3, help="timed rounds per side (medians are reported)")
+    b.add_argument("--prompt", default=None)
+    b.add_argument("--transport", choices=("shm", "envoy", "mlx"), default="shm", help="collective for N > 1")
+    b.add_argument("--calibrate", action="store_true",
+                   help="fit the performance model to these measurements and print its predictions beside them")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(handler="moe_cluster.coordinator.bench_decode:main")
+
+    b = bench.add_parser("prompt-cache", help="time to first token of a follow-up chat turn, prompt cache on vs off")
+    b.add_argument("--model", default="demo")
+    b.add_argument("--nodes", type=_positive_int, default=2)
+    b.add_argument("--prefix-tokens", type=_positive_int, default=1200, help="size of the shared prefix")
+    b.add_argument("--max-tokens", type=_positive_int, default=16)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(handler="moe_cluster.coordinator.bench_prompt_cache:main")
+
+    p = sub.add_parser("envoy", help="run one envoy by hand (nodes start their own); secret from $MOE_CLUSTER_SECRET")
+    importlib.import_module("moe_cluster.envoy.main").add_arguments(p)
+    p.set_defaults(handler="moe_cluster.envoy.main:run")
+
+    p = sub.add_parser("up", help="start (or find) the nodes of a cluster.yaml, load the model, serve the API")
+    p.add_argument("file", help="cluster.yaml")
+    p.add_argument("--model", default=None, help="override the file's model (a checkpoint folder, or 'demo')")
+    p.add_argument("--api-port", type=int, default=None, help="override the file's API port (0: any free port)")
+    p.add_argument("--log-dir", default=None, help="where local nodes write their logs")
+    p.set_defaults(handler="moe_cluster.coordinator.up:main")
+
+    p = sub.add_parser("down", help="stop the cluster that `up` started")
+    p.add_argument("--url", default=None, help="the cluster's API URL (default: the one started on this machine)")
+    p.set_defaults(handler="moe_cluster.coordinator.remote_cmds:down")
+
+    p = sub.add_parser("status", help="nodes, health, memory and experts of a running cluster")
+    p.add_argument("--url", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler="moe_cluster.coordinator.remote_cmds:status")
+
+    p = sub.add_parser("generate", help="generate text on a running cluster")
+    p.add_argument("--url", default=None)
+    p.add_argument("--prompt", required=True)
+    add_sampling_args(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(handler="moe_cluster.coordinator.remote_cmds:generate")
+
+    p = sub.add_parser("profile", help="record which experts the routers pick on real prompts (for placement)")
+    p.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
+    p.add_argument("--prompts", required=True, help="text file, one prompt per line (or .jsonl with {\"prompt\"})")
+    p.add_argument("--out", required=True, help="profile.json to write")
+    p.add_argument("--max-tokens", type=_positive_int, default=32, help="tokens to generate per prompt")
+    p.set_defaults(handler="moe_cluster.coordinator.profile_cmd:main")
+
+    p = sub.add_parser("chat", help="chat with a running cluster in the terminal (streaming, multi-turn)")
+    p.add_argument("--url", default=None)
+    p.add_argument("--system", default=None, help="a system prompt")
+    add_sampling_args(p, max_tokens=256)
+    p.add_argument("--api-key", default=None, help="API key (default: $MOE_CLUSTER_API_KEY)")
+    p.add_argument("--verbose-stats", action="store_true", help="print tokens and time to first token per answer")
+    p.set_defaults(handler="moe_cluster.coordinator.chat:main")
+
+    p = sub.add_parser("validate", help="check a cluster.yaml")
+    p.add_argument("file")
+    p.set_defaults(handler="moe_cluster.coordinator.config:validate_main")
+
+    p = sub.add_parser("node", help="the agent to run on each Mac: advertises itself, loads its shard, serves")
+    p.add_argument("--name", default=None, help="node name (default: this host's name)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=7700, help="agent port (0: any free port)")
+    p.add_argument("--advertise", default=None, help="address to put in the mDNS record")
+    p.add_argument("--cluster", default="moe-cluster", help="cluster name to advertise")
+    p.add_argument("--interface", action="append", help="advertise only on this interface (name or IPv4); repeatable")
+    p.add_argument("--no-mdns", action="store_true", help="do not advertise (static addresses only)")
+    p.add_argument("--secret-file", default=None, help="read the cluster secret from this file (else $MOE_CLUSTER_SECRET)")
+    p.add_argument("--memory", type=int, default=None, help="memory bytes to report instead of the device's")
+    p.add_argument("--tls-cert", default=None)
+    p.add_argument("--tls-key", default=None)
+    p.add_argument("--tls-ca", default=None)
+    p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(handler="moe_cluster.node.agent:main")
 
     p = sub.add_parser("plan", help="capacity planning: predicted tok/s and memory per node count (paper Eq. 1)")
     importlib.import_module("moe_cluster.coordinator.plan_cmd").add_arguments(p)

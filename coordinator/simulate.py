@@ -12,13 +12,14 @@ import multiprocessing as mp
 import queue
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..node.checkpoint import Checkpoint
-from ..node.collective import CollectiveError, ShmCollective
+from ..node.collective import CollectiveError
 from ..node.engine import Sampling
 from ..node.placement import Placement
 from ..node.sim import SimJob, SimTask, run as sim_run
@@ -38,6 +39,7 @@ class SimRequest:
     check: bool = False
     repeats: int = 1
     timeout_s: float = 60.0
+    transport: str = "shm"  # shm | envoy | mlx
 
 
 def _hidden_size(config: dict) -> int:
@@ -47,16 +49,35 @@ def _hidden_size(config: dict) -> int:
     raise ValueError("config.json has no hidden_size")
 
 
-def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0) -> list[list[dict]]:
+def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float):
+    """-> (spec every node gets, cleanup to run once the nodes are gone); loopback only."""
+    from ..node.transports import EnvoySpec, MlxSpec, free_ports
+    from ..node.transports.shm import ShmCollective
+
+    if transport == "shm":
+        spec, shm = ShmCollective.create(nodes, slot, ctx, timeout_s=timeout_s)
+        return spec, lambda: (shm.close(), shm.unlink())
+    if transport == "envoy":
+        import secrets
+
+        addresses = tuple(f"127.0.0.1:{p}" for p in free_ports(nodes))
+        return EnvoySpec(addresses, secret=secrets.token_hex(16), timeout_s=timeout_s, max_bytes=slot), lambda: None
+    if transport == "mlx":
+        return MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(nodes)), timeout_s=timeout_s), lambda: None
+    raise ValueError(f"--transport must be shm, envoy or mlx (got {transport!r})")
+
+
+def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0, transport: str = "shm") -> list[list[dict]]:
     """Spawn the node processes, run every task on all of them, return reports[task][rank].
 
     Each node process loads each task's model in turn, so one spawn serves many checks.
+    `transport` is how the nodes all-reduce: shm, envoy (an envoy child per node) or mlx.
     """
     if nodes < 1:
         raise ValueError(f"--nodes must be at least 1 (got {nodes})")
     ctx = mp.get_context("spawn")
     slot = _MAX_TOKENS_PER_CALL * max(_hidden_size(Checkpoint.open(t.model).config) for t in tasks) * 4
-    spec, shm = ShmCollective.create(nodes, slot, ctx, timeout_s=timeout_s)
+    spec, cleanup = _transport_spec(transport, nodes, slot, ctx, timeout_s)
     results = ctx.Queue()
     procs = []
     try:
@@ -87,8 +108,7 @@ def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0) -> l
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
-        shm.close()
-        shm.unlink()
+        cleanup()
 
 
 def _node_error(rep: dict) -> Exception:
@@ -112,8 +132,33 @@ def reference(model: str, prompt_ids: list[int], sampling: Sampling, eos: tuple[
 
     ref_model, _ = load_model(Checkpoint.open(model).path)
     logits: list = []
-    tokens = list(generate_tokens(ref_model, prompt_ids, sampling, eos_token_ids=eos, logits_sink=logits))
+    with _half_gather_mm():
+        tokens = list(generate_tokens(ref_model, prompt_ids, sampling, eos_token_ids=eos, logits_sink=logits))
     return tokens, logits
+
+
+@contextmanager
+def _half_gather_mm():
+    """MLX's CPU backend has no bfloat16/float16 `gather_mm`, so stock mlx-lm cannot run such
+    experts here. While the reference runs, supply it the way the GPU kernels compute it:
+    accumulate in float32, round the result to the input dtype. Everything else is stock."""
+    import mlx.core as mx
+
+    original = mx.gather_mm
+    if mx.default_device().type != mx.DeviceType.cpu:
+        yield
+        return
+
+    def gather_mm(a, b, *args, **kwargs):
+        if a.dtype in (mx.bfloat16, mx.float16):
+            return original(a.astype(mx.float32), b.astype(mx.float32), *args, **kwargs).astype(a.dtype)
+        return original(a, b, *args, **kwargs)
+
+    mx.gather_mm = gather_mm
+    try:
+        yield
+    finally:
+        mx.gather_mm = original
 
 
 def compare(tokens: list[int], logits: list, ref_tokens: list[int], ref_logits: list) -> dict:
@@ -158,14 +203,14 @@ def simulate(req: SimRequest) -> dict:
     eos = tuple(tokenizer.eos_token_ids)
     task = SimTask(str(ckpt.path), tuple(ids), req.sampling, placement_json, req.keepalive, eos,
                    record_logits=req.check, repeats=req.repeats)
-    reports = run_nodes([task], req.nodes, timeout_s=req.timeout_s)[0]
+    reports = run_nodes([task], req.nodes, timeout_s=req.timeout_s, transport=req.transport)[0]
     r0 = reports[0]
     out = {
         "tokens": r0["tokens"],
         "text": tokenizer.decode(r0["tokens"]),
         "nodes": [
             {k: rep[k] for k in ("rank", "experts_per_layer", "resident_weight_bytes", "peak_memory_bytes",
-                                 "replicated_bytes", "expert_bytes", "rss_load_delta_bytes")}
+                                 "replicated_bytes", "expert_bytes", "active_memory_bytes")}
             for rep in reports
         ],
         "counters": {k: float(np.mean([rep["counters"][k] for rep in reports])) for k in ("selected", "computed", "filler")},
@@ -191,7 +236,8 @@ def main(args) -> int:
     sampling = Sampling(args.max_tokens, args.temperature, args.top_p, args.seed)
     sampling.check()
     req = SimRequest(args.model, args.nodes, args.prompt, sampling, args.keepalive,
-                     Path(args.placement) if args.placement else None, args.check)
+                     Path(args.placement) if args.placement else None, args.check,
+                     transport=args.transport)
     out = simulate(req)
     if args.json:
         print(json.dumps(out))

@@ -6,6 +6,7 @@ Only numpy here, so the envoy process stays light.
 
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -16,6 +17,18 @@ DTYPES: dict[str, np.dtype] = {
     "float16": np.dtype(np.float16),
     "bfloat16": np.dtype(np.uint16),
 }
+
+_HIGH = 1 if sys.byteorder == "little" else 0  # index of a uint32's high half among its two uint16s
+_BF16_NAN = 0x7FC0  # what MLX writes for any NaN cast to bfloat16
+_F16_NAN = 0x7D00  # what MLX writes for a NaN cast to float16, with the NaN's sign bit added
+
+
+def _fix_f16_nans(acc: np.ndarray, out: np.ndarray) -> None:
+    """numpy keeps a NaN's payload bits when casting to float16; MLX writes 0x7D00 | sign."""
+    nan = np.isnan(acc)
+    if nan.any():
+        sign = ((acc[nan].view(np.uint32) >> 16) & 0x8000).astype(np.uint16)
+        out.view(np.uint16)[nan] = sign | _F16_NAN
 
 
 def to_float32(raw: np.ndarray, dtype: str) -> np.ndarray:
@@ -32,16 +45,96 @@ def from_float32(x: np.ndarray, dtype: str) -> np.ndarray:
         out = ((u + (((u >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
         nan = np.isnan(x)
         if nan.any():
-            out[nan] = 0x7FC0
+            out[nan] = _BF16_NAN
         return out
-    return x.astype(DTYPES[dtype], copy=False)
+    out = x.astype(DTYPES[dtype], copy=False)
+    if dtype == "float16" and out is not x:
+        _fix_f16_nans(x, out)
+    return out
 
 
-def reduce_sum(partials: Sequence[np.ndarray], dtype: str) -> np.ndarray:
-    """Sum raw payloads in the given (rank) order in float32; returns the raw payload of the sum."""
-    if dtype not in DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
-    acc = to_float32(partials[0], dtype).copy()
-    for p in partials[1:]:
-        acc += to_float32(p, dtype)
-    return from_float32(acc, dtype)
+class Reducer:
+    """`reduce_sum` with scratch buffers kept between calls (one instance per thread).
+
+    A decode step reduces a few thousand values, where numpy's per-call overhead dominates, so
+    this does the fewest ufunc calls that give the same bytes as `to_float32`/`from_float32`:
+    every call writes into a preallocated buffer, and the NaN fix-up of the bfloat16 cast runs
+    only when a cheap check (a float sum, which any NaN or infinity turns non-finite) says so.
+    """
+
+    def __init__(self) -> None:
+        self._size = 0
+        self._acc = np.empty(0, np.float32)
+        self._tmp = np.empty(0, np.uint32)
+
+    def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        if n > self._size:
+            self._size = n
+            self._acc = np.empty(n, np.float32)
+            self._tmp = np.empty(n, np.uint32)
+        return self._acc[:n], self._tmp[:n]
+
+    def __call__(self, partials: Sequence[np.ndarray], dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+        """Sum raw payloads in the given (rank) order in float32; returns the raw payload of the sum.
+
+        Args:
+            partials: 1-D raw payloads of equal length, numpy dtype `DTYPES[dtype]`, in rank order.
+            dtype: wire dtype name ("float32", "float16" or "bfloat16").
+            out: optional 1-D buffer of `DTYPES[dtype]` to write the sum into (returned).
+        """
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
+        n = partials[0].size
+        for i, p in enumerate(partials):
+            if p.size != n:
+                raise ValueError(f"partial {i} has {p.size} values, partial 0 has {n}")
+        if out is None:
+            out = np.empty(n, DTYPES[dtype])
+        if dtype == "float32":
+            if len(partials) == 1:
+                np.copyto(out, partials[0])
+                return out
+            np.add(partials[0], partials[1], out=out)
+            for p in partials[2:]:
+                np.add(out, p, out=out)
+            return out
+        acc, tmp = self._scratch(n)
+        if dtype == "float16":
+            np.copyto(acc, partials[0])
+            for p in partials[1:]:
+                np.add(acc, p, out=acc, dtype=np.float32)
+            np.copyto(out, acc, casting="unsafe")
+            if not np.isfinite(np.add.reduce(acc)):
+                _fix_f16_nans(acc, out)
+            return out
+        # bfloat16: widen each uint16 pattern to the high half of a float32
+        u = acc.view(np.uint32)
+        np.left_shift(partials[0], 16, out=u, dtype=np.uint32)
+        tmpf = tmp.view(np.float32)
+        for p in partials[1:]:
+            np.left_shift(p, 16, out=tmp, dtype=np.uint32)
+            np.add(acc, tmpf, out=acc)
+        total = float(np.add.reduce(acc))
+        finite = total - total == 0.0  # False for inf and NaN
+        # round to nearest even: (u + 0x7FFF + ((u >> 16) & 1)) >> 16, in uint32
+        np.right_shift(u, 16, out=tmp)
+        np.bitwise_and(tmp, 1, out=tmp)
+        np.add(tmp, 0x7FFF, out=tmp)
+        np.add(tmp, u, out=tmp)
+        np.copyto(out, tmp.view(np.uint16)[_HIGH::2])  # the high half of each uint32: >> 16
+        if not finite:
+            nan = np.isnan(acc)
+            if nan.any():
+                out[nan] = _BF16_NAN
+        return out
+
+
+_default = Reducer()
+
+
+def reduce_sum(partials: Sequence[np.ndarray], dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+    """Sum raw payloads in the given (rank) order in float32; returns the raw payload of the sum.
+
+    Not thread-safe (it shares one Reducer's scratch buffers); threads make their own `Reducer`.
+    """
+    return _default(partials, dtype, out)

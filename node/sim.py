@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import resource
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -32,13 +30,8 @@ class SimJob:
 
     rank: int
     world_size: int
-    collective: object  # a spec the transport factory understands (collective.ShmSpec here)
+    collective: object  # a transport spec (node.transports: ShmSpec, EnvoySpec or MlxSpec)
     tasks: tuple[SimTask, ...]
-
-
-def _rss_bytes() -> int:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def run(job: SimJob, results) -> None:
@@ -65,9 +58,9 @@ def _error(rank: int, task: int, exc: BaseException) -> dict:
 
 
 def _collective(job: SimJob):
-    from .collective import ShmCollective
+    from .transports import make_collective
 
-    return ShmCollective(job.collective, job.rank)
+    return make_collective(job.collective, job.rank)
 
 
 def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
@@ -78,9 +71,7 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
     from .shard import load_shard
 
     placement = Placement.from_json(task.placement_json, job.world_size) if task.placement_json else None
-    rss_before = _rss_bytes()
     sharded = load_shard(task.model, placement, job.rank, keepalive=task.keepalive, collective=collective)
-    rss_load = _rss_bytes()
     runtime = NodeRuntime(sharded)
     result, wall = None, 0.0
     for i in range(task.repeats):
@@ -91,8 +82,9 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
                               record_logits=task.record_logits and job.rank == 0)
         t0 = time.perf_counter()
         for n, _ in enumerate(runtime.generate(req, result=result)):
-            if n == 0:  # from here on the timers cover decode steps only, like generation_seconds
+            if n == 0:  # from here on timers and counters cover decode steps only, like generation_seconds
                 sharded.state.timers.reset()
+                sharded.state.reset_counters()
         wall = time.perf_counter() - t0
     info = sharded.info
     return {
@@ -105,7 +97,7 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
         "replicated_bytes": info.replicated_bytes,
         "expert_bytes": info.expert_bytes,
         "peak_memory_bytes": info.peak_memory_bytes,
-        "rss_load_delta_bytes": max(rss_load - rss_before, 0),
+        "active_memory_bytes": info.active_memory_bytes,
         "load_seconds": info.load_seconds,
         "counters": sharded.state.means(),
         "layer_counters": {str(layer): vars(c) for layer, c in sharded.state.counters.items()},

@@ -1,0 +1,279 @@
+"""`moe-cluster bench allreduce`: latency of one all-reduce, envoy path vs the floor vs MLX's ring.
+
+For each (nodes, tokens) case, in one run on this machine, over loopback:
+- envoy: N processes each with the real EnvoyCollective (mx array -> link -> envoy -> gRPC to
+  every peer -> sum -> link -> mx array), what a node pays per MoE layer;
+- floor: N processes exchanging the same bytes all-to-all over plain blocking TCP sockets, the
+  least any transport across processes can cost here;
+- mlx_ring: N processes running `mx.distributed.all_sum` on the ring backend.
+Latencies are per call, pooled over ranks, after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import queue
+import sys
+import time
+from dataclasses import dataclass
+
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Case:
+    nodes: int
+    tokens: int
+    hidden: int
+    dtype: str
+    iters: int
+    warmup: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.tokens * self.hidden * _ITEMSIZE[self.dtype]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected numbers >= 1, got {text!r}")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=_int_list, default=[2], help="node counts, e.g. 2,4")
+    p.add_argument("--hidden", type=int, default=6144, help="hidden size (DBRX: 6144)")
+    p.add_argument("--tokens", type=_int_list, default=[1], help="tokens per all-reduce, e.g. 1,32")
+    p.add_argument("--dtype", choices=sorted(_ITEMSIZE), default="bfloat16")
+    p.add_argument("--iters", type=int, default=1000, help="timed all-reduces per case and path")
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--paths", default="envoy,floor,mlx_ring", help="which to measure (comma-separated)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds one path of one case may take")
+    p.add_argument("--json", action="store_true")
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers (spawned processes); each puts (rank, latencies in seconds) or (rank, error text)
+
+
+def _payload(case: Case, rank: int):
+    import mlx.core as mx
+
+    dtype = getattr(mx, case.dtype)
+    return (mx.random.normal((case.tokens, case.hidden), key=mx.random.key(rank)) * 0.01).astype(dtype)
+
+
+def _timed(fn, case: Case) -> list[float]:
+    for _ in range(case.warmup):
+        fn()
+    out = []
+    for _ in range(case.iters):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _envoy_worker(spec, rank: int, case: Case, results) -> None:
+    try:
+        import mlx.core as mx
+
+        from ..node.transports import make_collective
+
+        collective = make_collective(spec, rank)
+        try:
+            x = _payload(case, rank)
+            mx.eval(x)
+            collective.begin("bench")
+            results.put((rank, _timed(lambda: collective.all_reduce(x, 0), case)))
+        finally:
+            collective.close()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as a value
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def _floor_worker(ports: list[int], rank: int, case: Case, results) -> None:
+    """All-to-all over one blocking TCP connection per pair: send to every peer, then read every peer."""
+    import socket
+
+    n = len(ports)
+    try:
+        listener = socket.create_server(("127.0.0.1", ports[rank]), backlog=n)
+        peers: dict[int, socket.socket] = {}
+        for r in range(rank + 1, n):  # lower ranks dial higher ones, as the envoys do
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    s = socket.create_connection(("127.0.0.1", ports[r]))
+                    break
+                except ConnectionRefusedError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.02)
+            s.sendall(bytes([rank]))
+            peers[r] = s
+        while len(peers) < n - 1:
+            s, _ = listener.accept()
+            peers[s.recv(1)[0]] = s
+        listener.close()
+        for s in peers.values():
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * case.nbytes + (1 << 16))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * case.nbytes + (1 << 16))
+        order = sorted(peers)
+        room = min(s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) + s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+                   for s in peers.values())
+        # sending to everyone before reading could deadlock if a payload does not fit the buffers;
+        # then pairs take turns (lower rank sends first), which is slower but still a floor
+        turns = room < case.nbytes
+        data = bytes(case.nbytes)
+        buf = bytearray(case.nbytes)
+        view = memoryview(buf)
+
+        def recv_all(s) -> None:
+            got = 0
+            while got < case.nbytes:
+                k = s.recv_into(view[got:])
+                if k == 0:
+                    raise ConnectionError("peer closed")
+                got += k
+
+        def exchange() -> None:
+            if turns:
+                for r in order:
+                    if rank < r:
+                        peers[r].sendall(data)
+                        recv_all(peers[r])
+                    else:
+                        recv_all(peers[r])
+                        peers[r].sendall(data)
+                return
+            for r in order:
+                peers[r].sendall(data)
+            for r in order:
+                recv_all(peers[r])
+
+        results.put((rank, _timed(exchange, case)))
+        for s in peers.values():
+            s.close()
+    except Exception as exc:  # noqa: BLE001
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def _mlx_ring_worker(spec, rank: int, case: Case, results) -> None:
+    try:
+        import os
+        import tempfile
+
+        from ..node.transports.mlx import write_hostfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            os.environ.update(write_hostfile(spec, tmp))
+            os.environ["MLX_RANK"] = str(rank)
+            import mlx.core as mx
+
+            group = mx.distributed.init(strict=True, backend="ring")
+            x = _payload(case, rank)
+            mx.eval(x)
+            results.put((rank, _timed(lambda: mx.eval(mx.distributed.all_sum(x, group=group)), case)))
+    except Exception as exc:  # noqa: BLE001
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _run_workers(target, make_args, case: Case, timeout_s: float) -> list[float]:
+    """Spawn one process per rank running `target(*make_args(rank), case, results)`; pooled latencies."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*make_args(rank), case, results), daemon=True)
+             for rank in range(case.nodes)]
+    for p in procs:
+        p.start()
+    pooled: list[float] = []
+    try:
+        deadline = time.monotonic() + timeout_s
+        for _ in procs:
+            try:
+                rank, got = results.get(timeout=max(deadline - time.monotonic(), 0.1))
+            except queue.Empty:
+                raise RuntimeError(f"{target.__name__} with {case.nodes} nodes did not finish within {timeout_s:g} s") from None
+            if isinstance(got, str):
+                raise RuntimeError(f"{target.__name__} rank {rank}: {got}")
+            pooled.extend(got)
+        return pooled
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    import numpy as np
+
+    p50, p99 = np.percentile(np.asarray(samples) * 1e6, [50, 99])
+    return round(float(p50), 1), round(float(p99), 1)
+
+
+def run_case(case: Case, paths: list[str], timeout_s: float) -> dict:
+    import secrets
+
+    from ..node.transports import EnvoySpec, MlxSpec, free_ports
+
+    row: dict = {"nodes": case.nodes, "tokens": case.tokens, "hidden": case.hidden, "dtype": case.dtype,
+                 "iters": case.iters}
+    if "envoy" in paths:
+        spec = EnvoySpec(tuple(f"127.0.0.1:{p}" for p in free_ports(case.nodes)), secret=secrets.token_hex(16),
+                         max_bytes=max(case.nbytes, 1 << 16))
+        row["envoy_p50_us"], row["envoy_p99_us"] = _percentiles(
+            _run_workers(_envoy_worker, lambda r: (spec, r), case, timeout_s))
+    if "floor" in paths:
+        ports = free_ports(case.nodes)
+        row["floor_p50_us"], row["floor_p99_us"] = _percentiles(
+            _run_workers(_floor_worker, lambda r: (ports, r), case, timeout_s))
+    if "mlx_ring" in paths:
+        spec = MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(case.nodes)))
+        row["mlx_ring_p50_us"], row["mlx_ring_p99_us"] = _percentiles(
+            _run_workers(_mlx_ring_worker, lambda r: (spec, r), case, timeout_s))
+    if row.get("floor_p50_us") and row.get("envoy_p50_us"):
+        row["envoy_over_floor"] = round(row["envoy_p50_us"] / row["floor_p50_us"], 2)
+    return row
+
+
+def main(args: argparse.Namespace) -> int:
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    unknown = sorted(set(paths) - {"envoy", "floor", "mlx_ring"})
+    if unknown:
+        raise ValueError(f"--paths: unknown {', '.join(unknown)} (expected envoy, floor, mlx_ring)")
+    if args.iters < 1 or args.warmup < 0:
+        raise ValueError(f"--iters must be >= 1 and --warmup >= 0 (got {args.iters}, {args.warmup})")
+    if min(args.nodes) < 2:
+        raise ValueError(f"--nodes: an all-reduce needs at least 2 nodes (got {args.nodes})")
+    cases = [Case(n, t, args.hidden, args.dtype, args.iters, args.warmup) for n in args.nodes for t in args.tokens]
+    rows = []
+    for case in cases:
+        rows.append(run_case(case, paths, args.timeout))
+        if not args.json:
+            _print_row(rows[-1], header=len(rows) == 1)
+    if args.json:
+        print(json.dumps({"cases": rows}))
+    return 0
+
+
+def _print_row(row: dict, header: bool) -> None:
+    cols = [("nodes", "nodes"), ("tokens", "tokens"), ("envoy_p50_us", "envoy p50"), ("envoy_p99_us", "envoy p99"),
+            ("floor_p50_us", "floor p50"), ("mlx_ring_p50_us", "mlx ring p50"), ("envoy_over_floor", "envoy/floor")]
+    if header:
+        print("  ".join(f"{title:>12}" for _, title in cols) + "   (microseconds)")
+    print("  ".join(f"{row.get(key, '-'):>12}" for key, _ in cols), flush=True)
+    sys.stdout.flush()
+

@@ -1,0 +1,46 @@
+"""What envoys exchange: one rank's partial for one all-reduce step, with its checksum."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+PROTOCOL = "moe-cluster-envoy/1"
+
+
+class FrameError(ValueError):
+    """A frame that cannot be used (corrupt, out of step, or from the wrong rank)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    request_id: str
+    step: int  # all-reduce number within the request, from 0
+    layer: int  # MoE layer, or -1 (collective.TOKEN_LAYER) for the token/cancel agreement
+    rank: int  # the sender
+    dtype: str  # wire dtype name, a key of envoy.reduce.DTYPES
+    shape: tuple[int, ...]
+    checksum: int  # CRC-32 of payload
+    payload: bytes
+
+    def verify(self) -> None:
+        got = checksum(self.payload)
+        if got != self.checksum:
+            raise FrameError(
+                f"frame from rank {self.rank} (request {self.request_id}, step {self.step}, layer {self.layer}) "
+                f"is corrupt: checksum {got:#010x}, header says {self.checksum:#010x}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """The first frame each way on a new stream: who is at the other end."""
+
+    rank: int
+    world_size: int
+    protocol: str = PROTOCOL
+
+
+def checksum(payload) -> int:
+    """CRC-32 of a payload (bytes, memoryview or a contiguous numpy array)."""
+    return zlib.crc32(payload)

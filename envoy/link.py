@@ -1,0 +1,307 @@
+"""The node <-> envoy channel, both ends: payloads in shared memory, small messages on a socket pair.
+
+The node writes its partial into the request area and sends a REDUCE message (a few dozen bytes:
+step, layer, dtype, shape); the envoy answers DONE once the sum is in the result area, or FAIL
+with a message. Nothing is pickled; one message each way per all-reduce is the whole wake-up.
+
+Every message on the socket: 4-byte little-endian body length, then the body, whose first byte
+is the kind.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import struct
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import numpy as np
+
+from .reduce import DTYPES
+
+# node -> envoy
+BEGIN = ord("B")  # request id (utf-8)
+REDUCE = ord("R")  # _REDUCE, then ndim uint32 dims; the partial is in the request area
+CLOSE = ord("C")
+# envoy -> node
+READY = ord("Y")  # _READY: the envoy listens (pid, port)
+BEGUN = ord("G")  # the mesh is whole and the request started
+DONE = ord("D")  # _STEP: the sum is in the result area
+FAIL = ord("F")  # _STEP, then a utf-8 message
+
+_LEN = struct.Struct("<I")
+_REDUCE = struct.Struct("<BQiBBQ")  # kind, step, layer, dtype code, ndim, payload bytes
+_READY = struct.Struct("<BIH")  # kind, pid, port
+_STEP = struct.Struct("<BQ")  # kind, step
+NO_STEP = 2**64 - 1  # FAIL of a begin, not of a step
+
+DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
+DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _dims(ndim: int) -> struct.Struct:
+    return struct.Struct(f"<{ndim}I")
+
+
+class LinkError(RuntimeError):
+    """The other end of the link is gone or broke the protocol."""
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """One REDUCE message as the envoy reads it."""
+
+    step: int
+    layer: int
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+def _attach(name: str) -> shared_memory.SharedMemory:
+    """Attach to a segment the node owns, without this process's resource tracker unlinking it at
+    exit (Python < 3.13 registers attachments too)."""
+    try:
+        return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
+    except TypeError:
+        pass
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        from multiprocessing import resource_tracker
+
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+    except (ImportError, AttributeError, KeyError):
+        pass
+    return shm
+
+
+class _Areas:
+    def __init__(self, shm: shared_memory.SharedMemory, max_bytes: int):
+        self.shm = shm
+        self.max_bytes = max_bytes
+        buf = np.ndarray((2 * max_bytes,), dtype=np.uint8, buffer=shm.buf)
+        self.request = buf[:max_bytes]
+        self.result = buf[max_bytes:]
+        self._views: dict[tuple[int, str, int], np.ndarray] = {}  # a node uses a handful of shapes
+
+    def view(self, area: np.ndarray, dtype: str, nbytes: int) -> np.ndarray:
+        key = (id(area), dtype, nbytes)
+        v = self._views.get(key)
+        if v is None:
+            if len(self._views) > 64:
+                self._views.clear()
+            v = self._views[key] = area[:nbytes].view(DTYPES[dtype])
+        return v
+
+    def close(self) -> None:
+        self._views.clear()
+        self.request = self.result = None  # type: ignore[assignment]
+        try:
+            self.shm.close()
+        except BufferError:  # a view still exported; the mapping goes with the process
+            pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Node end (blocking)
+
+
+class NodeLink:
+    """The node's end: owns the shared memory and one socket of the pair."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._shm = shared_memory.SharedMemory(create=True, size=2 * max_bytes)
+        self._areas = _Areas(self._shm, max_bytes)
+        self._sock, self.child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._buf = bytearray(1 << 16)
+        self._pending = b""
+        self._timeout: float | None = None
+
+    @property
+    def shm_name(self) -> str:
+        return self._shm.name
+
+    def child_started(self) -> None:
+        """The child holds its end now: drop ours, so its exit reads as EOF here."""
+        self.child_sock.close()
+
+    def _send(self, body: bytes) -> None:
+        try:
+            self._sock.sendall(_LEN.pack(len(body)) + body)
+        except OSError as exc:
+            raise LinkError(f"envoy link is closed ({exc})") from exc
+
+    def _set_timeout(self, timeout: float | None) -> None:
+        """A kernel receive timeout (SO_RCVTIMEO) on the blocking socket: one syscall per recv,
+        where Python's own socket timeout polls first."""
+        if timeout == self._timeout:
+            return
+        sec = 0.0 if timeout is None else max(timeout, 1e-3)
+        tv = struct.pack("@ll", int(sec), int((sec - int(sec)) * 1e6))  # struct timeval; 0 = none
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        self._timeout = timeout
+
+    def recv(self, timeout: float | None) -> tuple[int, bytes]:
+        """-> (kind, body) of the next message; LinkError on EOF or after `timeout` seconds."""
+        self._set_timeout(timeout)
+        data = self._pending
+        while True:
+            if len(data) >= 4:
+                (n,) = _LEN.unpack_from(data)
+                if len(data) >= 4 + n:
+                    self._pending = data[4 + n :]
+                    return data[4], data[4 : 4 + n]
+            try:
+                got = self._sock.recv_into(self._buf)
+            except (BlockingIOError, socket.timeout):  # EAGAIN: SO_RCVTIMEO expired
+                self._pending = data
+                raise LinkError(f"envoy did not answer within {timeout:.1f} s") from None
+            except InterruptedError:
+                continue
+            except OSError as exc:
+                raise LinkError(f"envoy link failed ({exc})") from exc
+            if got == 0:
+                raise LinkError("envoy closed the link (it exited)")
+            data = data + self._buf[:got] if data else bytes(self._buf[:got])
+
+    def begin(self, request_id: str) -> None:
+        self._send(bytes([BEGIN]) + request_id.encode())
+
+    def reduce(self, raw: np.ndarray, dtype: str, shape: tuple[int, ...], layer: int, step: int) -> None:
+        """Put a raw 1-D payload into the request area and ask for its sum."""
+        nbytes = raw.nbytes
+        if nbytes > self.max_bytes:
+            raise LinkError(f"partial of {nbytes} bytes exceeds the envoy link's area ({self.max_bytes} bytes)")
+        self._areas.request[:nbytes] = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+        body = _REDUCE.pack(REDUCE, step, layer, DTYPE_CODES[dtype], len(shape), nbytes)
+        self._send(body + _dims(len(shape)).pack(*shape))
+
+    def result(self, dtype: str, nbytes: int) -> np.ndarray:
+        """The sum in the result area (a view: copy it before the next reduce)."""
+        return self._areas.view(self._areas.result, dtype, nbytes)
+
+    def close(self) -> None:
+        try:
+            self._send(bytes([CLOSE]))
+        except LinkError:
+            pass
+        self._sock.close()
+        try:
+            self.child_sock.close()
+        except OSError:
+            pass
+        self._areas.close()
+        try:
+            self._shm.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def unpack_step(body: bytes) -> int:
+    return _STEP.unpack_from(body)[1]
+
+
+def unpack_ready(body: bytes) -> tuple[int, int]:
+    _, pid, port = _READY.unpack_from(body)
+    return pid, port
+
+
+def fail_message(body: bytes) -> str:
+    return body[_STEP.size :].decode(errors="replace")
+
+
+# ---------------------------------------------------------------------------------------------
+# Envoy end (non-blocking, driven by the event loop)
+
+
+class EnvoyLink:
+    """The envoy's end: parses messages as they arrive and writes answers."""
+
+    def __init__(self, fd: int, shm_name: str, max_bytes: int):
+        self._sock = socket.socket(fileno=fd)
+        self._sock.setblocking(False)
+        self._areas = _Areas(_attach(shm_name), max_bytes)
+        self.max_bytes = max_bytes
+        self._data = b""
+        self._buf = bytearray(1 << 16)
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def read(self) -> list[tuple[int, bytes]] | None:
+        """Messages that arrived; None once the node closed its end."""
+        try:
+            got = self._sock.recv_into(self._buf)
+        except (BlockingIOError, InterruptedError):
+            return []
+        except OSError:
+            return None
+        if not got:
+            return None
+        chunk = bytes(self._buf[:got])
+        data = self._data + chunk if self._data else chunk
+        out = []
+        while len(data) >= 4:
+            (n,) = _LEN.unpack_from(data)
+            if len(data) < 4 + n:
+                break
+            body = data[4 : 4 + n]
+            out.append((body[0], body))
+            data = data[4 + n :]
+        self._data = data
+        return out
+
+    @staticmethod
+    def parse_reduce(body: bytes) -> Reduce:
+        _, step, layer, code, ndim, nbytes = _REDUCE.unpack_from(body)
+        shape = _dims(ndim).unpack_from(body, _REDUCE.size)
+        dtype = DTYPE_NAMES.get(code)
+        if dtype is None:
+            raise LinkError(f"node sent unknown dtype code {code}")
+        return Reduce(step, layer, dtype, tuple(shape), nbytes)
+
+    def partial(self, r: Reduce) -> np.ndarray:
+        """The node's partial for `r` (a view of the request area)."""
+        if r.nbytes > self.max_bytes:
+            raise LinkError(f"partial of {r.nbytes} bytes exceeds the link's area ({self.max_bytes} bytes)")
+        return self._areas.view(self._areas.request, r.dtype, r.nbytes)
+
+    def result_area(self, dtype: str, nbytes: int) -> np.ndarray:
+        return self._areas.view(self._areas.result, dtype, nbytes)
+
+    def _send(self, body: bytes) -> None:
+        msg = _LEN.pack(len(body)) + body
+        try:
+            sent = self._sock.send(msg)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            return  # the node is gone; the envoy notices on its next read
+        if sent < len(msg):  # answers are tiny and the node reads each before the next: rare
+            self._sock.setblocking(True)
+            try:
+                self._sock.sendall(msg[sent:])
+            except OSError:
+                pass
+            finally:
+                self._sock.setblocking(False)
+
+    def ready(self, port: int) -> None:
+        self._send(_READY.pack(READY, os.getpid(), port))
+
+    def begun(self) -> None:
+        self._send(bytes([BEGUN]))
+
+    def done(self, step: int) -> None:
+        self._send(_STEP.pack(DONE, step))
+
+    def fail(self, step: int, message: str) -> None:
+        self._send(_STEP.pack(FAIL, step) + message.encode())
+
+    def close(self) -> None:
+        self._sock.close()
+        self._areas.close()

@@ -1,0 +1,281 @@
+"""Persistent gRPC streams from one envoy to every peer: one bidirectional Exchange per pair.
+
+The lower rank of each pair dials the higher one and keeps redialing while the envoy runs; the
+stream is then used both ways. Each side sends Hello first. Frames go out already serialized (one
+serialization per step, whatever the number of peers) and come in as `Frame` records. Reads and
+writes use explicit `read()`/`write()` (an async-generator handler costs about 3x the latency).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import grpc
+
+from ..proto import CHANNEL_OPTIONS
+from ..proto import convert
+from .auth import SecretInterceptor, call_metadata, channel_credentials, server_credentials
+from .frame import PROTOCOL, Frame, Hello
+
+logger = logging.getLogger(__name__)
+
+_HELLO_TIMEOUT_S = 5.0  # seconds the other end has to answer Hello
+
+
+@dataclass(frozen=True)
+class TlsPaths:
+    cert: str
+    key: str
+    ca: str
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    rank: int
+    addresses: tuple[str, ...]  # every rank's envoy, indexed by rank
+    listen: str  # this envoy's bind address (port 0: any free port)
+    secret: str = field(repr=False)
+    tls: TlsPaths | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.addresses)
+
+
+class Peer:
+    """One live stream to one peer; a writer task drains the outgoing frames in order.
+
+    (A deque and a future the writer waits on when idle: cheaper per frame than asyncio.Queue.)
+    """
+
+    def __init__(self, rank: int, address: str, write: Callable[[bytes], Awaitable[None]]):
+        self.rank = rank
+        self.address = address
+        self._write = write
+        self._outgoing: deque[bytes] = deque()
+        self._idle: asyncio.Future | None = None
+        self.task: asyncio.Task | None = None  # the task reading this stream
+
+    def send(self, data: bytes) -> None:
+        self._outgoing.append(data)
+        idle = self._idle
+        if idle is not None:
+            self._idle = None
+            if not idle.done():
+                idle.set_result(None)
+
+    async def write_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        outgoing = self._outgoing
+        while True:
+            while outgoing:
+                await self._write(outgoing.popleft())
+            self._idle = loop.create_future()
+            await self._idle
+
+
+class Mesh:
+    """The streams to all peers, and the server that accepts the lower ranks' streams.
+
+    `on_frame(frame)` runs on the event loop for every frame a peer sends; `on_peer(rank, up,
+    reason)` whenever a peer's stream comes up or goes down.
+    """
+
+    def __init__(self, config: MeshConfig, on_frame: Callable[[Frame], None],
+                 on_peer: Callable[[int, bool, str], None]):
+        self.config = config
+        self._on_frame = on_frame
+        self._on_peer = on_peer
+        self._peers: dict[int, Peer] = {}
+        self.last_error: dict[int, str] = {}  # rank -> why its stream is down (for error messages)
+        self._server: grpc.aio.Server | None = None
+        self._dialers: list[asyncio.Task] = []
+        self._closing = False
+        self.port = 0
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> set[int]:
+        return set(self._peers)
+
+    @property
+    def whole(self) -> bool:
+        return len(self._peers) == self.config.world_size - 1
+
+    def describe(self, rank: int) -> str:
+        return f"rank {rank} ({self.config.addresses[rank]})"
+
+    def send_all(self, data: bytes) -> None:
+        """Queue one serialized frame to every connected peer."""
+        for peer in self._peers.values():
+            peer.send(data)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> int:
+        """Bind and start the server, start dialing the higher ranks; returns the bound port."""
+        cfg = self.config
+        server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[SecretInterceptor(cfg.secret)])
+        handlers = {
+            "Exchange": grpc.stream_stream_rpc_method_handler(
+                self._exchange, request_deserializer=convert.frame_from_wire, response_serializer=None),
+            "Health": grpc.unary_unary_rpc_method_handler(
+                self._health, request_deserializer=convert.envoy_health_request_from_wire,
+                response_serializer=convert.envoy_health_to_wire),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(convert.ENVOY_SERVICE, handlers),))
+        try:
+            if cfg.tls is not None:
+                self.port = server.add_secure_port(cfg.listen, server_credentials(cfg.tls.cert, cfg.tls.key, cfg.tls.ca))
+            else:
+                self.port = server.add_insecure_port(cfg.listen)
+        except RuntimeError as exc:
+            raise OSError(f"envoy rank {cfg.rank} cannot listen on {cfg.listen}: {exc}") from exc
+        await server.start()
+        self._server = server
+        loop = asyncio.get_running_loop()
+        self._dialers = [loop.create_task(self._dial(r), name=f"dial-{r}")
+                         for r in range(cfg.rank + 1, cfg.world_size)]
+        logger.info("envoy rank %s listening on %s (port %s), dialing ranks %s", cfg.rank, cfg.listen, self.port,
+                    list(range(cfg.rank + 1, cfg.world_size)))
+        return self.port
+
+    async def close(self, grace_s: float = 0.5) -> None:
+        self._closing = True
+        for t in self._dialers:
+            t.cancel()
+        await asyncio.gather(*self._dialers, return_exceptions=True)
+        if self._server is not None:
+            await self._server.stop(grace_s)
+
+    # -- streams -----------------------------------------------------------------------------
+
+    async def _serve_stream(self, rank: int, read: Callable[[], Awaitable], write: Callable[[bytes], Awaitable]) -> str:
+        """Run one established stream until it ends; returns why it ended."""
+        peer = Peer(rank, self.config.addresses[rank], write)
+        peer.task = asyncio.current_task()
+        old = self._peers.get(rank)
+        if old is not None:  # the peer restarted before its old stream was seen to die
+            logger.warning("envoy rank %s: a new stream from %s replaces the old one", self.config.rank, self.describe(rank))
+            if old.task is not None:
+                old.task.cancel()
+        self._peers[rank] = peer
+        self.last_error.pop(rank, None)
+        self._on_peer(rank, True, "connected")
+        writer = asyncio.get_running_loop().create_task(peer.write_loop(), name=f"write-{rank}")
+        reason = "stream ended"
+        try:
+            while True:
+                item = await read()
+                if item is grpc.aio.EOF:
+                    reason = "closed its stream"
+                    break
+                if isinstance(item, Hello):
+                    reason = "sent a second Hello"
+                    break
+                self._on_frame(item)
+        except grpc.aio.AioRpcError as exc:
+            reason = f"stream failed: {exc.code().name}: {exc.details()}"
+        except asyncio.CancelledError:
+            reason = "envoy closing"
+            raise
+        finally:
+            writer.cancel()
+            try:
+                await writer
+            except (asyncio.CancelledError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+                pass
+            except Exception as exc:  # noqa: BLE001 - a write on a dead stream; the read side said why
+                logger.debug("writer to rank %s ended: %r", rank, exc)
+            if self._peers.get(rank) is peer:
+                del self._peers[rank]
+                self.last_error[rank] = reason
+                self._on_peer(rank, False, reason)
+        return reason
+
+    async def _exchange(self, request_iterator, context: grpc.aio.ServicerContext):
+        """Server side of a stream a lower rank opened."""
+        cfg = self.config
+        try:
+            hello = await asyncio.wait_for(context.read(), _HELLO_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no Hello within {_HELLO_TIMEOUT_S} s")
+        problem = _check_hello(hello, cfg, lower=True)
+        if problem:
+            logger.warning("envoy rank %s refused a stream from %s: %s", cfg.rank, context.peer(), problem)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        await context.write(convert.frame_to_wire(Hello(cfg.rank, cfg.world_size)))
+        logger.info("envoy rank %s: stream from %s up", cfg.rank, self.describe(hello.rank))
+        reason = await self._serve_stream(hello.rank, context.read, context.write)
+        logger.info("envoy rank %s: stream from %s down: %s", cfg.rank, self.describe(hello.rank), reason)
+
+    async def _health(self, request, context: grpc.aio.ServicerContext) -> dict:
+        return {"rank": self.config.rank, "world_size": self.config.world_size,
+                "connected": self.connected, "whole": self.whole}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        tls = self.config.tls
+        if tls is None:
+            return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(address, channel_credentials(tls.ca, tls.cert, tls.key), options=CHANNEL_OPTIONS)
+
+    async def _dial(self, rank: int) -> None:
+        """Keep a stream to a higher rank up while the envoy runs (redial with backoff)."""
+        cfg = self.config
+        address = cfg.addresses[rank]
+        backoff = 0.05  # seconds
+        while not self._closing:
+            channel = self._channel(address)
+            started = time.monotonic()
+            try:
+                call = channel.stream_stream(convert.ENVOY_EXCHANGE, request_serializer=None,
+                                             response_deserializer=convert.frame_from_wire)(
+                    metadata=call_metadata(cfg.secret), wait_for_ready=False)
+                await call.write(convert.frame_to_wire(Hello(cfg.rank, cfg.world_size)))
+                hello = await asyncio.wait_for(call.read(), _HELLO_TIMEOUT_S)
+                problem = _check_hello(hello, cfg, lower=False, expect=rank)
+                if problem:
+                    call.cancel()
+                    raise ConnectionError(problem)
+                logger.info("envoy rank %s: stream to %s up", cfg.rank, self.describe(rank))
+                reason = await self._serve_stream(rank, call.read, call.write)
+                logger.info("envoy rank %s: stream to %s down: %s", cfg.rank, self.describe(rank), reason)
+                call.cancel()
+            except grpc.aio.AioRpcError as exc:
+                self._note_failure(rank, f"{exc.code().name}: {exc.details()}",
+                                   loud=exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION))
+            except (asyncio.TimeoutError, ConnectionError) as exc:
+                self._note_failure(rank, str(exc) or "no Hello in time", loud=True)
+            finally:
+                await channel.close()
+            if time.monotonic() - started > 1.0:
+                backoff = 0.05
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 1.0)
+
+    def _note_failure(self, rank: int, reason: str, loud: bool) -> None:
+        if self.last_error.get(rank) != reason:
+            log = logger.warning if loud else logger.info
+            log("envoy rank %s: cannot reach %s: %s", self.config.rank, self.describe(rank), reason)
+        self.last_error[rank] = reason
+
+
+def _check_hello(hello, cfg: MeshConfig, *, lower: bool, expect: int | None = None) -> str:
+    """Why a Hello is unacceptable, or "" if it is fine."""
+    if hello is grpc.aio.EOF or not isinstance(hello, Hello):
+        return "the first frame was not a Hello"
+    if hello.protocol != PROTOCOL:
+        return f"protocol {hello.protocol!r}, expected {PROTOCOL!r}"
+    if hello.world_size != cfg.world_size:
+        return f"rank {hello.rank} has world size {hello.world_size}, this envoy {cfg.world_size}"
+    if expect is not None and hello.rank != expect:
+        return f"{cfg.addresses[expect]} answered as rank {hello.rank}, expected rank {expect}"
+    if lower and not hello.rank < cfg.rank:
+        return f"rank {hello.rank} dialed rank {cfg.rank}; only lower ranks dial higher ones"
+    return ""

@@ -1,0 +1,231 @@
+"""The envoy: joins its node's link to the mesh of peer envoys and reduces each step.
+
+Per all-reduce: the node's REDUCE arrives on the link -> the partial (in shared memory) goes out
+to every peer as one serialized frame -> peers' frames arrive -> once all are in, they are summed
+in rank order into the link's result area -> DONE wakes the node. All of it runs on one event
+loop thread, in callbacks and the mesh's stream tasks; there is no other work queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+from ..proto import convert
+from .frame import Frame, FrameError, checksum
+from .link import BEGIN, CLOSE, NO_STEP, REDUCE, EnvoyLink, LinkError
+from .mesh import Mesh, MeshConfig, TlsPaths
+from .reduce import Reducer
+from .steps import Complete, StepError, StepTable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EnvoyConfig:
+    rank: int
+    addresses: tuple[str, ...]  # every rank's envoy "host:port", indexed by rank
+    listen: str  # bind address; "" = addresses[rank]
+    secret: str = field(repr=False)
+    timeout_s: float = 5.0  # a step fails after this long without some peer's frame
+    connect_timeout_s: float = 30.0  # a begin fails after this long without a whole mesh
+    tls: TlsPaths | None = None
+    link_fd: int | None = None  # the node's link; None: run the mesh alone (by hand)
+    shm_name: str = ""
+    max_bytes: int = 0
+    parent_pid: int = 0  # exit when this process is gone (0: no watch)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < len(self.addresses):
+            raise ValueError(f"rank {self.rank} is outside the {len(self.addresses)} addresses given")
+        if not self.secret:
+            raise ValueError("the cluster secret is empty")
+
+
+class Envoy:
+    def __init__(self, config: EnvoyConfig):
+        self.config = config
+        self.steps = StepTable(config.rank, len(config.addresses))
+        self.mesh = Mesh(
+            MeshConfig(config.rank, config.addresses, config.listen or config.addresses[config.rank],
+                       config.secret, config.tls),
+            on_frame=self._on_frame, on_peer=self._on_peer,
+        )
+        self.link: EnvoyLink | None = None
+        self._reduce = Reducer()
+        self._stopped: asyncio.Event | None = None
+        self._stop_reason = ""
+        self._begin_deadline: float | None = None  # a begin waiting for the mesh to be whole
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def run(self) -> str:
+        """Serve until the node closes the link, the parent dies, or SIGTERM; returns why it stopped."""
+        loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        cfg = self.config
+        port = await self.mesh.start()
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stop, f"signal {sig.name}")
+            if cfg.link_fd is not None:
+                self.link = EnvoyLink(cfg.link_fd, cfg.shm_name, cfg.max_bytes)
+                loop.add_reader(self.link.fileno(), self._on_link)
+                self.link.ready(port)
+            watchdog = loop.create_task(self._watchdog(), name="watchdog")
+            try:
+                await self._stopped.wait()
+            finally:
+                watchdog.cancel()
+                await asyncio.gather(watchdog, return_exceptions=True)
+        finally:
+            await self.close()
+        return self._stop_reason
+
+    def stop(self, reason: str) -> None:
+        if self._stopped is not None and not self._stopped.is_set():
+            logger.info("envoy rank %s stopping: %s", self.config.rank, reason)
+            self._stop_reason = reason
+            self._stopped.set()
+
+    async def close(self) -> None:
+        if self.link is not None:
+            try:
+                asyncio.get_running_loop().remove_reader(self.link.fileno())
+            except (ValueError, OSError):
+                pass
+            self.link.close()
+            self.link = None
+        await self.mesh.close()
+
+    async def _watchdog(self) -> None:
+        """Fails steps and begins past their deadline; stops the envoy if its node is gone."""
+        cfg = self.config
+        period = min(max(cfg.timeout_s / 20, 0.01), 0.1)  # seconds
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            p = self.steps.pending
+            if p is not None and now - p.started > cfg.timeout_s:
+                names = ", ".join(self.mesh.describe(r) for r in p.missing())
+                self._fail(p.step, f"no frame from {names} for step {p.step} (layer {p.layer}) of request "
+                                   f"{p.request_id} within {cfg.timeout_s:g} s: stalled or unreachable")
+            if self._begin_deadline is not None and now > self._begin_deadline:
+                self._begin_deadline = None
+                self._fail_begin(f"mesh not whole within {cfg.connect_timeout_s:g} s: {self._absent()}")
+            if cfg.parent_pid and os.getppid() != cfg.parent_pid:
+                self.stop(f"node process {cfg.parent_pid} is gone")
+
+    # -- link (node) side --------------------------------------------------------------------
+
+    def _on_link(self) -> None:
+        assert self.link is not None
+        messages = self.link.read()
+        if messages is None:
+            self.stop("node closed the link")
+            return
+        for kind, body in messages:
+            if kind == REDUCE:
+                self._on_reduce(body)
+            elif kind == BEGIN:
+                self._on_begin(body[1:].decode())
+            elif kind == CLOSE:
+                self.stop("node asked to close")
+            else:
+                logger.error("envoy rank %s: unknown link message kind %r", self.config.rank, kind)
+
+    def _on_begin(self, request_id: str) -> None:
+        self.steps.begin(request_id)
+        if self.mesh.whole:
+            self._begin_deadline = None
+            self.link.begun()
+        else:
+            self._begin_deadline = time.monotonic() + self.config.connect_timeout_s
+
+    def _on_reduce(self, body: bytes) -> None:
+        cfg = self.config
+        link = self.link
+        try:
+            r = link.parse_reduce(body)
+            payload = link.partial(r)
+            done = self.steps.submit(r.step, r.layer, r.dtype, r.shape, payload)
+        except (StepError, LinkError) as exc:
+            link.fail(_step_of(body), f"envoy rank {cfg.rank}: {exc}")
+            return
+        frame = Frame(self.steps.current, r.step, r.layer, cfg.rank, r.dtype, r.shape, checksum(payload), payload)
+        self.mesh.send_all(convert.frame_to_wire(frame))
+        if done is not None:
+            self._finish(done)
+            return
+        if self.mesh.whole:
+            return
+        gone = [rank for rank in self.steps.pending.missing() if rank not in self.mesh.connected]
+        if gone:
+            self._fail(r.step, f"{self._absent(gone)} (step {r.step}, layer {r.layer} of request {self.steps.current})")
+
+    def _finish(self, done: Complete) -> None:
+        out = self.link.result_area(done.dtype, done.nbytes)
+        self._reduce(done.parts, done.dtype, out)
+        self.link.done(done.step)
+
+    def _fail(self, step: int, message: str) -> None:
+        message = f"envoy rank {self.config.rank}: {message}"
+        logger.warning("%s", message)
+        self.steps.fail(message)
+        if self.link is not None:
+            self.link.fail(step, message)
+
+    def _fail_begin(self, message: str) -> None:
+        message = f"envoy rank {self.config.rank}: {message}"
+        logger.warning("%s", message)
+        self.steps.fail(message)
+        if self.link is not None:
+            self.link.fail(NO_STEP, message)
+
+    def _absent(self, ranks: list[int] | None = None) -> str:
+        """'rank 1 (addr) is not connected (reason), ...' for the given or all absent peers."""
+        if ranks is None:
+            ranks = [r for r in range(len(self.config.addresses)) if r != self.config.rank and r not in self.mesh.connected]
+        parts = []
+        for r in ranks:
+            why = self.mesh.last_error.get(r, "never connected")
+            parts.append(f"{self.mesh.describe(r)} is not connected ({why})")
+        return "; ".join(parts)
+
+    # -- mesh (peer) side --------------------------------------------------------------------
+
+    def _on_frame(self, frame: Frame) -> None:
+        try:
+            done = self.steps.receive(frame)
+        except (StepError, FrameError) as exc:
+            p = self.steps.pending
+            logger.error("envoy rank %s: %s", self.config.rank, exc)
+            if p is not None:
+                self._fail(p.step, str(exc))
+            elif self.steps.current is not None:
+                self.steps.fail(f"envoy rank {self.config.rank}: {exc}")
+            return
+        if done is not None:
+            self._finish(done)
+
+    def _on_peer(self, rank: int, up: bool, reason: str) -> None:
+        if up:
+            if self._begin_deadline is not None and self.mesh.whole and self.link is not None:
+                self._begin_deadline = None
+                self.link.begun()
+            return
+        p = self.steps.pending
+        if p is not None and p.parts[rank] is None:
+            self._fail(p.step, f"{self.mesh.describe(rank)} disconnected ({reason}) during step {p.step} "
+                               f"(layer {p.layer}) of request {p.request_id}")
+
+
+def _step_of(body: bytes) -> int:
+    try:
+        return EnvoyLink.parse_reduce(body).step
+    except Exception:  # noqa: BLE001 - a message too broken to name its step
+        return NO_STEP

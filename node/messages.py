@@ -1,0 +1,124 @@
+"""Records the node agent exchanges with the coordinator (their wire form is proto/node.proto).
+
+proto/convert.py maps these to and from the generated messages; the generation request itself is
+node.runtime.GenerateRequest and the placement node.placement.Placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+from .engine import DEFAULT_PREFILL_STEP
+from .placement import Placement
+
+KEEPALIVES = ("none", "lru", "busy")
+NODE_STATES = ("idle", "loading", "ready", "busy", "failed", "stopping")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+def _check(value: str, allowed: tuple[str, ...], what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"{what} must be one of {', '.join(allowed)} (got {value!r})")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What a node loads and how it reaches the other nodes."""
+
+    model: str  # checkpoint folder on the node
+    rank: int
+    world_size: int
+    transport: Any  # a node.transports spec (EnvoySpec or MlxSpec)
+    placement: Placement | None = None  # None: an even split
+    keepalive: str = "lru"
+    prefill_step: int = DEFAULT_PREFILL_STEP  # tokens per prefill chunk
+    prompt_cache_bytes: int = 0  # KV prefix cache budget; 0: none
+
+    def __post_init__(self) -> None:
+        _check(self.keepalive, KEEPALIVES, "keepalive")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} must be in [0, world_size {self.world_size})")
+
+
+@dataclass(frozen=True)
+class NodeError:
+    """An error a node reports (in LoadProgress or as a GenerateEvent)."""
+
+    kind: str  # the exception class, e.g. "CollectiveError"
+    message: str
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    bytes_loaded: int
+    bytes_total: int
+    phase: str
+    done: bool = False
+    error: NodeError | None = None
+
+
+@dataclass(frozen=True)
+class GeneratedTokens:
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Timings:
+    prompt_s: float = 0.0
+    generation_s: float = 0.0
+    collective_s: float = 0.0  # of which waiting in all-reduces
+    queue_s: float = 0.0  # before the request started
+
+
+@dataclass(frozen=True)
+class GenerateDone:
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    generated_tokens: int
+    timings: Timings = field(default_factory=Timings)
+    counters: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(self.finish_reason, FINISH_REASONS, "finish_reason")
+
+
+GenerateEvent = Union[GeneratedTokens, GenerateDone, NodeError]
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool
+    state: str
+
+    def __post_init__(self) -> None:
+        _check(self.state, NODE_STATES, "state")
+
+
+@dataclass(frozen=True)
+class Memory:
+    device_bytes: int = 0
+    budget_bytes: int = 0
+    used_bytes: int = 0
+    peak_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    state: str
+    model: str = ""
+    rank: int = 0
+    world_size: int = 1
+    memory: Memory = field(default_factory=Memory)
+    device: str = ""
+    backend: str = ""  # the transport: envoy, mlx or local
+    experts_per_layer: Mapping[int, int] = field(default_factory=dict)
+    counters: Mapping[str, float] = field(default_factory=dict)
+    uptime_s: float = 0.0
+    pid: int = 0
+    queue_depth: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.state, NODE_STATES, "state")

@@ -1,0 +1,124 @@
+"""Transports behind the collective interface, as plugins: a frozen spec says which and how.
+
+`make_collective(spec, rank)` builds the Collective a node process uses. Specs are picklable (the
+simulator hands them to spawned processes) and carry no live resources; each transport module
+imports its heavy dependencies only when one is built.
+
+- `ShmSpec`: processes of one machine through shared memory (simulate, tests).
+- `EnvoySpec`: the envoy child process per node, gRPC between envoys (the product).
+- `MlxSpec`: `mx.distributed` (ring over TCP; JACCL over Thunderbolt 5 RDMA on macOS 26.2+).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+DEFAULT_TIMEOUT_S = 5.0  # seconds a step waits for a peer before it fails naming the peer
+TRANSPORTS = ("shm", "envoy", "mlx")
+
+
+@dataclass(frozen=True)
+class ShmSpec:
+    """What a process needs to join a ShmCollective (picklable; semaphores from the spawn context)."""
+
+    name: str
+    world_size: int
+    slot_bytes: int
+    # sems[src][dst]: posted by src once per all-reduce for dst; None on the diagonal.
+    sems: tuple
+    timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of one node's envoy (paths on that node)."""
+
+    cert: str  # this envoy's certificate chain
+    key: str  # its private key
+    ca: str  # root certificates the peers' certificates are signed by
+
+
+@dataclass(frozen=True)
+class EnvoySpec:
+    """Every node runs an envoy child; envoys all-reduce over persistent gRPC streams."""
+
+    addresses: tuple[str, ...]  # every rank's envoy "host:port", indexed by rank
+    secret: str = field(default="", repr=False)  # the cluster secret; never logged
+    listen: str = ""  # this rank's bind address; "" = addresses[rank]
+    timeout_s: float = DEFAULT_TIMEOUT_S  # a step fails after this long without a peer's frame
+    connect_timeout_s: float = 30.0  # begin() waits this long for the mesh to be whole
+    max_bytes: int = 64 << 20  # largest partial (bytes): the size of the shared payload areas
+    tls: TlsFiles | None = None
+    log_level: str = "WARNING"  # of the envoy process (stderr)
+
+    def __post_init__(self) -> None:
+        if len(self.addresses) < 1:
+            raise ValueError("envoy transport needs at least one address")
+        for a in self.addresses:
+            host, sep, port = a.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"envoy address {a!r} must be host:port")
+        if self.timeout_s <= 0:
+            raise ValueError(f"envoy timeout_s must be > 0 (got {self.timeout_s})")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.addresses)
+
+
+@dataclass(frozen=True)
+class MlxSpec:
+    """`mx.distributed` with a hostfile written for the nodes."""
+
+    hosts: tuple[tuple[str, ...], ...]  # ring: per rank, its "ip:port" addresses
+    backend: str = "ring"  # "ring" or "jaccl"
+    timeout_s: float = 30.0  # an all-reduce that takes longer fails (the group is then unusable)
+    jaccl_coordinator: str = ""  # jaccl: "ip:port" of rank 0
+    jaccl_devices: tuple[tuple[str | None, ...], ...] = ()  # jaccl: [rank][peer] RDMA device, None for self
+    hostfile_dir: str = ""  # where the hostfile is written; "" = a temporary folder
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("ring", "jaccl"):
+            raise ValueError(f"mlx backend must be ring or jaccl (got {self.backend!r})")
+        if self.backend == "ring" and any(not h for h in self.hosts):
+            raise ValueError("mlx ring backend needs at least one address per rank")
+
+    @property
+    def world_size(self) -> int:
+        return len(self.hosts)
+
+
+# spec type -> "module:class" of its Collective, imported only when used
+_IMPLEMENTATIONS = {
+    ShmSpec: "moe_cluster.node.transports.shm:ShmCollective",
+    EnvoySpec: "moe_cluster.node.transports.envoy:EnvoyCollective",
+    MlxSpec: "moe_cluster.node.transports.mlx:MlxCollective",
+}
+
+
+def make_collective(spec, rank: int):
+    """The Collective for `spec` as seen from `rank`."""
+    target = _IMPLEMENTATIONS.get(type(spec))
+    if target is None:
+        raise TypeError(f"no transport for spec {type(spec).__name__} (known: {', '.join(t.__name__ for t in _IMPLEMENTATIONS)})")
+    if not 0 <= rank < spec.world_size:
+        raise ValueError(f"rank {rank} is outside world size {spec.world_size}")
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)(spec, rank)
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct TCP ports free on `host` right now (for clusters launched on one machine)."""
+    import socket
+
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()

@@ -1,0 +1,147 @@
+"""The envoy transport: the node starts its envoy child and all-reduces through it.
+
+`EnvoyProcess` owns the child and the node end of the link (raw numpy payloads; the integration
+tests and the benchmark use it directly); `EnvoyCollective` is the Collective on top (mx arrays).
+The envoy exits by itself when its node dies: link EOF, a parent-pid watchdog, and on Linux
+PR_SET_PDEATHSIG.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+
+from ...envoy.link import BEGUN, DONE, FAIL, READY, LinkError, NodeLink, fail_message, unpack_ready, unpack_step
+from ..collective import CollectiveError, from_wire, to_wire
+from . import EnvoySpec
+
+logger = logging.getLogger(__name__)
+
+_START_TIMEOUT_S = 30.0  # seconds for the child to import grpc and bind
+_ANSWER_GRACE_S = 5.0  # seconds past the envoy's own timeout before the node gives up on it
+
+
+class EnvoyProcess:
+    """One node's envoy child process, driven over the shared-memory link."""
+
+    def __init__(self, spec: EnvoySpec, rank: int):
+        self.spec = spec
+        self.rank = rank
+        self.world_size = spec.world_size
+        self.link = NodeLink(spec.max_bytes)
+        self._step = 0
+        self._request: str | None = None
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        try:
+            self.proc = self._spawn()
+            kind, body = self._answer(_START_TIMEOUT_S, "start")
+            if kind != READY:
+                raise CollectiveError(f"envoy of rank {rank} sent {kind!r} instead of READY")
+            self.pid, self.port = unpack_ready(body)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spawn(self) -> subprocess.Popen:
+        spec, rank = self.spec, self.rank
+        child_fd = self.link.child_sock.fileno()
+        cmd = [sys.executable, "-m", "moe_cluster.envoy", "--rank", str(rank),
+               "--addresses", ",".join(spec.addresses), "--listen", spec.listen or spec.addresses[rank],
+               "--timeout", repr(spec.timeout_s), "--connect-timeout", repr(spec.connect_timeout_s),
+               "--secret-stdin", "--link-fd", str(child_fd), "--shm", self.link.shm_name,
+               "--max-bytes", str(spec.max_bytes), "--parent-pid", str(os.getpid()), "--log-level", spec.log_level]
+        if spec.tls is not None:
+            cmd += ["--tls-cert", spec.tls.cert, "--tls-key", spec.tls.key, "--tls-ca", spec.tls.ca]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(child_fd,), close_fds=True)
+        try:
+            proc.stdin.write(spec.secret.encode() + b"\n")
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass  # it exited already; _answer reports how
+        self.link.child_started()
+        logger.info("rank %s started envoy pid %s listening on %s", rank, proc.pid, spec.listen or spec.addresses[rank])
+        return proc
+
+    def _gone(self) -> str:
+        code = self.proc.poll()
+        return f"envoy of rank {self.rank} (pid {self.proc.pid}" + (")" if code is None else f", exit code {code})")
+
+    def _answer(self, timeout: float, what: str) -> tuple[int, bytes]:
+        try:
+            return self.link.recv(timeout)
+        except LinkError as exc:
+            try:
+                self.proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+            raise CollectiveError(f"{self._gone()} failed during {what}: {exc}") from exc
+
+    def begin(self, request_id: str) -> None:
+        """Start a request; waits (up to connect_timeout_s) until every peer is connected."""
+        self.link.begin(request_id)
+        self._request = request_id
+        self._step = 0
+        kind, body = self._answer(self.spec.connect_timeout_s + _ANSWER_GRACE_S, f"begin of request {request_id}")
+        if kind == FAIL:
+            raise CollectiveError(fail_message(body))
+        if kind != BEGUN:
+            raise CollectiveError(f"envoy of rank {self.rank} answered begin with {kind!r}")
+
+    def all_reduce(self, raw: np.ndarray, dtype: str, shape: tuple[int, ...], layer: int) -> np.ndarray:
+        """Sum a raw 1-D payload over all ranks; returns a view valid until the next call."""
+        if self._request is None:
+            self.begin("default")
+        step = self._step
+        self._step += 1
+        try:
+            self.link.reduce(raw, dtype, shape, layer, step)
+        except LinkError as exc:
+            raise CollectiveError(f"{self._gone()}: {exc}") from exc
+        kind, body = self._answer(self.spec.timeout_s + _ANSWER_GRACE_S, f"step {step} (layer {layer})")
+        if kind == DONE and unpack_step(body) == step:
+            return self.link.result(dtype, raw.nbytes)
+        if kind == FAIL:
+            raise CollectiveError(fail_message(body))
+        raise CollectiveError(f"envoy of rank {self.rank} answered step {step} with {kind!r} "
+                              f"(step {unpack_step(body) if kind == DONE else '?'})")
+
+    def close(self) -> None:
+        """Ask the envoy to exit; kill it if it does not within a few seconds."""
+        self.link.close()
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                logger.warning("envoy pid %s did not exit; killing it", self.proc.pid)
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+class EnvoyCollective:
+    """The Collective of `transport: envoy`."""
+
+    def __init__(self, spec: EnvoySpec, rank: int):
+        self._envoy = EnvoyProcess(spec, rank)
+        self.rank = rank
+        self.world_size = spec.world_size
+
+    @property
+    def envoy(self) -> EnvoyProcess:
+        return self._envoy
+
+    def begin(self, request_id: str) -> None:
+        self._envoy.begin(request_id)
+
+    def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
+        raw, dtype = to_wire(partial)
+        out = self._envoy.all_reduce(raw.reshape(-1), dtype, tuple(partial.shape), layer)
+        return from_wire(out, dtype, partial.shape)  # mx.array copies out of the shared area
+
+    def close(self) -> None:
+        self._envoy.close()

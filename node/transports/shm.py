@@ -1,0 +1,88 @@
+"""All-reduce among processes of one machine through shared memory (simulate, tests)."""
+
+from __future__ import annotations
+
+from multiprocessing import shared_memory
+
+import mlx.core as mx
+import numpy as np
+
+from ...envoy.reduce import DTYPES, Reducer
+from ..collective import CollectiveError, from_wire, to_wire
+
+_HDR = 16  # per slot: int64 sequence number, int64 payload bytes
+
+
+class ShmCollective:
+    """All-reduce among processes of one machine through shared memory.
+
+    Each rank writes its partial into its own slot (two per rank, alternating by step, so a fast
+    rank never overwrites what a slow one still reads), then posts one semaphore per peer; a rank
+    reads all slots once every peer has posted to it. Nothing is pickled per layer.
+    """
+
+    @staticmethod
+    def create(world_size: int, slot_bytes: int, ctx, timeout_s: float = 30.0):
+        """-> (ShmSpec for every rank, the segment, which the caller closes and unlinks)."""
+        from . import ShmSpec
+
+        size = world_size * 2 * (_HDR + slot_bytes)
+        shm = shared_memory.SharedMemory(create=True, size=size)
+        shm.buf[:size] = bytes(size)
+        sems = tuple(
+            tuple(None if s == d else ctx.Semaphore(0) for d in range(world_size)) for s in range(world_size)
+        )
+        return ShmSpec(shm.name, world_size, slot_bytes, sems, timeout_s), shm
+
+    def __init__(self, spec, rank: int):
+        self.rank = rank
+        self.world_size = spec.world_size
+        self._spec = spec
+        # Simulated nodes are spawned children: they share the creator's resource tracker,
+        # which unlinks the segment once the creator does.
+        self._shm = shared_memory.SharedMemory(name=spec.name)
+        self._seq = 0
+        self._reduce = Reducer()
+        self.request_id = ""
+
+    def _slot(self, rank: int, parity: int) -> tuple[memoryview, memoryview]:
+        off = (rank * 2 + parity) * (_HDR + self._spec.slot_bytes)
+        return self._shm.buf[off : off + _HDR], self._shm.buf[off + _HDR : off + _HDR + self._spec.slot_bytes]
+
+    def begin(self, request_id: str) -> None:
+        self.request_id = request_id
+
+    def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
+        raw, dtype = to_wire(partial)
+        data = raw.tobytes()
+        if len(data) > self._spec.slot_bytes:
+            raise CollectiveError(f"partial of {len(data)} bytes exceeds the shared slot ({self._spec.slot_bytes} bytes)")
+        self._seq += 1
+        parity = self._seq & 1
+        hdr, body = self._slot(self.rank, parity)
+        body[: len(data)] = data
+        np.frombuffer(hdr, dtype=np.int64)[:] = (self._seq, len(data))
+        for dst in range(self.world_size):
+            if dst != self.rank:
+                self._spec.sems[self.rank][dst].release()
+        parts = []
+        for src in range(self.world_size):
+            if src == self.rank:
+                parts.append(raw.reshape(-1))
+                continue
+            if not self._spec.sems[src][self.rank].acquire(timeout=self._spec.timeout_s):
+                raise CollectiveError(
+                    f"rank {src} did not answer layer {layer} within {self._spec.timeout_s:.0f} s (dead or stalled)"
+                )
+            shdr, sbody = self._slot(src, parity)
+            seq, nbytes = np.frombuffer(shdr, dtype=np.int64)
+            if seq != self._seq or nbytes != len(data):
+                raise CollectiveError(f"rank {src} is out of step at layer {layer} (step {seq}, expected {self._seq})")
+            parts.append(np.frombuffer(sbody[:nbytes], dtype=DTYPES[dtype]))
+        return from_wire(self._reduce(parts, dtype), dtype, partial.shape)
+
+    def close(self) -> None:
+        try:
+            self._shm.close()
+        except BufferError:
+            pass

@@ -1,0 +1,353 @@
+"""The one place where protobuf messages become domain records and back.
+
+Servicers and stubs call these (or pass them to gRPC as serializers); nothing else in the code
+sees a generated message class.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..envoy.frame import Frame, Hello
+from . import envoy_pb2 as epb
+from . import node_pb2 as npb
+
+if TYPE_CHECKING:  # domain types of the node side, imported lazily (mlx, mlx-lm behind them)
+    from ..node.messages import GenerateEvent, Health, LoadProgress, LoadSpec, NodeStatus
+    from ..node.placement import Placement
+    from ..node.runtime import GenerateRequest
+
+# ---------------------------------------------------------------------------------------------
+# Envoy <-> envoy
+
+_ENVOY = epb.DESCRIPTOR.services_by_name["Envoy"]
+ENVOY_EXCHANGE = f"/{_ENVOY.full_name}/Exchange"
+ENVOY_HEALTH = f"/{_ENVOY.full_name}/Health"
+ENVOY_SERVICE = _ENVOY.full_name
+
+_DTYPE_TO_PB = {"float32": epb.DTYPE_FLOAT32, "float16": epb.DTYPE_FLOAT16, "bfloat16": epb.DTYPE_BFLOAT16}
+_DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
+
+
+class ConvertError(ValueError):
+    """A message that does not make a valid domain record; names the field."""
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_PAYLOAD_TAG = bytes([(epb.Frame.DESCRIPTOR.fields_by_name["payload"].number << 3) | 2])  # length-delimited
+
+
+def frame_to_wire(item: Frame | Hello) -> bytes:
+    """A Frame or Hello -> serialized moe_cluster.v1.Frame (what the Exchange stream carries).
+
+    The header fields go through protobuf; the payload (any buffer: bytes, memoryview, numpy) is
+    appended as its length-delimited field, so it is copied once, into the result.
+    """
+    if isinstance(item, Hello):
+        return epb.Frame(hello=epb.Hello(rank=item.rank, world_size=item.world_size, protocol=item.protocol)).SerializeToString()
+    header = epb.Frame(
+        request_id=item.request_id, step=item.step, layer=item.layer, rank=item.rank,
+        dtype=_DTYPE_TO_PB[item.dtype], shape=item.shape, checksum=item.checksum,
+    ).SerializeToString()
+    payload = memoryview(item.payload).cast("B")
+    return b"".join((header, _PAYLOAD_TAG, _varint(payload.nbytes), payload))
+
+
+def frame_from_wire(data: bytes) -> Frame | Hello:
+    """Serialized moe_cluster.v1.Frame -> Frame, or Hello for a stream's first frame."""
+    msg = epb.Frame.FromString(data)
+    if msg.HasField("hello"):
+        h = msg.hello
+        return Hello(h.rank, h.world_size, h.protocol)
+    dtype = _DTYPE_FROM_PB.get(msg.dtype)
+    if dtype is None:
+        raise ConvertError(f"frame from rank {msg.rank} has unknown dtype {msg.dtype}")
+    return Frame(msg.request_id, msg.step, msg.layer, msg.rank, dtype, tuple(msg.shape), msg.checksum, msg.payload)
+
+
+def envoy_health_request_to_wire(_: Any = None) -> bytes:
+    return epb.EnvoyHealthRequest().SerializeToString()
+
+
+def envoy_health_request_from_wire(data: bytes) -> None:
+    epb.EnvoyHealthRequest.FromString(data)
+
+
+def envoy_health_to_wire(health: dict) -> bytes:
+    """{"rank", "world_size", "connected", "whole"} -> serialized EnvoyHealth."""
+    return epb.EnvoyHealth(rank=health["rank"], world_size=health["world_size"],
+                           connected=sorted(health["connected"]), whole=health["whole"]).SerializeToString()
+
+
+def envoy_health_from_wire(data: bytes) -> dict:
+    msg = epb.EnvoyHealth.FromString(data)
+    return {"rank": msg.rank, "world_size": msg.world_size, "connected": list(msg.connected), "whole": msg.whole}
+
+
+# ---------------------------------------------------------------------------------------------
+# Coordinator <-> node
+
+_KEEPALIVE_TO_PB = {"none": npb.KEEPALIVE_NONE, "lru": npb.KEEPALIVE_LRU, "busy": npb.KEEPALIVE_BUSY}
+_KEEPALIVE_FROM_PB = {v: k for k, v in _KEEPALIVE_TO_PB.items()}
+_STATE_TO_PB = {"idle": npb.NODE_STATE_IDLE, "loading": npb.NODE_STATE_LOADING, "ready": npb.NODE_STATE_READY,
+                "busy": npb.NODE_STATE_BUSY, "failed": npb.NODE_STATE_FAILED, "stopping": npb.NODE_STATE_STOPPING}
+_STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
+_FINISH_TO_PB = {"stop": npb.FINISH_REASON_STOP, "length": npb.FINISH_REASON_LENGTH,
+                 "cancelled": npb.FINISH_REASON_CANCELLED, "error": npb.FINISH_REASON_ERROR}
+_FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
+
+
+def _lookup(table: dict, key, what: str):
+    try:
+        return table[key]
+    except KeyError:
+        raise ConvertError(f"unknown {what} {key!r} (expected one of {', '.join(map(str, table))})") from None
+
+
+def placement_to_proto(p: Placement) -> npb.Placement:
+    msg = npb.Placement(world_size=p.world_size)
+    for layer, ranks in p.layers.items():
+        lp = msg.layers[layer]
+        for rank, experts in ranks.items():
+            lp.ranks[rank].ids.extend(experts)
+    return msg
+
+
+def placement_from_proto(msg: npb.Placement) -> Placement:
+    from ..node.placement import Placement
+
+    layers = {int(layer): {int(rank): tuple(e.ids) for rank, e in sorted(lp.ranks.items())}
+              for layer, lp in sorted(msg.layers.items())}
+    return Placement.from_json({"layers": {str(k): {str(r): list(v) for r, v in ranks.items()}
+                                           for k, ranks in layers.items()}}, msg.world_size)
+
+
+def transport_to_proto(spec: Any) -> npb.Transport:
+    """A node.transports spec (EnvoySpec or MlxSpec) -> Transport."""
+    from ..node.transports import EnvoySpec, MlxSpec
+
+    if isinstance(spec, EnvoySpec):
+        return npb.Transport(envoy=npb.EnvoyTransport(peers=spec.addresses, listen=spec.listen, tls=spec.tls is not None))
+    if isinstance(spec, MlxSpec):
+        return npb.Transport(mlx=npb.MlxTransport(
+            backend=spec.backend, hosts=[npb.MlxHost(addresses=h) for h in spec.hosts],
+            jaccl_coordinator=spec.jaccl_coordinator,
+            jaccl_devices=[npb.MlxHost(addresses=[d or "" for d in row]) for row in spec.jaccl_devices],
+        ))
+    raise ConvertError(f"transport {type(spec).__name__} cannot be sent to a node (envoy or mlx only)")
+
+
+def transport_from_proto(msg: npb.Transport, *, timeout_s: float, secret: str = "", tls: Any = None) -> Any:
+    """Transport -> EnvoySpec or MlxSpec. The secret and TLS files are the node's own configuration."""
+    from ..node.transports import DEFAULT_TIMEOUT_S, EnvoySpec, MlxSpec
+
+    timeout_s = timeout_s or DEFAULT_TIMEOUT_S
+    kind = msg.WhichOneof("kind")
+    if kind == "envoy":
+        e = msg.envoy
+        if e.tls and tls is None:
+            raise ConvertError("transport asks for TLS but this node has no TLS files configured")
+        return EnvoySpec(tuple(e.peers), secret=secret, listen=e.listen, timeout_s=timeout_s,
+                         tls=tls if e.tls else None)
+    if kind == "mlx":
+        m = msg.mlx
+        return MlxSpec(tuple(tuple(h.addresses) for h in m.hosts), backend=m.backend or "ring", timeout_s=timeout_s,
+                       jaccl_coordinator=m.jaccl_coordinator,
+                       jaccl_devices=tuple(tuple(d or None for d in row.addresses) for row in m.jaccl_devices))
+    raise ConvertError("transport is empty (expected envoy or mlx)")
+
+
+def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
+    msg = npb.LoadRequest(
+        model=spec.model, rank=spec.rank, world_size=spec.world_size,
+        keepalive=_lookup(_KEEPALIVE_TO_PB, spec.keepalive, "keepalive"),
+        transport=transport_to_proto(spec.transport),
+        collective_timeout_s=spec.transport.timeout_s, prefill_step=spec.prefill_step,
+        prompt_cache_bytes=spec.prompt_cache_bytes,
+    )
+    if spec.placement is not None:
+        msg.placement.CopyFrom(placement_to_proto(spec.placement))
+    return msg
+
+
+def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any = None) -> LoadSpec:
+    """LoadRequest -> LoadSpec; `secret` and `tls` come from the node's configuration."""
+    from ..node.engine import DEFAULT_PREFILL_STEP
+    from ..node.messages import LoadSpec
+
+    if not msg.model:
+        raise ConvertError("LoadRequest.model is empty")
+    if msg.world_size < 1 or msg.rank >= msg.world_size:
+        raise ConvertError(f"LoadRequest rank {msg.rank} is not below world_size {msg.world_size}")
+    keepalive = "lru" if msg.keepalive == npb.KEEPALIVE_UNSPECIFIED else _lookup(_KEEPALIVE_FROM_PB, msg.keepalive, "keepalive")
+    transport = transport_from_proto(msg.transport, timeout_s=msg.collective_timeout_s, secret=secret, tls=tls)
+    return LoadSpec(
+        model=msg.model, rank=msg.rank, world_size=msg.world_size,
+        placement=placement_from_proto(msg.placement) if msg.HasField("placement") else None,
+        keepalive=keepalive, transport=transport, prefill_step=msg.prefill_step or DEFAULT_PREFILL_STEP,
+        prompt_cache_bytes=msg.prompt_cache_bytes,
+    )
+
+
+def _error_to_proto(kind: str, message: str, rank: int) -> npb.Error:
+    return npb.Error(kind=kind, message=message, rank=rank)
+
+
+def load_progress_to_proto(p: LoadProgress) -> npb.LoadProgress:
+    msg = npb.LoadProgress(bytes_loaded=p.bytes_loaded, bytes_total=p.bytes_total, phase=p.phase, done=p.done)
+    if p.error is not None:
+        msg.error.CopyFrom(_error_to_proto(p.error.kind, p.error.message, p.error.rank))
+    return msg
+
+
+def load_progress_from_proto(msg: npb.LoadProgress) -> LoadProgress:
+    from ..node.messages import LoadProgress, NodeError
+
+    err = msg.error
+    return LoadProgress(msg.bytes_loaded, msg.bytes_total, msg.phase, msg.done,
+                        NodeError(err.kind, err.message, err.rank) if msg.HasField("error") else None)
+
+
+def generate_request_to_proto(req: GenerateRequest) -> npb.GenerateRequest:
+    s = req.sampling
+    msg = npb.GenerateRequest(request_id=req.request_id, prompt=list(req.prompt), max_tokens=s.max_tokens,
+                              temperature=s.temperature, top_p=s.top_p, eos_token_ids=list(req.eos_token_ids))
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg
+
+
+def generate_request_from_proto(msg: npb.GenerateRequest, *, prefill_step: int | None = None) -> GenerateRequest:
+    """GenerateRequest -> node.runtime.GenerateRequest; the prefill chunk comes from the Load."""
+    from ..node.engine import DEFAULT_PREFILL_STEP, Sampling
+    from ..node.runtime import GenerateRequest
+
+    if not msg.request_id:
+        raise ConvertError("GenerateRequest.request_id is empty")
+    if not msg.prompt:
+        raise ConvertError(f"GenerateRequest {msg.request_id} has an empty prompt")
+    sampling = Sampling(msg.max_tokens, msg.temperature, msg.top_p, msg.seed if msg.HasField("seed") else None)
+    try:
+        sampling.check()
+    except ValueError as exc:
+        raise ConvertError(f"GenerateRequest {msg.request_id}: {exc}") from exc
+    return GenerateRequest(msg.request_id, tuple(msg.prompt), sampling, tuple(msg.eos_token_ids),
+                           prefill_step or DEFAULT_PREFILL_STEP)
+
+
+def generate_event_to_proto(event: GenerateEvent) -> npb.GenerateEvent:
+    from ..node.messages import GenerateDone, GeneratedTokens, NodeError
+
+    if isinstance(event, GeneratedTokens):
+        return npb.GenerateEvent(tokens=npb.Tokens(ids=list(event.ids)))
+    if isinstance(event, GenerateDone):
+        t = event.timings
+        return npb.GenerateEvent(done=npb.GenerateDone(
+            finish_reason=_lookup(_FINISH_TO_PB, event.finish_reason, "finish reason"),
+            prompt_tokens=event.prompt_tokens, cached_tokens=event.cached_tokens,
+            generated_tokens=event.generated_tokens,
+            timings=npb.Timings(prompt_s=t.prompt_s, generation_s=t.generation_s, collective_s=t.collective_s,
+                                queue_s=t.queue_s),
+            counters=dict(event.counters),
+        ))
+    if isinstance(event, NodeError):
+        return npb.GenerateEvent(error=_error_to_proto(event.kind, event.message, event.rank))
+    raise ConvertError(f"not a generate event: {type(event).__name__}")
+
+
+def generate_event_from_proto(msg: npb.GenerateEvent) -> GenerateEvent:
+    from ..node.messages import GenerateDone, GeneratedTokens, NodeError, Timings
+
+    kind = msg.WhichOneof("event")
+    if kind == "tokens":
+        return GeneratedTokens(tuple(msg.tokens.ids))
+    if kind == "done":
+        d, t = msg.done, msg.done.timings
+        return GenerateDone(
+            finish_reason=_lookup(_FINISH_FROM_PB, d.finish_reason, "finish reason"),
+            prompt_tokens=d.prompt_tokens, cached_tokens=d.cached_tokens, generated_tokens=d.generated_tokens,
+            timings=Timings(t.prompt_s, t.generation_s, t.collective_s, t.queue_s), counters=dict(d.counters),
+        )
+    if kind == "error":
+        return NodeError(msg.error.kind, msg.error.message, msg.error.rank)
+    raise ConvertError("GenerateEvent is empty (expected tokens, done or error)")
+
+
+def cancel_request_to_proto(request_id: str) -> npb.CancelRequest:
+    return npb.CancelRequest(request_id=request_id)
+
+
+def cancel_request_from_proto(msg: npb.CancelRequest) -> str:
+    if not msg.request_id:
+        raise ConvertError("CancelRequest.request_id is empty")
+    return msg.request_id
+
+
+def cancel_reply_to_proto(found: bool) -> npb.CancelReply:
+    return npb.CancelReply(found=found)
+
+
+def cancel_reply_from_proto(msg: npb.CancelReply) -> bool:
+    return msg.found
+
+
+def shutdown_request_to_proto(grace_s: float) -> npb.ShutdownRequest:
+    return npb.ShutdownRequest(grace_s=grace_s)
+
+
+def shutdown_request_from_proto(msg: npb.ShutdownRequest) -> float:
+    return msg.grace_s
+
+
+def health_request_to_proto() -> npb.HealthRequest:
+    return npb.HealthRequest()
+
+
+def status_request_to_proto() -> npb.StatusRequest:
+    return npb.StatusRequest()
+
+
+def shutdown_reply_to_proto() -> npb.ShutdownReply:
+    return npb.ShutdownReply()
+
+
+def health_to_proto(h: Health) -> npb.HealthReply:
+    return npb.HealthReply(ok=h.ok, state=_lookup(_STATE_TO_PB, h.state, "node state"))
+
+
+def health_from_proto(msg: npb.HealthReply) -> Health:
+    from ..node.messages import Health
+
+    return Health(msg.ok, _lookup(_STATE_FROM_PB, msg.state, "node state"))
+
+
+def status_to_proto(s: NodeStatus) -> npb.NodeStatus:
+    m = s.memory
+    return npb.NodeStatus(
+        state=_lookup(_STATE_TO_PB, s.state, "node state"), model=s.model, rank=s.rank, world_size=s.world_size,
+        memory=npb.Memory(device_bytes=m.device_bytes, budget_bytes=m.budget_bytes, used_bytes=m.used_bytes,
+                          peak_bytes=m.peak_bytes),
+        device=s.device, backend=s.backend, experts_per_layer=dict(s.experts_per_layer), counters=dict(s.counters),
+        uptime_s=s.uptime_s, pid=s.pid, queue_depth=s.queue_depth,
+    )
+
+
+def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
+    from ..node.messages import Memory, NodeStatus
+
+    m = msg.memory
+    return NodeStatus(
+        state=_lookup(_STATE_FROM_PB, msg.state, "node state"), model=msg.model, rank=msg.rank,
+        world_size=msg.world_size, memory=Memory(m.device_bytes, m.budget_bytes, m.used_bytes, m.peak_bytes),
+        device=msg.device, backend=msg.backend,
+        experts_per_layer={int(k): int(v) for k, v in sorted(msg.experts_per_layer.items())},
+        counters=dict(sorted(msg.counters.items())), uptime_s=msg.uptime_s, pid=msg.pid, queue_depth=msg.queue_depth,
+    )

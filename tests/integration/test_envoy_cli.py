@@ -1,0 +1,65 @@
+"""`moe-cluster envoy` (one envoy by hand) and `moe-cluster bench allreduce`, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+
+from moe_cluster.node.transports import free_ports
+from moe_cluster.proto import convert
+
+CLI = [sys.executable, "-m", "moe_cluster.coordinator.cli"]
+
+
+def test_envoy_by_hand_serves_health_and_stops_on_sigterm():
+    (port,) = free_ports(1)
+    address = f"127.0.0.1:{port}"
+    env = dict(os.environ, MOE_CLUSTER_SECRET="hand-secret-123")
+    proc = subprocess.Popen([*CLI, "-v", "envoy", "--rank", "0", "--addresses", f"{address},127.0.0.1:9"],
+                            env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        health = None
+        deadline = time.monotonic() + 30
+        while health is None and time.monotonic() < deadline:
+            with grpc.insecure_channel(address) as channel:
+                call = channel.unary_unary(convert.ENVOY_HEALTH, request_serializer=convert.envoy_health_request_to_wire,
+                                           response_deserializer=convert.envoy_health_from_wire)
+                try:
+                    health = call(None, metadata=(("x-moe-cluster-secret", "hand-secret-123"),), timeout=2)
+                except grpc.RpcError:
+                    time.sleep(0.1)
+        assert health == {"rank": 0, "world_size": 2, "connected": [], "whole": False}
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+        assert proc.returncode == 0, err
+        assert "cannot reach rank 1 (127.0.0.1:9)" in err and "hand-secret-123" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_envoy_without_a_secret_is_a_one_line_error():
+    env = {k: v for k, v in os.environ.items() if k != "MOE_CLUSTER_SECRET"}
+    r = subprocess.run([*CLI, "envoy", "--rank", "0", "--addresses", "127.0.0.1:1"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "moe-cluster envoy: error: no cluster secret on $MOE_CLUSTER_SECRET"], r.stderr
+
+
+def test_bench_allreduce_reports_every_path():
+    r = subprocess.run([*CLI, "bench", "allreduce", "--nodes", "2", "--hidden", "256", "--tokens", "1,4",
+                        "--iters", "30", "--warmup", "5", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    cases = json.loads(r.stdout)["cases"]
+    assert [(c["nodes"], c["tokens"]) for c in cases] == [(2, 1), (2, 4)]
+    for c in cases:
+        for key in ("hidden", "envoy_p50_us", "envoy_p99_us", "floor_p50_us", "mlx_ring_p50_us"):
+            assert key in c, (key, c)
+        assert 0 < c["floor_p50_us"] and 0 < c["envoy_p50_us"] <= c["envoy_p99_us"]

@@ -1,0 +1,223 @@
+"""Real envoy processes on 127.0.0.1: soak, faults, the cluster secret and TLS.
+
+Each test drives stand-in node processes (envoy_nodes.Cluster), each of which starts its own envoy
+child exactly as a node does, and checks every all-reduce result by content.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import time
+
+import grpc
+import pytest
+
+from envoy_nodes import Cluster, alive, all_ok, envoy_spec
+from moe_cluster.node.transports import TlsFiles
+from moe_cluster.proto import convert
+
+SOAK_STEPS = 10_000
+
+
+@pytest.mark.parametrize("nodes", [2, 3, 4])
+def test_soak_loses_duplicates_and_reorders_nothing(nodes):
+    """10,000 all-reduces per node count, in several requests in a row, every sum checked."""
+    cluster = Cluster(envoy_spec(nodes))
+    try:
+        done = 0
+        for request_id, steps in (("soak-a", 4_000), ("soak-b", 1), ("soak-c", SOAK_STEPS - 4_001)):
+            replies = cluster.run(request_id, steps, timeout=300)
+            all_ok(replies)
+            assert {rep[1]["steps"] for rep in replies.values()} == {steps}
+            done += steps
+        assert done == SOAK_STEPS
+    finally:
+        cluster.close()
+
+
+def _fails_naming(cluster: Cluster, ranks, peer: int, since: float, within: float) -> None:
+    address = cluster.spec.addresses[peer]
+    for r in ranks:
+        kind, message, when = cluster.nodes[r].reply(within + 30)
+        assert kind == "error", f"node {r} did not fail: {message}"
+        assert f"rank {peer} ({address})" in message, message
+        assert when - since < within, f"node {r} failed {when - since:.1f} s after the fault: {message}"
+
+
+def test_dead_peer_fails_the_step_everywhere_then_the_mesh_heals():
+    timeout = 2.0
+    cluster = Cluster(envoy_spec(3, timeout_s=timeout, connect_timeout_s=20))
+    try:
+        all_ok(cluster.run("before", 300))
+
+        # the node process dies (kill -9): its envoy must exit by itself, the others fail at once
+        for r in range(3):
+            cluster.nodes[r].send("run", "doomed-1", 10**7)
+        time.sleep(0.5)
+        orphan = cluster.nodes[2].envoy_pid
+        t = time.monotonic()
+        cluster.kill(2)
+        _fails_naming(cluster, [0, 1], peer=2, since=t, within=timeout + 1.5)
+        deadline = time.monotonic() + 5
+        while alive(orphan) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(orphan), f"envoy {orphan} outlived its node"
+
+        cluster.start(2)  # same address: the others redial it
+        all_ok(cluster.run("after-1", 300))
+
+        # the whole peer dies at once (node and envoy, kill -9)
+        for r in range(3):
+            cluster.nodes[r].send("run", "doomed-2", 10**7)
+        time.sleep(0.5)
+        t = time.monotonic()
+        cluster.kill(2, envoy_too=True)
+        _fails_naming(cluster, [0, 1], peer=2, since=t, within=timeout + 1.5)
+
+        cluster.start(2)
+        all_ok(cluster.run("after-2", 300))
+    finally:
+        cluster.close()
+
+
+def test_stalled_peer_times_out_naming_it():
+    timeout = 2.0
+    cluster = Cluster(envoy_spec(3, timeout_s=timeout))
+    try:
+        all_ok(cluster.run("before", 100))
+        for r in range(3):
+            cluster.nodes[r].send("run", "stalled", 10**7)
+        time.sleep(0.5)
+        stalled = cluster.nodes[1].envoy_pid
+        t = time.monotonic()
+        import os
+
+        os.kill(stalled, signal.SIGSTOP)
+        try:
+            _fails_naming(cluster, [0, 2], peer=1, since=t, within=timeout + 1.5)
+        finally:
+            os.kill(stalled, signal.SIGCONT)
+        kind, message, _ = cluster.nodes[1].reply(timeout + 30)  # it fails too, once it runs again
+        assert kind == "error" and "rank 1" in message, message
+        all_ok(cluster.run("after", 300))  # frames of the aborted request are dropped, not mixed in
+    finally:
+        cluster.close()
+
+
+# -- the cluster secret --------------------------------------------------------------------------
+
+
+def _health(address: str, metadata=(), credentials=None) -> dict:
+    channel = (grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address))
+    try:
+        call = channel.unary_unary(convert.ENVOY_HEALTH, request_serializer=convert.envoy_health_request_to_wire,
+                                   response_deserializer=convert.envoy_health_from_wire)
+        return call(None, metadata=metadata, timeout=5)
+    finally:
+        channel.close()
+
+
+def test_callers_without_the_secret_get_unauthenticated_and_no_data(capfd):
+    spec = envoy_spec(2, log_level="DEBUG", connect_timeout_s=3)
+    cluster = Cluster(spec)
+    try:
+        address = spec.addresses[0]  # refusals come before any RPC runs, whole mesh or not
+        for metadata in ((), (("x-moe-cluster-secret", "not-the-secret"),)):
+            with pytest.raises(grpc.RpcError) as err:
+                _health(address, metadata)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        # a stream opened with the wrong secret gets no frame, only the refusal
+        channel = grpc.insecure_channel(address)
+        try:
+            exchange = channel.stream_stream(convert.ENVOY_EXCHANGE, request_serializer=None,
+                                             response_deserializer=convert.frame_from_wire)
+            from moe_cluster.envoy.frame import Hello
+
+            hello = convert.frame_to_wire(Hello(0, 2))
+            received = []
+            with pytest.raises(grpc.RpcError) as err:
+                for frame in exchange(iter([hello]), metadata=(("x-moe-cluster-secret", "nope"),), timeout=5):
+                    received.append(frame)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and received == []
+        finally:
+            channel.close()
+
+        all_ok(cluster.run("with-secret", 50))  # begin waits for the mesh to be whole
+        health = _health(address, (("x-moe-cluster-secret", spec.secret),))
+        assert health["rank"] == 0 and health["whole"] and health["connected"] == [1]
+
+        # a node configured with another secret never joins; the request fails naming it
+        cluster.kill(1)
+        cluster.start(1, spec=dataclasses.replace(spec, secret="some-other-secret"))
+        replies = cluster.run("mixed-secrets", 10)
+        kind, message, _ = replies[0]
+        assert kind == "error" and f"rank 1 ({spec.addresses[1]})" in message and "UNAUTHENTICATED" in message, message
+        assert replies[1][0] == "error"
+    finally:
+        cluster.close()
+    captured = capfd.readouterr()
+    logs = captured.out + captured.err
+    assert "refused /moe_cluster.v1.Envoy/Health" in logs  # the envoys did log (at DEBUG), ...
+    assert spec.secret not in logs and "some-other-secret" not in logs  # ... never the secret
+
+
+# -- TLS ------------------------------------------------------------------------------------------
+
+
+def _make_tls(folder) -> TlsFiles:
+    """A CA and one certificate for 127.0.0.1 signed by it (every envoy presents the same one)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def cert(subject, issuer, key, signer, ca: bool):
+        b = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer).public_key(key.public_key())
+             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if not ca:
+            b = b.add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]), critical=False)
+        return b.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "moe-cluster test CA")])
+    ca_cert = cert(ca_name, ca_name, ca_key, ca_key, ca=True)
+    leaf = cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "envoy")]), ca_name, key, ca_key, ca=False)
+    paths = TlsFiles(str(folder / "envoy.pem"), str(folder / "envoy.key"), str(folder / "ca.pem"))
+    (folder / "envoy.pem").write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+    (folder / "ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "envoy.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    return paths
+
+
+def test_tls_mesh_and_refusals(tmp_path):
+    pytest.importorskip("cryptography", reason="the test extra makes its certificate with cryptography")
+    tls = _make_tls(tmp_path)
+    spec = envoy_spec(2, tls=tls)
+    cluster = Cluster(spec)
+    try:
+        all_ok(cluster.run("over-tls", 500))
+        address, secret = spec.addresses[1], (("x-moe-cluster-secret", spec.secret),)
+        ca, cert, key = (open(p, "rb").read() for p in (tls.ca, tls.cert, tls.key))
+        with pytest.raises(grpc.RpcError) as err:  # plaintext to a TLS port
+            _health(address, secret)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.RpcError) as err:  # TLS, but no client certificate
+            _health(address, secret, grpc.ssl_channel_credentials(root_certificates=ca))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.RpcError) as err:  # a certificate, but no secret
+            _health(address, (), grpc.ssl_channel_credentials(ca, key, cert))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert _health(address, secret, grpc.ssl_channel_credentials(ca, key, cert))["whole"]
+    finally:
+        cluster.close()

@@ -1,0 +1,138 @@
+"""Frames on the wire (encode/decode, checksum) and the step bookkeeping of one envoy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe_cluster.envoy.frame import PROTOCOL, Frame, FrameError, Hello, checksum
+from moe_cluster.envoy.steps import StepError, StepTable
+from moe_cluster.proto import convert
+from moe_cluster.proto import envoy_pb2
+
+
+def make_frame(rank=1, step=0, layer=3, request="r1", payload=None, dtype="bfloat16", shape=None) -> Frame:
+    payload = np.arange(8, dtype=np.uint16) + rank if payload is None else payload
+    shape = shape or (1, 1, payload.size)
+    return Frame(request, step, layer, rank, dtype, shape, checksum(payload), payload.tobytes())
+
+
+# -- encode / decode ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,np_dtype", [("bfloat16", np.uint16), ("float16", np.float16), ("float32", np.float32)])
+def test_frame_round_trip(dtype, np_dtype):
+    payload = (np.arange(32 * 6, dtype=np.float32) - 7).astype(np_dtype)
+    frame = Frame("req-7", 41, -1, 3, dtype, (32, 6), checksum(payload), payload)  # payload: any buffer
+    wire = convert.frame_to_wire(frame)
+    back = convert.frame_from_wire(wire)
+    assert isinstance(back, Frame)
+    assert (back.request_id, back.step, back.layer, back.rank, back.dtype, back.shape) == ("req-7", 41, -1, 3, dtype, (32, 6))
+    assert back.checksum == checksum(payload)
+    np.testing.assert_array_equal(np.frombuffer(back.payload, np_dtype), payload)
+    back.verify()
+
+
+def test_wire_is_plain_protobuf():
+    """The hand-appended payload field parses (and serializes) as protobuf's own encoding."""
+    payload = np.arange(300, dtype=np.uint16)
+    frame = Frame("r", 2, 5, 1, "bfloat16", (1, 300), checksum(payload), payload)
+    ref = envoy_pb2.Frame(request_id="r", step=2, layer=5, rank=1, dtype=envoy_pb2.DTYPE_BFLOAT16, shape=[1, 300],
+                          checksum=checksum(payload), payload=payload.tobytes())
+    assert convert.frame_to_wire(frame) == ref.SerializeToString()
+
+
+def test_hello_round_trip():
+    back = convert.frame_from_wire(convert.frame_to_wire(Hello(2, 4)))
+    assert back == Hello(2, 4, PROTOCOL)
+
+
+def test_checksum_catches_corruption():
+    frame = make_frame()
+    frame.verify()
+    corrupt = bytearray(frame.payload)
+    corrupt[3] ^= 0x10
+    bad = Frame(frame.request_id, frame.step, frame.layer, frame.rank, frame.dtype, frame.shape, frame.checksum, bytes(corrupt))
+    with pytest.raises(FrameError, match="from rank 1 .*request r1, step 0, layer 3.* is corrupt"):
+        bad.verify()
+
+
+def test_unknown_dtype_is_refused():
+    wire = envoy_pb2.Frame(request_id="r", rank=2, dtype=envoy_pb2.DTYPE_UNSPECIFIED).SerializeToString()
+    with pytest.raises(convert.ConvertError, match="rank 2 has unknown dtype 0"):
+        convert.frame_from_wire(wire)
+
+
+# -- step table --------------------------------------------------------------------------------
+
+
+def own(rank=0, n=8):
+    return np.arange(n, dtype=np.uint16) + rank
+
+
+def test_step_completes_in_rank_order_whatever_the_arrival_order():
+    t = StepTable(rank=1, world_size=3)
+    t.begin("r1")
+    assert t.receive(make_frame(rank=2)) is None  # early: this node has not submitted step 0
+    assert t.submit(0, 3, "bfloat16", (1, 1, 8), own(1)) is None
+    done = t.receive(make_frame(rank=0))
+    assert done is not None and done.step == 0 and t.pending is None and t.next_step == 1
+    for r, part in enumerate(done.parts):
+        np.testing.assert_array_equal(part, own(r))
+
+
+def test_peer_one_step_ahead_is_kept():
+    t = StepTable(rank=0, world_size=3)
+    t.begin("r1")
+    t.submit(0, 3, "bfloat16", (1, 1, 8), own(0))
+    t.receive(make_frame(rank=1, step=0))
+    assert t.receive(make_frame(rank=1, step=1, layer=4)) is None  # rank 1 finished step 0 already
+    assert t.receive(make_frame(rank=2, step=0)) is not None
+    assert t.submit(1, 4, "bfloat16", (1, 1, 8), own(0)) is None
+    assert t.pending.missing() == [2]
+
+
+def test_frames_of_an_ended_request_are_dropped_and_the_next_request_is_kept():
+    t = StepTable(rank=0, world_size=2)
+    t.begin("r1")
+    t.submit(0, 3, "bfloat16", (1, 1, 8), own(0))
+    t.fail("rank 1 stalled")
+    with pytest.raises(StepError, match="request r1 already failed: rank 1 stalled"):
+        t.submit(1, 3, "bfloat16", (1, 1, 8), own(0))
+    t.receive(make_frame(rank=1, request="r2"))  # the peer began r2 first
+    t.begin("r2")
+    assert t.receive(make_frame(rank=1, request="r1")) is None  # late frame of the aborted request
+    assert t.dropped == 1
+    assert t.submit(0, 3, "bfloat16", (1, 1, 8), own(0)) is not None  # r2's early frame was kept
+
+
+def test_duplicates_and_disagreements_fail_the_request():
+    t = StepTable(rank=0, world_size=3)
+    t.begin("r1")
+    t.submit(0, 3, "bfloat16", (1, 1, 8), own(0))
+    t.receive(make_frame(rank=1))
+    with pytest.raises(StepError, match="rank 1 sent step 0 of request r1 twice"):
+        t.receive(make_frame(rank=1))
+    with pytest.raises(StepError, match="rank 2 is out of step at step 0 .*layer 4 bfloat16.*layer 3 bfloat16"):
+        t.receive(make_frame(rank=2, layer=4))
+    with pytest.raises(StepError, match="rank 2 is ahead: it sent step 2"):
+        t.receive(make_frame(rank=2, step=2))
+    with pytest.raises(StepError, match="claims rank 5"):
+        t.receive(make_frame(rank=5))
+
+
+def test_submit_out_of_order_is_refused():
+    t = StepTable(rank=0, world_size=2)
+    with pytest.raises(StepError, match="no request begun"):
+        t.submit(0, 0, "float32", (1,), np.zeros(1, np.float32))
+    t.begin("r")
+    with pytest.raises(StepError, match="submitted step 3 of request r, expected step 0"):
+        t.submit(3, 0, "float32", (1,), np.zeros(1, np.float32))
+
+
+def test_early_frames_are_bounded():
+    t = StepTable(rank=0, world_size=2, max_early=3)
+    t.begin("r0")
+    for i in range(5):  # a peer ran requests this node never began
+        t.receive(make_frame(rank=1, request=f"other-{i}"))
+    assert t.evicted == 2
