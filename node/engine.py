@@ -79,6 +79,7 @@ def generate_tokens(
     token_hook: TokenHook | None = None,
     stats: Stats | None = None,
     logits_sink: list | None = None,
+    fed_tokens: list | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids until an EOS token (not yielded) or `max_tokens`.
 
@@ -88,6 +89,8 @@ def generate_tokens(
             the cluster uses it to agree on rank 0's token and on cancellation.
         stats: filled in with timings and the finish reason.
         logits_sink: if given, each step's raw logits (float32 numpy) are appended to it.
+        fed_tokens: if given, every token the model has been fed after the prompt is appended
+            (the yielded ones and a final EOS), i.e. what a prompt cache now holds.
     """
     from mlx_lm.generate import generate_step
 
@@ -111,6 +114,8 @@ def generate_tokens(
     tic = time.perf_counter()
     stats.finish_reason = "length"
     for n, (token, _) in enumerate(steps):
+        if fed_tokens is not None:
+            fed_tokens.append(token)
         now = time.perf_counter()
         if n == 0:
             stats.prompt_seconds = now - tic

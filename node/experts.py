@@ -19,6 +19,9 @@ import numpy as np
 from .routing import assign
 
 KEEPALIVE = ("none", "lru", "busy")
+# Upper bounds (seconds) of the all-reduce latency histogram every node keeps (the coordinator's
+# /metrics shows it per node).
+ALLREDUCE_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.25, 1.0)
 
 
 @dataclass
@@ -53,10 +56,25 @@ class ShardState:
     keepalive: str = "lru"
     counters: dict[int, LayerCounters] = field(default_factory=dict)
     timers: Timers = field(default_factory=Timers)
+    allreduce_counts: list[int] = field(default_factory=lambda: [0] * (len(ALLREDUCE_BUCKETS) + 1))
+    allreduce_seconds: float = 0.0  # lifetime sum
 
     def __post_init__(self):
         if self.keepalive not in KEEPALIVE:
             raise ValueError(f"keepalive must be one of {', '.join(KEEPALIVE)} (got {self.keepalive!r})")
+
+    def record_allreduce(self, seconds: float) -> None:
+        import bisect
+
+        self.allreduce_counts[bisect.bisect_left(ALLREDUCE_BUCKETS, seconds)] += 1
+        self.allreduce_seconds += seconds
+
+    def report(self) -> dict[str, float]:
+        """Counters for the node's Status: keepalive means and the all-reduce histogram."""
+        out = dict(self.means())
+        out.update({f"allreduce_bucket_{i}": float(c) for i, c in enumerate(self.allreduce_counts)})
+        out["allreduce_sum_s"] = self.allreduce_seconds
+        return out
 
     def reset_counters(self) -> None:
         self.counters = {layer: LayerCounters() for layer in self.counters}

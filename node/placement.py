@@ -45,7 +45,7 @@ class Placement:
     def from_json(cls, data: dict | str | Path, world_size: int) -> "Placement":
         """Parse `{"layers": {"<layer>": {"<rank>": [expert ids]}}}` (a dict, JSON text or a file)."""
         where = "placement"
-        if isinstance(data, Path) or (isinstance(data, str) and not data.lstrip().startswith("{")):
+        if isinstance(data, Path) or (isinstance(data, str) and not data.lstrip().startswith(("{", "["))):
             where = str(data)
             try:
                 data = Path(data).read_text()

@@ -1,4 +1,4 @@
-"""A node at run time: its loaded shard and the lock-step token loop with the other nodes."""
+"""A node at run time: its loaded shard, its prompt cache and the lock-step token loop."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from .collective import Cancelled, agree
+from .collective import TOKEN_LAYER, Cancelled, agree
 from .engine import DEFAULT_PREFILL_STEP, Sampling, Stats, generate_tokens
 from .shard import ShardedModel
 
 logger = logging.getLogger(__name__)
+
+_CACHE_KEY = "model"  # one model per node: the prompt cache's model key is constant
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,9 @@ class GenerateResult:
     stats: Stats = field(default_factory=Stats)
     logits: list = field(default_factory=list)
     cancelled: bool = False
+    cached_tokens: int = 0  # prompt tokens served from the prompt cache
+    wall_s: float = 0.0
+    collective_s: float = 0.0
 
 
 class NodeRuntime:
@@ -39,20 +44,70 @@ class NodeRuntime:
     Every node runs the same loop on the same request. After each sampled token the nodes agree
     (one tiny all-reduce): everyone takes rank 0's token, and a cancel seen by any node stops all
     of them at the same step, so no node is ever left waiting in an all-reduce.
+
+    The prompt cache (mlx-lm's LRUPromptCache: longest-common-prefix reuse, LRU within a byte
+    budget, an entry dropped once its continuation is cached) is the same on every node because
+    every node sees the same requests; before reusing a prefix the nodes still agree on its
+    length, so a node that restarted with an empty cache cannot desynchronise the others.
     """
 
-    def __init__(self, sharded: ShardedModel):
+    def __init__(self, sharded: ShardedModel, prompt_cache_bytes: int = 0):
         self.sharded = sharded
+        self.prompt_cache = None
+        if prompt_cache_bytes > 0:
+            from mlx_lm.models.cache import LRUPromptCache
+
+            self.prompt_cache = LRUPromptCache(max_size=64, max_bytes=prompt_cache_bytes)
 
     @property
     def collective(self):
         return self.sharded.collective
+
+    def _agree_all(self, value: float) -> list[float]:
+        """Every rank's value, in rank order (one all-reduce of a one-hot vector)."""
+        c = self.collective
+        mine = mx.zeros((c.world_size,), dtype=mx.float32)
+        mine[c.rank] = float(value)
+        return c.all_reduce(mine, TOKEN_LAYER).tolist()
+
+    def _reuse(self, prompt: list[int]) -> tuple[list | None, int]:
+        """(cache to continue from, number of prompt tokens it covers), agreed by all nodes."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        if self.prompt_cache is None:
+            return None, 0
+        cache, rest = self.prompt_cache.fetch_nearest_cache(_CACHE_KEY, prompt)
+        covered = len(prompt) - len(rest) if cache is not None else 0
+        if cache is not None and covered == len(prompt):  # at least one token must be prefilled
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                covered -= 1
+            else:
+                cache, covered = None, 0
+        agreed = int(min(self._agree_all(covered)))
+        ok = True
+        if cache is not None and agreed < covered:
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, covered - agreed)
+                covered = agreed
+            else:
+                ok = False
+        if agreed == 0 or not all(v > 0 for v in self._agree_all(1.0 if ok else 0.0)):
+            return None, 0
+        return cache, agreed
 
     def generate(self, req: GenerateRequest, should_cancel: Callable[[], bool] = lambda: False,
                  result: GenerateResult | None = None) -> Iterator[int]:
         result = result if result is not None else GenerateResult()
         collective = self.collective
         collective.begin(req.request_id)
+        prompt = list(req.prompt)
+        cache, covered = self._reuse(prompt)
+        if cache is None and self.prompt_cache is not None:
+            from mlx_lm.models.cache import make_prompt_cache
+
+            cache = make_prompt_cache(self.sharded.model)
+        result.cached_tokens = covered
 
         def hook(sampled: mx.array) -> mx.array:
             token, cancelled = agree(collective, int(sampled.item()), should_cancel())
@@ -60,14 +115,24 @@ class NodeRuntime:
                 raise Cancelled()
             return mx.array([token], dtype=sampled.dtype)
 
+        fed: list[int] = []
         try:
             for token in generate_tokens(
-                self.sharded.model, req.prompt, req.sampling, eos_token_ids=req.eos_token_ids,
-                prefill_step=req.prefill_step, token_hook=hook, stats=result.stats,
-                logits_sink=result.logits if req.record_logits else None,
+                self.sharded.model, prompt[covered:], req.sampling, eos_token_ids=req.eos_token_ids,
+                prompt_cache=cache, prefill_step=req.prefill_step, token_hook=hook, stats=result.stats,
+                logits_sink=result.logits if req.record_logits else None, fed_tokens=fed,
             ):
                 result.tokens.append(token)
                 yield token
         except Cancelled:
             result.cancelled = True
             result.stats.finish_reason = "cancelled"
+        result.stats.prompt_tokens = len(prompt)
+        if self.prompt_cache is not None and cache is not None:
+            self._store(prompt + fed, cache)
+
+    def _store(self, tokens: list[int], cache: list) -> None:
+        offset = max((getattr(c, "offset", 0) for c in cache), default=0)
+        if offset <= 0:
+            return
+        self.prompt_cache.insert_cache(_CACHE_KEY, tokens[:offset], cache)

@@ -96,6 +96,7 @@ class ShardInfo:
     rank: int
     experts_per_layer: dict[int, int]
     resident_weight_bytes: int  # sum of the arrays the model now holds
+    active_memory_bytes: int  # MLX allocator's live bytes after the load (measured)
     replicated_bytes: int
     expert_bytes: int
     load_seconds: float
@@ -142,6 +143,22 @@ def _expert_keys(ckpt: Checkpoint, blocks: Sequence[MoEBlock]) -> dict[str, MoEB
     return out
 
 
+def _local_expert_bytes(ckpt: Checkpoint, blocks: Sequence[MoEBlock], placement: Placement, rank: int) -> int:
+    """Bytes this rank reads for its experts (from the headers: stacked rows or per-expert tensors)."""
+    total = 0
+    for b in blocks:
+        local = placement.layers[b.layer][rank]
+        for key, info in ckpt.tensors.items():
+            if key.startswith(b.bank_path + ".") or key.startswith(b.path + ".experts."):
+                rest = key[len(b.path) + len(".experts."):] if key.startswith(b.path + ".experts.") else ""
+                head = rest.split(".", 1)[0]
+                if head.isdigit():  # one tensor per expert
+                    total += info.nbytes if int(head) in local else 0
+                elif info.shape:  # stacked or fused: rows of the local experts
+                    total += info.nbytes * len(local) // b.num_experts
+    return total
+
+
 def _read_local(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int]) -> dict[str, dict[str, mx.array]]:
     """{projection: {param: (E_local, ...)}} for the local experts of block `b`, by byte range."""
     special = adapters.read_experts(ckpt, b, local)
@@ -172,7 +189,10 @@ def _read_local(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int]) -> dict[str
             if missing:
                 raise ShardError(f"layer {b.layer}: no tensor for experts {missing} of {proj}.{param} "
                                  f"under {b.path}.experts.*")
-            out.setdefault(proj, {})[param] = mx.stack([read_tensor(parts[e]) for e in local]) if local else None
+            stacked = mx.stack([read_tensor(parts[e]) for e in local]) if local else None
+            if stacked is not None:
+                mx.eval(stacked)  # frees the per-expert reads now, not at the end of the layer
+            out.setdefault(proj, {})[param] = stacked
         if "weight" not in out.get(proj, {}):
             raise ShardError(f"layer {b.layer}: cannot find the expert weights of {proj} in {ckpt.path} "
                              f"(looked for {b.bank_path}.{proj}.weight and {b.path}.experts.<e>.{proj}.weight)")
@@ -261,8 +281,10 @@ def _reducing_class(cls: type) -> type:
             mx.eval(y)
             t1 = time.perf_counter()
             y = self._moe_collective.all_reduce(y, self._moe_layer)
+            t2 = time.perf_counter()
             state.timers.experts += t1 - t0
-            state.timers.collective += time.perf_counter() - t1
+            state.timers.collective += t2 - t1
+            state.record_allreduce(t2 - t1)
             return y
 
         _REDUCING[cls] = type(f"AllReduced{cls.__name__}", (cls,), {"__call__": __call__})
@@ -308,8 +330,13 @@ def load_shard(
     keepalive: str = "lru",
     collective: Collective | None = None,
     warm_up: bool = True,
+    progress: Callable[[int, int, str], None] | None = None,
 ) -> ShardedModel:
-    """Load this rank's shard. `placement=None` means an even split over `collective.world_size`."""
+    """Load this rank's shard. `placement=None` means an even split over `collective.world_size`.
+
+    Args:
+        progress: called as progress(bytes_loaded, bytes_total, phase) while reading.
+    """
     collective = collective or LocalCollective()
     t_start = time.perf_counter()
     mx.reset_peak_memory()
@@ -338,10 +365,18 @@ def load_shard(
     bank_prefixes = tuple(b.bank_path + "." for b in blocks)
     skipped = bank_prefixes + tuple(f"{b.path}.{n}." for b in blocks for n in shared_experts_elsewhere(b, state))
     expert_keys = _expert_keys(ckpt, blocks)
+    to_read = {k for k in ckpt.tensors if k not in expert_keys and not k.startswith(skipped)}
+    total = sum(ckpt.tensors[k].nbytes for k in to_read) + _local_expert_bytes(ckpt, blocks, placement, rank)
+    report = progress or (lambda done, total, phase: None)
+    done = 0
     weights = {}
     for key, info in ckpt.tensors.items():
-        lazy = key in expert_keys or key.startswith(skipped)
-        weights[key] = mx.zeros(info.shape, info.mx_dtype) if lazy else read_tensor(info)
+        if key in to_read:
+            weights[key] = read_tensor(info)
+            done += info.nbytes
+            report(done, total, "replicated")
+        else:
+            weights[key] = mx.zeros(info.shape, info.mx_dtype)
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     weights = {k: v for k, v in weights.items() if not k.startswith(skipped)}
@@ -362,6 +397,7 @@ def load_shard(
             projections[proj] = ShardLinear(p["weight"], scales=p.get("scales"), biases=p.get("biases"),
                                             bias=p.get("bias"), quant=quant)
             expert_bytes += sum(v.nbytes for v in p.values())
+        report(min(done + expert_bytes, total), total, "experts")
         shard = ExpertShard(b.layer, local, placement.holders(b.layer, b.num_experts), projections, b.kind,
                             b.activation, state)
         mx.eval(shard.parameters())
@@ -382,6 +418,7 @@ def load_shard(
     mx.eval(model.parameters())
 
     if warm_up:
+        report(total, total, "warmup")
         for b in blocks:
             getattr(b.block, b.bank_attr).warm_up()
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -390,6 +427,7 @@ def load_shard(
         rank=rank,
         experts_per_layer=placement.experts_per_layer(rank),
         resident_weight_bytes=resident,
+        active_memory_bytes=int(mx.get_active_memory()),
         replicated_bytes=replicated_bytes,
         expert_bytes=expert_bytes,
         load_seconds=time.perf_counter() - t_start,

@@ -1,0 +1,202 @@
+"""`moe-cluster bench decode`: decode speed of our path against stock mlx-lm, in one run.
+
+One node: our engine and `mlx_lm.stream_generate` alternate on the same loaded model, several
+rounds each, and the medians are compared. N > 1: N simulated node processes per keepalive policy,
+with the per-token breakdown of the paper's Table 3 (attention+router, experts, waiting on the
+collective, other) and the measured experts computed per node per MoE layer.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+
+from ..node.checkpoint import Checkpoint
+from ..node.engine import Sampling, Stats, generate_tokens
+
+DEFAULT_PROMPT = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate."
+
+
+@dataclass(frozen=True)
+class DecodeBench:
+    model: str
+    nodes: tuple[int, ...] = (1,)
+    keepalive: tuple[str, ...] = ("none", "lru")
+    max_tokens: int = 64
+    rounds: int = 3
+    prompt: str = DEFAULT_PROMPT
+    transport: str = "shm"
+
+
+def _single_node(spec: DecodeBench, ids: list[int], tokenizer, model) -> dict:
+    """Alternate our engine and stock mlx-lm on the same model; medians of `rounds` each."""
+    from mlx_lm.generate import stream_generate
+
+    sampling = Sampling(max_tokens=spec.max_tokens)
+    ours, stock, tokens_ours, tokens_stock = [], [], None, None
+    for i in range(spec.rounds + 1):  # the first round of each warms up and is not counted
+        stats = Stats()
+        toks = list(generate_tokens(model, ids, sampling, eos_token_ids=(), stats=stats))
+        last = None
+        stock_toks = []
+        for last in stream_generate(model, tokenizer, ids, max_tokens=spec.max_tokens):
+            stock_toks.append(last.token)
+        if i == 0:
+            continue
+        ours.append(stats.generation_tps)
+        stock.append(last.generation_tps)
+        tokens_ours, tokens_stock = toks, stock_toks
+    return {
+        "ours_tps": statistics.median(ours),
+        "mlx_lm_tps": statistics.median(stock),
+        "ours_rounds_tps": ours,
+        "mlx_lm_rounds_tps": stock,
+        "same_tokens": tokens_ours == tokens_stock[: len(tokens_ours)],
+        "generated_tokens": len(tokens_ours or []),
+    }
+
+
+def _cluster(spec: DecodeBench, ids: list[int], nodes: int) -> list[dict]:
+    from .simulate import run_nodes
+    from ..node.sim import SimTask
+
+    sampling = Sampling(max_tokens=spec.max_tokens)
+    tasks = [SimTask(spec.model, tuple(ids), sampling, keepalive=k, repeats=spec.rounds) for k in spec.keepalive]
+    out = []
+    for keepalive, reports in zip(spec.keepalive, run_nodes(tasks, nodes, transport=spec.transport)):
+        r0 = reports[0]
+        steps = max(r0["generated"] - 1, 1)
+        per_token = r0["generation_seconds"] / steps
+        timers = r0["timers"]
+        breakdown = {
+            "attention_router": timers["attention_router"] / steps,
+            "experts": timers["experts"] / steps,
+            "collective_wait": timers["collective"] / steps,
+        }
+        breakdown["other"] = max(per_token - sum(breakdown.values()), 0.0)
+        out.append({
+            "nodes": nodes,
+            "keepalive": keepalive,
+            "transport": spec.transport,
+            "generation_tps": r0["generation_tps"],
+            "time_per_token_s": per_token,
+            "expected_experts": _expected_experts(reports, keepalive),
+            "mean_computed_per_node": statistics.mean(r["counters"]["computed"] for r in reports),
+            "breakdown_s": breakdown,
+        })
+    return out
+
+
+def _expected_experts(reports: list[dict], keepalive: str) -> float:
+    """Mean over MoE-layer calls of the largest per-node computed count (what bounds a layer)."""
+    if keepalive == "busy":
+        return float(max(max(r["experts_per_layer"].values()) for r in reports))
+    layers = reports[0]["layer_counters"]
+    calls = sum(c["calls"] for c in layers.values())
+    if not calls:
+        return 0.0
+    if keepalive == "lru":
+        return max(sum(c["computed"] for c in r["layer_counters"].values()) for r in reports) / calls
+    return sum(c["cluster_max"] for c in layers.values()) / calls
+
+
+def model_bytes(model: str) -> dict:
+    from .describe_model import describe_path
+
+    spec, _ = describe_path(str(Checkpoint.open(model).path))
+    return {
+        "replicated_read_per_token": spec.replicated_read_bytes,
+        "expert": sum(spec.expert_layer_bytes),  # one expert, summed over the MoE layers
+        "layers": spec.layers,
+        "moe_layers": spec.moe_layers,
+        "hidden": spec.hidden,
+        "dtype_bytes": spec.act_bytes,
+        "top_k": spec.top_k,
+        "num_experts": spec.num_experts,
+    }
+
+
+def run(spec: DecodeBench) -> dict:
+    from .run_local import encode_prompt, load_stock
+
+    ckpt, model, tokenizer = load_stock(spec.model)
+    ids = encode_prompt(tokenizer, spec.prompt)
+    t0 = time.perf_counter()
+    single = _single_node(spec, ids, tokenizer, model)
+    del model
+    clusters = []
+    for n in spec.nodes:
+        # N = 1 runs the cluster path too (one node process, nothing to exchange), so every point
+        # of the series has the same code and a breakdown.
+        clusters += _cluster(spec if n > 1 else replace(spec, keepalive=("none",)), ids, n)
+    out = {
+        "model": str(ckpt.path),
+        "prompt_tokens": len(ids),
+        "generated_tokens": single["generated_tokens"],
+        "ours_tps": single["ours_tps"],
+        "mlx_lm_tps": single["mlx_lm_tps"],
+        "ratio": single["ours_tps"] / single["mlx_lm_tps"],
+        "same_tokens": single["same_tokens"],
+        "rounds": {"ours": single["ours_rounds_tps"], "mlx_lm": single["mlx_lm_rounds_tps"]},
+        "model_bytes": model_bytes(str(ckpt.path)),
+        "clusters": clusters,
+        "seconds": time.perf_counter() - t0,
+    }
+    return out
+
+
+def calibrate(bench_out: dict) -> dict:
+    """Fit the performance model to this run and put its prediction beside each measurement."""
+    from .calibration import fit, parse_bench, predict_time
+
+    bench = parse_bench(bench_out, "bench decode")
+    cal = fit(bench)
+    points = []
+    for c in bench.clusters:
+        predicted = 1.0 / predict_time(cal, bench, c.nodes, c.expected_experts)
+        points.append({"nodes": c.nodes, "keepalive": c.keepalive, "measured_tps": c.generation_tps,
+                       "predicted_tps": predicted, "error": predicted / c.generation_tps - 1.0})
+    return {"bandwidth_Bps": cal.bandwidth_Bps, "layer_overhead_s": cal.layer_overhead_s,
+            "collective_base_s": cal.collective_base_s, "collective_per_node_s": cal.collective_per_node_s,
+            "points": points, "max_abs_error": max(abs(p["error"]) for p in points)}
+
+
+def main(args) -> int:
+    nodes = tuple(int(n) for n in str(args.nodes).split(","))
+    if any(n < 1 for n in nodes):
+        raise ValueError(f"--nodes must list numbers >= 1 (got {args.nodes})")
+    keepalive = tuple(args.keepalive.split(","))
+    bad = [k for k in keepalive if k not in ("none", "lru", "busy")]
+    if bad:
+        raise ValueError(f"--keepalive: unknown policy {bad[0]!r} (none, lru, busy)")
+    spec = DecodeBench(args.model, nodes, keepalive, args.max_tokens, args.rounds, args.prompt or DEFAULT_PROMPT,
+                       args.transport)
+    out = run(spec)
+    if args.calibrate:
+        out["calibration"] = calibrate(out)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    if args.calibrate:
+        cal = out["calibration"]
+        print(f"calibration: bandwidth {cal['bandwidth_Bps'] / 1e9:.2f} GB/s, {cal['layer_overhead_s'] * 1e6:.0f} us per layer, "
+              f"collective {1e6 * (cal['collective_base_s'] or 0):.0f} us per MoE layer at 2 nodes "
+              f"+{1e6 * (cal['collective_per_node_s'] or 0):.0f} us per extra node")
+        for p in cal["points"]:
+            print(f"  {p['nodes']} nodes {p['keepalive']:>4}: measured {p['measured_tps']:.1f} tok/s, "
+                  f"predicted {p['predicted_tps']:.1f} tok/s ({100 * p['error']:+.1f}%)")
+    print(f"single node: ours {out['ours_tps']:.1f} tok/s, stock mlx-lm {out['mlx_lm_tps']:.1f} tok/s, "
+          f"ratio {out['ratio']:.3f}")
+    print(f"{'nodes':>5} {'keepalive':>9} {'tok/s':>7} {'s/token':>8} {'E[n]':>5} {'attn+router':>11} "
+          f"{'experts':>8} {'collective':>10} {'other':>7}")
+    for c in out["clusters"]:
+        b = c["breakdown_s"] or {}
+        fmt = lambda k: f"{b[k]:.4f}" if k in b else "-"  # noqa: E731
+        print(f"{c['nodes']:>5} {c['keepalive']:>9} {c['generation_tps']:>7.1f} {c['time_per_token_s']:>8.4f} "
+              f"{c['expected_experts'] or 0:>5.2f} {fmt('attention_router'):>11} {fmt('experts'):>8} "
+              f"{fmt('collective_wait'):>10} {fmt('other'):>7}")
+    sys.stdout.flush()
+    return 0

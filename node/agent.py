@@ -1,0 +1,401 @@
+"""`moe-cluster node`: the agent a user starts on each Mac.
+
+It advertises itself by mDNS, serves the Node gRPC service (Load, Generate, Cancel, Status,
+Health, Shutdown) behind the cluster secret, and runs all MLX work on one owned worker thread:
+loading a shard starts its envoy (or joins `mx.distributed`), and each Generate runs in lock-step
+with the other nodes. Results travel back to the event loop through a queue, errors as values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import grpc
+
+from ..envoy.auth import SecretInterceptor, server_credentials
+from ..proto import CHANNEL_OPTIONS, convert
+from ..proto import node_pb2 as npb
+from ..proto import node_pb2_grpc as npb_grpc
+from .device import DeviceInfo, device_info
+from .messages import GenerateDone, GeneratedTokens, Health, LoadProgress, Memory, NodeError, NodeStatus, Timings
+
+logger = logging.getLogger(__name__)
+
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    name: str
+    host: str = "0.0.0.0"  # where the gRPC service listens
+    port: int = 0  # 0: any free port
+    advertise: str = ""  # address put in the mDNS record ("" = the first interface's, or host)
+    cluster: str = "moe-cluster"
+    secret: str = field(default="", repr=False)
+    mdns: bool = True
+    interfaces: tuple[str, ...] = ()  # mDNS only on these (names or IPv4 addresses)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    memory_bytes: int | None = None  # override what the node reports
+
+
+class _Worker:
+    """The one thread that touches MLX: jobs in, results out as values."""
+
+    def __init__(self):
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, done = job
+            try:
+                done(fn(), None)
+            except BaseException as exc:  # noqa: BLE001 - handed back to the caller, re-raised there
+                done(None, exc)
+
+    def submit(self, fn: Callable[[], Any]) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def done(value, exc):
+            def settle():
+                if fut.cancelled():
+                    return
+                if exc is not None:
+                    fut.set_exception(exc)
+                else:
+                    fut.set_result(value)
+
+            loop.call_soon_threadsafe(settle)
+
+        self._jobs.put((fn, done))
+        return fut
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
+class NodeAgent(npb_grpc.NodeServicer):
+    """State of one node: what is loaded, what runs, and the service around it."""
+
+    def __init__(self, config: AgentConfig, device: DeviceInfo | None = None):
+        self.config = config
+        self.device = device or device_info()
+        self.state = "idle"
+        self.started = time.monotonic()
+        self.sharded = None
+        self.runtime = None
+        self.load_spec = None
+        self._worker = _Worker()
+        self._current: str | None = None  # request id running
+        self._cancel: set[str] = set()
+        self._stop: asyncio.Event | None = None
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _memory(self) -> Memory:
+        import mlx.core as mx
+
+        budget = self.config.memory_bytes or self.device.memory_bytes
+        return Memory(device_bytes=self.device.total_memory_bytes, budget_bytes=budget,
+                      used_bytes=int(mx.get_active_memory()), peak_bytes=int(mx.get_peak_memory()))
+
+    def _close_model(self) -> None:
+        """Drop the loaded model and stop its transport (runs on the worker)."""
+        if self.sharded is not None:
+            try:
+                self.sharded.collective.close()
+            finally:
+                self.sharded = None
+                self.runtime = None
+                import gc
+
+                import mlx.core as mx
+
+                gc.collect()
+                mx.clear_cache()
+
+    # -- RPCs ----------------------------------------------------------------------------------
+
+    async def Health(self, request, context):
+        return convert.health_to_proto(Health(ok=self.state not in ("failed", "stopping"), state=self.state))
+
+    async def Status(self, request, context):
+        s = NodeStatus(
+            state=self.state,
+            model=self.load_spec.model if self.load_spec else "",
+            rank=self.load_spec.rank if self.load_spec else 0,
+            world_size=self.load_spec.world_size if self.load_spec else 1,
+            memory=self._memory(),
+            device=self.device.device,
+            backend=_transport_name(self.load_spec.transport) if self.load_spec else "",
+            experts_per_layer=dict(self.sharded.info.experts_per_layer) if self.sharded else {},
+            counters=self.sharded.state.report() if self.sharded else {},
+            uptime_s=time.monotonic() - self.started,
+            pid=os.getpid(),
+            queue_depth=1 if self._current else 0,
+        )
+        return convert.status_to_proto(s)
+
+    async def Load(self, request, context):
+        try:
+            spec = convert.load_request_from_proto(request, secret=self.config.secret, tls=self._tls_files())
+        except (ValueError, convert.ConvertError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self._current is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"request {self._current} is running")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        last = [0.0]
+
+        def progress(done: int, total: int, phase: str) -> None:
+            now = time.monotonic()
+            if now - last[0] > 0.1 or done >= total:
+                last[0] = now
+                loop.call_soon_threadsafe(events.put_nowait, LoadProgress(done, total, phase))
+
+        def load():
+            from .runtime import NodeRuntime
+            from .shard import load_shard
+            from .transports import make_collective
+
+            self._close_model()
+            collective = make_collective(spec.transport, spec.rank)
+            try:
+                sharded = load_shard(spec.model, spec.placement, spec.rank, keepalive=spec.keepalive,
+                                     collective=collective, progress=progress)
+            except BaseException:
+                collective.close()
+                raise
+            self.sharded = sharded
+            self.runtime = NodeRuntime(sharded, prompt_cache_bytes=spec.prompt_cache_bytes)
+            return sharded.info
+
+        self.state = "loading"
+        self.load_spec = spec
+        fut = self._worker.submit(load)
+        logger.info("loading %s as rank %d of %d", spec.model, spec.rank, spec.world_size)
+        while True:
+            getter = asyncio.ensure_future(events.get())
+            finished, _ = await asyncio.wait({getter, fut}, return_when=asyncio.FIRST_COMPLETED)
+            if getter in finished:
+                yield convert.load_progress_to_proto(getter.result())
+                continue
+            getter.cancel()
+            break
+        try:
+            info = fut.result()
+        except BaseException as exc:  # noqa: BLE001 - reported to the coordinator
+            self.state = "failed"
+            logger.error("load failed: %s: %s", type(exc).__name__, exc)
+            yield convert.load_progress_to_proto(LoadProgress(0, 0, "failed", done=True, error=NodeError(
+                type(exc).__name__, str(exc), spec.rank)))
+            return
+        self.state = "ready"
+        total = info.resident_weight_bytes
+        yield convert.load_progress_to_proto(LoadProgress(total, total, "ready", done=True))
+
+    async def Generate(self, request, context):
+        if self.runtime is None or self.state not in ("ready",):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"node is {self.state}, not ready")
+        req = convert.generate_request_from_proto(request, prefill_step=self.load_spec.prefill_step)
+        if self._current is not None:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {self._current} is running")
+        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue = asyncio.Queue()
+        self._current = req.request_id
+        self.state = "busy"
+        rid = req.request_id
+
+        def run():
+            from .runtime import GenerateResult
+
+            result = GenerateResult()
+            t0 = time.perf_counter()
+            collective_before = getattr(self.sharded.state.timers, "collective", 0.0)
+            for token in self.runtime.generate(req, should_cancel=lambda: rid in self._cancel, result=result):
+                loop.call_soon_threadsafe(tokens.put_nowait, token)
+            result.wall_s = time.perf_counter() - t0
+            result.collective_s = self.sharded.state.timers.collective - collective_before
+            return result
+
+        fut = self._worker.submit(run)
+        try:
+            while True:
+                getter = asyncio.ensure_future(tokens.get())
+                finished, _ = await asyncio.wait({getter, fut}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in finished:
+                    batch = [getter.result()]
+                    while not tokens.empty():
+                        batch.append(tokens.get_nowait())
+                    yield convert.generate_event_to_proto(GeneratedTokens(tuple(batch)))
+                    continue
+                getter.cancel()
+                break
+            batch = []
+            while not tokens.empty():
+                batch.append(tokens.get_nowait())
+            if batch:
+                yield convert.generate_event_to_proto(GeneratedTokens(tuple(batch)))
+            try:
+                result = fut.result()
+            except BaseException as exc:  # noqa: BLE001 - reported as an event
+                logger.error("request %s failed: %s: %s", rid, type(exc).__name__, exc)
+                yield convert.generate_event_to_proto(NodeError(type(exc).__name__, str(exc), self.load_spec.rank))
+                return
+            s = result.stats
+            yield convert.generate_event_to_proto(GenerateDone(
+                finish_reason=s.finish_reason or "length", prompt_tokens=s.prompt_tokens,
+                cached_tokens=result.cached_tokens, generated_tokens=len(result.tokens),
+                timings=Timings(prompt_s=s.prompt_seconds, generation_s=s.generation_seconds,
+                                collective_s=result.collective_s),
+                counters=self.sharded.state.means(),
+            ))
+        finally:
+            if not fut.done():
+                # the caller went away: stop every node at the next agreement, then wait for it
+                self._cancel.add(rid)
+                try:
+                    await asyncio.shield(fut)
+                except BaseException:  # noqa: BLE001 - already reported or cancelled
+                    pass
+            self._cancel.discard(rid)
+            self._current = None
+            if self.state == "busy":
+                self.state = "ready"
+
+    async def Cancel(self, request, context):
+        rid = convert.cancel_request_from_proto(request)
+        found = rid == self._current
+        if found:
+            self._cancel.add(rid)
+        return convert.cancel_reply_to_proto(found)
+
+    async def Shutdown(self, request, context):
+        grace = convert.shutdown_request_from_proto(request)
+        logger.info("shutdown requested (grace %.1fs)", grace)
+        self.state = "stopping"
+        if self._current is not None:
+            self._cancel.add(self._current)
+        if self._stop is not None:
+            asyncio.get_running_loop().call_later(0.05, self._stop.set)
+        return convert.shutdown_reply_to_proto()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def _tls_files(self):
+        from .transports import TlsFiles
+
+        c = self.config
+        if c.tls_cert and c.tls_key and c.tls_ca:
+            return TlsFiles(c.tls_cert, c.tls_key, c.tls_ca)
+        return None
+
+    async def serve(self, ready: Callable[[int], None] | None = None) -> None:
+        """Serve until Shutdown or a signal; closes everything it opened."""
+        import signal
+
+        c = self.config
+        if not c.secret:
+            raise ValueError("no cluster secret: set MOE_CLUSTER_SECRET (the same on every node)")
+        self._stop = asyncio.Event()
+        server = grpc.aio.server(interceptors=[SecretInterceptor(c.secret)], options=CHANNEL_OPTIONS)
+        npb_grpc.add_NodeServicer_to_server(self, server)
+        address = f"{c.host}:{c.port}"
+        if c.tls_cert and c.tls_key:
+            port = server.add_secure_port(address, server_credentials(c.tls_cert, c.tls_key, c.tls_ca))
+        else:
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot listen on {address}")
+        await server.start()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        advertiser = None
+        try:
+            if c.mdns:
+                from .mdns import Advert, Advertiser, interface_addresses
+
+                addr = c.advertise or (interface_addresses(list(c.interfaces))[0] if c.interfaces else
+                                       (c.host if c.host not in ("0.0.0.0", "") else _default_ip()))
+                from importlib.metadata import version
+
+                advertiser = Advertiser(Advert(c.name, addr, port, version("moe-cluster"),
+                                               c.memory_bytes or self.device.memory_bytes, self.device.backend,
+                                               self.device.device, c.cluster), list(c.interfaces) or None)
+                await advertiser.start()
+            logger.info("node %s serving on port %d", c.name, port)
+            if ready:
+                ready(port)
+            await self._stop.wait()
+        finally:
+            self.state = "stopping"
+            if advertiser is not None:
+                await advertiser.close()
+            await server.stop(1.0)
+            await self._worker.submit(self._close_model)
+            self._worker.close()
+
+
+def _transport_name(spec) -> str:
+    name = type(spec).__name__.lower()
+    return name[:-4] if name.endswith("spec") else name
+
+
+def _default_ip() -> str:
+    import socket
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(("10.255.255.255", 1))  # no packet is sent: this only picks the outgoing interface
+        return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        s.close()
+
+
+def main(args) -> int:
+    """`moe-cluster node` entry point."""
+    import sys
+
+    from ..envoy.auth import SECRET_ENV
+
+    if args.exit_with_parent:
+        from ..envoy.main import die_with_parent
+
+        die_with_parent(os.getppid())
+    secret = os.environ.get(SECRET_ENV, "")
+    if args.secret_file:
+        from pathlib import Path
+
+        secret = Path(args.secret_file).expanduser().read_text().strip()
+    import socket
+
+    config = AgentConfig(
+        name=args.name or socket.gethostname().split(".")[0], host=args.host, port=args.port, advertise=args.advertise or "", cluster=args.cluster,
+        secret=secret, mdns=not args.no_mdns, interfaces=tuple(args.interface or ()),
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, memory_bytes=args.memory,
+    )
+    agent = NodeAgent(config)
+
+    def ready(port: int) -> None:
+        # one machine-readable line for whoever launched us
+        print(f"moe-cluster node {config.name} ready on port {port}", flush=True)
+        sys.stdout.flush()
+
+    asyncio.run(agent.serve(ready))
+    return 0

@@ -1,0 +1,44 @@
+"""What this machine offers: backend, device name and memory, feature-detected per backend."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    backend: str  # "metal", "cuda" or "cpu"
+    device: str  # e.g. "Apple M2 Ultra"
+    memory_bytes: int  # memory the model can use: the GPU working set on Metal, else RAM
+    total_memory_bytes: int
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def device_info() -> DeviceInfo:
+    import mlx.core as mx
+
+    ram = _ram_bytes()
+    metal = getattr(mx, "metal", None)
+    if metal is not None and metal.is_available():
+        info = metal.device_info()
+        working_set = int(info.get("max_recommended_working_set_size") or info.get("memory_size") or ram)
+        return DeviceInfo("metal", str(info.get("device_name", "Apple GPU")), working_set,
+                          int(info.get("memory_size") or ram))
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and getattr(cuda, "is_available", lambda: False)():
+        try:
+            info = mx.device_info()
+            mem = int(info.get("memory_size") or info.get("total_memory") or ram)
+            name = str(info.get("device_name") or info.get("name") or "NVIDIA GPU")
+        except Exception:  # noqa: BLE001 - older MLX: no device_info on CUDA
+            mem, name = ram, "NVIDIA GPU"
+        return DeviceInfo("cuda", name, mem, mem)
+    return DeviceInfo("cpu", platform.processor() or platform.machine() or "cpu", ram, ram)

@@ -1,0 +1,69 @@
+"""Shared fixtures: demo checkpoints made once per session, and a runner for the real CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "dbrx", "gpt_oss", "qwen3_next")
+
+
+def cli(*args: str, timeout: float = 300, env: dict | None = None, input: str | None = None) -> subprocess.CompletedProcess:
+    """Run `moe-cluster ARGS...` in a subprocess, as a user would."""
+    return subprocess.run([sys.executable, "-m", "moe_cluster.coordinator.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, input=input)
+
+
+def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None:
+    """Exit code 2, one line on stderr that names the problem, no traceback."""
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.fixture(scope="session")
+def make_ckpt(tmp_path_factory):
+    """make_ckpt(arch, layout="mlx", dtype="float32", quantize=None, **spec) -> checkpoint folder (cached)."""
+    from moe_cluster.node.demo.archs import ARCHS as SPECS
+    from moe_cluster.node.demo.make import DemoSpec, make_checkpoint
+
+    cache: dict = {}
+
+    def make(arch: str, layout: str = "mlx", dtype: str = "float32", quantize: int | None = None, **kw) -> Path:
+        key = (arch, layout, dtype, quantize, tuple(sorted(kw.items())))
+        if key not in cache:
+            kw.setdefault("layers", max(2, SPECS[arch].min_layers))
+            kw.setdefault("shard_bytes", 300_000)  # several files even for tiny models
+            spec = DemoSpec(arch, dtype=dtype, quantize=quantize, layout=layout, **kw)
+            out = tmp_path_factory.mktemp(f"{arch}-{layout}-{dtype}-{quantize or 'noq'}")
+            make_checkpoint(spec, out)
+            cache[key] = out
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """reference(path, prompt_ids, max_tokens) -> (tokens, logits) of stock mlx-lm, cached."""
+    from moe_cluster.coordinator.simulate import reference as ref
+    from moe_cluster.node.engine import Sampling
+
+    cache: dict = {}
+
+    def get(path: Path, prompt: tuple[int, ...], max_tokens: int = 32):
+        key = (str(path), prompt, max_tokens)
+        if key not in cache:
+            cache[key] = ref(str(path), list(prompt), Sampling(max_tokens=max_tokens), ())
+        return cache[key]
+
+    return get

@@ -1,0 +1,68 @@
+"""`moe-cluster run`: single-node generation, equal to mlx_lm.generate, and its error paths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import ARCHS, assert_one_line_error, cli
+
+PROMPT = "Shall I compare thee to a summer's day?"
+
+
+def _stock_tokens(path, prompt, max_tokens):
+    from mlx_lm import load, stream_generate
+
+    model, tok = load(str(path))
+    return [r.token for r in stream_generate(model, tok, prompt, max_tokens=max_tokens)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_equal_mlx_lm_generate(arch, make_ckpt):
+    path = make_ckpt(arch)
+    r = cli("run", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "24", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert set(out) >= {"text", "tokens", "prompt_tps", "generation_tps", "peak_memory_bytes"}
+    assert out["tokens"] == _stock_tokens(path, PROMPT, 24)
+    assert out["peak_memory_bytes"] > 0 and out["generation_tps"] > 0
+
+
+def test_sampling_is_repeatable_with_a_seed(make_ckpt):
+    path = make_ckpt("mixtral")
+    args = ["run", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "16", "--temperature", "0.8",
+            "--top-p", "0.9", "--seed", "11", "--json"]
+    a, b = (json.loads(cli(*args).stdout)["tokens"] for _ in range(2))
+    assert a == b
+
+
+def test_plain_output_has_text_then_figures(make_ckpt):
+    r = cli("run", "--model", str(make_ckpt("qwen3_moe")), "--prompt", PROMPT, "--max-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    assert "Generation:" in r.stderr and "tokens/s" in r.stderr and "Peak memory" in r.stderr
+
+
+def test_errors(tmp_path, make_ckpt):
+    assert_one_line_error(cli("run", "--model", str(tmp_path / "nope"), "--prompt", "hi"), "does not exist")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(cli("run", "--model", str(tmp_path / "empty"), "--prompt", "hi"), "not a model checkpoint")
+    src = make_ckpt("mixtral")
+
+    def copy(name, config_text):
+        d = tmp_path / name
+        d.mkdir()
+        for f in src.iterdir():
+            (d / f.name).write_bytes(f.read_bytes())
+        (d / "config.json").write_text(config_text)
+        return d
+
+    config = json.loads((src / "config.json").read_text())
+    unknown = copy("unknown", json.dumps({**config, "model_type": "frobnicator"}))
+    assert_one_line_error(cli("run", "--model", str(unknown), "--prompt", "hi"), "unknown architecture", "frobnicator")
+    bad_json = copy("badjson", "{ this is not json")
+    assert_one_line_error(cli("run", "--model", str(bad_json), "--prompt", "hi"), "config.json is malformed")
+    missing = {k: v for k, v in config.items() if k != "hidden_size"}
+    partial = copy("partial", json.dumps({**missing, "model_type": "qwen3_moe"}))
+    assert_one_line_error(cli("run", "--model", str(partial), "--prompt", "hi"), "config.json is malformed")
+    assert_one_line_error(cli("run", "--model", str(src), "--prompt", "hi", "--top-p", "1.5"), "top_p")
