@@ -1,0 +1,429 @@
+"""The coordinator's HTTP API: OpenAI-compatible completions and chat, health, metrics, cluster control.
+
+Built on aiohttp. Errors use OpenAI's JSON shape. Requests are served one at a time in arrival
+order (the queue depth is in /metrics and /v1/cluster/status); a client that goes away cancels its
+generation on every node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from aiohttp import web
+
+from ..node.engine import Sampling
+from ..node.runtime import GenerateRequest
+from .client import ClusterError
+from .cluster import Cluster, Outcome, QueueFull
+from .metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> web.Response:
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return web.json_response(body, status=self.status)
+
+
+@dataclass
+class ServingOptions:
+    model_id: str
+    context_length: int
+    default_max_tokens: int = 256
+    api_key: str | None = field(default=None, repr=False)
+    on_shutdown: Callable[[], None] | None = None
+
+
+# -- request parsing -------------------------------------------------------------------------
+
+
+def _field(body: dict, name: str, types: tuple, default: Any = None, *, check=None, what: str = "") -> Any:
+    if name not in body or body[name] is None:
+        return default
+    value = body[name]
+    if isinstance(value, bool) and bool not in types:
+        raise ApiError(400, f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)}", param=name)
+    if not isinstance(value, types):
+        raise ApiError(400, f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)}", param=name)
+    if check is not None and not check(value):
+        raise ApiError(400, f"'{name}' is out of range ({value!r}): must be {what}", param=name)
+    return value
+
+
+def parse_sampling(body: dict, default_max_tokens: int) -> tuple[Sampling, list[str], bool]:
+    max_tokens = _field(body, "max_tokens", (int,), default_max_tokens, check=lambda v: v >= 1, what="an integer >= 1")
+    max_tokens = _field(body, "max_completion_tokens", (int,), max_tokens, check=lambda v: v >= 1,
+                        what="an integer >= 1")
+    temperature = float(_field(body, "temperature", (int, float), 0.0, check=lambda v: 0 <= v <= 2,
+                               what="a number in [0, 2]"))
+    top_p = float(_field(body, "top_p", (int, float), 1.0, check=lambda v: 0 < v <= 1, what="a number in (0, 1]"))
+    seed = _field(body, "seed", (int,), None, what="an integer")
+    stop = body.get("stop")
+    if stop is None:
+        stops = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
+        stops = list(stop)
+    else:
+        raise ApiError(400, "'stop' must be a string or a list of up to 4 strings", param="stop")
+    stops = [s for s in stops if s]
+    stream = _field(body, "stream", (bool,), False, what="a boolean")
+    n = _field(body, "n", (int,), 1, check=lambda v: v == 1, what="1 (one choice per request)")
+    del n
+    return Sampling(max_tokens, temperature, top_p, seed), stops, stream
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return body
+
+
+# -- the app ---------------------------------------------------------------------------------
+
+
+class Api:
+    def __init__(self, cluster: Cluster, tokenizer, options: ServingOptions, metrics: Metrics | None = None):
+        self.cluster = cluster
+        self.tokenizer = tokenizer
+        self.options = options
+        self.metrics = metrics or Metrics()
+        self.created = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=16 << 20)
+        app.add_routes([
+            web.get("/health", self.health),
+            web.get("/metrics", self.prometheus),
+            web.get("/v1/models", self.models),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+            web.get("/v1/cluster/status", self.status),
+            web.post("/v1/cluster/shutdown", self.shutdown),
+        ])
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return exc.response()
+        except web.HTTPException as exc:
+            if exc.status >= 400:
+                return ApiError(exc.status, exc.reason or "error", "invalid_request_error").response()
+            raise
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        key = self.options.api_key
+        if key and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            import hmac
+
+            if not token or not hmac.compare_digest(token.encode(), key.encode()):
+                raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                               "authentication_error", code="invalid_api_key")
+        return await handler(request)
+
+    # -- simple endpoints ----------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        s = self.cluster.status()
+        body = {"status": s["state"], "reason": s["reason"],
+                "nodes": {n["name"]: n["state"] for n in s["nodes"]}}
+        return web.json_response(body, status=200 if s["state"] == "ready" else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.options.model_id, "object": "model", "created": self.created, "owned_by": "moe-cluster"}]})
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.cluster.status())
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(text=self.metrics.render(self.cluster), content_type="text/plain", charset="utf-8")
+
+    async def shutdown(self, request: web.Request) -> web.Response:
+        if self.options.on_shutdown is not None:
+            asyncio.get_running_loop().call_later(0.1, self.options.on_shutdown)
+        return web.json_response({"ok": True, "message": "shutting down"})
+
+    # -- generation ----------------------------------------------------------------------------
+
+    def _check_model(self, body: dict) -> None:
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, "'model' must be a string", param="model")
+        if model and model != self.options.model_id:
+            raise ApiError(404, f"The model '{model}' does not exist (this cluster serves '{self.options.model_id}')",
+                           param="model", code="model_not_found")
+
+    def _check_context(self, prompt_ids: list[int], sampling: Sampling) -> None:
+        ctx = self.options.context_length
+        if len(prompt_ids) + sampling.max_tokens > ctx:
+            raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                                f"{len(prompt_ids) + sampling.max_tokens} tokens ({len(prompt_ids)} in the prompt, "
+                                f"{sampling.max_tokens} for the completion).",
+                           param="max_tokens" if len(prompt_ids) < ctx else "messages",
+                           code="context_length_exceeded")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        self._check_model(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        elif isinstance(prompt, str) and prompt:
+            ids = self.tokenizer.encode(prompt, add_special_tokens=self.tokenizer.bos_token is None or
+                                        not prompt.startswith(self.tokenizer.bos_token))
+        else:
+            raise ApiError(400, "'prompt' must be a non-empty string (or a list of token ids)", param="prompt")
+        sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
+        return await self._serve(request, ids, sampling, stops, stream, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_body(request)
+        self._check_model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+                raise ApiError(400, f"messages[{i}] must have a role of system, user, assistant or tool",
+                               param=f"messages[{i}].role")
+            content = m.get("content")
+            if isinstance(content, list):  # [{"type": "text", "text": ...}]
+                try:
+                    content = "".join(part["text"] for part in content if part.get("type") == "text")
+                except (TypeError, KeyError, AttributeError):
+                    raise ApiError(400, f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}",
+                                   param=f"messages[{i}].content") from None
+            if not isinstance(content, str):
+                raise ApiError(400, f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+            clean.append({"role": m["role"], "content": content})
+        try:
+            ids = self.tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
+        except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages
+            raise ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+        sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
+        return await self._serve(request, list(ids), sampling, stops, stream, chat=True)
+
+    async def _serve(self, request: web.Request, ids: list[int], sampling: Sampling, stops: list[str],
+                     stream: bool, chat: bool) -> web.StreamResponse:
+        self._check_context(ids, sampling)
+        try:
+            self.cluster.check_ready()
+        except ClusterError as exc:
+            raise ApiError(503, str(exc), "service_unavailable", code="cluster_degraded") from None
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        eos = tuple(self.tokenizer.eos_token_ids)
+        req = GenerateRequest(rid, tuple(ids), sampling, eos)
+        gen = _Generation(self, req, stops)
+        if stream:
+            return await self._stream(request, gen, chat)
+        text, outcome = await gen.run()
+        return web.json_response(self._final(gen, text, outcome, chat))
+
+    def _usage(self, gen: "_Generation", outcome: Outcome) -> dict:
+        n = len(outcome.tokens)
+        return {"prompt_tokens": len(gen.req.prompt), "completion_tokens": n, "total_tokens": len(gen.req.prompt) + n}
+
+    def _extra(self, gen: "_Generation", outcome: Outcome) -> dict:
+        d = outcome.done
+        t = d.timings if d else None
+        return {
+            "tokens": outcome.tokens,
+            "cached_tokens": d.cached_tokens if d else 0,
+            "prompt_tps": (len(gen.req.prompt) / t.prompt_s) if t and t.prompt_s else 0.0,
+            "generation_tps": (max(len(outcome.tokens), 1) / t.generation_s) if t and t.generation_s else 0.0,
+            "time_to_first_token_s": gen.ttft,
+            "counters": dict(d.counters) if d else {},
+        }
+
+    def _final(self, gen: "_Generation", text: str, outcome: Outcome, chat: bool) -> dict:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": gen.req.request_id, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": self.options.model_id, "choices": [choice],
+                "usage": self._usage(gen, outcome), "moe_cluster": self._extra(gen, outcome)}
+
+    async def _stream(self, request: web.Request, gen: "_Generation", chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await gen.start()  # errors before the first byte are still proper HTTP errors
+        await resp.prepare(request)
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {}
+                if first:
+                    delta["role"] = "assistant"
+                if delta_text:
+                    delta["content"] = delta_text
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+            body = {"id": gen.req.request_id, "object": obj, "created": created, "model": self.options.model_id,
+                    "choices": [choice]}
+            return f"data: {json.dumps(body)}\n\n".encode()
+
+        try:
+            if chat:
+                await resp.write(chunk(None, None, first=True))
+            async for piece in gen.pieces():
+                await resp.write(chunk(piece, None))
+            text, outcome = gen.text, gen.outcome
+            if outcome.error:
+                err = {"error": {"message": outcome.error, "type": "server_error", "param": None, "code": "cluster_error"}}
+                await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+            else:
+                final = chunk(None, gen.finish_reason)
+                body = json.loads(final[6:])
+                body["usage"] = self._usage(gen, outcome)
+                body["moe_cluster"] = self._extra(gen, outcome)
+                await resp.write(f"data: {json.dumps(body)}\n\n".encode())
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            await gen.abort()
+            raise
+        return resp
+
+
+class _Generation:
+    """One request's detokenisation, stop strings and bookkeeping around Cluster.generate."""
+
+    def __init__(self, api: Api, req: GenerateRequest, stops: list[str]):
+        self.api = api
+        self.req = req
+        self.stops = stops
+        self.outcome = Outcome()
+        self.text = ""
+        self.finish_reason = "length"
+        self.ttft: float | None = None
+        self._detok = copy.copy(api.tokenizer.detokenizer)
+        self._detok.reset()
+        self._iter = None
+        self._first = None
+        self._t0 = time.perf_counter()
+        self._sent = 0  # characters of text already handed out
+        self._stopped = False
+
+    async def start(self) -> None:
+        """Queue the request and wait for its first token (or its end), mapping failures to HTTP."""
+        self._iter = self.api.cluster.generate(self.req, self.outcome).__aiter__()
+        self.api.metrics.queue_changed(self.api.cluster.queue_depth)
+        try:
+            self._first = await self._iter.__anext__()
+            self.ttft = time.perf_counter() - self._t0
+        except StopAsyncIteration:
+            self._first = None
+        except QueueFull as exc:
+            raise ApiError(429, str(exc), "rate_limit_error", code="queue_full") from None
+        except ClusterError as exc:
+            raise ApiError(503, str(exc), "service_unavailable", code="cluster_degraded") from None
+        except asyncio.CancelledError:
+            await self.abort()
+            raise
+
+    async def pieces(self):
+        """Text deltas as they become final (held back while a stop string might be forming)."""
+        hold = max((len(s) for s in self.stops), default=1) - 1
+        if self._first is not None:
+            self._add(self._first)
+            self._first = None
+            piece = self._take(hold)
+            if piece:
+                yield piece
+        if not self._stopped:
+            async for token in self._iter:
+                self._add(token)
+                piece = self._take(hold)
+                if piece:
+                    yield piece
+                if self._stopped:
+                    break
+        if self._stopped:
+            await self.abort()
+        else:
+            self._detok.finalize()
+            self.text = self._detok.text
+        tail = self.text[self._sent:]
+        self._sent = len(self.text)
+        self._finish()
+        if tail:
+            yield tail
+
+    def _add(self, token: int) -> None:
+        self._detok.add_token(token)
+        text = self._detok.text
+        for s in self.stops:
+            i = text.find(s, max(0, self._sent - len(s)))
+            if i >= 0:
+                self.text = text[:i]
+                self._stopped = True
+                self.finish_reason = "stop"
+                return
+        self.text = text
+
+    def _take(self, hold: int) -> str:
+        end = len(self.text) - hold if self.stops and not self._stopped else len(self.text)
+        if end <= self._sent:
+            return ""
+        piece = self.text[self._sent:end]
+        self._sent = end
+        return piece
+
+    def _finish(self) -> None:
+        d = self.outcome.done
+        if not self._stopped and d is not None:
+            self.finish_reason = "stop" if d.finish_reason == "stop" else "length"
+        self.api.metrics.finished(self)
+
+    async def run(self) -> tuple[str, Outcome]:
+        await self.start()
+        try:
+            async for _ in self.pieces():
+                pass
+        except asyncio.CancelledError:
+            await self.abort()
+            raise
+        if self.outcome.error:
+            raise ApiError(503 if "degraded" in self.outcome.error or "down" in self.outcome.error else 500,
+                           f"generation failed: {self.outcome.error}", "server_error", code="cluster_error")
+        return self.text, self.outcome
+
+    async def abort(self) -> None:
+        """Stop this request on every node (client gone, or a stop string reached)."""
+        await self.api.cluster.cancel(self.req.request_id)
+        if self._iter is not None:
+            try:
+                await self._iter.aclose()
+            except (RuntimeError, ClusterError):
+                pass

@@ -1,0 +1,131 @@
+"""`moe-cluster bench prompt-cache`: time to first token of a follow-up chat turn, cache on vs off.
+
+A multi-turn chat shares a long prefix (a system prompt and earlier turns, >= 1,000 tokens). With
+the nodes' prompt cache, the follow-up turn prefills only its new tokens. The benchmark starts two
+local clusters in one run, identical but for the cache budget, plays the same conversation on
+both, and reports the follow-up turn's time to first token on each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+READY = re.compile(r"moe-cluster ready: (http://\S+)")
+
+
+@contextmanager
+def local_cluster(nodes: int, model: str, prompt_cache: str, timeout_s: float = 300):
+    """Start `moe-cluster up` on a temporary local cluster; yields its URL; stops it after."""
+    with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
+        cfg = Path(tmp) / "cluster.yaml"
+        names = "\n".join(f"  - name: bench-{i}" for i in range(nodes))
+        cfg.write_text(f"name: bench\nmodel: {model}\nlaunch: local\nnodes:\n{names}\n"
+                       f"serving:\n  prompt_cache: {prompt_cache}\n  prefill_chunk: 512\n")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_RUNTIME_DIR=tmp)
+        proc = subprocess.Popen([sys.executable, "-m", "moe_cluster.coordinator.cli", "up", str(cfg), "--api-port", "0",
+                                 "--log-dir", str(Path(tmp) / "logs")], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+        url = None
+        try:
+            deadline = time.monotonic() + timeout_s
+            for line in proc.stdout:
+                m = READY.search(line)
+                if m:
+                    url = m.group(1)
+                    break
+                if time.monotonic() > deadline:
+                    break
+            if url is None:
+                raise RuntimeError(f"benchmark cluster did not start (exit code {proc.poll()})")
+            yield url
+        finally:
+            if url:
+                try:
+                    urllib.request.urlopen(urllib.request.Request(url + "/v1/cluster/shutdown", data=b"{}",
+                                                                  method="POST"), timeout=10).read()
+                except OSError:
+                    pass
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _ttft(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
+    """(seconds to the first streamed text, the full answer, usage) of one chat turn."""
+    from .chat import stream_chat
+
+    t0 = time.perf_counter()
+    first, text, extra = None, [], {}
+    for event in stream_chat(url, messages, max_tokens=max_tokens, temperature=0.0, top_p=1.0, seed=None):
+        delta = event["choices"][0].get("delta", {}).get("content")
+        if delta and first is None:
+            first = time.perf_counter() - t0
+        if delta:
+            text.append(delta)
+        extra = event.get("moe_cluster") or extra
+    return (first if first is not None else time.perf_counter() - t0), "".join(text), extra
+
+
+def conversation(prefix_tokens: int) -> tuple[list[dict], list[str]]:
+    """A system prompt of about `prefix_tokens` tokens of the demo corpus, and two user turns."""
+    from ..node.demo.tokenizer import corpus_texts
+
+    text = corpus_texts()[0]
+    # ~3.3 characters per token for the demo tokenizer: take enough text, trimmed later by tokens
+    system = text[: int(prefix_tokens * 4.5)]
+    return [{"role": "system", "content": "You are a scholar of this text:\n" + system}], [
+        "Which line do you like best?", "And why that one?"]
+
+
+def run(nodes: int, model: str, prefix_tokens: int, max_tokens: int) -> dict:
+    base, turns = conversation(prefix_tokens)
+    results = {}
+    for label, budget in (("without_cache", "0"), ("with_cache", "512MB")):
+        with local_cluster(nodes, model, budget) as url:
+            messages = list(base) + [{"role": "user", "content": turns[0]}]
+            _, answer, _ = _ttft(url, messages, max_tokens)
+            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": turns[1]}]
+            ttft, _, extra = _ttft(url, messages, max_tokens)
+            results[label] = {"follow_up_ttft_s": ttft, "cached_tokens": extra.get("cached_tokens", 0)}
+    prompt_tokens = _count_tokens(model, base + [{"role": "user", "content": turns[0]}])
+    return {
+        "nodes": nodes,
+        "model": model,
+        "shared_prefix_tokens": prompt_tokens,
+        "without_cache_ttft_s": results["without_cache"]["follow_up_ttft_s"],
+        "with_cache_ttft_s": results["with_cache"]["follow_up_ttft_s"],
+        "speedup": results["without_cache"]["follow_up_ttft_s"] / results["with_cache"]["follow_up_ttft_s"],
+        "cached_tokens": results["with_cache"]["cached_tokens"],
+    }
+
+
+def _count_tokens(model: str, messages: list[dict]) -> int:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from ..node.checkpoint import Checkpoint
+
+    tok = load_tokenizer(Checkpoint.open(model).path)
+    return len(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+
+
+def main(args) -> int:
+    out = run(args.nodes, args.model, args.prefix_tokens, args.max_tokens)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"follow-up turn after a {out['shared_prefix_tokens']}-token shared prefix on {out['nodes']} nodes: "
+          f"time to first token {out['without_cache_ttft_s']:.3f}s without the prompt cache, "
+          f"{out['with_cache_ttft_s']:.3f}s with it ({out['speedup']:.1f}x; {out['cached_tokens']} tokens reused)")
+    return 0

@@ -1,0 +1,360 @@
+"""`cluster.yaml`: the cluster a user describes, validated strictly.
+
+Every error names the file, the line and the key, in one line; unknown keys are errors (with a
+suggestion when one is close). Sizes take units ("1GB", "512MiB") and durations take "ms", "s",
+"m" ("5s"). The secret is never in the file: it comes from an environment variable or a file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import types
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """An invalid cluster.yaml; the message is one line: FILE:LINE: KEY: problem."""
+
+
+class Size(int):
+    """Bytes, written with an optional unit."""
+
+
+class Duration(float):
+    """Seconds, written with an optional unit."""
+
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_TIME_UNITS = {"": 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    name: str
+    # host or host:port of the node agent; omitted: found by mDNS (launch: remote) or 127.0.0.1 (local)
+    address: str | None = None
+    port: int | None = None  # agent port (local launch: chosen free if omitted)
+    envoy_port: int | None = None  # envoy port (chosen free if omitted)
+    memory: Size | None = None  # override the memory the node reports (bytes)
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    strategy: Literal["even", "memory", "profile"] = "memory"
+    profile: str | None = None  # routing profile JSON from `moe-cluster profile`
+    memory_fraction: float = 0.75  # of each node's memory usable for weights and caches
+    kv_reserve: Size = Size(512 * 2**20)  # bytes kept free per node for the KV / prompt cache
+    replicate: bool = True  # with a profile: copy the hottest experts into spare memory
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key_env: str | None = None  # name of the environment variable holding the API key
+    api_key_file: str | None = None
+
+
+@dataclass(frozen=True)
+class SecretConfig:
+    env: str | None = "MOE_CLUSTER_SECRET"  # environment variable holding the cluster secret
+    file: str | None = None  # or a file holding it
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    cert: str
+    key: str
+    ca: str | None = None
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    # mDNS only on these interfaces (names or IPv4 addresses); empty: all of them
+    interfaces: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    discovery: Duration = Duration(30.0)  # finding remote nodes
+    load: Duration = Duration(600.0)  # loading the shards
+    collective: Duration = Duration(5.0)  # a step fails after this long without a peer
+    heartbeat: Duration = Duration(1.0)  # between health checks
+    request: Duration = Duration(600.0)  # one generation, end to end
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    prefill_chunk: int = 512  # tokens per prefill chunk (bounds attention and all-reduce size)
+    prompt_cache: Size = Size(256 * 2**20)  # KV prefix cache budget per node, bytes
+    queue: int = 16  # requests waiting at most; more get 429
+    max_tokens: int = 256  # default when a request does not say
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    nodes: list[NodeConfig]
+    model: str = "demo"
+    name: str = "moe-cluster"
+    launch: Literal["local", "remote"] = "local"
+    transport: Literal["envoy", "mlx"] = "envoy"
+    keepalive: Literal["none", "lru", "busy"] = "lru"
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
+    secret: SecretConfig = field(default_factory=SecretConfig)
+    tls: TlsConfig | None = None
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    serving: ServingConfig = field(default_factory=ServingConfig)
+    source: str = "cluster.yaml"  # where it was read from (not a key)
+
+
+def _parse_units(text: str, units: dict[str, float], what: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m[2].lower() not in units:
+        raise ValueError(f"{text!r} is not a {what} (e.g. {'1GB, 512MiB' if what == 'size' else '500ms, 5s, 2m'})")
+    return float(m[1]) * units[m[2].lower()]
+
+
+class _Reader:
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, node: yaml.Node, key: str, problem: str) -> ConfigError:
+        line = node.start_mark.line + 1 if node is not None else 1
+        return ConfigError(f"{self.source}:{line}: {key}: {problem}" if key else f"{self.source}:{line}: {problem}")
+
+    def read(self, node: yaml.Node, tp: Any, key: str) -> Any:
+        origin = get_origin(tp)
+        if origin is Union or origin is types.UnionType:
+            options = [a for a in get_args(tp) if a is not type(None)]
+            if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null":
+                if type(None) in get_args(tp):
+                    return None
+            return self.read(node, options[0], key)
+        if origin is Literal:
+            value = self.scalar(node, key, str)
+            if value not in get_args(tp):
+                raise self.fail(node, key, f"must be one of {', '.join(get_args(tp))} (got {value!r})")
+            return value
+        if origin is list:
+            if not isinstance(node, yaml.SequenceNode):
+                raise self.fail(node, key, "must be a list")
+            (item,) = get_args(tp)
+            return [self.read(n, item, f"{key}[{i}]") for i, n in enumerate(node.value)]
+        if isinstance(tp, type) and hasattr(tp, "__dataclass_fields__"):
+            return self.dataclass(node, tp, key)
+        return self.scalar(node, key, tp)
+
+    def scalar(self, node: yaml.Node, key: str, tp: type) -> Any:
+        if not isinstance(node, yaml.ScalarNode):
+            raise self.fail(node, key, f"must be a single value, not a {'list' if isinstance(node, yaml.SequenceNode) else 'mapping'}")
+        value = yaml.safe_load(yaml.serialize(node)) if node.tag != "tag:yaml.org,2002:str" else node.value
+        try:
+            if tp is Size:
+                n = value if isinstance(value, int) and not isinstance(value, bool) else _parse_units(str(value), _SIZE_UNITS, "size")
+                if n < 0:
+                    raise ValueError("must not be negative")
+                return Size(int(n))
+            if tp is Duration:
+                t = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else _parse_units(str(value), _TIME_UNITS, "duration")
+                if t <= 0:
+                    raise ValueError("must be positive")
+                return Duration(t)
+        except ValueError as exc:
+            raise self.fail(node, key, str(exc)) from None
+        if tp is bool:
+            if not isinstance(value, bool):
+                raise self.fail(node, key, f"must be true or false (got {node.value!r})")
+            return value
+        if tp is int:
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise self.fail(node, key, f"must be a whole number (got {node.value!r})")
+            return value
+        if tp is float:
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise self.fail(node, key, f"must be a number (got {node.value!r})")
+            return float(value)
+        if tp is str:
+            if value is None or isinstance(value, (dict, list)):
+                raise self.fail(node, key, "must be a string")
+            return str(node.value)
+        raise AssertionError(f"unsupported config type {tp}")
+
+    def dataclass(self, node: yaml.Node, cls: type, key: str) -> Any:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.fail(node, key, "must be a mapping of keys to values")
+        hints = get_type_hints(cls, include_extras=False)
+        known = {f.name: f for f in fields(cls) if f.name != "source"}
+        values: dict[str, Any] = {}
+        seen: dict[str, yaml.Node] = {}
+        for knode, vnode in node.value:
+            name = str(knode.value)
+            full = f"{key}.{name}" if key else name
+            if name not in known:
+                hint = difflib.get_close_matches(name, known, n=1)
+                raise self.fail(knode, full, "unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else
+                                                            f" (known: {', '.join(known)})"))
+            if name in seen:
+                raise self.fail(knode, full, "given twice")
+            seen[name] = knode
+            values[name] = self.read(vnode, hints[name], full)
+        for name, f in known.items():
+            if name not in values and f.default is MISSING and f.default_factory is MISSING:
+                raise self.fail(node, f"{key}.{name}" if key else name, "is required")
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as exc:
+            raise self.fail(node, key, str(exc)) from None
+
+
+def load_config(path: str | os.PathLike) -> ClusterConfig:
+    """Read and validate a cluster.yaml; raises ConfigError with FILE:LINE: KEY: problem."""
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such file") from None
+    except OSError as exc:
+        raise ConfigError(f"{source}: cannot read ({exc.strerror})") from None
+    return parse_config(text, source)
+
+
+def parse_config(text: str, source: str = "cluster.yaml") -> ClusterConfig:
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f"{mark.line + 1}" if mark else "1"
+        raise ConfigError(f"{source}:{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if root is None:
+        raise ConfigError(f"{source}:1: the file is empty; it needs at least `nodes:`")
+    reader = _Reader(source)
+    config = reader.dataclass(root, ClusterConfig, "")
+    _check(config, root, reader)
+    return _with_source(config, source)
+
+
+def _with_source(config: ClusterConfig, source: str) -> ClusterConfig:
+    from dataclasses import replace
+
+    return replace(config, source=source)
+
+
+def _find(root: yaml.Node, *path: str | int) -> yaml.Node:
+    """The YAML node at a key path (for line numbers of cross-field errors)."""
+    node = root
+    for p in path:
+        if isinstance(p, int) and isinstance(node, yaml.SequenceNode) and p < len(node.value):
+            node = node.value[p]
+        elif isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                if k.value == p:
+                    node = v
+                    break
+            else:
+                return node
+        else:
+            return node
+    return node
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
+    if not c.nodes:
+        raise r.fail(_find(root, "nodes"), "nodes", "needs at least one node")
+    names: dict[str, int] = {}
+    for i, n in enumerate(c.nodes):
+        where = f"nodes[{i}]"
+        if not _NAME.match(n.name):
+            raise r.fail(_find(root, "nodes", i, "name"), f"{where}.name",
+                         f"{n.name!r} must be letters, digits, '.', '_' or '-' (up to 63)")
+        if n.name in names:
+            raise r.fail(_find(root, "nodes", i, "name"), f"{where}.name", f"{n.name!r} is used by nodes[{names[n.name]}] too")
+        names[n.name] = i
+        for attr in ("port", "envoy_port"):
+            port = getattr(n, attr)
+            if port is not None and not 1 <= port <= 65535:
+                raise r.fail(_find(root, "nodes", i, attr), f"{where}.{attr}", f"{port} is not a port (1..65535)")
+        if n.address is not None and not re.fullmatch(r"[A-Za-z0-9_.:\[\]-]+", n.address):
+            raise r.fail(_find(root, "nodes", i, "address"), f"{where}.address", f"{n.address!r} is not a host or host:port")
+    if not 0 < c.placement.memory_fraction <= 1:
+        raise r.fail(_find(root, "placement", "memory_fraction"), "placement.memory_fraction",
+                     f"must be in (0, 1] (got {c.placement.memory_fraction})")
+    if c.placement.strategy == "profile" and not c.placement.profile:
+        raise r.fail(_find(root, "placement", "strategy"), "placement.profile", "strategy 'profile' needs a profile file")
+    if not 1 <= c.api.port <= 65535 and c.api.port != 0:
+        raise r.fail(_find(root, "api", "port"), "api.port", f"{c.api.port} is not a port (1..65535)")
+    if c.api.api_key_env and c.api.api_key_file:
+        raise r.fail(_find(root, "api"), "api", "give api_key_env or api_key_file, not both")
+    secret = _find(root, "secret")
+    if isinstance(secret, yaml.MappingNode) and {"env", "file"} <= {k.value for k, _ in secret.value}:
+        raise r.fail(secret, "secret", "give env or file, not both")
+    if c.serving.prefill_chunk < 16:
+        raise r.fail(_find(root, "serving", "prefill_chunk"), "serving.prefill_chunk",
+                     f"must be at least 16 tokens (got {c.serving.prefill_chunk})")
+    if c.serving.queue < 1:
+        raise r.fail(_find(root, "serving", "queue"), "serving.queue", f"must be at least 1 (got {c.serving.queue})")
+    if c.serving.max_tokens < 1:
+        raise r.fail(_find(root, "serving", "max_tokens"), "serving.max_tokens", f"must be at least 1 (got {c.serving.max_tokens})")
+    if c.launch == "local":
+        remote = [n.name for n in c.nodes if n.address not in (None, "127.0.0.1", "localhost", "::1")
+                  and not str(n.address).startswith(("127.", "localhost:"))]
+        if remote:
+            i = names[remote[0]]
+            raise r.fail(_find(root, "nodes", i, "address"), f"nodes[{i}].address",
+                         "launch: local starts nodes on this machine; a remote address needs launch: remote")
+    if c.model != "demo" and c.launch == "local" and not Path(c.model).expanduser().exists():
+        raise r.fail(_find(root, "model"), "model", f"{c.model} does not exist on this machine")
+
+
+def read_secret(c: ClusterConfig) -> str:
+    """The cluster secret from its file or environment variable; empty means none is set."""
+    if c.secret.file:
+        p = Path(c.secret.file).expanduser()
+        if not p.is_absolute():
+            p = Path(c.source).parent / p
+        try:
+            return p.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{c.source}: secret.file: cannot read {p} ({exc.strerror})") from None
+    if c.secret.env:
+        return os.environ.get(c.secret.env, "")
+    return ""
+
+
+def read_api_key(c: ClusterConfig) -> str | None:
+    if c.api.api_key_file:
+        p = Path(c.api.api_key_file).expanduser()
+        if not p.is_absolute():
+            p = Path(c.source).parent / p
+        try:
+            return p.read_text().strip() or None
+        except OSError as exc:
+            raise ConfigError(f"{c.source}: api.api_key_file: cannot read {p} ({exc.strerror})") from None
+    if c.api.api_key_env:
+        key = os.environ.get(c.api.api_key_env)
+        if not key:
+            raise ConfigError(f"{c.source}: api.api_key_env: environment variable {c.api.api_key_env} is not set")
+        return key
+    return None
+
+
+def validate_main(args) -> int:
+    """`moe-cluster validate FILE`: check a cluster.yaml and summarise it."""
+    c = load_config(args.file)
+    nodes = ", ".join(n.name + (f" ({n.address})" if n.address else "") for n in c.nodes)
+    print(f"{c.source}: ok — {len(c.nodes)} nodes [{nodes}], model {c.model}, launch {c.launch}, "
+          f"transport {c.transport}, keepalive {c.keepalive}, placement {c.placement.strategy}, "
+          f"API http://{c.api.host}:{c.api.port}")
+    return 0

@@ -1,0 +1,137 @@
+"""`launch: local`: start node agents on this machine, restart them if they die, stop them all.
+
+Each agent runs in its own process group (its envoy is its child) and is told to exit with its
+parent, so nothing outlives the coordinator, even after a SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..envoy.auth import SECRET_ENV
+
+logger = logging.getLogger(__name__)
+
+READY = re.compile(rb"moe-cluster node (\S+) ready on port (\d+)")
+
+
+@dataclass
+class LocalNode:
+    name: str
+    port: int
+    log_path: Path
+    memory: int | None = None
+    process: asyncio.subprocess.Process | None = None
+
+
+class Launcher:
+    def __init__(self, secret: str, log_dir: Path, cluster: str, start_timeout_s: float = 60.0):
+        self.secret = secret
+        self.log_dir = log_dir
+        self.cluster = cluster
+        self.start_timeout_s = start_timeout_s
+        self.nodes: dict[str, LocalNode] = {}
+        self._closing = False
+
+    def _command(self, node: LocalNode) -> list[str]:
+        cmd = [sys.executable, "-m", "moe_cluster.coordinator.cli", "node", "--name", node.name,
+               "--host", "127.0.0.1", "--port", str(node.port), "--cluster", self.cluster, "--no-mdns",
+               "--exit-with-parent"]
+        if node.memory:
+            cmd += ["--memory", str(node.memory)]
+        return cmd
+
+    async def start(self, node: LocalNode) -> None:
+        """Start one agent and wait for its ready line."""
+        self.nodes[node.name] = node
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(node.log_path, "ab")
+        env = dict(os.environ, **{SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1"})
+        node.process = await asyncio.create_subprocess_exec(
+            *self._command(node), stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+        log.close()
+        try:
+            line = await asyncio.wait_for(self._ready_line(node), self.start_timeout_s)
+        except asyncio.TimeoutError:
+            await self.stop_one(node)
+            raise RuntimeError(f"node {node.name} did not start within {self.start_timeout_s:.0f} s "
+                               f"(see {node.log_path})") from None
+        if line is None:
+            code = await node.process.wait()
+            tail = node.log_path.read_text(errors="replace").strip().splitlines()[-1:] if node.log_path.exists() else []
+            raise RuntimeError(f"node {node.name} exited with code {code} before it was ready"
+                               + (f": {tail[0]}" if tail else f" (see {node.log_path})"))
+        asyncio.create_task(self._drain(node), name=f"stdout-{node.name}")
+        logger.info("started node %s (pid %d) on port %d", node.name, node.process.pid, node.port)
+
+    async def _ready_line(self, node: LocalNode) -> bytes | None:
+        assert node.process and node.process.stdout
+        while True:
+            line = await node.process.stdout.readline()
+            if not line:
+                return None
+            if READY.search(line):
+                return line
+
+    async def _drain(self, node: LocalNode) -> None:
+        proc = node.process
+        if proc is None or proc.stdout is None:
+            return
+        with open(node.log_path, "ab") as log:
+            while True:
+                line = await proc.stdout.readline()
+                if not line:
+                    return
+                log.write(line)
+
+    def pid(self, name: str) -> int | None:
+        node = self.nodes.get(name)
+        return node.process.pid if node and node.process and node.process.returncode is None else None
+
+    def respawn(self, name: str) -> asyncio.Task | None:
+        """Restart a dead agent in the background (called by the heartbeat)."""
+        node = self.nodes.get(name)
+        if node is None or self._closing:
+            return None
+
+        async def restart():
+            if node.process is not None and node.process.returncode is None:
+                await self.stop_one(node)
+            for attempt in range(5):
+                if self._closing:
+                    return
+                try:
+                    await self.start(node)
+                    return
+                except (RuntimeError, OSError) as exc:
+                    logger.warning("restart of node %s failed (%s); retrying", name, exc)
+                    await asyncio.sleep(0.5 * (attempt + 1))
+
+        return asyncio.create_task(restart(), name=f"respawn-{name}")
+
+    async def stop_one(self, node: LocalNode, grace_s: float = 5.0) -> None:
+        proc = node.process
+        if proc is None or proc.returncode is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                await asyncio.wait_for(proc.wait(), wait)
+                return
+            except asyncio.TimeoutError:
+                continue
+
+    async def close(self) -> None:
+        self._closing = True
+        await asyncio.gather(*(self.stop_one(n) for n in self.nodes.values()), return_exceptions=True)

@@ -1,0 +1,128 @@
+"""Serving metrics in the Prometheus text format (GET /metrics)."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+# Seconds.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+from ..node.experts import ALLREDUCE_BUCKETS  # noqa: E402 - the nodes count into these buckets
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self):
+        if not self.counts:
+            self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def lines(self, name: str, labels: str = "") -> list[str]:
+        out, cum = [], 0
+        sep = "," if labels else ""
+        for le, c in zip(list(self.buckets) + ["+Inf"], self.counts):
+            cum += c
+            out.append(f'{name}_bucket{{{labels}{sep}le="{le}"}} {cum}')
+        lab = f"{{{labels}}}" if labels else ""
+        out.append(f"{name}_sum{lab} {self.total:.9g}")
+        out.append(f"{name}_count{lab} {self.n}")
+        return out
+
+
+def allreduce_histogram(counters: dict) -> Histogram | None:
+    """A node's all-reduce histogram from its Status counters (None if it reports none)."""
+    counts = [int(counters.get(f"allreduce_bucket_{i}", -1)) for i in range(len(ALLREDUCE_BUCKETS) + 1)]
+    if min(counts) < 0:
+        return None
+    return Histogram(ALLREDUCE_BUCKETS, counts, float(counters.get("allreduce_sum_s", 0.0)), sum(counts))
+
+
+class Metrics:
+    def __init__(self):
+        self.requests = {"ok": 0, "error": 0, "cancelled": 0}
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.cache_hits = 0
+        self.cached_tokens = 0
+        self.last_prompt_tps = 0.0
+        self.last_generation_tps = 0.0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.queue_depth = 0
+
+    def queue_changed(self, depth: int) -> None:
+        self.queue_depth = depth
+
+    def finished(self, gen) -> None:
+        """Called once per request by the API with its _Generation."""
+        o = gen.outcome
+        status = "error" if o.error else ("cancelled" if gen.finish_reason == "cancelled" else "ok")
+        self.requests[status] = self.requests.get(status, 0) + 1
+        self.prompt_tokens += len(gen.req.prompt)
+        self.generated_tokens += len(o.tokens)
+        if gen.ttft is not None:
+            self.ttft.observe(gen.ttft)
+        d = o.done
+        if d is not None:
+            if d.cached_tokens:
+                self.cache_hits += 1
+                self.cached_tokens += d.cached_tokens
+            t = d.timings
+            if t.prompt_s:
+                self.last_prompt_tps = len(gen.req.prompt) / t.prompt_s
+            if t.generation_s:
+                self.last_generation_tps = len(o.tokens) / t.generation_s
+
+    def render(self, cluster) -> str:
+        s = cluster.status()
+        lines = [
+            "# HELP moe_cluster_requests_total Generation requests by outcome.",
+            "# TYPE moe_cluster_requests_total counter",
+            *(f'moe_cluster_requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()),
+            "# HELP moe_cluster_prompt_tokens_total Prompt tokens received.",
+            "# TYPE moe_cluster_prompt_tokens_total counter",
+            f"moe_cluster_prompt_tokens_total {self.prompt_tokens}",
+            "# HELP moe_cluster_generated_tokens_total Tokens generated.",
+            "# TYPE moe_cluster_generated_tokens_total counter",
+            f"moe_cluster_generated_tokens_total {self.generated_tokens}",
+            "# HELP moe_cluster_prompt_tokens_per_second Prompt throughput of the last request.",
+            "# TYPE moe_cluster_prompt_tokens_per_second gauge",
+            f"moe_cluster_prompt_tokens_per_second {self.last_prompt_tps:.3f}",
+            "# HELP moe_cluster_generation_tokens_per_second Generation throughput of the last request.",
+            "# TYPE moe_cluster_generation_tokens_per_second gauge",
+            f"moe_cluster_generation_tokens_per_second {self.last_generation_tps:.3f}",
+            "# HELP moe_cluster_time_to_first_token_seconds Time from request to first token.",
+            "# TYPE moe_cluster_time_to_first_token_seconds histogram",
+            *self.ttft.lines("moe_cluster_time_to_first_token_seconds"),
+            "# HELP moe_cluster_prompt_cache_hits_total Requests that reused a cached prefix.",
+            "# TYPE moe_cluster_prompt_cache_hits_total counter",
+            f"moe_cluster_prompt_cache_hits_total {self.cache_hits}",
+            "# HELP moe_cluster_prompt_cache_reused_tokens_total Prompt tokens served from the prompt cache.",
+            "# TYPE moe_cluster_prompt_cache_reused_tokens_total counter",
+            f"moe_cluster_prompt_cache_reused_tokens_total {self.cached_tokens}",
+            "# HELP moe_cluster_queue_depth Requests running or waiting.",
+            "# TYPE moe_cluster_queue_depth gauge",
+            f"moe_cluster_queue_depth {s['queue_depth']}",
+            "# HELP moe_cluster_node_up 1 if the node is loaded and answering.",
+            "# TYPE moe_cluster_node_up gauge",
+            *(f'moe_cluster_node_up{{node="{n["name"]}"}} {1 if n["state"] == "ready" else 0}' for n in s["nodes"]),
+            "# HELP moe_cluster_ready 1 if the cluster serves requests.",
+            "# TYPE moe_cluster_ready gauge",
+            f"moe_cluster_ready {1 if s['state'] == 'ready' else 0}",
+        ]
+        hist = getattr(cluster, "allreduce_histograms", {})
+        if hist:
+            lines += ["# HELP moe_cluster_allreduce_seconds Latency of one MoE layer's all-reduce, per node.",
+                      "# TYPE moe_cluster_allreduce_seconds histogram"]
+            for node, h in sorted(hist.items()):
+                lines += h.lines("moe_cluster_allreduce_seconds", f'node="{node}"')
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,207 @@
+"""Placement planning: which experts each node holds, from memory budgets and a routing profile.
+
+Pure functions. Each node's budget is its memory × fraction − the replicated weights − the KV
+reserve; experts are split in proportion to the budgets. With a routing profile the hot experts
+are spread so every node expects the same load, and the hottest are copied into spare memory;
+`node.routing.assign` then decides, identically on every node, which copy computes a selection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+from ..node.placement import Placement, PlacementError
+
+__all__ = ["ModelFootprint", "NodeBudget", "PlacementPlan", "PlacementError", "plan_placement", "proportional_counts"]
+
+
+@dataclass(frozen=True)
+class NodeBudget:
+    name: str
+    memory_bytes: int  # what the node has for the model (unified memory)
+
+
+@dataclass(frozen=True)
+class ModelFootprint:
+    """Bytes a node needs: replicated weights, and one expert of each MoE layer."""
+
+    replicated_bytes: int
+    expert_bytes: Mapping[int, int]  # MoE layer -> bytes of one routed expert
+    num_experts: Mapping[int, int]  # MoE layer -> routed experts
+
+    @property
+    def expert_set_bytes(self) -> int:
+        """One expert in every MoE layer (what one more expert per layer costs a node)."""
+        return sum(self.expert_bytes.values())
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    placement: Placement
+    budgets: tuple[int, ...]  # bytes available for experts, per rank
+    used: tuple[int, ...]  # bytes the plan puts on each rank (replicated + experts + KV reserve)
+    available: tuple[int, ...]  # memory × fraction, per rank
+    replicas: tuple[int, ...] = ()  # extra expert copies per rank (per layer)
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def proportional_counts(total: int, weights: Sequence[float], caps: Sequence[int]) -> list[int]:
+    """Split `total` items in proportion to `weights` (largest remainder), never above `caps`."""
+    n = len(weights)
+    if sum(caps) < total:
+        raise PlacementError(f"cannot place {total} experts in capacities {list(caps)}")
+    wsum = sum(weights) or 1.0
+    raw = [total * w / wsum for w in weights]
+    counts = [min(int(x), c) for x, c in zip(raw, caps)]
+    order = sorted(range(n), key=lambda i: (-(raw[i] - int(raw[i])), i))
+    i = 0
+    while sum(counts) < total:
+        r = order[i % n]
+        if counts[r] < caps[r]:
+            counts[r] += 1
+        i += 1
+        if i > 10 * n * (total + 1):  # unreachable given sum(caps) >= total
+            raise PlacementError("proportional split did not converge")
+    return counts
+
+
+def _assign_ids(num_experts: int, counts: Sequence[int], load: Sequence[float] | None) -> dict[int, list[int]]:
+    """Which expert ids each rank holds, `counts[r]` of them.
+
+    Without a profile: contiguous blocks. With expected loads: hottest first, each to the rank
+    with the least expected load among those with room (ties to the lower rank).
+    """
+    if load is None:
+        out, start = {}, 0
+        for r, c in enumerate(counts):
+            out[r] = list(range(start, start + c))
+            start += c
+        return out
+    out = {r: [] for r in range(len(counts))}
+    total = [0.0] * len(counts)
+    for e in sorted(range(num_experts), key=lambda e: (-load[e], e)):
+        room = [r for r in out if len(out[r]) < counts[r]]
+        r = min(room, key=lambda r: (total[r] / max(counts[r], 1), total[r], r))
+        out[r].append(e)
+        total[r] += load[e]
+    return {r: sorted(es) for r, es in out.items()}
+
+
+def _replicate(held: dict[int, list[int]], slots: Sequence[int], load: Sequence[float]) -> dict[int, list[int]]:
+    """Copy the hottest experts into free slots: each goes to the rank with the least expected
+    load (an expert's load shared by its holders) that lacks it, until the slots run out."""
+    held = {r: list(es) for r, es in held.items()}
+    free = list(slots)
+    holders: dict[int, list[int]] = {}
+    for r, es in held.items():
+        for e in es:
+            holders.setdefault(e, []).append(r)
+    share = {r: sum(load[e] / len(holders[e]) for e in es) for r, es in held.items()}
+    for e in sorted(range(len(load)), key=lambda e: (-load[e], e)):
+        if not any(free):
+            break
+        candidates = [r for r in held if free[r] > 0 and r not in holders.get(e, [])]
+        if not candidates:
+            continue
+        r = min(candidates, key=lambda r: (share[r], r))
+        k = len(holders.setdefault(e, []))
+        for h in holders[e]:
+            share[h] -= load[e] / k - load[e] / (k + 1)
+        holders[e].append(r)
+        share[r] += load[e] / (k + 1)
+        held[r].append(e)
+        free[r] -= 1
+    return {r: sorted(es) for r, es in held.items()}
+
+
+def plan_placement(
+    model: ModelFootprint,
+    nodes: Sequence[NodeBudget],
+    *,
+    strategy: str = "memory",
+    memory_fraction: float = 0.75,
+    kv_reserve: int = 0,
+    profile_counts: Mapping[int, Sequence[float]] | None = None,
+    replicate: bool = True,
+) -> PlacementPlan:
+    """Plan which experts each node holds.
+
+    Args:
+        strategy: "even" (same count per node), "memory" (in proportion to budgets) or "profile"
+            (proportional counts, experts spread by expected load, hottest copied into spare room).
+        profile_counts: MoE layer -> selection count per expert, from `moe-cluster profile`.
+    """
+    if strategy not in ("even", "memory", "profile"):
+        raise PlacementError(f"unknown placement strategy {strategy!r} (even, memory, profile)")
+    if strategy == "profile" and not profile_counts:
+        raise PlacementError("placement strategy 'profile' needs a routing profile")
+    n = len(nodes)
+    if n < 1:
+        raise PlacementError("no nodes to place experts on")
+    available = [int(node.memory_bytes * memory_fraction) for node in nodes]
+    budgets = [a - model.replicated_bytes - kv_reserve for a in available]
+    per_set = model.expert_set_bytes
+    layers = sorted(model.num_experts)
+    E = {l: model.num_experts[l] for l in layers}
+    emax = max(E.values())
+    caps = [max(b, 0) // per_set if per_set else emax for b in budgets]
+    if strategy == "even":
+        weights = [1.0] * n
+    else:
+        weights = [max(b, 0) for b in budgets]
+
+    def refuse(counts_hint: Sequence[int]) -> PlacementError:
+        parts = []
+        for i, node in enumerate(nodes):
+            need = model.replicated_bytes + kv_reserve + counts_hint[i] * per_set
+            parts.append(f"{node.name} needs {fmt_bytes(need)}, has {fmt_bytes(available[i])}")
+        return PlacementError("the model does not fit: " + "; ".join(parts) +
+                              f" (memory fraction {memory_fraction}, KV reserve {fmt_bytes(kv_reserve)})")
+
+    counts_by_layer: dict[int, list[int]] = {}
+    for l in layers:
+        share = [E[l] * w / (sum(weights) or 1) for w in weights]
+        hint = [max(1, round(s)) if E[l] >= n else 1 for s in share]
+        if strategy == "even":
+            base, extra = divmod(E[l], n)
+            counts = [base + (1 if r < extra else 0) for r in range(n)]
+            if any(c > cap for c, cap in zip(counts, caps)):
+                raise refuse(counts)
+        else:
+            if sum(caps) < E[l] or any(b <= 0 for b in budgets):
+                raise refuse(hint)
+            counts = proportional_counts(E[l], weights, caps)
+        counts_by_layer[l] = counts
+
+    layers_out: dict[int, dict[int, tuple[int, ...]]] = {}
+    replicas = [0] * n
+    notes = []
+    for l in layers:
+        counts = counts_by_layer[l]
+        load = list(profile_counts[l]) if profile_counts and l in profile_counts else None
+        if load is not None and len(load) != E[l]:
+            raise PlacementError(f"profile layer {l} has {len(load)} experts, the model has {E[l]}")
+        held = _assign_ids(E[l], counts, load if strategy == "profile" else None)
+        if strategy == "profile" and replicate and load is not None:
+            free = [min(caps[r] - counts[r], E[l] - counts[r]) for r in range(n)]
+            held = _replicate(held, free, load)
+            for r in range(n):
+                replicas[r] = max(replicas[r], len(held[r]) - counts[r])
+        layers_out[l] = {r: tuple(held[r]) for r in range(n)}
+    placement = Placement(n, layers_out)
+    placement.check(dict(E))
+    used = []
+    for r in range(n):
+        experts_bytes = sum(len(layers_out[l][r]) * model.expert_bytes[l] for l in layers)
+        used.append(model.replicated_bytes + kv_reserve + experts_bytes)
+    if any(replicas):
+        notes.append(f"replicated hot experts: {replicas} extra per layer per node")
+    return PlacementPlan(placement, tuple(budgets), tuple(used), tuple(available), tuple(replicas), tuple(notes))

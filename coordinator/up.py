@@ -1,0 +1,260 @@
+"""`moe-cluster up FILE`: start (or find) the nodes, plan placement, load, serve the API.
+
+Ctrl-C, SIGTERM or `moe-cluster down` stop everything it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import signal
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ..node.checkpoint import Checkpoint
+from ..node.messages import LoadSpec
+from ..node.transports import EnvoySpec, MlxSpec, free_ports
+from .client import ClusterError, NodeClient
+from .cluster import Cluster, Member
+from .config import ClusterConfig, ConfigError, load_config, read_api_key, read_secret
+from .placement import ModelFootprint, NodeBudget, PlacementError, fmt_bytes, plan_placement
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_AGENT_PORT = 7700  # `moe-cluster node` listens here unless told otherwise
+DEFAULT_ENVOY_PORT = 7701
+
+
+def state_file() -> Path:
+    """Where `up` records its URL and pid, so `down` and `status` find it without --url."""
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or Path.home() / ".cache")
+    return base / "moe-cluster" / "up.json"
+
+
+class Progress:
+    """Load progress per node: bars on a terminal, a line per quarter otherwise."""
+
+    def __init__(self, names: list[str], stream=sys.stderr):
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.names = names
+        self.state = {n: (0, 0) for n in names}
+        self.quarter = {n: -1 for n in names}
+        self.width = max(len(n) for n in names)
+        self.drawn = False
+
+    def update(self, m: Member) -> None:
+        self.state[m.name] = (m.load_done, m.load_total)
+        if self.tty:
+            self._draw()
+            return
+        done, total = self.state[m.name]
+        q = int(4 * done / total) if total else 0
+        if q != self.quarter[m.name]:
+            self.quarter[m.name] = q
+            print(f"loading {m.name}: {fmt_bytes(done)} of {fmt_bytes(total)} ({100 * done / max(total, 1):.0f}%)",
+                  file=self.stream, flush=True)
+
+    def _draw(self) -> None:
+        if self.drawn:
+            self.stream.write(f"\x1b[{len(self.names)}A")
+        for n in self.names:
+            done, total = self.state[n]
+            frac = done / total if total else 0.0
+            bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+            self.stream.write(f"\r{n:<{self.width}} [{bar}] {100 * frac:5.1f}%  {fmt_bytes(done)} / {fmt_bytes(total)}\x1b[K\n")
+        self.stream.flush()
+        self.drawn = True
+
+
+def footprint(model_path: str) -> ModelFootprint:
+    from .describe_model import describe_path
+
+    spec, _ = describe_path(model_path)
+    return ModelFootprint(
+        replicated_bytes=spec.replicated_bytes,
+        expert_bytes=dict(zip(spec.moe_layer_ids, spec.expert_layer_bytes)),
+        num_experts={l: spec.num_experts for l in spec.moe_layer_ids},
+    )
+
+
+def _profile_counts(path: str, base: Path) -> dict[int, list[float]]:
+    from .expected_experts import parse_profile
+
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        p = base / p
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"placement.profile: cannot read {p}: {exc}") from None
+    profile = parse_profile(data, str(p))
+    return {int(l): list(v.counts) for l, v in profile.layers.items()}
+
+
+async def _remote_members(c: ClusterConfig, secret: str, tls) -> list[tuple[str, str, str]]:
+    """(name, agent address, node host) of every configured node: static or found by mDNS."""
+    out, wanted = [], [n.name for n in c.nodes if not n.address]
+    seen = {}
+    if wanted:
+        from ..node.mdns import browse
+
+        seen = await browse(c.name, wanted, c.timeouts.discovery, c.discovery.interfaces or None)
+        missing = [w for w in wanted if w not in seen]
+        if missing:
+            raise ClusterError(f"nodes not found by mDNS within {c.timeouts.discovery:.0f} s: {', '.join(missing)}; "
+                               f"seen: {', '.join(sorted(seen)) or 'none'} (cluster {c.name!r})")
+    for n in c.nodes:
+        if n.address:
+            host, _, port = n.address.rpartition(":") if ":" in n.address else (n.address, "", "")
+            host = host or n.address
+            port = int(port) if port else (n.port or DEFAULT_AGENT_PORT)
+            out.append((n.name, f"{host}:{port}", host))
+        else:
+            a = seen[n.name]
+            out.append((n.name, f"{a.address}:{a.port}", a.address))
+    return out
+
+
+def _transport(c: ClusterConfig, hosts: list[str], envoy_ports: list[int], rank_listen_any: bool):
+    if c.transport == "envoy":
+        addresses = tuple(f"{h}:{p}" for h, p in zip(hosts, envoy_ports))
+        return lambda rank: EnvoySpec(addresses, listen=f"0.0.0.0:{envoy_ports[rank]}" if rank_listen_any else "",
+                                      timeout_s=c.timeouts.collective, tls=None)
+    hosts_spec = tuple((f"{h}:{p}",) for h, p in zip(hosts, envoy_ports))
+    return lambda rank: MlxSpec(hosts_spec, timeout_s=max(c.timeouts.collective, 30.0))
+
+
+async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from .api import Api, ServingOptions
+    from .launcher import Launcher, LocalNode
+
+    model_path = str(Checkpoint.open(c.model).path)
+    secret = read_secret(c)
+    if not secret:
+        if c.launch == "remote":
+            raise ConfigError(f"{c.source}: secret: no cluster secret; set {c.secret.env or 'MOE_CLUSTER_SECRET'} "
+                              "(the same on every node) or secret.file")
+        secret = secrets.token_urlsafe(24)  # local nodes get it from us
+    api_key = read_api_key(c)
+    tokenizer = load_tokenizer(Path(model_path))
+    fp = footprint(model_path)
+    profile = _profile_counts(c.placement.profile, Path(c.source).parent) if c.placement.profile else None
+
+    launcher = None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    cluster = None
+    runner = None
+    try:
+        if c.launch == "local":
+            ports = free_ports(2 * len(c.nodes))
+            launcher = Launcher(secret, log_dir, c.name)
+            local = [LocalNode(n.name, n.port or ports[2 * i], log_dir / f"{n.name}.log", n.memory)
+                     for i, n in enumerate(c.nodes)]
+            print(f"starting {len(local)} nodes on this machine (logs in {log_dir})", file=sys.stderr, flush=True)
+            await asyncio.gather(*(launcher.start(n) for n in local))
+            found = [(n.name, f"127.0.0.1:{n.port}", "127.0.0.1") for n in local]
+            envoy_ports = [n.envoy_port or ports[2 * i + 1] for i, n in enumerate(c.nodes)]
+        else:
+            print(f"looking for {len(c.nodes)} nodes of cluster {c.name!r}...", file=sys.stderr, flush=True)
+            found = await _remote_members(c, secret, c.tls)
+            envoy_ports = [n.envoy_port or DEFAULT_ENVOY_PORT for n in c.nodes]
+        members = [Member(name, NodeClient(name, addr, secret), rank) for rank, (name, addr, _) in enumerate(found)]
+        for m in members:
+            try:
+                s = await m.client.status()
+            except Exception as exc:  # noqa: BLE001 - any failure to reach a node is the same answer
+                from .client import describe_rpc_error
+
+                why = describe_rpc_error(exc) if hasattr(exc, "code") else str(exc)
+                raise ClusterError(f"node {m.name} at {m.address}: {why}") from None
+            override = next(n.memory for n in c.nodes if n.name == m.name)
+            m.memory_bytes = int(override or s.memory.budget_bytes or s.memory.device_bytes)
+            m.device = s.device
+        plan = plan_placement(fp, [NodeBudget(m.name, m.memory_bytes) for m in members],
+                              strategy=c.placement.strategy, memory_fraction=c.placement.memory_fraction,
+                              kv_reserve=c.placement.kv_reserve + c.serving.prompt_cache,
+                              profile_counts=profile, replicate=c.placement.replicate)
+        make_transport = _transport(c, [h for _, _, h in found], envoy_ports, c.launch == "remote")
+        for m in members:
+            m.spec = LoadSpec(model=model_path, rank=m.rank, world_size=len(members),
+                              transport=make_transport(m.rank), placement=plan.placement, keepalive=c.keepalive,
+                              prefill_step=c.serving.prefill_chunk, prompt_cache_bytes=c.serving.prompt_cache)
+            m.budget_bytes = plan.available[m.rank]
+        for note in plan.notes:
+            print(f"placement: {note}", file=sys.stderr)
+
+        def respawn(m: Member):
+            if launcher is not None:
+                launcher.respawn(m.name)
+
+        cluster = Cluster(members, model=c.model, transport=c.transport, heartbeat_s=c.timeouts.heartbeat,
+                          load_timeout_s=c.timeouts.load, request_timeout_s=c.timeouts.request,
+                          queue_limit=c.serving.queue, respawn=respawn if launcher else None,
+                          pid_of=launcher.pid if launcher else None)
+        progress = Progress([m.name for m in members])
+        t0 = time.monotonic()
+        await cluster.load(progress.update)
+        cluster.start_monitor()
+
+        from aiohttp import web
+
+        context = int(getattr(tokenizer, "model_max_length", 0) or 0)
+        cfg = Checkpoint.open(model_path).config
+        context = int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or context or 4096)
+        api = Api(cluster, tokenizer, ServingOptions(model_id=c.model, context_length=context,
+                                                     default_max_tokens=c.serving.max_tokens, api_key=api_key,
+                                                     on_shutdown=stop.set))
+        runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, c.api.host, c.api.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1] if c.api.port == 0 else c.api.port
+        url = f"http://{c.api.host}:{port}"
+        sf = state_file()
+        sf.parent.mkdir(parents=True, exist_ok=True)
+        sf.write_text(json.dumps({"url": url, "pid": os.getpid(), "config": c.source}))
+        print(f"moe-cluster ready: {url} — model {c.model}, {len(members)} nodes, transport {c.transport}, "
+              f"loaded in {time.monotonic() - t0:.1f}s (Ctrl-C or `moe-cluster down` to stop)", flush=True)
+        await stop.wait()
+        print("stopping...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        if cluster is not None:
+            await cluster.close(shutdown_nodes=launcher is not None)
+        if launcher is not None:
+            await launcher.close()
+        try:
+            sf = state_file()
+            if sf.exists() and json.loads(sf.read_text()).get("pid") == os.getpid():
+                sf.unlink()
+        except (OSError, json.JSONDecodeError):
+            pass
+
+
+def main(args) -> int:
+    c = load_config(args.file)
+    if args.model:
+        c = replace(c, model=args.model)
+        Checkpoint.open(c.model)  # a bad --model is refused before anything starts
+    if args.api_port is not None:
+        c = replace(c, api=replace(c.api, port=args.api_port))
+    log_dir = Path(args.log_dir).expanduser() if args.log_dir else state_file().parent / "logs" / c.name
+    try:
+        return asyncio.run(run_up(c, log_dir=log_dir))
+    except PlacementError:
+        raise
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,111 @@
+"""Start `moe-cluster up` as a user would, wait for its ready line, and stop it cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+READY = re.compile(r"moe-cluster ready: (http://\S+)")
+
+
+def http(url: str, path: str, body: dict | None = None, timeout: float = 120, headers: dict | None = None):
+    """(status, parsed JSON) of one request; errors come back as their status and body."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url + path, data=data, method="POST" if body is not None else "GET",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+            return r.status, json.loads(raw) if raw.startswith((b"{", b"[")) else raw.decode()
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            return exc.code, json.loads(raw)
+        except ValueError:
+            return exc.code, raw.decode()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+@contextmanager
+def cluster(tmp_path: Path, yaml_text: str, *args: str, env: dict | None = None, timeout: float = 180,
+            netns: str | None = None):
+    """Run `moe-cluster up` on a cluster.yaml; yields (url, process, output lines)."""
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(yaml_text)
+    cmd = [sys.executable, "-m", "moe_cluster.coordinator.cli", "up", str(cfg), "--api-port", "0",
+           "--log-dir", str(tmp_path / "logs"), *args]
+    if netns:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
+    full_env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_RUNTIME_DIR=str(tmp_path), **(env or {}))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                            start_new_session=True)
+    lines: list[str] = []
+    url = None
+    found = threading.Event()
+
+    def read():
+        nonlocal url
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            m = READY.search(line)
+            if m and url is None:
+                url = m.group(1)
+                found.set()
+        found.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    pids: list[int] = []
+    try:
+        found.wait(timeout)
+        if url is None:
+            raise AssertionError("cluster did not become ready:\n" + "\n".join(lines[-40:]))
+        status = http(url, "/v1/cluster/status")[1]
+        pids = [n["pid"] for n in status["nodes"] if n.get("pid")]  # only nodes `up` launched
+        yield url, proc, lines
+    finally:
+        if proc.poll() is None:
+            if url:
+                http(url, "/v1/cluster/shutdown", {}, timeout=10)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        reader.join(timeout=5)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        leftover = [p for p in pids if _alive(p)]
+        for p in leftover:
+            os.kill(p, signal.SIGKILL)
+        assert not leftover, f"node processes left behind: {leftover}"
+
+
+def yaml_for(nodes: int, model: str = "demo", extra: str = "", launch: str = "local") -> str:
+    names = "\n".join(f"  - name: node-{i}" for i in range(nodes))
+    return f"""name: test-cluster
+model: {model}
+launch: {launch}
+nodes:
+{names}
+timeouts:
+  collective: 3s
+  heartbeat: 0.5s
+{extra}"""

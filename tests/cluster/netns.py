@@ -1,0 +1,79 @@
+"""Several hosts on one machine: network namespaces joined by a bridge that lives in a namespace.
+
+Everything is created by the test and removed afterwards; no traffic leaves these namespaces
+(plus one veth from the test's own namespace into the bridge, so the test can reach the API).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from contextlib import contextmanager
+
+SUBNET = "10.213.77"
+
+
+def available() -> str | None:
+    """None if namespaces can be made here, else the reason they cannot."""
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces"
+    if shutil.which("ip") is None:
+        return "needs iproute2's `ip`"
+    probe = f"mcprobe{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode:
+        return f"cannot create a network namespace: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str, ns: str | None = None) -> None:
+    cmd = ["ip", "netns", "exec", ns, "ip", *args] if ns else ["ip", *args]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+@contextmanager
+def hosts(names: list[str]):
+    """Namespaces {name: (namespace, ip)} on one bridge; this process gets SUBNET.1."""
+    tag = f"mc{os.getpid() % 100000}"
+    bridge = f"{tag}br"
+    made, links = [], []
+    out = {}
+    try:
+        _ip("netns", "add", bridge)
+        made.append(bridge)
+        _ip("link", "add", "br0", "type", "bridge", ns=bridge)
+        _ip("link", "set", "br0", "up", ns=bridge)
+        # the test's own end
+        host_if = f"{tag}h"
+        _ip("link", "add", host_if, "type", "veth", "peer", "name", "p0", "netns", bridge)
+        links.append(host_if)
+        _ip("addr", "add", f"{SUBNET}.1/24", "dev", host_if)
+        _ip("link", "set", host_if, "up")
+        _ip("link", "set", "p0", "master", "br0", ns=bridge)
+        _ip("link", "set", "p0", "up", ns=bridge)
+        for i, name in enumerate(names, start=1):
+            ns = f"{tag}{i}"
+            _ip("netns", "add", ns)
+            made.append(ns)
+            _ip("link", "add", f"{tag}v{i}", "type", "veth", "peer", "name", f"p{i}", "netns", bridge)
+            _ip("link", "set", f"{tag}v{i}", "netns", ns)
+            _ip("link", "set", f"{tag}v{i}", "name", "eth0", ns=ns)
+            ip = f"{SUBNET}.{10 + i}"
+            _ip("addr", "add", f"{ip}/24", "dev", "eth0", ns=ns)
+            _ip("link", "set", "eth0", "up", ns=ns)
+            _ip("link", "set", "lo", "up", ns=ns)
+            _ip("link", "set", f"p{i}", "master", "br0", ns=bridge)
+            _ip("link", "set", f"p{i}", "up", ns=bridge)
+            out[name] = (ns, ip)
+        yield out
+    finally:
+        for link in links:
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+        for ns in reversed(made):
+            subprocess.run(["ip", "netns", "pids", ns], capture_output=True)
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                subprocess.run(["kill", "-9", pid], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -1,0 +1,71 @@
+"""Coordinator and 3 nodes on separate hosts (network namespaces on a bridge), found by mDNS on
+those interfaces only; tokens equal stock mlx-lm's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import netns
+from cluster_fixture import cluster, http
+
+REASON = netns.available()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+PROMPT = "Friends, Romans, countrymen, lend me your ears;"
+
+
+def test_remote_nodes_found_by_mdns(tmp_path):
+    from mlx_lm import load, stream_generate
+
+    from moe_cluster.node.demo import MODEL_DIR
+
+    secret = "multihost-test-secret"
+    env = dict(os.environ, MOE_CLUSTER_SECRET=secret, PYTHONUNBUFFERED="1")
+    with netns.hosts(["coord", "n1", "n2", "n3"]) as h:
+        agents = []
+        try:
+            for name in ("n1", "n2", "n3"):
+                ns, ip = h[name]
+                log = open(tmp_path / f"{name}.log", "w")
+                agents.append(subprocess.Popen(
+                    ["ip", "netns", "exec", ns, sys.executable, "-m", "moe_cluster.coordinator.cli", "node",
+                     "--name", name, "--host", "0.0.0.0", "--port", "7700", "--cluster", "lab",
+                     "--interface", "eth0"], stdout=log, stderr=subprocess.STDOUT, env=env))
+            coord_ns, coord_ip = h["coord"]
+            yaml_text = f"""name: lab
+model: demo
+launch: remote
+nodes:
+  - name: n1
+  - name: n2
+  - name: n3
+discovery:
+  interfaces: [eth0]
+api:
+  host: {coord_ip}
+timeouts:
+  discovery: 30s
+  collective: 3s
+"""
+            with cluster(tmp_path, yaml_text, netns=coord_ns, env={"MOE_CLUSTER_SECRET": secret}) as (url, _, lines):
+                status = http(url, "/v1/cluster/status")[1]
+                assert sorted(n["address"].split(":")[0] for n in status["nodes"]) == [h[n][1] for n in ("n1", "n2", "n3")]
+                code, out = http(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 20})
+                assert code == 200, out
+            model, tok = load(str(MODEL_DIR))
+            stock = [r.token for r in stream_generate(model, tok, PROMPT, max_tokens=20)]
+            got = out["moe_cluster"]["tokens"]
+            assert got == stock[: len(got)]
+        finally:
+            for a in agents:
+                a.terminate()
+            for a in agents:
+                try:
+                    a.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    a.kill()

@@ -1,0 +1,106 @@
+"""`moe-cluster up` end to end: real node processes with envoys, real HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from cluster_fixture import cluster, http, yaml_for
+from conftest import assert_one_line_error, cli
+
+PROMPT = "To be, or not to be, that is the question:"
+
+
+def _stock_tokens(path, prompt: str, n: int) -> list[int]:
+    from mlx_lm import load, stream_generate
+
+    model, tok = load(str(path))
+    return [r.token for r in stream_generate(model, tok, prompt, max_tokens=n)][:n]
+
+
+def _complete(url: str, **body) -> dict:
+    status, out = http(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 24, **body})
+    assert status == 200, out
+    return out
+
+
+def test_three_nodes_equal_stock_for_the_demo_and_repeat_with_a_seed(tmp_path):
+    from moe_cluster.node.demo import MODEL_DIR
+
+    with cluster(tmp_path, yaml_for(3)) as (url, proc, lines):
+        out = _complete(url)
+        stock = _stock_tokens(MODEL_DIR, PROMPT, 24)
+        got = out["moe_cluster"]["tokens"]
+        assert got == stock[: len(got)] and (len(got) == 24 or out["choices"][0]["finish_reason"] == "stop")
+        sampled = [_complete(url, temperature=0.9, top_p=0.95, seed=7)["choices"][0]["text"] for _ in range(2)]
+        assert sampled[0] == sampled[1]
+        s = http(url, "/v1/cluster/status")[1]
+        assert s["state"] == "ready" and len(s["nodes"]) == 3
+        assert sum(n["experts"] for n in s["nodes"]) == 16 * 4
+        r = cli("status", "--url", url, "--json")
+        assert r.returncode == 0 and json.loads(r.stdout)["state"] == "ready"
+        r = cli("generate", "--url", url, "--prompt", PROMPT, "--max-tokens", "24", "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["tokens"] == got
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "qwen3_next"])
+def test_three_nodes_equal_stock_for_other_families(arch, tmp_path, make_ckpt):
+    path = make_ckpt(arch)
+    with cluster(tmp_path, yaml_for(3), "--model", str(path)) as (url, proc, lines):
+        got = _complete(url)["moe_cluster"]["tokens"]
+    assert got == _stock_tokens(path, PROMPT, 24)[: len(got)]
+
+
+def test_a_killed_node_fails_the_request_and_rejoins(tmp_path):
+    with cluster(tmp_path, yaml_for(2)) as (url, proc, lines):
+        victim = http(url, "/v1/cluster/status")[1]["nodes"][1]
+        result = {}
+
+        def long_request():
+            t0 = time.monotonic()
+            result["reply"] = http(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3000}, timeout=60)
+            result["seconds"] = time.monotonic() - t0
+
+        worker = threading.Thread(target=long_request)
+        worker.start()
+        time.sleep(1.5)  # mid-generation
+        os.kill(victim["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        seen_dead = None
+        while time.monotonic() - killed < 10:
+            nodes = {n["name"]: n for n in http(url, "/v1/cluster/status")[1]["nodes"]}
+            if nodes[victim["name"]]["state"] == "dead" and seen_dead is None:
+                seen_dead = time.monotonic() - killed
+                break
+            time.sleep(0.1)
+        worker.join(timeout=30)
+        status, body = result["reply"]
+        assert status >= 500 and "error" in body, body
+        assert result["seconds"] < 1.5 + 3 + 5  # within the collective timeout (3 s) and a margin
+        assert seen_dead is not None and seen_dead < 3.0
+        # refused with a clear reason while degraded, then the node restarts and rejoins
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            s = http(url, "/v1/cluster/status")[1]
+            if s["state"] == "ready":
+                break
+            code, body = http(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
+            assert code == 503 and ("degraded" in body["error"]["message"] or "loading" in body["error"]["message"])
+            time.sleep(0.5)
+        assert s["state"] == "ready", s
+        assert _complete(url)["choices"][0]["text"]
+
+
+def test_up_refuses_a_bad_file_and_a_bad_model(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("nodes:\n  - name: a\n    adress: x\n")
+    assert_one_line_error(cli("up", str(bad)), "bad.yaml:3", "adress")
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml_for(2))
+    assert_one_line_error(cli("up", str(good), "--model", str(tmp_path / "missing")), "does not exist")

@@ -1,0 +1,105 @@
+"""cluster.yaml validation: each malformed file gives one line naming the file, line and key."""
+
+from __future__ import annotations
+
+import pytest
+
+from moe_cluster.coordinator.config import ConfigError, load_config, parse_config, read_secret
+
+GOOD = """\
+name: lab
+model: demo
+launch: local
+transport: envoy
+keepalive: lru
+nodes:
+  - name: mac-1
+  - name: mac-2
+    port: 7702
+placement:
+  strategy: memory
+  memory_fraction: 0.7
+  kv_reserve: 1GiB
+api:
+  host: 127.0.0.1
+  port: 8080
+timeouts:
+  collective: 2s
+  discovery: 500ms
+serving:
+  prompt_cache: 64MB
+"""
+
+
+def test_a_good_file():
+    c = parse_config(GOOD, "lab.yaml")
+    assert [n.name for n in c.nodes] == ["mac-1", "mac-2"]
+    assert c.nodes[1].port == 7702
+    assert c.placement.kv_reserve == 2**30 and c.serving.prompt_cache == 64_000_000
+    assert c.timeouts.collective == 2.0 and c.timeouts.discovery == 0.5
+    assert c.source == "lab.yaml"
+
+
+BAD = [
+    # (file text, expected line, expected fragments)
+    ("", 1, ["empty"]),
+    ("{{{", 1, ["not valid YAML"]),
+    ("nodes: 3", 1, ["nodes", "must be a list"]),
+    ("nodes: []", 1, ["nodes", "at least one node"]),
+    ("model: demo", 1, ["nodes", "is required"]),
+    ("nodes:\n  - name: a\n    adress: x", 3, ["nodes[0].adress", "unknown key", "'address'"]),
+    ("nodes:\n  - {}", 2, ["nodes[0].name", "is required"]),
+    ("nodes:\n  - name: a\n  - name: a", 3, ["nodes[1].name", "used by nodes[0]"]),
+    ("nodes:\n  - name: 'a b'", 2, ["nodes[0].name", "must be letters"]),
+    ("nodes:\n  - name: a\n    port: x", 3, ["nodes[0].port", "whole number"]),
+    ("nodes:\n  - name: a\n    port: 70000", 3, ["nodes[0].port", "not a port"]),
+    ("nodes:\n  - name: a\n    address: 10.0.0.2", 3, ["nodes[0].address", "launch: remote"]),
+    ("nodes:\n  - name: a\n    address: 'a b'", 3, ["nodes[0].address", "not a host"]),
+    ("nodes:\n  - name: a\nlaunch: cloud", 3, ["launch", "local, remote"]),
+    ("nodes:\n  - name: a\ntransport: smoke-signals", 3, ["transport", "envoy, mlx"]),
+    ("nodes:\n  - name: a\nkeepalive: sometimes", 3, ["keepalive", "none, lru, busy"]),
+    ("nodes:\n  - name: a\nmodel: /no/such/model", 3, ["model", "does not exist"]),
+    ("nodes:\n  - name: a\nplacement: even", 3, ["placement", "mapping"]),
+    ("nodes:\n  - name: a\nplacement:\n  strategy: profile", 4, ["placement.profile", "needs a profile"]),
+    ("nodes:\n  - name: a\nplacement:\n  memory_fraction: 1.5", 4, ["placement.memory_fraction", "(0, 1]"]),
+    ("nodes:\n  - name: a\nplacement:\n  kv_reserve: lots", 4, ["placement.kv_reserve", "not a size"]),
+    ("nodes:\n  - name: a\ntimeouts:\n  collective: soon", 4, ["timeouts.collective", "not a duration"]),
+    ("nodes:\n  - name: a\ntimeouts:\n  collective: 0", 4, ["timeouts.collective", "positive"]),
+    ("nodes:\n  - name: a\ntimeouts:\n  heartbeet: 1s", 4, ["timeouts.heartbeet", "'heartbeat'"]),
+    ("nodes:\n  - name: a\napi:\n  port: 99999", 4, ["api.port", "not a port"]),
+    ("nodes:\n  - name: a\napi:\n  api_key_env: K\n  api_key_file: f", 4, ["api", "not both"]),
+    ("nodes:\n  - name: a\nsecret:\n  env: X\n  file: y", 4, ["secret", "not both"]),
+    ("nodes:\n  - name: a\ntls:\n  cert: c.pem", 4, ["tls.key", "is required"]),
+    ("nodes:\n  - name: a\nserving:\n  queue: 0", 4, ["serving.queue", "at least 1"]),
+    ("nodes:\n  - name: a\nserving:\n  prefill_chunk: 4", 4, ["serving.prefill_chunk", "at least 16"]),
+    ("nodes:\n  - name: a\nnodes:\n  - name: b", 3, ["nodes", "given twice"]),
+    ("nodes:\n  - name: a\nplacement:\n  replicate: maybe", 4, ["placement.replicate", "true or false"]),
+    ("nodes:\n  - name: a\nfrobnicate: 1", 3, ["frobnicate", "unknown key"]),
+]
+
+
+@pytest.mark.parametrize("text, line, fragments", BAD)
+def test_malformed_files(text, line, fragments, tmp_path):
+    f = tmp_path / "cluster.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(f)
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"{f}:{line}: "), msg
+    for frag in fragments:
+        assert frag in msg, (frag, msg)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_secret_from_env_or_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_SECRET", "s3cret")
+    c = parse_config("nodes:\n  - name: a\nsecret:\n  env: LAB_SECRET\n", str(tmp_path / "c.yaml"))
+    assert read_secret(c) == "s3cret"
+    (tmp_path / "secret.txt").write_text("from-file\n")
+    c = parse_config("nodes:\n  - name: a\nsecret:\n  file: secret.txt\n", str(tmp_path / "c.yaml"))
+    assert read_secret(c) == "from-file"

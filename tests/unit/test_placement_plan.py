@@ -1,0 +1,71 @@
+"""Placement planning: budgets, proportional split, profile balance and replication, refusal."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from moe_cluster.coordinator.placement import (ModelFootprint, NodeBudget, PlacementError, plan_placement,
+                                               proportional_counts)
+from moe_cluster.node.routing import rank_counts
+
+MODEL = ModelFootprint(replicated_bytes=1000, expert_bytes={0: 100, 1: 100}, num_experts={0: 16, 1: 16})
+
+
+def _nodes(*mems):
+    return [NodeBudget(f"n{i}", m) for i, m in enumerate(mems)]
+
+
+def test_even_split_and_bytes():
+    plan = plan_placement(MODEL, _nodes(10_000, 10_000), memory_fraction=1.0)
+    assert plan.placement.layers[0] == {0: tuple(range(8)), 1: tuple(range(8, 16))}
+    assert plan.used == (1000 + 2 * 8 * 100,) * 2
+
+
+def test_split_follows_memory_budgets():
+    plan = plan_placement(MODEL, _nodes(20_000, 5_000), memory_fraction=1.0)
+    # budgets 19000 and 4000: 16 experts split ~ 13 : 3
+    assert [len(plan.placement.layers[0][r]) for r in (0, 1)] == [13, 3]
+    assert plan.used[1] <= plan.available[1]
+
+
+def test_proportional_counts_respect_caps():
+    assert proportional_counts(16, [3, 1], [20, 20]) == [12, 4]
+    assert proportional_counts(16, [3, 1], [10, 20]) == [10, 6]
+    with pytest.raises(PlacementError):
+        proportional_counts(16, [1, 1], [5, 5])
+
+
+def test_refused_with_needed_and_available_per_node():
+    with pytest.raises(PlacementError) as info:
+        plan_placement(MODEL, _nodes(2_000, 2_500), memory_fraction=1.0, kv_reserve=100)
+    msg = str(info.value)
+    assert "does not fit" in msg and "n0 needs" in msg and "has 2.00 KB" in msg and "n1 needs" in msg
+
+
+def _e_max(placement, layer, sets):
+    holders = placement.holders(layer, 16)
+    return sum(max(rank_counts(s, holders, placement.world_size)) for s in sets) / len(sets)
+
+
+def test_profile_balances_and_replication_lowers_the_maximum():
+    skew = [400, 300, 200, 150, 100, 60, 40, 30, 20, 15, 10, 8, 6, 4, 2, 1]
+    # token selections drawn in proportion to the skew: every 4-subset weighted by its product
+    sets = [s for s in itertools.combinations(range(16), 4) for _ in range(max(1, int(
+        skew[s[0]] * skew[s[1]] * skew[s[2]] * skew[s[3]] / 1e6)))]
+    nodes = _nodes(3_600, 3_600)  # room for 13 experts per layer each: 5 spare slots
+    even = plan_placement(MODEL, nodes, memory_fraction=1.0, strategy="even").placement
+    balanced = plan_placement(MODEL, nodes, memory_fraction=1.0, strategy="profile",
+                              profile_counts={0: skew, 1: skew}, replicate=False).placement
+    replicated = plan_placement(MODEL, nodes, memory_fraction=1.0, strategy="profile",
+                                profile_counts={0: skew, 1: skew}).placement
+    e_even, e_bal, e_rep = (_e_max(p, 0, sets) for p in (even, balanced, replicated))
+    assert e_bal < e_even
+    assert e_rep < e_bal
+    assert all(len(replicated.layers[0][r]) == 13 for r in (0, 1))
+
+
+def test_profile_needs_counts():
+    with pytest.raises(PlacementError, match="needs a routing profile"):
+        plan_placement(MODEL, _nodes(10_000), strategy="profile")
