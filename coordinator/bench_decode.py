@@ -9,6 +9,7 @@ collective, other) and the measured experts computed per node per MoE layer.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -86,6 +87,7 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int) -> list[dict]:
             "expected_experts": _expected_experts(reports, keepalive),
             "mean_computed_per_node": statistics.mean(r["counters"]["computed"] for r in reports),
             "breakdown_s": breakdown,
+            "nodes_per_host": nodes,  # simulated nodes all run on this machine
         })
     return out
 
@@ -142,6 +144,7 @@ def run(spec: DecodeBench) -> dict:
         "same_tokens": single["same_tokens"],
         "rounds": {"ours": single["ours_rounds_tps"], "mlx_lm": single["mlx_lm_rounds_tps"]},
         "model_bytes": model_bytes(str(ckpt.path)),
+        "host": {"cores": os.cpu_count() or 1},
         "clusters": clusters,
         "seconds": time.perf_counter() - t0,
     }
@@ -156,7 +159,7 @@ def calibrate(bench_out: dict) -> dict:
     cal = fit(bench)
     points = []
     for c in bench.clusters:
-        predicted = 1.0 / predict_time(cal, bench, c.nodes, c.expected_experts)
+        predicted = 1.0 / predict_time(cal, bench, c.nodes, c.expected_experts, c.nodes_per_host)
         points.append({"nodes": c.nodes, "keepalive": c.keepalive, "measured_tps": c.generation_tps,
                        "predicted_tps": predicted, "error": predicted / c.generation_tps - 1.0})
     return {"bandwidth_Bps": cal.bandwidth_Bps, "layer_overhead_s": cal.layer_overhead_s,

@@ -2,8 +2,11 @@
 
 Fitted form, per decoded token on N nodes (bytes and E from the bench):
 
-    compute(N) = (R + X · E_N) / BW_eff + layers · o          attention_router + experts + other
+    compute(N) = [(R + X · E_N) / BW_eff + layers · o] · s_N   attention_router + experts + other
     comm(N)    = moe_layers · (a + b · (N − 2))   for N ≥ 2    collective_wait (0 on one node)
+
+s_N = max(1, nodes per host / cores per host): nodes that share a host share its cores (a local
+test cluster); one node per Mac gives s = 1.
 
 R = replicated bytes read per token, X = one expert summed over the MoE layers, E_N = the
 measured mean experts computed per node per MoE layer (max over nodes). Least squares gives
@@ -46,6 +49,7 @@ class BenchCluster:
     experts_s: float
     collective_wait_s: float
     other_s: float
+    nodes_per_host: int = 1  # node processes that shared one host during the bench
 
     @property
     def compute_s(self) -> float:
@@ -62,6 +66,11 @@ class Bench:
     hidden: int
     dtype_bytes: int
     clusters: tuple[BenchCluster, ...]
+    host_cores: int = 0  # CPU cores of the bench host (0: unknown, no sharing assumed)
+
+    def share(self, nodes_per_host: int) -> float:
+        """How much slower compute runs when `nodes_per_host` node processes share the host."""
+        return max(1.0, nodes_per_host / self.host_cores) if self.host_cores else 1.0
 
 
 @dataclass(frozen=True)
@@ -143,6 +152,7 @@ def parse_bench(obj: Any, where: str = "bench") -> Bench:
             experts_s=_get(b, "experts", float, f"{cw}.breakdown_s"),
             collective_wait_s=_get(b, "collective_wait", float, f"{cw}.breakdown_s"),
             other_s=_get(b, "other", float, f"{cw}.breakdown_s"),
+            nodes_per_host=int(c.get("nodes_per_host", 1)),
         ))
     bench = Bench(
         model=_get(obj, "model", str, where),
@@ -153,6 +163,7 @@ def parse_bench(obj: Any, where: str = "bench") -> Bench:
         hidden=_get(mb, "hidden", int, w),
         dtype_bytes=_get(mb, "dtype_bytes", int, w),
         clusters=tuple(clusters),
+        host_cores=int((obj.get("host") or {}).get("cores", 0)),
     )
     if bench.layers < 1 or bench.moe_layers < 1:
         raise CalibrationError(f"{where}: layers ({bench.layers}) and moe_layers ({bench.moe_layers}) must be >= 1")
@@ -246,7 +257,7 @@ def fit(bench: Bench, *, network: str | None = None, hardware: str | None = None
     bytes_read = [bench.replicated_read_bytes + bench.expert_bytes * c.expected_experts for c in cs]
     if not any(bytes_read):
         raise CalibrationError(f"bench of {bench.model}: zero bytes read per token; model_bytes look empty")
-    compute = [c.compute_s for c in cs]
+    compute = [c.compute_s / bench.share(c.nodes_per_host) for c in cs]
     line = _line_fit(bytes_read, compute)
     if line is not None and line[0] > 0 and line[1] >= 0:
         inv_bw, fixed = line
@@ -289,17 +300,19 @@ def fit(bench: Bench, *, network: str | None = None, hardware: str | None = None
                      for c in cs),
         notes=tuple(notes),
     )
-    predicted = [predict_time(cal, bench, c.nodes, c.expected_experts) for c in cs]
+    predicted = [predict_time(cal, bench, c.nodes, c.expected_experts, c.nodes_per_host) for c in cs]
     rms = math.sqrt(sum((p - c.time_per_token_s) ** 2 for p, c in zip(predicted, cs)) / len(cs))
     logger.info("calibration of %s: BW_eff %.3g B/s, o %.3g s/layer, a %s s/layer, b %.3g s/layer/node, rms %.3g s",
                 bench.model, cal.bandwidth_Bps, cal.layer_overhead_s, base, cal.collective_per_node_s, rms)
     return replace(cal, residual_rms_s=rms)
 
 
-def predict_time(cal: Calibration, bench: Bench, nodes: int, expected_experts: float) -> float:
+def predict_time(cal: Calibration, bench: Bench, nodes: int, expected_experts: float,
+                 nodes_per_host: int = 1) -> float:
     """The fitted form's time per token for a bench's model (compute side + collective)."""
     t = (bench.replicated_read_bytes + bench.expert_bytes * expected_experts) / cal.bandwidth_Bps
     t += cal.layer_overhead_s * bench.layers
+    t *= bench.share(nodes_per_host)
     if nodes >= 2 and cal.collective_base_s is not None:
         t += bench.moe_layers * max(0.0, cal.collective_base_s + cal.collective_per_node_s * (nodes - 2))
     return t

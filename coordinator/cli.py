@@ -129,6 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler="moe_cluster.coordinator.bench_decode:main")
 
+    b = bench.add_parser("placement", help="measured per-node expert load: even split vs profile-guided placement")
+    b.add_argument("--model", default="demo")
+    b.add_argument("--nodes", type=_positive_int, default=2)
+    b.add_argument("--spare-experts", type=int, default=4, help="room per node for this many extra experts per layer")
+    b.add_argument("--max-tokens", type=_positive_int, default=48)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(handler="moe_cluster.coordinator.bench_placement:main")
+
     b = bench.add_parser("prompt-cache", help="time to first token of a follow-up chat turn, prompt cache on vs off")
     b.add_argument("--model", default="demo")
     b.add_argument("--nodes", type=_positive_int, default=2)

@@ -224,7 +224,8 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         sf = state_file()
         sf.parent.mkdir(parents=True, exist_ok=True)
         sf.write_text(json.dumps({"url": url, "pid": os.getpid(), "config": c.source}))
-        print(f"moe-cluster ready: {url} — model {c.model}, {len(members)} nodes, transport {c.transport}, "
+        how = f"{len(members)} nodes, transport {c.transport}" if len(members) > 1 else "1 node (stock mlx-lm, nothing to exchange)"
+        print(f"moe-cluster ready: {url} — model {c.model}, {how}, "
               f"loaded in {time.monotonic() - t0:.1f}s (Ctrl-C or `moe-cluster down` to stop)", flush=True)
         await stop.wait()
         print("stopping...", file=sys.stderr, flush=True)

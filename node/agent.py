@@ -168,10 +168,15 @@ class NodeAgent(npb_grpc.NodeServicer):
 
         def load():
             from .runtime import NodeRuntime
-            from .shard import load_shard
+            from .shard import load_shard, load_unsharded
             from .transports import make_collective
 
             self._close_model()
+            if spec.world_size == 1:  # alone: stock mlx-lm, nothing to exchange
+                progress(0, 1, "replicated")
+                self.sharded = load_unsharded(spec.model)
+                self.runtime = NodeRuntime(self.sharded, prompt_cache_bytes=spec.prompt_cache_bytes)
+                return self.sharded.info
             collective = make_collective(spec.transport, spec.rank)
             try:
                 sharded = load_shard(spec.model, spec.placement, spec.rank, keepalive=spec.keepalive,

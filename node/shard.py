@@ -438,6 +438,30 @@ def load_shard(
     return ShardedModel(model, config, blocks, placement, state, info, collective)
 
 
+def load_unsharded(model_spec: str) -> ShardedModel:
+    """One node alone: stock mlx-lm's model, nothing patched (the single-node fallback runs at
+    mlx-lm's own speed, with the same serving stack)."""
+    from mlx_lm.utils import load_model
+
+    t0 = time.perf_counter()
+    mx.reset_peak_memory()
+    ckpt = Checkpoint.open(model_spec)
+    model_args(ckpt.config, ckpt.path / "config.json")
+    model, config = load_model(ckpt.path)
+    blocks = find_moe_blocks(model)
+    moe_layers = {b.layer: b.num_experts for b in blocks}
+    resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    _wire(resident)
+    experts = sum(v.nbytes for b in blocks for _, v in tree_flatten(getattr(b.block, b.bank_attr).parameters())
+                  if hasattr(getattr(b.block, b.bank_attr), "parameters"))
+    info = ShardInfo(rank=0, experts_per_layer=dict(moe_layers), resident_weight_bytes=resident,
+                     active_memory_bytes=int(mx.get_active_memory()), replicated_bytes=resident - experts,
+                     expert_bytes=experts, load_seconds=time.perf_counter() - t0,
+                     peak_memory_bytes=int(mx.get_peak_memory()))
+    return ShardedModel(model, config, blocks, Placement.even(moe_layers, 1), ShardState(0, 1, "none"), info,
+                        LocalCollective())
+
+
 def _wire(resident_bytes: int) -> None:
     """On Metal, wire the resident set so the driver does not page idle experts out (paper §3.2)."""
     metal = getattr(mx, "metal", None)

@@ -66,3 +66,13 @@ def test_errors(tmp_path, make_ckpt):
     partial = copy("partial", json.dumps({**missing, "model_type": "qwen3_moe"}))
     assert_one_line_error(cli("run", "--model", str(partial), "--prompt", "hi"), "config.json is malformed")
     assert_one_line_error(cli("run", "--model", str(src), "--prompt", "hi", "--top-p", "1.5"), "top_p")
+
+
+def test_the_demo_model_writes_words():
+    r = cli("run", "--model", "demo", "--prompt", "To be, or not to be", "--max-tokens", "60", "--json")
+    assert r.returncode == 0, r.stderr
+    text = json.loads(r.stdout)["text"]
+    words = [w.strip(".,;:!?[]'\"").lower() for w in text.split()]
+    common = {"the", "and", "i", "to", "of", "a", "my", "you", "is", "not", "that", "in", "me", "it", "be",
+              "will", "with", "his", "your", "this", "he", "but", "have", "for", "so", "shall", "thou", "lord"}
+    assert sum(w in common for w in words) >= 5, text

@@ -1,0 +1,34 @@
+"""The README's two set-up commands: CI runs exactly the test command, the main job is `up`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _blocks() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    quick = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    return [b.strip() for b in re.findall(r"```\n(.*?)```", quick, flags=re.S)]
+
+
+def test_exactly_two_setup_commands():
+    main, tests = _blocks()
+    assert "\n" not in main and "\n" not in tests
+    assert main.endswith("moe-cluster up cluster.yaml") and "python3 -m venv" in main
+    assert "pytest" in tests and "python3 -m venv" in tests
+
+
+def test_ci_runs_the_readme_test_command():
+    _, tests = _blocks()
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert tests in ci
+
+
+def test_root_cluster_yaml_is_a_valid_two_node_demo():
+    from moe_cluster.coordinator.config import load_config
+
+    c = load_config(ROOT / "cluster.yaml")
+    assert c.model == "demo" and c.launch == "local" and len(c.nodes) == 2
