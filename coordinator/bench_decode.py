@@ -30,6 +30,7 @@ class DecodeBench:
     rounds: int = 3
     prompt: str = DEFAULT_PROMPT
     transport: str = "shm"
+    gpus: bool = False  # bind node r to GPU r
 
 
 def _single_node(spec: DecodeBench, ids: list[int], tokenizer, model) -> dict:
@@ -67,7 +68,7 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int) -> list[dict]:
     sampling = Sampling(max_tokens=spec.max_tokens)
     tasks = [SimTask(spec.model, tuple(ids), sampling, keepalive=k, repeats=spec.rounds) for k in spec.keepalive]
     out = []
-    for keepalive, reports in zip(spec.keepalive, run_nodes(tasks, nodes, transport=spec.transport)):
+    for keepalive, reports in zip(spec.keepalive, run_nodes(tasks, nodes, transport=spec.transport, gpus=spec.gpus)):
         r0 = reports[0]
         steps = max(r0["generated"] - 1, 1)
         per_token = r0["generation_seconds"] / steps
@@ -87,7 +88,8 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int) -> list[dict]:
             "expected_experts": _expected_experts(reports, keepalive),
             "mean_computed_per_node": statistics.mean(r["counters"]["computed"] for r in reports),
             "breakdown_s": breakdown,
-            "nodes_per_host": nodes,  # simulated nodes all run on this machine
+            # simulated nodes share this machine's CPU cores, unless each has its own GPU
+            "nodes_per_host": 1 if spec.gpus else nodes,
         })
     return out
 
@@ -129,6 +131,12 @@ def run(spec: DecodeBench) -> dict:
     t0 = time.perf_counter()
     single = _single_node(spec, ids, tokenizer, model)
     del model
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()  # the node processes need this memory (on a GPU: the same device)
     clusters = []
     for n in spec.nodes:
         # N = 1 runs the cluster path too (one node process, nothing to exchange), so every point
@@ -176,7 +184,7 @@ def main(args) -> int:
     if bad:
         raise ValueError(f"--keepalive: unknown policy {bad[0]!r} (none, lru, busy)")
     spec = DecodeBench(args.model, nodes, keepalive, args.max_tokens, args.rounds, args.prompt or DEFAULT_PROMPT,
-                       args.transport)
+                       args.transport, args.gpus)
     out = run(spec)
     if args.calibrate:
         out["calibration"] = calibrate(out)

@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=_positive_int, default=8)
     p.add_argument("--top-k", type=_positive_int, default=2)
     p.add_argument("--hidden", type=_positive_int, default=64)
+    p.add_argument("--heads", type=_positive_int, default=None, help="attention heads (default 4)")
+    p.add_argument("--kv-heads", type=_positive_int, default=None, help="key/value heads (default 2)")
+    p.add_argument("--ffn", type=_positive_int, default=None, help="width of one routed expert (default: the family's)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     p.add_argument("--quantize", type=int, default=None, help="4 or 8 bits")
     p.add_argument("--mixed-bits", action="store_true", help="with --quantize: 8-bit experts in the first MoE layer (a per-layer override)")
@@ -124,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=_positive_int, default=3, help="timed rounds per side (medians are reported)")
     b.add_argument("--prompt", default=None)
     b.add_argument("--transport", choices=("shm", "envoy", "mlx"), default="shm", help="collective for N > 1")
+    b.add_argument("--gpus", action="store_true", help="bind node r to GPU r (CUDA_VISIBLE_DEVICES)")
     b.add_argument("--calibrate", action="store_true",
                    help="fit the performance model to these measurements and print its predictions beside them")
     b.add_argument("--json", action="store_true")

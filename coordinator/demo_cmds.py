@@ -29,6 +29,7 @@ def demo_model(args) -> int:
     layers = args.layers if args.layers is not None else max(2, arch.min_layers if arch else 2)
     spec = DemoSpec(
         arch=args.arch, layers=layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
+        heads=args.heads, kv_heads=args.kv_heads, expert_ffn=args.ffn,
         dtype=args.dtype, quantize=args.quantize, layout=args.layout, seed=args.seed,
         shard_bytes=parse_size(args.shard_size), mixed_bits=args.mixed_bits,
     )

@@ -187,6 +187,10 @@ HARDWARE = {
                      "Mac Studio M4 Max 16-core CPU, 40-core GPU, 128 GB, 512 GB (2025); Thunderbolt 5"),
         HardwareSpec("m4-pro-64", 64 * GiB, 273e9, _gpu_flops(20, 1.578), 2199,
                      "Mac mini M4 Pro 14-core CPU, 20-core GPU, 64 GB, 512 GB (2024); Thunderbolt 5"),
+        # Not a Mac: the GPU host the README's accelerator figures were measured on.
+        HardwareSpec("h200", 141 * 10**9, 4.8e12, 989e12, 32000,
+                     "NVIDIA H200 SXM: 141 GB HBM3e at 4.8 TB/s, 989 TFLOP/s dense bf16 (datasheet); "
+                     "price an estimate for one GPU's share of a server"),
     )
 }
 
@@ -206,6 +210,9 @@ NETWORKS = {
                     "RoCEv2 NIC: 750 ns, 25 Gb/s, 339 USD per NIC (paper footnote 7); kernel bypass, no stack cost"),
         NetworkSpec("infiniband", 600e-9, 200e9 / 8, 0.0, 1267.0,
                     "InfiniBand NIC: 600 ns, 200 Gb/s, 1,267 USD per NIC (paper footnote 7); no stack cost"),
+        NetworkSpec("loopback", 1e-6, 10e9, 260e-6, 0.0,
+                    "nodes on one host over TCP loopback; stack = this project's envoy, 260 us per 2-node "
+                    "all-reduce measured by `bench allreduce` on 16 idle cores"),
     )
 }
 

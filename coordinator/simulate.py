@@ -67,11 +67,13 @@ def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float
     raise ValueError(f"--transport must be shm, envoy or mlx (got {transport!r})")
 
 
-def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0, transport: str = "shm") -> list[list[dict]]:
+def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0, transport: str = "shm",
+              gpus: bool = False) -> list[list[dict]]:
     """Spawn the node processes, run every task on all of them, return reports[task][rank].
 
     Each node process loads each task's model in turn, so one spawn serves many checks.
     `transport` is how the nodes all-reduce: shm, envoy (an envoy child per node) or mlx.
+    `gpus`: bind node r to GPU r (CUDA_VISIBLE_DEVICES, inherited by the spawned process).
     """
     if nodes < 1:
         raise ValueError(f"--nodes must be at least 1 (got {nodes})")
@@ -84,7 +86,8 @@ def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0, tran
         for rank in range(nodes):
             job = SimJob(rank, nodes, spec, tuple(tasks))
             p = ctx.Process(target=sim_run, args=(job, results), name=f"moe-node-{rank}", daemon=True)
-            p.start()
+            with _visible_gpu(rank if gpus else None):
+                p.start()
             procs.append(p)
         reports: dict[tuple[int, int], dict] = {}
         deadline = time.monotonic() + (timeout_s + 120) * len(tasks)
@@ -109,6 +112,25 @@ def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0, tran
                 p.terminate()
                 p.join(timeout=5)
         cleanup()
+
+
+@contextmanager
+def _visible_gpu(gpu: int | None):
+    """While a node process is spawned, let it see only GPU `gpu` (no-op for None)."""
+    import os
+
+    if gpu is None:
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def _node_error(rep: dict) -> Exception:

@@ -24,10 +24,19 @@ class Shape:
     experts: int
     top_k: int
     hidden: int
+    attention_heads: int | None = None  # default 4
+    kv_heads: int | None = None  # default: the family's small-model choice (2 for most)
+    expert_ffn: int | None = None  # width of one routed expert; default: the family's ratio to hidden
 
     @property
     def heads(self) -> int:
-        return 4
+        return self.attention_heads or 4
+
+    def kv(self, default: int = 2) -> int:
+        return self.kv_heads or default
+
+    def ffn(self, default: int) -> int:
+        return self.expert_ffn or default
 
     @property
     def head_dim(self) -> int:
@@ -74,7 +83,7 @@ def _common(s: Shape) -> dict:
         "hidden_size": s.hidden,
         "num_hidden_layers": s.layers,
         "num_attention_heads": s.heads,
-        "num_key_value_heads": 2,
+        "num_key_value_heads": s.kv(),
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "max_position_embeddings": 4096,
@@ -88,7 +97,7 @@ def _mixtral(s: Shape) -> dict:
         **_common(s),
         "model_type": "mixtral",
         "architectures": ["MixtralForCausalLM"],
-        "intermediate_size": 2 * s.hidden,
+        "intermediate_size": s.ffn(2 * s.hidden),
         "num_local_experts": s.experts,
         "num_experts_per_tok": s.top_k,
     }
@@ -100,7 +109,7 @@ def _qwen2_moe(s: Shape) -> dict:
         "model_type": "qwen2_moe",
         "architectures": ["Qwen2MoeForCausalLM"],
         "intermediate_size": 2 * s.hidden,
-        "moe_intermediate_size": s.hidden,
+        "moe_intermediate_size": s.ffn(s.hidden),
         "shared_expert_intermediate_size": 2 * s.hidden,
         "num_experts": s.experts,
         "num_experts_per_tok": s.top_k,
@@ -113,7 +122,7 @@ def _qwen3_moe(s: Shape) -> dict:
         "model_type": "qwen3_moe",
         "architectures": ["Qwen3MoeForCausalLM"],
         "intermediate_size": 2 * s.hidden,
-        "moe_intermediate_size": s.hidden,
+        "moe_intermediate_size": s.ffn(s.hidden),
         "num_experts": s.experts,
         "num_experts_per_tok": s.top_k,
         "decoder_sparse_step": 1,
@@ -128,7 +137,7 @@ def _olmoe(s: Shape) -> dict:
         **_common(s),
         "model_type": "olmoe",
         "architectures": ["OlmoeForCausalLM"],
-        "intermediate_size": s.hidden,
+        "intermediate_size": s.ffn(s.hidden),
         "num_experts": s.experts,
         "num_experts_per_tok": s.top_k,
         "norm_topk_prob": False,
@@ -141,8 +150,8 @@ def _deepseek_v3(s: Shape) -> dict:
         "model_type": "deepseek_v3",
         "architectures": ["DeepseekV3ForCausalLM"],
         "intermediate_size": 2 * s.hidden,
-        "moe_intermediate_size": s.hidden,
-        "num_key_value_heads": s.heads,
+        "moe_intermediate_size": s.ffn(s.hidden),
+        "num_key_value_heads": s.kv(s.heads),
         "n_routed_experts": s.experts,
         "n_shared_experts": 1,
         "num_experts_per_tok": s.top_k,
@@ -173,9 +182,9 @@ def _dbrx(s: Shape) -> dict:
         "n_heads": s.heads,
         "n_layers": s.layers,
         "max_seq_len": 4096,
-        "attn_config": {"kv_n_heads": 2, "clip_qkv": 8.0, "rope_theta": 500000.0},
+        "attn_config": {"kv_n_heads": s.kv(), "clip_qkv": 8.0, "rope_theta": 500000.0},
         "ffn_config": {
-            "ffn_hidden_size": 2 * s.hidden,
+            "ffn_hidden_size": s.ffn(2 * s.hidden),
             "moe_num_experts": s.experts,
             "moe_top_k": s.top_k,
         },
@@ -188,7 +197,7 @@ def _gpt_oss(s: Shape) -> dict:
         **_common(s),
         "model_type": "gpt_oss",
         "architectures": ["GptOssForCausalLM"],
-        "intermediate_size": s.hidden,
+        "intermediate_size": s.ffn(s.hidden),
         "head_dim": s.head_dim,
         "num_local_experts": s.experts,
         "num_experts_per_tok": s.top_k,
@@ -204,7 +213,7 @@ def _qwen3_next(s: Shape) -> dict:
         "model_type": "qwen3_next",
         "architectures": ["Qwen3NextForCausalLM"],
         "intermediate_size": 2 * s.hidden,
-        "moe_intermediate_size": s.hidden,
+        "moe_intermediate_size": s.ffn(s.hidden),
         "shared_expert_intermediate_size": s.hidden,
         "num_experts": s.experts,
         "num_experts_per_tok": s.top_k,

@@ -23,6 +23,9 @@ class DemoSpec:
     experts: int = 8
     top_k: int = 2
     hidden: int = 64
+    heads: int | None = None
+    kv_heads: int | None = None
+    expert_ffn: int | None = None
     dtype: str = "float32"
     quantize: int | None = None  # bits
     layout: str = "mlx"  # "mlx" | "hf"
@@ -45,6 +48,13 @@ class DemoSpec:
             raise CheckpointError(f"--top-k must be between 1 and --experts ({self.experts}); got {self.top_k}")
         if self.hidden < 32 or self.hidden % 32:
             raise CheckpointError(f"--hidden must be a positive multiple of 32 (got {self.hidden})")
+        heads = self.heads or 4
+        if self.hidden % heads or (self.hidden // heads) % 8:
+            raise CheckpointError(f"--heads ({heads}) must divide --hidden ({self.hidden}) into heads of a multiple of 8")
+        if self.kv_heads is not None and (self.kv_heads < 1 or heads % self.kv_heads):
+            raise CheckpointError(f"--kv-heads ({self.kv_heads}) must divide --heads ({heads})")
+        if self.expert_ffn is not None and (self.expert_ffn < 32 or self.expert_ffn % 32):
+            raise CheckpointError(f"--ffn must be a positive multiple of 32 (got {self.expert_ffn})")
         if self.dtype not in DTYPES:
             raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype})")
         if self.quantize not in (None, 4, 8):
@@ -63,7 +73,8 @@ class DemoSpec:
 def build_model(spec: DemoSpec, vocab: int) -> tuple[nn.Module, dict]:
     """A randomly initialised model of the spec and its config (mlx layout, unquantized)."""
     arch = ARCHS[spec.arch]
-    config = arch.make_config(Shape(vocab, spec.layers, spec.experts, spec.top_k, spec.hidden))
+    config = arch.make_config(Shape(vocab, spec.layers, spec.experts, spec.top_k, spec.hidden, spec.heads,
+                                    spec.kv_heads, spec.expert_ffn))
     model_cls, args_cls = model_classes(config)
     mx.random.seed(spec.seed)
     model = model_cls(args_cls.from_dict(config))
