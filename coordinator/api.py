@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hmac
 import json
 import logging
 import time
@@ -138,8 +139,6 @@ class Api:
         if key and request.path.startswith("/v1/"):
             given = request.headers.get("Authorization", "")
             token = given[7:] if given.lower().startswith("bearer ") else ""
-            import hmac
-
             if not token or not hmac.compare_digest(token.encode(), key.encode()):
                 raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
                                "authentication_error", code="invalid_api_key")
@@ -178,13 +177,13 @@ class Api:
             raise ApiError(404, f"The model '{model}' does not exist (this cluster serves '{self.options.model_id}')",
                            param="model", code="model_not_found")
 
-    def _check_context(self, prompt_ids: list[int], sampling: Sampling) -> None:
+    def _check_context(self, prompt_ids: list[int], sampling: Sampling, chat: bool) -> None:
         ctx = self.options.context_length
         if len(prompt_ids) + sampling.max_tokens > ctx:
             raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
                                 f"{len(prompt_ids) + sampling.max_tokens} tokens ({len(prompt_ids)} in the prompt, "
                                 f"{sampling.max_tokens} for the completion).",
-                           param="max_tokens" if len(prompt_ids) < ctx else "messages",
+                           param="max_tokens" if len(prompt_ids) < ctx else ("messages" if chat else "prompt"),
                            code="context_length_exceeded")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -233,7 +232,7 @@ class Api:
 
     async def _serve(self, request: web.Request, ids: list[int], sampling: Sampling, stops: list[str],
                      stream: bool, chat: bool) -> web.StreamResponse:
-        self._check_context(ids, sampling)
+        self._check_context(ids, sampling, chat)
         try:
             self.cluster.check_ready()
         except ClusterError as exc:
@@ -311,7 +310,7 @@ class Api:
                 await resp.write(f"data: {json.dumps(body)}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
-            await gen.abort()
+            await gen.client_gone()
             raise
         return resp
 
@@ -334,22 +333,25 @@ class _Generation:
         self._t0 = time.perf_counter()
         self._sent = 0  # characters of text already handed out
         self._stopped = False
+        self._counted = False  # in the metrics yet
 
     async def start(self) -> None:
         """Queue the request and wait for its first token (or its end), mapping failures to HTTP."""
         self._iter = self.api.cluster.generate(self.req, self.outcome).__aiter__()
-        self.api.metrics.queue_changed(self.api.cluster.queue_depth)
         try:
             self._first = await self._iter.__anext__()
             self.ttft = time.perf_counter() - self._t0
         except StopAsyncIteration:
             self._first = None
+            if self.outcome.error:  # failed before any token: still a proper HTTP error
+                self._finish()
+                raise self._failure() from None
         except QueueFull as exc:
             raise ApiError(429, str(exc), "rate_limit_error", code="queue_full") from None
         except ClusterError as exc:
             raise ApiError(503, str(exc), "service_unavailable", code="cluster_degraded") from None
         except asyncio.CancelledError:
-            await self.abort()
+            await self.client_gone()
             raise
 
     async def pieces(self):
@@ -401,10 +403,18 @@ class _Generation:
         return piece
 
     def _finish(self) -> None:
+        if self._counted:
+            return
+        self._counted = True
         d = self.outcome.done
-        if not self._stopped and d is not None:
+        if not self._stopped and self.finish_reason != "cancelled" and d is not None:
             self.finish_reason = "stop" if d.finish_reason == "stop" else "length"
         self.api.metrics.finished(self)
+
+    def _failure(self) -> ApiError:
+        error = self.outcome.error
+        return ApiError(503 if "degraded" in error or "down" in error else 500, f"generation failed: {error}",
+                        "server_error", code="cluster_error")
 
     async def run(self) -> tuple[str, Outcome]:
         await self.start()
@@ -412,12 +422,17 @@ class _Generation:
             async for _ in self.pieces():
                 pass
         except asyncio.CancelledError:
-            await self.abort()
+            await self.client_gone()
             raise
         if self.outcome.error:
-            raise ApiError(503 if "degraded" in self.outcome.error or "down" in self.outcome.error else 500,
-                           f"generation failed: {self.outcome.error}", "server_error", code="cluster_error")
+            raise self._failure()
         return self.text, self.outcome
+
+    async def client_gone(self) -> None:
+        """The client went away (or gave up waiting): stop the request and count it as cancelled."""
+        self.finish_reason = "cancelled"
+        await self.abort()
+        self._finish()
 
     async def abort(self) -> None:
         """Stop this request on every node (client gone, or a stop string reached)."""

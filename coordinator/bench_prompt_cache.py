@@ -63,61 +63,67 @@ def local_cluster(nodes: int, model: str, prompt_cache: str, timeout_s: float = 
 
 
 def _ttft(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
-    """(seconds to the first streamed text, the full answer, usage) of one chat turn."""
+    """(seconds to the first streamed text, the full answer, the final event) of one chat turn."""
     from .chat import stream_chat
 
     t0 = time.perf_counter()
-    first, text, extra = None, [], {}
+    first, text, final = None, [], {}
     for event in stream_chat(url, messages, max_tokens=max_tokens, temperature=0.0, top_p=1.0, seed=None):
+        if "error" in event:
+            raise RuntimeError(f"benchmark request failed: {event['error']['message']}")
         delta = event["choices"][0].get("delta", {}).get("content")
         if delta and first is None:
             first = time.perf_counter() - t0
         if delta:
             text.append(delta)
-        extra = event.get("moe_cluster") or extra
-    return (first if first is not None else time.perf_counter() - t0), "".join(text), extra
+        if "usage" in event:
+            final = event
+    return (first if first is not None else time.perf_counter() - t0), "".join(text), final
 
 
-def conversation(prefix_tokens: int) -> tuple[list[dict], list[str]]:
-    """A system prompt of about `prefix_tokens` tokens of the demo corpus, and two user turns."""
+def conversation(tokenizer, prefix_tokens: int) -> tuple[list[dict], list[str]]:
+    """A system prompt of `prefix_tokens` tokens of the demo corpus, and two user turns."""
     from ..node.demo.tokenizer import corpus_texts
 
-    text = corpus_texts()[0]
-    # ~3.3 characters per token for the demo tokenizer: take enough text, trimmed later by tokens
-    system = text[: int(prefix_tokens * 4.5)]
+    text = corpus_texts()[0][: 8 * prefix_tokens]  # more characters than tokens for any tokenizer
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) < prefix_tokens:
+        raise ValueError(f"the demo corpus has only {len(ids)} tokens for this tokenizer "
+                         f"(--prefix-tokens {prefix_tokens})")
+    system = tokenizer.decode(ids[:prefix_tokens])
     return [{"role": "system", "content": "You are a scholar of this text:\n" + system}], [
         "Which line do you like best?", "And why that one?"]
 
 
 def run(nodes: int, model: str, prefix_tokens: int, max_tokens: int) -> dict:
-    base, turns = conversation(prefix_tokens)
-    results = {}
-    for label, budget in (("without_cache", "0"), ("with_cache", "512MB")):
-        with local_cluster(nodes, model, budget) as url:
-            messages = list(base) + [{"role": "user", "content": turns[0]}]
-            _, answer, _ = _ttft(url, messages, max_tokens)
-            messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": turns[1]}]
-            ttft, _, extra = _ttft(url, messages, max_tokens)
-            results[label] = {"follow_up_ttft_s": ttft, "cached_tokens": extra.get("cached_tokens", 0)}
-    prompt_tokens = _count_tokens(model, base + [{"role": "user", "content": turns[0]}])
-    return {
-        "nodes": nodes,
-        "model": model,
-        "shared_prefix_tokens": prompt_tokens,
-        "without_cache_ttft_s": results["without_cache"]["follow_up_ttft_s"],
-        "with_cache_ttft_s": results["with_cache"]["follow_up_ttft_s"],
-        "speedup": results["without_cache"]["follow_up_ttft_s"] / results["with_cache"]["follow_up_ttft_s"],
-        "cached_tokens": results["with_cache"]["cached_tokens"],
-    }
-
-
-def _count_tokens(model: str, messages: list[dict]) -> int:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from ..node.checkpoint import Checkpoint
 
-    tok = load_tokenizer(Checkpoint.open(model).path)
-    return len(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    tokenizer = load_tokenizer(Checkpoint.open(model).path)
+    base, turns = conversation(tokenizer, prefix_tokens)
+    first_turn = base + [{"role": "user", "content": turns[0]}]
+    results = {}
+    for label, budget in (("without_cache", "0"), ("with_cache", "512MB")):
+        with local_cluster(nodes, model, budget) as url:
+            _, answer, _ = _ttft(url, first_turn, max_tokens)
+            messages = first_turn + [{"role": "assistant", "content": answer}, {"role": "user", "content": turns[1]}]
+            ttft, follow_up, final = _ttft(url, messages, max_tokens)
+            results[label] = {"ttft": ttft, "answer": follow_up, "prompt_tokens": final["usage"]["prompt_tokens"],
+                              "cached_tokens": final.get("moe_cluster", {}).get("cached_tokens", 0)}
+    off, on = results["without_cache"], results["with_cache"]
+    return {
+        "nodes": nodes,
+        "model": model,
+        "shared_prefix_tokens": len(tokenizer.apply_chat_template(first_turn, add_generation_prompt=True,
+                                                                  tokenize=True)),
+        "follow_up_prompt_tokens": on["prompt_tokens"],
+        "without_cache_ttft_s": off["ttft"],
+        "with_cache_ttft_s": on["ttft"],
+        "speedup": off["ttft"] / on["ttft"],
+        "cached_tokens": on["cached_tokens"],
+        "same_answer": off["answer"] == on["answer"],
+    }
 
 
 def main(args) -> int:

@@ -15,6 +15,7 @@ import urllib.request
 from typing import Iterator
 
 from .client import ClusterError
+from .remote_cmds import _api_key, _url
 
 HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D); Ctrl-C stops an answer"
 
@@ -59,7 +60,7 @@ def _turn(args, url: str, messages: list[dict], out) -> str | None:
     usage = None
     try:
         for event in stream_chat(url, messages, max_tokens=args.max_tokens, temperature=args.temperature,
-                                 top_p=args.top_p, seed=args.seed, api_key=args.api_key):
+                                 top_p=args.top_p, seed=args.seed, api_key=_api_key(args)):
             if "error" in event:
                 out.write(f"\n[error: {event['error']['message']}]\n")
                 return None
@@ -83,8 +84,6 @@ def _turn(args, url: str, messages: list[dict], out) -> str | None:
 
 
 def main(args) -> int:
-    from .remote_cmds import _url
-
     url = _url(args)
     try:
         import readline  # noqa: F401 - line editing and history when the terminal has it

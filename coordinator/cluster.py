@@ -24,6 +24,7 @@ from .client import ClusterError, NodeClient, describe_rpc_error
 logger = logging.getLogger(__name__)
 
 STATES = ("starting", "loading", "ready", "degraded", "stopping")
+CANCEL_WAIT_S = 10.0  # seconds a cancelled request may take to end on every node (one step, or a prefill chunk)
 
 
 @dataclass
@@ -179,8 +180,15 @@ class Cluster:
             self._waiting -= 1
         try:
             self.check_ready()
-            async for token in self._run(req, outcome):
-                yield token
+            run = self._run(req, outcome)
+            try:
+                async for token in run:
+                    yield token
+            finally:
+                # When our consumer stops early (a stop string, a client gone) `run` must end here,
+                # before the gate opens: left to the garbage collector it would still be stopping the
+                # nodes while the next request starts.
+                await run.aclose()
         finally:
             self._gate.release()
 
@@ -199,6 +207,7 @@ class Cluster:
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(m, req, queue), name=f"gen-{m.name}") for m in self.members]
         failed_wait = asyncio.create_task(self._failed.wait())
+        getter = None
         finished = 0
         try:
             while finished < len(tasks):
@@ -206,7 +215,6 @@ class Cluster:
                 done, _ = await asyncio.wait({getter, failed_wait}, timeout=self.request_timeout_s,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if getter not in done:
-                    getter.cancel()
                     if failed_wait in done:
                         outcome.error = self.reason or "a node died during the request"
                     else:
@@ -230,11 +238,21 @@ class Cluster:
                     outcome.done = event
         finally:
             failed_wait.cancel()
+            if getter is not None:
+                getter.cancel()
             if any(not t.done() for t in tasks):
+                # Stopped early (client gone, stop string, failure): every node stops at its next
+                # agreement. Wait until each has ended the request, so the next one does not find a
+                # node still busy with this one; give up on nodes that do not answer in time.
                 await self.cancel(req.request_id)
-                for t in tasks:
+                _, late = await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
+                for t in late:
                     t.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                while not queue.empty():  # rank 0's report of the request (cached tokens, timings)
+                    m, event = queue.get_nowait()
+                    if m.rank == 0 and isinstance(event, GenerateDone):
+                        outcome.done = event
             self._current = None
             self.completed += 1
             self._spawn(self.refresh(), "refresh")

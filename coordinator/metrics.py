@@ -57,10 +57,6 @@ class Metrics:
         self.last_prompt_tps = 0.0
         self.last_generation_tps = 0.0
         self.ttft = Histogram(TTFT_BUCKETS)
-        self.queue_depth = 0
-
-    def queue_changed(self, depth: int) -> None:
-        self.queue_depth = depth
 
     def finished(self, gen) -> None:
         """Called once per request by the API with its _Generation."""

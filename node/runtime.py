@@ -132,7 +132,20 @@ class NodeRuntime:
             self._store(prompt + fed, cache)
 
     def _store(self, tokens: list[int], cache: list) -> None:
+        """Keep `cache` as the entry for `tokens` (the prompt and every token fed after it).
+
+        A cancel lands while the next token is being sampled, after the token before it was fed
+        but never handed out: the cache then holds one position more than `tokens`, trimmed here so
+        that an entry's tokens always match its positions.
+        """
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
         offset = max((getattr(c, "offset", 0) for c in cache), default=0)
+        if offset > len(tokens):
+            if not can_trim_prompt_cache(cache):
+                return
+            trim_prompt_cache(cache, offset - len(tokens))
+            offset = len(tokens)
         if offset <= 0:
             return
         self.prompt_cache.insert_cache(_CACHE_KEY, tokens[:offset], cache)

@@ -44,8 +44,12 @@ def _alive(pid: int) -> bool:
 
 @contextmanager
 def cluster(tmp_path: Path, yaml_text: str, *args: str, env: dict | None = None, timeout: float = 180,
-            netns: str | None = None):
-    """Run `moe-cluster up` on a cluster.yaml; yields (url, process, output lines)."""
+            netns: str | None = None, api_key: str | None = None):
+    """Run `moe-cluster up` on a cluster.yaml; yields (url, process, output lines).
+
+    `api_key`: the key the cluster.yaml configures, sent on the fixture's own calls (status, shutdown).
+    """
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text(yaml_text)
     cmd = [sys.executable, "-m", "moe_cluster.coordinator.cli", "up", str(cfg), "--api-port", "0",
@@ -76,13 +80,13 @@ def cluster(tmp_path: Path, yaml_text: str, *args: str, env: dict | None = None,
         found.wait(timeout)
         if url is None:
             raise AssertionError("cluster did not become ready:\n" + "\n".join(lines[-40:]))
-        status = http(url, "/v1/cluster/status")[1]
+        status = http(url, "/v1/cluster/status", headers=auth)[1]
         pids = [n["pid"] for n in status["nodes"] if n.get("pid")]  # only nodes `up` launched
         yield url, proc, lines
     finally:
         if proc.poll() is None:
             if url:
-                http(url, "/v1/cluster/shutdown", {}, timeout=10)
+                http(url, "/v1/cluster/shutdown", {}, timeout=10, headers=auth)
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
