@@ -7,6 +7,7 @@ block's weighted sum becomes this node's partial sum.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -105,25 +106,52 @@ class ShardLinear(nn.Module):
 
     def __call__(self, x: mx.array, slots: mx.array, groups: Sequence[tuple[int, int, int]]) -> mx.array:
         """x (M, 1, in) rows sorted by slot; slots (M,); groups [(slot, start, end)] -> (M, 1, out)."""
-        if self.quant is not None:
+        if _per_expert(x.shape[0], self.weight.dtype, self.quant is not None):
+            y = mx.concatenate([self._one(x[a:b], s) for s, a, b in groups], axis=0)
+        elif self.quant is not None:
             y = mx.gather_qmm(
                 x, self["weight"], self["scales"], self.get("biases"), rhs_indices=slots, transpose=True,
                 group_size=self.quant["group_size"], bits=self.quant["bits"], mode=self.quant["mode"],
-                sorted_indices=True,
+                sorted_indices=x.shape[0] >= SORTED_FROM,
             )
-        elif _gather_mm_ok(self.weight.dtype):
-            y = mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=slots, sorted_indices=True)
         else:
-            # MLX's CPU backend has gather_mm for float32 only: one matmul per expert instead.
-            w = self["weight"]
-            y = mx.concatenate([x[a:b] @ w[s].T for s, a, b in groups], axis=0)
+            y = mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=slots,
+                             sorted_indices=x.shape[0] >= SORTED_FROM)
         if "bias" in self:
             y = y + mx.expand_dims(self["bias"][slots], -2)
         return y
 
+    def _one(self, x: mx.array, slot: int) -> mx.array:
+        """Rows of one expert through its (maybe quantized) matrix."""
+        if self.quant is None:
+            return x @ self["weight"][slot].T
+        biases = self.get("biases")
+        return mx.quantized_matmul(x, self["weight"][slot], self["scales"][slot],
+                                   biases[slot] if biases is not None else None, transpose=True,
+                                   group_size=self.quant["group_size"], bits=self.quant["bits"],
+                                   mode=self.quant["mode"])
+
+
+# How the local experts are multiplied: one gather_mm for all rows (the default), or one matmul per
+# expert (MLX's CPU backend has no bfloat16/float16 gather_mm). MOE_CLUSTER_EXPERT_MATMUL=
+# gather|per-expert overrides "auto".
+EXPERT_MATMUL = os.environ.get("MOE_CLUSTER_EXPERT_MATMUL", "auto")
+# Rows are always grouped by expert, but gather_mm is told so only from this many rows on, as
+# mlx-lm's SwitchGLU does: on MLX's CUDA backend the sorted kernel is ~6x slower for decode-sized
+# batches (DBRX experts on an H200: 1.07 ms vs 0.17 ms per call; scripts/gpu/expert_matmul_probe.py).
+SORTED_FROM = 64
+
 
 def _gather_mm_ok(dtype: mx.Dtype) -> bool:
     return dtype == mx.float32 or mx.default_device().type != mx.DeviceType.cpu
+
+
+def _per_expert(rows: int, dtype: mx.Dtype, quantized: bool) -> bool:
+    if EXPERT_MATMUL == "per-expert":
+        return True
+    if EXPERT_MATMUL == "gather":
+        return not quantized and not _gather_mm_ok(dtype)  # the CPU backend has no other way
+    return not quantized and not _gather_mm_ok(dtype)
 
 
 class ExpertShard(nn.Module):
