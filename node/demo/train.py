@@ -42,29 +42,15 @@ class TrainConfig:
 
 
 def demo_config(tc: TrainConfig) -> dict:
-    return {
-        "model_type": "qwen3_moe",
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "vocab_size": tc.vocab,
-        "hidden_size": tc.hidden,
-        "num_hidden_layers": tc.layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": tc.hidden // 4,
-        "intermediate_size": 4 * tc.hidden,
-        "moe_intermediate_size": tc.expert_ffn,
-        "num_experts": tc.experts,
-        "num_experts_per_tok": tc.top_k,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "norm_topk_prob": True,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 4096,
-        "tie_word_embeddings": True,
-        # <|endoftext|> ends documents; <|end|> ends a chat turn (see tokenizer.CHAT_TEMPLATE)
-        "eos_token_id": [0, 4],
-    }
+    """A qwen3_moe config, as `demo-model --arch qwen3_moe` writes it, with the demo's sizes."""
+    from .archs import ARCHS, Shape
+
+    config = ARCHS["qwen3_moe"].make_config(
+        Shape(tc.vocab, tc.layers, tc.experts, tc.top_k, tc.hidden, expert_ffn=tc.expert_ffn))
+    # tied embeddings keep the shipped model small; <|endoftext|> ends documents and <|end|> a chat
+    # turn (see tokenizer.CHAT_TEMPLATE)
+    config.update(tie_word_embeddings=True, eos_token_id=[0, 4])
+    return config
 
 
 class _RouterTap(nn.Module):
