@@ -259,7 +259,9 @@ class Api:
             "prompt_tps": (len(gen.req.prompt) / t.prompt_s) if t and t.prompt_s else 0.0,
             "generation_tps": (max(len(outcome.tokens), 1) / t.generation_s) if t and t.generation_s else 0.0,
             "time_to_first_token_s": gen.ttft,
-            "counters": dict(d.counters) if d else {},
+            "counters": {k: v for k, v in d.counters.items() if k != "peak_memory_bytes"} if d else {},
+            # rank 0's MLX peak since it started (the nodes of one cluster hold about the same)
+            "peak_memory_bytes": int(d.counters.get("peak_memory_bytes", 0)) if d else 0,
         }
 
     def _final(self, gen: "_Generation", text: str, outcome: Outcome, chat: bool) -> dict:

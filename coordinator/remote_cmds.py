@@ -89,7 +89,8 @@ def generate(args) -> int:
     text = out["choices"][0]["text"]
     if args.json:
         print(json.dumps({"text": text, "tokens": extra.get("tokens", []), "prompt_tps": extra.get("prompt_tps"),
-                          "generation_tps": extra.get("generation_tps"), "finish_reason": out["choices"][0]["finish_reason"],
+                          "generation_tps": extra.get("generation_tps"), "peak_memory_bytes": extra.get("peak_memory_bytes"),
+                          "finish_reason": out["choices"][0]["finish_reason"],
                           "cached_tokens": extra.get("cached_tokens", 0), "usage": out.get("usage")}))
         return 0
     print(text, flush=True)

@@ -266,7 +266,7 @@ class NodeAgent(npb_grpc.NodeServicer):
                 cached_tokens=result.cached_tokens, generated_tokens=len(result.tokens),
                 timings=Timings(prompt_s=s.prompt_seconds, generation_s=s.generation_seconds,
                                 collective_s=result.collective_s),
-                counters=self.sharded.state.means(),
+                counters={**self.sharded.state.means(), "peak_memory_bytes": float(_peak_memory())},
             ))
         finally:
             if not fut.done():
@@ -353,6 +353,12 @@ class NodeAgent(npb_grpc.NodeServicer):
             await server.stop(1.0)
             await self._worker.submit(self._close_model)
             self._worker.close()
+
+
+def _peak_memory() -> int:
+    import mlx.core as mx
+
+    return int(mx.get_peak_memory())
 
 
 def _transport_name(spec) -> str:

@@ -46,7 +46,10 @@ def test_three_nodes_equal_stock_for_the_demo_and_repeat_with_a_seed(tmp_path):
         assert r.returncode == 0 and json.loads(r.stdout)["state"] == "ready"
         r = cli("generate", "--url", url, "--prompt", PROMPT, "--max-tokens", "24", "--json")
         assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout)["tokens"] == got
+        gen = json.loads(r.stdout)
+        assert gen["tokens"] == got
+        assert set(gen) >= {"text", "tokens", "prompt_tps", "generation_tps", "peak_memory_bytes"}
+        assert gen["peak_memory_bytes"] > 0
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "qwen3_next"])
