@@ -300,7 +300,7 @@ class Api:
                 await resp.write(chunk(None, None, first=True))
             async for piece in gen.pieces():
                 await resp.write(chunk(piece, None))
-            text, outcome = gen.text, gen.outcome
+            outcome = gen.outcome
             if outcome.error:
                 err = {"error": {"message": outcome.error, "type": "server_error", "param": None, "code": "cluster_error"}}
                 await resp.write(f"data: {json.dumps(err)}\n\n".encode())

@@ -17,7 +17,7 @@ from typing import AsyncIterator, Callable, Sequence
 
 import grpc
 
-from ..node.messages import GenerateDone, GeneratedTokens, LoadProgress, LoadSpec, NodeError
+from ..node.messages import GenerateDone, GeneratedTokens, LoadSpec, NodeError
 from ..node.runtime import GenerateRequest
 from .client import ClusterError, NodeClient, describe_rpc_error
 

@@ -33,8 +33,9 @@ class LocalNode:
 
 
 class Launcher:
-    def __init__(self, secret: str, log_dir: Path, cluster: str, start_timeout_s: float = 60.0):
+    def __init__(self, secret: str, log_dir: Path, cluster: str, start_timeout_s: float = 60.0, tls=None):
         self.secret = secret
+        self.tls = tls  # node.transports.TlsFiles: the agents' and envoys' certificate
         self.log_dir = log_dir
         self.cluster = cluster
         self.start_timeout_s = start_timeout_s
@@ -47,6 +48,8 @@ class Launcher:
                "--exit-with-parent"]
         if node.memory:
             cmd += ["--memory", str(node.memory)]
+        if self.tls is not None:
+            cmd += ["--tls-cert", self.tls.cert, "--tls-key", self.tls.key, "--tls-ca", self.tls.ca]
         return cmd
 
     async def start(self, node: LocalNode) -> None:

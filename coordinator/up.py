@@ -18,11 +18,11 @@ from pathlib import Path
 
 from ..node.checkpoint import Checkpoint
 from ..node.messages import LoadSpec
-from ..node.transports import EnvoySpec, MlxSpec, free_ports
+from ..node.transports import EnvoySpec, MlxSpec, TlsFiles, free_ports
 from .client import ClusterError, NodeClient
 from .cluster import Cluster, Member
 from .config import ClusterConfig, ConfigError, load_config, read_api_key, read_secret
-from .placement import ModelFootprint, NodeBudget, PlacementError, fmt_bytes, plan_placement
+from .placement import ModelFootprint, NodeBudget, fmt_bytes, plan_placement
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def _profile_counts(path: str, base: Path) -> dict[int, list[float]]:
     return {int(l): list(v.counts) for l, v in profile.layers.items()}
 
 
-async def _remote_members(c: ClusterConfig, secret: str, tls) -> list[tuple[str, str, str]]:
+async def _remote_members(c: ClusterConfig) -> list[tuple[str, str, str]]:
     """(name, agent address, node host) of every configured node: static or found by mDNS."""
     out, wanted = [], [n.name for n in c.nodes if not n.address]
     seen = {}
@@ -121,11 +121,29 @@ async def _remote_members(c: ClusterConfig, secret: str, tls) -> list[tuple[str,
     return out
 
 
+def tls_files(c: ClusterConfig) -> TlsFiles | None:
+    """cluster.yaml's TLS files as absolute paths (relative ones are to the file's folder)."""
+    if c.tls is None:
+        return None
+    base = Path(c.source).parent
+
+    def absolute(p: str) -> str:
+        q = Path(p).expanduser()
+        return str(q if q.is_absolute() else (base / q).resolve())
+
+    files = TlsFiles(absolute(c.tls.cert), absolute(c.tls.key), absolute(c.tls.ca or c.tls.cert))
+    missing = [p for p in (files.cert, files.key, files.ca) if not Path(p).is_file()]
+    if missing:
+        raise ConfigError(f"{c.source}: tls: no such file {missing[0]}")
+    return files
+
+
 def _transport(c: ClusterConfig, hosts: list[str], envoy_ports: list[int], rank_listen_any: bool):
     if c.transport == "envoy":
         addresses = tuple(f"{h}:{p}" for h, p in zip(hosts, envoy_ports))
+        tls = tls_files(c)
         return lambda rank: EnvoySpec(addresses, listen=f"0.0.0.0:{envoy_ports[rank]}" if rank_listen_any else "",
-                                      timeout_s=c.timeouts.collective, tls=None)
+                                      timeout_s=c.timeouts.collective, tls=tls)
     hosts_spec = tuple((f"{h}:{p}",) for h, p in zip(hosts, envoy_ports))
     return lambda rank: MlxSpec(hosts_spec, timeout_s=max(c.timeouts.collective, 30.0))
 
@@ -158,7 +176,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
     try:
         if c.launch == "local":
             ports = free_ports(2 * len(c.nodes))
-            launcher = Launcher(secret, log_dir, c.name)
+            launcher = Launcher(secret, log_dir, c.name, tls=tls_files(c))
             local = [LocalNode(n.name, n.port or ports[2 * i], log_dir / f"{n.name}.log", n.memory)
                      for i, n in enumerate(c.nodes)]
             print(f"starting {len(local)} nodes on this machine (logs in {log_dir})", file=sys.stderr, flush=True)
@@ -167,9 +185,12 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
             envoy_ports = [n.envoy_port or ports[2 * i + 1] for i, n in enumerate(c.nodes)]
         else:
             print(f"looking for {len(c.nodes)} nodes of cluster {c.name!r}...", file=sys.stderr, flush=True)
-            found = await _remote_members(c, secret, c.tls)
+            found = await _remote_members(c)
             envoy_ports = [n.envoy_port or DEFAULT_ENVOY_PORT for n in c.nodes]
-        members = [Member(name, NodeClient(name, addr, secret), rank) for rank, (name, addr, _) in enumerate(found)]
+        tls = tls_files(c)
+        members = [Member(name, NodeClient(name, addr, secret, tls_ca=tls.ca if tls else None,
+                                           tls_cert=tls.cert if tls else None, tls_key=tls.key if tls else None), rank)
+                   for rank, (name, addr, _) in enumerate(found)]
         for m in members:
             try:
                 s = await m.client.status()
@@ -255,7 +276,5 @@ def main(args) -> int:
     log_dir = Path(args.log_dir).expanduser() if args.log_dir else state_file().parent / "logs" / c.name
     try:
         return asyncio.run(run_up(c, log_dir=log_dir))
-    except PlacementError:
-        raise
     except KeyboardInterrupt:
         return 130

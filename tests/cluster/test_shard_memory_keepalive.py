@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import mlx.core as mx
 import pytest
 
 from conftest import assert_one_line_error, cli

@@ -6,7 +6,6 @@ bfloat16 / 4-bit: tokens equal, or the first difference is a near-tie (tolerance
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from conftest import ARCHS

@@ -107,3 +107,25 @@ def test_up_refuses_a_bad_file_and_a_bad_model(tmp_path):
     good = tmp_path / "good.yaml"
     good.write_text(yaml_for(2))
     assert_one_line_error(cli("up", str(good), "--model", str(tmp_path / "missing")), "does not exist")
+
+
+def test_tls_between_coordinator_nodes_and_envoys(tmp_path):
+    pytest.importorskip("cryptography", reason="the test extra makes its certificate with cryptography")
+    import grpc
+
+    from tls_certs import make_tls
+
+    certs = tmp_path / "certs"
+    certs.mkdir()
+    tls = make_tls(certs)
+    extra = f"tls:\n  cert: {tls.cert}\n  key: {tls.key}\n  ca: {tls.ca}\n"
+    with cluster(tmp_path, yaml_for(2, extra=extra)) as (url, proc, lines):
+        assert _complete(url)["choices"][0]["text"]
+        node = http(url, "/v1/cluster/status")[1]["nodes"][0]
+        channel = grpc.insecure_channel(node["address"])  # plaintext to a TLS agent gets nothing
+        try:
+            with pytest.raises(grpc.RpcError) as err:
+                channel.unary_unary("/moe_cluster.v1.Node/Health")(b"", timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            channel.close()

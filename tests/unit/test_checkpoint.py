@@ -6,7 +6,6 @@ import json
 import struct
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from moe_cluster.node.checkpoint import Checkpoint, CheckpointError, read_header, read_tensor, write_checkpoint
