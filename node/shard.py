@@ -417,11 +417,15 @@ def load_shard(
     del weights
     mx.eval(model.parameters())
 
-    if warm_up:
+    resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    if warm_up and _on_metal():
+        # Metal's driver pages out buffers that sit idle; touch every local expert once, then wire
+        # the resident set (paper §3.2, Algorithm 2's warm-up)
         report(total, total, "warmup")
         for b in blocks:
             getattr(b.block, b.bank_attr).warm_up()
-    resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    elif warm_up:
+        logger.info("expert warm-up: not on Metal, nothing to do")
     _wire(resident)
     info = ShardInfo(
         rank=rank,
@@ -462,13 +466,17 @@ def load_unsharded(model_spec: str) -> ShardedModel:
                         LocalCollective())
 
 
+def _on_metal() -> bool:
+    metal = getattr(mx, "metal", None)
+    return metal is not None and metal.is_available()
+
+
 def _wire(resident_bytes: int) -> None:
     """On Metal, wire the resident set so the driver does not page idle experts out (paper §3.2)."""
-    metal = getattr(mx, "metal", None)
-    if metal is None or not metal.is_available() or not hasattr(mx, "set_wired_limit"):
+    if not _on_metal() or not hasattr(mx, "set_wired_limit"):
         logger.info("wired memory limit: not on Metal, nothing to do (%d bytes resident)", resident_bytes)
         return
-    limit = metal.device_info().get("max_recommended_working_set_size", 0)
+    limit = mx.metal.device_info().get("max_recommended_working_set_size", 0)
     if limit and resident_bytes > limit:
         logger.warning("resident weights (%.1f GB) exceed the recommended working set (%.1f GB); "
                        "the GPU may page experts out", resident_bytes / 1e9, limit / 1e9)

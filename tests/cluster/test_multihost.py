@@ -60,6 +60,17 @@ timeouts:
             stock = [r.token for r in stream_generate(model, tok, PROMPT, max_tokens=20)]
             got = out["moe_cluster"]["tokens"]
             assert got == stock[: len(got)]
+
+            # a node that is not on the network: one error listing the missing and the seen
+            missing = tmp_path / "missing.yaml"
+            missing.write_text(yaml_text.replace("  - name: n3\n", "  - name: n3\n  - name: n9\n")
+                               .replace("discovery: 30s", "discovery: 3s"))
+            r = subprocess.run(["ip", "netns", "exec", coord_ns, sys.executable, "-m", "moe_cluster.coordinator.cli",
+                                "up", str(missing), "--api-port", "0"], capture_output=True, text=True, timeout=60,
+                               env=dict(env, XDG_RUNTIME_DIR=str(tmp_path)))
+            assert r.returncode == 2, r.stderr
+            err = [line for line in r.stderr.splitlines() if "error" in line]
+            assert len(err) == 1 and "n9" in err[0] and "seen: n1, n2, n3" in err[0], r.stderr
         finally:
             for a in agents:
                 a.terminate()

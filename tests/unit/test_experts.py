@@ -113,3 +113,11 @@ def test_bfloat16_without_gather_mm_matches_float32():
     ys, _ = _step(shards, x, inds)
     total = (ys[0].astype(mx.float32) + ys[1].astype(mx.float32))
     assert mx.allclose(total, bank(x.astype(mx.float32), inds), atol=0.05, rtol=0.05).item()
+
+
+def test_warm_up_touches_every_local_expert():
+    bank = _bank(5)
+    shard = _shards(bank, Placement.even({0: E}, 2), "lru")[1]
+    shard.warm_up()  # runs every local expert once; must not disturb the LRU order or counters
+    assert list(shard._lru) == list(range(len(shard.global_ids)))
+    assert shard._state.counters[0].calls == 0
