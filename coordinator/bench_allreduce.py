@@ -210,11 +210,9 @@ def _run_workers(target, make_args, case: Case, timeout_s: float) -> list[float]
             pooled.extend(got)
         return pooled
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        from .simulate import stop_processes
+
+        stop_processes(procs, grace_s=10.0)
 
 
 def _percentiles(samples: list[float]) -> tuple[float, float]:

@@ -106,12 +106,20 @@ def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0, tran
             reports[(rep["task"], rep["rank"])] = rep
         return [[reports[(t, r)] for r in range(nodes)] for t in range(len(tasks))]
     finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+        stop_processes(procs)
         cleanup()
+
+
+def stop_processes(procs, grace_s: float = 5.0) -> None:
+    """Wait for spawned processes to exit; terminate, then kill, those that do not."""
+    for p in procs:
+        p.join(timeout=grace_s)
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=grace_s)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=grace_s)
 
 
 @contextmanager
