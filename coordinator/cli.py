@@ -23,7 +23,8 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     """Errors that are the user's input, printed as one line (imported lazily: cheap commands stay cheap)."""
     from ..node.checkpoint import CheckpointError
 
-    errors: list[type[BaseException]] = [CheckpointError, FileNotFoundError, NotADirectoryError, ValueError]
+    # OSError: a port in use, a file that cannot be read -- the machine's state, not a bug
+    errors: list[type[BaseException]] = [CheckpointError, OSError, ValueError]
     for mod, name in (
         ("moe_cluster.coordinator.config", "ConfigError"),
         ("moe_cluster.coordinator.placement", "PlacementError"),

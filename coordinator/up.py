@@ -166,6 +166,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
     fp = footprint(model_path)
     profile = _profile_counts(c.placement.profile, Path(c.source).parent) if c.placement.profile else None
 
+    _check_port_free(c)
     launcher = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -264,6 +265,21 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
                 sf.unlink()
         except (OSError, json.JSONDecodeError):
             pass
+
+
+def _check_port_free(c: ClusterConfig) -> None:
+    """Refuse before any node starts if the API cannot listen where the file says."""
+    import socket
+
+    if c.api.port == 0:
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((c.api.host, c.api.port))
+        except OSError as exc:
+            raise ConfigError(f"{c.source}: api: cannot listen on {c.api.host}:{c.api.port} ({exc.strerror}); "
+                              "is another cluster running? (--api-port P picks another)") from None
 
 
 def main(args) -> int:
