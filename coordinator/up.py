@@ -269,17 +269,12 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
 
 def _check_port_free(c: ClusterConfig) -> None:
     """Refuse before any node starts if the API cannot listen where the file says."""
-    import socket
+    from ..node.transports import check_port_free
 
-    if c.api.port == 0:
-        return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((c.api.host, c.api.port))
-        except OSError as exc:
-            raise ConfigError(f"{c.source}: api: cannot listen on {c.api.host}:{c.api.port} ({exc.strerror}); "
-                              "is another cluster running? (--api-port P picks another)") from None
+    try:
+        check_port_free(c.api.host, c.api.port, "is another cluster running? --api-port P picks another")
+    except OSError as exc:
+        raise ConfigError(f"{c.source}: api: {exc}") from None
 
 
 def main(args) -> int:

@@ -316,7 +316,9 @@ class NodeAgent(npb_grpc.NodeServicer):
         if not c.secret:
             raise ValueError("no cluster secret: set MOE_CLUSTER_SECRET (the same on every node)")
         self._stop = asyncio.Event()
-        _check_port_free(c.host, c.port)
+        from .transports import check_port_free
+
+        check_port_free(c.host, c.port, "is another node agent running? --port P picks another")
         server = grpc.aio.server(interceptors=[SecretInterceptor(c.secret)], options=CHANNEL_OPTIONS)
         npb_grpc.add_NodeServicer_to_server(self, server)
         address = f"{c.host}:{c.port}"
@@ -354,21 +356,6 @@ class NodeAgent(npb_grpc.NodeServicer):
             await server.stop(1.0)
             await self._worker.submit(self._close_model)
             self._worker.close()
-
-
-def _check_port_free(host: str, port: int) -> None:
-    """A clear error before gRPC tries (and logs its own) when the port is taken."""
-    import socket
-
-    if port == 0:
-        return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror} (is another node agent running? "
-                          "--port P picks another)") from None
 
 
 def _peak_memory() -> int:
