@@ -281,7 +281,7 @@ class Api:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> bytes:
+        def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> dict:
             if chat:
                 delta: dict[str, Any] = {}
                 if first:
@@ -291,25 +291,26 @@ class Api:
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-            body = {"id": gen.req.request_id, "object": obj, "created": created, "model": self.options.model_id,
+            return {"id": gen.req.request_id, "object": obj, "created": created, "model": self.options.model_id,
                     "choices": [choice]}
-            return f"data: {json.dumps(body)}\n\n".encode()
+
+        def sse(event: dict) -> bytes:
+            return f"data: {json.dumps(event)}\n\n".encode()
 
         try:
             if chat:
-                await resp.write(chunk(None, None, first=True))
+                await resp.write(sse(chunk(None, None, first=True)))
             async for piece in gen.pieces():
-                await resp.write(chunk(piece, None))
+                await resp.write(sse(chunk(piece, None)))
             outcome = gen.outcome
             if outcome.error:
-                err = {"error": {"message": outcome.error, "type": "server_error", "param": None, "code": "cluster_error"}}
-                await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+                await resp.write(sse({"error": {"message": outcome.error, "type": "server_error", "param": None,
+                                                "code": "cluster_error"}}))
             else:
                 final = chunk(None, gen.finish_reason)
-                body = json.loads(final[6:])
-                body["usage"] = self._usage(gen, outcome)
-                body["moe_cluster"] = self._extra(gen, outcome)
-                await resp.write(f"data: {json.dumps(body)}\n\n".encode())
+                final["usage"] = self._usage(gen, outcome)
+                final["moe_cluster"] = self._extra(gen, outcome)
+                await resp.write(sse(final))
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
             await gen.client_gone()
