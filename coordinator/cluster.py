@@ -23,7 +23,6 @@ from .client import ClusterError, NodeClient, describe_rpc_error
 
 logger = logging.getLogger(__name__)
 
-STATES = ("starting", "loading", "ready", "degraded", "stopping")
 CANCEL_WAIT_S = 10.0  # seconds a cancelled request may take to end on every node (one step, or a prefill chunk)
 
 

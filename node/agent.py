@@ -228,11 +228,9 @@ class NodeAgent(npb_grpc.NodeServicer):
             from .runtime import GenerateResult
 
             result = GenerateResult()
-            t0 = time.perf_counter()
-            collective_before = getattr(self.sharded.state.timers, "collective", 0.0)
+            collective_before = self.sharded.state.timers.collective
             for token in self.runtime.generate(req, should_cancel=lambda: rid in self._cancel, result=result):
                 loop.call_soon_threadsafe(tokens.put_nowait, token)
-            result.wall_s = time.perf_counter() - t0
             result.collective_s = self.sharded.state.timers.collective - collective_before
             return result
 

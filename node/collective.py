@@ -8,7 +8,6 @@ interface in node/transports/.
 
 from __future__ import annotations
 
-import time
 from typing import Protocol
 
 import mlx.core as mx
@@ -82,27 +81,3 @@ def agree(collective: Collective, token: int, cancel: bool) -> tuple[int, bool]:
     mine = mx.array([float(token) if collective.rank == 0 else 0.0, 1.0 if cancel else 0.0], dtype=mx.float32)
     total = collective.all_reduce(mine, TOKEN_LAYER).tolist()
     return int(total[0]), total[1] > 0
-
-
-class TimedCollective:
-    """Wraps a collective and accumulates the seconds spent waiting in it."""
-
-    def __init__(self, inner: Collective):
-        self.inner = inner
-        self.rank = inner.rank
-        self.world_size = inner.world_size
-        self.seconds = 0.0
-        self.calls = 0
-
-    def begin(self, request_id: str) -> None:
-        self.inner.begin(request_id)
-
-    def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
-        t = time.perf_counter()
-        out = self.inner.all_reduce(partial, layer)
-        self.seconds += time.perf_counter() - t
-        self.calls += 1
-        return out
-
-    def close(self) -> None:
-        self.inner.close()

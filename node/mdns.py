@@ -15,7 +15,6 @@ from typing import Sequence
 logger = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_moe-cluster._tcp.local."
-TXT_KEYS = ("name", "version", "memory", "backend", "device", "port", "cluster")
 
 
 class DiscoveryError(ValueError):

@@ -34,7 +34,6 @@ class GenerateResult:
     logits: list = field(default_factory=list)
     cancelled: bool = False
     cached_tokens: int = 0  # prompt tokens served from the prompt cache
-    wall_s: float = 0.0
     collective_s: float = 0.0
 
 

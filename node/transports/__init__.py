@@ -15,7 +15,6 @@ import importlib
 from dataclasses import dataclass, field
 
 DEFAULT_TIMEOUT_S = 5.0  # seconds a step waits for a peer before it fails naming the peer
-TRANSPORTS = ("shm", "envoy", "mlx")
 
 
 @dataclass(frozen=True)
