@@ -53,18 +53,15 @@ class ExpectedExperts:
 
 
 def even_split(num_experts: int, nodes: int) -> dict[int, list[int]]:
-    """Contiguous blocks of expert ids; the first `num_experts % nodes` ranks get one more."""
+    """Contiguous blocks of expert ids; the first `num_experts % nodes` ranks get one more (the
+    node's own even placement, node.placement.Placement.even)."""
+    from ..node.placement import Placement
+
     if nodes < 1:
         raise PlanError(f"node count must be at least 1 (got {nodes})")
     if num_experts < nodes:
         raise PlanError(f"{num_experts} experts cannot be split over {nodes} nodes (each node needs one)")
-    base, extra = divmod(num_experts, nodes)
-    out, start = {}, 0
-    for r in range(nodes):
-        n = base + (r < extra)
-        out[r] = list(range(start, start + n))
-        start += n
-    return out
+    return {r: list(es) for r, es in Placement.even({0: num_experts}, nodes).layers[0].items()}
 
 
 def placement_for(
