@@ -32,3 +32,12 @@ def test_root_cluster_yaml_is_a_valid_two_node_demo():
 
     c = load_config(ROOT / "cluster.yaml")
     assert c.model == "demo" and c.launch == "local" and len(c.nodes) == 2
+
+
+def test_the_annotated_cluster_yaml_is_valid(tmp_path):
+    from moe_cluster.coordinator.config import parse_config
+
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```yaml\n(.*?)```", text, flags=re.S).group(1)
+    c = parse_config(block, "README.md")
+    assert c.launch == "remote" and c.tls is not None and c.placement.strategy == "profile"
