@@ -145,6 +145,11 @@ def node_reports(url: str) -> dict[str, tuple[str, int]]:
     return {name: (s.state, s.queue_depth) for name, s in asyncio.run(ask()).items()}
 
 
+def cancelled(url: str) -> float:
+    """Requests counted as cancelled so far (a cancel is counted once it has stopped on every node)."""
+    return metrics(url)['moe_cluster_requests_total{outcome="cancelled"}']
+
+
 def wait_for(check, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while True:
@@ -286,6 +291,8 @@ def test_a_full_queue_is_429_and_requests_are_served_in_order(api):
             await asyncio.sleep(0.02)
         raise AssertionError(f"queue depth never reached {n}")
 
+    before = cancelled(api)
+
     async def scenario():
         async with aiohttp.ClientSession(headers=AUTH, timeout=aiohttp.ClientTimeout(total=60)) as session:
             running = await first_line(session)
@@ -309,6 +316,10 @@ def test_a_full_queue_is_429_and_requests_are_served_in_order(api):
             await until_depth(session, 0)
 
     asyncio.run(scenario())
+    # the three went away mid-stream: each is counted once it has stopped on every node (just after it
+    # leaves the queue), and nothing else is
+    wait_for(lambda: cancelled(api) >= before + 3, 5, "three cancellations counted")
+    assert cancelled(api) == before + 3
 
 
 def _open_stream(api: str, path: str, body: dict):
@@ -347,7 +358,7 @@ IDLE = {"node-0": ("ready", 0), "node-1": ("ready", 0)}
 
 
 def test_a_client_that_disconnects_frees_the_cluster_within_a_second(api, client, stock):
-    before = metrics(api)["moe_cluster_requests_total{outcome=\"cancelled\"}"]
+    before = cancelled(api)
     next_turn = [{"role": "user", "content": "What news on the Rialto?"}]
     want = stock(chat_ids(stock, next_turn), 8)[1]
     for path, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": LONG}),
@@ -367,7 +378,8 @@ def test_a_client_that_disconnects_frees_the_cluster_within_a_second(api, client
         assert text == want  # the next request starts cleanly
         assert node_reports(api) == IDLE  # and nothing is left running on any node
         assert cluster_status(api)["queue_depth"] == 0
-    assert metrics(api)["moe_cluster_requests_total{outcome=\"cancelled\"}"] == before + 2
+    wait_for(lambda: cancelled(api) >= before + 2, 5, "both cancellations counted")
+    assert cancelled(api) == before + 2
 
 
 def test_a_non_streamed_request_is_cancelled_when_its_client_goes(api, client, stock):
