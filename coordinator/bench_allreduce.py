@@ -5,6 +5,8 @@ For each (nodes, tokens) case, in one run on this machine, over loopback:
   every peer -> sum -> link -> mx array), what a node pays per MoE layer;
 - floor: N processes exchanging the same bytes all-to-all over plain blocking TCP sockets, the
   least any transport across processes can cost here;
+- relay: the floor with a relay process per node in between (node -> shared memory -> relay ->
+  blocking TCP -> sum -> node), the least any design with an envoy process per node can cost;
 - mlx_ring: N processes running `mx.distributed.all_sum` on the ring backend.
 Latencies are per call, pooled over ranks, after a warm-up.
 """
@@ -16,10 +18,12 @@ import json
 import multiprocessing as mp
 import queue
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+PATHS = ("envoy", "floor", "relay", "mlx_ring")
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(_ITEMSIZE), default="bfloat16")
     p.add_argument("--iters", type=int, default=1000, help="timed all-reduces per case and path")
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--paths", default="envoy,floor,mlx_ring", help="which to measure (comma-separated)")
+    p.add_argument("--paths", default=",".join(PATHS), help="which to measure (comma-separated)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one path of one case may take")
     p.add_argument("--json", action="store_true")
 
@@ -98,12 +102,14 @@ def _envoy_worker(spec, rank: int, case: Case, results) -> None:
         results.put((rank, f"{type(exc).__name__}: {exc}"))
 
 
-def _floor_worker(ports: list[int], rank: int, case: Case, results) -> None:
-    """All-to-all over one blocking TCP connection per pair: send to every peer, then read every peer."""
-    import socket
+class _Mesh:
+    """One blocking TCP connection per pair of ranks, and an all-to-all exchange over them."""
 
-    n = len(ports)
-    try:
+    def __init__(self, ports: list[int], rank: int, nbytes: int):
+        import socket
+
+        n = len(ports)
+        self.rank, self.nbytes = rank, nbytes
         listener = socket.create_server(("127.0.0.1", ports[rank]), backlog=n)
         peers: dict[int, socket.socket] = {}
         for r in range(rank + 1, n):  # lower ranks dial higher ones, as the envoys do
@@ -124,46 +130,157 @@ def _floor_worker(ports: list[int], rank: int, case: Case, results) -> None:
         listener.close()
         for s in peers.values():
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * case.nbytes + (1 << 16))
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * case.nbytes + (1 << 16))
-        order = sorted(peers)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * nbytes + (1 << 16))
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * nbytes + (1 << 16))
+        self.peers = peers
+        self.order = sorted(peers)
         room = min(s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) + s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
                    for s in peers.values())
         # sending to everyone before reading could deadlock if a payload does not fit the buffers;
         # then pairs take turns (lower rank sends first), which is slower but still a floor
-        turns = room < case.nbytes
-        data = bytes(case.nbytes)
-        buf = bytearray(case.nbytes)
-        view = memoryview(buf)
+        self.turns = room < nbytes
+        self.received = {r: bytearray(nbytes) for r in self.order}  # the latest payload of each peer
 
-        def recv_all(s) -> None:
-            got = 0
-            while got < case.nbytes:
-                k = s.recv_into(view[got:])
-                if k == 0:
-                    raise ConnectionError("peer closed")
-                got += k
+    def _recv(self, r: int) -> None:
+        view, got = memoryview(self.received[r]), 0
+        while got < self.nbytes:
+            k = self.peers[r].recv_into(view[got:])
+            if k == 0:
+                raise ConnectionError(f"rank {r} closed its connection")
+            got += k
 
-        def exchange() -> None:
-            if turns:
-                for r in order:
-                    if rank < r:
-                        peers[r].sendall(data)
-                        recv_all(peers[r])
-                    else:
-                        recv_all(peers[r])
-                        peers[r].sendall(data)
-                return
-            for r in order:
-                peers[r].sendall(data)
-            for r in order:
-                recv_all(peers[r])
+    def exchange(self, data) -> None:
+        """Send `data` (nbytes) to every peer and receive every peer's into `received`."""
+        if self.turns:
+            for r in self.order:
+                if self.rank < r:
+                    self.peers[r].sendall(data)
+                    self._recv(r)
+                else:
+                    self._recv(r)
+                    self.peers[r].sendall(data)
+            return
+        for r in self.order:
+            self.peers[r].sendall(data)
+        for r in self.order:
+            self._recv(r)
 
-        results.put((rank, _timed(exchange, case)))
-        for s in peers.values():
+    def close(self) -> None:
+        for s in self.peers.values():
             s.close()
+
+
+def _floor_worker(ports: list[int], rank: int, case: Case, results) -> None:
+    """All-to-all over one blocking TCP connection per pair: send to every peer, then read every peer."""
+    try:
+        mesh = _Mesh(ports, rank, case.nbytes)
+        data = bytes(case.nbytes)
+        results.put((rank, _timed(lambda: mesh.exchange(data), case)))
+        mesh.close()
     except Exception as exc:  # noqa: BLE001
         results.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def _relay_worker(ports: list[int], folder: str, index: int, case: Case, results) -> None:
+    """The least a relay process per node can cost: processes 0..N-1 relay, N..2N-1 are their nodes.
+
+    A node hands its payload over in shared memory with a one-byte wake-up on a Unix socket; its
+    relay exchanges it all-to-all over blocking TCP (the floor's mesh), sums in rank order with the
+    envoy's reducer into shared memory, and wakes the node. No gRPC, no framing, no checksum, no
+    event loop: what is left is the architecture's two extra process hops per all-reduce.
+    Only nodes report latencies; a relay reports only a failure.
+    """
+    rank = index % case.nodes
+    target = _relay if index < case.nodes else _relay_node
+    try:
+        target(ports, f"{folder}/relay-{rank}.sock", rank, case, results)
+    except Exception as exc:  # noqa: BLE001
+        results.put((rank, f"{target.__name__.strip('_')}: {type(exc).__name__}: {exc}"))
+
+
+def _relay(ports: list[int], path: str, rank: int, case: Case, results) -> None:
+    import socket
+    from multiprocessing import shared_memory
+
+    import numpy as np
+
+    from ..envoy.reduce import DTYPES, Reducer
+
+    shm = shared_memory.SharedMemory(create=True, size=2 * case.nbytes)
+    try:
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(path)
+            listener.listen(1)
+            listener.settimeout(30)
+            link, _ = listener.accept()
+        link.settimeout(None)
+        link.sendall(shm.name.encode())
+        mesh = _Mesh(ports, rank, case.nbytes)
+        wire = DTYPES[case.dtype]
+        count = case.nbytes // np.dtype(wire).itemsize
+        request = np.ndarray((count,), wire, shm.buf, 0)
+        result = np.ndarray((count,), wire, shm.buf, case.nbytes)
+        peers = {r: np.frombuffer(buf, wire) for r, buf in mesh.received.items()}
+        partials = [peers.get(r, request) for r in range(case.nodes)]  # rank order, this node's in its place
+        reduce = Reducer()
+        while link.recv(1):  # the node closes its end when it is done
+            mesh.exchange(shm.buf[:case.nbytes])
+            reduce(partials, case.dtype, out=result)
+            link.sendall(b"D")
+        link.close()
+        mesh.close()
+        request = result = partials = None  # views into the segment go before it closes
+    finally:
+        shm.close()
+        shm.unlink()
+
+
+def _relay_node(ports: list[int], path: str, rank: int, case: Case, results) -> None:
+    """The node side of the relay path: payload into shared memory, wake the relay, wait, copy out."""
+    import socket
+    from multiprocessing import shared_memory
+
+    import numpy as np
+
+    from ..envoy.reduce import from_float32, reduce_sum
+
+    link = socket.socket(socket.AF_UNIX)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            link.connect(path)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+    shm = shared_memory.SharedMemory(name=link.recv(256).decode())
+
+    def payload_of(r: int) -> np.ndarray:
+        values = np.random.default_rng(r).normal(0, 0.01, case.nbytes // _ITEMSIZE[case.dtype]).astype(np.float32)
+        return from_float32(values, case.dtype)
+
+    try:
+        payload = payload_of(rank).view(np.uint8)
+        request = np.ndarray((case.nbytes,), np.uint8, shm.buf, 0)
+        result = np.ndarray((case.nbytes,), np.uint8, shm.buf, case.nbytes)
+
+        def all_reduce() -> np.ndarray:
+            np.copyto(request, payload)
+            link.sendall(b"R")
+            if not link.recv(1):
+                raise ConnectionError("the relay went away")
+            return result.copy()
+
+        latencies = _timed(all_reduce, case)
+        want = reduce_sum([payload_of(r) for r in range(case.nodes)], case.dtype).view(np.uint8)
+        if not np.array_equal(all_reduce(), want):
+            raise AssertionError("the relay's sum differs from the rank-order sum of every rank's payload")
+        results.put((rank, latencies))
+        link.close()
+        request = result = None  # views into the segment go before it closes
+    finally:
+        shm.close()
 
 
 def _mlx_ring_worker(spec, rank: int, case: Case, results) -> None:
@@ -189,18 +306,19 @@ def _mlx_ring_worker(spec, rank: int, case: Case, results) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_workers(target, make_args, case: Case, timeout_s: float) -> list[float]:
-    """Spawn one process per rank running `target(*make_args(rank), case, results)`; pooled latencies."""
+def _run_workers(target, make_args, case: Case, timeout_s: float, processes: int = 0) -> list[float]:
+    """Spawn `processes` (default: one per rank) running `target(*make_args(i), case, results)`;
+    the latencies of the N ranks, pooled."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*make_args(rank), case, results), daemon=True)
-             for rank in range(case.nodes)]
+    procs = [ctx.Process(target=target, args=(*make_args(i), case, results), daemon=True)
+             for i in range(processes or case.nodes)]
     for p in procs:
         p.start()
     pooled: list[float] = []
     try:
         deadline = time.monotonic() + timeout_s
-        for _ in procs:
+        for _ in range(case.nodes):
             try:
                 rank, got = results.get(timeout=max(deadline - time.monotonic(), 0.1))
             except queue.Empty:
@@ -238,20 +356,27 @@ def run_case(case: Case, paths: list[str], timeout_s: float) -> dict:
         ports = free_ports(case.nodes)
         row["floor_p50_us"], row["floor_p99_us"] = _percentiles(
             _run_workers(_floor_worker, lambda r: (ports, r), case, timeout_s))
+    if "relay" in paths:
+        ports = free_ports(case.nodes)
+        with tempfile.TemporaryDirectory(prefix="moe-relay-") as folder:
+            row["relay_p50_us"], row["relay_p99_us"] = _percentiles(
+                _run_workers(_relay_worker, lambda i: (ports, folder, i), case, timeout_s, processes=2 * case.nodes))
     if "mlx_ring" in paths:
         spec = MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(case.nodes)))
         row["mlx_ring_p50_us"], row["mlx_ring_p99_us"] = _percentiles(
             _run_workers(_mlx_ring_worker, lambda r: (spec, r), case, timeout_s))
     if row.get("floor_p50_us") and row.get("envoy_p50_us"):
         row["envoy_over_floor"] = round(row["envoy_p50_us"] / row["floor_p50_us"], 2)
+    if row.get("floor_p50_us") and row.get("relay_p50_us"):
+        row["relay_over_floor"] = round(row["relay_p50_us"] / row["floor_p50_us"], 2)
     return row
 
 
 def main(args: argparse.Namespace) -> int:
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    unknown = sorted(set(paths) - {"envoy", "floor", "mlx_ring"})
+    unknown = sorted(set(paths) - set(PATHS))
     if unknown:
-        raise ValueError(f"--paths: unknown {', '.join(unknown)} (expected envoy, floor, mlx_ring)")
+        raise ValueError(f"--paths: unknown {', '.join(unknown)} (expected {', '.join(PATHS)})")
     if args.iters < 1 or args.warmup < 0:
         raise ValueError(f"--iters must be >= 1 and --warmup >= 0 (got {args.iters}, {args.warmup})")
     if min(args.nodes) < 2:
@@ -269,7 +394,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _print_row(row: dict, header: bool) -> None:
     cols = [("nodes", "nodes"), ("tokens", "tokens"), ("envoy_p50_us", "envoy p50"), ("envoy_p99_us", "envoy p99"),
-            ("floor_p50_us", "floor p50"), ("mlx_ring_p50_us", "mlx ring p50"), ("envoy_over_floor", "envoy/floor")]
+            ("floor_p50_us", "floor p50"), ("relay_p50_us", "relay p50"), ("mlx_ring_p50_us", "mlx ring p50"),
+            ("envoy_over_floor", "envoy/floor")]
     if header:
         print("  ".join(f"{title:>12}" for _, title in cols) + "   (microseconds)")
     print("  ".join(f"{row.get(key, '-'):>12}" for key, _ in cols), flush=True)
