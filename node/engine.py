@@ -80,6 +80,7 @@ def generate_tokens(
     stats: Stats | None = None,
     logits_sink: list | None = None,
     fed_tokens: list | None = None,
+    prefill_hook: Callable[[int, int], None] | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids until an EOS token (not yielded) or `max_tokens`.
 
@@ -91,6 +92,8 @@ def generate_tokens(
         logits_sink: if given, each step's raw logits (float32 numpy) are appended to it.
         fed_tokens: if given, every token the model has been fed after the prompt is appended
             (the yielded ones and a final EOS), i.e. what a prompt cache now holds.
+        prefill_hook: called as (prompt tokens processed, total) before the prefill and after each
+            of its chunks; the cluster uses it to agree on cancellation during a long prefill.
     """
     from mlx_lm.generate import generate_step
 
@@ -110,6 +113,7 @@ def generate_tokens(
         prompt_cache=prompt_cache,
         prefill_step_size=prefill_step,
         logits_processors=[_recorder(logits_sink)] if logits_sink is not None else None,
+        prompt_progress_callback=prefill_hook,
     )
     tic = time.perf_counter()
     stats.finish_reason = "length"

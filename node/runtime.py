@@ -42,7 +42,8 @@ class NodeRuntime:
 
     Every node runs the same loop on the same request. After each sampled token the nodes agree
     (one tiny all-reduce): everyone takes rank 0's token, and a cancel seen by any node stops all
-    of them at the same step, so no node is ever left waiting in an all-reduce.
+    of them at the same step, so no node is ever left waiting in an all-reduce. They agree on a
+    cancel between prefill chunks too, so a long prompt stops within a chunk.
 
     The prompt cache (mlx-lm's LRUPromptCache: longest-common-prefix reuse, LRU within a byte
     budget, an entry dropped once its continuation is cached) is the same on every node because
@@ -114,12 +115,18 @@ class NodeRuntime:
                 raise Cancelled()
             return mx.array([token], dtype=sampled.dtype)
 
+        def between_chunks(done: int, total: int) -> None:
+            # every node prefills the same chunks, so every node asks here the same number of times
+            if done < total and agree(collective, 0, should_cancel())[1]:
+                raise Cancelled()
+
         fed: list[int] = []
         try:
             for token in generate_tokens(
                 self.sharded.model, prompt[covered:], req.sampling, eos_token_ids=req.eos_token_ids,
                 prompt_cache=cache, prefill_step=req.prefill_step, token_hook=hook, stats=result.stats,
                 logits_sink=result.logits if req.record_logits else None, fed_tokens=fed,
+                prefill_hook=between_chunks,
             ):
                 result.tokens.append(token)
                 yield token

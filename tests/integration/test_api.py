@@ -382,6 +382,28 @@ def test_a_client_that_disconnects_frees_the_cluster_within_a_second(api, client
     assert cancelled(api) == before + 2
 
 
+def test_a_client_that_goes_during_a_long_prefill_frees_the_cluster_within_a_second(api, client, stock):
+    before = cancelled(api)
+    long_prompt = " ".join([PROMPT] * 40)  # ~1,500 tokens: ~90 prefill chunks, seconds of work
+    u = urllib.parse.urlsplit(api)
+    conn = HTTPConnection(u.hostname, u.port, timeout=30)
+    t0 = time.monotonic()
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": long_prompt, "max_tokens": 1}),
+                 {"Content-Type": "application/json", **AUTH})
+    wait_for(lambda: all(running == 1 for _, running in node_reports(api).values()), 5, "running on every node")
+    conn.sock.shutdown(socket.SHUT_RDWR)  # gone before the first token: in the middle of the prefill
+    conn.close()
+    gone = time.monotonic()
+    next_turn = [{"role": "user", "content": "What news on the Rialto?"}]
+    first, text = _first_token_at(client, next_turn)
+    print(f"disconnected {gone - t0:.2f} s into the prefill; the next request's first token {first - gone:.2f} s later")
+    assert first - gone < 1.0  # not after the rest of the prefill
+    assert text == stock(chat_ids(stock, next_turn), 8)[1]
+    assert node_reports(api) == IDLE
+    wait_for(lambda: cancelled(api) >= before + 1, 5, "the cancellation counted")
+    assert cancelled(api) == before + 1
+
+
 def test_a_non_streamed_request_is_cancelled_when_its_client_goes(api, client, stock):
     u = urllib.parse.urlsplit(api)
     conn = HTTPConnection(u.hostname, u.port, timeout=30)

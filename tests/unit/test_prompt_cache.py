@@ -31,7 +31,7 @@ def run(rt: NodeRuntime, prompt: list[int], n: int = N, cancel_after: int | None
         prefill_step: int = 512) -> GenerateResult:
     asked = [0]
 
-    def should_cancel() -> bool:  # asked once per sampled token, at the agreement
+    def should_cancel() -> bool:  # asked before the prefill, after each of its chunks, and per token
         asked[0] += 1
         return cancel_after is not None and asked[0] > cancel_after
 
@@ -112,6 +112,20 @@ def test_a_cancelled_request_leaves_an_entry_that_continues_correctly(sharded, e
     assert r2.cached_tokens == len(first) + len(r1.tokens)
     # the cache held one fed token more than was handed out; continuing from it shifted positions
     assert_stock(r2, follow, reference)
+
+
+def test_a_cancel_during_the_prefill_stops_it_within_a_chunk_and_keeps_what_it_did(sharded, encode, reference):
+    rt = NodeRuntime(sharded, prompt_cache_bytes=1 << 30)
+    prompt = encode("Is this a dagger which I see before me, the handle toward my hand? Come, let me clutch thee.")
+    chunk = 4
+    assert len(prompt) > 5 * chunk
+    # asked before the first chunk and after each: the third ask comes after two chunks
+    r1 = run(rt, prompt, cancel_after=2, prefill_step=chunk)
+    assert r1.cancelled and r1.tokens == [] and r1.stats.finish_reason == "cancelled"
+    assert entries(rt) == [2 * chunk]  # the prefill stopped there, and what it did is kept
+    r2 = run(rt, prompt, prefill_step=chunk)
+    assert r2.cached_tokens == 2 * chunk
+    assert_stock(r2, prompt, reference)
 
 
 class RecordingCollective(LocalCollective):
