@@ -23,7 +23,7 @@ from ..node.engine import Sampling
 from ..node.runtime import GenerateRequest
 from .client import ClusterError
 from .cluster import Cluster, Outcome, QueueFull
-from .metrics import Metrics
+from .metrics import Metrics, prompt_tps
 
 logger = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class Api:
         return {
             "tokens": outcome.tokens,
             "cached_tokens": d.cached_tokens if d else 0,
-            "prompt_tps": (len(gen.req.prompt) / t.prompt_s) if t and t.prompt_s else 0.0,
+            "prompt_tps": prompt_tps(d),
             "generation_tps": (max(len(outcome.tokens), 1) / t.generation_s) if t and t.generation_s else 0.0,
             "time_to_first_token_s": gen.ttft,
             "counters": {k: v for k, v in d.counters.items() if k != "peak_memory_bytes"} if d else {},

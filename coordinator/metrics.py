@@ -47,6 +47,13 @@ def allreduce_histogram(counters: dict) -> Histogram | None:
     return Histogram(ALLREDUCE_BUCKETS, counts, float(counters.get("allreduce_sum_s", 0.0)), sum(counts))
 
 
+def prompt_tps(done) -> float:
+    """Prompt tokens prefilled per second (a GenerateDone's): a prompt-cache hit prefills only the rest."""
+    if done is None or not done.timings.prompt_s:
+        return 0.0
+    return (done.prompt_tokens - done.cached_tokens) / done.timings.prompt_s
+
+
 class Metrics:
     def __init__(self):
         self.requests = {"ok": 0, "error": 0, "cancelled": 0}
@@ -74,7 +81,7 @@ class Metrics:
                 self.cached_tokens += d.cached_tokens
             t = d.timings
             if t.prompt_s:
-                self.last_prompt_tps = len(gen.req.prompt) / t.prompt_s
+                self.last_prompt_tps = prompt_tps(d)
             if t.generation_s:
                 self.last_generation_tps = len(o.tokens) / t.generation_s
 
