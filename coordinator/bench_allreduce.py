@@ -36,8 +36,12 @@ class Case:
     warmup: int
 
     @property
+    def values(self) -> int:
+        return self.tokens * self.hidden
+
+    @property
     def nbytes(self) -> int:
-        return self.tokens * self.hidden * _ITEMSIZE[self.dtype]
+        return self.values * _ITEMSIZE[self.dtype]
 
 
 def _int_list(text: str) -> list[int]:
@@ -102,6 +106,30 @@ def _envoy_worker(spec, rank: int, case: Case, results) -> None:
         results.put((rank, f"{type(exc).__name__}: {exc}"))
 
 
+def _dial(connect):
+    """`connect()`'s result, once the other side listens (retried for up to 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return connect()
+        except (FileNotFoundError, ConnectionRefusedError):  # not bound (Unix socket) or not listening yet
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def _unix_connection(path: str):
+    import socket
+
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+    except OSError:
+        s.close()
+        raise
+    return s
+
+
 class _Mesh:
     """One blocking TCP connection per pair of ranks, and an all-to-all exchange over them."""
 
@@ -113,15 +141,7 @@ class _Mesh:
         listener = socket.create_server(("127.0.0.1", ports[rank]), backlog=n)
         peers: dict[int, socket.socket] = {}
         for r in range(rank + 1, n):  # lower ranks dial higher ones, as the envoys do
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    s = socket.create_connection(("127.0.0.1", ports[r]))
-                    break
-                except ConnectionRefusedError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.02)
+            s = _dial(lambda: socket.create_connection(("127.0.0.1", ports[r])))
             s.sendall(bytes([rank]))
             peers[r] = s
         while len(peers) < n - 1:
@@ -217,9 +237,8 @@ def _relay(ports: list[int], path: str, rank: int, case: Case, results) -> None:
         link.sendall(shm.name.encode())
         mesh = _Mesh(ports, rank, case.nbytes)
         wire = DTYPES[case.dtype]
-        count = case.nbytes // np.dtype(wire).itemsize
-        request = np.ndarray((count,), wire, shm.buf, 0)
-        result = np.ndarray((count,), wire, shm.buf, case.nbytes)
+        request = np.ndarray((case.values,), wire, shm.buf, 0)
+        result = np.ndarray((case.values,), wire, shm.buf, case.nbytes)
         peers = {r: np.frombuffer(buf, wire) for r, buf in mesh.received.items()}
         partials = [peers.get(r, request) for r in range(case.nodes)]  # rank order, this node's in its place
         reduce = Reducer()
@@ -237,27 +256,17 @@ def _relay(ports: list[int], path: str, rank: int, case: Case, results) -> None:
 
 def _relay_node(ports: list[int], path: str, rank: int, case: Case, results) -> None:
     """The node side of the relay path: payload into shared memory, wake the relay, wait, copy out."""
-    import socket
     from multiprocessing import shared_memory
 
     import numpy as np
 
     from ..envoy.reduce import from_float32, reduce_sum
 
-    link = socket.socket(socket.AF_UNIX)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            link.connect(path)
-            break
-        except (FileNotFoundError, ConnectionRefusedError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
+    link = _dial(lambda: _unix_connection(path))
     shm = shared_memory.SharedMemory(name=link.recv(256).decode())
 
     def payload_of(r: int) -> np.ndarray:
-        values = np.random.default_rng(r).normal(0, 0.01, case.nbytes // _ITEMSIZE[case.dtype]).astype(np.float32)
+        values = np.random.default_rng(r).normal(0, 0.01, case.values).astype(np.float32)
         return from_float32(values, case.dtype)
 
     try:
@@ -365,10 +374,9 @@ def run_case(case: Case, paths: list[str], timeout_s: float) -> dict:
         spec = MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(case.nodes)))
         row["mlx_ring_p50_us"], row["mlx_ring_p99_us"] = _percentiles(
             _run_workers(_mlx_ring_worker, lambda r: (spec, r), case, timeout_s))
-    if row.get("floor_p50_us") and row.get("envoy_p50_us"):
-        row["envoy_over_floor"] = round(row["envoy_p50_us"] / row["floor_p50_us"], 2)
-    if row.get("floor_p50_us") and row.get("relay_p50_us"):
-        row["relay_over_floor"] = round(row["relay_p50_us"] / row["floor_p50_us"], 2)
+    for path in ("envoy", "relay"):
+        if row.get("floor_p50_us") and row.get(f"{path}_p50_us"):
+            row[f"{path}_over_floor"] = round(row[f"{path}_p50_us"] / row["floor_p50_us"], 2)
     return row
 
 
