@@ -150,6 +150,17 @@ def cancelled(url: str) -> float:
     return metrics(url)['moe_cluster_requests_total{outcome="cancelled"}']
 
 
+def wait_cancelled(url: str, want: float) -> None:
+    """Wait until `want` requests are counted as cancelled, and check no more are."""
+    wait_for(lambda: cancelled(url) >= want, 5, f"{want:g} cancellations counted")
+    assert cancelled(url) == want
+
+
+def running_everywhere(url: str) -> bool:
+    """Every node reports a request running."""
+    return all(running == 1 for _, running in node_reports(url).values())
+
+
 def wait_for(check, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while True:
@@ -318,15 +329,26 @@ def test_a_full_queue_is_429_and_requests_are_served_in_order(api):
     asyncio.run(scenario())
     # the three went away mid-stream: each is counted once it has stopped on every node (just after it
     # leaves the queue), and nothing else is
-    wait_for(lambda: cancelled(api) >= before + 3, 5, "three cancellations counted")
-    assert cancelled(api) == before + 3
+    wait_cancelled(api, before + 3)
+
+
+def _send(api: str, path: str, body: dict) -> HTTPConnection:
+    """The connection of a POST just sent, its response not read yet."""
+    u = urllib.parse.urlsplit(api)
+    conn = HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **AUTH})
+    return conn
+
+
+def _hang_up(conn: HTTPConnection) -> None:
+    """The client goes away, whatever it was waiting for."""
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
 
 
 def _open_stream(api: str, path: str, body: dict):
     """(connection, response) of a streamed request, once its headers are in."""
-    u = urllib.parse.urlsplit(api)
-    conn = HTTPConnection(u.hostname, u.port, timeout=30)
-    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json", **AUTH})
+    conn = _send(api, path, {**body, "stream": True})
     resp = conn.getresponse()
     assert resp.status == 200 and resp.getheader("Content-Type").startswith("text/event-stream")
     return conn, resp
@@ -355,12 +377,12 @@ def _first_token_at(client, messages) -> tuple[float, str]:
 
 
 IDLE = {"node-0": ("ready", 0), "node-1": ("ready", 0)}
+NEXT_TURN = [{"role": "user", "content": "What news on the Rialto?"}]  # a short request after a cancel
 
 
 def test_a_client_that_disconnects_frees_the_cluster_within_a_second(api, client, stock):
     before = cancelled(api)
-    next_turn = [{"role": "user", "content": "What news on the Rialto?"}]
-    want = stock(chat_ids(stock, next_turn), 8)[1]
+    want = stock(chat_ids(stock, NEXT_TURN), 8)[1]
     for path, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": LONG}),
                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": LONG})):
         conn, resp = _open_stream(api, path, body)
@@ -369,50 +391,38 @@ def test_a_client_that_disconnects_frees_the_cluster_within_a_second(api, client
             line = resp.readline()
             assert line, "the stream ended early"
             events += line.startswith(b"data: {")
-        assert all(running == 1 for _, running in node_reports(api).values())  # busy on every node
-        conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
-        conn.close()
+        assert running_everywhere(api)
+        _hang_up(conn)  # mid-stream
         gone = time.monotonic()
-        first, text = _first_token_at(client, next_turn)  # sent at once: it waits for the cancel
+        first, text = _first_token_at(client, NEXT_TURN)  # sent at once: it waits for the cancel
         assert first - gone < 1.0
         assert text == want  # the next request starts cleanly
         assert node_reports(api) == IDLE  # and nothing is left running on any node
         assert cluster_status(api)["queue_depth"] == 0
-    wait_for(lambda: cancelled(api) >= before + 2, 5, "both cancellations counted")
-    assert cancelled(api) == before + 2
+    wait_cancelled(api, before + 2)
 
 
 def test_a_client_that_goes_during_a_long_prefill_frees_the_cluster_within_a_second(api, client, stock):
     before = cancelled(api)
     long_prompt = " ".join([PROMPT] * 40)  # ~1,500 tokens: ~90 prefill chunks, seconds of work
-    u = urllib.parse.urlsplit(api)
-    conn = HTTPConnection(u.hostname, u.port, timeout=30)
     t0 = time.monotonic()
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": long_prompt, "max_tokens": 1}),
-                 {"Content-Type": "application/json", **AUTH})
-    wait_for(lambda: all(running == 1 for _, running in node_reports(api).values()), 5, "running on every node")
-    conn.sock.shutdown(socket.SHUT_RDWR)  # gone before the first token: in the middle of the prefill
-    conn.close()
+    conn = _send(api, "/v1/completions", {"prompt": long_prompt, "max_tokens": 1})
+    wait_for(lambda: running_everywhere(api), 5, "running on every node")
+    _hang_up(conn)  # before the first token: in the middle of the prefill
     gone = time.monotonic()
-    next_turn = [{"role": "user", "content": "What news on the Rialto?"}]
-    first, text = _first_token_at(client, next_turn)
+    first, text = _first_token_at(client, NEXT_TURN)
     print(f"disconnected {gone - t0:.2f} s into the prefill; the next request's first token {first - gone:.2f} s later")
     assert first - gone < 1.0  # not after the rest of the prefill
-    assert text == stock(chat_ids(stock, next_turn), 8)[1]
+    assert text == stock(chat_ids(stock, NEXT_TURN), 8)[1]
     assert node_reports(api) == IDLE
-    wait_for(lambda: cancelled(api) >= before + 1, 5, "the cancellation counted")
-    assert cancelled(api) == before + 1
+    wait_cancelled(api, before + 1)
 
 
 def test_a_non_streamed_request_is_cancelled_when_its_client_goes(api, client, stock):
-    u = urllib.parse.urlsplit(api)
-    conn = HTTPConnection(u.hostname, u.port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": LONG}),
-                 {"Content-Type": "application/json", **AUTH})
+    conn = _send(api, "/v1/completions", {"prompt": PROMPT, "max_tokens": LONG})
     wait_for(lambda: cluster_status(api)["queue_depth"] == 1, 5, "the request running")
-    wait_for(lambda: all(running == 1 for _, running in node_reports(api).values()), 5, "running on every node")
-    conn.sock.shutdown(socket.SHUT_RDWR)
-    conn.close()
+    wait_for(lambda: running_everywhere(api), 5, "running on every node")
+    _hang_up(conn)
     r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)  # at once: waits for the cancel
     assert r.model_extra["moe_cluster"]["tokens"] == stock(prompt_ids(stock, PROMPT), 4)[0]
     assert node_reports(api) == IDLE
