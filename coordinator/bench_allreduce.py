@@ -7,6 +7,9 @@ For each (nodes, tokens) case, in one run on this machine, over loopback:
   least any transport across processes can cost here;
 - relay: the floor with a relay process per node in between (node -> shared memory -> relay ->
   blocking TCP -> sum -> node), the least any design with an envoy process per node can cost;
+- grpc: N processes exchanging the same bytes all-to-all over grpc.aio streams, one per pair,
+  set up as the envoys' (uvloop, the same poller and channel options), and nothing else: no node
+  hop, no reduction, no checksum. The least the envoy's gRPC hop alone can cost;
 - mlx_ring: N processes running `mx.distributed.all_sum` on the ring backend.
 Latencies are per call, pooled over ranks, after a warm-up.
 """
@@ -23,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-PATHS = ("envoy", "floor", "relay", "mlx_ring")
+PATHS = ("envoy", "floor", "relay", "grpc", "mlx_ring")
 
 
 @dataclass(frozen=True)
@@ -292,6 +295,101 @@ def _relay_node(ports: list[int], path: str, rank: int, case: Case, results) -> 
         shm.close()
 
 
+_BENCH_EXCHANGE = "/moe_cluster.bench.Exchange/Exchange"
+
+
+def _grpc_worker(addresses: list[str], rank: int, case: Case, results) -> None:
+    """All-to-all over grpc.aio: one bidirectional stream per pair (the lower rank dials), raw bytes
+    both ways; each call writes to every peer, then reads every peer."""
+    try:
+        import asyncio
+        import os
+
+        from ..envoy.main import GRPC_EXPERIMENTS
+
+        os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)  # before grpc is imported, as the envoy does
+        try:
+            import uvloop
+        except ImportError:
+            uvloop = None
+        runner = uvloop.run if uvloop is not None else asyncio.run
+        results.put((rank, runner(_grpc_exchange(addresses, rank, case))))
+    except Exception as exc:  # noqa: BLE001
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+async def _grpc_exchange(addresses: list[str], rank: int, case: Case) -> list[float]:
+    import asyncio
+
+    import grpc
+
+    from ..proto import CHANNEL_OPTIONS
+
+    n = len(addresses)
+    loop = asyncio.get_running_loop()
+    streams: dict[int, tuple] = {}  # peer rank -> (read, write)
+    all_up, done = loop.create_future(), asyncio.Event()
+
+    def up(r: int, read, write) -> None:
+        streams[r] = (read, write)
+        if len(streams) == n - 1 and not all_up.done():
+            all_up.set_result(None)
+
+    async def accept(request_iterator, context):
+        up((await context.read())[0], context.read, context.write)
+        await done.wait()  # the stream lives as long as this handler: until this rank is done
+        while await context.read() is not grpc.aio.EOF:  # and the dialer is, too
+            pass
+
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("moe_cluster.bench.Exchange", {
+        "Exchange": grpc.stream_stream_rpc_method_handler(accept)}),))
+    server.add_insecure_port(addresses[rank])
+    await server.start()
+    channels, calls = [], []
+    try:
+        for r in range(rank + 1, n):
+            channel = grpc.aio.insecure_channel(addresses[r], options=CHANNEL_OPTIONS)
+            channels.append(channel)
+            call = channel.stream_stream(_BENCH_EXCHANGE)(wait_for_ready=True)
+            await call.write(bytes([rank]))
+            calls.append(call)
+            up(r, call.read, call.write)
+        await asyncio.wait_for(all_up, 30)
+        order = sorted(streams)
+        writes = [streams[r][1] for r in order]
+        reads = [streams[r][0] for r in order]
+        data = bytes(case.nbytes)
+
+        async def exchange() -> None:
+            for write in writes:
+                await write(data)
+            for read in reads:
+                got = await read()
+                if got is grpc.aio.EOF:
+                    raise ConnectionError("a peer closed its stream")
+                if len(got) != case.nbytes:
+                    raise ConnectionError(f"a peer sent {len(got)} bytes, expected {case.nbytes}")
+
+        for _ in range(case.warmup):
+            await exchange()
+        latencies = []
+        for _ in range(case.iters):
+            t = time.perf_counter()
+            await exchange()
+            latencies.append(time.perf_counter() - t)
+        for call in calls:  # close each stream only once its other end is done with it
+            await call.done_writing()
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        return latencies
+    finally:
+        done.set()
+        for channel in channels:
+            await channel.close()
+        await server.stop(0.5)
+
+
 def _mlx_ring_worker(spec, rank: int, case: Case, results) -> None:
     try:
         import os
@@ -370,11 +468,15 @@ def run_case(case: Case, paths: list[str], timeout_s: float) -> dict:
         with tempfile.TemporaryDirectory(prefix="moe-relay-") as folder:
             row["relay_p50_us"], row["relay_p99_us"] = _percentiles(
                 _run_workers(_relay_worker, lambda i: (ports, folder, i), case, timeout_s, processes=2 * case.nodes))
+    if "grpc" in paths:
+        addresses = [f"127.0.0.1:{p}" for p in free_ports(case.nodes)]
+        row["grpc_p50_us"], row["grpc_p99_us"] = _percentiles(
+            _run_workers(_grpc_worker, lambda r: (addresses, r), case, timeout_s))
     if "mlx_ring" in paths:
         spec = MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(case.nodes)))
         row["mlx_ring_p50_us"], row["mlx_ring_p99_us"] = _percentiles(
             _run_workers(_mlx_ring_worker, lambda r: (spec, r), case, timeout_s))
-    for path in ("envoy", "relay"):
+    for path in ("envoy", "relay", "grpc"):
         if row.get("floor_p50_us") and row.get(f"{path}_p50_us"):
             row[f"{path}_over_floor"] = round(row[f"{path}_p50_us"] / row["floor_p50_us"], 2)
     return row
@@ -402,7 +504,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _print_row(row: dict, header: bool) -> None:
     cols = [("nodes", "nodes"), ("tokens", "tokens"), ("envoy_p50_us", "envoy p50"), ("envoy_p99_us", "envoy p99"),
-            ("floor_p50_us", "floor p50"), ("relay_p50_us", "relay p50"), ("mlx_ring_p50_us", "mlx ring p50"),
+            ("floor_p50_us", "floor p50"), ("relay_p50_us", "relay p50"), ("grpc_p50_us", "grpc p50"), ("mlx_ring_p50_us", "mlx ring p50"),
             ("envoy_over_floor", "envoy/floor")]
     if header:
         print("  ".join(f"{title:>12}" for _, title in cols) + "   (microseconds)")

@@ -60,7 +60,10 @@ def test_bench_allreduce_reports_every_path():
     cases = json.loads(r.stdout)["cases"]
     assert [(c["nodes"], c["tokens"]) for c in cases] == [(2, 1), (2, 4)]
     for c in cases:
-        for key in ("hidden", "envoy_p50_us", "envoy_p99_us", "floor_p50_us", "relay_p50_us", "mlx_ring_p50_us"):
+        for key in ("hidden", "envoy_p50_us", "envoy_p99_us", "floor_p50_us", "relay_p50_us", "grpc_p50_us",
+                    "mlx_ring_p50_us"):
             assert key in c, (key, c)
         assert 0 < c["floor_p50_us"] and 0 < c["envoy_p50_us"] <= c["envoy_p99_us"]
         assert 0 < c["relay_p50_us"] <= c["relay_p99_us"]  # its sum is checked against every rank's payload
+        assert 0 < c["grpc_p50_us"] <= c["grpc_p99_us"]  # every message checked for its length
+        assert c["grpc_over_floor"] == round(c["grpc_p50_us"] / c["floor_p50_us"], 2)
