@@ -302,18 +302,9 @@ def _grpc_worker(addresses: list[str], rank: int, case: Case, results) -> None:
     """All-to-all over grpc.aio: one bidirectional stream per pair (the lower rank dials), raw bytes
     both ways; each call writes to every peer, then reads every peer."""
     try:
-        import asyncio
-        import os
+        from ..envoy.main import run_grpc_loop
 
-        from ..envoy.main import GRPC_EXPERIMENTS
-
-        os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)  # before grpc is imported, as the envoy does
-        try:
-            import uvloop
-        except ImportError:
-            uvloop = None
-        runner = uvloop.run if uvloop is not None else asyncio.run
-        results.put((rank, runner(_grpc_exchange(addresses, rank, case))))
+        results.put((rank, run_grpc_loop(lambda: _grpc_exchange(addresses, rank, case))))
     except Exception as exc:  # noqa: BLE001
         results.put((rank, f"{type(exc).__name__}: {exc}"))
 
@@ -504,7 +495,8 @@ def main(args: argparse.Namespace) -> int:
 
 def _print_row(row: dict, header: bool) -> None:
     cols = [("nodes", "nodes"), ("tokens", "tokens"), ("envoy_p50_us", "envoy p50"), ("envoy_p99_us", "envoy p99"),
-            ("floor_p50_us", "floor p50"), ("relay_p50_us", "relay p50"), ("grpc_p50_us", "grpc p50"), ("mlx_ring_p50_us", "mlx ring p50"),
+            ("floor_p50_us", "floor p50"), ("relay_p50_us", "relay p50"), ("grpc_p50_us", "grpc p50"),
+            ("mlx_ring_p50_us", "mlx ring p50"),
             ("envoy_over_floor", "envoy/floor")]
     if header:
         print("  ".join(f"{title:>12}" for _, title in cols) + "   (microseconds)")

@@ -13,13 +13,16 @@ import logging
 import os
 import signal
 import sys
+from typing import Any, Callable, Coroutine, TypeVar
 
 # grpc's older polling engine reads the socket on the thread that waits for events, one thread
 # hop less per message than the EventEngine default; measured faster on this workload. Must be
-# set before grpc is imported (run() does); a caller's own setting wins.
+# set before grpc is imported (run_grpc_loop does); a caller's own setting wins.
 GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
 
 logger = logging.getLogger("moe_cluster.envoy")
+
+T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -86,25 +89,30 @@ def config_from_args(args: argparse.Namespace):
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run one envoy until its node goes away (or SIGTERM/SIGINT)."""
+def run_grpc_loop(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run `main()` as the envoy runs: grpc on its older poller (set before `main` imports grpc;
+    a caller's own GRPC_EXPERIMENTS wins), on uvloop where it is installed."""
     os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
-    # grpc warns "Aborting method ... due to server stop" for every stream still open at exit
-    logging.getLogger("grpc._cython.cygrpc").setLevel(logging.ERROR)
-    from .process import Envoy
-
-    die_with_parent(args.parent_pid)
-    config = config_from_args(args)
     try:
         import uvloop  # optional: a faster event loop
     except ImportError:
-        uvloop = None
-    envoy = Envoy(config)
-    if uvloop is not None:
-        reason = uvloop.run(envoy.run())
-    else:
-        reason = asyncio.run(envoy.run())
-    logger.info("envoy rank %s exited: %s", config.rank, reason)
+        return asyncio.run(main())
+    return uvloop.run(main())
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one envoy until its node goes away (or SIGTERM/SIGINT)."""
+    # grpc warns "Aborting method ... due to server stop" for every stream still open at exit
+    logging.getLogger("grpc._cython.cygrpc").setLevel(logging.ERROR)
+    die_with_parent(args.parent_pid)
+
+    def serve():
+        from .process import Envoy
+
+        return Envoy(config_from_args(args)).run()
+
+    reason = run_grpc_loop(serve)
+    logger.info("envoy rank %s exited: %s", args.rank, reason)
     return 0
 
 
