@@ -26,14 +26,14 @@ def _known_errors() -> tuple[type[BaseException], ...]:
     # OSError: a port in use, a file that cannot be read -- the machine's state, not a bug
     errors: list[type[BaseException]] = [CheckpointError, OSError, ValueError]
     for mod, name in (
-        ("moe_cluster.coordinator.config", "ConfigError"),
-        ("moe_cluster.coordinator.placement", "PlacementError"),
-        ("moe_cluster.node.shard", "ShardError"),
-        ("moe_cluster.coordinator.client", "ClusterError"),
-        ("moe_cluster.coordinator.config", "ConfigError"),
-        ("moe_cluster.node.placement", "PlacementError"),
+        ("moe_cluster.coordinator.serve.config", "ConfigError"),
+        ("moe_cluster.coordinator.serve.placement", "PlacementError"),
+        ("moe_cluster.node.moe.load", "ShardError"),
+        ("moe_cluster.coordinator.serve.client", "ClusterError"),
+        ("moe_cluster.coordinator.serve.config", "ConfigError"),
+        ("moe_cluster.proto.placement", "PlacementError"),
         ("moe_cluster.node.mdns", "DiscoveryError"),
-        ("moe_cluster.node.collective", "CollectiveError"),
+        ("moe_cluster.node.collective.base", "CollectiveError"),
     ):
         try:
             errors.append(getattr(importlib.import_module(mod), name))
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(handler="moe_cluster.coordinator.run_local:main")
+    p.set_defaults(handler="moe_cluster.coordinator.dev.run_local:main")
 
     p = sub.add_parser("simulate", help="run N node processes of a sharded model on this machine")
     p.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=("shm", "envoy", "mlx"), default="shm",
                    help="how the nodes all-reduce: shared memory, envoy processes (gRPC) or mx.distributed ring")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(handler="moe_cluster.coordinator.simulate:main")
+    p.set_defaults(handler="moe_cluster.coordinator.dev.simulate:main")
 
     p = sub.add_parser("demo-model", help="write a random-weight MoE checkpoint of a chosen family")
     p.add_argument("--arch", required=True, help="mixtral, qwen2_moe, qwen3_moe, deepseek_v3, dbrx, gpt_oss, olmoe, qwen3_next")
@@ -104,21 +104,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", default="mlx", help="mlx (stacked experts) or hf (as Hugging Face releases store them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-size", default="5GB", help="split the weights into files past this size (e.g. 200KB, 5GB)")
-    p.set_defaults(handler="moe_cluster.coordinator.demo_cmds:demo_model")
+    p.set_defaults(handler="moe_cluster.coordinator.dev.demo:demo_model")
 
     p = sub.add_parser("train-demo", help="train the embedded demo model on the bundled corpus")
     p.add_argument("--out", required=True, help="output folder (the shipped one is node/demo/model)")
     p.add_argument("--steps", type=_positive_int, default=None)
     p.add_argument("--batch", type=_positive_int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(handler="moe_cluster.coordinator.demo_cmds:train_demo")
+    p.set_defaults(handler="moe_cluster.coordinator.dev.demo:train_demo")
 
     p = sub.add_parser("bench", help="benchmarks on this machine")
     bench = p.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench.required = True
     b = bench.add_parser("allreduce", help="one all-reduce: envoy path vs plain sockets vs mx.distributed ring")
-    importlib.import_module("moe_cluster.coordinator.bench_allreduce").add_arguments(b)
-    b.set_defaults(handler="moe_cluster.coordinator.bench_allreduce:main")
+    importlib.import_module("moe_cluster.coordinator.bench.allreduce").add_arguments(b)
+    b.set_defaults(handler="moe_cluster.coordinator.bench.allreduce:main")
 
     b = bench.add_parser("decode", help="decode tok/s of our path vs stock mlx-lm, and the per-token breakdown on N nodes")
     b.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--calibrate", action="store_true",
                    help="fit the performance model to these measurements and print its predictions beside them")
     b.add_argument("--json", action="store_true")
-    b.set_defaults(handler="moe_cluster.coordinator.bench_decode:main")
+    b.set_defaults(handler="moe_cluster.coordinator.bench.decode:main")
 
     b = bench.add_parser("placement", help="measured per-node expert load: even split vs profile-guided placement")
     b.add_argument("--model", default="demo")
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--spare-experts", type=int, default=4, help="room per node for this many extra experts per layer")
     b.add_argument("--max-tokens", type=_positive_int, default=48)
     b.add_argument("--json", action="store_true")
-    b.set_defaults(handler="moe_cluster.coordinator.bench_placement:main")
+    b.set_defaults(handler="moe_cluster.coordinator.bench.placement:main")
 
     b = bench.add_parser("prompt-cache", help="time to first token of a follow-up chat turn, prompt cache on vs off")
     b.add_argument("--model", default="demo")
@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prefix-tokens", type=_positive_int, default=1200, help="size of the shared prefix")
     b.add_argument("--max-tokens", type=_positive_int, default=16)
     b.add_argument("--json", action="store_true")
-    b.set_defaults(handler="moe_cluster.coordinator.bench_prompt_cache:main")
+    b.set_defaults(handler="moe_cluster.coordinator.bench.prompt_cache:main")
 
     p = sub.add_parser("envoy", help="run one envoy by hand (nodes start their own); secret from $MOE_CLUSTER_SECRET")
     importlib.import_module("moe_cluster.envoy.main").add_arguments(p)
@@ -159,30 +159,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="override the file's model (a checkpoint folder, or 'demo')")
     p.add_argument("--api-port", type=int, default=None, help="override the file's API port (0: any free port)")
     p.add_argument("--log-dir", default=None, help="where local nodes write their logs")
-    p.set_defaults(handler="moe_cluster.coordinator.up:main")
+    p.set_defaults(handler="moe_cluster.coordinator.serve.up:main")
 
     p = sub.add_parser("down", help="stop the cluster that `up` started")
     p.add_argument("--url", default=None, help="the cluster's API URL (default: the one started on this machine)")
-    p.set_defaults(handler="moe_cluster.coordinator.remote_cmds:down")
+    p.set_defaults(handler="moe_cluster.coordinator.serve.remote:down")
 
     p = sub.add_parser("status", help="nodes, health, memory and experts of a running cluster")
     p.add_argument("--url", default=None)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(handler="moe_cluster.coordinator.remote_cmds:status")
+    p.set_defaults(handler="moe_cluster.coordinator.serve.remote:status")
 
     p = sub.add_parser("generate", help="generate text on a running cluster")
     p.add_argument("--url", default=None)
     p.add_argument("--prompt", required=True)
     add_sampling_args(p)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(handler="moe_cluster.coordinator.remote_cmds:generate")
+    p.set_defaults(handler="moe_cluster.coordinator.serve.remote:generate")
 
     p = sub.add_parser("profile", help="record which experts the routers pick on real prompts (for placement)")
     p.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
     p.add_argument("--prompts", required=True, help="text file, one prompt per line (or .jsonl with {\"prompt\"})")
     p.add_argument("--out", required=True, help="profile.json to write")
     p.add_argument("--max-tokens", type=_positive_int, default=32, help="tokens to generate per prompt")
-    p.set_defaults(handler="moe_cluster.coordinator.profile_cmd:main")
+    p.set_defaults(handler="moe_cluster.coordinator.dev.profile:main")
 
     p = sub.add_parser("chat", help="chat with a running cluster in the terminal (streaming, multi-turn)")
     p.add_argument("--url", default=None)
@@ -190,11 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p, max_tokens=256)
     p.add_argument("--api-key", default=None, help="API key (default: $MOE_CLUSTER_API_KEY)")
     p.add_argument("--verbose-stats", action="store_true", help="print tokens and time to first token per answer")
-    p.set_defaults(handler="moe_cluster.coordinator.chat:main")
+    p.set_defaults(handler="moe_cluster.coordinator.dev.chat:main")
 
     p = sub.add_parser("validate", help="check a cluster.yaml")
     p.add_argument("file")
-    p.set_defaults(handler="moe_cluster.coordinator.config:validate_main")
+    p.set_defaults(handler="moe_cluster.coordinator.serve.config:validate_main")
 
     p = sub.add_parser("node", help="the agent to run on each Mac: advertises itself, loads its shard, serves")
     p.add_argument("--name", default=None, help="node name (default: this host's name)")
@@ -213,8 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler="moe_cluster.node.agent:main")
 
     p = sub.add_parser("plan", help="capacity planning: predicted tok/s and memory per node count (paper Eq. 1)")
-    importlib.import_module("moe_cluster.coordinator.plan_cmd").add_arguments(p)
-    p.set_defaults(handler="moe_cluster.coordinator.plan_cmd:main")
+    importlib.import_module("moe_cluster.coordinator.plan.command").add_arguments(p)
+    p.set_defaults(handler="moe_cluster.coordinator.plan.command:main")
 
     return parser
 

@@ -73,7 +73,7 @@ def read_secret(from_stdin: bool) -> str:
 
 def config_from_args(args: argparse.Namespace):
     from .mesh import TlsPaths
-    from .process import EnvoyConfig
+    from .envoy import EnvoyConfig
 
     tls_given = [args.tls_cert, args.tls_key, args.tls_ca]
     if any(tls_given) and not all(tls_given):
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     die_with_parent(args.parent_pid)
 
     def serve():
-        from .process import Envoy
+        from .envoy import Envoy
 
         return Envoy(config_from_args(args)).run()
 

@@ -24,7 +24,7 @@ from ..proto import CHANNEL_OPTIONS, convert
 from ..proto import node_pb2 as npb
 from ..proto import node_pb2_grpc as npb_grpc
 from .device import DeviceInfo, device_info
-from .messages import GenerateDone, GeneratedTokens, Health, LoadProgress, Memory, NodeError, NodeStatus, Timings
+from ..proto.records import GenerateDone, GeneratedTokens, Health, LoadProgress, Memory, NodeError, NodeStatus, Timings
 
 logger = logging.getLogger(__name__)
 
@@ -168,8 +168,8 @@ class NodeAgent(npb_grpc.NodeServicer):
 
         def load():
             from .runtime import NodeRuntime
-            from .shard import load_shard, load_unsharded
-            from .transports import make_collective
+            from .moe.load import load_shard, load_unsharded
+            from .collective.specs import make_collective
 
             self._close_model()
             if spec.world_size == 1:  # alone: stock mlx-lm, nothing to exchange
@@ -299,7 +299,7 @@ class NodeAgent(npb_grpc.NodeServicer):
     # -- lifecycle -----------------------------------------------------------------------------
 
     def _tls_files(self):
-        from .transports import TlsFiles
+        from .collective.specs import TlsFiles
 
         c = self.config
         if c.tls_cert and c.tls_key and c.tls_ca:
@@ -314,7 +314,7 @@ class NodeAgent(npb_grpc.NodeServicer):
         if not c.secret:
             raise ValueError("no cluster secret: set MOE_CLUSTER_SECRET (the same on every node)")
         self._stop = asyncio.Event()
-        from .transports import check_port_free
+        from .collective.specs import check_port_free
 
         check_port_free(c.host, c.port, "is another node agent running? --port P picks another")
         server = grpc.aio.server(interceptors=[SecretInterceptor(c.secret)], options=CHANNEL_OPTIONS)

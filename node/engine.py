@@ -13,26 +13,7 @@ from typing import Callable, Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-DEFAULT_PREFILL_STEP = 512
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How to pick tokens; temperature 0 is greedy."""
-
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def check(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1 (got {self.max_tokens})")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
-
+from ..proto.records import DEFAULT_PREFILL_STEP, Sampling
 
 @dataclass
 class Stats:

@@ -8,23 +8,14 @@ from typing import Callable, Iterator, Sequence
 
 import mlx.core as mx
 
-from .collective import TOKEN_LAYER, Cancelled, agree
-from .engine import DEFAULT_PREFILL_STEP, Sampling, Stats, generate_tokens
-from .shard import ShardedModel
+from .collective.base import TOKEN_LAYER, Cancelled, agree
+from ..proto.records import GenerateRequest
+from .engine import Stats, generate_tokens
+from .moe.load import ShardedModel
 
 logger = logging.getLogger(__name__)
 
 _CACHE_KEY = "model"  # one model per node: the prompt cache's model key is constant
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    request_id: str
-    prompt: Sequence[int]
-    sampling: Sampling
-    eos_token_ids: Sequence[int] = ()
-    prefill_step: int = DEFAULT_PREFILL_STEP
-    record_logits: bool = False
 
 
 @dataclass

@@ -7,7 +7,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from .engine import Sampling
+from ..proto.records import Sampling
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def _error(rank: int, task: int, exc: BaseException) -> dict:
 
 
 def _collective(job: SimJob):
-    from .transports import make_collective
+    from .collective.specs import make_collective
 
     return make_collective(job.collective, job.rank)
 
@@ -66,9 +66,10 @@ def _collective(job: SimJob):
 def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
     import mlx.core as mx
 
-    from .placement import Placement
-    from .runtime import GenerateRequest, GenerateResult, NodeRuntime
-    from .shard import load_shard
+    from ..proto.placement import Placement
+    from .runtime import GenerateResult, NodeRuntime
+    from ..proto.records import GenerateRequest
+    from .moe.load import load_shard
 
     placement = Placement.from_json(task.placement_json, job.world_size) if task.placement_json else None
     sharded = load_shard(task.model, placement, job.rank, keepalive=task.keepalive, collective=collective)

@@ -13,9 +13,9 @@ from . import envoy_pb2 as epb
 from . import node_pb2 as npb
 
 if TYPE_CHECKING:  # domain types of the node side, imported lazily (mlx, mlx-lm behind them)
-    from ..node.messages import GenerateEvent, Health, LoadProgress, LoadSpec, NodeStatus
-    from ..node.placement import Placement
-    from ..node.runtime import GenerateRequest
+    from .records import GenerateEvent, Health, LoadProgress, LoadSpec, NodeStatus
+    from .placement import Placement
+    from .records import GenerateRequest
 
 # ---------------------------------------------------------------------------------------------
 # Envoy <-> envoy
@@ -122,7 +122,7 @@ def placement_to_proto(p: Placement) -> npb.Placement:
 
 
 def placement_from_proto(msg: npb.Placement) -> Placement:
-    from ..node.placement import Placement
+    from .placement import Placement
 
     layers = {int(layer): {int(rank): tuple(e.ids) for rank, e in sorted(lp.ranks.items())}
               for layer, lp in sorted(msg.layers.items())}
@@ -132,7 +132,7 @@ def placement_from_proto(msg: npb.Placement) -> Placement:
 
 def transport_to_proto(spec: Any) -> npb.Transport:
     """A node.transports spec (EnvoySpec or MlxSpec) -> Transport."""
-    from ..node.transports import EnvoySpec, MlxSpec
+    from ..node.collective.specs import EnvoySpec, MlxSpec
 
     if isinstance(spec, EnvoySpec):
         return npb.Transport(envoy=npb.EnvoyTransport(peers=spec.addresses, listen=spec.listen, tls=spec.tls is not None))
@@ -147,7 +147,7 @@ def transport_to_proto(spec: Any) -> npb.Transport:
 
 def transport_from_proto(msg: npb.Transport, *, timeout_s: float, secret: str = "", tls: Any = None) -> Any:
     """Transport -> EnvoySpec or MlxSpec. The secret and TLS files are the node's own configuration."""
-    from ..node.transports import DEFAULT_TIMEOUT_S, EnvoySpec, MlxSpec
+    from ..node.collective.specs import DEFAULT_TIMEOUT_S, EnvoySpec, MlxSpec
 
     timeout_s = timeout_s or DEFAULT_TIMEOUT_S
     kind = msg.WhichOneof("kind")
@@ -180,8 +180,8 @@ def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
 
 def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any = None) -> LoadSpec:
     """LoadRequest -> LoadSpec; `secret` and `tls` come from the node's configuration."""
-    from ..node.engine import DEFAULT_PREFILL_STEP
-    from ..node.messages import LoadSpec
+    from .records import DEFAULT_PREFILL_STEP
+    from .records import LoadSpec
 
     if not msg.model:
         raise ConvertError("LoadRequest.model is empty")
@@ -209,7 +209,7 @@ def load_progress_to_proto(p: LoadProgress) -> npb.LoadProgress:
 
 
 def load_progress_from_proto(msg: npb.LoadProgress) -> LoadProgress:
-    from ..node.messages import LoadProgress, NodeError
+    from .records import LoadProgress, NodeError
 
     err = msg.error
     return LoadProgress(msg.bytes_loaded, msg.bytes_total, msg.phase, msg.done,
@@ -227,8 +227,8 @@ def generate_request_to_proto(req: GenerateRequest) -> npb.GenerateRequest:
 
 def generate_request_from_proto(msg: npb.GenerateRequest, *, prefill_step: int | None = None) -> GenerateRequest:
     """GenerateRequest -> node.runtime.GenerateRequest; the prefill chunk comes from the Load."""
-    from ..node.engine import DEFAULT_PREFILL_STEP, Sampling
-    from ..node.runtime import GenerateRequest
+    from .records import DEFAULT_PREFILL_STEP, Sampling
+    from .records import GenerateRequest
 
     if not msg.request_id:
         raise ConvertError("GenerateRequest.request_id is empty")
@@ -244,7 +244,7 @@ def generate_request_from_proto(msg: npb.GenerateRequest, *, prefill_step: int |
 
 
 def generate_event_to_proto(event: GenerateEvent) -> npb.GenerateEvent:
-    from ..node.messages import GenerateDone, GeneratedTokens, NodeError
+    from .records import GenerateDone, GeneratedTokens, NodeError
 
     if isinstance(event, GeneratedTokens):
         return npb.GenerateEvent(tokens=npb.Tokens(ids=list(event.ids)))
@@ -264,7 +264,7 @@ def generate_event_to_proto(event: GenerateEvent) -> npb.GenerateEvent:
 
 
 def generate_event_from_proto(msg: npb.GenerateEvent) -> GenerateEvent:
-    from ..node.messages import GenerateDone, GeneratedTokens, NodeError, Timings
+    from .records import GenerateDone, GeneratedTokens, NodeError, Timings
 
     kind = msg.WhichOneof("event")
     if kind == "tokens":
@@ -324,7 +324,7 @@ def health_to_proto(h: Health) -> npb.HealthReply:
 
 
 def health_from_proto(msg: npb.HealthReply) -> Health:
-    from ..node.messages import Health
+    from .records import Health
 
     return Health(msg.ok, _lookup(_STATE_FROM_PB, msg.state, "node state"))
 
@@ -341,7 +341,7 @@ def status_to_proto(s: NodeStatus) -> npb.NodeStatus:
 
 
 def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
-    from ..node.messages import Memory, NodeStatus
+    from .records import Memory, NodeStatus
 
     m = msg.memory
     return NodeStatus(

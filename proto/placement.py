@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
-from .routing import holders_of
 
 
 class PlacementError(ValueError):
@@ -107,3 +106,18 @@ class Placement:
     def experts_per_layer(self, rank: int) -> dict[int, int]:
         return {layer: len(ranks.get(rank, ())) for layer, ranks in self.layers.items()}
 
+
+def holders_of(layer_placement: Mapping[int, Sequence[int]], num_experts: int) -> dict[int, tuple[int, ...]]:
+    """Invert {rank: [experts]} into {expert: (ranks...)}; every expert must have a holder."""
+    out: dict[int, list[int]] = {e: [] for e in range(num_experts)}
+    for rank in sorted(layer_placement):
+        for e in layer_placement[rank]:
+            if not 0 <= e < num_experts:
+                raise ValueError(f"expert id {e} on rank {rank} is out of range 0..{num_experts - 1}")
+            if rank in out[e]:
+                raise ValueError(f"expert {e} is listed twice on rank {rank}")
+            out[e].append(rank)
+    missing = [e for e, rs in out.items() if not rs]
+    if missing:
+        raise ValueError(f"experts {missing} are on no node")
+    return {e: tuple(rs) for e, rs in out.items()}

@@ -1,16 +1,47 @@
-"""Records the node agent exchanges with the coordinator (their wire form is proto/node.proto).
+"""Records the coordinator and the nodes exchange (their wire form is proto/node.proto).
 
-proto/convert.py maps these to and from the generated messages; the generation request itself is
-node.runtime.GenerateRequest and the placement node.placement.Placement.
+They import no mlx: the HTTP server and the planner use them without loading a model.
+proto/convert.py maps them to and from the generated messages; the placement is
+proto.placement.Placement.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Sequence, Union
 
-from .engine import DEFAULT_PREFILL_STEP
 from .placement import Placement
+
+DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick tokens; temperature 0 is greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def check(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1 (got {self.max_tokens})")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt: Sequence[int]
+    sampling: Sampling
+    eos_token_ids: Sequence[int] = ()
+    prefill_step: int = DEFAULT_PREFILL_STEP
+    record_logits: bool = False
+
 
 KEEPALIVES = ("none", "lru", "busy")
 NODE_STATES = ("idle", "loading", "ready", "busy", "failed", "stopping")

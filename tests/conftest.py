@@ -55,8 +55,8 @@ def make_ckpt(tmp_path_factory):
 @pytest.fixture(scope="session")
 def reference():
     """reference(path, prompt_ids, max_tokens) -> (tokens, logits) of stock mlx-lm, cached."""
-    from moe_cluster.coordinator.simulate import reference as ref
-    from moe_cluster.node.engine import Sampling
+    from moe_cluster.coordinator.dev.simulate import reference as ref
+    from moe_cluster.proto.records import Sampling
 
     cache: dict = {}
 

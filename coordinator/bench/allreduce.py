@@ -95,7 +95,7 @@ def _envoy_worker(spec, rank: int, case: Case, results) -> None:
     try:
         import mlx.core as mx
 
-        from ..node.transports import make_collective
+        from ...node.collective.specs import make_collective
 
         collective = make_collective(spec, rank)
         try:
@@ -227,7 +227,7 @@ def _relay(ports: list[int], path: str, rank: int, case: Case, results) -> None:
 
     import numpy as np
 
-    from ..envoy.reduce import DTYPES, Reducer
+    from ...envoy.reduce import DTYPES, Reducer
 
     shm = shared_memory.SharedMemory(create=True, size=2 * case.nbytes)
     try:
@@ -263,7 +263,7 @@ def _relay_node(ports: list[int], path: str, rank: int, case: Case, results) -> 
 
     import numpy as np
 
-    from ..envoy.reduce import from_float32, reduce_sum
+    from ...envoy.reduce import from_float32, reduce_sum
 
     link = _dial(lambda: _unix_connection(path))
     shm = shared_memory.SharedMemory(name=link.recv(256).decode())
@@ -302,7 +302,7 @@ def _grpc_worker(addresses: list[str], rank: int, case: Case, results) -> None:
     """All-to-all over grpc.aio: one bidirectional stream per pair (the lower rank dials), raw bytes
     both ways; each call writes to every peer, then reads every peer."""
     try:
-        from ..envoy.main import run_grpc_loop
+        from ...envoy.main import run_grpc_loop
 
         results.put((rank, run_grpc_loop(lambda: _grpc_exchange(addresses, rank, case))))
     except Exception as exc:  # noqa: BLE001
@@ -314,7 +314,7 @@ async def _grpc_exchange(addresses: list[str], rank: int, case: Case) -> list[fl
 
     import grpc
 
-    from ..proto import CHANNEL_OPTIONS
+    from ...proto import CHANNEL_OPTIONS
 
     n = len(addresses)
     loop = asyncio.get_running_loop()
@@ -386,7 +386,7 @@ def _mlx_ring_worker(spec, rank: int, case: Case, results) -> None:
         import os
         import tempfile
 
-        from ..node.transports.mlx import write_hostfile
+        from ...node.collective.mlx import write_hostfile
 
         with tempfile.TemporaryDirectory() as tmp:
             os.environ.update(write_hostfile(spec, tmp))
@@ -426,7 +426,7 @@ def _run_workers(target, make_args, case: Case, timeout_s: float, processes: int
             pooled.extend(got)
         return pooled
     finally:
-        from .simulate import stop_processes
+        from ..dev.simulate import stop_processes
 
         stop_processes(procs, grace_s=10.0)
 
@@ -441,7 +441,7 @@ def _percentiles(samples: list[float]) -> tuple[float, float]:
 def run_case(case: Case, paths: list[str], timeout_s: float) -> dict:
     import secrets
 
-    from ..node.transports import EnvoySpec, MlxSpec, free_ports
+    from ...node.collective.specs import EnvoySpec, MlxSpec, free_ports
 
     row: dict = {"nodes": case.nodes, "tokens": case.tokens, "hidden": case.hidden, "dtype": case.dtype,
                  "iters": case.iters}

@@ -15,8 +15,9 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-from ..node.checkpoint import Checkpoint
-from ..node.engine import Sampling, Stats, generate_tokens
+from ...node.checkpoint import Checkpoint
+from ...node.engine import Stats, generate_tokens
+from ...proto.records import Sampling
 
 DEFAULT_PROMPT = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate."
 
@@ -62,8 +63,8 @@ def _single_node(spec: DecodeBench, ids: list[int], tokenizer, model) -> dict:
 
 
 def _cluster(spec: DecodeBench, ids: list[int], nodes: int) -> list[dict]:
-    from .simulate import run_nodes
-    from ..node.sim import SimTask
+    from ..dev.simulate import run_nodes
+    from ...node.sim import SimTask
 
     sampling = Sampling(max_tokens=spec.max_tokens)
     tasks = [SimTask(spec.model, tuple(ids), sampling, keepalive=k, repeats=spec.rounds) for k in spec.keepalive]
@@ -108,7 +109,7 @@ def _expected_experts(reports: list[dict], keepalive: str) -> float:
 
 
 def model_bytes(model: str) -> dict:
-    from .describe_model import describe_path
+    from ..plan.describe import describe_path
 
     spec, _ = describe_path(str(Checkpoint.open(model).path))
     return {
@@ -124,7 +125,7 @@ def model_bytes(model: str) -> dict:
 
 
 def run(spec: DecodeBench) -> dict:
-    from .run_local import encode_prompt, load_stock
+    from ..dev.run_local import encode_prompt, load_stock
 
     ckpt, model, tokenizer = load_stock(spec.model)
     ids = encode_prompt(tokenizer, spec.prompt)
@@ -161,7 +162,7 @@ def run(spec: DecodeBench) -> dict:
 
 def calibrate(bench_out: dict) -> dict:
     """Fit the performance model to this run and put its prediction beside each measurement."""
-    from .calibration import fit, parse_bench, predict_time
+    from ..plan.calibration import fit, parse_bench, predict_time
 
     bench = parse_bench(bench_out, "bench decode")
     cal = fit(bench)

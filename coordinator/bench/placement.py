@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 
-from ..node.checkpoint import Checkpoint
-from ..node.engine import Sampling
-from ..node.sim import SimTask
-from .placement import NodeBudget, plan_placement
+from ...node.checkpoint import Checkpoint
+from ...proto.records import Sampling
+from ...node.sim import SimTask
+from ..serve.placement import NodeBudget, plan_placement
 
 PROFILE_PROMPTS = [
     "To be, or not to be, that is the question:",
@@ -38,9 +38,9 @@ def _measured_e(reports: list[dict]) -> float:
 
 
 def run(model: str, nodes: int, spare_experts: int, max_tokens: int) -> dict:
-    from .profile_cmd import profile
-    from .simulate import run_nodes
-    from .up import footprint
+    from ..dev.profile import profile
+    from ..dev.simulate import run_nodes
+    from ..serve.up import footprint
 
     path = str(Checkpoint.open(model).path)
     prof = profile(path, PROFILE_PROMPTS, max_tokens)
@@ -56,7 +56,7 @@ def run(model: str, nodes: int, spare_experts: int, max_tokens: int) -> dict:
     }
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from .run_local import encode_prompt
+    from ..dev.run_local import encode_prompt
 
     tok = load_tokenizer(Checkpoint.open(path).path)
     out = {"model": path, "nodes": nodes, "experts": E, "spare_experts_per_node": spare_experts,

@@ -64,7 +64,7 @@ def local_cluster(nodes: int, model: str, prompt_cache: str, timeout_s: float = 
 
 def _ttft(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, dict]:
     """(seconds to the first streamed text, the full answer, the final event) of one chat turn."""
-    from .chat import stream_chat
+    from ..dev.chat import stream_chat
 
     t0 = time.perf_counter()
     first, text, final = None, [], {}
@@ -83,7 +83,7 @@ def _ttft(url: str, messages: list[dict], max_tokens: int) -> tuple[float, str, 
 
 def conversation(tokenizer, prefix_tokens: int) -> tuple[list[dict], list[str]]:
     """A system prompt of `prefix_tokens` tokens of the demo corpus, and two user turns."""
-    from ..node.demo.tokenizer import corpus_texts
+    from ...node.demo.tokenizer import corpus_texts
 
     text = corpus_texts()[0][: 8 * prefix_tokens]  # more characters than tokens for any tokenizer
     ids = tokenizer.encode(text, add_special_tokens=False)
@@ -98,7 +98,7 @@ def conversation(tokenizer, prefix_tokens: int) -> tuple[list[dict], list[str]]:
 def run(nodes: int, model: str, prefix_tokens: int, max_tokens: int) -> dict:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from ..node.checkpoint import Checkpoint
+    from ...node.checkpoint import Checkpoint
 
     tokenizer = load_tokenizer(Checkpoint.open(model).path)
     base, turns = conversation(tokenizer, prefix_tokens)

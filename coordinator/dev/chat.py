@@ -14,8 +14,8 @@ import urllib.error
 import urllib.request
 from typing import Iterator
 
-from .client import ClusterError
-from .remote_cmds import _api_key, _url
+from ..serve.client import ClusterError
+from ..serve.remote import _api_key, _url
 
 HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D); Ctrl-C stops an answer"
 

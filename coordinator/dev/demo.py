@@ -22,8 +22,8 @@ def parse_size(text: str) -> int:
 
 
 def demo_model(args) -> int:
-    from ..node.demo.archs import ARCHS
-    from ..node.demo.make import DemoSpec, make_checkpoint
+    from ...node.demo.archs import ARCHS
+    from ...node.demo.make import DemoSpec, make_checkpoint
 
     arch = ARCHS.get(args.arch)
     layers = args.layers if args.layers is not None else max(2, arch.min_layers if arch else 2)
@@ -41,7 +41,7 @@ def demo_model(args) -> int:
 def train_demo(args) -> int:
     import logging
 
-    from ..node.demo.train import TrainConfig, train_demo as train
+    from ...node.demo.train import TrainConfig, train_demo as train
 
     logging.getLogger("moe_cluster.node.demo.train").setLevel(logging.INFO)
     tc = TrainConfig(seed=args.seed)

@@ -39,10 +39,11 @@ class _Recorder(nn.Module):
 def profile(model_spec: str, prompts: list[str], max_tokens: int) -> dict:
     from mlx_lm import load
 
-    from ..node import adapters
-    from ..node.checkpoint import Checkpoint
-    from ..node.engine import Sampling, generate_tokens
-    from ..node.shard import ShardError, find_moe_blocks
+    from ...node import adapters
+    from ...node.checkpoint import Checkpoint
+    from ...node.engine import generate_tokens
+    from ...proto.records import Sampling
+    from ...node.moe.load import ShardError, find_moe_blocks
     from .run_local import encode_prompt
 
     ckpt = Checkpoint.open(model_spec)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..node.checkpoint import Checkpoint, model_args
-from ..node.engine import Sampling, Stats, generate_tokens
+from ...node.checkpoint import Checkpoint, model_args
+from ...node.engine import Stats, generate_tokens
+from ...proto.records import Sampling
 
 
 @dataclass(frozen=True)

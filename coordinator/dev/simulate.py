@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..node.checkpoint import Checkpoint
-from ..node.collective import CollectiveError
-from ..node.engine import Sampling
-from ..node.placement import Placement
-from ..node.sim import SimJob, SimTask, run as sim_run
+from ...node.checkpoint import Checkpoint
+from ...node.collective.base import CollectiveError
+from ...proto.records import Sampling
+from ...proto.placement import Placement
+from ...node.sim import SimJob, SimTask, run as sim_run
 
 # Bytes one all-reduce may carry: a prefill chunk of this many tokens of float32 hidden states.
 _MAX_TOKENS_PER_CALL = 2048
@@ -51,8 +51,8 @@ def _hidden_size(config: dict) -> int:
 
 def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float):
     """-> (spec every node gets, cleanup to run once the nodes are gone); loopback only."""
-    from ..node.transports import EnvoySpec, MlxSpec, free_ports
-    from ..node.transports.shm import ShmCollective
+    from ...node.collective.specs import EnvoySpec, MlxSpec, free_ports
+    from ...node.collective.shm import ShmCollective
 
     if transport == "shm":
         spec, shm = ShmCollective.create(nodes, slot, ctx, timeout_s=timeout_s)
@@ -142,8 +142,8 @@ def _visible_gpu(gpu: int | None):
 
 
 def _node_error(rep: dict) -> Exception:
-    from ..node.placement import PlacementError
-    from ..node.shard import ShardError
+    from ...proto.placement import PlacementError
+    from ...node.moe.load import ShardError
 
     msg = f"node {rep['rank']}: {rep['error']}"
     kind = rep["error"].split(":", 1)[0]
@@ -158,7 +158,7 @@ def reference(model: str, prompt_ids: list[int], sampling: Sampling, eos: tuple[
     """Stock mlx-lm on the same checkpoint: its tokens and per-step logits."""
     from mlx_lm.utils import load_model
 
-    from ..node.engine import generate_tokens
+    from ...node.engine import generate_tokens
 
     ref_model, _ = load_model(Checkpoint.open(model).path)
     logits: list = []
@@ -215,7 +215,7 @@ def compare(tokens: list[int], logits: list, ref_tokens: list[int], ref_logits: 
 
 
 def simulate(req: SimRequest) -> dict:
-    from ..node.shard import moe_layers_of
+    from ...node.moe.load import moe_layers_of
     from .run_local import encode_prompt
 
     ckpt = Checkpoint.open(req.model)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from . import presets
 from .calibration import Calibration, fit, read_bench, read_calibration, write_calibration
-from .expected_experts import (
+from .expected import (
     KEEPALIVES,
     ExpectedExperts,
     RoutingProfile,
@@ -114,7 +114,7 @@ def load_model(spec: str, bits: int | None = None, group_size: int = 64) -> tupl
         return (requantized(model, bits, group_size) if bits else model), None
     if not Path(spec).expanduser().exists():
         raise PlanError(f"--model {spec!r} is neither a preset ({', '.join(presets.MODELS)}) nor an existing path")
-    from .describe_model import describe_path  # mlx and mlx-lm: only when a checkpoint is described
+    from .describe import describe_path  # mlx and mlx-lm: only when a checkpoint is described
 
     return describe_path(spec, bits=bits, group_size=group_size)
 
@@ -393,7 +393,7 @@ def main(args) -> int:
     rows = make_plan(model, hardware, networks, nodes, settings, expected_override=override, profile=profile,
                      calibration=calibration)
     if args.plot:
-        from .plan_plot import plot
+        from .plot import plot
 
         measured = calibration.points if calibration else ()
         plot(rows, args.plot,

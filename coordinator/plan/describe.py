@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..node.checkpoint import Checkpoint, model_args, model_classes, read_config
+from ...node.checkpoint import Checkpoint, model_args, model_classes, read_config
 from .perfmodel import CacheSpec, ModelSpec, PlanError
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ def _layer_index(path: str) -> int | None:
 
 def _find_banks(model: nn.Module) -> list[_Bank]:
     """The routed-expert banks, found by the same rule the node shards them by."""
-    from ..node.shard import find_moe_blocks
+    from ...node.moe.load import find_moe_blocks
 
     return [_Bank(b.bank_path, b.path, b.layer, b.num_experts) for b in find_moe_blocks(model)]
 
@@ -317,7 +317,7 @@ def describe_path(spec: str, *, bits: int | None = None, group_size: int = 64) -
 def _read_json(file: Path) -> dict:
     import json
 
-    from ..node.checkpoint import CheckpointError
+    from ...node.checkpoint import CheckpointError
 
     try:
         config = json.loads(file.read_text())

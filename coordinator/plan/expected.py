@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Iterable, Mapping, Sequence
 
-from ..node.routing import holders_of, rank_counts
+from ...node.moe.routing import holders_of, rank_counts
 from .perfmodel import PlanError
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ class ExpectedExperts:
 def even_split(num_experts: int, nodes: int) -> dict[int, list[int]]:
     """Contiguous blocks of expert ids; the first `num_experts % nodes` ranks get one more (the
     node's own even placement, node.placement.Placement.even)."""
-    from ..node.placement import Placement
+    from ...proto.placement import Placement
 
     if nodes < 1:
         raise PlanError(f"node count must be at least 1 (got {nodes})")

@@ -19,8 +19,8 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from ..node.engine import Sampling
-from ..node.runtime import GenerateRequest
+from ...proto.records import Sampling
+from ...proto.records import GenerateRequest
 from .client import ClusterError
 from .cluster import Cluster, Outcome, QueueFull
 from .metrics import Metrics, prompt_tps

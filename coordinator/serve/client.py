@@ -7,11 +7,11 @@ from typing import AsyncIterator
 
 import grpc
 
-from ..envoy.auth import call_metadata, channel_credentials
-from ..node.messages import GenerateEvent, Health, LoadProgress, LoadSpec, NodeStatus
-from ..node.runtime import GenerateRequest
-from ..proto import CHANNEL_OPTIONS, convert
-from ..proto import node_pb2_grpc as npb_grpc
+from ...envoy.auth import call_metadata, channel_credentials
+from ...proto.records import GenerateEvent, Health, LoadProgress, LoadSpec, NodeStatus
+from ...proto.records import GenerateRequest
+from ...proto import CHANNEL_OPTIONS, convert
+from ...proto import node_pb2_grpc as npb_grpc
 
 logger = logging.getLogger(__name__)
 

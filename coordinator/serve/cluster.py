@@ -17,8 +17,8 @@ from typing import AsyncIterator, Callable, Sequence
 
 import grpc
 
-from ..node.messages import GenerateDone, GeneratedTokens, LoadSpec, NodeError
-from ..node.runtime import GenerateRequest
+from ...proto.records import GenerateDone, GeneratedTokens, LoadSpec, NodeError
+from ...proto.records import GenerateRequest
 from .client import ClusterError, NodeClient, describe_rpc_error
 
 logger = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class Cluster:
 
     async def _warm_up(self) -> None:
         """A one-token request through every node: the mesh is up and every expert path is warm."""
-        from ..node.engine import Sampling
+        from ...proto.records import Sampling
 
         req = GenerateRequest(f"warmup-{uuid.uuid4().hex[:8]}", (0,), Sampling(max_tokens=1))
         outcome = Outcome()

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..envoy.auth import SECRET_ENV
+from ...envoy.auth import SECRET_ENV
 
 logger = logging.getLogger(__name__)
 

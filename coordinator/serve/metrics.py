@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 # Seconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-from ..node.experts import ALLREDUCE_BUCKETS  # noqa: E402 - the nodes count into these buckets
+from ...node.moe.experts import ALLREDUCE_BUCKETS  # noqa: E402 - the nodes count into these buckets
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from ..node.placement import Placement, PlacementError
+from ...proto.placement import Placement, PlacementError
 
 __all__ = ["ModelFootprint", "NodeBudget", "PlacementPlan", "PlacementError", "plan_placement", "proportional_counts"]
 

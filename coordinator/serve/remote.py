@@ -76,7 +76,7 @@ def down(args) -> int:
 
 
 def generate(args) -> int:
-    from ..node.engine import Sampling
+    from ...proto.records import Sampling
 
     Sampling(args.max_tokens, args.temperature, args.top_p, args.seed).check()
     url = _url(args)

@@ -16,9 +16,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..node.checkpoint import Checkpoint
-from ..node.messages import LoadSpec
-from ..node.transports import EnvoySpec, MlxSpec, TlsFiles, free_ports
+from ...node.checkpoint import Checkpoint
+from ...proto.records import LoadSpec
+from ...node.collective.specs import EnvoySpec, MlxSpec, TlsFiles, free_ports
 from .client import ClusterError, NodeClient
 from .cluster import Cluster, Member
 from .config import ClusterConfig, ConfigError, load_config, read_api_key, read_secret
@@ -73,7 +73,7 @@ class Progress:
 
 
 def footprint(model_path: str) -> ModelFootprint:
-    from .describe_model import describe_path
+    from ..plan.describe import describe_path
 
     spec, _ = describe_path(model_path)
     return ModelFootprint(
@@ -84,7 +84,7 @@ def footprint(model_path: str) -> ModelFootprint:
 
 
 def _profile_counts(path: str, base: Path) -> dict[int, list[float]]:
-    from .expected_experts import parse_profile
+    from ..plan.expected import parse_profile
 
     p = Path(path).expanduser()
     if not p.is_absolute():
@@ -102,7 +102,7 @@ async def _remote_members(c: ClusterConfig) -> list[tuple[str, str, str]]:
     out, wanted = [], [n.name for n in c.nodes if not n.address]
     seen = {}
     if wanted:
-        from ..node.mdns import browse
+        from ...node.mdns import browse
 
         seen = await browse(c.name, wanted, c.timeouts.discovery, c.discovery.interfaces or None)
         missing = [w for w in wanted if w not in seen]
@@ -269,7 +269,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
 
 def _check_port_free(c: ClusterConfig) -> None:
     """Refuse before any node starts if the API cannot listen where the file says."""
-    from ..node.transports import check_port_free
+    from ...node.collective.specs import check_port_free
 
     try:
         check_port_free(c.api.host, c.api.port, "is another cluster running? --api-port P picks another")

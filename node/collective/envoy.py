@@ -17,8 +17,8 @@ import mlx.core as mx
 import numpy as np
 
 from ...envoy.link import BEGUN, DONE, FAIL, READY, LinkError, NodeLink, fail_message, unpack_ready, unpack_step
-from ..collective import CollectiveError, from_wire, to_wire
-from . import EnvoySpec
+from .base import CollectiveError, from_wire, to_wire
+from .specs import EnvoySpec
 
 logger = logging.getLogger(__name__)
 

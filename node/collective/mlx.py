@@ -27,8 +27,8 @@ import mlx.core as mx
 import numpy as np
 
 from ...envoy.reduce import Reducer
-from ..collective import CollectiveError, from_wire, to_wire
-from . import MlxSpec
+from .base import CollectiveError, from_wire, to_wire
+from .specs import MlxSpec
 
 logger = logging.getLogger(__name__)
 

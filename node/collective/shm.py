@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...envoy.reduce import DTYPES, Reducer
-from ..collective import CollectiveError, from_wire, to_wire
+from .base import CollectiveError, from_wire, to_wire
 
 _HDR = 16  # per slot: int64 sequence number, int64 payload bytes
 
@@ -24,7 +24,7 @@ class ShmCollective:
     @staticmethod
     def create(world_size: int, slot_bytes: int, ctx, timeout_s: float = 30.0):
         """-> (ShmSpec for every rank, the segment, which the caller closes and unlinks)."""
-        from . import ShmSpec
+        from .specs import ShmSpec
 
         size = world_size * 2 * (_HDR + slot_bytes)
         shm = shared_memory.SharedMemory(create=True, size=size)

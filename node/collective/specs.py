@@ -90,9 +90,9 @@ class MlxSpec:
 
 # spec type -> "module:class" of its Collective, imported only when used
 _IMPLEMENTATIONS = {
-    ShmSpec: "moe_cluster.node.transports.shm:ShmCollective",
-    EnvoySpec: "moe_cluster.node.transports.envoy:EnvoyCollective",
-    MlxSpec: "moe_cluster.node.transports.mlx:MlxCollective",
+    ShmSpec: "moe_cluster.node.collective.shm:ShmCollective",
+    EnvoySpec: "moe_cluster.node.collective.envoy:EnvoyCollective",
+    MlxSpec: "moe_cluster.node.collective.mlx:MlxCollective",
 }
 
 

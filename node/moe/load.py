@@ -18,11 +18,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import adapters
-from .checkpoint import Checkpoint, CheckpointError, TensorInfo, model_args, model_classes, read_tensor
-from .collective import Collective, LocalCollective
+from . import families as adapters
+from ..checkpoint import Checkpoint, CheckpointError, TensorInfo, model_args, model_classes, read_tensor
+from ..collective.base import Collective, LocalCollective
 from .experts import ExpertShard, ShardLinear, ShardState
-from .placement import Placement
+from ...proto.placement import Placement
 
 logger = logging.getLogger(__name__)
 

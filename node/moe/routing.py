@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
+from ...proto.placement import holders_of  # noqa: F401 - part of the rule's interface
+
 # holders[e] = the ranks that hold expert e of this layer, ascending.
 Holders = Mapping[int, Sequence[int]]
 
@@ -45,19 +47,3 @@ def rank_counts(selected: Iterable[int], holders: Holders, world_size: int) -> l
     for r in assign(selected, holders).values():
         counts[r] += 1
     return counts
-
-
-def holders_of(layer_placement: Mapping[int, Sequence[int]], num_experts: int) -> dict[int, tuple[int, ...]]:
-    """Invert {rank: [experts]} into {expert: (ranks...)}; every expert must have a holder."""
-    out: dict[int, list[int]] = {e: [] for e in range(num_experts)}
-    for rank in sorted(layer_placement):
-        for e in layer_placement[rank]:
-            if not 0 <= e < num_experts:
-                raise ValueError(f"expert id {e} on rank {rank} is out of range 0..{num_experts - 1}")
-            if rank in out[e]:
-                raise ValueError(f"expert {e} is listed twice on rank {rank}")
-            out[e].append(rank)
-    missing = [e for e, rs in out.items() if not rs]
-    if missing:
-        raise ValueError(f"experts {missing} are on no node")
-    return {e: tuple(rs) for e, rs in out.items()}

@@ -16,4 +16,4 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" /tmp/wheels/*.whl
 # moe-cluster itself, from this checkout (no build isolation: the host's setuptools builds it)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$SITE" .
-PYTHONPATH="$SITE" python3 -c "import mlx.core as mx, moe_cluster.node.shard; print('mlx', mx.__version__, mx.default_device())"
+PYTHONPATH="$SITE" python3 -c "import mlx.core as mx, moe_cluster.node.moe.load; print('mlx', mx.__version__, mx.default_device())"

@@ -8,10 +8,10 @@ import json
 import pytest
 
 from conftest import assert_one_line_error, cli
-from moe_cluster.coordinator.simulate import run_nodes
+from moe_cluster.coordinator.dev.simulate import run_nodes
 from moe_cluster.node.checkpoint import Checkpoint, write_checkpoint
 from moe_cluster.node.demo import tokenizer
-from moe_cluster.node.engine import Sampling
+from moe_cluster.proto.records import Sampling
 from moe_cluster.node.sim import SimTask
 
 PROMPT = (345, 12, 88, 501, 7, 260, 19, 944, 3, 71)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from moe_cluster.coordinator.simulate import compare, run_nodes
-from moe_cluster.node.engine import Sampling
+from moe_cluster.coordinator.dev.simulate import compare, run_nodes
+from moe_cluster.proto.records import Sampling
 from moe_cluster.node.sim import SimTask
 
 PROMPT = (345, 12, 88, 501, 7, 260, 19, 944, 3, 71)

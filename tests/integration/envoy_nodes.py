@@ -76,7 +76,7 @@ def run_request(envoy, request_id: str, steps: int) -> dict:
 
 def driver(spec, rank: int, conn) -> None:
     """Process entry: one node stand-in. Commands: ("run", request_id, steps) and ("close",)."""
-    from moe_cluster.node.transports.envoy import EnvoyProcess
+    from moe_cluster.node.collective.envoy import EnvoyProcess
 
     try:
         envoy = EnvoyProcess(spec, rank)
@@ -205,7 +205,7 @@ def envoy_spec(n: int, **kw):
     """An EnvoySpec for `n` envoys on free loopback ports, with a fresh secret."""
     import secrets
 
-    from moe_cluster.node.transports import EnvoySpec, free_ports
+    from moe_cluster.node.collective.specs import EnvoySpec, free_ports
 
     kw.setdefault("secret", secrets.token_hex(16))
     kw.setdefault("max_bytes", 1 << 20)

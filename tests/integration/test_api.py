@@ -130,7 +130,7 @@ def cluster_status(url: str) -> dict:
 
 def node_reports(url: str) -> dict[str, tuple[str, int]]:
     """{node: (state, running requests)} as each node agent reports it over gRPC (not the coordinator)."""
-    from moe_cluster.coordinator.client import NodeClient
+    from moe_cluster.coordinator.serve.client import NodeClient
 
     nodes = cluster_status(url)["nodes"]
 

@@ -11,7 +11,7 @@ import time
 
 import grpc
 
-from moe_cluster.node.transports import free_ports
+from moe_cluster.node.collective.specs import free_ports
 from moe_cluster.proto import convert
 
 CLI = [sys.executable, "-m", "moe_cluster.coordinator.cli"]

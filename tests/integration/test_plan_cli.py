@@ -190,7 +190,7 @@ def demos(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("arch", ARCHS + ["qwen3_next_q4", "dbrx_q8"])
 def test_describe_matches_checkpoint(demos, arch):
-    from moe_cluster.coordinator.describe_model import describe_path
+    from moe_cluster.coordinator.plan.describe import describe_path
     from moe_cluster.node.checkpoint import Checkpoint
 
     model, on_disk = describe_path(str(demos[arch]))
@@ -208,7 +208,7 @@ def test_describe_matches_checkpoint(demos, arch):
 
 
 def test_describe_details(demos, tmp_path):
-    from moe_cluster.coordinator.describe_model import describe_path
+    from moe_cluster.coordinator.plan.describe import describe_path
 
     mixtral, _ = describe_path(str(demos["mixtral"]))
     # float32 SwiGLU expert: 3 x 64 x 128 weights; untied embedding read one row (64 floats).

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from moe_cluster.coordinator import presets
-from moe_cluster.coordinator.calibration import (
+from moe_cluster.coordinator.plan import presets
+from moe_cluster.coordinator.plan.calibration import (
     FORMAT,
     CalibrationError,
     fit,
@@ -13,7 +13,7 @@ from moe_cluster.coordinator.calibration import (
     parse_calibration,
     predict_time,
 )
-from moe_cluster.coordinator.perfmodel import estimate
+from moe_cluster.coordinator.plan.perfmodel import estimate
 
 R, X, LAYERS, MOE = 7_000_000_000, 15_854_469_120, 40, 40  # DBRX as in Table 1
 TRUTH = dict(bw=600e9, o=150e-6, a=700e-6, b=120e-6)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moe_cluster.coordinator.config import ConfigError, load_config, parse_config, read_secret
+from moe_cluster.coordinator.serve.config import ConfigError, load_config, parse_config, read_secret
 
 GOOD = """\
 name: lab

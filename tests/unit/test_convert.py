@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from moe_cluster.node.engine import Sampling
-from moe_cluster.node.messages import (GenerateDone, GeneratedTokens, Health, LoadProgress, LoadSpec, Memory,
+from moe_cluster.proto.records import Sampling
+from moe_cluster.proto.records import (GenerateDone, GeneratedTokens, Health, LoadProgress, LoadSpec, Memory,
                                        NodeError, NodeStatus, Timings)
-from moe_cluster.node.placement import Placement
-from moe_cluster.node.runtime import GenerateRequest
-from moe_cluster.node.transports import EnvoySpec, MlxSpec, TlsFiles
+from moe_cluster.proto.placement import Placement
+from moe_cluster.proto.records import GenerateRequest
+from moe_cluster.node.collective.specs import EnvoySpec, MlxSpec, TlsFiles
 from moe_cluster.proto import convert
 from moe_cluster.proto import node_pb2
 

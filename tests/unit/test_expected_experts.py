@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from moe_cluster.coordinator.expected_experts import (
+from moe_cluster.coordinator.plan.expected import (
     even_split,
     expected_experts,
     expected_max_enumerated,
@@ -19,8 +19,8 @@ from moe_cluster.coordinator.expected_experts import (
     parse_profile,
     placement_for,
 )
-from moe_cluster.coordinator.perfmodel import PlanError
-from moe_cluster.node.routing import holders_of, rank_counts
+from moe_cluster.coordinator.plan.perfmodel import PlanError
+from moe_cluster.node.moe.routing import holders_of, rank_counts
 
 
 def brute_force(placement, num_experts, k):

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from moe_cluster.node.experts import ExpertShard, ShardLinear, ShardState
-from moe_cluster.node.placement import Placement
+from moe_cluster.node.moe.experts import ExpertShard, ShardLinear, ShardState
+from moe_cluster.proto.placement import Placement
 
 E, D, F, K = 8, 32, 48, 3
 

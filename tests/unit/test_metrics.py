@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from moe_cluster.coordinator.metrics import prompt_tps
-from moe_cluster.node.messages import GenerateDone, Timings
+from moe_cluster.coordinator.serve.metrics import prompt_tps
+from moe_cluster.proto.records import GenerateDone, Timings
 
 
 def test_prompt_throughput_counts_only_the_tokens_that_were_prefilled():

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from moe_cluster.coordinator import presets
-from moe_cluster.coordinator.perfmodel import (
+from moe_cluster.coordinator.plan import presets
+from moe_cluster.coordinator.plan.perfmodel import (
     CacheSpec,
     ModelSpec,
     Overheads,

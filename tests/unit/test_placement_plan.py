@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from moe_cluster.coordinator.placement import (ModelFootprint, NodeBudget, PlacementError, plan_placement,
+from moe_cluster.coordinator.serve.placement import (ModelFootprint, NodeBudget, PlacementError, plan_placement,
                                                proportional_counts)
-from moe_cluster.node.routing import rank_counts
+from moe_cluster.node.moe.routing import rank_counts
 
 MODEL = ModelFootprint(replicated_bytes=1000, expert_bytes={0: 100, 1: 100}, num_experts={0: 16, 1: 16})
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moe_cluster.node.collective import TOKEN_LAYER, LocalCollective
+from moe_cluster.node.collective.base import TOKEN_LAYER, LocalCollective
 from moe_cluster.node.demo import MODEL_DIR
-from moe_cluster.node.engine import Sampling
-from moe_cluster.node.runtime import GenerateRequest, GenerateResult, NodeRuntime
-from moe_cluster.node.shard import load_shard, set_collective
+from moe_cluster.proto.records import Sampling
+from moe_cluster.node.runtime import GenerateResult, NodeRuntime
+from moe_cluster.proto.records import GenerateRequest
+from moe_cluster.node.moe.load import load_shard, set_collective
 
 N = 12  # tokens generated per request (no EOS: every request runs to N)
 

@@ -28,14 +28,14 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_root_cluster_yaml_is_a_valid_two_node_demo():
-    from moe_cluster.coordinator.config import load_config
+    from moe_cluster.coordinator.serve.config import load_config
 
     c = load_config(ROOT / "cluster.yaml")
     assert c.model == "demo" and c.launch == "local" and len(c.nodes) == 2
 
 
 def test_the_annotated_cluster_yaml_is_valid(tmp_path):
-    from moe_cluster.coordinator.config import parse_config
+    from moe_cluster.coordinator.serve.config import parse_config
 
     text = (ROOT / "README.md").read_text()
     block = re.search(r"```yaml\n(.*?)```", text, flags=re.S).group(1)

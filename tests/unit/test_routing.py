@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from moe_cluster.node.placement import Placement, PlacementError
-from moe_cluster.node.routing import assign, holders_of, rank_counts
+from moe_cluster.proto.placement import Placement, PlacementError
+from moe_cluster.node.moe.routing import assign, holders_of, rank_counts
 
 
 def test_single_holders_go_to_their_holder():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..checkpoint import read_tensor
+from ...checkpoint import read_tensor
 
 
 def _is_dbrx_block(module) -> bool:

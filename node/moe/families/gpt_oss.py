@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..checkpoint import read_tensor
+from ...checkpoint import read_tensor
 
 
 def find_bank(model, path, module):
