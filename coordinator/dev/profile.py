@@ -36,14 +36,27 @@ class _Recorder(nn.Module):
         return self.bank(x, inds)
 
 
+class _Forward(nn.Module):
+    """A MoE block called through its described forward (a family adapter's calls the bank once)."""
+
+    def __init__(self, moe):
+        super().__init__()
+        self.block = moe.block
+        self._forward = moe.forward
+
+    def __call__(self, x, *args, **kwargs):
+        return self._forward(self.block, x, *args, **kwargs)
+
+
 def profile(model_spec: str, prompts: list[str], max_tokens: int) -> dict:
     from mlx_lm import load
 
-    from ...node import adapters
     from ...node.checkpoint import Checkpoint
     from ...node.engine import generate_tokens
     from ...proto.records import Sampling
-    from ...node.moe.load import ShardError, find_moe_blocks
+    from ...node.moe.layer import install
+    from ...node.moe.load import ShardError
+    from ...node.moe.structure import find_moe_blocks
     from .run_local import encode_prompt
 
     ckpt = Checkpoint.open(model_spec)
@@ -54,8 +67,8 @@ def profile(model_spec: str, prompts: list[str], max_tokens: int) -> dict:
     sinks: dict[int, list] = {}
     for b in blocks:
         sinks[b.layer] = []
-        adapters.patch_forward(b)
-        setattr(b.block, b.bank_attr, _Recorder(b.bank, sinks[b.layer]))
+        setattr(b.block, b.bank_attr, _Recorder(b.bank.module, sinks[b.layer]))
+        install(model, b.path, _Forward(b))
     top_k = 0
     for text in prompts:
         ids = encode_prompt(tokenizer, text)

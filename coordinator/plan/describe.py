@@ -4,8 +4,9 @@ The model is instantiated with mlx-lm from the config (parameters stay lazy: not
 materialised, nothing is evaluated), the config's quantization is applied as mlx-lm's loader
 would, and `.nbytes` is summed per module. A routed-expert bank is a `SwitchGLU`/`SwitchMLP`
 (weights `(E, out, in)`), any other parent of `SwitchLinear`s, or a list of expert modules
-(`ffn.experts` in DBRX). Everything else is replicated; shared experts (a sibling of the bank
-whose name says "shared") are replicated but computed by one owner per layer. Per decoded token
+(`ffn.experts` in DBRX), found with the node's own rule (`node.moe.structure`), which also gives
+top-k and the block's dense terms. Everything else is replicated; dense terms (shared experts and
+their gates, whatever their names) are replicated but computed by one owner per layer. Per decoded token
 the embedding table is read one row, a separate head in full (a tied head reads the whole table).
 The KV cache per token comes from a lazy forward pass with the MoE blocks stubbed out, reading
 the shapes of the caches mlx-lm makes.
@@ -29,7 +30,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _ST_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
-_TOP_K_NAMES = ("num_experts_per_tok", "top_k", "moe_top_k", "experts_per_token", "n_activated_experts")
 _PROBE_TOKENS = (256, 512)  # multiples of KVCache.step, so cache buffers are exactly this long
 _LEGACY_QUANT = {"mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
                  "mxfp8": {"group_size": 32, "bits": 8, "mode": "mxfp8"}}
@@ -45,6 +45,8 @@ class _Bank:
     block: str  # the MoE block holding the bank (its parent)
     layer: int  # decoder layer index
     num_experts: int
+    top_k: int
+    dense: tuple[str, ...]  # paths of the block's dense terms (shared experts and their gates)
 
 
 @dataclass
@@ -64,9 +66,13 @@ def _layer_index(path: str) -> int | None:
 
 def _find_banks(model: nn.Module) -> list[_Bank]:
     """The routed-expert banks, found by the same rule the node shards them by."""
-    from ...node.moe.load import find_moe_blocks
+    from ...node.moe.structure import StructureError, find_moe_blocks
 
-    return [_Bank(b.bank_path, b.path, b.layer, b.num_experts) for b in find_moe_blocks(model)]
+    try:
+        blocks = find_moe_blocks(model)
+    except StructureError as exc:
+        raise PlanError(str(exc)) from None
+    return [_Bank(b.bank_path, b.path, b.layer, b.num_experts, b.top_k, b.dense_paths()) for b in blocks]
 
 
 def _embeddings(model: nn.Module) -> dict[str, int]:
@@ -87,8 +93,8 @@ def _tally(model: nn.Module, banks: list[_Bank], embeddings: dict[str, int], mea
         if bank is not None:
             t.expert[bank.layer] = t.expert.get(bank.layer, 0) + value
             continue
-        block = next((b for b in banks if path.startswith(b.block + ".")), None)
-        if block is not None and "shared" in path[len(block.block) + 1:].split(".")[0]:
+        block = next((b for b in banks if any(path.startswith(d + ".") for d in b.dense)), None)
+        if block is not None:
             t.shared[block.layer] = t.shared.get(block.layer, 0) + value
             continue
         owner = path.rsplit(".", 1)[0]
@@ -101,25 +107,6 @@ def _tally(model: nn.Module, banks: list[_Bank], embeddings: dict[str, int], mea
 
 def _logical_elements(arr: mx.array) -> int:
     return arr.size
-
-
-def _top_k(model: nn.Module, banks: list[_Bank], args, config: dict) -> int:
-    modules = dict(model.named_modules())
-    block = modules.get(banks[0].block)
-    for source in (block, args):
-        for name in _TOP_K_NAMES:
-            v = getattr(source, name, None)
-            if isinstance(v, int) and v > 0:
-                return v
-    stack = [config]
-    while stack:
-        d = stack.pop()
-        for name in _TOP_K_NAMES:
-            if isinstance(d.get(name), int) and d[name] > 0:
-                return d[name]
-        stack.extend(v for v in d.values() if isinstance(v, dict))
-    raise PlanError(f"cannot tell how many experts are routed per token: none of {', '.join(_TOP_K_NAMES)} "
-                    f"on {banks[0].block!r} or in the config")
 
 
 def _dtype(config: dict, checkpoint: Checkpoint | None) -> mx.Dtype:
@@ -177,24 +164,6 @@ def _quantize(model: nn.Module, config: dict, banks: list[_Bank], bits: int | No
     return ""
 
 
-class _Zero(nn.Module):
-    """Stands in for a MoE block during the cache probe: its output has the input's shape."""
-
-    def __call__(self, x, *args, **kwargs):
-        return mx.zeros_like(x)
-
-
-def _set_child(root: nn.Module, path: str, child: nn.Module) -> None:
-    obj = root
-    parts = path.split(".")
-    for part in parts[:-1]:
-        obj = obj[int(part)] if isinstance(obj, list) else obj[part]
-    if isinstance(obj, list):
-        obj[int(parts[-1])] = child
-    else:
-        setattr(obj, parts[-1], child)
-
-
 def _probe_caches(model_cls, args, banks: list[_Bank], dtype: mx.Dtype) -> tuple[CacheSpec, ...]:
     """Cache bytes per token from a lazy forward pass (graph only: shapes, never evaluated).
 
@@ -203,12 +172,15 @@ def _probe_caches(model_cls, args, banks: list[_Bank], dtype: mx.Dtype) -> tuple
     """
     from mlx_lm.models.cache import make_prompt_cache
 
+    from ...node.moe.layer import install
+    from ...node.moe.structure import Zero
+
     sizes = []
     for tokens in _PROBE_TOKENS:
         model = model_cls(args)
         model.set_dtype(dtype)
         for b in banks:
-            _set_child(model, b.block, _Zero())
+            install(model, b.block, Zero())
         cache = make_prompt_cache(model)
         model(mx.zeros((1, tokens), dtype=mx.int32), cache=cache)
         sizes.append([(c.nbytes, getattr(c, "max_size", None)) for c in cache])
@@ -235,8 +207,8 @@ def describe_config(
     args = model_args(config, where)
     dtype = _dtype(config, checkpoint)
     model = model_cls(args)
+    banks = _find_banks(model)  # probes the blocks in float32, before the dtype is set
     model.set_dtype(dtype)
-    banks = _find_banks(model)
     if not banks:
         raise NotMoEError(f"{where}: model_type={config.get('model_type')!r} has no routed experts "
                           "(no SwitchGLU/SwitchMLP or expert list); `plan` is for MoE models")
@@ -246,7 +218,10 @@ def describe_config(
     num_experts = counts.pop()
     if len({b.layer for b in banks}) != len(banks):
         raise PlanError(f"{where}: more than one expert bank in a decoder layer ({[b.path for b in banks]})")
-    top_k = _top_k(model, banks, args, config)
+    top_ks = {b.top_k for b in banks}
+    if len(top_ks) != 1:
+        raise PlanError(f"{where}: MoE blocks route different numbers of experts per token ({sorted(top_ks)})")
+    top_k = top_ks.pop()
     embeddings = _embeddings(model)
     if not embeddings:
         raise PlanError(f"{where}: no token embedding found")

@@ -1,9 +1,10 @@
-"""Build a node's shard of a MoE checkpoint and patch the model for expert parallelism.
+"""Build a node's shard of a MoE checkpoint: the model for expert parallelism.
 
 The model is built by mlx-lm (its config, `sanitize` and quantization) with every non-expert weight;
 each expert bank is replaced by an `ExpertShard` holding only this node's experts, read by byte
-range from the safetensors files. Every MoE block then all-reduces its output once, and the shared
-expert of a layer counts on one node only (owner = layer index mod N).
+range from the safetensors files, and each MoE block by a `ClusterMoE` (layer.py) that makes its
+non-routed terms count once and all-reduces its output once. What a block is made of comes from
+`structure.py`.
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from . import families as adapters
+from ...proto.placement import Placement
 from ..checkpoint import Checkpoint, CheckpointError, TensorInfo, model_args, model_classes, read_tensor
 from ..collective.base import Collective, LocalCollective
+from . import families
 from .experts import ExpertShard, ShardLinear, ShardState
-from ...proto.placement import Placement
+from .layer import ClusterMoE, install, owns_dense_terms
+from .structure import MoEBlock, StructureError, find_moe_blocks
 
 logger = logging.getLogger(__name__)
 
-GLU_PROJ = ("gate_proj", "up_proj", "down_proj")
-MLP_PROJ = ("fc1", "fc2")
 # Names Hugging Face checkpoints use for the projections of one expert.
 PROJ_ALIASES = {"w1": "gate_proj", "v1": "up_proj", "w3": "up_proj", "w2": "down_proj"}
 PARAMS = ("weight", "scales", "biases", "bias")
@@ -35,58 +36,6 @@ PARAMS = ("weight", "scales", "biases", "bias")
 
 class ShardError(CheckpointError):
     """A checkpoint or placement that cannot be sharded, with the reason."""
-
-
-@dataclass
-class MoEBlock:
-    """One MoE block of the model: where it is, its expert bank and what kind of experts."""
-
-    layer: int  # decoder layer index
-    path: str  # e.g. "model.layers.3.mlp"
-    block: nn.Module
-    bank_attr: str  # attribute of the block holding the bank, e.g. "switch_mlp"
-    bank: object
-    kind: str  # "glu" (gate/up/down) or "mlp" (fc1/fc2)
-    activation: Callable
-    num_experts: int
-
-    @property
-    def bank_path(self) -> str:
-        return f"{self.path}.{self.bank_attr}"
-
-    @property
-    def projections(self) -> tuple[str, ...]:
-        return GLU_PROJ if self.kind == "glu" else MLP_PROJ
-
-
-def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
-    """Every MoE block: a module owning an expert bank (`SwitchGLU`/`SwitchMLP`, or an adapter's)."""
-    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
-
-    layer_of = {id(layer): i for i, layer in enumerate(model.layers)}
-    layer_paths = {}
-    for path, m in model.named_modules():
-        if id(m) in layer_of:
-            layer_paths[path] = layer_of[id(m)]
-    blocks = []
-    for path, m in model.named_modules():
-        found = adapters.find_bank(model, path, m)
-        if found is None:
-            for attr, child in m.children().items():
-                if isinstance(child, SwitchGLU):
-                    found = (attr, child, "glu", child.activation, child.gate_proj.num_experts)
-                elif isinstance(child, SwitchMLP):
-                    found = (attr, child, "mlp", child.activation, child.fc1.num_experts)
-                if found:
-                    break
-        if found is None:
-            continue
-        layer = max((i for p, i in layer_paths.items() if path == p or path.startswith(p + ".")), default=None)
-        if layer is None:
-            raise ShardError(f"MoE block {path} is not inside any of the model's layers")
-        attr, bank, kind, activation, n = found
-        blocks.append(MoEBlock(layer, path, m, attr, bank, kind, activation, n))
-    return blocks
 
 
 @dataclass(frozen=True)
@@ -112,16 +61,24 @@ class ShardedModel:
     state: ShardState
     info: ShardInfo
     collective: Collective = field(default_factory=LocalCollective)
+    layers: list[ClusterMoE] = field(default_factory=list)  # empty when nothing is sharded
 
     def moe_layers(self) -> dict[int, int]:
         return {b.layer: b.num_experts for b in self.blocks}
+
+
+def _blocks(model: nn.Module, ckpt: Checkpoint) -> list[MoEBlock]:
+    try:
+        return find_moe_blocks(model)
+    except StructureError as exc:
+        raise ShardError(f"{ckpt.path} (model_type {ckpt.config.get('model_type')!r}): {exc}") from None
 
 
 def moe_layers_of(ckpt: Checkpoint) -> dict[int, int]:
     """{decoder layer: number of routed experts} of a checkpoint, without loading weights."""
     model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
     model = model_cls(model_args(ckpt.config, ckpt.path / "config.json"))
-    blocks = find_moe_blocks(model)
+    blocks = _blocks(model, ckpt)
     if not blocks:
         raise ShardError(f"{ckpt.path} has no MoE layers (model_type {ckpt.config.get('model_type')!r}); "
                          "there are no experts to spread")
@@ -161,7 +118,7 @@ def _local_expert_bytes(ckpt: Checkpoint, blocks: Sequence[MoEBlock], placement:
 
 def _read_local(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int]) -> dict[str, dict[str, mx.array]]:
     """{projection: {param: (E_local, ...)}} for the local experts of block `b`, by byte range."""
-    special = adapters.read_experts(ckpt, b, local)
+    special = families.read_experts(ckpt, b, local)
     if special is not None:
         return special
     t = ckpt.tensors
@@ -225,11 +182,11 @@ def _quantize_replicated(model: nn.Module, config: dict, weights: dict, shard_pr
     from mlx_lm.utils import infer_quant_config
 
     def predicate(path, m):
-        if path.startswith(shard_prefixes):
-            return False
+        if path.startswith(shard_prefixes) or not hasattr(m, "to_quantized"):
+            return False  # a bank, or a dense term another node runs (a Zero)
         if path in q:
             return q[path]
-        if not hasattr(m, "to_quantized") or f"{path}.scales" not in weights:
+        if f"{path}.scales" not in weights:
             return False
         return infer_quant_config(path, m, weights)
 
@@ -257,69 +214,7 @@ def _shard_quant(config: dict, b: MoEBlock, proj: str, params: dict) -> dict | N
 
 
 # ---------------------------------------------------------------------------------------------
-# Patching: shared experts once per cluster, one all-reduce per MoE block
-
-
-class _Zero(nn.Module):
-    """Stands in for a shared expert on nodes that do not own it this layer."""
-
-    def __call__(self, x, *args, **kwargs):
-        return mx.zeros_like(x)
-
-
-_REDUCING: dict[type, type] = {}
-
-
-def _reducing_class(cls: type) -> type:
-    """A subclass of a MoE block class whose output is all-reduced across the cluster."""
-    if cls not in _REDUCING:
-
-        def __call__(self, x, *args, **kwargs):
-            y = cls.__call__(self, x, *args, **kwargs)
-            state: ShardState = self._moe_state
-            t0 = time.perf_counter()
-            mx.eval(y)
-            t1 = time.perf_counter()
-            y = self._moe_collective.all_reduce(y, self._moe_layer)
-            t2 = time.perf_counter()
-            state.timers.experts += t1 - t0
-            state.timers.collective += t2 - t1
-            state.record_allreduce(t2 - t1)
-            return y
-
-        _REDUCING[cls] = type(f"AllReduced{cls.__name__}", (cls,), {"__call__": __call__})
-    return _REDUCING[cls]
-
-
-def shared_experts_elsewhere(b: MoEBlock, state: ShardState) -> list[str]:
-    """Names of the block's shared experts when another node owns them this layer.
-
-    A shared expert runs on every token, so it counts once in the cluster: on the node whose rank
-    is the layer index mod N (the owner rotates so the extra work spreads evenly).
-    """
-    if state.world_size == 1 or b.layer % state.world_size == state.rank:
-        return []
-    return [name for name in b.block.children() if "shared_expert" in name and not name.endswith("_gate")]
-
-
-def patch_block(b: MoEBlock, shard: ExpertShard, collective: Collective, state: ShardState) -> None:
-    setattr(b.block, b.bank_attr, shard)
-    adapters.patch_forward(b)
-    for name in shared_experts_elsewhere(b, state):
-        setattr(b.block, name, _Zero())
-    b.block._moe_layer = b.layer
-    b.block._moe_collective = collective
-    b.block._moe_state = state
-    b.block.__class__ = _reducing_class(type(b.block))
-
-
-def set_collective(sm: ShardedModel, collective: Collective) -> None:
-    sm.collective = collective
-    for b in sm.blocks:
-        b.block._moe_collective = collective
-
-
-# ---------------------------------------------------------------------------------------------
+# Loading
 
 
 def load_shard(
@@ -345,7 +240,7 @@ def load_shard(
     where = ckpt.path / "config.json"
     model_cls, _ = model_classes(config, where)
     model = model_cls(model_args(config, where))  # parameters are lazy: nothing is allocated yet
-    blocks = find_moe_blocks(model)
+    blocks = _blocks(model, ckpt)
     if not blocks:
         raise ShardError(f"{ckpt.path} has no MoE layers (model_type {config.get('model_type')!r}); "
                          "there are no experts to spread")
@@ -363,7 +258,8 @@ def load_shard(
     #    another node owns) enter it as lazy placeholders, never evaluated, never read from disk,
     #    so sanitize sees the checkpoint it expects.
     bank_prefixes = tuple(b.bank_path + "." for b in blocks)
-    skipped = bank_prefixes + tuple(f"{b.path}.{n}." for b in blocks for n in shared_experts_elsewhere(b, state))
+    skipped = bank_prefixes + tuple(p + "." for b in blocks if not owns_dense_terms(b.layer, rank, world)
+                                    for p in b.dense_paths())
     expert_keys = _expert_keys(ckpt, blocks)
     to_read = {k for k in ckpt.tensors if k not in expert_keys and not k.startswith(skipped)}
     total = sum(ckpt.tensors[k].nbytes for k in to_read) + _local_expert_bytes(ckpt, blocks, placement, rank)
@@ -382,8 +278,10 @@ def load_shard(
     weights = {k: v for k, v in weights.items() if not k.startswith(skipped)}
     replicated_bytes = sum(v.nbytes for v in weights.values())
 
-    # 2. Expert shards, by byte range.
+    # 2. Expert shards, by byte range; each block goes into its ClusterMoE (the block keeps its
+    #    place in the model until the weights are loaded, so parameter paths stay the checkpoint's).
     expert_bytes = 0
+    layers: list[ClusterMoE] = []
     for b in blocks:
         local = placement.layers[b.layer][rank]
         params = _read_local(ckpt, b, local)
@@ -401,7 +299,7 @@ def load_shard(
         shard = ExpertShard(b.layer, local, placement.holders(b.layer, b.num_experts), projections, b.kind,
                             b.activation, state)
         mx.eval(shard.parameters())
-        patch_block(b, shard, collective, state)
+        layers.append(ClusterMoE(b, shard, collective, state))
 
     # 3. Quantize and load the replicated part, then check that nothing is missing or left over.
     _quantize_replicated(model, config, weights, bank_prefixes)
@@ -416,14 +314,16 @@ def load_shard(
     model.load_weights(list(weights.items()) + list(shard_params.items()), strict=True)
     del weights
     mx.eval(model.parameters())
+    for b, layer in zip(blocks, layers):
+        install(model, b.path, layer)
 
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     if warm_up and _on_metal():
         # Metal's driver pages out buffers that sit idle; touch every local expert once, then wire
         # the resident set (paper §3.2, Algorithm 2's warm-up)
         report(total, total, "warmup")
-        for b in blocks:
-            getattr(b.block, b.bank_attr).warm_up()
+        for layer in layers:
+            layer.shard.warm_up()
     elif warm_up:
         logger.info("expert warm-up: not on Metal, nothing to do")
     _wire(resident)
@@ -439,7 +339,13 @@ def load_shard(
     )
     logger.info("rank %d loaded %d MoE layers, %.1f MB resident (%.1f MB experts) in %.1fs", rank, len(blocks),
                 resident / 1e6, expert_bytes / 1e6, info.load_seconds)
-    return ShardedModel(model, config, blocks, placement, state, info, collective)
+    return ShardedModel(model, config, blocks, placement, state, info, collective, layers)
+
+
+def set_collective(sm: ShardedModel, collective: Collective) -> None:
+    sm.collective = collective
+    for layer in sm.layers:
+        layer.set_collective(collective)
 
 
 def load_unsharded(model_spec: str) -> ShardedModel:
@@ -452,18 +358,22 @@ def load_unsharded(model_spec: str) -> ShardedModel:
     ckpt = Checkpoint.open(model_spec)
     model_args(ckpt.config, ckpt.path / "config.json")
     model, config = load_model(ckpt.path)
-    blocks = find_moe_blocks(model)
+    blocks = _blocks(model, ckpt)
     moe_layers = {b.layer: b.num_experts for b in blocks}
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     _wire(resident)
-    experts = sum(v.nbytes for b in blocks for _, v in tree_flatten(getattr(b.block, b.bank_attr).parameters())
-                  if hasattr(getattr(b.block, b.bank_attr), "parameters"))
+    experts = sum(v.nbytes for b in blocks for _, v in tree_flatten(_params(b.bank.module)))
     info = ShardInfo(rank=0, experts_per_layer=dict(moe_layers), resident_weight_bytes=resident,
                      active_memory_bytes=int(mx.get_active_memory()), replicated_bytes=resident - experts,
                      expert_bytes=experts, load_seconds=time.perf_counter() - t0,
                      peak_memory_bytes=int(mx.get_peak_memory()))
     return ShardedModel(model, config, blocks, Placement.even(moe_layers, 1), ShardState(0, 1, "none"), info,
                         LocalCollective())
+
+
+def _params(bank) -> dict | list:
+    """A bank's parameters: one module's, or a list of per-expert modules' (DBRX)."""
+    return [m.parameters() for m in bank] if isinstance(bank, list) else bank.parameters()
 
 
 def _on_metal() -> bool:

@@ -2,7 +2,7 @@
 
 mlx-lm's `SparseMoeBlock` loops over tokens and calls `experts[e](x_t)`, so there is no bank to
 swap. This adapter treats `ffn.experts` as the bank (w1 = gate, v1 = up, w2 = down), gives the
-block a forward with the same routing math that calls the shard once for all tokens, and reads
+cluster layer a forward with the same routing math that calls the bank once for all tokens, and reads
 the fused Hugging Face layout (`ffn.experts.mlp.{w1,v1,w2}`, shape (E*F, D), w2 transposed).
 """
 
@@ -28,7 +28,9 @@ def _swiglu(up, gate):
 def find_bank(model, path, module):
     if not _is_dbrx_block(module):
         return None
-    return ("experts", module.experts, "glu", _swiglu, module.num_experts)
+    from ..structure import Bank
+
+    return Bank("experts", module.experts, "glu", _swiglu, module.num_experts, module.d_model, module.d_model, "list")
 
 
 def read_experts(ckpt, block, local):
@@ -65,13 +67,5 @@ def _forward(self, x: mx.array) -> mx.array:
     return y.reshape(orig_shape)
 
 
-_SWITCHED = {}
-
-
-def patch_forward(block) -> None:
-    if not _is_dbrx_block(block.block):
-        return
-    cls = type(block.block)
-    if cls not in _SWITCHED:
-        _SWITCHED[cls] = type(f"Switched{cls.__name__}", (cls,), {"__call__": _forward})
-    block.block.__class__ = _SWITCHED[cls]
+def forward(block):
+    return _forward if _is_dbrx_block(block) else None

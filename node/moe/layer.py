@@ -1,0 +1,103 @@
+"""The MoE layer on a cluster: one explicit module wrapping a model's MoE block.
+
+`ClusterMoE` takes the block's place in its parent. It runs the block (whose bank is now this
+node's `ExpertShard`, answering zeros for experts other nodes compute), makes every term that is not
+a routed expert's count once in the cluster, and all-reduces the result once:
+
+- on the layer's owner (rank = layer index mod N, so the extra work rotates) the block runs whole;
+- elsewhere its dense children (shared experts and their gates, found by `structure`) are `Zero`
+  modules, and an inline non-routed term (a `residual`) is subtracted by running the block a second
+  time with the bank silenced.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..collective.base import Collective
+from .experts import ExpertShard, ShardState
+from .structure import MoEBlock, Zero
+
+
+def owns_dense_terms(layer: int, rank: int, world_size: int) -> bool:
+    """Whether `rank` runs layer `layer`'s dense terms (shared experts): one node per layer."""
+    return layer % world_size == rank
+
+
+class _SilentBank(nn.Module):
+    """The bank with every expert silenced: zeros shaped like its output."""
+
+    def __init__(self, out_dims: int):
+        super().__init__()
+        self._out_dims = out_dims
+
+    def __call__(self, x, inds, *args, **kwargs):
+        return mx.zeros(inds.shape + (self._out_dims,), dtype=x.dtype)
+
+
+class ClusterMoE(nn.Module):
+    """A MoE block whose output is this node's share, all-reduced once per call."""
+
+    def __init__(self, moe: MoEBlock, shard: ExpertShard, collective: Collective, state: ShardState):
+        super().__init__()
+        self.block = moe.block
+        self._moe = moe
+        self._collective = collective
+        self._state = state
+        self._owner = owns_dense_terms(moe.layer, state.rank, state.world_size)
+        self._silent = _SilentBank(moe.bank.out_dims)
+        setattr(self.block, moe.bank.attr, shard)
+        if not self._owner:
+            for name in moe.dense:
+                setattr(self.block, name, Zero())
+
+    @property
+    def shard(self) -> ExpertShard:
+        return getattr(self.block, self._moe.bank.attr)
+
+    @property
+    def layer(self) -> int:
+        return self._moe.layer
+
+    def set_collective(self, collective: Collective) -> None:
+        self._collective = collective
+
+    def _residual(self, x, *args, **kwargs) -> mx.array:
+        """The block's output with the bank silenced: its inline non-routed term."""
+        bank = self.shard
+        setattr(self.block, self._moe.bank.attr, self._silent)
+        try:
+            return self._moe.forward(self.block, x, *args, **kwargs)
+        finally:
+            setattr(self.block, self._moe.bank.attr, bank)
+
+    def __call__(self, x, *args, **kwargs):
+        y = self._moe.forward(self.block, x, *args, **kwargs)
+        if self._moe.residual and not self._owner:
+            y = y - self._residual(x, *args, **kwargs)
+        state = self._state
+        t0 = time.perf_counter()
+        mx.eval(y)
+        t1 = time.perf_counter()
+        y = self._collective.all_reduce(y, self._moe.layer)
+        t2 = time.perf_counter()
+        state.timers.experts += t1 - t0
+        state.timers.collective += t2 - t1
+        state.record_allreduce(t2 - t1)
+        return y
+
+
+def install(model: nn.Module, path: str, module: nn.Module) -> None:
+    """Put `module` at `path` in `model` (an attribute or a list entry of its parent), e.g. a
+    `ClusterMoE` where its block was."""
+    parent_path, _, name = path.rpartition(".")
+    parent = model
+    for part in parent_path.split(".") if parent_path else ():
+        parent = parent[int(part)] if isinstance(parent, list) else getattr(parent, part)
+    if isinstance(parent, list):
+        parent[int(name)] = module
+    else:
+        setattr(parent, name, module)
