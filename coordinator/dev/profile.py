@@ -56,7 +56,7 @@ def profile(model_spec: str, prompts: list[str], max_tokens: int) -> dict:
     from ...proto.records import Sampling
     from ...node.moe.layer import install
     from ...node.moe.load import ShardError
-    from ...node.moe.structure import find_moe_blocks
+    from ...node.moe.structure import find_moe_blocks, set_bank
     from .run_local import encode_prompt
 
     ckpt = Checkpoint.open(model_spec)
@@ -67,7 +67,7 @@ def profile(model_spec: str, prompts: list[str], max_tokens: int) -> dict:
     sinks: dict[int, list] = {}
     for b in blocks:
         sinks[b.layer] = []
-        setattr(b.block, b.bank_attr, _Recorder(b.bank.module, sinks[b.layer]))
+        set_bank(b.block, b.bank_attr, _Recorder(b.bank.module, sinks[b.layer]))
         install(model, b.path, _Forward(b))
     top_k = 0
     for text in prompts:

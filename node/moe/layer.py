@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from ..collective.base import Collective
 from .experts import ExpertShard, ShardState
-from .structure import MoEBlock, Zero
+from .structure import MoEBlock, Zero, get_bank, set_bank
 
 
 def owns_dense_terms(layer: int, rank: int, world_size: int) -> bool:
@@ -49,14 +49,14 @@ class ClusterMoE(nn.Module):
         self._state = state
         self._owner = owns_dense_terms(moe.layer, state.rank, state.world_size)
         self._silent = _SilentBank(moe.bank.out_dims)
-        setattr(self.block, moe.bank.attr, shard)
+        set_bank(self.block, moe.bank.attr, shard)
         if not self._owner:
             for name in moe.dense:
                 setattr(self.block, name, Zero())
 
     @property
     def shard(self) -> ExpertShard:
-        return getattr(self.block, self._moe.bank.attr)
+        return get_bank(self.block, self._moe.bank.attr)
 
     @property
     def layer(self) -> int:
@@ -68,16 +68,21 @@ class ClusterMoE(nn.Module):
     def _residual(self, x, *args, **kwargs) -> mx.array:
         """The block's output with the bank silenced: its inline non-routed term."""
         bank = self.shard
-        setattr(self.block, self._moe.bank.attr, self._silent)
+        set_bank(self.block, self._moe.bank.attr, self._silent)
         try:
             return self._moe.forward(self.block, x, *args, **kwargs)
         finally:
-            setattr(self.block, self._moe.bank.attr, bank)
+            set_bank(self.block, self._moe.bank.attr, bank)
 
-    def __call__(self, x, *args, **kwargs):
+    def partial(self, x, *args, **kwargs) -> mx.array:
+        """This node's share of the block's output: what it hands the all-reduce."""
         y = self._moe.forward(self.block, x, *args, **kwargs)
         if self._moe.residual and not self._owner:
             y = y - self._residual(x, *args, **kwargs)
+        return y
+
+    def __call__(self, x, *args, **kwargs):
+        y = self.partial(x, *args, **kwargs)
         state = self._state
         t0 = time.perf_counter()
         mx.eval(y)
@@ -101,3 +106,23 @@ def install(model: nn.Module, path: str, module: nn.Module) -> None:
         parent[int(name)] = module
     else:
         setattr(parent, name, module)
+
+
+class InProcessCluster(nn.Module):
+    """Every rank's `ClusterMoE` of one layer in one process, summed in rank order in float32.
+
+    Attention and the router are replicated and computed identically on every node, so one copy of
+    them feeds all ranks' blocks here: the arithmetic is the cluster's, without processes or a
+    transport (the family sweep runs every mlx-lm family through it).
+    """
+
+    def __init__(self, ranks: list[ClusterMoE]):
+        super().__init__()
+        self.ranks = ranks
+
+    def __call__(self, x, *args, **kwargs):
+        parts = [r.partial(x, *args, **kwargs) for r in self.ranks]
+        total = parts[0].astype(mx.float32)
+        for p in parts[1:]:
+            total = total + p.astype(mx.float32)
+        return total.astype(parts[0].dtype)

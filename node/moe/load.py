@@ -24,7 +24,7 @@ from ..checkpoint import Checkpoint, CheckpointError, TensorInfo, model_args, mo
 from ..collective.base import Collective, LocalCollective
 from . import families
 from .experts import ExpertShard, ShardLinear, ShardState
-from .layer import ClusterMoE, install, owns_dense_terms
+from .layer import ClusterMoE, InProcessCluster, install, owns_dense_terms
 from .structure import MoEBlock, StructureError, find_moe_blocks
 
 logger = logging.getLogger(__name__)
@@ -346,6 +346,29 @@ def set_collective(sm: ShardedModel, collective: Collective) -> None:
     sm.collective = collective
     for layer in sm.layers:
         layer.set_collective(collective)
+
+
+@dataclass(frozen=True)
+class _Seat:
+    """A rank's place in an in-process cluster: its blocks are summed by `InProcessCluster`."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
+        raise AssertionError("an in-process rank's blocks are summed by InProcessCluster, not all-reduced")
+
+
+def load_in_process(model_spec: str, world_size: int, placement: Placement | None = None, *,
+                    keepalive: str = "lru") -> ShardedModel:
+    """All `world_size` ranks' shards in this process, behind one model: rank 0's, with each MoE
+    block replaced by every rank's share summed in rank order (`InProcessCluster`)."""
+    ranks = [load_shard(model_spec, placement, r, keepalive=keepalive, collective=_Seat(r, world_size),
+                        warm_up=False) for r in range(world_size)]
+    first = ranks[0]
+    for i, b in enumerate(first.blocks):
+        install(first.model, b.path, InProcessCluster([sm.layers[i] for sm in ranks]))
+    return first
 
 
 def load_unsharded(model_spec: str) -> ShardedModel:

@@ -16,11 +16,18 @@ replaced by a stand-in whose output we control — never read from attribute nam
 - the block's output must be **linear** in the bank's output (the cluster sums partial bank
   outputs): checked on the probe by splitting the experts in two and by scaling, else refused.
 
+The block is the module that owns the bank, unless that module is called with the routing from
+outside, `(x, indices, weights)` (gemma4, deepseek_v41 keep an `Experts` wrapper): then the block
+is its parent when the parent is called with `x` alone (the bank sits one level down), or else
+the wrapper itself, probed with indices and weights of its own and top-k read from the sibling
+that returns them (the router).
+
 What the rule cannot place is an error naming the module path.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -46,7 +53,7 @@ class StructureError(ValueError):
 class Bank:
     """An expert bank as found in the module tree."""
 
-    attr: str  # attribute of the block that holds it, e.g. "switch_mlp"
+    attr: str  # attribute path from the block to the bank, e.g. "switch_mlp" or "experts.switch_mlp"
     module: object
     kind: str  # "glu" (gate/up/down) or "mlp" (fc1/fc2)
     activation: Callable
@@ -73,6 +80,7 @@ class MoEBlock:
     dense: tuple[str, ...]  # children that add a dense term: run by the layer's owner only
     residual: bool  # an inline non-routed term: non-owners subtract it
     forward: Callable  # forward(block, x, *args, **kwargs): the class's, or a family adapter's
+    routed_call: bool = False  # the block is called as block(x, indices, weights)
 
     @property
     def num_experts(self) -> int:
@@ -121,6 +129,23 @@ def find_bank(model: nn.Module, path: str, module: nn.Module) -> Bank | None:
     return None
 
 
+def get_bank(block: nn.Module, attr: str):
+    for part in attr.split("."):
+        block = getattr(block, part)
+    return block
+
+
+def set_bank(block: nn.Module, attr: str, module) -> None:
+    head, _, last = attr.rpartition(".")
+    setattr(get_bank(block, head) if head else block, last, module)
+
+
+def _arity(module: nn.Module) -> int:
+    """Required positional arguments of the module's call, besides the module."""
+    params = list(inspect.signature(type(module).__call__).parameters.values())[1:]
+    return sum(1 for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
 def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
     """Every MoE block of `model`, in layer order, each described from its structure.
 
@@ -129,29 +154,58 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
     """
     layer_paths = {}
     layer_of = {id(layer): i for i, layer in enumerate(model.layers)}
-    for path, m in model.named_modules():
+    modules = dict(model.named_modules())
+    for path, m in modules.items():
         if id(m) in layer_of:
             layer_paths[path] = layer_of[id(m)]
-    found: list[tuple[int, str, nn.Module, Bank]] = []
-    for path, m in model.named_modules():
+    found: list[tuple[int, str, nn.Module, Bank, bool]] = []
+    for path, m in modules.items():
         bank = find_bank(model, path, m)
         if bank is None:
             continue
         layer = max((i for p, i in layer_paths.items() if path == p or path.startswith(p + ".")), default=None)
         if layer is None:
             raise StructureError(f"MoE block {path} is not inside any of the model's layers")
-        found.append((layer, path, m, bank))
+        routed_call = families.forward(m) is None and _arity(m) > 1
+        if routed_call:
+            parent_path, _, name = path.rpartition(".")
+            parent = modules.get(parent_path)
+            if parent is not None and parent_path not in layer_paths and _arity(parent) == 1:
+                bank.attr = f"{name}.{bank.attr}"
+                path, m, routed_call = parent_path, parent, False
+        found.append((layer, path, m, bank, routed_call))
     found.sort(key=lambda t: t[0])
     probed: dict[tuple, tuple] = {}
     blocks = []
-    for layer, path, m, bank in found:
+    for layer, path, m, bank, routed_call in found:
         key = (type(m), bank.attr, bank.num_experts,
                tuple(sorted((n, type(c).__name__) for n, c in m.children().items() if isinstance(c, nn.Module))))
         if key not in probed:
-            probed[key] = probe_block(path, m, bank)
+            top_k = _sibling_top_k(modules, path, bank) if routed_call else None
+            probed[key] = probe_block(path, m, bank, top_k)
         top_k, routers, dense, residual, forward = probed[key]
-        blocks.append(MoEBlock(layer, path, m, bank, top_k, routers, dense, residual, forward))
+        blocks.append(MoEBlock(layer, path, m, bank, top_k, routers, dense, residual, forward, routed_call))
     return blocks
+
+
+def _sibling_top_k(modules: dict, path: str, bank: Bank) -> int:
+    """Top-k of a block called with the routing from outside: the width of the indices its sibling
+    router returns (a child of the same parent answering `(indices, weights)` for `x`)."""
+    parent_path, _, name = path.rpartition(".")
+    parent = modules[parent_path]
+    x = mx.random.normal((1, _PROBE_TOKENS, bank.in_dims), key=mx.random.key(0))
+    for sibling, child in parent.children().items():
+        if sibling == name or not isinstance(child, nn.Module) or not any(True for _ in _leaves(child.parameters())):
+            continue
+        try:
+            out = child(x)
+        except Exception:  # noqa: BLE001 - not a module of x alone: not the router
+            continue
+        if (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], mx.array)
+                and mx.issubdtype(out[0].dtype, mx.integer)):
+            return int(out[0].shape[-1])
+    raise StructureError(f"MoE block {path} is called with its routing from outside, and no sibling of it "
+                         f"under {parent_path} returns (indices, weights)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -159,16 +213,19 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
 
 
 class _ProbeBank(nn.Module):
-    """Stands in for the bank: expert e answers `table[e]` (times `scale`), and the call is recorded."""
+    """Stands in for the bank: expert e answers `table[e] * (x . u)` for its token (times `scale`),
+    and the call is recorded. Its answer depends on its input, so a child that feeds the bank (a
+    latent projection) is never mistaken for a dense term."""
 
-    def __init__(self, table: mx.array, keep: mx.array | None = None, scale: float = 1.0):
+    def __init__(self, table: mx.array, u: mx.array, keep: mx.array | None = None, scale: float = 1.0):
         super().__init__()
-        self._table, self._keep, self._scale = table, keep, scale
+        self._table, self._u, self._keep, self._scale = table, u, keep, scale
         self.calls: list[mx.array] = []
 
     def __call__(self, x, inds, *args, **kwargs):
         self.calls.append(inds)
-        out = self._table[inds] * self._scale  # inds.shape + (D,)
+        per_token = (x.astype(mx.float32) @ self._u).reshape(inds.shape[:-1])
+        out = self._table[inds] * (self._scale * per_token)[..., None, None]  # inds.shape + (D,)
         if self._keep is not None:
             out = out * self._keep[inds][..., None]
         return out.astype(x.dtype)
@@ -182,10 +239,10 @@ class Zero(nn.Module):
 
 
 def _children(block: nn.Module, bank_attr: str) -> list[str]:
-    """Direct children holding parameters, other than the bank: routers and dense terms."""
+    """Direct children holding parameters, other than the bank's: routers and dense terms."""
     out = []
     for name, child in block.children().items():
-        if name == bank_attr or not isinstance(child, nn.Module):
+        if name == bank_attr.split(".")[0] or not isinstance(child, nn.Module):
             continue
         if any(True for _ in _leaves(child.parameters())):
             out.append(name)
@@ -206,30 +263,35 @@ def _leaves(tree):
 class _Run:
     """Runs the block on the probe with a chosen bank stand-in and chosen children zeroed."""
 
-    def __init__(self, path: str, block: nn.Module, bank: Bank, forward: Callable):
+    def __init__(self, path: str, block: nn.Module, bank: Bank, forward: Callable, in_dims: int,
+                 top_k: int | None):
         self.path, self.block, self.bank, self.forward = path, block, bank, forward
-        key = mx.random.key(0)
-        kx, kt = mx.random.split(key)
-        self.x = mx.random.normal((1, _PROBE_TOKENS, bank.in_dims), key=kx)
+        kx, kt, ki, kw = mx.random.split(mx.random.key(0), 4)
+        self.x = mx.random.normal((1, _PROBE_TOKENS, in_dims), key=kx)
         self.table = mx.random.normal((bank.num_experts, bank.out_dims), key=kt)
+        self.u = mx.random.normal((bank.in_dims,), key=mx.random.key(1))
         half = mx.arange(bank.num_experts) % 2
         self.keep_a, self.keep_b = half.astype(mx.float32), (1 - half).astype(mx.float32)
+        self.args: tuple = ()
+        if top_k is not None:  # called as block(x, indices, weights): distinct experts per token
+            order = mx.argsort(mx.random.uniform(shape=(1, _PROBE_TOKENS, bank.num_experts), key=ki), axis=-1)
+            self.args = (order[..., :top_k], mx.random.uniform(shape=(1, _PROBE_TOKENS, top_k), key=kw))
 
     def __call__(self, *, table: bool = True, keep=None, scale: float = 1.0, zero: Sequence[str] = ()):
-        stand_in = _ProbeBank(self.table if table else mx.zeros_like(self.table), keep, scale)
+        stand_in = _ProbeBank(self.table if table else mx.zeros_like(self.table), self.u, keep, scale)
         saved = {name: getattr(self.block, name) for name in zero}
-        original = getattr(self.block, self.bank.attr)
-        setattr(self.block, self.bank.attr, stand_in)
+        original = get_bank(self.block, self.bank.attr)
+        set_bank(self.block, self.bank.attr, stand_in)
         for name in zero:
             setattr(self.block, name, Zero())
         try:
-            y = self.forward(self.block, self.x)
+            y = self.forward(self.block, self.x, *self.args)
             if not isinstance(y, mx.array):
                 raise StructureError(f"MoE block {self.path} returns {type(y).__name__}, not one array: "
                                      "its output cannot be all-reduced")
             mx.eval(y, stand_in.calls)
         finally:
-            setattr(self.block, self.bank.attr, original)
+            set_bank(self.block, self.bank.attr, original)
             for name, child in saved.items():
                 setattr(self.block, name, child)
         if not stand_in.calls:
@@ -245,11 +307,35 @@ def _same_routing(a: list[mx.array], b: list[mx.array]) -> bool:
     return len(a) == len(b) and all(x.shape == y.shape and bool(mx.array_equal(x, y)) for x, y in zip(a, b))
 
 
-def probe_block(path: str, block: nn.Module, bank: Bank):
-    """(top_k, routers, dense, residual, forward) of one block, measured on a float32 probe."""
+def _input_dims(block: nn.Module, bank: Bank) -> list[int]:
+    """Widths the block's input may have: the bank's, then those of its linear children (a block may
+    project into a latent space before its experts, as nemotron_h does)."""
+    dims = [bank.in_dims]
+    for _, m in block.named_modules():
+        if isinstance(m, nn.Linear) and m.weight.shape[-1] not in dims:
+            dims.append(m.weight.shape[-1])
+    return dims
+
+
+def probe_block(path: str, block: nn.Module, bank: Bank, top_k: int | None = None):
+    """(top_k, routers, dense, residual, forward) of one block, measured on a float32 probe.
+
+    `top_k` is given for a block called with the routing from outside (`block(x, indices, weights)`).
+    """
     forward = families.forward(block) or type(block).__call__
-    run = _Run(path, block, bank, forward)
-    full, calls = run()
+    errors = []
+    for dims in _input_dims(block, bank):
+        run = _Run(path, block, bank, forward, dims, top_k)
+        try:
+            full, calls = run()
+            break
+        except StructureError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the wrong input width: try the next
+            errors.append(f"{dims}: {type(exc).__name__}: {exc}")
+    else:
+        raise StructureError(f"MoE block {path} ({type(block).__name__}) cannot be run on a probe: "
+                             + "; ".join(errors))
     silent, _ = run(table=False)
     routed = full - silent
     top_k = int(calls[0].shape[-1])
