@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 
 from . import families
 
@@ -223,6 +224,10 @@ class _ProbeBank(nn.Module):
         self.calls: list[mx.array] = []
 
     def __call__(self, x, inds, *args, **kwargs):
+        # A child zeroed by the probe may hand us indices past the bank (a router answering zeros of
+        # the wrong width); gathering them would read out of bounds.
+        if bool(mx.any((inds < 0) | (inds >= self._table.shape[0]))):
+            raise IndexError(f"expert indices outside 0..{self._table.shape[0] - 1}")
         self.calls.append(inds)
         per_token = (x.astype(mx.float32) @ self._u).reshape(inds.shape[:-1])
         out = self._table[inds] * (self._scale * per_token)[..., None, None]  # inds.shape + (D,)
@@ -307,6 +312,21 @@ def _same_routing(a: list[mx.array], b: list[mx.array]) -> bool:
     return len(a) == len(b) and all(x.shape == y.shape and bool(mx.array_equal(x, y)) for x, y in zip(a, b))
 
 
+def _keyed_parameters(block: nn.Module, bank_attr: str) -> None:
+    """Give the block's own parameters values drawn from a fixed key before it is probed.
+
+    A freshly built model's parameters are lazy draws from MLX's global random state, which must
+    not be evaluated off the main thread (the node loads in a gRPC worker thread: it aborts). The
+    values do not matter (the checkpoint's replace them at load), only that they are not degenerate.
+    """
+    own = [(k, v) for k, v in tree_flatten(block.parameters()) if k.split(".")[0] != bank_attr.split(".")[0]]
+    if not own:
+        return
+    keys = mx.random.split(mx.random.key(2), len(own))
+    block.update(tree_unflatten([(k, (0.5 * mx.random.normal(v.shape, key=keys[i])).astype(v.dtype))
+                                 for i, (k, v) in enumerate(own)]))
+
+
 def _input_dims(block: nn.Module, bank: Bank) -> list[int]:
     """Widths the block's input may have: the bank's, then those of its linear children (a block may
     project into a latent space before its experts, as nemotron_h does)."""
@@ -323,6 +343,7 @@ def probe_block(path: str, block: nn.Module, bank: Bank, top_k: int | None = Non
     `top_k` is given for a block called with the routing from outside (`block(x, indices, weights)`).
     """
     forward = families.forward(block) or type(block).__call__
+    _keyed_parameters(block, bank.attr)
     errors = []
     for dims in _input_dims(block, bank):
         run = _Run(path, block, bank, forward, dims, top_k)
