@@ -17,6 +17,7 @@ import importlib
 import inspect
 import json
 import pkgutil
+import re
 import sys
 import types
 import typing
@@ -242,30 +243,44 @@ def _bank_kind(module: nn.Module) -> str | None:
     return None
 
 
+_FFN_NAME = re.compile(r"expert|moe|mlp|ffn", re.I)
+_ATTN_NAME = re.compile(r"attn|attention", re.I)
+
+
+def _ffn_like(path: str, m: nn.Module) -> bool:
+    """A custom bank must sit where a feed-forward does: grouped projections inside attention
+    (deepseek_v41's o_proj groups use SwitchLinear) are not routed experts."""
+    where = f"{path} {type(m).__name__}"
+    return bool(_FFN_NAME.search(where)) and not _ATTN_NAME.search(where)
+
+
 def banks(model: nn.Module) -> list[tuple[str, str]]:
-    """(path, kind) of every routed-expert bank in the model, outermost only."""
+    """(path, kind) of every routed-expert bank in the model, outermost only.
+
+    kind: "SwitchGLU" / "SwitchMLP" (mlx-lm's banks, quantized or not), "per-expert list"
+    (`self.experts = [MLP() for _ in range(n)]`), "other: SwitchLinear" (a family's own bank class
+    built from SwitchLinear layers), "other: stacked" (a module holding (num_experts, ...) arrays).
+    """
     from mlx_lm.models import switch_layers as sl
 
     found: list[tuple[str, str]] = []
     switch_linear = (sl.SwitchLinear, sl.QuantizedSwitchLinear)
     for path, m in model.named_modules():
-        if any(path.startswith(p + ".") for p, _ in found):
-            continue
         kind = _bank_kind(m)
-        if kind is None:
-            # a family's own bank class built from SwitchLinear layers
-            kids = [c for _, c in m.children().items() if isinstance(c, switch_linear)]
-            if kids and not isinstance(m, switch_linear):
-                kind = "SwitchLinear"
-        if kind is None:
-            # `self.experts = [MLP() for _ in range(n)]`: a list of same-typed modules
-            for name, child in m.children().items():
+        if kind is None and not isinstance(m, switch_linear) and _ffn_like(path, m):
+            kids = m.children()
+            if any(isinstance(c, switch_linear) for c in kids.values()):
+                kind = "other: SwitchLinear"
+            elif any(isinstance(v, mx.array) and v.ndim == 3 and v.shape[0] == EXPERTS
+                     for k, v in kids.items() if not k.startswith("_")):
+                kind = "other: stacked"
+            for name, child in kids.items():
                 if (isinstance(child, list) and len(child) >= 4 and "expert" in name.lower()
                         and all(isinstance(c, nn.Module) and type(c) is type(child[0]) for c in child)):
                     found.append((f"{path}.{name}" if path else name, "per-expert list"))
         if kind is not None:
             found.append((path, kind))
-    # named_modules lists parents after children: keep only the outermost bank of a nest
+    # keep only the outermost bank of a nest (a SwitchGLU's SwitchLinear projections are its parts)
     found.sort(key=lambda pk: pk[0].count("."))
     outer: list[tuple[str, str]] = []
     for p, k in found:
@@ -275,12 +290,10 @@ def banks(model: nn.Module) -> list[tuple[str, str]]:
 
 
 def moe_layers(bank_paths) -> int:
-    """How many distinct decoder layers hold a bank (paths like `...layers.3.mlp.experts`)."""
-    import re
-
+    """How many distinct decoder layers hold a bank (paths like `...layers.3.mlp.experts`, `...blocks.3.ffn`)."""
     idx = set()
     for p, _ in bank_paths:
-        m = re.search(r"layers\.(\d+)\.", p + ".")
+        m = re.search(r"(?:layers|blocks|h)\.(\d+)\.", p + ".")
         idx.add(m.group(1) if m else p)
     return len(idx)
 
