@@ -11,6 +11,7 @@ Import as `from tiny import ...` (tests/ is not a package; pytest puts this fold
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -29,7 +30,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 # Sizes of every tiny model. Small enough that a family builds and decodes in well under a second.
-VOCAB = 256
+VOCAB = 300  # not a multiple of any hidden width: the tied-head check looks for a (VOCAB, ...) Linear
 HIDDEN = 64
 LAYERS = 4
 HEADS = 4
@@ -314,7 +315,7 @@ def reinit(model: nn.Module, seed: int = 0) -> None:
     """Deterministic random values everywhere, scaled so every block matters and routing is non-degenerate.
 
     mlx-lm's own init leaves some families with zero gates, zero e_score_correction_bias or zero
-    norms. Here: embeddings normal(0, 1); matrices normal / sqrt(fan_in) (unit-variance outputs, so
+    norms. Here: embeddings normal(0, 1) (0.1 where tied to the output head); matrices normal / sqrt(fan_in) (unit-variance outputs, so
     each attention / expert block adds O(1) to the residual stream and the experts really move the
     logits: with a flat 0.02 the embedding dominated and most families decoded alike); 1-D weights
     (norm scales) 1 + normal*0.02; other vectors (biases, A_log, correction biases) normal*0.02.
@@ -323,6 +324,10 @@ def reinit(model: nn.Module, seed: int = 0) -> None:
     params = tree_flatten(model.parameters())
     keys = mx.random.split(mx.random.key(seed), max(2, len(params)))
     embeddings = {p for p, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))}
+    # With tied embeddings the residual stream holds the input token's own row, whose logit is its
+    # squared norm: at std 1 that echo beats every block and the model repeats its last token.
+    tied = not any(isinstance(m, nn.Linear) and m.weight.shape[0] == VOCAB for _, m in model.named_modules())
+    embed_std = 0.1 if tied else 1.0
     new = []
     for i, (name, v) in enumerate(params):
         if not mx.issubdtype(v.dtype, mx.floating):
@@ -330,7 +335,7 @@ def reinit(model: nn.Module, seed: int = 0) -> None:
         z = mx.random.normal(v.shape, dtype=mx.float32, key=keys[i])
         owner, leaf = name.rsplit(".", 1) if "." in name else ("", name)
         if owner in embeddings and leaf == "weight":
-            w = z
+            w = z * embed_std
         elif v.ndim >= 2:
             fan_in = v.shape[-1] if v.ndim == 2 or v.shape[0] == EXPERTS else int(np.prod(v.shape[1:]))
             w = z * fan_in ** -0.5
@@ -458,10 +463,16 @@ def make_checkpoint(model_type: str, out_dir, seed: int = 0, quantize: str | Non
 
 def stock_tokens(path, prompt_ids, n: int) -> tuple[list[int], np.ndarray]:
     """Greedy decode n tokens with stock mlx-lm: (token ids, float32 logits of each step, (n, vocab))."""
-    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
 
     model, _ = load_model(Path(path))
+    return decode(model, prompt_ids, n)
+
+
+def decode(model: nn.Module, prompt_ids, n: int) -> tuple[list[int], np.ndarray]:
+    """Greedy decoding with a KV cache from make_prompt_cache, as mlx-lm's generate_step does."""
+    from mlx_lm.models.cache import make_prompt_cache
+
     cache = make_prompt_cache(model)
     x = mx.array([list(prompt_ids)], dtype=mx.int32)
     tokens: list[int] = []
@@ -473,6 +484,45 @@ def stock_tokens(path, prompt_ids, n: int) -> tuple[list[int], np.ndarray]:
         logits_all.append(np.array(logits[0]))
         x = mx.array([[tok]], dtype=mx.int32)
     return tokens, np.stack(logits_all) if logits_all else np.zeros((0, 0), np.float32)
+
+
+@contextlib.contextmanager
+def record_routing(model: nn.Module):
+    """Within the block, {bank path: set of expert ids the bank ran} for the model's stacked banks.
+
+    Every stacked bank (SwitchGLU, SwitchMLP, a family's own) runs its experts through
+    SwitchLinear / QuantizedSwitchLinear with the routed indices; those calls are recorded.
+    Per-expert-list banks are not (their routing is a Python loop).
+    """
+    from mlx_lm.models import switch_layers as sl
+
+    owner: dict[int, str] = {}
+    for path, kind in banks(model):
+        bank = model
+        for part in path.split("."):
+            bank = bank[int(part)] if isinstance(bank, list) else bank[part]
+        if isinstance(bank, nn.Module):
+            for _, m in bank.named_modules():
+                if isinstance(m, (sl.SwitchLinear, sl.QuantizedSwitchLinear)):
+                    owner[id(m)] = path
+    seen: dict[str, set[int]] = {p: set() for p in set(owner.values())}
+    originals = {cls: cls.__call__ for cls in (sl.SwitchLinear, sl.QuantizedSwitchLinear)}
+
+    def wrap(orig):
+        def call(self, x, indices, *a, **kw):
+            if id(self) in owner:
+                seen[owner[id(self)]].update(np.array(indices).reshape(-1).tolist())
+            return orig(self, x, indices, *a, **kw)
+
+        return call
+
+    for cls, orig in originals.items():
+        cls.__call__ = wrap(orig)
+    try:
+        yield seen
+    finally:
+        for cls, orig in originals.items():
+            cls.__call__ = orig
 
 
 # -------------------------------------------------------------------------------------- overrides
