@@ -140,7 +140,7 @@ def _fields(cls) -> list[dataclasses.Field]:
 def _type_default(f: dataclasses.Field, hints: dict):
     t = hints.get(f.name, f.type)
     origin = typing.get_origin(t)
-    if origin is typing.Union or (origin is not None and str(origin) == "<class 'types.UnionType'>"):
+    if origin is typing.Union or origin is types.UnionType:  # Optional[int], int | None
         args = [a for a in typing.get_args(t) if a is not type(None)]
         t = args[0] if args else t
         origin = typing.get_origin(t)
@@ -177,8 +177,6 @@ def _fill(cls, model_type: str, top: bool = True) -> dict:
             cfg[f.name] = _REQUIRED[f.name]
         elif required:
             cfg[f.name] = _type_default(f, hints)
-    if "partial_rotary_factor" in cfg and cfg["partial_rotary_factor"] in (None, 1):
-        cfg["partial_rotary_factor"] = 0.5
     return cfg
 
 
@@ -213,7 +211,7 @@ def tiny_config(model_type: str) -> dict:
     mod = _module(model_type)
     over = _OVERRIDES.get(model_type, {})
     if _has_text_config(mod.ModelArgs):
-        text_cls = over.get("text_class", lambda m: _text_args_class(m))(mod)
+        text_cls = over.get("text_class", _text_args_class)(mod)
         text = _fill(text_cls, over.get("text_model_type", model_type), top=False)
         text.update(over.get("text", {}))
         cfg = {k: v for k, v in _fill(mod.ModelArgs, model_type).items() if k != "text_config"}
@@ -227,8 +225,6 @@ def tiny_config(model_type: str) -> dict:
         if target == model_type:
             cfg["model_type"], cfg["architectures"] = mt, [arch]
     cfg.update(over.get("top", {}))
-    if "fix" in over:
-        over["fix"](cfg)
     return json.loads(json.dumps(cfg))  # a plain JSON dict, as read from config.json
 
 
@@ -528,8 +524,7 @@ def record_routing(model: nn.Module):
 # -------------------------------------------------------------------------------------- overrides
 # Only where the generic rules cannot work; each entry says why. Keys:
 #   top: merged into the top-level config; text: merged into text_config;
-#   text_class: fn(module) -> the text dataclass; text_model_type: text_config's model_type;
-#   fix: fn(cfg) editing the config in place (for values derived from other values).
+#   text_class: fn(module) -> the text dataclass; text_model_type: text_config's model_type.
 
 _OVERRIDES: dict[str, dict] = {}
 
@@ -559,13 +554,10 @@ _OVERRIDES.update({
     # muse_spark rejects dense or shared-expert layers
     "muse_spark": {"text": {"num_shared_experts": 0, "mlp_layer_types": None}},
     # nemotron_h describes its stack as a pattern of mamba / attention / MoE blocks
-    "nemotron_h": {"top": {"hybrid_override_pattern": ["M", "E", "*", "E"], "n_routed_experts": EXPERTS,
-                           "num_experts_per_tok": TOP_K, "n_shared_experts": 1, "moe_intermediate_size": EXPERT_FFN,
-                           "moe_shared_expert_intermediate_size": EXPERT_FFN, "n_group": 1, "topk_group": 1,
-                           "norm_topk_prob": True, "routed_scaling_factor": 1.0}},
+    # (its routed_scaling_factor defaults to None, which the router multiplies by)
+    "nemotron_h": {"top": {"hybrid_override_pattern": ["M", "E", "*", "E"], "routed_scaling_factor": 1.0}},
     # granitemoehybrid: mamba / attention layers by name
-    "granitemoehybrid": {"top": {"layer_types": ["mamba", "attention", "mamba", "attention"], "num_local_experts": EXPERTS,
-                                 "num_experts_per_tok": TOP_K, "shared_intermediate_size": EXPERT_FFN}},
+    "granitemoehybrid": {"top": {"layer_types": ["mamba", "attention", "mamba", "attention"]}},
     # mistral3 wraps a text model picked by text_config.model_type; mistral4 is its MoE one
     "mistral3": {"text_class": lambda m: m.mistral4.ModelArgs, "text_model_type": "mistral4",
                  "text": {"model_type": "mistral4"}},
