@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from .errors import UserError
 
 
-class PlacementError(ValueError):
+
+class PlacementError(UserError):
     """A placement that cannot run, with the reason."""
 
 
