@@ -58,12 +58,15 @@ def profile(model_spec: str, prompts: list[str], max_tokens: int) -> dict:
     from ...proto.records import Sampling
     from ...node.moe.layer import install
     from ...node.moe.load import ShardError
-    from ...node.moe.structure import find_moe_blocks
+    from ...node.moe.structure import StructureError, find_moe_blocks
     from .run_local import encode_prompt
 
     ckpt = Checkpoint.open(model_spec)
     model, tokenizer = load(str(ckpt.path))
-    blocks = find_moe_blocks(model)
+    try:
+        blocks = find_moe_blocks(model)
+    except StructureError as exc:  # a block we cannot shard is the checkpoint's problem, as in load.py
+        raise ShardError(f"{ckpt.path}: {exc}") from None
     if not blocks:
         raise ShardError(f"{ckpt.path} has no MoE layers to profile")
     sinks: dict[int, list] = {}
