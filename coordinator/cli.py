@@ -9,37 +9,16 @@ import os
 import sys
 import traceback
 
+from ..proto.errors import ErrorKind, MoeClusterError, UserError
+
 # Quiet third-party chatter (transformers warns that PyTorch is absent; we never need it).
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 logger = logging.getLogger("moe_cluster")
 
-EXIT_USAGE = 2  # bad input: a clear one-line error
-EXIT_INTERNAL = 1
-
-
-def _known_errors() -> tuple[type[BaseException], ...]:
-    """Errors that are the user's input, printed as one line (imported lazily: cheap commands stay cheap)."""
-    from ..node.checkpoint import CheckpointError
-
-    # OSError: a port in use, a file that cannot be read -- the machine's state, not a bug
-    errors: list[type[BaseException]] = [CheckpointError, OSError, ValueError]
-    for mod, name in (
-        ("moe_cluster.coordinator.serve.config", "ConfigError"),
-        ("moe_cluster.coordinator.serve.placement", "PlacementError"),
-        ("moe_cluster.node.moe.load", "ShardError"),
-        ("moe_cluster.coordinator.serve.client", "ClusterError"),
-        ("moe_cluster.coordinator.serve.config", "ConfigError"),
-        ("moe_cluster.proto.placement", "PlacementError"),
-        ("moe_cluster.node.mdns", "DiscoveryError"),
-        ("moe_cluster.node.collective.base", "CollectiveError"),
-    ):
-        try:
-            errors.append(getattr(importlib.import_module(mod), name))
-        except (ImportError, AttributeError):
-            pass
-    return tuple(errors)
+EXIT_USAGE = 2  # a UserError (bad input): one line naming the problem
+EXIT_FAILURE = 1  # the cluster failed (a node down, a timeout: a typed error), or a bug
 
 
 def _positive_int(text: str) -> int:
@@ -229,26 +208,35 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
     module, func = args.handler.split(":")
+    prog = f"moe-cluster {args.command}"  # as argparse names a subcommand in its own errors
     try:
         handler = getattr(importlib.import_module(module), func)
         return int(handler(args) or 0)
     except KeyboardInterrupt:
-        print("moe-cluster: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0
-    except _known_errors() as exc:
-        if args.verbose > 1:
-            traceback.print_exc()
-        print(f"moe-cluster {args.command}: error: {exc}", file=sys.stderr)
+    except UserError as exc:
+        _traceback_if(args.verbose)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except Exception as exc:  # noqa: BLE001 - last resort: one line, the traceback only with -vv
-        if args.verbose > 1:
-            traceback.print_exc()
-        print(f"moe-cluster {args.command}: internal error: {type(exc).__name__}: {exc} (rerun with -vv for details)",
-              file=sys.stderr)
-        return EXIT_INTERNAL
+    except MoeClusterError as exc:
+        _traceback_if(args.verbose)
+        if exc.kind is ErrorKind.INTERNAL:  # a bug relayed from a node or a child process
+            print(f"{prog}: internal error: {exc} (run with -v for the traceback)", file=sys.stderr)
+        else:  # the cluster, not the input: a node down, a timeout, a busy node
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except Exception as exc:  # noqa: BLE001 - anything else is a bug: one line, the traceback with -v
+        _traceback_if(args.verbose)
+        print(f"{prog}: internal error: {type(exc).__name__}: {exc} (run with -v for the traceback)", file=sys.stderr)
+        return EXIT_FAILURE
 
+
+def _traceback_if(verbose: int) -> None:
+    if verbose:
+        traceback.print_exc()
 
 if __name__ == "__main__":
     sys.exit(main())

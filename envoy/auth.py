@@ -14,6 +14,8 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
+from ..proto.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 SECRET_KEY = "x-moe-cluster-secret"  # metadata key
@@ -57,7 +59,7 @@ class SecretInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, secret: str):
         if not secret:
-            raise ValueError("the cluster secret is empty")
+            raise UserError("the cluster secret is empty")
         self._secret = secret
 
     def __repr__(self) -> str:  # never show the secret
@@ -79,7 +81,7 @@ def _read(path: str, what: str) -> bytes:
     try:
         return Path(path).read_bytes()
     except OSError as exc:
-        raise ValueError(f"cannot read TLS {what} {path}: {exc.strerror}") from exc
+        raise UserError(f"cannot read TLS {what} {path}: {exc.strerror}") from exc
 
 
 def server_credentials(cert: str, key: str, ca: str | None = None) -> grpc.ServerCredentials:

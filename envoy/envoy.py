@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..proto import convert
+from ..proto.errors import UserError
 from .frame import Frame, FrameError, checksum
 from .link import BEGIN, CLOSE, NO_STEP, REDUCE, EnvoyLink, LinkError
 from .mesh import Mesh, MeshConfig, TlsPaths
@@ -41,9 +42,9 @@ class EnvoyConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < len(self.addresses):
-            raise ValueError(f"rank {self.rank} is outside the {len(self.addresses)} addresses given")
+            raise UserError(f"rank {self.rank} is outside the {len(self.addresses)} addresses given")
         if not self.secret:
-            raise ValueError("the cluster secret is empty")
+            raise UserError("the cluster secret is empty")
 
 
 class Envoy:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
+from ..proto.errors import ErrorKind, MoeClusterError
+
 PROTOCOL = "moe-cluster-envoy/1"
 
 
-class FrameError(ValueError):
-    """A frame that cannot be used (corrupt, out of step, or from the wrong rank)."""
+class FrameError(MoeClusterError, ValueError):
+    """A frame that cannot be used (corrupt, out of step, or from the wrong rank): a peer's bug."""
+
+    kind = ErrorKind.INTERNAL
 
 
 @dataclass(frozen=True, slots=True)

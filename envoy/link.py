@@ -20,6 +20,7 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from .reduce import DTYPES
+from ..proto.errors import ErrorKind, MoeClusterError
 
 # node -> envoy
 BEGIN = ord("B")  # request id (utf-8)
@@ -46,8 +47,10 @@ def _dims(ndim: int) -> struct.Struct:
     return struct.Struct(f"<{ndim}I")
 
 
-class LinkError(RuntimeError):
+class LinkError(MoeClusterError):
     """The other end of the link is gone or broke the protocol."""
+
+    kind = ErrorKind.UNAVAILABLE
 
 
 @dataclass(frozen=True)

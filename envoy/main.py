@@ -15,6 +15,8 @@ import signal
 import sys
 from typing import Any, Callable, Coroutine, TypeVar
 
+from ..proto.errors import UserError
+
 # grpc's older polling engine reads the socket on the thread that waits for events, one thread
 # hop less per message than the EventEngine default; measured faster on this workload. Must be
 # set before grpc is imported (run_grpc_loop does); a caller's own setting wins.
@@ -67,7 +69,7 @@ def read_secret(from_stdin: bool) -> str:
     secret = sys.stdin.readline().rstrip("\n") if from_stdin else os.environ.get(SECRET_ENV, "")
     if not secret:
         where = "stdin" if from_stdin else f"${SECRET_ENV}"
-        raise ValueError(f"no cluster secret on {where}")
+        raise UserError(f"no cluster secret on {where}")
     return secret
 
 
@@ -77,9 +79,9 @@ def config_from_args(args: argparse.Namespace):
 
     tls_given = [args.tls_cert, args.tls_key, args.tls_ca]
     if any(tls_given) and not all(tls_given):
-        raise ValueError("TLS needs --tls-cert, --tls-key and --tls-ca together")
+        raise UserError("TLS needs --tls-cert, --tls-key and --tls-ca together")
     if args.link_fd is not None and not (args.shm and args.max_bytes > 0):
-        raise ValueError("--link-fd needs --shm and --max-bytes")
+        raise UserError("--link-fd needs --shm and --max-bytes")
     return EnvoyConfig(
         rank=args.rank, addresses=tuple(a.strip() for a in args.addresses.split(",") if a.strip()),
         listen=args.listen, secret=read_secret(args.secret_stdin), timeout_s=args.timeout,
@@ -125,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s envoy[{args.rank}] %(name)s %(levelname)s: %(message)s")
     try:
         return run(args)
-    except (ValueError, OSError) as exc:
+    except (UserError, OSError) as exc:  # OSError: a socket the machine refuses
         print(f"envoy rank {args.rank}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

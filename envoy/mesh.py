@@ -19,6 +19,7 @@ import grpc
 
 from ..proto import CHANNEL_OPTIONS
 from ..proto import convert
+from ..proto.errors import UserError
 from .auth import SecretInterceptor, call_metadata, channel_credentials, server_credentials
 from .frame import PROTOCOL, Frame, Hello
 
@@ -136,7 +137,7 @@ class Mesh:
             else:
                 self.port = server.add_insecure_port(cfg.listen)
         except RuntimeError as exc:
-            raise OSError(f"envoy rank {cfg.rank} cannot listen on {cfg.listen}: {exc}") from exc
+            raise UserError(f"envoy rank {cfg.rank} cannot listen on {cfg.listen}: {exc}") from exc
         await server.start()
         self._server = server
         loop = asyncio.get_running_loop()

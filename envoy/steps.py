@@ -18,10 +18,13 @@ import numpy as np
 
 from .frame import Frame
 from .reduce import DTYPES
+from ..proto.errors import ErrorKind, MoeClusterError
 
 
-class StepError(RuntimeError):
+class StepError(MoeClusterError):
     """A step that cannot complete; the message names the step and the offending rank."""
+
+    kind = ErrorKind.UNAVAILABLE
 
 
 @dataclass

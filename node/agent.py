@@ -23,6 +23,7 @@ from ..envoy.auth import SecretInterceptor, server_credentials
 from ..proto import CHANNEL_OPTIONS, convert
 from ..proto import node_pb2 as npb
 from ..proto import node_pb2_grpc as npb_grpc
+from ..proto.errors import ErrorKind, UserError, grpc_code, kind_of
 from .device import DeviceInfo, device_info
 from ..proto.records import GenerateDone, GeneratedTokens, Health, LoadProgress, Memory, NodeError, NodeStatus, Timings
 
@@ -152,10 +153,10 @@ class NodeAgent(npb_grpc.NodeServicer):
     async def Load(self, request, context):
         try:
             spec = convert.load_request_from_proto(request, secret=self.config.secret, tls=self._tls_files())
-        except (ValueError, convert.ConvertError) as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except UserError as exc:
+            await context.abort(grpc_code(exc.kind), str(exc))
         if self._current is not None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"request {self._current} is running")
+            await context.abort(grpc_code(ErrorKind.BUSY), f"request {self._current} is running")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         last = [0.0]
@@ -204,9 +205,9 @@ class NodeAgent(npb_grpc.NodeServicer):
             info = fut.result()
         except BaseException as exc:  # noqa: BLE001 - reported to the coordinator
             self.state = "failed"
-            logger.error("load failed: %s: %s", type(exc).__name__, exc)
-            yield convert.load_progress_to_proto(LoadProgress(0, 0, "failed", done=True, error=NodeError(
-                type(exc).__name__, str(exc), spec.rank)))
+            logger.error("load failed: %s: %s", type(exc).__name__, exc, exc_info=kind_of(exc) is ErrorKind.INTERNAL)
+            yield convert.load_progress_to_proto(LoadProgress(0, 0, "failed", done=True,
+                                                              error=node_error(exc, spec.rank)))
             return
         self.state = "ready"
         total = info.resident_weight_bytes
@@ -214,10 +215,13 @@ class NodeAgent(npb_grpc.NodeServicer):
 
     async def Generate(self, request, context):
         if self.runtime is None or self.state not in ("ready",):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"node is {self.state}, not ready")
-        req = convert.generate_request_from_proto(request, prefill_step=self.load_spec.prefill_step)
+            await context.abort(grpc_code(ErrorKind.NOT_READY), f"node is {self.state}, not ready")
+        try:
+            req = convert.generate_request_from_proto(request, prefill_step=self.load_spec.prefill_step)
+        except UserError as exc:
+            await context.abort(grpc_code(exc.kind), str(exc))
         if self._current is not None:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"request {self._current} is running")
+            await context.abort(grpc_code(ErrorKind.BUSY), f"request {self._current} is running")
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
         self._current = req.request_id
@@ -255,8 +259,9 @@ class NodeAgent(npb_grpc.NodeServicer):
             try:
                 result = fut.result()
             except BaseException as exc:  # noqa: BLE001 - reported as an event
-                logger.error("request %s failed: %s: %s", rid, type(exc).__name__, exc)
-                yield convert.generate_event_to_proto(NodeError(type(exc).__name__, str(exc), self.load_spec.rank))
+                logger.error("request %s failed: %s: %s", rid, type(exc).__name__, exc,
+                             exc_info=kind_of(exc) is ErrorKind.INTERNAL)
+                yield convert.generate_event_to_proto(node_error(exc, self.load_spec.rank))
                 return
             s = result.stats
             yield convert.generate_event_to_proto(GenerateDone(
@@ -312,11 +317,14 @@ class NodeAgent(npb_grpc.NodeServicer):
 
         c = self.config
         if not c.secret:
-            raise ValueError("no cluster secret: set MOE_CLUSTER_SECRET (the same on every node)")
+            raise UserError("no cluster secret: set MOE_CLUSTER_SECRET (the same on every node)")
         self._stop = asyncio.Event()
         from .collective.specs import check_port_free
 
-        check_port_free(c.host, c.port, "is another node agent running? --port P picks another")
+        try:
+            check_port_free(c.host, c.port, "is another node agent running? --port P picks another")
+        except OSError as exc:  # the port is the user's choice: a one-line error, not a bug
+            raise UserError(str(exc)) from None
         server = grpc.aio.server(interceptors=[SecretInterceptor(c.secret)], options=CHANNEL_OPTIONS)
         npb_grpc.add_NodeServicer_to_server(self, server)
         address = f"{c.host}:{c.port}"
@@ -325,7 +333,7 @@ class NodeAgent(npb_grpc.NodeServicer):
         else:
             port = server.add_insecure_port(address)
         if port == 0:
-            raise OSError(f"cannot listen on {address}")
+            raise UserError(f"cannot listen on {address}")
         await server.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -354,6 +362,13 @@ class NodeAgent(npb_grpc.NodeServicer):
             await server.stop(1.0)
             await self._worker.submit(self._close_model)
             self._worker.close()
+
+
+def node_error(exc: BaseException, rank: int) -> NodeError:
+    """What the coordinator hears of a failure: the kind, and the text (a bug's text names its type)."""
+    kind = kind_of(exc)
+    message = str(exc) if kind is not ErrorKind.INTERNAL else f"{type(exc).__name__}: {exc}"
+    return NodeError(kind, message, rank)
 
 
 def _peak_memory() -> int:
@@ -394,7 +409,10 @@ def main(args) -> int:
     if args.secret_file:
         from pathlib import Path
 
-        secret = Path(args.secret_file).expanduser().read_text().strip()
+        try:
+            secret = Path(args.secret_file).expanduser().read_text().strip()
+        except OSError as exc:
+            raise UserError(f"--secret-file {args.secret_file}: {exc.strerror or exc}") from None
     import socket
 
     config = AgentConfig(

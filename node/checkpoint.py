@@ -14,13 +14,14 @@ import mlx.core as mx
 import numpy as np
 
 from . import demo
+from ..proto.errors import UserError
 
 INDEX_FILE = "model.safetensors.index.json"
 # Shards of model-0000i-of-0000n.safetensors are cut past this many bytes unless told otherwise.
 DEFAULT_SHARD_BYTES = 5 << 30
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used, with the reason in the message."""
 
 

@@ -13,6 +13,7 @@ from typing import Callable, Iterator, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..proto.errors import UserError
 from ..proto.records import DEFAULT_PREFILL_STEP, Sampling
 
 @dataclass
@@ -80,7 +81,7 @@ def generate_tokens(
 
     sampling.check()
     if not prompt:
-        raise ValueError("the prompt has no tokens")
+        raise UserError("the prompt has no tokens")
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(prompt)
     if sampling.seed is not None:

@@ -12,12 +12,14 @@ import socket
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..proto.errors import NotFoundError
+
 logger = logging.getLogger(__name__)
 
 SERVICE_TYPE = "_moe-cluster._tcp.local."
 
 
-class DiscoveryError(ValueError):
+class DiscoveryError(NotFoundError):
     """Nodes that could not be found, or an interface that does not exist."""
 
 

@@ -7,6 +7,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from ..proto.errors import ErrorKind, kind_of
 from ..proto.records import Sampling
 
 
@@ -35,7 +36,7 @@ class SimJob:
 
 
 def run(job: SimJob, results) -> None:
-    """Process entry point: puts one dict per task on `results` ("error" set if one failed)."""
+    """Process entry point: puts one dict per task on `results` ("error" and its "kind" set if one failed)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         collective = _collective(job)
@@ -54,7 +55,10 @@ def run(job: SimJob, results) -> None:
 
 
 def _error(rank: int, task: int, exc: BaseException) -> dict:
-    return {"rank": rank, "task": task, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    """The failure as a value: its kind (an ErrorKind's value) decides how the parent re-raises it."""
+    kind = kind_of(exc)
+    message = str(exc) if kind is not ErrorKind.INTERNAL else f"{type(exc).__name__}: {exc}"
+    return {"rank": rank, "task": task, "kind": kind.value, "error": message, "traceback": traceback.format_exc()}
 
 
 def _collective(job: SimJob):

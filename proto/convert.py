@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any
 from ..envoy.frame import Frame, Hello
 from . import envoy_pb2 as epb
 from . import node_pb2 as npb
+from .errors import ErrorKind, UserError
 
 if TYPE_CHECKING:  # domain types of the node side, imported lazily (mlx, mlx-lm behind them)
-    from .records import GenerateEvent, Health, LoadProgress, LoadSpec, NodeStatus
+    from .records import GenerateEvent, Health, LoadProgress, LoadSpec, NodeError, NodeStatus
     from .placement import Placement
     from .records import GenerateRequest
 
@@ -29,7 +30,7 @@ _DTYPE_TO_PB = {"float32": epb.DTYPE_FLOAT32, "float16": epb.DTYPE_FLOAT16, "bfl
 _DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
 
 
-class ConvertError(ValueError):
+class ConvertError(UserError):
     """A message that does not make a valid domain record; names the field."""
 
 
@@ -197,23 +198,33 @@ def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any 
     )
 
 
-def _error_to_proto(kind: str, message: str, rank: int) -> npb.Error:
-    return npb.Error(kind=kind, message=message, rank=rank)
+# ErrorKind <-> its wire enum, by name; UNSPECIFIED (a sender that set none) reads as INTERNAL
+_KIND_TO_PB = {k: npb.ErrorKind.Value(f"ERROR_KIND_{k.name}") for k in ErrorKind}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()} | {npb.ERROR_KIND_UNSPECIFIED: ErrorKind.INTERNAL}
+
+
+def _error_to_proto(error: NodeError) -> npb.Error:
+    return npb.Error(kind=_KIND_TO_PB[error.kind], message=error.message, rank=error.rank)
+
+
+def _error_from_proto(msg: npb.Error) -> NodeError:
+    from .records import NodeError
+
+    return NodeError(_KIND_FROM_PB.get(msg.kind, ErrorKind.INTERNAL), msg.message, msg.rank)
 
 
 def load_progress_to_proto(p: LoadProgress) -> npb.LoadProgress:
     msg = npb.LoadProgress(bytes_loaded=p.bytes_loaded, bytes_total=p.bytes_total, phase=p.phase, done=p.done)
     if p.error is not None:
-        msg.error.CopyFrom(_error_to_proto(p.error.kind, p.error.message, p.error.rank))
+        msg.error.CopyFrom(_error_to_proto(p.error))
     return msg
 
 
 def load_progress_from_proto(msg: npb.LoadProgress) -> LoadProgress:
-    from .records import LoadProgress, NodeError
+    from .records import LoadProgress
 
-    err = msg.error
     return LoadProgress(msg.bytes_loaded, msg.bytes_total, msg.phase, msg.done,
-                        NodeError(err.kind, err.message, err.rank) if msg.HasField("error") else None)
+                        _error_from_proto(msg.error) if msg.HasField("error") else None)
 
 
 def generate_request_to_proto(req: GenerateRequest) -> npb.GenerateRequest:
@@ -259,12 +270,12 @@ def generate_event_to_proto(event: GenerateEvent) -> npb.GenerateEvent:
             counters=dict(event.counters),
         ))
     if isinstance(event, NodeError):
-        return npb.GenerateEvent(error=_error_to_proto(event.kind, event.message, event.rank))
+        return npb.GenerateEvent(error=_error_to_proto(event))
     raise ConvertError(f"not a generate event: {type(event).__name__}")
 
 
 def generate_event_from_proto(msg: npb.GenerateEvent) -> GenerateEvent:
-    from .records import GenerateDone, GeneratedTokens, NodeError, Timings
+    from .records import GenerateDone, GeneratedTokens, Timings
 
     kind = msg.WhichOneof("event")
     if kind == "tokens":
@@ -277,7 +288,7 @@ def generate_event_from_proto(msg: npb.GenerateEvent) -> GenerateEvent:
             timings=Timings(t.prompt_s, t.generation_s, t.collective_s, t.queue_s), counters=dict(d.counters),
         )
     if kind == "error":
-        return NodeError(msg.error.kind, msg.error.message, msg.error.rank)
+        return _error_from_proto(msg.error)
     raise ConvertError("GenerateEvent is empty (expected tokens, done or error)")
 
 

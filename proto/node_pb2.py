@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nnode.proto\x12\x0emoe_cluster.v1\"\x18\n\tExpertIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x93\x01\n\x0eLayerPlacement\x12\x38\n\x05ranks\x18\x01 \x03(\x0b\x32).moe_cluster.v1.LayerPlacement.RanksEntry\x1aG\n\nRanksEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.moe_cluster.v1.ExpertIds:\x02\x38\x01\"\xa5\x01\n\tPlacement\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x35\n\x06layers\x18\x02 \x03(\x0b\x32%.moe_cluster.v1.Placement.LayersEntry\x1aM\n\x0bLayersEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12-\n\x05value\x18\x02 \x01(\x0b\x32\x1e.moe_cluster.v1.LayerPlacement:\x02\x38\x01\"<\n\x0e\x45nvoyTransport\x12\r\n\x05peers\x18\x01 \x03(\t\x12\x0e\n\x06listen\x18\x02 \x01(\t\x12\x0b\n\x03tls\x18\x03 \x01(\x08\"\x1c\n\x07MlxHost\x12\x11\n\taddresses\x18\x01 \x03(\t\"\x92\x01\n\x0cMlxTransport\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12&\n\x05hosts\x18\x02 \x03(\x0b\x32\x17.moe_cluster.v1.MlxHost\x12\x19\n\x11jaccl_coordinator\x18\x03 \x01(\t\x12.\n\rjaccl_devices\x18\x04 \x03(\x0b\x32\x17.moe_cluster.v1.MlxHost\"q\n\tTransport\x12/\n\x05\x65nvoy\x18\x01 \x01(\x0b\x32\x1e.moe_cluster.v1.EnvoyTransportH\x00\x12+\n\x03mlx\x18\x02 \x01(\x0b\x32\x1c.moe_cluster.v1.MlxTransportH\x00\x42\x06\n\x04kind\"\x98\x02\n\x0bLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12,\n\tplacement\x18\x04 \x01(\x0b\x32\x19.moe_cluster.v1.Placement\x12,\n\tkeepalive\x18\x05 \x01(\x0e\x32\x19.moe_cluster.v1.Keepalive\x12,\n\ttransport\x18\x06 \x01(\x0b\x32\x19.moe_cluster.v1.Transport\x12\x1c\n\x14\x63ollective_timeout_s\x18\x07 \x01(\x01\x12\x14\n\x0cprefill_step\x18\x08 \x01(\r\x12\x1a\n\x12prompt_cache_bytes\x18\t \x01(\x04\"|\n\x0cLoadProgress\x12\x14\n\x0c\x62ytes_loaded\x18\x01 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x02 \x01(\x04\x12\r\n\x05phase\x18\x03 \x01(\t\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12$\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x15.moe_cluster.v1.Error\"\xa0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\r\n\x05top_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x07 \x03(\rB\x07\n\x05_seed\"\x15\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\"X\n\x07Timings\x12\x10\n\x08prompt_s\x18\x01 \x01(\x01\x12\x14\n\x0cgeneration_s\x18\x02 \x01(\x01\x12\x14\n\x0c\x63ollective_s\x18\x03 \x01(\x01\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\"\xa4\x02\n\x0cGenerateDone\x12\x33\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1c.moe_cluster.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x18\n\x10generated_tokens\x18\x04 \x01(\r\x12(\n\x07timings\x18\x05 \x01(\x0b\x32\x17.moe_cluster.v1.Timings\x12<\n\x08\x63ounters\x18\x06 \x03(\x0b\x32*.moe_cluster.v1.GenerateDone.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"4\n\x05\x45rror\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\x98\x01\n\rGenerateEvent\x12(\n\x06tokens\x18\x01 \x01(\x0b\x32\x16.moe_cluster.v1.TokensH\x00\x12,\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1c.moe_cluster.v1.GenerateDoneH\x00\x12&\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x15.moe_cluster.v1.ErrorH\x00\x42\x07\n\x05\x65vent\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"C\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.moe_cluster.v1.NodeState\"\x0f\n\rStatusRequest\"\\\n\x06Memory\x12\x14\n\x0c\x64\x65vice_bytes\x18\x01 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x12\n\npeak_bytes\x18\x04 \x01(\x04\"\xd5\x03\n\nNodeStatus\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.moe_cluster.v1.NodeState\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12&\n\x06memory\x18\x05 \x01(\x0b\x32\x16.moe_cluster.v1.Memory\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12J\n\x11\x65xperts_per_layer\x18\x08 \x03(\x0b\x32/.moe_cluster.v1.NodeStatus.ExpertsPerLayerEntry\x12:\n\x08\x63ounters\x18\t \x03(\x0b\x32(.moe_cluster.v1.NodeStatus.CountersEntry\x12\x10\n\x08uptime_s\x18\n \x01(\x01\x12\x0b\n\x03pid\x18\x0b \x01(\r\x12\x13\n\x0bqueue_depth\x18\x0c \x01(\r\x1a\x36\n\x14\x45xpertsPerLayerEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\"\n\x0fShutdownRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"\x0f\n\rShutdownReply*\xaf\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x13\n\x0fNODE_STATE_IDLE\x10\x01\x12\x16\n\x12NODE_STATE_LOADING\x10\x02\x12\x14\n\x10NODE_STATE_READY\x10\x03\x12\x13\n\x0fNODE_STATE_BUSY\x10\x04\x12\x15\n\x11NODE_STATE_FAILED\x10\x05\x12\x17\n\x13NODE_STATE_STOPPING\x10\x06*a\n\tKeepalive\x12\x19\n\x15KEEPALIVE_UNSPECIFIED\x10\x00\x12\x12\n\x0eKEEPALIVE_NONE\x10\x01\x12\x11\n\rKEEPALIVE_LRU\x10\x02\x12\x12\n\x0eKEEPALIVE_BUSY\x10\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\xb6\x03\n\x04Node\x12\x44\n\x06Health\x12\x1d.moe_cluster.v1.HealthRequest\x1a\x1b.moe_cluster.v1.HealthReply\x12\x43\n\x06Status\x12\x1d.moe_cluster.v1.StatusRequest\x1a\x1a.moe_cluster.v1.NodeStatus\x12\x43\n\x04Load\x12\x1b.moe_cluster.v1.LoadRequest\x1a\x1c.moe_cluster.v1.LoadProgress0\x01\x12L\n\x08Generate\x12\x1f.moe_cluster.v1.GenerateRequest\x1a\x1d.moe_cluster.v1.GenerateEvent0\x01\x12\x44\n\x06\x43\x61ncel\x12\x1d.moe_cluster.v1.CancelRequest\x1a\x1b.moe_cluster.v1.CancelReply\x12J\n\x08Shutdown\x12\x1f.moe_cluster.v1.ShutdownRequest\x1a\x1d.moe_cluster.v1.ShutdownReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nnode.proto\x12\x0emoe_cluster.v1\"\x18\n\tExpertIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x93\x01\n\x0eLayerPlacement\x12\x38\n\x05ranks\x18\x01 \x03(\x0b\x32).moe_cluster.v1.LayerPlacement.RanksEntry\x1aG\n\nRanksEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.moe_cluster.v1.ExpertIds:\x02\x38\x01\"\xa5\x01\n\tPlacement\x12\x12\n\nworld_size\x18\x01 \x01(\r\x12\x35\n\x06layers\x18\x02 \x03(\x0b\x32%.moe_cluster.v1.Placement.LayersEntry\x1aM\n\x0bLayersEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12-\n\x05value\x18\x02 \x01(\x0b\x32\x1e.moe_cluster.v1.LayerPlacement:\x02\x38\x01\"<\n\x0e\x45nvoyTransport\x12\r\n\x05peers\x18\x01 \x03(\t\x12\x0e\n\x06listen\x18\x02 \x01(\t\x12\x0b\n\x03tls\x18\x03 \x01(\x08\"\x1c\n\x07MlxHost\x12\x11\n\taddresses\x18\x01 \x03(\t\"\x92\x01\n\x0cMlxTransport\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12&\n\x05hosts\x18\x02 \x03(\x0b\x32\x17.moe_cluster.v1.MlxHost\x12\x19\n\x11jaccl_coordinator\x18\x03 \x01(\t\x12.\n\rjaccl_devices\x18\x04 \x03(\x0b\x32\x17.moe_cluster.v1.MlxHost\"q\n\tTransport\x12/\n\x05\x65nvoy\x18\x01 \x01(\x0b\x32\x1e.moe_cluster.v1.EnvoyTransportH\x00\x12+\n\x03mlx\x18\x02 \x01(\x0b\x32\x1c.moe_cluster.v1.MlxTransportH\x00\x42\x06\n\x04kind\"\x98\x02\n\x0bLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12,\n\tplacement\x18\x04 \x01(\x0b\x32\x19.moe_cluster.v1.Placement\x12,\n\tkeepalive\x18\x05 \x01(\x0e\x32\x19.moe_cluster.v1.Keepalive\x12,\n\ttransport\x18\x06 \x01(\x0b\x32\x19.moe_cluster.v1.Transport\x12\x1c\n\x14\x63ollective_timeout_s\x18\x07 \x01(\x01\x12\x14\n\x0cprefill_step\x18\x08 \x01(\r\x12\x1a\n\x12prompt_cache_bytes\x18\t \x01(\x04\"|\n\x0cLoadProgress\x12\x14\n\x0c\x62ytes_loaded\x18\x01 \x01(\x04\x12\x13\n\x0b\x62ytes_total\x18\x02 \x01(\x04\x12\r\n\x05phase\x18\x03 \x01(\t\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12$\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x15.moe_cluster.v1.Error\"\xa0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x13\n\x0btemperature\x18\x04 \x01(\x01\x12\r\n\x05top_p\x18\x05 \x01(\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\reos_token_ids\x18\x07 \x03(\rB\x07\n\x05_seed\"\x15\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\"X\n\x07Timings\x12\x10\n\x08prompt_s\x18\x01 \x01(\x01\x12\x14\n\x0cgeneration_s\x18\x02 \x01(\x01\x12\x14\n\x0c\x63ollective_s\x18\x03 \x01(\x01\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\"\xa4\x02\n\x0cGenerateDone\x12\x33\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1c.moe_cluster.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x18\n\x10generated_tokens\x18\x04 \x01(\r\x12(\n\x07timings\x18\x05 \x01(\x0b\x32\x17.moe_cluster.v1.Timings\x12<\n\x08\x63ounters\x18\x06 \x03(\x0b\x32*.moe_cluster.v1.GenerateDone.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"U\n\x05\x45rror\x12\'\n\x04kind\x18\x04 \x01(\x0e\x32\x19.moe_cluster.v1.ErrorKind\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\rJ\x04\x08\x01\x10\x02\"\x98\x01\n\rGenerateEvent\x12(\n\x06tokens\x18\x01 \x01(\x0b\x32\x16.moe_cluster.v1.TokensH\x00\x12,\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1c.moe_cluster.v1.GenerateDoneH\x00\x12&\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x15.moe_cluster.v1.ErrorH\x00\x42\x07\n\x05\x65vent\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1c\n\x0b\x43\x61ncelReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"C\n\x0bHealthReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.moe_cluster.v1.NodeState\"\x0f\n\rStatusRequest\"\\\n\x06Memory\x12\x14\n\x0c\x64\x65vice_bytes\x18\x01 \x01(\x04\x12\x14\n\x0c\x62udget_bytes\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x12\n\npeak_bytes\x18\x04 \x01(\x04\"\xd5\x03\n\nNodeStatus\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.moe_cluster.v1.NodeState\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x12\n\nworld_size\x18\x04 \x01(\r\x12&\n\x06memory\x18\x05 \x01(\x0b\x32\x16.moe_cluster.v1.Memory\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12J\n\x11\x65xperts_per_layer\x18\x08 \x03(\x0b\x32/.moe_cluster.v1.NodeStatus.ExpertsPerLayerEntry\x12:\n\x08\x63ounters\x18\t \x03(\x0b\x32(.moe_cluster.v1.NodeStatus.CountersEntry\x12\x10\n\x08uptime_s\x18\n \x01(\x01\x12\x0b\n\x03pid\x18\x0b \x01(\r\x12\x13\n\x0bqueue_depth\x18\x0c \x01(\r\x1a\x36\n\x14\x45xpertsPerLayerEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\"\n\x0fShutdownRequest\x12\x0f\n\x07grace_s\x18\x01 \x01(\x01\"\x0f\n\rShutdownReply*\xaf\x01\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x13\n\x0fNODE_STATE_IDLE\x10\x01\x12\x16\n\x12NODE_STATE_LOADING\x10\x02\x12\x14\n\x10NODE_STATE_READY\x10\x03\x12\x13\n\x0fNODE_STATE_BUSY\x10\x04\x12\x15\n\x11NODE_STATE_FAILED\x10\x05\x12\x17\n\x13NODE_STATE_STOPPING\x10\x06*a\n\tKeepalive\x12\x19\n\x15KEEPALIVE_UNSPECIFIED\x10\x00\x12\x12\n\x0eKEEPALIVE_NONE\x10\x01\x12\x11\n\rKEEPALIVE_LRU\x10\x02\x12\x12\n\x0eKEEPALIVE_BUSY\x10\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\x95\x02\n\tErrorKind\x12\x1a\n\x16\x45RROR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x45RROR_KIND_INVALID_INPUT\x10\x01\x12\x18\n\x14\x45RROR_KIND_NOT_FOUND\x10\x02\x12\x1e\n\x1a\x45RROR_KIND_UNAUTHENTICATED\x10\x03\x12\x13\n\x0f\x45RROR_KIND_BUSY\x10\x04\x12\x18\n\x14\x45RROR_KIND_NOT_READY\x10\x05\x12\x1a\n\x16\x45RROR_KIND_UNAVAILABLE\x10\x06\x12\x16\n\x12\x45RROR_KIND_TIMEOUT\x10\x07\x12\x18\n\x14\x45RROR_KIND_CANCELLED\x10\x08\x12\x17\n\x13\x45RROR_KIND_INTERNAL\x10\t2\xb6\x03\n\x04Node\x12\x44\n\x06Health\x12\x1d.moe_cluster.v1.HealthRequest\x1a\x1b.moe_cluster.v1.HealthReply\x12\x43\n\x06Status\x12\x1d.moe_cluster.v1.StatusRequest\x1a\x1a.moe_cluster.v1.NodeStatus\x12\x43\n\x04Load\x12\x1b.moe_cluster.v1.LoadRequest\x1a\x1c.moe_cluster.v1.LoadProgress0\x01\x12L\n\x08Generate\x12\x1f.moe_cluster.v1.GenerateRequest\x1a\x1d.moe_cluster.v1.GenerateEvent0\x01\x12\x44\n\x06\x43\x61ncel\x12\x1d.moe_cluster.v1.CancelRequest\x1a\x1b.moe_cluster.v1.CancelReply\x12J\n\x08Shutdown\x12\x1f.moe_cluster.v1.ShutdownRequest\x1a\x1d.moe_cluster.v1.ShutdownReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,12 +41,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NODESTATUS_EXPERTSPERLAYERENTRY']._serialized_options = b'8\001'
   _globals['_NODESTATUS_COUNTERSENTRY']._loaded_options = None
   _globals['_NODESTATUS_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_NODESTATE']._serialized_start=2709
-  _globals['_NODESTATE']._serialized_end=2884
-  _globals['_KEEPALIVE']._serialized_start=2886
-  _globals['_KEEPALIVE']._serialized_end=2983
-  _globals['_FINISHREASON']._serialized_start=2986
-  _globals['_FINISHREASON']._serialized_end=3135
+  _globals['_NODESTATE']._serialized_start=2742
+  _globals['_NODESTATE']._serialized_end=2917
+  _globals['_KEEPALIVE']._serialized_start=2919
+  _globals['_KEEPALIVE']._serialized_end=3016
+  _globals['_FINISHREASON']._serialized_start=3019
+  _globals['_FINISHREASON']._serialized_end=3168
+  _globals['_ERRORKIND']._serialized_start=3171
+  _globals['_ERRORKIND']._serialized_end=3448
   _globals['_EXPERTIDS']._serialized_start=30
   _globals['_EXPERTIDS']._serialized_end=54
   _globals['_LAYERPLACEMENT']._serialized_start=57
@@ -80,31 +82,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEDONE_COUNTERSENTRY']._serialized_start=1661
   _globals['_GENERATEDONE_COUNTERSENTRY']._serialized_end=1708
   _globals['_ERROR']._serialized_start=1710
-  _globals['_ERROR']._serialized_end=1762
-  _globals['_GENERATEEVENT']._serialized_start=1765
-  _globals['_GENERATEEVENT']._serialized_end=1917
-  _globals['_CANCELREQUEST']._serialized_start=1919
-  _globals['_CANCELREQUEST']._serialized_end=1954
-  _globals['_CANCELREPLY']._serialized_start=1956
-  _globals['_CANCELREPLY']._serialized_end=1984
-  _globals['_HEALTHREQUEST']._serialized_start=1986
-  _globals['_HEALTHREQUEST']._serialized_end=2001
-  _globals['_HEALTHREPLY']._serialized_start=2003
-  _globals['_HEALTHREPLY']._serialized_end=2070
-  _globals['_STATUSREQUEST']._serialized_start=2072
-  _globals['_STATUSREQUEST']._serialized_end=2087
-  _globals['_MEMORY']._serialized_start=2089
-  _globals['_MEMORY']._serialized_end=2181
-  _globals['_NODESTATUS']._serialized_start=2184
-  _globals['_NODESTATUS']._serialized_end=2653
-  _globals['_NODESTATUS_EXPERTSPERLAYERENTRY']._serialized_start=2550
-  _globals['_NODESTATUS_EXPERTSPERLAYERENTRY']._serialized_end=2604
+  _globals['_ERROR']._serialized_end=1795
+  _globals['_GENERATEEVENT']._serialized_start=1798
+  _globals['_GENERATEEVENT']._serialized_end=1950
+  _globals['_CANCELREQUEST']._serialized_start=1952
+  _globals['_CANCELREQUEST']._serialized_end=1987
+  _globals['_CANCELREPLY']._serialized_start=1989
+  _globals['_CANCELREPLY']._serialized_end=2017
+  _globals['_HEALTHREQUEST']._serialized_start=2019
+  _globals['_HEALTHREQUEST']._serialized_end=2034
+  _globals['_HEALTHREPLY']._serialized_start=2036
+  _globals['_HEALTHREPLY']._serialized_end=2103
+  _globals['_STATUSREQUEST']._serialized_start=2105
+  _globals['_STATUSREQUEST']._serialized_end=2120
+  _globals['_MEMORY']._serialized_start=2122
+  _globals['_MEMORY']._serialized_end=2214
+  _globals['_NODESTATUS']._serialized_start=2217
+  _globals['_NODESTATUS']._serialized_end=2686
+  _globals['_NODESTATUS_EXPERTSPERLAYERENTRY']._serialized_start=2583
+  _globals['_NODESTATUS_EXPERTSPERLAYERENTRY']._serialized_end=2637
   _globals['_NODESTATUS_COUNTERSENTRY']._serialized_start=1661
   _globals['_NODESTATUS_COUNTERSENTRY']._serialized_end=1708
-  _globals['_SHUTDOWNREQUEST']._serialized_start=2655
-  _globals['_SHUTDOWNREQUEST']._serialized_end=2689
-  _globals['_SHUTDOWNREPLY']._serialized_start=2691
-  _globals['_SHUTDOWNREPLY']._serialized_end=2706
-  _globals['_NODE']._serialized_start=3138
-  _globals['_NODE']._serialized_end=3576
+  _globals['_SHUTDOWNREQUEST']._serialized_start=2688
+  _globals['_SHUTDOWNREQUEST']._serialized_end=2722
+  _globals['_SHUTDOWNREPLY']._serialized_start=2724
+  _globals['_SHUTDOWNREPLY']._serialized_end=2739
+  _globals['_NODE']._serialized_start=3451
+  _globals['_NODE']._serialized_end=3889
 # @@protoc_insertion_point(module_scope)

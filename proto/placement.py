@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from .errors import UserError
 
 
-class PlacementError(ValueError):
+
+class PlacementError(UserError):
     """A placement that cannot run, with the reason."""
 
 
@@ -113,11 +115,11 @@ def holders_of(layer_placement: Mapping[int, Sequence[int]], num_experts: int) -
     for rank in sorted(layer_placement):
         for e in layer_placement[rank]:
             if not 0 <= e < num_experts:
-                raise ValueError(f"expert id {e} on rank {rank} is out of range 0..{num_experts - 1}")
+                raise PlacementError(f"expert id {e} on rank {rank} is out of range 0..{num_experts - 1}")
             if rank in out[e]:
-                raise ValueError(f"expert {e} is listed twice on rank {rank}")
+                raise PlacementError(f"expert {e} is listed twice on rank {rank}")
             out[e].append(rank)
     missing = [e for e, rs in out.items() if not rs]
     if missing:
-        raise ValueError(f"experts {missing} are on no node")
+        raise PlacementError(f"experts {missing} are on no node")
     return {e: tuple(rs) for e, rs in out.items()}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
+from .errors import ErrorKind, UserError
 from .placement import Placement
 
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk
@@ -26,11 +27,11 @@ class Sampling:
 
     def check(self) -> None:
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1 (got {self.max_tokens})")
+            raise UserError(f"max_tokens must be at least 1 (got {self.max_tokens})")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+            raise UserError(f"temperature must be >= 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+            raise UserError(f"top_p must be in (0, 1] (got {self.top_p})")
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 def _check(value: str, allowed: tuple[str, ...], what: str) -> None:
     if value not in allowed:
-        raise ValueError(f"{what} must be one of {', '.join(allowed)} (got {value!r})")
+        raise UserError(f"{what} must be one of {', '.join(allowed)} (got {value!r})")
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,14 @@ class LoadSpec:
     def __post_init__(self) -> None:
         _check(self.keepalive, KEEPALIVES, "keepalive")
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} must be in [0, world_size {self.world_size})")
+            raise UserError(f"rank {self.rank} must be in [0, world_size {self.world_size})")
 
 
 @dataclass(frozen=True)
 class NodeError:
     """An error a node reports (in LoadProgress or as a GenerateEvent)."""
 
-    kind: str  # the exception class, e.g. "CollectiveError"
+    kind: ErrorKind  # how the coordinator reacts (proto.errors.KINDS maps it to HTTP and gRPC)
     message: str
     rank: int = 0
 

@@ -25,6 +25,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+from ...proto.errors import UserError
+
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 PATHS = ("envoy", "floor", "relay", "grpc", "mlx_ring")
 
@@ -477,11 +479,11 @@ def main(args: argparse.Namespace) -> int:
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     unknown = sorted(set(paths) - set(PATHS))
     if unknown:
-        raise ValueError(f"--paths: unknown {', '.join(unknown)} (expected {', '.join(PATHS)})")
+        raise UserError(f"--paths: unknown {', '.join(unknown)} (expected {', '.join(PATHS)})")
     if args.iters < 1 or args.warmup < 0:
-        raise ValueError(f"--iters must be >= 1 and --warmup >= 0 (got {args.iters}, {args.warmup})")
+        raise UserError(f"--iters must be >= 1 and --warmup >= 0 (got {args.iters}, {args.warmup})")
     if min(args.nodes) < 2:
-        raise ValueError(f"--nodes: an all-reduce needs at least 2 nodes (got {args.nodes})")
+        raise UserError(f"--nodes: an all-reduce needs at least 2 nodes (got {args.nodes})")
     cases = [Case(n, t, args.hidden, args.dtype, args.iters, args.warmup) for n in args.nodes for t in args.tokens]
     rows = []
     for case in cases:

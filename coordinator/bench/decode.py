@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from ...node.checkpoint import Checkpoint
 from ...node.engine import Stats, generate_tokens
+from ...proto.errors import UserError
 from ...proto.records import Sampling
 
 DEFAULT_PROMPT = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate."
@@ -177,13 +178,16 @@ def calibrate(bench_out: dict) -> dict:
 
 
 def main(args) -> int:
-    nodes = tuple(int(n) for n in str(args.nodes).split(","))
+    try:
+        nodes = tuple(int(n) for n in str(args.nodes).split(","))
+    except ValueError:
+        raise UserError(f"--nodes must list whole numbers, e.g. 1,2,4 (got {args.nodes})") from None
     if any(n < 1 for n in nodes):
-        raise ValueError(f"--nodes must list numbers >= 1 (got {args.nodes})")
+        raise UserError(f"--nodes must list numbers >= 1 (got {args.nodes})")
     keepalive = tuple(args.keepalive.split(","))
     bad = [k for k in keepalive if k not in ("none", "lru", "busy")]
     if bad:
-        raise ValueError(f"--keepalive: unknown policy {bad[0]!r} (none, lru, busy)")
+        raise UserError(f"--keepalive: unknown policy {bad[0]!r} (none, lru, busy)")
     spec = DecodeBench(args.model, nodes, keepalive, args.max_tokens, args.rounds, args.prompt or DEFAULT_PROMPT,
                        args.transport, args.gpus)
     out = run(spec)

@@ -20,6 +20,8 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+from ...proto.errors import UserError
+
 READY = re.compile(r"moe-cluster ready: (http://\S+)")
 
 
@@ -88,7 +90,7 @@ def conversation(tokenizer, prefix_tokens: int) -> tuple[list[dict], list[str]]:
     text = corpus_texts()[0][: 8 * prefix_tokens]  # more characters than tokens for any tokenizer
     ids = tokenizer.encode(text, add_special_tokens=False)
     if len(ids) < prefix_tokens:
-        raise ValueError(f"the demo corpus has only {len(ids)} tokens for this tokenizer "
+        raise UserError(f"the demo corpus has only {len(ids)} tokens for this tokenizer "
                          f"(--prefix-tokens {prefix_tokens})")
     system = tokenizer.decode(ids[:prefix_tokens])
     return [{"role": "system", "content": "You are a scholar of this text:\n" + system}], [

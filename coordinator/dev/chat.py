@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from typing import Iterator
 
+from ...proto.errors import MoeClusterError, error_for, kind_from_http
 from ..serve.client import ClusterError
 from ..serve.remote import _api_key, _url
 
@@ -38,7 +39,7 @@ def stream_chat(url: str, messages: list[dict], *, max_tokens: int, temperature:
             msg = json.loads(exc.read())["error"]["message"]
         except (ValueError, KeyError, TypeError):
             msg = exc.reason
-        raise ClusterError(f"HTTP {exc.code}: {msg}") from None
+        raise error_for(kind_from_http(exc.code), f"HTTP {exc.code}: {msg}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise ClusterError(f"cannot reach {url}: {getattr(exc, 'reason', exc)}") from None
     with resp:
@@ -121,7 +122,7 @@ def main(args) -> int:
         out.flush()
         try:
             answer = _turn(args, url, messages, out)
-        except ClusterError as exc:
+        except MoeClusterError as exc:  # the API's answer (bad input, busy, degraded): the chat goes on
             out.write(f"\n[error: {exc}]\n")
             messages.pop()
             continue

@@ -7,6 +7,8 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+from ...proto.errors import UserError
+
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -14,10 +16,10 @@ def parse_size(text: str) -> int:
     """'200KB' -> 200000 bytes; plain numbers are bytes."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m[2].upper() not in _UNITS:
-        raise ValueError(f"size {text!r} is not a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB)")
+        raise UserError(f"size {text!r} is not a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB)")
     n = int(float(m[1]) * _UNITS[m[2].upper()])
     if n <= 0:
-        raise ValueError(f"size {text!r} must be positive")
+        raise UserError(f"size {text!r} must be positive")
     return n
 
 

@@ -15,6 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ...proto.errors import UserError
+
 MAX_SETS = 50_000  # token selections kept per layer (the counts always cover every token)
 
 
@@ -56,12 +58,15 @@ def profile(model_spec: str, prompts: list[str], max_tokens: int) -> dict:
     from ...proto.records import Sampling
     from ...node.moe.layer import install
     from ...node.moe.load import ShardError
-    from ...node.moe.structure import find_moe_blocks, set_bank
+    from ...node.moe.structure import StructureError, find_moe_blocks, set_bank
     from .run_local import encode_prompt
 
     ckpt = Checkpoint.open(model_spec)
     model, tokenizer = load(str(ckpt.path))
-    blocks = find_moe_blocks(model)
+    try:
+        blocks = find_moe_blocks(model)
+    except StructureError as exc:  # a block we cannot shard is the checkpoint's problem, as in load.py
+        raise ShardError(f"{ckpt.path}: {exc}") from None
     if not blocks:
         raise ShardError(f"{ckpt.path} has no MoE layers to profile")
     sinks: dict[int, list] = {}
@@ -95,12 +100,15 @@ def read_prompts(path: str) -> list[str]:
     try:
         text = p.read_text()
     except OSError as exc:
-        raise FileNotFoundError(f"cannot read prompts file {path}: {exc.strerror}") from None
+        raise UserError(f"cannot read prompts file {path}: {exc.strerror or exc}") from None
     prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if p.suffix == ".jsonl":
-        prompts = [json.loads(line)["prompt"] if line.startswith("{") else line for line in prompts]
+        try:
+            prompts = [json.loads(line)["prompt"] if line.startswith("{") else line for line in prompts]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise UserError(f"prompts file {path}: a line is not {{\"prompt\": ...}} JSON ({exc})") from None
     if not prompts:
-        raise ValueError(f"prompts file {path} has no prompts (one per line)")
+        raise UserError(f"prompts file {path} has no prompts (one per line)")
     return prompts
 
 

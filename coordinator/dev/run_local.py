@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from ...node.checkpoint import Checkpoint, model_args
 from ...node.engine import Stats, generate_tokens
+from ...proto.errors import UserError
 from ...proto.records import Sampling
 
 
@@ -50,7 +51,7 @@ def encode_prompt(tokenizer, prompt: str) -> list[int]:
     add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
     ids = tokenizer.encode(prompt, add_special_tokens=add_special)
     if not ids:
-        raise ValueError("the prompt is empty after tokenization")
+        raise UserError("the prompt is empty after tokenization")
     return ids
 
 

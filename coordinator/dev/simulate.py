@@ -20,6 +20,7 @@ import numpy as np
 
 from ...node.checkpoint import Checkpoint
 from ...node.collective.base import CollectiveError
+from ...proto.errors import ErrorKind, MoeClusterError, UserError, error_for
 from ...proto.records import Sampling
 from ...proto.placement import Placement
 from ...node.sim import SimJob, SimTask, run as sim_run
@@ -46,7 +47,7 @@ def _hidden_size(config: dict) -> int:
     for key in ("hidden_size", "d_model", "n_embd"):
         if isinstance(config.get(key), int):
             return config[key]
-    raise ValueError("config.json has no hidden_size")
+    raise UserError("config.json has no hidden_size")
 
 
 def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float):
@@ -64,7 +65,7 @@ def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float
         return EnvoySpec(addresses, secret=secrets.token_hex(16), timeout_s=timeout_s, max_bytes=slot), lambda: None
     if transport == "mlx":
         return MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(nodes)), timeout_s=timeout_s), lambda: None
-    raise ValueError(f"--transport must be shm, envoy or mlx (got {transport!r})")
+    raise UserError(f"--transport must be shm, envoy or mlx (got {transport!r})")
 
 
 def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0, transport: str = "shm",
@@ -76,7 +77,7 @@ def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0, tran
     `gpus`: bind node r to GPU r (CUDA_VISIBLE_DEVICES, inherited by the spawned process).
     """
     if nodes < 1:
-        raise ValueError(f"--nodes must be at least 1 (got {nodes})")
+        raise UserError(f"--nodes must be at least 1 (got {nodes})")
     ctx = mp.get_context("spawn")
     slot = _MAX_TOKENS_PER_CALL * max(_hidden_size(Checkpoint.open(t.model).config) for t in tasks) * 4
     spec, cleanup = _transport_spec(transport, nodes, slot, ctx, timeout_s)
@@ -141,17 +142,12 @@ def _visible_gpu(gpu: int | None):
             os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
-def _node_error(rep: dict) -> Exception:
-    from ...proto.placement import PlacementError
-    from ...node.moe.load import ShardError
-
-    msg = f"node {rep['rank']}: {rep['error']}"
-    kind = rep["error"].split(":", 1)[0]
-    if kind in ("ShardError", "CheckpointError"):
-        return ShardError(msg)
-    if kind == "PlacementError":
-        return PlacementError(msg)
-    return CollectiveError(msg + "\n" + rep.get("traceback", ""))
+def _node_error(rep: dict) -> MoeClusterError:
+    """A node's failure, re-raised here as the typed error of its kind; its traceback is a note (shown with -v)."""
+    exc = error_for(ErrorKind(rep["kind"]), f"node {rep['rank']}: {rep['error']}")
+    if rep.get("traceback"):
+        exc.add_note(f"node {rep['rank']}'s traceback:\n{rep['traceback'].rstrip()}")
+    return exc
 
 
 def reference(model: str, prompt_ids: list[int], sampling: Sampling, eos: tuple[int, ...]) -> tuple[list[int], list]:
@@ -220,7 +216,7 @@ def simulate(req: SimRequest) -> dict:
 
     ckpt = Checkpoint.open(req.model)
     if req.nodes < 1:
-        raise ValueError(f"--nodes must be at least 1 (got {req.nodes})")
+        raise UserError(f"--nodes must be at least 1 (got {req.nodes})")
     placement_json = None
     if req.placement is not None:
         placement = Placement.from_json(Path(req.placement), req.nodes)

@@ -27,13 +27,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .perfmodel import Overheads
+from ...proto.errors import UserError
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "moe-cluster-calibration/1"
 
 
-class CalibrationError(ValueError):
+class CalibrationError(UserError):
     """A bench or calibration file that cannot be used, naming the file and the field."""
 
 

@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+from ...proto.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 # Table 1 (a): comm data per token = D_embed × 4 × layers × precision. The paper's factor 4 covers
@@ -22,7 +24,7 @@ logger = logging.getLogger(__name__)
 COMM_FACTOR = 4
 
 
-class PlanError(ValueError):
+class PlanError(UserError):
     """Bad input to the performance model or to `moe-cluster plan`, with the offending value."""
 
 

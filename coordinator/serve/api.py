@@ -21,18 +21,35 @@ from aiohttp import web
 
 from ...proto.records import Sampling
 from ...proto.records import GenerateRequest
-from .client import ClusterError
-from .cluster import Cluster, Outcome, QueueFull
+from ...proto.errors import KINDS, ErrorKind, MoeClusterError, kind_from_http
+from .cluster import Cluster, Outcome
 from .metrics import Metrics, prompt_tps
 
 logger = logging.getLogger(__name__)
 
 
+INVALID = ErrorKind.INVALID_INPUT  # 400, naming the field in `param`
+INTERNAL_MESSAGE = "internal error in the cluster (the coordinator's log has the details)"
+
+
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    """An HTTP error in OpenAI's shape; the status, type and default code come from the kind (proto.errors.KINDS)."""
+
+    def __init__(self, kind: ErrorKind, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        m = KINDS[kind]
+        self.kind, self.status, self.message, self.type, self.param = kind, m.http, message, m.type, param
+        self.code = code or m.code
+
+    @classmethod
+    def of(cls, exc: BaseException, what: str = "") -> "ApiError":
+        """A typed error as HTTP by its kind; a bug's text goes to the log only, never to the client."""
+        kind = exc.kind if isinstance(exc, MoeClusterError) else ErrorKind.INTERNAL
+        if kind is ErrorKind.INTERNAL:
+            logger.error("%sinternal error: %s: %s", f"{what}: " if what else "", type(exc).__name__, exc,
+                         exc_info=not isinstance(exc, MoeClusterError))
+            return cls(kind, f"{what}: {INTERNAL_MESSAGE}" if what else INTERNAL_MESSAGE)
+        return cls(kind, f"{what}: {exc}" if what else str(exc))
 
     def response(self) -> web.Response:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -56,11 +73,11 @@ def _field(body: dict, name: str, types: tuple, default: Any = None, *, check=No
         return default
     value = body[name]
     if isinstance(value, bool) and bool not in types:
-        raise ApiError(400, f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)}", param=name)
+        raise ApiError(INVALID, f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)}", param=name)
     if not isinstance(value, types):
-        raise ApiError(400, f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)}", param=name)
+        raise ApiError(INVALID, f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)}", param=name)
     if check is not None and not check(value):
-        raise ApiError(400, f"'{name}' is out of range ({value!r}): must be {what}", param=name)
+        raise ApiError(INVALID, f"'{name}' is out of range ({value!r}): must be {what}", param=name)
     return value
 
 
@@ -80,7 +97,7 @@ def parse_sampling(body: dict, default_max_tokens: int) -> tuple[Sampling, list[
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
         stops = list(stop)
     else:
-        raise ApiError(400, "'stop' must be a string or a list of up to 4 strings", param="stop")
+        raise ApiError(INVALID, "'stop' must be a string or a list of up to 4 strings", param="stop")
     stops = [s for s in stops if s]
     stream = _field(body, "stream", (bool,), False, what="a boolean")
     n = _field(body, "n", (int,), 1, check=lambda v: v == 1, what="1 (one choice per request)")
@@ -92,9 +109,9 @@ async def _json_body(request: web.Request) -> dict:
     try:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(400, "request body is not valid JSON") from None
+        raise ApiError(INVALID, "request body is not valid JSON") from None
     if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
+        raise ApiError(INVALID, "request body must be a JSON object")
     return body
 
 
@@ -130,8 +147,14 @@ class Api:
             return exc.response()
         except web.HTTPException as exc:
             if exc.status >= 400:
-                return ApiError(exc.status, exc.reason or "error", "invalid_request_error").response()
+                error = ApiError(kind_from_http(exc.status), exc.reason or "error")
+                error.status = exc.status  # e.g. 405: aiohttp's own status, our shape
+                return error.response()
             raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - typed errors by their kind; anything else is a bug, logged
+            return ApiError.of(exc, f"{request.method} {request.path}").response()
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
@@ -140,8 +163,8 @@ class Api:
             given = request.headers.get("Authorization", "")
             token = given[7:] if given.lower().startswith("bearer ") else ""
             if not token or not hmac.compare_digest(token.encode(), key.encode()):
-                raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                               "authentication_error", code="invalid_api_key")
+                raise ApiError(ErrorKind.UNAUTHENTICATED,
+                               "missing or wrong API key (send 'Authorization: Bearer <key>')")
         return await handler(request)
 
     # -- simple endpoints ----------------------------------------------------------------------
@@ -172,17 +195,18 @@ class Api:
     def _check_model(self, body: dict) -> None:
         model = body.get("model")
         if model is not None and not isinstance(model, str):
-            raise ApiError(400, "'model' must be a string", param="model")
+            raise ApiError(INVALID, "'model' must be a string", param="model")
         if model and model != self.options.model_id:
-            raise ApiError(404, f"The model '{model}' does not exist (this cluster serves '{self.options.model_id}')",
+            raise ApiError(ErrorKind.NOT_FOUND,
+                           f"The model '{model}' does not exist (this cluster serves '{self.options.model_id}')",
                            param="model", code="model_not_found")
 
     def _check_context(self, prompt_ids: list[int], sampling: Sampling, chat: bool) -> None:
         ctx = self.options.context_length
         if len(prompt_ids) + sampling.max_tokens > ctx:
-            raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
-                                f"{len(prompt_ids) + sampling.max_tokens} tokens ({len(prompt_ids)} in the prompt, "
-                                f"{sampling.max_tokens} for the completion).",
+            raise ApiError(INVALID, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                                    f"{len(prompt_ids) + sampling.max_tokens} tokens ({len(prompt_ids)} in the "
+                                    f"prompt, {sampling.max_tokens} for the completion).",
                            param="max_tokens" if len(prompt_ids) < ctx else ("messages" if chat else "prompt"),
                            code="context_length_exceeded")
 
@@ -198,7 +222,7 @@ class Api:
             ids = self.tokenizer.encode(prompt, add_special_tokens=self.tokenizer.bos_token is None or
                                         not prompt.startswith(self.tokenizer.bos_token))
         else:
-            raise ApiError(400, "'prompt' must be a non-empty string (or a list of token ids)", param="prompt")
+            raise ApiError(INVALID, "'prompt' must be a non-empty string (or a list of token ids)", param="prompt")
         sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
         return await self._serve(request, ids, sampling, stops, stream, chat=False)
 
@@ -207,26 +231,26 @@ class Api:
         self._check_model(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+            raise ApiError(INVALID, "'messages' must be a non-empty list", param="messages")
         clean = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-                raise ApiError(400, f"messages[{i}] must have a role of system, user, assistant or tool",
+                raise ApiError(INVALID, f"messages[{i}] must have a role of system, user, assistant or tool",
                                param=f"messages[{i}].role")
             content = m.get("content")
             if isinstance(content, list):  # [{"type": "text", "text": ...}]
                 try:
                     content = "".join(part["text"] for part in content if part.get("type") == "text")
                 except (TypeError, KeyError, AttributeError):
-                    raise ApiError(400, f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}",
+                    raise ApiError(INVALID, f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}",
                                    param=f"messages[{i}].content") from None
             if not isinstance(content, str):
-                raise ApiError(400, f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+                raise ApiError(INVALID, f"messages[{i}].content must be a string", param=f"messages[{i}].content")
             clean.append({"role": m["role"], "content": content})
         try:
             ids = self.tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
         except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages
-            raise ApiError(400, f"the chat template cannot render these messages: {exc}", param="messages") from None
+            raise ApiError(INVALID, f"the chat template cannot render these messages: {exc}", param="messages") from None
         sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
         return await self._serve(request, list(ids), sampling, stops, stream, chat=True)
 
@@ -235,8 +259,8 @@ class Api:
         self._check_context(ids, sampling, chat)
         try:
             self.cluster.check_ready()
-        except ClusterError as exc:
-            raise ApiError(503, str(exc), "service_unavailable", code="cluster_degraded") from None
+        except MoeClusterError as exc:
+            raise ApiError.of(exc) from None
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         eos = tuple(self.tokenizer.eos_token_ids)
         req = GenerateRequest(rid, tuple(ids), sampling, eos)
@@ -304,8 +328,8 @@ class Api:
                 await resp.write(sse(chunk(piece, None)))
             outcome = gen.outcome
             if outcome.error:
-                await resp.write(sse({"error": {"message": outcome.error, "type": "server_error", "param": None,
-                                                "code": "cluster_error"}}))
+                e = gen._failure()
+                await resp.write(sse({"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}}))
             else:
                 final = chunk(None, gen.finish_reason)
                 final["usage"] = self._usage(gen, outcome)
@@ -349,10 +373,8 @@ class _Generation:
             if self.outcome.error:  # failed before any token: still a proper HTTP error
                 self._finish()
                 raise self._failure() from None
-        except QueueFull as exc:
-            raise ApiError(429, str(exc), "rate_limit_error", code="queue_full") from None
-        except ClusterError as exc:
-            raise ApiError(503, str(exc), "service_unavailable", code="cluster_degraded") from None
+        except MoeClusterError as exc:  # not ready, degraded, queue full: by its kind
+            raise ApiError.of(exc) from None
         except asyncio.CancelledError:
             await self.client_gone()
             raise
@@ -415,9 +437,7 @@ class _Generation:
         self.api.metrics.finished(self)
 
     def _failure(self) -> ApiError:
-        error = self.outcome.error
-        return ApiError(503 if "degraded" in error or "down" in error else 500, f"generation failed: {error}",
-                        "server_error", code="cluster_error")
+        return ApiError.of(self.outcome.error, "generation failed")
 
     async def run(self) -> tuple[str, Outcome]:
         await self.start()
@@ -443,5 +463,5 @@ class _Generation:
         if self._iter is not None:
             try:
                 await self._iter.aclose()
-            except (RuntimeError, ClusterError):
+            except (RuntimeError, MoeClusterError):  # already failed: reported through the outcome
                 pass

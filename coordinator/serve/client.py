@@ -11,6 +11,7 @@ from ...envoy.auth import call_metadata, channel_credentials
 from ...proto.records import GenerateEvent, Health, LoadProgress, LoadSpec, NodeStatus
 from ...proto.records import GenerateRequest
 from ...proto import CHANNEL_OPTIONS, convert
+from ...proto.errors import ErrorKind, MoeClusterError
 from ...proto import node_pb2_grpc as npb_grpc
 
 logger = logging.getLogger(__name__)
@@ -18,8 +19,10 @@ logger = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 5.0  # unary calls (health, status, cancel, shutdown)
 
 
-class ClusterError(RuntimeError):
-    """Something about the cluster that stops a request or a start, with the reason."""
+class ClusterError(MoeClusterError):
+    """Something about the cluster that stops a request or a start, with the reason (a node down)."""
+
+    kind = ErrorKind.UNAVAILABLE
 
 
 class NodeClient:

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Callable, Sequence
 
 import grpc
 
+from ...proto.errors import DeadlineError, ErrorKind, MoeClusterError, NotReadyError, error_for, kind_from_grpc
 from ...proto.records import GenerateDone, GeneratedTokens, LoadSpec, NodeError
 from ...proto.records import GenerateRequest
 from .client import ClusterError, NodeClient, describe_rpc_error
@@ -57,7 +58,7 @@ class Outcome:
 
     tokens: list[int] = field(default_factory=list)
     done: GenerateDone | None = None
-    error: str = ""
+    error: MoeClusterError | None = None  # its kind decides the HTTP status
 
 
 class Cluster:
@@ -103,13 +104,14 @@ class Cluster:
                 if on_progress:
                     on_progress(m)
                 if p.error is not None:
-                    raise ClusterError(f"node {m.name} failed to load: {p.error.kind}: {p.error.message}")
+                    raise error_for(p.error.kind, f"node {m.name} failed to load: {p.error.message}")
                 if p.done:
                     break
         except grpc.RpcError as exc:
-            m.state = "dead" if exc.code() == grpc.StatusCode.UNAVAILABLE else "unknown"
-            raise ClusterError(f"node {m.name} ({m.address}) failed to load: {describe_rpc_error(exc)}") from None
-        except ClusterError:
+            kind = kind_from_grpc(exc.code())
+            m.state = "dead" if kind is ErrorKind.UNAVAILABLE else "unknown"
+            raise error_for(kind, f"node {m.name} ({m.address}) failed to load: {describe_rpc_error(exc)}") from None
+        except MoeClusterError:
             m.state = "unknown"
             raise
         m.state = "ready"
@@ -124,7 +126,7 @@ class Cluster:
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             self.state, self.reason = "degraded", str(errors[0])
-            raise errors[0] if isinstance(errors[0], ClusterError) else ClusterError(str(errors[0]))
+            raise errors[0]  # typed by its kind; anything else is a bug and stays one
         await self._warm_up()
         self.state, self.reason = "ready", ""
 
@@ -137,7 +139,7 @@ class Cluster:
         async for _ in self._run(req, outcome):
             pass
         if outcome.error:
-            raise ClusterError(f"warm-up step failed: {outcome.error}")
+            raise error_for(outcome.error.kind, f"warm-up step failed: {outcome.error}")
 
     async def _refresh(self, m: Member) -> None:
         try:
@@ -160,13 +162,16 @@ class Cluster:
         return self._waiting + (1 if self._current else 0)
 
     def check_ready(self) -> None:
-        if self.state != "ready":
-            raise ClusterError(f"cluster is {self.state}" + (f": {self.reason}" if self.reason else ""))
+        if self.state == "ready":
+            return
+        message = f"cluster is {self.state}" + (f": {self.reason}" if self.reason else "")
+        raise NotReadyError(message) if self.state in ("starting", "loading") else ClusterError(message)
 
     async def generate(self, req: GenerateRequest, outcome: Outcome) -> AsyncIterator[int]:
         """Run one request on every node; yields rank 0's tokens as they come.
 
-        Raises ClusterError before the first token if the cluster is not ready or the queue is full;
+        Raises a MoeClusterError before the first token if the cluster is not ready (NotReadyError),
+        degraded (ClusterError) or the queue is full (QueueFull);
         afterwards failures end the stream and are reported in `outcome.error`.
         """
         self.check_ready()
@@ -215,9 +220,9 @@ class Cluster:
                                              return_when=asyncio.FIRST_COMPLETED)
                 if getter not in done:
                     if failed_wait in done:
-                        outcome.error = self.reason or "a node died during the request"
+                        outcome.error = ClusterError(self.reason or "a node died during the request")
                     else:
-                        outcome.error = f"request timed out after {self.request_timeout_s:.0f} s"
+                        outcome.error = DeadlineError(f"request timed out after {self.request_timeout_s:.0f} s")
                     break
                 m, event = getter.result()
                 if event is None:
@@ -225,7 +230,7 @@ class Cluster:
                     continue
                 if isinstance(event, NodeError):
                     if not outcome.error:
-                        outcome.error = f"node {m.name}: {event.kind}: {event.message}"
+                        outcome.error = error_for(event.kind, f"node {m.name}: {event.message}")
                     continue
                 if m.rank != 0:
                     continue
@@ -266,7 +271,7 @@ class Cluster:
             async for event in m.client.generate(req, timeout=self.request_timeout_s):
                 await queue.put((m, event))
         except grpc.RpcError as exc:
-            await queue.put((m, NodeError("RpcError", describe_rpc_error(exc), m.rank)))
+            await queue.put((m, NodeError(kind_from_grpc(exc.code()), describe_rpc_error(exc), m.rank)))
         finally:
             await queue.put((m, None))
 
@@ -314,7 +319,7 @@ class Cluster:
                 await self._warm_up()
                 self.state, self.reason = "ready", ""
                 logger.info("cluster ready again")
-        except (ClusterError, grpc.RpcError) as exc:
+        except (MoeClusterError, grpc.RpcError) as exc:
             m.error = str(exc)
             logger.warning("rejoin of %s failed: %s", m.name, exc)
         finally:
@@ -353,3 +358,5 @@ class Cluster:
 
 class QueueFull(ClusterError):
     """Too many requests waiting."""
+
+    kind = ErrorKind.BUSY

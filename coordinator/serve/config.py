@@ -17,8 +17,10 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from ...proto.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError):
     """An invalid cluster.yaml; the message is one line: FILE:LINE: KEY: problem."""
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...envoy.auth import SECRET_ENV
+from .client import ClusterError
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +66,12 @@ class Launcher:
             line = await asyncio.wait_for(self._ready_line(node), self.start_timeout_s)
         except asyncio.TimeoutError:
             await self.stop_one(node)
-            raise RuntimeError(f"node {node.name} did not start within {self.start_timeout_s:.0f} s "
+            raise ClusterError(f"node {node.name} did not start within {self.start_timeout_s:.0f} s "
                                f"(see {node.log_path})") from None
         if line is None:
             code = await node.process.wait()
             tail = node.log_path.read_text(errors="replace").strip().splitlines()[-1:] if node.log_path.exists() else []
-            raise RuntimeError(f"node {node.name} exited with code {code} before it was ready"
+            raise ClusterError(f"node {node.name} exited with code {code} before it was ready"
                                + (f": {tail[0]}" if tail else f" (see {node.log_path})"))
         asyncio.create_task(self._drain(node), name=f"stdout-{node.name}")
         logger.info("started node %s (pid %d) on port %d", node.name, node.process.pid, node.port)
@@ -114,7 +115,7 @@ class Launcher:
                 try:
                     await self.start(node)
                     return
-                except (RuntimeError, OSError) as exc:
+                except (ClusterError, OSError) as exc:
                     logger.warning("restart of node %s failed (%s); retrying", name, exc)
                     await asyncio.sleep(0.5 * (attempt + 1))
 

@@ -7,6 +7,7 @@ import sys
 import urllib.error
 import urllib.request
 
+from ...proto.errors import NotFoundError, error_for, kind_from_http
 from .client import ClusterError
 
 
@@ -19,7 +20,7 @@ def _url(args) -> str:
     try:
         return json.loads(f.read_text())["url"].rstrip("/")
     except (OSError, ValueError, KeyError):
-        raise ClusterError("no running cluster found on this machine; pass --url URL") from None
+        raise NotFoundError("no running cluster found on this machine; pass --url URL") from None
 
 
 def _call(url: str, path: str, body: dict | None = None, api_key: str | None = None, timeout: float = 600) -> dict:
@@ -39,7 +40,7 @@ def _call(url: str, path: str, body: dict | None = None, api_key: str | None = N
             msg = exc.reason
         if path == "/health":  # 503 still carries the state
             return detail
-        raise ClusterError(f"{url}{path}: HTTP {exc.code}: {msg}") from None
+        raise error_for(kind_from_http(exc.code), f"{url}{path}: HTTP {exc.code}: {msg}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise ClusterError(f"cannot reach {url}: {reason}") from None

@@ -13,6 +13,8 @@ from typing import Protocol
 import mlx.core as mx
 import numpy as np
 
+from ...proto.errors import ErrorKind, MoeClusterError
+
 
 # The layer id of the per-step agreement on the next token and on cancellation.
 TOKEN_LAYER = -1
@@ -21,12 +23,16 @@ _MX_WIRE = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16
 _NP_RAW = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # numpy dtype of the raw bytes
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(MoeClusterError):
     """An all-reduce that could not complete (a peer died, stalled or sent something wrong)."""
 
+    kind = ErrorKind.UNAVAILABLE
 
-class Cancelled(Exception):
+
+class Cancelled(MoeClusterError):
     """The cluster agreed to stop the current generation."""
+
+    kind = ErrorKind.CANCELLED
 
 
 class Collective(Protocol):

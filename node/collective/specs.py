@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
+from ...proto.errors import UserError
+
 DEFAULT_TIMEOUT_S = 5.0  # seconds a step waits for a peer before it fails naming the peer
 
 
@@ -53,13 +55,13 @@ class EnvoySpec:
 
     def __post_init__(self) -> None:
         if len(self.addresses) < 1:
-            raise ValueError("envoy transport needs at least one address")
+            raise UserError("envoy transport needs at least one address")
         for a in self.addresses:
             host, sep, port = a.rpartition(":")
             if not sep or not host or not port.isdigit():
-                raise ValueError(f"envoy address {a!r} must be host:port")
+                raise UserError(f"envoy address {a!r} must be host:port")
         if self.timeout_s <= 0:
-            raise ValueError(f"envoy timeout_s must be > 0 (got {self.timeout_s})")
+            raise UserError(f"envoy timeout_s must be > 0 (got {self.timeout_s})")
 
     @property
     def world_size(self) -> int:
@@ -79,9 +81,9 @@ class MlxSpec:
 
     def __post_init__(self) -> None:
         if self.backend not in ("ring", "jaccl"):
-            raise ValueError(f"mlx backend must be ring or jaccl (got {self.backend!r})")
+            raise UserError(f"mlx backend must be ring or jaccl (got {self.backend!r})")
         if self.backend == "ring" and any(not h for h in self.hosts):
-            raise ValueError("mlx ring backend needs at least one address per rank")
+            raise UserError("mlx ring backend needs at least one address per rank")
 
     @property
     def world_size(self) -> int:
@@ -102,7 +104,7 @@ def make_collective(spec, rank: int):
     if target is None:
         raise TypeError(f"no transport for spec {type(spec).__name__} (known: {', '.join(t.__name__ for t in _IMPLEMENTATIONS)})")
     if not 0 <= rank < spec.world_size:
-        raise ValueError(f"rank {rank} is outside world size {spec.world_size}")
+        raise UserError(f"rank {rank} is outside world size {spec.world_size}")
     module, name = target.split(":")
     return getattr(importlib.import_module(module), name)(spec, rank)
 

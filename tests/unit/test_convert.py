@@ -11,6 +11,7 @@ from moe_cluster.proto.placement import Placement
 from moe_cluster.proto.records import GenerateRequest
 from moe_cluster.node.collective.specs import EnvoySpec, MlxSpec, TlsFiles
 from moe_cluster.proto import convert
+from moe_cluster.proto.errors import ErrorKind
 from moe_cluster.proto import node_pb2
 
 
@@ -71,7 +72,7 @@ def test_secret_is_never_sent():
 
 def test_load_progress():
     for p in (LoadProgress(10, 100, "experts"), LoadProgress(100, 100, "mesh", done=True),
-              LoadProgress(5, 100, "experts", done=True, error=NodeError("ShardError", "no such file", 1))):
+              LoadProgress(5, 100, "experts", done=True, error=NodeError(ErrorKind.INVALID_INPUT, "no such file", 1))):
         assert convert.load_progress_from_proto(wire(convert.load_progress_to_proto(p))) == p
 
 
@@ -91,7 +92,7 @@ def test_generate_events():
         GeneratedTokens((5,)), GeneratedTokens((5, 6, 7)),
         GenerateDone("length", 12, 4, 32, Timings(0.5, 2.0, 0.3, 0.01), {"selected": 2.5, "computed": 2.65}),
         GenerateDone("cancelled", 3, 0, 1),
-        NodeError("CollectiveError", "rank 1 (10.0.0.2:7000) stalled", 0),
+        NodeError(ErrorKind.UNAVAILABLE, "rank 1 (10.0.0.2:7000) stalled", 0),
     ]
     for e in events:
         assert convert.generate_event_from_proto(wire(convert.generate_event_to_proto(e))) == e
