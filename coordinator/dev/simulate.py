@@ -43,13 +43,6 @@ class SimRequest:
     transport: str = "shm"  # shm | envoy | mlx
 
 
-def _hidden_size(config: dict) -> int:
-    for key in ("hidden_size", "d_model", "n_embd"):
-        if isinstance(config.get(key), int):
-            return config[key]
-    raise UserError("config.json has no hidden_size")
-
-
 def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float):
     """-> (spec every node gets, cleanup to run once the nodes are gone); loopback only."""
     from ...node.collective.specs import EnvoySpec, MlxSpec, free_ports
@@ -79,7 +72,9 @@ def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0, tran
     if nodes < 1:
         raise UserError(f"--nodes must be at least 1 (got {nodes})")
     ctx = mp.get_context("spawn")
-    slot = _MAX_TOKENS_PER_CALL * max(_hidden_size(Checkpoint.open(t.model).config) for t in tasks) * 4
+    from ...node.moe.load import hidden_width
+
+    slot = _MAX_TOKENS_PER_CALL * max(hidden_width(Checkpoint.open(t.model)) for t in tasks) * 4
     spec, cleanup = _transport_spec(transport, nodes, slot, ctx, timeout_s)
     results = ctx.Queue()
     procs = []

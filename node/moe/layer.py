@@ -41,13 +41,13 @@ class _SilentBank(nn.Module):
 class ClusterMoE(nn.Module):
     """A MoE block whose output is this node's share, all-reduced once per call."""
 
-    def __init__(self, moe: MoEBlock, shard: ExpertShard, collective: Collective, state: ShardState):
+    def __init__(self, moe: MoEBlock, shard: ExpertShard, collective: Collective, state: ShardState, owner: bool):
         super().__init__()
         self.block = moe.block
         self._moe = moe
         self._collective = collective
         self._state = state
-        self._owner = owns_dense_terms(moe.layer, state.rank, state.world_size)
+        self._owner = owner  # runs the dense terms this layer (owns_dense_terms)
         self._silent = _SilentBank(moe.bank.out_dims)
         set_bank(self.block, moe.bank.attr, shard)
         if not self._owner:

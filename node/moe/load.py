@@ -85,6 +85,17 @@ def moe_layers_of(ckpt: Checkpoint) -> dict[int, int]:
     return {b.layer: b.num_experts for b in blocks}
 
 
+def hidden_width(ckpt: Checkpoint) -> int:
+    """Width of the model's hidden states (what each all-reduce carries per token), read from its
+    token embedding: configs name it differently, or nest it under `text_config`."""
+    model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
+    model = model_cls(model_args(ckpt.config, ckpt.path / "config.json"))
+    widths = [m.weight.shape[1] for _, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    if not widths:
+        raise ShardError(f"{ckpt.path}: the model has no token embedding to read its hidden width from")
+    return max(widths)
+
+
 # ---------------------------------------------------------------------------------------------
 # Expert tensors in the checkpoint
 
@@ -258,8 +269,8 @@ def load_shard(
     #    another node owns) enter it as lazy placeholders, never evaluated, never read from disk,
     #    so sanitize sees the checkpoint it expects.
     bank_prefixes = tuple(b.bank_path + "." for b in blocks)
-    skipped = bank_prefixes + tuple(p + "." for b in blocks if not owns_dense_terms(b.layer, rank, world)
-                                    for p in b.dense_paths())
+    owner = {b.layer: owns_dense_terms(b.layer, rank, world) for b in blocks}
+    skipped = bank_prefixes + tuple(p + "." for b in blocks if not owner[b.layer] for p in b.dense_paths())
     expert_keys = _expert_keys(ckpt, blocks)
     to_read = {k for k in ckpt.tensors if k not in expert_keys and not k.startswith(skipped)}
     total = sum(ckpt.tensors[k].nbytes for k in to_read) + _local_expert_bytes(ckpt, blocks, placement, rank)
@@ -299,7 +310,7 @@ def load_shard(
         shard = ExpertShard(b.layer, local, placement.holders(b.layer, b.num_experts), projections, b.kind,
                             b.activation, state)
         mx.eval(shard.parameters())
-        layers.append(ClusterMoE(b, shard, collective, state))
+        layers.append(ClusterMoE(b, shard, collective, state, owner[b.layer]))
 
     # 3. Quantize and load the replicated part, then check that nothing is missing or left over.
     _quantize_replicated(model, config, weights, bank_prefixes)

@@ -35,6 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ...proto.errors import UserError
 from . import families
 
 GLU_PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -46,7 +47,7 @@ _PROBE_TOKENS = 8
 _RTOL, _ATOL = 1e-4, 1e-5
 
 
-class StructureError(ValueError):
+class StructureError(UserError):
     """A MoE block whose output the cluster cannot split exactly, naming the module path."""
 
 

@@ -1,0 +1,55 @@
+"""Every MoE family the installed mlx-lm ships, through the cluster's arithmetic at N = 2 and 3:
+stock mlx-lm's greedy tokens, |Δlogit| <= 1e-4 in float32; one quantization mode per family.
+
+The families come from mlx-lm itself (tiny.families()), so a release with a new family is tested
+without a line written here. Families whose stock model cannot run on this backend are skipped
+with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import sweep
+import tiny
+
+pytestmark = pytest.mark.integration
+
+FAMILIES = tiny.families()
+
+
+def _runnable(family: str) -> None:
+    if tiny.needs_metal(family):
+        pytest.skip(f"{family} calls mlx-lm's Metal-only kernels; stock mlx-lm cannot run it on this backend")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float32_exact_at_2_and_3_nodes(family, tmp_path):
+    _runnable(family)
+    path = sweep.checkpoint(family, tmp_path)
+    ref = tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)
+    for nodes in (2, 3):
+        got = sweep.check(path, nodes, ref)
+        assert len(got["tokens"]) == sweep.STEPS
+        assert got["tokens_match"], (family, nodes, got)
+        assert got["max_abs_logit_diff"] <= sweep.TOLERANCE, (family, nodes, got["max_abs_logit_diff"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_quantized_at_2_nodes(family, tmp_path):
+    _runnable(family)
+    path = sweep.checkpoint(family, tmp_path, sweep.quant_mode(family))
+    got = sweep.check(path, 2)
+    assert got["tokens_match"], (family, sweep.quant_mode(family), got)
+    assert got["max_abs_logit_diff"] <= sweep.QUANT_TOLERANCE, (family, got["max_abs_logit_diff"])
+
+
+def test_a_wrong_rule_is_caught(tmp_path, monkeypatch):
+    """The sweep can fail: a node that keeps its shared expert on every rank (the old name rule
+    missed hunyuan's `shared_mlp`) counts it N times, and the check sees it."""
+    from moe_cluster.node.moe import load
+
+    monkeypatch.setattr(load, "owns_dense_terms", lambda layer_index, rank, world: True)
+    path = sweep.checkpoint("hunyuan", tmp_path)
+    got = sweep.check(path, 2)
+    assert got["max_abs_logit_diff"] > sweep.TOLERANCE
