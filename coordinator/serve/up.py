@@ -102,13 +102,13 @@ async def _remote_members(c: ClusterConfig) -> list[tuple[str, str, str]]:
     out, wanted = [], [n.name for n in c.nodes if not n.address]
     seen = {}
     if wanted:
-        from ...node.mdns import browse
+        from ...node.mdns import DiscoveryError, browse
 
         seen = await browse(c.name, wanted, c.timeouts.discovery, c.discovery.interfaces or None)
         missing = [w for w in wanted if w not in seen]
         if missing:
-            raise ClusterError(f"nodes not found by mDNS within {c.timeouts.discovery:.0f} s: {', '.join(missing)}; "
-                               f"seen: {', '.join(sorted(seen)) or 'none'} (cluster {c.name!r})")
+            raise DiscoveryError(f"nodes not found by mDNS within {c.timeouts.discovery:.0f} s: {', '.join(missing)}; "
+                                 f"seen: {', '.join(sorted(seen)) or 'none'} (cluster {c.name!r})")
     for n in c.nodes:
         if n.address:
             host, _, port = n.address.rpartition(":") if ":" in n.address else (n.address, "", "")

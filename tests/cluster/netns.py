@@ -7,6 +7,7 @@ Everything is created by the test and removed afterwards; no traffic leaves thes
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from contextlib import contextmanager
@@ -33,9 +34,41 @@ def _ip(*args: str, ns: str | None = None) -> None:
     subprocess.run(cmd, check=True, capture_output=True, text=True)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(ns: str) -> None:
+    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        subprocess.run(["kill", "-9", pid], capture_output=True)
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _sweep_stale() -> None:
+    """Remove the hosts of a test run that was killed before its clean-up: its host-side veth holds
+    SUBNET.1 and its route, which would send this run's traffic into a dead bridge."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    stale = set()
+    for line in listed:
+        m = re.match(r"(mc(\d+))(br|\d+)\b", line)
+        if m and not _alive(int(m[2])):
+            stale.add(m[1])
+            _remove(m[0])
+    for tag in stale:
+        subprocess.run(["ip", "link", "del", f"{tag}h"], capture_output=True)
+
+
 @contextmanager
 def hosts(names: list[str]):
     """Namespaces {name: (namespace, ip)} on one bridge; this process gets SUBNET.1."""
+    _sweep_stale()
     tag = f"mc{os.getpid() % 100000}"
     bridge = f"{tag}br"
     made, links = [], []
@@ -72,8 +105,4 @@ def hosts(names: list[str]):
         for link in links:
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         for ns in reversed(made):
-            subprocess.run(["ip", "netns", "pids", ns], capture_output=True)
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                subprocess.run(["kill", "-9", pid], capture_output=True)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            _remove(ns)
