@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ...node.checkpoint import Checkpoint
+from ...proto.profile import parse_profile
 from ...proto.records import LoadSpec
 from ...node.collective.specs import EnvoySpec, MlxSpec, TlsFiles, free_ports
 from .client import ClusterError, NodeClient
@@ -84,8 +85,6 @@ def footprint(model_path: str) -> ModelFootprint:
 
 
 def _profile_counts(path: str, base: Path) -> dict[int, list[float]]:
-    from ..plan.expected import parse_profile
-
     p = Path(path).expanduser()
     if not p.is_absolute():
         p = base / p
