@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from ...proto.profile import RoutingProfile, parse_profile
+from ...proto.records import KEEPALIVES
 from . import presets
 from .calibration import Calibration, fit, read_bench, read_calibration, write_calibration
 from .expected import (
-    KEEPALIVES,
     ExpectedExperts,
     expected_experts,
     even_split,

@@ -28,11 +28,11 @@ from fractions import Fraction
 from typing import Iterable, Mapping, Sequence
 
 from ...node.moe.routing import holders_of, rank_counts
+from ...proto.records import KEEPALIVES
 from .perfmodel import PlanError
 
 logger = logging.getLogger(__name__)
 
-KEEPALIVES = ("none", "lru", "busy")
 ENUMERATION_LIMIT = 100_000  # selections; beyond this a replicated placement is sampled
 MONTE_CARLO_SAMPLES = 20_000
 MONTE_CARLO_SEED = 0

@@ -18,6 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from ...proto.errors import UserError
+from ...proto.records import KEEPALIVES
 
 
 class ConfigError(UserError):
@@ -107,7 +108,7 @@ class ClusterConfig:
     name: str = "moe-cluster"
     launch: Literal["local", "remote"] = "local"
     transport: Literal["envoy", "mlx"] = "envoy"
-    keepalive: Literal["none", "lru", "busy"] = "lru"
+    keepalive: Literal[KEEPALIVES] = "lru"  # Literal[("a", "b")] is Literal["a", "b"]
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     secret: SecretConfig = field(default_factory=SecretConfig)
