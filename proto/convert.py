@@ -148,9 +148,10 @@ def transport_to_proto(spec: Any) -> npb.Transport:
 
 def transport_from_proto(msg: npb.Transport, *, timeout_s: float, secret: str = "", tls: Any = None) -> Any:
     """Transport -> EnvoySpec or MlxSpec. The secret and TLS files are the node's own configuration."""
-    from ..node.collective.specs import DEFAULT_TIMEOUT_S, EnvoySpec, MlxSpec
+    from ..node.collective.specs import EnvoySpec, MlxSpec
+    from .records import COLLECTIVE_TIMEOUT_S
 
-    timeout_s = timeout_s or DEFAULT_TIMEOUT_S
+    timeout_s = timeout_s or COLLECTIVE_TIMEOUT_S
     kind = msg.WhichOneof("kind")
     if kind == "envoy":
         e = msg.envoy

@@ -14,6 +14,9 @@ from .errors import ErrorKind, UserError
 from .placement import Placement
 
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk
+# The all-reduce's time limits, the defaults of cluster.yaml's timeouts, the envoy and its spec.
+COLLECTIVE_TIMEOUT_S = 5.0  # seconds a step waits for a peer before it fails naming the peer
+MESH_CONNECT_TIMEOUT_S = 30.0  # seconds a request waits for the envoy mesh to be whole
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,20 @@ class GenerateRequest:
     eos_token_ids: Sequence[int] = ()
     prefill_step: int = DEFAULT_PREFILL_STEP
     record_logits: bool = False
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The PEM files of the cluster's TLS: cluster.yaml's `tls:` (paths relative to the file), and
+    what each node's agent and envoy are given (absolute paths on that node)."""
+
+    cert: str  # certificate chain
+    key: str  # its private key
+    ca: str = ""  # root certificates the peers' certificates are signed by; "": `cert` itself
+
+    def __post_init__(self) -> None:
+        if not self.ca:
+            object.__setattr__(self, "ca", self.cert)  # one self-signed certificate for the cluster
 
 
 KEEPALIVES = ("none", "lru", "busy")

@@ -9,7 +9,8 @@ from moe_cluster.proto.records import (GenerateDone, GeneratedTokens, Health, Lo
                                        NodeError, NodeStatus, Timings)
 from moe_cluster.proto.placement import Placement
 from moe_cluster.proto.records import GenerateRequest
-from moe_cluster.node.collective.specs import EnvoySpec, MlxSpec, TlsFiles
+from moe_cluster.node.collective.specs import EnvoySpec, MlxSpec
+from moe_cluster.proto.records import TlsFiles
 from moe_cluster.proto import convert
 from moe_cluster.proto.errors import ErrorKind
 from moe_cluster.proto import node_pb2
