@@ -155,6 +155,21 @@ class Memory:
 
 
 @dataclass(frozen=True)
+class AllreduceHistogram:
+    """A node's all-reduce latencies since it loaded: counts[i] calls took longer than bounds[i - 1]
+    and at most bounds[i] seconds; the last count, longer than every bound."""
+
+    bounds: tuple[float, ...]  # seconds, ascending
+    counts: tuple[int, ...]  # len(bounds) + 1
+    sum_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.counts) != len(self.bounds) + 1:
+            raise ValueError(f"an all-reduce histogram with {len(self.bounds)} bounds needs {len(self.bounds) + 1} "
+                             f"counts (got {len(self.counts)})")
+
+
+@dataclass(frozen=True)
 class NodeStatus:
     state: str
     model: str = ""
@@ -168,6 +183,7 @@ class NodeStatus:
     uptime_s: float = 0.0
     pid: int = 0
     queue_depth: int = 0
+    allreduce: AllreduceHistogram | None = None  # None before a model is loaded
 
     def __post_init__(self) -> None:
         _check(self.state, NODE_STATES, "state")
