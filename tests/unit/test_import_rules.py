@@ -112,6 +112,58 @@ def import_graph(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, 
     return graph
 
 
+def _bound_names(tree: ast.Module) -> set[str] | None:
+    """Names a module binds at its top level (None if it star-imports: anything goes)."""
+    names: set[str] = set()
+    stack: list[ast.AST] = list(tree.body)
+    while stack:  # the module's own statements, into if/try/with blocks, not into defs
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            continue
+        if isinstance(node, ast.Lambda):
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for a in node.names:
+                if a.name == "*":
+                    return None
+                names.add(a.asname or a.name.split(".")[0])
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    return names
+
+
+def unresolved_imports(root: Path, packages: tuple[str, ...] = PACKAGES) -> list[str]:
+    """`from <project module> import name` where name is neither a submodule nor bound in the
+    module: an import that fails when it runs (a function-level one only when it is called)."""
+    modules = _modules(root, packages)
+    trees = {name: ast.parse(path.read_text(), str(path)) for name, path in modules.items()}
+    bound = {name: _bound_names(tree) for name, tree in trees.items()}
+    bad = []
+    for name, tree in trees.items():
+        package = name if modules[name].name == "__init__.py" else name.rpartition(".")[0]
+        for node in _import_nodes(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                parts = [DIST, *package.split(".")]
+                base = ".".join(parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            base = base.removeprefix(DIST + ".")
+            if base.split(".")[0] not in packages:
+                continue
+            if base not in modules:
+                bad.append(f"{name}:{node.lineno}: no module {base}")
+                continue
+            for a in node.names:
+                if a.name != "*" and f"{base}.{a.name}" not in modules and bound[base] is not None \
+                        and a.name not in bound[base]:
+                    bad.append(f"{name}:{node.lineno}: {base} has no {a.name!r}")
+    return bad
+
+
 def violations(graph: dict[str, set[str]], rules=RULES, allowed=frozenset()) -> dict[tuple[str, str], str]:
     """{(importer, forbidden module): "rule: chain"} for every forbidden module reachable from a
     rule's scope. The walk stops at forbidden modules and at `allowed` edges."""
@@ -142,6 +194,11 @@ def violations(graph: dict[str, set[str]], rules=RULES, allowed=frozenset()) -> 
 def test_the_project_keeps_its_import_rules():
     bad = violations(import_graph(ROOT), allowed=KNOWN)
     assert not bad, "\n".join(bad.values())
+
+
+def test_every_project_import_resolves():
+    bad = unresolved_imports(ROOT)
+    assert not bad, "\n".join(bad)
 
 
 def test_every_known_exception_is_still_needed():
@@ -180,7 +237,8 @@ def test_the_checker_finds_violations(tmp_path):
         "coordinator/serve/typed.py": ("from typing import TYPE_CHECKING\n"
                                        "if TYPE_CHECKING:\n    from ..bench import run\n"),
         "node/__init__.py": "",
-        "node/engine.py": "import moe_cluster.coordinator.serve.api\n",
+        "node/engine.py": ("import moe_cluster.coordinator.serve.api\n"
+                           "from moe_cluster.coordinator.serve.missing import z\n"),
         "proto/__init__.py": "",
         "proto/records.py": "from .convert import y\n",
         "proto/convert.py": "import mlx.core as mx\n",
@@ -195,6 +253,8 @@ def test_the_checker_finds_violations(tmp_path):
     assert bad[("proto.convert", "mlx.core")].endswith("proto.records -> proto.convert -> mlx.core")
     assert bad[("coordinator.serve.helper", "coordinator.plan.model")].endswith(
         "coordinator.serve.helper -> coordinator.plan.model")
+    assert unresolved_imports(root) == ["node.engine:2: no module coordinator.serve.missing",
+                                        "proto.records:1: proto.convert has no 'y'"]
     allowed = {("coordinator.serve.helper", "coordinator.plan.model")}
     assert set(violations(import_graph(root), allowed=allowed)) == {
         ("node.engine", "coordinator.serve.api"), ("proto.convert", "mlx.core")}
