@@ -22,6 +22,7 @@ def _complete(url: str, **body) -> dict:
     return out
 
 
+@pytest.mark.slow  # 28 s
 def test_three_nodes_equal_stock_for_the_demo_and_repeat_with_a_seed(tmp_path):
     from moe_cluster.node.demo import MODEL_DIR
 
@@ -44,7 +45,8 @@ def test_three_nodes_equal_stock_for_the_demo_and_repeat_with_a_seed(tmp_path):
         assert gen["peak_memory_bytes"] > 0
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("arch", [pytest.param("mixtral", marks=pytest.mark.slow), "deepseek_v3",
+                                  pytest.param("qwen3_next", marks=pytest.mark.slow)])  # slow ones: 16 s, 17 s
 def test_three_nodes_equal_stock_for_other_families(arch, tmp_path, make_ckpt):
     path = make_ckpt(arch)
     with cluster(tmp_path, yaml_for(3), "--model", str(path)) as (url, proc, lines):
@@ -52,6 +54,7 @@ def test_three_nodes_equal_stock_for_other_families(arch, tmp_path, make_ckpt):
     assert got == stock_tokens(path, PROMPT, 24)
 
 
+@pytest.mark.slow  # 17 s
 def test_a_killed_node_fails_the_request_and_rejoins(tmp_path):
     with cluster(tmp_path, yaml_for(2)) as (url, proc, lines):
         victim = http(url, "/v1/cluster/status")[1]["nodes"][1]
