@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from .errors import UserError
 
-class ProfileError(ValueError):
+
+class ProfileError(UserError):
     """A routing profile that does not hold what it must; the message names the file and field."""
 
 

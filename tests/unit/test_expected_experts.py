@@ -19,6 +19,7 @@ from moe_cluster.coordinator.plan.expected import (
     placement_for,
 )
 from moe_cluster.coordinator.plan.perfmodel import PlanError
+from moe_cluster.proto.errors import UserError
 from moe_cluster.proto.profile import ProfileError, parse_profile
 from moe_cluster.node.moe.routing import holders_of, rank_counts
 
@@ -166,6 +167,7 @@ def test_parse_profile():
     bad = {**ok, "layers": {"0": {"counts": [1, 1, 1, 1], "tokens": 2, "sets": [[0, 7]]}}}
     with pytest.raises(ProfileError, match=r"p.json: layers\['0'\]: selection \[0, 7\]"):
         parse_profile(bad, "p.json")
+    assert issubclass(ProfileError, UserError)  # the CLI's one-line error, exit 2
     with pytest.raises(ProfileError, match="missing field 'layers'"):
         parse_profile({"model": "m", "num_experts": 4, "top_k": 2})
     with pytest.raises(ProfileError, match="counts must be 4"):
