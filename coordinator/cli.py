@@ -10,6 +10,7 @@ import sys
 import traceback
 
 from ..proto.errors import ErrorKind, MoeClusterError, UserError
+from ..proto.records import KEEPALIVES  # no mlx: cheap commands stay cheap
 
 # Quiet third-party chatter (transformers warns that PyTorch is absent; we never need it).
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("simulate", help="run N node processes of a sharded model on this machine")
     p.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
     p.add_argument("--nodes", type=_positive_int, required=True)
-    p.add_argument("--keepalive", choices=("none", "lru", "busy"), default="lru")
+    p.add_argument("--keepalive", choices=KEEPALIVES, default="lru")
     p.add_argument("--placement", default=None, help='JSON file {"layers": {"<layer>": {"<rank>": [experts]}}}')
     p.add_argument("--prompt", required=True)
     add_sampling_args(p, max_tokens=32)

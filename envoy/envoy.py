@@ -19,7 +19,8 @@ from ..proto import convert
 from ..proto.errors import UserError
 from .frame import Frame, FrameError, checksum
 from .link import BEGIN, CLOSE, NO_STEP, REDUCE, EnvoyLink, LinkError
-from .mesh import Mesh, MeshConfig, TlsPaths
+from ..proto.records import COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
+from .mesh import Mesh, MeshConfig
 from .reduce import Reducer
 from .steps import Complete, StepError, StepTable
 
@@ -32,9 +33,9 @@ class EnvoyConfig:
     addresses: tuple[str, ...]  # every rank's envoy "host:port", indexed by rank
     listen: str  # bind address; "" = addresses[rank]
     secret: str = field(repr=False)
-    timeout_s: float = 5.0  # a step fails after this long without some peer's frame
-    connect_timeout_s: float = 30.0  # a begin fails after this long without a whole mesh
-    tls: TlsPaths | None = None
+    timeout_s: float = COLLECTIVE_TIMEOUT_S  # a step fails after this long without some peer's frame
+    connect_timeout_s: float = MESH_CONNECT_TIMEOUT_S  # a begin fails after this long without a whole mesh
+    tls: TlsFiles | None = None
     link_fd: int | None = None  # the node's link; None: run the mesh alone (by hand)
     shm_name: str = ""
     max_bytes: int = 0

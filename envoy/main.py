@@ -16,6 +16,7 @@ import sys
 from typing import Any, Callable, Coroutine, TypeVar
 
 from ..proto.errors import UserError
+from ..proto.records import COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
 
 # grpc's older polling engine reads the socket on the thread that waits for events, one thread
 # hop less per message than the EventEngine default; measured faster on this workload. Must be
@@ -49,8 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--addresses", required=True, help="every rank's envoy host:port, comma-separated, in rank order")
     p.add_argument("--listen", default="", help="bind address (default: this rank's entry of --addresses)")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds a step waits for a peer before failing")
-    p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds a request waits for the mesh")
+    p.add_argument("--timeout", type=float, default=COLLECTIVE_TIMEOUT_S, help="seconds a step waits for a peer before failing")
+    p.add_argument("--connect-timeout", type=float, default=MESH_CONNECT_TIMEOUT_S,
+                   help="seconds a request waits for the mesh")
     p.add_argument("--secret-stdin", action="store_true",
                    help="read the cluster secret from the first line of stdin (default: $MOE_CLUSTER_SECRET)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain of this envoy")
@@ -74,7 +76,6 @@ def read_secret(from_stdin: bool) -> str:
 
 
 def config_from_args(args: argparse.Namespace):
-    from .mesh import TlsPaths
     from .envoy import EnvoyConfig
 
     tls_given = [args.tls_cert, args.tls_key, args.tls_ca]
@@ -86,7 +87,7 @@ def config_from_args(args: argparse.Namespace):
         rank=args.rank, addresses=tuple(a.strip() for a in args.addresses.split(",") if a.strip()),
         listen=args.listen, secret=read_secret(args.secret_stdin), timeout_s=args.timeout,
         connect_timeout_s=args.connect_timeout,
-        tls=TlsPaths(args.tls_cert, args.tls_key, args.tls_ca) if all(tls_given) else None,
+        tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if all(tls_given) else None,
         link_fd=args.link_fd, shm_name=args.shm, max_bytes=args.max_bytes, parent_pid=args.parent_pid,
     )
 

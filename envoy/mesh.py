@@ -20,6 +20,7 @@ import grpc
 from ..proto import CHANNEL_OPTIONS
 from ..proto import convert
 from ..proto.errors import UserError
+from ..proto.records import TlsFiles
 from .auth import SecretInterceptor, call_metadata, channel_credentials, server_credentials
 from .frame import PROTOCOL, Frame, Hello
 
@@ -29,19 +30,12 @@ _HELLO_TIMEOUT_S = 5.0  # seconds the other end has to answer Hello
 
 
 @dataclass(frozen=True)
-class TlsPaths:
-    cert: str
-    key: str
-    ca: str
-
-
-@dataclass(frozen=True)
 class MeshConfig:
     rank: int
     addresses: tuple[str, ...]  # every rank's envoy, indexed by rank
     listen: str  # this envoy's bind address (port 0: any free port)
     secret: str = field(repr=False)
-    tls: TlsPaths | None = None
+    tls: TlsFiles | None = None
 
     @property
     def world_size(self) -> int:

@@ -144,6 +144,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             backend=_transport_name(self.load_spec.transport) if self.load_spec else "",
             experts_per_layer=dict(self.sharded.info.experts_per_layer) if self.sharded else {},
             counters=self.sharded.state.report() if self.sharded else {},
+            allreduce=_allreduce_histogram(self.sharded.state) if self.sharded else None,
             uptime_s=time.monotonic() - self.started,
             pid=os.getpid(),
             queue_depth=1 if self._current else 0,
@@ -369,6 +370,14 @@ def node_error(exc: BaseException, rank: int) -> NodeError:
     kind = kind_of(exc)
     message = str(exc) if kind is not ErrorKind.INTERNAL else f"{type(exc).__name__}: {exc}"
     return NodeError(kind, message, rank)
+
+
+def _allreduce_histogram(state):
+    """The all-reduce latencies a loaded model's ShardState has counted, as the Status record."""
+    from ..proto.records import AllreduceHistogram
+    from .moe.experts import ALLREDUCE_BUCKETS
+
+    return AllreduceHistogram(tuple(ALLREDUCE_BUCKETS), tuple(state.allreduce_counts), state.allreduce_seconds)
 
 
 def _peak_memory() -> int:

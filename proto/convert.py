@@ -148,9 +148,10 @@ def transport_to_proto(spec: Any) -> npb.Transport:
 
 def transport_from_proto(msg: npb.Transport, *, timeout_s: float, secret: str = "", tls: Any = None) -> Any:
     """Transport -> EnvoySpec or MlxSpec. The secret and TLS files are the node's own configuration."""
-    from ..node.collective.specs import DEFAULT_TIMEOUT_S, EnvoySpec, MlxSpec
+    from ..node.collective.specs import EnvoySpec, MlxSpec
+    from .records import COLLECTIVE_TIMEOUT_S
 
-    timeout_s = timeout_s or DEFAULT_TIMEOUT_S
+    timeout_s = timeout_s or COLLECTIVE_TIMEOUT_S
     kind = msg.WhichOneof("kind")
     if kind == "envoy":
         e = msg.envoy
@@ -348,17 +349,20 @@ def status_to_proto(s: NodeStatus) -> npb.NodeStatus:
                           peak_bytes=m.peak_bytes),
         device=s.device, backend=s.backend, experts_per_layer=dict(s.experts_per_layer), counters=dict(s.counters),
         uptime_s=s.uptime_s, pid=s.pid, queue_depth=s.queue_depth,
+        allreduce=npb.AllreduceHistogram(bounds=s.allreduce.bounds, counts=s.allreduce.counts, sum_s=s.allreduce.sum_s)
+        if s.allreduce is not None else None,
     )
 
 
 def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
-    from .records import Memory, NodeStatus
+    from .records import AllreduceHistogram, Memory, NodeStatus
 
-    m = msg.memory
+    m, a = msg.memory, msg.allreduce
     return NodeStatus(
         state=_lookup(_STATE_FROM_PB, msg.state, "node state"), model=msg.model, rank=msg.rank,
         world_size=msg.world_size, memory=Memory(m.device_bytes, m.budget_bytes, m.used_bytes, m.peak_bytes),
         device=msg.device, backend=msg.backend,
         experts_per_layer={int(k): int(v) for k, v in sorted(msg.experts_per_layer.items())},
         counters=dict(sorted(msg.counters.items())), uptime_s=msg.uptime_s, pid=msg.pid, queue_depth=msg.queue_depth,
+        allreduce=AllreduceHistogram(tuple(a.bounds), tuple(a.counts), a.sum_s) if msg.HasField("allreduce") else None,
     )

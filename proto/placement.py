@@ -15,6 +15,13 @@ class PlacementError(UserError):
     """A placement that cannot run, with the reason."""
 
 
+
+def even_counts(num_experts: int, world_size: int) -> list[int]:
+    """How many experts each rank holds under the even split: the first `num_experts % world_size`
+    ranks hold one more."""
+    base, extra = divmod(num_experts, world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
 @dataclass(frozen=True)
 class Placement:
     """`layers[layer][rank]` = sorted expert ids that rank holds in that (decoder) layer.
@@ -33,10 +40,8 @@ class Placement:
             raise PlacementError(f"world size must be at least 1 (got {world_size})")
         layers = {}
         for layer, n in moe_layers.items():
-            base, extra = divmod(n, world_size)
             start, per_rank = 0, {}
-            for r in range(world_size):
-                size = base + (1 if r < extra else 0)
+            for r, size in enumerate(even_counts(n, world_size)):
                 per_rank[r] = tuple(range(start, start + size))
                 start += size
             layers[layer] = per_rank

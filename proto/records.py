@@ -14,6 +14,9 @@ from .errors import ErrorKind, UserError
 from .placement import Placement
 
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk
+# The all-reduce's time limits, the defaults of cluster.yaml's timeouts, the envoy and its spec.
+COLLECTIVE_TIMEOUT_S = 5.0  # seconds a step waits for a peer before it fails naming the peer
+MESH_CONNECT_TIMEOUT_S = 30.0  # seconds a request waits for the envoy mesh to be whole
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,20 @@ class GenerateRequest:
     eos_token_ids: Sequence[int] = ()
     prefill_step: int = DEFAULT_PREFILL_STEP
     record_logits: bool = False
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """The PEM files of the cluster's TLS: cluster.yaml's `tls:` (paths relative to the file), and
+    what each node's agent and envoy are given (absolute paths on that node)."""
+
+    cert: str  # certificate chain
+    key: str  # its private key
+    ca: str = ""  # root certificates the peers' certificates are signed by; "": `cert` itself
+
+    def __post_init__(self) -> None:
+        if not self.ca:
+            object.__setattr__(self, "ca", self.cert)  # one self-signed certificate for the cluster
 
 
 KEEPALIVES = ("none", "lru", "busy")
@@ -138,6 +155,21 @@ class Memory:
 
 
 @dataclass(frozen=True)
+class AllreduceHistogram:
+    """A node's all-reduce latencies since it loaded: counts[i] calls took longer than bounds[i - 1]
+    and at most bounds[i] seconds; the last count, longer than every bound."""
+
+    bounds: tuple[float, ...]  # seconds, ascending
+    counts: tuple[int, ...]  # len(bounds) + 1
+    sum_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.counts) != len(self.bounds) + 1:
+            raise ValueError(f"an all-reduce histogram with {len(self.bounds)} bounds needs {len(self.bounds) + 1} "
+                             f"counts (got {len(self.counts)})")
+
+
+@dataclass(frozen=True)
 class NodeStatus:
     state: str
     model: str = ""
@@ -151,6 +183,7 @@ class NodeStatus:
     uptime_s: float = 0.0
     pid: int = 0
     queue_depth: int = 0
+    allreduce: AllreduceHistogram | None = None  # None before a model is loaded
 
     def __post_init__(self) -> None:
         _check(self.state, NODE_STATES, "state")

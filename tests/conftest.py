@@ -11,7 +11,23 @@ import pytest
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# tests/<folder>/... -> the marker every test there gets (the markers are listed in pyproject.toml)
+FOLDER_MARKERS = {"unit": "unit", "integration": "integration", "cluster": "cluster", "families": "integration"}
+
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "dbrx", "gpt_oss", "qwen3_next")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test by its folder, so `-m "not cluster"` and the like select by kind."""
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        try:
+            folder = Path(item.fspath).resolve().relative_to(tests).parts[0]
+        except ValueError:
+            continue
+        marker = FOLDER_MARKERS.get(folder)
+        if marker is not None:
+            item.add_marker(marker)
 
 
 def cli(*args: str, timeout: float = 300, env: dict | None = None, input: str | None = None) -> subprocess.CompletedProcess:

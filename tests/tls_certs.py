@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moe_cluster.node.collective.specs import TlsFiles
+from moe_cluster.proto.records import TlsFiles
 
 
 def make_tls(folder) -> TlsFiles:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from ...node.checkpoint import Checkpoint
 from ...node.engine import Stats, generate_tokens
 from ...proto.errors import UserError
-from ...proto.records import Sampling
+from ...proto.records import KEEPALIVES, Sampling
 
 DEFAULT_PROMPT = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate."
 
@@ -185,9 +185,9 @@ def main(args) -> int:
     if any(n < 1 for n in nodes):
         raise UserError(f"--nodes must list numbers >= 1 (got {args.nodes})")
     keepalive = tuple(args.keepalive.split(","))
-    bad = [k for k in keepalive if k not in ("none", "lru", "busy")]
+    bad = [k for k in keepalive if k not in KEEPALIVES]
     if bad:
-        raise UserError(f"--keepalive: unknown policy {bad[0]!r} (none, lru, busy)")
+        raise UserError(f"--keepalive: unknown policy {bad[0]!r} ({', '.join(KEEPALIVES)})")
     spec = DecodeBench(args.model, nodes, keepalive, args.max_tokens, args.rounds, args.prompt or DEFAULT_PROMPT,
                        args.transport, args.gpus)
     out = run(spec)

@@ -10,15 +10,14 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from ...proto.profile import RoutingProfile, parse_profile
+from ...proto.records import KEEPALIVES
 from . import presets
 from .calibration import Calibration, fit, read_bench, read_calibration, write_calibration
 from .expected import (
-    KEEPALIVES,
     ExpectedExperts,
-    RoutingProfile,
     expected_experts,
     even_split,
-    parse_profile,
     placement_for,
 )
 from .perfmodel import Estimate, HardwareSpec, ModelSpec, NetworkSpec, PlanError, estimate, requantized

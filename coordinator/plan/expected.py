@@ -28,11 +28,11 @@ from fractions import Fraction
 from typing import Iterable, Mapping, Sequence
 
 from ...node.moe.routing import holders_of, rank_counts
+from ...proto.records import KEEPALIVES
 from .perfmodel import PlanError
 
 logger = logging.getLogger(__name__)
 
-KEEPALIVES = ("none", "lru", "busy")
 ENUMERATION_LIMIT = 100_000  # selections; beyond this a replicated placement is sampled
 MONTE_CARLO_SAMPLES = 20_000
 MONTE_CARLO_SEED = 0
@@ -213,58 +213,3 @@ def expected_experts(
     mean, se = expected_max_sampled(placement, num_experts, top_k)
     return ExpectedExperts(mean, f"Monte Carlo: {MONTE_CARLO_SAMPLES} uniform selections, seed {MONTE_CARLO_SEED}, "
                                  f"standard error {se:.4f}", stderr=se)
-
-
-# --- routing profiles -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LayerProfile:
-    counts: tuple[int, ...]  # tokens that selected each expert
-    tokens: int
-    sets: tuple[tuple[int, ...], ...]  # the experts selected for each recorded token
-
-
-@dataclass(frozen=True)
-class RoutingProfile:
-    """`moe-cluster profile` output: per decoder layer, expert counts and recorded selections."""
-
-    model: str
-    num_experts: int
-    top_k: int
-    layers: Mapping[int, LayerProfile]
-
-
-def parse_profile(obj, where: str = "profile") -> RoutingProfile:
-    """Check a routing profile `{"model", "num_experts", "top_k", "layers": {"<layer>": {"counts",
-    "tokens", "sets"}}}`; errors name the file and the field."""
-    if not isinstance(obj, dict):
-        raise PlanError(f"{where}: expected a JSON object")
-    for key in ("model", "num_experts", "top_k", "layers"):
-        if key not in obj:
-            raise PlanError(f"{where}: missing field {key!r}")
-    E, k = obj["num_experts"], obj["top_k"]
-    if not isinstance(E, int) or E < 2 or not isinstance(k, int) or not 1 <= k <= E:
-        raise PlanError(f"{where}: num_experts ({E!r}) and top_k ({k!r}) must be whole numbers, 1 <= top_k <= num_experts")
-    if not isinstance(obj["layers"], dict) or not obj["layers"]:
-        raise PlanError(f"{where}: 'layers' must be a non-empty object keyed by decoder layer index")
-    layers: dict[int, LayerProfile] = {}
-    for key, layer in obj["layers"].items():
-        lw = f"{where}: layers[{key!r}]"
-        if not str(key).isdigit():
-            raise PlanError(f"{lw}: the key must be a decoder layer index")
-        if not isinstance(layer, dict) or not all(f in layer for f in ("counts", "tokens", "sets")):
-            raise PlanError(f"{lw}: expected an object with counts, tokens and sets")
-        counts, sets = layer["counts"], layer["sets"]
-        if not isinstance(counts, list) or len(counts) != E or not all(isinstance(c, int) and c >= 0 for c in counts):
-            raise PlanError(f"{lw}: counts must be {E} whole numbers >= 0")
-        if not isinstance(sets, list) or not sets:
-            raise PlanError(f"{lw}: sets must be a non-empty list of selections (one list of expert ids per token)")
-        clean = []
-        for s in sets:
-            if (not isinstance(s, list) or not s or len(s) > k or len(set(s)) != len(s)
-                    or not all(isinstance(e, int) and 0 <= e < E for e in s)):
-                raise PlanError(f"{lw}: selection {s!r} must hold 1..{k} distinct expert ids in 0..{E - 1}")
-            clean.append(tuple(s))
-        layers[int(key)] = LayerProfile(tuple(counts), int(layer["tokens"]), tuple(clean))
-    return RoutingProfile(str(obj["model"]), E, k, layers)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from ...proto.errors import UserError
+from ...proto.placement import even_counts
 
 logger = logging.getLogger(__name__)
 
@@ -282,8 +283,7 @@ def estimate(
     time_s = max(load_s, compute_s) + overhead_s + latency_s + transfer_s
 
     if expert_slots is None:
-        base, extra = divmod(model.num_experts, nodes)
-        expert_slots = [[base + (r < extra) for r in range(nodes)]] * model.moe_layers
+        expert_slots = [even_counts(model.num_experts, nodes)] * model.moe_layers
     if len(expert_slots) != model.moe_layers:
         raise PlanError(f"expert placement covers {len(expert_slots)} MoE layers, the model has {model.moe_layers}")
     shard = max(

@@ -151,7 +151,7 @@ class Cluster:
         m.experts = sum(s.experts_per_layer.values())
         from .metrics import allreduce_histogram
 
-        hist = allreduce_histogram(dict(s.counters))
+        hist = allreduce_histogram(s.allreduce)
         if hist is not None:
             self.allreduce_histograms[m.name] = hist
 

@@ -18,6 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from ...proto.errors import UserError
+from ...proto.records import COLLECTIVE_TIMEOUT_S, KEEPALIVES, TlsFiles
 
 
 class ConfigError(UserError):
@@ -71,13 +72,6 @@ class SecretConfig:
 
 
 @dataclass(frozen=True)
-class TlsConfig:
-    cert: str
-    key: str
-    ca: str | None = None
-
-
-@dataclass(frozen=True)
 class DiscoveryConfig:
     # mDNS only on these interfaces (names or IPv4 addresses); empty: all of them
     interfaces: list[str] = field(default_factory=list)
@@ -87,7 +81,7 @@ class DiscoveryConfig:
 class Timeouts:
     discovery: Duration = Duration(30.0)  # finding remote nodes
     load: Duration = Duration(600.0)  # loading the shards
-    collective: Duration = Duration(5.0)  # a step fails after this long without a peer
+    collective: Duration = Duration(COLLECTIVE_TIMEOUT_S)  # a step fails after this long without a peer
     heartbeat: Duration = Duration(1.0)  # between health checks
     request: Duration = Duration(600.0)  # one generation, end to end
 
@@ -107,11 +101,11 @@ class ClusterConfig:
     name: str = "moe-cluster"
     launch: Literal["local", "remote"] = "local"
     transport: Literal["envoy", "mlx"] = "envoy"
-    keepalive: Literal["none", "lru", "busy"] = "lru"
+    keepalive: Literal[KEEPALIVES] = "lru"  # Literal[("a", "b")] is Literal["a", "b"]
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     secret: SecretConfig = field(default_factory=SecretConfig)
-    tls: TlsConfig | None = None
+    tls: TlsFiles | None = None  # paths relative to this file
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     timeouts: Timeouts = field(default_factory=Timeouts)
     serving: ServingConfig = field(default_factory=ServingConfig)

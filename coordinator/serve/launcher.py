@@ -36,7 +36,7 @@ class LocalNode:
 class Launcher:
     def __init__(self, secret: str, log_dir: Path, cluster: str, start_timeout_s: float = 60.0, tls=None):
         self.secret = secret
-        self.tls = tls  # node.transports.TlsFiles: the agents' and envoys' certificate
+        self.tls = tls  # proto.records.TlsFiles: the agents' and envoys' certificate
         self.log_dir = log_dir
         self.cluster = cluster
         self.start_timeout_s = start_timeout_s

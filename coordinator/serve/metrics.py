@@ -5,10 +5,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+from ...proto.records import AllreduceHistogram
+
 # Seconds.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-
-from ...node.moe.experts import ALLREDUCE_BUCKETS  # noqa: E402 - the nodes count into these buckets
 
 
 @dataclass
@@ -39,12 +39,11 @@ class Histogram:
         return out
 
 
-def allreduce_histogram(counters: dict) -> Histogram | None:
-    """A node's all-reduce histogram from its Status counters (None if it reports none)."""
-    counts = [int(counters.get(f"allreduce_bucket_{i}", -1)) for i in range(len(ALLREDUCE_BUCKETS) + 1)]
-    if min(counts) < 0:
+def allreduce_histogram(h: AllreduceHistogram | None) -> Histogram | None:
+    """A node's all-reduce histogram from its Status (None if it reports none: no model loaded)."""
+    if h is None:
         return None
-    return Histogram(ALLREDUCE_BUCKETS, counts, float(counters.get("allreduce_sum_s", 0.0)), sum(counts))
+    return Histogram(tuple(h.bounds), list(h.counts), h.sum_s, sum(h.counts))
 
 
 def prompt_tps(done) -> float:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
-from ...proto.placement import Placement, PlacementError
+from ...proto.placement import Placement, PlacementError, even_counts
 
 __all__ = ["ModelFootprint", "NodeBudget", "PlacementPlan", "PlacementError", "plan_placement", "proportional_counts"]
 
@@ -171,8 +171,7 @@ def plan_placement(
         share = [E[l] * w / (sum(weights) or 1) for w in weights]
         hint = [max(1, round(s)) if E[l] >= n else 1 for s in share]
         if strategy == "even":
-            base, extra = divmod(E[l], n)
-            counts = [base + (1 if r < extra else 0) for r in range(n)]
+            counts = even_counts(E[l], n)
             if any(c > cap for c, cap in zip(counts, caps)):
                 raise refuse(counts)
         else:

@@ -17,8 +17,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ...node.checkpoint import Checkpoint
-from ...proto.records import LoadSpec
-from ...node.collective.specs import EnvoySpec, MlxSpec, TlsFiles, free_ports
+from ...proto.profile import parse_profile
+from ...proto.records import LoadSpec, TlsFiles
+from ...node.collective.specs import EnvoySpec, MlxSpec, free_ports
 from .client import ClusterError, NodeClient
 from .cluster import Cluster, Member
 from .config import ClusterConfig, ConfigError, load_config, read_api_key, read_secret
@@ -84,8 +85,6 @@ def footprint(model_path: str) -> ModelFootprint:
 
 
 def _profile_counts(path: str, base: Path) -> dict[int, list[float]]:
-    from ..plan.expected import parse_profile
-
     p = Path(path).expanduser()
     if not p.is_absolute():
         p = base / p
@@ -131,7 +130,7 @@ def tls_files(c: ClusterConfig) -> TlsFiles | None:
         q = Path(p).expanduser()
         return str(q if q.is_absolute() else (base / q).resolve())
 
-    files = TlsFiles(absolute(c.tls.cert), absolute(c.tls.key), absolute(c.tls.ca or c.tls.cert))
+    files = TlsFiles(absolute(c.tls.cert), absolute(c.tls.key), absolute(c.tls.ca))
     missing = [p for p in (files.cert, files.key, files.ca) if not Path(p).is_file()]
     if missing:
         raise ConfigError(f"{c.source}: tls: no such file {missing[0]}")

@@ -15,8 +15,7 @@ import importlib
 from dataclasses import dataclass, field
 
 from ...proto.errors import UserError
-
-DEFAULT_TIMEOUT_S = 5.0  # seconds a step waits for a peer before it fails naming the peer
+from ...proto.records import COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
 
 
 @dataclass(frozen=True)
@@ -32,25 +31,16 @@ class ShmSpec:
 
 
 @dataclass(frozen=True)
-class TlsFiles:
-    """PEM files of one node's envoy (paths on that node)."""
-
-    cert: str  # this envoy's certificate chain
-    key: str  # its private key
-    ca: str  # root certificates the peers' certificates are signed by
-
-
-@dataclass(frozen=True)
 class EnvoySpec:
     """Every node runs an envoy child; envoys all-reduce over persistent gRPC streams."""
 
     addresses: tuple[str, ...]  # every rank's envoy "host:port", indexed by rank
     secret: str = field(default="", repr=False)  # the cluster secret; never logged
     listen: str = ""  # this rank's bind address; "" = addresses[rank]
-    timeout_s: float = DEFAULT_TIMEOUT_S  # a step fails after this long without a peer's frame
-    connect_timeout_s: float = 30.0  # begin() waits this long for the mesh to be whole
+    timeout_s: float = COLLECTIVE_TIMEOUT_S  # a step fails after this long without a peer's frame
+    connect_timeout_s: float = MESH_CONNECT_TIMEOUT_S  # begin() waits this long for the mesh to be whole
     max_bytes: int = 64 << 20  # largest partial (bytes): the size of the shared payload areas
-    tls: TlsFiles | None = None
+    tls: TlsFiles | None = None  # this node's envoy's files, paths on the node
     log_level: str = "WARNING"  # of the envoy process (stderr)
 
     def __post_init__(self) -> None:

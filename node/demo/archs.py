@@ -209,18 +209,10 @@ def _gpt_oss(s: Shape) -> dict:
 
 def _qwen3_next(s: Shape) -> dict:
     return {
-        **_common(s),
+        **_qwen3_moe(s),  # Qwen3-Next is Qwen3-MoE with a shared expert and mostly linear attention
         "model_type": "qwen3_next",
         "architectures": ["Qwen3NextForCausalLM"],
-        "intermediate_size": 2 * s.hidden,
-        "moe_intermediate_size": s.ffn(s.hidden),
         "shared_expert_intermediate_size": s.hidden,
-        "num_experts": s.experts,
-        "num_experts_per_tok": s.top_k,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "head_dim": s.head_dim,
-        "norm_topk_prob": True,
         "partial_rotary_factor": 0.25,
         # Gated DeltaNet (linear attention) on 3 layers of every 4, full attention on the 4th.
         "full_attention_interval": 4,

@@ -34,6 +34,19 @@ def http(url: str, path: str, body: dict | None = None, timeout: float = 120, he
             return exc.code, raw.decode()
 
 
+def stock_tokens(path, prompt: str, max_tokens: int) -> list[int]:
+    """Stock mlx-lm's greedy tokens as the cluster returns them: at most max_tokens, no EOS.
+    Never empty, so a comparison with it cannot pass on an empty reply."""
+    from mlx_lm import load, stream_generate
+
+    model, tok = load(str(path))
+    out = list(stream_generate(model, tok, prompt, max_tokens=max_tokens))
+    # the last response carries the last token when max_tokens ran out, the EOS token otherwise
+    tokens = [r.token for r in out[:-1]] + ([out[-1].token] if out[-1].finish_reason == "length" else [])
+    assert tokens, f"stock mlx-lm stops at once on {prompt!r}: pick a prompt it continues"
+    return tokens
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -17,6 +17,7 @@ from moe_cluster.node.sim import SimTask
 PROMPT = (345, 12, 88, 501, 7, 260, 19, 944, 3, 71)
 
 
+@pytest.mark.slow  # 28 s to 31 s each
 @pytest.mark.parametrize("layout", ["mlx", "hf"])
 def test_each_node_holds_only_its_share(layout, make_ckpt):
     path = make_ckpt("mixtral", layout, hidden=256, experts=16, top_k=2)
@@ -67,6 +68,7 @@ def _dense_checkpoint(path):
     tokenizer.copy_tokenizer(path)
 
 
+@pytest.mark.slow  # 15 s
 def test_errors(make_ckpt, tmp_path):
     path = make_ckpt("mixtral")
     base = ["simulate", "--model", str(path), "--nodes", "2", "--prompt", "hi", "--max-tokens", "2"]

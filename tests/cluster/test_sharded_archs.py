@@ -33,7 +33,7 @@ def float32_models(make_ckpt):
     return [(arch, layout, make_ckpt(arch, layout)) for arch in ARCHS for layout in ("mlx", "hf")]
 
 
-@pytest.mark.parametrize("nodes", [1, 2, 3, 4])
+@pytest.mark.parametrize("nodes", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])  # 4 nodes: 18 s
 def test_float32_every_family_both_layouts(nodes, float32_models, reference):
     reports = run_nodes([_task(p) for _, _, p in float32_models], nodes)
     for (arch, layout, path), per_rank in zip(float32_models, reports):
@@ -53,7 +53,7 @@ def _near_tie_or_equal(cmp: dict, tol: float, what: str) -> None:
     assert first["reference_top2_gap"] <= tol, (what, first)
 
 
-@pytest.mark.parametrize("nodes", [2, 3])
+@pytest.mark.parametrize("nodes", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 nodes: 23 s
 def test_bfloat16(nodes, make_ckpt, reference):
     models = [(a, make_ckpt(a, "mlx", "bfloat16")) for a in ("mixtral", "qwen3_moe", "deepseek_v3", "dbrx", "gpt_oss")]
     models.append(("qwen2_moe-hf", make_ckpt("qwen2_moe", "hf", "bfloat16")))
@@ -66,6 +66,7 @@ def test_bfloat16(nodes, make_ckpt, reference):
         _near_tie_or_equal(cmp, BF16_NEAR_TIE, f"{name} bf16 N={nodes}")
 
 
+@pytest.mark.slow  # 22 s to 24 s each
 @pytest.mark.parametrize("nodes", [2, 3])
 def test_4bit(nodes, make_ckpt, reference):
     models = [(a, make_ckpt(a, "mlx", "float32", 4)) for a in ARCHS]

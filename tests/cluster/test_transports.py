@@ -20,7 +20,7 @@ def models(make_ckpt):
     return [(arch, make_ckpt(arch)) for arch in ARCHS]
 
 
-@pytest.mark.parametrize("nodes", [2, 3, 4])
+@pytest.mark.parametrize("nodes", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])  # 3 and 4 nodes: 20 s to 28 s each
 @pytest.mark.parametrize("transport", ["envoy", "mlx"])
 def test_tokens_equal_stock_mlx_lm(transport, nodes, models, reference):
     tasks = [SimTask(str(path), PROMPT, Sampling(max_tokens=TOKENS), record_logits=True) for _, path in models]

@@ -21,7 +21,7 @@ from moe_cluster.proto import convert
 SOAK_STEPS = 10_000
 
 
-@pytest.mark.parametrize("nodes", [2, 3, 4])
+@pytest.mark.parametrize("nodes", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])  # 3 and 4 nodes: 24 s, 32 s
 def test_soak_loses_duplicates_and_reorders_nothing(nodes):
     """10,000 all-reduces per node count, in several requests in a row, every sum checked."""
     cluster = Cluster(envoy_spec(nodes))

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from moe_cluster.proto.records import Sampling
-from moe_cluster.proto.records import (GenerateDone, GeneratedTokens, Health, LoadProgress, LoadSpec, Memory,
+from moe_cluster.proto.records import (AllreduceHistogram, GenerateDone, GeneratedTokens, Health, LoadProgress, LoadSpec, Memory,
                                        NodeError, NodeStatus, Timings)
 from moe_cluster.proto.placement import Placement
 from moe_cluster.proto.records import GenerateRequest
-from moe_cluster.node.collective.specs import EnvoySpec, MlxSpec, TlsFiles
+from moe_cluster.node.collective.specs import EnvoySpec, MlxSpec
+from moe_cluster.proto.records import TlsFiles
 from moe_cluster.proto import convert
 from moe_cluster.proto.errors import ErrorKind
 from moe_cluster.proto import node_pb2
@@ -102,8 +103,11 @@ def test_generate_events():
 
 def test_status_health_cancel_shutdown():
     status = NodeStatus("busy", "/models/dbrx", 1, 2, Memory(192 << 30, 150 << 30, 80 << 30, 90 << 30), "Apple M2 Ultra",
-                        "envoy", {1: 8, 3: 8}, {"selected": 2.6}, 12.5, 4242, 3)
+                        "envoy", {1: 8, 3: 8}, {"selected": 2.6}, 12.5, 4242, 3,
+                        AllreduceHistogram((25e-6, 1e-3), (7, 2, 1), 0.0125))
     assert convert.status_from_proto(wire(convert.status_to_proto(status))) == status
+    idle = NodeStatus("idle")
+    assert convert.status_from_proto(wire(convert.status_to_proto(idle))) == idle  # no histogram before a load
     assert convert.health_from_proto(wire(convert.health_to_proto(Health(True, "ready")))) == Health(True, "ready")
     assert convert.cancel_request_from_proto(wire(convert.cancel_request_to_proto("req-9"))) == "req-9"
     assert convert.cancel_reply_from_proto(wire(convert.cancel_reply_to_proto(True))) is True

@@ -16,10 +16,11 @@ from moe_cluster.coordinator.plan.expected import (
     expected_max_hypergeometric,
     expected_max_sampled,
     is_disjoint,
-    parse_profile,
     placement_for,
 )
 from moe_cluster.coordinator.plan.perfmodel import PlanError
+from moe_cluster.proto.errors import UserError
+from moe_cluster.proto.profile import ProfileError, parse_profile
 from moe_cluster.node.moe.routing import holders_of, rank_counts
 
 
@@ -164,10 +165,11 @@ def test_parse_profile():
     prof = parse_profile(ok)
     assert prof.layers[0].sets == ((0, 1), (2, 3))
     bad = {**ok, "layers": {"0": {"counts": [1, 1, 1, 1], "tokens": 2, "sets": [[0, 7]]}}}
-    with pytest.raises(PlanError, match=r"\[0, 7\]"):
+    with pytest.raises(ProfileError, match=r"p.json: layers\['0'\]: selection \[0, 7\]"):
         parse_profile(bad, "p.json")
-    with pytest.raises(PlanError, match="missing field 'layers'"):
+    assert issubclass(ProfileError, UserError)  # the CLI's one-line error, exit 2
+    with pytest.raises(ProfileError, match="missing field 'layers'"):
         parse_profile({"model": "m", "num_experts": 4, "top_k": 2})
-    with pytest.raises(PlanError, match="counts must be 4"):
+    with pytest.raises(ProfileError, match="counts must be 4"):
         parse_profile({**ok, "layers": {"0": {"counts": [1], "tokens": 2, "sets": [[0]]}}})
     assert math.isclose(expected_experts({0: [0, 1], 1: [2, 3]}, 4, 2, sets=prof.layers[0].sets).value, 2.0)

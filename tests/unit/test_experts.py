@@ -20,14 +20,14 @@ def _bank(seed=0):
     return bank
 
 
-def _shards(bank, placement: Placement, keepalive: str, dtype=mx.float32):
+def _shards(bank, placement: Placement, keepalive: str, dtype=mx.float32, linear=ShardLinear):
     world = placement.world_size
     holders = placement.holders(0, E)
     out = []
     for rank in range(world):
         local = list(placement.layers[0][rank])
         idx = mx.array(local)
-        projs = {p: ShardLinear(getattr(bank, p).weight[idx].astype(dtype)) for p in ("gate_proj", "up_proj", "down_proj")}
+        projs = {p: linear(getattr(bank, p).weight[idx].astype(dtype)) for p in ("gate_proj", "up_proj", "down_proj")}
         state = ShardState(rank, world, keepalive)
         out.append(ExpertShard(0, local, holders, projs, "glu", bank.activation, state))
     return out
@@ -116,8 +116,20 @@ def test_bfloat16_without_gather_mm_matches_float32():
 
 
 def test_warm_up_touches_every_local_expert():
+    seen: list[tuple[int, tuple[int, ...]]] = []  # (projection's output dim, slots it multiplied)
+
+    class Recording(ShardLinear):
+        def __call__(self, x, slots, groups):
+            y = super().__call__(x, slots, groups)
+            seen.append((self.weight.shape[1], tuple(np.array(slots).tolist())))
+            return y
+
     bank = _bank(5)
-    shard = _shards(bank, Placement.even({0: E}, 2), "lru")[1]
+    shard = _shards(bank, Placement.even({0: E}, 2), "lru", linear=Recording)[1]
+    local = len(shard.global_ids)
     shard.warm_up()  # runs every local expert once; must not disturb the LRU order or counters
-    assert list(shard._lru) == list(range(len(shard.global_ids)))
+    # gate and up project D -> F, down F -> D: each ran over every local slot
+    assert sorted(out for out, _ in seen) == [D, F, F], seen
+    assert all(sorted(set(slots)) == list(range(local)) for _, slots in seen), seen
+    assert list(shard._lru) == list(range(local))
     assert shard._state.counters[0].calls == 0

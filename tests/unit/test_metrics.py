@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from moe_cluster.coordinator.serve.metrics import prompt_tps
-from moe_cluster.proto.records import GenerateDone, Timings
+from moe_cluster.coordinator.serve.metrics import allreduce_histogram, prompt_tps
+from moe_cluster.proto.records import AllreduceHistogram, GenerateDone, Timings
 
 
 def test_prompt_throughput_counts_only_the_tokens_that_were_prefilled():
@@ -14,3 +14,13 @@ def test_prompt_throughput_counts_only_the_tokens_that_were_prefilled():
     assert prompt_tps(miss) == pytest.approx(60.0)
     assert prompt_tps(hit) == pytest.approx(40.0)  # 20 tokens in 0.5 s, not 120
     assert prompt_tps(GenerateDone("stop", 5, 0, 0)) == 0.0 and prompt_tps(None) == 0.0
+
+
+def test_a_nodes_allreduce_histogram_becomes_prometheus_lines():
+    h = allreduce_histogram(AllreduceHistogram((1e-3, 1e-2), (3, 1, 2), sum_s=0.5))
+    assert h.lines("ar", 'node="n1"') == ['ar_bucket{node="n1",le="0.001"} 3', 'ar_bucket{node="n1",le="0.01"} 4',
+                                          'ar_bucket{node="n1",le="+Inf"} 6', 'ar_sum{node="n1"} 0.5',
+                                          'ar_count{node="n1"} 6']
+    assert allreduce_histogram(None) is None  # no model loaded
+    with pytest.raises(ValueError, match="2 bounds needs 3 counts"):
+        AllreduceHistogram((1e-3, 1e-2), (3, 1))
