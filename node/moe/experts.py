@@ -17,9 +17,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ...proto.errors import UserError
+from ...proto.records import KEEPALIVES
 from .routing import assign
 
-KEEPALIVE = ("none", "lru", "busy")
 # Upper bounds (seconds) of the all-reduce latency histogram every node keeps (the coordinator's
 # /metrics shows it per node).
 ALLREDUCE_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.25, 1.0)
@@ -61,8 +62,8 @@ class ShardState:
     allreduce_seconds: float = 0.0  # lifetime sum
 
     def __post_init__(self):
-        if self.keepalive not in KEEPALIVE:
-            raise ValueError(f"keepalive must be one of {', '.join(KEEPALIVE)} (got {self.keepalive!r})")
+        if self.keepalive not in KEEPALIVES:
+            raise UserError(f"keepalive must be one of {', '.join(KEEPALIVES)} (got {self.keepalive!r})")
 
     def record_allreduce(self, seconds: float) -> None:
         import bisect
@@ -132,9 +133,9 @@ class ShardLinear(nn.Module):
                                    mode=self.quant["mode"])
 
 
-# How the local experts are multiplied: one gather_mm for all rows (the default), or one matmul per
-# expert (MLX's CPU backend has no bfloat16/float16 gather_mm). MOE_CLUSTER_EXPERT_MATMUL=
-# gather|per-expert overrides "auto".
+# How the local experts are multiplied: one gather_mm for all rows (the default, "auto"), or one
+# matmul per expert (MLX's CPU backend has no bfloat16/float16 gather_mm, so "auto" does that there).
+# MOE_CLUSTER_EXPERT_MATMUL=per-expert forces the latter everywhere.
 EXPERT_MATMUL = os.environ.get("MOE_CLUSTER_EXPERT_MATMUL", "auto")
 # Rows are always grouped by expert, but gather_mm is told so only from this many rows on, as
 # mlx-lm's SwitchGLU does: on MLX's CUDA backend the sorted kernel is ~6x slower for decode-sized
@@ -149,8 +150,6 @@ def _gather_mm_ok(dtype: mx.Dtype) -> bool:
 def _per_expert(rows: int, dtype: mx.Dtype, quantized: bool) -> bool:
     if EXPERT_MATMUL == "per-expert":
         return True
-    if EXPERT_MATMUL == "gather":
-        return not quantized and not _gather_mm_ok(dtype)  # the CPU backend has no other way
     return not quantized and not _gather_mm_ok(dtype)
 
 
