@@ -72,11 +72,9 @@ class ShardState:
         self.allreduce_seconds += seconds
 
     def report(self) -> dict[str, float]:
-        """Counters for the node's Status: keepalive means and the all-reduce histogram."""
-        out = dict(self.means())
-        out.update({f"allreduce_bucket_{i}": float(c) for i, c in enumerate(self.allreduce_counts)})
-        out["allreduce_sum_s"] = self.allreduce_seconds
-        return out
+        """Counters for the node's Status: keepalive means (the all-reduce histogram travels as its
+        own record, proto.records.AllreduceHistogram)."""
+        return dict(self.means())
 
     def reset_counters(self) -> None:
         self.counters = {layer: LayerCounters() for layer in self.counters}
