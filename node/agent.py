@@ -21,7 +21,6 @@ import grpc
 
 from ..envoy.auth import SecretInterceptor, server_credentials
 from ..proto import CHANNEL_OPTIONS, convert
-from ..proto import node_pb2 as npb
 from ..proto import node_pb2_grpc as npb_grpc
 from ..proto.errors import ErrorKind, UserError, grpc_code, kind_of
 from .device import DeviceInfo, device_info

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Iterable, Mapping, Sequence
 
-from ...node.moe.routing import holders_of, rank_counts
+from ...node.moe.routing import rank_counts
+from ...proto.placement import holders_of
 from ...proto.records import KEEPALIVES
 from .perfmodel import PlanError
 

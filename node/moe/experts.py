@@ -19,7 +19,7 @@ import numpy as np
 
 from ...proto.errors import UserError
 from ...proto.records import KEEPALIVES
-from .routing import assign
+from .routing import assign, per_rank
 
 # Upper bounds (seconds) of the all-reduce latency histogram every node keeps (the coordinator's
 # /metrics shows it per node).
@@ -210,9 +210,7 @@ class ExpertShard(nn.Module):
         state.timers.attention_router += time.perf_counter() - t0
         T, k = flat.shape
         chosen = assign(np.unique(flat).tolist(), self._holders)
-        counts = [0] * state.world_size
-        for r in chosen.values():
-            counts[r] += 1
+        counts = per_rank(chosen, state.world_size)
         mine = sorted(int(self._slot[e]) for e, r in chosen.items() if r == state.rank)
         fillers = self._fillers(mine, max(counts))
         for s in mine + fillers:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
-from ...proto.placement import holders_of  # noqa: F401 - part of the rule's interface
-
 # holders[e] = the ranks that hold expert e of this layer, ascending.
 Holders = Mapping[int, Sequence[int]]
 
@@ -41,9 +39,14 @@ def assign(selected: Iterable[int], holders: Holders) -> dict[int, int]:
     return chosen
 
 
-def rank_counts(selected: Iterable[int], holders: Holders, world_size: int) -> list[int]:
-    """How many distinct selected experts each rank computes under `assign`."""
+def per_rank(chosen: Mapping[int, int], world_size: int) -> list[int]:
+    """How many experts each rank computes under an assignment {expert: rank}."""
     counts = [0] * world_size
-    for r in assign(selected, holders).values():
+    for r in chosen.values():
         counts[r] += 1
     return counts
+
+
+def rank_counts(selected: Iterable[int], holders: Holders, world_size: int) -> list[int]:
+    """How many distinct selected experts each rank computes under `assign`."""
+    return per_rank(assign(selected, holders), world_size)

@@ -197,7 +197,7 @@ def _sibling_top_k(modules: dict, path: str, bank: Bank) -> int:
     parent = modules[parent_path]
     x = mx.random.normal((1, _PROBE_TOKENS, bank.in_dims), key=mx.random.key(0))
     for sibling, child in parent.children().items():
-        if sibling == name or not isinstance(child, nn.Module) or not any(True for _ in _leaves(child.parameters())):
+        if sibling == name or not isinstance(child, nn.Module) or not _has_parameters(child):
             continue
         try:
             out = child(x)
@@ -244,26 +244,19 @@ class Zero(nn.Module):
         return mx.zeros_like(x)
 
 
+def _has_parameters(module: nn.Module) -> bool:
+    return bool(tree_flatten(module.parameters()))
+
+
 def _children(block: nn.Module, bank_attr: str) -> list[str]:
     """Direct children holding parameters, other than the bank's: routers and dense terms."""
     out = []
     for name, child in block.children().items():
         if name == bank_attr.split(".")[0] or not isinstance(child, nn.Module):
             continue
-        if any(True for _ in _leaves(child.parameters())):
+        if _has_parameters(child):
             out.append(name)
     return out
-
-
-def _leaves(tree):
-    if isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _leaves(v)
-    elif isinstance(tree, mx.array):
-        yield tree
 
 
 class _Run:

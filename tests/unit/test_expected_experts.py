@@ -21,7 +21,8 @@ from moe_cluster.coordinator.plan.expected import (
 from moe_cluster.coordinator.plan.perfmodel import PlanError
 from moe_cluster.proto.errors import UserError
 from moe_cluster.proto.profile import ProfileError, parse_profile
-from moe_cluster.node.moe.routing import holders_of, rank_counts
+from moe_cluster.node.moe.routing import rank_counts
+from moe_cluster.proto.placement import holders_of
 
 
 def brute_force(placement, num_experts, k):

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from moe_cluster.proto.placement import Placement, PlacementError
-from moe_cluster.node.moe.routing import assign, holders_of, rank_counts
+from moe_cluster.node.moe.routing import assign, rank_counts
+from moe_cluster.proto.placement import holders_of
 
 
 def test_single_holders_go_to_their_holder():
