@@ -74,14 +74,11 @@ class Progress:
 
 
 def footprint(model_path: str) -> ModelFootprint:
-    from ..plan.describe import describe_path
+    """What each node must hold, from the checkpoint's headers (no weights are read)."""
+    from ...node.moe.load import expert_bytes
 
-    spec, _ = describe_path(model_path)
-    return ModelFootprint(
-        replicated_bytes=spec.replicated_bytes,
-        expert_bytes=dict(zip(spec.moe_layer_ids, spec.expert_layer_bytes)),
-        num_experts={l: spec.num_experts for l in spec.moe_layer_ids},
-    )
+    b = expert_bytes(Checkpoint.open(model_path))
+    return ModelFootprint(replicated_bytes=b.replicated, expert_bytes=b.per_expert, num_experts=b.num_experts)
 
 
 def _profile_counts(path: str, base: Path) -> dict[int, list[float]]:

@@ -85,6 +85,31 @@ def moe_layers_of(ckpt: Checkpoint) -> dict[int, int]:
     return {b.layer: b.num_experts for b in blocks}
 
 
+@dataclass(frozen=True)
+class ExpertBytes:
+    """What a checkpoint's headers say a node will hold: the bytes it reads."""
+
+    replicated: int  # everything but the routed experts (shared experts included)
+    per_expert: dict[int, int]  # MoE layer -> bytes of one routed expert
+    num_experts: dict[int, int]  # MoE layer -> routed experts
+
+
+def expert_bytes(ckpt: Checkpoint) -> ExpertBytes:
+    """Routed-expert and replicated bytes from the safetensors headers, with the blocks found by
+    the node's own rule (no weights are read)."""
+    model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
+    blocks = _blocks(model_cls(model_args(ckpt.config, ckpt.path / "config.json")), ckpt)
+    if not blocks:
+        raise ShardError(f"{ckpt.path} has no MoE layers (model_type {ckpt.config.get('model_type')!r}); "
+                         "there are no experts to spread")
+    per_layer = {b.layer: 0 for b in blocks}
+    for key, b in _expert_keys(ckpt, blocks).items():
+        per_layer[b.layer] += ckpt.tensors[key].nbytes
+    return ExpertBytes(replicated=ckpt.total_bytes() - sum(per_layer.values()),
+                       per_expert={b.layer: per_layer[b.layer] // b.num_experts for b in blocks},
+                       num_experts={b.layer: b.num_experts for b in blocks})
+
+
 def hidden_width(ckpt: Checkpoint) -> int:
     """Width of the model's hidden states (what each all-reduce carries per token), read from its
     token embedding: configs name it differently, or nest it under `text_config`."""
