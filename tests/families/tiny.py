@@ -19,6 +19,7 @@ import inspect
 import json
 import pkgutil
 import re
+import shutil
 import sys
 import types
 import typing
@@ -433,8 +434,23 @@ QUANT_MODES = {
 }
 
 
-def make_checkpoint(model_type: str, out_dir, seed: int = 0, quantize: str | None = None) -> Path:
-    """Write config.json + model.safetensors of the tiny model, loadable by mlx_lm.utils.load_model."""
+@functools.lru_cache(maxsize=1)
+def _tokenizer_dir() -> Path:
+    """A byte-level BPE of exactly VOCAB tokens, trained once per process on the demo corpus."""
+    import tempfile
+
+    from moe_cluster.node.demo.tokenizer import train_tokenizer, vocab_size
+
+    out = Path(tempfile.mkdtemp(prefix="tiny-tokenizer-"))
+    train_tokenizer(out, vocab_size=VOCAB)
+    assert vocab_size(out) == VOCAB, vocab_size(out)
+    return out
+
+
+def make_checkpoint(model_type: str, out_dir, seed: int = 0, quantize: str | None = None,
+                    tokenizer: bool = False) -> Path:
+    """Write config.json + model.safetensors of the tiny model, loadable by mlx_lm.utils.load_model;
+    with `tokenizer`, also tokenizer files of VOCAB tokens, so the commands that read text run on it."""
     import contextlib
     import io
 
@@ -454,6 +470,9 @@ def make_checkpoint(model_type: str, out_dir, seed: int = 0, quantize: str | Non
         old.unlink()
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     save_config(dict(cfg), out / "config.json")
+    if tokenizer:
+        for f in _tokenizer_dir().iterdir():
+            shutil.copy(f, out / f.name)
     return out
 
 

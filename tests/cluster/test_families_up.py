@@ -1,0 +1,31 @@
+"""Families the old name rules got wrong or refused, served by `up` on 2 node processes and
+asked through the official OpenAI client: stock mlx-lm's greedy tokens."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from cluster_fixture import cluster, stock_tokens, yaml_for
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "families"))
+import tiny  # noqa: E402
+
+PROMPT = "To be, or not to be"
+TOKENS = 12
+
+
+# a shared expert under another name, an inline term, a text_config model, a block called with its routing
+@pytest.mark.parametrize("family", ["hunyuan", "longcat_flash", "qwen3_5_moe", "gemma4_text"])
+def test_up_serves_stock_tokens(family, tmp_path):
+    from openai import OpenAI
+
+    path = tiny.make_checkpoint(family, tmp_path / family, tokenizer=True)
+    with cluster(tmp_path, yaml_for(2), "--model", str(path)) as (url, proc, lines):
+        client = OpenAI(base_url=f"{url}/v1", api_key="none")
+        model = client.models.list().data[0].id  # the cluster names its model by its path
+        r = client.completions.create(model=model, prompt=PROMPT, max_tokens=TOKENS, temperature=0)
+    got = r.model_extra["moe_cluster"]["tokens"]
+    assert got == stock_tokens(path, PROMPT, TOKENS)

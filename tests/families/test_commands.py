@@ -1,0 +1,64 @@
+"""The families the old name rules got wrong or refused, through the commands people run:
+`simulate` (real node processes over shared memory, checked against stock mlx-lm) and `plan`
+(the planner's description: top-k and shared-expert bytes come from the same structure rule)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import sweep
+import tiny
+
+pytestmark = pytest.mark.integration
+
+# silently wrong before (shared experts or an inline term counted N times)
+WRONG = ["hunyuan", "step3p5", "longcat_flash", "longcat_flash_ngram"]
+# refused before: config nested under text_config, `model_dim`, or a top-k key the planner did not know
+REFUSED = ["qwen3_5_moe", "qwen3_vl_moe", "kimi_k25", "kimi_vl", "kimi_k3", "minimax_m3_vl", "llama4", "phixtral",
+           "ernie4_5_moe", "kimi_linear", "gemma4_text"]
+PROMPT = "To be, or not to be"
+
+
+def moe_cluster(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moe_cluster.coordinator.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {f: tiny.make_checkpoint(f, root / f, tokenizer=True) for f in WRONG + REFUSED}
+
+
+@pytest.mark.parametrize("family", WRONG + REFUSED)
+def test_simulate_two_node_processes_equal_stock(family, checkpoints):
+    r = moe_cluster("simulate", "--model", str(checkpoints[family]), "--nodes", "2", "--prompt", PROMPT,
+                    "--max-tokens", "8", "--check", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["tokens"]) == 8
+    assert out["tokens_match"], out
+    assert out["max_abs_logit_diff"] <= sweep.TOLERANCE, out["max_abs_logit_diff"]
+
+
+@pytest.mark.parametrize("family", WRONG + REFUSED)
+def test_plan_describes_the_family(family, checkpoints):
+    r = moe_cluster("plan", "--model", str(checkpoints[family]), "--hardware", "m2-ultra-192", "--nodes", "2",
+                    "--json")
+    assert r.returncode == 0, r.stderr
+    model = json.loads(r.stdout)["model"]
+    assert model["top_k"] == (1 if family == "llama4" else 2), model  # tiny.py: top-2, llama4 asserts top-1
+    assert model["num_experts"] == 8
+
+
+@pytest.mark.parametrize("family", ["hunyuan", "step3p5"])
+def test_plan_counts_shared_experts_whatever_their_name(family, checkpoints):
+    r = moe_cluster("plan", "--model", str(checkpoints[family]), "--hardware", "m2-ultra-192", "--nodes", "2",
+                    "--json")
+    assert r.returncode == 0, r.stderr
+    model = json.loads(r.stdout)["model"]
+    assert model["shared_expert_bytes"] > 0, model
