@@ -284,6 +284,18 @@ class NodeAgent(npb_grpc.NodeServicer):
             if self.state == "busy":
                 self.state = "ready"
 
+    async def Probe(self, request, context):
+        if self.sharded is None or self.state != "ready":
+            await context.abort(grpc_code(ErrorKind.NOT_READY), f"node is {self.state}, not ready")
+        if self._current is not None:
+            await context.abort(grpc_code(ErrorKind.BUSY), f"request {self._current} is running")
+        try:
+            layer, x = convert.probe_request_from_proto(request)
+            y = await self._worker.submit(lambda: self.sharded.probe(layer, x))
+        except UserError as exc:
+            await context.abort(grpc_code(exc.kind), str(exc))
+        return convert.probe_reply_to_proto(y)
+
     async def Cancel(self, request, context):
         rid = convert.cancel_request_from_proto(request)
         found = rid == self._current

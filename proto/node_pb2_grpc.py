@@ -64,6 +64,11 @@ class NodeStub:
                 request_serializer=node__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=node__pb2.ShutdownReply.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/moe_cluster.v1.Node/Probe',
+                request_serializer=node__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=node__pb2.ProbeReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -105,6 +110,12 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +148,11 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=node__pb2.ShutdownRequest.FromString,
                     response_serializer=node__pb2.ShutdownReply.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=node__pb2.ProbeRequest.FromString,
+                    response_serializer=node__pb2.ProbeReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +317,33 @@ class Node:
             '/moe_cluster.v1.Node/Shutdown',
             node__pb2.ShutdownRequest.SerializeToString,
             node__pb2.ShutdownReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_cluster.v1.Node/Probe',
+            node__pb2.ProbeRequest.SerializeToString,
+            node__pb2.ProbeReply.FromString,
             options,
             channel_credentials,
             insecure,

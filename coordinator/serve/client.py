@@ -69,6 +69,12 @@ class NodeClient:
                                       metadata=self._metadata)
         return convert.cancel_reply_from_proto(msg)
 
+    async def probe(self, layer: int, x, timeout: float = RPC_TIMEOUT_S):
+        """This node's share of MoE layer `layer`'s output for x (tokens, hidden), float32."""
+        msg = await self._stub.Probe(convert.probe_request_to_proto(layer, x), timeout=timeout,
+                                     metadata=self._metadata)
+        return convert.probe_reply_from_proto(msg)
+
     async def shutdown(self, grace_s: float = 1.0, timeout: float = RPC_TIMEOUT_S) -> None:
         await self._stub.Shutdown(convert.shutdown_request_to_proto(grace_s), timeout=timeout,
                                   metadata=self._metadata)

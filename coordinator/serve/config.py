@@ -102,6 +102,7 @@ class ClusterConfig:
     launch: Literal["local", "remote"] = "local"
     transport: Literal["envoy", "mlx"] = "envoy"
     keepalive: Literal[KEEPALIVES] = "lru"  # Literal[("a", "b")] is Literal["a", "b"]
+    verify: bool = True  # the load-time check (serve/verify.py)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
     secret: SecretConfig = field(default_factory=SecretConfig)

@@ -223,6 +223,15 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         progress = Progress([m.name for m in members])
         t0 = time.monotonic()
         await cluster.load(progress.update)
+        if c.verify and len(members) > 1:
+            from .verify import check_load
+
+            checks = await check_load(members, model_path, timeout_s=c.timeouts.load)
+            if checks:
+                worst = max(checks, key=lambda k: k.max_abs_diff / k.tolerance)
+                print(f"load check: MoE layers {', '.join(str(k.layer) for k in checks)} match the checkpoint "
+                      f"(largest |Δ| {worst.max_abs_diff:.2g} at layer {worst.layer}, tolerance {worst.tolerance:.2g})",
+                      file=sys.stderr, flush=True)
         cluster.start_monitor()
 
         from aiohttp import web

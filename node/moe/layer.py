@@ -62,6 +62,10 @@ class ClusterMoE(nn.Module):
     def layer(self) -> int:
         return self._moe.layer
 
+    @property
+    def description(self) -> MoEBlock:
+        return self._moe
+
     def set_collective(self, collective: Collective) -> None:
         self._collective = collective
 

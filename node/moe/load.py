@@ -17,15 +17,17 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten
 
+from ...proto.errors import UserError
 from ...proto.placement import Placement
 from ..checkpoint import Checkpoint, CheckpointError, TensorInfo, model_args, model_classes, read_tensor
 from ..collective.base import Collective, LocalCollective
 from . import families
 from .experts import ExpertShard, ShardLinear, ShardState
 from .layer import ClusterMoE, InProcessCluster, install, owns_dense_terms
-from .structure import MoEBlock, StructureError, find_moe_blocks
+from .structure import MoEBlock, StructureError, find_moe_blocks, set_bank
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,30 @@ class ShardedModel:
 
     def moe_layers(self) -> dict[int, int]:
         return {b.layer: b.num_experts for b in self.blocks}
+
+    def probe(self, layer: int, x: np.ndarray) -> np.ndarray:
+        """This node's share of MoE layer `layer`'s output for x (tokens, hidden) float32, in float32:
+        what it would hand the all-reduce (the load-time check sums the shares)."""
+        moe = next((m for m in self.layers if m.layer == layer), None)
+        if moe is None:
+            raise UserError(f"layer {layer} is not a MoE layer this node shards "
+                            f"(MoE layers: {sorted(m.layer for m in self.layers)})")
+        if moe.description.routed_call:
+            raise UserError(f"layer {layer}'s MoE block is called with its routing from outside; it cannot be probed")
+        dtype = activation_dtype(moe.block, moe.description.bank_attr)
+        y = moe.partial(mx.array(x)[None].astype(dtype))
+        return np.array(y[0].astype(mx.float32))
+
+
+def activation_dtype(block: nn.Module, bank_attr: str) -> mx.Dtype:
+    """The dtype a block computes in: that of its own floating-point parameters (a quantized
+    module's scales), the bank's aside; float32 when it has none."""
+    floating = (mx.float32, mx.float16, mx.bfloat16)
+    head = bank_attr.split(".")[0]
+    for key, v in tree_flatten(block.parameters()):
+        if key.split(".")[0] != head and v.dtype in floating:
+            return v.dtype
+    return mx.float32
 
 
 def _blocks(model: nn.Module, ckpt: Checkpoint) -> list[MoEBlock]:
@@ -108,6 +134,74 @@ def expert_bytes(ckpt: Checkpoint) -> ExpertBytes:
     return ExpertBytes(replicated=ckpt.total_bytes() - sum(per_layer.values()),
                        per_expert={b.layer: per_layer[b.layer] // b.num_experts for b in blocks},
                        num_experts={b.layer: b.num_experts for b in blocks})
+
+
+class _Selection(nn.Module):
+    """Stands in for a bank to learn which experts a block selects: records them, answers zeros."""
+
+    def __init__(self, out_dims: int):
+        super().__init__()
+        self._out_dims = out_dims
+        self.selected: set[int] = set()
+
+    def __call__(self, x, inds, *args, **kwargs):
+        self.selected.update(int(e) for e in np.unique(np.array(inds)))
+        return mx.zeros(inds.shape + (self._out_dims,), dtype=x.dtype)
+
+
+class Reference:
+    """Stock output of a checkpoint's MoE blocks, computed without loading the model: the reference
+    of the load-time check.
+
+    Per block it reads its own weights (router, shared experts, norms) through the family's sanitize
+    and quantization, and only the experts the input selects, by byte range.
+    """
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+        model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
+        self.model = model_cls(model_args(ckpt.config, ckpt.path / "config.json"))
+        self.blocks = {b.layer: b for b in _blocks(self.model, ckpt)}
+
+    def layers(self) -> list[int]:
+        """MoE layers a probe can run (a block called with its routing from outside cannot)."""
+        return [l for l, b in sorted(self.blocks.items()) if not b.routed_call]
+
+    def hidden(self) -> int:
+        return next(iter(self.blocks.values())).bank.in_dims if self.blocks else 0
+
+    def dtype(self, layer: int) -> str:
+        b = self.blocks[layer]
+        return str(activation_dtype(b.block, b.bank_attr)).removeprefix("mlx.core.")
+
+    def outputs(self, layers: Sequence[int], x: np.ndarray) -> dict[int, np.ndarray]:
+        """{layer: stock block output} for x (tokens, hidden) float32, as float32."""
+        ckpt, config = self.ckpt, self.ckpt.config
+        blocks = list(self.blocks.values())
+        expert_keys = _expert_keys(ckpt, blocks)
+        bank_prefixes = tuple(b.bank_path + "." for b in blocks)
+        wanted = tuple(self.blocks[l].path + "." for l in layers)
+        weights = {}
+        for key, info in ckpt.tensors.items():
+            own = key.startswith(wanted) and key not in expert_keys and not key.startswith(bank_prefixes)
+            weights[key] = read_tensor(info) if own else mx.zeros(info.shape, info.mx_dtype)  # lazy, never evaluated
+        if hasattr(self.model, "sanitize"):
+            weights = self.model.sanitize(weights)
+        _quantize_replicated(self.model, config, weights, bank_prefixes)
+        self.model.load_weights([(k, v) for k, v in weights.items()
+                                 if k.startswith(wanted) and not k.startswith(bank_prefixes)], strict=False)
+        out = {}
+        for layer in layers:
+            b = self.blocks[layer]
+            xa = mx.array(x)[None].astype(activation_dtype(b.block, b.bank_attr))
+            selection = _Selection(b.bank.out_dims)
+            set_bank(b.block, b.bank_attr, selection)
+            b.forward(b.block, xa)
+            holders = {e: (0,) if e in selection.selected else (1,) for e in range(b.num_experts)}
+            shard = _make_shard(ckpt, b, sorted(selection.selected), holders, ShardState(0, 2, "none"))
+            set_bank(b.block, b.bank_attr, shard)
+            out[layer] = np.array(b.forward(b.block, xa)[0].astype(mx.float32))
+        return out
 
 
 def hidden_width(ckpt: Checkpoint) -> int:
@@ -249,6 +343,22 @@ def _shard_quant(config: dict, b: MoEBlock, proj: str, params: dict) -> dict | N
     return {"group_size": group, "bits": bits, "mode": mode}
 
 
+def _make_shard(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int], holders, state: ShardState) -> ExpertShard:
+    """The ExpertShard of block `b` holding experts `local`, read by byte range and evaluated."""
+    params = _read_local(ckpt, b, local)
+    projections = {}
+    for proj in b.projections:
+        p = {k: v for k, v in params[proj].items() if v is not None}
+        if not local:
+            projections[proj] = ShardLinear(mx.zeros((0, 1, 1)))
+            continue
+        projections[proj] = ShardLinear(p["weight"], scales=p.get("scales"), biases=p.get("biases"),
+                                        bias=p.get("bias"), quant=_shard_quant(ckpt.config, b, proj, p))
+    shard = ExpertShard(b.layer, local, holders, projections, b.kind, b.activation, state)
+    mx.eval(shard.parameters())
+    return shard
+
+
 # ---------------------------------------------------------------------------------------------
 # Loading
 
@@ -319,22 +429,10 @@ def load_shard(
     expert_bytes = 0
     layers: list[ClusterMoE] = []
     for b in blocks:
-        local = placement.layers[b.layer][rank]
-        params = _read_local(ckpt, b, local)
-        projections = {}
-        for proj in b.projections:
-            p = {k: v for k, v in params[proj].items() if v is not None}
-            if not local:
-                projections[proj] = ShardLinear(mx.zeros((0, 1, 1)))
-                continue
-            quant = _shard_quant(config, b, proj, p)
-            projections[proj] = ShardLinear(p["weight"], scales=p.get("scales"), biases=p.get("biases"),
-                                            bias=p.get("bias"), quant=quant)
-            expert_bytes += sum(v.nbytes for v in p.values())
+        shard = _make_shard(ckpt, b, placement.layers[b.layer][rank], placement.holders(b.layer, b.num_experts),
+                            state)
+        expert_bytes += shard.resident_bytes()
         report(min(done + expert_bytes, total), total, "experts")
-        shard = ExpertShard(b.layer, local, placement.holders(b.layer, b.num_experts), projections, b.kind,
-                            b.activation, state)
-        mx.eval(shard.parameters())
         layers.append(ClusterMoE(b, shard, collective, state, owner[b.layer]))
 
     # 3. Quantize and load the replicated part, then check that nothing is missing or left over.
