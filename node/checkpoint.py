@@ -102,6 +102,23 @@ def model_classes(config: dict, where: Path | str = "config.json"):
         ) from exc
 
 
+def check_runnable(config: dict, where: Path | str = "config.json") -> None:
+    """Refuse, in one line, a family that cannot run on this machine's MLX backend: one that calls
+    mlx-lm's hand-written Metal kernels (`mlx_lm.kernels`, e.g. muse_spark) off Metal."""
+    import inspect
+
+    import mlx.core as mx
+
+    model_cls, _ = model_classes(config, where)
+    module = inspect.getmodule(model_cls)
+    kernels = sorted({name for name, v in vars(module).items()
+                      if (getattr(v, "__module__", "") or "").startswith("mlx_lm.kernels")})
+    metal = getattr(mx, "metal", None)
+    if kernels and not (metal is not None and metal.is_available()):
+        raise CheckpointError(f"{where}: model_type={config.get('model_type')!r} calls mlx-lm's Metal-only kernels "
+                              f"({', '.join(kernels)}); it runs only on Apple silicon with Metal")
+
+
 def model_args(config: dict, where: Path | str = "config.json"):
     """Instantiate the ModelArgs of a config; a config missing fields is a clear error."""
     _, args_cls = model_classes(config, where)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ...node.checkpoint import Checkpoint, model_args
+from ...node.checkpoint import Checkpoint, check_runnable, model_args
 from ...node.engine import Stats, generate_tokens
 from ...proto.errors import UserError
 from ...proto.records import Sampling
@@ -42,6 +42,7 @@ def load_stock(model_spec: str):
 
     ckpt = Checkpoint.open(model_spec)
     model_args(ckpt.config, ckpt.path / "config.json")
+    check_runnable(ckpt.config, ckpt.path / "config.json")
     model, tokenizer = load(str(ckpt.path))
     return ckpt, model, tokenizer
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...node.checkpoint import Checkpoint
+from ...node.checkpoint import Checkpoint, check_runnable
 from ...node.collective.base import CollectiveError
 from ...proto.errors import ErrorKind, MoeClusterError, UserError, error_for
 from ...proto.records import Sampling
@@ -212,6 +212,7 @@ def simulate(req: SimRequest) -> dict:
     ckpt = Checkpoint.open(req.model)
     if req.nodes < 1:
         raise UserError(f"--nodes must be at least 1 (got {req.nodes})")
+    check_runnable(ckpt.config, ckpt.path / "config.json")  # before any process starts
     placement_json = None
     if req.placement is not None:
         placement = Placement.from_json(Path(req.placement), req.nodes)

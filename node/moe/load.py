@@ -22,7 +22,8 @@ from mlx.utils import tree_flatten
 
 from ...proto.errors import UserError
 from ...proto.placement import Placement
-from ..checkpoint import Checkpoint, CheckpointError, TensorInfo, model_args, model_classes, read_tensor
+from ..checkpoint import (Checkpoint, CheckpointError, TensorInfo, check_runnable, model_args, model_classes,
+                          read_tensor)
 from ..collective.base import Collective, LocalCollective
 from . import families
 from .experts import ExpertShard, ShardLinear, ShardState
@@ -384,6 +385,7 @@ def load_shard(
     ckpt = Checkpoint.open(model_spec)
     config = ckpt.config
     where = ckpt.path / "config.json"
+    check_runnable(config, where)
     model_cls, _ = model_classes(config, where)
     model = model_cls(model_args(config, where))  # parameters are lazy: nothing is allocated yet
     blocks = _blocks(model, ckpt)
@@ -514,6 +516,7 @@ def load_unsharded(model_spec: str) -> ShardedModel:
     mx.reset_peak_memory()
     ckpt = Checkpoint.open(model_spec)
     model_args(ckpt.config, ckpt.path / "config.json")
+    check_runnable(ckpt.config, ckpt.path / "config.json")
     model, config = load_model(ckpt.path)
     blocks = _blocks(model, ckpt)
     moe_layers = {b.layer: b.num_experts for b in blocks}

@@ -19,7 +19,8 @@ import tiny  # noqa: E402
 def row(family: str, tmp: Path) -> str:
     kind = tiny.bank_kind(family)
     if tiny.needs_metal(family):
-        return f"| {family} | — | — | — | not run here: Metal-only kernels (mlx_lm.kernels); stock mlx-lm cannot run it on this backend |"
+        return (f"| {family} | — | — | — | refused off Metal in one line: it calls mlx-lm's Metal-only kernels "
+                "(stock mlx-lm cannot run it here either); untested on Metal |")
     path = sweep.checkpoint(family, tmp)
     ref = tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)
     cells = []

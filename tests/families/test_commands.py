@@ -62,3 +62,14 @@ def test_plan_counts_shared_experts_whatever_their_name(family, checkpoints):
     assert r.returncode == 0, r.stderr
     model = json.loads(r.stdout)["model"]
     assert model["shared_expert_bytes"] > 0, model
+
+
+@pytest.mark.parametrize("family", [f for f in tiny.families() if tiny.needs_metal(f)])
+def test_a_metal_only_family_is_refused_in_one_line(family, tmp_path):
+    path = tiny.make_checkpoint(family, tmp_path / family, tokenizer=True)
+    for args in (["simulate", "--model", str(path), "--nodes", "2", "--prompt", PROMPT],
+                 ["run", "--model", str(path), "--prompt", PROMPT]):
+        r = moe_cluster(*args)
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"model_type={family!r} calls mlx-lm's Metal-only kernels" in lines[0], r.stderr

@@ -418,10 +418,15 @@ def survey_errors() -> dict[str, str]:
 
 
 def needs_metal(model_type: str) -> bool:
-    """The family calls mlx-lm's hand-written Metal kernels (mlx_lm.kernels), which have no CPU/CUDA path."""
-    mod = _module(model_type)
-    uses = any((getattr(v, "__module__", "") or "").startswith("mlx_lm.kernels") for v in vars(mod).values())
-    return uses and not mx.metal.is_available()
+    """The family calls mlx-lm's hand-written Metal kernels (mlx_lm.kernels) and this is not Metal:
+    the product refuses it here (node.checkpoint.check_runnable)."""
+    from moe_cluster.node.checkpoint import CheckpointError, check_runnable
+
+    try:
+        check_runnable(tiny_config(model_type))
+    except CheckpointError:
+        return True
+    return False
 
 
 # ----------------------------------------------------------------------------------- checkpoints
