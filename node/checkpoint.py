@@ -104,7 +104,8 @@ def model_classes(config: dict, where: Path | str = "config.json"):
 
 def check_runnable(config: dict, where: Path | str = "config.json") -> None:
     """Refuse, in one line, a family that cannot run on this machine's MLX backend: one that calls
-    mlx-lm's hand-written Metal kernels (`mlx_lm.kernels`, e.g. muse_spark) off Metal."""
+    mlx-lm's hand-written Metal kernels (`mlx_lm.kernels`, e.g. muse_spark) off Metal. Describing a
+    model for the planner runs its MoE blocks once, so `plan` asks too."""
     import inspect
 
     import mlx.core as mx

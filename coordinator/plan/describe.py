@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ...node.checkpoint import Checkpoint, model_args, model_classes, read_config
+from ...node.checkpoint import Checkpoint, check_runnable, model_args, model_classes, read_config
 from .perfmodel import CacheSpec, ModelSpec, PlanError
 
 logger = logging.getLogger(__name__)
@@ -203,6 +203,7 @@ def describe_config(
 ) -> ModelSpec:
     """A `ModelSpec` from an mlx-lm config (and, when present, the checkpoint's headers for the
     dtype and a cross-check of the total size)."""
+    check_runnable(config, where)  # describing runs each MoE block once (node.moe.structure)
     model_cls, _ = model_classes(config, where)
     args = model_args(config, where)
     dtype = _dtype(config, checkpoint)

@@ -73,3 +73,20 @@ def test_a_metal_only_family_is_refused_in_one_line(family, tmp_path):
         assert r.returncode == 2, r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and f"model_type={family!r} calls mlx-lm's Metal-only kernels" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("family", tiny.families())
+def test_plan_describes_every_family(family, tmp_path, capsys):
+    """`plan --model` on every family, in this process (the command's own entry point)."""
+    from moe_cluster.coordinator.cli import main
+
+    path = tiny.make_checkpoint(family, tmp_path / family)
+    code = main(["plan", "--model", str(path), "--hardware", "m2-ultra-192", "--nodes", "2", "--json"])
+    out = capsys.readouterr()
+    if tiny.needs_metal(family):  # describing runs each MoE block once: not possible off Metal
+        assert code == 2 and "Metal-only kernels" in out.err, out.err
+        return
+    assert code == 0, out.err
+    model = json.loads(out.out)["model"]
+    assert model["num_experts"] == 8 and model["top_k"] in (1, 2), model
+    assert model["moe_layers"] >= 1 and model["expert_bytes"] > 0, model
