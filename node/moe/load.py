@@ -169,7 +169,8 @@ class Reference:
         return [l for l, b in sorted(self.blocks.items()) if not b.routed_call]
 
     def hidden(self) -> int:
-        return next(iter(self.blocks.values())).bank.in_dims if self.blocks else 0
+        """Width of the MoE blocks' input."""
+        return next(iter(self.blocks.values())).width if self.blocks else 0
 
     def dtype(self, layer: int) -> str:
         b = self.blocks[layer]

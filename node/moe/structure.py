@@ -83,6 +83,7 @@ class MoEBlock:
     residual: bool  # an inline non-routed term: non-owners subtract it
     forward: Callable  # forward(block, x, *args, **kwargs): the class's, or a family adapter's
     routed_call: bool = False  # the block is called as block(x, indices, weights)
+    width: int = 0  # of the block's input (the bank's may be a latent projection of it)
 
     @property
     def num_experts(self) -> int:
@@ -185,8 +186,8 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
         if key not in probed:
             top_k = _sibling_top_k(modules, path, bank) if routed_call else None
             probed[key] = probe_block(path, m, bank, top_k)
-        top_k, routers, dense, residual, forward = probed[key]
-        blocks.append(MoEBlock(layer, path, m, bank, top_k, routers, dense, residual, forward, routed_call))
+        top_k, routers, dense, residual, forward, width = probed[key]
+        blocks.append(MoEBlock(layer, path, m, bank, top_k, routers, dense, residual, forward, routed_call, width))
     return blocks
 
 
@@ -332,7 +333,7 @@ def _input_dims(block: nn.Module, bank: Bank) -> list[int]:
 
 
 def probe_block(path: str, block: nn.Module, bank: Bank, top_k: int | None = None):
-    """(top_k, routers, dense, residual, forward) of one block, measured on a float32 probe.
+    """(top_k, routers, dense, residual, forward, input width) of one block, measured on a float32 probe.
 
     `top_k` is given for a block called with the routing from outside (`block(x, indices, weights)`).
     """
@@ -384,4 +385,4 @@ def probe_block(path: str, block: nn.Module, bank: Bank, top_k: int | None = Non
         residual = bool(mx.any(without_t != 0))
     else:
         residual = bool(mx.any(silent != 0))
-    return top_k, tuple(routers), tuple(dense), residual, forward
+    return top_k, tuple(routers), tuple(dense), residual, forward, dims
