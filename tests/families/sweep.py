@@ -19,7 +19,7 @@ STEPS = 6
 TOLERANCE = 1e-4  # float32 |Δlogit|, the project's bar for "exact"
 QUANT_TOLERANCE = 1e-3  # identical quantized weights: only float32 addition order differs
 # One quantization mode per family, in turn, so every mode and every bank kind is covered.
-QUANT_ROTATION = ("4bit", "8bit", "mxfp4", "mxfp8")
+QUANT_ROTATION = ("4bit", "8bit", "mxfp4", "mxfp8", "4bit+8bit-layer")
 
 
 def quant_mode(family: str) -> str:

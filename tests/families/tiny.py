@@ -436,7 +436,24 @@ QUANT_MODES = {
     "8bit": dict(bits=8, group_size=32, mode="affine"),
     "mxfp4": dict(bits=4, group_size=32, mode="mxfp4"),
     "mxfp8": dict(bits=8, group_size=32, mode="mxfp8"),
+    # 4-bit affine with the first MoE layer's experts at 8 bits: a per-layer override in the config
+    "4bit+8bit-layer": dict(bits=4, group_size=32, mode="affine", first_bank_bits=8),
 }
+
+
+def _override_first_bank(model: nn.Module, q: dict):
+    """A quant_predicate giving the first bank `first_bank_bits`, else the family's own choice."""
+    own = getattr(model, "quant_predicate", None)
+    if "first_bank_bits" not in q:
+        return own
+    first = banks(model)[0][0]
+
+    def predicate(path, module):
+        if path == first or path.startswith(first + "."):
+            return {"group_size": q["group_size"], "bits": q["first_bank_bits"], "mode": q["mode"]}
+        return own(path, module) if own is not None else True
+
+    return predicate
 
 
 @functools.lru_cache(maxsize=1)
@@ -468,7 +485,8 @@ def make_checkpoint(model_type: str, out_dir, seed: int = 0, quantize: str | Non
         q = QUANT_MODES[quantize]
         # group size 32 divides every tiny width (hidden 64, expert 32); quantize_model skips others
         with contextlib.redirect_stdout(io.StringIO()):  # it prints bits per weight
-            model, cfg = quantize_model(model, cfg, group_size=q["group_size"], bits=q["bits"], mode=q["mode"])
+            model, cfg = quantize_model(model, cfg, group_size=q["group_size"], bits=q["bits"], mode=q["mode"],
+                                        quant_predicate=_override_first_bank(model, q))
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     for old in out.glob("model*.safetensors*"):
