@@ -101,6 +101,10 @@ class NodeRuntime:
         result.cached_tokens = covered
 
         def hook(sampled: mx.array) -> mx.array:
+            if collective.world_size == 1:  # nobody to agree with: no host round trip per token
+                if should_cancel():
+                    raise Cancelled()
+                return sampled
             token, cancelled = agree(collective, int(sampled.item()), should_cancel())
             if cancelled:
                 raise Cancelled()

@@ -104,7 +104,7 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
         "peak_memory_bytes": info.peak_memory_bytes,
         "active_memory_bytes": info.active_memory_bytes,
         "load_seconds": info.load_seconds,
-        "counters": sharded.state.means(),
+        "counters": sharded.state.means(),  # folds the device-side counts first
         "layer_counters": {str(layer): vars(c) for layer, c in sharded.state.counters.items()},
         "prompt_tps": result.stats.prompt_tps,
         "generation_tps": result.stats.generation_tps,

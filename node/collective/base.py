@@ -38,6 +38,9 @@ class Cancelled(MoeClusterError):
 class Collective(Protocol):
     rank: int
     world_size: int
+    # True where all_reduce is itself a graph operation (one node; mx.distributed): the MoE layer
+    # then hands it the lazy partial. Otherwise the partial is evaluated first and handed over.
+    in_graph: bool
 
     def begin(self, request_id: str) -> None:
         """Start a request: frames of any earlier request are dropped from here on."""
@@ -71,6 +74,7 @@ class LocalCollective:
 
     rank = 0
     world_size = 1
+    in_graph = True  # all_reduce is a graph operation: nothing to evaluate before it
 
     def begin(self, request_id: str) -> None:
         pass

@@ -95,6 +95,10 @@ def make_collective(spec, rank: int):
         raise TypeError(f"no transport for spec {type(spec).__name__} (known: {', '.join(t.__name__ for t in _IMPLEMENTATIONS)})")
     if not 0 <= rank < spec.world_size:
         raise UserError(f"rank {rank} is outside world size {spec.world_size}")
+    if spec.world_size == 1:  # alone: the sum of one share is itself, no transport to start
+        from .base import LocalCollective
+
+        return LocalCollective()
     module, name = target.split(":")
     return getattr(importlib.import_module(module), name)(spec, rank)
 

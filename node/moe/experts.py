@@ -60,6 +60,9 @@ class ShardState:
     timers: Timers = field(default_factory=Timers)
     allreduce_counts: list[int] = field(default_factory=lambda: [0] * (len(ALLREDUCE_BUCKETS) + 1))
     allreduce_seconds: float = 0.0  # lifetime sum
+    # (layer, selected, cluster max) of calls routed on the device, as lazy scalars: folded into
+    # `counters` when read, so no call waits on the host for its counts
+    pending: list = field(default_factory=list)
 
     def __post_init__(self):
         if self.keepalive not in KEEPALIVES:
@@ -78,9 +81,30 @@ class ShardState:
 
     def reset_counters(self) -> None:
         self.counters = {layer: LayerCounters() for layer in self.counters}
+        self.pending = []
+
+    def note(self, layer: int, selected: mx.array, cluster_max: mx.array) -> None:
+        self.pending.append((layer, selected, cluster_max))
+        if len(self.pending) > _FOLD_AT:
+            self.settle(keep=_FOLD_KEEP)
+
+    def settle(self, keep: int = 0) -> None:
+        """Fold the device-side counts into `counters` (all but the `keep` newest, which may belong
+        to a step still being built)."""
+        done, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        if not done:
+            return
+        values = np.array(mx.stack([mx.stack([s, m]) for _, s, m in done]).astype(mx.int32))
+        for (layer, _, _), (selected, cluster_max) in zip(done, values.tolist()):
+            c = self.counters.setdefault(layer, LayerCounters())
+            c.calls += 1
+            c.selected += selected
+            c.computed += selected
+            c.cluster_max += cluster_max
 
     def means(self) -> dict[str, float]:
         """Mean per MoE layer per call of selected/computed/filler on this node."""
+        self.settle()
         calls = sum(c.calls for c in self.counters.values())
         if not calls:
             return {"selected": 0.0, "computed": 0.0, "filler": 0.0}
@@ -131,6 +155,10 @@ class ShardLinear(nn.Module):
                                    mode=self.quant["mode"])
 
 
+# Device-routed calls fold their counts into the counters every so many calls, leaving the newest
+# (a step still being built) for later.
+_FOLD_AT, _FOLD_KEEP = 1024, 64
+
 # How the local experts are multiplied: one gather_mm for all rows (the default, "auto"), or one
 # matmul per expert (MLX's CPU backend has no bfloat16/float16 gather_mm, so "auto" does that there).
 # MOE_CLUSTER_EXPERT_MATMUL=per-expert forces the latter everywhere.
@@ -180,6 +208,16 @@ class ExpertShard(nn.Module):
         self._state = state
         self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(len(self._ids)))
         state.counters.setdefault(layer, LayerCounters())
+        # Routing on the device, without reading the indices on the host, where the work is a
+        # fixed function of them: every expert has one holder (no replica to choose at run time)
+        # and no filler is ever needed (keepalive none, or alone: the cluster maximum is ours).
+        self._lut = self._rank_of = None
+        if self._ids and all(len(rs) == 1 for rs in self._holders.values()) and (
+                state.keepalive == "none" or state.world_size == 1):
+            n = len(self._slot)
+            rank_of = np.array([self._holders[e][0] if e in self._holders else -1 for e in range(n)], dtype=np.int32)
+            self._lut = mx.array(np.where(rank_of == state.rank, self._slot, -1).astype(np.int32))  # global -> slot
+            self._rank_of = mx.array(rank_of[:, None] == np.arange(state.world_size)[None, :], dtype=mx.float32)
 
     @property
     def global_ids(self) -> tuple[int, ...]:
@@ -203,8 +241,30 @@ class ExpertShard(nn.Module):
         want = min(cluster_max, len(self._ids)) - len(mine)
         return free[: max(want, 0)]  # least recently used first
 
+    def _routed_on_device(self, x: mx.array, inds: mx.array) -> mx.array:
+        """Every (token, j) position through its expert's slot, no host sync: positions another
+        node computes go to slot 0 and are zeroed, so a node reads at most one expert more than
+        it selected (measured against the host path in tests/unit/test_experts.py)."""
+        k = inds.shape[-1]
+        flat = inds.reshape(-1)
+        slots = self._lut[flat]
+        mine = slots >= 0
+        safe = mx.where(mine, slots, 0).astype(mx.uint32)
+        rows = mx.repeat(x.reshape(-1, x.shape[-1]), k, axis=0)[:, None, :]
+        y = self._mlp(rows, safe, None)[:, 0, :]
+        y = mx.where(mine[:, None], y, mx.zeros_like(y))
+        hit = mx.zeros((len(self._slot),), dtype=mx.float32).at[flat].add(1.0) > 0  # distinct experts selected
+        per_rank = hit.astype(mx.float32) @ self._rank_of
+        self._state.note(self._layer, per_rank[self._state.rank], per_rank.max())
+        return y.reshape(tuple(inds.shape) + (y.shape[-1],))
+
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         state = self._state
+        rows = inds.size
+        if (self._lut is not None and rows < SORTED_FROM
+                and not _per_expert(rows, self.down_proj.weight.dtype if self._kind == "glu" else self.fc2.weight.dtype,
+                                    (self.down_proj if self._kind == "glu" else self.fc2).quant is not None)):
+            return self._routed_on_device(x, inds)
         t0 = time.perf_counter()
         flat = np.array(inds).reshape(-1, inds.shape[-1])  # host sync: tiny
         state.timers.attention_router += time.perf_counter() - t0

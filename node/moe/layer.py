@@ -87,6 +87,8 @@ class ClusterMoE(nn.Module):
 
     def __call__(self, x, *args, **kwargs):
         y = self.partial(x, *args, **kwargs)
+        if getattr(self._collective, "in_graph", False):  # the step stays one lazy graph
+            return self._collective.all_reduce(y, self._moe.layer)
         state = self._state
         t0 = time.perf_counter()
         mx.eval(y)

@@ -28,11 +28,11 @@ def test_float32_exact_at_2_and_3_nodes(family, tmp_path):
     _runnable(family)
     path = sweep.checkpoint(family, tmp_path)
     ref = tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)
-    for nodes in (2, 3):
-        got = sweep.check(path, nodes, ref)
+    for nodes, keepalive in ((2, "lru"), (3, "lru"), (2, "none")):  # none: decode routed on the device
+        got = sweep.check(path, nodes, ref, keepalive)
         assert len(got["tokens"]) == sweep.STEPS
-        assert got["tokens_match"], (family, nodes, got)
-        assert got["max_abs_logit_diff"] <= sweep.TOLERANCE, (family, nodes, got["max_abs_logit_diff"])
+        assert got["tokens_match"], (family, nodes, keepalive, got)
+        assert got["max_abs_logit_diff"] <= sweep.TOLERANCE, (family, nodes, keepalive, got["max_abs_logit_diff"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

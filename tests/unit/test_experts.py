@@ -33,18 +33,24 @@ def _shards(bank, placement: Placement, keepalive: str, dtype=mx.float32, linear
     return out
 
 
+def _counters(shard):
+    shard._state.settle()  # device-routed calls count lazily
+    return dict(vars(shard._state.counters[0]))
+
+
 def _step(shards, x, inds):
-    before = [dict(vars(s._state.counters[0])) for s in shards]
+    before = [_counters(s) for s in shards]
     ys = [s(x, inds) for s in shards]
-    after = [vars(s._state.counters[0]) for s in shards]
+    after = [_counters(s) for s in shards]
     delta = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before)]
     return ys, delta
 
 
+@pytest.mark.parametrize("keepalive", ["lru", "none"])  # none: decode routed on the device
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_partials_sum_to_the_full_bank(world):
+def test_partials_sum_to_the_full_bank(world, keepalive):
     bank = _bank()
-    shards = _shards(bank, Placement.even({0: E}, world), "lru")
+    shards = _shards(bank, Placement.even({0: E}, world), keepalive)
     rng = np.random.default_rng(0)
     for tokens in (1, 5, 70):  # decode, small prefill, prefill past SwitchGLU's sort threshold
         x = mx.array(rng.standard_normal((1, tokens, D)).astype(np.float32))
@@ -133,3 +139,30 @@ def test_warm_up_touches_every_local_expert():
     assert all(sorted(set(slots)) == list(range(local)) for _, slots in seen), seen
     assert list(shard._lru) == list(range(local))
     assert shard._state.counters[0].calls == 0
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_device_routing_equals_the_host_path(world):
+    """Decode steps routed on the device (no host sync) give the host path's outputs and counters."""
+    bank = _bank()
+    placement = Placement.even({0: E}, world)
+    device, host = _shards(bank, placement, "none"), _shards(bank, placement, "none")
+    for s in host:
+        s._lut = None  # the host path: indices read on the host, rows grouped by expert
+    assert all(s._lut is not None for s in device)
+    rng = np.random.default_rng(1)
+    for step in range(6):
+        tokens = 1 + step % 3
+        x = mx.array(rng.standard_normal((1, tokens, D)).astype(np.float32))
+        inds = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(1, tokens, K))
+        ys_d, delta_d = _step(device, x, inds)
+        ys_h, delta_h = _step(host, x, inds)
+        for a, b in zip(ys_d, ys_h):
+            assert mx.allclose(a, b, atol=1e-6).item()
+        assert delta_d == delta_h
+
+
+def test_replicated_experts_keep_the_host_path():
+    """A replica is chosen per call from the whole selection, so it is decided on the host."""
+    placement = Placement(2, {0: {0: tuple(range(E)), 1: (0, 1)}})
+    assert all(s._lut is None for s in _shards(_bank(), placement, "none"))
