@@ -86,6 +86,7 @@ _IMPLEMENTATIONS = {
     EnvoySpec: "moe_cluster.node.collective.envoy:EnvoyCollective",
     MlxSpec: "moe_cluster.node.collective.mlx:MlxCollective",
 }
+_ALONE = "moe_cluster.node.collective.base:LocalCollective"
 
 
 def make_collective(spec, rank: int):
@@ -96,9 +97,8 @@ def make_collective(spec, rank: int):
     if not 0 <= rank < spec.world_size:
         raise UserError(f"rank {rank} is outside world size {spec.world_size}")
     if spec.world_size == 1:  # alone: the sum of one share is itself, no transport to start
-        from .base import LocalCollective
-
-        return LocalCollective()
+        module, name = _ALONE.split(":")
+        return getattr(importlib.import_module(module), name)()
     module, name = target.split(":")
     return getattr(importlib.import_module(module), name)(spec, rank)
 
