@@ -17,7 +17,8 @@ from typing import AsyncIterator, Callable, Sequence
 
 import grpc
 
-from ...proto.errors import DeadlineError, ErrorKind, MoeClusterError, NotReadyError, error_for, kind_from_grpc
+from ...proto.errors import (DeadlineError, ErrorKind, MoeClusterError, NotReadyError, error_for, kind_from_grpc,
+                             kind_of)
 from ...proto.records import GenerateDone, GeneratedTokens, LoadSpec, NodeError
 from ...proto.records import GenerateRequest
 from .client import ClusterError, NodeClient, describe_rpc_error
@@ -272,6 +273,8 @@ class Cluster:
                 await queue.put((m, event))
         except grpc.RpcError as exc:
             await queue.put((m, NodeError(kind_from_grpc(exc.code()), describe_rpc_error(exc), m.rank)))
+        except Exception as exc:  # noqa: BLE001 - e.g. a request the wire cannot carry: the request's error, by kind
+            await queue.put((m, NodeError(kind_of(exc), f"{type(exc).__name__}: {exc}", m.rank)))
         finally:
             await queue.put((m, None))
 
