@@ -63,6 +63,8 @@ class ApiConfig:
     port: int = 8080
     api_key_env: str | None = None  # name of the environment variable holding the API key
     api_key_file: str | None = None
+    max_body: Size = Size(16 * 2**20)  # bytes of a request body at most; larger ones get HTTP 413
+    metrics_auth: bool = False  # /metrics needs the API key too (with a key configured)
 
 
 @dataclass(frozen=True)
@@ -292,6 +294,8 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
         raise r.fail(_find(root, "placement", "strategy"), "placement.profile", "strategy 'profile' needs a profile file")
     if not 1 <= c.api.port <= 65535 and c.api.port != 0:
         raise r.fail(_find(root, "api", "port"), "api.port", f"{c.api.port} is not a port (1..65535)")
+    if c.api.max_body < 1024:
+        raise r.fail(_find(root, "api", "max_body"), "api.max_body", f"must be at least 1KB (got {int(c.api.max_body)} bytes)")
     if c.api.api_key_env and c.api.api_key_file:
         raise r.fail(_find(root, "api"), "api", "give api_key_env or api_key_file, not both")
     secret = _find(root, "secret")

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ...node.checkpoint import Checkpoint
+from ...node.vocab import checkpoint_vocab
 from ...proto.profile import parse_profile
 from ...proto.records import LoadSpec, TlsFiles
 from ...node.collective.specs import EnvoySpec, MlxSpec, free_ports
@@ -160,6 +161,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
     api_key = read_api_key(c)
     tokenizer = load_tokenizer(Path(model_path))
     fp = footprint(model_path)
+    vocab = checkpoint_vocab(model_path)  # prompt ids at or past it are refused at the API
     profile = _profile_counts(c.placement.profile, Path(c.source).parent) if c.placement.profile else None
 
     _check_port_free(c)
@@ -241,7 +243,8 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         context = int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or context or 4096)
         api = Api(cluster, tokenizer, ServingOptions(model_id=c.model, context_length=context,
                                                      default_max_tokens=c.serving.max_tokens, api_key=api_key,
-                                                     on_shutdown=stop.set))
+                                                     on_shutdown=stop.set, vocab_size=vocab,
+                                                     max_body=c.api.max_body, metrics_auth=c.api.metrics_auth))
         runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, c.api.host, c.api.port)
