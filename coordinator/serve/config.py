@@ -219,11 +219,17 @@ def load_config(path: str | os.PathLike) -> ClusterConfig:
     path = Path(path)
     source = str(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{source}: no such file") from None
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read ({exc.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{source}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                          "save the file as UTF-8") from None
     return parse_config(text, source)
 
 
@@ -351,9 +357,21 @@ def read_api_key(c: ClusterConfig) -> str | None:
     return None
 
 
+def read_credentials(c: ClusterConfig) -> tuple[str, str | None]:
+    """(cluster secret, API key) as `up` needs them; a ConfigError naming the key when one cannot be
+    read. An empty secret is only allowed with launch: local (`up` then makes one for its nodes)."""
+    secret = read_secret(c)
+    if not secret and c.launch == "remote":
+        raise ConfigError(f"{c.source}: secret: no cluster secret; set {c.secret.env or 'MOE_CLUSTER_SECRET'} "
+                          "(the same on every node) or secret.file")
+    return secret, read_api_key(c)
+
+
 def validate_main(args) -> int:
-    """`moe-cluster validate FILE`: check a cluster.yaml and summarise it."""
+    """`moe-cluster validate FILE`: check a cluster.yaml (and its secret and API key, as `up` reads
+    them) and summarise it."""
     c = load_config(args.file)
+    read_credentials(c)
     nodes = ", ".join(n.name + (f" ({n.address})" if n.address else "") for n in c.nodes)
     print(f"{c.source}: ok — {len(c.nodes)} nodes [{nodes}], model {c.model}, launch {c.launch}, "
           f"transport {c.transport}, keepalive {c.keepalive}, placement {c.placement.strategy}, "
