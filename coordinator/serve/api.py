@@ -254,7 +254,8 @@ class Api:
             {"id": self.options.model_id, "object": "model", "created": self.created, "owned_by": "moe-cluster"}]})
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.cluster.status())
+        # requests that ended well (not failed, not cancelled), as /metrics counts them
+        return web.json_response({**self.cluster.status(), "requests_completed": self.metrics.requests["ok"]})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(self.cluster), content_type="text/plain", charset="utf-8")
@@ -292,6 +293,7 @@ class Api:
             prompt = prompt[0]
         sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
         if isinstance(prompt, list) and prompt and not any(isinstance(t, (str, list)) for t in prompt):
+            self._check_context(prompt, sampling, chat=False)  # first, as it costs nothing on a long list
             self._check_ids(prompt, "prompt")  # names the first id that is not an int in [0, vocab)
             ids = list(prompt)
         elif isinstance(prompt, str) and prompt:

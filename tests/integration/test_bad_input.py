@@ -273,3 +273,130 @@ def test_a_seeded_fuzz_of_malformed_requests_gets_only_4xx_and_the_nodes_stay_up
     assert status(api)["state"] == "ready"
     assert_good_request(api)
     assert took < 60, f"the fuzz took {took:.0f} s"
+
+
+# -- big bodies --------------------------------------------------------------------------------------
+
+HEALTH_BOUND_S = 0.100  # /health's own latency while a 13 MB request is being prepared
+
+
+def test_health_answers_within_100ms_while_a_13mb_prompt_is_tokenized(api):
+    """The 13 MB prompt takes seconds to tokenize (on the API's worker thread); meanwhile every
+    /health request, timed alone on a kept-open connection, answers within 100 ms."""
+    import threading
+
+    from moe_cluster.node.demo import MODEL_DIR
+
+    text = (MODEL_DIR.parent / "corpus" / "hamlet.txt").read_text()
+    big = json.dumps({"prompt": (text * (13_000_000 // len(text) + 1))[:13_000_000], "max_tokens": 4}).encode()
+    assert len(big) > 13_000_000
+    result: list = []
+    sender = threading.Thread(target=lambda: result.append(post_raw(api, big, timeout=180)))
+    u = urllib.parse.urlsplit(api)
+    conn = HTTPConnection(u.hostname, u.port, timeout=10)
+    conn.request("GET", "/health")  # connected and warm before the big request starts
+    conn.getresponse().read()
+    t_sent = time.monotonic()
+    sender.start()
+    latencies = []
+    try:
+        while sender.is_alive() and time.monotonic() - t_sent < 120:
+            t0 = time.perf_counter()
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            r.read()
+            latencies.append(time.perf_counter() - t0)
+            assert r.status == 200
+            time.sleep(0.05)
+    finally:
+        conn.close()
+        sender.join(180)
+    took = time.monotonic() - t_sent
+    code, reply = result[0]
+    # refused for its length once tokenized: it was really read, parsed and tokenized meanwhile
+    assert code == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    assert took > 2 and len(latencies) > 20, (took, len(latencies))
+    assert max(latencies) < HEALTH_BOUND_S, f"slowest /health {max(latencies) * 1000:.0f} ms of {len(latencies)}"
+
+
+def test_a_body_over_max_body_is_413_naming_the_limit(api):
+    code, reply = post_raw(api, b'{"prompt": "' + b"a" * (16 * 2**20) + b'"}')
+    assert code == 413, reply
+    assert str(16 * 2**20) in reply["error"]["message"] and "api.max_body" in reply["error"]["message"]
+
+
+def test_13mb_of_token_ids_is_400_without_stalling_health(api):
+    ids = json.dumps({"prompt": [7] * 2_600_000}).encode()
+    assert len(ids) > 7_000_000
+    t0 = time.monotonic()
+    code, reply = post_raw(api, ids, timeout=120)
+    assert code == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    assert time.monotonic() - t0 < 60
+
+
+# -- status and metrics -----------------------------------------------------------------------------
+
+
+def test_status_budget_is_memory_after_fraction_and_kv_reserve(api):
+    """The defaults: memory_fraction 0.75, kv_reserve 512 MiB plus the 256 MiB prompt cache."""
+    import os
+
+    from conftest import cli
+    from moe_cluster.coordinator.serve.client import NodeClient
+    from moe_cluster.coordinator.serve.placement import fmt_bytes
+
+    nodes = status(api)["nodes"]
+
+    async def reported(n) -> int:
+        c = NodeClient(n["name"], n["address"], SECRET)
+        try:
+            return (await c.status(timeout=5)).memory.budget_bytes
+        finally:
+            await c.close()
+
+    r = cli("status", "--url", api, env={**os.environ, "MOE_CLUSTER_API_KEY": KEY}, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for n in nodes:
+        memory = asyncio.run(reported(n))
+        want = int(memory * 0.75) - (512 + 256) * 2**20
+        assert n["budget_bytes"] == want < memory, (n, memory)
+        row = next(line for line in r.stdout.splitlines() if line.startswith(n["name"]))
+        assert f"/ {fmt_bytes(want)}" in row and fmt_bytes(memory) not in row, row
+
+
+def metric(url: str, name: str) -> float:
+    code, text = http(url, "/metrics", headers=AUTH)
+    assert code == 200, text
+    return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines() if line.rsplit(" ", 1)[0] == name))
+
+
+def test_requests_completed_counts_only_requests_that_ended_well(api):
+    ok = 'moe_cluster_requests_total{outcome="ok"}'
+    done0, ok0 = status(api)["requests_completed"], metric(api, ok)
+    assert_good_request(api)
+    # cancelled: a streamed request whose client goes after the first chunk
+    cancelled = 'moe_cluster_requests_total{outcome="cancelled"}'
+    c0 = metric(api, cancelled)
+    u = urllib.parse.urlsplit(api)
+    conn = HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "Now is the winter", "max_tokens": 2000,
+                                                        "stream": True}), {"Content-Type": "application/json", **AUTH})
+    r = conn.getresponse()
+    assert r.status == 200 and r.readline().startswith(b"data: ")
+    conn.close()
+    deadline = time.monotonic() + 15
+    while metric(api, cancelled) == c0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(api, cancelled) == c0 + 1
+    assert complete(api, {"prompt": [VOCAB + 5]})[0] == 400  # refused: never a request
+    assert_good_request(api)
+    assert status(api)["requests_completed"] == done0 + 2
+    assert metric(api, ok) == ok0 + 2
+
+
+def test_metrics_need_the_key_when_metrics_auth_is_set(api):
+    assert http(api, "/metrics")[0] == 401
+    assert http(api, "/metrics", headers={"Authorization": "Bearer wrong"})[0] == 401
+    code, text = http(api, "/metrics", headers=AUTH)
+    assert code == 200 and "moe_cluster_requests_total" in text
+    assert http(api, "/health")[0] == 200  # health stays open, for load balancers
