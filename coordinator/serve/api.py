@@ -36,6 +36,9 @@ MAX_BODY = 16 * 2**20  # bytes: cluster.yaml's api.max_body unless it says
 # the GIL every switch interval (5 ms); the C scanner holds it throughout: 0.3 s for 13 MB of token
 # ids on this VM. Small bodies take the C scanner (under 2 ms).
 BIG_BODY = 256 * 2**10
+# A prefix cut inside a word may take a few more tokens than the same text whole: a prefix is only
+# called too long past this many tokens over the context.
+_CUT_MARGIN = 64
 _FAST_JSON = json.JSONDecoder()
 _SLOW_JSON = json.JSONDecoder()
 _SLOW_JSON.scan_once = json.scanner.py_make_scanner(_SLOW_JSON)  # used only on the API's worker thread
@@ -157,6 +160,7 @@ class Api:
         self.metrics = metrics or Metrics()
         self.created = int(time.time())
         self.worker: Worker | None = None  # started with the app, closed with it
+        self._count_tok = None  # the worker's own tokenizer for counting (see _counter)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth], client_max_size=self.options.max_body)
@@ -195,9 +199,47 @@ class Api:
         except UserError as exc:
             raise ApiError(INVALID, str(exc), param=param) from None
 
+    def _counter(self):
+        """The fast tokenizer's Rust core, copied for the worker's counting (None: not a fast one)."""
+        if self._count_tok is None:
+            backend = getattr(getattr(self.tokenizer, "_tokenizer", None), "backend_tokenizer", None)
+            if backend is None:
+                self._count_tok = False  # every prompt is tokenized in full
+            else:
+                from tokenizers import Tokenizer
+
+                self._count_tok = Tokenizer.from_str(backend.to_str())
+                self._count_tok.no_padding()
+                self._count_tok.no_truncation()
+        return self._count_tok or None
+
+    def _refuse_too_long(self, texts: list[str], param: str) -> None:
+        """Refuse texts that cannot fit before tokenizing them in full. Tokenizing releases the GIL,
+        but handing millions of ids to Python, and freeing them, holds it: 0.13 s per 3 MB of text
+        (measured), 0.4 s for 13 MB, all of it a stall of the event loop. So prefixes are counted,
+        doubling from `context` characters, until one is over the context or the text is done: no
+        step hands Python more than a few times the context in ids."""
+        ctx = self.options.context_length
+        if sum(len(t) for t in texts) <= ctx or self._counter() is None:
+            return  # few ids at most, or no way to count them short
+        n = 0
+        for text in texts:
+            size = ctx
+            while True:  # encode_batch releases the GIL while it works; encode holds it
+                got = len(self._counter().encode_batch([text[:size]], add_special_tokens=False)[0].ids)
+                if n + got > ctx + _CUT_MARGIN or size >= len(text):
+                    break
+                size *= 2
+            n += got
+            if n > ctx + _CUT_MARGIN:
+                raise ApiError(INVALID, f"This model's maximum context length is {ctx} tokens. However, your "
+                                        f"{param} alone is more than {ctx} tokens.", param=param,
+                               code="context_length_exceeded")
+
     def _encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (on the worker: a long prompt takes seconds)."""
         _check_text(prompt, "prompt")
+        self._refuse_too_long([prompt], "prompt")
         tok = self.tokenizer
         return list(tok.encode(prompt, add_special_tokens=tok.bos_token is None or not prompt.startswith(tok.bos_token)))
 
@@ -207,6 +249,7 @@ class Api:
 
         for i, m in enumerate(messages):
             _check_text(m["content"], f"messages[{i}].content")
+        self._refuse_too_long([m["content"] for m in messages], "messages")
         try:
             return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
         except TemplateError as exc:  # the template refuses these messages; its text is meant for the user
@@ -292,8 +335,9 @@ class Api:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
-        if isinstance(prompt, list) and prompt and not any(isinstance(t, (str, list)) for t in prompt):
-            self._check_context(prompt, sampling, chat=False)  # first, as it costs nothing on a long list
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):
+            # the length first: it costs nothing, while a pass over 4 million ids stalls the loop 0.3 s
+            self._check_context(prompt, sampling, chat=False)
             self._check_ids(prompt, "prompt")  # names the first id that is not an int in [0, vocab)
             ids = list(prompt)
         elif isinstance(prompt, str) and prompt:

@@ -280,21 +280,23 @@ def test_a_seeded_fuzz_of_malformed_requests_gets_only_4xx_and_the_nodes_stay_up
 HEALTH_BOUND_S = 0.100  # /health's own latency while a 13 MB request is being prepared
 
 
-def test_health_answers_within_100ms_while_a_13mb_prompt_is_tokenized(api):
-    """The 13 MB prompt takes seconds to tokenize (on the API's worker thread); meanwhile every
-    /health request, timed alone on a kept-open connection, answers within 100 ms."""
+def test_health_answers_within_100ms_while_13mb_requests_are_prepared(api):
+    """Two 13 MB requests, one after the other: a text prompt (read, parsed, counted short on the API's
+    worker thread) and 4.4 million token ids (parsed by the scanner that yields the GIL: seconds).
+    Meanwhile every /health request, timed alone on a kept-open connection, answers within 100 ms."""
     import threading
 
     from moe_cluster.node.demo import MODEL_DIR
 
     text = (MODEL_DIR.parent / "corpus" / "hamlet.txt").read_text()
-    big = json.dumps({"prompt": (text * (13_000_000 // len(text) + 1))[:13_000_000], "max_tokens": 4}).encode()
-    assert len(big) > 13_000_000
-    result: list = []
-    sender = threading.Thread(target=lambda: result.append(post_raw(api, big, timeout=180)))
+    bodies = [json.dumps({"prompt": (text * (13_000_000 // len(text) + 1))[:13_000_000], "max_tokens": 4}).encode(),
+              json.dumps({"prompt": [7] * 4_400_000}).encode()]
+    assert all(len(b) > 13_000_000 for b in bodies)
+    results: list = []
+    sender = threading.Thread(target=lambda: results.extend(post_raw(api, b, timeout=180) for b in bodies))
     u = urllib.parse.urlsplit(api)
     conn = HTTPConnection(u.hostname, u.port, timeout=10)
-    conn.request("GET", "/health")  # connected and warm before the big request starts
+    conn.request("GET", "/health")  # connected and warm before the big requests start
     conn.getresponse().read()
     t_sent = time.monotonic()
     sender.start()
@@ -307,15 +309,14 @@ def test_health_answers_within_100ms_while_a_13mb_prompt_is_tokenized(api):
             r.read()
             latencies.append(time.perf_counter() - t0)
             assert r.status == 200
-            time.sleep(0.05)
+            time.sleep(0.02)
     finally:
         conn.close()
         sender.join(180)
     took = time.monotonic() - t_sent
-    code, reply = result[0]
-    # refused for its length once tokenized: it was really read, parsed and tokenized meanwhile
-    assert code == 400 and reply["error"]["code"] == "context_length_exceeded", reply
-    assert took > 2 and len(latencies) > 20, (took, len(latencies))
+    for code, reply in results:  # refused for their length: really read and parsed meanwhile
+        assert code == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    assert len(results) == 2 and len(latencies) >= 10, (took, len(latencies))
     assert max(latencies) < HEALTH_BOUND_S, f"slowest /health {max(latencies) * 1000:.0f} ms of {len(latencies)}"
 
 
@@ -323,15 +324,6 @@ def test_a_body_over_max_body_is_413_naming_the_limit(api):
     code, reply = post_raw(api, b'{"prompt": "' + b"a" * (16 * 2**20) + b'"}')
     assert code == 413, reply
     assert str(16 * 2**20) in reply["error"]["message"] and "api.max_body" in reply["error"]["message"]
-
-
-def test_13mb_of_token_ids_is_400_without_stalling_health(api):
-    ids = json.dumps({"prompt": [7] * 2_600_000}).encode()
-    assert len(ids) > 7_000_000
-    t0 = time.monotonic()
-    code, reply = post_raw(api, ids, timeout=120)
-    assert code == 400 and reply["error"]["code"] == "context_length_exceeded", reply
-    assert time.monotonic() - t0 < 60
 
 
 # -- status and metrics -----------------------------------------------------------------------------
