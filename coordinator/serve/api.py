@@ -39,6 +39,9 @@ BIG_BODY = 256 * 2**10
 # A prefix cut inside a word may take a few more tokens than the same text whole: a prefix is only
 # called too long past this many tokens over the context.
 _CUT_MARGIN = 64
+# Texts up to this many characters are tokenized in full (ids handed to Python in ~40 ms at most),
+# so a too-long prompt's error gives its exact count; longer ones are counted short first.
+_COUNT_FROM = 2**20
 _FAST_JSON = json.JSONDecoder()
 _SLOW_JSON = json.JSONDecoder()
 _SLOW_JSON.scan_once = json.scanner.py_make_scanner(_SLOW_JSON)  # used only on the API's worker thread
@@ -220,8 +223,8 @@ class Api:
         doubling from `context` characters, until one is over the context or the text is done: no
         step hands Python more than a few times the context in ids."""
         ctx = self.options.context_length
-        if sum(len(t) for t in texts) <= ctx or self._counter() is None:
-            return  # few ids at most, or no way to count them short
+        if sum(len(t) for t in texts) <= max(ctx, _COUNT_FROM) or self._counter() is None:
+            return  # tokenized in full (the error gives the exact count), or no way to count short
         n = 0
         for text in texts:
             size = ctx
