@@ -218,6 +218,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             await context.abort(grpc_code(ErrorKind.NOT_READY), f"node is {self.state}, not ready")
         try:
             req = convert.generate_request_from_proto(request, prefill_step=self.load_spec.prefill_step)
+            self.runtime.check(req)  # before MLX sees it: a bad id can crash the process
         except UserError as exc:
             await context.abort(grpc_code(exc.kind), str(exc))
         if self._current is not None:

@@ -8,8 +8,9 @@ from typing import Callable, Iterator
 
 import mlx.core as mx
 
+from ..proto.errors import UserError
 from .collective.base import TOKEN_LAYER, Cancelled, agree
-from ..proto.records import GenerateRequest
+from ..proto.records import GenerateRequest, check_token_ids
 from .engine import Stats, generate_tokens
 from .moe.load import ShardedModel
 
@@ -43,12 +44,24 @@ class NodeRuntime:
     """
 
     def __init__(self, sharded: ShardedModel, prompt_cache_bytes: int = 0):
+        from .vocab import embedding_rows
+
         self.sharded = sharded
+        self.vocab = embedding_rows(sharded.model)  # token ids must be below this
         self.prompt_cache = None
         if prompt_cache_bytes > 0:
             from mlx_lm.models.cache import LRUPromptCache
 
             self.prompt_cache = LRUPromptCache(max_size=64, max_bytes=prompt_cache_bytes)
+
+    def check(self, req: GenerateRequest) -> None:
+        """Refuse (UserError) a request this model cannot run, before any MLX work: every node
+        checks the same request against the same model, so all refuse it and none is left waiting
+        in an all-reduce; an id past the embedding would read outside it and can end the process."""
+        req.sampling.check()
+        if not req.prompt:
+            raise UserError(f"request {req.request_id} has an empty prompt")
+        check_token_ids(req.prompt, self.vocab)
 
     @property
     def collective(self):

@@ -230,10 +230,13 @@ def load_progress_from_proto(msg: npb.LoadProgress) -> LoadProgress:
 
 def generate_request_to_proto(req: GenerateRequest) -> npb.GenerateRequest:
     s = req.sampling
-    msg = npb.GenerateRequest(request_id=req.request_id, prompt=list(req.prompt), max_tokens=s.max_tokens,
-                              temperature=s.temperature, top_p=s.top_p, eos_token_ids=list(req.eos_token_ids))
-    if s.seed is not None:
-        msg.seed = s.seed
+    try:  # protobuf refuses values its fields cannot hold (a negative id, a seed past uint64)
+        msg = npb.GenerateRequest(request_id=req.request_id, prompt=list(req.prompt), max_tokens=s.max_tokens,
+                                  temperature=s.temperature, top_p=s.top_p, eos_token_ids=list(req.eos_token_ids))
+        if s.seed is not None:
+            msg.seed = s.seed
+    except (ValueError, TypeError) as exc:
+        raise ConvertError(f"GenerateRequest {req.request_id} does not fit the wire format: {exc}") from None
     return msg
 
 

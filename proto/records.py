@@ -31,10 +31,26 @@ class Sampling:
     def check(self) -> None:
         if self.max_tokens < 1:
             raise UserError(f"max_tokens must be at least 1 (got {self.max_tokens})")
-        if self.temperature < 0:
-            raise UserError(f"temperature must be >= 0 (got {self.temperature})")
+        if not 0 <= self.temperature < float("inf"):  # NaN fails this too
+            raise UserError(f"temperature must be a finite number >= 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed <= SEED_MAX):
+            raise UserError(f"seed must be an integer in [0, 2**64-1] (got {self.seed!r})")
+
+
+SEED_MAX = 2**64 - 1  # mx.random.seed takes 0 .. 2**64-1 (measured: 2**64 and -1 raise TypeError)
+
+
+def check_token_ids(ids: Sequence, vocab: int, what: str = "prompt") -> None:
+    """Refuse ids that are not ints in [0, vocab) (vocab: the embedding's rows), naming the first
+    offending position and value; an id past the table reads outside it and can end a node."""
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise UserError(f"{what}[{i}] must be an integer token id (got {t!r})")
+        if not 0 <= t < vocab:
+            raise UserError(f"{what}[{i}] is out of range ({t}): token ids must be in [0, {vocab})")
 
 
 @dataclass(frozen=True)

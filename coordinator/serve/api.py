@@ -11,6 +11,7 @@ import asyncio
 import copy
 import hmac
 import json
+import json.scanner
 import logging
 import time
 import uuid
@@ -19,17 +20,31 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from ...proto.records import Sampling
-from ...proto.records import GenerateRequest
-from ...proto.errors import KINDS, ErrorKind, MoeClusterError, kind_from_http
+from ...proto.records import SEED_MAX, GenerateRequest, Sampling, check_token_ids
+from ...proto.errors import KINDS, ErrorKind, MoeClusterError, UserError, kind_from_http
 from .cluster import Cluster, Outcome
 from .metrics import Metrics, prompt_tps
+from .worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
 INVALID = ErrorKind.INVALID_INPUT  # 400, naming the field in `param`
 INTERNAL_MESSAGE = "internal error in the cluster (the coordinator's log has the details)"
+MAX_BODY = 16 * 2**20  # bytes: cluster.yaml's api.max_body unless it says
+# Bodies above this many bytes are parsed by json's pure-Python scanner, which gives the event loop
+# the GIL every switch interval (5 ms); the C scanner holds it throughout: 0.3 s for 13 MB of token
+# ids on this VM. Small bodies take the C scanner (under 2 ms).
+BIG_BODY = 256 * 2**10
+# A prefix cut inside a word may take a few more tokens than the same text whole: a prefix is only
+# called too long past this many tokens over the context.
+_CUT_MARGIN = 64
+# Texts up to this many characters are tokenized in full (ids handed to Python in ~40 ms at most),
+# so a too-long prompt's error gives its exact count; longer ones are counted short first.
+_COUNT_FROM = 2**20
+_FAST_JSON = json.JSONDecoder()
+_SLOW_JSON = json.JSONDecoder()
+_SLOW_JSON.scan_once = json.scanner.py_make_scanner(_SLOW_JSON)  # used only on the API's worker thread
 
 
 class ApiError(Exception):
@@ -63,21 +78,29 @@ class ServingOptions:
     default_max_tokens: int = 256
     api_key: str | None = field(default=None, repr=False)
     on_shutdown: Callable[[], None] | None = None
+    vocab_size: int = 0  # rows of the model's token embedding: prompt ids must be below it (0: unchecked)
+    max_body: int = MAX_BODY  # bytes; larger bodies get 413
+    metrics_auth: bool = False  # /metrics needs the API key too
 
 
 # -- request parsing -------------------------------------------------------------------------
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """A value for an error message, cut short: the client sent it and may have sent megabytes."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _field(body: dict, name: str, types: tuple, default: Any = None, *, check=None, what: str = "") -> Any:
     if name not in body or body[name] is None:
         return default
     value = body[name]
-    if isinstance(value, bool) and bool not in types:
-        raise ApiError(INVALID, f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)}", param=name)
-    if not isinstance(value, types):
-        raise ApiError(INVALID, f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)}", param=name)
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        raise ApiError(INVALID, f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)} "
+                                f"(got {_show(value)})", param=name)
     if check is not None and not check(value):
-        raise ApiError(INVALID, f"'{name}' is out of range ({value!r}): must be {what}", param=name)
+        raise ApiError(INVALID, f"'{name}' is out of range ({_show(value)}): must be {what}", param=name)
     return value
 
 
@@ -88,7 +111,7 @@ def parse_sampling(body: dict, default_max_tokens: int) -> tuple[Sampling, list[
     temperature = float(_field(body, "temperature", (int, float), 0.0, check=lambda v: 0 <= v <= 2,
                                what="a number in [0, 2]"))
     top_p = float(_field(body, "top_p", (int, float), 1.0, check=lambda v: 0 < v <= 1, what="a number in (0, 1]"))
-    seed = _field(body, "seed", (int,), None, what="an integer")
+    seed = _field(body, "seed", (int,), None, check=lambda v: 0 <= v <= SEED_MAX, what="an integer in [0, 2**64-1]")
     stop = body.get("stop")
     if stop is None:
         stops = []
@@ -97,7 +120,8 @@ def parse_sampling(body: dict, default_max_tokens: int) -> tuple[Sampling, list[
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
         stops = list(stop)
     else:
-        raise ApiError(INVALID, "'stop' must be a string or a list of up to 4 strings", param="stop")
+        raise ApiError(INVALID, f"'stop' must be a string or a list of up to 4 strings (got {_show(stop)})",
+                       param="stop")
     stops = [s for s in stops if s]
     stream = _field(body, "stream", (bool,), False, what="a boolean")
     n = _field(body, "n", (int,), 1, check=lambda v: v == 1, what="1 (one choice per request)")
@@ -105,13 +129,26 @@ def parse_sampling(body: dict, default_max_tokens: int) -> tuple[Sampling, list[
     return Sampling(max_tokens, temperature, top_p, seed), stops, stream
 
 
-async def _json_body(request: web.Request) -> dict:
+def _check_text(text: str, param: str) -> None:
+    """JSON may carry lone surrogates ("\\ud800"), which no tokenizer takes (a TypeError deep inside)."""
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ApiError(INVALID, "request body is not valid JSON") from None
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(INVALID, f"'{param}' is not valid Unicode text: a lone surrogate at character {exc.start}",
+                       param=param) from None
+
+
+def parse_json(raw: bytes) -> dict:
+    """A request body as a JSON object (UTF-8, -16 or -32, as json.loads reads bytes); runs on the
+    API's worker. Whatever the content type says: clients such as curl -d send JSON as a form."""
+    try:
+        text = raw.decode(json.detect_encoding(raw))
+        body = (_SLOW_JSON if len(raw) > BIG_BODY else _FAST_JSON).decode(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        where = f" (line {exc.lineno}, column {exc.colno}: {exc.msg})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise ApiError(INVALID, f"request body is not valid JSON{where}") from None
     if not isinstance(body, dict):
-        raise ApiError(INVALID, "request body must be a JSON object")
+        raise ApiError(INVALID, f"request body must be a JSON object (got {type(body).__name__})")
     return body
 
 
@@ -125,9 +162,12 @@ class Api:
         self.options = options
         self.metrics = metrics or Metrics()
         self.created = int(time.time())
+        self.worker: Worker | None = None  # started with the app, closed with it
+        self._count_tok = None  # the worker's own tokenizer for counting (see _counter)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=16 << 20)
+        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=self.options.max_body)
+        app.cleanup_ctx.append(self._worker_ctx)
         app.add_routes([
             web.get("/health", self.health),
             web.get("/metrics", self.prometheus),
@@ -138,6 +178,86 @@ class Api:
             web.post("/v1/cluster/shutdown", self.shutdown),
         ])
         return app
+
+    async def _worker_ctx(self, app: web.Application):
+        self.worker = Worker()
+        try:
+            yield
+        finally:
+            self.worker.close()
+
+    async def _json_body(self, request: web.Request) -> dict:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            error = ApiError(INVALID, f"request body is larger than the limit of {self.options.max_body} bytes "
+                                      "(cluster.yaml api.max_body)", code="request_too_large")
+            error.status = 413
+            raise error from None
+        return await self.worker.call(lambda: parse_json(raw))
+
+    def _check_ids(self, ids: list, param: str) -> None:
+        try:  # with no vocabulary known, at least what the wire's uint32 can carry
+            check_token_ids(ids, self.options.vocab_size or 2**32, param)
+        except UserError as exc:
+            raise ApiError(INVALID, str(exc), param=param) from None
+
+    def _counter(self):
+        """The fast tokenizer's Rust core, copied for the worker's counting (None: not a fast one)."""
+        if self._count_tok is None:
+            backend = getattr(getattr(self.tokenizer, "_tokenizer", None), "backend_tokenizer", None)
+            if backend is None:
+                self._count_tok = False  # every prompt is tokenized in full
+            else:
+                from tokenizers import Tokenizer
+
+                self._count_tok = Tokenizer.from_str(backend.to_str())
+                self._count_tok.no_padding()
+                self._count_tok.no_truncation()
+        return self._count_tok or None
+
+    def _refuse_too_long(self, texts: list[str], param: str) -> None:
+        """Refuse texts that cannot fit before tokenizing them in full. Tokenizing releases the GIL,
+        but handing millions of ids to Python, and freeing them, holds it: 0.13 s per 3 MB of text
+        (measured), 0.4 s for 13 MB, all of it a stall of the event loop. So prefixes are counted,
+        doubling from `context` characters, until one is over the context or the text is done: no
+        step hands Python more than a few times the context in ids."""
+        ctx = self.options.context_length
+        if sum(len(t) for t in texts) <= max(ctx, _COUNT_FROM) or self._counter() is None:
+            return  # tokenized in full (the error gives the exact count), or no way to count short
+        n = 0
+        for text in texts:
+            size = ctx
+            while True:  # encode_batch releases the GIL while it works; encode holds it
+                got = len(self._counter().encode_batch([text[:size]], add_special_tokens=False)[0].ids)
+                if n + got > ctx + _CUT_MARGIN or size >= len(text):
+                    break
+                size *= 2
+            n += got
+            if n > ctx + _CUT_MARGIN:
+                raise ApiError(INVALID, f"This model's maximum context length is {ctx} tokens. However, your "
+                                        f"{param} alone is more than {ctx} tokens.", param=param,
+                               code="context_length_exceeded")
+
+    def _encode(self, prompt: str) -> list[int]:
+        """Token ids of a text prompt (on the worker: a long prompt takes seconds)."""
+        _check_text(prompt, "prompt")
+        self._refuse_too_long([prompt], "prompt")
+        tok = self.tokenizer
+        return list(tok.encode(prompt, add_special_tokens=tok.bos_token is None or not prompt.startswith(tok.bos_token)))
+
+    def _render(self, messages: list[dict]) -> list[int]:
+        """Token ids of a chat through the model's template (on the worker)."""
+        from jinja2 import TemplateError
+
+        for i, m in enumerate(messages):
+            _check_text(m["content"], f"messages[{i}].content")
+        self._refuse_too_long([m["content"] for m in messages], "messages")
+        try:
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        except TemplateError as exc:  # the template refuses these messages; its text is meant for the user
+            raise ApiError(INVALID, f"the chat template cannot render these messages: {exc}",
+                           param="messages") from None
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
@@ -159,7 +279,7 @@ class Api:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         key = self.options.api_key
-        if key and request.path.startswith("/v1/"):
+        if key and (request.path.startswith("/v1/") or (self.options.metrics_auth and request.path == "/metrics")):
             given = request.headers.get("Authorization", "")
             token = given[7:] if given.lower().startswith("bearer ") else ""
             if not token or not hmac.compare_digest(token.encode(), key.encode()):
@@ -180,7 +300,8 @@ class Api:
             {"id": self.options.model_id, "object": "model", "created": self.created, "owned_by": "moe-cluster"}]})
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.cluster.status())
+        # requests that ended well (not failed, not cancelled), as /metrics counts them
+        return web.json_response({**self.cluster.status(), "requests_completed": self.metrics.requests["ok"]})
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(self.cluster), content_type="text/plain", charset="utf-8")
@@ -211,52 +332,55 @@ class Api:
                            code="context_length_exceeded")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_body(request)
+        body = await self._json_body(request)
         self._check_model(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):
+            # the length first: it costs nothing, while a pass over 4 million ids stalls the loop 0.3 s
+            self._check_context(prompt, sampling, chat=False)
+            self._check_ids(prompt, "prompt")  # names the first id that is not an int in [0, vocab)
             ids = list(prompt)
         elif isinstance(prompt, str) and prompt:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=self.tokenizer.bos_token is None or
-                                        not prompt.startswith(self.tokenizer.bos_token))
+            ids = await self.worker.call(lambda: self._encode(prompt))
         else:
-            raise ApiError(INVALID, "'prompt' must be a non-empty string (or a list of token ids)", param="prompt")
-        sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
+            raise ApiError(INVALID, "'prompt' must be a non-empty string (or a list of token ids), "
+                                    f"got {_show(prompt)}", param="prompt")
         return await self._serve(request, ids, sampling, stops, stream, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_body(request)
+        body = await self._json_body(request)
         self._check_model(body)
+        sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(INVALID, "'messages' must be a non-empty list", param="messages")
         clean = []
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-                raise ApiError(INVALID, f"messages[{i}] must have a role of system, user, assistant or tool",
-                               param=f"messages[{i}].role")
+                got = _show(m.get("role")) if isinstance(m, dict) else f"a {type(m).__name__}"
+                raise ApiError(INVALID, f"messages[{i}] must have a role of system, user, assistant or tool "
+                                        f"(got {got})", param=f"messages[{i}].role")
             content = m.get("content")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}]
-                try:
-                    content = "".join(part["text"] for part in content if part.get("type") == "text")
-                except (TypeError, KeyError, AttributeError):
-                    raise ApiError(INVALID, f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}",
-                                   param=f"messages[{i}].content") from None
+            if isinstance(content, list):  # [{"type": "text", "text": ...}]: this model reads text only
+                for j, part in enumerate(content):
+                    if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                        raise ApiError(INVALID, f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': "
+                                                f"<string>}} (got {_show(part)})", param=f"messages[{i}].content")
+                content = "".join(part["text"] for part in content)
             if not isinstance(content, str):
-                raise ApiError(INVALID, f"messages[{i}].content must be a string", param=f"messages[{i}].content")
+                raise ApiError(INVALID, f"messages[{i}].content must be a string (got {_show(content)})",
+                               param=f"messages[{i}].content")
             clean.append({"role": m["role"], "content": content})
-        try:
-            ids = self.tokenizer.apply_chat_template(clean, add_generation_prompt=True, tokenize=True)
-        except Exception as exc:  # noqa: BLE001 - a template that cannot render these messages
-            raise ApiError(INVALID, f"the chat template cannot render these messages: {exc}", param="messages") from None
-        sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
-        return await self._serve(request, list(ids), sampling, stops, stream, chat=True)
+        ids = await self.worker.call(lambda: self._render(clean))
+        return await self._serve(request, ids, sampling, stops, stream, chat=True)
 
     async def _serve(self, request: web.Request, ids: list[int], sampling: Sampling, stops: list[str],
                      stream: bool, chat: bool) -> web.StreamResponse:
         self._check_context(ids, sampling, chat)
+        self._check_ids(ids, "messages" if chat else "prompt")  # a tokenizer larger than the embedding
         try:
             self.cluster.check_ready()
         except MoeClusterError as exc:

@@ -17,7 +17,8 @@ from typing import AsyncIterator, Callable, Sequence
 
 import grpc
 
-from ...proto.errors import DeadlineError, ErrorKind, MoeClusterError, NotReadyError, error_for, kind_from_grpc
+from ...proto.errors import (DeadlineError, ErrorKind, MoeClusterError, NotReadyError, error_for, kind_from_grpc,
+                             kind_of)
 from ...proto.records import GenerateDone, GeneratedTokens, LoadSpec, NodeError
 from ...proto.records import GenerateRequest
 from .client import ClusterError, NodeClient, describe_rpc_error
@@ -85,7 +86,6 @@ class Cluster:
         self._monitor: asyncio.Task | None = None
         self._reloading: set[str] = set()
         self._tasks: set[asyncio.Task] = set()  # background work this cluster owns
-        self.completed = 0
         self.allreduce_histograms: dict = {}  # node name -> metrics.Histogram, refreshed after requests
 
     def _spawn(self, coro, name: str) -> None:
@@ -146,7 +146,8 @@ class Cluster:
             s = await m.client.status()
         except grpc.RpcError:
             return
-        m.memory_bytes, m.budget_bytes, m.used_bytes = s.memory.device_bytes, s.memory.budget_bytes, s.memory.used_bytes
+        # budget_bytes stays what placement gave the node (`up`), not the memory the node reports
+        m.memory_bytes, m.used_bytes = s.memory.device_bytes, s.memory.used_bytes
         m.device, m.backend = s.device, s.backend
         m.experts = sum(s.experts_per_layer.values())
         from .metrics import allreduce_histogram
@@ -258,7 +259,6 @@ class Cluster:
                     if m.rank == 0 and isinstance(event, GenerateDone):
                         outcome.done = event
             self._current = None
-            self.completed += 1
             self._spawn(self.refresh(), "refresh")
 
     async def refresh(self) -> None:
@@ -272,6 +272,8 @@ class Cluster:
                 await queue.put((m, event))
         except grpc.RpcError as exc:
             await queue.put((m, NodeError(kind_from_grpc(exc.code()), describe_rpc_error(exc), m.rank)))
+        except Exception as exc:  # noqa: BLE001 - e.g. a request the wire cannot carry: the request's error, by kind
+            await queue.put((m, NodeError(kind_of(exc), f"{type(exc).__name__}: {exc}", m.rank)))
         finally:
             await queue.put((m, None))
 
@@ -335,7 +337,6 @@ class Cluster:
             "transport": self.transport,
             "uptime_s": round(time.monotonic() - self.started, 1),
             "queue_depth": self.queue_depth,
-            "requests_completed": self.completed,
             "nodes": [
                 {"name": m.name, "rank": m.rank, "state": m.state, "address": m.address,
                  "memory_bytes": m.memory_bytes, "budget_bytes": m.budget_bytes, "used_bytes": m.used_bytes,

@@ -63,6 +63,8 @@ class ApiConfig:
     port: int = 8080
     api_key_env: str | None = None  # name of the environment variable holding the API key
     api_key_file: str | None = None
+    max_body: Size = Size(16 * 2**20)  # bytes of a request body at most; larger ones get HTTP 413
+    metrics_auth: bool = False  # /metrics needs the API key too (with a key configured)
 
 
 @dataclass(frozen=True)
@@ -217,11 +219,17 @@ def load_config(path: str | os.PathLike) -> ClusterConfig:
     path = Path(path)
     source = str(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"{source}: no such file") from None
     except OSError as exc:
         raise ConfigError(f"{source}: cannot read ({exc.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{source}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                          "save the file as UTF-8") from None
     return parse_config(text, source)
 
 
@@ -292,6 +300,8 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
         raise r.fail(_find(root, "placement", "strategy"), "placement.profile", "strategy 'profile' needs a profile file")
     if not 1 <= c.api.port <= 65535 and c.api.port != 0:
         raise r.fail(_find(root, "api", "port"), "api.port", f"{c.api.port} is not a port (1..65535)")
+    if c.api.max_body < 1024:
+        raise r.fail(_find(root, "api", "max_body"), "api.max_body", f"must be at least 1KB (got {int(c.api.max_body)} bytes)")
     if c.api.api_key_env and c.api.api_key_file:
         raise r.fail(_find(root, "api"), "api", "give api_key_env or api_key_file, not both")
     secret = _find(root, "secret")
@@ -347,9 +357,21 @@ def read_api_key(c: ClusterConfig) -> str | None:
     return None
 
 
+def read_credentials(c: ClusterConfig) -> tuple[str, str | None]:
+    """(cluster secret, API key) as `up` needs them; a ConfigError naming the key when one cannot be
+    read. An empty secret is only allowed with launch: local (`up` then makes one for its nodes)."""
+    secret = read_secret(c)
+    if not secret and c.launch == "remote":
+        raise ConfigError(f"{c.source}: secret: no cluster secret; set {c.secret.env or 'MOE_CLUSTER_SECRET'} "
+                          "(the same on every node) or secret.file")
+    return secret, read_api_key(c)
+
+
 def validate_main(args) -> int:
-    """`moe-cluster validate FILE`: check a cluster.yaml and summarise it."""
+    """`moe-cluster validate FILE`: check a cluster.yaml (and its secret and API key, as `up` reads
+    them) and summarise it."""
     c = load_config(args.file)
+    read_credentials(c)
     nodes = ", ".join(n.name + (f" ({n.address})" if n.address else "") for n in c.nodes)
     print(f"{c.source}: ok — {len(c.nodes)} nodes [{nodes}], model {c.model}, launch {c.launch}, "
           f"transport {c.transport}, keepalive {c.keepalive}, placement {c.placement.strategy}, "

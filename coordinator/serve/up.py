@@ -17,12 +17,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from ...node.checkpoint import Checkpoint
+from ...node.vocab import checkpoint_vocab
 from ...proto.profile import parse_profile
 from ...proto.records import LoadSpec, TlsFiles
 from ...node.collective.specs import EnvoySpec, MlxSpec, free_ports
 from .client import ClusterError, NodeClient
 from .cluster import Cluster, Member
-from .config import ClusterConfig, ConfigError, load_config, read_api_key, read_secret
+from .config import ClusterConfig, ConfigError, load_config, read_credentials
 from .placement import ModelFootprint, NodeBudget, fmt_bytes, plan_placement
 
 logger = logging.getLogger(__name__)
@@ -151,15 +152,12 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
     from .launcher import Launcher, LocalNode
 
     model_path = str(Checkpoint.open(c.model).path)
-    secret = read_secret(c)
+    secret, api_key = read_credentials(c)  # the same checks as `validate`
     if not secret:
-        if c.launch == "remote":
-            raise ConfigError(f"{c.source}: secret: no cluster secret; set {c.secret.env or 'MOE_CLUSTER_SECRET'} "
-                              "(the same on every node) or secret.file")
         secret = secrets.token_urlsafe(24)  # local nodes get it from us
-    api_key = read_api_key(c)
     tokenizer = load_tokenizer(Path(model_path))
     fp = footprint(model_path)
+    vocab = checkpoint_vocab(model_path)  # prompt ids at or past it are refused at the API
     profile = _profile_counts(c.placement.profile, Path(c.source).parent) if c.placement.profile else None
 
     _check_port_free(c)
@@ -199,16 +197,18 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
             override = next(n.memory for n in c.nodes if n.name == m.name)
             m.memory_bytes = int(override or s.memory.budget_bytes or s.memory.device_bytes)
             m.device = s.device
+        kv_reserve = c.placement.kv_reserve + c.serving.prompt_cache  # bytes per node
         plan = plan_placement(fp, [NodeBudget(m.name, m.memory_bytes) for m in members],
                               strategy=c.placement.strategy, memory_fraction=c.placement.memory_fraction,
-                              kv_reserve=c.placement.kv_reserve + c.serving.prompt_cache,
+                              kv_reserve=kv_reserve,
                               profile_counts=profile, replicate=c.placement.replicate)
         make_transport = _transport(c, [h for _, _, h in found], envoy_ports, c.launch == "remote")
         for m in members:
             m.spec = LoadSpec(model=model_path, rank=m.rank, world_size=len(members),
                               transport=make_transport(m.rank), placement=plan.placement, keepalive=c.keepalive,
                               prefill_step=c.serving.prefill_chunk, prompt_cache_bytes=c.serving.prompt_cache)
-            m.budget_bytes = plan.available[m.rank]
+            # what weights may use: memory × memory_fraction less the KV reserve and prompt cache
+            m.budget_bytes = plan.available[m.rank] - kv_reserve
         for note in plan.notes:
             print(f"placement: {note}", file=sys.stderr)
 
@@ -241,7 +241,8 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         context = int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or context or 4096)
         api = Api(cluster, tokenizer, ServingOptions(model_id=c.model, context_length=context,
                                                      default_max_tokens=c.serving.max_tokens, api_key=api_key,
-                                                     on_shutdown=stop.set))
+                                                     on_shutdown=stop.set, vocab_size=vocab,
+                                                     max_body=c.api.max_body, metrics_auth=c.api.metrics_auth))
         runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, c.api.host, c.api.port)

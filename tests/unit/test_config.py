@@ -103,3 +103,30 @@ def test_secret_from_env_or_file(tmp_path, monkeypatch):
     (tmp_path / "secret.txt").write_text("from-file\n")
     c = parse_config("nodes:\n  - name: a\nsecret:\n  file: secret.txt\n", str(tmp_path / "c.yaml"))
     assert read_secret(c) == "from-file"
+
+
+def test_a_file_that_is_not_utf8_is_an_error_naming_the_file_and_line(tmp_path):
+    f = tmp_path / "cluster.yaml"
+    f.write_bytes(GOOD.encode() + b"# caf\xe9 in Latin-1\n")
+    with pytest.raises(ConfigError, match=rf"^{f}:{GOOD.count(chr(10)) + 1}: not UTF-8 text"):
+        load_config(f)
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("api:\n  metrics_auth: 'yes'\n", "api.metrics_auth"),
+    ("api:\n  metrics_auth: 1\n", "api.metrics_auth"),
+    ("api:\n  metrics_aut: true\n", "did you mean 'metrics_auth'"),
+    ("api:\n  max_body: 12\n", "api.max_body"),
+    ("api:\n  max_body: lots\n", "api.max_body"),
+])
+def test_api_metrics_auth_and_max_body_are_validated_strictly(text, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_config(GOOD.replace("api:\n  host: 127.0.0.1\n  port: 8080\n", text))
+
+
+def test_api_metrics_auth_and_max_body_defaults_and_values():
+    c = parse_config(GOOD)
+    assert c.api.metrics_auth is False and c.api.max_body == 16 * 2**20
+    c = parse_config(GOOD.replace("  port: 8080\n", "  port: 8080\n  metrics_auth: true\n  max_body: 2MB\n"))
+    assert c.api.metrics_auth is True and c.api.max_body == 2_000_000
+

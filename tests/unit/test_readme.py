@@ -41,3 +41,4 @@ def test_the_annotated_cluster_yaml_is_valid(tmp_path):
     block = re.search(r"```yaml\n(.*?)```", text, flags=re.S).group(1)
     c = parse_config(block, "README.md")
     assert c.launch == "remote" and c.tls is not None and c.placement.strategy == "profile"
+    assert c.api.metrics_auth is True and c.api.max_body == 16_000_000
