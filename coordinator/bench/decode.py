@@ -60,6 +60,7 @@ def _single_node(spec: DecodeBench, ids: list[int], tokenizer, model) -> dict:
         "mlx_lm_rounds_tps": stock,
         "same_tokens": tokens_ours == tokens_stock[: len(tokens_ours)],
         "generated_tokens": len(tokens_ours or []),
+        "stock_tokens": tokens_stock,
     }
 
 
@@ -86,6 +87,7 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int) -> list[dict]:
             "keepalive": keepalive,
             "transport": spec.transport,
             "generation_tps": r0["generation_tps"],
+            "tokens": r0["tokens"],
             "time_per_token_s": per_token,
             "expected_experts": _expected_experts(reports, keepalive),
             "mean_computed_per_node": statistics.mean(r["counters"]["computed"] for r in reports),
@@ -144,6 +146,21 @@ def run(spec: DecodeBench) -> dict:
         # N = 1 runs the cluster path too (one node process, nothing to exchange), so every point
         # of the series has the same code and a breakdown.
         clusters += _cluster(spec if n > 1 else replace(spec, keepalive=("none",)), ids, n)
+    bytes_ = model_bytes(str(ckpt.path))
+    stock_s = 1.0 / single["mlx_lm_tps"]
+    for c in clusters:
+        # what the cluster adds to each MoE layer, beyond stock mlx-lm's time per token
+        c["fixed_cost_per_moe_layer_us"] = 1e6 * (c["time_per_token_s"] - stock_s) / bytes_["moe_layers"]
+        c["same_tokens"] = c.pop("tokens") == single["stock_tokens"][: spec.max_tokens]
+    from .tensor_parallel import measure
+
+    peers = []
+    for n in (n for n in spec.nodes if n > 1):
+        peer = measure(str(ckpt.path), n, ids, spec.max_tokens, spec.rounds)
+        if "tokens" in peer:
+            peer["same_tokens"] = peer.pop("tokens") == single["stock_tokens"][: spec.max_tokens]
+        peers.append(peer)
+    alone = next((c for c in clusters if c["nodes"] == 1), None)
     out = {
         "model": str(ckpt.path),
         "prompt_tokens": len(ids),
@@ -151,11 +168,14 @@ def run(spec: DecodeBench) -> dict:
         "ours_tps": single["ours_tps"],
         "mlx_lm_tps": single["mlx_lm_tps"],
         "ratio": single["ours_tps"] / single["mlx_lm_tps"],
+        # the cluster path (sharded model, cluster MoE layers) at N = 1 against stock mlx-lm
+        "cluster_ratio": alone["generation_tps"] / single["mlx_lm_tps"] if alone else None,
         "same_tokens": single["same_tokens"],
         "rounds": {"ours": single["ours_rounds_tps"], "mlx_lm": single["mlx_lm_rounds_tps"]},
-        "model_bytes": model_bytes(str(ckpt.path)),
+        "model_bytes": bytes_,
         "host": {"cores": os.cpu_count() or 1},
         "clusters": clusters,
+        "peers": peers,
         "seconds": time.perf_counter() - t0,
     }
     return out
@@ -205,7 +225,10 @@ def main(args) -> int:
             print(f"  {p['nodes']} nodes {p['keepalive']:>4}: measured {p['measured_tps']:.1f} tok/s, "
                   f"predicted {p['predicted_tps']:.1f} tok/s ({100 * p['error']:+.1f}%)")
     print(f"single node: ours {out['ours_tps']:.1f} tok/s, stock mlx-lm {out['mlx_lm_tps']:.1f} tok/s, "
-          f"ratio {out['ratio']:.3f}")
+          f"ratio {out['ratio']:.3f}" + (f"; cluster path at N = 1: ratio {out['cluster_ratio']:.3f}"
+                                          if out["cluster_ratio"] is not None else ""))
+    for p in out["peers"]:
+        print(f"peer {p['name']} at {p['nodes']} processes: " + (f"{p['tps']:.1f} tok/s" if "tps" in p else p["error"]))
     print(f"{'nodes':>5} {'keepalive':>9} {'tok/s':>7} {'s/token':>8} {'E[n]':>5} {'attn+router':>11} "
           f"{'experts':>8} {'collective':>10} {'other':>7}")
     for c in out["clusters"]:

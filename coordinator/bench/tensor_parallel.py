@@ -1,0 +1,87 @@
+"""mlx-lm's own distributed decode on the same checkpoint: the peer `bench decode` measures beside ours.
+
+`mlx_lm.utils.sharded_load` with a tensor-parallel group under `mx.distributed` (ring over TCP),
+as exo uses it: every expert (and every attention head) is split across the N processes, which
+all-sum twice per layer. Each process runs `stream_generate` on the same prompt; rank 0 reports its
+median generation speed over the rounds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import tempfile
+
+from ...node.collective.specs import free_ports
+
+
+def supports(model_path: str) -> str | None:
+    """None if mlx-lm can split this family across a tensor group, else why not."""
+    from ...node.checkpoint import Checkpoint, model_classes
+
+    ckpt = Checkpoint.open(model_path)
+    model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
+    if not hasattr(model_cls, "shard"):
+        return f"mlx-lm has no tensor-parallel path for model_type {ckpt.config.get('model_type')!r}"
+    return None
+
+
+def _worker(path: str, rank: int, hostfile: str, ids: list[int], max_tokens: int, rounds: int, out) -> None:
+    os.environ.update(MLX_HOSTFILE=hostfile, MLX_RANK=str(rank))
+    try:
+        import mlx.core as mx
+        from mlx_lm.generate import stream_generate
+        from mlx_lm.utils import sharded_load
+
+        group = mx.distributed.init(backend="ring", strict=True)
+        model, tokenizer = sharded_load(path, tensor_group=group)
+        speeds, tokens = [], []
+        for i in range(rounds + 1):  # the first round warms up
+            last, toks = None, []
+            for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens):
+                toks.append(last.token)
+            if i:
+                speeds.append(last.generation_tps)
+                tokens = toks
+        out.put({"rank": rank, "tps": statistics.median(speeds), "tokens": tokens})
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as a value
+        out.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, rounds: int,
+            timeout_s: float = 300.0) -> dict:
+    """{"name", "nodes", "tps", "tokens"} of rank 0, or {"name", "nodes", "error"}."""
+    entry = {"name": "mlx_lm_tensor_parallel", "nodes": nodes}
+    why = supports(model_path)
+    if why:
+        return {**entry, "error": why}
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        hostfile = os.path.join(tmp, "hosts.json")
+        import json
+
+        with open(hostfile, "w") as f:
+            json.dump([[f"127.0.0.1:{p}"] for p in free_ports(nodes)], f)
+        procs = [ctx.Process(target=_worker, args=(model_path, r, hostfile, ids, max_tokens, rounds, out))
+                 for r in range(nodes)]
+        for p in procs:
+            p.start()
+        reports = {}
+        try:
+            while len(reports) < nodes:
+                rep = out.get(timeout=timeout_s)
+                reports[rep["rank"]] = rep
+        except queue.Empty:
+            return {**entry, "error": f"no answer from {nodes - len(reports)} of {nodes} processes in {timeout_s:g} s"}
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+    failed = [r for r in reports.values() if "error" in r]
+    if failed:
+        return {**entry, "error": f"rank {failed[0]['rank']}: {failed[0]['error']}"}
+    return {**entry, "tps": reports[0]["tps"], "tokens": reports[0]["tokens"]}

@@ -1,0 +1,25 @@
+"""`bench decode --json` through the CLI: stock mlx-lm, our single node, the cluster path at N = 1
+and 2, and mlx-lm's tensor parallelism, measured in one run on the same checkpoint. The figures
+are speeds (not asserted); what is asserted is that every path ran and gave stock's tokens."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import cli
+
+
+def test_bench_decode_reports_every_path_with_stock_tokens():
+    r = cli("bench", "decode", "--model", "demo", "--nodes", "1,2", "--keepalive", "none", "--max-tokens", "16",
+            "--rounds", "1", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["same_tokens"] and out["mlx_lm_tps"] > 0
+    assert out["cluster_ratio"] > 0
+    assert [(c["nodes"], c["keepalive"]) for c in out["clusters"]] == [(1, "none"), (2, "none")]
+    for c in out["clusters"]:
+        assert c["same_tokens"], c
+        assert isinstance(c["fixed_cost_per_moe_layer_us"], float)
+    (peer,) = out["peers"]
+    assert peer["name"] == "mlx_lm_tensor_parallel" and peer["nodes"] == 2, peer
+    assert peer["tps"] > 0 and peer["same_tokens"], peer
