@@ -58,6 +58,7 @@ class ClusterHealth:
     reason: str = ""  # why it is not ready (the first lost node, or the last rejoin's failure)
     attempts: int = 0  # rejoins failed in a row
     retry_at: float = 0.0  # time.monotonic() before which no rejoin starts
+    cause: str = ""  # the node whose loss `reason` names (its later, finer reason replaces it)
 
     def node(self, name: str) -> NodeHealth:
         for n in self.nodes:
@@ -164,9 +165,11 @@ def _lose(s: ClusterHealth, name: str, state: str, reason: str) -> ClusterHealth
         return s
     s = _set_node(s, name, state=state, reason=reason)
     if s.phase in ("ready", "recovering", "degraded"):
-        lost = f"node {name} ({n.address}) is {'down' if state == 'dead' else 'failed'}: {reason}"
-        keep = s.phase == "degraded" and s.reason  # the first cause, or the last rejoin's failure
-        s = replace(s, phase="degraded", reason=s.reason if keep else lost)
+        lost = f"node {name} ({n.address}) {'is down' if state == 'dead' else 'has failed'}: {reason}"
+        # the first cause (refined by its node's later reason), or the last rejoin's failure
+        keep = s.phase == "degraded" and s.reason and s.cause != name
+        s = s if keep else replace(s, reason=lost, cause=name)
+        s = replace(s, phase="degraded")
     return s
 
 
@@ -181,7 +184,7 @@ def apply(s: ClusterHealth, e: Event) -> ClusterHealth:
     if isinstance(e, LoadDone):
         if e.error:
             return replace(s, phase="degraded", reason=e.error)
-        return replace(s, phase="ready", reason="", attempts=0, retry_at=0.0) if _all_ready(s) else s
+        return replace(s, phase="ready", reason="", cause="", attempts=0, retry_at=0.0) if _all_ready(s) else s
     if isinstance(e, NodeLoading):
         return _set_node(s, e.node, state="loading", reason="")
     if isinstance(e, NodeLoaded):
@@ -199,13 +202,13 @@ def apply(s: ClusterHealth, e: Event) -> ClusterHealth:
     if isinstance(e, RejoinSucceeded):
         if s.phase != "recovering" or not _all_ready(s):
             return s  # a node was lost during the rejoin: it stays degraded and rejoins again
-        return replace(s, phase="ready", reason="", attempts=0, retry_at=0.0)
+        return replace(s, phase="ready", reason="", cause="", attempts=0, retry_at=0.0)
     if isinstance(e, RejoinFailed):
         if s.phase not in ("recovering", "degraded"):
             return s
         attempts = s.attempts + 1
         delay = min(BACKOFF_S * 2 ** (attempts - 1), BACKOFF_MAX_S)
-        return replace(s, phase="degraded", attempts=attempts, retry_at=e.at + delay,
+        return replace(s, phase="degraded", attempts=attempts, retry_at=e.at + delay, cause="",
                        reason=f"rejoin failed (attempt {attempts}, next in {delay:.0f} s): {e.reason}")
     raise TypeError(f"not a health event: {e!r}")
 
@@ -240,5 +243,5 @@ def refusal(s: ClusterHealth) -> MoeClusterError | None:
     if s.phase in ("starting", "loading"):
         return NotLoadedError(f"cluster is {s.phase}")
     if s.phase == "recovering":
-        return NodeLostError(f"cluster is recovering (reloading every node) after: {s.reason}")
+        return NodeLostError(f"cluster is degraded, recovering (reloading every node): {s.reason}")
     return NodeLostError(f"cluster is {s.phase}" + (f": {s.reason}" if s.reason else ""))

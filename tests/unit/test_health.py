@@ -101,3 +101,11 @@ def test_a_node_lost_during_the_rejoin_keeps_it_degraded():
 def test_stopping_is_final():
     s = h.apply(_ready(), h.Stopping())
     assert h.apply(s, h.RejoinSucceeded()).phase == "stopping" and h.refusal(s).kind is ErrorKind.UNAVAILABLE
+
+
+def test_the_lost_nodes_own_reason_replaces_unreachable():
+    s = h.apply(_ready(), h.RpcFailed("node-b", "unreachable"))
+    s = h.apply(s, h.HeartbeatOk("node-b", "failed", "envoy of rank 1 exited"))
+    assert "envoy of rank 1 exited" in s.reason and s.node("node-b").state == "failed"
+    s = h.apply(s, h.EnvoyDown("node-a", "another"))
+    assert "node-b" in s.reason  # the first node's loss stays the reason
