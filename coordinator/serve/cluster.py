@@ -86,6 +86,7 @@ class Cluster:
         self._failed = asyncio.Event()  # set when a node dies during a request
         self._monitor: asyncio.Task | None = None
         self._rejoin_task: asyncio.Task | None = None
+        self._restarting: set[str] = set()  # nodes found not answering, handed to `respawn`
         self._tasks: set[asyncio.Task] = set()  # background work this cluster owns
         self.allreduce_histograms: dict = {}  # node name -> metrics.Histogram, refreshed after requests
 
@@ -134,7 +135,7 @@ class Cluster:
         except grpc.RpcError as exc:
             kind = kind_from_grpc(exc.code())
             if kind is ErrorKind.UNAVAILABLE:
-                self._event(H.RpcFailed(m.name, exc.details() or describe_rpc_error(exc)))
+                self._event(H.RpcFailed(m.name, describe_rpc_error(exc)))
             raise error_for(kind, f"node {m.name} ({m.address}) failed to load: {describe_rpc_error(exc)}") from None
         self._event(H.NodeLoaded(m.name))
         m.last_seen = time.monotonic()
@@ -317,7 +318,7 @@ class Cluster:
         except grpc.RpcError as exc:
             kind = kind_from_grpc(exc.code())
             if kind is ErrorKind.UNAVAILABLE:  # unreachable, or it says it failed: lost before a heartbeat sees it
-                self._event(H.RpcFailed(m.name, exc.details() or describe_rpc_error(exc)))
+                self._event(H.RpcFailed(m.name, describe_rpc_error(exc)))
             await queue.put((m, NodeError(kind, describe_rpc_error(exc), m.rank)))
         except Exception as exc:  # noqa: BLE001 - e.g. a request the wire cannot carry: the request's error, by kind
             await queue.put((m, NodeError(kind_of(exc), f"{type(exc).__name__}: {exc}", m.rank)))
@@ -341,12 +342,14 @@ class Cluster:
         try:
             h = await m.client.health(timeout=max(self.heartbeat_s, 1.0))
         except grpc.RpcError as exc:
-            if self.node_state(m) != "dead":
+            self._event(H.HeartbeatFailed(m.name, f"not answering ({describe_rpc_error(exc)})"))
+            if m.name not in self._restarting:  # once per death (an RPC may have seen it first)
                 logger.warning("node %s (%s) stopped answering", m.name, m.address)
-                self._event(H.HeartbeatFailed(m.name, f"not answering ({describe_rpc_error(exc)})"))
+                self._restarting.add(m.name)
                 if self._respawn is not None:
                     self._respawn(m)  # the launcher owns the restart task
             return
+        self._restarting.discard(m.name)
         m.last_seen = time.monotonic()
         before = self.node_state(m)
         self._event(H.HeartbeatOk(m.name, h.state, h.reason))
