@@ -62,6 +62,7 @@ class Envoy:
         self._stopped: asyncio.Event | None = None
         self._stop_reason = ""
         self._begin_deadline: float | None = None  # a begin waiting for the mesh to be whole
+        self._was_whole = False  # the mesh has been whole once: a peer missing now is lost, not starting
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -118,7 +119,8 @@ class Envoy:
                                    f"{p.request_id} within {cfg.timeout_s:g} s: stalled or unreachable")
             if self._begin_deadline is not None and now > self._begin_deadline:
                 self._begin_deadline = None
-                self._fail_begin(f"mesh not whole within {cfg.connect_timeout_s:g} s: {self._absent()}")
+                wait = min(cfg.timeout_s, cfg.connect_timeout_s) if self._was_whole else cfg.connect_timeout_s
+                self._fail_begin(f"mesh not whole within {wait:g} s: {self._absent()}")
             if cfg.parent_pid and os.getppid() != cfg.parent_pid:
                 self.stop(f"node process {cfg.parent_pid} is gone")
 
@@ -143,10 +145,15 @@ class Envoy:
     def _on_begin(self, request_id: str) -> None:
         self.steps.begin(request_id)
         if self.mesh.whole:
+            self._was_whole = True
             self._begin_deadline = None
             self.link.begun()
         else:
-            self._begin_deadline = time.monotonic() + self.config.connect_timeout_s
+            # A mesh that was whole lost a peer (it died, or its envoy did): waiting connect_timeout_s
+            # (30 s) for it held every request that long (issue #14); a lost peer gets the step timeout.
+            wait = min(self.config.timeout_s, self.config.connect_timeout_s) if self._was_whole \
+                else self.config.connect_timeout_s
+            self._begin_deadline = time.monotonic() + wait
 
     def _on_reduce(self, body: bytes) -> None:
         cfg = self.config
@@ -216,6 +223,8 @@ class Envoy:
 
     def _on_peer(self, rank: int, up: bool, reason: str) -> None:
         if up:
+            if self.mesh.whole:
+                self._was_whole = True
             if self._begin_deadline is not None and self.mesh.whole and self.link is not None:
                 self._begin_deadline = None
                 self.link.begun()

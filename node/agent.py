@@ -100,6 +100,7 @@ class NodeAgent(npb_grpc.NodeServicer):
         self.load_spec = None
         self._worker = _Worker()
         self._current: str | None = None  # request id running
+        self.failure = ""  # why the state is failed (a load that failed, an envoy that exited)
         self._cancel: set[str] = set()
         self._stop: asyncio.Event | None = None
 
@@ -127,12 +128,26 @@ class NodeAgent(npb_grpc.NodeServicer):
                 gc.collect()
                 mx.clear_cache()
 
+    def _watch_collective(self) -> None:
+        """A loaded node whose envoy exited cannot all-reduce: it is failed, and says why, instead of
+        letting every request wait out its peers' timeouts (issue #14). Cheap (a waitpid): checked on
+        every Health, Status and Generate."""
+        if self.sharded is None or self.state not in ("ready", "busy"):
+            return
+        reason = self.sharded.collective.failure()
+        if reason:
+            self.state, self.failure = "failed", reason
+            logger.error("node failed: %s; the coordinator reloads it", reason)
+
     # -- RPCs ----------------------------------------------------------------------------------
 
     async def Health(self, request, context):
-        return convert.health_to_proto(Health(ok=self.state not in ("failed", "stopping"), state=self.state))
+        self._watch_collective()
+        return convert.health_to_proto(Health(ok=self.state not in ("failed", "stopping"), state=self.state,
+                                              reason=self.failure if self.state == "failed" else ""))
 
     async def Status(self, request, context):
+        self._watch_collective()
         s = NodeStatus(
             state=self.state,
             model=self.load_spec.model if self.load_spec else "",
@@ -189,7 +204,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             self.runtime = NodeRuntime(sharded, prompt_cache_bytes=spec.prompt_cache_bytes)
             return sharded.info
 
-        self.state = "loading"
+        self.state, self.failure = "loading", ""
         self.load_spec = spec
         fut = self._worker.submit(load)
         logger.info("loading %s as rank %d of %d", spec.model, spec.rank, spec.world_size)
@@ -204,7 +219,7 @@ class NodeAgent(npb_grpc.NodeServicer):
         try:
             info = fut.result()
         except BaseException as exc:  # noqa: BLE001 - reported to the coordinator
-            self.state = "failed"
+            self.state, self.failure = "failed", f"load failed: {exc}"
             logger.error("load failed: %s: %s", type(exc).__name__, exc, exc_info=kind_of(exc) is ErrorKind.INTERNAL)
             yield convert.load_progress_to_proto(LoadProgress(0, 0, "failed", done=True,
                                                               error=node_error(exc, spec.rank)))
@@ -214,6 +229,9 @@ class NodeAgent(npb_grpc.NodeServicer):
         yield convert.load_progress_to_proto(LoadProgress(total, total, "ready", done=True))
 
     async def Generate(self, request, context):
+        self._watch_collective()
+        if self.state == "failed":
+            await context.abort(grpc_code(ErrorKind.UNAVAILABLE), f"node {self.config.name} has failed: {self.failure}")
         if self.runtime is None or self.state not in ("ready",):
             await context.abort(grpc_code(ErrorKind.NOT_READY), f"node is {self.state}, not ready")
         try:

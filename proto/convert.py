@@ -335,13 +335,13 @@ def shutdown_reply_to_proto() -> npb.ShutdownReply:
 
 
 def health_to_proto(h: Health) -> npb.HealthReply:
-    return npb.HealthReply(ok=h.ok, state=_lookup(_STATE_TO_PB, h.state, "node state"))
+    return npb.HealthReply(ok=h.ok, state=_lookup(_STATE_TO_PB, h.state, "node state"), reason=h.reason)
 
 
 def health_from_proto(msg: npb.HealthReply) -> Health:
     from .records import Health
 
-    return Health(msg.ok, _lookup(_STATE_FROM_PB, msg.state, "node state"))
+    return Health(msg.ok, _lookup(_STATE_FROM_PB, msg.state, "node state"), msg.reason)
 
 
 def status_to_proto(s: NodeStatus) -> npb.NodeStatus:

@@ -81,6 +81,7 @@ class MoeClusterError(Exception):
     """Base of every error the project raises on purpose; `kind` says how callers should react."""
 
     kind: ClassVar[ErrorKind] = ErrorKind.INTERNAL
+    retry_after_s: float | None = None  # seconds a client should wait before trying again (HTTP Retry-After)
 
 
 class UserError(MoeClusterError, ValueError):

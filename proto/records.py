@@ -157,6 +157,7 @@ GenerateEvent = Union[GeneratedTokens, GenerateDone, NodeError]
 class Health:
     ok: bool
     state: str
+    reason: str = ""  # why the node is failed (its envoy exited, ...); empty otherwise
 
     def __post_init__(self) -> None:
         _check(self.state, NODE_STATES, "state")

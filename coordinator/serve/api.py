@@ -13,6 +13,7 @@ import hmac
 import json
 import json.scanner
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class ApiError(Exception):
         m = KINDS[kind]
         self.kind, self.status, self.message, self.type, self.param = kind, m.http, message, m.type, param
         self.code = code or m.code
+        self.retry_after_s: float | None = None  # sent as Retry-After (a 503 of a lost node, of recovery)
 
     @classmethod
     def of(cls, exc: BaseException, what: str = "") -> "ApiError":
@@ -64,11 +66,14 @@ class ApiError(Exception):
             logger.error("%sinternal error: %s: %s", f"{what}: " if what else "", type(exc).__name__, exc,
                          exc_info=not isinstance(exc, MoeClusterError))
             return cls(kind, f"{what}: {INTERNAL_MESSAGE}" if what else INTERNAL_MESSAGE)
-        return cls(kind, f"{what}: {exc}" if what else str(exc))
+        error = cls(kind, f"{what}: {exc}" if what else str(exc))
+        error.retry_after_s = exc.retry_after_s
+        return error
 
     def response(self) -> web.Response:
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return web.json_response(body, status=self.status)
+        headers = {"Retry-After": str(math.ceil(self.retry_after_s))} if self.retry_after_s else None
+        return web.json_response(body, status=self.status, headers=headers)
 
 
 @dataclass

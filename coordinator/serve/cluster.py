@@ -1,9 +1,11 @@
 """The running cluster as the coordinator sees it: members, their health, loading, and requests.
 
 One request runs at a time; it is sent to every node (they run in lock-step) and rank 0's stream
-carries the tokens. Heartbeats watch every node: a dead node fails the request in flight, turns
-the cluster `degraded` (new requests are refused with the reason), and when its agent comes back
-its placement is loaded on it again and the cluster is `ready` once a warm-up step succeeds.
+carries the tokens. Heartbeats, RPC failures and the nodes' own reports (an envoy that exited) feed
+one health machine (`health.py`): a lost node fails the request in flight and turns the cluster
+`degraded` (new requests get 503 with the reason and Retry-After); once every node answers, the
+cluster is rebuilt (every node loaded again, then a warm-up step) under the request gate, so a
+rejoin never races a request; a rejoin that fails is retried with backoff.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ...proto.errors import (DeadlineError, ErrorKind, MoeClusterError, NotReady
                              kind_of)
 from ...proto.records import GenerateDone, GeneratedTokens, LoadSpec, NodeError
 from ...proto.records import GenerateRequest
+from . import health as H
 from .client import ClusterError, NodeClient, describe_rpc_error
 
 logger = logging.getLogger(__name__)
@@ -36,7 +39,6 @@ class Member:
     client: NodeClient
     rank: int
     spec: LoadSpec | None = None
-    state: str = "unknown"  # unknown | loading | ready | dead
     memory_bytes: int = 0
     budget_bytes: int = 0
     used_bytes: int = 0
@@ -44,7 +46,6 @@ class Member:
     backend: str = ""
     experts: int = 0
     last_seen: float = 0.0
-    error: str = ""
     load_done: int = 0
     load_total: int = 0
 
@@ -74,30 +75,54 @@ class Cluster:
         self.load_timeout_s = load_timeout_s
         self.request_timeout_s = request_timeout_s
         self.queue_limit = queue_limit
-        self.state = "starting"
-        self.reason = ""
+        self.health = H.initial([(m.name, m.address) for m in self.members])
         self.started = time.monotonic()
         self._respawn = respawn
         self._pid_of = pid_of  # pids of the nodes this machine launched
         self._gate = asyncio.Lock()  # one request at a time
         self._waiting = 0
+        self._cleanup: asyncio.Task | None = None  # the end of a failed request, holding the gate
         self._current: str | None = None
         self._failed = asyncio.Event()  # set when a node dies during a request
         self._monitor: asyncio.Task | None = None
-        self._reloading: set[str] = set()
+        self._rejoin_task: asyncio.Task | None = None
+        self._restarting: set[str] = set()  # nodes found not answering, handed to `respawn`
         self._tasks: set[asyncio.Task] = set()  # background work this cluster owns
         self.allreduce_histograms: dict = {}  # node name -> metrics.Histogram, refreshed after requests
 
-    def _spawn(self, coro, name: str) -> None:
+    def _spawn(self, coro, name: str) -> asyncio.Task:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+    # -- health --------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        return self.health.phase
+
+    @property
+    def reason(self) -> str:
+        return self.health.reason
+
+    def node_state(self, m: Member) -> str:
+        return self.health.node(m.name).state
+
+    def _event(self, event: H.Event) -> None:
+        """Apply one health event; a cluster that stops being ready fails the request in flight."""
+        before = self.health
+        self.health = H.apply(before, event)
+        if before.ready and not self.health.ready:
+            logger.warning("cluster %s: %s", self.health.phase, self.health.reason)
+            self._failed.set()
+        elif self.health.ready and not before.ready and before.phase in ("degraded", "recovering"):
+            logger.info("cluster ready again")
 
     # -- loading -------------------------------------------------------------------------------
 
     async def _load_member(self, m: Member, on_progress: Callable[[Member], None] | None) -> None:
-        m.state = "loading"
-        m.error = ""
+        self._event(H.NodeLoading(m.name))
         try:
             async for p in m.client.load(m.spec, timeout=self.load_timeout_s):
                 m.load_done, m.load_total = p.bytes_loaded, p.bytes_total
@@ -109,26 +134,24 @@ class Cluster:
                     break
         except grpc.RpcError as exc:
             kind = kind_from_grpc(exc.code())
-            m.state = "dead" if kind is ErrorKind.UNAVAILABLE else "unknown"
+            if kind is ErrorKind.UNAVAILABLE:
+                self._event(H.RpcFailed(m.name, describe_rpc_error(exc)))
             raise error_for(kind, f"node {m.name} ({m.address}) failed to load: {describe_rpc_error(exc)}") from None
-        except MoeClusterError:
-            m.state = "unknown"
-            raise
-        m.state = "ready"
+        self._event(H.NodeLoaded(m.name))
         m.last_seen = time.monotonic()
         await self._refresh(m)
 
     async def load(self, on_progress: Callable[[Member], None] | None = None) -> None:
         """Load every member's shard, then run one warm-up step through the whole mesh."""
-        self.state = "loading"
+        self._event(H.LoadStarted())
         results = await asyncio.gather(*(self._load_member(m, on_progress) for m in self.members),
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            self.state, self.reason = "degraded", str(errors[0])
+            self._event(H.LoadDone(error=str(errors[0])))
             raise errors[0]  # typed by its kind; anything else is a bug and stays one
         await self._warm_up()
-        self.state, self.reason = "ready", ""
+        self._event(H.LoadDone())
 
     async def _warm_up(self) -> None:
         """A one-token request through every node: the mesh is up and every expert path is warm."""
@@ -163,10 +186,10 @@ class Cluster:
         return self._waiting + (1 if self._current else 0)
 
     def check_ready(self) -> None:
-        if self.state == "ready":
-            return
-        message = f"cluster is {self.state}" + (f": {self.reason}" if self.reason else "")
-        raise NotReadyError(message) if self.state in ("starting", "loading") else ClusterError(message)
+        """Raise the health machine's refusal (503, with Retry-After) unless the cluster can serve."""
+        error = H.refusal(self.health)
+        if error is not None:
+            raise error
 
     async def generate(self, req: GenerateRequest, outcome: Outcome) -> AsyncIterator[int]:
         """Run one request on every node; yields rank 0's tokens as they come.
@@ -183,6 +206,7 @@ class Cluster:
             await self._gate.acquire()
         finally:
             self._waiting -= 1
+        self._cleanup = None
         try:
             self.check_ready()
             run = self._run(req, outcome)
@@ -195,7 +219,11 @@ class Cluster:
                 # nodes while the next request starts.
                 await run.aclose()
         finally:
-            self._gate.release()
+            cleanup, self._cleanup = self._cleanup, None
+            if cleanup is None:
+                self._gate.release()
+            else:  # a failed request: the client has its answer; the gate opens once every node ended it
+                cleanup.add_done_callback(lambda _: self._gate.release())
 
     async def cancel(self, request_id: str) -> None:
         await asyncio.gather(*(self._cancel_one(m, request_id) for m in self.members), return_exceptions=True)
@@ -221,7 +249,7 @@ class Cluster:
                                              return_when=asyncio.FIRST_COMPLETED)
                 if getter not in done:
                     if failed_wait in done:
-                        outcome.error = ClusterError(self.reason or "a node died during the request")
+                        outcome.error = H.refusal(self.health) or H.NodeLostError("a node died during the request")
                     else:
                         outcome.error = DeadlineError(f"request timed out after {self.request_timeout_s:.0f} s")
                     break
@@ -231,7 +259,10 @@ class Cluster:
                     continue
                 if isinstance(event, NodeError):
                     if not outcome.error:
-                        outcome.error = error_for(event.kind, f"node {m.name}: {event.message}")
+                        outcome.error = H.refusal(self.health) if not self.health.ready else None
+                        outcome.error = outcome.error or error_for(event.kind, f"node {m.name}: {event.message}")
+                    if event.kind is ErrorKind.UNAVAILABLE:
+                        break  # a node or its envoy is gone: the others would only wait out the collective timeout
                     continue
                 if m.rank != 0:
                     continue
@@ -249,21 +280,35 @@ class Cluster:
                 # Stopped early (client gone, stop string, failure): every node stops at its next
                 # agreement. Wait until each has ended the request, so the next one does not find a
                 # node still busy with this one; give up on nodes that do not answer in time.
-                await self.cancel(req.request_id)
-                _, late = await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
-                for t in late:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                while not queue.empty():  # rank 0's report of the request (cached tokens, timings)
-                    m, event = queue.get_nowait()
-                    if m.rank == 0 and isinstance(event, GenerateDone):
-                        outcome.done = event
+                # A failed request answers its client at once and ends on the nodes in the background,
+                # still holding the gate (a peer may wait out its collective timeout first).
+                if outcome.error is not None and self._current == req.request_id:
+                    self._cleanup = self._spawn(self._end(req, tasks, queue, outcome), f"end-{req.request_id}")
+                else:
+                    await self._end(req, tasks, queue, outcome)
+            else:
+                self._current = None
+                self._spawn(self.refresh(), "refresh")
+
+    async def _end(self, req: GenerateRequest, tasks: list[asyncio.Task], queue: asyncio.Queue,
+                   outcome: Outcome) -> None:
+        try:
+            await self.cancel(req.request_id)
+            _, late = await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
+            for t in late:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            while not queue.empty():  # rank 0's report of the request (cached tokens, timings)
+                m, event = queue.get_nowait()
+                if m.rank == 0 and isinstance(event, GenerateDone):
+                    outcome.done = event
+        finally:
             self._current = None
             self._spawn(self.refresh(), "refresh")
 
     async def refresh(self) -> None:
         """Update every live member's memory, experts and all-reduce histogram."""
-        await asyncio.gather(*(self._refresh(m) for m in self.members if m.state == "ready"),
+        await asyncio.gather(*(self._refresh(m) for m in self.members if self.node_state(m) == "ready"),
                              return_exceptions=True)
 
     async def _pump(self, m: Member, req: GenerateRequest, queue: asyncio.Queue) -> None:
@@ -271,13 +316,16 @@ class Cluster:
             async for event in m.client.generate(req, timeout=self.request_timeout_s):
                 await queue.put((m, event))
         except grpc.RpcError as exc:
-            await queue.put((m, NodeError(kind_from_grpc(exc.code()), describe_rpc_error(exc), m.rank)))
+            kind = kind_from_grpc(exc.code())
+            if kind is ErrorKind.UNAVAILABLE:  # unreachable, or it says it failed: lost before a heartbeat sees it
+                self._event(H.RpcFailed(m.name, describe_rpc_error(exc)))
+            await queue.put((m, NodeError(kind, describe_rpc_error(exc), m.rank)))
         except Exception as exc:  # noqa: BLE001 - e.g. a request the wire cannot carry: the request's error, by kind
             await queue.put((m, NodeError(kind_of(exc), f"{type(exc).__name__}: {exc}", m.rank)))
         finally:
             await queue.put((m, None))
 
-    # -- health --------------------------------------------------------------------------------
+    # -- heartbeats and rejoin -----------------------------------------------------------------
 
     def start_monitor(self) -> None:
         if self._monitor is None:
@@ -286,46 +334,50 @@ class Cluster:
     async def _watch(self) -> None:
         while self.state != "stopping":
             await asyncio.gather(*(self._beat(m) for m in self.members), return_exceptions=True)
-            dead = [m for m in self.members if m.state == "dead"]
-            if dead and self.state == "ready":
-                self.state = "degraded"
-                self.reason = "node " + ", ".join(f"{m.name} ({m.address})" for m in dead) + " is down"
-                logger.warning("cluster degraded: %s", self.reason)
-                self._failed.set()
+            if self._rejoin_task is None and H.can_rejoin(self.health, time.monotonic()):
+                self._rejoin_task = self._spawn(self._rejoin(), "rejoin")
             await asyncio.sleep(self.heartbeat_s)
 
     async def _beat(self, m: Member) -> None:
-        if m.name in self._reloading:
-            return
         try:
             h = await m.client.health(timeout=max(self.heartbeat_s, 1.0))
-        except grpc.RpcError:
-            if m.state != "dead":
+        except grpc.RpcError as exc:
+            self._event(H.HeartbeatFailed(m.name, f"not answering ({describe_rpc_error(exc)})"))
+            if m.name not in self._restarting:  # once per death (an RPC may have seen it first)
                 logger.warning("node %s (%s) stopped answering", m.name, m.address)
-                m.state = "dead"
-                m.error = "not answering"
+                self._restarting.add(m.name)
                 if self._respawn is not None:
                     self._respawn(m)  # the launcher owns the restart task
             return
+        self._restarting.discard(m.name)
         m.last_seen = time.monotonic()
-        if m.state == "dead" or (h.state == "idle" and m.state == "ready"):
-            # the agent is back (restarted: nothing loaded): give it its placement again
-            logger.info("node %s is back; loading its shard again", m.name)
-            self._reloading.add(m.name)
-            self._spawn(self._rejoin(m), f"rejoin-{m.name}")
+        before = self.node_state(m)
+        self._event(H.HeartbeatOk(m.name, h.state, h.reason))
+        if before != "failed" and self.node_state(m) == "failed":
+            logger.warning("node %s: %s", m.name, self.health.node(m.name).reason)
 
-    async def _rejoin(self, m: Member) -> None:
+    async def _rejoin(self) -> None:
+        """Rebuild the cluster: every node loaded again (a failed envoy is restarted by its node's
+        load), then a warm-up step. Holds the request gate throughout: a request that failed ends
+        on every node first, and no request starts until the rejoin is over."""
         try:
-            await self._load_member(m, None)
-            if all(x.state == "ready" for x in self.members):
+            async with self._gate:
+                self._event(H.RejoinStarted())
+                if self.state != "recovering":
+                    return
+                logger.info("rejoin: loading every node again (%s)", self.reason)
+                results = await asyncio.gather(*(self._load_member(m, None) for m in self.members),
+                                               return_exceptions=True)
+                errors = [r for r in results if isinstance(r, BaseException)]
+                if errors:
+                    raise errors[0]
                 await self._warm_up()
-                self.state, self.reason = "ready", ""
-                logger.info("cluster ready again")
+                self._event(H.RejoinSucceeded())
         except (MoeClusterError, grpc.RpcError) as exc:
-            m.error = str(exc)
-            logger.warning("rejoin of %s failed: %s", m.name, exc)
+            logger.warning("rejoin failed: %s", exc)
+            self._event(H.RejoinFailed(str(exc), time.monotonic()))
         finally:
-            self._reloading.discard(m.name)
+            self._rejoin_task = None
 
     # -- status and shutdown -------------------------------------------------------------------
 
@@ -333,21 +385,23 @@ class Cluster:
         return {
             "state": self.state,
             "reason": self.reason,
+            "rejoin_attempts": self.health.attempts,
             "model": self.model,
             "transport": self.transport,
             "uptime_s": round(time.monotonic() - self.started, 1),
             "queue_depth": self.queue_depth,
             "nodes": [
-                {"name": m.name, "rank": m.rank, "state": m.state, "address": m.address,
+                {"name": m.name, "rank": m.rank, "state": self.node_state(m), "address": m.address,
                  "memory_bytes": m.memory_bytes, "budget_bytes": m.budget_bytes, "used_bytes": m.used_bytes,
-                 "experts": m.experts, "device": m.device, "pid": self._pid_of(m.name) if self._pid_of else None, "error": m.error,
+                 "experts": m.experts, "device": m.device, "pid": self._pid_of(m.name) if self._pid_of else None,
+                 "error": self.health.node(m.name).reason,
                  "last_seen_s": round(time.monotonic() - m.last_seen, 1) if m.last_seen else None}
                 for m in self.members
             ],
         }
 
     async def close(self, shutdown_nodes: bool) -> None:
-        self.state = "stopping"
+        self._event(H.Stopping())
         pending = [t for t in [self._monitor, *self._tasks] if t is not None]
         for t in pending:
             t.cancel()

@@ -50,6 +50,10 @@ class Collective(Protocol):
 
     def close(self) -> None: ...
 
+    def failure(self) -> str | None:
+        """Why this collective can no longer run (its process exited), or None while it can."""
+        ...
+
 
 def to_wire(x: mx.array) -> tuple[np.ndarray, str]:
     """An mx array -> (raw numpy payload, wire dtype name)."""
@@ -81,6 +85,9 @@ class LocalCollective:
 
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
         return partial
+
+    def failure(self) -> str | None:
+        return None
 
     def close(self) -> None:
         pass

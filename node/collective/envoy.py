@@ -111,6 +111,12 @@ class EnvoyProcess:
         raise CollectiveError(f"envoy of rank {self.rank} answered step {step} with {kind!r} "
                               f"(step {unpack_step(body) if kind == DONE else '?'})")
 
+    def failure(self) -> str | None:
+        """Why this envoy can no longer all-reduce (it exited: killed, crashed), or None while it runs."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        return f"{self._gone()} exited"
+
     def close(self) -> None:
         """Ask the envoy to exit; kill it if it does not within a few seconds."""
         self.link.close()
@@ -142,6 +148,9 @@ class EnvoyCollective:
         raw, dtype = to_wire(partial)
         out = self._envoy.all_reduce(raw.reshape(-1), dtype, tuple(partial.shape), layer)
         return from_wire(out, dtype, partial.shape)  # mx.array copies out of the shared area
+
+    def failure(self) -> str | None:
+        return self._envoy.failure()
 
     def close(self) -> None:
         self._envoy.close()

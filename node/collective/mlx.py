@@ -132,6 +132,9 @@ class MlxCollective:
         parts = list(np.ascontiguousarray(raw).reshape(self.world_size, -1))
         return from_wire(self._reduce(parts, dtype), dtype, partial.shape)
 
+    def failure(self) -> str | None:
+        return None  # no child process to lose: a peer's loss fails the step itself
+
     def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.close()

@@ -81,6 +81,9 @@ class ShmCollective:
             parts.append(np.frombuffer(sbody[:nbytes], dtype=DTYPES[dtype]))
         return from_wire(self._reduce(parts, dtype), dtype, partial.shape)
 
+    def failure(self) -> str | None:
+        return None  # no child process to lose: a peer's loss fails the step itself
+
     def close(self) -> None:
         try:
             self._shm.close()
