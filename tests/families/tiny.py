@@ -596,10 +596,14 @@ _OVERRIDES.update({
     # muse_spark rejects dense or shared-expert layers
     "muse_spark": {"text": {"num_shared_experts": 0, "mlp_layer_types": None}},
     # nemotron_h describes its stack as a pattern of mamba / attention / MoE blocks
-    # (its routed_scaling_factor defaults to None, which the router multiplies by)
-    "nemotron_h": {"top": {"hybrid_override_pattern": ["M", "E", "*", "E"], "routed_scaling_factor": 1.0}},
-    # granitemoehybrid: mamba / attention layers by name
-    "granitemoehybrid": {"top": {"layer_types": ["mamba", "attention", "mamba", "attention"]}},
+    # (its routed_scaling_factor defaults to None, which the router multiplies by); layer_types in
+    # transformers' names, which its config (read when the tokenizer is loaded) checks; mlx-lm reads
+    # the pattern
+    "nemotron_h": {"top": {"hybrid_override_pattern": ["M", "E", "*", "E"], "routed_scaling_factor": 1.0,
+                           "layer_types": ["linear_attention", "moe", "full_attention", "moe"]}},
+    # granitemoehybrid: mamba / attention layers by name; transformers' config wants the mamba heads to
+    # span mamba_expand (2) x hidden
+    "granitemoehybrid": {"top": {"layer_types": ["mamba", "attention", "mamba", "attention"], "mamba_d_head": 32}},
     # mistral3 wraps a text model picked by text_config.model_type; mistral4 is its MoE one
     "mistral3": {"text_class": lambda m: m.mistral4.ModelArgs, "text_model_type": "mistral4",
                  "text": {"model_type": "mistral4"}},
