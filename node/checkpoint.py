@@ -120,6 +120,17 @@ def check_runnable(config: dict, where: Path | str = "config.json") -> None:
                               f"({', '.join(kernels)}); it runs only on Apple silicon with Metal")
 
 
+def load_tokenizer(path: Path):
+    """mlx-lm's tokenizer of a checkpoint folder; files it cannot read are the checkpoint's problem
+    (transformers also validates config.json here), so any failure is one line naming the folder."""
+    from mlx_lm.tokenizer_utils import load
+
+    try:
+        return load(Path(path))
+    except Exception as exc:  # noqa: BLE001 - a third-party loader: every failure means unusable files
+        raise CheckpointError(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
+
+
 def model_args(config: dict, where: Path | str = "config.json"):
     """Instantiate the ModelArgs of a config; a config missing fields is a clear error."""
     _, args_cls = model_classes(config, where)

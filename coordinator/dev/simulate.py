@@ -249,7 +249,7 @@ def simulate(req: SimRequest) -> dict:
 
 
 def _tokenizer(path: Path):
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from ...node.checkpoint import load_tokenizer
 
     return load_tokenizer(path)
 

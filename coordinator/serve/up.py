@@ -146,7 +146,7 @@ def _transport(c: ClusterConfig, hosts: list[str], envoy_ports: list[int], rank_
 
 
 async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from ...node.checkpoint import load_tokenizer
 
     from .api import Api, ServingOptions
     from .launcher import Launcher, LocalNode
