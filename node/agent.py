@@ -22,7 +22,8 @@ import grpc
 from ..envoy.auth import SecretInterceptor, server_credentials
 from ..proto import CHANNEL_OPTIONS, convert
 from ..proto import node_pb2_grpc as npb_grpc
-from ..proto.errors import ErrorKind, UserError, grpc_code, kind_of
+from ..proto.errors import (BusyError, ErrorKind, MoeClusterError, NotReadyError, UnavailableError, UserError, grpc_code,
+                           kind_of)
 from .device import DeviceInfo, device_info
 from ..proto.records import GenerateDone, GeneratedTokens, Health, LoadProgress, Memory, NodeError, NodeStatus, Timings
 
@@ -165,13 +166,22 @@ class NodeAgent(npb_grpc.NodeServicer):
         )
         return convert.status_to_proto(s)
 
+    def _idle(self) -> None:
+        if self._current is not None:
+            raise BusyError(f"request {self._current} is running")
+
+    def _ready(self) -> None:
+        if self.state == "failed":
+            raise UnavailableError(f"node {self.config.name} has failed: {self.failure}")
+        if self.runtime is None or self.state != "ready":
+            raise NotReadyError(f"node is {self.state}, not ready")
+
     async def Load(self, request, context):
         try:
             spec = convert.load_request_from_proto(request, secret=self.config.secret, tls=self._tls_files())
-        except UserError as exc:
+            self._idle()
+        except MoeClusterError as exc:
             await context.abort(grpc_code(exc.kind), str(exc))
-        if self._current is not None:
-            await context.abort(grpc_code(ErrorKind.BUSY), f"request {self._current} is running")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         last = [0.0]
@@ -230,17 +240,13 @@ class NodeAgent(npb_grpc.NodeServicer):
 
     async def Generate(self, request, context):
         self._watch_collective()
-        if self.state == "failed":
-            await context.abort(grpc_code(ErrorKind.UNAVAILABLE), f"node {self.config.name} has failed: {self.failure}")
-        if self.runtime is None or self.state not in ("ready",):
-            await context.abort(grpc_code(ErrorKind.NOT_READY), f"node is {self.state}, not ready")
         try:
+            self._ready()
             req = convert.generate_request_from_proto(request, prefill_step=self.load_spec.prefill_step)
             self.runtime.check(req)  # before MLX sees it: a bad id can crash the process
-        except UserError as exc:
+            self._idle()
+        except MoeClusterError as exc:
             await context.abort(grpc_code(exc.kind), str(exc))
-        if self._current is not None:
-            await context.abort(grpc_code(ErrorKind.BUSY), f"request {self._current} is running")
         loop = asyncio.get_running_loop()
         tokens: asyncio.Queue = asyncio.Queue()
         self._current = req.request_id
@@ -304,14 +310,12 @@ class NodeAgent(npb_grpc.NodeServicer):
                 self.state = "ready"
 
     async def Probe(self, request, context):
-        if self.sharded is None or self.state != "ready":
-            await context.abort(grpc_code(ErrorKind.NOT_READY), f"node is {self.state}, not ready")
-        if self._current is not None:
-            await context.abort(grpc_code(ErrorKind.BUSY), f"request {self._current} is running")
         try:
+            self._ready()
+            self._idle()
             layer, x = convert.probe_request_from_proto(request)
             y = await self._worker.submit(lambda: self.sharded.probe(layer, x))
-        except UserError as exc:
+        except MoeClusterError as exc:
             await context.abort(grpc_code(exc.kind), str(exc))
         return convert.probe_reply_to_proto(y)
 
