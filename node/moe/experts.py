@@ -83,24 +83,24 @@ class ShardState:
         self.counters = {layer: LayerCounters() for layer in self.counters}
         self.pending = []
 
-    def note(self, layer: int, selected: mx.array, cluster_max: mx.array) -> None:
-        self.pending.append((layer, selected, cluster_max))
+    def note(self, layer: int, inds: mx.array, rank_of: np.ndarray) -> None:
+        """A call routed on the device: its indices (evaluated with the step anyway) are counted
+        on the host later, adding nothing to the step's graph. rank_of[e] = the rank computing e."""
+        self.pending.append((layer, inds, rank_of))
         if len(self.pending) > _FOLD_AT:
             self.settle(keep=_FOLD_KEEP)
 
     def settle(self, keep: int = 0) -> None:
-        """Fold the device-side counts into `counters` (all but the `keep` newest, which may belong
+        """Fold the device-routed calls into `counters` (all but the `keep` newest, which may belong
         to a step still being built)."""
         done, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
-        if not done:
-            return
-        values = np.array(mx.stack([mx.stack([s, m]) for _, s, m in done]).astype(mx.int32))
-        for (layer, _, _), (selected, cluster_max) in zip(done, values.tolist()):
+        for layer, inds, rank_of in done:
+            counts = np.bincount(rank_of[np.unique(np.array(inds))], minlength=self.world_size)
             c = self.counters.setdefault(layer, LayerCounters())
             c.calls += 1
-            c.selected += selected
-            c.computed += selected
-            c.cluster_max += cluster_max
+            c.selected += int(counts[self.rank])
+            c.computed += int(counts[self.rank])
+            c.cluster_max += int(counts.max())
 
     def means(self) -> dict[str, float]:
         """Mean per MoE layer per call of selected/computed/filler on this node."""
@@ -212,12 +212,17 @@ class ExpertShard(nn.Module):
         # fixed function of them: every expert has one holder (no replica to choose at run time)
         # and no filler is ever needed (keepalive none, or alone: the cluster maximum is ours).
         self._lut = self._rank_of = None
+        self._identity = False
         if self._ids and all(len(rs) == 1 for rs in self._holders.values()) and (
                 state.keepalive == "none" or state.world_size == 1):
             n = len(self._slot)
-            rank_of = np.array([self._holders[e][0] if e in self._holders else -1 for e in range(n)], dtype=np.int32)
-            self._lut = mx.array(np.where(rank_of == state.rank, self._slot, -1).astype(np.int32))  # global -> slot
-            self._rank_of = mx.array(rank_of[:, None] == np.arange(state.world_size)[None, :], dtype=mx.float32)
+            self._rank_of = np.array([self._holders[e][0] for e in range(n)], dtype=np.int64)
+            lut = np.where(self._rank_of == state.rank, self._slot, -1)  # global -> slot
+            # alone with every expert in id order, the table is the identity: the indices are the slots
+            self._identity = bool(np.array_equal(lut, np.arange(n)))
+            self._lut = mx.array(lut.astype(np.int32))
+        last = self.down_proj if kind == "glu" else self.fc2
+        self._gathered = not _per_expert(0, last.weight.dtype, last.quant is not None)  # one gather_mm per call
 
     @property
     def global_ids(self) -> tuple[int, ...]:
@@ -245,25 +250,20 @@ class ExpertShard(nn.Module):
         """Every (token, j) position through its expert's slot, no host sync: positions another
         node computes go to slot 0 and are zeroed, so a node reads at most one expert more than
         it selected (measured against the host path in tests/unit/test_experts.py)."""
-        k = inds.shape[-1]
-        flat = inds.reshape(-1)
-        slots = self._lut[flat]
+        self._state.note(self._layer, inds, self._rank_of)
+        rows = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, D): every slot of a token reads its row, as SwitchGLU
+        if self._identity:
+            return self._mlp(rows, inds, None).squeeze(-2)
+        slots = self._lut[inds]  # (..., k): local slot, or -1 where another node computes it
+        if self._state.world_size == 1:  # alone: every expert is here
+            return self._mlp(rows, slots.astype(mx.uint32), None).squeeze(-2)
         mine = slots >= 0
-        safe = mx.where(mine, slots, 0).astype(mx.uint32)
-        rows = mx.repeat(x.reshape(-1, x.shape[-1]), k, axis=0)[:, None, :]
-        y = self._mlp(rows, safe, None)[:, 0, :]
-        y = mx.where(mine[:, None], y, mx.zeros_like(y))
-        hit = mx.zeros((len(self._slot),), dtype=mx.float32).at[flat].add(1.0) > 0  # distinct experts selected
-        per_rank = hit.astype(mx.float32) @ self._rank_of
-        self._state.note(self._layer, per_rank[self._state.rank], per_rank.max())
-        return y.reshape(tuple(inds.shape) + (y.shape[-1],))
+        y = self._mlp(rows, mx.where(mine, slots, 0).astype(mx.uint32), None).squeeze(-2)  # (..., k, out)
+        return mx.where(mine[..., None], y, mx.zeros_like(y))
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         state = self._state
-        rows = inds.size
-        if (self._lut is not None and rows < SORTED_FROM
-                and not _per_expert(rows, self.down_proj.weight.dtype if self._kind == "glu" else self.fc2.weight.dtype,
-                                    (self.down_proj if self._kind == "glu" else self.fc2).quant is not None)):
+        if self._lut is not None and inds.size < SORTED_FROM and self._gathered:
             return self._routed_on_device(x, inds)
         t0 = time.perf_counter()
         flat = np.array(inds).reshape(-1, inds.shape[-1])  # host sync: tiny
