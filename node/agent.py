@@ -11,11 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import grpc
 
@@ -25,6 +23,7 @@ from ..proto import node_pb2_grpc as npb_grpc
 from ..proto.errors import (BusyError, ErrorKind, MoeClusterError, NotReadyError, UnavailableError, UserError, grpc_code,
                            kind_of)
 from .device import DeviceInfo, device_info
+from .worker import Worker
 from ..proto.records import GenerateDone, GeneratedTokens, Health, LoadProgress, Memory, NodeError, NodeStatus, Timings
 
 logger = logging.getLogger(__name__)
@@ -47,47 +46,6 @@ class AgentConfig:
     memory_bytes: int | None = None  # override what the node reports
 
 
-class _Worker:
-    """The one thread that touches MLX: jobs in, results out as values."""
-
-    def __init__(self):
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="mlx-worker", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fn, done = job
-            try:
-                done(fn(), None)
-            except BaseException as exc:  # noqa: BLE001 - handed back to the caller, re-raised there
-                done(None, exc)
-
-    def submit(self, fn: Callable[[], Any]) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def done(value, exc):
-            def settle():
-                if fut.cancelled():
-                    return
-                if exc is not None:
-                    fut.set_exception(exc)
-                else:
-                    fut.set_result(value)
-
-            loop.call_soon_threadsafe(settle)
-
-        self._jobs.put((fn, done))
-        return fut
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-
 class NodeAgent(npb_grpc.NodeServicer):
     """State of one node: what is loaded, what runs, and the service around it."""
 
@@ -99,7 +57,7 @@ class NodeAgent(npb_grpc.NodeServicer):
         self.sharded = None
         self.runtime = None
         self.load_spec = None
-        self._worker = _Worker()
+        self._worker = Worker("mlx-worker")  # the one thread that touches MLX
         self._current: str | None = None  # request id running
         self.failure = ""  # why the state is failed (a load that failed, an envoy that exited)
         self._cancel: set[str] = set()
@@ -216,7 +174,7 @@ class NodeAgent(npb_grpc.NodeServicer):
 
         self.state, self.failure = "loading", ""
         self.load_spec = spec
-        fut = self._worker.submit(load)
+        fut = asyncio.ensure_future(self._worker.call(load))
         logger.info("loading %s as rank %d of %d", spec.model, spec.rank, spec.world_size)
         while True:
             getter = asyncio.ensure_future(events.get())
@@ -263,7 +221,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             result.collective_s = self.sharded.state.timers.collective - collective_before
             return result
 
-        fut = self._worker.submit(run)
+        fut = asyncio.ensure_future(self._worker.call(run))
         try:
             while True:
                 getter = asyncio.ensure_future(tokens.get())
@@ -314,7 +272,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             self._ready()
             self._idle()
             layer, x = convert.probe_request_from_proto(request)
-            y = await self._worker.submit(lambda: self.sharded.probe(layer, x))
+            y = await self._worker.call(lambda: self.sharded.probe(layer, x))
         except MoeClusterError as exc:
             await context.abort(grpc_code(exc.kind), str(exc))
         return convert.probe_reply_to_proto(y)
@@ -395,7 +353,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             if advertiser is not None:
                 await advertiser.close()
             await server.stop(1.0)
-            await self._worker.submit(self._close_model)
+            await self._worker.call(self._close_model)
             self._worker.close()
 
 

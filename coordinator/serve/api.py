@@ -25,7 +25,7 @@ from ...proto.records import SEED_MAX, GenerateRequest, Sampling, check_token_id
 from ...proto.errors import KINDS, ErrorKind, MoeClusterError, UserError, kind_from_http
 from .cluster import Cluster, Outcome
 from .metrics import Metrics, prompt_tps
-from .worker import Worker
+from ...node.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class Api:
         return app
 
     async def _worker_ctx(self, app: web.Application):
-        self.worker = Worker()
+        self.worker = Worker("api-worker")
         try:
             yield
         finally:

@@ -1,5 +1,6 @@
-"""One owned thread for the API's CPU-bound work (JSON of big bodies, tokenizing, chat templates),
-so that the event loop keeps answering (/health) while a big request is prepared."""
+"""One owned thread for work that must stay off an asyncio event loop: the node agent's MLX work
+(MLX is driven from one thread) and the coordinator API's CPU-bound work (JSON of big bodies,
+tokenizing, chat templates), so each loop keeps answering while the work runs. It imports no mlx."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ logger = logging.getLogger(__name__)
 class Worker:
     """Jobs run one at a time, in order, on one thread; results and errors come back as values."""
 
-    def __init__(self, name: str = "api-worker"):
+    def __init__(self, name: str = "worker"):
         self._jobs: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
