@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
@@ -31,6 +32,31 @@ def test_big_bodies_parse_the_same_as_small_ones():
     raw = json.dumps(body).encode()
     assert len(raw) > BIG_BODY
     assert parse_json(raw) == body == parse_json(json.dumps(body, ensure_ascii=False).encode("utf-16"))
+
+
+def test_big_bodies_decode_every_string_as_json_does():
+    """The piecewise string scanner against json.loads: escapes, surrogate pairs (whole and lone),
+    text across the piece boundaries, several encodings, and each kind of broken string."""
+    rng = random.Random(7)
+    alphabet = ["a", "é", "😀", "\n", "\\", '"', "/", "\t", "\x01", "\ud83d", "\ude00", "\u2028", "x" * 70_000]
+    for _ in range(20):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 40)))
+        body = {"prompt": text, "k": [text[:5], {"é": text[-3:]}]}
+        raws = [json.dumps(body).encode(), json.dumps(body).encode("utf-16")]
+        if "\ud83d" not in text and "\ude00" not in text:  # lone surrogates have no UTF-8
+            raws.append(json.dumps(body, ensure_ascii=False).encode())
+        for raw in raws:
+            raw += " ".encode(json.detect_encoding(raw)).removeprefix(b"\xff\xfe") * BIG_BODY
+            chunks = [raw[i:i + 1000] for i in range(0, len(raw), 1000)]  # as they arrive: cut anywhere
+            assert parse_json(chunks) == json.loads(raw)  # not always body: json pairs adjacent surrogates
+    pad = b" " * BIG_BODY
+    for broken in (b'{"p": "abc', b'{"p": "abc\\', b'{"p": "a\\q"}', b'{"p": "\\u12"}', b'{"p": "\\u0x12"}',
+                   b'{"p": "a\x01"}', b'{"p": "\xff"}'):
+        with pytest.raises(json.JSONDecodeError if b"\xff" not in broken else UnicodeDecodeError):
+            json.loads(broken)
+        with pytest.raises(ApiError) as info:
+            parse_json([broken + pad])
+        assert info.value.status == 400, broken
 
 
 def test_token_ids_and_seeds_are_checked_against_their_ranges():
