@@ -181,7 +181,7 @@ def run(spec: DecodeBench) -> dict:
 
     peers = []
     for n in (n for n in spec.nodes if n > 1):
-        peer = measure(str(ckpt.path), n, ids, spec.max_tokens, spec.rounds)
+        peer = measure(str(ckpt.path), n, ids, spec.max_tokens, spec.rounds, gpus=spec.gpus)
         if "tokens" in peer:
             peer["same_tokens"] = peer.pop("tokens") == single["stock_tokens"][: spec.max_tokens]
         peers.append(peer)

@@ -1,7 +1,7 @@
 """mlx-lm's own distributed decode on the same checkpoint: the peer `bench decode` measures beside ours.
 
-`mlx_lm.utils.sharded_load` with a tensor-parallel group under `mx.distributed` (ring over TCP),
-as exo uses it: every expert (and every attention head) is split across the N processes, which
+`mlx_lm.utils.sharded_load` with a tensor-parallel group under `mx.distributed` (NCCL where MLX's
+CUDA build offers it, one GPU per process; else the ring over TCP), as exo uses it: every expert (and every attention head) is split across the N processes, which
 all-sum twice per layer. Each process runs `stream_generate` on the same prompt; rank 0 reports its
 median generation speed over the rounds.
 """
@@ -28,14 +28,18 @@ def supports(model_path: str) -> str | None:
     return None
 
 
-def _worker(path: str, rank: int, hostfile: str, ids: list[int], max_tokens: int, rounds: int, out) -> None:
-    os.environ.update(MLX_HOSTFILE=hostfile, MLX_RANK=str(rank))
+def _worker(path: str, rank: int, hostfile: str, ids: list[int], max_tokens: int, rounds: int, out,
+            env: dict, gpu: int | None) -> None:
+    os.environ.update(env, MLX_HOSTFILE=hostfile, MLX_RANK=str(rank))
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     try:
         import mlx.core as mx
         from mlx_lm.generate import stream_generate
         from mlx_lm.utils import sharded_load
 
-        group = mx.distributed.init(backend="ring", strict=True)
+        nccl = mx.cuda.is_available() and mx.distributed.is_available("nccl")
+        group = mx.distributed.init(backend="nccl" if nccl else "ring", strict=True)
         model, tokenizer = sharded_load(path, tensor_group=group)
         speeds, tokens = [], []
         for i in range(rounds + 1):  # the first round warms up
@@ -51,8 +55,9 @@ def _worker(path: str, rank: int, hostfile: str, ids: list[int], max_tokens: int
 
 
 def measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, rounds: int,
-            timeout_s: float = 300.0) -> dict:
-    """{"name", "nodes", "tps", "tokens"} of rank 0, or {"name", "nodes", "error"}."""
+            timeout_s: float = 300.0, gpus: bool = False) -> dict:
+    """{"name", "nodes", "tps", "tokens"} of rank 0, or {"name", "nodes", "error"}. `gpus`: process r
+    on GPU r."""
     entry = {"name": "mlx_lm_tensor_parallel", "nodes": nodes}
     why = supports(model_path)
     if why:
@@ -65,7 +70,10 @@ def measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, rounds
 
         with open(hostfile, "w") as f:
             json.dump([[f"127.0.0.1:{p}"] for p in free_ports(nodes)], f)
-        procs = [ctx.Process(target=_worker, args=(model_path, r, hostfile, ids, max_tokens, rounds, out))
+        ports = free_ports(1)  # NCCL's rendezvous on rank 0 (the ring uses the hostfile)
+        env = {"MLX_WORLD_SIZE": str(nodes), "NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(ports[0])}
+        procs = [ctx.Process(target=_worker, args=(model_path, r, hostfile, ids, max_tokens, rounds, out, env,
+                                                   r if gpus else None))
                  for r in range(nodes)]
         for p in procs:
             p.start()

@@ -3,17 +3,25 @@
 # Usage: scripts/gpu/setup.sh WHEEL_DIR...   (the wheels, downloaded elsewhere with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_35_x86_64 \
 #     mlx==0.32.4 mlx-cuda-13==0.32.4 mlx-lm==0.32.2 grpcio==1.85.1 protobuf==7.36.2 zeroconf==0.154.0 ifaddr
-#  mlx-cuda-13 may arrive split in parts named mlxcuda.part.*; they are joined here.)
-# Afterwards: export PYTHONPATH=/tmp/site
+#  The mlx-cuda-13 wheel (~90 MB) is over one device call's 64 MiB: split it (split -b 46M) into parts
+#  named in mlxcuda.parts, with the whole wheel's sha256sum line in mlxcuda.sha256, and carry the parts
+#  in separate calls: each call's copies are kept in /tmp/wheels while the machine stays warm.)
+# Installs once every part has arrived and the joined wheel matches its checksum; until then it
+# says which parts are missing and exits 3. Afterwards: export PYTHONPATH=/tmp/site
 set -euo pipefail
 SITE=/tmp/site
-mkdir -p /tmp/wheels "$SITE"
-for d in "$@"; do cp -n "$d"/* /tmp/wheels/ 2>/dev/null || true; done
-if ls /tmp/wheels/mlxcuda.part.* >/dev/null 2>&1; then
-  cat /tmp/wheels/mlxcuda.part.* > /tmp/wheels/mlx_cuda_13-0.32.4-py3-none-manylinux_2_35_x86_64.whl
-  rm /tmp/wheels/mlxcuda.part.*
+W=/tmp/wheels
+mkdir -p "$W" "$SITE"
+for d in "$@"; do cp -n "$d"/* "$W"/ 2>/dev/null || true; done
+if [ -f "$W/mlxcuda.parts" ]; then
+  missing=""
+  for p in $(cat "$W/mlxcuda.parts"); do [ -f "$W/$p" ] || missing="$missing $p"; done
+  if [ -n "$missing" ]; then echo "setup: waiting for$missing (carry them in the next call)"; exit 3; fi
+  (cd "$W" && cat $(cat mlxcuda.parts) > "$(awk '{print $2}' mlxcuda.sha256)" && sha256sum -c mlxcuda.sha256) \
+    || { echo "setup: the joined mlx-cuda-13 wheel does not match its checksum"; exit 1; }
+  (cd "$W" && rm -f $(cat mlxcuda.parts) mlxcuda.parts mlxcuda.sha256)
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" /tmp/wheels/*.whl
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$W"/*.whl
 # moe-cluster itself, from this checkout (no build isolation: the host's setuptools builds it)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$SITE" .
 PYTHONPATH="$SITE" python3 -c "import mlx.core as mx, moe_cluster.node.moe.load; print('mlx', mx.__version__, mx.default_device())"

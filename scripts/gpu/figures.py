@@ -1,0 +1,242 @@
+"""GPU figures of the cluster against one GPU and against mlx-lm's tensor parallelism (issues 15, 20).
+
+Steps, each writing JSON into OUT (one device call cannot hold them all: 10 minutes a call):
+
+    probe                      what MLX's CUDA build offers: GPUs, mx.distributed backends, and
+                               whether ring and nccl each all-reduce GPU arrays between 2 processes
+    build  --model M           a random bf16 checkpoint with M's shapes in /tmp/<M>
+    bench  --model M --transport T
+                               `moe-cluster bench decode` at the given node counts, one GPU per
+                               node (stock mlx-lm, our single-node path, the cluster path at N = 1,
+                               N > 1 over T, mlx-lm tensor parallel), calibrated: <M>-<T>.json
+    allreduce                  `moe-cluster bench allreduce` on the host's idle CPU cores
+    report --runs DIR          (here, not on the GPU host) table.md and figure.png from DIR's JSON
+
+Models (real shapes, random weights, bf16):
+    dbrx           hidden 6144, 48 heads of 128 (8 KV), 16 experts of width 10752, top-4
+    qwen3-30b-a3b  48 layers, hidden 2048, 128 experts of width 768, top-8, 16 heads of 128 (4 KV)
+
+Usage on the GPU host, after scripts/gpu/setup.sh (PYTHONPATH=/tmp/site):
+    python3 scripts/gpu/figures.py probe --out $OUT
+    python3 scripts/gpu/figures.py build --model qwen3-30b-a3b
+    python3 scripts/gpu/figures.py bench --model qwen3-30b-a3b --transport mlx --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODELS = {
+    "dbrx": ["--arch", "dbrx", "--hidden", "6144", "--heads", "48", "--kv-heads", "8", "--ffn", "10752",
+             "--experts", "16", "--top-k", "4", "--layers", "8"],
+    "qwen3-30b-a3b": ["--arch", "qwen3_moe", "--hidden", "2048", "--heads", "16", "--kv-heads", "4", "--ffn", "768",
+                      "--experts", "128", "--top-k", "8", "--layers", "48"],
+}
+
+
+def cli(*args: str) -> str:
+    cmd = [sys.executable, "-m", "moe_cluster.coordinator.cli", *args]
+    t0 = time.time()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    print(f"[{time.time() - t0:6.1f}s] moe-cluster {' '.join(args)}", flush=True)
+    if r.returncode:
+        print(r.stdout[-4000:], r.stderr[-4000:], flush=True)
+        raise SystemExit(f"failed: {' '.join(args)}")
+    return r.stdout
+
+
+def model_dir(name: str) -> Path:
+    return Path("/tmp") / name
+
+
+def build(args) -> None:
+    out = model_dir(args.model)
+    if (out / "config.json").exists():
+        print(f"{out} exists")
+        return
+    for other in MODELS:  # one model on disk at a time: both do not fit the host's disk
+        if other != args.model and model_dir(other).exists():
+            shutil.rmtree(model_dir(other))
+    extra = ["--layers", str(args.layers)] if args.layers else []
+    print(cli("demo-model", *MODELS[args.model], *extra, "--out", str(out), "--dtype", "bfloat16",
+              "--shard-size", "5GB"))
+
+
+def bench(args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = cli("bench", "decode", "--model", str(model_dir(args.model)), "--nodes", args.nodes, "--keepalive", "none",
+               "--transport", args.transport, "--gpus", "--max-tokens", str(args.max_tokens), "--rounds",
+               str(args.rounds), "--calibrate", "--json")
+    (out / f"{args.model}-{args.transport}.json").write_text(text)
+    (model_dir(args.model) / "config.json").exists() and shutil.copy(model_dir(args.model) / "config.json",
+                                                                     out / f"{args.model}-config.json")
+    summary(json.loads(text), f"{args.model} over {args.transport}")
+
+
+def summary(b: dict, what: str) -> None:
+    print(f"{what}: stock {b['mlx_lm_tps']:.1f} tok/s, cluster_ratio {b['cluster_ratio']:.3f}, "
+          f"same tokens {b['same_tokens']} / {b['cluster_path']['same_tokens']}")
+    for c in b["clusters"]:
+        print(f"  N={c['nodes']} {c['transport']}: {c['generation_tps']:.1f} tok/s, fixed cost "
+              f"{c['fixed_cost_per_moe_layer_us']:.0f} us/MoE layer, E[n] {c['expected_experts']:.2f}, "
+              f"same tokens {c['same_tokens']}")
+    for p in b["peers"]:
+        print(f"  peer {p['name']} N={p['nodes']}: " + (f"{p['tps']:.1f} tok/s" if "tps" in p else p["error"]))
+    cal = b.get("calibration")
+    if cal:
+        print(f"  calibration: max |error| {100 * cal['max_abs_error']:.1f}%")
+
+
+def allreduce(args) -> None:
+    text = cli("bench", "allreduce", "--nodes", "2,4", "--hidden", "6144", "--tokens", "1,32", "--dtype",
+               "bfloat16", "--json")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "allreduce.json").write_text(text)
+    print(text[:3000])
+
+
+_PROBE = r"""
+import os, sys, json, time
+backend, rank = sys.argv[1], int(sys.argv[2])
+import mlx.core as mx
+g = mx.distributed.init(strict=True, backend=backend)
+x = mx.ones((1, 6144), dtype=mx.bfloat16) * (rank + 1)
+for op in ("all_sum", "all_gather"):
+    y = getattr(mx.distributed, op)(x, group=g); mx.eval(y)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        y = getattr(mx.distributed, op)(x, group=g); mx.eval(y)
+    dt = (time.perf_counter() - t0) / 200
+    if rank == 0:
+        print(json.dumps({"backend": backend, "op": op, "device": str(mx.default_device()), "shape": list(y.shape),
+                          "first": float(y.reshape(-1)[0].astype(mx.float32).item()), "us": dt * 1e6}), flush=True)
+"""
+
+
+def probe(args) -> None:
+    import mlx.core as mx
+
+    from moe_cluster.node.collective.specs import free_ports
+
+    found = {"mlx": mx.__version__, "device": str(mx.default_device()),
+             "cuda": bool(getattr(mx, "cuda", None) and mx.cuda.is_available()),
+             "backends": {b: mx.distributed.is_available(b) for b in ("ring", "nccl", "mpi", "jaccl")},
+             "gpus": os.popen("nvidia-smi -L").read().strip().splitlines(), "runs": []}
+    for backend in ("ring", "nccl"):
+        if not found["backends"][backend]:
+            continue
+        port = free_ports(2)
+        hostfile = Path("/tmp/probe-hosts.json")
+        hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in port]))
+        procs = []
+        for rank in range(2):
+            env = dict(os.environ, MLX_RANK=str(rank), MLX_WORLD_SIZE="2", MLX_HOSTFILE=str(hostfile),
+                       NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(port[0]), CUDA_VISIBLE_DEVICES=str(rank))
+            procs.append(subprocess.Popen([sys.executable, "-c", _PROBE, backend, str(rank)], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        for p in procs:
+            try:
+                o, e = p.communicate(timeout=120)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                o, e = "", "timed out"
+            for line in o.splitlines():
+                found["runs"].append(json.loads(line))
+            if p.returncode:
+                found["runs"].append({"backend": backend, "error": e[-800:]})
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "probe.json").write_text(json.dumps(found, indent=1))
+    print(json.dumps(found, indent=1))
+
+
+def report(args) -> None:
+    """table.md and figure.png from the bench JSON in --runs."""
+    runs = Path(args.runs)
+    rows, lines = [], []
+    lines.append("| model | N | stock mlx-lm | ours, transport mlx | ours, envoy | mlx-lm tensor parallel | "
+                 "plan calibrated, mlx / envoy | fixed cost per MoE layer, mlx / envoy (µs) |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for model in MODELS:
+        benches = {t: json.loads((runs / f"{model}-{t}.json").read_text()) for t in ("mlx", "envoy")
+                   if (runs / f"{model}-{t}.json").exists()}
+        if not benches:
+            continue
+        first = next(iter(benches.values()))
+        nodes = sorted({c["nodes"] for b in benches.values() for c in b["clusters"]})
+        for n in nodes:
+            per = {t: next((c for c in b["clusters"] if c["nodes"] == n), None) for t, b in benches.items()}
+            pred = [p["predicted_tps"] for b in benches.values() for p in b.get("calibration", {}).get("points", [])
+                    if p["nodes"] == n]
+            peer = next((p for b in benches.values() for p in b["peers"] if p["nodes"] == n and "tps" in p), None)
+            cells = [model, str(n), f"{first['mlx_lm_tps']:.1f}"]
+            for t in ("mlx", "envoy"):
+                c = per.get(t)
+                cells.append("—" if c is None else f"{c['generation_tps']:.1f}" + ("" if c["same_tokens"] else " (tokens differ)"))
+            cells.append(f"{peer['tps']:.1f}" if peer else "—")
+            cells.append(" / ".join(f"{x:.1f}" for x in pred) or "—")
+            cells.append(" / ".join(f"{per[t]['fixed_cost_per_moe_layer_us']:.0f}" if per.get(t) else "—"
+                                    for t in ("mlx", "envoy")))
+            lines.append("| " + " | ".join(cells) + " |")
+            rows.append((model, n, first["mlx_lm_tps"], per, peer))
+        ratios = ", ".join(f"{t}: {b['cluster_ratio']:.3f}" for t, b in benches.items())
+        lines.append(f"| {model} | cluster_ratio (N = 1) | | {ratios} | | | | |")
+    (runs / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: no figure")
+        return
+    models = [m for m in MODELS if any(r[0] == m for r in rows)]
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), dpi=130, squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r[0] == model]
+        ns = [r[1] for r in mine]
+        ax.axhline(mine[0][2], color="black", linestyle="--", label="stock mlx-lm, one GPU")
+        for t, color in (("mlx", "tab:blue"), ("envoy", "tab:orange")):
+            pts = [(r[1], r[3][t]["generation_tps"]) for r in mine if r[3].get(t)]
+            if pts:
+                ax.plot(*zip(*pts), "o-", color=color, label=f"ours, transport {t}")
+        tp = [(r[1], r[4]["tps"]) for r in mine if r[4]]
+        if tp:
+            ax.plot(*zip(*tp), "s-", color="tab:green", label="mlx-lm tensor parallel")
+        ax.set_xticks(ns)
+        ax.set_xlabel("GPUs (one node process each)")
+        ax.set_ylabel("decode tok/s, batch 1")
+        ax.set_title(model)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(runs / "figure.png")
+    print(f"wrote {runs / 'figure.png'}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("step", choices=("probe", "build", "bench", "allreduce", "report"))
+    p.add_argument("--model", choices=tuple(MODELS), default="qwen3-30b-a3b")
+    p.add_argument("--layers", type=int, help="override the model's layer count")
+    p.add_argument("--transport", choices=("mlx", "envoy"), default="mlx")
+    p.add_argument("--nodes", default="1,2")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", default="out")
+    p.add_argument("--runs", help="with report: the folder of a run's JSON")
+    args = p.parse_args()
+    {"probe": probe, "build": build, "bench": bench, "allreduce": allreduce, "report": report}[args.step](args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
