@@ -53,7 +53,8 @@ def cli(*args: str) -> str:
 
 
 def model_dir(name: str) -> Path:
-    return Path("/tmp") / name
+    """Where a model is built: MODELS_ROOT (e.g. /dev/shm where /tmp's disk is too small), else /tmp."""
+    return Path(os.environ.get("MODELS_ROOT", "/tmp")) / name
 
 
 def build(args) -> None:
