@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=_positive_int, default=64)
     b.add_argument("--rounds", type=_positive_int, default=3, help="timed rounds per side (medians are reported)")
     b.add_argument("--prompt", default=None)
-    b.add_argument("--transport", choices=("shm", "envoy", "mlx"), default="shm", help="collective for N > 1")
+    b.add_argument("--transport", default="shm", help="collective(s) for N > 1, a comma list of shm, envoy, mlx")
     b.add_argument("--gpus", action="store_true", help="bind node r to GPU r (CUDA_VISIBLE_DEVICES)")
     b.add_argument("--calibrate", action="store_true",
                    help="fit the performance model to these measurements and print its predictions beside them")

@@ -20,6 +20,7 @@ from ...node.engine import Stats, generate_tokens
 from ...proto.errors import UserError
 from ...proto.records import KEEPALIVES, Sampling
 
+TRANSPORTS = ("shm", "envoy", "mlx")
 DEFAULT_PROMPT = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate."
 
 
@@ -31,7 +32,7 @@ class DecodeBench:
     max_tokens: int = 64
     rounds: int = 3
     prompt: str = DEFAULT_PROMPT
-    transport: str = "shm"
+    transports: tuple[str, ...] = ("shm",)  # each N > 1 is measured over each (N = 1 exchanges nothing)
     gpus: bool = False  # bind node r to GPU r
 
 
@@ -88,14 +89,14 @@ def _cluster_path_alone(spec: DecodeBench, ids: list[int], tokenizer, model) -> 
     return {"cluster_tps": statistics.median(ours), "mlx_lm_tps": statistics.median(stock), "tokens": tokens}
 
 
-def _cluster(spec: DecodeBench, ids: list[int], nodes: int) -> list[dict]:
+def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> list[dict]:
     from ..dev.simulate import run_nodes
     from ...node.sim import SimTask
 
     sampling = Sampling(max_tokens=spec.max_tokens)
     tasks = [SimTask(spec.model, tuple(ids), sampling, keepalive=k, repeats=spec.rounds) for k in spec.keepalive]
     out = []
-    for keepalive, reports in zip(spec.keepalive, run_nodes(tasks, nodes, transport=spec.transport, gpus=spec.gpus)):
+    for keepalive, reports in zip(spec.keepalive, run_nodes(tasks, nodes, transport=transport, gpus=spec.gpus)):
         r0 = reports[0]
         steps = max(r0["generated"] - 1, 1)
         per_token = r0["generation_seconds"] / steps
@@ -109,7 +110,7 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int) -> list[dict]:
         out.append({
             "nodes": nodes,
             "keepalive": keepalive,
-            "transport": spec.transport,
+            "transport": transport,
             "generation_tps": r0["generation_tps"],
             "tokens": r0["tokens"],
             "time_per_token_s": per_token,
@@ -170,7 +171,10 @@ def run(spec: DecodeBench) -> dict:
     for n in spec.nodes:
         # N = 1 runs the cluster path too (one node process, nothing to exchange), so every point
         # of the series has the same code and a breakdown.
-        clusters += _cluster(spec if n > 1 else replace(spec, keepalive=("none",)), ids, n)
+        if n == 1:
+            clusters += _cluster(replace(spec, keepalive=("none",)), ids, n, spec.transports[0])
+        for t in spec.transports if n > 1 else ():
+            clusters += _cluster(spec, ids, n, t)
     bytes_ = model_bytes(str(ckpt.path))
     stock_s = 1.0 / single["mlx_lm_tps"]
     for c in clusters:
@@ -209,19 +213,26 @@ def run(spec: DecodeBench) -> dict:
 
 
 def calibrate(bench_out: dict) -> dict:
-    """Fit the performance model to this run and put its prediction beside each measurement."""
+    """Fit the performance model to this run, once per transport (with the N = 1 points, which
+    exchange nothing), and put its prediction beside each measurement: {transport: calibration}."""
+
     from ..plan.calibration import fit, parse_bench, predict_time
 
     bench = parse_bench(bench_out, "bench decode")
-    cal = fit(bench)
-    points = []
-    for c in bench.clusters:
-        predicted = 1.0 / predict_time(cal, bench, c.nodes, c.expected_experts, c.nodes_per_host)
-        points.append({"nodes": c.nodes, "keepalive": c.keepalive, "measured_tps": c.generation_tps,
-                       "predicted_tps": predicted, "error": predicted / c.generation_tps - 1.0})
-    return {"bandwidth_Bps": cal.bandwidth_Bps, "layer_overhead_s": cal.layer_overhead_s,
-            "collective_base_s": cal.collective_base_s, "collective_per_node_s": cal.collective_per_node_s,
-            "points": points, "max_abs_error": max(abs(p["error"]) for p in points)}
+    multi = sorted({c.transport for c in bench.clusters if c.nodes > 1}) or [bench.clusters[0].transport]
+    out = {}
+    for transport in multi:
+        part = replace(bench, clusters=tuple(c for c in bench.clusters if c.nodes == 1 or c.transport == transport))
+        cal = fit(part)
+        points = []
+        for c in part.clusters:
+            predicted = 1.0 / predict_time(cal, part, c.nodes, c.expected_experts, c.nodes_per_host)
+            points.append({"nodes": c.nodes, "keepalive": c.keepalive, "measured_tps": c.generation_tps,
+                           "predicted_tps": predicted, "error": predicted / c.generation_tps - 1.0})
+        out[transport] = {"bandwidth_Bps": cal.bandwidth_Bps, "layer_overhead_s": cal.layer_overhead_s,
+                          "collective_base_s": cal.collective_base_s, "collective_per_node_s": cal.collective_per_node_s,
+                          "points": points, "max_abs_error": max(abs(p["error"]) for p in points)}
+    return out
 
 
 def main(args) -> int:
@@ -235,17 +246,20 @@ def main(args) -> int:
     bad = [k for k in keepalive if k not in KEEPALIVES]
     if bad:
         raise UserError(f"--keepalive: unknown policy {bad[0]!r} ({', '.join(KEEPALIVES)})")
+    transports = tuple(args.transport.split(","))
+    bad = [t for t in transports if t not in TRANSPORTS]
+    if bad:
+        raise UserError(f"--transport: unknown transport {bad[0]!r} ({', '.join(TRANSPORTS)})")
     spec = DecodeBench(args.model, nodes, keepalive, args.max_tokens, args.rounds, args.prompt or DEFAULT_PROMPT,
-                       args.transport, args.gpus)
+                       transports, args.gpus)
     out = run(spec)
     if args.calibrate:
         out["calibration"] = calibrate(out)
     if args.json:
         print(json.dumps(out))
         return 0
-    if args.calibrate:
-        cal = out["calibration"]
-        print(f"calibration: bandwidth {cal['bandwidth_Bps'] / 1e9:.2f} GB/s, {cal['layer_overhead_s'] * 1e6:.0f} us per layer, "
+    for transport, cal in (out["calibration"].items() if args.calibrate else ()):
+        print(f"calibration over {transport}: bandwidth {cal['bandwidth_Bps'] / 1e9:.2f} GB/s, {cal['layer_overhead_s'] * 1e6:.0f} us per layer, "
               f"collective {1e6 * (cal['collective_base_s'] or 0):.0f} us per MoE layer at 2 nodes "
               f"+{1e6 * (cal['collective_per_node_s'] or 0):.0f} us per extra node")
         for p in cal["points"]:

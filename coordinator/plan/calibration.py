@@ -270,6 +270,10 @@ def fit(bench: Bench, *, network: str | None = None, hardware: str | None = None
         raise CalibrationError(f"bench of {bench.model}: compute time does not grow with bytes read; cannot fit bandwidth")
 
     multi = [c for c in cs if c.nodes >= 2]
+    if len({c.transport for c in multi}) > 1:
+        raise CalibrationError(f"bench of {bench.model}: clusters of 2 or more nodes over several transports "
+                               f"({', '.join(sorted({c.transport for c in multi}))}) have different collective costs; "
+                               "fit one transport at a time (bench decode --calibrate fits each)")
     base = per_node = None
     if multi:
         xs = [float(c.nodes - 2) for c in multi]

@@ -5,10 +5,10 @@ Steps, each writing JSON into OUT (one device call cannot hold them all: 10 minu
     probe                      what MLX's CUDA build offers: GPUs, mx.distributed backends, and
                                whether ring and nccl each all-reduce GPU arrays between 2 processes
     build  --model M           a random bf16 checkpoint with M's shapes in /tmp/<M>
-    bench  --model M --transport T
-                               `moe-cluster bench decode` at the given node counts, one GPU per
+    bench  --model M           `moe-cluster bench decode` at the given node counts, one GPU per
                                node (stock mlx-lm, our single-node path, the cluster path at N = 1,
-                               N > 1 over T, mlx-lm tensor parallel), calibrated: <M>-<T>.json
+                               N > 1 over each transport, mlx-lm tensor parallel), calibrated per
+                               transport: <M>.json
     allreduce                  `moe-cluster bench allreduce` on the host's idle CPU cores
     report --runs DIR          (here, not on the GPU host) table.md and figure.png from DIR's JSON
 
@@ -19,7 +19,7 @@ Models (real shapes, random weights, bf16):
 Usage on the GPU host, after scripts/gpu/setup.sh (PYTHONPATH=/tmp/site):
     python3 scripts/gpu/figures.py probe --out $OUT
     python3 scripts/gpu/figures.py build --model qwen3-30b-a3b
-    python3 scripts/gpu/figures.py bench --model qwen3-30b-a3b --transport mlx --out $OUT
+    python3 scripts/gpu/figures.py bench --model qwen3-30b-a3b --transport mlx,envoy --out $OUT
 """
 
 from __future__ import annotations
@@ -76,10 +76,10 @@ def bench(args) -> None:
     text = cli("bench", "decode", "--model", str(model_dir(args.model)), "--nodes", args.nodes, "--keepalive", "none",
                "--transport", args.transport, "--gpus", "--max-tokens", str(args.max_tokens), "--rounds",
                str(args.rounds), "--calibrate", "--json")
-    (out / f"{args.model}-{args.transport}.json").write_text(text)
+    (out / f"{args.model}.json").write_text(text)
     (model_dir(args.model) / "config.json").exists() and shutil.copy(model_dir(args.model) / "config.json",
                                                                      out / f"{args.model}-config.json")
-    summary(json.loads(text), f"{args.model} over {args.transport}")
+    summary(json.loads(text), args.model)
 
 
 def summary(b: dict, what: str) -> None:
@@ -91,9 +91,8 @@ def summary(b: dict, what: str) -> None:
               f"same tokens {c['same_tokens']}")
     for p in b["peers"]:
         print(f"  peer {p['name']} N={p['nodes']}: " + (f"{p['tps']:.1f} tok/s" if "tps" in p else p["error"]))
-    cal = b.get("calibration")
-    if cal:
-        print(f"  calibration: max |error| {100 * cal['max_abs_error']:.1f}%")
+    for transport, cal in b.get("calibration", {}).items():
+        print(f"  calibration over {transport}: max |error| {100 * cal['max_abs_error']:.1f}%")
 
 
 def allreduce(args) -> None:
@@ -166,29 +165,27 @@ def report(args) -> None:
                  "plan calibrated, mlx / envoy | fixed cost per MoE layer, mlx / envoy (µs) |")
     lines.append("|---|---|---|---|---|---|---|---|")
     for model in MODELS:
-        benches = {t: json.loads((runs / f"{model}-{t}.json").read_text()) for t in ("mlx", "envoy")
-                   if (runs / f"{model}-{t}.json").exists()}
-        if not benches:
+        if not (runs / f"{model}.json").exists():
             continue
-        first = next(iter(benches.values()))
-        nodes = sorted({c["nodes"] for b in benches.values() for c in b["clusters"]})
-        for n in nodes:
-            per = {t: next((c for c in b["clusters"] if c["nodes"] == n), None) for t, b in benches.items()}
-            pred = [p["predicted_tps"] for b in benches.values() for p in b.get("calibration", {}).get("points", [])
-                    if p["nodes"] == n]
-            peer = next((p for b in benches.values() for p in b["peers"] if p["nodes"] == n and "tps" in p), None)
-            cells = [model, str(n), f"{first['mlx_lm_tps']:.1f}"]
+        b = json.loads((runs / f"{model}.json").read_text())
+        cal = b.get("calibration", {})
+        for n in sorted({c["nodes"] for c in b["clusters"]}):
+            per = {c["transport"] if n > 1 else t: c for c in b["clusters"] if c["nodes"] == n
+                   for t in (("mlx", "envoy") if n == 1 else (c["transport"],))}
+            pred = [f"{p['predicted_tps']:.1f}" for t in ("mlx", "envoy") for p in cal.get(t, {}).get("points", [])
+                    if p["nodes"] == n][: 1 if n == 1 else 2]
+            peer = next((p for p in b["peers"] if p["nodes"] == n and "tps" in p), None)
+            cells = [model, str(n), f"{b['mlx_lm_tps']:.1f}"]
             for t in ("mlx", "envoy"):
                 c = per.get(t)
                 cells.append("—" if c is None else f"{c['generation_tps']:.1f}" + ("" if c["same_tokens"] else " (tokens differ)"))
             cells.append(f"{peer['tps']:.1f}" if peer else "—")
-            cells.append(" / ".join(f"{x:.1f}" for x in pred) or "—")
+            cells.append(" / ".join(pred) or "—")
             cells.append(" / ".join(f"{per[t]['fixed_cost_per_moe_layer_us']:.0f}" if per.get(t) else "—"
                                     for t in ("mlx", "envoy")))
             lines.append("| " + " | ".join(cells) + " |")
-            rows.append((model, n, first["mlx_lm_tps"], per, peer))
-        ratios = ", ".join(f"{t}: {b['cluster_ratio']:.3f}" for t, b in benches.items())
-        lines.append(f"| {model} | cluster_ratio (N = 1) | | {ratios} | | | | |")
+            rows.append((model, n, b["mlx_lm_tps"], per, peer))
+        lines.append(f"| {model} | cluster path at N = 1 ÷ stock | | {b['cluster_ratio']:.3f} | | | | |")
     (runs / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
@@ -228,7 +225,7 @@ def main() -> int:
     p.add_argument("step", choices=("probe", "build", "bench", "allreduce", "report"))
     p.add_argument("--model", choices=tuple(MODELS), default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, help="override the model's layer count")
-    p.add_argument("--transport", choices=("mlx", "envoy"), default="mlx")
+    p.add_argument("--transport", default="mlx,envoy", help="comma list: mlx, envoy")
     p.add_argument("--nodes", default="1,2")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2)

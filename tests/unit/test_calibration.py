@@ -112,3 +112,21 @@ def test_bad_bench_names_the_field():
         parse_bench({**bench(), "clusters": []})
     with pytest.raises(CalibrationError, match="missing field 'model_bytes'"):
         parse_bench({"model": "m", "clusters": []})
+
+
+def test_several_transports_are_fitted_one_at_a_time():
+    """bench decode --transport mlx,envoy: the plan's fit refuses the mix; the bench fits each transport
+    with the N = 1 points and recovers each one's collective cost."""
+    from moe_cluster.coordinator.bench.decode import calibrate
+
+    both = bench()
+    fast = bench(truth=dict(TRUTH, a=100e-6, b=10e-6))["clusters"]
+    both["clusters"] += [dict(c, transport="mlx") for c in fast if c["nodes"] > 1]
+    with pytest.raises(CalibrationError, match="several transports"):
+        fit(parse_bench(both))
+    cals = calibrate(both)
+    assert sorted(cals) == ["envoy", "mlx"]
+    assert cals["envoy"]["collective_base_s"] == pytest.approx(TRUTH["a"], rel=1e-9)
+    assert cals["mlx"]["collective_base_s"] == pytest.approx(100e-6, rel=1e-9)
+    assert [p["nodes"] for p in cals["mlx"]["points"]] == [1, 2, 3, 4]
+    assert cals["mlx"]["max_abs_error"] < 1e-9
