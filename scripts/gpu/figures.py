@@ -139,7 +139,8 @@ def probe(args) -> None:
         procs = []
         for rank in range(2):
             env = dict(os.environ, MLX_RANK=str(rank), MLX_WORLD_SIZE="2", MLX_HOSTFILE=str(hostfile),
-                       NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(port[0]), CUDA_VISIBLE_DEVICES=str(rank))
+                       NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(port[0]),
+                       CUDA_VISIBLE_DEVICES=str(rank % max(1, len(found["gpus"]))))
             procs.append(subprocess.Popen([sys.executable, "-c", _PROBE, backend, str(rank)], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         for p in procs:

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Every GPU figure in one background job (device calls last 10 minutes at most; this outlives them):
+#   setsid bash scripts/gpu/run_all.sh /tmp/figs > /tmp/figs.log 2>&1 < /dev/null &
+# then poll /tmp/figs.log and copy /tmp/figs/* out; /tmp/figs/DONE appears at the end.
+# Env: PYTHONPATH=/tmp/site (scripts/gpu/setup.sh), MODELS (default both), NODES (default 1,2).
+set -u
+OUTDIR=${1:-/tmp/figs}
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1
+F="python3 scripts/gpu/figures.py"
+$F probe --out "$OUTDIR"
+$F allreduce --out "$OUTDIR"
+for m in ${MODELS:-qwen3-30b-a3b dbrx}; do
+  $F build --model "$m" ${LAYERS:+--layers $LAYERS} && \
+    $F bench --model "$m" --nodes "${NODES:-1,2}" --transport mlx,envoy --max-tokens "${MAX_TOKENS:-32}" \
+      --rounds "${ROUNDS:-1}" --out "$OUTDIR"
+done
+touch "$OUTDIR/DONE"
