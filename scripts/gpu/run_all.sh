@@ -2,7 +2,8 @@
 # Every GPU figure in one background job (device calls last 10 minutes at most; this outlives them):
 #   setsid bash scripts/gpu/run_all.sh /tmp/figs > /tmp/figs.log 2>&1 < /dev/null &
 # then poll /tmp/figs.log and copy /tmp/figs/* out; /tmp/figs/DONE appears at the end.
-# Env: PYTHONPATH=/tmp/site (scripts/gpu/setup.sh), MODELS (default both), NODES (default 1,2).
+# Env: PYTHONPATH=/tmp/site (scripts/gpu/setup.sh), MODELS (default both; NAME:LAYERS overrides a model's
+# layer count), NODES (default 1,2).
 set -u
 OUTDIR=${1:-/tmp/figs}
 mkdir -p "$OUTDIR"
@@ -10,8 +11,10 @@ export PYTHONUNBUFFERED=1
 F="python3 scripts/gpu/figures.py"
 $F probe --out "$OUTDIR"
 $F allreduce --out "$OUTDIR"
-for m in ${MODELS:-qwen3-30b-a3b dbrx}; do
-  $F build --model "$m" ${LAYERS:+--layers $LAYERS} && \
+for spec in ${MODELS:-qwen3-30b-a3b dbrx}; do
+  m=${spec%%:*}
+  layers=$([ "$m" != "$spec" ] && echo "--layers ${spec#*:}")
+  $F build --model "$m" $layers && \
     $F bench --model "$m" --nodes "${NODES:-1,2}" --transport mlx,envoy --max-tokens "${MAX_TOKENS:-32}" \
       --rounds "${ROUNDS:-1}" --out "$OUTDIR"
 done
