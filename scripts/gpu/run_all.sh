@@ -11,6 +11,7 @@ export PYTHONUNBUFFERED=1
 F="python3 scripts/gpu/figures.py"
 $F probe --out "$OUTDIR"
 $F allreduce --out "$OUTDIR"
+python3 scripts/gpu/distinct_probe.py > "$OUTDIR/distinct.jsonl"
 for spec in ${MODELS:-qwen3-30b-a3b dbrx}; do
   m=${spec%%:*}
   layers=$([ "$m" != "$spec" ] && echo "--layers ${spec#*:}")
