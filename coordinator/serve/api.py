@@ -27,6 +27,7 @@ from ...proto.records import SEED_MAX, GenerateRequest, Sampling, check_token_id
 from ...proto.errors import KINDS, ErrorKind, MoeClusterError, UserError, kind_from_http
 from .cluster import Cluster, Outcome
 from .metrics import Metrics, prompt_tps
+from .tools import FieldError, ToolCall, Tools, ToolSplitter, history_tool_calls, parse_tools
 from ...node.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -203,6 +204,65 @@ def _check_text(text: str, param: str) -> None:
                        param=param) from None
 
 
+def text_content(content: Any, param: str) -> str:
+    """A message's content: a string, or text parts [{"type": "text", "text": ...}] (this model reads text only)."""
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ApiError(INVALID, f"{param}[{j}] must be {{'type': 'text', 'text': <string>}} (got {_show(part)})",
+                               param=param)
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise ApiError(INVALID, f"{param} must be a string (got {_show(content)})", param=param)
+    return content
+
+
+def chat_message(m: Any, i: int) -> dict:
+    """messages[i] of a chat request as the template reads it: role, text content, and an assistant's
+    tool calls or a tool result's call id."""
+    if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+        got = _show(m.get("role")) if isinstance(m, dict) else f"a {type(m).__name__}"
+        raise ApiError(INVALID, f"messages[{i}] must have a role of system, user, assistant or tool (got {got})",
+                       param=f"messages[{i}].role")
+    content = m.get("content")
+    calls = m.get("tool_calls") if m["role"] == "assistant" else None
+    if content is None and calls:  # an assistant turn that only called tools
+        content = ""
+    out = {"role": m["role"], "content": text_content(content, f"messages[{i}].content")}
+    if calls is not None:
+        out["tool_calls"] = history_tool_calls(calls, f"messages[{i}].tool_calls")
+    if m["role"] == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise ApiError(INVALID, f"messages[{i}].tool_call_id must be the id of the call this answers "
+                                    f"(got {_show(call_id)})", param=f"messages[{i}].tool_call_id")
+        out["tool_call_id"] = call_id
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"]
+    return out
+
+
+def check_unsupported(body: dict) -> None:
+    """Options this server cannot honour are refused, not silently ignored: the nodes send token ids
+    only (no log-probabilities), and nothing constrains decoding to JSON."""
+    if _field(body, "logprobs", (bool,), False, what="a boolean"):
+        raise ApiError(INVALID, "'logprobs' is not supported by this server", param="logprobs")
+    if _field(body, "top_logprobs", (int,), 0, check=lambda v: 0 <= v <= 20, what="an integer in [0, 20]"):
+        raise ApiError(INVALID, "'top_logprobs' is not supported by this server", param="top_logprobs")
+    fmt = body.get("response_format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is not None and kind != "text":
+        what = f"{kind!r} is not supported by this server (only 'text')" if isinstance(kind, str) \
+            else f"must be {{'type': 'text'}} (got {_show(fmt)})"
+        raise ApiError(INVALID, f"'response_format' {what}", param="response_format")
+
+
+def call_json(call: ToolCall, index: int | None = None) -> dict:
+    """A tool call in OpenAI's shape (with its index, in a stream)."""
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return out if index is None else {"index": index, **out}
+
+
 def parse_json(raw: bytes | list[bytes]) -> dict:
     """A request body (whole, or the chunks it arrived in) as a JSON object (UTF-8, -16 or -32, as
     json.loads reads bytes); runs on the API's worker. Whatever the content type says: clients such
@@ -333,15 +393,24 @@ class Api:
         tok = self.tokenizer
         return list(tok.encode(prompt, add_special_tokens=tok.bos_token is None or not prompt.startswith(tok.bos_token)))
 
-    def _render(self, messages: list[dict]) -> list[int]:
-        """Token ids of a chat through the model's template (on the worker)."""
+    def _render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a chat through the model's template, with the tools offered as mlx_lm.server
+        hands them to it (on the worker)."""
         from jinja2 import TemplateError
 
         for i, m in enumerate(messages):
             _check_text(m["content"], f"messages[{i}].content")
+            if "tool_calls" in m:  # arguments are objects now: the template writes them as JSON text
+                _check_text(json.dumps(m["tool_calls"], ensure_ascii=False), f"messages[{i}].tool_calls")
+        if tools:
+            _check_text(json.dumps(tools, ensure_ascii=False), "tools")
+            if not self.tokenizer.has_tool_calling:
+                logger.warning("tools offered, but mlx-lm knows no tool-call format for this model's tokenizer: "
+                               "its calls come back as text")
         self._refuse_too_long([m["content"] for m in messages], "messages")
         try:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                           tokenize=True))
         except TemplateError as exc:  # the template refuses these messages; its text is meant for the user
             raise ApiError(INVALID, f"the chat template cannot render these messages: {exc}",
                            param="messages") from None
@@ -352,6 +421,8 @@ class Api:
             return await handler(request)
         except ApiError as exc:
             return exc.response()
+        except FieldError as exc:
+            return ApiError(INVALID, str(exc), param=exc.param).response()
         except web.HTTPException as exc:
             if exc.status >= 400:
                 error = ApiError(kind_from_http(exc.status), exc.reason or "error")
@@ -441,31 +512,18 @@ class Api:
         body = await self._json_body(request)
         self._check_model(body)
         sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
+        check_unsupported(body)
+        tools = parse_tools(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(INVALID, "'messages' must be a non-empty list", param="messages")
-        clean = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-                got = _show(m.get("role")) if isinstance(m, dict) else f"a {type(m).__name__}"
-                raise ApiError(INVALID, f"messages[{i}] must have a role of system, user, assistant or tool "
-                                        f"(got {got})", param=f"messages[{i}].role")
-            content = m.get("content")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}]: this model reads text only
-                for j, part in enumerate(content):
-                    if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                        raise ApiError(INVALID, f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': "
-                                                f"<string>}} (got {_show(part)})", param=f"messages[{i}].content")
-                content = "".join(part["text"] for part in content)
-            if not isinstance(content, str):
-                raise ApiError(INVALID, f"messages[{i}].content must be a string (got {_show(content)})",
-                               param=f"messages[{i}].content")
-            clean.append({"role": m["role"], "content": content})
-        ids = await self.worker.call(lambda: self._render(clean))
-        return await self._serve(request, ids, sampling, stops, stream, chat=True)
+        clean = [chat_message(m, i) for i, m in enumerate(messages)]
+        rendered = tools.rendered if tools else None
+        ids = await self.worker.call(lambda: self._render(clean, rendered))
+        return await self._serve(request, ids, sampling, stops, stream, chat=True, tools=tools)
 
     async def _serve(self, request: web.Request, ids: list[int], sampling: Sampling, stops: list[str],
-                     stream: bool, chat: bool) -> web.StreamResponse:
+                     stream: bool, chat: bool, tools: Tools | None = None) -> web.StreamResponse:
         self._check_context(ids, sampling, chat)
         self._check_ids(ids, "messages" if chat else "prompt")  # a tokenizer larger than the embedding
         try:
@@ -475,7 +533,7 @@ class Api:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         eos = tuple(self.tokenizer.eos_token_ids)
         req = GenerateRequest(rid, tuple(ids), sampling, eos)
-        gen = _Generation(self, req, stops)
+        gen = _Generation(self, req, stops, tools)
         if stream:
             return await self._stream(request, gen, chat)
         text, outcome = await gen.run()
@@ -500,9 +558,13 @@ class Api:
         }
 
     def _final(self, gen: "_Generation", text: str, outcome: Outcome, chat: bool) -> dict:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": gen.reason, "logprobs": None}
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            text = "".join(p for p in gen.parts if isinstance(p, str))
+            calls = [call_json(p) for p in gen.parts if isinstance(p, ToolCall)]
+            choice["message"] = {"role": "assistant", "content": text or (None if calls else "")}
+            if calls:
+                choice["message"]["tool_calls"] = calls
         else:
             choice["text"] = text
         return {"id": gen.req.request_id, "object": "chat.completion" if chat else "text_completion",
@@ -516,13 +578,15 @@ class Api:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> dict:
+        def chunk(delta_text: str | None, finish: str | None, first: bool = False, calls: list | None = None) -> dict:
             if chat:
                 delta: dict[str, Any] = {}
                 if first:
                     delta["role"] = "assistant"
                 if delta_text:
                     delta["content"] = delta_text
+                if calls:
+                    delta["tool_calls"] = calls
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
@@ -535,14 +599,22 @@ class Api:
         try:
             if chat:
                 await resp.write(sse(chunk(None, None, first=True)))
-            async for piece in gen.pieces():
-                await resp.write(sse(chunk(piece, None)))
+            calls = 0
+            async for piece in gen.stream_parts():
+                if isinstance(piece, str):
+                    await resp.write(sse(chunk(piece, None)))
+                    continue
+                # as OpenAI streams a call: its id and name first, then its arguments in deltas
+                head = {**call_json(piece, calls), "function": {"name": piece.name, "arguments": ""}}
+                await resp.write(sse(chunk(None, None, calls=[head])))
+                await resp.write(sse(chunk(None, None, calls=[{"index": calls, "function": {"arguments": piece.arguments}}])))
+                calls += 1
             outcome = gen.outcome
             if outcome.error:
                 e = gen._failure()
                 await resp.write(sse({"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}}))
             else:
-                final = chunk(None, gen.finish_reason)
+                final = chunk(None, gen.reason)
                 final["usage"] = self._usage(gen, outcome)
                 final["moe_cluster"] = self._extra(gen, outcome)
                 await resp.write(sse(final))
@@ -556,10 +628,12 @@ class Api:
 class _Generation:
     """One request's detokenisation, stop strings and bookkeeping around Cluster.generate."""
 
-    def __init__(self, api: Api, req: GenerateRequest, stops: list[str]):
+    def __init__(self, api: Api, req: GenerateRequest, stops: list[str], tools: Tools | None = None):
         self.api = api
         self.req = req
         self.stops = stops
+        self.tools = tools
+        self.parts: list[str | ToolCall] = []  # the output as text and tool calls (run)
         self.outcome = Outcome()
         self.text = ""
         self.finish_reason = "length"
@@ -589,6 +663,25 @@ class _Generation:
         except asyncio.CancelledError:
             await self.client_gone()
             raise
+
+    @property
+    def reason(self) -> str:
+        """The finish reason the client sees: a generation that ended after calling tools called them."""
+        if self.finish_reason == "stop" and any(isinstance(p, ToolCall) for p in self.parts):
+            return "tool_calls"
+        return self.finish_reason
+
+    async def stream_parts(self):
+        """The output as it becomes final: text deltas and, where tools were offered, whole tool calls
+        (each also kept in `parts`)."""
+        splitter = ToolSplitter(self.api.tokenizer, self.tools.rendered) if self.tools and self.tools.parsed else None
+        async for piece in self.pieces():
+            for p in splitter.feed(piece) if splitter else [piece]:
+                self.parts.append(p)
+                yield p
+        for p in splitter.finish() if splitter else []:
+            self.parts.append(p)
+            yield p
 
     async def pieces(self):
         """Text deltas as they become final (held back while a stop string might be forming)."""
@@ -653,7 +746,7 @@ class _Generation:
     async def run(self) -> tuple[str, Outcome]:
         await self.start()
         try:
-            async for _ in self.pieces():
+            async for _ in self.stream_parts():
                 pass
         except asyncio.CancelledError:
             await self.client_gone()
