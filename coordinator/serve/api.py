@@ -27,12 +27,14 @@ from ...proto.records import SEED_MAX, GenerateRequest, Sampling, check_token_id
 from ...proto.errors import KINDS, ErrorKind, MoeClusterError, UserError, kind_from_http
 from .cluster import Cluster, Outcome
 from .metrics import Metrics, prompt_tps
+from . import anthropic
 from .tools import FieldError, ToolCall, Tools, ToolSplitter, history_tool_calls, parse_tools
 from ...node.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
+ANTHROPIC_PATHS = ("/v1/messages",)
 INVALID = ErrorKind.INVALID_INPUT  # 400, naming the field in `param`
 INTERNAL_MESSAGE = "internal error in the cluster (the coordinator's log has the details)"
 MAX_BODY = 16 * 2**20  # bytes: cluster.yaml's api.max_body unless it says
@@ -131,8 +133,11 @@ class ApiError(Exception):
         error.retry_after_s = exc.retry_after_s
         return error
 
-    def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def response(self, anthropic_shape: bool = False) -> web.Response:
+        if anthropic_shape:
+            body = anthropic.error_body(self.status, self.message)
+        else:
+            body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         headers = {"Retry-After": str(math.ceil(self.retry_after_s))} if self.retry_after_s else None
         return web.json_response(body, status=self.status, headers=headers)
 
@@ -314,6 +319,7 @@ class Api:
             web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/messages", self.messages),
             web.get("/v1/cluster/status", self.status),
             web.post("/v1/cluster/shutdown", self.shutdown),
         ])
@@ -417,32 +423,34 @@ class Api:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
+        shape = request.path.startswith(ANTHROPIC_PATHS)  # errors in Anthropic's shape there, OpenAI's elsewhere
         try:
             return await handler(request)
         except ApiError as exc:
-            return exc.response()
+            return exc.response(shape)
         except FieldError as exc:
-            return ApiError(INVALID, str(exc), param=exc.param).response()
+            return ApiError(INVALID, str(exc), param=exc.param).response(shape)
         except web.HTTPException as exc:
             if exc.status >= 400:
                 error = ApiError(kind_from_http(exc.status), exc.reason or "error")
                 error.status = exc.status  # e.g. 405: aiohttp's own status, our shape
-                return error.response()
+                return error.response(shape)
             raise
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as exc:  # noqa: BLE001 - typed errors by their kind; anything else is a bug, logged
-            return ApiError.of(exc, f"{request.method} {request.path}").response()
+            return ApiError.of(exc, f"{request.method} {request.path}").response(shape)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         key = self.options.api_key
         if key and (request.path.startswith("/v1/") or (self.options.metrics_auth and request.path == "/metrics")):
             given = request.headers.get("Authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
+            # Anthropic's clients send the key as x-api-key, OpenAI's as a bearer token: either, anywhere
+            token = given[7:] if given.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
             if not token or not hmac.compare_digest(token.encode(), key.encode()):
-                raise ApiError(ErrorKind.UNAUTHENTICATED,
-                               "missing or wrong API key (send 'Authorization: Bearer <key>')")
+                raise ApiError(ErrorKind.UNAUTHENTICATED, "missing or wrong API key (send 'x-api-key: <key>' or "
+                                                          "'Authorization: Bearer <key>')")
         return await handler(request)
 
     # -- simple endpoints ----------------------------------------------------------------------
@@ -522,18 +530,53 @@ class Api:
         ids = await self.worker.call(lambda: self._render(clean, rendered))
         return await self._serve(request, ids, sampling, stops, stream, chat=True, tools=tools)
 
-    async def _serve(self, request: web.Request, ids: list[int], sampling: Sampling, stops: list[str],
-                     stream: bool, chat: bool, tools: Tools | None = None) -> web.StreamResponse:
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API: the same rendering, generation and tool parsing as chat."""
+        body = await self._json_body(request)
+        self._check_model(body)
+        req = anthropic.parse_request(body)
+        rendered = req.tools.rendered if req.tools else None
+        ids = await self.worker.call(lambda: self._render(req.messages, rendered))
+        gen = self._generation(ids, req.sampling, req.stops, chat=True, tools=req.tools, prefix="msg_")
+        model = self.options.model_id
+        if not req.stream:
+            _, outcome = await gen.run()
+            return web.json_response(anthropic.message(gen.req.request_id, model, gen.parts, gen.reason, gen.stop_hit,
+                                                       (len(ids), len(outcome.tokens))))
+        events = anthropic.EventStream(gen.req.request_id, model, len(ids))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await gen.start()  # errors before the first byte are still proper HTTP errors
+        await resp.prepare(request)
+        try:
+            await resp.write(events.start())
+            async for part in gen.stream_parts():
+                await resp.write(events.part(part))
+            if gen.outcome.error:
+                e = gen._failure()
+                await resp.write(events.error(e.status, e.message))
+            else:
+                await resp.write(events.end(gen.reason, gen.stop_hit, len(gen.outcome.tokens)))
+        except (ConnectionResetError, asyncio.CancelledError):
+            await gen.client_gone()
+            raise
+        return resp
+
+    def _generation(self, ids: list[int], sampling: Sampling, stops: list[str], chat: bool,
+                    tools: Tools | None = None, prefix: str = "") -> "_Generation":
+        """A request checked against the context, the vocabulary and the cluster's state."""
         self._check_context(ids, sampling, chat)
         self._check_ids(ids, "messages" if chat else "prompt")  # a tokenizer larger than the embedding
         try:
             self.cluster.check_ready()
         except MoeClusterError as exc:
             raise ApiError.of(exc) from None
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        rid = f"{prefix or ('chatcmpl-' if chat else 'cmpl-')}{uuid.uuid4().hex[:24]}"
         eos = tuple(self.tokenizer.eos_token_ids)
-        req = GenerateRequest(rid, tuple(ids), sampling, eos)
-        gen = _Generation(self, req, stops, tools)
+        return _Generation(self, GenerateRequest(rid, tuple(ids), sampling, eos), stops, tools)
+
+    async def _serve(self, request: web.Request, ids: list[int], sampling: Sampling, stops: list[str],
+                     stream: bool, chat: bool, tools: Tools | None = None) -> web.StreamResponse:
+        gen = self._generation(ids, sampling, stops, chat, tools)
         if stream:
             return await self._stream(request, gen, chat)
         text, outcome = await gen.run()
@@ -634,6 +677,7 @@ class _Generation:
         self.stops = stops
         self.tools = tools
         self.parts: list[str | ToolCall] = []  # the output as text and tool calls (run)
+        self.stop_hit: str | None = None  # the stop string that ended the output
         self.outcome = Outcome()
         self.text = ""
         self.finish_reason = "length"
@@ -718,6 +762,7 @@ class _Generation:
             i = text.find(s, max(0, self._sent - len(s)))
             if i >= 0:
                 self.text = text[:i]
+                self.stop_hit = s
                 self._stopped = True
                 self.finish_reason = "stop"
                 return
