@@ -19,6 +19,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from aiohttp import web
@@ -35,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 
 ANTHROPIC_PATHS = ("/v1/messages",)
+DASHBOARD = Path(__file__).resolve().parent / "dashboard"  # static files: no build step, nothing from outside
+# The dashboard loads nothing but the coordinator's own files and data (it must work with no internet).
+_DASHBOARD_HEADERS = {"Cache-Control": "no-cache",
+                      "Content-Security-Policy": "default-src 'self'; style-src 'self'; script-src 'self'"}
 INVALID = ErrorKind.INVALID_INPUT  # 400, naming the field in `param`
 INTERNAL_MESSAGE = "internal error in the cluster (the coordinator's log has the details)"
 MAX_BODY = 16 * 2**20  # bytes: cluster.yaml's api.max_body unless it says
@@ -321,6 +326,9 @@ class Api:
             web.post("/v1/chat/completions", self.chat_completions),
             web.post("/v1/messages", self.messages),
             web.get("/v1/cluster/status", self.status),
+            web.get("/v1/cluster/experts", self.experts),
+            web.get("/", self.dashboard),
+            web.get("/dashboard/{name}", self.dashboard),
             web.post("/v1/cluster/shutdown", self.shutdown),
         ])
         return app
@@ -468,6 +476,18 @@ class Api:
     async def status(self, request: web.Request) -> web.Response:
         # requests that ended well (not failed, not cancelled), as /metrics counts them
         return web.json_response({**self.cluster.status(), "requests_completed": self.metrics.requests["ok"]})
+
+    async def experts(self, request: web.Request) -> web.Response:
+        """Layers x experts: the router's selections and which nodes hold each (the dashboard's heat map)."""
+        return web.json_response(self.cluster.experts())
+
+    async def dashboard(self, request: web.Request) -> web.StreamResponse:
+        """The dashboard's static files (its data comes from /v1/cluster/* and /metrics, with the key)."""
+        name = request.match_info.get("name", "index.html")
+        path = DASHBOARD / name
+        if "/" in name or name.startswith(".") or not path.is_file():
+            raise ApiError(ErrorKind.NOT_FOUND, f"no dashboard file {name!r}")
+        return web.FileResponse(path, headers=_DASHBOARD_HEADERS)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(self.cluster), content_type="text/plain", charset="utf-8")

@@ -7,7 +7,10 @@ tools and of a history with calls and results is checked against the template re
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import sys
+import urllib.request
 from pathlib import Path
 
 import anthropic
@@ -231,3 +234,71 @@ def test_anthropic_auth_uses_the_same_key_as_x_api_key(api):
         anthropic.Anthropic(base_url=api, api_key="wrong", max_retries=0).messages.create(
             model="", messages=ASK, max_tokens=4)
     assert info.value.body["error"]["type"] == "authentication_error"
+
+
+# -- the dashboard in headless Chromium ----------------------------------------------------------
+
+DASHBOARD_FILES = Path(__file__).resolve().parents[2] / "coordinator" / "serve" / "dashboard"
+# Chromium resolves no name but loopback: the page must draw from the coordinator alone.
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1", "--virtual-time-budget=2500"]
+
+
+def dashboard_dom(url: str, profile: Path) -> str:
+    """The dashboard's DOM after its script ran (Chromium's virtual time covers a few polls)."""
+    import subprocess
+
+    chromium = shutil.which("chromium")
+    r = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", f"{url}/#key={KEY}"],
+                       capture_output=True, text=True, timeout=90)
+    assert r.returncode == 0 and "</html>" in r.stdout, r.stderr[-2000:]
+    return r.stdout
+
+
+def heat_cells(dom: str) -> dict[tuple[int, int], int]:
+    """(layer, expert) -> the selections the heat map shows."""
+    cells = {}
+    for row in re.finditer(r'<tr data-layer="(\d+)">(.*?)</tr>', dom, re.S):
+        for cell in re.finditer(r'<td data-expert="(\d+)" data-tokens="(\d+)"', row.group(2)):
+            cells[int(row.group(1)), int(cell.group(1))] = int(cell.group(2))
+    return cells
+
+
+def test_the_dashboard_files_load_nothing_from_outside(api):
+    for f in DASHBOARD_FILES.iterdir():
+        text = f.read_text()
+        assert "https://" not in text and "//cdn" not in text, f
+        assert set(re.findall(r"http://[^\s\"'`]+", text)) <= {"http://www.w3.org/2000/svg"}, f  # a namespace
+    with urllib.request.urlopen(api + "/") as r:
+        assert "default-src 'self'" in r.headers["Content-Security-Policy"]
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None,
+                    reason="Debian's chromium is not installed here (apt-get install chromium): no browser to load "
+                           "the dashboard in")
+def test_the_dashboard_shows_every_node_and_the_heat_map_moves_after_a_request(api, oai, tmp_path):
+    before = dashboard_dom(api, tmp_path / "profile")
+    assert int(re.search(r'data-updates="(\d+)"', before).group(1)) >= 2  # it polls
+    assert re.search(r'id="state" class="badge ready">ready<', before)
+    rows = re.findall(r'<tr data-node="(node-\d)">.*?class="state-(\w+)"', before, re.S)
+    assert rows == [(f"node-{i}", "ready") for i in range(NODES)]
+    assert len(re.findall(r'<g data-node="node-\d">', before)) == NODES
+    assert len(re.findall(r'<line [^>]*class="up"', before)) == NODES * (NODES - 1) // 2  # the mesh's links
+    held = re.findall(r'data-holders="(node-\d)"', before)
+    assert sorted(set(held)) == [f"node-{i}" for i in range(NODES)]  # the placement overlaid
+    cells = heat_cells(before)
+    assert cells and len({layer for layer, _ in cells}) >= 2
+
+    oai.chat.completions.create(model="", messages=[{"role": "user", "content": "Something else entirely"}],
+                                max_tokens=16)
+    after = dashboard_dom(api, tmp_path / "profile")
+    moved = heat_cells(after)
+    assert moved.keys() == cells.keys() and sum(moved.values()) > sum(cells.values())
+    # the same numbers as /metrics
+    code, metrics = http(api, "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    for layer, expert, n in re.findall(r'moe_cluster_expert_selections_total\{layer="(\d+)",expert="(\d+)"\} (\d+)',
+                                       metrics):
+        assert moved[int(layer), int(expert)] == int(n)
+    generated = re.search(r"^moe_cluster_generated_tokens_total (\d+)$", metrics, re.M).group(1)
+    assert re.search(rf'<b id="tokens">{generated}</b>', after)
