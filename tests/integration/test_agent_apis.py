@@ -40,7 +40,10 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def api(tmp_path_factory, model):
     tmp = tmp_path_factory.mktemp("agents")
+    # heartbeats every 2 s: on a loaded 2-core machine with Chromium running, 0.5 s can call a busy node dead
     yaml = yaml_for(NODES, model=str(model), extra="api:\n  api_key_env: MOE_TEST_API_KEY\n")
+    yaml = yaml.replace("heartbeat: 0.5s", "heartbeat: 2s")
+    assert "heartbeat: 2s" in yaml
     with cluster(tmp, yaml, env={"MOE_TEST_API_KEY": KEY}, api_key=KEY) as (url, proc, lines):
         yield url
 
