@@ -399,6 +399,9 @@ class Cluster:
                  "memory_bytes": m.memory_bytes, "budget_bytes": m.budget_bytes, "used_bytes": m.used_bytes,
                  "experts": m.experts, "device": m.device, "pid": self._pid_of(m.name) if self._pid_of else None,
                  "error": self.health.node(m.name).reason,
+                 # seconds; the bucket bound of the median all-reduce since the node loaded (None: none yet)
+                 "allreduce_p50_s": self.allreduce_histograms[m.name].quantile(0.5)
+                 if m.name in self.allreduce_histograms else None,
                  "last_seen_s": round(time.monotonic() - m.last_seen, 1) if m.last_seen else None}
                 for m in self.members
             ],

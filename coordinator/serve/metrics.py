@@ -27,6 +27,18 @@ class Histogram:
         self.total += value
         self.n += 1
 
+    def quantile(self, q: float) -> float | None:
+        """The upper bound of the bucket holding the q-quantile (the last bound if it lies past every
+        bound; None with no observations), as Prometheus' histogram_quantile reads buckets."""
+        if not self.n:
+            return None
+        cum = 0
+        for bound, c in zip(self.buckets, self.counts):
+            cum += c
+            if cum >= q * self.n:
+                return bound
+        return self.buckets[-1] if self.buckets else None
+
     def lines(self, name: str, labels: str = "") -> list[str]:
         out, cum = [], 0
         sep = "," if labels else ""

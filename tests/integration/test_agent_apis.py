@@ -305,3 +305,20 @@ def test_the_dashboard_shows_every_node_and_the_heat_map_moves_after_a_request(a
         assert moved[int(layer), int(expert)] == int(n)
     generated = re.search(r"^moe_cluster_generated_tokens_total (\d+)$", metrics, re.M).group(1)
     assert re.search(rf'<b id="tokens">{generated}</b>', after)
+
+
+def test_status_prints_a_table_and_watches(api):
+    import os
+    import subprocess
+
+    env = {**os.environ, "MOE_CLUSTER_API_KEY": KEY}
+    cmd = [sys.executable, "-m", "moe_cluster.coordinator.cli", "status", "--url", api]
+    r = subprocess.run([*cmd, "--watch", "0.2", "--count", "2"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    tables = r.stdout.split("cluster ready")
+    assert len(tables) == 3 and "all-reduce p50" in tables[1]  # two refreshes
+    for i in range(NODES):
+        row = next(line for line in tables[2].splitlines() if line.startswith(f"node-{i} "))
+        assert " ready " in row and "<= " in row and " ms" in row  # the node has all-reduced
+    r = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60, env=env)
+    assert [n["name"] for n in json.loads(r.stdout)["nodes"]] == [f"node-{i}" for i in range(NODES)]
