@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...proto.records import SEED_MAX, Sampling
-from .tools import FieldError, ToolCall, Tools, check_function, new_call_id
+from .tools import FieldError, ToolCall, Tools, check_function, new_call_id, show as _show
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -25,11 +25,6 @@ MAX_STOPS = 16
 
 def error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
-
-
-def _show(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass(frozen=True)

@@ -416,6 +416,9 @@ class Api:
             _check_text(m["content"], f"messages[{i}].content")
             if "tool_calls" in m:  # arguments are objects now: the template writes them as JSON text
                 _check_text(json.dumps(m["tool_calls"], ensure_ascii=False), f"messages[{i}].tool_calls")
+            for key in ("tool_call_id", "name"):  # some templates write them too
+                if key in m:
+                    _check_text(m[key], f"messages[{i}].{key}")
         if tools:
             _check_text(json.dumps(tools, ensure_ascii=False), "tools")
             if not self.tokenizer.has_tool_calling:

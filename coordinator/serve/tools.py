@@ -32,7 +32,8 @@ class FieldError(UserError):
         self.param = param
 
 
-def _show(value: Any, limit: int = 60) -> str:
+def show(value: Any, limit: int = 60) -> str:
+    """A value for an error message, cut short: the client sent it and may have sent megabytes."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -73,10 +74,10 @@ def parse_tools(body: dict) -> Tools | None:
     tools, choice = body.get("tools"), body.get("tool_choice")
     if tools is None:
         if choice is not None and choice != "none":
-            raise FieldError(f"'tool_choice' {_show(choice)} needs 'tools'", "tool_choice")
+            raise FieldError(f"'tool_choice' {show(choice)} needs 'tools'", "tool_choice")
         return None
     if not isinstance(tools, list):
-        raise FieldError(f"'tools' must be a list (got {_show(tools)})", "tools")
+        raise FieldError(f"'tools' must be a list (got {show(tools)})", "tools")
     specs, names = [], set()
     for i, t in enumerate(tools):
         specs.append(function_spec(t, f"tools[{i}]"))
@@ -88,14 +89,14 @@ def parse_tools(body: dict) -> Tools | None:
         return Tools(tuple(specs), "auto")
     if isinstance(choice, str):
         if choice not in CHOICES:
-            raise FieldError(f"'tool_choice' must be one of {', '.join(CHOICES)} or a function (got {_show(choice)})",
+            raise FieldError(f"'tool_choice' must be one of {', '.join(CHOICES)} or a function (got {show(choice)})",
                              "tool_choice")
         return Tools(tuple(specs), choice)
     fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
         raise FieldError("'tool_choice' must be a string or {'type': 'function', 'function': {'name': <string>}} "
-                         f"(got {_show(choice)})", "tool_choice")
+                         f"(got {show(choice)})", "tool_choice")
     if name not in names:
         raise FieldError(f"'tool_choice' names the function {name!r}, which is not among 'tools' "
                          f"({', '.join(sorted(names)) or 'none'})", "tool_choice")
@@ -105,7 +106,7 @@ def parse_tools(body: dict) -> Tools | None:
 def function_spec(t: Any, where: str) -> dict:
     """One OpenAI tool, checked, as the template reads it: {"type": "function", "function": {...}}."""
     if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
-        raise FieldError(f"{where} must be {{'type': 'function', 'function': {{...}}}} (got {_show(t)})", where)
+        raise FieldError(f"{where} must be {{'type': 'function', 'function': {{...}}}} (got {show(t)})", where)
     fn = t["function"]
     return {"type": "function", "function": check_function(fn.get("name"), fn.get("description"),
                                                            fn.get("parameters"), f"{where}.function")}
@@ -113,17 +114,17 @@ def function_spec(t: Any, where: str) -> dict:
 
 def check_function(name: Any, description: Any, parameters: Any, where: str) -> dict:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise FieldError(f"{where}.name must be 1 to 64 letters, digits, '_', '-' or '.' (got {_show(name)})",
+        raise FieldError(f"{where}.name must be 1 to 64 letters, digits, '_', '-' or '.' (got {show(name)})",
                          f"{where}.name")
     out: dict[str, Any] = {"name": name}
     if description is not None:
         if not isinstance(description, str):
-            raise FieldError(f"{where}.description must be a string (got {_show(description)})",
+            raise FieldError(f"{where}.description must be a string (got {show(description)})",
                              f"{where}.description")
         out["description"] = description
     if parameters is not None:
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-            raise FieldError(f"{where}.parameters must be a JSON Schema object (got {_show(parameters)})",
+            raise FieldError(f"{where}.parameters must be a JSON Schema object (got {show(parameters)})",
                              f"{where}.parameters")
         out["parameters"] = parameters
     return out
@@ -133,27 +134,27 @@ def history_tool_calls(calls: Any, where: str) -> list[dict]:
     """An assistant message's `tool_calls` as the template reads them: arguments as an object
     (mlx_lm.server turns the JSON text into one the same way)."""
     if not isinstance(calls, list):
-        raise FieldError(f"{where} must be a list (got {_show(calls)})", where)
+        raise FieldError(f"{where} must be a list (got {show(calls)})", where)
     out = []
     for j, c in enumerate(calls):
         at = f"{where}[{j}]"
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or c.get("type", "function") != "function":
             raise FieldError(f"{at} must be {{'type': 'function', 'id': ..., 'function': {{'name': <string>, "
-                             f"'arguments': <JSON text>}}}} (got {_show(c)})", at)
+                             f"'arguments': <JSON text>}}}} (got {show(c)})", at)
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
                 args = json.loads(args or "{}")
             except ValueError:
-                raise FieldError(f"{at}.function.arguments is not valid JSON ({_show(fn['arguments'])})",
+                raise FieldError(f"{at}.function.arguments is not valid JSON ({show(fn['arguments'])})",
                                  f"{at}.function.arguments") from None
         if not isinstance(args, dict):
-            raise FieldError(f"{at}.function.arguments must be a JSON object (got {_show(args)})",
+            raise FieldError(f"{at}.function.arguments must be a JSON object (got {show(args)})",
                              f"{at}.function.arguments")
         call_id = c.get("id")
         if call_id is not None and not isinstance(call_id, str):
-            raise FieldError(f"{at}.id must be a string (got {_show(call_id)})", f"{at}.id")
+            raise FieldError(f"{at}.id must be a string (got {show(call_id)})", f"{at}.id")
         out.append({"id": call_id or new_call_id(), "type": "function",
                     "function": {"name": fn["name"], "arguments": args}})
     return out
