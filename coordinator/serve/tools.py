@@ -4,7 +4,8 @@ split into text and tool calls by mlx-lm's own text state machine and the tokeni
 The same format rules as `mlx_lm.server`: the chat template renders `tools` (OpenAI's shape) and
 assistant `tool_calls` whose arguments are objects; the tokenizer's `tool_call_start`/`tool_call_end`
 mark a call in the output and its `tool_parser` reads the text between them. Unlike mlx_lm.server,
-a call the parser cannot read is returned as the text the model wrote, never dropped.
+a call the parser cannot read is returned as the text the model wrote, never dropped, and a thinking
+model's reasoning stays in the text with its markers, as this API returns it without tools.
 """
 
 from __future__ import annotations
@@ -181,8 +182,13 @@ class ToolSplitter:
         self._parser = tokenizer.tool_parser
         self._start, self._end = tokenizer.tool_call_start or "", tokenizer.tool_call_end or ""
         self._tools = tools
-        # no stop words: the API has cut the text at the request's own stop strings already
-        self._state = make_text_state_machine(tokenizer).make_state("normal")
+        # No stop words: the API has cut the text at the request's own stop strings already.
+        if tokenizer.response_transitions:  # a response format decides where calls start: mlx-lm's machine
+            machine = make_text_state_machine(tokenizer)
+        else:  # the call markers only: other text (a thinking model's <think>) stays as it is without tools
+            machine = TextStateMachine({"normal": [(self._start, "tool")],
+                                        "tool": [(self._end, "normal")] if self._end else []} if self._start else {})
+        self._state = machine.make_state("normal")
         self._call = ""  # the text of the call being written
         self.calls = 0  # calls made, parsed or not
 

@@ -124,3 +124,20 @@ def test_history_calls_get_object_arguments_as_mlx_lm_renders_them():
         with pytest.raises(FieldError) as info:
             history_tool_calls(bad, "m")
         assert info.value.param == param
+
+
+def test_a_thinking_model_s_reasoning_stays_in_the_text_as_without_tools(tmp_path):
+    """mlx-lm's own state machine would strip <think>...</think>; the API returns text as the model
+    wrote it (as it does without tools), taking out only the calls."""
+    from mlx_lm.utils import load_tokenizer
+
+    path = tool_checkpoint(tmp_path / "thinking")
+    tok_json = json.loads((path / "tokenizer.json").read_text())
+    for i, t in enumerate(("<think>", "</think>")):
+        tok_json["added_tokens"].append({"id": 2000 + i, "content": t, "single_word": False, "lstrip": False,
+                                         "rstrip": False, "normalized": False, "special": False})
+    (path / "tokenizer.json").write_text(json.dumps(tok_json))
+    tok = load_tokenizer(path)
+    assert tok.has_thinking and tok.has_tool_calling
+    text, calls = split_all(tok, [WEATHER], "<think>Paris, so weather.</think>Sure." + CALL)
+    assert text == "<think>Paris, so weather.</think>Sure." and [c.name for c in calls] == ["get_weather"]
