@@ -242,10 +242,12 @@ def test_anthropic_auth_uses_the_same_key_as_x_api_key(api):
 # -- the dashboard in headless Chromium ----------------------------------------------------------
 
 DASHBOARD_FILES = Path(__file__).resolve().parents[2] / "coordinator" / "serve" / "dashboard"
-# Chromium resolves no name but loopback: the page must draw from the coordinator alone.
+# Chromium resolves no name and reaches no address but loopback (everything else goes to a proxy that is
+# not there, port 9 of this machine): the page must draw from the coordinator alone.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1", "--virtual-time-budget=2500"]
+                  "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1", "--proxy-server=127.0.0.1:9",
+                  "--virtual-time-budget=2500"]  # loopback bypasses a proxy by Chromium's own rule
 
 
 def dashboard_dom(url: str, profile: Path) -> str:
