@@ -90,7 +90,9 @@ class ShardState:
 
     def count_routed(self, layer: int, inds: np.ndarray) -> None:
         r = self.routed[layer]
-        r += np.bincount(inds.reshape(-1), minlength=len(r))[: len(r)]
+        flat = inds.reshape(-1)
+        flat = flat[(flat >= 0) & (flat < len(r))]  # a family's own sentinel ids (none known) are not experts
+        r += np.bincount(flat, minlength=len(r))
 
     def routing(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
         """{layer: (experts held here, selections per expert)} (device-routed calls folded in first)."""
