@@ -145,9 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default=None, help="the cluster's API URL (default: the one started on this machine)")
     p.set_defaults(handler="moe_cluster.coordinator.serve.remote:down")
 
-    p = sub.add_parser("status", help="nodes, health, memory and experts of a running cluster")
+    p = sub.add_parser("status", help="nodes, health, memory, experts and all-reduce of a running cluster")
     p.add_argument("--url", default=None)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the cluster's status as JSON (one line per refresh)")
+    p.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
+    p.add_argument("--count", type=int, default=None, help="with --watch: stop after this many refreshes")
     p.set_defaults(handler="moe_cluster.coordinator.serve.remote:status")
 
     p = sub.add_parser("generate", help="generate text on a running cluster")

@@ -24,7 +24,8 @@ from ..proto.errors import (BusyError, ErrorKind, MoeClusterError, NotReadyError
                            kind_of)
 from .device import DeviceInfo, device_info
 from .worker import Worker
-from ..proto.records import GenerateDone, GeneratedTokens, Health, LoadProgress, Memory, NodeError, NodeStatus, Timings
+from ..proto.records import (GenerateDone, GeneratedTokens, Health, LayerRouting, LoadProgress, Memory, NodeError,
+                             NodeStatus, Timings)
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ class NodeAgent(npb_grpc.NodeServicer):
             experts_per_layer=dict(self.sharded.info.experts_per_layer) if self.sharded else {},
             counters=self.sharded.state.report() if self.sharded else {},
             allreduce=_allreduce_histogram(self.sharded.state) if self.sharded else None,
+            routing=tuple(LayerRouting(layer, held, tokens) for layer, (held, tokens)
+                          in self.sharded.state.routing().items()) if self.sharded else (),
             uptime_s=time.monotonic() - self.started,
             pid=os.getpid(),
             queue_depth=1 if self._current else 0,

@@ -354,11 +354,12 @@ def status_to_proto(s: NodeStatus) -> npb.NodeStatus:
         uptime_s=s.uptime_s, pid=s.pid, queue_depth=s.queue_depth,
         allreduce=npb.AllreduceHistogram(bounds=s.allreduce.bounds, counts=s.allreduce.counts, sum_s=s.allreduce.sum_s)
         if s.allreduce is not None else None,
+        routing=[npb.LayerRouting(layer=r.layer, held=r.held, tokens=r.tokens) for r in s.routing],
     )
 
 
 def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
-    from .records import AllreduceHistogram, Memory, NodeStatus
+    from .records import AllreduceHistogram, LayerRouting, Memory, NodeStatus
 
     m, a = msg.memory, msg.allreduce
     return NodeStatus(
@@ -368,6 +369,7 @@ def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
         experts_per_layer={int(k): int(v) for k, v in sorted(msg.experts_per_layer.items())},
         counters=dict(sorted(msg.counters.items())), uptime_s=msg.uptime_s, pid=msg.pid, queue_depth=msg.queue_depth,
         allreduce=AllreduceHistogram(tuple(a.bounds), tuple(a.counts), a.sum_s) if msg.HasField("allreduce") else None,
+        routing=tuple(LayerRouting(r.layer, tuple(r.held), tuple(r.tokens)) for r in msg.routing),
     )
 
 

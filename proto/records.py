@@ -187,6 +187,16 @@ class AllreduceHistogram:
 
 
 @dataclass(frozen=True)
+class LayerRouting:
+    """One MoE layer on a node: the experts it holds, and the router's selections of each expert
+    since the load (indexed by expert id; the same on every node, the router being replicated)."""
+
+    layer: int
+    held: tuple[int, ...]
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class NodeStatus:
     state: str
     model: str = ""
@@ -201,6 +211,7 @@ class NodeStatus:
     pid: int = 0
     queue_depth: int = 0
     allreduce: AllreduceHistogram | None = None  # None before a model is loaded
+    routing: tuple[LayerRouting, ...] = ()  # by layer
 
     def __post_init__(self) -> None:
         _check(self.state, NODE_STATES, "state")

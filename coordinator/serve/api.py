@@ -19,6 +19,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from aiohttp import web
@@ -27,11 +28,18 @@ from ...proto.records import SEED_MAX, GenerateRequest, Sampling, check_token_id
 from ...proto.errors import KINDS, ErrorKind, MoeClusterError, UserError, kind_from_http
 from .cluster import Cluster, Outcome
 from .metrics import Metrics, prompt_tps
+from . import anthropic
+from .tools import FieldError, ToolCall, Tools, ToolSplitter, history_tool_calls, parse_tools
 from ...node.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 
+ANTHROPIC_PATHS = ("/v1/messages",)
+DASHBOARD = Path(__file__).resolve().parent / "dashboard"  # static files: no build step, nothing from outside
+# The dashboard loads nothing but the coordinator's own files and data (it must work with no internet).
+_DASHBOARD_HEADERS = {"Cache-Control": "no-cache",
+                      "Content-Security-Policy": "default-src 'self'; style-src 'self'; script-src 'self'"}
 INVALID = ErrorKind.INVALID_INPUT  # 400, naming the field in `param`
 INTERNAL_MESSAGE = "internal error in the cluster (the coordinator's log has the details)"
 MAX_BODY = 16 * 2**20  # bytes: cluster.yaml's api.max_body unless it says
@@ -130,8 +138,11 @@ class ApiError(Exception):
         error.retry_after_s = exc.retry_after_s
         return error
 
-    def response(self) -> web.Response:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def response(self, anthropic_shape: bool = False) -> web.Response:
+        if anthropic_shape:
+            body = anthropic.error_body(self.status, self.message)
+        else:
+            body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         headers = {"Retry-After": str(math.ceil(self.retry_after_s))} if self.retry_after_s else None
         return web.json_response(body, status=self.status, headers=headers)
 
@@ -203,6 +214,65 @@ def _check_text(text: str, param: str) -> None:
                        param=param) from None
 
 
+def text_content(content: Any, param: str) -> str:
+    """A message's content: a string, or text parts [{"type": "text", "text": ...}] (this model reads text only)."""
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ApiError(INVALID, f"{param}[{j}] must be {{'type': 'text', 'text': <string>}} (got {_show(part)})",
+                               param=param)
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise ApiError(INVALID, f"{param} must be a string (got {_show(content)})", param=param)
+    return content
+
+
+def chat_message(m: Any, i: int) -> dict:
+    """messages[i] of a chat request as the template reads it: role, text content, and an assistant's
+    tool calls or a tool result's call id."""
+    if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+        got = _show(m.get("role")) if isinstance(m, dict) else f"a {type(m).__name__}"
+        raise ApiError(INVALID, f"messages[{i}] must have a role of system, user, assistant or tool (got {got})",
+                       param=f"messages[{i}].role")
+    content = m.get("content")
+    calls = m.get("tool_calls") if m["role"] == "assistant" else None
+    if content is None and calls:  # an assistant turn that only called tools
+        content = ""
+    out = {"role": m["role"], "content": text_content(content, f"messages[{i}].content")}
+    if calls is not None:
+        out["tool_calls"] = history_tool_calls(calls, f"messages[{i}].tool_calls")
+    if m["role"] == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise ApiError(INVALID, f"messages[{i}].tool_call_id must be the id of the call this answers "
+                                    f"(got {_show(call_id)})", param=f"messages[{i}].tool_call_id")
+        out["tool_call_id"] = call_id
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"]
+    return out
+
+
+def check_unsupported(body: dict) -> None:
+    """Options this server cannot honour are refused, not silently ignored: the nodes send token ids
+    only (no log-probabilities), and nothing constrains decoding to JSON."""
+    if _field(body, "logprobs", (bool,), False, what="a boolean"):
+        raise ApiError(INVALID, "'logprobs' is not supported by this server", param="logprobs")
+    if _field(body, "top_logprobs", (int,), 0, check=lambda v: 0 <= v <= 20, what="an integer in [0, 20]"):
+        raise ApiError(INVALID, "'top_logprobs' is not supported by this server", param="top_logprobs")
+    fmt = body.get("response_format")
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if fmt is not None and kind != "text":
+        what = f"{kind!r} is not supported by this server (only 'text')" if isinstance(kind, str) \
+            else f"must be {{'type': 'text'}} (got {_show(fmt)})"
+        raise ApiError(INVALID, f"'response_format' {what}", param="response_format")
+
+
+def call_json(call: ToolCall, index: int | None = None) -> dict:
+    """A tool call in OpenAI's shape (with its index, in a stream)."""
+    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return out if index is None else {"index": index, **out}
+
+
 def parse_json(raw: bytes | list[bytes]) -> dict:
     """A request body (whole, or the chunks it arrived in) as a JSON object (UTF-8, -16 or -32, as
     json.loads reads bytes); runs on the API's worker. Whatever the content type says: clients such
@@ -254,7 +324,11 @@ class Api:
             web.get("/v1/models", self.models),
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
+            web.post("/v1/messages", self.messages),
             web.get("/v1/cluster/status", self.status),
+            web.get("/v1/cluster/experts", self.experts),
+            web.get("/", self.dashboard),
+            web.get("/dashboard/{name}", self.dashboard),
             web.post("/v1/cluster/shutdown", self.shutdown),
         ])
         return app
@@ -333,45 +407,61 @@ class Api:
         tok = self.tokenizer
         return list(tok.encode(prompt, add_special_tokens=tok.bos_token is None or not prompt.startswith(tok.bos_token)))
 
-    def _render(self, messages: list[dict]) -> list[int]:
-        """Token ids of a chat through the model's template (on the worker)."""
+    def _render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a chat through the model's template, with the tools offered as mlx_lm.server
+        hands them to it (on the worker)."""
         from jinja2 import TemplateError
 
         for i, m in enumerate(messages):
             _check_text(m["content"], f"messages[{i}].content")
+            if "tool_calls" in m:  # arguments are objects now: the template writes them as JSON text
+                _check_text(json.dumps(m["tool_calls"], ensure_ascii=False), f"messages[{i}].tool_calls")
+            for key in ("tool_call_id", "name"):  # some templates write them too
+                if key in m:
+                    _check_text(m[key], f"messages[{i}].{key}")
+        if tools:
+            _check_text(json.dumps(tools, ensure_ascii=False), "tools")
+            if not self.tokenizer.has_tool_calling:
+                logger.warning("tools offered, but mlx-lm knows no tool-call format for this model's tokenizer: "
+                               "its calls come back as text")
         self._refuse_too_long([m["content"] for m in messages], "messages")
         try:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+            return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                           tokenize=True))
         except TemplateError as exc:  # the template refuses these messages; its text is meant for the user
             raise ApiError(INVALID, f"the chat template cannot render these messages: {exc}",
                            param="messages") from None
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
+        shape = request.path.startswith(ANTHROPIC_PATHS)  # errors in Anthropic's shape there, OpenAI's elsewhere
         try:
             return await handler(request)
         except ApiError as exc:
-            return exc.response()
+            return exc.response(shape)
+        except FieldError as exc:
+            return ApiError(INVALID, str(exc), param=exc.param).response(shape)
         except web.HTTPException as exc:
             if exc.status >= 400:
                 error = ApiError(kind_from_http(exc.status), exc.reason or "error")
                 error.status = exc.status  # e.g. 405: aiohttp's own status, our shape
-                return error.response()
+                return error.response(shape)
             raise
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception as exc:  # noqa: BLE001 - typed errors by their kind; anything else is a bug, logged
-            return ApiError.of(exc, f"{request.method} {request.path}").response()
+            return ApiError.of(exc, f"{request.method} {request.path}").response(shape)
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         key = self.options.api_key
         if key and (request.path.startswith("/v1/") or (self.options.metrics_auth and request.path == "/metrics")):
             given = request.headers.get("Authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
+            # Anthropic's clients send the key as x-api-key, OpenAI's as a bearer token: either, anywhere
+            token = given[7:] if given.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
             if not token or not hmac.compare_digest(token.encode(), key.encode()):
-                raise ApiError(ErrorKind.UNAUTHENTICATED,
-                               "missing or wrong API key (send 'Authorization: Bearer <key>')")
+                raise ApiError(ErrorKind.UNAUTHENTICATED, "missing or wrong API key (send 'x-api-key: <key>' or "
+                                                          "'Authorization: Bearer <key>')")
         return await handler(request)
 
     # -- simple endpoints ----------------------------------------------------------------------
@@ -389,6 +479,18 @@ class Api:
     async def status(self, request: web.Request) -> web.Response:
         # requests that ended well (not failed, not cancelled), as /metrics counts them
         return web.json_response({**self.cluster.status(), "requests_completed": self.metrics.requests["ok"]})
+
+    async def experts(self, request: web.Request) -> web.Response:
+        """Layers x experts: the router's selections and which nodes hold each (the dashboard's heat map)."""
+        return web.json_response(self.cluster.experts())
+
+    async def dashboard(self, request: web.Request) -> web.StreamResponse:
+        """The dashboard's static files (its data comes from /v1/cluster/* and /metrics, with the key)."""
+        name = request.match_info.get("name", "index.html")
+        path = DASHBOARD / name
+        if "/" in name or name.startswith(".") or not path.is_file():
+            raise ApiError(ErrorKind.NOT_FOUND, f"no dashboard file {name!r}")
+        return web.FileResponse(path, headers=_DASHBOARD_HEADERS)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(text=self.metrics.render(self.cluster), content_type="text/plain", charset="utf-8")
@@ -441,41 +543,63 @@ class Api:
         body = await self._json_body(request)
         self._check_model(body)
         sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
+        check_unsupported(body)
+        tools = parse_tools(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(INVALID, "'messages' must be a non-empty list", param="messages")
-        clean = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-                got = _show(m.get("role")) if isinstance(m, dict) else f"a {type(m).__name__}"
-                raise ApiError(INVALID, f"messages[{i}] must have a role of system, user, assistant or tool "
-                                        f"(got {got})", param=f"messages[{i}].role")
-            content = m.get("content")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}]: this model reads text only
-                for j, part in enumerate(content):
-                    if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                        raise ApiError(INVALID, f"messages[{i}].content[{j}] must be {{'type': 'text', 'text': "
-                                                f"<string>}} (got {_show(part)})", param=f"messages[{i}].content")
-                content = "".join(part["text"] for part in content)
-            if not isinstance(content, str):
-                raise ApiError(INVALID, f"messages[{i}].content must be a string (got {_show(content)})",
-                               param=f"messages[{i}].content")
-            clean.append({"role": m["role"], "content": content})
-        ids = await self.worker.call(lambda: self._render(clean))
-        return await self._serve(request, ids, sampling, stops, stream, chat=True)
+        clean = [chat_message(m, i) for i, m in enumerate(messages)]
+        rendered = tools.rendered if tools else None
+        ids = await self.worker.call(lambda: self._render(clean, rendered))
+        return await self._serve(request, ids, sampling, stops, stream, chat=True, tools=tools)
 
-    async def _serve(self, request: web.Request, ids: list[int], sampling: Sampling, stops: list[str],
-                     stream: bool, chat: bool) -> web.StreamResponse:
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API: the same rendering, generation and tool parsing as chat."""
+        body = await self._json_body(request)
+        self._check_model(body)
+        req = anthropic.parse_request(body)
+        rendered = req.tools.rendered if req.tools else None
+        ids = await self.worker.call(lambda: self._render(req.messages, rendered))
+        gen = self._generation(ids, req.sampling, req.stops, chat=True, tools=req.tools, prefix="msg_")
+        model = self.options.model_id
+        if not req.stream:
+            _, outcome = await gen.run()
+            return web.json_response(anthropic.message(gen.req.request_id, model, gen.parts, gen.reason, gen.stop_hit,
+                                                       (len(ids), len(outcome.tokens))))
+        events = anthropic.EventStream(gen.req.request_id, model, len(ids))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await gen.start()  # errors before the first byte are still proper HTTP errors
+        await resp.prepare(request)
+        try:
+            await resp.write(events.start())
+            async for part in gen.stream_parts():
+                await resp.write(events.part(part))
+            if gen.outcome.error:
+                e = gen._failure()
+                await resp.write(events.error(e.status, e.message))
+            else:
+                await resp.write(events.end(gen.reason, gen.stop_hit, len(gen.outcome.tokens)))
+        except (ConnectionResetError, asyncio.CancelledError):
+            await gen.client_gone()
+            raise
+        return resp
+
+    def _generation(self, ids: list[int], sampling: Sampling, stops: list[str], chat: bool,
+                    tools: Tools | None = None, prefix: str = "") -> "_Generation":
+        """A request checked against the context, the vocabulary and the cluster's state."""
         self._check_context(ids, sampling, chat)
         self._check_ids(ids, "messages" if chat else "prompt")  # a tokenizer larger than the embedding
         try:
             self.cluster.check_ready()
         except MoeClusterError as exc:
             raise ApiError.of(exc) from None
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        rid = f"{prefix or ('chatcmpl-' if chat else 'cmpl-')}{uuid.uuid4().hex[:24]}"
         eos = tuple(self.tokenizer.eos_token_ids)
-        req = GenerateRequest(rid, tuple(ids), sampling, eos)
-        gen = _Generation(self, req, stops)
+        return _Generation(self, GenerateRequest(rid, tuple(ids), sampling, eos), stops, tools)
+
+    async def _serve(self, request: web.Request, ids: list[int], sampling: Sampling, stops: list[str],
+                     stream: bool, chat: bool, tools: Tools | None = None) -> web.StreamResponse:
+        gen = self._generation(ids, sampling, stops, chat, tools)
         if stream:
             return await self._stream(request, gen, chat)
         text, outcome = await gen.run()
@@ -500,9 +624,13 @@ class Api:
         }
 
     def _final(self, gen: "_Generation", text: str, outcome: Outcome, chat: bool) -> dict:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": gen.reason, "logprobs": None}
         if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            text = "".join(p for p in gen.parts if isinstance(p, str))
+            calls = [call_json(p) for p in gen.parts if isinstance(p, ToolCall)]
+            choice["message"] = {"role": "assistant", "content": text or (None if calls else "")}
+            if calls:
+                choice["message"]["tool_calls"] = calls
         else:
             choice["text"] = text
         return {"id": gen.req.request_id, "object": "chat.completion" if chat else "text_completion",
@@ -516,13 +644,15 @@ class Api:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> dict:
+        def chunk(delta_text: str | None, finish: str | None, first: bool = False, calls: list | None = None) -> dict:
             if chat:
                 delta: dict[str, Any] = {}
                 if first:
                     delta["role"] = "assistant"
                 if delta_text:
                     delta["content"] = delta_text
+                if calls:
+                    delta["tool_calls"] = calls
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
                 choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
@@ -535,14 +665,22 @@ class Api:
         try:
             if chat:
                 await resp.write(sse(chunk(None, None, first=True)))
-            async for piece in gen.pieces():
-                await resp.write(sse(chunk(piece, None)))
+            calls = 0
+            async for piece in gen.stream_parts():
+                if isinstance(piece, str):
+                    await resp.write(sse(chunk(piece, None)))
+                    continue
+                # as OpenAI streams a call: its id and name first, then its arguments in deltas
+                head = {**call_json(piece, calls), "function": {"name": piece.name, "arguments": ""}}
+                await resp.write(sse(chunk(None, None, calls=[head])))
+                await resp.write(sse(chunk(None, None, calls=[{"index": calls, "function": {"arguments": piece.arguments}}])))
+                calls += 1
             outcome = gen.outcome
             if outcome.error:
                 e = gen._failure()
                 await resp.write(sse({"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}}))
             else:
-                final = chunk(None, gen.finish_reason)
+                final = chunk(None, gen.reason)
                 final["usage"] = self._usage(gen, outcome)
                 final["moe_cluster"] = self._extra(gen, outcome)
                 await resp.write(sse(final))
@@ -556,10 +694,13 @@ class Api:
 class _Generation:
     """One request's detokenisation, stop strings and bookkeeping around Cluster.generate."""
 
-    def __init__(self, api: Api, req: GenerateRequest, stops: list[str]):
+    def __init__(self, api: Api, req: GenerateRequest, stops: list[str], tools: Tools | None = None):
         self.api = api
         self.req = req
         self.stops = stops
+        self.tools = tools
+        self.parts: list[str | ToolCall] = []  # the output as text and tool calls (run)
+        self.stop_hit: str | None = None  # the stop string that ended the output
         self.outcome = Outcome()
         self.text = ""
         self.finish_reason = "length"
@@ -589,6 +730,25 @@ class _Generation:
         except asyncio.CancelledError:
             await self.client_gone()
             raise
+
+    @property
+    def reason(self) -> str:
+        """The finish reason the client sees: a generation that ended after calling tools called them."""
+        if self.finish_reason == "stop" and any(isinstance(p, ToolCall) for p in self.parts):
+            return "tool_calls"
+        return self.finish_reason
+
+    async def stream_parts(self):
+        """The output as it becomes final: text deltas and, where tools were offered, whole tool calls
+        (each also kept in `parts`)."""
+        splitter = ToolSplitter(self.api.tokenizer, self.tools.rendered) if self.tools and self.tools.parsed else None
+        async for piece in self.pieces():
+            for p in splitter.feed(piece) if splitter else [piece]:
+                self.parts.append(p)
+                yield p
+        for p in splitter.finish() if splitter else []:
+            self.parts.append(p)
+            yield p
 
     async def pieces(self):
         """Text deltas as they become final (held back while a stop string might be forming)."""
@@ -625,6 +785,7 @@ class _Generation:
             i = text.find(s, max(0, self._sent - len(s)))
             if i >= 0:
                 self.text = text[:i]
+                self.stop_hit = s
                 self._stopped = True
                 self.finish_reason = "stop"
                 return
@@ -653,7 +814,7 @@ class _Generation:
     async def run(self) -> tuple[str, Outcome]:
         await self.start()
         try:
-            async for _ in self.pieces():
+            async for _ in self.stream_parts():
                 pass
         except asyncio.CancelledError:
             await self.client_gone()

@@ -48,6 +48,7 @@ class Member:
     last_seen: float = 0.0
     load_done: int = 0
     load_total: int = 0
+    routing: tuple = ()  # proto.records.LayerRouting by layer, from the node's last Status
 
     @property
     def address(self) -> str:
@@ -173,6 +174,7 @@ class Cluster:
         m.memory_bytes, m.used_bytes = s.memory.device_bytes, s.memory.used_bytes
         m.device, m.backend = s.device, s.backend
         m.experts = sum(s.experts_per_layer.values())
+        m.routing = s.routing
         from .metrics import allreduce_histogram
 
         hist = allreduce_histogram(s.allreduce)
@@ -390,15 +392,33 @@ class Cluster:
             "transport": self.transport,
             "uptime_s": round(time.monotonic() - self.started, 1),
             "queue_depth": self.queue_depth,
+            "running": 1 if self._current else 0,
+            "waiting": self._waiting,
             "nodes": [
                 {"name": m.name, "rank": m.rank, "state": self.node_state(m), "address": m.address,
                  "memory_bytes": m.memory_bytes, "budget_bytes": m.budget_bytes, "used_bytes": m.used_bytes,
                  "experts": m.experts, "device": m.device, "pid": self._pid_of(m.name) if self._pid_of else None,
                  "error": self.health.node(m.name).reason,
+                 # seconds; the bucket bound of the median all-reduce since the node loaded (None: none yet)
+                 "allreduce_p50_s": self.allreduce_histograms[m.name].quantile(0.5)
+                 if m.name in self.allreduce_histograms else None,
                  "last_seen_s": round(time.monotonic() - m.last_seen, 1) if m.last_seen else None}
                 for m in self.members
             ],
         }
+
+    def experts(self) -> dict:
+        """Every MoE layer's experts: the router's selections of each since the load (rank 0's count;
+        the router is replicated, so every node counts the same) and the nodes holding each."""
+        layers: dict[int, dict] = {}
+        for m in sorted(self.members, key=lambda m: m.rank):
+            for r in m.routing:
+                entry = layers.setdefault(r.layer, {"layer": r.layer, "tokens": list(r.tokens),
+                                                    "holders": [[] for _ in r.tokens]})
+                for e in r.held:
+                    if e < len(entry["holders"]):
+                        entry["holders"][e].append(m.name)
+        return {"nodes": [m.name for m in self.members], "layers": [layers[k] for k in sorted(layers)]}
 
     async def close(self, shutdown_nodes: bool) -> None:
         self._event(H.Stopping())

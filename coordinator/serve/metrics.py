@@ -27,6 +27,18 @@ class Histogram:
         self.total += value
         self.n += 1
 
+    def quantile(self, q: float) -> float | None:
+        """The upper bound of the bucket holding the q-quantile (the last bound if it lies past every
+        bound; None with no observations), as Prometheus' histogram_quantile reads buckets."""
+        if not self.n:
+            return None
+        cum = 0
+        for bound, c in zip(self.buckets, self.counts):
+            cum += c
+            if cum >= q * self.n:
+                return bound
+        return self.buckets[-1] if self.buckets else None
+
     def lines(self, name: str, labels: str = "") -> list[str]:
         out, cum = [], 0
         sep = "," if labels else ""
@@ -111,16 +123,35 @@ class Metrics:
             "# HELP moe_cluster_prompt_cache_reused_tokens_total Prompt tokens served from the prompt cache.",
             "# TYPE moe_cluster_prompt_cache_reused_tokens_total counter",
             f"moe_cluster_prompt_cache_reused_tokens_total {self.cached_tokens}",
+            "# HELP moe_cluster_requests_running Requests running now (0 or 1: one runs at a time).",
+            "# TYPE moe_cluster_requests_running gauge",
+            f"moe_cluster_requests_running {s.get('running', 0)}",
             "# HELP moe_cluster_queue_depth Requests running or waiting.",
             "# TYPE moe_cluster_queue_depth gauge",
             f"moe_cluster_queue_depth {s['queue_depth']}",
             "# HELP moe_cluster_node_up 1 if the node is loaded and answering.",
             "# TYPE moe_cluster_node_up gauge",
             *(f'moe_cluster_node_up{{node="{n["name"]}"}} {1 if n["state"] == "ready" else 0}' for n in s["nodes"]),
+            "# HELP moe_cluster_node_memory_used_bytes Memory in use on the node (weights, caches).",
+            "# TYPE moe_cluster_node_memory_used_bytes gauge",
+            *(f'moe_cluster_node_memory_used_bytes{{node="{n["name"]}"}} {n["used_bytes"]}' for n in s["nodes"]),
+            "# HELP moe_cluster_node_memory_budget_bytes Memory placement gave the node.",
+            "# TYPE moe_cluster_node_memory_budget_bytes gauge",
+            *(f'moe_cluster_node_memory_budget_bytes{{node="{n["name"]}"}} {n["budget_bytes"]}' for n in s["nodes"]),
+            "# HELP moe_cluster_node_experts Routed experts the node holds, over all layers.",
+            "# TYPE moe_cluster_node_experts gauge",
+            *(f'moe_cluster_node_experts{{node="{n["name"]}"}} {n["experts"]}' for n in s["nodes"]),
             "# HELP moe_cluster_ready 1 if the cluster serves requests.",
             "# TYPE moe_cluster_ready gauge",
             f"moe_cluster_ready {1 if s['state'] == 'ready' else 0}",
         ]
+        layers = cluster.experts()["layers"] if hasattr(cluster, "experts") else []
+        if layers:
+            lines += ["# HELP moe_cluster_expert_selections_total Tokens the router sent to each expert (one per "
+                      "token and slot) since the load.",
+                      "# TYPE moe_cluster_expert_selections_total counter"]
+            lines += [f'moe_cluster_expert_selections_total{{layer="{entry["layer"]}",expert="{e}"}} {n}'
+                      for entry in layers for e, n in enumerate(entry["tokens"])]
         hist = getattr(cluster, "allreduce_histograms", {})
         if hist:
             lines += ["# HELP moe_cluster_allreduce_seconds Latency of one MoE layer's all-reduce, per node.",

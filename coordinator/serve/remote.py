@@ -7,7 +7,7 @@ import sys
 import urllib.error
 import urllib.request
 
-from ...proto.errors import NotFoundError, error_for, kind_from_http
+from ...proto.errors import NotFoundError, UserError, error_for, kind_from_http
 from .client import ClusterError
 
 
@@ -53,20 +53,47 @@ def _api_key(args) -> str | None:
 
 
 def status(args) -> int:
+    """The cluster's status as a table (or JSON), once or every --watch seconds."""
+    import time
+
     url = _url(args)
-    s = _call(url, "/v1/cluster/status", api_key=_api_key(args), timeout=10)
-    if args.json:
-        print(json.dumps(s))
+    watch, count = getattr(args, "watch", None), getattr(args, "count", None)
+    if watch is not None and watch <= 0:
+        raise UserError(f"--watch must be a number of seconds > 0 (got {watch})")
+    shown = 0
+    try:
+        while True:
+            s = _call(url, "/v1/cluster/status", api_key=_api_key(args), timeout=10)
+            if args.json:
+                print(json.dumps(s), flush=True)
+            else:
+                if watch is not None and sys.stdout.isatty():
+                    print("\x1b[H\x1b[2J", end="")  # clear the terminal, as watch(1) does
+                print(status_table(s), flush=True)
+            shown += 1
+            if watch is None or (count is not None and shown >= count):
+                return 0
+            time.sleep(watch)
+    except KeyboardInterrupt:
         return 0
+
+
+def status_table(s: dict) -> str:
+    """/v1/cluster/status as the lines `moe-cluster status` prints."""
     from .placement import fmt_bytes
 
-    print(f"cluster {s['state']}{': ' + s['reason'] if s.get('reason') else ''} — model {s['model']}, "
-          f"transport {s['transport']}, up {s['uptime_s']:.0f}s, queue {s['queue_depth']}")
-    print(f"{'node':<14} {'state':<8} {'address':<22} {'memory used / budget':<24} {'experts':>7} {'pid':>7}")
+    lines = [f"cluster {s['state']}{': ' + s['reason'] if s.get('reason') else ''} — model {s['model']}, "
+             f"transport {s['transport']}, up {s['uptime_s']:.0f}s, running {s.get('running', 0)}, "
+             f"waiting {s.get('waiting', 0)}",
+             f"{'node':<14} {'state':<8} {'address':<22} {'memory used / budget':<24} {'experts':>7} "
+             f"{'all-reduce p50':>14} {'pid':>7}"]
     for n in s["nodes"]:
         mem = f"{fmt_bytes(n['used_bytes'])} / {fmt_bytes(n['budget_bytes'])}"
-        print(f"{n['name']:<14} {n['state']:<8} {n['address']:<22} {mem:<24} {n['experts']:>7} {n['pid'] or '-':>7}")
-    return 0
+        p50 = n.get("allreduce_p50_s")
+        p50 = "-" if p50 is None else f"<= {p50 * 1e3:g} ms"
+        lines.append(f"{n['name']:<14} {n['state']:<8} {n['address']:<22} {mem:<24} {n['experts']:>7} {p50:>14} "
+                     f"{n['pid'] or '-':>7}")
+    return "\n".join(lines)
 
 
 def down(args) -> int:

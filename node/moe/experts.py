@@ -63,6 +63,10 @@ class ShardState:
     # (layer, selected, cluster max) of calls routed on the device, as lazy scalars: folded into
     # `counters` when read, so no call waits on the host for its counts
     pending: list = field(default_factory=list)
+    # per MoE layer: the experts this node holds, and (token, slot) selections of each expert since
+    # the load, (num_experts,). The router is replicated, so every node counts the same selections.
+    held: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    routed: dict[int, np.ndarray] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.keepalive not in KEEPALIVES:
@@ -81,7 +85,19 @@ class ShardState:
 
     def reset_counters(self) -> None:
         self.counters = {layer: LayerCounters() for layer in self.counters}
+        self.routed = {layer: np.zeros_like(r) for layer, r in self.routed.items()}
         self.pending = []
+
+    def count_routed(self, layer: int, inds: np.ndarray) -> None:
+        r = self.routed[layer]
+        flat = inds.reshape(-1)
+        flat = flat[(flat >= 0) & (flat < len(r))]  # a family's own sentinel ids (none known) are not experts
+        r += np.bincount(flat, minlength=len(r))
+
+    def routing(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """{layer: (experts held here, selections per expert)} (device-routed calls folded in first)."""
+        self.settle()
+        return {layer: (self.held.get(layer, ()), tuple(int(n) for n in r)) for layer, r in sorted(self.routed.items())}
 
     def note(self, layer: int, inds: mx.array, rank_of: np.ndarray) -> None:
         """A call routed on the device: its indices (evaluated with the step anyway) are counted
@@ -95,7 +111,9 @@ class ShardState:
         to a step still being built)."""
         done, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
         for layer, inds, rank_of in done:
-            counts = np.bincount(rank_of[np.unique(np.array(inds))], minlength=self.world_size)
+            inds = np.array(inds)
+            self.count_routed(layer, inds)
+            counts = np.bincount(rank_of[np.unique(inds)], minlength=self.world_size)
             c = self.counters.setdefault(layer, LayerCounters())
             c.calls += 1
             c.selected += int(counts[self.rank])
@@ -208,6 +226,8 @@ class ExpertShard(nn.Module):
         self._state = state
         self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(len(self._ids)))
         state.counters.setdefault(layer, LayerCounters())
+        state.held[layer] = self._ids
+        state.routed.setdefault(layer, np.zeros(len(holders), dtype=np.int64))
         # Routing on the device, without reading the indices on the host, where the work is a
         # fixed function of them: every expert has one holder (no replica to choose at run time)
         # and no filler is ever needed (keepalive none, or alone: the cluster maximum is ours).
@@ -268,6 +288,7 @@ class ExpertShard(nn.Module):
         t0 = time.perf_counter()
         flat = np.array(inds).reshape(-1, inds.shape[-1])  # host sync: tiny
         state.timers.attention_router += time.perf_counter() - t0
+        state.count_routed(self._layer, flat)
         T, k = flat.shape
         chosen = assign(np.unique(flat).tolist(), self._holders)
         counts = per_rank(chosen, state.world_size)

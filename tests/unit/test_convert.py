@@ -6,7 +6,7 @@ import pytest
 
 from moe_cluster.proto.records import Sampling
 from moe_cluster.proto.records import (AllreduceHistogram, GenerateDone, GeneratedTokens, Health, LoadProgress, LoadSpec, Memory,
-                                       NodeError, NodeStatus, Timings)
+                                       LayerRouting, NodeError, NodeStatus, Timings)
 from moe_cluster.proto.placement import Placement
 from moe_cluster.proto.records import GenerateRequest
 from moe_cluster.node.collective.specs import EnvoySpec, MlxSpec
@@ -104,7 +104,8 @@ def test_generate_events():
 def test_status_health_cancel_shutdown():
     status = NodeStatus("busy", "/models/dbrx", 1, 2, Memory(192 << 30, 150 << 30, 80 << 30, 90 << 30), "Apple M2 Ultra",
                         "envoy", {1: 8, 3: 8}, {"selected": 2.6}, 12.5, 4242, 3,
-                        AllreduceHistogram((25e-6, 1e-3), (7, 2, 1), 0.0125))
+                        AllreduceHistogram((25e-6, 1e-3), (7, 2, 1), 0.0125),
+                        (LayerRouting(1, (8, 9), (0, 3) + (1,) * 14), LayerRouting(3, (0, 15), (5,) * 16)))
     assert convert.status_from_proto(wire(convert.status_to_proto(status))) == status
     idle = NodeStatus("idle")
     assert convert.status_from_proto(wire(convert.status_to_proto(idle))) == idle  # no histogram before a load

@@ -166,3 +166,24 @@ def test_replicated_experts_keep_the_host_path():
     """A replica is chosen per call from the whole selection, so it is decided on the host."""
     placement = Placement(2, {0: {0: tuple(range(E)), 1: (0, 1)}})
     assert all(s._lut is None for s in _shards(_bank(), placement, "none"))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_routing_counts_every_selection_on_both_paths(world):
+    """Each (token, slot) selection counts once for its expert, on every node alike (the heat map)."""
+    placement = Placement.even({0: E}, world)
+    device, host = _shards(_bank(), placement, "none"), _shards(_bank(), placement, "lru")
+    for s in host:
+        s._lut = None  # the host path: indices read on the host
+    assert device[0]._lut is not None
+    rng = np.random.default_rng(2)
+    want = np.zeros(E, dtype=np.int64)
+    for tokens in (1, 4, 1):
+        x = mx.array(rng.standard_normal((1, tokens, D)).astype(np.float32))
+        sel = np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(1, tokens, K)
+        want += np.bincount(sel.reshape(-1), minlength=E)
+        for s in device + host:
+            mx.eval(s(x, mx.array(sel)))
+    for rank, s in enumerate(device + host):
+        held, tokens = s._state.routing()[0]
+        assert tokens == tuple(want) and held == placement.layers[0][rank % world]

@@ -24,3 +24,26 @@ def test_a_nodes_allreduce_histogram_becomes_prometheus_lines():
     assert allreduce_histogram(None) is None  # no model loaded
     with pytest.raises(ValueError, match="2 bounds needs 3 counts"):
         AllreduceHistogram((1e-3, 1e-2), (3, 1))
+
+
+def test_the_median_all_reduce_is_the_bound_of_its_bucket():
+    def h(counts):
+        return allreduce_histogram(AllreduceHistogram((1e-3, 1e-2), counts))
+
+    assert h((3, 1, 2)).quantile(0.5) == 1e-3  # 3 of 6 within 1 ms
+    assert h((2, 1, 3)).quantile(0.5) == 1e-2
+    assert h((0, 0, 5)).quantile(0.5) == 1e-2  # past every bound: at least the last one
+    assert h((0, 0, 0)).quantile(0.5) is None
+
+
+def test_the_status_table_has_a_row_per_node_with_its_all_reduce():
+    from moe_cluster.coordinator.serve.remote import status_table
+
+    node = {"state": "ready", "address": "10.0.0.2:7700", "used_bytes": 2 << 30, "budget_bytes": 8 << 30,
+            "experts": 64, "pid": None}
+    s = {"state": "ready", "reason": "", "model": "m", "transport": "envoy", "uptime_s": 12, "running": 1, "waiting": 2,
+         "nodes": [{**node, "name": "a", "allreduce_p50_s": 0.0025}, {**node, "name": "b", "allreduce_p50_s": None}]}
+    lines = status_table(s).splitlines()
+    assert "running 1, waiting 2" in lines[0] and "all-reduce p50" in lines[1]
+    assert lines[2].split()[0] == "a" and "<= 2.5 ms" in lines[2] and "64" in lines[2]
+    assert lines[3].split()[0] == "b" and lines[3].split()[-2] == "-"

@@ -1,0 +1,262 @@
+"""Anthropic's Messages API (POST /v1/messages) over the same generation as the OpenAI routes.
+
+A request becomes the chat the template renders (system prompt, user and assistant turns, tool_use
+blocks as the assistant's tool calls, tool_result blocks as tool messages); the output is text and
+tool_use blocks, streamed with Anthropic's event types. Errors use Anthropic's JSON shape.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ...proto.records import SEED_MAX, Sampling
+from .tools import FieldError, ToolCall, Tools, check_function, new_call_id, show as _show
+
+# HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error", 529: "overloaded_error"}
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+MAX_STOPS = 16
+
+
+def error_body(status: int, message: str) -> dict:
+    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+
+
+@dataclass(frozen=True)
+class MessagesRequest:
+    messages: list[dict]  # the chat as the template reads it (OpenAI's roles)
+    tools: Tools | None
+    sampling: Sampling
+    stops: list[str]
+    stream: bool
+
+
+def _number(body: dict, name: str, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v > hi or v < lo or (lo_open and v == lo):
+        raise FieldError(f"'{name}' must be a number in {'(' if lo_open else '['}{lo}, {hi}] (got {_show(v)})", name)
+    return float(v)
+
+
+def parse_request(body: dict) -> MessagesRequest:
+    """A Messages API body, checked field by field (FieldError names the field)."""
+    max_tokens = body.get("max_tokens")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise FieldError(f"'max_tokens' is required: an integer >= 1 (got {_show(max_tokens)})", "max_tokens")
+    # Greedy unless asked, as on the OpenAI routes here: recent anthropic clients no longer send
+    # temperature at all (older ones and extra_body still may), and the same request should give the
+    # same text on either API.
+    temperature = _number(body, "temperature", 0, 1, 0.0)
+    top_p = _number(body, "top_p", 0, 1, 1.0, lo_open=True)
+    if body.get("top_k") is not None:
+        raise FieldError("'top_k' is not supported by this server", "top_k")
+    seed = body.get("seed")  # not Anthropic's, but as the OpenAI routes take it
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX):
+        raise FieldError(f"'seed' must be an integer in [0, 2**64-1] (got {_show(seed)})", "seed")
+    stops = body.get("stop_sequences") or []
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) for s in stops):
+        raise FieldError(f"'stop_sequences' must be a list of up to {MAX_STOPS} strings (got {_show(stops)})",
+                         "stop_sequences")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise FieldError(f"'stream' must be a boolean (got {_show(stream)})", "stream")
+    chat = []
+    if body.get("system") is not None:
+        chat.append({"role": "system", "content": _text(body["system"], "system")})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise FieldError("'messages' must be a non-empty list", "messages")
+    for i, m in enumerate(messages):
+        chat += _turn(m, f"messages[{i}]")
+    tools = _tools(body)
+    sampling = Sampling(max_tokens, temperature, top_p, seed)
+    return MessagesRequest(chat, tools, sampling, [s for s in stops if s], stream)
+
+
+def _text(content: Any, where: str) -> str:
+    """A string, or a list of text blocks, as one string."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, block in enumerate(content):
+            if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
+                raise FieldError(f"{where}[{j}] must be a text block {{'type': 'text', 'text': <string>}} "
+                                 f"(got {_show(block)})", f"{where}[{j}]")
+            parts.append(block["text"])
+        return "".join(parts)
+    raise FieldError(f"{where} must be a string or a list of text blocks (got {_show(content)})", where)
+
+
+def _turn(m: Any, where: str) -> list[dict]:
+    """One Messages API turn as chat messages: a user turn's tool results become tool messages
+    (before its text); an assistant turn's tool_use blocks become its tool calls."""
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        got = _show(m.get("role")) if isinstance(m, dict) else f"a {type(m).__name__}"
+        raise FieldError(f"{where} must have a role of user or assistant (got {got})", f"{where}.role")
+    role, content = m["role"], m.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise FieldError(f"{where}.content must be a string or a list of content blocks (got {_show(content)})",
+                         f"{where}.content")
+    texts, calls, results = [], [], []
+    allowed = ("text", "tool_use") if role == "assistant" else ("text", "tool_result")
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind not in allowed:
+            raise FieldError(f"{at} must be a block of type {' or '.join(allowed)} in a {role} turn "
+                             f"(got {_show(block)})", at)
+        if kind == "text":
+            texts.append(_text([block], f"{where}.content"))
+        elif kind == "tool_use":
+            name, args, call_id = block.get("name"), block.get("input"), block.get("id")
+            if not isinstance(name, str) or not isinstance(args, dict) or not isinstance(call_id, str):
+                raise FieldError(f"{at} must be {{'type': 'tool_use', 'id': <string>, 'name': <string>, "
+                                 f"'input': <object>}} (got {_show(block)})", at)
+            calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+        else:
+            call_id, result = block.get("tool_use_id"), block.get("content", "")
+            if not isinstance(call_id, str):
+                raise FieldError(f"{at}.tool_use_id must be the id of a tool_use block (got {_show(call_id)})",
+                                 f"{at}.tool_use_id")
+            results.append({"role": "tool", "tool_call_id": call_id, "content": _text(result, f"{at}.content")})
+    out = list(results)
+    if texts or calls or not results:
+        msg: dict = {"role": role, "content": "".join(texts)}
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    return out
+
+
+def _tools(body: dict) -> Tools | None:
+    """Anthropic's tools ({name, description, input_schema}) and tool_choice as OpenAI's."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None:
+        if choice is not None:
+            raise FieldError(f"'tool_choice' {_show(choice)} needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise FieldError(f"'tools' must be a list (got {_show(tools)})", "tools")
+    specs, names = [], set()
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise FieldError(f"tools[{i}] must be an object (got {_show(t)})", f"tools[{i}]")
+        if t.get("input_schema") is None:
+            raise FieldError(f"tools[{i}].input_schema is required", f"tools[{i}].input_schema")
+        fn = check_function(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]")
+        if fn["name"] in names:
+            raise FieldError(f"tools[{i}]: the tool name {fn['name']!r} appears twice", f"tools[{i}].name")
+        names.add(fn["name"])
+        specs.append({"type": "function", "function": fn})
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if choice is None or kind == "auto":
+        return Tools(tuple(specs), "auto")
+    if kind in ("none", "any"):
+        return Tools(tuple(specs), "none" if kind == "none" else "required")
+    if kind == "tool":
+        name = choice.get("name")
+        if name not in names:
+            raise FieldError(f"'tool_choice' names the tool {_show(name)}, which is not among 'tools' "
+                             f"({', '.join(sorted(names)) or 'none'})", "tool_choice")
+        return Tools(tuple(specs), "function", name)
+    raise FieldError("'tool_choice' must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': <string>} "
+                     f"(got {_show(choice)})", "tool_choice")
+
+
+# -- answers ---------------------------------------------------------------------------------
+
+
+def message_id() -> str:
+    return f"msg_{uuid.uuid4().hex[:24]}"
+
+
+def tool_use_id(call: ToolCall) -> str:
+    return call.id if call.id.startswith("toolu_") else f"toolu_{call.id.removeprefix('call_') or new_call_id()}"
+
+
+def block(part: str | ToolCall) -> dict:
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    return {"type": "tool_use", "id": tool_use_id(part), "name": part.name, "input": json.loads(part.arguments)}
+
+
+def stop_reason(reason: str, stop_hit: str | None) -> str:
+    """An OpenAI finish reason (the _Generation's) as Anthropic's stop reason."""
+    return "stop_sequence" if stop_hit is not None else STOP_REASONS.get(reason, "end_turn")
+
+
+def message(mid: str, model: str, parts: list, reason: str, stop_hit: str | None, usage: tuple[int, int]) -> dict:
+    """The whole answer: text and tool_use blocks in the order the model wrote them."""
+    blocks: list[dict] = []
+    for p in parts:
+        if isinstance(p, str) and blocks and blocks[-1]["type"] == "text":
+            blocks[-1]["text"] += p
+        elif not isinstance(p, str) or p:
+            blocks.append(block(p))
+    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": blocks,
+            "stop_reason": stop_reason(reason, stop_hit), "stop_sequence": stop_hit,
+            "usage": {"input_tokens": usage[0], "output_tokens": usage[1]}}
+
+
+def event(kind: str, data: dict) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
+
+
+class EventStream:
+    """The events of one streamed answer: a text block open while text comes, a tool_use block per call
+    (its input in one input_json_delta), then message_delta and message_stop."""
+
+    def __init__(self, mid: str, model: str, input_tokens: int):
+        self.mid, self.model, self.input_tokens = mid, model, input_tokens
+        self._index = -1
+        self._open: str | None = None  # the type of the block open now
+
+    def start(self) -> bytes:
+        msg = {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
+               "stop_reason": None, "stop_sequence": None,
+               "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}
+        return event("message_start", {"message": msg}) + event("ping", {})
+
+    def _close(self) -> bytes:
+        if self._open is None:
+            return b""
+        self._open = None
+        return event("content_block_stop", {"index": self._index})
+
+    def part(self, p: str | ToolCall) -> bytes:
+        if isinstance(p, str):
+            if not p:
+                return b""
+            out = b""
+            if self._open != "text":
+                out += self._close()
+                self._index += 1
+                self._open = "text"
+                out += event("content_block_start", {"index": self._index, "content_block": {"type": "text", "text": ""}})
+            return out + event("content_block_delta", {"index": self._index,
+                                                        "delta": {"type": "text_delta", "text": p}})
+        out = self._close()
+        self._index += 1
+        self._open = "tool_use"
+        start = {"type": "tool_use", "id": tool_use_id(p), "name": p.name, "input": {}}
+        return (out + event("content_block_start", {"index": self._index, "content_block": start})
+                + event("content_block_delta", {"index": self._index,
+                                                "delta": {"type": "input_json_delta", "partial_json": p.arguments}}))
+
+    def end(self, reason: str, stop_hit: str | None, output_tokens: int) -> bytes:
+        delta = {"stop_reason": stop_reason(reason, stop_hit), "stop_sequence": stop_hit}
+        return (self._close() + event("message_delta", {"delta": delta, "usage": {"output_tokens": output_tokens}})
+                + event("message_stop", {}))
+
+    def error(self, status: int, message: str) -> bytes:
+        return f"event: error\ndata: {json.dumps(error_body(status, message))}\n\n".encode()
