@@ -70,11 +70,17 @@ def build(args) -> None:
               "--shard-size", "5GB"))
 
 
+def gpu_count() -> int:
+    return len(os.popen("nvidia-smi -L 2>/dev/null").read().strip().splitlines())
+
+
 def bench(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # one GPU per node where the host has enough; else the node processes share the GPU
+    gpus = ["--gpus"] if gpu_count() >= max(int(n) for n in args.nodes.split(",")) else []
     text = cli("bench", "decode", "--model", str(model_dir(args.model)), "--nodes", args.nodes, "--keepalive", "none",
-               "--transport", args.transport, "--gpus", "--max-tokens", str(args.max_tokens), "--rounds",
+               "--transport", args.transport, *gpus, "--max-tokens", str(args.max_tokens), "--rounds",
                str(args.rounds), "--calibrate", "--json")
     (out / f"{args.model}.json").write_text(text)
     (model_dir(args.model) / "config.json").exists() and shutil.copy(model_dir(args.model) / "config.json",
@@ -140,7 +146,7 @@ def probe(args) -> None:
         for rank in range(2):
             env = dict(os.environ, MLX_RANK=str(rank), MLX_WORLD_SIZE="2", MLX_HOSTFILE=str(hostfile),
                        NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(port[0]),
-                       CUDA_VISIBLE_DEVICES=str(rank % max(1, len(found["gpus"]))))
+                       CUDA_VISIBLE_DEVICES=str(rank % max(1, gpu_count())))
             procs.append(subprocess.Popen([sys.executable, "-c", _PROBE, backend, str(rank)], env=env,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         for p in procs:

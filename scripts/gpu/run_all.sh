@@ -3,14 +3,14 @@
 #   setsid bash scripts/gpu/run_all.sh /tmp/figs > /tmp/figs.log 2>&1 < /dev/null &
 # then poll /tmp/figs.log and copy /tmp/figs/* out; /tmp/figs/DONE appears at the end.
 # Env: PYTHONPATH=/tmp/site (scripts/gpu/setup.sh), MODELS (default both; NAME:LAYERS overrides a model's
-# layer count), NODES (default 1,2).
+# layer count), NODES (default 1,2), ALLREDUCE=1 to run bench allreduce on the host's CPUs too.
 set -u
 OUTDIR=${1:-/tmp/figs}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1
 F="python3 scripts/gpu/figures.py"
 $F probe --out "$OUTDIR"
-$F allreduce --out "$OUTDIR"
+[ -n "${ALLREDUCE:-}" ] && $F allreduce --out "$OUTDIR"
 python3 scripts/gpu/distinct_probe.py > "$OUTDIR/distinct.jsonl"
 for spec in ${MODELS:-qwen3-30b-a3b dbrx}; do
   m=${spec%%:*}
