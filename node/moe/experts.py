@@ -108,17 +108,39 @@ class ShardState:
 
     def settle(self, keep: int = 0) -> None:
         """Fold the device-routed calls into `counters` (all but the `keep` newest, which may belong
-        to a step still being built)."""
+        to a step still being built). One host copy and a few numpy passes for all of them: folding
+        call by call cost ~30 us per MoE layer call, as much as the layer's own graph building."""
         done, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
-        for layer, inds, rank_of in done:
-            inds = np.array(inds)
-            self.count_routed(layer, inds)
-            counts = np.bincount(rank_of[np.unique(inds)], minlength=self.world_size)
+        if not done:
+            return
+        flat = [np.asarray(memoryview(inds)).reshape(-1) for _, inds, _ in done]  # no copy, no graph op
+        ids = np.concatenate(flat).astype(np.int64)  # every call's expert ids, end to end
+        call = np.repeat(np.arange(len(done)), [f.size for f in flat])
+        layers = sorted({layer for layer, _, _ in done})
+        index = {layer: i for i, layer in enumerate(layers)}
+        layer_of_call = np.fromiter((index[layer] for layer, _, _ in done), dtype=np.int64, count=len(done))
+        layer_of = layer_of_call[call]  # per id: its layer's index in `layers`
+        tables = {layer: rank_of for layer, _, rank_of in done}
+        width = max(len(t) for t in tables.values())
+        known = (ids >= 0) & (ids < np.array([len(tables[layer]) for layer in layers])[layer_of])
+        call, ids, layer_of = call[known], ids[known], layer_of[known]  # a family's sentinel ids are no expert
+        for i, layer in enumerate(layers):  # per-expert selections (the routing heat map)
+            self.count_routed(layer, ids[layer_of == i])
+        # each call's distinct experts, then how many of them each rank computes
+        key = np.unique(call * width + ids)
+        call_of, expert_of = key // width, key % width
+        rank_table = np.stack([np.pad(tables[layer], (0, width - len(tables[layer]))) for layer in layers])
+        counts = np.zeros((len(done), self.world_size), dtype=np.int64)
+        np.add.at(counts, (call_of, rank_table[layer_of_call[call_of], expert_of]), 1)
+        calls = np.bincount(layer_of_call, minlength=len(layers))
+        mine = np.bincount(layer_of_call, weights=counts[:, self.rank], minlength=len(layers))
+        biggest = np.bincount(layer_of_call, weights=counts.max(axis=1), minlength=len(layers))
+        for i, layer in enumerate(layers):
             c = self.counters.setdefault(layer, LayerCounters())
-            c.calls += 1
-            c.selected += int(counts[self.rank])
-            c.computed += int(counts[self.rank])
-            c.cluster_max += int(counts.max())
+            c.calls += int(calls[i])
+            c.selected += int(mine[i])
+            c.computed += int(mine[i])
+            c.cluster_max += int(biggest[i])
 
     def means(self) -> dict[str, float]:
         """Mean per MoE layer per call of selected/computed/filler on this node."""

@@ -187,3 +187,22 @@ def test_routing_counts_every_selection_on_both_paths(world):
     for rank, s in enumerate(device + host):
         held, tokens = s._state.routing()[0]
         assert tokens == tuple(want) and held == placement.layers[0][rank % world]
+
+
+def test_folding_many_device_routed_calls_at_once_counts_as_one_at_a_time():
+    """settle() folds its calls in one numpy pass: the counters and routing counts are those of
+    folding each call alone, across layers with different placements and calls of several tokens."""
+    rng = np.random.default_rng(4)
+    tables = {layer: rng.integers(0, 3, 16) for layer in range(5)}
+    calls = [(int(rng.integers(0, 5)), mx.array(rng.integers(0, 16, (1, int(rng.integers(1, 4)), 4)).astype(np.uint32)))
+             for _ in range(300)]
+    together, alone = ShardState(1, 3, "none"), ShardState(1, 3, "none")
+    for state in (together, alone):
+        state.routed = {layer: np.zeros(16, dtype=np.int64) for layer in tables}
+    for layer, inds in calls:
+        together.pending.append((layer, inds, tables[layer]))
+        alone.pending.append((layer, inds, tables[layer]))
+        alone.settle()
+    together.settle()
+    assert together.counters == alone.counters and sum(c.calls for c in alone.counters.values()) == 300
+    assert all((together.routed[layer] == alone.routed[layer]).all() for layer in tables)
