@@ -166,10 +166,13 @@ class ShardLinear(nn.Module):
         if bias is not None:
             self.bias = bias
         self.quant = dict(quant) if quant else None  # {"group_size", "bits", "mode"}
+        # decided once: this runs three times per MoE layer per token, on the step's critical path
+        self._per_expert = _per_expert(weight.dtype, quant is not None)
+        self._biased = bias is not None
 
     def __call__(self, x: mx.array, slots: mx.array, groups: Sequence[tuple[int, int, int]]) -> mx.array:
         """x (M, 1, in) rows sorted by slot; slots (M,); groups [(slot, start, end)] -> (M, 1, out)."""
-        if _per_expert(x.shape[0], self.weight.dtype, self.quant is not None):
+        if self._per_expert:
             y = mx.concatenate([self._one(x[a:b], s) for s, a, b in groups], axis=0)
         elif self.quant is not None:
             y = mx.gather_qmm(
@@ -180,7 +183,7 @@ class ShardLinear(nn.Module):
         else:
             y = mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=slots,
                              sorted_indices=x.shape[0] >= SORTED_FROM)
-        if "bias" in self:
+        if self._biased:
             y = y + mx.expand_dims(self["bias"][slots], -2)
         return y
 
@@ -213,7 +216,7 @@ def _gather_mm_ok(dtype: mx.Dtype) -> bool:
     return dtype == mx.float32 or mx.default_device().type != mx.DeviceType.cpu
 
 
-def _per_expert(rows: int, dtype: mx.Dtype, quantized: bool) -> bool:
+def _per_expert(dtype: mx.Dtype, quantized: bool) -> bool:
     if EXPERT_MATMUL == "per-expert":
         return True
     return not quantized and not _gather_mm_ok(dtype)
@@ -264,7 +267,7 @@ class ExpertShard(nn.Module):
             self._identity = bool(np.array_equal(lut, np.arange(n)))
             self._lut = mx.array(lut.astype(np.int32))
         last = self.down_proj if kind == "glu" else self.fc2
-        self._gathered = not _per_expert(0, last.weight.dtype, last.quant is not None)  # one gather_mm per call
+        self._gathered = not last._per_expert  # one gather_mm per call
 
     @property
     def global_ids(self) -> tuple[int, ...]:
