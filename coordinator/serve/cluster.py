@@ -24,7 +24,7 @@ from ...proto.errors import (DeadlineError, ErrorKind, MoeClusterError, NotReady
 from ...proto.records import GenerateDone, GeneratedTokens, LoadSpec, NodeError
 from ...proto.records import GenerateRequest
 from . import health as H
-from .client import ClusterError, NodeClient, describe_rpc_error
+from .client import RPC_TIMEOUT_S, ClusterError, NodeClient, describe_rpc_error
 
 logger = logging.getLogger(__name__)
 
@@ -225,12 +225,13 @@ class Cluster:
             else:  # a failed request: the client has its answer; the gate opens once every node ended it
                 cleanup.add_done_callback(lambda _: self._gate.release())
 
-    async def cancel(self, request_id: str) -> None:
-        await asyncio.gather(*(self._cancel_one(m, request_id) for m in self.members), return_exceptions=True)
+    async def cancel(self, request_id: str, abort: bool = False) -> None:
+        """Stop a request on every node: at the next agreement, or at once with `abort` (it failed)."""
+        await asyncio.gather(*(self._cancel_one(m, request_id, abort) for m in self.members), return_exceptions=True)
 
-    async def _cancel_one(self, m: Member, request_id: str) -> None:
+    async def _cancel_one(self, m: Member, request_id: str, abort: bool) -> None:
         try:
-            await m.client.cancel(request_id)
+            await m.client.cancel(request_id, abort, timeout=min(RPC_TIMEOUT_S, CANCEL_WAIT_S))
         except grpc.RpcError:
             pass
 
@@ -258,11 +259,20 @@ class Cluster:
                     finished += 1
                     continue
                 if isinstance(event, NodeError):
+                    lost = event.kind is ErrorKind.UNAVAILABLE  # a node or its envoy is gone
+                    if lost and not outcome.error and self.health.ready:
+                        # A peer saw the loss first ("rank 1 disconnected"): heartbeat every node now,
+                        # so the answer names the lost node and its cause, not the node that saw it
+                        # (one health RPC: at once for a dead process, max(heartbeat, 1 s) for a stalled one).
+                        await self._beat_all()
                     if not outcome.error:
                         outcome.error = H.refusal(self.health) if not self.health.ready else None
+                        if outcome.error is None and lost:
+                            # every node still answers: the same 503, Retry-After included
+                            outcome.error = H.NodeLostError(f"node {m.name}: {event.message}")
                         outcome.error = outcome.error or error_for(event.kind, f"node {m.name}: {event.message}")
-                    if event.kind is ErrorKind.UNAVAILABLE:
-                        break  # a node or its envoy is gone: the others would only wait out the collective timeout
+                    if lost:
+                        break  # the others would only wait out the collective timeout
                     continue
                 if m.rank != 0:
                     continue
@@ -293,7 +303,9 @@ class Cluster:
     async def _end(self, req: GenerateRequest, tasks: list[asyncio.Task], queue: asyncio.Queue,
                    outcome: Outcome) -> None:
         try:
-            await self.cancel(req.request_id)
+            # a failed request: the nodes still in it stop waiting for the lost peer now (a begin or a
+            # step would wait out the collective timeout, holding the gate and so the rejoin)
+            await self.cancel(req.request_id, abort=outcome.error is not None)
             _, late = await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
             for t in late:
                 t.cancel()
@@ -333,10 +345,13 @@ class Cluster:
 
     async def _watch(self) -> None:
         while self.state != "stopping":
-            await asyncio.gather(*(self._beat(m) for m in self.members), return_exceptions=True)
+            await self._beat_all()
             if self._rejoin_task is None and H.can_rejoin(self.health, time.monotonic()):
                 self._rejoin_task = self._spawn(self._rejoin(), "rejoin")
             await asyncio.sleep(self.heartbeat_s)
+
+    async def _beat_all(self) -> None:
+        await asyncio.gather(*(self._beat(m) for m in self.members), return_exceptions=True)
 
     async def _beat(self, m: Member) -> None:
         try:
