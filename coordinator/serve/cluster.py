@@ -24,11 +24,16 @@ from ...proto.errors import (DeadlineError, ErrorKind, MoeClusterError, NotReady
 from ...proto.records import GenerateDone, GeneratedTokens, LoadSpec, NodeError
 from ...proto.records import GenerateRequest
 from . import health as H
-from .client import RPC_TIMEOUT_S, ClusterError, NodeClient, describe_rpc_error
+from .client import ClusterError, NodeClient, describe_rpc_error
 
 logger = logging.getLogger(__name__)
 
 CANCEL_WAIT_S = 10.0  # seconds a cancelled request may take to end on every node (one step, or a prefill chunk)
+# Seconds a local node that is not serving (restarted and not loaded yet, or loading) may go without
+# answering a heartbeat before it is restarted: a fresh process importing mlx-lm on a busy machine
+# misses the 1 s heartbeat deadline (seen at load 13 on 2 vCPUs), and restarting it then only
+# restarted the rejoin. A serving node that stops answering is restarted at once.
+LOADING_STALL_S = 10.0
 
 
 @dataclass
@@ -87,6 +92,8 @@ class Cluster:
         self._monitor: asyncio.Task | None = None
         self._rejoin_task: asyncio.Task | None = None
         self._restarting: set[str] = set()  # nodes found not answering, handed to `respawn`
+        self._loading: set[str] = set()  # nodes with a Load in flight
+        self._unanswered: dict[str, float] = {}  # node -> time.monotonic() of its first unanswered heartbeat
         self._tasks: set[asyncio.Task] = set()  # background work this cluster owns
         self.allreduce_histograms: dict = {}  # node name -> metrics.Histogram, refreshed after requests
 
@@ -122,6 +129,13 @@ class Cluster:
     # -- loading -------------------------------------------------------------------------------
 
     async def _load_member(self, m: Member, on_progress: Callable[[Member], None] | None) -> None:
+        self._loading.add(m.name)
+        try:
+            await self._load_one(m, on_progress)
+        finally:
+            self._loading.discard(m.name)
+
+    async def _load_one(self, m: Member, on_progress: Callable[[Member], None] | None) -> None:
         self._event(H.NodeLoading(m.name))
         try:
             async for p in m.client.load(m.spec, timeout=self.load_timeout_s):
@@ -231,7 +245,7 @@ class Cluster:
 
     async def _cancel_one(self, m: Member, request_id: str, abort: bool) -> None:
         try:
-            await m.client.cancel(request_id, abort, timeout=min(RPC_TIMEOUT_S, CANCEL_WAIT_S))
+            await m.client.cancel(request_id, abort)
         except grpc.RpcError:
             pass
 
@@ -357,13 +371,21 @@ class Cluster:
         try:
             h = await m.client.health(timeout=max(self.heartbeat_s, 1.0))
         except grpc.RpcError as exc:
+            serving = self.node_state(m) in ("ready", "dead") and m.name not in self._loading
             self._event(H.HeartbeatFailed(m.name, f"not answering ({describe_rpc_error(exc)})"))
+            since = self._unanswered.setdefault(m.name, time.monotonic())
+            # A process that is gone, or a serving one that stalls, is restarted at once; one that is
+            # there but slow while it is not serving anyway gets LOADING_STALL_S.
+            slow = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not serving
+            if slow and time.monotonic() - since < LOADING_STALL_S:
+                return
             if m.name not in self._restarting:  # once per death (an RPC may have seen it first)
                 logger.warning("node %s (%s) stopped answering", m.name, m.address)
                 self._restarting.add(m.name)
                 if self._respawn is not None:
                     self._respawn(m)  # the launcher owns the restart task
             return
+        self._unanswered.pop(m.name, None)
         self._restarting.discard(m.name)
         m.last_seen = time.monotonic()
         before = self.node_state(m)
