@@ -147,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--kill-every", type=_positive_float, default=60.0, help="seconds between kills of a node")
     b.add_argument("--request-timeout", type=_positive_float, default=30.0,
                    help="seconds a request may take before it counts as hung")
+    b.add_argument("--log-dir", default=None, help="keep the coordinator's and the nodes' logs here (default: none kept)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler="moe_cluster.coordinator.bench.soak:main")
 

@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from ...proto.errors import UserError
 from .prompt_cache import local_cluster
@@ -130,11 +131,12 @@ def _wait_ready(url: str, timeout_s: float) -> bool:
     return False
 
 
-def run(nodes: int, model: str, minutes: float, kill_every_s: float, request_timeout_s: float) -> dict:
+def run(nodes: int, model: str, minutes: float, kill_every_s: float, request_timeout_s: float,
+        log_dir: str | None = None) -> dict:
     duration = 60.0 * minutes
     kills: list[Kill] = []
     tally = Tally()
-    with local_cluster(nodes, model, "256MB") as url:
+    with local_cluster(nodes, model, "256MB", log_dir=Path(log_dir) if log_dir else None) as url:
         stop = threading.Event()
         client = threading.Thread(target=_client, args=(url, stop, request_timeout_s, tally), daemon=True)
         t0 = time.monotonic()
@@ -200,7 +202,7 @@ def main(args) -> int:
     if args.kill_every > 60.0 * args.minutes:
         raise UserError(f"--kill-every {args.kill_every:g} s is longer than the soak (--minutes {args.minutes:g}): "
                         "nothing would be killed")
-    out = run(args.nodes, args.model, args.minutes, args.kill_every, args.request_timeout)
+    out = run(args.nodes, args.model, args.minutes, args.kill_every, args.request_timeout, args.log_dir)
     for k in out["kills"]:
         k.update({key: round(v, 3) for key, v in k.items() if isinstance(v, float)})
     if args.json:
