@@ -130,9 +130,13 @@ class Phases:
     """
 
     def __init__(self, url: str, name: str, victim: str, inject: Callable[[], None],
-                 restore: Callable[[], None] = lambda: None, recover_from: str = "fault"):
+                 restore: Callable[[], None] = lambda: None, recover_from: str = "fault", log: list[str] | None = None):
         self.url, self.name, self.victim = url, name, victim
         self.inject, self.restore, self.recover_from = inject, restore, recover_from
+        self.log = log if log is not None else []  # the coordinator's output lines, shown when recovery fails
+
+    def _log_tail(self) -> str:
+        return "\n".join([line for line in self.log if "serve.cluster" in line or "launcher" in line][-12:])
 
     def _finish(self, phase: str, t0: float, watch: HealthWatch, answer: str, answered_at: float) -> None:
         detect = watch.wait_down(DETECT_S + 1)
@@ -146,7 +150,8 @@ class Phases:
         report(f"{self.name}, {phase}", detect, f"{answer} at {answered_at - t0:.2f} s", up)
         if extra:
             print(f"RELIABILITY-RESTORE | {self.name}, {phase} | ready{extra}")
-        assert up is not None and up - base <= RECOVER_S, f"{phase}: not ready again within {RECOVER_S} s: {up}"
+        assert up is not None and up - base <= RECOVER_S, \
+            f"{phase}: not ready again within {RECOVER_S} s: {up}\n{self._log_tail()}"
         recovered(self.url)
 
     def idle(self) -> None:

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,7 @@ def test_a_killed_node_is_restarted_idle_in_prefill_and_in_decode(tmp_path):
             killed.append(_victim(url)["pid"])
             os.kill(killed[-1], signal.SIGKILL)
 
-        Phases(url, "node-1 SIGKILLed", "node-1", inject).run()
+        Phases(url, "node-1 SIGKILLed", "node-1", inject, log=lines).run()
         pids = [n["pid"] for n in http(url, "/v1/cluster/status")[1]["nodes"]]
         assert len(set(killed)) == 3 and not set(killed) & set(pids), (killed, pids)
 
@@ -59,7 +60,8 @@ def test_a_killed_node_is_restarted_idle_in_prefill_and_in_decode(tmp_path):
 def test_a_killed_envoy_is_a_lost_node_then_the_cluster_rebuilds_itself(tmp_path):
     with cluster(tmp_path, yaml_for(2, extra=FAST_YAML)) as (url, proc, lines):
         agent = _victim(url)["pid"]
-        Phases(url, "node-1's envoy SIGKILLed", "node-1", lambda: os.kill(_envoy_of(agent), signal.SIGKILL)).run()
+        Phases(url, "node-1's envoy SIGKILLed", "node-1", lambda: os.kill(_envoy_of(agent), signal.SIGKILL),
+               log=lines).run()
         assert _victim(url)["pid"] == agent, "an envoy's death needs no new node process"
         assert any("node-1" in line and "envoy" in line for line in lines), "the coordinator logs the cause"
 
@@ -80,7 +82,7 @@ def test_a_stalled_node_is_restarted_and_its_late_continue_changes_nothing(tmp_p
             except ProcessLookupError:
                 pass
 
-        Phases(url, "node-1 SIGSTOPped (SIGCONT after the answer)", "node-1", inject, restore).run()
+        Phases(url, "node-1 SIGSTOPped (SIGCONT after the answer)", "node-1", inject, restore, log=lines).run()
         assert not any(_alive(p) for p in stopped), f"stopped nodes left behind: {stopped}"
 
 
@@ -104,6 +106,10 @@ def test_a_node_whose_link_goes_down_and_up_rejoins(tmp_path):
                     ["ip", "netns", "exec", ns, sys.executable, "-m", "moe_cluster.coordinator.cli", "node",
                      "--name", name, "--host", "0.0.0.0", "--port", "7700", "--no-mdns"],
                     stdout=log, stderr=subprocess.STDOUT, env=env))
+            for name in ("n1", "n2"):  # as a user would: the agents run before `up` looks for them
+                deadline = time.monotonic() + 60
+                while "ready on port" not in (tmp_path / f"{name}.log").read_text() and time.monotonic() < deadline:
+                    time.sleep(0.1)
             nodes = "".join(f"  - name: {n}\n    address: {h[n][1]}:7700\n" for n in ("n1", "n2"))
             yaml_text = (f"name: lab\nmodel: demo\nlaunch: remote\nnodes:\n{nodes}"
                          f"timeouts:\n  collective: 3s\n  heartbeat: 0.5s\n  discovery: 30s\n{FAST_YAML}")
@@ -114,7 +120,7 @@ def test_a_node_whose_link_goes_down_and_up_rejoins(tmp_path):
 
             with cluster(tmp_path, yaml_text, env={"MOE_CLUSTER_SECRET": secret}) as (url, _, lines):
                 Phases(url, "n2's link down (up after the answer)", "n2", lambda: link("down"), lambda: link("up"),
-                       recover_from="restore").run()
+                       recover_from="restore", log=lines).run()
         finally:
             for a in agents:
                 a.terminate()
