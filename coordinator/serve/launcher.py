@@ -113,7 +113,7 @@ class Launcher:
 
         async def restart():
             if node.process is not None and node.process.returncode is None:
-                logger.warning("node %s (pid %d) is running but not answering: killing it", name, node.process.pid)
+                logger.warning("node %s (pid %d) is not answering: killing its process group", name, node.process.pid)
                 await self.stop_one(node, signals=(signal.SIGKILL,))
             for attempt in range(5):
                 if self._closing:

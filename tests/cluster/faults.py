@@ -142,7 +142,7 @@ class Phases:
         detect = watch.wait_down(DETECT_S + 1)
         assert detect is not None and detect <= DETECT_S, f"{phase}: not detected within {DETECT_S} s: {detect}"
         assert answered_at - t0 <= COLLECTIVE_S, f"{phase}: the client waited {answered_at - t0:.2f} s"
-        self.restore()
+        self.restore()  # idempotent: run() calls it again at the end
         t_restore = time.monotonic() - t0
         up = watch.wait_up(RECOVER_S + t_restore + 5)
         base = t_restore if self.recover_from == "restore" else 0.0
@@ -214,6 +214,9 @@ class Phases:
         self._finish("during decode (stream)", t0, watch, "error event + [DONE]", a.at)
 
     def run(self) -> None:
-        self.idle()
-        self.prefill()
-        self.decode()
+        try:
+            self.idle()
+            self.prefill()
+            self.decode()
+        finally:
+            self.restore()  # a phase that failed before its restore leaves no stopped process or link down

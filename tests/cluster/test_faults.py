@@ -77,10 +77,11 @@ def test_a_stalled_node_is_restarted_and_its_late_continue_changes_nothing(tmp_p
             os.killpg(stopped[-1], signal.SIGSTOP)
 
         def restore():
-            try:
-                os.killpg(stopped[-1], signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+            for pid in stopped[-1:]:
+                try:
+                    os.killpg(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
 
         Phases(url, "node-1 SIGSTOPped (SIGCONT after the answer)", "node-1", inject, restore, log=lines).run()
         assert not any(_alive(p) for p in stopped), f"stopped nodes left behind: {stopped}"
