@@ -126,13 +126,17 @@ class Phases:
     `inject()` makes the fault (and returns nothing); `restore()` undoes what can be undone (SIGCONT,
     link up; nothing for a kill) once the client has its answer; `victim` is the lost node's name.
     `recover_from`: "fault" (ready again RECOVER_S after the fault: a local node restarted) or
-    "restore" (RECOVER_S after restore(): a remote node that came back).
+    "restore" (RECOVER_S after restore(): a remote node that came back). `restore_after`: "answer"
+    (once the client has its answer) or "ready" (once the cluster is ready again: it must not need
+    the restore, as with a stalled process that may never continue).
     """
 
     def __init__(self, url: str, name: str, victim: str, inject: Callable[[], None],
-                 restore: Callable[[], None] = lambda: None, recover_from: str = "fault", log: list[str] | None = None):
+                 restore: Callable[[], None] = lambda: None, recover_from: str = "fault", restore_after: str = "answer",
+                 log: list[str] | None = None):
+        assert recover_from == "fault" or restore_after == "answer", "recovery from a restore needs the restore first"
         self.url, self.name, self.victim = url, name, victim
-        self.inject, self.restore, self.recover_from = inject, restore, recover_from
+        self.inject, self.restore, self.recover_from, self.restore_after = inject, restore, recover_from, restore_after
         self.log = log if log is not None else []  # the coordinator's output lines, shown when recovery fails
 
     def _log_tail(self) -> str:
@@ -142,9 +146,12 @@ class Phases:
         detect = watch.wait_down(DETECT_S + 1)
         assert detect is not None and detect <= DETECT_S, f"{phase}: not detected within {DETECT_S} s: {detect}"
         assert answered_at - t0 <= COLLECTIVE_S, f"{phase}: the client waited {answered_at - t0:.2f} s"
-        self.restore()  # idempotent: run() calls it again at the end
+        if self.restore_after == "answer":
+            self.restore()  # idempotent: run() calls it again at the end
         t_restore = time.monotonic() - t0
         up = watch.wait_up(RECOVER_S + t_restore + 5)
+        if self.restore_after == "ready":
+            self.restore()
         base = t_restore if self.recover_from == "restore" else 0.0
         extra = f" ({up - t_restore:.2f} s after restore)" if up is not None and self.recover_from == "restore" else ""
         report(f"{self.name}, {phase}", detect, f"{answer} at {answered_at - t0:.2f} s", up)

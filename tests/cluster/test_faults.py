@@ -68,7 +68,8 @@ def test_a_killed_envoy_is_a_lost_node_then_the_cluster_rebuilds_itself(tmp_path
 
 def test_a_stalled_node_is_restarted_and_its_late_continue_changes_nothing(tmp_path):
     """SIGSTOP of a local node's process group (agent and envoy): it stops answering, so the
-    coordinator kills and restarts it at once; the SIGCONT that comes later finds it gone."""
+    coordinator kills and restarts it at once, without waiting for a SIGCONT that may never come;
+    the SIGCONT sent once the cluster is ready again finds it gone and disturbs nothing."""
     with cluster(tmp_path, yaml_for(2, extra=FAST_YAML)) as (url, proc, lines):
         stopped = []
 
@@ -83,7 +84,8 @@ def test_a_stalled_node_is_restarted_and_its_late_continue_changes_nothing(tmp_p
                 except ProcessLookupError:
                     pass
 
-        Phases(url, "node-1 SIGSTOPped (SIGCONT after the answer)", "node-1", inject, restore, log=lines).run()
+        Phases(url, "node-1 SIGSTOPped (SIGCONT once ready again)", "node-1", inject, restore, restore_after="ready",
+               log=lines).run()
         assert not any(_alive(p) for p in stopped), f"stopped nodes left behind: {stopped}"
 
 
