@@ -22,6 +22,16 @@ EXIT_USAGE = 2  # a UserError (bad input): one line naming the problem
 EXIT_FAILURE = 1  # the cluster failed (a node down, a timeout: a typed error), or a bug
 
 
+def _positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text}")
+    return x
+
+
 def _positive_int(text: str) -> int:
     try:
         n = int(text)
@@ -129,6 +139,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=_positive_int, default=16)
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler="moe_cluster.coordinator.bench.prompt_cache:main")
+
+    b = bench.add_parser("soak", help="serve a stream of requests while a node is killed every so often")
+    b.add_argument("--model", default="demo")
+    b.add_argument("--nodes", type=_positive_int, default=2)
+    b.add_argument("--minutes", type=_positive_float, default=10.0, help="how long the soak runs")
+    b.add_argument("--kill-every", type=_positive_float, default=60.0, help="seconds between kills of a node")
+    b.add_argument("--request-timeout", type=_positive_float, default=30.0,
+                   help="seconds a request may take before it counts as hung")
+    b.add_argument("--log-dir", default=None, help="keep the coordinator's and the nodes' logs here (default: none kept)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(handler="moe_cluster.coordinator.bench.soak:main")
 
     p = sub.add_parser("envoy", help="run one envoy by hand (nodes start their own); secret from $MOE_CLUSTER_SECRET")
     importlib.import_module("moe_cluster.envoy.main").add_arguments(p)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from ..proto import convert
 from ..proto.errors import UserError
 from .frame import Frame, FrameError, checksum
-from .link import BEGIN, CLOSE, NO_STEP, REDUCE, EnvoyLink, LinkError
+from .link import ABORT, BEGIN, CLOSE, NO_STEP, REDUCE, EnvoyLink, LinkError
 from ..proto.records import COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
 from .mesh import Mesh, MeshConfig
 from .reduce import Reducer
@@ -63,6 +63,7 @@ class Envoy:
         self._stop_reason = ""
         self._begin_deadline: float | None = None  # a begin waiting for the mesh to be whole
         self._was_whole = False  # the mesh has been whole once: a peer missing now is lost, not starting
+        self._aborted: str | None = None  # the last request the node aborted
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -137,13 +138,34 @@ class Envoy:
                 self._on_reduce(body)
             elif kind == BEGIN:
                 self._on_begin(body[1:].decode())
+            elif kind == ABORT:
+                self._on_abort(body[1:].decode())
             elif kind == CLOSE:
                 self.stop("node asked to close")
             else:
                 logger.error("envoy rank %s: unknown link message kind %r", self.config.rank, kind)
 
+    def _on_abort(self, request_id: str) -> None:
+        """The node gives up on a request that failed elsewhere (a peer lost): whatever of it waits
+        for peers fails now rather than at the collective timeout, and so does the rest of it."""
+        self._aborted = request_id
+        if self.steps.current != request_id:
+            return  # its begin has not come yet: it fails on arrival
+        message = f"request {request_id} aborted: it failed on another node"
+        p = self.steps.pending
+        if self._begin_deadline is not None:
+            self._begin_deadline = None
+            self._fail_begin(message)
+        elif p is not None:
+            self._fail(p.step, message)
+        else:
+            self.steps.fail(f"envoy rank {self.config.rank}: {message}")
+
     def _on_begin(self, request_id: str) -> None:
         self.steps.begin(request_id)
+        if request_id == self._aborted:
+            self._fail_begin(f"request {request_id} aborted: it failed on another node")
+            return
         if self.mesh.whole:
             self._was_whole = True
             self._begin_deadline = None

@@ -14,6 +14,7 @@ import functools
 import os
 import socket
 import struct
+import threading
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -26,6 +27,7 @@ from ..proto.errors import ErrorKind, MoeClusterError
 BEGIN = ord("B")  # request id (utf-8)
 REDUCE = ord("R")  # _REDUCE, then ndim uint32 dims; the partial is in the request area
 CLOSE = ord("C")
+ABORT = ord("A")  # request id (utf-8): it failed elsewhere; fail its waiting and later steps now
 # envoy -> node
 READY = ord("Y")  # _READY: the envoy listens (pid, port)
 BEGUN = ord("G")  # the mesh is whole and the request started
@@ -123,6 +125,7 @@ class NodeLink:
         self._buf = bytearray(1 << 16)
         self._pending = b""
         self._timeout: float | None = None
+        self._send_lock = threading.Lock()  # abort() comes from another thread than begin/reduce
 
     @property
     def shm_name(self) -> str:
@@ -134,7 +137,8 @@ class NodeLink:
 
     def _send(self, body: bytes) -> None:
         try:
-            self._sock.sendall(_LEN.pack(len(body)) + body)
+            with self._send_lock:
+                self._sock.sendall(_LEN.pack(len(body)) + body)
         except OSError as exc:
             raise LinkError(f"envoy link is closed ({exc})") from exc
 
@@ -173,6 +177,9 @@ class NodeLink:
 
     def begin(self, request_id: str) -> None:
         self._send(bytes([BEGIN]) + request_id.encode())
+
+    def abort(self, request_id: str) -> None:
+        self._send(bytes([ABORT]) + request_id.encode())
 
     def reduce(self, raw: np.ndarray, dtype: str, shape: tuple[int, ...], layer: int, step: int) -> None:
         """Put a raw 1-D payload into the request area and ask for its sum."""

@@ -285,6 +285,8 @@ class NodeAgent(npb_grpc.NodeServicer):
         found = rid == self._current
         if found:
             self._cancel.add(rid)
+            if convert.cancel_is_abort(request) and self.sharded is not None:
+                self.sharded.collective.abort(rid)  # the worker is likely blocked in a step: fail it now
         return convert.cancel_reply_to_proto(found)
 
     async def Shutdown(self, request, context):

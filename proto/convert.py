@@ -296,14 +296,19 @@ def generate_event_from_proto(msg: npb.GenerateEvent) -> GenerateEvent:
     raise ConvertError("GenerateEvent is empty (expected tokens, done or error)")
 
 
-def cancel_request_to_proto(request_id: str) -> npb.CancelRequest:
-    return npb.CancelRequest(request_id=request_id)
+def cancel_request_to_proto(request_id: str, abort: bool = False) -> npb.CancelRequest:
+    return npb.CancelRequest(request_id=request_id, abort=abort)
 
 
 def cancel_request_from_proto(msg: npb.CancelRequest) -> str:
     if not msg.request_id:
         raise ConvertError("CancelRequest.request_id is empty")
     return msg.request_id
+
+
+def cancel_is_abort(msg: npb.CancelRequest) -> bool:
+    """The request failed elsewhere: its collective steps fail now (see node.proto)."""
+    return msg.abort
 
 
 def cancel_reply_to_proto(found: bool) -> npb.CancelReply:

@@ -26,17 +26,24 @@ READY = re.compile(r"moe-cluster ready: (http://\S+)")
 
 
 @contextmanager
-def local_cluster(nodes: int, model: str, prompt_cache: str, timeout_s: float = 300):
-    """Start `moe-cluster up` on a temporary local cluster; yields its URL; stops it after."""
+def local_cluster(nodes: int, model: str, prompt_cache: str, timeout_s: float = 300, log_dir: Path | None = None):
+    """Start `moe-cluster up` on a temporary local cluster; yields its URL; stops it after.
+    `log_dir`: keep the coordinator's (coordinator.log, at -v) and the nodes' logs there."""
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
         cfg = Path(tmp) / "cluster.yaml"
         names = "\n".join(f"  - name: bench-{i}" for i in range(nodes))
         cfg.write_text(f"name: bench\nmodel: {model}\nlaunch: local\nnodes:\n{names}\n"
                        f"serving:\n  prompt_cache: {prompt_cache}\n  prefill_chunk: 512\n")
         env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_RUNTIME_DIR=tmp)
-        proc = subprocess.Popen([sys.executable, "-m", "moe_cluster.coordinator.cli", "up", str(cfg), "--api-port", "0",
-                                 "--log-dir", str(Path(tmp) / "logs")], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+        logs = Path(log_dir) if log_dir is not None else Path(tmp) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        err = open(logs / "coordinator.log", "w") if log_dir is not None else subprocess.DEVNULL
+        verbose = ["-v"] if log_dir is not None else []
+        proc = subprocess.Popen([sys.executable, "-m", "moe_cluster.coordinator.cli", *verbose, "up", str(cfg),
+                                 "--api-port", "0", "--log-dir", str(logs)], stdout=subprocess.PIPE,
+                                stderr=err, text=True, env=env, start_new_session=True)
+        if log_dir is not None:
+            err.close()  # the child holds its own copy
         url = None
         try:
             deadline = time.monotonic() + timeout_s

@@ -64,8 +64,8 @@ class NodeClient:
         finally:
             call.cancel()
 
-    async def cancel(self, request_id: str, timeout: float = RPC_TIMEOUT_S) -> bool:
-        msg = await self._stub.Cancel(convert.cancel_request_to_proto(request_id), timeout=timeout,
+    async def cancel(self, request_id: str, abort: bool = False, timeout: float = RPC_TIMEOUT_S) -> bool:
+        msg = await self._stub.Cancel(convert.cancel_request_to_proto(request_id, abort), timeout=timeout,
                                       metadata=self._metadata)
         return convert.cancel_reply_from_proto(msg)
 

@@ -29,6 +29,11 @@ from .client import ClusterError, NodeClient, describe_rpc_error
 logger = logging.getLogger(__name__)
 
 CANCEL_WAIT_S = 10.0  # seconds a cancelled request may take to end on every node (one step, or a prefill chunk)
+# Seconds a local node that is not serving (restarted and not loaded yet, or loading) may go without
+# answering a heartbeat before it is restarted: a fresh process importing mlx-lm on a busy machine
+# misses the 1 s heartbeat deadline (seen at load 13 on 2 vCPUs), and restarting it then only
+# restarted the rejoin. A serving node that stops answering is restarted at once.
+LOADING_STALL_S = 10.0
 
 
 @dataclass
@@ -88,6 +93,8 @@ class Cluster:
         self._monitor: asyncio.Task | None = None
         self._rejoin_task: asyncio.Task | None = None
         self._restarting: set[str] = set()  # nodes found not answering, handed to `respawn`
+        self._loading: set[str] = set()  # nodes with a Load in flight
+        self._unanswered: dict[str, float] = {}  # node -> time.monotonic() of its first unanswered heartbeat
         self._tasks: set[asyncio.Task] = set()  # background work this cluster owns
         self.allreduce_histograms: dict = {}  # node name -> metrics.Histogram, refreshed after requests
 
@@ -123,6 +130,13 @@ class Cluster:
     # -- loading -------------------------------------------------------------------------------
 
     async def _load_member(self, m: Member, on_progress: Callable[[Member], None] | None) -> None:
+        self._loading.add(m.name)
+        try:
+            await self._load_one(m, on_progress)
+        finally:
+            self._loading.discard(m.name)
+
+    async def _load_one(self, m: Member, on_progress: Callable[[Member], None] | None) -> None:
         self._event(H.NodeLoading(m.name))
         try:
             async for p in m.client.load(m.spec, timeout=self.load_timeout_s):
@@ -227,12 +241,13 @@ class Cluster:
             else:  # a failed request: the client has its answer; the gate opens once every node ended it
                 cleanup.add_done_callback(lambda _: self._gate.release())
 
-    async def cancel(self, request_id: str) -> None:
-        await asyncio.gather(*(self._cancel_one(m, request_id) for m in self.members), return_exceptions=True)
+    async def cancel(self, request_id: str, abort: bool = False) -> None:
+        """Stop a request on every node: at the next agreement, or at once with `abort` (it failed)."""
+        await asyncio.gather(*(self._cancel_one(m, request_id, abort) for m in self.members), return_exceptions=True)
 
-    async def _cancel_one(self, m: Member, request_id: str) -> None:
+    async def _cancel_one(self, m: Member, request_id: str, abort: bool) -> None:
         try:
-            await m.client.cancel(request_id)
+            await m.client.cancel(request_id, abort)
         except grpc.RpcError:
             pass
 
@@ -260,11 +275,20 @@ class Cluster:
                     finished += 1
                     continue
                 if isinstance(event, NodeError):
+                    lost = event.kind is ErrorKind.UNAVAILABLE  # a node or its envoy is gone
+                    if lost and not outcome.error and self.health.ready:
+                        # A peer saw the loss first ("rank 1 disconnected"): heartbeat every node now,
+                        # so the answer names the lost node and its cause, not the node that saw it
+                        # (one health RPC: at once for a dead process, max(heartbeat, 1 s) for a stalled one).
+                        await self._beat_all()
                     if not outcome.error:
                         outcome.error = H.refusal(self.health) if not self.health.ready else None
+                        if outcome.error is None and lost:
+                            # every node still answers: the same 503, Retry-After included
+                            outcome.error = H.NodeLostError(f"node {m.name}: {event.message}")
                         outcome.error = outcome.error or error_for(event.kind, f"node {m.name}: {event.message}")
-                    if event.kind is ErrorKind.UNAVAILABLE:
-                        break  # a node or its envoy is gone: the others would only wait out the collective timeout
+                    if lost:
+                        break  # the others would only wait out the collective timeout
                     continue
                 if m.rank != 0:
                     continue
@@ -295,7 +319,9 @@ class Cluster:
     async def _end(self, req: GenerateRequest, tasks: list[asyncio.Task], queue: asyncio.Queue,
                    outcome: Outcome) -> None:
         try:
-            await self.cancel(req.request_id)
+            # a failed request: the nodes still in it stop waiting for the lost peer now (a begin or a
+            # step would wait out the collective timeout, holding the gate and so the rejoin)
+            await self.cancel(req.request_id, abort=outcome.error is not None)
             _, late = await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
             for t in late:
                 t.cancel()
@@ -335,22 +361,33 @@ class Cluster:
 
     async def _watch(self) -> None:
         while self.state != "stopping":
-            await asyncio.gather(*(self._beat(m) for m in self.members), return_exceptions=True)
+            await self._beat_all()
             if self._rejoin_task is None and H.can_rejoin(self.health, time.monotonic()):
                 self._rejoin_task = self._spawn(self._rejoin(), "rejoin")
             await asyncio.sleep(self.heartbeat_s)
+
+    async def _beat_all(self) -> None:
+        await asyncio.gather(*(self._beat(m) for m in self.members), return_exceptions=True)
 
     async def _beat(self, m: Member) -> None:
         try:
             h = await m.client.health(timeout=max(self.heartbeat_s, 1.0))
         except grpc.RpcError as exc:
+            serving = self.node_state(m) in ("ready", "dead") and m.name not in self._loading
             self._event(H.HeartbeatFailed(m.name, f"not answering ({describe_rpc_error(exc)})"))
+            since = self._unanswered.setdefault(m.name, time.monotonic())
+            # A process that is gone, or a serving one that stalls, is restarted at once; one that is
+            # there but slow while it is not serving anyway gets LOADING_STALL_S.
+            slow = exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not serving
+            if slow and time.monotonic() - since < LOADING_STALL_S:
+                return
             if m.name not in self._restarting:  # once per death (an RPC may have seen it first)
                 logger.warning("node %s (%s) stopped answering", m.name, m.address)
                 self._restarting.add(m.name)
                 if self._respawn is not None:
                     self._respawn(m)  # the launcher owns the restart task
             return
+        self._unanswered.pop(m.name, None)
         self._restarting.discard(m.name)
         m.last_seen = time.monotonic()
         before = self.node_state(m)

@@ -200,8 +200,11 @@ def apply(s: ClusterHealth, e: Event) -> ClusterHealth:
     if isinstance(e, RejoinStarted):
         return replace(s, phase="recovering") if s.phase == "degraded" else s
     if isinstance(e, RejoinSucceeded):
-        if s.phase != "recovering" or not _all_ready(s):
-            return s  # a node was lost during the rejoin: it stays degraded and rejoins again
+        # A node lost during the rejoin and not loaded since keeps it degraded (it rejoins again);
+        # one that only missed a heartbeat while loading (a fresh process starved of CPU) and was
+        # loaded by this rejoin, whose warm-up then ran through it, is ready.
+        if s.phase not in ("recovering", "degraded") or not _all_ready(s):
+            return s
         return replace(s, phase="ready", reason="", cause="", attempts=0, retry_at=0.0)
     if isinstance(e, RejoinFailed):
         if s.phase not in ("recovering", "degraded"):

@@ -101,14 +101,20 @@ class Launcher:
         return node.process.pid if node and node.process and node.process.returncode is None else None
 
     def respawn(self, name: str) -> asyncio.Task | None:
-        """Restart a dead agent in the background (called by the heartbeat)."""
+        """Restart an agent that stopped answering, in the background (called by the heartbeat).
+
+        One still running is stalled (SIGSTOP, a machine that froze) or hung: it cannot shut down
+        cleanly, and a SIGTERM left pending on a stopped process waited out the 5 s grace before the
+        restart (issue #14), so its process group (agent and envoy) is SIGKILLed at once. Its peers
+        and the coordinator have already given up on it; a SIGCONT that comes later finds it gone."""
         node = self.nodes.get(name)
         if node is None or self._closing:
             return None
 
         async def restart():
             if node.process is not None and node.process.returncode is None:
-                await self.stop_one(node)
+                logger.warning("node %s (pid %d) is not answering: killing its process group", name, node.process.pid)
+                await self.stop_one(node, signals=(signal.SIGKILL,))
             for attempt in range(5):
                 if self._closing:
                     return
@@ -121,17 +127,20 @@ class Launcher:
 
         return asyncio.create_task(restart(), name=f"respawn-{name}")
 
-    async def stop_one(self, node: LocalNode, grace_s: float = 5.0) -> None:
+    async def stop_one(self, node: LocalNode, grace_s: float = 5.0,
+                       signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGKILL)) -> None:
+        """Signal the agent's process group with each of `signals` in turn until it exits (SIGTERM
+        waits `grace_s` seconds, SIGKILL 5)."""
         proc = node.process
         if proc is None or proc.returncode is not None:
             return
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for sig in signals:
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 return
             try:
-                await asyncio.wait_for(proc.wait(), wait)
+                await asyncio.wait_for(proc.wait(), grace_s if sig == signal.SIGTERM else 5.0)
                 return
             except asyncio.TimeoutError:
                 continue

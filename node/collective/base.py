@@ -50,6 +50,10 @@ class Collective(Protocol):
 
     def close(self) -> None: ...
 
+    def abort(self, request_id: str) -> None:
+        """Request `request_id` failed elsewhere: its waiting and later steps fail at once. Called
+        from another thread than the one in all_reduce; a no-op where the transport cannot."""
+
     def failure(self) -> str | None:
         """Why this collective can no longer run (its process exited), or None while it can."""
         ...
@@ -88,6 +92,9 @@ class LocalCollective:
 
     def failure(self) -> str | None:
         return None
+
+    def abort(self, request_id: str) -> None:
+        pass  # nothing to wait for
 
     def close(self) -> None:
         pass

@@ -111,6 +111,13 @@ class EnvoyProcess:
         raise CollectiveError(f"envoy of rank {self.rank} answered step {step} with {kind!r} "
                               f"(step {unpack_step(body) if kind == DONE else '?'})")
 
+    def abort(self, request_id: str) -> None:
+        """Fail the request's pending begin or step now, and its later steps (see Collective.abort)."""
+        try:
+            self.link.abort(request_id)
+        except LinkError:
+            pass  # the envoy is gone: the step fails on its own
+
     def failure(self) -> str | None:
         """Why this envoy can no longer all-reduce (it exited: killed, crashed), or None while it runs."""
         if self.proc is None or self.proc.poll() is None:
@@ -148,6 +155,9 @@ class EnvoyCollective:
         raw, dtype = to_wire(partial)
         out = self._envoy.all_reduce(raw.reshape(-1), dtype, tuple(partial.shape), layer)
         return from_wire(out, dtype, partial.shape)  # mx.array copies out of the shared area
+
+    def abort(self, request_id: str) -> None:
+        self._envoy.abort(request_id)
 
     def failure(self) -> str | None:
         return self._envoy.failure()

@@ -135,6 +135,9 @@ class MlxCollective:
     def failure(self) -> str | None:
         return None  # no child process to lose: a peer's loss fails the step itself
 
+    def abort(self, request_id: str) -> None:
+        pass  # a step waits out its own timeout
+
     def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.close()

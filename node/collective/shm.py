@@ -84,6 +84,9 @@ class ShmCollective:
     def failure(self) -> str | None:
         return None  # no child process to lose: a peer's loss fails the step itself
 
+    def abort(self, request_id: str) -> None:
+        pass  # a step waits out its own timeout
+
     def close(self) -> None:
         try:
             self._shm.close()

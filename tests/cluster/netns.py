@@ -12,7 +12,10 @@ import shutil
 import subprocess
 from contextlib import contextmanager
 
-SUBNET = "10.213.77"
+# One /24 per test process: two runs at once on one machine (several worktrees, CI beside a developer)
+# each put SUBNET.1 on a veth of the root namespace, and with one subnet for all the kernel routed one
+# run's traffic into the other's bridge ("unreachable").
+SUBNET = f"10.213.{20 + os.getpid() % 200}"
 
 
 def available() -> str | None:

@@ -1,65 +1,26 @@
-"""Faults through real processes (issue #14): an envoy or a node killed while the cluster is idle.
+"""Faults through real processes (issue #14): a node killed, its envoy killed, a node stopped
+(SIGSTOP, a stalled peer) then continued, and a node's network link taken down then up; each while
+idle, during a prefill and during a streamed decode, on one cluster per fault (see faults.py).
 
-Each test prints its detect / client answer / recovery times (seconds after the kill); the README's
-reliability table comes from these lines (`pytest -s tests/cluster/test_faults.py`).
+Each phase prints its detect / client answer / recovery times (seconds after the fault); the
+README's reliability table comes from these lines (`pytest -s tests/cluster/test_faults.py`).
+Batched decode is not built yet, so there is no batched phase.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import threading
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-import urllib.request
+import pytest
 
+import netns
 from cluster_fixture import cluster, http, yaml_for
-
-PROMPT = "To be, or not to be, that is the question:"
-COLLECTIVE_S = 3.0  # yaml_for's timeouts.collective
-DETECT_S = 2.0
-RECOVER_S = 10.0
-
-
-class HealthWatch:
-    """Polls /health every 50 ms: when it first said not ready, and when ready again after that."""
-
-    def __init__(self, url: str, t0: float):
-        self.url, self.t0 = url, t0
-        self.down: float | None = None
-        self.up: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            status = http(self.url, "/health", timeout=5)[0]
-            now = time.monotonic() - self.t0
-            if status != 200 and self.down is None:
-                self.down = now
-            elif status == 200 and self.down is not None and self.up is None:
-                self.up = now
-                return
-            time.sleep(0.05)
-
-    def wait_up(self, timeout: float) -> float | None:
-        self._thread.join(timeout)
-        self._stop.set()
-        return self.up
-
-
-def _request_503(url: str) -> tuple[int, dict, dict]:
-    req = urllib.request.Request(url + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
-                                 data=b'{"prompt": "%s", "max_tokens": 4}' % PROMPT.encode())
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, dict(r.headers), {}
-    except urllib.error.HTTPError as exc:
-        import json
-
-        return exc.code, dict(exc.headers), json.loads(exc.read())
+from faults import FAST_YAML, Phases
 
 
 def _envoy_of(agent_pid: int) -> int:
@@ -71,59 +32,103 @@ def _envoy_of(agent_pid: int) -> int:
     return envoys[0]
 
 
-def _report(scenario: str, detect: float | None, answer: float, recovery: float | None) -> None:
-    fmt = lambda v: "-" if v is None else f"{v:.2f} s"  # noqa: E731
-    print(f"\nRELIABILITY | {scenario} | detect {fmt(detect)} | client answer {fmt(answer)} | recovery {fmt(recovery)}")
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-def _recovered(url: str) -> None:
-    status, out = http(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}, timeout=60)
-    assert status == 200 and out["choices"][0]["text"], out
-    s = http(url, "/v1/cluster/status")[1]
-    assert s["state"] == "ready" and all(n["state"] == "ready" for n in s["nodes"]), s
+def _victim(url: str) -> dict:
+    return http(url, "/v1/cluster/status")[1]["nodes"][1]
+
+
+def test_a_killed_node_is_restarted_idle_in_prefill_and_in_decode(tmp_path):
+    with cluster(tmp_path, yaml_for(2, extra=FAST_YAML)) as (url, proc, lines):
+        killed = []
+
+        def inject():
+            killed.append(_victim(url)["pid"])
+            os.kill(killed[-1], signal.SIGKILL)
+
+        Phases(url, "node-1 SIGKILLed", "node-1", inject, log=lines).run()
+        pids = [n["pid"] for n in http(url, "/v1/cluster/status")[1]["nodes"]]
+        assert len(set(killed)) == 3 and not set(killed) & set(pids), (killed, pids)
 
 
 def test_a_killed_envoy_is_a_lost_node_then_the_cluster_rebuilds_itself(tmp_path):
-    with cluster(tmp_path, yaml_for(2)) as (url, proc, lines):
-        victim = http(url, "/v1/cluster/status")[1]["nodes"][1]
-        envoy = _envoy_of(victim["pid"])
-        os.kill(envoy, signal.SIGKILL)
-        t0 = time.monotonic()
-        watch = HealthWatch(url, t0)
-        while watch.down is None and time.monotonic() - t0 < 5:
-            time.sleep(0.02)
-        detect = watch.down
-        assert detect is not None and detect <= DETECT_S, f"not detected within {DETECT_S} s: {detect}"
-        t1 = time.monotonic()
-        code, headers, body = _request_503(url)
-        answer = time.monotonic() - t0
-        assert code == 503, (code, body)
-        assert time.monotonic() - t1 < COLLECTIVE_S
-        assert body["error"]["code"] == "cluster_degraded" and int(headers["Retry-After"]) > 0
-        assert f"node {victim['name']}" in body["error"]["message"] and "envoy" in body["error"]["message"], body
-        recovery = watch.wait_up(RECOVER_S + 5)
-        _report("envoy of node-1 SIGKILLed while idle", detect, answer, recovery)
-        assert recovery is not None and recovery <= RECOVER_S, f"not ready again within {RECOVER_S} s: {recovery}"
-        _recovered(url)
+    with cluster(tmp_path, yaml_for(2, extra=FAST_YAML)) as (url, proc, lines):
+        agent = _victim(url)["pid"]
+        Phases(url, "node-1's envoy SIGKILLed", "node-1", lambda: os.kill(_envoy_of(agent), signal.SIGKILL),
+               log=lines).run()
+        assert _victim(url)["pid"] == agent, "an envoy's death needs no new node process"
         assert any("node-1" in line and "envoy" in line for line in lines), "the coordinator logs the cause"
 
 
-def test_a_node_killed_then_a_request_within_a_second_gets_503_then_the_cluster_recovers(tmp_path):
-    with cluster(tmp_path, yaml_for(2)) as (url, proc, lines):
-        victim = http(url, "/v1/cluster/status")[1]["nodes"][1]
-        os.kill(victim["pid"], signal.SIGKILL)
-        t0 = time.monotonic()
-        watch = HealthWatch(url, t0)
-        time.sleep(0.2)  # before the next heartbeat (0.5 s) has seen it
-        code, headers, body = _request_503(url)
-        answer = time.monotonic() - t0
-        assert code == 503, (code, body)
-        assert answer < 1.0 + COLLECTIVE_S, f"answered after {answer:.2f} s"
-        assert body["error"]["code"] == "cluster_degraded" and int(headers["Retry-After"]) > 0, (body, headers)
-        recovery = watch.wait_up(RECOVER_S + 5)
-        _report("node-1 SIGKILLed while idle, a request 0.2 s later", watch.down, answer, recovery)
-        assert watch.down is not None and watch.down <= DETECT_S
-        assert recovery is not None and recovery <= RECOVER_S, f"not ready again within {RECOVER_S} s: {recovery}"
-        _recovered(url)
-        s = http(url, "/v1/cluster/status")[1]
-        assert s["nodes"][1]["pid"] != victim["pid"]
+def test_a_stalled_node_is_restarted_and_its_late_continue_changes_nothing(tmp_path):
+    """SIGSTOP of a local node's process group (agent and envoy): it stops answering, so the
+    coordinator kills and restarts it at once, without waiting for a SIGCONT that may never come;
+    the SIGCONT sent once the cluster is ready again finds it gone and disturbs nothing."""
+    with cluster(tmp_path, yaml_for(2, extra=FAST_YAML)) as (url, proc, lines):
+        stopped = []
+
+        def inject():
+            stopped.append(_victim(url)["pid"])
+            os.killpg(stopped[-1], signal.SIGSTOP)
+
+        def restore():
+            for pid in stopped[-1:]:
+                try:
+                    os.killpg(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+
+        Phases(url, "node-1 SIGSTOPped (SIGCONT once ready again)", "node-1", inject, restore, restore_after="ready",
+               log=lines).run()
+        assert not any(_alive(p) for p in stopped), f"stopped nodes left behind: {stopped}"
+
+
+LINK_REASON = netns.available()
+
+
+@pytest.mark.skipif(LINK_REASON is not None, reason=LINK_REASON or "")
+def test_a_node_whose_link_goes_down_and_up_rejoins(tmp_path):
+    """Two remote nodes, each in its own network namespace; node n2's link goes down, then up once
+    the client has its answer: the coordinator waits for it (it cannot restart a remote node) and
+    rebuilds the cluster when it answers again."""
+    secret = "faults-link-secret"
+    env = dict(os.environ, MOE_CLUSTER_SECRET=secret, PYTHONUNBUFFERED="1")
+    with netns.hosts(["n1", "n2"]) as h:
+        agents = []
+        try:
+            for name in ("n1", "n2"):
+                ns, _ = h[name]
+                log = open(tmp_path / f"{name}.log", "w")
+                agents.append(subprocess.Popen(
+                    ["ip", "netns", "exec", ns, sys.executable, "-m", "moe_cluster.coordinator.cli", "node",
+                     "--name", name, "--host", "0.0.0.0", "--port", "7700", "--no-mdns"],
+                    stdout=log, stderr=subprocess.STDOUT, env=env))
+            for name in ("n1", "n2"):  # as a user would: the agents run before `up` looks for them
+                deadline = time.monotonic() + 60
+                while "ready on port" not in (tmp_path / f"{name}.log").read_text() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            nodes = "".join(f"  - name: {n}\n    address: {h[n][1]}:7700\n" for n in ("n1", "n2"))
+            yaml_text = (f"name: lab\nmodel: demo\nlaunch: remote\nnodes:\n{nodes}"
+                         f"timeouts:\n  collective: 3s\n  heartbeat: 0.5s\n  discovery: 30s\n{FAST_YAML}")
+            ns2 = h["n2"][0]
+
+            def link(state: str):
+                subprocess.run(["ip", "netns", "exec", ns2, "ip", "link", "set", "eth0", state], check=True)
+
+            with cluster(tmp_path, yaml_text, env={"MOE_CLUSTER_SECRET": secret}) as (url, _, lines):
+                Phases(url, "n2's link down (up after the answer)", "n2", lambda: link("down"), lambda: link("up"),
+                       recover_from="restore", log=lines).run()
+        finally:
+            for a in agents:
+                a.terminate()
+            for a in agents:
+                try:
+                    a.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    a.kill()

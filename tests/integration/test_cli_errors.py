@@ -18,6 +18,11 @@ def test_a_bad_option_value_in_command_code_is_a_user_error():
     assert_one_line_error(r, "moe-cluster bench: error: --nodes", "1,two")
 
 
+def test_a_soak_that_would_kill_nothing_is_a_user_error():
+    r = cli("bench", "soak", "--minutes", "0.5", "--kill-every", "60")
+    assert_one_line_error(r, "moe-cluster bench: error: --kill-every 60 s is longer than the soak")
+
+
 def test_no_running_cluster_is_a_user_error(tmp_path):
     import os
 

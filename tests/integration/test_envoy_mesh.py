@@ -188,3 +188,57 @@ def test_tls_mesh_and_refusals(tmp_path):
         assert _health(address, secret, grpc.ssl_channel_credentials(ca, key, cert))["whole"]
     finally:
         cluster.close()
+
+
+def test_abort_fails_a_waiting_step_and_a_later_begin_at_once_then_the_next_request_runs():
+    """A node's abort (its request failed elsewhere) ends the step waiting for a silent peer now,
+    not at the 20 s step timeout; a begin of the aborted id fails on arrival; the mesh stays usable."""
+    import threading
+
+    from envoy_nodes import partial, run_request, step_layout
+    from moe_cluster.node.collective.base import CollectiveError
+    from moe_cluster.node.collective.envoy import EnvoyProcess
+
+    spec = envoy_spec(2, timeout_s=20.0, connect_timeout_s=20.0)
+    envoys = [EnvoyProcess(spec, r) for r in range(2)]
+    try:
+        layer, dtype, shape = step_layout(0)
+        # both begin; only rank 0 reduces: its step waits for rank 1, which sends nothing
+        other = threading.Thread(target=envoys[1].begin, args=("doomed",))
+        other.start()
+        caught: list = []
+
+        def reduce_alone():
+            envoys[0].begin("doomed")
+            try:
+                envoys[0].all_reduce(partial(0, 0, (layer, dtype, shape)), dtype, shape, layer)
+            except CollectiveError as exc:
+                caught.append((time.monotonic(), str(exc)))
+
+        t = threading.Thread(target=reduce_alone)
+        t.start()
+        time.sleep(1.0)
+        assert not caught, caught
+        aborted = time.monotonic()
+        envoys[0].abort("doomed")
+        t.join(5)
+        other.join(5)
+        assert caught and caught[0][0] - aborted < 1.0 and "aborted" in caught[0][1], caught
+
+        envoys[0].abort("never-begun")
+        t0 = time.monotonic()
+        with pytest.raises(CollectiveError, match="aborted"):
+            envoys[0].begin("never-begun")
+        assert time.monotonic() - t0 < 1.0
+
+        replies: dict = {}
+        threads = [threading.Thread(target=lambda e=e: replies.__setitem__(e.rank, run_request(e, "after", 50)))
+                   for e in envoys]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        assert {r: rep["steps"] for r, rep in replies.items()} == {0: 50, 1: 50}, replies  # sums checked
+    finally:
+        for e in envoys:
+            e.close()

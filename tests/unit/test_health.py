@@ -109,3 +109,13 @@ def test_the_lost_nodes_own_reason_replaces_unreachable():
     assert "envoy of rank 1 exited" in s.reason and s.node("node-b").state == "failed"
     s = h.apply(s, h.EnvoyDown("node-a", "another"))
     assert "node-b" in s.reason  # the first node's loss stays the reason
+
+
+def test_a_node_that_only_missed_a_heartbeat_while_the_rejoin_loaded_it_is_ready():
+    s = h.apply(h.apply(_ready(), h.EnvoyDown("node-b", "envoy exited")), h.RejoinStarted())
+    s = h.apply(s, h.HeartbeatFailed("node-b", "not answering (deadline)"))  # busy importing, not dead
+    s = h.apply(s, h.HeartbeatOk("node-b", "loading"))
+    s = h.apply(h.apply(s, h.NodeLoaded("node-a")), h.NodeLoaded("node-b"))
+    assert s.phase == "degraded" and not s.ready
+    s = h.apply(s, h.RejoinSucceeded())  # every node loaded by this rejoin, the warm-up ran through all
+    assert s.ready and s.reason == ""

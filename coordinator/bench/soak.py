@@ -1,0 +1,216 @@
+"""`moe-cluster bench soak`: a local cluster serves a stream of requests while a node is killed every
+so often; no request may hang past its timeout and the cluster must end ready.
+
+It starts `moe-cluster up` on a temporary local cluster (product defaults: heartbeat 1 s, collective
+timeout 5 s), sends requests back to back (plain and streamed, in turn) from one client, and
+SIGKILLs one node process every --kill-every seconds (the nodes in turn), timing from each kill
+until /health says not ready (detect) and until it says ready again (recovery). The next kill waits
+for the recovery. At the end it waits for the cluster to be ready and sends one more request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ...proto.errors import UserError
+from .prompt_cache import local_cluster
+
+PROMPT = "To be, or not to be, that is the question:"
+POLL_S = 0.05  # seconds between /health polls
+DETECT_WAIT_S = 10.0  # a kill not seen by /health within this long is reported as undetected
+RECOVER_WAIT_S = 60.0  # a cluster not ready again within this long after a kill fails the soak
+FINAL_WAIT_S = 60.0
+RETRY_S = 1.0  # seconds the client waits after a 503 (a busy loop of 503s would slow the recovery on few cores)
+
+
+@dataclass
+class Kill:
+    at_s: float  # seconds since the soak started
+    node: str
+    pid: int
+    detect_s: float | None = None  # seconds after the kill; None: /health never said not ready
+    recovery_s: float | None = None  # seconds after the kill; None: not ready again in RECOVER_WAIT_S
+
+
+@dataclass
+class Tally:
+    ok: int = 0
+    unavailable: int = 0  # 503: the cluster said it is degraded or recovering
+    other: int = 0  # any other answer (a 500, a stream that ended without an error event or its end)
+    hung: int = 0  # no answer within the request timeout
+    max_latency_s: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    other_errors: list[str] = field(default_factory=list)  # the first few, for the report
+
+    def add(self, outcome: str, latency: float, detail: str = "") -> None:
+        setattr(self, outcome, getattr(self, outcome) + 1)
+        self.latencies.append(latency)
+        self.max_latency_s = max(self.max_latency_s, latency)
+        if outcome in ("other", "hung") and len(self.other_errors) < 10:
+            self.other_errors.append(f"{outcome}: {detail}"[:300])
+
+
+def _get(url: str, path: str, timeout: float = 5.0) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url + path, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+    except (OSError, ValueError):
+        return 0, {}
+
+
+def _one_request(url: str, stream: bool, timeout_s: float) -> tuple[str, str]:
+    """(outcome, detail) of one completion: ok | unavailable | other | hung."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 32, "stream": stream}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            if not stream:
+                out = json.loads(r.read())
+                return ("ok", "") if out.get("choices") else ("other", f"no choices: {out}")
+            events = [line[6:].strip() for line in (raw.decode() for raw in r) if line.startswith("data: ")]
+    except urllib.error.HTTPError as exc:
+        return ("unavailable" if exc.code == 503 else "other"), f"HTTP {exc.code}: {exc.read()[:200]!r}"
+    except TimeoutError:
+        return "hung", f"no answer within {timeout_s:g} s"
+    except (OSError, ValueError) as exc:  # a connection dropped, a body that is not JSON
+        if "timed out" in str(exc):
+            return "hung", f"no answer within {timeout_s:g} s"
+        return "other", f"{type(exc).__name__}: {exc}"
+    if not events or events[-1] != "[DONE]":
+        return "other", f"stream ended without [DONE]: {events[-2:]}"
+    errors = [json.loads(e)["error"] for e in events[:-1] if e.startswith("{") and '"error"' in e]
+    if errors:  # a node lost mid-stream: an error event, then [DONE]
+        return ("unavailable" if errors[0].get("code") == "cluster_degraded" else "other"), errors[0].get("message", "")
+    return "ok", ""
+
+
+def _client(url: str, stop: threading.Event, timeout_s: float, tally: Tally) -> None:
+    stream = False
+    while not stop.is_set():
+        t0 = time.monotonic()
+        outcome, detail = _one_request(url, stream, timeout_s)
+        tally.add(outcome, time.monotonic() - t0, detail)
+        stream = not stream
+        if outcome == "unavailable":
+            stop.wait(RETRY_S)  # as a client honouring Retry-After (2 s) would, but keeping up the pressure
+
+
+def _watch_kill(url: str, kill: Kill, t_kill: float) -> None:
+    """Fill in detect and recovery by polling /health."""
+    deadline = t_kill + DETECT_WAIT_S
+    while time.monotonic() < deadline:
+        if _get(url, "/health")[0] != 200:
+            kill.detect_s = time.monotonic() - t_kill
+            break
+        time.sleep(POLL_S)
+    deadline = t_kill + RECOVER_WAIT_S
+    while time.monotonic() < deadline:
+        if _get(url, "/health")[0] == 200:
+            kill.recovery_s = time.monotonic() - t_kill
+            return
+        time.sleep(POLL_S)
+
+
+def _wait_ready(url: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _get(url, "/health")[0] == 200:
+            return True
+        time.sleep(POLL_S)
+    return False
+
+
+def run(nodes: int, model: str, minutes: float, kill_every_s: float, request_timeout_s: float,
+        log_dir: str | None = None) -> dict:
+    duration = 60.0 * minutes
+    kills: list[Kill] = []
+    tally = Tally()
+    with local_cluster(nodes, model, "256MB", log_dir=Path(log_dir) if log_dir else None) as url:
+        stop = threading.Event()
+        client = threading.Thread(target=_client, args=(url, stop, request_timeout_s, tally), daemon=True)
+        t0 = time.monotonic()
+        client.start()
+        try:
+            next_kill, i = t0 + kill_every_s, 0
+            while True:
+                now = time.monotonic()
+                if next_kill >= t0 + duration:
+                    break
+                time.sleep(max(0.0, next_kill - now))
+                members = _get(url, "/v1/cluster/status")[1].get("nodes", [])
+                victim = members[i % len(members)] if members else None
+                i += 1
+                if not victim or not victim.get("pid"):
+                    next_kill = time.monotonic() + kill_every_s
+                    continue
+                kill = Kill(round(time.monotonic() - t0, 2), victim["name"], victim["pid"])
+                t_kill = time.monotonic()
+                try:
+                    os.kill(victim["pid"], signal.SIGKILL)
+                except ProcessLookupError:
+                    continue
+                kills.append(kill)
+                _watch_kill(url, kill, t_kill)  # the next kill comes after the recovery
+                next_kill = max(t_kill + kill_every_s, time.monotonic())
+            time.sleep(max(0.0, t0 + duration - time.monotonic()))
+        finally:
+            stop.set()
+            client.join(request_timeout_s + 5)
+        ready = _wait_ready(url, FINAL_WAIT_S)
+        last, detail = _one_request(url, False, request_timeout_s) if ready else ("unavailable", "")
+        state = _get(url, "/v1/cluster/status")[1]
+    lat = sorted(tally.latencies)
+    detects = [k.detect_s for k in kills if k.detect_s is not None]
+    recoveries = [k.recovery_s for k in kills if k.recovery_s is not None]
+    return {
+        "nodes": nodes, "model": model, "minutes": minutes, "kill_every_s": kill_every_s,
+        "request_timeout_s": request_timeout_s,
+        "requests": {"total": len(lat), "ok": tally.ok, "503": tally.unavailable, "other": tally.other,
+                     "hung": tally.hung},
+        "latency_s": {"max": round(tally.max_latency_s, 3),
+                      "p50": round(lat[len(lat) // 2], 3) if lat else None,
+                      "p99": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None},
+        "kills": [asdict(k) for k in kills],
+        "detect_s_max": round(max(detects), 3) if detects else None,
+        "recovery_s_max": round(max(recoveries), 3) if recoveries else None,
+        "undetected": sum(k.detect_s is None for k in kills),
+        "unrecovered": sum(k.recovery_s is None for k in kills),
+        "other_errors": tally.other_errors,
+        "final": {"ready": ready, "request": last, "state": state.get("state"),
+                  "nodes": {n["name"]: n["state"] for n in state.get("nodes", [])}},
+    }
+
+
+def passed(out: dict) -> bool:
+    """The soak's verdict: nothing hung, every kill recovered, and the cluster ends ready and serving."""
+    return (out["requests"]["hung"] == 0 and out["unrecovered"] == 0 and out["final"]["ready"]
+            and out["final"]["request"] == "ok")
+
+
+def main(args) -> int:
+    if args.kill_every > 60.0 * args.minutes:
+        raise UserError(f"--kill-every {args.kill_every:g} s is longer than the soak (--minutes {args.minutes:g}): "
+                        "nothing would be killed")
+    out = run(args.nodes, args.model, args.minutes, args.kill_every, args.request_timeout, args.log_dir)
+    for k in out["kills"]:
+        k.update({key: round(v, 3) for key, v in k.items() if isinstance(v, float)})
+    if args.json:
+        print(json.dumps(out))
+    else:
+        r = out["requests"]
+        print(f"{r['total']} requests in {out['minutes']:g} min, {len(out['kills'])} nodes killed: "
+              f"{r['ok']} ok, {r['503']} 503, {r['other']} other, {r['hung']} hung; "
+              f"max latency {out['latency_s']['max']:.2f} s; detect ≤ {out['detect_s_max']} s, "
+              f"recovery ≤ {out['recovery_s_max']} s; final: {out['final']['state']}")
+    return 0 if passed(out) else 1
