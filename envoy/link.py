@@ -293,6 +293,7 @@ class NodeLink:
             self.child_sock.close()
         except OSError:
             pass
+        self._ctl = None  # a view of the segment: it would keep the mapping open
         self._areas.close()
         try:
             self._shm.unlink()
