@@ -2,8 +2,11 @@
 
 Per all-reduce: the node's REDUCE arrives on the link -> the partial (in shared memory) goes out
 to every peer as one serialized frame -> peers' frames arrive -> once all are in, they are summed
-in rank order into the link's result area -> DONE wakes the node. All of it runs on one event
-loop thread, in callbacks and the mesh's stream tasks; there is no other work queue.
+in rank order into the link's result area -> the answer word (and DONE, if the node sleeps) wakes
+the node. All of it runs on one event loop thread, in callbacks and the mesh's stream tasks; there
+is no other work queue. Where cores are idle (envoy/spin.py) the loop keeps polling, without
+sleeping, for a bounded time after its last work, so neither the node's REDUCE nor a peer's frame
+waits for this process to wake up.
 """
 
 from __future__ import annotations
@@ -22,9 +25,12 @@ from .link import ABORT, BEGIN, CLOSE, NO_STEP, REDUCE, EnvoyLink, LinkError
 from ..proto.records import COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
 from .mesh import Mesh, MeshConfig
 from .reduce import Reducer
+from .spin import SpinPolicy
 from .steps import Complete, StepError, StepTable
 
 logger = logging.getLogger(__name__)
+
+ENVOY_SPIN_MAX_S = 1e-3  # seconds the loop keeps polling after its last work, where cores are idle
 
 
 @dataclass(frozen=True)
@@ -64,12 +70,16 @@ class Envoy:
         self._begin_deadline: float | None = None  # a begin waiting for the mesh to be whole
         self._was_whole = False  # the mesh has been whole once: a peer missing now is lost, not starting
         self._aborted: str | None = None  # the last request the node aborted
+        self._spin = SpinPolicy(ENVOY_SPIN_MAX_S)
+        self._hot_until = 0.0  # time.monotonic() until which the loop polls without sleeping
+        self._polling = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self) -> str:
         """Serve until the node closes the link, the parent dies, or SIGTERM; returns why it stopped."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         cfg = self.config
         port = await self.mesh.start()
@@ -79,6 +89,7 @@ class Envoy:
             if cfg.link_fd is not None:
                 self.link = EnvoyLink(cfg.link_fd, cfg.shm_name, cfg.max_bytes)
                 loop.add_reader(self.link.fileno(), self._on_link)
+                self.link.set_whole(self.mesh.whole)
                 self.link.ready(port)
             watchdog = loop.create_task(self._watchdog(), name="watchdog")
             try:
@@ -124,6 +135,25 @@ class Envoy:
                 self._fail_begin(f"mesh not whole within {wait:g} s: {self._absent()}")
             if cfg.parent_pid and os.getppid() != cfg.parent_pid:
                 self.stop(f"node process {cfg.parent_pid} is gone")
+
+    # -- polling where cores are idle ------------------------------------------------------
+
+    def _keep_hot(self) -> None:
+        """Keep the loop polling (no sleep in epoll) for a while: the next REDUCE or frame is near."""
+        budget = self._spin.budget_s()
+        if not budget or not self.mesh.whole:
+            return
+        self._hot_until = time.monotonic() + budget
+        if not self._polling:
+            self._polling = True
+            self._loop.call_soon(self._poll)
+
+    def _poll(self) -> None:
+        # a ready callback makes the loop's next epoll_wait return at once instead of sleeping
+        if time.monotonic() < self._hot_until and self.mesh.whole and not self._stopped.is_set():
+            self._loop.call_soon(self._poll)
+        else:
+            self._polling = False
 
     # -- link (node) side --------------------------------------------------------------------
 
@@ -181,7 +211,7 @@ class Envoy:
         cfg = self.config
         link = self.link
         try:
-            r = link.parse_reduce(body)
+            r = link.reduce_of(body)
             payload = link.partial(r)
             done = self.steps.submit(r.step, r.layer, r.dtype, r.shape, payload)
         except (StepError, LinkError) as exc:
@@ -189,6 +219,7 @@ class Envoy:
             return
         frame = Frame(self.steps.current, r.step, r.layer, cfg.rank, r.dtype, r.shape, checksum(payload), payload)
         self.mesh.send_all(convert.frame_to_wire(frame))
+        self._keep_hot()
         if done is not None:
             self._finish(done)
             return
@@ -202,6 +233,7 @@ class Envoy:
         out = self.link.result_area(done.dtype, done.nbytes)
         self._reduce(done.parts, done.dtype, out)
         self.link.done(done.step)
+        self._keep_hot()
 
     def _fail(self, step: int, message: str) -> None:
         message = f"envoy rank {self.config.rank}: {message}"
@@ -242,8 +274,12 @@ class Envoy:
             return
         if done is not None:
             self._finish(done)
+        else:
+            self._keep_hot()
 
     def _on_peer(self, rank: int, up: bool, reason: str) -> None:
+        if self.link is not None:
+            self.link.set_whole(self.mesh.whole)
         if up:
             if self.mesh.whole:
                 self._was_whole = True

@@ -1,8 +1,15 @@
 """The node <-> envoy channel, both ends: payloads in shared memory, small messages on a socket pair.
 
 The node writes its partial into the request area and sends a REDUCE message (a few dozen bytes:
-step, layer, dtype, shape); the envoy answers DONE once the sum is in the result area, or FAIL
-with a message. Nothing is pickled; one message each way per all-reduce is the whole wake-up.
+step, layer, dtype, shape, ticket); the envoy answers once the sum is in the result area, or with
+FAIL and a message. Nothing is pickled.
+
+The answer also goes into a control block at the head of the segment: the ticket of the reduce
+(a counter the node keeps) and a failed bit, written after the result. A node with idle cores
+spins on that word for a bounded time instead of sleeping in `recv` (envoy/spin.py), and says
+so in the block; the envoy then sends no DONE, which saves it a system call and the node a
+wake-up. A node that sleeps says so first, and the envoy wakes it with DONE. FAIL always goes
+on the socket too.
 
 Every message on the socket: 4-byte little-endian body length, then the body, whose first byte
 is the kind.
@@ -15,12 +22,14 @@ import os
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
 import numpy as np
 
 from .reduce import DTYPES
+from .spin import SpinPolicy, shared_memory_ordered
 from ..proto.errors import ErrorKind, MoeClusterError
 
 # node -> envoy
@@ -31,14 +40,24 @@ ABORT = ord("A")  # request id (utf-8): it failed elsewhere; fail its waiting an
 # envoy -> node
 READY = ord("Y")  # _READY: the envoy listens (pid, port)
 BEGUN = ord("G")  # the mesh is whole and the request started
-DONE = ord("D")  # _STEP: the sum is in the result area
+DONE = ord("D")  # _DONE: the sum is in the result area
 FAIL = ord("F")  # _STEP, then a utf-8 message
 
 _LEN = struct.Struct("<I")
-_REDUCE = struct.Struct("<BQiBBQ")  # kind, step, layer, dtype code, ndim, payload bytes
+_REDUCE = struct.Struct("<BQiBBQQ")  # kind, step, layer, dtype code, ndim, payload bytes, ticket
 _READY = struct.Struct("<BIH")  # kind, pid, port
 _STEP = struct.Struct("<BQ")  # kind, step
+_DONE = struct.Struct("<BQQ")  # kind, step, ticket
 NO_STEP = 2**64 - 1  # FAIL of a begin, not of a step
+
+# The control block: uint64 words at the head of the segment, then the request and result areas.
+_CTL_BYTES = 64  # one cache line
+ANSWER = 0  # envoy: ticket << 1 | failed, written after the result
+WHOLE = 1  # envoy: 1 while every peer's stream is up (a node spins only then)
+SLEEPING = 2  # node: 1 while it may sleep in recv (the envoy must send DONE), 0 while it spins
+NODE_SPIN_MAX_S = 1e-3  # seconds a node spins on the answer at most
+_SPIN_BYTES = 1 << 20  # larger payloads are copied with non-temporal stores, which x86 may reorder
+_RESPIN_S = 2e-3  # seconds: a node that stopped spinning looks at the answer word again after this
 
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
 DTYPE_NAMES = {v: k for k, v in DTYPE_CODES.items()}
@@ -64,6 +83,7 @@ class Reduce:
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
+    ticket: int
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -87,7 +107,8 @@ class _Areas:
     def __init__(self, shm: shared_memory.SharedMemory, max_bytes: int):
         self.shm = shm
         self.max_bytes = max_bytes
-        buf = np.ndarray((2 * max_bytes,), dtype=np.uint8, buffer=shm.buf)
+        self.ctl = np.ndarray((_CTL_BYTES // 8,), dtype=np.uint64, buffer=shm.buf)
+        buf = np.ndarray((2 * max_bytes,), dtype=np.uint8, buffer=shm.buf, offset=_CTL_BYTES)
         self.request = buf[:max_bytes]
         self.result = buf[max_bytes:]
         self._views: dict[tuple[int, str, int], np.ndarray] = {}  # a node uses a handful of shapes
@@ -103,7 +124,7 @@ class _Areas:
 
     def close(self) -> None:
         self._views.clear()
-        self.request = self.result = None  # type: ignore[assignment]
+        self.request = self.result = self.ctl = None  # type: ignore[assignment]
         try:
             self.shm.close()
         except BufferError:  # a view still exported; the mapping goes with the process
@@ -117,15 +138,27 @@ class _Areas:
 class NodeLink:
     """The node's end: owns the shared memory and one socket of the pair."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, spin: SpinPolicy | None = None):
         self.max_bytes = max_bytes
-        self._shm = shared_memory.SharedMemory(create=True, size=2 * max_bytes)
+        self._shm = shared_memory.SharedMemory(create=True, size=_CTL_BYTES + 2 * max_bytes)
         self._areas = _Areas(self._shm, max_bytes)
+        self._ctl = self._areas.ctl
+        self._ctl[:] = 0
+        self._ctl[SLEEPING] = 1
         self._sock, self.child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._buf = bytearray(1 << 16)
         self._pending = b""
         self._timeout: float | None = None
         self._send_lock = threading.Lock()  # abort() comes from another thread than begin/reduce
+        self._spin = spin if spin is not None else SpinPolicy(NODE_SPIN_MAX_S)
+        self._ordered = shared_memory_ordered()  # elsewhere the answer word could beat the result
+        self._ticket = 0  # reduces sent
+        self._answered = 0  # the latest ticket whose DONE the node has taken (from the word or the socket)
+        self._step = 0  # of the latest reduce
+        self._spin_s = 0.0  # how long to spin on the latest reduce's answer
+        self._typical_s = NODE_SPIN_MAX_S / 4  # moving average of answer times (seconds)
+        self._sent_at = 0.0
+        self.spun = 0  # answers seen while spinning (for tests and benchmarks)
 
     @property
     def shm_name(self) -> str:
@@ -153,7 +186,19 @@ class NodeLink:
         self._timeout = timeout
 
     def recv(self, timeout: float | None) -> tuple[int, bytes]:
-        """-> (kind, body) of the next message; LinkError on EOF or after `timeout` seconds."""
+        """-> (kind, body) of the next message; LinkError on EOF or after `timeout` seconds.
+
+        A DONE the node has taken already (it saw the answer in shared memory first) is skipped."""
+        while True:
+            kind, body = self._recv(timeout)
+            if kind != DONE:
+                return kind, body
+            ticket = _DONE.unpack_from(body)[2]
+            if ticket > self._answered:
+                self._answered = ticket
+                return kind, body
+
+    def _recv(self, timeout: float | None) -> tuple[int, bytes]:
         self._set_timeout(timeout)
         data = self._pending
         while True:
@@ -187,8 +232,59 @@ class NodeLink:
         if nbytes > self.max_bytes:
             raise LinkError(f"partial of {nbytes} bytes exceeds the envoy link's area ({self.max_bytes} bytes)")
         self._areas.request[:nbytes] = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-        body = _REDUCE.pack(REDUCE, step, layer, DTYPE_CODES[dtype], len(shape), nbytes)
+        self._ticket += 1
+        self._step = step
+        ctl = self._ctl
+        spin = 0.0
+        if self._ordered and nbytes <= _SPIN_BYTES and ctl[WHOLE]:
+            spin = min(self._spin.budget_s(), max(4 * self._typical_s, 100e-6))
+        self._spin_s = spin
+        ctl[SLEEPING] = 0 if spin else 1  # before the envoy can answer
+        body = _REDUCE.pack(REDUCE, step, layer, DTYPE_CODES[dtype], len(shape), nbytes, self._ticket)
+        self._sent_at = time.perf_counter()
         self._send(body + _dims(len(shape)).pack(*shape))
+
+    def _taken(self) -> tuple[int, bytes]:
+        self._answered = self._ticket
+        return DONE, _DONE.pack(DONE, self._step, self._ticket)
+
+    def wait(self, timeout: float) -> tuple[int, bytes]:
+        """-> (DONE or FAIL, body) for the latest reduce; LinkError on EOF or after `timeout` seconds.
+
+        Spins on the answer word first where `reduce` allowed it (idle cores, every peer up, a
+        bounded time), then sleeps in `recv`."""
+        ctl, want = self._ctl, self._ticket << 1
+        if self._spin_s:
+            t0 = self._sent_at
+            end = t0 + self._spin_s
+            now = t0
+            while now < end:
+                answer = int(ctl[ANSWER])
+                if answer == want:
+                    self.spun += 1
+                    self._typical_s += (now - t0 - self._typical_s) / 16
+                    return self._taken()
+                if answer == want | 1:  # failed: the message follows on the socket
+                    break
+                now = time.perf_counter()
+            else:
+                self._typical_s += (self._spin_s - self._typical_s) / 16
+            ctl[SLEEPING] = 1
+            # The envoy may have answered between the last look and SLEEPING (it then sent no DONE):
+            # look again now, and once more a little later in case the two stores crossed.
+            deadline = time.perf_counter() + timeout
+            if int(ctl[ANSWER]) == want:
+                return self._taken()
+            try:
+                return self.recv(min(_RESPIN_S, timeout))
+            except LinkError:
+                if int(ctl[ANSWER]) == want:
+                    return self._taken()
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    raise
+                return self.recv(left)
+        return self.recv(timeout)
 
     def result(self, dtype: str, nbytes: int) -> np.ndarray:
         """The sum in the result area (a view: copy it before the next reduce)."""
@@ -204,6 +300,7 @@ class NodeLink:
             self.child_sock.close()
         except OSError:
             pass
+        self._ctl = None  # a view of the segment: it would keep the mapping open
         self._areas.close()
         try:
             self._shm.unlink()
@@ -235,7 +332,9 @@ class EnvoyLink:
         self._sock = socket.socket(fileno=fd)
         self._sock.setblocking(False)
         self._areas = _Areas(_attach(shm_name), max_bytes)
+        self._ctl = self._areas.ctl
         self.max_bytes = max_bytes
+        self.ticket = 0  # of the latest REDUCE (reduce_of)
         self._data = b""
         self._buf = bytearray(1 << 16)
 
@@ -267,12 +366,21 @@ class EnvoyLink:
 
     @staticmethod
     def parse_reduce(body: bytes) -> Reduce:
-        _, step, layer, code, ndim, nbytes = _REDUCE.unpack_from(body)
+        _, step, layer, code, ndim, nbytes, ticket = _REDUCE.unpack_from(body)
         shape = _dims(ndim).unpack_from(body, _REDUCE.size)
         dtype = DTYPE_NAMES.get(code)
         if dtype is None:
             raise LinkError(f"node sent unknown dtype code {code}")
-        return Reduce(step, layer, dtype, tuple(shape), nbytes)
+        return Reduce(step, layer, dtype, tuple(shape), nbytes, ticket)
+
+    def reduce_of(self, body: bytes) -> Reduce:
+        """Parse a REDUCE; its answer (done or fail) goes to its ticket."""
+        self.ticket = _REDUCE.unpack_from(body)[6]
+        return self.parse_reduce(body)
+
+    def set_whole(self, whole: bool) -> None:
+        """Tell the node whether every peer is connected: it spins only then."""
+        self._ctl[WHOLE] = 1 if whole else 0
 
     def partial(self, r: Reduce) -> np.ndarray:
         """The node's partial for `r` (a view of the request area)."""
@@ -307,11 +415,18 @@ class EnvoyLink:
         self._send(bytes([BEGUN]))
 
     def done(self, step: int) -> None:
-        self._send(_STEP.pack(DONE, step))
+        """The sum is in the result area: publish the answer, and wake the node if it sleeps."""
+        ctl = self._ctl
+        ctl[ANSWER] = self.ticket << 1
+        if ctl[SLEEPING]:
+            self._send(_DONE.pack(DONE, step, self.ticket))
 
     def fail(self, step: int, message: str) -> None:
+        if step != NO_STEP:
+            self._ctl[ANSWER] = self.ticket << 1 | 1
         self._send(_STEP.pack(FAIL, step) + message.encode())
 
     def close(self) -> None:
         self._sock.close()
+        self._ctl = None
         self._areas.close()

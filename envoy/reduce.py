@@ -6,7 +6,6 @@ Only numpy here, so the envoy process stays light.
 
 from __future__ import annotations
 
-import sys
 from typing import Sequence
 
 import numpy as np
@@ -18,7 +17,6 @@ DTYPES: dict[str, np.dtype] = {
     "bfloat16": np.dtype(np.uint16),
 }
 
-_HIGH = 1 if sys.byteorder == "little" else 0  # index of a uint32's high half among its two uint16s
 _BF16_NAN = 0x7FC0  # what MLX writes for any NaN cast to bfloat16
 _F16_NAN = 0x7D00  # what MLX writes for a NaN cast to float16, with the NaN's sign bit added
 
@@ -107,25 +105,28 @@ class Reducer:
             if not np.isfinite(np.add.reduce(acc)):
                 _fix_f16_nans(acc, out)
             return out
-        # bfloat16: widen each uint16 pattern to the high half of a float32
+        # bfloat16: widen each uint16 pattern to the high half of a float32. A cast, then a shift in
+        # place: a shift that casts on the way (dtype=) goes through numpy's buffered loop, 3x slower.
         u = acc.view(np.uint32)
-        np.left_shift(partials[0], 16, out=u, dtype=np.uint32)
+        np.copyto(u, partials[0])
+        np.left_shift(u, 16, out=u)
         tmpf = tmp.view(np.float32)
         for p in partials[1:]:
-            np.left_shift(p, 16, out=tmp, dtype=np.uint32)
+            np.copyto(tmp, p)
+            np.left_shift(tmp, 16, out=tmp)
             np.add(acc, tmpf, out=acc)
-        total = float(np.add.reduce(acc))
-        finite = total - total == 0.0  # False for inf and NaN
+        # only NaNs need fixing after the rounding below (infinities round to themselves), and
+        # maximum propagates NaN: one pass, cheaper than a float sum, which also pairs
+        has_nan = np.isnan(np.maximum.reduce(acc))
         # round to nearest even: (u + 0x7FFF + ((u >> 16) & 1)) >> 16, in uint32
         np.right_shift(u, 16, out=tmp)
         np.bitwise_and(tmp, 1, out=tmp)
         np.add(tmp, 0x7FFF, out=tmp)
         np.add(tmp, u, out=tmp)
-        np.copyto(out, tmp.view(np.uint16)[_HIGH::2])  # the high half of each uint32: >> 16
-        if not finite:
-            nan = np.isnan(acc)
-            if nan.any():
-                out[nan] = _BF16_NAN
+        np.right_shift(tmp, 16, out=tmp)
+        np.copyto(out, tmp, casting="unsafe")  # contiguous: 10x cheaper than copying the strided high halves
+        if has_nan:
+            out[np.isnan(acc)] = _BF16_NAN
         return out
 
 

@@ -72,9 +72,9 @@ class EnvoyProcess:
         code = self.proc.poll()
         return f"envoy of rank {self.rank} (pid {self.proc.pid}" + (")" if code is None else f", exit code {code})")
 
-    def _answer(self, timeout: float, what: str) -> tuple[int, bytes]:
+    def _answer(self, timeout: float, what: str, reduce: bool = False) -> tuple[int, bytes]:
         try:
-            return self.link.recv(timeout)
+            return self.link.wait(timeout) if reduce else self.link.recv(timeout)
         except LinkError as exc:
             try:
                 self.proc.wait(timeout=0.5)
@@ -103,7 +103,7 @@ class EnvoyProcess:
             self.link.reduce(raw, dtype, shape, layer, step)
         except LinkError as exc:
             raise CollectiveError(f"{self._gone()}: {exc}") from exc
-        kind, body = self._answer(self.spec.timeout_s + _ANSWER_GRACE_S, f"step {step} (layer {layer})")
+        kind, body = self._answer(self.spec.timeout_s + _ANSWER_GRACE_S, f"step {step} (layer {layer})", reduce=True)
         if kind == DONE and unpack_step(body) == step:
             return self.link.result(dtype, raw.nbytes)
         if kind == FAIL:

@@ -71,7 +71,7 @@ def run_request(envoy, request_id: str, steps: int) -> dict:
             bad = int(np.flatnonzero(out != want)[0])
             raise AssertionError(f"rank {envoy.rank}: request {request_id} step {step}: wrong sum at {bad} "
                                  f"({out[bad]} != {want[bad]})")
-    return {"steps": steps, "seconds": time.perf_counter() - t0}
+    return {"steps": steps, "seconds": time.perf_counter() - t0, "spun": envoy.link.spun}
 
 
 def driver(spec, rank: int, conn) -> None:

@@ -16,13 +16,24 @@ import pytest
 from tls_certs import make_tls
 
 from envoy_nodes import Cluster, alive, all_ok, envoy_spec
+from moe_cluster.envoy.spin import SPIN_ENV, shared_memory_ordered
 from moe_cluster.proto import convert
 
 SOAK_STEPS = 10_000
 
 
+@pytest.fixture(params=["auto", "spin"])
+def spin(request, monkeypatch):
+    """auto: the link decides from idle cores (on a 2-core machine it sleeps); spin: the nodes and
+    envoys spin on the link whatever the cores (MOE_CLUSTER_ENVOY_SPIN_US, inherited by every
+    process), so the spinning hand-off is tested here too."""
+    if request.param == "spin":
+        monkeypatch.setenv(SPIN_ENV, "200")
+    return request.param
+
+
 @pytest.mark.parametrize("nodes", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])  # 3 and 4 nodes: 24 s, 32 s
-def test_soak_loses_duplicates_and_reorders_nothing(nodes):
+def test_soak_loses_duplicates_and_reorders_nothing(nodes, spin):
     """10,000 all-reduces per node count, in several requests in a row, every sum checked."""
     cluster = Cluster(envoy_spec(nodes))
     try:
@@ -31,6 +42,8 @@ def test_soak_loses_duplicates_and_reorders_nothing(nodes):
             replies = cluster.run(request_id, steps, timeout=300)
             all_ok(replies)
             assert {rep[1]["steps"] for rep in replies.values()} == {steps}
+            if spin == "spin" and shared_memory_ordered() and steps > 1:
+                assert all(rep[1]["spun"] > 0 for rep in replies.values()), replies  # the word answered some
             done += steps
         assert done == SOAK_STEPS
     finally:
@@ -46,7 +59,7 @@ def _fails_naming(cluster: Cluster, ranks, peer: int, since: float, within: floa
         assert when - since < within, f"node {r} failed {when - since:.1f} s after the fault: {message}"
 
 
-def test_dead_peer_fails_the_step_everywhere_then_the_mesh_heals():
+def test_dead_peer_fails_the_step_everywhere_then_the_mesh_heals(spin):
     timeout = 2.0
     cluster = Cluster(envoy_spec(3, timeout_s=timeout, connect_timeout_s=20))
     try:
@@ -82,7 +95,7 @@ def test_dead_peer_fails_the_step_everywhere_then_the_mesh_heals():
         cluster.close()
 
 
-def test_stalled_peer_times_out_naming_it():
+def test_stalled_peer_times_out_naming_it(spin):
     timeout = 2.0
     cluster = Cluster(envoy_spec(3, timeout_s=timeout))
     try:
