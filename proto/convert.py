@@ -6,6 +6,7 @@ sees a generated message class.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from ..envoy.frame import Frame, Hello
@@ -177,6 +178,8 @@ def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
     )
     if spec.placement is not None:
         msg.placement.CopyFrom(placement_to_proto(spec.placement))
+    if spec.ship is not None:
+        msg.ship.CopyFrom(npb.ShipSource(fingerprint=spec.ship.fingerprint, address=spec.ship.address))
     return msg
 
 
@@ -195,8 +198,22 @@ def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any 
         model=msg.model, rank=msg.rank, world_size=msg.world_size,
         placement=placement_from_proto(msg.placement) if msg.HasField("placement") else None,
         keepalive=keepalive, transport=transport, prefill_step=msg.prefill_step or DEFAULT_PREFILL_STEP,
-        prompt_cache_bytes=msg.prompt_cache_bytes,
+        prompt_cache_bytes=msg.prompt_cache_bytes, ship=_ship_from_proto(msg),
     )
+
+
+def _ship_from_proto(msg: npb.LoadRequest):
+    from .records import ShipSource
+
+    if not msg.HasField("ship"):
+        return None
+    fp, address = msg.ship.fingerprint, msg.ship.address
+    if not re.fullmatch(r"[0-9a-f]{64}", fp):
+        raise ConvertError(f"LoadRequest.ship.fingerprint {fp[:80]!r} is not 64 hex digits")
+    _, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConvertError(f"LoadRequest.ship.address {address[:80]!r} is not host:port")
+    return ShipSource(fp, address)
 
 
 # ErrorKind <-> its wire enum, by name; UNSPECIFIED (a sender that set none) reads as INTERNAL

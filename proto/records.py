@@ -88,6 +88,14 @@ def _check(value: str, allowed: tuple[str, ...], what: str) -> None:
 
 
 @dataclass(frozen=True)
+class ShipSource:
+    """Where a node without the checkpoint fetches its shard (the coordinator's Ship service)."""
+
+    fingerprint: str  # of the checkpoint: names the node's cached shard
+    address: str  # host:port; ":port" means the host the Load came from
+
+
+@dataclass(frozen=True)
 class LoadSpec:
     """What a node loads and how it reaches the other nodes."""
 
@@ -99,6 +107,7 @@ class LoadSpec:
     keepalive: str = "lru"
     prefill_step: int = DEFAULT_PREFILL_STEP  # tokens per prefill chunk
     prompt_cache_bytes: int = 0  # KV prefix cache budget; 0: none
+    ship: ShipSource | None = None  # set: the node has no checkpoint; it fills its cache from here
 
     def __post_init__(self) -> None:
         _check(self.keepalive, KEEPALIVES, "keepalive")

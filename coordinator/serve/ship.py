@@ -1,0 +1,167 @@
+"""The coordinator's Ship service: each node's shard, read by byte range from the one checkpoint.
+
+A node asks for the blobs its cache lacks (node/ship.py); they stream back in chunks of at most
+`chunk_bytes`, each with its crc32, the last of a blob with the blob's sha256. gRPC's HTTP/2 flow
+control holds the handler at `yield` while a node's window is full, so the coordinator holds per
+node one chunk being read plus what the window admits — never a whole tensor (measured by
+`moe-cluster bench ship`). Reads, crc and sha256 run on an owned thread pool (hashlib and zlib
+release the GIL), so several nodes are served at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import grpc
+
+from ...envoy.auth import SecretInterceptor, server_credentials
+from ...node.cache import Catalog, catalog_of, source_ranges
+from ...node.checkpoint import Checkpoint
+from ...proto import CHANNEL_OPTIONS
+from ...proto import ship_pb2 as spb
+from ...proto import ship_pb2_grpc as spb_grpc
+from .placement import fmt_bytes
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: large enough that per-message cost is small next to the copy
+MAX_CHUNK_BYTES = 4 << 20
+
+
+@dataclass
+class NodeTransfer:
+    """What one node has been sent: the coordinator's progress line and the tests' byte count."""
+
+    node: str
+    total: int = 0  # bytes asked for, all Fetch calls together
+    sent: int = 0  # bytes sent
+    started: float = field(default_factory=time.monotonic)
+    last_report: float = 0.0
+
+    def line(self) -> str:
+        elapsed = max(time.monotonic() - self.started, 1e-6)
+        rate = self.sent / elapsed
+        eta = (self.total - self.sent) / rate if rate > 0 else float("inf")
+        return (f"ship {self.node}: {fmt_bytes(self.sent)} of {fmt_bytes(self.total)} "
+                f"({100 * self.sent / max(self.total, 1):.0f}%), {fmt_bytes(rate)}/s, ETA {eta:.1f}s")
+
+
+class Shipper(spb_grpc.ShipServicer):
+    """Serves the blobs of one checkpoint."""
+
+    def __init__(self, ckpt: Checkpoint, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_rate: float = 0.0,
+                 report: Callable[[str], None] | None = None, catalog: Catalog | None = None):
+        self.catalog = catalog or catalog_of(ckpt)
+        self.fingerprint = self.catalog.fingerprint
+        self.ranges = source_ranges(ckpt, self.catalog)
+        self.catalog_bytes = json.dumps(self.catalog.to_json()).encode()
+        self.chunk_bytes = chunk_bytes
+        self.max_rate = max_rate  # bytes per second per node; 0: as fast as the network goes
+        self.transfers: dict[str, NodeTransfer] = {}
+        self._report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="ship-read")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def bytes_sent(self) -> dict[str, int]:
+        return {n: t.sent for n, t in self.transfers.items()}
+
+    async def Catalog(self, request, context):
+        if request.fingerprint != self.fingerprint:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"this coordinator ships model {self.fingerprint[:16]}, "
+                                                           f"not {request.fingerprint[:16]}")
+        return spb.CatalogReply(catalog=self.catalog_bytes)
+
+    async def Fetch(self, request, context):
+        if request.fingerprint != self.fingerprint:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"this coordinator ships model {self.fingerprint[:16]}, "
+                                                           f"not {request.fingerprint[:16]}")
+        unknown = [b for b in request.blobs if b not in self.ranges]
+        if unknown:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"{len(unknown)} unknown blobs, e.g. {unknown[0][:200]!r}")
+        if request.first_offset and (not request.blobs or request.first_offset >= self.ranges[request.blobs[0]][2]):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"first_offset {request.first_offset} is past the blob")
+        chunk = min(request.chunk_bytes or self.chunk_bytes, MAX_CHUNK_BYTES)
+        name = request.node or context.peer()
+        t = self.transfers.setdefault(name, NodeTransfer(name))
+        t.total += sum(self.ranges[b][2] for b in request.blobs) - request.first_offset
+        loop = asyncio.get_running_loop()
+        t0, sent_here = time.monotonic(), 0
+        for i, blob in enumerate(request.blobs):
+            path, start, n = self.ranges[blob]
+            off = request.first_offset if i == 0 else 0
+            h = hashlib.sha256()
+            if off:  # resuming inside a blob: its sha256 covers the bytes the node already has
+                await loop.run_in_executor(self._pool, _hash_range, h, path, start, off)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                while True:
+                    k = min(chunk, n - off)
+                    data, crc = await loop.run_in_executor(self._pool, _read_chunk, fd, start + off, k, h)
+                    last = off + k >= n
+                    yield spb.Chunk(blob=blob, offset=off, data=data, crc32=crc, sha256=h.digest() if last else b"")
+                    off += k
+                    t.sent += k
+                    sent_here += k
+                    now = time.monotonic()
+                    if now - t.last_report >= 1.0:
+                        t.last_report = now
+                        self._report(t.line())
+                    if self.max_rate:
+                        ahead = sent_here / self.max_rate - (now - t0)
+                        if ahead > 0:
+                            await asyncio.sleep(ahead)
+                    if last:
+                        break
+            finally:
+                os.close(fd)
+        self._report(t.line() if t.sent < t.total else
+                     f"ship {name}: sent {t.sent} bytes in {time.monotonic() - t.started:.2f}s")
+
+
+def _read_chunk(fd: int, at: int, n: int, h) -> tuple[bytes, int]:
+    data = os.pread(fd, n, at)
+    if len(data) != n:
+        raise OSError(f"short read at byte {at} ({len(data)} of {n}): the checkpoint changed while shipping")
+    h.update(data)
+    return data, zlib.crc32(data)
+
+
+def _hash_range(h, path: Path, start: int, n: int) -> None:
+    with open(path, "rb") as f:
+        f.seek(start)
+        while n:
+            b = f.read(min(n, 8 << 20))
+            if not b:
+                raise OSError(f"{path}: short read at byte {start}")
+            h.update(b)
+            n -= len(b)
+
+
+async def start_server(shipper: Shipper, host: str, port: int, secret: str, tls=None) -> tuple[grpc.aio.Server, int]:
+    """The Ship service behind the cluster secret (and TLS when cluster.yaml has it); returns the
+    started server and its port."""
+    from ...proto.errors import UserError
+
+    server = grpc.aio.server(interceptors=[SecretInterceptor(secret)], options=CHANNEL_OPTIONS)
+    spb_grpc.add_ShipServicer_to_server(shipper, server)
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, server_credentials(tls.cert, tls.key, tls.ca)) if tls
+             else server.add_insecure_port(address))
+    if bound == 0:
+        raise UserError(f"ship: cannot listen on {address}")
+    await server.start()
+    return server, bound
