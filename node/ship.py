@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -74,9 +75,9 @@ def fill_cache(source: ShipSource, address: str, *, cache_dir: Path, secret: str
         t0 = time.monotonic()
         plan = cache.scan()
         cache.check_disk(plan)
-        logger.info("cache %s: %d blobs verified in %.2fs; fetching %d blobs (%d bytes), copying %d bytes locally",
+        print("cache %s: %d blobs verified in %.2fs; fetching %d blobs (%d bytes), copying %d bytes locally" % (
                     cache.root, len(cache.have) + len(cache.journal), time.monotonic() - t0, len(plan.fetch),
-                    plan.fetch_bytes, plan.copy_bytes)
+                    plan.fetch_bytes, plan.copy_bytes), file=sys.stderr, flush=True)
         t1 = time.monotonic()
         last = [0.0]
 
@@ -86,8 +87,9 @@ def fill_cache(source: ShipSource, address: str, *, cache_dir: Path, secret: str
             if now - last[0] >= 1.0 or done >= total:
                 last[0] = now
                 rate = done / max(now - t1, 1e-6)
-                logger.info("fetched %d of %d bytes (%.0f%%), %.1f MB/s, ETA %.1fs", done, total,
-                            100 * done / max(total, 1), rate / 1e6, (total - done) / rate if rate else 0.0)
+                # the node's own terminal/log shows its transfer, whatever the log level
+                print(f"fetched {done} of {total} bytes ({100 * done / max(total, 1):.0f}%), {rate / 1e6:.1f} MB/s, "
+                      f"ETA {(total - done) / rate if rate else 0.0:.1f}s", file=sys.stderr, flush=True)
 
         cache.fill(plan, lambda blobs: _fetch(stub, md, source.fingerprint, node, blobs, address), report)
         if plan.fetch:

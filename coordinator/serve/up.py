@@ -168,10 +168,14 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         loop.add_signal_handler(sig, stop.set)
     cluster = None
     runner = None
+    ship = None
     try:
+        if c.checkpoint == "coordinator":
+            ship = await _start_ship(c, model_path, secret)
         if c.launch == "local":
             ports = free_ports(2 * len(c.nodes))
-            launcher = Launcher(secret, log_dir, c.name, tls=tls_files(c))
+            launcher = Launcher(secret, log_dir, c.name, tls=tls_files(c),
+                                cache_root=state_file().parent / "cache" / c.name if ship else None)
             local = [LocalNode(n.name, n.port or ports[2 * i], log_dir / f"{n.name}.log", n.memory)
                      for i, n in enumerate(c.nodes)]
             print(f"starting {len(local)} nodes on this machine (logs in {log_dir})", file=sys.stderr, flush=True)
@@ -206,7 +210,8 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         for m in members:
             m.spec = LoadSpec(model=model_path, rank=m.rank, world_size=len(members),
                               transport=make_transport(m.rank), placement=plan.placement, keepalive=c.keepalive,
-                              prefill_step=c.serving.prefill_chunk, prompt_cache_bytes=c.serving.prompt_cache)
+                              prefill_step=c.serving.prefill_chunk, prompt_cache_bytes=c.serving.prompt_cache,
+                              ship=ship.source if ship else None)
             # what weights may use: memory × memory_fraction less the KV reserve and prompt cache
             m.budget_bytes = plan.available[m.rank] - kv_reserve
         for note in plan.notes:
@@ -223,6 +228,10 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         progress = Progress([m.name for m in members])
         t0 = time.monotonic()
         await cluster.load(progress.update)
+        if ship is not None:
+            sent = ship.shipper.bytes_sent()
+            print("shipped: " + ", ".join(f"{m.name} {sent.get(m.name, 0)} bytes" for m in members)
+                  + f" (total {sum(sent.values())} bytes)", file=sys.stderr, flush=True)
         if c.verify and len(members) > 1:
             from .verify import check_load
 
@@ -261,6 +270,8 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
     finally:
         if runner is not None:
             await runner.cleanup()
+        if ship is not None:
+            await ship.close()
         if cluster is not None:
             await cluster.close(shutdown_nodes=launcher is not None)
         if launcher is not None:
@@ -271,6 +282,35 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
                 sf.unlink()
         except (OSError, json.JSONDecodeError):
             pass
+
+
+class _Ship:
+    """The Ship service `up` runs while nodes may (re)load: what they are told, and its server."""
+
+    def __init__(self, shipper, server, source):
+        self.shipper, self.server, self.source = shipper, server, source
+
+    async def close(self) -> None:
+        await self.server.stop(1.0)
+        self.shipper.close()
+
+
+async def _start_ship(c: ClusterConfig, model_path: str, secret: str) -> _Ship:
+    """With `checkpoint: coordinator`: serve the nodes their shards from this machine's checkpoint."""
+    from ...node.collective.specs import check_port_free
+    from ...proto.records import ShipSource
+    from .ship import Shipper, start_server
+
+    if c.ship.port:
+        try:
+            check_port_free(c.ship.host, c.ship.port, "ship.port picks another")
+        except OSError as exc:
+            raise ConfigError(f"{c.source}: ship: {exc}") from None
+    shipper = Shipper(Checkpoint.open(model_path), chunk_bytes=c.ship.chunk, max_rate=c.ship.max_rate)
+    server, port = await start_server(shipper, c.ship.host, c.ship.port, secret, tls_files(c))
+    print(f"shipping shards of {model_path} (model {shipper.fingerprint[:16]}) on port {port}",
+          file=sys.stderr, flush=True)
+    return _Ship(shipper, server, ShipSource(shipper.fingerprint, f":{port}"))
 
 
 def _check_port_free(c: ClusterConfig) -> None:
