@@ -130,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler="moe_cluster.coordinator.bench.prompt_cache:main")
 
+    b = bench.add_parser("ship", help="shipping a shard to a node: throughput against raw TCP, coordinator memory")
+    importlib.import_module("moe_cluster.coordinator.bench.ship").add_arguments(b)
+    b.set_defaults(handler="moe_cluster.coordinator.bench.ship:main")
+
     p = sub.add_parser("envoy", help="run one envoy by hand (nodes start their own); secret from $MOE_CLUSTER_SECRET")
     importlib.import_module("moe_cluster.envoy.main").add_arguments(p)
     p.set_defaults(handler="moe_cluster.envoy.main:run")

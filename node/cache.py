@@ -422,13 +422,13 @@ class ShardCache:
             raise CacheError(f"not enough free disk in {self.cache_dir}: the shard needs {plan.disk_bytes} bytes "
                              f"({plan.disk_bytes / 1e9:.2f} GB), {free} bytes ({free / 1e9:.2f} GB) are free")
 
-    def fill(self, plan: Plan, fetch: Callable[[Sequence[str]], Iterator[tuple[str, int, bytes, str | None]]],
+    def fill(self, plan: Plan, fetch: Callable[[Sequence[str]], Iterator[tuple[str, int, bytes, bool]]],
              progress: Callable[[int, int], None] = lambda done, total: None) -> dict[str, str]:
         """Write every file of the shard: blobs held are copied, the others fetched.
 
-        `fetch(blobs)` yields (blob, offset within it, bytes, sha256 of the whole blob on its last
-        chunk else None); a blob whose bytes do not hash to that is fetched again (twice at most).
-        Returns {blob: sha256} of the shard, as its manifest records it.
+        `fetch(blobs)` yields (blob, offset within it, bytes, whether it is the blob's last chunk), in
+        order, each chunk already checked against its crc32. Returns {blob: sha256} of the shard, as
+        its manifest records it.
         """
         sha: dict[str, str] = {b: h.sha256 for b, h in self.have.items()} | self.journal
         handles = {}
@@ -458,43 +458,7 @@ class ShardCache:
                         os.pwrite(f.fileno(), data, at)
                         journal.write(f"{fs.name}\t{blob}\t{h.sha256}\n")
             journal.flush()
-            todo, done, total = list(plan.fetch), 0, plan.fetch_bytes
-            for attempt in range(3):
-                if not todo:
-                    break
-                bad = []
-                hashes = {}
-                for blob, off, data, whole in fetch(todo):
-                    if blob not in targets:
-                        raise CacheError(f"the coordinator sent blob {blob!r}, which was not asked for")
-                    f, at = targets[blob]
-                    if off == 0:
-                        hashes[blob] = hashlib.sha256()
-                    elif blob not in hashes:  # a stream resumed inside this blob: hash what is on disk
-                        f.flush()
-                        hashes[blob] = hashlib.sha256(os.pread(f.fileno(), off, at))
-                    if off + len(data) > self.sizes[blob]:
-                        raise CacheError(f"blob {blob!r}: chunk at {off} ({len(data)} bytes) out of order or past its end")
-                    hashes[blob].update(data)
-                    os.pwrite(f.fileno(), data, at + off)
-                    done += len(data)
-                    progress(min(done, total), total)
-                    if whole is not None:
-                        got = hashes.pop(blob).hexdigest()
-                        if got != whole:
-                            logger.warning("blob %s arrived corrupt (sha256 %s, expected %s); fetching it again",
-                                           blob, got[:12], whole[:12])
-                            bad.append(blob)
-                            continue
-                        sha[blob] = got
-                        journal.write(f"{_name_of(targets, blob, handles)}\t{blob}\t{got}\n")
-                        journal.flush()
-                missing = [b for b in todo if b not in sha and b not in bad]
-                if missing:
-                    raise CacheError(f"the coordinator's stream ended without {len(missing)} blobs (first {missing[0]!r})")
-                todo = bad
-            if todo:
-                raise CacheError(f"{len(todo)} blobs arrived corrupt three times (first {todo[0]!r}); giving up")
+            self._receive(plan, fetch, targets, handles, journal, sha, progress)
             for name, f in handles.items():
                 f.flush()
                 os.fsync(f.fileno())
@@ -516,6 +480,50 @@ class ShardCache:
         (self.root / "config.json").write_text(self.catalog.config_text)
         self.have = verified_blobs(self.root, manifest)
         return manifest.sha256
+
+    def _receive(self, plan: Plan, fetch, targets, handles, journal, sha: dict[str, str], progress) -> None:
+        """Fetch plan.fetch: sha256 and writes run on one owned thread, a few chunks behind the
+        network, so hashing the bytes on one core overlaps receiving the next on another."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        hashes: dict[str, object] = {}
+        sizes = self.sizes
+
+        def absorb(blob: str, off: int, data: bytes, last: bool) -> None:
+            f, at = targets[blob]
+            if off == 0:
+                hashes[blob] = hashlib.sha256()
+            elif blob not in hashes:  # a stream resumed inside this blob: hash what is on disk
+                hashes[blob] = hashlib.sha256(os.pread(f.fileno(), off, at))
+            hashes[blob].update(data)
+            os.pwrite(f.fileno(), data, at + off)
+            if last:
+                got = hashes.pop(blob).hexdigest()
+                sha[blob] = got
+                journal.write(f"{_name_of(targets, blob, handles)}\t{blob}\t{got}\n")
+                journal.flush()
+
+        done, total = 0, plan.fetch_bytes
+        pending = []
+        with ThreadPoolExecutor(1, thread_name_prefix="cache-write") as writer:
+            try:
+                for blob, off, data, last in fetch(list(plan.fetch)):
+                    if blob not in targets:
+                        raise CacheError(f"the coordinator sent blob {blob!r}, which was not asked for")
+                    if off + len(data) > sizes[blob] or (last and off + len(data) != sizes[blob]):
+                        raise CacheError(f"blob {blob!r}: chunk at {off} ({len(data)} bytes) does not fit its "
+                                         f"{sizes[blob]} bytes")
+                    pending.append(writer.submit(absorb, blob, off, data, last))
+                    while len(pending) > 8 or (pending and pending[0].done()):  # bounded: 8 chunks in flight
+                        pending.pop(0).result()
+                    done += len(data)
+                    progress(min(done, total), total)
+            finally:
+                for fut in pending:
+                    fut.result()  # what was received is written and journaled, even when the stream broke
+        missing = [b for b in plan.fetch if b not in sha]
+        if missing:
+            raise CacheError(f"the coordinator's stream ended without {len(missing)} blobs (first {missing[0]!r})")
 
     def open(self) -> "CachedCheckpoint":
         return CachedCheckpoint(self.root, self.catalog, self.local)

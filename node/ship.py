@@ -100,7 +100,7 @@ def fill_cache(source: ShipSource, address: str, *, cache_dir: Path, secret: str
 
 
 def _fetch(stub, md, fingerprint: str, node: str, blobs: Sequence[str], address: str
-           ) -> Iterator[tuple[str, int, bytes, str | None]]:
+           ) -> Iterator[tuple[str, int, bytes, bool]]:
     """Chunks of `blobs` in order; a corrupt chunk restarts the stream at that chunk."""
     todo = list(blobs)
     first_offset = 0
@@ -120,8 +120,8 @@ def _fetch(stub, md, fingerprint: str, node: str, blobs: Sequence[str], address:
                     todo, first_offset, corrupt = todo[i:], c.offset, True
                     call.cancel()
                     break
-                yield c.blob, c.offset, c.data, c.sha256.hex() if c.sha256 else None
-                if c.sha256:
+                yield c.blob, c.offset, c.data, c.last
+                if c.last:
                     todo.pop(0)
                     first_offset = 0
         except grpc.RpcError as exc:

@@ -1,17 +1,17 @@
 """The coordinator's Ship service: each node's shard, read by byte range from the one checkpoint.
 
 A node asks for the blobs its cache lacks (node/ship.py); they stream back in chunks of at most
-`chunk_bytes`, each with its crc32, the last of a blob with the blob's sha256. gRPC's HTTP/2 flow
+`chunk_bytes`, each with its crc32 (the node hashes each blob with sha256 for its manifest; hashing
+here too would halve the coordinator's rate for no extra check on the wire). gRPC's HTTP/2 flow
 control holds the handler at `yield` while a node's window is full, so the coordinator holds per
 node one chunk being read plus what the window admits — never a whole tensor (measured by
-`moe-cluster bench ship`). Reads, crc and sha256 run on an owned thread pool (hashlib and zlib
-release the GIL), so several nodes are served at once.
+`moe-cluster bench ship`). Reads and crc32 run on an owned thread pool (zlib releases the GIL), so
+several nodes are served at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -103,16 +103,13 @@ class Shipper(spb_grpc.ShipServicer):
         for i, blob in enumerate(request.blobs):
             path, start, n = self.ranges[blob]
             off = request.first_offset if i == 0 else 0
-            h = hashlib.sha256()
-            if off:  # resuming inside a blob: its sha256 covers the bytes the node already has
-                await loop.run_in_executor(self._pool, _hash_range, h, path, start, off)
             fd = os.open(path, os.O_RDONLY)
             try:
                 while True:
                     k = min(chunk, n - off)
-                    data, crc = await loop.run_in_executor(self._pool, _read_chunk, fd, start + off, k, h)
+                    data, crc = await loop.run_in_executor(self._pool, _read_chunk, fd, start + off, k)
                     last = off + k >= n
-                    yield spb.Chunk(blob=blob, offset=off, data=data, crc32=crc, sha256=h.digest() if last else b"")
+                    yield spb.Chunk(blob=blob, offset=off, data=data, crc32=crc, last=last)
                     off += k
                     t.sent += k
                     sent_here += k
@@ -132,23 +129,11 @@ class Shipper(spb_grpc.ShipServicer):
                      f"ship {name}: sent {t.sent} bytes in {time.monotonic() - t.started:.2f}s")
 
 
-def _read_chunk(fd: int, at: int, n: int, h) -> tuple[bytes, int]:
+def _read_chunk(fd: int, at: int, n: int) -> tuple[bytes, int]:
     data = os.pread(fd, n, at)
     if len(data) != n:
         raise OSError(f"short read at byte {at} ({len(data)} of {n}): the checkpoint changed while shipping")
-    h.update(data)
     return data, zlib.crc32(data)
-
-
-def _hash_range(h, path: Path, start: int, n: int) -> None:
-    with open(path, "rb") as f:
-        f.seek(start)
-        while n:
-            b = f.read(min(n, 8 << 20))
-            if not b:
-                raise OSError(f"{path}: short read at byte {start}")
-            h.update(b)
-            n -= len(b)
 
 
 async def start_server(shipper: Shipper, host: str, port: int, secret: str, tls=None) -> tuple[grpc.aio.Server, int]:
