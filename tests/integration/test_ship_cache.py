@@ -1,0 +1,140 @@
+"""A node's shard cache against a real Ship service on loopback: corrupt chunks, wrong secrets, a dead
+coordinator, a full disk and bad manifests each end in one line (or a repair), never a traceback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_cluster.coordinator.serve.ship import Shipper, start_server
+from moe_cluster.node import cache as cache_mod
+from moe_cluster.node.cache import CacheError, _inside, list_shards, remove_shard
+from moe_cluster.node.checkpoint import Checkpoint, CheckpointError, read_tensor
+from moe_cluster.node.ship import fill_cache
+from moe_cluster.proto.errors import UnavailableError
+from moe_cluster.proto.records import ShipSource
+
+SECRET = "cache-test-secret"
+
+
+class Corrupting(Shipper):
+    """Flips one byte of the first chunk of the `nth` blob it sends, once (its crc32 stays the true one)."""
+
+    nth = 3
+
+    async def Fetch(self, request, context):
+        i = 0
+        async for chunk in super().Fetch(request, context):
+            if chunk.offset == 0:
+                i += 1
+            if i == self.nth and chunk.offset == 0 and not getattr(self, "done", False):
+                self.done = True
+                data = bytearray(chunk.data)
+                data[7] ^= 0x01
+                chunk.data = bytes(data)
+            yield chunk
+
+
+@pytest.fixture(scope="module")
+def server():
+    ckpt = Checkpoint.open("demo")
+    shipper = Corrupting(ckpt, report=lambda line: None)
+    box, ready = {}, threading.Event()
+
+    async def run():
+        srv, port = await start_server(shipper, "127.0.0.1", 0, SECRET)
+        box.update(port=port, loop=asyncio.get_running_loop(), stop=asyncio.Event())
+        ready.set()
+        await box["stop"].wait()
+        await srv.stop(0.5)
+
+    t = threading.Thread(target=lambda: asyncio.run(run()), daemon=True)
+    t.start()
+    assert ready.wait(30)
+    yield ckpt, shipper, f"127.0.0.1:{box['port']}"
+    box["loop"].call_soon_threadsafe(box["stop"].set)
+    t.join(10)
+    shipper.close()
+
+
+def fill(address: str, fp: str, cache_dir: Path, secret: str = SECRET, rank: int = 0):
+    return fill_cache(ShipSource(fp, address), address, cache_dir=cache_dir, secret=secret, tls=None, node=f"t{rank}",
+                      placement=None, rank=rank, world_size=2, progress=lambda *a: None)
+
+
+def test_a_corrupt_chunk_is_fetched_again_and_the_shard_reads_as_the_checkpoint(server, tmp_path, caplog):
+    ckpt, shipper, address = server
+    view = fill(address, shipper.fingerprint, tmp_path)
+    assert "arrived corrupt (crc32)" in caplog.text
+    key = "model.layers.2.mlp.switch_mlp.up_proj.weight"
+    local = list(view.tensors[key].held)
+    assert local == list(range(8))  # rank 0 of 2, an even split
+    assert np.array_equal(np.array(read_tensor(view.tensors[key], [1, 5])), np.array(read_tensor(ckpt.tensors[key], [1, 5])))
+    assert np.array_equal(np.array(read_tensor(view.tensors["model.norm.weight"])),
+                          np.array(read_tensor(ckpt.tensors["model.norm.weight"])))
+    with pytest.raises(CheckpointError, match=r"expert 9 is not in this cached shard \(it holds \[0, 1, 2"):
+        read_tensor(view.tensors[key], [9])
+    # a second fill finds everything verified and asks for nothing
+    before = dict(shipper.bytes_sent())
+    fill(address, shipper.fingerprint, tmp_path)
+    assert shipper.bytes_sent() == before
+
+
+def test_a_wrong_secret_gets_nothing(server, tmp_path):
+    _, shipper, address = server
+    with pytest.raises(UnavailableError) as exc:
+        fill(address, shipper.fingerprint, tmp_path, secret="not-the-secret", rank=1)
+    assert "UNAUTHENTICATED" in str(exc.value) and "\n" not in str(exc.value)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_dead_coordinator_is_one_line_quickly(server, tmp_path):
+    import socket
+
+    _, shipper, _ = server
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: nobody answers there
+    t = time.monotonic()
+    try:
+        with pytest.raises(UnavailableError, match="cannot get the model's catalog from the coordinator at"):
+            fill(dead, shipper.fingerprint, tmp_path)
+    finally:
+        s.close()
+    assert time.monotonic() - t < 20
+
+
+def test_a_full_disk_is_refused_before_anything_is_sent(server, tmp_path, monkeypatch):
+    _, shipper, address = server
+    monkeypatch.setattr(cache_mod.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
+    sent = dict(shipper.bytes_sent())
+    with pytest.raises(CacheError, match=r"not enough free disk in .*: the shard needs \d+ bytes .*, 1000 bytes .* are free"):
+        fill(address, shipper.fingerprint, tmp_path / "small", rank=1)
+    assert shipper.bytes_sent() == sent
+
+
+def test_bad_manifests_and_names(server, tmp_path, caplog):
+    _, shipper, address = server
+    fill(address, shipper.fingerprint, tmp_path, rank=1)
+    (shard,) = [p for p in tmp_path.iterdir()]
+    manifest = json.loads((shard / "manifest.json").read_text())
+    manifest["catalog"]["layers"]["0"]["experts"] = "many"
+    (shard / "manifest.json").write_text(json.dumps(manifest))
+    (line,) = [s for s in list_shards(tmp_path)]
+    assert line.state.startswith("unusable: ") and "malformed catalog" in line.state and "\n" not in line.state
+    fill(address, shipper.fingerprint, tmp_path, rank=1)  # refetched, with a one-line warning
+    assert "malformed catalog" in caplog.text
+    assert list_shards(tmp_path)[0].state == "complete"
+    for name in ("../evil.safetensors", "/etc/passwd", "layer-0001-../../x.safetensors", "manifest.json"):
+        with pytest.raises(CacheError, match="refusing"):
+            _inside(shard, name)
+    with pytest.raises(CacheError, match="is not a cached shard name"):
+        remove_shard(tmp_path, "..")
+    remove_shard(tmp_path, shard.name)
+    assert not shard.exists()
