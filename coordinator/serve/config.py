@@ -342,8 +342,7 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
         raise r.fail(_find(root, "ship", "port"), "ship.port", f"{c.ship.port} is not a port (0..65535)")
     if not 64 * 2**10 <= c.ship.chunk <= 4 * 2**20:
         raise r.fail(_find(root, "ship", "chunk"), "ship.chunk", f"must be 64KiB to 4MiB (got {int(c.ship.chunk)} bytes)")
-    if (c.model != "demo" and (c.launch == "local" or c.checkpoint == "coordinator")
-            and not Path(c.model).expanduser().exists()):
+    if c.model != "demo" and c.launch == "local" and not Path(c.model).expanduser().exists():
         raise r.fail(_find(root, "model"), "model", f"{c.model} does not exist on this machine")
 
 
