@@ -15,6 +15,7 @@ inside its cache directory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -371,6 +372,20 @@ class ShardCache:
         self.have: dict[str, Have] = {}
         self.journal: dict[str, str] = {}
 
+    @contextlib.contextmanager
+    def locked(self):
+        """Held while filling and opening: two agents given the same cache folder would write the
+        same files; the second is refused in one line instead."""
+        import fcntl
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".lock", "w") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise CacheError(f"{self.root} is in use by another node agent (give each agent its own --cache-dir)") from None
+            yield
+
     def scan(self) -> Plan:
         """Verify what is on disk (manifest and journal of an interrupted fill) and plan the rest."""
         self.root.mkdir(parents=True, exist_ok=True)
@@ -473,7 +488,7 @@ class ShardCache:
         tmp = self.root / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest.to_json()) + "\n")
         os.replace(tmp, self.root / MANIFEST)
-        keep = {fs.name for fs in self.files} | {MANIFEST, "config.json"}
+        keep = {fs.name for fs in self.files} | {MANIFEST, "config.json", ".lock"}
         for p in self.root.iterdir():  # files of an older placement, journals, partials
             if p.name not in keep and p.is_file():
                 p.unlink()

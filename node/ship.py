@@ -72,31 +72,41 @@ def fill_cache(source: ShipSource, address: str, *, cache_dir: Path, secret: str
         placement.check(moe_layers)
         local = {l: placement.layers[l][rank] for l in moe_layers}
         cache = ShardCache(cache_dir, catalog, local)
-        t0 = time.monotonic()
-        plan = cache.scan()
-        cache.check_disk(plan)
-        print("cache %s: %d blobs verified in %.2fs; fetching %d blobs (%d bytes), copying %d bytes locally" % (
-                    cache.root, len(cache.have) + len(cache.journal), time.monotonic() - t0, len(plan.fetch),
-                    plan.fetch_bytes, plan.copy_bytes), file=sys.stderr, flush=True)
-        t1 = time.monotonic()
-        last = [0.0]
-
-        def report(done: int, total: int) -> None:
-            progress(done, total, "ship")
-            now = time.monotonic()
-            if now - last[0] >= 1.0 or done >= total:
-                last[0] = now
-                rate = done / max(now - t1, 1e-6)
-                # the node's own terminal/log shows its transfer, whatever the log level
-                print(f"fetched {done} of {total} bytes ({100 * done / max(total, 1):.0f}%), {rate / 1e6:.1f} MB/s, "
-                      f"ETA {(total - done) / rate if rate else 0.0:.1f}s", file=sys.stderr, flush=True)
-
-        cache.fill(plan, lambda blobs: _fetch(stub, md, source.fingerprint, node, blobs, address), report)
-        if plan.fetch:
-            logger.info("fetched %d bytes in %.2fs", plan.fetch_bytes, time.monotonic() - t1)
-        return cache.open()
+        try:
+            with cache.locked():
+                return _fill(cache, stub, md, source, node, address, progress)
+        except OSError as exc:  # a cache folder we cannot write, a disk that filled up meanwhile
+            raise CacheError(f"cache {cache.root}: {exc.strerror or exc}"
+                             + (f" ({exc.filename})" if getattr(exc, "filename", None) else "")) from None
     finally:
         channel.close()
+
+
+def _fill(cache: ShardCache, stub, md, source: ShipSource, node: str, address: str, progress) -> CachedCheckpoint:
+    """Verify, plan, refuse a short disk, fetch, open: under the shard's lock."""
+    t0 = time.monotonic()
+    plan = cache.scan()
+    cache.check_disk(plan)
+    print(f"cache {cache.root}: {len(cache.have) + len(cache.journal)} blobs verified in {time.monotonic() - t0:.2f}s; "
+          f"fetching {len(plan.fetch)} blobs ({plan.fetch_bytes} bytes), copying {plan.copy_bytes} bytes locally",
+          file=sys.stderr, flush=True)
+    t1 = time.monotonic()
+    last = [0.0]
+
+    def report(done: int, total: int) -> None:
+        progress(done, total, "ship")
+        now = time.monotonic()
+        if now - last[0] >= 1.0 or done >= total:
+            last[0] = now
+            rate = done / max(now - t1, 1e-6)
+            # the node's own terminal/log shows its transfer, whatever the log level
+            print(f"fetched {done} of {total} bytes ({100 * done / max(total, 1):.0f}%), {rate / 1e6:.1f} MB/s, "
+                  f"ETA {(total - done) / rate if rate else 0.0:.1f}s", file=sys.stderr, flush=True)
+
+    cache.fill(plan, lambda blobs: _fetch(stub, md, source.fingerprint, node, blobs, address), report)
+    if plan.fetch:
+        logger.info("fetched %d bytes in %.2fs", plan.fetch_bytes, time.monotonic() - t1)
+    return cache.open()
 
 
 def _fetch(stub, md, fingerprint: str, node: str, blobs: Sequence[str], address: str

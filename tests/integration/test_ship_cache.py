@@ -138,3 +138,53 @@ def test_bad_manifests_and_names(server, tmp_path, caplog):
         remove_shard(tmp_path, "..")
     remove_shard(tmp_path, shard.name)
     assert not shard.exists()
+
+
+def test_an_unwritable_cache_and_a_shared_one_are_one_line(server, tmp_path):
+    _, shipper, address = server
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    with pytest.raises(CacheError, match=r"^cache .*file/[0-9a-f]{16}: ") as exc:
+        fill(address, shipper.fingerprint, blocked)
+    assert "\n" not in str(exc.value)
+    from moe_cluster.node.cache import Catalog, ShardCache
+
+    catalog = Catalog.from_json(json.loads(shipper.catalog_bytes), "test")
+    first = ShardCache(tmp_path / "shared", catalog, {})
+    with first.locked():
+        with pytest.raises(CacheError, match="is in use by another node agent"):
+            with ShardCache(tmp_path / "shared", catalog, {}).locked():
+                pass
+
+
+def test_shards_travel_over_tls(tmp_path):
+    pytest.importorskip("cryptography", reason="the test extra makes its certificate with cryptography")
+    from tls_certs import make_tls
+
+    tls = make_tls(tmp_path)
+    shipper = Shipper(Checkpoint.open("demo"), report=lambda line: None)
+    box, ready = {}, threading.Event()
+
+    async def run():
+        srv, port = await start_server(shipper, "127.0.0.1", 0, SECRET, tls)
+        box.update(port=port, loop=asyncio.get_running_loop(), stop=asyncio.Event())
+        ready.set()
+        await box["stop"].wait()
+        await srv.stop(0.5)
+
+    t = threading.Thread(target=lambda: asyncio.run(run()), daemon=True)
+    t.start()
+    assert ready.wait(30)
+    try:
+        address = f"127.0.0.1:{box['port']}"
+        source = ShipSource(shipper.fingerprint, address)
+        view = fill_cache(source, address, cache_dir=tmp_path / "c", secret=SECRET, tls=tls, node="tls", placement=None,
+                          rank=1, world_size=2, progress=lambda *a: None)
+        assert list(view.tensors["model.layers.0.mlp.switch_mlp.up_proj.weight"].held) == list(range(8, 16))
+        with pytest.raises(UnavailableError):  # plaintext to a TLS port gets nothing
+            fill_cache(source, address, cache_dir=tmp_path / "d", secret=SECRET, tls=None, node="plain",
+                       placement=None, rank=0, world_size=2, progress=lambda *a: None)
+    finally:
+        box["loop"].call_soon_threadsafe(box["stop"].set)
+        t.join(10)
+        shipper.close()
