@@ -493,7 +493,6 @@ class ShardCache:
             if p.name not in keep and p.is_file():
                 p.unlink()
         (self.root / "config.json").write_text(self.catalog.config_text)
-        self.have = verified_blobs(self.root, manifest)
         return manifest.sha256
 
     def _receive(self, plan: Plan, fetch, targets, handles, journal, sha: dict[str, str], progress) -> None:

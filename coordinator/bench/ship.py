@@ -11,7 +11,6 @@ growth of its resident set (ru_maxrss), next to the largest blob.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import resource
@@ -84,29 +83,14 @@ def main(args) -> int:
 
         quiet = lambda line: None  # noqa: E731 - the bench prints one result
         shipper = Shipper(ckpt, chunk_bytes=chunk, report=quiet, catalog=catalog)
-        ready = threading.Event()
-        box: dict = {}
-
-        def serve() -> None:
-            async def run() -> None:
-                server, port = await start_server(shipper, "0.0.0.0", 0, SECRET)
-                box["port"], box["loop"], box["stop"] = port, asyncio.get_running_loop(), asyncio.Event()
-                ready.set()
-                await box["stop"].wait()
-                await server.stop(0.5)
-
-            asyncio.run(run())
-
-        t = threading.Thread(target=serve, name="ship-server", daemon=True)
-        t.start()
-        ready.wait(30)
+        server, port = start_server(shipper, "0.0.0.0", 0, SECRET)
         raw = socket.create_server(("0.0.0.0", 0))
         raw_port = raw.getsockname()[1]
         ranges = sorted(shipper.ranges.values(), key=lambda r: r[1])
         raw_thread = threading.Thread(target=_raw_send, args=(raw, ranges, chunk), name="raw-sender", daemon=True)
         raw_thread.start()
         total = sum(r[2] for r in ranges)
-        job = {"ship": f"{args.host}:{box['port']}", "raw": f"{args.host}:{raw_port}", "fingerprint": shipper.fingerprint,
+        job = {"ship": f"{args.host}:{port}", "raw": f"{args.host}:{raw_port}", "fingerprint": shipper.fingerprint,
                "cache": str(root / "cache"), "total": total}
         cmd = [sys.executable, "-m", "moe_cluster.coordinator.cli", "bench", "ship", "--receive", json.dumps(job)]
         if args.netns:
@@ -119,10 +103,8 @@ def main(args) -> int:
         finally:
             traced_peak = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
-            box["loop"].call_soon_threadsafe(box["stop"].set)
-            t.join(10)
+            server.stop(0.5).wait()
             raw.close()
-            shipper.close()
         rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if r.returncode != 0:
             print(f"bench ship: the receiver failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}", file=sys.stderr)

@@ -291,8 +291,7 @@ class _Ship:
         self.shipper, self.server, self.source = shipper, server, source
 
     async def close(self) -> None:
-        await self.server.stop(1.0)
-        self.shipper.close()
+        await asyncio.to_thread(lambda: self.server.stop(1.0).wait())
 
 
 async def _start_ship(c: ClusterConfig, model_path: str, secret: str) -> _Ship:
@@ -307,7 +306,7 @@ async def _start_ship(c: ClusterConfig, model_path: str, secret: str) -> _Ship:
         except OSError as exc:
             raise ConfigError(f"{c.source}: ship: {exc}") from None
     shipper = Shipper(Checkpoint.open(model_path), chunk_bytes=c.ship.chunk, max_rate=c.ship.max_rate)
-    server, port = await start_server(shipper, c.ship.host, c.ship.port, secret, tls_files(c))
+    server, port = start_server(shipper, c.ship.host, c.ship.port, secret, tls_files(c))
     print(f"shipping shards of {model_path} (model {shipper.fingerprint[:16]}) on port {port}",
           file=sys.stderr, flush=True)
     return _Ship(shipper, server, ShipSource(shipper.fingerprint, f":{port}"))

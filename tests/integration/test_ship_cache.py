@@ -3,9 +3,7 @@ coordinator, a full disk and bad manifests each end in one line (or a repair), n
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 import time
 from pathlib import Path
 
@@ -28,9 +26,9 @@ class Corrupting(Shipper):
 
     nth = 3
 
-    async def Fetch(self, request, context):
+    def Fetch(self, request, context):
         i = 0
-        async for chunk in super().Fetch(request, context):
+        for chunk in super().Fetch(request, context):
             if chunk.offset == 0:
                 i += 1
             if i == self.nth and chunk.offset == 0 and not getattr(self, "done", False):
@@ -45,22 +43,9 @@ class Corrupting(Shipper):
 def server():
     ckpt = Checkpoint.open("demo")
     shipper = Corrupting(ckpt, report=lambda line: None)
-    box, ready = {}, threading.Event()
-
-    async def run():
-        srv, port = await start_server(shipper, "127.0.0.1", 0, SECRET)
-        box.update(port=port, loop=asyncio.get_running_loop(), stop=asyncio.Event())
-        ready.set()
-        await box["stop"].wait()
-        await srv.stop(0.5)
-
-    t = threading.Thread(target=lambda: asyncio.run(run()), daemon=True)
-    t.start()
-    assert ready.wait(30)
-    yield ckpt, shipper, f"127.0.0.1:{box['port']}"
-    box["loop"].call_soon_threadsafe(box["stop"].set)
-    t.join(10)
-    shipper.close()
+    srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
+    yield ckpt, shipper, f"127.0.0.1:{port}"
+    srv.stop(0.5).wait()
 
 
 def fill(address: str, fp: str, cache_dir: Path, secret: str = SECRET, rank: int = 0):
@@ -163,20 +148,9 @@ def test_shards_travel_over_tls(tmp_path):
 
     tls = make_tls(tmp_path)
     shipper = Shipper(Checkpoint.open("demo"), report=lambda line: None)
-    box, ready = {}, threading.Event()
-
-    async def run():
-        srv, port = await start_server(shipper, "127.0.0.1", 0, SECRET, tls)
-        box.update(port=port, loop=asyncio.get_running_loop(), stop=asyncio.Event())
-        ready.set()
-        await box["stop"].wait()
-        await srv.stop(0.5)
-
-    t = threading.Thread(target=lambda: asyncio.run(run()), daemon=True)
-    t.start()
-    assert ready.wait(30)
+    srv, port = start_server(shipper, "127.0.0.1", 0, SECRET, tls)
     try:
-        address = f"127.0.0.1:{box['port']}"
+        address = f"127.0.0.1:{port}"
         source = ShipSource(shipper.fingerprint, address)
         view = fill_cache(source, address, cache_dir=tmp_path / "c", secret=SECRET, tls=tls, node="tls", placement=None,
                           rank=1, world_size=2, progress=lambda *a: None)
@@ -185,6 +159,4 @@ def test_shards_travel_over_tls(tmp_path):
             fill_cache(source, address, cache_dir=tmp_path / "d", secret=SECRET, tls=None, node="plain",
                        placement=None, rank=0, world_size=2, progress=lambda *a: None)
     finally:
-        box["loop"].call_soon_threadsafe(box["stop"].set)
-        t.join(10)
-        shipper.close()
+        srv.stop(0.5).wait()
