@@ -121,7 +121,8 @@ def _fetch(stub, md, fingerprint: str, node: str, blobs: Sequence[str], address:
         corrupt = False
         try:
             for c in call:
-                if zlib.crc32(c.data) != c.crc32:
+                data = c.data  # one read: each read of a bytes field copies it
+                if zlib.crc32(data) != c.crc32:
                     logger.warning("chunk of %s at %d arrived corrupt (crc32); asking again from there", c.blob, c.offset)
                     restarts += 1
                     if restarts > MAX_RESTARTS:
@@ -130,7 +131,7 @@ def _fetch(stub, md, fingerprint: str, node: str, blobs: Sequence[str], address:
                     todo, first_offset, corrupt = todo[i:], c.offset, True
                     call.cancel()
                     break
-                yield c.blob, c.offset, c.data, c.last
+                yield c.blob, c.offset, data, c.last
                 if c.last:
                     todo.pop(0)
                     first_offset = 0
