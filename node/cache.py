@@ -26,10 +26,10 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from ..proto.errors import UserError
-from .checkpoint import _DTYPES, Checkpoint, CheckpointError, TensorInfo, read_config
+from .checkpoint import _DTYPES, Checkpoint, TensorInfo, read_config
 
 logger = logging.getLogger(__name__)
 
@@ -465,12 +465,7 @@ class ShardCache:
                     targets[blob] = (f, at)
                     h = self.have.get(blob)
                     if h is not None:  # held in another file (an older placement): copy locally
-                        with open(h.path, "rb") as src:
-                            src.seek(h.offset)
-                            data = src.read(self.sizes[blob])
-                        if hashlib.sha256(data).hexdigest() != h.sha256:
-                            raise CacheError(f"{h.path}: blob {blob} changed on disk while copying")
-                        os.pwrite(f.fileno(), data, at)
+                        _copy(h, f, at, self.sizes[blob], blob)
                         journal.write(f"{fs.name}\t{blob}\t{h.sha256}\n")
             journal.flush()
             self._receive(plan, fetch, targets, handles, journal, sha, progress)
@@ -541,6 +536,22 @@ class ShardCache:
 
     def open(self) -> "CachedCheckpoint":
         return CachedCheckpoint(self.root, self.catalog, self.local)
+
+
+def _copy(h: Have, f, at: int, n: int, blob: str) -> None:
+    """Copy a held blob into file `f` at `at`, 8 MB at a time, checking its sha256 on the way."""
+    digest = hashlib.sha256()
+    with open(h.path, "rb") as src:
+        done = 0
+        while done < n:
+            data = os.pread(src.fileno(), min(8 << 20, n - done), h.offset + done)
+            if not data:
+                raise CacheError(f"{h.path}: blob {blob} ends early while copying")
+            digest.update(data)
+            os.pwrite(f.fileno(), data, at + done)
+            done += len(data)
+    if digest.hexdigest() != h.sha256:
+        raise CacheError(f"{h.path}: blob {blob} changed on disk while copying")
 
 
 def _name_of(targets, blob, handles) -> str:

@@ -160,3 +160,19 @@ def test_shards_travel_over_tls(tmp_path):
                        placement=None, rank=0, world_size=2, progress=lambda *a: None)
     finally:
         srv.stop(0.5).wait()
+
+
+def test_a_placement_change_copies_what_is_held_and_fetches_the_rest(server, tmp_path):
+    ckpt, shipper, address = server
+    fill(address, shipper.fingerprint, tmp_path, rank=0)  # experts 0..7 of 16 per layer
+    before = shipper.bytes_sent().get("t0", 0)
+    source = ShipSource(shipper.fingerprint, address)
+    view = fill_cache(source, address, cache_dir=tmp_path, secret=SECRET, tls=None, node="t0", placement=None,
+                      rank=0, world_size=1, progress=lambda *a: None)  # alone: all 16
+    key = "model.layers.3.mlp.switch_mlp.gate_proj.weight"
+    per_expert = sum(ckpt.tensors[f"model.layers.0.mlp.switch_mlp.{p}.weight"].nbytes // 16
+                     for p in ("gate_proj", "up_proj", "down_proj"))
+    assert shipper.bytes_sent()["t0"] - before == 4 * 8 * per_expert  # 8 new experts in each of 4 layers
+    assert list(view.tensors[key].held) == list(range(16))
+    assert np.array_equal(np.array(read_tensor(view.tensors[key], list(range(16)))), np.array(read_tensor(ckpt.tensors[key])))
+    assert len(list(next(tmp_path.iterdir()).glob("layer-*"))) == 4  # the old placement's files are gone
