@@ -20,12 +20,11 @@ from typing import Callable, Iterator, Sequence
 import grpc
 
 from ..envoy.auth import call_metadata, channel_credentials
-from ..proto import CHANNEL_OPTIONS
-from ..proto import ship_pb2 as spb
+from ..proto import CHANNEL_OPTIONS, convert
 from ..proto import ship_pb2_grpc as spb_grpc
 from ..proto.errors import UnavailableError
 from ..proto.placement import Placement
-from ..proto.records import ShipSource
+from ..proto.records import FetchSpec, ShipSource
 from .cache import CacheError, CachedCheckpoint, Catalog, ShardCache
 
 logger = logging.getLogger(__name__)
@@ -55,13 +54,13 @@ def fill_cache(source: ShipSource, address: str, *, cache_dir: Path, secret: str
     try:
         stub = spb_grpc.ShipStub(channel)
         try:
-            reply = stub.Catalog(spb.CatalogRequest(fingerprint=source.fingerprint), metadata=md,
+            reply = stub.Catalog(convert.catalog_request_to_proto(source.fingerprint), metadata=md,
                                  timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise UnavailableError(f"cannot get the model's catalog from the coordinator at {address}: "
                                    f"{exc.code().name}: {exc.details()}") from None
         try:
-            catalog = Catalog.from_json(json.loads(reply.catalog), f"catalog from {address}")
+            catalog = Catalog.from_json(json.loads(convert.catalog_reply_from_proto(reply)), f"catalog from {address}")
         except json.JSONDecodeError as exc:
             raise CacheError(f"catalog from {address} is not JSON ({exc})") from None
         if catalog.fingerprint != source.fingerprint:
@@ -116,13 +115,13 @@ def _fetch(stub, md, fingerprint: str, node: str, blobs: Sequence[str], address:
     first_offset = 0
     restarts = 0
     while todo:
-        call = stub.Fetch(spb.FetchRequest(fingerprint=fingerprint, blobs=todo, node=node, first_offset=first_offset),
+        call = stub.Fetch(convert.fetch_request_to_proto(FetchSpec(fingerprint, tuple(todo), node, first_offset)),
                           metadata=md)
         corrupt = False
         try:
-            for c in call:
-                data = c.data  # one read: each read of a bytes field copies it
-                if zlib.crc32(data) != c.crc32:
+            for msg in call:
+                c = convert.chunk_from_proto(msg)
+                if zlib.crc32(c.data) != c.crc32:
                     logger.warning("chunk of %s at %d arrived corrupt (crc32); asking again from there", c.blob, c.offset)
                     restarts += 1
                     if restarts > MAX_RESTARTS:
@@ -131,7 +130,7 @@ def _fetch(stub, md, fingerprint: str, node: str, blobs: Sequence[str], address:
                     todo, first_offset, corrupt = todo[i:], c.offset, True
                     call.cancel()
                     break
-                yield c.blob, c.offset, data, c.last
+                yield c.blob, c.offset, c.data, c.last
                 if c.last:
                     todo.pop(0)
                     first_offset = 0

@@ -424,3 +424,48 @@ def probe_reply_to_proto(y) -> npb.ProbeReply:
 
 def probe_reply_from_proto(msg: npb.ProbeReply):
     return _f32(msg.shape, msg.y, "probe reply")
+
+
+# ---------------------------------------------------------------------------------------------
+# Ship (proto/ship.proto): shards of a checkpoint only the coordinator holds
+
+
+def catalog_request_to_proto(fingerprint: str):
+    from . import ship_pb2 as spb
+
+    return spb.CatalogRequest(fingerprint=fingerprint)
+
+
+def catalog_reply_to_proto(catalog: bytes):
+    from . import ship_pb2 as spb
+
+    return spb.CatalogReply(catalog=catalog)
+
+
+def catalog_reply_from_proto(msg) -> bytes:
+    return msg.catalog
+
+
+def fetch_request_to_proto(spec):
+    from . import ship_pb2 as spb
+
+    return spb.FetchRequest(fingerprint=spec.fingerprint, blobs=list(spec.blobs), node=spec.node,
+                            first_offset=spec.first_offset, chunk_bytes=spec.chunk_bytes)
+
+
+def fetch_request_from_proto(msg):
+    from .records import FetchSpec
+
+    return FetchSpec(msg.fingerprint, tuple(msg.blobs), msg.node, msg.first_offset, msg.chunk_bytes)
+
+
+def chunk_to_proto(blob: str, offset: int, data: bytes, crc32: int, last: bool):
+    from . import ship_pb2 as spb
+
+    return spb.Chunk(blob=blob, offset=offset, data=data, crc32=crc32, last=last)
+
+
+def chunk_from_proto(msg):
+    from .records import ShipChunk
+
+    return ShipChunk(msg.blob, msg.offset, msg.data, msg.crc32, msg.last)  # each read of msg.data copies it: once

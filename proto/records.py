@@ -96,6 +96,28 @@ class ShipSource:
 
 
 @dataclass(frozen=True)
+class FetchSpec:
+    """A node's request for blobs of a shard (proto/ship.proto's FetchRequest)."""
+
+    fingerprint: str
+    blobs: tuple[str, ...]
+    node: str = ""  # the asking node's name, for the coordinator's progress lines
+    first_offset: int = 0  # start blobs[0] here (a resumed stream)
+    chunk_bytes: int = 0  # 0: the coordinator's default
+
+
+@dataclass(frozen=True)
+class ShipChunk:
+    """Bytes of one blob (proto/ship.proto's Chunk)."""
+
+    blob: str
+    offset: int
+    data: bytes
+    crc32: int
+    last: bool
+
+
+@dataclass(frozen=True)
 class LoadSpec:
     """What a node loads and how it reaches the other nodes."""
 

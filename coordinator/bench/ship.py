@@ -157,16 +157,15 @@ def _receive(job: dict) -> int:
     from ...envoy.auth import call_metadata
     from ...node.cache import Catalog, ShardCache
     from ...node.ship import _fetch
-    from ...proto import CHANNEL_OPTIONS
-    from ...proto import ship_pb2 as spb
+    from ...proto import CHANNEL_OPTIONS, convert
     from ...proto import ship_pb2_grpc as spb_grpc
 
     md = call_metadata(os.environ["MOE_CLUSTER_SECRET"])
     raw_before = _raw_receive(job)
     with grpc.insecure_channel(job["ship"], options=CHANNEL_OPTIONS) as channel:
         stub = spb_grpc.ShipStub(channel)
-        reply = stub.Catalog(spb.CatalogRequest(fingerprint=job["fingerprint"]), metadata=md, timeout=30)
-        catalog = Catalog.from_json(json.loads(reply.catalog), "bench")
+        reply = stub.Catalog(convert.catalog_request_to_proto(job["fingerprint"]), metadata=md, timeout=30)
+        catalog = Catalog.from_json(json.loads(convert.catalog_reply_from_proto(reply)), "bench")
         t0 = time.perf_counter()
         cache = ShardCache(Path(job["cache"]), catalog, {})
         plan = cache.scan()

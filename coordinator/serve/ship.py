@@ -26,8 +26,7 @@ import grpc
 from ...envoy.auth import _authorized, server_credentials
 from ...node.cache import Catalog, catalog_of, source_ranges
 from ...node.checkpoint import Checkpoint
-from ...proto import CHANNEL_OPTIONS
-from ...proto import ship_pb2 as spb
+from ...proto import CHANNEL_OPTIONS, convert
 from ...proto import ship_pb2_grpc as spb_grpc
 from .placement import fmt_bytes
 
@@ -76,9 +75,10 @@ class Shipper(spb_grpc.ShipServicer):
         if request.fingerprint != self.fingerprint:
             context.abort(grpc.StatusCode.NOT_FOUND, f"this coordinator ships model {self.fingerprint[:16]}, "
                                                      f"not {request.fingerprint[:16]}")
-        return spb.CatalogReply(catalog=self.catalog_bytes)
+        return convert.catalog_reply_to_proto(self.catalog_bytes)
 
     def Fetch(self, request, context):
+        request = convert.fetch_request_from_proto(request)
         if request.fingerprint != self.fingerprint:
             context.abort(grpc.StatusCode.NOT_FOUND, f"this coordinator ships model {self.fingerprint[:16]}, "
                                                      f"not {request.fingerprint[:16]}")
@@ -106,7 +106,7 @@ class Shipper(spb_grpc.ShipServicer):
                         context.abort(grpc.StatusCode.DATA_LOSS, f"{path}: short read at byte {start + off}: "
                                                                  "the checkpoint changed while shipping")
                     last = off + k >= n
-                    yield spb.Chunk(blob=blob, offset=off, data=data, crc32=zlib.crc32(data), last=last)
+                    yield convert.chunk_to_proto(blob, off, data, zlib.crc32(data), last)
                     off += k
                     t.sent += k
                     sent_here += k
