@@ -49,8 +49,21 @@ class Progress:
         self.quarter = {n: -1 for n in names}
         self.width = max(len(n) for n in names)
         self.drawn = False
+        self.base = {n: (time.monotonic(), 0) for n in names}  # (time, bytes) a node's current phase counts from
+
+    def _rate(self, name: str) -> str:
+        """bytes/s and ETA of a node's current load phase (shipping, reading the shard)."""
+        done, total = self.state[name]
+        t0, done0 = self.base[name]
+        elapsed = time.monotonic() - t0
+        if done <= done0 or elapsed <= 0:
+            return ""
+        rate = (done - done0) / elapsed
+        return f", {fmt_bytes(rate)}/s, ETA {max(total - done, 0) / rate:.1f}s"
 
     def update(self, m: Member) -> None:
+        if m.load_done < self.state[m.name][0]:  # a new phase (shipping, then reading the shard) starts over
+            self.base[m.name] = (time.monotonic(), m.load_done)
         self.state[m.name] = (m.load_done, m.load_total)
         if self.tty:
             self._draw()
@@ -59,8 +72,8 @@ class Progress:
         q = int(4 * done / total) if total else 0
         if q != self.quarter[m.name]:
             self.quarter[m.name] = q
-            print(f"loading {m.name}: {fmt_bytes(done)} of {fmt_bytes(total)} ({100 * done / max(total, 1):.0f}%)",
-                  file=self.stream, flush=True)
+            print(f"loading {m.name}: {fmt_bytes(done)} of {fmt_bytes(total)} ({100 * done / max(total, 1):.0f}%)"
+                  f"{self._rate(m.name)}", file=self.stream, flush=True)
 
     def _draw(self) -> None:
         if self.drawn:
@@ -69,7 +82,8 @@ class Progress:
             done, total = self.state[n]
             frac = done / total if total else 0.0
             bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-            self.stream.write(f"\r{n:<{self.width}} [{bar}] {100 * frac:5.1f}%  {fmt_bytes(done)} / {fmt_bytes(total)}\x1b[K\n")
+            self.stream.write(f"\r{n:<{self.width}} [{bar}] {100 * frac:5.1f}%  {fmt_bytes(done)} / {fmt_bytes(total)}"
+                              f"{self._rate(n)}\x1b[K\n")
         self.stream.flush()
         self.drawn = True
 
@@ -305,7 +319,10 @@ async def _start_ship(c: ClusterConfig, model_path: str, secret: str) -> _Ship:
             check_port_free(c.ship.host, c.ship.port, "ship.port picks another")
         except OSError as exc:
             raise ConfigError(f"{c.source}: ship: {exc}") from None
-    shipper = Shipper(Checkpoint.open(model_path), chunk_bytes=c.ship.chunk, max_rate=c.ship.max_rate)
+    # on a terminal the per-node bars carry bytes, rate and ETA; lines from the Ship service would
+    # break them, so they go to the log there
+    report = (lambda line: logger.info("%s", line)) if sys.stderr.isatty() else None
+    shipper = Shipper(Checkpoint.open(model_path), chunk_bytes=c.ship.chunk, max_rate=c.ship.max_rate, report=report)
     server, port = start_server(shipper, c.ship.host, c.ship.port, secret, tls_files(c))
     print(f"shipping shards of {model_path} (model {shipper.fingerprint[:16]}) on port {port}",
           file=sys.stderr, flush=True)
