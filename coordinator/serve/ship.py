@@ -95,13 +95,20 @@ class Shipper(spb_grpc.ShipServicer):
         for i, blob in enumerate(request.blobs):
             path, start, n = self.ranges[blob]
             off = request.first_offset if i == 0 else 0
-            fd = os.open(path, os.O_RDONLY)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:  # the checkpoint moved or went away since `up` read its headers
+                logger.error("ship %s: cannot read %s: %s", name, path, exc.strerror or exc)
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"the coordinator cannot read {path}: {exc.strerror or exc}")
             try:
                 while True:
                     if not context.is_active():  # the node went away: stop reading for it
                         return
                     k = min(chunk, n - off)
-                    data = os.pread(fd, k, start + off)
+                    try:
+                        data = os.pread(fd, k, start + off)
+                    except OSError as exc:
+                        context.abort(grpc.StatusCode.UNAVAILABLE, f"the coordinator cannot read {path}: {exc.strerror or exc}")
                     if len(data) != k:
                         context.abort(grpc.StatusCode.DATA_LOSS, f"{path}: short read at byte {start + off}: "
                                                                  "the checkpoint changed while shipping")

@@ -176,3 +176,21 @@ def test_a_placement_change_copies_what_is_held_and_fetches_the_rest(server, tmp
     assert list(view.tensors[key].held) == list(range(16))
     assert np.array_equal(np.array(read_tensor(view.tensors[key], list(range(16)))), np.array(read_tensor(ckpt.tensors[key])))
     assert len(list(next(tmp_path.iterdir()).glob("layer-*"))) == 4  # the old placement's files are gone
+
+
+def test_a_checkpoint_file_gone_from_the_coordinator_is_one_line(tmp_path):
+    import shutil
+
+    from moe_cluster.node.demo import MODEL_DIR
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(MODEL_DIR, src)
+    shipper = Shipper(Checkpoint.open(src), report=lambda line: None)
+    srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
+    try:
+        (src / "model.safetensors").unlink()
+        with pytest.raises(UnavailableError) as exc:
+            fill(f"127.0.0.1:{port}", shipper.fingerprint, tmp_path / "c")
+        assert "cannot read" in str(exc.value) and "model.safetensors" in str(exc.value) and "\n" not in str(exc.value)
+    finally:
+        srv.stop(0.5).wait()
