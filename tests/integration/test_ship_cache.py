@@ -194,3 +194,27 @@ def test_a_checkpoint_file_gone_from_the_coordinator_is_one_line(tmp_path):
         assert "cannot read" in str(exc.value) and "model.safetensors" in str(exc.value) and "\n" not in str(exc.value)
     finally:
         srv.stop(0.5).wait()
+
+
+@pytest.mark.parametrize("spec", [
+    dict(arch="mixtral", layout="hf"),  # one tensor per expert: stacked (E_local, ...) in the cache
+    dict(arch="qwen3_moe", quantize=4, shard_bytes=200_000),  # quantized stacked experts over several files
+], ids=["mixtral-hf", "qwen3_moe-q4-sharded"])
+def test_a_shipped_shard_loads_as_the_checkpoint_does(spec, tmp_path):
+    from mlx.utils import tree_flatten
+
+    from moe_cluster.node.demo.make import DemoSpec, make_checkpoint
+    from moe_cluster.node.moe.load import _Seat, load_shard
+
+    src = tmp_path / "ckpt"
+    make_checkpoint(DemoSpec(**spec), src)
+    shipper = Shipper(Checkpoint.open(src), report=lambda line: None)
+    srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
+    try:
+        view = fill(f"127.0.0.1:{port}", shipper.fingerprint, tmp_path / "c", rank=1)
+    finally:
+        srv.stop(0.5).wait()
+    a = dict(tree_flatten(load_shard(view, None, 1, collective=_Seat(1, 2), warm_up=False).model.parameters()))
+    b = dict(tree_flatten(load_shard(str(src), None, 1, collective=_Seat(1, 2), warm_up=False).model.parameters()))
+    assert a.keys() == b.keys()
+    assert [k for k in a if not np.array_equal(np.array(a[k]), np.array(b[k]))] == []
