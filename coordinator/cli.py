@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler="moe_cluster.coordinator.bench.soak:main")
 
+    b = bench.add_parser("ship", help="shipping a shard to a node: throughput against raw TCP, coordinator memory")
+    importlib.import_module("moe_cluster.coordinator.bench.ship").add_arguments(b)
+    b.set_defaults(handler="moe_cluster.coordinator.bench.ship:main")
+
     p = sub.add_parser("envoy", help="run one envoy by hand (nodes start their own); secret from $MOE_CLUSTER_SECRET")
     importlib.import_module("moe_cluster.envoy.main").add_arguments(p)
     p.set_defaults(handler="moe_cluster.envoy.main:run")
@@ -212,8 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-cert", default=None)
     p.add_argument("--tls-key", default=None)
     p.add_argument("--tls-ca", default=None)
+    p.add_argument("--cache-dir", default=None,
+                   help="where shards the coordinator ships are kept (default ~/.cache/moe-cluster/shards)")
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(handler="moe_cluster.node.agent:main")
+
+    p = sub.add_parser("cache", help="shards the coordinator shipped to this node: list or remove them")
+    cache = p.add_subparsers(dest="cache_command", required=True)
+    for name, text in (("ls", "list the cached shards"), ("rm", "remove cached shards by name")):
+        c = cache.add_parser(name, help=text)
+        c.add_argument("--cache-dir", default=None, help="the node's --cache-dir (default ~/.cache/moe-cluster/shards)")
+        if name == "rm":
+            c.add_argument("names", nargs="+", help="shard names, as `cache ls` shows them")
+    p.set_defaults(handler="moe_cluster.node.cache:cache_main")
 
     p = sub.add_parser("plan", help="capacity planning: predicted tok/s and memory per node count (paper Eq. 1)")
     importlib.import_module("moe_cluster.coordinator.plan.command").add_arguments(p)

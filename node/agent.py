@@ -45,6 +45,7 @@ class AgentConfig:
     tls_key: str | None = None
     tls_ca: str | None = None
     memory_bytes: int | None = None  # override what the node reports
+    cache_dir: str = ""  # shards shipped by the coordinator (node/cache.py); "": the user's cache folder
 
 
 class NodeAgent(npb_grpc.NodeServicer):
@@ -153,20 +154,30 @@ class NodeAgent(npb_grpc.NodeServicer):
                 last[0] = now
                 loop.call_soon_threadsafe(events.put_nowait, LoadProgress(done, total, phase))
 
+        ship_address = _ship_address(spec, context.peer())
+
         def load():
             from .runtime import NodeRuntime
             from .moe.load import load_shard, load_unsharded
             from .collective.specs import make_collective
 
             self._close_model()
-            if spec.world_size == 1:  # alone: stock mlx-lm, nothing to exchange
+            model = spec.model
+            if spec.ship is not None:  # no checkpoint here: the coordinator fills the cache
+                model = self._fill_cache(spec, ship_address, progress)
+            if spec.world_size == 1 and spec.ship is None:  # alone: stock mlx-lm, nothing to exchange
                 progress(0, 1, "replicated")
                 self.sharded = load_unsharded(spec.model)
                 self.runtime = NodeRuntime(self.sharded, prompt_cache_bytes=spec.prompt_cache_bytes)
                 return self.sharded.info
-            collective = make_collective(spec.transport, spec.rank)
+            if spec.world_size == 1:  # a shipped shard alone: nothing to exchange
+                from .collective.base import LocalCollective
+
+                collective = LocalCollective()
+            else:
+                collective = make_collective(spec.transport, spec.rank)
             try:
-                sharded = load_shard(spec.model, spec.placement, spec.rank, keepalive=spec.keepalive,
+                sharded = load_shard(model, spec.placement, spec.rank, keepalive=spec.keepalive,
                                      collective=collective, progress=progress)
             except BaseException:
                 collective.close()
@@ -198,6 +209,18 @@ class NodeAgent(npb_grpc.NodeServicer):
         self.state = "ready"
         total = info.resident_weight_bytes
         yield convert.load_progress_to_proto(LoadProgress(total, total, "ready", done=True))
+
+    def _fill_cache(self, spec, address: str, progress):
+        """This node's shard from its cache, fetching what is missing (runs on the worker)."""
+        from pathlib import Path
+
+        from .cache import default_cache_dir
+        from .ship import fill_cache
+
+        cache_dir = Path(self.config.cache_dir).expanduser() if self.config.cache_dir else default_cache_dir()
+        return fill_cache(spec.ship, address, cache_dir=cache_dir, secret=self.config.secret, tls=self._tls_files(),
+                          node=self.config.name, placement=spec.placement, rank=spec.rank,
+                          world_size=spec.world_size, progress=progress)
 
     async def Generate(self, request, context):
         self._watch_collective()
@@ -369,6 +392,17 @@ def node_error(exc: BaseException, rank: int) -> NodeError:
     return NodeError(kind, message, rank)
 
 
+def _ship_address(spec, peer: str) -> str:
+    """host:port of the coordinator's Ship service: ":port" means the host this Load came from."""
+    if spec.ship is None:
+        return ""
+    if not spec.ship.address.startswith(":"):
+        return spec.ship.address
+    from .ship import peer_host
+
+    return peer_host(peer) + spec.ship.address
+
+
 def _allreduce_histogram(state):
     """The all-reduce latencies a loaded model's ShardState has counted, as the Status record."""
     from ..proto.records import AllreduceHistogram
@@ -425,6 +459,7 @@ def main(args) -> int:
         name=args.name or socket.gethostname().split(".")[0], host=args.host, port=args.port, advertise=args.advertise or "", cluster=args.cluster,
         secret=secret, mdns=not args.no_mdns, interfaces=tuple(args.interface or ()),
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, memory_bytes=args.memory,
+        cache_dir=args.cache_dir or "",
     )
     agent = NodeAgent(config)
 

@@ -150,6 +150,10 @@ class TensorInfo:
     shape: tuple[int, ...]
     start: int  # absolute offset in the file, bytes
     end: int  # exclusive, bytes
+    # A node's cached shard (node/cache.py) keeps only some experts of a stacked (E * per, ...) tensor:
+    # `held` lists them in file order, each `per` leading rows; None: every row is in the file.
+    held: tuple[int, ...] | None = None
+    per: int = 1
 
     @property
     def nbytes(self) -> int:
@@ -267,6 +271,8 @@ def read_tensor(info: TensorInfo, rows: Iterable[int] | None = None) -> mx.array
     `(E, ...)` tensor reads only their bytes.
     """
     np_dtype, mx_dtype, _ = _DTYPES[info.dtype]
+    if rows is None and info.held is not None:
+        raise CheckpointError(f"{info.key!r}: this cached shard holds only experts {list(info.held)}, not the whole tensor")
     if rows is None:
         raw = _read_bytes(info, info.start, info.nbytes)
         shape = info.shape
@@ -279,6 +285,7 @@ def read_tensor(info: TensorInfo, rows: Iterable[int] | None = None) -> mx.array
         if bad:
             raise CheckpointError(f"{info.key!r}: rows {bad} out of range 0..{n - 1}")
         rb = info.row_bytes()
+        rows = _physical_rows(info, rows)
         raw = bytearray(rb * len(rows))
         # Adjacent rows are read in one call.
         i = 0
@@ -294,6 +301,20 @@ def read_tensor(info: TensorInfo, rows: Iterable[int] | None = None) -> mx.array
     out = mx.array(arr)
     if mx_dtype != out.dtype:
         out = out.view(mx_dtype)
+    return out
+
+
+def _physical_rows(info: TensorInfo, rows: list[int]) -> list[int]:
+    """Rows of the tensor as the file stores them: a cached shard keeps only its experts' rows."""
+    if info.held is None:
+        return rows
+    where = {e: i for i, e in enumerate(info.held)}
+    out = []
+    for r in rows:
+        e, within = divmod(r, info.per)
+        if e not in where:
+            raise CheckpointError(f"{info.key!r}: expert {e} is not in this cached shard (it holds {list(info.held)})")
+        out.append(where[e] * info.per + within)
     return out
 
 

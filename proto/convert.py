@@ -6,6 +6,7 @@ sees a generated message class.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from ..envoy.frame import Frame, Hello
@@ -177,6 +178,8 @@ def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
     )
     if spec.placement is not None:
         msg.placement.CopyFrom(placement_to_proto(spec.placement))
+    if spec.ship is not None:
+        msg.ship.CopyFrom(npb.ShipSource(fingerprint=spec.ship.fingerprint, address=spec.ship.address))
     return msg
 
 
@@ -195,8 +198,22 @@ def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any 
         model=msg.model, rank=msg.rank, world_size=msg.world_size,
         placement=placement_from_proto(msg.placement) if msg.HasField("placement") else None,
         keepalive=keepalive, transport=transport, prefill_step=msg.prefill_step or DEFAULT_PREFILL_STEP,
-        prompt_cache_bytes=msg.prompt_cache_bytes,
+        prompt_cache_bytes=msg.prompt_cache_bytes, ship=_ship_from_proto(msg),
     )
+
+
+def _ship_from_proto(msg: npb.LoadRequest):
+    from .records import ShipSource
+
+    if not msg.HasField("ship"):
+        return None
+    fp, address = msg.ship.fingerprint, msg.ship.address
+    if not re.fullmatch(r"[0-9a-f]{64}", fp):
+        raise ConvertError(f"LoadRequest.ship.fingerprint {fp[:80]!r} is not 64 hex digits")
+    _, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConvertError(f"LoadRequest.ship.address {address[:80]!r} is not host:port")
+    return ShipSource(fp, address)
 
 
 # ErrorKind <-> its wire enum, by name; UNSPECIFIED (a sender that set none) reads as INTERNAL
@@ -412,3 +429,48 @@ def probe_reply_to_proto(y) -> npb.ProbeReply:
 
 def probe_reply_from_proto(msg: npb.ProbeReply):
     return _f32(msg.shape, msg.y, "probe reply")
+
+
+# ---------------------------------------------------------------------------------------------
+# Ship (proto/ship.proto): shards of a checkpoint only the coordinator holds
+
+
+def catalog_request_to_proto(fingerprint: str):
+    from . import ship_pb2 as spb
+
+    return spb.CatalogRequest(fingerprint=fingerprint)
+
+
+def catalog_reply_to_proto(catalog: bytes):
+    from . import ship_pb2 as spb
+
+    return spb.CatalogReply(catalog=catalog)
+
+
+def catalog_reply_from_proto(msg) -> bytes:
+    return msg.catalog
+
+
+def fetch_request_to_proto(spec):
+    from . import ship_pb2 as spb
+
+    return spb.FetchRequest(fingerprint=spec.fingerprint, blobs=list(spec.blobs), node=spec.node,
+                            first_offset=spec.first_offset, chunk_bytes=spec.chunk_bytes)
+
+
+def fetch_request_from_proto(msg):
+    from .records import FetchSpec
+
+    return FetchSpec(msg.fingerprint, tuple(msg.blobs), msg.node, msg.first_offset, msg.chunk_bytes)
+
+
+def chunk_to_proto(blob: str, offset: int, data: bytes, crc32: int, last: bool):
+    from . import ship_pb2 as spb
+
+    return spb.Chunk(blob=blob, offset=offset, data=data, crc32=crc32, last=last)
+
+
+def chunk_from_proto(msg):
+    from .records import ShipChunk
+
+    return ShipChunk(msg.blob, msg.offset, msg.data, msg.crc32, msg.last)  # each read of msg.data copies it: once

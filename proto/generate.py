@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 PROTO_DIR = Path(__file__).resolve().parent
-PROTOS = ("envoy.proto", "node.proto")
+PROTOS = ("envoy.proto", "node.proto", "ship.proto")
 _IMPORT = re.compile(r"^import (\w+_pb2) as (\w+)$", re.MULTILINE)
 
 

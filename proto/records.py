@@ -88,6 +88,36 @@ def _check(value: str, allowed: tuple[str, ...], what: str) -> None:
 
 
 @dataclass(frozen=True)
+class ShipSource:
+    """Where a node without the checkpoint fetches its shard (the coordinator's Ship service)."""
+
+    fingerprint: str  # of the checkpoint: names the node's cached shard
+    address: str  # host:port; ":port" means the host the Load came from
+
+
+@dataclass(frozen=True)
+class FetchSpec:
+    """A node's request for blobs of a shard (proto/ship.proto's FetchRequest)."""
+
+    fingerprint: str
+    blobs: tuple[str, ...]
+    node: str = ""  # the asking node's name, for the coordinator's progress lines
+    first_offset: int = 0  # start blobs[0] here (a resumed stream)
+    chunk_bytes: int = 0  # 0: the coordinator's default
+
+
+@dataclass(frozen=True)
+class ShipChunk:
+    """Bytes of one blob (proto/ship.proto's Chunk)."""
+
+    blob: str
+    offset: int
+    data: bytes
+    crc32: int
+    last: bool
+
+
+@dataclass(frozen=True)
 class LoadSpec:
     """What a node loads and how it reaches the other nodes."""
 
@@ -99,6 +129,7 @@ class LoadSpec:
     keepalive: str = "lru"
     prefill_step: int = DEFAULT_PREFILL_STEP  # tokens per prefill chunk
     prompt_cache_bytes: int = 0  # KV prefix cache budget; 0: none
+    ship: ShipSource | None = None  # set: the node has no checkpoint; it fills its cache from here
 
     def __post_init__(self) -> None:
         _check(self.keepalive, KEEPALIVES, "keepalive")

@@ -97,9 +97,23 @@ class ServingConfig:
 
 
 @dataclass(frozen=True)
+class ShipConfig:
+    """How the coordinator ships shards, with `checkpoint: coordinator` (node/cache.py keeps them)."""
+
+    host: str = "0.0.0.0"  # where the coordinator's Ship service listens
+    port: int = 7702  # 0: any free port (nodes are told which)
+    chunk: Size = Size(2**20)  # bytes per streamed chunk
+    max_rate: Size = Size(0)  # bytes per second per node; 0: as fast as the network goes
+
+
+@dataclass(frozen=True)
 class ClusterConfig:
     nodes: list[NodeConfig]
     model: str = "demo"
+    # every-node: `model` is a folder on each node too; coordinator: only this machine has it, and
+    # it ships each node its shard (`ship:` says how)
+    checkpoint: Literal["every-node", "coordinator"] = "every-node"
+    ship: ShipConfig = field(default_factory=ShipConfig)
     name: str = "moe-cluster"
     launch: Literal["local", "remote"] = "local"
     transport: Literal["envoy", "mlx"] = "envoy"
@@ -321,6 +335,13 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
             i = names[remote[0]]
             raise r.fail(_find(root, "nodes", i, "address"), f"nodes[{i}].address",
                          "launch: local starts nodes on this machine; a remote address needs launch: remote")
+    if _find(root, "ship") is not root and c.checkpoint != "coordinator":
+        raise r.fail(_find(root, "ship"), "ship", "applies only with checkpoint: coordinator (the nodes then "
+                     "receive their shards from this machine)")
+    if not 0 <= c.ship.port <= 65535:
+        raise r.fail(_find(root, "ship", "port"), "ship.port", f"{c.ship.port} is not a port (0..65535)")
+    if not 64 * 2**10 <= c.ship.chunk <= 4 * 2**20:
+        raise r.fail(_find(root, "ship", "chunk"), "ship.chunk", f"must be 64KiB to 4MiB (got {int(c.ship.chunk)} bytes)")
     if c.model != "demo" and c.launch == "local" and not Path(c.model).expanduser().exists():
         raise r.fail(_find(root, "model"), "model", f"{c.model} does not exist on this machine")
 

@@ -34,7 +34,8 @@ class LocalNode:
 
 
 class Launcher:
-    def __init__(self, secret: str, log_dir: Path, cluster: str, start_timeout_s: float = 60.0, tls=None):
+    def __init__(self, secret: str, log_dir: Path, cluster: str, start_timeout_s: float = 60.0, tls=None,
+                 cache_root: Path | None = None):
         self.secret = secret
         self.tls = tls  # proto.records.TlsFiles: the agents' and envoys' certificate
         self.log_dir = log_dir
@@ -42,6 +43,7 @@ class Launcher:
         self.start_timeout_s = start_timeout_s
         self.nodes: dict[str, LocalNode] = {}
         self._closing = False
+        self.cache_root = cache_root  # shipped shards: each local node its own cache folder under it
 
     def _command(self, node: LocalNode) -> list[str]:
         cmd = [sys.executable, "-m", "moe_cluster.coordinator.cli", "node", "--name", node.name,
@@ -49,6 +51,8 @@ class Launcher:
                "--exit-with-parent"]
         if node.memory:
             cmd += ["--memory", str(node.memory)]
+        if self.cache_root is not None:
+            cmd += ["--cache-dir", str(self.cache_root / node.name)]
         if self.tls is not None:
             cmd += ["--tls-cert", self.tls.cert, "--tls-key", self.tls.key, "--tls-ca", self.tls.ca]
         return cmd

@@ -49,8 +49,21 @@ class Progress:
         self.quarter = {n: -1 for n in names}
         self.width = max(len(n) for n in names)
         self.drawn = False
+        self.base = {n: (time.monotonic(), 0) for n in names}  # (time, bytes) a node's current phase counts from
+
+    def _rate(self, name: str) -> str:
+        """bytes/s and ETA of a node's current load phase (shipping, reading the shard)."""
+        done, total = self.state[name]
+        t0, done0 = self.base[name]
+        elapsed = time.monotonic() - t0
+        if done <= done0 or elapsed <= 0:
+            return ""
+        rate = (done - done0) / elapsed
+        return f", {fmt_bytes(rate)}/s, ETA {max(total - done, 0) / rate:.1f}s"
 
     def update(self, m: Member) -> None:
+        if m.load_done < self.state[m.name][0]:  # a new phase (shipping, then reading the shard) starts over
+            self.base[m.name] = (time.monotonic(), m.load_done)
         self.state[m.name] = (m.load_done, m.load_total)
         if self.tty:
             self._draw()
@@ -59,8 +72,8 @@ class Progress:
         q = int(4 * done / total) if total else 0
         if q != self.quarter[m.name]:
             self.quarter[m.name] = q
-            print(f"loading {m.name}: {fmt_bytes(done)} of {fmt_bytes(total)} ({100 * done / max(total, 1):.0f}%)",
-                  file=self.stream, flush=True)
+            print(f"loading {m.name}: {fmt_bytes(done)} of {fmt_bytes(total)} ({100 * done / max(total, 1):.0f}%)"
+                  f"{self._rate(m.name)}", file=self.stream, flush=True)
 
     def _draw(self) -> None:
         if self.drawn:
@@ -69,7 +82,8 @@ class Progress:
             done, total = self.state[n]
             frac = done / total if total else 0.0
             bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-            self.stream.write(f"\r{n:<{self.width}} [{bar}] {100 * frac:5.1f}%  {fmt_bytes(done)} / {fmt_bytes(total)}\x1b[K\n")
+            self.stream.write(f"\r{n:<{self.width}} [{bar}] {100 * frac:5.1f}%  {fmt_bytes(done)} / {fmt_bytes(total)}"
+                              f"{self._rate(n)}\x1b[K\n")
         self.stream.flush()
         self.drawn = True
 
@@ -168,10 +182,14 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         loop.add_signal_handler(sig, stop.set)
     cluster = None
     runner = None
+    ship = None
     try:
+        if c.checkpoint == "coordinator":
+            ship = await _start_ship(c, model_path, secret)
         if c.launch == "local":
             ports = free_ports(2 * len(c.nodes))
-            launcher = Launcher(secret, log_dir, c.name, tls=tls_files(c))
+            launcher = Launcher(secret, log_dir, c.name, tls=tls_files(c),
+                                cache_root=state_file().parent / "cache" / c.name if ship else None)
             local = [LocalNode(n.name, n.port or ports[2 * i], log_dir / f"{n.name}.log", n.memory)
                      for i, n in enumerate(c.nodes)]
             print(f"starting {len(local)} nodes on this machine (logs in {log_dir})", file=sys.stderr, flush=True)
@@ -206,7 +224,8 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         for m in members:
             m.spec = LoadSpec(model=model_path, rank=m.rank, world_size=len(members),
                               transport=make_transport(m.rank), placement=plan.placement, keepalive=c.keepalive,
-                              prefill_step=c.serving.prefill_chunk, prompt_cache_bytes=c.serving.prompt_cache)
+                              prefill_step=c.serving.prefill_chunk, prompt_cache_bytes=c.serving.prompt_cache,
+                              ship=ship.source if ship else None)
             # what weights may use: memory × memory_fraction less the KV reserve and prompt cache
             m.budget_bytes = plan.available[m.rank] - kv_reserve
         for note in plan.notes:
@@ -223,6 +242,10 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         progress = Progress([m.name for m in members])
         t0 = time.monotonic()
         await cluster.load(progress.update)
+        if ship is not None:
+            sent = ship.shipper.bytes_sent()
+            print("shipped: " + ", ".join(f"{m.name} {sent.get(m.name, 0)} bytes" for m in members)
+                  + f" (total {sum(sent.values())} bytes)", file=sys.stderr, flush=True)
         if c.verify and len(members) > 1:
             from .verify import check_load
 
@@ -261,6 +284,8 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
     finally:
         if runner is not None:
             await runner.cleanup()
+        if ship is not None:
+            await ship.close()
         if cluster is not None:
             await cluster.close(shutdown_nodes=launcher is not None)
         if launcher is not None:
@@ -271,6 +296,37 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
                 sf.unlink()
         except (OSError, json.JSONDecodeError):
             pass
+
+
+class _Ship:
+    """The Ship service `up` runs while nodes may (re)load: what they are told, and its server."""
+
+    def __init__(self, shipper, server, source):
+        self.shipper, self.server, self.source = shipper, server, source
+
+    async def close(self) -> None:
+        await asyncio.to_thread(lambda: self.server.stop(1.0).wait())
+
+
+async def _start_ship(c: ClusterConfig, model_path: str, secret: str) -> _Ship:
+    """With `checkpoint: coordinator`: serve the nodes their shards from this machine's checkpoint."""
+    from ...node.collective.specs import check_port_free
+    from ...proto.records import ShipSource
+    from .ship import Shipper, start_server
+
+    if c.ship.port:
+        try:
+            check_port_free(c.ship.host, c.ship.port, "ship.port picks another")
+        except OSError as exc:
+            raise ConfigError(f"{c.source}: ship: {exc}") from None
+    # on a terminal the per-node bars carry bytes, rate and ETA; lines from the Ship service would
+    # break them, so they go to the log there
+    report = (lambda line: logger.info("%s", line)) if sys.stderr.isatty() else None
+    shipper = Shipper(Checkpoint.open(model_path), chunk_bytes=c.ship.chunk, max_rate=c.ship.max_rate, report=report)
+    server, port = start_server(shipper, c.ship.host, c.ship.port, secret, tls_files(c))
+    print(f"shipping shards of {model_path} (model {shipper.fingerprint[:16]}) on port {port}",
+          file=sys.stderr, flush=True)
+    return _Ship(shipper, server, ShipSource(shipper.fingerprint, f":{port}"))
 
 
 def _check_port_free(c: ClusterConfig) -> None:

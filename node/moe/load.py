@@ -232,6 +232,38 @@ def _expert_keys(ckpt: Checkpoint, blocks: Sequence[MoEBlock]) -> dict[str, MoEB
     return out
 
 
+def expert_groups(ckpt: Checkpoint) -> dict[int, tuple[int, list]]:
+    """{MoE layer: (experts, [cache.Group])}: each routed-expert tensor of the checkpoint, stacked
+    (`per` leading rows per expert) or one per expert — what a node's cache stores per expert."""
+    from ..cache import Group
+
+    model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
+    blocks = _blocks(model_cls(model_args(ckpt.config, ckpt.path / "config.json")), ckpt)
+    if not blocks:
+        raise ShardError(f"{ckpt.path} has no MoE layers (model_type {ckpt.config.get('model_type')!r}); "
+                         "there are no experts to spread")
+    out: dict[int, tuple[int, list]] = {b.layer: (b.num_experts, []) for b in blocks}
+    seen: set[str] = set()
+    for key, b in sorted(_expert_keys(ckpt, blocks).items()):
+        info, n = ckpt.tensors[key], b.num_experts
+        head = key[len(b.path) + len(".experts."):].split(".", 1) if key.startswith(b.path + ".experts.") else [""]
+        if head[0].isdigit() and len(head) == 2:  # one tensor per expert
+            template = f"{b.path}.experts.{{e}}.{head[1]}"
+            if template in seen:
+                continue
+            seen.add(template)
+            missing = [e for e in range(n) if f"{b.path}.experts.{e}.{head[1]}" not in ckpt.tensors]
+            if missing:
+                raise ShardError(f"layer {b.layer}: no tensor {template} for experts {missing[:5]}")
+            out[b.layer][1].append(Group(template, info.dtype, info.shape, stacked=False))
+        elif info.shape and info.shape[0] % n == 0:
+            out[b.layer][1].append(Group(key, info.dtype, info.shape, stacked=True, per=info.shape[0] // n))
+        else:
+            raise ShardError(f"{key}: leading dimension {info.shape[:1]} is not a multiple of the {n} experts; "
+                             "it cannot be split per expert")
+    return out
+
+
 def _local_expert_bytes(ckpt: Checkpoint, blocks: Sequence[MoEBlock], placement: Placement, rank: int) -> int:
     """Bytes this rank reads for its experts (from the headers: stacked rows or per-expert tensors)."""
     total = 0
@@ -366,7 +398,7 @@ def _make_shard(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int], holders, st
 
 
 def load_shard(
-    model_spec: str,
+    model_spec: str | Checkpoint,
     placement: Placement | None,
     rank: int,
     *,
@@ -376,6 +408,7 @@ def load_shard(
     progress: Callable[[int, int, str], None] | None = None,
 ) -> ShardedModel:
     """Load this rank's shard. `placement=None` means an even split over `collective.world_size`.
+    `model_spec` is a checkpoint folder, or an open Checkpoint (a node's cached shard, node/cache.py).
 
     Args:
         progress: called as progress(bytes_loaded, bytes_total, phase) while reading.
@@ -383,7 +416,7 @@ def load_shard(
     collective = collective or LocalCollective()
     t_start = time.perf_counter()
     mx.reset_peak_memory()
-    ckpt = Checkpoint.open(model_spec)
+    ckpt = model_spec if isinstance(model_spec, Checkpoint) else Checkpoint.open(model_spec)
     config = ckpt.config
     where = ckpt.path / "config.json"
     check_runnable(config, where)

@@ -130,3 +130,23 @@ def test_api_metrics_auth_and_max_body_defaults_and_values():
     c = parse_config(GOOD.replace("  port: 8080\n", "  port: 8080\n  metrics_auth: true\n  max_body: 2MB\n"))
     assert c.api.metrics_auth is True and c.api.max_body == 2_000_000
 
+
+
+def test_checkpoint_on_the_coordinator_only():
+    c = parse_config(GOOD + "checkpoint: coordinator\nship:\n  port: 0\n  chunk: 256KiB\n  max_rate: 100MB\n", "lab.yaml")
+    assert c.checkpoint == "coordinator" and c.ship.port == 0 and c.ship.chunk == 256 * 2**10
+    assert c.ship.max_rate == 100_000_000
+    assert parse_config(GOOD, "lab.yaml").checkpoint == "every-node"
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("ship:\n  port: 7702\n", "lab.yaml:23: ship: applies only with checkpoint: coordinator"),
+    ("checkpoint: nodes\n", "lab.yaml:22: checkpoint: must be one of every-node, coordinator (got 'nodes')"),
+    ("checkpoint: coordinator\nship:\n  chunk: 16MB\n", "lab.yaml:24: ship.chunk: must be 64KiB to 4MiB (got 16000000 bytes)"),
+    ("checkpoint: coordinator\nship:\n  port: 70000\n", "lab.yaml:24: ship.port: 70000 is not a port (0..65535)"),
+    ("checkpoint: coordinator\nship:\n  rate: 1MB\n", "lab.yaml:24: ship.rate: unknown key"),
+])
+def test_bad_ship_settings(extra, message):
+    with pytest.raises(ConfigError) as exc:
+        parse_config(GOOD + extra, "lab.yaml")
+    assert str(exc.value).startswith(message), str(exc.value)

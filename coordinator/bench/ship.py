@@ -1,0 +1,192 @@
+"""`moe-cluster bench ship`: shipping throughput against raw TCP between the same two endpoints.
+
+This process plays the coordinator (the Ship service and a plain TCP sender, both reading the same
+file by byte range in chunks of the same size); a receiver process — in a network namespace with
+`--netns` — fetches every blob into a fresh cache (crc32 per chunk, sha256 per blob, written to
+disk), then takes the same bytes over one plain socket and throws them away. ratio = ship / raw.
+The coordinator's memory while shipping is measured too: Python's traced peak (tracemalloc) and the
+growth of its resident set (ru_maxrss), next to the largest blob.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tracemalloc
+from pathlib import Path
+
+SECRET = "bench-ship-secret"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", default="512MB", help="bytes to ship (e.g. 256MB, 2GB)")
+    p.add_argument("--blob", default="32MB", help="bytes per blob (one expert tensor's slice; DBRX's is 132MB)")
+    p.add_argument("--chunk", default="1MiB", help="bytes per streamed chunk")
+    p.add_argument("--host", default="127.0.0.1", help="address the receiver reaches this process at")
+    p.add_argument("--netns", default=None, help="run the receiver in this network namespace (`ip netns exec`)")
+    p.add_argument("--dir", default=None, help="where the source file and the receiver's cache go (default: a temp dir)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--receive", default=None, help=argparse.SUPPRESS)  # the receiver's own entry point
+
+
+def _size(text: str) -> int:
+    from ..serve.config import _SIZE_UNITS, _parse_units
+
+    return int(_parse_units(text, _SIZE_UNITS, "size"))
+
+
+def _write_source(root: Path, size: int, blob: int) -> tuple[Path, object]:
+    """A checkpoint-like folder: one safetensors file of `size // blob` uint8 tensors, and its catalog
+    (the catalog a real model would have, minus the MoE structure a byte count does not need)."""
+    import struct
+
+    from ...node.cache import Catalog
+
+    n = max(1, size // blob)
+    names = [f"t{i:05d}" for i in range(n)]
+    header = {k: {"dtype": "U8", "shape": [blob], "data_offsets": [i * blob, (i + 1) * blob]} for i, k in enumerate(names)}
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    src = root / "src"
+    src.mkdir(parents=True, exist_ok=True)
+    (src / "config.json").write_text(json.dumps({"model_type": "bench"}))
+    with open(src / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(head)) + head)
+        block = os.urandom(1 << 20)
+        for _ in range(n * blob // len(block)):
+            f.write(block)
+        f.write(block[: n * blob % len(block)])
+    from ...node.checkpoint import Checkpoint
+    from ...node.cache import fingerprint
+
+    ckpt = Checkpoint(src)
+    catalog = Catalog(fingerprint(ckpt), (src / "config.json").read_text(), tuple((k, "U8", (blob,)) for k in names), {})
+    return src, (ckpt, catalog)
+
+
+def main(args) -> int:
+    if args.receive:
+        return _receive(json.loads(args.receive))
+    size, blob, chunk = _size(args.size), _size(args.blob), _size(args.chunk)
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-ship-") as tmp:
+        root = Path(tmp)
+        src, (ckpt, catalog) = _write_source(root, size, blob)
+        from ..serve.ship import Shipper, start_server
+
+        quiet = lambda line: None  # noqa: E731 - the bench prints one result
+        shipper = Shipper(ckpt, chunk_bytes=chunk, report=quiet, catalog=catalog)
+        server, port = start_server(shipper, "0.0.0.0", 0, SECRET)
+        raw = socket.create_server(("0.0.0.0", 0))
+        raw_port = raw.getsockname()[1]
+        ranges = sorted(shipper.ranges.values(), key=lambda r: r[1])
+        raw_thread = threading.Thread(target=_raw_send, args=(raw, ranges, chunk), name="raw-sender", daemon=True)
+        raw_thread.start()
+        total = sum(r[2] for r in ranges)
+        job = {"ship": f"{args.host}:{port}", "raw": f"{args.host}:{raw_port}", "fingerprint": shipper.fingerprint,
+               "cache": str(root / "cache"), "total": total}
+        cmd = [sys.executable, "-m", "moe_cluster.coordinator.cli", "bench", "ship", "--receive", json.dumps(job)]
+        if args.netns:
+            cmd = ["ip", "netns", "exec", args.netns, *cmd]
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        tracemalloc.start()
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                               env=dict(os.environ, MOE_CLUSTER_SECRET=SECRET))
+        finally:
+            traced_peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            server.stop(0.5).wait()
+            raw.close()
+        rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if r.returncode != 0:
+            print(f"bench ship: the receiver failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}", file=sys.stderr)
+            return 1
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+    out = {"bytes": got["bytes"], "seconds": got["seconds"], "rate_bytes_per_s": got["bytes"] / got["seconds"],
+           "raw_tcp_bytes_per_s": got["raw_bytes"] / got["raw_seconds"],
+           "ratio": (got["bytes"] / got["seconds"]) / (got["raw_bytes"] / got["raw_seconds"]),
+           "chunk_bytes": chunk, "blob_bytes": blob, "coordinator_traced_peak_bytes": traced_peak,
+           "coordinator_rss_growth_bytes": max(0, rss1 - rss0), "netns": args.netns or ""}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"shipped {out['bytes'] / 1e6:.0f} MB in {out['seconds']:.2f}s: {out['rate_bytes_per_s'] / 1e6:.0f} MB/s; "
+              f"raw TCP {out['raw_tcp_bytes_per_s'] / 1e6:.0f} MB/s; ratio {out['ratio']:.2f}; coordinator peak "
+              f"{traced_peak / 1e6:.1f} MB traced, RSS +{out['coordinator_rss_growth_bytes'] / 1e6:.1f} MB "
+              f"(blob {blob / 1e6:.0f} MB, chunk {chunk / 1e6:.1f} MB)")
+    return 0
+
+
+def _raw_send(server: socket.socket, ranges, chunk: int) -> None:
+    """The same bytes, the same chunks, over one plain socket: twice (before and after the ship)."""
+    for _ in range(2):
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            return
+        with conn:
+            _send_all(conn, ranges, chunk)
+
+
+def _send_all(conn: socket.socket, ranges, chunk: int) -> None:
+    for path, start, n in ranges:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            off = 0
+            while off < n:
+                k = min(chunk, n - off)
+                conn.sendall(os.pread(fd, k, start + off))
+                off += k
+        finally:
+            os.close(fd)
+
+
+def _receive(job: dict) -> int:
+    """The receiver: raw TCP, ship into a fresh cache, raw TCP again (the machine's load drifts; the
+    raw rate is the mean of both); prints one JSON line of timings."""
+    import grpc
+
+    from ...envoy.auth import call_metadata
+    from ...node.cache import Catalog, ShardCache
+    from ...node.ship import _fetch
+    from ...proto import CHANNEL_OPTIONS, convert
+    from ...proto import ship_pb2_grpc as spb_grpc
+
+    md = call_metadata(os.environ["MOE_CLUSTER_SECRET"])
+    raw_before = _raw_receive(job)
+    with grpc.insecure_channel(job["ship"], options=CHANNEL_OPTIONS) as channel:
+        stub = spb_grpc.ShipStub(channel)
+        reply = stub.Catalog(convert.catalog_request_to_proto(job["fingerprint"]), metadata=md, timeout=30)
+        catalog = Catalog.from_json(json.loads(convert.catalog_reply_from_proto(reply)), "bench")
+        t0 = time.perf_counter()
+        cache = ShardCache(Path(job["cache"]), catalog, {})
+        plan = cache.scan()
+        cache.fill(plan, lambda blobs: _fetch(stub, md, job["fingerprint"], "bench", blobs, job["ship"]))
+        seconds = time.perf_counter() - t0
+    raw_after = _raw_receive(job)
+    raw_seconds = (raw_before + raw_after) / 2
+    print(json.dumps({"bytes": plan.fetch_bytes, "seconds": seconds, "raw_bytes": job["total"], "raw_seconds": raw_seconds}))
+    return 0
+
+
+def _raw_receive(job: dict) -> float:
+    """Seconds to take job["total"] bytes from the raw sender."""
+    host, port = job["raw"].rsplit(":", 1)
+    view = memoryview(bytearray(1 << 20))
+    t = time.perf_counter()
+    got = 0
+    with socket.create_connection((host, int(port))) as s:
+        while got < job["total"]:
+            n = s.recv_into(view)
+            if not n:
+                raise ConnectionError(f"the raw sender stopped after {got} of {job['total']} bytes")
+            got += n
+    return time.perf_counter() - t

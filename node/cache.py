@@ -1,0 +1,654 @@
+"""A node's shard cache: prepacked file sets the coordinator shipped, loaded by byte range.
+
+A shard lives in `<cache dir>/<fingerprint[:16]>/`: `replicated.safetensors` (every weight that is not
+a routed expert), one `layer-LLLL-<experts digest>.safetensors` per MoE layer holding this node's
+experts stacked `(E_local, ...)` per expert tensor, `config.json`, and `manifest.json` (the model's
+catalog, the placement, and the sha256 of every blob). A blob is the unit of shipping and of repair:
+one replicated tensor, or one expert's slice of one expert tensor — so a placement change fetches
+only the experts a node lacks, and a flipped byte costs one blob.
+
+The node opens a shard as a `Checkpoint` (`CachedCheckpoint`) whose tensors keep the checkpoint's
+names and shapes, so `node/moe/load.py` loads it exactly as it loads the checkpoint itself.
+File names come from this module, never from a manifest or the coordinator: a node writes only
+inside its cache directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from ..proto.errors import UserError
+from .checkpoint import _DTYPES, Checkpoint, TensorInfo, read_config
+
+logger = logging.getLogger(__name__)
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+REPLICATED = "replicated.safetensors"
+_FILE_NAME = re.compile(r"^(replicated|layer-\d{4}-[0-9a-f]{12})\.safetensors$")
+_SHARD_DIR = re.compile(r"^[0-9a-f]{16}$")
+_ALIGN = 64  # bytes: tensor data starts aligned, so mmap'd reads are too
+
+
+class CacheError(UserError):
+    """A cache directory, manifest or catalog that cannot be used, with the reason."""
+
+
+def default_cache_dir() -> Path:
+    """~/.cache/moe-cluster/shards (or under $XDG_CACHE_HOME)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "moe-cluster" / "shards"
+
+
+def fingerprint(ckpt: Checkpoint) -> str:
+    """sha256 of config.json and every safetensors header: changes when any weight's name, dtype,
+    shape or place changes, costs no weight reads (a re-quantized or retrained checkpoint with the
+    same headers is caught by the per-blob sha256 instead, when a node next loads)."""
+    h = hashlib.sha256()
+    h.update((ckpt.path / "config.json").read_bytes())
+    for f in sorted({t.file for t in ckpt.tensors.values()}):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            h.update(f.name.encode() + b"\0" + fh.read(n))
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# The catalog: what a model is made of, as blobs
+
+
+@dataclass(frozen=True)
+class Group:
+    """One expert tensor of a MoE layer: stacked (`key` holds every expert, `per` leading rows each)
+    or one tensor per expert (`key` has `{e}` where the expert index goes)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]  # the checkpoint tensor's shape (per expert when not stacked)
+    stacked: bool
+    per: int = 1  # leading rows per expert, when stacked
+
+    def blob(self, e: int) -> str:
+        return f"{self.key}[{e}]" if self.stacked else self.key.format(e=e)
+
+    def expert_nbytes(self) -> int:
+        n = math.prod(self.shape) * _DTYPES[self.dtype][2]
+        return n // (self.shape[0] // self.per) if self.stacked else n
+
+    def expert_shape(self) -> tuple[int, ...]:
+        return (self.per,) + self.shape[1:] if self.stacked else (1,) + self.shape
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """The model as the coordinator describes it to a node: fingerprint, config, tensors by role."""
+
+    fingerprint: str
+    config_text: str
+    replicated: tuple[tuple[str, str, tuple[int, ...]], ...]  # (key, dtype, shape)
+    layers: dict[int, tuple[int, tuple[Group, ...]]]  # MoE layer -> (experts, groups)
+
+    def to_json(self) -> dict:
+        return {"fingerprint": self.fingerprint, "config": self.config_text,
+                "replicated": [[k, d, list(s)] for k, d, s in self.replicated],
+                "layers": {str(l): {"experts": n, "groups": [
+                    {"key": g.key, "dtype": g.dtype, "shape": list(g.shape), "stacked": g.stacked, "per": g.per}
+                    for g in groups]} for l, (n, groups) in sorted(self.layers.items())}}
+
+    @classmethod
+    def from_json(cls, d, where: str) -> "Catalog":
+        """Strict: a catalog decides file contents, so every field is checked and a bad one named."""
+        try:
+            fp, config = d["fingerprint"], d["config"]
+            if not (isinstance(fp, str) and re.fullmatch(r"[0-9a-f]{64}", fp)) or not isinstance(config, str):
+                raise ValueError("fingerprint must be 64 hex digits and config a string")
+            replicated = tuple((_s(k), _dtype(dt), _shape(s)) for k, dt, s in d["replicated"])
+            layers = {}
+            for l, v in d["layers"].items():
+                n = int(v["experts"])
+                groups = tuple(Group(_s(g["key"]), _dtype(g["dtype"]), _shape(g["shape"]), bool(g["stacked"]),
+                                     int(g["per"])) for g in v["groups"])
+                if n < 1 or not groups:
+                    raise ValueError(f"layer {l} has {n} experts and {len(groups)} expert tensors")
+                for g in groups:
+                    if g.stacked and (g.per < 1 or not g.shape or g.shape[0] != n * g.per):
+                        raise ValueError(f"{g.key}: leading dimension {g.shape[:1]} is not {n} experts × {g.per}")
+                    if not g.stacked and "{e}" not in g.key:
+                        raise ValueError(f"{g.key}: a per-expert tensor name needs {{e}}")
+                layers[int(l)] = (n, groups)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CacheError(f"{where}: malformed catalog ({type(exc).__name__}: {exc})") from None
+        return cls(fp, config, replicated, layers)
+
+    def blob_nbytes(self) -> dict[str, int]:
+        """{blob id: bytes} of every blob of the model."""
+        out = {k: math.prod(s) * _DTYPES[d][2] for k, d, s in self.replicated}
+        for n, groups in self.layers.values():
+            for g in groups:
+                out.update({g.blob(e): g.expert_nbytes() for e in range(n)})
+        return out
+
+
+def _s(x) -> str:
+    if not isinstance(x, str) or not x or len(x) > 1000:
+        raise ValueError(f"{x!r} is not a tensor name")
+    return x
+
+
+def _dtype(x) -> str:
+    if x not in _DTYPES:
+        raise ValueError(f"unknown dtype {x!r}")
+    return x
+
+
+def _shape(x) -> tuple[int, ...]:
+    if not isinstance(x, list) or not all(isinstance(i, int) and 0 <= i < 1 << 40 for i in x):
+        raise ValueError(f"{x!r} is not a shape")
+    return tuple(x)
+
+
+def catalog_of(ckpt: Checkpoint) -> Catalog:
+    """The catalog of a checkpoint, from its headers and the node's own MoE rule (no weights read)."""
+    from .moe.load import expert_groups
+
+    layers = {}
+    grouped: set[str] = set()
+    for layer, (n, groups) in expert_groups(ckpt).items():
+        layers[layer] = (n, tuple(groups))
+        for g in groups:
+            grouped.update({g.key} if g.stacked else {g.key.format(e=e) for e in range(n)})
+    replicated = tuple((k, t.dtype, t.shape) for k, t in sorted(ckpt.tensors.items()) if k not in grouped)
+    return Catalog(fingerprint(ckpt), (ckpt.path / "config.json").read_text(), replicated, layers)
+
+
+def source_ranges(ckpt: Checkpoint, catalog: Catalog) -> dict[str, tuple[Path, int, int]]:
+    """{blob id: (file, start, bytes)} in the checkpoint: where the coordinator reads each blob."""
+    out = {k: (ckpt.tensors[k].file, ckpt.tensors[k].start, ckpt.tensors[k].nbytes) for k, _, _ in catalog.replicated}
+    for n, groups in catalog.layers.values():
+        for g in groups:
+            nb = g.expert_nbytes()
+            for e in range(n):
+                if g.stacked:
+                    t = ckpt.tensors[g.key]
+                    out[g.blob(e)] = (t.file, t.start + e * nb, nb)
+                else:
+                    t = ckpt.tensors[g.key.format(e=e)]
+                    out[g.blob(e)] = (t.file, t.start, t.nbytes)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The file set of one shard
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor of a cached file: its bytes are `blobs` in order, from `offset`."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute, bytes
+    blobs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FileSet:
+    """One cached file: its header bytes and where each tensor goes."""
+
+    name: str
+    header: bytes  # 8-byte length + JSON, padded
+    slots: tuple[Slot, ...]
+    size: int  # bytes, header included
+
+    def blob_offsets(self, sizes: dict[str, int]) -> dict[str, int]:
+        out = {}
+        for s in self.slots:
+            at = s.offset
+            for b in s.blobs:
+                out[b] = at
+                at += sizes[b]
+        return out
+
+
+def _fileset(name: str, tensors: list[tuple[str, str, tuple[int, ...], tuple[str, ...]]], meta: dict) -> FileSet:
+    entries, at = {}, 0
+    for tname, dtype, shape, _ in tensors:
+        n = math.prod(shape) * _DTYPES[dtype][2]
+        entries[tname] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + n]}
+        at += -(-n // _ALIGN) * _ALIGN if n else 0
+        entries[tname]["data_offsets"][1] = entries[tname]["data_offsets"][0] + n
+    head = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
+    head += b" " * (-(len(head) + 8) % _ALIGN)
+    base = 8 + len(head)
+    slots = tuple(Slot(tname, dtype, shape, base + entries[tname]["data_offsets"][0], blobs)
+                  for tname, dtype, shape, blobs in tensors)
+    return FileSet(name, struct.pack("<Q", len(head)) + head, slots, base + at)
+
+
+def _layer_name(layer: int, local: Sequence[int]) -> str:
+    digest = hashlib.sha256(",".join(map(str, local)).encode()).hexdigest()[:12]
+    return f"layer-{layer:04d}-{digest}.safetensors"
+
+
+def layout(catalog: Catalog, local: dict[int, Sequence[int]]) -> list[FileSet]:
+    """The files of a shard holding experts `local` ({MoE layer: experts}) of `catalog`."""
+    files = [_fileset(REPLICATED, [(k, d, s, (k,)) for k, d, s in catalog.replicated], {"format": "moe-cluster"})]
+    for layer, (n, groups) in sorted(catalog.layers.items()):
+        experts = sorted(local.get(layer, ()))
+        if any(not 0 <= e < n for e in experts):
+            raise CacheError(f"layer {layer}: experts {experts} out of range 0..{n - 1}")
+        if not experts:
+            continue
+        tensors = []
+        for g in groups:
+            shape = (len(experts) * g.expert_shape()[0],) + g.expert_shape()[1:]
+            tname = g.key if g.stacked else g.key.replace("{e}", "*")
+            tensors.append((tname, g.dtype, shape, tuple(g.blob(e) for e in experts)))
+        files.append(_fileset(_layer_name(layer, experts), tensors,
+                              {"format": "moe-cluster", "experts": ",".join(map(str, experts))}))
+    return files
+
+
+# ---------------------------------------------------------------------------------------------
+# A shard directory: manifest, verification, filling
+
+
+@dataclass
+class Manifest:
+    catalog: Catalog
+    local: dict[int, tuple[int, ...]]  # MoE layer -> experts held
+    sha256: dict[str, str]  # blob id -> hex digest
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "catalog": self.catalog.to_json(),
+                "placement": {str(l): list(v) for l, v in sorted(self.local.items())},
+                "sha256": dict(sorted(self.sha256.items()))}
+
+    @classmethod
+    def read(cls, path: Path) -> "Manifest":
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise CacheError(f"{path}: unreadable manifest ({exc})") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise CacheError(f"{path}: not a format-{FORMAT} manifest")
+        catalog = Catalog.from_json(d.get("catalog"), str(path))
+        try:
+            local = {int(l): tuple(int(e) for e in v) for l, v in d["placement"].items()}
+            sha = {str(k): str(v) for k, v in d["sha256"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CacheError(f"{path}: malformed placement or sha256 ({exc})") from None
+        return cls(catalog, local, sha)
+
+
+def shard_dir(cache_dir: Path, fp: str) -> Path:
+    return Path(cache_dir) / fp[:16]
+
+
+def _inside(root: Path, name: str) -> Path:
+    """root/name, refusing any name that would leave root (whatever a manifest says)."""
+    if not _FILE_NAME.match(name):
+        raise CacheError(f"refusing file name {name!r} in {root}: not one this cache writes")
+    p = (root / name).resolve()
+    if p.parent != root.resolve():
+        raise CacheError(f"refusing {name!r}: it resolves outside {root}")
+    return p
+
+
+def _sha(f, offset: int, n: int) -> str:
+    h = hashlib.sha256()
+    f.seek(offset)
+    left = n
+    while left:
+        b = f.read(min(left, 8 << 20))
+        if not b:
+            break
+        h.update(b)
+        left -= len(b)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Have:
+    """A verified copy of a blob already on disk."""
+
+    path: Path
+    offset: int
+    sha256: str
+
+
+def verified_blobs(root: Path, manifest: Manifest) -> dict[str, Have]:
+    """Every blob of a shard whose bytes on disk match the manifest's sha256 (a flipped byte drops it)."""
+    sizes = manifest.catalog.blob_nbytes()
+    out = {}
+    for fs in layout(manifest.catalog, manifest.local):
+        path = _inside(root, fs.name)
+        if not path.is_file() or path.stat().st_size != fs.size:
+            continue
+        with open(path, "rb") as f:
+            if f.read(len(fs.header)) != fs.header:
+                continue
+            for blob, at in fs.blob_offsets(sizes).items():
+                want = manifest.sha256.get(blob)
+                if want and _sha(f, at, sizes[blob]) == want:
+                    out[blob] = Have(path, at, want)
+                elif want:
+                    logger.warning("cache %s: blob %s fails its sha256; it is fetched again", path.name, blob)
+    return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What filling a shard takes: the blobs to fetch, and the bytes of disk the new files need."""
+
+    fetch: tuple[str, ...]
+    fetch_bytes: int
+    disk_bytes: int  # new files written in full (blobs already held are copied locally)
+    copy_bytes: int
+
+
+class ShardCache:
+    """One shard directory of a node's cache: plan, fill, and open for loading."""
+
+    def __init__(self, cache_dir: Path, catalog: Catalog, local: dict[int, Sequence[int]]):
+        self.cache_dir = Path(cache_dir)
+        self.root = shard_dir(self.cache_dir, catalog.fingerprint)
+        self.catalog = catalog
+        self.local = {l: tuple(sorted(v)) for l, v in local.items() if l in catalog.layers}
+        self.files = layout(catalog, self.local)
+        self.sizes = catalog.blob_nbytes()
+        self.have: dict[str, Have] = {}
+        self.journal: dict[str, str] = {}
+
+    @contextlib.contextmanager
+    def locked(self):
+        """Held while filling and opening: two agents given the same cache folder would write the
+        same files; the second is refused in one line instead."""
+        import fcntl
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".lock", "w") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise CacheError(f"{self.root} is in use by another node agent (give each agent its own --cache-dir)") from None
+            yield
+
+    def scan(self) -> Plan:
+        """Verify what is on disk (manifest and journal of an interrupted fill) and plan the rest."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        m = self.root / MANIFEST
+        old = None
+        if m.exists():
+            try:
+                old = Manifest.read(m)
+                if old.catalog.fingerprint != self.catalog.fingerprint:
+                    raise CacheError(f"{m}: fingerprint {old.catalog.fingerprint[:16]} is not the model's")
+            except CacheError as exc:
+                logger.warning("%s; the shard is fetched again", exc)
+                old = None
+        self.have = verified_blobs(self.root, old) if old else {}
+        self.journal = self._read_journal()
+        wanted = [b for fs in self.files for s in fs.slots for b in s.blobs]
+        fetch = tuple(b for b in wanted if b not in self.have and b not in self.journal)
+        new_files = [fs for fs in self.files if not self._complete(fs)]
+        return Plan(fetch, sum(self.sizes[b] for b in fetch), sum(fs.size for fs in new_files),
+                    sum(self.sizes[b] for fs in new_files for s in fs.slots for b in s.blobs if b in self.have))
+
+    def _complete(self, fs: FileSet) -> bool:
+        return all(self.have.get(b) is not None and self.have[b].path.name == fs.name for s in fs.slots for b in s.blobs)
+
+    def _read_journal(self) -> dict[str, str]:
+        """{blob: sha256} written into `.partial` files by a fill that was interrupted; each is
+        checked again before it is trusted."""
+        out = {}
+        j = self.root / "journal"
+        if not j.exists():
+            return out
+        offsets = {fs.name: (fs, fs.blob_offsets(self.sizes)) for fs in self.files}
+        for line in j.read_text(errors="replace").splitlines():
+            parts = line.split("\t")
+            if len(parts) != 3 or parts[0] not in offsets:
+                continue
+            name, blob, sha = parts
+            fs, at = offsets[name]
+            partial = _inside(self.root, name).with_name(name + ".partial")
+            if blob in at and partial.is_file() and partial.stat().st_size == fs.size:
+                with open(partial, "rb") as f:
+                    if _sha(f, at[blob], self.sizes[blob]) == sha:
+                        out[blob] = sha
+        return out
+
+    def check_disk(self, plan: Plan) -> None:
+        free = shutil.disk_usage(self.root).free
+        if plan.disk_bytes > free:
+            raise CacheError(f"not enough free disk in {self.cache_dir}: the shard needs {plan.disk_bytes} bytes "
+                             f"({plan.disk_bytes / 1e9:.2f} GB), {free} bytes ({free / 1e9:.2f} GB) are free")
+
+    def fill(self, plan: Plan, fetch: Callable[[Sequence[str]], Iterator[tuple[str, int, bytes, bool]]],
+             progress: Callable[[int, int], None] = lambda done, total: None) -> dict[str, str]:
+        """Write every file of the shard: blobs held are copied, the others fetched.
+
+        `fetch(blobs)` yields (blob, offset within it, bytes, whether it is the blob's last chunk), in
+        order, each chunk already checked against its crc32. Returns {blob: sha256} of the shard, as
+        its manifest records it.
+        """
+        sha: dict[str, str] = {b: h.sha256 for b, h in self.have.items()} | self.journal
+        handles = {}
+        targets: dict[str, tuple[object, int]] = {}
+        journal = open(self.root / "journal", "a")
+        try:
+            for fs in self.files:
+                if self._complete(fs):
+                    continue
+                partial = _inside(self.root, fs.name).with_name(fs.name + ".partial")
+                f = open(partial, "r+b" if partial.exists() and partial.stat().st_size == fs.size else "w+b")
+                f.truncate(fs.size)
+                f.seek(0)
+                f.write(fs.header)
+                handles[fs.name] = f
+                for blob, at in fs.blob_offsets(self.sizes).items():
+                    if blob in self.journal:
+                        continue
+                    targets[blob] = (f, at)
+                    h = self.have.get(blob)
+                    if h is not None:  # held in another file (an older placement): copy locally
+                        _copy(h, f, at, self.sizes[blob], blob)
+                        journal.write(f"{fs.name}\t{blob}\t{h.sha256}\n")
+            journal.flush()
+            self._receive(plan, fetch, targets, handles, journal, sha, progress)
+            for name, f in handles.items():
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            journal.close()
+            for f in handles.values():
+                f.close()
+        for name in handles:
+            final = _inside(self.root, name)
+            os.replace(final.with_name(name + ".partial"), final)
+        manifest = Manifest(self.catalog, self.local, {b: sha[b] for fs in self.files for s in fs.slots for b in s.blobs})
+        tmp = self.root / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps(manifest.to_json()) + "\n")
+        os.replace(tmp, self.root / MANIFEST)
+        keep = {fs.name for fs in self.files} | {MANIFEST, "config.json", ".lock"}
+        for p in self.root.iterdir():  # files of an older placement, journals, partials
+            if p.name not in keep and p.is_file():
+                p.unlink()
+        (self.root / "config.json").write_text(self.catalog.config_text)
+        return manifest.sha256
+
+    def _receive(self, plan: Plan, fetch, targets, handles, journal, sha: dict[str, str], progress) -> None:
+        """Fetch plan.fetch: sha256 and writes run on one owned thread, a few chunks behind the
+        network, so hashing the bytes on one core overlaps receiving the next on another."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        hashes: dict[str, object] = {}
+        sizes = self.sizes
+
+        def absorb(blob: str, off: int, data: bytes, last: bool) -> None:
+            f, at = targets[blob]
+            if off == 0:
+                hashes[blob] = hashlib.sha256()
+            elif blob not in hashes:  # a stream resumed inside this blob: hash what is on disk
+                hashes[blob] = hashlib.sha256(os.pread(f.fileno(), off, at))
+            hashes[blob].update(data)
+            os.pwrite(f.fileno(), data, at + off)
+            if last:
+                got = hashes.pop(blob).hexdigest()
+                sha[blob] = got
+                journal.write(f"{_name_of(targets, blob, handles)}\t{blob}\t{got}\n")
+                journal.flush()
+
+        done, total = 0, plan.fetch_bytes
+        pending = []
+        with ThreadPoolExecutor(1, thread_name_prefix="cache-write") as writer:
+            try:
+                for blob, off, data, last in fetch(list(plan.fetch)):
+                    if blob not in targets:
+                        raise CacheError(f"the coordinator sent blob {blob!r}, which was not asked for")
+                    if off + len(data) > sizes[blob] or (last and off + len(data) != sizes[blob]):
+                        raise CacheError(f"blob {blob!r}: chunk at {off} ({len(data)} bytes) does not fit its "
+                                         f"{sizes[blob]} bytes")
+                    pending.append(writer.submit(absorb, blob, off, data, last))
+                    while len(pending) > 8 or (pending and pending[0].done()):  # bounded: 8 chunks in flight
+                        pending.pop(0).result()
+                    done += len(data)
+                    progress(min(done, total), total)
+            finally:
+                for fut in pending:
+                    fut.result()  # what was received is written and journaled, even when the stream broke
+        missing = [b for b in plan.fetch if b not in sha]
+        if missing:
+            raise CacheError(f"the coordinator's stream ended without {len(missing)} blobs (first {missing[0]!r})")
+
+    def open(self) -> "CachedCheckpoint":
+        return CachedCheckpoint(self.root, self.catalog, self.local)
+
+
+def _copy(h: Have, f, at: int, n: int, blob: str) -> None:
+    """Copy a held blob into file `f` at `at`, 8 MB at a time, checking its sha256 on the way."""
+    digest = hashlib.sha256()
+    with open(h.path, "rb") as src:
+        done = 0
+        while done < n:
+            data = os.pread(src.fileno(), min(8 << 20, n - done), h.offset + done)
+            if not data:
+                raise CacheError(f"{h.path}: blob {blob} ends early while copying")
+            digest.update(data)
+            os.pwrite(f.fileno(), data, at + done)
+            done += len(data)
+    if digest.hexdigest() != h.sha256:
+        raise CacheError(f"{h.path}: blob {blob} changed on disk while copying")
+
+
+def _name_of(targets, blob, handles) -> str:
+    f = targets[blob][0]
+    return next(n for n, h in handles.items() if h is f)
+
+
+class CachedCheckpoint(Checkpoint):
+    """A shard directory seen as the checkpoint it came from: the same tensor names and shapes;
+    expert tensors hold only this node's experts (reading another one is an error)."""
+
+    def __init__(self, root: Path, catalog: Catalog, local: dict[int, tuple[int, ...]]):
+        self.path = root
+        self.config = read_config(root)
+        self.tensors = {}
+        sizes = catalog.blob_nbytes()
+        files = {fs.name: fs for fs in layout(catalog, local)}
+        rep = files[REPLICATED]
+        for s in rep.slots:
+            self.tensors[s.name] = TensorInfo(s.name, root / REPLICATED, s.dtype, s.shape, s.offset,
+                                              s.offset + sizes[s.blobs[0]])
+        for layer, (n, groups) in catalog.layers.items():
+            experts = local.get(layer, ())
+            fs = files.get(_layer_name(layer, experts)) if experts else None
+            offsets = fs.blob_offsets(sizes) if fs else {}
+            path = root / fs.name if fs else root / REPLICATED
+            for g in groups:
+                if g.stacked:
+                    start = offsets[g.blob(experts[0])] if experts else 0
+                    full = math.prod(g.shape) * _DTYPES[g.dtype][2]
+                    self.tensors[g.key] = TensorInfo(g.key, path, g.dtype, g.shape, start, start + full,
+                                                     held=tuple(experts), per=g.per)
+                    continue
+                for e in range(n):
+                    key = g.key.format(e=e)
+                    if e in experts:
+                        at = offsets[g.blob(e)]
+                        self.tensors[key] = TensorInfo(key, path, g.dtype, g.shape, at, at + g.expert_nbytes())
+                    else:
+                        self.tensors[key] = TensorInfo(key, path, g.dtype, g.shape, 0, g.expert_nbytes(), held=(),
+                                                       per=g.shape[0] if g.shape else 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# `moe-cluster cache ls|rm`
+
+
+@dataclass(frozen=True)
+class CachedShard:
+    name: str  # the directory, = fingerprint[:16]
+    model_type: str
+    bytes: int
+    experts: int  # experts held, over all layers
+    state: str  # "complete", "partial" or the reason it is unusable
+
+
+def list_shards(cache_dir: Path) -> list[CachedShard]:
+    out = []
+    if not Path(cache_dir).is_dir():
+        return out
+    for d in sorted(Path(cache_dir).iterdir()):
+        if not (d.is_dir() and _SHARD_DIR.match(d.name)):
+            continue
+        size = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
+        try:
+            m = Manifest.read(d / MANIFEST)
+            state = "complete" if not (d / "journal").exists() else "partial"
+            mt = json.loads(m.catalog.config_text).get("model_type", "?")
+            experts = sum(len(v) for v in m.local.values())
+        except CacheError as exc:
+            state, mt, experts = ("partial" if (d / "journal").exists() else f"unusable: {exc}"), "?", 0
+        except json.JSONDecodeError:
+            state, mt, experts = "unusable: config is not JSON", "?", 0
+        out.append(CachedShard(d.name, mt, size, experts, state))
+    return out
+
+
+def remove_shard(cache_dir: Path, name: str) -> Path:
+    if not _SHARD_DIR.match(name):
+        raise CacheError(f"{name!r} is not a cached shard name (16 hex digits, as `cache ls` shows)")
+    d = Path(cache_dir) / name
+    if not d.is_dir():
+        raise CacheError(f"no cached shard {name} in {cache_dir}")
+    shutil.rmtree(d)
+    return d
+
+
+def cache_main(args) -> int:
+    """`moe-cluster cache ls|rm`."""
+    cache_dir = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
+    if args.cache_command == "ls":
+        shards = list_shards(cache_dir)
+        if not shards:
+            print(f"{cache_dir}: no cached shards")
+        for s in shards:
+            print(f"{s.name}  {s.model_type:<12} {s.bytes / 1e6:10.1f} MB  {s.experts:5d} experts  {s.state}")
+        return 0
+    for name in args.names:
+        print(f"removed {remove_shard(cache_dir, name)}")
+    return 0

@@ -1,0 +1,143 @@
+"""A node fills its shard cache from the coordinator's Ship service (coordinator/serve/ship.py).
+
+Runs on the node's worker thread during Load, with a blocking gRPC channel: ask for the catalog,
+verify what the cache holds, refuse before any byte is sent if the disk is too small, then fetch
+the missing blobs in one stream. A chunk whose crc32 does not match is asked for again from its
+offset (the stream restarts there); a dead coordinator is a one-line error within the keepalive
+timeout, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import grpc
+
+from ..envoy.auth import call_metadata, channel_credentials
+from ..proto import CHANNEL_OPTIONS, convert
+from ..proto import ship_pb2_grpc as spb_grpc
+from ..proto.errors import UnavailableError
+from ..proto.placement import Placement
+from ..proto.records import FetchSpec, ShipSource
+from .cache import CacheError, CachedCheckpoint, Catalog, ShardCache
+
+logger = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 30.0
+MAX_RESTARTS = 5  # corrupt chunks tolerated per fill before giving up
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string ("ipv4:10.0.0.1:5432", "ipv6:[::1]:5432")."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest.rsplit(":", 1)[0]
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    return "127.0.0.1"
+
+
+def fill_cache(source: ShipSource, address: str, *, cache_dir: Path, secret: str, tls, node: str,
+               placement: Placement | None, rank: int, world_size: int,
+               progress: Callable[[int, int, str], None]) -> CachedCheckpoint:
+    """Make this node's shard complete in `cache_dir` and open it; returns the checkpoint view."""
+    creds = channel_credentials(tls.ca, tls.cert, tls.key) if tls else None
+    channel = (grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS) if creds
+               else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+    md = call_metadata(secret)
+    try:
+        stub = spb_grpc.ShipStub(channel)
+        try:
+            reply = stub.Catalog(convert.catalog_request_to_proto(source.fingerprint), metadata=md,
+                                 timeout=RPC_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise UnavailableError(f"cannot get the model's catalog from the coordinator at {address}: "
+                                   f"{exc.code().name}: {exc.details()}") from None
+        try:
+            catalog = Catalog.from_json(json.loads(convert.catalog_reply_from_proto(reply)), f"catalog from {address}")
+        except json.JSONDecodeError as exc:
+            raise CacheError(f"catalog from {address} is not JSON ({exc})") from None
+        if catalog.fingerprint != source.fingerprint:
+            raise CacheError(f"the coordinator at {address} sent a catalog for {catalog.fingerprint[:16]}, "
+                             f"not {source.fingerprint[:16]}")
+        moe_layers = {l: n for l, (n, _) in catalog.layers.items()}
+        placement = placement or Placement.even(moe_layers, world_size)
+        placement.check(moe_layers)
+        local = {l: placement.layers[l][rank] for l in moe_layers}
+        cache = ShardCache(cache_dir, catalog, local)
+        try:
+            with cache.locked():
+                return _fill(cache, stub, md, source, node, address, progress)
+        except OSError as exc:  # a cache folder we cannot write, a disk that filled up meanwhile
+            raise CacheError(f"cache {cache.root}: {exc.strerror or exc}"
+                             + (f" ({exc.filename})" if getattr(exc, "filename", None) else "")) from None
+    finally:
+        channel.close()
+
+
+def _fill(cache: ShardCache, stub, md, source: ShipSource, node: str, address: str, progress) -> CachedCheckpoint:
+    """Verify, plan, refuse a short disk, fetch, open: under the shard's lock."""
+    t0 = time.monotonic()
+    plan = cache.scan()
+    cache.check_disk(plan)
+    print(f"cache {cache.root}: {len(cache.have) + len(cache.journal)} blobs verified in {time.monotonic() - t0:.2f}s; "
+          f"fetching {len(plan.fetch)} blobs ({plan.fetch_bytes} bytes), copying {plan.copy_bytes} bytes locally",
+          file=sys.stderr, flush=True)
+    t1 = time.monotonic()
+    last = [0.0]
+
+    def report(done: int, total: int) -> None:
+        progress(done, total, "ship")
+        now = time.monotonic()
+        if now - last[0] >= 1.0 or done >= total:
+            last[0] = now
+            rate = done / max(now - t1, 1e-6)
+            # the node's own terminal/log shows its transfer, whatever the log level
+            print(f"fetched {done} of {total} bytes ({100 * done / max(total, 1):.0f}%), {rate / 1e6:.1f} MB/s, "
+                  f"ETA {(total - done) / rate if rate else 0.0:.1f}s", file=sys.stderr, flush=True)
+
+    cache.fill(plan, lambda blobs: _fetch(stub, md, source.fingerprint, node, blobs, address), report)
+    if plan.fetch:
+        logger.info("fetched %d bytes in %.2fs", plan.fetch_bytes, time.monotonic() - t1)
+    return cache.open()
+
+
+def _fetch(stub, md, fingerprint: str, node: str, blobs: Sequence[str], address: str
+           ) -> Iterator[tuple[str, int, bytes, bool]]:
+    """Chunks of `blobs` in order; a corrupt chunk restarts the stream at that chunk."""
+    todo = list(blobs)
+    first_offset = 0
+    restarts = 0
+    while todo:
+        call = stub.Fetch(convert.fetch_request_to_proto(FetchSpec(fingerprint, tuple(todo), node, first_offset)),
+                          metadata=md)
+        corrupt = False
+        try:
+            for msg in call:
+                c = convert.chunk_from_proto(msg)
+                if zlib.crc32(c.data) != c.crc32:
+                    logger.warning("chunk of %s at %d arrived corrupt (crc32); asking again from there", c.blob, c.offset)
+                    restarts += 1
+                    if restarts > MAX_RESTARTS:
+                        raise CacheError(f"{restarts} corrupt chunks from the coordinator at {address}; giving up")
+                    i = todo.index(c.blob)
+                    todo, first_offset, corrupt = todo[i:], c.offset, True
+                    call.cancel()
+                    break
+                yield c.blob, c.offset, c.data, c.last
+                if c.last:
+                    todo.pop(0)
+                    first_offset = 0
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.CANCELLED and corrupt:
+                continue
+            raise UnavailableError(f"shipping from the coordinator at {address} stopped: "
+                                   f"{exc.code().name}: {exc.details()}") from None
+        if not corrupt:
+            return

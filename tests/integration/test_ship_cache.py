@@ -1,0 +1,220 @@
+"""A node's shard cache against a real Ship service on loopback: corrupt chunks, wrong secrets, a dead
+coordinator, a full disk and bad manifests each end in one line (or a repair), never a traceback."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moe_cluster.coordinator.serve.ship import Shipper, start_server
+from moe_cluster.node import cache as cache_mod
+from moe_cluster.node.cache import CacheError, _inside, list_shards, remove_shard
+from moe_cluster.node.checkpoint import Checkpoint, CheckpointError, read_tensor
+from moe_cluster.node.ship import fill_cache
+from moe_cluster.proto.errors import UnavailableError
+from moe_cluster.proto.records import ShipSource
+
+SECRET = "cache-test-secret"
+
+
+class Corrupting(Shipper):
+    """Flips one byte of the first chunk of the `nth` blob it sends, once (its crc32 stays the true one)."""
+
+    nth = 3
+
+    def Fetch(self, request, context):
+        i = 0
+        for chunk in super().Fetch(request, context):
+            if chunk.offset == 0:
+                i += 1
+            if i == self.nth and chunk.offset == 0 and not getattr(self, "done", False):
+                self.done = True
+                data = bytearray(chunk.data)
+                data[7] ^= 0x01
+                chunk.data = bytes(data)
+            yield chunk
+
+
+@pytest.fixture(scope="module")
+def server():
+    ckpt = Checkpoint.open("demo")
+    shipper = Corrupting(ckpt, report=lambda line: None)
+    srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
+    yield ckpt, shipper, f"127.0.0.1:{port}"
+    srv.stop(0.5).wait()
+
+
+def fill(address: str, fp: str, cache_dir: Path, secret: str = SECRET, rank: int = 0):
+    return fill_cache(ShipSource(fp, address), address, cache_dir=cache_dir, secret=secret, tls=None, node=f"t{rank}",
+                      placement=None, rank=rank, world_size=2, progress=lambda *a: None)
+
+
+def test_a_corrupt_chunk_is_fetched_again_and_the_shard_reads_as_the_checkpoint(server, tmp_path, caplog):
+    ckpt, shipper, address = server
+    view = fill(address, shipper.fingerprint, tmp_path)
+    assert "arrived corrupt (crc32)" in caplog.text
+    key = "model.layers.2.mlp.switch_mlp.up_proj.weight"
+    local = list(view.tensors[key].held)
+    assert local == list(range(8))  # rank 0 of 2, an even split
+    assert np.array_equal(np.array(read_tensor(view.tensors[key], [1, 5])), np.array(read_tensor(ckpt.tensors[key], [1, 5])))
+    assert np.array_equal(np.array(read_tensor(view.tensors["model.norm.weight"])),
+                          np.array(read_tensor(ckpt.tensors["model.norm.weight"])))
+    with pytest.raises(CheckpointError, match=r"expert 9 is not in this cached shard \(it holds \[0, 1, 2"):
+        read_tensor(view.tensors[key], [9])
+    # a second fill finds everything verified and asks for nothing
+    before = dict(shipper.bytes_sent())
+    fill(address, shipper.fingerprint, tmp_path)
+    assert shipper.bytes_sent() == before
+
+
+def test_a_wrong_secret_gets_nothing(server, tmp_path):
+    _, shipper, address = server
+    with pytest.raises(UnavailableError) as exc:
+        fill(address, shipper.fingerprint, tmp_path, secret="not-the-secret", rank=1)
+    assert "UNAUTHENTICATED" in str(exc.value) and "\n" not in str(exc.value)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_dead_coordinator_is_one_line_quickly(server, tmp_path):
+    import socket
+
+    _, shipper, _ = server
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: nobody answers there
+    t = time.monotonic()
+    try:
+        with pytest.raises(UnavailableError, match="cannot get the model's catalog from the coordinator at"):
+            fill(dead, shipper.fingerprint, tmp_path)
+    finally:
+        s.close()
+    assert time.monotonic() - t < 20
+
+
+def test_a_full_disk_is_refused_before_anything_is_sent(server, tmp_path, monkeypatch):
+    _, shipper, address = server
+    monkeypatch.setattr(cache_mod.shutil, "disk_usage", lambda p: type("U", (), {"free": 1000})())
+    sent = dict(shipper.bytes_sent())
+    with pytest.raises(CacheError, match=r"not enough free disk in .*: the shard needs \d+ bytes .*, 1000 bytes .* are free"):
+        fill(address, shipper.fingerprint, tmp_path / "small", rank=1)
+    assert shipper.bytes_sent() == sent
+
+
+def test_bad_manifests_and_names(server, tmp_path, caplog):
+    _, shipper, address = server
+    fill(address, shipper.fingerprint, tmp_path, rank=1)
+    (shard,) = [p for p in tmp_path.iterdir()]
+    manifest = json.loads((shard / "manifest.json").read_text())
+    manifest["catalog"]["layers"]["0"]["experts"] = "many"
+    (shard / "manifest.json").write_text(json.dumps(manifest))
+    (line,) = [s for s in list_shards(tmp_path)]
+    assert line.state.startswith("unusable: ") and "malformed catalog" in line.state and "\n" not in line.state
+    fill(address, shipper.fingerprint, tmp_path, rank=1)  # refetched, with a one-line warning
+    assert "malformed catalog" in caplog.text
+    assert list_shards(tmp_path)[0].state == "complete"
+    for name in ("../evil.safetensors", "/etc/passwd", "layer-0001-../../x.safetensors", "manifest.json"):
+        with pytest.raises(CacheError, match="refusing"):
+            _inside(shard, name)
+    with pytest.raises(CacheError, match="is not a cached shard name"):
+        remove_shard(tmp_path, "..")
+    remove_shard(tmp_path, shard.name)
+    assert not shard.exists()
+
+
+def test_an_unwritable_cache_and_a_shared_one_are_one_line(server, tmp_path):
+    _, shipper, address = server
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    with pytest.raises(CacheError, match=r"^cache .*file/[0-9a-f]{16}: ") as exc:
+        fill(address, shipper.fingerprint, blocked)
+    assert "\n" not in str(exc.value)
+    from moe_cluster.node.cache import Catalog, ShardCache
+
+    catalog = Catalog.from_json(json.loads(shipper.catalog_bytes), "test")
+    first = ShardCache(tmp_path / "shared", catalog, {})
+    with first.locked():
+        with pytest.raises(CacheError, match="is in use by another node agent"):
+            with ShardCache(tmp_path / "shared", catalog, {}).locked():
+                pass
+
+
+def test_shards_travel_over_tls(tmp_path):
+    pytest.importorskip("cryptography", reason="the test extra makes its certificate with cryptography")
+    from tls_certs import make_tls
+
+    tls = make_tls(tmp_path)
+    shipper = Shipper(Checkpoint.open("demo"), report=lambda line: None)
+    srv, port = start_server(shipper, "127.0.0.1", 0, SECRET, tls)
+    try:
+        address = f"127.0.0.1:{port}"
+        source = ShipSource(shipper.fingerprint, address)
+        view = fill_cache(source, address, cache_dir=tmp_path / "c", secret=SECRET, tls=tls, node="tls", placement=None,
+                          rank=1, world_size=2, progress=lambda *a: None)
+        assert list(view.tensors["model.layers.0.mlp.switch_mlp.up_proj.weight"].held) == list(range(8, 16))
+        with pytest.raises(UnavailableError):  # plaintext to a TLS port gets nothing
+            fill_cache(source, address, cache_dir=tmp_path / "d", secret=SECRET, tls=None, node="plain",
+                       placement=None, rank=0, world_size=2, progress=lambda *a: None)
+    finally:
+        srv.stop(0.5).wait()
+
+
+def test_a_placement_change_copies_what_is_held_and_fetches_the_rest(server, tmp_path):
+    ckpt, shipper, address = server
+    fill(address, shipper.fingerprint, tmp_path, rank=0)  # experts 0..7 of 16 per layer
+    before = shipper.bytes_sent().get("t0", 0)
+    source = ShipSource(shipper.fingerprint, address)
+    view = fill_cache(source, address, cache_dir=tmp_path, secret=SECRET, tls=None, node="t0", placement=None,
+                      rank=0, world_size=1, progress=lambda *a: None)  # alone: all 16
+    key = "model.layers.3.mlp.switch_mlp.gate_proj.weight"
+    per_expert = sum(ckpt.tensors[f"model.layers.0.mlp.switch_mlp.{p}.weight"].nbytes // 16
+                     for p in ("gate_proj", "up_proj", "down_proj"))
+    assert shipper.bytes_sent()["t0"] - before == 4 * 8 * per_expert  # 8 new experts in each of 4 layers
+    assert list(view.tensors[key].held) == list(range(16))
+    assert np.array_equal(np.array(read_tensor(view.tensors[key], list(range(16)))), np.array(read_tensor(ckpt.tensors[key])))
+    assert len(list(next(tmp_path.iterdir()).glob("layer-*"))) == 4  # the old placement's files are gone
+
+
+def test_a_checkpoint_file_gone_from_the_coordinator_is_one_line(tmp_path):
+    import shutil
+
+    from moe_cluster.node.demo import MODEL_DIR
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(MODEL_DIR, src)
+    shipper = Shipper(Checkpoint.open(src), report=lambda line: None)
+    srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
+    try:
+        (src / "model.safetensors").unlink()
+        with pytest.raises(UnavailableError) as exc:
+            fill(f"127.0.0.1:{port}", shipper.fingerprint, tmp_path / "c")
+        assert "cannot read" in str(exc.value) and "model.safetensors" in str(exc.value) and "\n" not in str(exc.value)
+    finally:
+        srv.stop(0.5).wait()
+
+
+@pytest.mark.parametrize("spec", [
+    dict(arch="mixtral", layout="hf"),  # one tensor per expert: stacked (E_local, ...) in the cache
+    dict(arch="qwen3_moe", quantize=4, shard_bytes=200_000),  # quantized stacked experts over several files
+], ids=["mixtral-hf", "qwen3_moe-q4-sharded"])
+def test_a_shipped_shard_loads_as_the_checkpoint_does(spec, tmp_path):
+    from mlx.utils import tree_flatten
+
+    from moe_cluster.node.demo.make import DemoSpec, make_checkpoint
+    from moe_cluster.node.moe.load import _Seat, load_shard
+
+    src = tmp_path / "ckpt"
+    make_checkpoint(DemoSpec(**spec), src)
+    shipper = Shipper(Checkpoint.open(src), report=lambda line: None)
+    srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
+    try:
+        view = fill(f"127.0.0.1:{port}", shipper.fingerprint, tmp_path / "c", rank=1)
+    finally:
+        srv.stop(0.5).wait()
+    a = dict(tree_flatten(load_shard(view, None, 1, collective=_Seat(1, 2), warm_up=False).model.parameters()))
+    b = dict(tree_flatten(load_shard(str(src), None, 1, collective=_Seat(1, 2), warm_up=False).model.parameters()))
+    assert a.keys() == b.keys()
+    assert [k for k in a if not np.array_equal(np.array(a[k]), np.array(b[k]))] == []
