@@ -152,6 +152,14 @@ def model_bytes(model: str) -> dict:
     }
 
 
+def _compare(tokens: list[int], stock: list[int]) -> dict:
+    """same_tokens, and where a run that differs from stock mlx-lm first does (None: it does not),
+    so a bfloat16 near-tie late in a run is told from a wrong first token."""
+    first = next((i for i, (a, b) in enumerate(zip(tokens, stock)) if a != b),
+                 None if len(tokens) == len(stock) else min(len(tokens), len(stock)))
+    return {"same_tokens": first is None, "first_mismatch": first}
+
+
 def run(spec: DecodeBench) -> dict:
     from ..dev.run_local import encode_prompt, load_stock
 
@@ -180,14 +188,14 @@ def run(spec: DecodeBench) -> dict:
     for c in clusters:
         # what the cluster adds to each MoE layer, beyond stock mlx-lm's time per token
         c["fixed_cost_per_moe_layer_us"] = 1e6 * (c["time_per_token_s"] - stock_s) / bytes_["moe_layers"]
-        c["same_tokens"] = c.pop("tokens") == single["stock_tokens"][: spec.max_tokens]
+        c.update(_compare(c.pop("tokens"), single["stock_tokens"][: spec.max_tokens]))
     from .tensor_parallel import measure
 
     peers = []
     for n in (n for n in spec.nodes if n > 1):
         peer = measure(str(ckpt.path), n, ids, spec.max_tokens, spec.rounds, gpus=spec.gpus)
         if "tokens" in peer:
-            peer["same_tokens"] = peer.pop("tokens") == single["stock_tokens"][: spec.max_tokens]
+            peer.update(_compare(peer.pop("tokens"), single["stock_tokens"][: spec.max_tokens]))
         peers.append(peer)
     out = {
         "model": str(ckpt.path),
@@ -200,7 +208,7 @@ def run(spec: DecodeBench) -> dict:
         # measured in alternating rounds in this process
         "cluster_ratio": alone["cluster_tps"] / alone["mlx_lm_tps"] if alone else None,
         "cluster_path": {"tps": alone["cluster_tps"], "mlx_lm_tps": alone["mlx_lm_tps"],
-                         "same_tokens": alone["tokens"] == single["stock_tokens"][: spec.max_tokens]} if alone else None,
+                         **_compare(alone["tokens"], single["stock_tokens"][: spec.max_tokens])} if alone else None,
         "same_tokens": single["same_tokens"],
         "rounds": {"ours": single["ours_rounds_tps"], "mlx_lm": single["mlx_lm_rounds_tps"]},
         "model_bytes": bytes_,
