@@ -1,7 +1,8 @@
 """The token loop every node runs: chunked prefill and decode on mlx-lm's `generate_step`.
 
 One node or many, the loop is the same; on a cluster the model's MoE blocks all-reduce inside
-the forward pass and the sampler is wrapped so every node takes rank 0's token.
+the forward pass, the sampler hands each token to the cluster's agreement, and `settle` checks each
+token the agreement before it is used.
 """
 
 from __future__ import annotations
@@ -63,19 +64,24 @@ def generate_tokens(
     logits_sink: list | None = None,
     fed_tokens: list | None = None,
     prefill_hook: Callable[[int, int], None] | None = None,
+    settle: Callable[[int], None] | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids until an EOS token (not yielded) or `max_tokens`.
 
     Args:
         prompt: token ids to process; with a `prompt_cache`, only the part not cached yet.
-        token_hook: called on each sampled token (as an array) and returns the token to use;
-            the cluster uses it to agree on rank 0's token and on cancellation.
+        token_hook: called on each sampled token (a lazy array, while the step's graph is built)
+            and returns the token to use; the cluster hands it to the next step's all-reduce.
         stats: filled in with timings and the finish reason.
         logits_sink: if given, each step's raw logits (float32 numpy) are appended to it.
         fed_tokens: if given, every token the model has been fed after the prompt is appended
             (the yielded ones and a final EOS), i.e. what a prompt cache now holds.
         prefill_hook: called as (prompt tokens processed, total) before the prefill and after each
             of its chunks; the cluster uses it to agree on cancellation during a long prefill.
+        settle: called with each token as mlx-lm hands it out, before it is yielded, counted or
+            compared with EOS. mlx-lm has already started the next step by then, whose first
+            all-reduce carried the token: the cluster checks there that every node sampled it and
+            whether one asks to stop (raising to stop), so every node ends at the same step.
     """
     from mlx_lm.generate import generate_step
 
@@ -100,6 +106,8 @@ def generate_tokens(
     tic = time.perf_counter()
     stats.finish_reason = "length"
     for n, (token, _) in enumerate(steps):
+        if settle is not None:
+            settle(token)
         if fed_tokens is not None:
             fed_tokens.append(token)
         now = time.perf_counter()

@@ -9,7 +9,7 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from ..proto.errors import UserError
-from .collective.base import TOKEN_LAYER, Cancelled, agree
+from .collective.base import RIDE_MAX_TOKEN, TOKEN_LAYER, Cancelled, agree, waiting
 from ..proto.records import GenerateRequest, check_token_ids
 from .engine import Stats, generate_tokens
 from .moe.load import ShardedModel
@@ -32,10 +32,12 @@ class GenerateResult:
 class NodeRuntime:
     """Runs generation requests on a sharded model in lock-step with the other nodes.
 
-    Every node runs the same loop on the same request. After each sampled token the nodes agree
-    (one tiny all-reduce): everyone takes rank 0's token, and a cancel seen by any node stops all
-    of them at the same step, so no node is ever left waiting in an all-reduce. They agree on a
-    cancel between prefill chunks too, so a long prompt stops within a chunk.
+    Every node runs the same loop on the same request. Each sampled token and the node's cancel
+    flag ride on the next step's first MoE all-reduce (no round trip of their own); before a token
+    is used every node checks that all sampled it (a mismatch is a TokenMismatch on every node,
+    never drift) and a cancel seen by any node stops all of them at the same step, so no node is
+    ever left waiting in an all-reduce. They agree on a cancel between prefill chunks too (one
+    explicit round trip per chunk), so a long prompt stops within a chunk.
 
     The prompt cache (mlx-lm's LRUPromptCache: longest-common-prefix reuse, LRU within a byte
     budget, an entry dropped once its continuation is cached) is the same on every node because
@@ -72,7 +74,8 @@ class NodeRuntime:
         c = self.collective
         mine = mx.zeros((c.world_size,), dtype=mx.float32)
         mine[c.rank] = float(value)
-        return c.all_reduce(mine, TOKEN_LAYER).tolist()
+        with waiting(c, "the prompt cache agreement"):
+            return c.all_reduce(mine, TOKEN_LAYER).tolist()
 
     def _reuse(self, prompt: list[int]) -> tuple[list | None, int]:
         """(cache to continue from, number of prompt tokens it covers), agreed by all nodes."""
@@ -113,34 +116,60 @@ class NodeRuntime:
             cache = make_prompt_cache(self.sharded.model)
         result.cached_tokens = covered
 
+        alone = collective.world_size == 1  # nobody to agree with: no agreement at all
+        rides = not alone and self.vocab <= RIDE_MAX_TOKEN
+        step = 0  # of the token being settled
+
         def hook(sampled: mx.array) -> mx.array:
-            if collective.world_size == 1:  # nobody to agree with: no host round trip per token
+            if alone:
                 if should_cancel():
                     raise Cancelled()
-                return sampled
-            token, cancelled = agree(collective, int(sampled.item()), should_cancel())
-            if cancelled:
-                raise Cancelled()
-            return mx.array([token], dtype=sampled.dtype)
+            elif rides:
+                collective.ride(sampled, should_cancel())
+            else:
+                agreement = agree(collective, int(sampled.item()), should_cancel())
+                if agreement.check(step):
+                    raise Cancelled()
+            return sampled
+
+        def settle(token: int) -> None:
+            nonlocal step
+            if rides:
+                agreement = collective.settle()
+                if agreement is None:  # no MoE all-reduce carried it: one explicit round trip
+                    agreement = agree(collective, token, should_cancel())
+                if agreement.check(step):
+                    raise Cancelled()
+            step += 1
 
         def between_chunks(done: int, total: int) -> None:
-            # every node prefills the same chunks, so every node asks here the same number of times
-            if done < total and agree(collective, 0, should_cancel())[1]:
+            # every node prefills the same chunks, so every node asks here the same number of times;
+            # the watch restarts per chunk, so the timeout bounds one chunk, not the whole prompt
+            collective.watch(f"prefill after {done}/{total} prompt tokens")
+            if done < total and agree(collective, 0, should_cancel()).check(-1):
                 raise Cancelled()
 
         fed: list[int] = []
+        tokens = generate_tokens(
+            self.sharded.model, prompt[covered:], req.sampling, eos_token_ids=req.eos_token_ids,
+            prompt_cache=cache, prefill_step=req.prefill_step, token_hook=hook, stats=result.stats,
+            logits_sink=result.logits if req.record_logits else None, fed_tokens=fed,
+            prefill_hook=between_chunks, settle=settle if not alone else None,
+        )
         try:
-            for token in generate_tokens(
-                self.sharded.model, prompt[covered:], req.sampling, eos_token_ids=req.eos_token_ids,
-                prompt_cache=cache, prefill_step=req.prefill_step, token_hook=hook, stats=result.stats,
-                logits_sink=result.logits if req.record_logits else None, fed_tokens=fed,
-                prefill_hook=between_chunks,
-            ):
+            while True:
+                # mx.distributed cannot time out: the wait for each step is watched instead
+                with waiting(collective, f"step {step}"):
+                    token = next(tokens, None)
+                if token is None:
+                    break
                 result.tokens.append(token)
                 yield token
         except Cancelled:
             result.cancelled = True
             result.stats.finish_reason = "cancelled"
+        finally:
+            tokens.close()
         result.stats.prompt_tokens = len(prompt)
         if self.prompt_cache is not None and cache is not None:
             self._store(prompt + fed, cache)

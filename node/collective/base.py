@@ -4,15 +4,23 @@
 output and gets back the sum of all ranks' partials, added in rank order in float32 so every node
 holds the same bytes. The transports (shared memory, envoy, `mx.distributed`) implement the same
 interface in node/transports/.
+
+The token agreement rides on that all-reduce too: after sampling, a node hands its (lazy) token
+and its cancel flag to `ride`, the next MoE all-reduce carries them beside the partial, and
+`settle` then says what every rank sampled (`Agreement`). No separate round trip per token.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol
 
 import mlx.core as mx
 import numpy as np
 
+from ...envoy.reduce import to_float32
 from ...proto.errors import ErrorKind, MoeClusterError
 
 
@@ -35,6 +43,111 @@ class Cancelled(MoeClusterError):
     kind = ErrorKind.CANCELLED
 
 
+class TokenMismatch(CollectiveError):
+    """Two nodes sampled different tokens at the same step: their logits differ (mixed hardware
+    rounding replicated attention differently, or a bug). Stopping beats silent drift."""
+
+    kind = ErrorKind.INTERNAL
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What every rank sampled at one step and whether it asks to stop (index = rank)."""
+
+    tokens: tuple[int, ...]
+    cancel: tuple[bool, ...]
+
+    def check(self, step: int) -> bool:
+        """Raise TokenMismatch where a rank's token is not rank 0's; True where any rank cancels."""
+        for rank, token in enumerate(self.tokens):
+            if token != self.tokens[0]:
+                raise TokenMismatch(f"step {step}: rank {rank} sampled token {token}, rank 0 sampled "
+                                    f"{self.tokens[0]} (the nodes' logits differ)")
+        return any(self.cancel)
+
+
+# Per rank on a summing transport: the token id in three base-256 digits (exact in bfloat16, whose
+# 8-bit significand holds integers up to 256), then the cancel flag. Each rank fills only its own
+# slots, so the sum holds every rank's values.
+RIDE_SLOTS = 4
+RIDE_MAX_TOKEN = 1 << 24  # token ids from here on do not fit three digits
+
+
+def ride_slots(rank: int, world_size: int, token: mx.array, cancel: bool, dtype) -> mx.array:
+    """This rank's (world_size * RIDE_SLOTS,) contribution to a summed agreement (lazy in `token`)."""
+    t = token.reshape(-1)[:1].astype(mx.int32)
+    mine = mx.concatenate([t % 256, (t // 256) % 256, t // 65536, mx.array([1 if cancel else 0], mx.int32)])
+    before = mx.zeros((rank * RIDE_SLOTS,), mx.int32)
+    after = mx.zeros(((world_size - rank - 1) * RIDE_SLOTS,), mx.int32)
+    return mx.concatenate([before, mine, after]).astype(dtype)
+
+
+def read_slots(values, world_size: int) -> Agreement:
+    """The Agreement in the sum of every rank's `ride_slots` (any float or int sequence)."""
+    v = [int(x) for x in values]
+    tokens, cancel = [], []
+    for r in range(world_size):
+        d0, d1, d2, c = v[r * RIDE_SLOTS : (r + 1) * RIDE_SLOTS]
+        tokens.append(d0 + 256 * d1 + 65536 * d2)
+        cancel.append(c != 0)
+    return Agreement(tuple(tokens), tuple(cancel))
+
+
+class Rider:
+    """A node's token and cancel flag waiting for the next MoE all-reduce, and what came back.
+
+    The transports own one each: `take` hands the pending ride to the all-reduce of a MoE layer
+    (never to the explicit agreement of TOKEN_LAYER), which `carried` a way to read the Agreement.
+    Summing transports append `ride_slots` to the partial (`attach`) and read them back (`detach`).
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self._rank = rank
+        self._world_size = world_size
+        self._pending: tuple[mx.array, bool] | None = None
+        self._carried: deque[Callable[[], Agreement]] = deque()
+
+    def ride(self, token: mx.array, cancel: bool) -> None:
+        self._pending = (token, cancel)
+
+    def take(self, layer: int) -> tuple[mx.array, bool] | None:
+        if layer < 0:
+            return None
+        pending, self._pending = self._pending, None
+        return pending
+
+    def carried(self, read: Callable[[], Agreement]) -> None:
+        self._carried.append(read)
+
+    def attach(self, partial: mx.array, layer: int) -> tuple[mx.array, int]:
+        """(what a summing transport sends, how many ride values follow the partial in it)."""
+        ride = self.take(layer)
+        if ride is None:
+            return partial, 0
+        extra = ride_slots(self._rank, self._world_size, *ride, partial.dtype)
+        return mx.concatenate([partial.reshape(-1), extra]), extra.size
+
+    def detach(self, total: np.ndarray, dtype: str, extra: int) -> np.ndarray:
+        """The partial's part of a summed raw payload; the Agreement in the rest is kept (copied)."""
+        if not extra:
+            return total
+        total = total.reshape(-1)
+        agreement = read_slots(to_float32(total[-extra:], dtype), self._world_size)
+        self._carried.append(lambda: agreement)
+        return total[:-extra]
+
+    def settle(self) -> Agreement | None:
+        """The oldest carried Agreement (waits for it), or None where no all-reduce carried one."""
+        if not self._carried:
+            self._pending = None
+            return None
+        return self._carried.popleft()()
+
+    def clear(self) -> None:
+        self._pending = None
+        self._carried.clear()
+
+
 class Collective(Protocol):
     rank: int
     world_size: int
@@ -47,6 +160,17 @@ class Collective(Protocol):
 
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
         """Sum `partial` over all ranks (rank order, float32) and return it in its dtype."""
+
+    def ride(self, token: mx.array, cancel: bool) -> None:
+        """Carry this node's sampled token (lazy) and cancel flag on the next MoE all-reduce."""
+
+    def settle(self) -> Agreement | None:
+        """What the oldest ride came back with; None where no all-reduce carried it."""
+
+    def watch(self, what: str | None) -> None:
+        """Arm (a description of the wait) or disarm (None) the stall guard while the node waits on
+        a result that needs the peers; arming again restarts the clock. A no-op where the
+        transport times out by itself."""
 
     def close(self) -> None: ...
 
@@ -90,6 +214,15 @@ class LocalCollective:
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
         return partial
 
+    def ride(self, token: mx.array, cancel: bool) -> None:
+        pass  # alone there is nobody to agree with
+
+    def settle(self) -> Agreement | None:
+        return None
+
+    def watch(self, what: str | None) -> None:
+        pass
+
     def failure(self) -> str | None:
         return None
 
@@ -100,8 +233,27 @@ class LocalCollective:
         pass
 
 
-def agree(collective: Collective, token: int, cancel: bool) -> tuple[int, bool]:
-    """Every node takes rank 0's token; any node's cancel stops all of them at the same step."""
-    mine = mx.array([float(token) if collective.rank == 0 else 0.0, 1.0 if cancel else 0.0], dtype=mx.float32)
-    total = collective.all_reduce(mine, TOKEN_LAYER).tolist()
-    return int(total[0]), total[1] > 0
+def rank_order_sum(parts: list[mx.array]) -> mx.array:
+    """Partials added in rank order in float32, cast back: in-graph, the same bytes as
+    `envoy.reduce.Reducer` (which rounds as MLX casts), so every transport gives the same logits."""
+    total = parts[0].astype(mx.float32)
+    for p in parts[1:]:
+        total = total + p.astype(mx.float32)
+    return total.astype(parts[0].dtype)
+
+
+@contextmanager
+def waiting(collective: Collective, what: str) -> Iterator[None]:
+    """The stall guard armed while the node waits on a result that needs the peers."""
+    collective.watch(what)
+    try:
+        yield
+    finally:
+        collective.watch(None)
+
+
+def agree(collective: Collective, token: int, cancel: bool) -> Agreement:
+    """One explicit round trip: every rank's token and cancel flag (prefill, and the fallback where
+    no MoE all-reduce carried the ride). The caller watches the wait (`waiting`)."""
+    mine = ride_slots(collective.rank, collective.world_size, mx.array([token]), cancel, mx.float32)
+    return read_slots(collective.all_reduce(mine, TOKEN_LAYER).tolist(), collective.world_size)

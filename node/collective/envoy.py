@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...envoy.link import BEGUN, DONE, FAIL, READY, LinkError, NodeLink, fail_message, unpack_ready, unpack_step
-from .base import CollectiveError, from_wire, to_wire
+from .base import Agreement, CollectiveError, Rider, from_wire, to_wire
 from .specs import EnvoySpec
 
 logger = logging.getLogger(__name__)
@@ -143,18 +143,30 @@ class EnvoyCollective:
         self._envoy = EnvoyProcess(spec, rank)
         self.rank = rank
         self.world_size = spec.world_size
+        self._rider = Rider(rank, spec.world_size)
 
     @property
     def envoy(self) -> EnvoyProcess:
         return self._envoy
 
     def begin(self, request_id: str) -> None:
+        self._rider.clear()
         self._envoy.begin(request_id)
 
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
-        raw, dtype = to_wire(partial)
-        out = self._envoy.all_reduce(raw.reshape(-1), dtype, tuple(partial.shape), layer)
-        return from_wire(out, dtype, partial.shape)  # mx.array copies out of the shared area
+        payload, extra = self._rider.attach(partial, layer)
+        raw, dtype = to_wire(payload)
+        out = self._envoy.all_reduce(raw.reshape(-1), dtype, tuple(payload.shape), layer)
+        return from_wire(self._rider.detach(out, dtype, extra), dtype, partial.shape)  # mx.array copies out of the shared area
+
+    def ride(self, token: mx.array, cancel: bool) -> None:
+        self._rider.ride(token, cancel)
+
+    def settle(self) -> Agreement | None:
+        return self._rider.settle()
+
+    def watch(self, what: str | None) -> None:
+        pass  # the envoy times out every all-reduce itself
 
     def abort(self, request_id: str) -> None:
         self._envoy.abort(request_id)

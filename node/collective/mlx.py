@@ -1,15 +1,25 @@
-"""`transport: mlx`: the collective over `mx.distributed` (ring over TCP; JACCL RDMA on macOS 26.2+).
+"""`transport: mlx`: the collective over `mx.distributed` (ring over TCP; JACCL RDMA on macOS 26.2+;
+NCCL on CUDA GPUs).
 
-Each all-reduce is an `all_gather` of the partials followed by `envoy.reduce` in rank order, so
-the sum is the same bytes as the envoy transport's on every node (a ring `all_sum` adds in a
-different order per chunk and in the payload dtype). The ring backend reads the hostfile named by
-MLX_HOSTFILE (JSON: per rank, a list of "ip:port") and the rank from MLX_RANK; this module writes
-the file and sets both before `mx.distributed.init`. JACCL is the same code with its own
-variables (MLX_IBV_DEVICES, MLX_JACCL_COORDINATOR); whether it exists is feature-detected.
+Each all-reduce is a graph operation: an `all_gather` of the partials, then the sum in rank order
+in float32 (`base.rank_order_sum`), so a token step stays one lazy graph with no host sync inside
+it, and the sum is the same bytes as the envoy transport's on every node (a ring `all_sum` adds in
+a different order per chunk and in the payload dtype). The first all-reduce of a step also carries
+the token agreement (`base.Rider`): every rank's sampled token and cancel flag, as raw bytes beside
+the partial's, so all_gather shows every node what every other sampled.
+
+Each backend reads its peers from the environment, set here before `mx.distributed.init`:
+ring reads the hostfile named by MLX_HOSTFILE (JSON: per rank, a list of "ip:port") and MLX_RANK;
+JACCL its own (MLX_IBV_DEVICES, MLX_JACCL_COORDINATOR); NCCL a rendezvous address
+(NCCL_HOST_IP, NCCL_PORT) with MLX_RANK and MLX_WORLD_SIZE, the GPU being the launcher's choice
+(CUDA_VISIBLE_DEVICES). Whether a backend exists is feature-detected.
 
 `mx.distributed` has no timeout of its own: a dead peer surfaces as an error from the ring, but a
-stalled one would block forever. A watchdog thread therefore ends the node process when one
-all-reduce outlasts `timeout_s` (an MLX group cannot be rebuilt inside a process anyway).
+stalled one would block forever. The collective cannot time the all_gather itself any more (it
+runs inside the graph), so the node arms a watchdog (`watch`) around every wait on a step's result
+(the token read, a prefill chunk, the agreement), and the watchdog ends the node process when
+one wait outlasts `timeout_s` (an MLX group cannot be rebuilt inside a process anyway). The bound
+therefore covers a step's compute too, which is far below any sensible collective timeout.
 """
 
 from __future__ import annotations
@@ -26,8 +36,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ...envoy.reduce import Reducer
-from .base import CollectiveError, from_wire, to_wire
+from .base import Agreement, CollectiveError, Rider, rank_order_sum
 from .specs import MlxSpec
 
 logger = logging.getLogger(__name__)
@@ -43,13 +52,16 @@ def write_hostfile(spec: MlxSpec, folder: str | Path) -> dict[str, str]:
         path = folder / "mlx-ring-hosts.json"
         path.write_text(json.dumps([list(h) for h in spec.hosts]))
         return {"MLX_HOSTFILE": str(path)}
+    if spec.backend == "nccl":  # no file: every rank meets at rank 0's first address
+        host, _, port = spec.hosts[0][0].rpartition(":")
+        return {"MLX_WORLD_SIZE": str(spec.world_size), "NCCL_HOST_IP": host, "NCCL_PORT": port}
     path = folder / "mlx-jaccl-devices.json"
     path.write_text(json.dumps([list(row) for row in spec.jaccl_devices]))
     return {"MLX_IBV_DEVICES": str(path), "MLX_JACCL_COORDINATOR": spec.jaccl_coordinator}
 
 
 class _Watchdog:
-    """Ends the process if one collective call outlasts the timeout (no way to interrupt MLX)."""
+    """Ends the process if one wait on the peers outlasts the timeout (no way to interrupt MLX)."""
 
     def __init__(self, rank: int, timeout_s: float):
         self._rank = rank
@@ -72,7 +84,7 @@ class _Watchdog:
         while not self._stop.wait(period):
             since = self._since
             if since is not None and time.monotonic() - since > self._timeout:
-                msg = (f"rank {self._rank}: mx.distributed {self._what} did not complete within {self._timeout:g} s "
+                msg = (f"rank {self._rank}: {self._what} did not complete within {self._timeout:g} s "
                        f"(a peer stalled or the network is down); the MLX group cannot recover, exiting")
                 logger.critical("%s", msg)
                 print(f"moe-cluster node: {msg}", file=sys.stderr, flush=True)
@@ -85,14 +97,17 @@ class _Watchdog:
 class MlxCollective:
     """The Collective of `transport: mlx`."""
 
+    in_graph = True  # all_reduce is a graph operation: the MoE layer hands it the lazy partial
+
     def __init__(self, spec: MlxSpec, rank: int):
         if not mx.distributed.is_available(spec.backend):
             raise CollectiveError(f"mx.distributed backend {spec.backend!r} is not available in this MLX build "
-                                  f"(jaccl needs macOS 26.2+ with Thunderbolt 5 RDMA)")
+                                  f"(jaccl needs macOS 26.2+ with Thunderbolt 5 RDMA, nccl MLX's CUDA build)")
         self.rank = rank
         self.world_size = spec.world_size
         self._tmp = None
         self._watchdog = None
+        self._rider = Rider(rank, spec.world_size)
         if spec.world_size == 1:  # a ring of one cannot form (it dials itself); the sum is the partial
             self.group = None
             return
@@ -110,27 +125,42 @@ class MlxCollective:
         if self.group.size() != spec.world_size or self.group.rank() != rank:
             raise CollectiveError(f"mx.distributed made rank {self.group.rank()} of {self.group.size()}, "
                                   f"expected rank {rank} of {spec.world_size}")
-        self._reduce = Reducer()
         self._watchdog = _Watchdog(rank, spec.timeout_s)
         logger.info("rank %s joined mx.distributed %s group of %s", rank, spec.backend, spec.world_size)
 
     def begin(self, request_id: str) -> None:
-        pass  # the ring has no per-request state; a failed request leaves the group unusable anyway
+        self._rider.clear()  # the ring has no per-request state; a failed request leaves the group unusable anyway
 
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
         if self.group is None:
             return partial
-        self._watchdog.enter(f"all_gather at layer {layer}")
-        try:
-            gathered = mx.distributed.all_gather(partial.reshape(1, -1), group=self.group)  # (N, numel)
-            mx.eval(gathered)
-        except RuntimeError as exc:
-            raise CollectiveError(f"rank {self.rank}: mx.distributed all_gather at layer {layer} failed: {exc}") from exc
-        finally:
+        flat = partial.reshape(1, -1)
+        ride = self._rider.take(layer)
+        if ride is None:
+            parts = mx.distributed.all_gather(flat, group=self.group)  # (N, numel)
+        else:
+            nbytes = partial.nbytes
+            token, cancel = ride
+            extras = mx.concatenate([token.reshape(-1)[:1].astype(mx.int32), mx.array([int(cancel)], mx.int32)])
+            payload = mx.concatenate([flat.reshape(-1).view(mx.uint8), extras.view(mx.uint8)])[None]
+            gathered = mx.distributed.all_gather(payload, group=self.group)  # (N, nbytes + 8) uint8
+            parts = gathered[:, :nbytes].view(partial.dtype)
+            self._rider.carried(lambda: _agreement(gathered, nbytes))
+        return rank_order_sum([parts[r] for r in range(self.world_size)]).reshape(partial.shape)
+
+    def ride(self, token: mx.array, cancel: bool) -> None:
+        self._rider.ride(token, cancel)
+
+    def settle(self) -> Agreement | None:
+        return self._rider.settle()
+
+    def watch(self, what: str | None) -> None:
+        if self._watchdog is None:
+            return
+        if what is None:
             self._watchdog.leave()
-        raw, dtype = to_wire(gathered)
-        parts = list(np.ascontiguousarray(raw).reshape(self.world_size, -1))
-        return from_wire(self._reduce(parts, dtype), dtype, partial.shape)
+        else:
+            self._watchdog.enter(what)
 
     def failure(self) -> str | None:
         return None  # no child process to lose: a peer's loss fails the step itself
@@ -144,3 +174,13 @@ class MlxCollective:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def _agreement(gathered: mx.array, nbytes: int) -> Agreement:
+    """Read every rank's token and cancel flag from the bytes after its partial in `gathered`.
+
+    `gathered` itself, not a slice of it, is read: it is part of the step's graph already running
+    (async_eval), so this waits only for the first MoE layer; a new slice op would queue behind the
+    whole step."""
+    extras = np.ascontiguousarray(np.asarray(gathered)[:, nbytes:]).view(np.int32)  # (N, 2)
+    return Agreement(tuple(int(t) for t in extras[:, 0]), tuple(bool(c) for c in extras[:, 1]))

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...envoy.reduce import DTYPES, Reducer
-from .base import CollectiveError, from_wire, to_wire
+from .base import Agreement, CollectiveError, Rider, from_wire, to_wire
 
 _HDR = 16  # per slot: int64 sequence number, int64 payload bytes
 
@@ -43,6 +43,7 @@ class ShmCollective:
         self._shm = shared_memory.SharedMemory(name=spec.name)
         self._seq = 0
         self._reduce = Reducer()
+        self._rider = Rider(rank, spec.world_size)
         self.request_id = ""
 
     def _slot(self, rank: int, parity: int) -> tuple[memoryview, memoryview]:
@@ -51,9 +52,20 @@ class ShmCollective:
 
     def begin(self, request_id: str) -> None:
         self.request_id = request_id
+        self._rider.clear()
+
+    def ride(self, token: mx.array, cancel: bool) -> None:
+        self._rider.ride(token, cancel)
+
+    def settle(self) -> Agreement | None:
+        return self._rider.settle()
+
+    def watch(self, what: str | None) -> None:
+        pass  # every all-reduce times out by itself
 
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
-        raw, dtype = to_wire(partial)
+        payload, extra = self._rider.attach(partial, layer)
+        raw, dtype = to_wire(payload)
         data = raw.tobytes()
         if len(data) > self._spec.slot_bytes:
             raise CollectiveError(f"partial of {len(data)} bytes exceeds the shared slot ({self._spec.slot_bytes} bytes)")
@@ -79,7 +91,7 @@ class ShmCollective:
             if seq != self._seq or nbytes != len(data):
                 raise CollectiveError(f"rank {src} is out of step at layer {layer} (step {seq}, expected {self._seq})")
             parts.append(np.frombuffer(sbody[:nbytes], dtype=DTYPES[dtype]))
-        return from_wire(self._reduce(parts, dtype), dtype, partial.shape)
+        return from_wire(self._rider.detach(self._reduce(parts, dtype), dtype, extra), dtype, partial.shape)
 
     def failure(self) -> str | None:
         return None  # no child process to lose: a peer's loss fails the step itself

@@ -58,22 +58,29 @@ class EnvoySpec:
         return len(self.addresses)
 
 
+MLX_BACKENDS = ("ring", "jaccl", "nccl")  # the mx.distributed backends a node can join
+
+
 @dataclass(frozen=True)
 class MlxSpec:
     """`mx.distributed` with a hostfile written for the nodes."""
 
-    hosts: tuple[tuple[str, ...], ...]  # ring: per rank, its "ip:port" addresses
-    backend: str = "ring"  # "ring" or "jaccl"
+    hosts: tuple[tuple[str, ...], ...]  # ring: per rank, its "ip:port" addresses; nccl: rank 0's first is the rendezvous
+    backend: str = "ring"  # "ring", "jaccl" or "nccl" (CUDA GPUs)
     timeout_s: float = 30.0  # an all-reduce that takes longer fails (the group is then unusable)
     jaccl_coordinator: str = ""  # jaccl: "ip:port" of rank 0
     jaccl_devices: tuple[tuple[str | None, ...], ...] = ()  # jaccl: [rank][peer] RDMA device, None for self
     hostfile_dir: str = ""  # where the hostfile is written; "" = a temporary folder
 
     def __post_init__(self) -> None:
-        if self.backend not in ("ring", "jaccl"):
-            raise UserError(f"mlx backend must be ring or jaccl (got {self.backend!r})")
+        if self.backend not in MLX_BACKENDS:
+            raise UserError(f"mlx backend must be one of {', '.join(MLX_BACKENDS)} (got {self.backend!r})")
         if self.backend == "ring" and any(not h for h in self.hosts):
             raise UserError("mlx ring backend needs at least one address per rank")
+        if self.backend == "nccl":
+            host, sep, port = (self.hosts[0][0] if self.hosts and self.hosts[0] else "").rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise UserError(f"mlx nccl backend needs rank 0's address as host:port (got {self.hosts[:1]!r})")
 
     @property
     def world_size(self) -> int:

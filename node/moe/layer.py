@@ -17,7 +17,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..collective.base import Collective
+from ..collective.base import Collective, rank_order_sum
 from .experts import ExpertShard, ShardState
 from .structure import MoEBlock, Zero, get_bank, set_bank
 
@@ -127,8 +127,4 @@ class InProcessCluster(nn.Module):
         self.ranks = ranks
 
     def __call__(self, x, *args, **kwargs):
-        parts = [r.partial(x, *args, **kwargs) for r in self.ranks]
-        total = parts[0].astype(mx.float32)
-        for p in parts[1:]:
-            total = total + p.astype(mx.float32)
-        return total.astype(parts[0].dtype)
+        return rank_order_sum([r.partial(x, *args, **kwargs) for r in self.ranks])

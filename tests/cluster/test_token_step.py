@@ -1,0 +1,192 @@
+"""A token step across real node processes (issue 15, items 2 and 4): with `transport: mlx` the
+step is one lazy graph (the all_gather inside it, no host sync), the token agreement rides on the
+next step's first MoE all-reduce (no round trip of its own), a token that differs on one node is a
+TokenMismatch on every node, a cancel on one node stops all of them at the same step, and a stalled
+peer still ends the node within the collective timeout."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+
+import pytest
+
+from moe_cluster.coordinator.dev.simulate import _transport_spec, stop_processes
+
+PROMPT = (345, 12, 88, 501, 7, 260, 19, 944, 3, 71)
+TOKENS = 8
+AT = 3  # the step at which a scenario injects its fault
+STALL_S = 3.0  # timeout_s of the stall scenario
+
+
+def _node(scenario: str, spec, rank: int, model: str, results) -> None:
+    """Process entry point: run `scenario` as node `rank`, put (rank, report) on `results`."""
+    try:
+        results.put((rank, _scenario(scenario, spec, rank, model)))
+    except BaseException as exc:  # noqa: BLE001 - reported to the test as a value
+        results.put((rank, {"error": type(exc).__name__, "message": str(exc)}))
+
+
+def _scenario(scenario: str, spec, rank: int, model: str) -> dict:
+    import mlx.core as mx
+
+    from moe_cluster.node import engine
+    from moe_cluster.node.collective.base import TOKEN_LAYER
+    from moe_cluster.node.collective.specs import make_collective
+    from moe_cluster.node.moe.load import load_shard
+    from moe_cluster.node.runtime import GenerateResult, NodeRuntime
+    from moe_cluster.proto.records import GenerateRequest, Sampling
+
+    collective = make_collective(spec, rank)
+    sharded = load_shard(model, None, rank, keepalive="none", collective=collective)  # device-routed experts
+    if scenario == "graph":
+        return _one_step(sharded)
+    explicit = []  # layers of the all-reduces outside the MoE layers (explicit agreements)
+    reduce = collective.all_reduce
+    collective.all_reduce = lambda x, layer: (explicit.append(layer) if layer == TOKEN_LAYER else None) or reduce(x, layer)
+    if rank == 1 and scenario in ("mismatch", "stall"):
+        make = engine.make_sampler
+
+        def faulty(sampling, hook=None):
+            sampler, calls = make(sampling), [0]
+
+            def sample(logprobs):
+                y = sampler(logprobs)
+                calls[0] += 1
+                if calls[0] == AT + 1:
+                    if scenario == "stall":
+                        time.sleep(60)
+                    y = y + 1  # this node samples another token than the others
+                return hook(y) if hook else y
+
+            return sample
+
+        engine.make_sampler = faulty
+    result = GenerateResult()
+    cancel = (lambda: len(result.tokens) >= AT) if scenario == "cancel" and rank == 1 else (lambda: False)
+    req = GenerateRequest(f"{scenario}-1", PROMPT, Sampling(max_tokens=TOKENS))
+    try:
+        tokens = list(NodeRuntime(sharded).generate(req, should_cancel=cancel, result=result))
+    finally:
+        collective.close()
+    return {"tokens": tokens, "cancelled": result.cancelled, "explicit": len(explicit)}
+
+
+def _one_step(sharded) -> dict:
+    """Build one decode step with every host sync counted, then evaluate it."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from moe_cluster.node.collective import base
+
+    model = sharded.model
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([PROMPT]), cache=cache))
+    syncs: list[str] = []
+    gathers = [0]
+    saved = {(mx, "eval"): mx.eval, (mx, "async_eval"): mx.async_eval, (np, "array"): np.array,
+             (np, "asarray"): np.asarray, (base, "to_wire"): base.to_wire,
+             (mx.distributed, "all_gather"): mx.distributed.all_gather}
+
+    def counted(name, fn):
+        return lambda *a, **k: (syncs.append(name), fn(*a, **k))[1]
+
+    def gather(*a, **k):
+        gathers[0] += 1
+        return saved[(mx.distributed, "all_gather")](*a, **k)
+
+    for (mod, name), fn in saved.items():
+        setattr(mod, name, gather if name == "all_gather" else counted(name, fn))
+    try:
+        logits = model(mx.array([[PROMPT[-1]]]), cache=cache)  # the step's graph, built lazily
+    finally:
+        for (mod, name), fn in saved.items():
+            setattr(mod, name, fn)
+    mx.eval(logits)
+    return {"syncs": syncs, "gathers": gathers[0], "moe_layers": len(sharded.layers),
+            "logits": np.array(logits.astype(mx.float32)).tobytes()}
+
+
+def _run(scenario: str, transport: str, model, nodes: int = 2, timeout_s: float = 30.0, wait_s: float = 120.0):
+    """Run `scenario` on `nodes` processes; -> ({rank: report}, {rank: exit code}, seconds)."""
+    ctx = mp.get_context("spawn")
+    spec, cleanup = _transport_spec(transport, nodes, 1 << 20, ctx, timeout_s)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_node, args=(scenario, spec, r, str(model), results), daemon=True) for r in range(nodes)]
+    t0 = time.monotonic()
+    try:
+        for p in procs:
+            p.start()
+        reports: dict[int, dict] = {}
+        while len(reports) < nodes and time.monotonic() - t0 < wait_s:
+            try:
+                rank, rep = results.get(timeout=0.2)
+                reports[rank] = rep
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+        seconds = time.monotonic() - t0
+        return reports, {r: p.exitcode for r, p in enumerate(procs)}, seconds
+    finally:
+        for p in procs:
+            if p.is_alive() and scenario == "stall":
+                p.kill()  # the sleeping node: its peer's exit is what the test waits for
+        stop_processes(procs)
+        cleanup()
+
+
+@pytest.fixture(scope="module")
+def model(make_ckpt):
+    return make_ckpt("mixtral")
+
+
+def test_an_mlx_step_is_one_graph_with_the_all_gather_inside(model):
+    reports, _, _ = _run("graph", "mlx", model)
+    assert all("error" not in r for r in reports.values()), reports
+    for rank, r in reports.items():
+        assert r["syncs"] == [], f"rank {rank} synced with the host while building the step: {r['syncs']}"
+        assert r["gathers"] == r["moe_layers"], (rank, r["gathers"], r["moe_layers"])
+    assert reports[0]["logits"] == reports[1]["logits"]  # rank-order float32 sum: the same bytes everywhere
+
+
+@pytest.mark.parametrize("transport", ["mlx", "envoy"])
+def test_the_token_rides_on_the_next_all_reduce(transport, model, reference):
+    reports, _, _ = _run("generate", transport, model)
+    ref_tokens, _ = reference(model, PROMPT, TOKENS)
+    for rank in (0, 1):
+        r = reports[rank]
+        assert r["tokens"] == list(ref_tokens[:TOKENS]), (rank, r)
+        # the prefill's cancel checks only (before its one chunk and after it: mlx-lm prefills all
+        # but the last prompt token), none per token
+        assert r["explicit"] == 2, f"rank {rank}: {r['explicit']} explicit agreements for {TOKENS} tokens"
+
+
+@pytest.mark.parametrize("transport", ["mlx", "envoy"])
+def test_a_token_that_differs_on_one_node_fails_every_node_naming_both(transport, model, reference):
+    reports, _, _ = _run("mismatch", transport, model)
+    ref_tokens, _ = reference(model, PROMPT, TOKENS)
+    want = f"step {AT}: rank 1 sampled token {ref_tokens[AT] + 1}, rank 0 sampled {ref_tokens[AT]}"
+    for rank in (0, 1):
+        assert reports[rank].get("error") == "TokenMismatch", (rank, reports[rank])
+        assert want in reports[rank]["message"], (rank, reports[rank]["message"])
+
+
+@pytest.mark.parametrize("transport", ["mlx", "envoy"])
+def test_a_cancel_on_one_node_stops_every_node_at_the_same_step(transport, model, reference):
+    reports, _, _ = _run("cancel", transport, model)
+    ref_tokens, _ = reference(model, PROMPT, TOKENS)
+    for rank in (0, 1):
+        r = reports[rank]
+        assert r["cancelled"], (rank, r)
+        assert r["tokens"] == list(ref_tokens[: len(reports[1]["tokens"])]), (rank, r)
+    assert reports[0]["tokens"] == reports[1]["tokens"] and AT <= len(reports[0]["tokens"]) < TOKENS
+
+
+def test_a_stalled_peer_ends_the_mlx_node_within_the_collective_timeout(model):
+    from moe_cluster.node.collective.mlx import EXIT_STALLED
+
+    reports, codes, seconds = _run("stall", "mlx", model, timeout_s=STALL_S, wait_s=60)
+    assert codes[0] == EXIT_STALLED, (codes, reports)
+    assert seconds < 40, seconds  # spawn and load (~10 s on 2 busy cores), then the timeout, not rank 1's 60 s sleep

@@ -1,0 +1,80 @@
+"""What `transport: mlx` writes for each mx.distributed backend before `mx.distributed.init`, and
+the token agreement's encodings; no group is formed (NCCL needs MLX's CUDA build and GPUs)."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+
+from moe_cluster.node.collective.base import (Agreement, CollectiveError, TokenMismatch, rank_order_sum, read_slots,
+                                             ride_slots)
+from moe_cluster.node.collective.mlx import MlxCollective, write_hostfile
+from moe_cluster.node.collective.specs import MlxSpec
+from moe_cluster.proto.errors import UserError
+
+
+def test_ring_writes_the_hostfile(tmp_path):
+    spec = MlxSpec((("10.0.0.1:5000",), ("10.0.0.2:5000",)))
+    env = write_hostfile(spec, tmp_path)
+    assert json.loads(open(env["MLX_HOSTFILE"]).read()) == [["10.0.0.1:5000"], ["10.0.0.2:5000"]]
+
+
+def test_nccl_meets_at_rank_0s_address(tmp_path):
+    spec = MlxSpec((("10.0.0.1:29500",), ("10.0.0.2:29500",), ("10.0.0.3:29500",)), backend="nccl")
+    env = write_hostfile(spec, tmp_path)
+    assert env == {"MLX_WORLD_SIZE": "3", "NCCL_HOST_IP": "10.0.0.1", "NCCL_PORT": "29500"}
+    assert list(tmp_path.iterdir()) == []  # nothing to write: the GPU is the launcher's (CUDA_VISIBLE_DEVICES)
+
+
+def test_nccl_needs_rank_0s_host_and_port():
+    with pytest.raises(UserError, match="nccl backend needs rank 0's address as host:port"):
+        MlxSpec(((), ("10.0.0.2:29500",)), backend="nccl")
+    with pytest.raises(UserError, match="mlx backend must be one of ring, jaccl, nccl"):
+        MlxSpec((("a:1",),), backend="gloo")
+
+
+@pytest.mark.skipif(mx.distributed.is_available("nccl"), reason="this MLX build has NCCL")
+def test_a_backend_missing_from_this_build_is_a_clear_error():
+    spec = MlxSpec((("127.0.0.1:1",), ("127.0.0.1:2",)), backend="nccl")
+    with pytest.raises(CollectiveError, match="backend 'nccl' is not available in this MLX build"):
+        MlxCollective(spec, 0)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_summed_ride_slots_carry_every_ranks_token_exactly(dtype):
+    tokens, cancel = (151_935, 0, 255, 16_777_215), (False, True, False, False)
+    total = rank_order_sum([ride_slots(r, 4, mx.array([t]), c, dtype) for r, (t, c) in enumerate(zip(tokens, cancel))])
+    assert read_slots(total.astype(mx.float32).tolist(), 4) == Agreement(tokens, cancel)
+
+
+def test_an_agreement_names_the_step_and_both_tokens():
+    assert Agreement((7, 7), (False, True)).check(4) is True
+    assert Agreement((7, 7), (False, False)).check(4) is False
+    with pytest.raises(TokenMismatch, match="step 4: rank 1 sampled token 8, rank 0 sampled 7"):
+        Agreement((7, 8), (False, False)).check(4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_the_in_graph_sum_is_the_envoys_bytes(dtype, ranks):
+    """`transport: mlx` sums in the graph what the envoy's Reducer sums on the host: same bytes."""
+    import numpy as np
+
+    from moe_cluster.envoy.reduce import Reducer, to_float32
+    from moe_cluster.node.collective.base import to_wire
+
+    rng = np.random.default_rng(ranks)
+    parts = []
+    for r in range(ranks):
+        x = rng.standard_normal(4096).astype(np.float32) * 10.0 ** rng.integers(-6, 6, 4096)
+        x[:8] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 65504.0, 3.4e38, -3.4e38][: 8]
+        parts.append(mx.array(np.roll(x, r)).astype(getattr(mx, dtype)))
+    got, _ = to_wire(rank_order_sum(parts))
+    with np.errstate(invalid="ignore"):
+        want = Reducer()([to_wire(p)[0] for p in parts], dtype)
+    # inf + -inf in float32: numpy on x86 makes 0xFFC00000, MLX 0x7FC00000. Only such a NaN's sign
+    # differs (the Reducer keeps the sign into float16 as MLX's cast would); every other value is equal.
+    nan = np.isnan(to_float32(got, dtype)) & np.isnan(to_float32(want, dtype))
+    assert got[~nan].tobytes() == want[~nan].tobytes()
