@@ -1,7 +1,7 @@
 """Process entry of the envoy: arguments, the secret (stdin or environment, never argv), and
 the safeguards that keep it from outliving its node.
 
-Normally the node starts it (node/transports/envoy.py); `moe-cluster envoy` runs one by hand.
+Normally the node starts it (node/collective/envoy.py); `moe-cluster envoy` runs one by hand.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `all_reduce(partial, layer) -> total` is all a node needs: every rank passes its partial MoE
 output and gets back the sum of all ranks' partials, added in rank order in float32 so every node
 holds the same bytes. The transports (shared memory, envoy, `mx.distributed`) implement the same
-interface in node/transports/.
+interface in node/collective/.
 
 The token agreement rides on that all-reduce too: after sampling, a node hands its (lazy) token
 and its cancel flag to `ride`, the next MoE all-reduce carries them beside the partial, and

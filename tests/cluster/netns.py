@@ -109,3 +109,16 @@ def hosts(names: list[str]):
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         for ns in reversed(made):
             _remove(ns)
+
+
+def stop(*procs: subprocess.Popen) -> None:
+    """End processes a test started (node agents in namespaces): SIGTERM, then SIGKILL after 10 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)

@@ -125,10 +125,4 @@ def test_a_node_whose_link_goes_down_and_up_rejoins(tmp_path):
                 Phases(url, "n2's link down (up after the answer)", "n2", lambda: link("down"), lambda: link("up"),
                        recover_from="restore", log=lines).run()
         finally:
-            for a in agents:
-                a.terminate()
-            for a in agents:
-                try:
-                    a.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    a.kill()
+            netns.stop(*agents)

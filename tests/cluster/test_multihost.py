@@ -67,10 +67,4 @@ timeouts:
             err = [line for line in r.stderr.splitlines() if "error" in line]
             assert len(err) == 1 and "n9" in err[0] and "seen: n1, n2, n3" in err[0], r.stderr
         finally:
-            for a in agents:
-                a.terminate()
-            for a in agents:
-                try:
-                    a.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    a.kill()
+            netns.stop(*agents)

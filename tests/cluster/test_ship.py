@@ -96,16 +96,6 @@ def wait_port(ns: str, ip: str, port: int, timeout: float = 60) -> None:
     raise AssertionError(f"nothing listens on {ip}:{port}")
 
 
-def stop(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        p.terminate()
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
-
-
 def test_only_the_coordinator_has_the_checkpoint(tmp_path):
     from moe_cluster.node.cache import catalog_of
     from moe_cluster.node.checkpoint import Checkpoint
@@ -196,5 +186,4 @@ def test_only_the_coordinator_has_the_checkpoint(tmp_path):
                 pass
             assert shipped(lines) == {"n1": 0, "n2": 0}
         finally:
-            for a in agents.values():
-                stop(a)
+            netns.stop(*agents.values())
