@@ -17,7 +17,7 @@ for spec in ${MODELS:-qwen3-30b-a3b dbrx}; do
   m=${spec%%:*}
   layers=$([ "$m" != "$spec" ] && echo "--layers ${spec#*:}")
   $F build --model "$m" $layers && \
-    { [ -z "${N1:-}" ] || python3 scripts/gpu/n1_probe.py "${MODELS_ROOT:-/tmp}/$m" > "$OUTDIR/$m-n1.json"; } && \
+    { [ -z "${N1:-}" ] || python3 scripts/gpu/n1_probe.py "${MODELS_ROOT:-/tmp}/$m" > "$OUTDIR/$m-n1.json" 2> "$OUTDIR/$m-n1.err" || true; } && \
     $F bench --model "$m" --nodes "${NODES:-1,2}" --transport mlx,envoy --max-tokens "${MAX_TOKENS:-32}" \
       --rounds "${ROUNDS:-1}" --out "$OUTDIR"
 done
