@@ -90,7 +90,7 @@ def _cluster_path_alone(spec: DecodeBench, ids: list[int], tokenizer, model) -> 
 
 
 def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> list[dict]:
-    from ..dev.simulate import run_nodes
+    from ..dev.simulate import mlx_backend, run_nodes
     from ...node.sim import SimTask
 
     sampling = Sampling(max_tokens=spec.max_tokens)
@@ -111,6 +111,7 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> l
             "nodes": nodes,
             "keepalive": keepalive,
             "transport": transport,
+            "backend": mlx_backend(spec.gpus) if transport == "mlx" else transport,
             "generation_tps": r0["generation_tps"],
             "tokens": r0["tokens"],
             "time_per_token_s": per_token,

@@ -43,7 +43,17 @@ class SimRequest:
     transport: str = "shm"  # shm | envoy | mlx
 
 
-def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float):
+def mlx_backend(gpus: bool) -> str:
+    """The `mx.distributed` backend of simulated nodes: NCCL where each node has its own CUDA GPU
+    and MLX's CUDA build offers it (GPU to GPU, no host copy), else the ring over TCP."""
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)
+    return "nccl" if gpus and cuda is not None and cuda.is_available() and mx.distributed.is_available("nccl") \
+        else "ring"
+
+
+def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float, gpus: bool = False):
     """-> (spec every node gets, cleanup to run once the nodes are gone); loopback only."""
     from ...node.collective.specs import EnvoySpec, MlxSpec, free_ports
     from ...node.collective.shm import ShmCollective
@@ -57,7 +67,8 @@ def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float
         addresses = tuple(f"127.0.0.1:{p}" for p in free_ports(nodes))
         return EnvoySpec(addresses, secret=secrets.token_hex(16), timeout_s=timeout_s, max_bytes=slot), lambda: None
     if transport == "mlx":
-        return MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(nodes)), timeout_s=timeout_s), lambda: None
+        return MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(nodes)), backend=mlx_backend(gpus),
+                       timeout_s=timeout_s), lambda: None
     raise UserError(f"--transport must be shm, envoy or mlx (got {transport!r})")
 
 
@@ -75,7 +86,7 @@ def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0, tran
     from ...node.moe.load import hidden_width
 
     slot = _MAX_TOKENS_PER_CALL * max(hidden_width(Checkpoint.open(t.model)) for t in tasks) * 4
-    spec, cleanup = _transport_spec(transport, nodes, slot, ctx, timeout_s)
+    spec, cleanup = _transport_spec(transport, nodes, slot, ctx, timeout_s, gpus)
     results = ctx.Queue()
     procs = []
     try:
