@@ -291,10 +291,20 @@ def fit(bench: Bench, *, network: str | None = None, hardware: str | None = None
         notes.append("no cluster of 2 or more nodes: collective cost not fitted")
 
     transports = sorted({c.transport for c in multi}) or sorted({c.transport for c in cs})
+    by_parts = (inv_bw, fixed / bench.layers, base, per_node or 0.0)
+    by_totals = _fit_totals(bench)
+    if by_totals is not None and _worst_error(bench, by_totals) < _worst_error(bench, by_parts) - 1e-9:
+        notes.append("fitted on whole tokens, not on the timed parts: the parts' split did not fit (a collective "
+                     "inside the step's graph has no timer of its own; on a GPU the host waits for the whole "
+                     "layer in whichever part syncs first)")
+        inv_bw, layer_o, base, per_node = by_totals
+        base = base if multi else None
+    else:
+        layer_o = fixed / bench.layers
     cal = Calibration(
         model=bench.model,
         bandwidth_Bps=1.0 / inv_bw,
-        layer_overhead_s=fixed / bench.layers,
+        layer_overhead_s=layer_o,
         collective_base_s=base,
         collective_per_node_s=per_node or 0.0,
         transport=",".join(transports),
@@ -310,6 +320,48 @@ def fit(bench: Bench, *, network: str | None = None, hardware: str | None = None
     logger.info("calibration of %s: BW_eff %.3g B/s, o %.3g s/layer, a %s s/layer, b %.3g s/layer/node, rms %.3g s",
                 bench.model, cal.bandwidth_Bps, cal.layer_overhead_s, base, cal.collective_per_node_s, rms)
     return replace(cal, residual_rms_s=rms)
+
+
+def _terms(bench: Bench, c: BenchCluster) -> list[float]:
+    """The fitted form's time per token of `c`, as coefficients of (1/BW, o, a, b)."""
+    s = bench.share(c.nodes_per_host)
+    multi = c.nodes >= 2
+    return [s * (bench.replicated_read_bytes + bench.expert_bytes * c.expected_experts), s * bench.layers,
+            bench.moe_layers * multi, bench.moe_layers * (c.nodes - 2) * multi]
+
+
+def _fit_totals(bench: Bench) -> tuple[float, float, float, float] | None:
+    """(1/BW, o, a, b) >= 0 by least squares on each cluster's whole time per token, relative to it
+    (every point weighs alike): the best over every subset of free coefficients (four: sixteen small
+    solves), the others held at 0. None when no subset gives a positive bandwidth."""
+    import itertools
+
+    import numpy as np
+
+    cs = bench.clusters
+    A = np.array([[x / c.time_per_token_s for x in _terms(bench, c)] for c in cs])
+    y = np.ones(len(cs))
+    best, best_err = None, math.inf
+    for k in range(1, 5):
+        for free in itertools.combinations(range(4), k):
+            if 0 not in free or not A[:, list(free)].any(axis=0).all():
+                continue
+            sol, *_ = np.linalg.lstsq(A[:, list(free)], y, rcond=None)
+            if (sol < 0).any() or sol[0] <= 0:
+                continue
+            x = np.zeros(4)
+            x[list(free)] = sol
+            err = float(np.abs(A @ x - y).max())
+            if err < best_err - 1e-12:
+                best, best_err = tuple(float(v) for v in x), err
+    return best
+
+
+def _worst_error(bench: Bench, coeffs: tuple) -> float:
+    """The largest |predicted / measured − 1| of time per token over the bench's clusters."""
+    inv_bw, o, a, b = (0.0 if v is None else v for v in coeffs)
+    return max(abs(sum(t * v for t, v in zip(_terms(bench, c), (inv_bw, o, a, b))) / c.time_per_token_s - 1.0)
+               for c in bench.clusters)
 
 
 def predict_time(cal: Calibration, bench: Bench, nodes: int, expected_experts: float,

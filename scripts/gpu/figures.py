@@ -164,35 +164,73 @@ def probe(args) -> None:
     print(json.dumps(found, indent=1))
 
 
+def _runs_of(runs: Path, model: str) -> list[dict]:
+    """Every bench JSON of `model` in `runs`: <model>.json, then any <model>-<what>.json beside it
+    (a later call's extra rows, e.g. dbrx-nccl.json), skipping configs and probes."""
+    paths = [runs / f"{model}.json"] + sorted(p for p in runs.glob(f"{model}-*.json")
+                                              if not p.stem.endswith(("-config", "-n1")))
+    return [json.loads(p.read_text()) for p in paths if p.exists()]
+
+
+def _path_name(c: dict) -> str:
+    if c["nodes"] == 1:
+        return "ours, cluster path"
+    return "ours, envoy" if c["transport"] == "envoy" else f"ours, mlx {c.get('backend', 'ring')}"
+
+
+def _calibrated(bench: dict, alone: list[dict], path: list[dict], c: dict) -> str:
+    """`plan`'s prediction for `c`, calibrated on the N = 1 cluster and this path's clusters
+    (`bench decode --calibrate`'s fit, one path at a time), with its error."""
+    from moe_cluster.coordinator.bench.decode import calibrate
+
+    points = alone + [x for x in path if x["nodes"] > 1]
+    if len(points) < 2 and c["nodes"] > 1:
+        return "—"
+    fitted = calibrate({**bench, "clusters": [{**x, "transport": "path"} for x in points]})["path"]
+    p = next(p for p in fitted["points"] if p["nodes"] == c["nodes"])
+    return f"{p['predicted_tps']:.1f} ({100 * p['error']:+.0f}%)"
+
+
 def report(args) -> None:
-    """table.md and figure.png from the bench JSON in --runs."""
+    """table.md and figure.png from the bench JSON in --runs: one row per (model, N, path)."""
     runs = Path(args.runs)
-    rows, lines = [], []
-    lines.append("| model | N | stock mlx-lm | ours, transport mlx | ours, envoy | mlx-lm tensor parallel | "
-                 "plan calibrated, mlx / envoy | fixed cost per MoE layer, mlx / envoy (µs) |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+    lines = ["| model | N | path | tok/s | × stock | tokens | fixed cost per MoE layer (µs) | plan calibrated |",
+             "|---|---|---|---|---|---|---|---|"]
+    curves: dict[str, dict[str, list]] = {}
     for model in MODELS:
-        if not (runs / f"{model}.json").exists():
+        benches = _runs_of(runs, model)
+        if not benches:
             continue
-        b = json.loads((runs / f"{model}.json").read_text())
-        cal = b.get("calibration", {})
-        for n in sorted({c["nodes"] for c in b["clusters"]}):
-            per = {c["transport"] if n > 1 else t: c for c in b["clusters"] if c["nodes"] == n
-                   for t in (("mlx", "envoy") if n == 1 else (c["transport"],))}
-            pred = [f"{p['predicted_tps']:.1f}" for t in ("mlx", "envoy") for p in cal.get(t, {}).get("points", [])
-                    if p["nodes"] == n][: 1 if n == 1 else 2]
-            peer = next((p for p in b["peers"] if p["nodes"] == n and "tps" in p), None)
-            cells = [model, str(n), f"{b['mlx_lm_tps']:.1f}"]
-            for t in ("mlx", "envoy"):
-                c = per.get(t)
-                cells.append("—" if c is None else f"{c['generation_tps']:.1f}" + ("" if c["same_tokens"] else " (tokens differ)"))
-            cells.append(f"{peer['tps']:.1f}" if peer else "—")
-            cells.append(" / ".join(pred) or "—")
-            cells.append(" / ".join(f"{per[t]['fixed_cost_per_moe_layer_us']:.0f}" if per.get(t) else "—"
-                                    for t in ("mlx", "envoy")))
-            lines.append("| " + " | ".join(cells) + " |")
-            rows.append((model, n, b["mlx_lm_tps"], per, peer))
-        lines.append(f"| {model} | cluster path at N = 1 ÷ stock | | {b['cluster_ratio']:.3f} | | | | |")
+        stock = benches[0]["mlx_lm_tps"]
+        lines.append(f"| {model} | 1 | stock mlx-lm | {stock:.1f} | 1.00 | | | |")
+        per = curves.setdefault(model, {"stock mlx-lm": [(1, stock)]})
+        seen = set()
+        alone = [c for b in benches for c in b["clusters"] if c["nodes"] == 1][:1]
+        for b in benches:
+            for c in sorted(b["clusters"], key=lambda c: c["nodes"]):
+                name = _path_name(c)
+                if (c["nodes"], name) in seen:
+                    continue
+                seen.add((c["nodes"], name))
+                pred = _calibrated(b, alone, [x for x in b["clusters"] if _path_name(x) == name], c)
+                mismatch = c.get("first_mismatch")
+                tokens = "stock's" if c["same_tokens"] else f"differ from token {mismatch}" if mismatch is not None \
+                    else "differ"
+                # against the stock run of the same call (each call measures its own)
+                fixed = c["fixed_cost_per_moe_layer_us"]
+                lines.append(f"| {model} | {c['nodes']} | {name} | {c['generation_tps']:.1f} | "
+                             f"{c['generation_tps'] / b['mlx_lm_tps']:.2f} | {tokens} | "
+                             + (f"{fixed:.0f}" if fixed >= 0 else "— (faster than stock)") + " | " + pred + " |")
+                per.setdefault(name if c["nodes"] > 1 else "ours, cluster path", []).append(
+                    (c["nodes"], c["generation_tps"]))
+            for peer in b["peers"]:
+                if (peer["nodes"], peer["name"]) in seen:
+                    continue
+                seen.add((peer["nodes"], peer["name"]))
+                cell = f"{peer['tps']:.1f} | {peer['tps'] / stock:.2f}" if "tps" in peer else f"— | {peer['error']}"
+                lines.append(f"| {model} | {peer['nodes']} | mlx-lm tensor parallel | {cell} | | | |")
+                if "tps" in peer:
+                    per.setdefault("mlx-lm tensor parallel", []).append((peer["nodes"], peer["tps"]))
     (runs / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
@@ -203,20 +241,18 @@ def report(args) -> None:
     except ImportError:
         print("no matplotlib: no figure")
         return
-    models = [m for m in MODELS if any(r[0] == m for r in rows)]
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), dpi=130, squeeze=False)
-    for ax, model in zip(axes[0], models):
-        mine = [r for r in rows if r[0] == model]
-        ns = [r[1] for r in mine]
-        ax.axhline(mine[0][2], color="black", linestyle="--", label="stock mlx-lm, one GPU")
-        for t, color in (("mlx", "tab:blue"), ("envoy", "tab:orange")):
-            pts = [(r[1], r[3][t]["generation_tps"]) for r in mine if r[3].get(t)]
-            if pts:
-                ax.plot(*zip(*pts), "o-", color=color, label=f"ours, transport {t}")
-        tp = [(r[1], r[4]["tps"]) for r in mine if r[4]]
-        if tp:
-            ax.plot(*zip(*tp), "s-", color="tab:green", label="mlx-lm tensor parallel")
-        ax.set_xticks(ns)
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4.5), dpi=130, squeeze=False)
+    for ax, (model, per) in zip(axes[0], curves.items()):
+        for name, pts in per.items():
+            pts = sorted(pts)
+            if name == "stock mlx-lm":
+                ax.axhline(pts[0][1], color="black", linestyle="--", label="stock mlx-lm, one GPU")
+            elif name == "ours, cluster path":
+                ax.plot(*zip(*pts), "D", color="tab:gray", label="ours, N = 1")
+            else:
+                ax.plot(*zip(*([(1, per["ours, cluster path"][0][1])] + pts if "ours, cluster path" in per
+                               and name.startswith("ours") else pts)), "o-", label=name)
+        ax.set_xticks(sorted({n for pts in per.values() for n, _ in pts}))
         ax.set_xlabel("GPUs (one node process each)")
         ax.set_ylabel("decode tok/s, batch 1")
         ax.set_title(model)
