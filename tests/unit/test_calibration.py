@@ -130,3 +130,24 @@ def test_several_transports_are_fitted_one_at_a_time():
     assert cals["mlx"]["collective_base_s"] == pytest.approx(100e-6, rel=1e-9)
     assert [p["nodes"] for p in cals["mlx"]["points"]] == [1, 2, 3, 4]
     assert cals["mlx"]["max_abs_error"] < 1e-9
+
+
+def test_a_collective_inside_the_graph_is_fitted_on_whole_tokens():
+    """transport mlx all-reduces inside the step's graph: nothing times the collective, its cost
+    shows in "other". The parts' fit cannot place it; the whole-token fit must, and say so."""
+    b = bench()
+    for c in b["clusters"]:
+        parts = c["breakdown_s"]
+        parts["other"] += parts["collective_wait"]
+        parts["collective_wait"] = 0.0
+    cal = fit(parse_bench(b))
+    assert any("whole tokens" in n for n in cal.notes)
+    for c in parse_bench(b).clusters:
+        assert predict_time(cal, parse_bench(b), c.nodes, c.expected_experts) == pytest.approx(c.time_per_token_s,
+                                                                                            rel=0.02)
+    assert cal.collective_base_s > 0
+
+
+def test_timed_parts_that_fit_are_kept():
+    cal = fit(parse_bench(bench()))
+    assert not any("whole tokens" in n for n in cal.notes)
