@@ -510,6 +510,9 @@ class Terminal:
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: its controlling terminal is the pty
             try:
+                # as in a user's terminal: a test run started in the background (where the shell
+                # ignores SIGINT, and exec keeps it ignored) must not make Ctrl-C do nothing
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.execve(sys.executable, [sys.executable, *argv], env)
             finally:
                 os._exit(127)
