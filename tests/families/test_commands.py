@@ -15,11 +15,7 @@ import tiny
 
 pytestmark = pytest.mark.integration
 
-# silently wrong before (shared experts or an inline term counted N times)
-WRONG = ["hunyuan", "step3p5", "longcat_flash", "longcat_flash_ngram"]
-# refused before: config nested under text_config, `model_dim`, or a top-k key the planner did not know
-REFUSED = ["qwen3_5_moe", "qwen3_vl_moe", "kimi_k25", "kimi_vl", "kimi_k3", "minimax_m3_vl", "llama4", "phixtral",
-           "ernie4_5_moe", "kimi_linear", "gemma4_text"]
+WRONG, REFUSED = tiny.WRONG, tiny.REFUSED
 PROMPT = "To be, or not to be"
 
 

@@ -398,6 +398,13 @@ def _instantiate(model_type: str):
     return model_cls(args_cls.from_dict(json.loads(json.dumps(cfg)))), cfg
 
 
+# Issue 13's families: silently wrong before (shared experts or an inline term counted N times)...
+WRONG = ["hunyuan", "step3p5", "longcat_flash", "longcat_flash_ngram"]
+# ...and refused before: config nested under text_config, `model_dim`, or a top-k key the planner did not know
+REFUSED = ["qwen3_5_moe", "qwen3_vl_moe", "kimi_k25", "kimi_vl", "kimi_k3", "minimax_m3_vl", "llama4", "phixtral",
+           "ernie4_5_moe", "kimi_linear", "gemma4_text"]
+
+
 def families() -> list[str]:
     """Every mlx-lm family whose tiny model holds a routed-expert bank."""
     return sorted(n for n, (kind, _, _) in _survey().items() if kind != "error")
