@@ -32,10 +32,11 @@ def spin(request, monkeypatch):
     return request.param
 
 
-# 3 and 4 nodes: 14 s, 24 s. The spinning hand-off soaks at 2 nodes only: forced to spin, 4 nodes
-# and 4 envoys on 2 cores took 39 s, and the dead- and stalled-peer tests below spin at 3 nodes.
-@pytest.mark.parametrize("nodes,spin", [(2, "auto"), (2, "spin"), pytest.param(3, "auto", marks=pytest.mark.slow),
-                                        pytest.param(4, "auto", marks=pytest.mark.slow)], indirect=["spin"])
+# 4 nodes: 24 s (3 nodes, 14 s, added nothing 2 and 4 do not: the suite is at its time budget). The
+# spinning hand-off soaks at 2 nodes only: forced to spin, 4 nodes and 4 envoys on 2 cores took 39 s,
+# and the dead- and stalled-peer tests below spin at 3 nodes.
+@pytest.mark.parametrize("nodes,spin", [(2, "auto"), (2, "spin"), pytest.param(4, "auto", marks=pytest.mark.slow)],
+                         indirect=["spin"])
 def test_soak_loses_duplicates_and_reorders_nothing(nodes, spin):
     """10,000 all-reduces per node count, in several requests in a row, every sum checked."""
     cluster = Cluster(envoy_spec(nodes))
