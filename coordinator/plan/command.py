@@ -51,6 +51,9 @@ def add_arguments(p) -> None:
                    help="auto: replicate experts into each node's spare memory (default none)")
     p.add_argument("--keepalive", choices=KEEPALIVES, default="lru",
                    help="none and lru give the same E[max]; busy computes all local experts (default lru)")
+    p.add_argument("--batch", metavar="B", default="1",
+                   help="sequences decoded together (continuous batching): E becomes the distinct experts of B "
+                        "tokens and tok/s the aggregate of all B (default 1)")
     p.add_argument("--context", metavar="TOKENS", default="0",
                    help="KV-cache tokens: counted in memory and read per token (default 0: weights only, as the paper)")
     p.add_argument("--price-per-node", metavar="USD", help="all-in price of one node (default: list price + NIC)")
@@ -148,6 +151,7 @@ class Settings:
     replication: str = "none"
     context: int = 0
     memory_fraction: float = 0.75
+    batch: int = 1
     price_per_node_usd: float | None = None
 
 
@@ -165,9 +169,10 @@ def replicas_per_node(model: ModelSpec, hardware: HardwareSpec, nodes: int, s: S
 
 
 def expected_for(
-    model: ModelSpec, nodes: int, replicas: int, keepalive: str, profile: RoutingProfile | None
+    model: ModelSpec, nodes: int, replicas: int, keepalive: str, profile: RoutingProfile | None, batch: int = 1
 ) -> tuple[list[float], list[list[int]], str]:
-    """E per MoE layer, experts held per rank per MoE layer, and how E was obtained."""
+    """E per MoE layer (for a step of `batch` tokens), experts held per rank per MoE layer, and how
+    E was obtained."""
     uniform = placement_for(model.num_experts, nodes, replicas)
     cache: dict[tuple, ExpectedExperts] = {}
     values, slots, methods = [], [], []
@@ -175,11 +180,11 @@ def expected_for(
         layer = profile.layers.get(lid) if profile else None
         placement = placement_for(model.num_experts, nodes, replicas, layer.counts) if layer else uniform
         if layer is not None:
-            ee = expected_experts(placement, model.num_experts, model.top_k, keepalive, layer.sets)
+            ee = expected_experts(placement, model.num_experts, model.top_k, keepalive, layer.sets, batch)
         else:
             key = tuple(tuple(placement[r]) for r in sorted(placement))
             if key not in cache:
-                cache[key] = expected_experts(placement, model.num_experts, model.top_k, keepalive)
+                cache[key] = expected_experts(placement, model.num_experts, model.top_k, keepalive, batch=batch)
             ee = cache[key]
         values.append(ee.value)
         slots.append([len(placement[r]) for r in range(nodes)])
@@ -209,13 +214,15 @@ def make_plan(
         if n > model.num_experts:
             raise PlanError(f"--nodes {n}: more nodes than {model.name}'s {model.num_experts} experts")
         replicas = replicas_per_node(model, hardware, n, settings)
-        values, slots, method = expected_for(model, n, replicas, settings.keepalive, profile)
+        values, slots, method = expected_for(model, n, replicas, settings.keepalive, profile, settings.batch)
+        per_token = values if settings.batch == 1 else expected_for(model, n, replicas, settings.keepalive, profile)[0]
         if expected_override is not None:
             e = expected_override[0 if len(expected_override) == 1 else i]
             if e > model.num_experts:
                 raise PlanError(f"--expected-experts {e} exceeds {model.name}'s {model.num_experts} experts")
             computed = sum(values) / len(values)
             values, method = [e], f"given by --expected-experts (computed: {computed:.3f})"
+            per_token = values if settings.batch == 1 else per_token
         for net in networks:
             overheads = None
             if calibration is not None:
@@ -224,10 +231,12 @@ def make_plan(
             row = estimate(
                 model, hardware, net, n, values,
                 expert_slots=slots, context=settings.context, memory_fraction=settings.memory_fraction,
-                price_per_node_usd=settings.price_per_node_usd,
+                price_per_node_usd=settings.price_per_node_usd, batch=settings.batch, token_experts_per_layer=per_token,
                 **({"overheads": overheads} if overheads is not None else {}),
             )
             rows.append(replace(row, extra={
+                "batch": settings.batch,
+                "tokens_per_s_per_sequence": row.tokens_per_s / settings.batch,
                 "expected_experts_method": method,
                 "replicas_per_node": replicas,
                 "experts_per_node_max": max(max(s) for s in slots),
@@ -261,6 +270,8 @@ def render_table(model: ModelSpec, hardware: HardwareSpec, networks: list[Networ
         f"hardware  {hardware.name}: {_gib(hardware.memory_bytes)}, {hardware.bandwidth_Bps / 1e9:g} GB/s, "
         f"{hardware.flops / 1e12:g} TFLOP/s, {hardware.price_usd:,.0f} USD",
         f"settings  keepalive {settings.keepalive}, replication {settings.replication}, context {settings.context} tokens, "
+        + (f"batch {settings.batch} sequences (tok/s: all of them; E[n]: distinct experts of {settings.batch} tokens), "
+           if settings.batch > 1 else "") +
         f"usable memory {settings.memory_fraction:.0%} per node",
     ]
     if calibration is not None:
@@ -272,7 +283,8 @@ def render_table(model: ModelSpec, hardware: HardwareSpec, networks: list[Networ
                         if calibration.collective_base_s is not None else ""))
     show_overhead = any(r.overhead_s for r in rows)
     head = ["nodes", "E[n]", "load s", "compute s"] + (["overhead s"] if show_overhead else []) + [
-        "latency s", "transfer s", "time s", "tok/s", "memory/node", "fits", "tok/s/USD"]
+        "latency s", "transfer s", "time s", "tok/s" if settings.batch == 1 else "tok/s, all", "memory/node", "fits",
+        "tok/s/USD"]
     for net in networks:
         lines += ["", "network   " + _describe_network(net)]
         table = [head]
@@ -374,6 +386,9 @@ def main(args) -> int:
     if calibration is not None and calibration.hardware and calibration.hardware != hardware.name:
         logger.warning("calibration was fitted on %s; planning for %s", calibration.hardware, hardware.name)
     nodes = _ints(args.nodes or DEFAULT_NODES, "--nodes")
+    batch = _number(args.batch, "--batch", positive=True)
+    if batch != int(batch):
+        raise PlanError(f"--batch: {args.batch!r} is not a whole number of sequences")
     context = _number(args.context, "--context")
     if context != int(context):
         raise PlanError(f"--context: {args.context!r} is not a whole number of tokens")
@@ -381,6 +396,7 @@ def main(args) -> int:
         keepalive=args.keepalive,
         replication=args.replication,
         context=int(context),
+        batch=int(batch),
         memory_fraction=_number(args.memory_fraction, "--memory-fraction", positive=True),
         price_per_node_usd=_number(args.price_per_node, "--price-per-node", positive=True),
     )

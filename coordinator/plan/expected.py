@@ -8,6 +8,9 @@ experts each computes in a layer, under the placement, the keepalive policy and 
   experts, so every node computes the max; E[max] is the same as for `none`.
 - `busy`: each node computes all of its local experts every layer; E = max local expert count.
 
+With a batch of B sequences a step routes B tokens, and a node computes each of its experts that
+any of them selected once, for all of them: E_B = E[max over nodes of distinct local selected].
+
 Routing is uniform top-k without replacement (every k-subset equally likely) unless a measured
 profile gives the selected sets. Which replica computes a selected expert is decided by the one
 rule every node applies, `node.routing.assign`. Methods, best first: exact over the
@@ -37,6 +40,7 @@ logger = logging.getLogger(__name__)
 ENUMERATION_LIMIT = 100_000  # selections; beyond this a replicated placement is sampled
 MONTE_CARLO_SAMPLES = 20_000
 MONTE_CARLO_SEED = 0
+BATCH_SAMPLES = 4_000  # batches of tokens per Monte-Carlo E for --batch
 
 Placement = Mapping[int, Sequence[int]]  # {rank: [expert ids]}
 
@@ -183,17 +187,58 @@ def expected_max_from_sets(placement: Placement, num_experts: int, sets: Sequenc
     return sum(_max_count(s, holders, nodes) for s in sets) / len(sets)
 
 
+def expected_distinct_alone(num_experts: int, top_k: int, batch: int) -> float:
+    """Exact E[distinct experts selected by `batch` tokens], uniform routing: each expert is missed
+    by one token with probability 1 - k/E, by all of them independently."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def expected_max_batch_sampled(
+    placement: Placement, num_experts: int, k: int, batch: int, sets: Sequence[Sequence[int]] | None = None,
+    samples: int = BATCH_SAMPLES, seed: int = MONTE_CARLO_SEED,
+) -> tuple[float, float]:
+    """Monte-Carlo E[max over nodes of the distinct local experts `batch` tokens select]: each node
+    computes each of its selected experts once for the whole batch. Tokens route uniformly, or as
+    recorded selections drawn with replacement from a profile's `sets`. (mean, standard error)."""
+    holders = holders_of(placement, num_experts)
+    nodes = len(placement)
+    rng = random.Random(seed)
+    xs = []
+    for _ in range(samples):
+        chosen: set[int] = set()
+        for _ in range(batch):
+            chosen.update(rng.choice(sets) if sets else rng.sample(range(num_experts), k))
+        xs.append(_max_count(sorted(chosen), holders, nodes))
+    mean = sum(xs) / samples
+    var = sum((x - mean) ** 2 for x in xs) / max(1, samples - 1)
+    return mean, math.sqrt(var / samples)
+
+
 def expected_experts(
     placement: Placement,
     num_experts: int,
     top_k: int,
     keepalive: str = "lru",
     sets: Sequence[Sequence[int]] | None = None,
+    batch: int = 1,
 ) -> ExpectedExperts:
-    """E for one MoE layer under a placement and keepalive policy (see the module docstring)."""
+    """E for one MoE layer under a placement and keepalive policy (see the module docstring); with
+    `batch` > 1, for one step of that many sequences (the union of their selections)."""
     if keepalive not in KEEPALIVES:
         raise PlanError(f"unknown keepalive policy {keepalive!r}; choose from {', '.join(KEEPALIVES)}")
+    if batch < 1:
+        raise PlanError(f"batch must be at least 1 sequence (got {batch})")
     nodes = len(placement)
+    if batch > 1 and keepalive != "busy":
+        if sets is not None and not sets:
+            raise PlanError("the routing profile has no recorded selections ('sets') for a layer")
+        if nodes == 1 and sets is None:
+            return ExpectedExperts(expected_distinct_alone(num_experts, top_k, batch),
+                                   f"exact: distinct experts of {batch} tokens, uniform routing")
+        mean, se = expected_max_batch_sampled(placement, num_experts, top_k, batch, sets)
+        source = f"{len(sets)} recorded tokens drawn" if sets else "uniform selections"
+        return ExpectedExperts(mean, f"Monte Carlo: {BATCH_SAMPLES} batches of {batch} tokens ({source}), seed "
+                                     f"{MONTE_CARLO_SEED}, standard error {se:.4f}", stderr=se)
     if nodes == 1:
         # One node runs stock mlx-lm: exactly the selected experts.
         return ExpectedExperts(float(top_k), "one node: the k selected experts")

@@ -234,8 +234,10 @@ def estimate(
     memory_fraction: float = 0.75,
     price_per_node_usd: float | None = None,
     overheads: Overheads = Overheads(),
+    batch: int = 1,
+    token_experts_per_layer: Sequence[float] | None = None,
 ) -> Estimate:
-    """Eq. 1 for one node count.
+    """Eq. 1 for one node count; with `batch` sequences decoded together, for one step of them all.
 
     Args:
         experts_per_layer: E_l, expected experts the busiest node computes in each MoE layer
@@ -246,6 +248,12 @@ def estimate(
         memory_fraction: share of each node's memory the GPU may wire (macOS default ~0.75).
         price_per_node_usd: all-in price of a node; default hardware list price + NIC (none for one node).
         overheads: calibrated corrections; default none (the paper's model).
+        batch: sequences per step. The step reads the weights once for all of them (E is then the
+            batch's E_B: distinct experts over its tokens) and each sequence's KV cache; FLOPs, the
+            all-reduce's bytes and the KV memory grow with the batch, its latency does not.
+            tokens_per_s is the aggregate, B / step time.
+        token_experts_per_layer: E at batch 1 (FLOPs: each token multiplies through its own
+            experts); default `experts_per_layer`.
     """
     if nodes < 1:
         raise PlanError(f"node count must be at least 1 (got {nodes})")
@@ -262,10 +270,15 @@ def estimate(
         if not 0 <= e <= model.num_experts:
             raise PlanError(f"expected experts per node {e} outside 0..{model.num_experts}")
 
-    kv = model.kv_cache_bytes(context)
+    if batch < 1:
+        raise PlanError(f"batch must be at least 1 sequence (got {batch})")
+    E1 = list(token_experts_per_layer) if token_experts_per_layer is not None else E
+    if len(E1) == 1:
+        E1 = E1 * model.moe_layers
+    kv = model.kv_cache_bytes(context) * batch
     shared_b, shared_f = model.shared_max(nodes)
     read = model.replicated_read_bytes + shared_b + kv + sum(x * e for x, e in zip(model.expert_layer_bytes, E))
-    flops = model.replicated_flops + shared_f + sum(f * e for f, e in zip(model.expert_layer_flops, E))
+    flops = batch * (model.replicated_flops + shared_f + sum(f * e for f, e in zip(model.expert_layer_flops, E1)))
     bandwidth = overheads.bandwidth_Bps or hardware.bandwidth_Bps
     load_s = read / bandwidth
     compute_s = flops / hardware.flops
@@ -273,7 +286,7 @@ def estimate(
     if nodes == 1:
         latency_s = transfer_s = 0.0
     else:
-        transfer_s = model.comm_bytes / network.bandwidth_Bps
+        transfer_s = batch * model.comm_bytes / network.bandwidth_Bps
         collective = overheads.collective_s(nodes)
         if collective is None:
             latency_s = network.latency_per_layer_s * model.moe_layers
@@ -295,7 +308,7 @@ def estimate(
         price = price_per_node_usd
     else:  # one node needs no NIC
         price = hardware.price_usd + (network.price_per_node_usd if nodes > 1 else 0.0)
-    tps = 1.0 / time_s
+    tps = batch / time_s
     return Estimate(
         nodes=nodes,
         network=network.name,

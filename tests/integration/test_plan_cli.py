@@ -244,3 +244,18 @@ def test_plan_a_checkpoint_and_reject_a_dense_one(demos, tmp_path):
     r = plan("--model", str(dense))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "no routed experts" in r.stderr and "llama" in r.stderr
+
+
+def test_a_batch_reads_the_experts_once_for_all_its_sequences():
+    one = {r["nodes"]: r for r in plan_json("--model", "dbrx", "--nodes", "1,4", "--network", "rocev2")["rows"]}
+    eight = {r["nodes"]: r for r in plan_json("--model", "dbrx", "--nodes", "1,4", "--network", "rocev2",
+                                              "--batch", "8")["rows"]}
+    for n in (1, 4):
+        assert eight[n]["batch"] == 8
+        assert eight[n]["expected_experts"] > one[n]["expected_experts"]  # the union of 8 tokens' experts
+        assert one[n]["tokens_per_s"] < eight[n]["tokens_per_s"] < 8 * one[n]["tokens_per_s"]
+        assert eight[n]["tokens_per_s_per_sequence"] == pytest.approx(eight[n]["tokens_per_s"] / 8)
+    assert eight[4]["transfer_s"] == pytest.approx(8 * one[4]["transfer_s"])  # B x hidden per all-reduce
+    for bad, why in (("0", "--batch"), ("2.5", "whole number")):
+        r = plan("--model", "dbrx", "--batch", bad)
+        assert r.returncode == 2 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

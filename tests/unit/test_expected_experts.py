@@ -174,3 +174,34 @@ def test_parse_profile():
     with pytest.raises(ProfileError, match="counts must be 4"):
         parse_profile({**ok, "layers": {"0": {"counts": [1], "tokens": 2, "sets": [[0]]}}})
     assert math.isclose(expected_experts({0: [0, 1], 1: [2, 3]}, 4, 2, sets=prof.layers[0].sets).value, 2.0)
+
+
+def test_a_batch_alone_is_the_closed_form_and_grows_to_every_expert():
+    from moe_cluster.coordinator.plan.expected import expected_distinct_alone
+
+    alone = {0: list(range(16))}
+    assert expected_experts(alone, 16, 4, "none", batch=1).value == 4
+    # E * (1 - (1 - k/E)^B), checked against a direct count over all pairs of 2-of-4 selections
+    pairs = list(itertools.product(itertools.combinations(range(4), 2), repeat=2))
+    direct = sum(len(set(a) | set(b)) for a, b in pairs) / len(pairs)
+    assert expected_distinct_alone(4, 2, 2) == pytest.approx(direct)
+    values = [expected_experts(alone, 16, 4, "none", batch=b).value for b in (1, 2, 8, 64)]
+    assert values == sorted(values) and values[-1] == pytest.approx(16, abs=0.01)
+
+
+def test_a_batch_across_nodes_matches_exhaustive_counting():
+    """Monte Carlo E_B against every pair of selections of a small even split, within 4 standard errors."""
+    from moe_cluster.coordinator.plan.expected import even_split
+    from moe_cluster.node.moe.routing import rank_counts
+    from moe_cluster.proto.placement import holders_of
+
+    placement = even_split(6, 2)
+    holders = holders_of(placement, 6)
+    subsets = list(itertools.combinations(range(6), 2))
+    exact = sum(max(rank_counts(sorted(set(a) | set(b)), holders, 2)) for a in subsets for b in subsets) / len(subsets) ** 2
+    got = expected_experts(placement, 6, 2, "none", batch=2)
+    assert abs(got.value - exact) <= 4 * got.stderr + 1e-9, (got, exact)
+    assert got.value > expected_experts(placement, 6, 2, "none").value
+    assert expected_experts(placement, 6, 2, "busy", batch=2).value == 3  # busy computes every local expert anyway
+    with pytest.raises(PlanError, match="batch must be at least 1"):
+        expected_experts(placement, 6, 2, "none", batch=0)
