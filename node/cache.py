@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+PROGRESS_BYTES = 16 << 20  # an interrupted fill resumes a blob from its last multiple of this
 REPLICATED = "replicated.safetensors"
 _FILE_NAME = re.compile(r"^(replicated|layer-\d{4}-[0-9a-f]{12})\.safetensors$")
 _SHARD_DIR = re.compile(r"^[0-9a-f]{16}$")
@@ -357,6 +358,7 @@ class Plan:
     fetch_bytes: int
     disk_bytes: int  # new files written in full (blobs already held are copied locally)
     copy_bytes: int
+    resume_offset: int = 0  # fetch[0] is resumed from this byte (an interrupted fill wrote that much)
 
 
 class ShardCache:
@@ -371,6 +373,7 @@ class ShardCache:
         self.sizes = catalog.blob_nbytes()
         self.have: dict[str, Have] = {}
         self.journal: dict[str, str] = {}
+        self.progress: dict[str, int] = {}  # blob -> bytes of it an interrupted fill made durable
 
     @contextlib.contextmanager
     def locked(self):
@@ -402,18 +405,26 @@ class ShardCache:
         self.have = verified_blobs(self.root, old) if old else {}
         self.journal = self._read_journal()
         wanted = [b for fs in self.files for s in fs.slots for b in s.blobs]
-        fetch = tuple(b for b in wanted if b not in self.have and b not in self.journal)
+        fetch = [b for b in wanted if b not in self.have and b not in self.journal]
+        # a blob the interrupted fill was in the middle of goes first, from where it stopped
+        started = [b for b in fetch if self.progress.get(b)]
+        resume = self.progress[started[0]] if started else 0
+        if started:
+            fetch.remove(started[0])
+            fetch.insert(0, started[0])
         new_files = [fs for fs in self.files if not self._complete(fs)]
-        return Plan(fetch, sum(self.sizes[b] for b in fetch), sum(fs.size for fs in new_files),
-                    sum(self.sizes[b] for fs in new_files for s in fs.slots for b in s.blobs if b in self.have))
+        return Plan(tuple(fetch), sum(self.sizes[b] for b in fetch) - resume, sum(fs.size for fs in new_files),
+                    sum(self.sizes[b] for fs in new_files for s in fs.slots for b in s.blobs if b in self.have), resume)
 
     def _complete(self, fs: FileSet) -> bool:
         return all(self.have.get(b) is not None and self.have[b].path.name == fs.name for s in fs.slots for b in s.blobs)
 
     def _read_journal(self) -> dict[str, str]:
         """{blob: sha256} written into `.partial` files by a fill that was interrupted; each is
-        checked again before it is trusted."""
-        out = {}
+        checked again before it is trusted. Also sets `progress`: {blob: bytes} of blobs it was in
+        the middle of ("@bytes" lines, each written only after those bytes were fsynced)."""
+        out: dict[str, str] = {}
+        self.progress = {}
         j = self.root / "journal"
         if not j.exists():
             return out
@@ -425,10 +436,17 @@ class ShardCache:
             name, blob, sha = parts
             fs, at = offsets[name]
             partial = _inside(self.root, name).with_name(name + ".partial")
-            if blob in at and partial.is_file() and partial.stat().st_size == fs.size:
-                with open(partial, "rb") as f:
-                    if _sha(f, at[blob], self.sizes[blob]) == sha:
-                        out[blob] = sha
+            if not (blob in at and partial.is_file() and partial.stat().st_size == fs.size):
+                continue
+            if sha.startswith("@"):
+                if sha[1:].isdigit() and 0 < int(sha[1:]) < self.sizes[blob]:
+                    self.progress[blob] = max(self.progress.get(blob, 0), int(sha[1:]))
+                continue
+            with open(partial, "rb") as f:
+                if _sha(f, at[blob], self.sizes[blob]) == sha:
+                    out[blob] = sha
+        for blob in out:
+            self.progress.pop(blob, None)
         return out
 
     def check_disk(self, plan: Plan) -> None:
@@ -437,13 +455,14 @@ class ShardCache:
             raise CacheError(f"not enough free disk in {self.cache_dir}: the shard needs {plan.disk_bytes} bytes "
                              f"({plan.disk_bytes / 1e9:.2f} GB), {free} bytes ({free / 1e9:.2f} GB) are free")
 
-    def fill(self, plan: Plan, fetch: Callable[[Sequence[str]], Iterator[tuple[str, int, bytes, bool]]],
+    def fill(self, plan: Plan, fetch: Callable[[Sequence[str], int], Iterator[tuple[str, int, bytes, bool]]],
              progress: Callable[[int, int], None] = lambda done, total: None) -> dict[str, str]:
         """Write every file of the shard: blobs held are copied, the others fetched.
 
-        `fetch(blobs)` yields (blob, offset within it, bytes, whether it is the blob's last chunk), in
-        order, each chunk already checked against its crc32. Returns {blob: sha256} of the shard, as
-        its manifest records it.
+        `fetch(blobs, first_offset)` yields (blob, offset within it, bytes, whether it is the blob's
+        last chunk), in order, blobs[0] from `first_offset` (plan.resume_offset: the bytes before it
+        are on disk from an interrupted fill), each chunk already checked against its crc32.
+        Returns {blob: sha256} of the shard, as its manifest records it.
         """
         sha: dict[str, str] = {b: h.sha256 for b, h in self.have.items()} | self.journal
         handles = {}
@@ -497,6 +516,7 @@ class ShardCache:
 
         hashes: dict[str, object] = {}
         sizes = self.sizes
+        marked: dict[str, int] = {}  # blob -> bytes of it last journaled as durable
 
         def absorb(blob: str, off: int, data: bytes, last: bool) -> None:
             f, at = targets[blob]
@@ -506,6 +526,14 @@ class ShardCache:
                 hashes[blob] = hashlib.sha256(os.pread(f.fileno(), off, at))
             hashes[blob].update(data)
             os.pwrite(f.fileno(), data, at + off)
+            end = off + len(data)
+            if not last and end - marked.setdefault(blob, off) >= PROGRESS_BYTES:
+                # an interrupted fill resumes from here: the bytes are made durable before the
+                # journal says so, so a crash cannot leave a claimed range unwritten
+                os.fsync(f.fileno())
+                journal.write(f"{_name_of(targets, blob, handles)}\t{blob}\t@{end}\n")
+                journal.flush()
+                marked[blob] = end
             if last:
                 got = hashes.pop(blob).hexdigest()
                 sha[blob] = got
@@ -516,7 +544,7 @@ class ShardCache:
         pending = []
         with ThreadPoolExecutor(1, thread_name_prefix="cache-write") as writer:
             try:
-                for blob, off, data, last in fetch(list(plan.fetch)):
+                for blob, off, data, last in fetch(list(plan.fetch), plan.resume_offset):
                     if blob not in targets:
                         raise CacheError(f"the coordinator sent blob {blob!r}, which was not asked for")
                     if off + len(data) > sizes[blob] or (last and off + len(data) != sizes[blob]):

@@ -102,17 +102,20 @@ def _fill(cache: ShardCache, stub, md, source: ShipSource, node: str, address: s
             print(f"fetched {done} of {total} bytes ({100 * done / max(total, 1):.0f}%), {rate / 1e6:.1f} MB/s, "
                   f"ETA {(total - done) / rate if rate else 0.0:.1f}s", file=sys.stderr, flush=True)
 
-    cache.fill(plan, lambda blobs: _fetch(stub, md, source.fingerprint, node, blobs, address), report)
+    if plan.resume_offset:
+        print(f"resuming {plan.fetch[0]} at byte {plan.resume_offset} (an interrupted fill wrote that much)",
+              file=sys.stderr, flush=True)
+    cache.fill(plan, lambda blobs, first: _fetch(stub, md, source.fingerprint, node, blobs, address, first), report)
     if plan.fetch:
         logger.info("fetched %d bytes in %.2fs", plan.fetch_bytes, time.monotonic() - t1)
     return cache.open()
 
 
-def _fetch(stub, md, fingerprint: str, node: str, blobs: Sequence[str], address: str
+def _fetch(stub, md, fingerprint: str, node: str, blobs: Sequence[str], address: str, first_offset: int = 0
            ) -> Iterator[tuple[str, int, bytes, bool]]:
-    """Chunks of `blobs` in order; a corrupt chunk restarts the stream at that chunk."""
+    """Chunks of `blobs` in order, blobs[0] from `first_offset`; a corrupt chunk restarts the stream
+    at that chunk."""
     todo = list(blobs)
-    first_offset = 0
     restarts = 0
     while todo:
         call = stub.Fetch(convert.fetch_request_to_proto(FetchSpec(fingerprint, tuple(todo), node, first_offset)),

@@ -169,7 +169,7 @@ def _receive(job: dict) -> int:
         t0 = time.perf_counter()
         cache = ShardCache(Path(job["cache"]), catalog, {})
         plan = cache.scan()
-        cache.fill(plan, lambda blobs: _fetch(stub, md, job["fingerprint"], "bench", blobs, job["ship"]))
+        cache.fill(plan, lambda blobs, first: _fetch(stub, md, job["fingerprint"], "bench", blobs, job["ship"], first))
         seconds = time.perf_counter() - t0
     raw_after = _raw_receive(job)
     raw_seconds = (raw_before + raw_after) / 2

@@ -3,10 +3,12 @@ coordinator, a full disk and bad manifests each end in one line (or a repair), n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
@@ -218,3 +220,60 @@ def test_a_shipped_shard_loads_as_the_checkpoint_does(spec, tmp_path):
     b = dict(tree_flatten(load_shard(str(src), None, 1, collective=_Seat(1, 2), warm_up=False).model.parameters()))
     assert a.keys() == b.keys()
     assert [k for k in a if not np.array_equal(np.array(a[k]), np.array(b[k]))] == []
+
+
+class CutOnce(Shipper):
+    """Ends the stream once, UNAVAILABLE, after `cut_at` bytes of the largest blob; records each
+    request's first blob and offset."""
+
+    cut_at = 300 << 10
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.big = max(self.ranges, key=lambda b: self.ranges[b][2])
+        self.requests: list[tuple[str, int]] = []
+        self.cut = False
+
+    def Fetch(self, request, context):
+        self.requests.append((request.blobs[0], request.first_offset))
+        for chunk in super().Fetch(request, context):
+            yield chunk
+            if not self.cut and chunk.blob == self.big and chunk.offset + len(chunk.data) >= self.cut_at:
+                self.cut = True
+                context.abort(grpc.StatusCode.UNAVAILABLE, "cut for the test")
+
+
+def test_a_transfer_cut_inside_a_blob_resumes_from_its_durable_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_mod, "PROGRESS_BYTES", 64 << 10)  # the demo's blobs are at most 512 KiB
+    ckpt = Checkpoint.open("demo")
+    shipper = CutOnce(ckpt, chunk_bytes=16 << 10, report=lambda line: None)
+    srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
+    try:
+        address = f"127.0.0.1:{port}"
+        with pytest.raises(UnavailableError, match="cut for the test"):
+            fill(address, shipper.fingerprint, tmp_path)
+        sent_before = shipper.bytes_sent()["t0"]
+        view = fill(address, shipper.fingerprint, tmp_path)
+        size = shipper.ranges[shipper.big][2]
+        blob, offset = shipper.requests[-1]
+        assert blob == shipper.big and shipper.cut_at - (64 << 10) <= offset < size, shipper.requests[-1]
+        resent = shipper.bytes_sent()["t0"] - sent_before
+        fresh = tmp_path / "fresh"  # what one uninterrupted fill fetches, from an empty cache
+        fill(address, shipper.fingerprint, fresh, rank=0)
+        needed = shipper.bytes_sent()["t0"] - sent_before - resent
+        # sent twice: only the big blob's bytes between its last durable mark and the cut (at most
+        # one mark's worth and a chunk), not the 300 KiB of it sent before the cut
+        excess = sent_before + resent - needed
+        assert 0 <= excess <= (64 << 10) + (16 << 10), (sent_before, resent, needed)
+        assert shipper.big in ckpt.tensors  # the demo's largest blob is a whole replicated tensor
+        assert np.array_equal(np.array(read_tensor(view.tensors[shipper.big])),
+                              np.array(read_tensor(ckpt.tensors[shipper.big])))
+        path, start, n = shipper.ranges[shipper.big]
+        with open(path, "rb") as f:
+            f.seek(start)
+            truth = hashlib.sha256(f.read(n)).hexdigest()
+        manifest = json.loads((cache_mod.shard_dir(tmp_path, shipper.fingerprint) / cache_mod.MANIFEST).read_text())
+        assert truth in json.dumps(manifest)
+        assert not (cache_mod.shard_dir(tmp_path, shipper.fingerprint) / "journal").exists()
+    finally:
+        srv.stop(0.5).wait()
