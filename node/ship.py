@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
+import struct
 import sys
 import time
 import zlib
@@ -66,6 +68,7 @@ def fill_cache(source: ShipSource, address: str, *, cache_dir: Path, secret: str
         if catalog.fingerprint != source.fingerprint:
             raise CacheError(f"the coordinator at {address} sent a catalog for {catalog.fingerprint[:16]}, "
                              f"not {source.fingerprint[:16]}")
+        fetch = fetcher(stub, md, reply, source.fingerprint, node, address)
         moe_layers = {l: n for l, (n, _) in catalog.layers.items()}
         placement = placement or Placement.even(moe_layers, world_size)
         placement.check(moe_layers)
@@ -73,7 +76,7 @@ def fill_cache(source: ShipSource, address: str, *, cache_dir: Path, secret: str
         cache = ShardCache(cache_dir, catalog, local)
         try:
             with cache.locked():
-                return _fill(cache, stub, md, source, node, address, progress)
+                return _fill(cache, fetch, progress)
         except OSError as exc:  # a cache folder we cannot write, a disk that filled up meanwhile
             raise CacheError(f"cache {cache.root}: {exc.strerror or exc}"
                              + (f" ({exc.filename})" if getattr(exc, "filename", None) else "")) from None
@@ -81,7 +84,7 @@ def fill_cache(source: ShipSource, address: str, *, cache_dir: Path, secret: str
         channel.close()
 
 
-def _fill(cache: ShardCache, stub, md, source: ShipSource, node: str, address: str, progress) -> CachedCheckpoint:
+def _fill(cache: ShardCache, fetch, progress) -> CachedCheckpoint:
     """Verify, plan, refuse a short disk, fetch, open: under the shard's lock."""
     t0 = time.monotonic()
     plan = cache.scan()
@@ -105,10 +108,71 @@ def _fill(cache: ShardCache, stub, md, source: ShipSource, node: str, address: s
     if plan.resume_offset:
         print(f"resuming {plan.fetch[0]} at byte {plan.resume_offset} (an interrupted fill wrote that much)",
               file=sys.stderr, flush=True)
-    cache.fill(plan, lambda blobs, first: _fetch(stub, md, source.fingerprint, node, blobs, address, first), report)
+    cache.fill(plan, fetch, report)
     if plan.fetch:
         logger.info("fetched %d bytes in %.2fs", plan.fetch_bytes, time.monotonic() - t1)
     return cache.open()
+
+
+def fetcher(stub, md, reply, fingerprint: str, node: str, address: str
+            ) -> Callable[[Sequence[str], int], Iterator[tuple[str, int, bytes, bool]]]:
+    """How this node takes the bytes: the Catalog reply's plain-TCP data channel when it names one
+    (on the Ship service's host), else the gRPC Fetch stream."""
+    port, token = convert.data_channel_from_proto(reply)
+    if port:
+        host = address.rsplit(":", 1)[0].strip("[]")
+        return lambda blobs, first: _fetch_tcp(host, port, token, fingerprint, node, blobs, first)
+    return lambda blobs, first: _fetch(stub, md, fingerprint, node, blobs, address, first)
+
+
+DATA_BUFFER_BYTES = 4 << 20  # one received piece: hashed and written while the next arrives
+DATA_ERROR = (1 << 64) - 1  # a blob length that means: one line saying why follows (coordinator/serve/ship.py)
+
+
+def _recv_exact(sock: socket.socket, n: int, what: str, where: str) -> bytearray:
+    """`n` bytes from `sock`, in a buffer of their own (the cache hashes and writes it later)."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except OSError as exc:  # timeout included
+            raise UnavailableError(f"shipping from the coordinator's data channel at {where} stopped in {what}: "
+                                   f"{exc.strerror or exc}") from None
+        if not k:
+            raise UnavailableError(f"shipping from the coordinator's data channel at {where} stopped in {what} "
+                                   f"(connection closed after {got} of {n} bytes)")
+        got += k
+    return buf
+
+
+def _fetch_tcp(host: str, port: int, token: str, fingerprint: str, node: str, blobs: Sequence[str],
+               first_offset: int = 0) -> Iterator[tuple[str, int, bytes, bool]]:
+    """Blobs over the data channel (coordinator/serve/ship.py DataChannel), blobs[0] from `first_offset`,
+    in pieces of DATA_BUFFER_BYTES; a dead coordinator is one line within RPC_TIMEOUT_S."""
+    where = f"{host}:{port}"
+    try:
+        sock = socket.create_connection((host, port), timeout=RPC_TIMEOUT_S)
+    except OSError as exc:
+        raise UnavailableError(f"cannot open the coordinator's data channel at {where}: {exc.strerror or exc}") from None
+    with sock:
+        request = {"token": token, "fingerprint": fingerprint, "node": node, "blobs": list(blobs),
+                   "first_offset": first_offset}
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        if _recv_exact(sock, 1, "its answer", where) != b"+":
+            why = sock.makefile("rb").readline(4096).decode(errors="replace").strip()
+            raise UnavailableError(f"the coordinator's data channel at {where} refused: {why}")
+        for i, blob in enumerate(blobs):
+            (n,) = struct.unpack("<Q", _recv_exact(sock, 8, f"the length of {blob}", where))
+            if n == DATA_ERROR:
+                why = sock.makefile("rb").readline(4096).decode(errors="replace").strip()
+                raise UnavailableError(f"shipping from the coordinator's data channel at {where} stopped: {why}")
+            off = first_offset if i == 0 else 0
+            end = off + n
+            while off < end:
+                data = _recv_exact(sock, min(DATA_BUFFER_BYTES, end - off), blob, where)
+                yield blob, off, data, off + len(data) >= end
+                off += len(data)
 
 
 def _fetch(stub, md, fingerprint: str, node: str, blobs: Sequence[str], address: str, first_offset: int = 0

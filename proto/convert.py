@@ -441,14 +441,19 @@ def catalog_request_to_proto(fingerprint: str):
     return spb.CatalogRequest(fingerprint=fingerprint)
 
 
-def catalog_reply_to_proto(catalog: bytes):
+def catalog_reply_to_proto(catalog: bytes, data_port: int = 0, data_token: str = ""):
     from . import ship_pb2 as spb
 
-    return spb.CatalogReply(catalog=catalog)
+    return spb.CatalogReply(catalog=catalog, data_port=data_port, data_token=data_token)
 
 
 def catalog_reply_from_proto(msg) -> bytes:
     return msg.catalog
+
+
+def data_channel_from_proto(msg) -> tuple[int, str]:
+    """(port, token) of a CatalogReply's plain-TCP data channel; port 0 when it has none."""
+    return msg.data_port, msg.data_token
 
 
 def fetch_request_to_proto(spec):

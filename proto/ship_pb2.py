@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nship.proto\x12\x0emoe_cluster.v1\"%\n\x0e\x43\x61talogRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"\x1f\n\x0c\x43\x61talogReply\x12\x0f\n\x07\x63\x61talog\x18\x01 \x01(\x0c\"k\n\x0c\x46\x65tchRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\r\n\x05\x62lobs\x18\x02 \x03(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x14\n\x0c\x66irst_offset\x18\x05 \x01(\x04\"P\n\x05\x43hunk\x12\x0c\n\x04\x62lob\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x0c\n\x04last\x18\x05 \x01(\x08\x32\x8f\x01\n\x04Ship\x12G\n\x07\x43\x61talog\x12\x1e.moe_cluster.v1.CatalogRequest\x1a\x1c.moe_cluster.v1.CatalogReply\x12>\n\x05\x46\x65tch\x12\x1c.moe_cluster.v1.FetchRequest\x1a\x15.moe_cluster.v1.Chunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nship.proto\x12\x0emoe_cluster.v1\"%\n\x0e\x43\x61talogRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"F\n\x0c\x43\x61talogReply\x12\x0f\n\x07\x63\x61talog\x18\x01 \x01(\x0c\x12\x11\n\tdata_port\x18\x02 \x01(\r\x12\x12\n\ndata_token\x18\x03 \x01(\t\"k\n\x0c\x46\x65tchRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\r\n\x05\x62lobs\x18\x02 \x03(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x14\n\x0c\x66irst_offset\x18\x05 \x01(\x04\"P\n\x05\x43hunk\x12\x0c\n\x04\x62lob\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x04 \x01(\x07\x12\x0c\n\x04last\x18\x05 \x01(\x08\x32\x8f\x01\n\x04Ship\x12G\n\x07\x43\x61talog\x12\x1e.moe_cluster.v1.CatalogRequest\x1a\x1c.moe_cluster.v1.CatalogReply\x12>\n\x05\x46\x65tch\x12\x1c.moe_cluster.v1.FetchRequest\x1a\x15.moe_cluster.v1.Chunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CATALOGREQUEST']._serialized_start=30
   _globals['_CATALOGREQUEST']._serialized_end=67
   _globals['_CATALOGREPLY']._serialized_start=69
-  _globals['_CATALOGREPLY']._serialized_end=100
-  _globals['_FETCHREQUEST']._serialized_start=102
-  _globals['_FETCHREQUEST']._serialized_end=209
-  _globals['_CHUNK']._serialized_start=211
-  _globals['_CHUNK']._serialized_end=291
-  _globals['_SHIP']._serialized_start=294
-  _globals['_SHIP']._serialized_end=437
+  _globals['_CATALOGREPLY']._serialized_end=139
+  _globals['_FETCHREQUEST']._serialized_start=141
+  _globals['_FETCHREQUEST']._serialized_end=248
+  _globals['_CHUNK']._serialized_start=250
+  _globals['_CHUNK']._serialized_end=330
+  _globals['_SHIP']._serialized_start=333
+  _globals['_SHIP']._serialized_end=476
 # @@protoc_insertion_point(module_scope)

@@ -156,7 +156,7 @@ def _receive(job: dict) -> int:
 
     from ...envoy.auth import call_metadata
     from ...node.cache import Catalog, ShardCache
-    from ...node.ship import _fetch
+    from ...node.ship import fetcher
     from ...proto import CHANNEL_OPTIONS, convert
     from ...proto import ship_pb2_grpc as spb_grpc
 
@@ -169,7 +169,7 @@ def _receive(job: dict) -> int:
         t0 = time.perf_counter()
         cache = ShardCache(Path(job["cache"]), catalog, {})
         plan = cache.scan()
-        cache.fill(plan, lambda blobs, first: _fetch(stub, md, job["fingerprint"], "bench", blobs, job["ship"], first))
+        cache.fill(plan, fetcher(stub, md, reply, job["fingerprint"], "bench", job["ship"]))
         seconds = time.perf_counter() - t0
     raw_after = _raw_receive(job)
     raw_seconds = (raw_before + raw_after) / 2

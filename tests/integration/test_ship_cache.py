@@ -1,5 +1,7 @@
 """A node's shard cache against a real Ship service on loopback: corrupt chunks, wrong secrets, a dead
-coordinator, a full disk and bad manifests each end in one line (or a repair), never a traceback."""
+coordinator, a full disk and bad manifests each end in one line (or a repair), never a traceback.
+Chunk-level faults are injected into the gRPC stream (`data_channel=False`); the plain-TCP data
+channel, which the other tests take, has tests of its own at the end."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ class Corrupting(Shipper):
 @pytest.fixture(scope="module")
 def server():
     ckpt = Checkpoint.open("demo")
-    shipper = Corrupting(ckpt, report=lambda line: None)
+    shipper = Corrupting(ckpt, report=lambda line: None, data_channel=False)  # its chunks go over gRPC
     srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
     yield ckpt, shipper, f"127.0.0.1:{port}"
     srv.stop(0.5).wait()
@@ -246,7 +248,7 @@ class CutOnce(Shipper):
 def test_a_transfer_cut_inside_a_blob_resumes_from_its_durable_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_mod, "PROGRESS_BYTES", 64 << 10)  # the demo's blobs are at most 512 KiB
     ckpt = Checkpoint.open("demo")
-    shipper = CutOnce(ckpt, chunk_bytes=16 << 10, report=lambda line: None)
+    shipper = CutOnce(ckpt, chunk_bytes=16 << 10, report=lambda line: None, data_channel=False)
     srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
     try:
         address = f"127.0.0.1:{port}"
@@ -275,5 +277,71 @@ def test_a_transfer_cut_inside_a_blob_resumes_from_its_durable_bytes(tmp_path, m
         manifest = json.loads((cache_mod.shard_dir(tmp_path, shipper.fingerprint) / cache_mod.MANIFEST).read_text())
         assert truth in json.dumps(manifest)
         assert not (cache_mod.shard_dir(tmp_path, shipper.fingerprint) / "journal").exists()
+    finally:
+        srv.stop(0.5).wait()
+
+
+def test_the_data_channel_carries_the_shard_and_refuses_a_wrong_token(tmp_path):
+    import socket
+
+    ckpt = Checkpoint.open("demo")
+    shipper = Shipper(ckpt, report=lambda line: None)
+    srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
+    try:
+        assert shipper.data is not None and shipper.data.port
+        view = fill(f"127.0.0.1:{port}", shipper.fingerprint, tmp_path)
+        key = "model.layers.1.mlp.switch_mlp.down_proj.weight"
+        assert np.array_equal(np.array(read_tensor(view.tensors[key], [0, 3])),
+                              np.array(read_tensor(ckpt.tensors[key], [0, 3])))
+        assert shipper.bytes_sent()["t0"] > 0
+        with socket.create_connection(("127.0.0.1", shipper.data.port), timeout=10) as s:
+            s.sendall(json.dumps({"token": "guess", "fingerprint": shipper.fingerprint,
+                                  "blobs": ["model.norm.weight"]}).encode() + b"\n")
+            answer = s.makefile("rb").read()
+        assert answer.startswith(b"-wrong data token") and b"model.norm" not in answer  # no byte of any blob
+    finally:
+        srv.stop(0.5).wait()
+    with pytest.raises(OSError):  # the data channel ended with the service
+        socket.create_connection(("127.0.0.1", shipper.data.port), timeout=2).close()
+
+
+class CutData(Shipper):
+    """Over the data channel: closes the connection once, after `cut_at` bytes of the largest blob."""
+
+    cut_at = 300 << 10
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.big = max(self.ranges, key=lambda b: self.ranges[b][2])
+        self.requests: list[tuple[str, int]] = []
+
+    def send_blobs(self, conn, name, blobs, first_offset):
+        self.requests.append((blobs[0], first_offset))
+        if len(self.requests) > 1:
+            return super().send_blobs(conn, name, blobs, first_offset)
+        path, start, n = self.ranges[self.big]
+        assert blobs[0] == self.big and first_offset == 0  # the demo's first blob is its largest
+        import struct
+
+        conn.sendall(struct.pack("<Q", n))
+        with open(path, "rb") as f:
+            f.seek(start)
+            conn.sendall(f.read(self.cut_at))  # and the connection closes: a node's link cut mid-blob
+
+
+def test_a_data_channel_cut_inside_a_blob_resumes_from_its_durable_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_mod, "PROGRESS_BYTES", 64 << 10)
+    monkeypatch.setattr("moe_cluster.node.ship.DATA_BUFFER_BYTES", 16 << 10)
+    ckpt = Checkpoint.open("demo")
+    shipper = CutData(ckpt, report=lambda line: None)
+    srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
+    try:
+        with pytest.raises(UnavailableError, match=r"data channel .* stopped in model.embed_tokens.weight"):
+            fill(f"127.0.0.1:{port}", shipper.fingerprint, tmp_path)
+        view = fill(f"127.0.0.1:{port}", shipper.fingerprint, tmp_path)
+        blob, offset = shipper.requests[-1]
+        assert blob == shipper.big and shipper.cut_at - (64 << 10) <= offset < shipper.cut_at, shipper.requests
+        assert np.array_equal(np.array(read_tensor(view.tensors[shipper.big])),
+                              np.array(read_tensor(ckpt.tensors[shipper.big])))
     finally:
         srv.stop(0.5).wait()
