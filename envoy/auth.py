@@ -100,3 +100,32 @@ def channel_credentials(ca: str, cert: str | None = None, key: str | None = None
         private_key=_read(key, "key") if key else None,
         certificate_chain=_read(cert, "certificate") if cert else None,
     )
+
+
+def ssl_server_context(cert: str, key: str, ca: str | None = None):
+    """`server_credentials`' rule for a plain socket (the Ship data channel): with `ca`, clients
+    must present a certificate it signed."""
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(cert, key)
+        if ca:
+            ctx.load_verify_locations(ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+    except (OSError, ssl.SSLError) as exc:
+        raise UserError(f"cannot use TLS certificate {cert} / key {key}: {exc}") from exc
+    return ctx
+
+
+def ssl_client_context(ca: str, cert: str | None = None, key: str | None = None):
+    """`channel_credentials`' rule for a plain socket: trust `ca`; present `cert`/`key`."""
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=ca)
+    try:
+        if cert and key:
+            ctx.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise UserError(f"cannot use TLS certificate {cert} / key {key}: {exc}") from exc
+    return ctx

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Sequence
 
 import grpc
 
-from ..envoy.auth import call_metadata, channel_credentials
+from ..envoy.auth import call_metadata, channel_credentials, ssl_client_context
 from ..proto import CHANNEL_OPTIONS, convert
 from ..proto import ship_pb2_grpc as spb_grpc
 from ..proto.errors import UnavailableError
@@ -68,7 +68,7 @@ def fill_cache(source: ShipSource, address: str, *, cache_dir: Path, secret: str
         if catalog.fingerprint != source.fingerprint:
             raise CacheError(f"the coordinator at {address} sent a catalog for {catalog.fingerprint[:16]}, "
                              f"not {source.fingerprint[:16]}")
-        fetch = fetcher(stub, md, reply, source.fingerprint, node, address)
+        fetch = fetcher(stub, md, reply, source.fingerprint, node, address, tls)
         moe_layers = {l: n for l, (n, _) in catalog.layers.items()}
         placement = placement or Placement.even(moe_layers, world_size)
         placement.check(moe_layers)
@@ -114,14 +114,16 @@ def _fill(cache: ShardCache, fetch, progress) -> CachedCheckpoint:
     return cache.open()
 
 
-def fetcher(stub, md, reply, fingerprint: str, node: str, address: str
+def fetcher(stub, md, reply, fingerprint: str, node: str, address: str, tls=None
             ) -> Callable[[Sequence[str], int], Iterator[tuple[str, int, bytes, bool]]]:
     """How this node takes the bytes: the Catalog reply's plain-TCP data channel when it names one
-    (on the Ship service's host), else the gRPC Fetch stream."""
+    (on the Ship service's host; TLS with the cluster's certificates when it has them), else the
+    gRPC Fetch stream."""
     port, token = convert.data_channel_from_proto(reply)
     if port:
         host = address.rsplit(":", 1)[0].strip("[]")
-        return lambda blobs, first: _fetch_tcp(host, port, token, fingerprint, node, blobs, first)
+        ctx = ssl_client_context(tls.ca, tls.cert, tls.key) if tls else None
+        return lambda blobs, first: _fetch_tcp(host, port, token, fingerprint, node, blobs, first, ctx)
     return lambda blobs, first: _fetch(stub, md, fingerprint, node, blobs, address, first)
 
 
@@ -147,13 +149,15 @@ def _recv_exact(sock: socket.socket, n: int, what: str, where: str) -> bytearray
 
 
 def _fetch_tcp(host: str, port: int, token: str, fingerprint: str, node: str, blobs: Sequence[str],
-               first_offset: int = 0) -> Iterator[tuple[str, int, bytes, bool]]:
+               first_offset: int = 0, tls_context=None) -> Iterator[tuple[str, int, bytes, bool]]:
     """Blobs over the data channel (coordinator/serve/ship.py DataChannel), blobs[0] from `first_offset`,
     in pieces of DATA_BUFFER_BYTES; a dead coordinator is one line within RPC_TIMEOUT_S."""
     where = f"{host}:{port}"
     try:
         sock = socket.create_connection((host, port), timeout=RPC_TIMEOUT_S)
-    except OSError as exc:
+        if tls_context is not None:
+            sock = tls_context.wrap_socket(sock, server_hostname=host)
+    except OSError as exc:  # ssl.SSLError included
         raise UnavailableError(f"cannot open the coordinator's data channel at {where}: {exc.strerror or exc}") from None
     with sock:
         request = {"token": token, "fingerprint": fingerprint, "node": node, "blobs": list(blobs),

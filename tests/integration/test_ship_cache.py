@@ -159,6 +159,17 @@ def test_shards_travel_over_tls(tmp_path):
         view = fill_cache(source, address, cache_dir=tmp_path / "c", secret=SECRET, tls=tls, node="tls", placement=None,
                           rank=1, world_size=2, progress=lambda *a: None)
         assert list(view.tensors["model.layers.0.mlp.switch_mlp.up_proj.weight"].held) == list(range(8, 16))
+        assert shipper.data is not None and shipper.bytes_sent()["tls"] > 0  # the bytes took the TLS data channel
+        import socket
+
+        with socket.create_connection(("127.0.0.1", shipper.data.port), timeout=10) as s:  # plaintext, right token
+            s.sendall(json.dumps({"token": shipper.data_token, "fingerprint": shipper.fingerprint,
+                                  "blobs": ["model.norm.weight"]}).encode() + b"\n")
+            try:
+                got = s.makefile("rb").read()
+            except ConnectionResetError:
+                got = b""
+            assert got == b""  # the handshake fails: closed or reset, not one byte
         with pytest.raises(UnavailableError):  # plaintext to a TLS port gets nothing
             fill_cache(source, address, cache_dir=tmp_path / "d", secret=SECRET, tls=None, node="plain",
                        placement=None, rank=0, world_size=2, progress=lambda *a: None)
