@@ -55,8 +55,11 @@ def test_three_nodes_equal_stock_for_other_families(arch, tmp_path, make_ckpt):
 
 
 @pytest.mark.slow  # 17 s
-def test_a_killed_node_fails_the_request_and_rejoins(tmp_path):
-    with cluster(tmp_path, yaml_for(2)) as (url, proc, lines):
+@pytest.mark.parametrize("transport", ["envoy", "mlx"])
+def test_a_killed_node_fails_the_request_and_rejoins(transport, tmp_path):
+    """Over either transport: the ring of `transport: mlx` fails on the survivor as an error of its
+    own (a RuntimeError from MLX), which must still read as the lost node's 503, not a 500."""
+    with cluster(tmp_path, yaml_for(2, extra=f"transport: {transport}\n")) as (url, proc, lines):
         victim = http(url, "/v1/cluster/status")[1]["nodes"][1]
         result = {}
 
@@ -79,9 +82,11 @@ def test_a_killed_node_fails_the_request_and_rejoins(tmp_path):
             time.sleep(0.1)
         worker.join(timeout=30)
         status, body = result["reply"]
-        assert status >= 500 and "error" in body, body
+        assert status == 503 and "error" in body, body
         assert result["seconds"] < 1.5 + 3 + 5  # within the collective timeout (3 s) and a margin
         assert seen_dead is not None and seen_dead < 3.0
+        if transport == "mlx":  # an MLX group cannot be rebuilt in-process: every node restarts (~40 s
+            return              # here), which the envoy case below already shows for rejoining
         # refused with a clear reason while degraded, then the node restarts and rejoins
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
