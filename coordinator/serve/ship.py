@@ -265,10 +265,9 @@ class DataChannel:
                 if why:
                     return self._refuse(conn, why[1])
                 conn.sendall(b"+")
-                try:
-                    self._shipper.send_blobs(conn, node, blobs, first)
-                except OSError as exc:  # the node went away, or the checkpoint changed under us
-                    logger.info("ship %s: data channel ended: %s", node, exc.strerror or exc)
+                self._shipper.send_blobs(conn, node, blobs, first)
+        except OSError as exc:  # the node went away or said nothing in time, or the checkpoint changed under us
+            logger.info("ship data channel from %s ended: %s", peer[0], exc.strerror or exc)
         finally:
             self._slots.release()
 
