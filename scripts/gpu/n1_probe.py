@@ -64,7 +64,7 @@ def main() -> None:
     out: dict = {"device": str(mx.default_device()), "mlx": mx.__version__}
 
     sp = dict(tree_flatten(stock.parameters()))
-    op = {k.replace(".mlp.block.", ".mlp."): v for k, v in tree_flatten(ours.parameters())}
+    op = {k.replace(".block.", "."): v for k, v in tree_flatten(ours.parameters())}  # ClusterMoE wraps the block
     out["param_dtype_diffs"] = [(k, str(sp[k].dtype), str(op[k].dtype)) for k in sp
                                 if k in op and sp[k].dtype != op[k].dtype][:20]
     out["params_missing"] = sorted(set(sp) ^ set(op))[:20]
@@ -87,18 +87,21 @@ def main() -> None:
         out["first_mismatch"] = next((i for i, (a, b) in enumerate(zip(s_tokens, o_tokens)) if a != b), None)
     out["decode_tps"] = rows
 
-    layers = [i for i, layer in enumerate(stock.layers) if hasattr(layer, "mlp")]
-    hidden = stock.args.hidden_size if hasattr(stock, "args") else sp[f"model.layers.{layers[0]}.mlp.gate.weight"].shape[1]
-    dtype = stock.layers[0].input_layernorm.weight.dtype
-    x = (mx.random.normal((1, 1, hidden)) * 0.5).astype(dtype)
-    ts, ys = blocks_time([stock.layers[i].mlp for i in layers], x, 20)
-    to, yo = blocks_time([ours.layers[i].mlp for i in layers], x, 20)
-    one_s, one_o = stock.layers[layers[0]].mlp(x), ours.layers[layers[0]].mlp(x)
+    from moe_cluster.node.moe.layer import ClusterMoE
+
+    # the stock block at each path where ours has a ClusterMoE (model.layers.i.mlp, transformer.blocks.i.ffn, ...)
+    stock_at = dict(stock.named_modules())
+    pairs = [(stock_at[path], m) for path, m in ours.named_modules() if isinstance(m, ClusterMoE)]
+    embed = next(v for k, v in sp.items() if k.endswith(("embed_tokens.weight", "wte.weight")))
+    x = (mx.random.normal((1, 1, embed.shape[-1])) * 0.5).astype(embed.dtype)
+    ts, ys = blocks_time([s for s, _ in pairs], x, 20)
+    to, yo = blocks_time([o for _, o in pairs], x, 20)
+    one_s, one_o = pairs[0][0](x), pairs[0][1](x)
     out["block_us"] = {"stock": ts * 1e6, "ours": to * 1e6}
     out["block_out_dtype"] = {"stock": str(one_s.dtype), "ours": str(one_o.dtype)}
     out["block_max_abs_diff_one_layer"] = float(mx.abs(one_s.astype(mx.float32) - one_o.astype(mx.float32)).max())
     out["block_max_abs_diff_chain"] = float(mx.abs(ys.astype(mx.float32) - yo.astype(mx.float32)).max())
-    out["ours_block_type"] = type(ours.layers[layers[0]].mlp).__name__
+    out["moe_blocks"] = len(pairs)
     print(json.dumps(out, indent=1), flush=True)
 
 
