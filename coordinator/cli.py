@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler="moe_cluster.coordinator.bench.soak:main")
 
+    b = bench.add_parser("serve", help="many users at once: aggregate tok/s, TTFT and ITL of our cluster and mlx_lm.server")
+    importlib.import_module("moe_cluster.coordinator.bench.serve").add_arguments(b)
+    b.set_defaults(handler="moe_cluster.coordinator.bench.serve:main")
+
     b = bench.add_parser("ship", help="shipping a shard to a node: throughput against raw TCP, coordinator memory")
     importlib.import_module("moe_cluster.coordinator.bench.ship").add_arguments(b)
     b.set_defaults(handler="moe_cluster.coordinator.bench.ship:main")
