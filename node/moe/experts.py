@@ -19,6 +19,7 @@ import numpy as np
 
 from ...proto.errors import UserError
 from ...proto.records import KEEPALIVES
+from .expert_cache import CacheStats, LayerCache
 from .routing import assign, per_rank
 
 # Upper bounds (seconds) of the all-reduce latency histogram every node keeps (the coordinator's
@@ -67,6 +68,9 @@ class ShardState:
     # the load, (num_experts,). The router is replicated, so every node counts the same selections.
     held: dict[int, tuple[int, ...]] = field(default_factory=dict)
     routed: dict[int, np.ndarray] = field(default_factory=dict)
+    # per MoE layer, where an expert cache keeps fewer experts resident than the node holds
+    cache: dict[int, CacheStats] = field(default_factory=dict)
+    cache_spec: str = "off"  # placement.expert_cache as the node was loaded with it
 
     def __post_init__(self):
         if self.keepalive not in KEEPALIVES:
@@ -87,6 +91,26 @@ class ShardState:
         self.counters = {layer: LayerCounters() for layer in self.counters}
         self.routed = {layer: np.zeros_like(r) for layer, r in self.routed.items()}
         self.pending = []
+        for c in self.cache.values():
+            c.reset()
+
+    def cache_totals(self) -> dict[str, int] | None:
+        """The expert cache summed over layers: capacity (resident slots), hits, misses, bytes read
+        (None without a cache). Selections of a fully resident layer are hits."""
+        if self.cache_spec == "off":
+            return None
+        self.settle()
+        out = {"capacity": 0, "local": 0, "hits": 0, "misses": 0, "bytes_read": 0, "read_seconds": 0.0}
+        for layer, c in self.counters.items():
+            stats = self.cache.get(layer)
+            if stats is None:  # every local expert resident: a selection here is a hit
+                out["capacity"] += len(self.held.get(layer, ()))
+                out["local"] += len(self.held.get(layer, ()))
+                out["hits"] += c.selected
+                continue
+            for k in ("capacity", "local", "hits", "misses", "bytes_read", "read_seconds"):
+                out[k] += getattr(stats, k)
+        return out
 
     def count_routed(self, layer: int, inds: np.ndarray) -> None:
         r = self.routed[layer]
@@ -268,6 +292,14 @@ class ExpertShard(nn.Module):
             self._lut = mx.array(lut.astype(np.int32))
         last = self.down_proj if kind == "glu" else self.fc2
         self._gathered = not last._per_expert  # one gather_mm per call
+        self._cache: LayerCache | None = None
+
+    def attach_cache(self, cache: LayerCache) -> None:
+        """Keep only `cache.capacity` experts resident (the projections hold that many slots): the
+        host reads the routing to learn the misses, so the device-routed path is off."""
+        self._cache = cache
+        self._lut = None
+        self._state.cache[self._layer] = cache.stats
 
     @property
     def global_ids(self) -> tuple[int, ...]:
@@ -286,6 +318,8 @@ class ExpertShard(nn.Module):
             return []
         taken = set(mine)
         free = [s for s in self._lru if s not in taken]
+        if self._cache is not None:  # keep busy with what is resident: a filler is never read from disk
+            free = [s for s in free if self._cache.slot_of[s] >= 0]
         if policy == "busy":
             return free
         want = min(cluster_max, len(self._ids)) - len(mine)
@@ -337,21 +371,41 @@ class ExpertShard(nn.Module):
         flat1 = flat.reshape(-1)
         here = np.array([e for e, r in chosen.items() if r == state.rank], dtype=flat1.dtype)
         positions = np.flatnonzero(np.isin(flat1, here))
-        row_slots = np.concatenate([self._slot[flat1[positions]], np.asarray(fillers, dtype=np.int64)])
-        row_tokens = np.concatenate([positions // k, np.zeros(len(fillers), dtype=np.int64)])
-        perm = np.argsort(row_slots, kind="stable")
-        row_slots, row_tokens = row_slots[perm], row_tokens[perm]
-        sorted_row = np.empty(len(perm), dtype=np.int64)
-        sorted_row[perm] = np.arange(len(perm))
+        local = self._slot[flat1[positions]]  # each position's local expert
         xf = x.reshape(-1, x.shape[-1])
-        rows = xf[mx.array(row_tokens.astype(np.int32))][:, None, :]
-        y = self._mlp(rows, mx.array(row_slots.astype(np.uint32)), _groups(row_slots))[:, 0, :]
+        cache = self._cache
+        # With a cache, the experts go through the slots C at a time (one round, unless this call
+        # selects more than C); without, the local index is the slot.
+        size = cache.capacity if cache is not None else max(len(mine), 1)
+        rounds = [mine[i: i + size] for i in range(0, len(mine), size)] or [[]]
+        if cache is not None and len(rounds) > 1:
+            cache.stats.rounds += 1
+        ys, src, base = [], np.full(T * k, -1, dtype=np.int64), 0
+        for r, chunk in enumerate(rounds):
+            slot_of = cache.ensure(chunk) if cache is not None else None
+            extra = fillers if r == len(rounds) - 1 else []
+            if slot_of is not None:  # fillers were picked resident; loading `chunk` may have evicted some
+                extra = [s for s in extra if slot_of[s] >= 0]
+            sel = np.flatnonzero(np.isin(local, chunk))
+            row_local = np.concatenate([local[sel], np.asarray(extra, dtype=np.int64)])
+            row_slots = slot_of[row_local] if slot_of is not None else row_local
+            row_tokens = np.concatenate([positions[sel] // k, np.zeros(len(extra), dtype=np.int64)])
+            perm = np.argsort(row_slots, kind="stable")
+            row_slots, row_tokens = row_slots[perm], row_tokens[perm]
+            sorted_row = np.empty(len(perm), dtype=np.int64)
+            sorted_row[perm] = np.arange(len(perm))
+            rows = xf[mx.array(row_tokens.astype(np.int32))][:, None, :]
+            y = self._mlp(rows, mx.array(row_slots.astype(np.uint32)), _groups(row_slots))[:, 0, :]
+            if r < len(rounds) - 1:
+                mx.eval(y)  # the next round overwrites slots this one reads
+            src[positions[sel]] = base + sorted_row[: len(sel)]
+            base += len(row_slots)
+            ys.append(y)
         # Every position takes its row, or the appended zero row if another node computes it.
         # Filler rows are computed with the rest (one primitive) and then left out.
-        src = np.full(T * k, len(row_slots), dtype=np.int32)
-        src[positions] = sorted_row[: len(positions)]
-        y = mx.concatenate([y, mx.zeros((1, y.shape[-1]), dtype=y.dtype)], axis=0)
-        return y[mx.array(src)].reshape(out_shape)
+        src[src < 0] = base
+        y = mx.concatenate(ys + [mx.zeros((1, ys[0].shape[-1]), dtype=ys[0].dtype)], axis=0)
+        return y[mx.array(src.astype(np.int32))].reshape(out_shape)
 
     def warm_up(self) -> None:
         """Touch every local expert once (the paper's warm-up before the first request)."""
@@ -359,8 +413,8 @@ class ExpertShard(nn.Module):
             return
         d_in = self.down_proj if self._kind == "glu" else self.fc2
         hidden = _out_dim(d_in)
-        slots = np.arange(len(self._ids))
-        x = mx.zeros((len(self._ids), 1, hidden), dtype=_act_dtype(d_in))
+        slots = np.arange(self._cache.capacity if self._cache is not None else len(self._ids))
+        x = mx.zeros((len(slots), 1, hidden), dtype=_act_dtype(d_in))
         groups = _groups(slots)
         mx.eval(self._mlp(x, mx.array(slots.astype(np.uint32)), groups))
 

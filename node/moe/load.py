@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -22,10 +23,12 @@ from mlx.utils import tree_flatten
 
 from ...proto.errors import UserError
 from ...proto.placement import Placement
-from ..checkpoint import (Checkpoint, CheckpointError, TensorInfo, check_runnable, model_args, model_classes,
-                          read_tensor)
+from ..checkpoint import (Checkpoint, CheckpointError, TensorInfo, _physical_rows, check_runnable, model_args,
+                          model_classes, read_tensor)
 from ..collective.base import Collective, LocalCollective
 from . import families
+from ...proto.expert_cache import ExpertCacheSpec
+from .expert_cache import CacheStats, LayerCache, Part, choose_resident, read_parts, read_pool
 from .experts import ExpertShard, ShardLinear, ShardState
 from .layer import ClusterMoE, InProcessCluster, install, owns_dense_terms
 from .structure import MoEBlock, StructureError, find_moe_blocks, set_bank
@@ -280,13 +283,10 @@ def _local_expert_bytes(ckpt: Checkpoint, blocks: Sequence[MoEBlock], placement:
     return total
 
 
-def _read_local(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int]) -> dict[str, dict[str, mx.array]]:
-    """{projection: {param: (E_local, ...)}} for the local experts of block `b`, by byte range."""
-    special = families.read_experts(ckpt, b, local)
-    if special is not None:
-        return special
+def _expert_tensors(ckpt: Checkpoint, b: MoEBlock) -> dict[str, dict[str, TensorInfo | dict[int, TensorInfo]]]:
+    """{projection: {param: the stacked (E, ...) tensor, or {expert: its own tensor}}} of block `b`
+    (the generic layouts; a family that stores its experts otherwise reads them itself)."""
     t = ckpt.tensors
-    out: dict[str, dict[str, mx.array]] = {}
     per_expert = re.compile(re.escape(b.path) + r"\.experts\.(\d+)\.(\w+)\.(weight|scales|biases|bias)$")
     by_expert: dict[tuple[str, str], dict[int, TensorInfo]] = {}
     for key, info in t.items():
@@ -294,6 +294,7 @@ def _read_local(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int]) -> dict[str
         if m:
             proj = PROJ_ALIASES.get(m[2], m[2])
             by_expert.setdefault((proj, m[3]), {})[int(m[1])] = info
+    out: dict[str, dict] = {}
     for proj in b.projections:
         for param in PARAMS:
             stacked = t.get(f"{b.bank_path}.{proj}.{param}")
@@ -301,23 +302,86 @@ def _read_local(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int]) -> dict[str
                 if stacked.shape[0] != b.num_experts:
                     raise ShardError(f"{stacked.key}: leading dimension {stacked.shape[0]} is not the expert "
                                      f"count {b.num_experts}")
-                out.setdefault(proj, {})[param] = read_tensor(stacked, local) if local else None
-                continue
-            parts = by_expert.get((proj, param))
-            if parts is None:
-                continue
-            missing = [e for e in local if e not in parts]
-            if missing:
-                raise ShardError(f"layer {b.layer}: no tensor for experts {missing} of {proj}.{param} "
-                                 f"under {b.path}.experts.*")
-            stacked = mx.stack([read_tensor(parts[e]) for e in local]) if local else None
-            if stacked is not None:
-                mx.eval(stacked)  # frees the per-expert reads now, not at the end of the layer
-            out.setdefault(proj, {})[param] = stacked
+                out.setdefault(proj, {})[param] = stacked
+            elif (proj, param) in by_expert:
+                out.setdefault(proj, {})[param] = by_expert[(proj, param)]
         if "weight" not in out.get(proj, {}):
             raise ShardError(f"layer {b.layer}: cannot find the expert weights of {proj} in {ckpt.path} "
                              f"(looked for {b.bank_path}.{proj}.weight and {b.path}.experts.<e>.{proj}.weight)")
     return out
+
+
+def _read_local(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int]) -> dict[str, dict[str, mx.array]]:
+    """{projection: {param: (E_local, ...)}} for the local experts of block `b`, by byte range."""
+    special = families.read_experts(ckpt, b, local)
+    if special is not None:
+        return special
+    out: dict[str, dict[str, mx.array]] = {}
+    for proj, params in _expert_tensors(ckpt, b).items():
+        for param, src in params.items():
+            if isinstance(src, TensorInfo):
+                out.setdefault(proj, {})[param] = read_tensor(src, local) if local else None
+                continue
+            missing = [e for e in local if e not in src]
+            if missing:
+                raise ShardError(f"layer {b.layer}: no tensor for experts {missing} of {proj}.{param} "
+                                 f"under {b.path}.experts.*")
+            stacked = mx.stack([read_tensor(src[e]) for e in local]) if local else None
+            if stacked is not None:
+                mx.eval(stacked)  # frees the per-expert reads now, not at the end of the layer
+            out.setdefault(proj, {})[param] = stacked
+    return out
+
+
+def _expert_parts(ckpt: Checkpoint, b: MoEBlock, shard: ExpertShard) -> Callable[[int], list[Part]]:
+    """local index -> the byte ranges of that expert, one per tensor of the shard's slots (in
+    `_slot_tensors` order): what an expert cache reads on a miss."""
+    if families.read_experts(ckpt, b, []) is not None:
+        raise ShardError(f"layer {b.layer}: the expert cache reads experts by byte range, and this checkpoint "
+                         f"stores them fused ({ckpt.path}); convert it with mlx_lm.convert or set expert_cache: off")
+    tensors = _expert_tensors(ckpt, b)
+    order = [tensors[proj][param] for proj, param in _slot_keys(shard)]
+    ids = shard.global_ids
+
+    def parts(i: int) -> list[Part]:
+        e, out = ids[i], []
+        for src in order:
+            if isinstance(src, TensorInfo):
+                (row,) = _physical_rows(src, [e])
+                rb = src.row_bytes()
+                out.append(Part(str(src.file), src.start + row * rb, rb))
+            else:
+                out.append(Part(str(src[e].file), src[e].start, src[e].nbytes))
+        return out
+
+    return parts
+
+
+def _slot_keys(shard: ExpertShard) -> list[tuple[str, str]]:
+    """(projection, param) of every tensor an expert slot spans, in a fixed order."""
+    return [(proj, param) for proj in sorted(shard.children()) if isinstance(shard[proj], ShardLinear)
+            for param in PARAMS if param in shard[proj]]
+
+
+def _attach_cache(ckpt: Checkpoint, b: MoEBlock, shard: ExpertShard, resident: Sequence[int],
+                  pinned: Sequence[int]) -> LayerCache:
+    """Give `shard` (whose projections hold the experts `resident`, by local index) its cache; take
+    every local expert's checksum on the way (each is read once, then dropped)."""
+    parts_of = _expert_parts(ckpt, b, shard)
+    views = []
+    for proj, param in _slot_keys(shard):
+        arr = shard[proj][param]
+        views.append(np.frombuffer(memoryview(arr).cast("B"), dtype=np.uint8).reshape(arr.shape[0], -1))
+    n_local = len(shard.global_ids)
+    sizes = [p.nbytes for p in parts_of(0)]
+    if sizes != [v.shape[1] for v in views]:
+        raise ShardError(f"layer {b.layer}: an expert's bytes on disk {sizes} do not match its slots "
+                         f"{[v.shape[1] for v in views]}; the expert cache cannot read it by byte range")
+    cache = LayerCache(b.layer, n_local, views, parts_of, resident, pinned, CacheStats(), read_pool())
+    cache.fingerprint(dict(enumerate(read_pool().map(lambda i: zlib.crc32(read_parts(parts_of(i))),
+                                                     range(n_local)))))
+    shard.attach_cache(cache)
+    return cache
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,9 +441,18 @@ def _shard_quant(config: dict, b: MoEBlock, proj: str, params: dict) -> dict | N
     return {"group_size": group, "bits": bits, "mode": mode}
 
 
-def _make_shard(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int], holders, state: ShardState) -> ExpertShard:
-    """The ExpertShard of block `b` holding experts `local`, read by byte range and evaluated."""
-    params = _read_local(ckpt, b, local)
+def _make_shard(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int], holders, state: ShardState,
+                capacity: int | None = None, heat: tuple[Sequence[float], int] | None = None) -> ExpertShard:
+    """The ExpertShard of block `b` holding experts `local`, read by byte range and evaluated; with
+    `capacity` below len(local), only that many resident (the hottest by `heat`, the profile's
+    (selections per expert, tokens)), the rest read on a miss."""
+    cached = capacity is not None and capacity < len(local)
+    if cached:
+        local_heat = np.array([heat[0][e] for e in local], dtype=np.float64) if heat else None
+        resident, pinned = choose_resident(capacity, local_heat, heat[1] if heat else 0)
+        params = _read_local(ckpt, b, [local[i] for i in resident])
+    else:
+        params = _read_local(ckpt, b, local)
     projections = {}
     for proj in b.projections:
         p = {k: v for k, v in params[proj].items() if v is not None}
@@ -390,6 +463,8 @@ def _make_shard(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int], holders, st
                                         bias=p.get("bias"), quant=_shard_quant(ckpt.config, b, proj, p))
     shard = ExpertShard(b.layer, local, holders, projections, b.kind, b.activation, state)
     mx.eval(shard.parameters())
+    if cached:
+        _attach_cache(ckpt, b, shard, resident, pinned)
     return shard
 
 
@@ -406,12 +481,20 @@ def load_shard(
     collective: Collective | None = None,
     warm_up: bool = True,
     progress: Callable[[int, int, str], None] | None = None,
+    expert_cache: ExpertCacheSpec | str | None = None,
+    cache_budget_bytes: int | None = None,
+    profile: dict[int, tuple[Sequence[float], int]] | None = None,
 ) -> ShardedModel:
     """Load this rank's shard. `placement=None` means an even split over `collective.world_size`.
     `model_spec` is a checkpoint folder, or an open Checkpoint (a node's cached shard, node/cache.py).
 
     Args:
         progress: called as progress(bytes_loaded, bytes_total, phase) while reading.
+        expert_cache: off, auto, a size or a percent of this node's experts to keep resident; the
+            rest are read from `model_spec`'s files on a miss (node/moe/expert_cache.py).
+        cache_budget_bytes: what `auto` may spend on resident experts.
+        profile: {MoE layer: (selections per expert, tokens)} from a routing profile: the hottest
+            start resident, and those selected by most tokens are pinned.
     """
     collective = collective or LocalCollective()
     t_start = time.perf_counter()
@@ -435,6 +518,13 @@ def load_shard(
     if not 0 <= rank < world:
         raise ShardError(f"rank {rank} is out of range 0..{world - 1}")
     state = ShardState(rank, world, keepalive)
+    spec = expert_cache if isinstance(expert_cache, ExpertCacheSpec) else ExpertCacheSpec.parse(expert_cache)
+    capacity: dict[int, int] = {}
+    if spec.active:
+        state.cache_spec = str(spec)
+        sizes = expert_bytes(ckpt).per_expert
+        capacity = spec.capacities({b.layer: len(placement.layers[b.layer][rank]) for b in blocks}, sizes,
+                                   cache_budget_bytes)
 
     # 1. Replicated weights, through the family's own sanitize. Expert tensors (and shared experts
     #    another node owns) enter it as lazy placeholders, never evaluated, never read from disk,
@@ -462,13 +552,13 @@ def load_shard(
 
     # 2. Expert shards, by byte range; each block goes into its ClusterMoE (the block keeps its
     #    place in the model until the weights are loaded, so parameter paths stay the checkpoint's).
-    expert_bytes = 0
+    resident_experts = 0
     layers: list[ClusterMoE] = []
     for b in blocks:
         shard = _make_shard(ckpt, b, placement.layers[b.layer][rank], placement.holders(b.layer, b.num_experts),
-                            state)
-        expert_bytes += shard.resident_bytes()
-        report(min(done + expert_bytes, total), total, "experts")
+                            state, capacity.get(b.layer), (profile or {}).get(b.layer))
+        resident_experts += shard.resident_bytes()
+        report(min(done + resident_experts, total), total, "experts")
         layers.append(ClusterMoE(b, shard, collective, state, owner[b.layer]))
 
     # 3. Quantize and load the replicated part, then check that nothing is missing or left over.
@@ -503,12 +593,12 @@ def load_shard(
         resident_weight_bytes=resident,
         active_memory_bytes=int(mx.get_active_memory()),
         replicated_bytes=replicated_bytes,
-        expert_bytes=expert_bytes,
+        expert_bytes=resident_experts,
         load_seconds=time.perf_counter() - t_start,
         peak_memory_bytes=int(mx.get_peak_memory()),
     )
     logger.info("rank %d loaded %d MoE layers, %.1f MB resident (%.1f MB experts) in %.1fs", rank, len(blocks),
-                resident / 1e6, expert_bytes / 1e6, info.load_seconds)
+                resident / 1e6, resident_experts / 1e6, info.load_seconds)
     return ShardedModel(model, config, blocks, placement, state, info, collective, layers)
 
 
@@ -530,11 +620,12 @@ class _Seat:
 
 
 def load_in_process(model_spec: str, world_size: int, placement: Placement | None = None, *,
-                    keepalive: str = "lru") -> ShardedModel:
+                    keepalive: str = "lru", expert_cache: ExpertCacheSpec | str | None = None,
+                    profile: dict[int, tuple[Sequence[float], int]] | None = None) -> ShardedModel:
     """All `world_size` ranks' shards in this process, behind one model: rank 0's, with each MoE
     block replaced by every rank's share summed in rank order (`InProcessCluster`)."""
     ranks = [load_shard(model_spec, placement, r, keepalive=keepalive, collective=_Seat(r, world_size),
-                        warm_up=False) for r in range(world_size)]
+                        warm_up=False, expert_cache=expert_cache, profile=profile) for r in range(world_size)]
     first = ranks[0]
     for i, b in enumerate(first.blocks):
         install(first.model, b.path, InProcessCluster([sm.layers[i] for sm in ranks]))
