@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=_positive_int, required=True)
     p.add_argument("--keepalive", choices=KEEPALIVES, default="lru")
     p.add_argument("--placement", default=None, help='JSON file {"layers": {"<layer>": {"<rank>": [experts]}}}')
+    p.add_argument("--expert-cache", default="off",
+                   help="experts each node keeps resident: off, a percent of its share (50%%) or a size (8GB); "
+                        "the rest are read from disk on a miss")
+    p.add_argument("--routing-profile", default=None,
+                   help="profile JSON from `moe-cluster profile`: the hottest experts start resident, pinned")
     p.add_argument("--prompt", required=True)
     add_sampling_args(p, max_tokens=32)
     p.add_argument("--check", action="store_true", help="also run stock mlx-lm and compare tokens and logits")

@@ -23,6 +23,8 @@ class SimTask:
     eos_token_ids: tuple[int, ...] = ()
     record_logits: bool = False
     repeats: int = 1  # run the request this many times and report the last (benchmarks)
+    expert_cache: str = "off"  # placement.expert_cache: off | SIZE | PCT%
+    profile: dict | None = None  # {MoE layer: (selections per expert, tokens)} of a routing profile
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,8 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
     from .moe.load import load_shard
 
     placement = Placement.from_json(task.placement_json, job.world_size) if task.placement_json else None
-    sharded = load_shard(task.model, placement, job.rank, keepalive=task.keepalive, collective=collective)
+    sharded = load_shard(task.model, placement, job.rank, keepalive=task.keepalive, collective=collective,
+                         expert_cache=task.expert_cache, profile=task.profile)
     runtime = NodeRuntime(sharded)
     result, wall = None, 0.0
     for i in range(task.repeats):
@@ -113,4 +116,5 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
         "wall_seconds": wall,
         "timers": vars(sharded.state.timers),
         "peak_memory_run_bytes": int(mx.get_peak_memory()),
+        "expert_cache": sharded.state.cache_totals(),  # decode steps only, like the counters
     }

@@ -21,6 +21,7 @@ import numpy as np
 from ...node.checkpoint import Checkpoint, check_runnable
 from ...node.collective.base import CollectiveError
 from ...proto.errors import ErrorKind, MoeClusterError, UserError, error_for
+from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.records import Sampling
 from ...proto.placement import Placement
 from ...node.sim import SimJob, SimTask, run as sim_run
@@ -41,6 +42,8 @@ class SimRequest:
     repeats: int = 1
     timeout_s: float = 60.0
     transport: str = "shm"  # shm | envoy | mlx
+    expert_cache: str = "off"  # experts each node keeps resident (proto.expert_cache)
+    profile: Path | None = None  # routing profile: the hottest experts start resident
 
 
 def mlx_backend(gpus: bool) -> str:
@@ -234,8 +237,10 @@ def simulate(req: SimRequest) -> dict:
     tokenizer = _tokenizer(ckpt.path)
     ids = encode_prompt(tokenizer, req.prompt)
     eos = tuple(tokenizer.eos_token_ids)
+    ExpertCacheSpec.parse(req.expert_cache)  # bad input is refused before any process starts
     task = SimTask(str(ckpt.path), tuple(ids), req.sampling, placement_json, req.keepalive, eos,
-                   record_logits=req.check, repeats=req.repeats)
+                   record_logits=req.check, repeats=req.repeats, expert_cache=req.expert_cache,
+                   profile=profile_heat(req.profile) if req.profile else None)
     reports = run_nodes([task], req.nodes, timeout_s=req.timeout_s, transport=req.transport)[0]
     r0 = reports[0]
     out = {
@@ -251,12 +256,28 @@ def simulate(req: SimRequest) -> dict:
         "prompt_tps": r0["prompt_tps"],
         "keepalive": req.keepalive,
     }
+    if reports[0].get("expert_cache") is not None:
+        out["expert_cache"] = cache_summary([rep["expert_cache"] for rep in reports])
     if any(rep["tokens"] != r0["tokens"] for rep in reports):
         raise CollectiveError("nodes disagree on the generated tokens")
     if req.check:
         ref_tokens, ref_logits = reference(str(ckpt.path), ids, req.sampling, eos)
         out.update(compare(r0["tokens"], r0["logits"], ref_tokens, ref_logits))
     return out
+
+
+def cache_summary(per_node: list[dict]) -> dict:
+    """The nodes' expert caches summed: resident slots, hits, misses, bytes read (decode steps)."""
+    return {k: sum(n[k] for n in per_node) for k in ("capacity", "hits", "misses", "bytes_read")}
+
+
+def profile_heat(path: Path) -> dict[int, tuple[list[float], int]]:
+    """{MoE layer: (selections per expert, tokens)} of a `moe-cluster profile` file."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        return {int(l): (list(map(float, v["counts"])), int(v["tokens"])) for l, v in doc["layers"].items()}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{path}: not a routing profile from `moe-cluster profile` ({exc})") from None
 
 
 def _tokenizer(path: Path):
@@ -270,7 +291,8 @@ def main(args) -> int:
     sampling.check()
     req = SimRequest(args.model, args.nodes, args.prompt, sampling, args.keepalive,
                      Path(args.placement) if args.placement else None, args.check,
-                     transport=args.transport)
+                     transport=args.transport, expert_cache=args.expert_cache,
+                     profile=Path(args.routing_profile) if args.routing_profile else None)
     out = simulate(req)
     if args.json:
         print(json.dumps(out))
@@ -284,6 +306,10 @@ def main(args) -> int:
     c = out["counters"]
     print(f"per node per MoE layer: selected {c['selected']:.2f}, computed {c['computed']:.2f}, "
           f"filler {c['filler']:.2f} (keepalive {out['keepalive']})", file=sys.stderr)
+    if "expert_cache" in out:
+        e = out["expert_cache"]
+        print(f"expert cache: {e['capacity']} slots, {e['hits']} hits, {e['misses']} misses, "
+              f"{e['bytes_read'] / 1e6:.1f} MB read", file=sys.stderr)
     print(f"generation: {out['generation_tps']:.1f} tokens/s", file=sys.stderr)
     if args.check:
         print(f"check: tokens {'match' if out['tokens_match'] else 'DIFFER'} stock mlx-lm; "

@@ -1,0 +1,111 @@
+"""The expert cache (issue 18): fewer experts resident than a node holds, misses read from disk,
+the tokens and logits still stock mlx-lm's; read errors fail the request naming the file."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from moe_cluster.node.checkpoint import Checkpoint
+from moe_cluster.node.engine import generate_tokens
+from moe_cluster.node.moe.expert_cache import ExpertReadError
+from moe_cluster.node.moe.load import expert_bytes, load_in_process
+from moe_cluster.proto.records import Sampling
+
+from conftest import cli
+
+PROMPT = (1, 17, 42, 99, 7, 200, 3, 55)
+STEPS = 12
+
+
+def _decode(model, steps=STEPS):
+    logits: list = []
+    tokens = list(generate_tokens(model, PROMPT, Sampling(max_tokens=steps), logits_sink=logits))
+    return tokens, logits
+
+
+@pytest.mark.parametrize("layout,quantize", [("mlx", None), ("hf", 4)])
+def test_cache_sizes_give_stock_tokens(make_ckpt, reference, layout, quantize):
+    path = make_ckpt("mixtral", layout=layout, quantize=quantize, experts=16)
+    ref_tokens, ref_logits = reference(path, PROMPT, STEPS)
+    for nodes in (1, 2):
+        for cache in ("100%", "50%", "25%"):
+            sm = load_in_process(str(path), nodes, expert_cache=cache)
+            tokens, logits = _decode(sm.model)
+            diff = max(float(np.max(np.abs(a - b))) for a, b in zip(logits, ref_logits))
+            assert tokens == ref_tokens and diff <= 1e-4, (nodes, cache, diff)
+            totals = sm.state.cache_totals()
+            per_layer = 16 // nodes
+            want = {"100%": per_layer, "50%": per_layer // 2, "25%": per_layer // 4}[cache]
+            assert totals["capacity"] == want * 2  # 2 MoE layers
+            if cache == "100%":
+                assert totals["misses"] == 0 and totals["bytes_read"] == 0
+            else:
+                assert totals["misses"] > 0 and totals["bytes_read"] > 0
+
+
+def test_resident_experts_stay_within_a_byte_budget(make_ckpt, reference):
+    path = make_ckpt("qwen3_moe", experts=16)
+    per = expert_bytes(Checkpoint.open(path)).per_expert
+    budget = 5 * sum(per.values())  # 5 of the 16 experts per layer
+    sm = load_in_process(str(path), 1, expert_cache=str(budget))
+    shards = [moe.ranks[0].shard for moe in _moes(sm.model)]
+    assert sum(s.resident_bytes() for s in shards) <= budget
+    assert [s._cache.capacity for s in shards] == [5, 5]
+    assert _decode(sm.model)[0] == reference(path, PROMPT, STEPS)[0]
+
+
+def _moes(model):
+    from moe_cluster.node.moe.layer import InProcessCluster
+
+    return [m for _, m in model.named_modules() if isinstance(m, InProcessCluster)]
+
+
+def _bank_file(path):
+    """The file holding layer 0's stacked experts, and their byte range in it."""
+    ckpt = Checkpoint.open(path)
+    info = next(i for k, i in sorted(ckpt.tensors.items()) if "switch_mlp" in k and k.endswith("up_proj.weight"))
+    return info.file, info.start, info.end
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "gone"])
+def test_read_error_fails_the_request_naming_the_file(make_ckpt, tmp_path, damage):
+    import shutil
+
+    src = make_ckpt("mixtral", experts=16)
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    sm = load_in_process(str(path), 1, expert_cache="25%")
+    file, start, end = _bank_file(path)
+    if damage == "flipped":  # the non-resident experts' bytes change after the load
+        with open(file, "r+b") as f:
+            f.seek(start)
+            data = bytearray(f.read(end - start))
+            f.seek(start)
+            f.write(bytes(b ^ 0xFF for b in data))
+    elif damage == "truncated":
+        os.truncate(file, start + 8)
+    else:
+        os.unlink(file)
+    with pytest.raises(ExpertReadError) as err:
+        _decode(sm.model)
+    assert str(file) in str(err.value)
+    assert {"flipped": "checksum", "truncated": "short read", "gone": "No such file"}[damage] in str(err.value)
+
+
+def test_simulate_json_sums_the_nodes_caches(make_ckpt):
+    path = make_ckpt("mixtral", experts=16)
+    r = cli("simulate", "--model", str(path), "--nodes", "2", "--expert-cache", "50%", "--prompt", "hi",
+            "--max-tokens", "8", "--check", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["tokens_match"] and out["max_abs_logit_diff"] <= 1e-4
+    cache = out["expert_cache"]
+    assert set(cache) == {"capacity", "hits", "misses", "bytes_read"}
+    assert cache["capacity"] == 2 * 2 * 4  # nodes x layers x half of 8 local experts
+    assert cache["hits"] + cache["misses"] > 0
+    bad = cli("simulate", "--model", str(path), "--nodes", "2", "--expert-cache", "150%", "--prompt", "hi")
+    assert bad.returncode == 2 and "expert_cache percent" in bad.stderr
