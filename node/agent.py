@@ -24,7 +24,7 @@ from ..proto.errors import (BusyError, ErrorKind, MoeClusterError, NotReadyError
                            kind_of)
 from .device import DeviceInfo, device_info
 from .worker import Worker
-from ..proto.records import (GenerateDone, GeneratedTokens, Health, LayerRouting, LoadProgress, Memory, NodeError,
+from ..proto.records import (ExpertCacheLayer, GenerateDone, GeneratedTokens, Health, LayerRouting, LoadProgress, Memory, NodeError,
                              NodeStatus, Timings)
 
 logger = logging.getLogger(__name__)
@@ -122,6 +122,9 @@ class NodeAgent(npb_grpc.NodeServicer):
             allreduce=_allreduce_histogram(self.sharded.state) if self.sharded else None,
             routing=tuple(LayerRouting(layer, held, tokens) for layer, (held, tokens)
                           in self.sharded.state.routing().items()) if self.sharded else (),
+            expert_cache=tuple(ExpertCacheLayer(layer, c.capacity, c.local, c.hits, c.misses, c.bytes_read,
+                                                c.read_seconds) for layer, c in sorted(self.sharded.state.cache.items()))
+            if self.sharded else (),
             uptime_s=time.monotonic() - self.started,
             pid=os.getpid(),
             queue_depth=1 if self._current else 0,
@@ -165,7 +168,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             model = spec.model
             if spec.ship is not None:  # no checkpoint here: the coordinator fills the cache
                 model = self._fill_cache(spec, ship_address, progress)
-            if spec.world_size == 1 and spec.ship is None:  # alone: stock mlx-lm, nothing to exchange
+            if spec.world_size == 1 and spec.ship is None and spec.expert_cache == "off":  # alone: stock mlx-lm
                 progress(0, 1, "replicated")
                 self.sharded = load_unsharded(spec.model)
                 self.runtime = NodeRuntime(self.sharded, prompt_cache_bytes=spec.prompt_cache_bytes)
@@ -178,7 +181,7 @@ class NodeAgent(npb_grpc.NodeServicer):
                 collective = make_collective(spec.transport, spec.rank)
             try:
                 sharded = load_shard(model, spec.placement, spec.rank, keepalive=spec.keepalive,
-                                     collective=collective, progress=progress)
+                                     collective=collective, progress=progress, expert_cache=spec.expert_cache)
             except BaseException:
                 collective.close()
                 raise

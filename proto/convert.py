@@ -174,7 +174,7 @@ def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
         keepalive=_lookup(_KEEPALIVE_TO_PB, spec.keepalive, "keepalive"),
         transport=transport_to_proto(spec.transport),
         collective_timeout_s=spec.transport.timeout_s, prefill_step=spec.prefill_step,
-        prompt_cache_bytes=spec.prompt_cache_bytes,
+        prompt_cache_bytes=spec.prompt_cache_bytes, expert_cache=spec.expert_cache,
     )
     if spec.placement is not None:
         msg.placement.CopyFrom(placement_to_proto(spec.placement))
@@ -198,7 +198,7 @@ def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any 
         model=msg.model, rank=msg.rank, world_size=msg.world_size,
         placement=placement_from_proto(msg.placement) if msg.HasField("placement") else None,
         keepalive=keepalive, transport=transport, prefill_step=msg.prefill_step or DEFAULT_PREFILL_STEP,
-        prompt_cache_bytes=msg.prompt_cache_bytes, ship=_ship_from_proto(msg),
+        prompt_cache_bytes=msg.prompt_cache_bytes, ship=_ship_from_proto(msg), expert_cache=msg.expert_cache or "off",
     )
 
 
@@ -377,11 +377,12 @@ def status_to_proto(s: NodeStatus) -> npb.NodeStatus:
         allreduce=npb.AllreduceHistogram(bounds=s.allreduce.bounds, counts=s.allreduce.counts, sum_s=s.allreduce.sum_s)
         if s.allreduce is not None else None,
         routing=[npb.LayerRouting(layer=r.layer, held=r.held, tokens=r.tokens) for r in s.routing],
+        expert_cache=[npb.ExpertCacheLayer(**vars(c)) for c in s.expert_cache],
     )
 
 
 def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
-    from .records import AllreduceHistogram, LayerRouting, Memory, NodeStatus
+    from .records import AllreduceHistogram, ExpertCacheLayer, LayerRouting, Memory, NodeStatus
 
     m, a = msg.memory, msg.allreduce
     return NodeStatus(
@@ -392,6 +393,8 @@ def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
         counters=dict(sorted(msg.counters.items())), uptime_s=msg.uptime_s, pid=msg.pid, queue_depth=msg.queue_depth,
         allreduce=AllreduceHistogram(tuple(a.bounds), tuple(a.counts), a.sum_s) if msg.HasField("allreduce") else None,
         routing=tuple(LayerRouting(r.layer, tuple(r.held), tuple(r.tokens)) for r in msg.routing),
+        expert_cache=tuple(ExpertCacheLayer(c.layer, c.capacity, c.local, c.hits, c.misses, c.bytes_read, c.read_seconds)
+                           for c in msg.expert_cache),
     )
 
 

@@ -130,9 +130,13 @@ class LoadSpec:
     prefill_step: int = DEFAULT_PREFILL_STEP  # tokens per prefill chunk
     prompt_cache_bytes: int = 0  # KV prefix cache budget; 0: none
     ship: ShipSource | None = None  # set: the node has no checkpoint; it fills its cache from here
+    expert_cache: str = "off"  # experts kept resident (proto.expert_cache); the rest read on a miss
 
     def __post_init__(self) -> None:
         _check(self.keepalive, KEEPALIVES, "keepalive")
+        from .expert_cache import ExpertCacheSpec
+
+        ExpertCacheSpec.parse(self.expert_cache)
         if not 0 <= self.rank < self.world_size:
             raise UserError(f"rank {self.rank} must be in [0, world_size {self.world_size})")
 
@@ -228,6 +232,19 @@ class LayerRouting:
 
 
 @dataclass(frozen=True)
+class ExpertCacheLayer:
+    """One MoE layer's expert cache on a node (node/moe/expert_cache.py), sums since the load."""
+
+    layer: int
+    capacity: int  # resident slots
+    local: int  # experts the node holds for the layer
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    read_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class NodeStatus:
     state: str
     model: str = ""
@@ -243,6 +260,7 @@ class NodeStatus:
     queue_depth: int = 0
     allreduce: AllreduceHistogram | None = None  # None before a model is loaded
     routing: tuple[LayerRouting, ...] = ()  # by layer
+    expert_cache: tuple[ExpertCacheLayer, ...] = ()  # by layer, where fewer experts are resident than held
 
     def __post_init__(self) -> None:
         _check(self.state, NODE_STATES, "state")

@@ -54,6 +54,7 @@ class Member:
     load_done: int = 0
     load_total: int = 0
     routing: tuple = ()  # proto.records.LayerRouting by layer, from the node's last Status
+    expert_cache: tuple = ()  # proto.records.ExpertCacheLayer by layer, from the node's last Status
 
     @property
     def address(self) -> str:
@@ -188,7 +189,7 @@ class Cluster:
         m.memory_bytes, m.used_bytes = s.memory.device_bytes, s.memory.used_bytes
         m.device, m.backend = s.device, s.backend
         m.experts = sum(s.experts_per_layer.values())
-        m.routing = s.routing
+        m.routing, m.expert_cache = s.routing, s.expert_cache
         from .metrics import allreduce_histogram
 
         hist = allreduce_histogram(s.allreduce)
@@ -439,7 +440,8 @@ class Cluster:
                  # seconds; the bucket bound of the median all-reduce since the node loaded (None: none yet)
                  "allreduce_p50_s": self.allreduce_histograms[m.name].quantile(0.5)
                  if m.name in self.allreduce_histograms else None,
-                 "last_seen_s": round(time.monotonic() - m.last_seen, 1) if m.last_seen else None}
+                 "last_seen_s": round(time.monotonic() - m.last_seen, 1) if m.last_seen else None,
+                 "expert_cache": [vars(c) for c in m.expert_cache]}
                 for m in self.members
             ],
         }

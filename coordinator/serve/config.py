@@ -18,6 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from ...proto.errors import UserError
+from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.records import COLLECTIVE_TIMEOUT_S, KEEPALIVES, TlsFiles
 
 
@@ -46,6 +47,7 @@ class NodeConfig:
     port: int | None = None  # agent port (local launch: chosen free if omitted)
     envoy_port: int | None = None  # envoy port (chosen free if omitted)
     memory: Size | None = None  # override the memory the node reports (bytes)
+    expert_cache: str | None = None  # this node's placement.expert_cache
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,9 @@ class PlacementConfig:
     memory_fraction: float = 0.75  # of each node's memory usable for weights and caches
     kv_reserve: Size = Size(512 * 2**20)  # bytes kept free per node for the KV / prompt cache
     replicate: bool = True  # with a profile: copy the hottest experts into spare memory
+    # experts each node keeps resident: off (all, or refuse what does not fit), auto (what its budget
+    # holds), a size ("8GB") or a percent of its share ("50%"); the rest are read from disk on a miss
+    expert_cache: str = "off"
 
 
 @dataclass(frozen=True)
@@ -307,9 +312,18 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
                 raise r.fail(_find(root, "nodes", i, attr), f"{where}.{attr}", f"{port} is not a port (1..65535)")
         if n.address is not None and not re.fullmatch(r"[A-Za-z0-9_.:\[\]-]+", n.address):
             raise r.fail(_find(root, "nodes", i, "address"), f"{where}.address", f"{n.address!r} is not a host or host:port")
+        if n.expert_cache is not None:
+            try:
+                ExpertCacheSpec.parse(n.expert_cache)
+            except UserError as exc:
+                raise r.fail(_find(root, "nodes", i, "expert_cache"), f"{where}.expert_cache", str(exc)) from None
     if not 0 < c.placement.memory_fraction <= 1:
         raise r.fail(_find(root, "placement", "memory_fraction"), "placement.memory_fraction",
                      f"must be in (0, 1] (got {c.placement.memory_fraction})")
+    try:
+        ExpertCacheSpec.parse(c.placement.expert_cache)
+    except UserError as exc:
+        raise r.fail(_find(root, "placement", "expert_cache"), "placement.expert_cache", str(exc)) from None
     if c.placement.strategy == "profile" and not c.placement.profile:
         raise r.fail(_find(root, "placement", "strategy"), "placement.profile", "strategy 'profile' needs a profile file")
     if not 1 <= c.api.port <= 65535 and c.api.port != 0:

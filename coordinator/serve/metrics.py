@@ -58,6 +58,29 @@ def allreduce_histogram(h: AllreduceHistogram | None) -> Histogram | None:
     return Histogram(tuple(h.bounds), list(h.counts), h.sum_s, sum(h.counts))
 
 
+_CACHE_SERIES = (
+    ("capacity", "gauge", "Expert slots resident on the node, per MoE layer."),
+    ("hits_total", "counter", "Selected experts found resident."),
+    ("misses_total", "counter", "Selected experts read from disk."),
+    ("bytes_read_total", "counter", "Expert bytes read from disk on misses."),
+    ("read_seconds_total", "counter", "Seconds spent reading missed experts."),
+)
+
+
+def expert_cache_lines(nodes: list[dict]) -> list[str]:
+    """/metrics lines of the nodes' expert caches, per node and MoE layer (none without a cache)."""
+    rows = [(n["name"], c) for n in nodes for c in n.get("expert_cache", ())]
+    if not rows:
+        return []
+    lines = []
+    for series, kind, text in _CACHE_SERIES:
+        key = series.removesuffix("_total")
+        lines += [f"# HELP moe_cluster_expert_cache_{series} {text}", f"# TYPE moe_cluster_expert_cache_{series} {kind}"]
+        lines += [f'moe_cluster_expert_cache_{series}{{node="{node}",layer="{c["layer"]}"}} {c[key]}'
+                  for node, c in rows]
+    return lines
+
+
 def prompt_tps(done) -> float:
     """Prompt tokens prefilled per second (a GenerateDone's): a prompt-cache hit prefills only the rest."""
     if done is None or not done.timings.prompt_s:
@@ -152,6 +175,7 @@ class Metrics:
                       "# TYPE moe_cluster_expert_selections_total counter"]
             lines += [f'moe_cluster_expert_selections_total{{layer="{entry["layer"]}",expert="{e}"}} {n}'
                       for entry in layers for e, n in enumerate(entry["tokens"])]
+        lines += expert_cache_lines(s["nodes"])
         hist = getattr(cluster, "allreduce_histograms", {})
         if hist:
             lines += ["# HELP moe_cluster_allreduce_seconds Latency of one MoE layer's all-reduce, per node.",

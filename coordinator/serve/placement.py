@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
+from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.placement import Placement, PlacementError, even_counts
 
 __all__ = ["ModelFootprint", "NodeBudget", "PlacementPlan", "PlacementError", "plan_placement", "proportional_counts"]
@@ -44,6 +45,8 @@ class PlacementPlan:
     available: tuple[int, ...]  # memory × fraction, per rank
     replicas: tuple[int, ...] = ()  # extra expert copies per rank (per layer)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # per rank, what its node keeps resident (proto.expert_cache): "off" where everything fits
+    expert_cache: tuple[str, ...] = ()
 
 
 def fmt_bytes(n: float) -> str:
@@ -131,6 +134,7 @@ def plan_placement(
     kv_reserve: int = 0,
     profile_counts: Mapping[int, Sequence[float]] | None = None,
     replicate: bool = True,
+    expert_cache: Sequence[ExpertCacheSpec] | None = None,
 ) -> PlacementPlan:
     """Plan which experts each node holds.
 
@@ -138,6 +142,8 @@ def plan_placement(
         strategy: "even" (same count per node), "memory" (in proportion to budgets) or "profile"
             (proportional counts, experts spread by expected load, hottest copied into spare room).
         profile_counts: MoE layer -> selection count per expert, from `moe-cluster profile`.
+        expert_cache: per node: with a cache, a node may hold more experts than its memory fits
+            (the rest are read from disk on a miss); without, such a plan is refused.
     """
     if strategy not in ("even", "memory", "profile"):
         raise PlacementError(f"unknown placement strategy {strategy!r} (even, memory, profile)")
@@ -152,7 +158,12 @@ def plan_placement(
     layers = sorted(model.num_experts)
     E = {l: model.num_experts[l] for l in layers}
     emax = max(E.values())
-    caps = [max(b, 0) // per_set if per_set else emax for b in budgets]
+    caching = [c.active for c in expert_cache] if expert_cache else [False] * n
+    if len(caching) != n:
+        raise PlacementError(f"expert_cache has {len(caching)} entries for {n} nodes")
+    # a node with a cache holds any number of experts (room permitting for the replicated weights)
+    caps = [emax if cache and b > 0 else (max(b, 0) // per_set if per_set else emax)
+            for b, cache in zip(budgets, caching)]
     if strategy == "even":
         weights = [1.0] * n
     else:
@@ -203,4 +214,20 @@ def plan_placement(
         used.append(model.replicated_bytes + kv_reserve + experts_bytes)
     if any(replicas):
         notes.append(f"replicated hot experts: {replicas} extra per layer per node")
-    return PlacementPlan(placement, tuple(budgets), tuple(used), tuple(available), tuple(replicas), tuple(notes))
+    caches = []
+    for r in range(n):
+        held = used[r] - model.replicated_bytes - kv_reserve
+        spec = expert_cache[r] if expert_cache else ExpertCacheSpec()
+        if not spec.active or (spec.mode == "auto" and held <= budgets[r]):
+            caches.append("off")
+            continue
+        resident = {"auto": budgets[r], "bytes": spec.value, "fraction": held * spec.value}[spec.mode]
+        caches.append(str(ExpertCacheSpec("bytes", resident)) if spec.mode == "auto" else str(spec))
+        if resident < held:
+            used[r] -= int(held - resident)
+            notes.append(f"{nodes[r].name} holds {fmt_bytes(held)} of experts and keeps {fmt_bytes(resident)} "
+                         f"resident ({resident / held:.0%}); the rest are read from disk on a miss, so it runs "
+                         f"slower: a hit rate near {resident / held:.0%} under uniform routing, more with a "
+                         f"skewed one (`moe-cluster plan --expert-cache` predicts tok/s)")
+    return PlacementPlan(placement, tuple(budgets), tuple(used), tuple(available), tuple(replicas), tuple(notes),
+                         tuple(caches))

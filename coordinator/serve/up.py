@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ...node.checkpoint import Checkpoint
 from ...node.vocab import checkpoint_vocab
+from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.profile import parse_profile
 from ...proto.records import LoadSpec, TlsFiles
 from ...node.collective.specs import EnvoySpec, MlxSpec, free_ports
@@ -216,16 +217,19 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
             m.memory_bytes = int(override or s.memory.budget_bytes or s.memory.device_bytes)
             m.device = s.device
         kv_reserve = c.placement.kv_reserve + c.serving.prompt_cache  # bytes per node
+        node_config = {n.name: n for n in c.nodes}
+        caches = [ExpertCacheSpec.parse(node_config[m.name].expert_cache or c.placement.expert_cache) for m in members]
         plan = plan_placement(fp, [NodeBudget(m.name, m.memory_bytes) for m in members],
                               strategy=c.placement.strategy, memory_fraction=c.placement.memory_fraction,
                               kv_reserve=kv_reserve,
-                              profile_counts=profile, replicate=c.placement.replicate)
+                              profile_counts=profile, replicate=c.placement.replicate,
+                              expert_cache=caches)
         make_transport = _transport(c, [h for _, _, h in found], envoy_ports, c.launch == "remote")
         for m in members:
             m.spec = LoadSpec(model=model_path, rank=m.rank, world_size=len(members),
                               transport=make_transport(m.rank), placement=plan.placement, keepalive=c.keepalive,
                               prefill_step=c.serving.prefill_chunk, prompt_cache_bytes=c.serving.prompt_cache,
-                              ship=ship.source if ship else None)
+                              ship=ship.source if ship else None, expert_cache=plan.expert_cache[m.rank])
             # what weights may use: memory × memory_fraction less the KV reserve and prompt cache
             m.budget_bytes = plan.available[m.rank] - kv_reserve
         for note in plan.notes:

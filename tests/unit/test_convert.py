@@ -6,7 +6,7 @@ import pytest
 
 from moe_cluster.proto.records import Sampling
 from moe_cluster.proto.records import (AllreduceHistogram, GenerateDone, GeneratedTokens, Health, LoadProgress, LoadSpec, Memory,
-                                       LayerRouting, NodeError, NodeStatus, Timings)
+                                       ExpertCacheLayer, LayerRouting, NodeError, NodeStatus, Timings)
 from moe_cluster.proto.placement import Placement
 from moe_cluster.proto.records import GenerateRequest
 from moe_cluster.node.collective.specs import EnvoySpec, MlxSpec
@@ -30,6 +30,10 @@ def test_load_request_envoy():
     spec = LoadSpec("/models/dbrx", 1, 2, transport, PLACEMENT, "busy", 256, 8 << 30)
     back = convert.load_request_from_proto(wire(convert.load_request_to_proto(spec)), secret="s", tls=tls)
     assert back == spec
+    cached = LoadSpec("/models/dbrx", 1, 2, transport, PLACEMENT, expert_cache="25%")
+    assert convert.load_request_from_proto(wire(convert.load_request_to_proto(cached)), secret="s", tls=tls) == cached
+    with pytest.raises(ValueError, match="expert_cache"):
+        LoadSpec("/models/dbrx", 1, 2, transport, PLACEMENT, expert_cache="half")
 
 
 def test_load_request_mlx_and_defaults():
@@ -107,6 +111,8 @@ def test_status_health_cancel_shutdown():
                         AllreduceHistogram((25e-6, 1e-3), (7, 2, 1), 0.0125),
                         (LayerRouting(1, (8, 9), (0, 3) + (1,) * 14), LayerRouting(3, (0, 15), (5,) * 16)))
     assert convert.status_from_proto(wire(convert.status_to_proto(status))) == status
+    cached = NodeStatus("ready", expert_cache=(ExpertCacheLayer(1, 4, 8, 30, 6, 6 << 20, 0.012),))
+    assert convert.status_from_proto(wire(convert.status_to_proto(cached))) == cached
     idle = NodeStatus("idle")
     assert convert.status_from_proto(wire(convert.status_to_proto(idle))) == idle  # no histogram before a load
     assert convert.health_from_proto(wire(convert.health_to_proto(Health(True, "ready")))) == Health(True, "ready")

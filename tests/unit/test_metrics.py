@@ -47,3 +47,18 @@ def test_the_status_table_has_a_row_per_node_with_its_all_reduce():
     assert "running 1, waiting 2" in lines[0] and "all-reduce p50" in lines[1]
     assert lines[2].split()[0] == "a" and "<= 2.5 ms" in lines[2] and "64" in lines[2]
     assert lines[3].split()[0] == "b" and lines[3].split()[-2] == "-"
+
+
+def test_expert_cache_counters_per_node_and_layer():
+    from moe_cluster.coordinator.serve.metrics import expert_cache_lines
+    from moe_cluster.proto.records import ExpertCacheLayer
+
+    cache = vars(ExpertCacheLayer(3, 4, 8, hits=30, misses=6, bytes_read=6 << 20, read_seconds=0.25))
+    lines = expert_cache_lines([{"name": "a", "expert_cache": [cache]}, {"name": "b", "expert_cache": []}])
+    assert 'moe_cluster_expert_cache_hits_total{node="a",layer="3"} 30' in lines
+    assert 'moe_cluster_expert_cache_misses_total{node="a",layer="3"} 6' in lines
+    assert f'moe_cluster_expert_cache_bytes_read_total{{node="a",layer="3"}} {6 << 20}' in lines
+    assert 'moe_cluster_expert_cache_read_seconds_total{node="a",layer="3"} 0.25' in lines
+    assert 'moe_cluster_expert_cache_capacity{node="a",layer="3"} 4' in lines
+    assert not any('node="b"' in line for line in lines)
+    assert expert_cache_lines([{"name": "a", "expert_cache": []}]) == []  # no cache, no series

@@ -69,3 +69,39 @@ def test_profile_balances_and_replication_lowers_the_maximum():
 def test_profile_needs_counts():
     with pytest.raises(PlacementError, match="needs a routing profile"):
         plan_placement(MODEL, _nodes(10_000), strategy="profile")
+
+
+def test_node_below_its_share_is_served_with_an_expert_cache():
+    from moe_cluster.proto.expert_cache import ExpertCacheSpec
+
+    # 2 nodes, even split: 8 experts per layer each = 1600 B of experts; n1's budget holds 400 B of them
+    nodes = _nodes(10_000, 1_400)
+    with pytest.raises(PlacementError, match="does not fit"):
+        plan_placement(MODEL, nodes, strategy="even", memory_fraction=1.0)
+    auto = [ExpertCacheSpec.parse("auto")] * 2
+    plan = plan_placement(MODEL, nodes, strategy="even", memory_fraction=1.0, expert_cache=auto)
+    assert [len(plan.placement.layers[0][r]) for r in (0, 1)] == [8, 8]
+    assert plan.expert_cache == ("off", "400B")  # n0 fits whole; n1 keeps its budget resident
+    assert plan.used[1] <= plan.available[1]
+    (note,) = [n for n in plan.notes if n.startswith("n1")]
+    assert "25%" in note and "read from disk" in note
+    # a node with no room for the replicated weights is still refused
+    with pytest.raises(PlacementError):
+        plan_placement(MODEL, _nodes(10_000, 900), strategy="even", memory_fraction=1.0, expert_cache=auto)
+
+
+@pytest.mark.parametrize("text,layers", [("50%", {0: 4, 1: 2}), ("100%", {0: 8, 1: 3}), ("1%", {0: 1, 1: 1}),
+                                         ("off", {0: 8, 1: 3}), ("300B", {0: 2, 1: 1}), ("8GB", {0: 8, 1: 3})])
+def test_expert_cache_capacities(text, layers):
+    from moe_cluster.proto.expert_cache import ExpertCacheSpec
+
+    assert ExpertCacheSpec.parse(text).capacities({0: 8, 1: 3}, {0: 100, 1: 100}) == layers
+
+
+@pytest.mark.parametrize("text", ["0%", "101%", "-1GB", "lots", "5 parsecs", "0"])
+def test_expert_cache_refuses_bad_values(text):
+    from moe_cluster.proto.errors import UserError
+    from moe_cluster.proto.expert_cache import ExpertCacheSpec
+
+    with pytest.raises(UserError, match="expert_cache"):
+        ExpertCacheSpec.parse(text)

@@ -1,0 +1,47 @@
+"""`up` with an expert cache (issue 18): a node whose memory cannot hold its share of the experts is
+served, not refused; it keeps what fits resident, reads the rest from disk, and the tokens stay
+stock mlx-lm's. Its cache counters reach `status` and /metrics."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from cluster_fixture import cluster, http, stock_tokens, yaml_for
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "families"))
+import tiny  # noqa: E402
+
+PROMPT = "To be, or not to be"
+TOKENS = 10
+
+
+def test_a_node_short_of_memory_is_served_with_stock_tokens(tmp_path):
+    from moe_cluster.node.checkpoint import Checkpoint
+    from moe_cluster.node.moe.load import expert_bytes
+
+    path = tiny.make_checkpoint("qwen3_moe", tmp_path / "model", tokenizer=True)
+    fp = expert_bytes(Checkpoint.open(path))
+    share = sum(n // 2 * fp.per_expert[l] for l, n in fp.num_experts.items())  # an even split's half
+    small = fp.replicated + share // 4  # room for a quarter of its share
+    config = yaml_for(2, str(path), extra=f"""placement:
+  strategy: even
+  memory_fraction: 1.0
+  kv_reserve: 0
+  expert_cache: auto
+serving:
+  prompt_cache: 0
+""").replace("  - name: node-0", "  - name: node-0\n    memory: 1GB").replace(
+        "  - name: node-1", f"  - name: node-1\n    memory: {small}")
+    with cluster(tmp_path, config) as (url, proc, lines):
+        status, body = http(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0})
+        assert status == 200, body
+        nodes = {n["name"]: n for n in http(url, "/v1/cluster/status")[1]["nodes"]}
+        metrics = http(url, "/metrics")[1]
+    assert body["moe_cluster"]["tokens"] == stock_tokens(path, PROMPT, TOKENS)
+    assert any(line.startswith("placement: node-1 holds") and "read from disk" in line for line in lines), lines
+    assert nodes["node-0"]["expert_cache"] == []  # everything fits: no cache
+    cache = nodes["node-1"]["expert_cache"]
+    assert cache and all(c["capacity"] < c["local"] for c in cache)
+    assert sum(c["misses"] for c in cache) > 0 and sum(c["bytes_read"] for c in cache) > 0
+    assert 'moe_cluster_expert_cache_misses_total{node="node-1"' in metrics
