@@ -74,6 +74,8 @@ BAD = [
     ("nodes:\n  - name: a\nserving:\n  prefill_chunk: 4", 4, ["serving.prefill_chunk", "at least 16"]),
     ("nodes:\n  - name: a\nnodes:\n  - name: b", 3, ["nodes", "given twice"]),
     ("nodes:\n  - name: a\nplacement:\n  replicate: maybe", 4, ["placement.replicate", "true or false"]),
+    ("nodes:\n  - name: a\nplacement:\n  expert_cache: most", 4, ["placement.expert_cache", "a percent (50%)"]),
+    ("nodes:\n  - name: a\n    expert_cache: 120%", 3, ["nodes[0].expert_cache", "(0, 100]"]),
     ("nodes:\n  - name: a\nfrobnicate: 1", 3, ["frobnicate", "unknown key"]),
 ]
 
