@@ -126,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gpus", action="store_true", help="bind node r to GPU r (CUDA_VISIBLE_DEVICES)")
     b.add_argument("--calibrate", action="store_true",
                    help="fit the performance model to these measurements and print its predictions beside them")
+    b.add_argument("--expert-cache", default=None,
+                   help="comma list of resident shares to measure, e.g. 100%%,50%%,25%%: tok/s, hit rate, bytes read "
+                        "per token, each without and with a routing profile")
+    b.add_argument("--routing-profile", default=None,
+                   help="profile JSON the cached runs pin from (default: one made on two other prompts)")
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler="moe_cluster.coordinator.bench.decode:main")
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from ...node.checkpoint import Checkpoint
 from ...node.engine import Stats, generate_tokens
 from ...proto.errors import UserError
+from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.records import KEEPALIVES, Sampling
 
 TRANSPORTS = ("shm", "envoy", "mlx")
@@ -34,6 +35,14 @@ class DecodeBench:
     prompt: str = DEFAULT_PROMPT
     transports: tuple[str, ...] = ("shm",)  # each N > 1 is measured over each (N = 1 exchanges nothing)
     gpus: bool = False  # bind node r to GPU r
+    expert_cache: tuple[str, ...] = ()  # resident shares to measure (proto.expert_cache), e.g. 100%,50%,25%
+    routing_profile: str | None = None  # the profile the cached runs pin from; None: one made on PROFILE_PROMPTS
+
+
+# Prompts a routing profile is made from when none is given: not the benchmark's own prompt, so the
+# profile predicts routing rather than replaying it.
+PROFILE_PROMPTS = ("Once upon a time there was a king who had three daughters.",
+                   "The rain fell on the river and the boats came home before night.")
 
 
 def _single_node(spec: DecodeBench, ids: list[int], tokenizer, model) -> dict:
@@ -124,6 +133,42 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> l
     return out
 
 
+def _expert_cache(spec: DecodeBench, ids: list[int], nodes: int, stock: list[int]) -> list[dict]:
+    """Decode at each resident share, without and with a routing profile: tok/s, hit rate, and per
+    node per token the misses, bytes and seconds read from disk (decode steps, last of `rounds`)."""
+    from ..dev.simulate import cache_summary, profile_heat, run_nodes
+    from ...node.sim import SimTask
+
+    if spec.routing_profile:
+        heat = profile_heat(spec.routing_profile)
+    else:
+        from ..dev.profile import profile
+
+        heat = profile_heat(profile(spec.model, list(PROFILE_PROMPTS), spec.max_tokens))
+    sampling = Sampling(max_tokens=spec.max_tokens)
+    runs = [(c, p) for c in spec.expert_cache for p in (None, heat)]
+    tasks = [SimTask(spec.model, tuple(ids), sampling, keepalive=spec.keepalive[0], repeats=spec.rounds,
+                     expert_cache=c, profile=p) for c, p in runs]
+    out = []
+    for (cache, prof), reports in zip(runs, run_nodes(tasks, nodes, transport=spec.transports[0], gpus=spec.gpus)):
+        r0 = reports[0]
+        steps = max(r0["generated"] - 1, 1)
+        total = cache_summary([r["expert_cache"] for r in reports])
+        selected = total["hits"] + total["misses"]
+        out.append({
+            "nodes": nodes, "expert_cache": cache, "profile": prof is not None,
+            "generation_tps": r0["generation_tps"], "time_per_token_s": r0["generation_seconds"] / steps,
+            "capacity": total["capacity"],
+            "local": sum(r["expert_cache"]["local"] for r in reports),
+            "hit_rate": total["hits"] / selected if selected else 1.0,
+            "misses_per_token": total["misses"] / nodes / steps,  # per node
+            "bytes_read_per_token": total["bytes_read"] / nodes / steps,  # per node
+            "read_seconds_per_token": max(r["expert_cache"]["read_seconds"] for r in reports) / steps,
+            **_compare(r0["tokens"], stock),
+        })
+    return out
+
+
 def _expected_experts(reports: list[dict], keepalive: str) -> float:
     """Mean over MoE-layer calls of the largest per-node computed count (what bounds a layer)."""
     if keepalive == "busy":
@@ -198,6 +243,8 @@ def run(spec: DecodeBench) -> dict:
         if "tokens" in peer:
             peer.update(_compare(peer.pop("tokens"), single["stock_tokens"][: spec.max_tokens]))
         peers.append(peer)
+    caches = [row for n in spec.nodes for row in
+              _expert_cache(spec, ids, n, single["stock_tokens"][: spec.max_tokens])] if spec.expert_cache else []
     out = {
         "model": str(ckpt.path),
         "prompt_tokens": len(ids),
@@ -216,6 +263,7 @@ def run(spec: DecodeBench) -> dict:
         "host": {"cores": os.cpu_count() or 1},
         "clusters": clusters,
         "peers": peers,
+        "expert_cache": caches,
         "seconds": time.perf_counter() - t0,
     }
     return out
@@ -259,8 +307,11 @@ def main(args) -> int:
     bad = [t for t in transports if t not in TRANSPORTS]
     if bad:
         raise UserError(f"--transport: unknown transport {bad[0]!r} ({', '.join(TRANSPORTS)})")
+    caches = tuple(c for c in (args.expert_cache or "").split(",") if c)
+    for c in caches:
+        ExpertCacheSpec.parse(c)
     spec = DecodeBench(args.model, nodes, keepalive, args.max_tokens, args.rounds, args.prompt or DEFAULT_PROMPT,
-                       transports, args.gpus)
+                       transports, args.gpus, caches, args.routing_profile)
     out = run(spec)
     if args.calibrate:
         out["calibration"] = calibrate(out)
@@ -287,5 +338,12 @@ def main(args) -> int:
         print(f"{c['nodes']:>5} {c['keepalive']:>9} {c['generation_tps']:>7.1f} {c['time_per_token_s']:>8.4f} "
               f"{c['expected_experts'] or 0:>5.2f} {fmt('attention_router'):>11} {fmt('experts'):>8} "
               f"{fmt('collective_wait'):>10} {fmt('other'):>7}")
+    if out["expert_cache"]:
+        print(f"{'nodes':>5} {'cache':>6} {'profile':>7} {'tok/s':>7} {'hit rate':>8} {'misses/tok':>10} "
+              f"{'MB read/tok':>11} {'read s/tok':>10} {'stock tokens':>12}")
+    for c in out["expert_cache"]:
+        print(f"{c['nodes']:>5} {c['expert_cache']:>6} {'yes' if c['profile'] else 'no':>7} {c['generation_tps']:>7.1f} "
+              f"{c['hit_rate']:>8.1%} {c['misses_per_token']:>10.2f} {c['bytes_read_per_token'] / 1e6:>11.3f} "
+              f"{c['read_seconds_per_token']:>10.5f} {'yes' if c['same_tokens'] else 'NO':>12}")
     sys.stdout.flush()
     return 0

@@ -271,13 +271,14 @@ def cache_summary(per_node: list[dict]) -> dict:
     return {k: sum(n[k] for n in per_node) for k in ("capacity", "hits", "misses", "bytes_read")}
 
 
-def profile_heat(path: Path) -> dict[int, tuple[list[float], int]]:
-    """{MoE layer: (selections per expert, tokens)} of a `moe-cluster profile` file."""
+def profile_heat(source: Path | dict) -> dict[int, tuple[list[float], int]]:
+    """{MoE layer: (selections per expert, tokens)} of a `moe-cluster profile` file (or its JSON)."""
     try:
-        doc = json.loads(Path(path).read_text())
+        doc = source if isinstance(source, dict) else json.loads(Path(source).read_text())
         return {int(l): (list(map(float, v["counts"])), int(v["tokens"])) for l, v in doc["layers"].items()}
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise UserError(f"{path}: not a routing profile from `moe-cluster profile` ({exc})") from None
+        raise UserError(f"{source if not isinstance(source, dict) else 'the profile'}: not a routing profile "
+                        f"from `moe-cluster profile` ({exc})") from None
 
 
 def _tokenizer(path: Path):
