@@ -161,6 +161,7 @@ def _expert_cache(spec: DecodeBench, ids: list[int], nodes: int, stock: list[int
             "capacity": total["capacity"],
             "local": sum(r["expert_cache"]["local"] for r in reports),
             "hit_rate": total["hits"] / selected if selected else 1.0,
+            "selected_per_token": selected / nodes / steps,  # per node, summed over its MoE layers
             "misses_per_token": total["misses"] / nodes / steps,  # per node
             "bytes_read_per_token": total["bytes_read"] / nodes / steps,  # per node
             "read_seconds_per_token": max(r["expert_cache"]["read_seconds"] for r in reports) / steps,
@@ -292,6 +293,37 @@ def calibrate(bench_out: dict) -> dict:
     return out
 
 
+def calibrate_cache(bench_out: dict) -> list[dict]:
+    """Fit the expert cache's miss cost and routing skew to this run's --expert-cache rows, per node
+    count, and put the prediction beside each row (plan/expert_cache.py), with the break-even hit rate."""
+    from ..plan import expert_cache as cache_model
+    from ..plan.calibration import parse_bench
+
+    bench = parse_bench(bench_out, "bench decode")
+    out = []
+    for n in sorted({r["nodes"] for r in bench_out.get("expert_cache") or ()}):
+        cal = cache_model.calibrate(bench_out, n, bench.moe_layers)
+        if cal is not None:
+            cal["break_even"] = _break_even(bench, cal, cache_model)
+            out.append(cal)
+    return out
+
+
+def _break_even(bench, cal: dict, cache_model) -> dict:
+    """The hit rate below which the node's misses cost more per token than the node saves the
+    cluster, t(N − 1) − t(N), both measured in this run (keepalive none)."""
+    n = cal["nodes"]
+    t = {c.nodes: c.time_per_token_s for c in bench.clusters if c.keepalive == "none"}
+    if n - 1 not in t or n not in t:
+        return {"saved_s": None, "hit_rate": None, "note": f"needs clusters of {n - 1} and {n} nodes in the run"}
+    saved = t[n - 1] - t[n]
+    cost = cache_model.MissCost(cal["per_miss_s"], cal["per_layer_s"])
+    h = cache_model.break_even_hit_rate(cal["selected_per_token"], cost, bench.moe_layers, saved)
+    return {"saved_s": saved, "hit_rate": h,
+            "note": "a cached node never pays here: a node more saves less than a cached layer's fixed cost"
+            if h is None else "below this hit rate, streaming a node costs more than the node saves"}
+
+
 def main(args) -> int:
     try:
         nodes = tuple(int(n) for n in str(args.nodes).split(","))
@@ -315,9 +347,19 @@ def main(args) -> int:
     out = run(spec)
     if args.calibrate:
         out["calibration"] = calibrate(out)
+        if out["expert_cache"]:
+            out["expert_cache_calibration"] = calibrate_cache(out)
     if args.json:
         print(json.dumps(out))
         return 0
+    for c in out.get("expert_cache_calibration", ()):
+        h = c["break_even"]["hit_rate"]
+        print(f"expert cache at {c['nodes']} nodes: {c['per_miss_s'] * 1e6:.0f} us per miss, "
+              f"{c['per_layer_s'] * 1e6:.0f} us per cached MoE layer, routing skew {c['skew']:.2f}; break-even hit "
+              f"rate {'-' if h is None else f'{h:.0%}'} ({c['break_even']['note']})")
+        for p in c["points"]:
+            print(f"  {p['expert_cache']:>5} profile {'yes' if p['profile'] else 'no':>3}: measured "
+                  f"{p['measured_tps']:.1f} tok/s, predicted {p['predicted_tps']:.1f} ({100 * p['error']:+.1f}%)")
     for transport, cal in (out["calibration"].items() if args.calibrate else ()):
         print(f"calibration over {transport}: bandwidth {cal['bandwidth_Bps'] / 1e9:.2f} GB/s, {cal['layer_overhead_s'] * 1e6:.0f} us per layer, "
               f"collective {1e6 * (cal['collective_base_s'] or 0):.0f} us per MoE layer at 2 nodes "
