@@ -96,6 +96,10 @@ class Calibration:
     residual_rms_s: float  # of the fitted time per token against the measured one
     points: tuple[MeasuredPoint, ...]
     notes: tuple[str, ...] = ()
+    # the expert cache (plan/expert_cache.py), fitted to the bench's --expert-cache rows; None: not fitted
+    cache_per_miss_s: float | None = None
+    cache_per_layer_s: float = 0.0
+    cache_skew: float | None = None
 
     def overheads(self, apply_collective: bool) -> Overheads:
         return Overheads(
@@ -186,7 +190,8 @@ def _load_json(path: str | Path) -> Any:
 
 
 _CAL_FIELDS = {"format", "model", "bandwidth_Bps", "layer_overhead_s", "collective_base_s", "collective_per_node_s",
-               "transport", "network", "hardware", "residual_rms_s", "points", "notes"}
+               "transport", "network", "hardware", "residual_rms_s", "points", "notes", "cache_per_miss_s",
+               "cache_per_layer_s", "cache_skew"}
 
 
 def parse_calibration(obj: Any, where: str = "calibration") -> Calibration:
@@ -226,6 +231,10 @@ def parse_calibration(obj: Any, where: str = "calibration") -> Calibration:
         residual_rms_s=_get(obj, "residual_rms_s", float, where),
         points=tuple(points),
         notes=tuple(str(n) for n in obj.get("notes", [])),
+        cache_per_miss_s=_get(obj, "cache_per_miss_s", float, where) if obj.get("cache_per_miss_s") is not None
+        else None,
+        cache_per_layer_s=_get(obj, "cache_per_layer_s", float, where) if "cache_per_layer_s" in obj else 0.0,
+        cache_skew=_get(obj, "cache_skew", float, where) if obj.get("cache_skew") is not None else None,
     )
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from ...proto.profile import RoutingProfile, parse_profile
 from ...proto.records import KEEPALIVES
 from . import presets
-from .calibration import Calibration, fit, read_bench, read_calibration, write_calibration
+from . import expert_cache as cache_model
+from .calibration import Calibration, _load_json, fit, parse_bench, read_calibration, write_calibration
 from .expected import (
     ExpectedExperts,
     expected_experts,
@@ -68,6 +69,13 @@ def add_arguments(p) -> None:
                    help="fit the model to `moe-cluster bench decode --json` output; writes --out (or stdout)")
     p.add_argument("--out", metavar="FILE", help="with --calibrate: where to write the calibration JSON")
     p.add_argument("--plot", metavar="FILE.png", help="draw tok/s against node count (needs matplotlib)")
+    p.add_argument("--expert-cache", metavar="PCT[,PCT]",
+                   help="also predict each node keeping only this share of its experts resident (e.g. 100%%,50%%,25%%), "
+                        "misses read from its SSD")
+    p.add_argument("--skew", metavar="Z[,Z]", default=None,
+                   help="routing skew for --expert-cache: Zipf exponents of expert popularity (0 uniform; default 0, "
+                        "or the calibrated one)")
+    p.add_argument("--ssd-bandwidth", metavar="BYTES/S", help="SSD read bandwidth, replacing the hardware preset's")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -341,7 +349,14 @@ def _calibrate(args) -> Calibration:
         raise PlanError(f"--calibrate: name the one network the bench ran on (got --network {args.network})")
     network = presets.network_preset(nets[0]).name if nets else None
     hardware = presets.hardware_preset(args.hardware).name if args.hardware else None
-    cal = fit(read_bench(args.calibrate), network=network, hardware=hardware)
+    raw = _load_json(args.calibrate)
+    bench = parse_bench(raw, str(args.calibrate))
+    cal = fit(bench, network=network, hardware=hardware)
+    cached = sorted({r.get("nodes") for r in raw.get("expert_cache") or () if isinstance(r, dict)})
+    fitted = cache_model.calibrate(raw, cached[-1], bench.moe_layers) if cached else None
+    if fitted is not None:  # the largest node count with cache rows
+        cal = replace(cal, cache_per_miss_s=fitted["per_miss_s"], cache_per_layer_s=fitted["per_layer_s"],
+                      cache_skew=fitted["skew"])
     if args.out:
         write_calibration(cal, args.out)
     return cal
@@ -418,10 +433,76 @@ def main(args) -> int:
                       + ("; calibrated" if calibration else ""),
              measured=measured,
              measured_label=f"measured ({calibration.network or calibration.transport})" if calibration else "measured")
+    cache_rows = []
+    if args.expert_cache:
+        ssd = _number(args.ssd_bandwidth, "--ssd-bandwidth", positive=True) or hardware.ssd_read_Bps
+        cache_rows = cache_plan(model, rows, _shares(args.expert_cache), _skews(args.skew, calibration), ssd,
+                                calibration, settings)
     if args.json:
-        print(json.dumps(plan_json(model, hardware, networks, rows, settings, calibration, checkpoint_bytes)))
+        out = plan_json(model, hardware, networks, rows, settings, calibration, checkpoint_bytes)
+        if cache_rows:
+            out["expert_cache"] = cache_rows
+        print(json.dumps(out))
     else:
         print(render_table(model, hardware, networks, rows, settings, calibration, checkpoint_bytes))
+        if cache_rows:
+            print(render_cache(cache_rows))
         if args.plot:
             print(f"plot: {args.plot}")
     return 0
+
+
+def _shares(text: str) -> list[float]:
+    from ...proto.expert_cache import ExpertCacheSpec
+
+    out = []
+    for part in text.split(","):
+        spec = ExpertCacheSpec.parse(part.strip())
+        if spec.mode != "fraction":
+            raise PlanError(f"--expert-cache takes percents of each node's experts, e.g. 100%,50%,25% (got {part!r})")
+        out.append(spec.value)
+    return out
+
+
+def _skews(text: str | None, calibration: Calibration | None) -> list[float]:
+    if text is None:
+        return [calibration.cache_skew if calibration and calibration.cache_skew is not None else 0.0]
+    return [_number(z.strip(), "--skew") for z in text.split(",")]
+
+
+def cache_plan(model: ModelSpec, rows: list[Estimate], shares: list[float], skews: list[float], ssd_Bps: float,
+               calibration: Calibration | None, settings: Settings) -> list[dict]:
+    """Each plan row again with each node keeping `share` of its experts resident, per routing skew:
+    hit rate, bytes read from disk per token, tok/s and memory (plan/expert_cache.py)."""
+    per_expert = sum(model.expert_layer_bytes) / model.moe_layers  # bytes, one expert of one layer
+    if calibration is not None and calibration.cache_per_miss_s is not None:
+        cost, source = cache_model.MissCost(calibration.cache_per_miss_s, calibration.cache_per_layer_s), "calibrated"
+    elif ssd_Bps > 0:
+        cost, source = cache_model.ssd_miss_cost(per_expert, ssd_Bps), f"SSD {ssd_Bps / 1e9:g} GB/s"
+    else:
+        raise PlanError("--expert-cache needs the SSD's read bandwidth: this hardware preset has none; "
+                        "pass --ssd-bandwidth or a --calibration with an expert cache fit")
+    out = []
+    for r in rows:
+        local = math.ceil(model.num_experts / r.nodes)  # the busiest node's experts per layer
+        selected = r.expected_experts * model.moe_layers
+        for share in shares:
+            for z in skews:
+                p = cache_model.predict(r.time_s, selected, share, local, z, cost, model.moe_layers)
+                memory = r.memory_per_node_bytes - int((1 - share) * r.expert_shard_bytes)
+                out.append({"nodes": r.nodes, "network": r.network, "expert_cache": f"{share:.0%}", "skew": z,
+                            "hit_rate": p["hit_rate"], "misses_per_token": p["misses_per_token"],
+                            "disk_bytes_per_token": p["misses_per_token"] * per_expert, "disk_s": p["disk_s"],
+                            "tokens_per_s": p["tokens_per_s"], "memory_per_node_bytes": memory,
+                            "fits": memory <= r.usable_memory_bytes, "miss_cost": source})
+    return out
+
+
+def render_cache(rows: list[dict]) -> str:
+    head = ["nodes", "network", "cache", "skew", "hit rate", "disk MB/tok", "disk s", "tok/s", "memory/node", "fits"]
+    table = [head] + [[str(r["nodes"]), r["network"], r["expert_cache"], f"{r['skew']:g}", f"{r['hit_rate']:.1%}",
+                       f"{r['disk_bytes_per_token'] / 1e6:.1f}", _s(r["disk_s"]), f"{r['tokens_per_s']:.1f}",
+                       _gib(r["memory_per_node_bytes"]), "yes" if r["fits"] else "NO"] for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = ["", f"expert cache (misses read from disk; cost per miss: {rows[0]['miss_cost']})"]
+    return "\n".join(lines + ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in table])

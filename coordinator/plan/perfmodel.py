@@ -137,6 +137,7 @@ class HardwareSpec:
     flops: float  # bf16 FLOP/s
     price_usd: float
     note: str = ""
+    ssd_read_Bps: float = 0.0  # the internal SSD's sequential read, bytes/s (expert cache misses); 0: unknown
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,9 @@ MODELS = {
 
 # --- Macs -----------------------------------------------------------------------------------
 
+# ssd_read_Bps: the internal SSD's sequential read as disk-speed reviews report it for the storage size
+# named (approximate: it varies with capacity and fill; pass --ssd-bandwidth, or calibrate on the Mac).
+
 
 def _gpu_flops(cores: int, ghz: float) -> float:
     return cores * 128 * 2 * ghz * 1e9 * 2
@@ -178,19 +181,19 @@ HARDWARE = {
     h.name: h
     for h in (
         HardwareSpec("m2-ultra-192", 192 * GiB, 800e9, 54e12, 6599,
-                     "Mac Studio M2 Ultra 24-core CPU, 76-core GPU, 192 GB, 1 TB: Tables 1, 2 and 5 of the paper"),
+                     "Mac Studio M2 Ultra 24-core CPU, 76-core GPU, 192 GB, 1 TB: Tables 1, 2 and 5 of the paper", ssd_read_Bps=6e9),
         HardwareSpec("m3-ultra-256", 256 * GiB, 819e9, _gpu_flops(60, 1.4), 5599,
-                     "Mac Studio M3 Ultra 28-core CPU, 60-core GPU, 256 GB, 1 TB (2025); Thunderbolt 5"),
+                     "Mac Studio M3 Ultra 28-core CPU, 60-core GPU, 256 GB, 1 TB (2025); Thunderbolt 5", ssd_read_Bps=6e9),
         HardwareSpec("m3-ultra-512", 512 * GiB, 819e9, _gpu_flops(80, 1.4), 9499,
-                     "Mac Studio M3 Ultra 32-core CPU, 80-core GPU, 512 GB, 1 TB (2025); Thunderbolt 5"),
+                     "Mac Studio M3 Ultra 32-core CPU, 80-core GPU, 512 GB, 1 TB (2025); Thunderbolt 5", ssd_read_Bps=6e9),
         HardwareSpec("m4-max-128", 128 * GiB, 546e9, _gpu_flops(40, 1.578), 3499,
-                     "Mac Studio M4 Max 16-core CPU, 40-core GPU, 128 GB, 512 GB (2025); Thunderbolt 5"),
+                     "Mac Studio M4 Max 16-core CPU, 40-core GPU, 128 GB, 512 GB (2025); Thunderbolt 5", ssd_read_Bps=5e9),
         HardwareSpec("m4-pro-64", 64 * GiB, 273e9, _gpu_flops(20, 1.578), 2199,
-                     "Mac mini M4 Pro 14-core CPU, 20-core GPU, 64 GB, 512 GB (2024); Thunderbolt 5"),
+                     "Mac mini M4 Pro 14-core CPU, 20-core GPU, 64 GB, 512 GB (2024); Thunderbolt 5", ssd_read_Bps=4e9),
         # Not a Mac: the GPU host the README's accelerator figures were measured on.
         HardwareSpec("h200", 141 * 10**9, 4.8e12, 989e12, 32000,
                      "NVIDIA H200 SXM: 141 GB HBM3e at 4.8 TB/s, 989 TFLOP/s dense bf16 (datasheet); "
-                     "price an estimate for one GPU's share of a server"),
+                     "price an estimate for one GPU's share of a server", ssd_read_Bps=7e9),
     )
 }
 
