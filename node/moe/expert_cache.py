@@ -2,9 +2,10 @@
 byte range from the node's shard file (or the checkpoint) into a slot, exactly.
 
 The slots are the `ExpertShard`'s own (C, ...) parameters; a miss is written into a slot's bytes in
-place (no (C, ...) copy per miss). That is safe because a layer's slots are only written after its
-router's indices were read on the host, which evaluates everything computed before, and a call that
-needs more experts than slots evaluates each round before the next one's writes.
+place (no (C, ...) copy per miss). The lazy graph must not see that write: the layer remembers the
+last output computed from its slots (`reading`) and evaluates it before overwriting any slot, so a
+result never depends on when MLX evaluates it (a call that needs more experts than slots runs in
+rounds, each evaluated before the next one's reads land).
 
 What stays (seed 000): experts pinned by the routing profile, then a recency/frequency score
 (frequency × 0.25^(age/128) steps), the lowest evicted first.
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import mlx.core as mx
 import numpy as np
 
 from ...proto.errors import UnavailableError
@@ -115,6 +117,11 @@ class LayerCache:
         self.stats = stats
         stats.capacity, stats.local = self.capacity, n_local
         self._pool = pool
+        self._reader: mx.array | None = None  # the last output computed from the slots, maybe unevaluated
+
+    def reading(self, y: mx.array) -> None:
+        """`y` was computed from the slots as they are: it is evaluated before a slot changes."""
+        self._reader = y
 
     def fingerprint(self, digests: dict[int, int]) -> None:
         """crc32 of every local expert's bytes, taken at load: a miss whose bytes differ fails."""
@@ -133,6 +140,9 @@ class LayerCache:
             return self.slot_of
         victims = self._victims(len(missing), protect=set(need))
         t0 = time.perf_counter()
+        if self._reader is not None:
+            mx.eval(self._reader)  # its slots are about to change under it
+            self._reader = None
         if self._pool is not None and len(missing) > 1:
             blobs = list(self._pool.map(self._read, missing))
         else:

@@ -396,8 +396,8 @@ class ExpertShard(nn.Module):
             sorted_row[perm] = np.arange(len(perm))
             rows = xf[mx.array(row_tokens.astype(np.int32))][:, None, :]
             y = self._mlp(rows, mx.array(row_slots.astype(np.uint32)), _groups(row_slots))[:, 0, :]
-            if r < len(rounds) - 1:
-                mx.eval(y)  # the next round overwrites slots this one reads
+            if cache is not None:
+                cache.reading(y)  # evaluated before the next miss overwrites a slot it reads
             src[positions[sel]] = base + sorted_row[: len(sel)]
             base += len(row_slots)
             ys.append(y)

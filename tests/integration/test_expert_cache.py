@@ -109,3 +109,13 @@ def test_simulate_json_sums_the_nodes_caches(make_ckpt):
     assert cache["hits"] + cache["misses"] > 0
     bad = cli("simulate", "--model", str(path), "--nodes", "2", "--expert-cache", "150%", "--prompt", "hi")
     assert bad.returncode == 2 and "expert_cache percent" in bad.stderr
+
+
+def test_more_experts_than_slots_run_in_rounds(make_ckpt, reference):
+    path = make_ckpt("mixtral", experts=16)
+    sm = load_in_process(str(path), 2, expert_cache="1%")  # one slot per layer: every prefill call takes rounds
+    tokens, logits = _decode(sm.model)
+    ref_tokens, ref_logits = reference(path, PROMPT, STEPS)
+    assert tokens == ref_tokens
+    assert max(float(np.max(np.abs(a - b))) for a, b in zip(logits, ref_logits)) <= 1e-4
+    assert sum(c.rounds for c in sm.state.cache.values()) > 0
