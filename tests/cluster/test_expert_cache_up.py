@@ -24,7 +24,7 @@ def test_a_node_short_of_memory_is_served_with_stock_tokens(tmp_path):
     fp = expert_bytes(Checkpoint.open(path))
     share = sum(n // 2 * fp.per_expert[l] for l, n in fp.num_experts.items())  # an even split's half
     small = fp.replicated + share // 4  # room for a quarter of its share
-    config = yaml_for(2, str(path), extra=f"""placement:
+    config = yaml_for(2, str(path), extra="""placement:
   strategy: even
   memory_fraction: 1.0
   kv_reserve: 0
