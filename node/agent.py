@@ -60,9 +60,8 @@ class NodeAgent(npb_grpc.NodeServicer):
         self.runtime = None
         self.load_spec = None
         self._worker = Worker("mlx-worker")  # the one thread that touches MLX
-        self._current: str | None = None  # request id running
+        self._driving: asyncio.Future | None = None  # the worker stepping the running batch
         self.failure = ""  # why the state is failed (a load that failed, an envoy that exited)
-        self._cancel: set[str] = set()
         self._stop: asyncio.Event | None = None
 
     # -- helpers -------------------------------------------------------------------------------
@@ -127,18 +126,18 @@ class NodeAgent(npb_grpc.NodeServicer):
             if self.sharded else (),
             uptime_s=time.monotonic() - self.started,
             pid=os.getpid(),
-            queue_depth=1 if self._current else 0,
+            queue_depth=sum(self.runtime.batch.running()) if self.runtime else 0,
         )
         return convert.status_to_proto(s)
 
     def _idle(self) -> None:
-        if self._current is not None:
-            raise BusyError(f"request {self._current} is running")
+        if self.runtime is not None and self.runtime.batch.busy():
+            raise BusyError(f"{sum(self.runtime.batch.running())} requests are running")
 
     def _ready(self) -> None:
         if self.state == "failed":
             raise UnavailableError(f"node {self.config.name} has failed: {self.failure}")
-        if self.runtime is None or self.state != "ready":
+        if self.runtime is None or self.state not in ("ready", "busy"):
             raise NotReadyError(f"node is {self.state}, not ready")
 
     async def Load(self, request, context):
@@ -171,7 +170,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             if spec.world_size == 1 and spec.ship is None and spec.expert_cache == "off":  # alone: stock mlx-lm
                 progress(0, 1, "replicated")
                 self.sharded = load_unsharded(spec.model)
-                self.runtime = NodeRuntime(self.sharded, prompt_cache_bytes=spec.prompt_cache_bytes)
+                self.runtime = NodeRuntime(self.sharded, prompt_cache_bytes=spec.prompt_cache_bytes, limits=_limits(spec))
                 return self.sharded.info
             if spec.world_size == 1:  # a shipped shard alone: nothing to exchange
                 from .collective.base import LocalCollective
@@ -186,7 +185,7 @@ class NodeAgent(npb_grpc.NodeServicer):
                 collective.close()
                 raise
             self.sharded = sharded
-            self.runtime = NodeRuntime(sharded, prompt_cache_bytes=spec.prompt_cache_bytes)
+            self.runtime = NodeRuntime(sharded, prompt_cache_bytes=spec.prompt_cache_bytes, limits=_limits(spec))
             return sharded.info
 
         self.state, self.failure = "loading", ""
@@ -226,75 +225,75 @@ class NodeAgent(npb_grpc.NodeServicer):
                           world_size=spec.world_size, progress=progress)
 
     async def Generate(self, request, context):
+        """One request joins the running batch (node/batch.py); its tokens stream back as the batch
+        hands them out. Many Generate calls run at once: the worker thread steps them together."""
         self._watch_collective()
         try:
             self._ready()
             req = convert.generate_request_from_proto(request, prefill_step=self.load_spec.prefill_step)
             self.runtime.check(req)  # before MLX sees it: a bad id can crash the process
-            self._idle()
         except MoeClusterError as exc:
             await context.abort(grpc_code(exc.kind), str(exc))
+        from .runtime import GenerateResult
+
         loop = asyncio.get_running_loop()
-        tokens: asyncio.Queue = asyncio.Queue()
-        self._current = req.request_id
-        self.state = "busy"
+        events: asyncio.Queue = asyncio.Queue()
         rid = req.request_id
-
-        def run():
-            from .runtime import GenerateResult
-
-            result = GenerateResult()
-            collective_before = self.sharded.state.timers.collective
-            for token in self.runtime.generate(req, should_cancel=lambda: rid in self._cancel, result=result):
-                loop.call_soon_threadsafe(tokens.put_nowait, token)
-            result.collective_s = self.sharded.state.timers.collective - collective_before
-            return result
-
-        fut = asyncio.ensure_future(self._worker.call(run))
+        result = GenerateResult()
+        collective_before = self.sharded.state.timers.collective
+        seq = self.runtime.batch.submit(req, req.seq or self.runtime.next_seq(), _QueueSink(loop, events), result)
+        self._drive()
+        ended = False
         try:
             while True:
-                getter = asyncio.ensure_future(tokens.get())
-                finished, _ = await asyncio.wait({getter, fut}, return_when=asyncio.FIRST_COMPLETED)
-                if getter in finished:
-                    batch = [getter.result()]
-                    while not tokens.empty():
-                        batch.append(tokens.get_nowait())
-                    yield convert.generate_event_to_proto(GeneratedTokens(tuple(batch)))
+                kind, value = await events.get()
+                if kind == "tokens":
+                    ids = list(value)
+                    while not events.empty() and events._queue[0][0] == "tokens":  # noqa: SLF001 - coalesce
+                        ids.extend(events.get_nowait()[1])
+                    yield convert.generate_event_to_proto(GeneratedTokens(tuple(ids)))
                     continue
-                getter.cancel()
-                break
-            batch = []
-            while not tokens.empty():
-                batch.append(tokens.get_nowait())
-            if batch:
-                yield convert.generate_event_to_proto(GeneratedTokens(tuple(batch)))
-            try:
-                result = fut.result()
-            except BaseException as exc:  # noqa: BLE001 - reported as an event
-                logger.error("request %s failed: %s: %s", rid, type(exc).__name__, exc,
-                             exc_info=kind_of(exc) is ErrorKind.INTERNAL)
-                yield convert.generate_event_to_proto(node_error(exc, self.load_spec.rank))
+                ended = True
+                if kind == "failed":
+                    logger.error("request %s failed: %s: %s", rid, type(value).__name__, value,
+                                 exc_info=kind_of(value) is ErrorKind.INTERNAL)
+                    yield convert.generate_event_to_proto(node_error(value, self.load_spec.rank))
+                    return
+                s = result.stats
+                yield convert.generate_event_to_proto(GenerateDone(
+                    finish_reason=s.finish_reason or "length", prompt_tokens=s.prompt_tokens,
+                    cached_tokens=result.cached_tokens, generated_tokens=len(result.tokens),
+                    timings=Timings(prompt_s=s.prompt_seconds, generation_s=s.generation_seconds,
+                                    collective_s=self.sharded.state.timers.collective - collective_before),
+                    counters={**self.sharded.state.means(), "peak_memory_bytes": float(_peak_memory())},
+                ))
                 return
-            s = result.stats
-            yield convert.generate_event_to_proto(GenerateDone(
-                finish_reason=s.finish_reason or "length", prompt_tokens=s.prompt_tokens,
-                cached_tokens=result.cached_tokens, generated_tokens=len(result.tokens),
-                timings=Timings(prompt_s=s.prompt_seconds, generation_s=s.generation_seconds,
-                                collective_s=result.collective_s),
-                counters={**self.sharded.state.means(), "peak_memory_bytes": float(_peak_memory())},
-            ))
         finally:
-            if not fut.done():
-                # the caller went away: stop every node at the next agreement, then wait for it
-                self._cancel.add(rid)
-                try:
-                    await asyncio.shield(fut)
-                except BaseException:  # noqa: BLE001 - already reported or cancelled
-                    pass
-            self._cancel.discard(rid)
-            self._current = None
+            if not ended:  # the caller went away: the sequence leaves the batch at its next step
+                self.runtime.batch.withdraw(seq)
+
+    def _drive(self) -> None:
+        """Step the running batch on the worker thread while it has work (one driver at a time)."""
+        if self._driving is not None or self.runtime is None:
+            return
+        batch = self.runtime.batch
+
+        def drive():
+            while batch.busy():
+                batch.step()
+
+        def finished(fut) -> None:
+            self._driving = None
+            if fut.exception() is not None:
+                logger.error("the running batch stopped: %s", fut.exception())
             if self.state == "busy":
                 self.state = "ready"
+            if self.runtime is not None and self.runtime.batch.busy():
+                self._drive()
+
+        self.state = "busy" if self.state == "ready" else self.state
+        self._driving = asyncio.ensure_future(self._worker.call(drive))
+        self._driving.add_done_callback(finished)
 
     async def Probe(self, request, context):
         try:
@@ -308,19 +307,20 @@ class NodeAgent(npb_grpc.NodeServicer):
 
     async def Cancel(self, request, context):
         rid = convert.cancel_request_from_proto(request)
-        found = rid == self._current
-        if found:
-            self._cancel.add(rid)
-            if convert.cancel_is_abort(request) and self.sharded is not None:
-                self.sharded.collective.abort(rid)  # the worker is likely blocked in a step: fail it now
+        if self.runtime is None:
+            return convert.cancel_reply_to_proto(False)
+        found = self.runtime.batch.cancel(rid)
+        if found and convert.cancel_is_abort(request):
+            # it failed elsewhere: the worker is likely blocked in a step of the batch; fail it now
+            self.sharded.collective.abort(self.runtime.batch.epoch_id)
         return convert.cancel_reply_to_proto(found)
 
     async def Shutdown(self, request, context):
         grace = convert.shutdown_request_from_proto(request)
         logger.info("shutdown requested (grace %.1fs)", grace)
         self.state = "stopping"
-        if self._current is not None:
-            self._cancel.add(self._current)
+        if self.runtime is not None:
+            self.runtime.batch.cancel_all()
         if self._stop is not None:
             asyncio.get_running_loop().call_later(0.05, self._stop.set)
         return convert.shutdown_reply_to_proto()
@@ -386,6 +386,34 @@ class NodeAgent(npb_grpc.NodeServicer):
             await server.stop(1.0)
             await self._worker.call(self._close_model)
             self._worker.close()
+
+
+def _limits(spec):
+    from .batch import BatchLimits
+
+    return BatchLimits(spec.max_batch, spec.prefill_budget, spec.kv_budget_bytes)
+
+
+class _QueueSink:
+    """A sequence's results, handed from the worker thread to its Generate call's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
+        self._loop, self._events = loop, events
+
+    def _put(self, kind: str, value) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, value))
+        except RuntimeError:  # the loop is closed: nobody listens any more
+            pass
+
+    def tokens(self, ids: list[int]) -> None:
+        self._put("tokens", ids)
+
+    def done(self, result) -> None:
+        self._put("done", result)
+
+    def failed(self, exc: BaseException) -> None:
+        self._put("failed", exc)
 
 
 def node_error(exc: BaseException, rank: int) -> NodeError:

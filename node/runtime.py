@@ -9,9 +9,10 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from ..proto.errors import UserError
-from .collective.base import RIDE_MAX_TOKEN, TOKEN_LAYER, Cancelled, agree, waiting
+from .batch import BatchLimits, RunningBatch
+from .collective.base import TOKEN_LAYER, waiting
 from ..proto.records import GenerateRequest, check_token_ids
-from .engine import Stats, generate_tokens
+from .engine import Stats
 from .moe.load import ShardedModel
 
 logger = logging.getLogger(__name__)
@@ -30,14 +31,9 @@ class GenerateResult:
 
 
 class NodeRuntime:
-    """Runs generation requests on a sharded model in lock-step with the other nodes.
-
-    Every node runs the same loop on the same request. Each sampled token and the node's cancel
-    flag ride on the next step's first MoE all-reduce (no round trip of their own); before a token
-    is used every node checks that all sampled it (a mismatch is a TokenMismatch on every node,
-    never drift) and a cancel seen by any node stops all of them at the same step, so no node is
-    ever left waiting in an all-reduce. They agree on a cancel between prefill chunks too (one
-    explicit round trip per chunk), so a long prompt stops within a chunk.
+    """Runs generation requests on a sharded model in lock-step with the other nodes: the running
+    batch (node/batch.py) steps every request together; what each step agrees on (who joins, who
+    is cancelled, the tokens) rides on its first MoE all-reduce.
 
     The prompt cache (mlx-lm's LRUPromptCache: longest-common-prefix reuse, LRU within a byte
     budget, an entry dropped once its continuation is cached) is the same on every node because
@@ -45,7 +41,7 @@ class NodeRuntime:
     length, so a node that restarted with an empty cache cannot desynchronise the others.
     """
 
-    def __init__(self, sharded: ShardedModel, prompt_cache_bytes: int = 0):
+    def __init__(self, sharded: ShardedModel, prompt_cache_bytes: int = 0, limits: BatchLimits | None = None):
         from .vocab import embedding_rows
 
         self.sharded = sharded
@@ -55,6 +51,8 @@ class NodeRuntime:
             from mlx_lm.models.cache import LRUPromptCache
 
             self.prompt_cache = LRUPromptCache(max_size=64, max_bytes=prompt_cache_bytes)
+        self._auto_seq = 0
+        self.batch = RunningBatch(self, limits or BatchLimits())
 
     def check(self, req: GenerateRequest) -> None:
         """Refuse (UserError) a request this model cannot run, before any MLX work: every node
@@ -103,76 +101,35 @@ class NodeRuntime:
             return None, 0
         return cache, agreed
 
+    def next_seq(self) -> int:
+        """The admission order of a request that came without one (run from this process alone, as
+        simulate does: every node numbers the same requests the same way)."""
+        self._auto_seq += 1
+        return self._auto_seq
+
     def generate(self, req: GenerateRequest, should_cancel: Callable[[], bool] = lambda: False,
                  result: GenerateResult | None = None) -> Iterator[int]:
+        """One request driven from the caller's thread through the running batch (simulate, tests);
+        the agent drives the batch from its worker for every request at once."""
         result = result if result is not None else GenerateResult()
-        collective = self.collective
-        collective.begin(req.request_id)
-        prompt = list(req.prompt)
-        cache, covered = self._reuse(prompt)
-        if cache is None and self.prompt_cache is not None:
-            from mlx_lm.models.cache import make_prompt_cache
-
-            cache = make_prompt_cache(self.sharded.model)
-        result.cached_tokens = covered
-
-        alone = collective.world_size == 1  # nobody to agree with: no agreement at all
-        rides = not alone and self.vocab <= RIDE_MAX_TOKEN
-        step = 0  # of the token being settled
-
-        def hook(sampled: mx.array) -> mx.array:
-            if alone:
-                if should_cancel():
-                    raise Cancelled()
-            elif rides:
-                collective.ride(sampled, should_cancel())
-            else:
-                agreement = agree(collective, int(sampled.item()), should_cancel())
-                if agreement.check(step):
-                    raise Cancelled()
-            return sampled
-
-        def settle(token: int) -> None:
-            nonlocal step
-            if rides:
-                agreement = collective.settle()
-                if agreement is None:  # no MoE all-reduce carried it: one explicit round trip
-                    agreement = agree(collective, token, should_cancel())
-                if agreement.check(step):
-                    raise Cancelled()
-            step += 1
-
-        def between_chunks(done: int, total: int) -> None:
-            # every node prefills the same chunks, so every node asks here the same number of times;
-            # the watch restarts per chunk, so the timeout bounds one chunk, not the whole prompt
-            collective.watch(f"prefill after {done}/{total} prompt tokens")
-            if done < total and agree(collective, 0, should_cancel()).check(-1):
-                raise Cancelled()
-
-        fed: list[int] = []
-        tokens = generate_tokens(
-            self.sharded.model, prompt[covered:], req.sampling, eos_token_ids=req.eos_token_ids,
-            prompt_cache=cache, prefill_step=req.prefill_step, token_hook=hook, stats=result.stats,
-            logits_sink=result.logits if req.record_logits else None, fed_tokens=fed,
-            prefill_hook=between_chunks, settle=settle if not alone else None,
-        )
+        out = _Collect()
+        s = self.batch.submit(req, req.seq or self.next_seq(), out, result)
         try:
-            while True:
-                # mx.distributed cannot time out: the wait for each step is watched instead
-                with waiting(collective, f"step {step}"):
-                    token = next(tokens, None)
-                if token is None:
-                    break
-                result.tokens.append(token)
-                yield token
-        except Cancelled:
-            result.cancelled = True
-            result.stats.finish_reason = "cancelled"
+            while not out.ended:
+                if should_cancel():
+                    self.batch.cancel(req.request_id)
+                self.batch.step()
+                yield from out.drain()
+            yield from out.drain()
+            if out.error is not None:
+                raise out.error
         finally:
-            tokens.close()
-        result.stats.prompt_tokens = len(prompt)
-        if self.prompt_cache is not None and cache is not None:
-            self._store(prompt + fed, cache)
+            if not out.ended:  # the caller stopped early: the sequence leaves at the next step
+                self.batch.withdraw(s)
+                for _ in range(4):
+                    if out.ended:
+                        break
+                    self.batch.step()
 
     def _store(self, tokens: list[int], cache: list) -> None:
         """Keep `cache` as the entry for `tokens` (the prompt and every token fed after it).
@@ -192,3 +149,25 @@ class NodeRuntime:
         if offset <= 0:
             return
         self.prompt_cache.insert_cache(_CACHE_KEY, tokens[:offset], cache)
+
+
+class _Collect:
+    """A Sink that keeps a sequence's tokens for a caller on the driving thread."""
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []
+        self.ended = False
+        self.error: BaseException | None = None
+
+    def tokens(self, ids: list[int]) -> None:
+        self.pending.extend(ids)
+
+    def done(self, result) -> None:
+        self.ended = True
+
+    def failed(self, exc: BaseException) -> None:
+        self.ended, self.error = True, exc
+
+    def drain(self) -> Iterator[int]:
+        ids, self.pending = self.pending, []
+        return iter(ids)

@@ -175,6 +175,7 @@ def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
         transport=transport_to_proto(spec.transport),
         collective_timeout_s=spec.transport.timeout_s, prefill_step=spec.prefill_step,
         prompt_cache_bytes=spec.prompt_cache_bytes, expert_cache=spec.expert_cache,
+        max_batch=spec.max_batch, prefill_budget=spec.prefill_budget, kv_budget_bytes=spec.kv_budget_bytes,
     )
     if spec.placement is not None:
         msg.placement.CopyFrom(placement_to_proto(spec.placement))
@@ -199,6 +200,8 @@ def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any 
         placement=placement_from_proto(msg.placement) if msg.HasField("placement") else None,
         keepalive=keepalive, transport=transport, prefill_step=msg.prefill_step or DEFAULT_PREFILL_STEP,
         prompt_cache_bytes=msg.prompt_cache_bytes, ship=_ship_from_proto(msg), expert_cache=msg.expert_cache or "off",
+        max_batch=msg.max_batch or LoadSpec.max_batch, prefill_budget=msg.prefill_budget or LoadSpec.prefill_budget,
+        kv_budget_bytes=msg.kv_budget_bytes,
     )
 
 
@@ -249,7 +252,8 @@ def generate_request_to_proto(req: GenerateRequest) -> npb.GenerateRequest:
     s = req.sampling
     try:  # protobuf refuses values its fields cannot hold (a negative id, a seed past uint64)
         msg = npb.GenerateRequest(request_id=req.request_id, prompt=list(req.prompt), max_tokens=s.max_tokens,
-                                  temperature=s.temperature, top_p=s.top_p, eos_token_ids=list(req.eos_token_ids))
+                                  temperature=s.temperature, top_p=s.top_p, eos_token_ids=list(req.eos_token_ids),
+                                  seq=req.seq)
         if s.seed is not None:
             msg.seed = s.seed
     except (ValueError, TypeError) as exc:
@@ -272,7 +276,7 @@ def generate_request_from_proto(msg: npb.GenerateRequest, *, prefill_step: int |
     except ValueError as exc:
         raise ConvertError(f"GenerateRequest {msg.request_id}: {exc}") from exc
     return GenerateRequest(msg.request_id, tuple(msg.prompt), sampling, tuple(msg.eos_token_ids),
-                           prefill_step or DEFAULT_PREFILL_STEP)
+                           prefill_step or DEFAULT_PREFILL_STEP, seq=msg.seq)
 
 
 def generate_event_to_proto(event: GenerateEvent) -> npb.GenerateEvent:

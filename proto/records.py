@@ -61,6 +61,7 @@ class GenerateRequest:
     eos_token_ids: Sequence[int] = ()
     prefill_step: int = DEFAULT_PREFILL_STEP
     record_logits: bool = False
+    seq: int = 0  # the coordinator's admission order (a running batch admits in it); 0: the node numbers it
 
 
 @dataclass(frozen=True)
@@ -131,9 +132,14 @@ class LoadSpec:
     prompt_cache_bytes: int = 0  # KV prefix cache budget; 0: none
     ship: ShipSource | None = None  # set: the node has no checkpoint; it fills its cache from here
     expert_cache: str = "off"  # experts kept resident (proto.expert_cache); the rest read on a miss
+    max_batch: int = 8  # sequences the running batch holds at once
+    prefill_budget: int = 512  # prompt tokens per step while other sequences decode
+    kv_budget_bytes: int = 0  # KV of running sequences plus the prompt cache; 0: no limit
 
     def __post_init__(self) -> None:
         _check(self.keepalive, KEEPALIVES, "keepalive")
+        if self.max_batch < 1 or self.prefill_budget < 1:
+            raise UserError(f"max_batch ({self.max_batch}) and prefill_budget ({self.prefill_budget}) must be at least 1")
         from .expert_cache import ExpertCacheSpec
 
         ExpertCacheSpec.parse(self.expert_cache)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable, Sequence
 
 import grpc
@@ -73,6 +74,7 @@ class Outcome:
 class Cluster:
     def __init__(self, members: Sequence[Member], *, model: str, transport: str, heartbeat_s: float = 1.0,
                  load_timeout_s: float = 600.0, request_timeout_s: float = 600.0, queue_limit: int = 16,
+                 max_batch: int = 8,
                  respawn: Callable[[Member], None] | None = None,
                  pid_of: Callable[[str], int | None] | None = None):
         self.members = list(members)
@@ -82,15 +84,18 @@ class Cluster:
         self.load_timeout_s = load_timeout_s
         self.request_timeout_s = request_timeout_s
         self.queue_limit = queue_limit
+        self.max_batch = max_batch
         self.health = H.initial([(m.name, m.address) for m in self.members])
         self.started = time.monotonic()
         self._respawn = respawn
         self._pid_of = pid_of  # pids of the nodes this machine launched
-        self._gate = asyncio.Lock()  # one request at a time
-        self._waiting = 0
-        self._cleanup: asyncio.Task | None = None  # the end of a failed request, holding the gate
-        self._current: str | None = None
-        self._failed = asyncio.Event()  # set when a node dies during a request
+        # Requests on the nodes: they run together in each node's batch (max_batch at once, the rest
+        # wait there in arrival order); past max_batch + queue_limit a request gets 429.
+        self._running: set[str] = set()
+        self._drained = asyncio.Event()  # set while no request is on the nodes (a rejoin waits for it)
+        self._drained.set()
+        self._seq = 0  # admission order sent with each request; restarts with every load of the nodes
+        self._failed = asyncio.Event()  # set when a node dies during requests: every one of them fails
         self._monitor: asyncio.Task | None = None
         self._rejoin_task: asyncio.Task | None = None
         self._restarting: set[str] = set()  # nodes found not answering, handed to `respawn`
@@ -160,6 +165,7 @@ class Cluster:
     async def load(self, on_progress: Callable[[Member], None] | None = None) -> None:
         """Load every member's shard, then run one warm-up step through the whole mesh."""
         self._event(H.LoadStarted())
+        self._seq = 0  # a load starts every node's running batch afresh
         results = await asyncio.gather(*(self._load_member(m, on_progress) for m in self.members),
                                        return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -200,7 +206,7 @@ class Cluster:
 
     @property
     def queue_depth(self) -> int:
-        return self._waiting + (1 if self._current else 0)
+        return len(self._running)
 
     def check_ready(self) -> None:
         """Raise the health machine's refusal (503, with Retry-After) unless the cluster can serve."""
@@ -209,38 +215,23 @@ class Cluster:
             raise error
 
     async def generate(self, req: GenerateRequest, outcome: Outcome) -> AsyncIterator[int]:
-        """Run one request on every node; yields rank 0's tokens as they come.
+        """Run one request on every node (beside the others running there); yields rank 0's tokens.
 
         Raises a MoeClusterError before the first token if the cluster is not ready (NotReadyError),
         degraded (ClusterError) or the queue is full (QueueFull);
         afterwards failures end the stream and are reported in `outcome.error`.
         """
         self.check_ready()
-        if self._waiting >= self.queue_limit:
-            raise QueueFull(f"queue is full ({self.queue_limit} requests waiting)")
-        self._waiting += 1
+        if len(self._running) >= self.max_batch + self.queue_limit:
+            raise QueueFull(f"queue is full ({self.queue_limit} requests waiting) beside {self.max_batch} running")
+        run = self._run(req, outcome)
         try:
-            await self._gate.acquire()
+            async for token in run:
+                yield token
         finally:
-            self._waiting -= 1
-        self._cleanup = None
-        try:
-            self.check_ready()
-            run = self._run(req, outcome)
-            try:
-                async for token in run:
-                    yield token
-            finally:
-                # When our consumer stops early (a stop string, a client gone) `run` must end here,
-                # before the gate opens: left to the garbage collector it would still be stopping the
-                # nodes while the next request starts.
-                await run.aclose()
-        finally:
-            cleanup, self._cleanup = self._cleanup, None
-            if cleanup is None:
-                self._gate.release()
-            else:  # a failed request: the client has its answer; the gate opens once every node ended it
-                cleanup.add_done_callback(lambda _: self._gate.release())
+            # When our consumer stops early (a stop string, a client gone) `run` must end here: left to
+            # the garbage collector it would still be stopping the nodes while later requests run.
+            await run.aclose()
 
     async def cancel(self, request_id: str, abort: bool = False) -> None:
         """Stop a request on every node: at the next agreement, or at once with `abort` (it failed)."""
@@ -252,9 +243,27 @@ class Cluster:
         except grpc.RpcError:
             pass
 
+    def _admit(self, req: GenerateRequest) -> GenerateRequest:
+        """The request as the nodes get it: its place in the admission order and, for a sampled one
+        without a seed, a seed (every node must draw the same tokens)."""
+        if not self._running:
+            self._failed.clear()
+        self._running.add(req.request_id)
+        self._drained.clear()
+        self._seq += 1
+        sampling = req.sampling
+        if sampling.temperature > 0 and sampling.seed is None:
+            sampling = replace(sampling, seed=secrets.randbits(63))
+        return replace(req, seq=self._seq, sampling=sampling)
+
+    def _leave(self, request_id: str) -> None:
+        self._running.discard(request_id)
+        if not self._running:
+            self._drained.set()
+        self._spawn(self.refresh(), "refresh")
+
     async def _run(self, req: GenerateRequest, outcome: Outcome) -> AsyncIterator[int]:
-        self._current = req.request_id
-        self._failed.clear()
+        req = self._admit(req)
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(m, req, queue), name=f"gen-{m.name}") for m in self.members]
         failed_wait = asyncio.create_task(self._failed.wait())
@@ -304,18 +313,17 @@ class Cluster:
             if getter is not None:
                 getter.cancel()
             if any(not t.done() for t in tasks):
-                # Stopped early (client gone, stop string, failure): every node stops at its next
-                # agreement. Wait until each has ended the request, so the next one does not find a
-                # node still busy with this one; give up on nodes that do not answer in time.
+                # Stopped early (client gone, stop string, failure): every node drops it at its next
+                # step; wait until each has ended it, giving up on nodes that do not answer in time.
                 # A failed request answers its client at once and ends on the nodes in the background,
-                # still holding the gate (a peer may wait out its collective timeout first).
-                if outcome.error is not None and self._current == req.request_id:
-                    self._cleanup = self._spawn(self._end(req, tasks, queue, outcome), f"end-{req.request_id}")
+                # still counted as running (a rejoin waits for it; a peer may wait out its collective
+                # timeout first).
+                if outcome.error is not None:
+                    self._spawn(self._end(req, tasks, queue, outcome), f"end-{req.request_id}")
                 else:
                     await self._end(req, tasks, queue, outcome)
             else:
-                self._current = None
-                self._spawn(self.refresh(), "refresh")
+                self._leave(req.request_id)
 
     async def _end(self, req: GenerateRequest, tasks: list[asyncio.Task], queue: asyncio.Queue,
                    outcome: Outcome) -> None:
@@ -332,8 +340,7 @@ class Cluster:
                 if m.rank == 0 and isinstance(event, GenerateDone):
                     outcome.done = event
         finally:
-            self._current = None
-            self._spawn(self.refresh(), "refresh")
+            self._leave(req.request_id)
 
     async def refresh(self) -> None:
         """Update every live member's memory, experts and all-reduce histogram."""
@@ -398,21 +405,24 @@ class Cluster:
 
     async def _rejoin(self) -> None:
         """Rebuild the cluster: every node loaded again (a failed envoy is restarted by its node's
-        load), then a warm-up step. Holds the request gate throughout: a request that failed ends
-        on every node first, and no request starts until the rejoin is over."""
+        load), then a warm-up step. Every request that failed ends on the nodes first, and none
+        starts until the rejoin is over (the cluster is not ready meanwhile)."""
         try:
-            async with self._gate:
-                self._event(H.RejoinStarted())
-                if self.state != "recovering":
-                    return
-                logger.info("rejoin: loading every node again (%s)", self.reason)
-                results = await asyncio.gather(*(self._load_member(m, None) for m in self.members),
-                                               return_exceptions=True)
-                errors = [r for r in results if isinstance(r, BaseException)]
-                if errors:
-                    raise errors[0]
-                await self._warm_up()
-                self._event(H.RejoinSucceeded())
+            await asyncio.wait_for(self._drained.wait(), timeout=self.request_timeout_s)
+            self._seq = 0  # the load starts every node's running batch afresh
+            self._event(H.RejoinStarted())
+            if self.state != "recovering":
+                return
+            logger.info("rejoin: loading every node again (%s)", self.reason)
+            results = await asyncio.gather(*(self._load_member(m, None) for m in self.members),
+                                           return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+            await self._warm_up()
+            self._event(H.RejoinSucceeded())
+        except asyncio.TimeoutError:
+            self._event(H.RejoinFailed("failed requests did not end on the nodes", time.monotonic()))
         except (MoeClusterError, grpc.RpcError) as exc:
             logger.warning("rejoin failed: %s", exc)
             self._event(H.RejoinFailed(str(exc), time.monotonic()))
@@ -430,8 +440,8 @@ class Cluster:
             "transport": self.transport,
             "uptime_s": round(time.monotonic() - self.started, 1),
             "queue_depth": self.queue_depth,
-            "running": 1 if self._current else 0,
-            "waiting": self._waiting,
+            "running": min(len(self._running), self.max_batch),
+            "waiting": max(0, len(self._running) - self.max_batch),
             "nodes": [
                 {"name": m.name, "rank": m.rank, "state": self.node_state(m), "address": m.address,
                  "memory_bytes": m.memory_bytes, "budget_bytes": m.budget_bytes, "used_bytes": m.used_bytes,

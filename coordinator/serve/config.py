@@ -97,7 +97,9 @@ class Timeouts:
 class ServingConfig:
     prefill_chunk: int = 512  # tokens per prefill chunk (bounds attention and all-reduce size)
     prompt_cache: Size = Size(256 * 2**20)  # KV prefix cache budget per node, bytes
-    queue: int = 16  # requests waiting at most; more get 429
+    queue: int = 16  # requests waiting at most (beyond max_batch running); more get 429
+    max_batch: int = 8  # sequences each node decodes together (continuous batching)
+    prefill_budget: int = 512  # prompt tokens prefilled per step while others decode
     max_tokens: int = 256  # default when a request does not say
 
 
@@ -338,6 +340,9 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
     if c.serving.prefill_chunk < 16:
         raise r.fail(_find(root, "serving", "prefill_chunk"), "serving.prefill_chunk",
                      f"must be at least 16 tokens (got {c.serving.prefill_chunk})")
+    for key in ("max_batch", "prefill_budget"):
+        if getattr(c.serving, key) < 1:
+            raise r.fail(_find(root, "serving", key), f"serving.{key}", f"must be at least 1 (got {getattr(c.serving, key)})")
     if c.serving.queue < 1:
         raise r.fail(_find(root, "serving", "queue"), "serving.queue", f"must be at least 1 (got {c.serving.queue})")
     if c.serving.max_tokens < 1:

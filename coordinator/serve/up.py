@@ -229,7 +229,9 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
             m.spec = LoadSpec(model=model_path, rank=m.rank, world_size=len(members),
                               transport=make_transport(m.rank), placement=plan.placement, keepalive=c.keepalive,
                               prefill_step=c.serving.prefill_chunk, prompt_cache_bytes=c.serving.prompt_cache,
-                              ship=ship.source if ship else None, expert_cache=plan.expert_cache[m.rank])
+                              ship=ship.source if ship else None, expert_cache=plan.expert_cache[m.rank],
+                              max_batch=c.serving.max_batch, prefill_budget=c.serving.prefill_budget,
+                              kv_budget_bytes=kv_reserve)
             # what weights may use: memory × memory_fraction less the KV reserve and prompt cache
             m.budget_bytes = plan.available[m.rank] - kv_reserve
         for note in plan.notes:
@@ -241,7 +243,8 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
 
         cluster = Cluster(members, model=c.model, transport=c.transport, heartbeat_s=c.timeouts.heartbeat,
                           load_timeout_s=c.timeouts.load, request_timeout_s=c.timeouts.request,
-                          queue_limit=c.serving.queue, respawn=respawn if launcher else None,
+                          queue_limit=c.serving.queue, max_batch=c.serving.max_batch,
+                          respawn=respawn if launcher else None,
                           pid_of=launcher.pid if launcher else None)
         progress = Progress([m.name for m in members])
         t0 = time.monotonic()

@@ -52,10 +52,20 @@ class TokenMismatch(CollectiveError):
 
 @dataclass(frozen=True)
 class Agreement:
-    """What every rank sampled at one step and whether it asks to stop (index = rank)."""
+    """What every rank put on one agreement (index = rank): a vector of small non-negative ints.
 
-    tokens: tuple[int, ...]
-    cancel: tuple[bool, ...]
+    A single request rides (token, cancel flag); a running batch rides its queue, cancel flags and
+    tokens (node/batch.py)."""
+
+    values: tuple[tuple[int, ...], ...]
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(v[0] for v in self.values)
+
+    @property
+    def cancel(self) -> tuple[bool, ...]:
+        return tuple(v[1] != 0 for v in self.values)
 
     def check(self, step: int) -> bool:
         """Raise TokenMismatch where a rank's token is not rank 0's; True where any rank cancels."""
@@ -66,35 +76,40 @@ class Agreement:
         return any(self.cancel)
 
 
-# Per rank on a summing transport: the token id in three base-256 digits (exact in bfloat16, whose
-# 8-bit significand holds integers up to 256), then the cancel flag. Each rank fills only its own
-# slots, so the sum holds every rank's values.
-RIDE_SLOTS = 4
-RIDE_MAX_TOKEN = 1 << 24  # token ids from here on do not fit three digits
+# On a summing transport each value travels as three base-256 digits (exact in bfloat16, whose
+# 8-bit significand holds integers up to 256). Each rank fills only its own slots, so the sum holds
+# every rank's values.
+RIDE_DIGITS = 3
+RIDE_MAX_TOKEN = 1 << 24  # values from here on do not fit three digits
 
 
-def ride_slots(rank: int, world_size: int, token: mx.array, cancel: bool, dtype) -> mx.array:
-    """This rank's (world_size * RIDE_SLOTS,) contribution to a summed agreement (lazy in `token`)."""
-    t = token.reshape(-1)[:1].astype(mx.int32)
-    mine = mx.concatenate([t % 256, (t // 256) % 256, t // 65536, mx.array([1 if cancel else 0], mx.int32)])
-    before = mx.zeros((rank * RIDE_SLOTS,), mx.int32)
-    after = mx.zeros(((world_size - rank - 1) * RIDE_SLOTS,), mx.int32)
+def solo_values(token: mx.array, cancel: bool) -> mx.array:
+    """One request's ride: (its sampled token, its cancel flag), lazy in `token`."""
+    return mx.concatenate([token.reshape(-1)[:1].astype(mx.int32), mx.array([1 if cancel else 0], mx.int32)])
+
+
+def ride_slots(rank: int, world_size: int, values: mx.array, dtype) -> mx.array:
+    """This rank's (world_size * n * RIDE_DIGITS,) contribution to a summed agreement of n values."""
+    v = values.reshape(-1).astype(mx.int32)
+    mine = mx.stack([v % 256, (v // 256) % 256, v // 65536], axis=1).reshape(-1)
+    before = mx.zeros((rank * mine.size,), mx.int32)
+    after = mx.zeros(((world_size - rank - 1) * mine.size,), mx.int32)
     return mx.concatenate([before, mine, after]).astype(dtype)
 
 
-def read_slots(values, world_size: int) -> Agreement:
+def read_slots(summed, world_size: int) -> Agreement:
     """The Agreement in the sum of every rank's `ride_slots` (any float or int sequence)."""
-    v = [int(x) for x in values]
-    tokens, cancel = [], []
+    d = [int(x) for x in summed]
+    per_rank = len(d) // world_size
+    values = []
     for r in range(world_size):
-        d0, d1, d2, c = v[r * RIDE_SLOTS : (r + 1) * RIDE_SLOTS]
-        tokens.append(d0 + 256 * d1 + 65536 * d2)
-        cancel.append(c != 0)
-    return Agreement(tuple(tokens), tuple(cancel))
+        mine = d[r * per_rank : (r + 1) * per_rank]
+        values.append(tuple(mine[i] + 256 * mine[i + 1] + 65536 * mine[i + 2] for i in range(0, per_rank, RIDE_DIGITS)))
+    return Agreement(tuple(values))
 
 
 class Rider:
-    """A node's token and cancel flag waiting for the next MoE all-reduce, and what came back.
+    """A node's values (an int vector, lazy) waiting for the next MoE all-reduce, and what came back.
 
     The transports own one each: `take` hands the pending ride to the all-reduce of a MoE layer
     (never to the explicit agreement of TOKEN_LAYER), which `carried` a way to read the Agreement.
@@ -104,13 +119,13 @@ class Rider:
     def __init__(self, rank: int, world_size: int) -> None:
         self._rank = rank
         self._world_size = world_size
-        self._pending: tuple[mx.array, bool] | None = None
+        self._pending: mx.array | None = None
         self._carried: deque[Callable[[], Agreement]] = deque()
 
-    def ride(self, token: mx.array, cancel: bool) -> None:
-        self._pending = (token, cancel)
+    def ride(self, values: mx.array) -> None:
+        self._pending = values
 
-    def take(self, layer: int) -> tuple[mx.array, bool] | None:
+    def take(self, layer: int) -> mx.array | None:
         if layer < 0:
             return None
         pending, self._pending = self._pending, None
@@ -124,7 +139,7 @@ class Rider:
         ride = self.take(layer)
         if ride is None:
             return partial, 0
-        extra = ride_slots(self._rank, self._world_size, *ride, partial.dtype)
+        extra = ride_slots(self._rank, self._world_size, ride, partial.dtype)
         return mx.concatenate([partial.reshape(-1), extra]), extra.size
 
     def detach(self, total: np.ndarray, dtype: str, extra: int) -> np.ndarray:
@@ -161,8 +176,9 @@ class Collective(Protocol):
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
         """Sum `partial` over all ranks (rank order, float32) and return it in its dtype."""
 
-    def ride(self, token: mx.array, cancel: bool) -> None:
-        """Carry this node's sampled token (lazy) and cancel flag on the next MoE all-reduce."""
+    def ride(self, values: mx.array) -> None:
+        """Carry this node's values (int32 vector, lazy; the same length on every rank) on the next
+        MoE all-reduce."""
 
     def settle(self) -> Agreement | None:
         """What the oldest ride came back with; None where no all-reduce carried it."""
@@ -214,7 +230,7 @@ class LocalCollective:
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
         return partial
 
-    def ride(self, token: mx.array, cancel: bool) -> None:
+    def ride(self, values: mx.array) -> None:
         pass  # alone there is nobody to agree with
 
     def settle(self) -> Agreement | None:
@@ -252,8 +268,9 @@ def waiting(collective: Collective, what: str) -> Iterator[None]:
         collective.watch(None)
 
 
-def agree(collective: Collective, token: int, cancel: bool) -> Agreement:
-    """One explicit round trip: every rank's token and cancel flag (prefill, and the fallback where
-    no MoE all-reduce carried the ride). The caller watches the wait (`waiting`)."""
-    mine = ride_slots(collective.rank, collective.world_size, mx.array([token]), cancel, mx.float32)
+def agree(collective: Collective, values) -> Agreement:
+    """One explicit round trip: every rank's values (where no MoE all-reduce carried the ride).
+    The caller watches the wait (`waiting`)."""
+    values = values if isinstance(values, mx.array) else mx.array(values, dtype=mx.int32)
+    mine = ride_slots(collective.rank, collective.world_size, values, mx.float32)
     return read_slots(collective.all_reduce(mine, TOKEN_LAYER).tolist(), collective.world_size)

@@ -159,8 +159,8 @@ class EnvoyCollective:
         out = self._envoy.all_reduce(raw.reshape(-1), dtype, tuple(payload.shape), layer)
         return from_wire(self._rider.detach(out, dtype, extra), dtype, partial.shape)  # mx.array copies out of the shared area
 
-    def ride(self, token: mx.array, cancel: bool) -> None:
-        self._rider.ride(token, cancel)
+    def ride(self, values: mx.array) -> None:
+        self._rider.ride(values)
 
     def settle(self) -> Agreement | None:
         return self._rider.settle()

@@ -140,16 +140,15 @@ class MlxCollective:
             parts = mx.distributed.all_gather(flat, group=self.group)  # (N, numel)
         else:
             nbytes = partial.nbytes
-            token, cancel = ride
-            extras = mx.concatenate([token.reshape(-1)[:1].astype(mx.int32), mx.array([int(cancel)], mx.int32)])
+            extras = ride.reshape(-1).astype(mx.int32)
             payload = mx.concatenate([flat.reshape(-1).view(mx.uint8), extras.view(mx.uint8)])[None]
             gathered = mx.distributed.all_gather(payload, group=self.group)  # (N, nbytes + 8) uint8
             parts = gathered[:, :nbytes].view(partial.dtype)
             self._rider.carried(lambda: _agreement(gathered, nbytes))
         return rank_order_sum([parts[r] for r in range(self.world_size)]).reshape(partial.shape)
 
-    def ride(self, token: mx.array, cancel: bool) -> None:
-        self._rider.ride(token, cancel)
+    def ride(self, values: mx.array) -> None:
+        self._rider.ride(values)
 
     def settle(self) -> Agreement | None:
         return self._rider.settle()
@@ -177,10 +176,10 @@ class MlxCollective:
 
 
 def _agreement(gathered: mx.array, nbytes: int) -> Agreement:
-    """Read every rank's token and cancel flag from the bytes after its partial in `gathered`.
+    """Read every rank's ride values from the bytes after its partial in `gathered`.
 
     `gathered` itself, not a slice of it, is read: it is part of the step's graph already running
     (async_eval), so this waits only for the first MoE layer; a new slice op would queue behind the
     whole step."""
-    extras = np.ascontiguousarray(np.asarray(gathered)[:, nbytes:]).view(np.int32)  # (N, 2)
-    return Agreement(tuple(int(t) for t in extras[:, 0]), tuple(bool(c) for c in extras[:, 1]))
+    extras = np.ascontiguousarray(np.asarray(gathered)[:, nbytes:]).view(np.int32)  # (N, n)
+    return Agreement(tuple(tuple(int(v) for v in row) for row in extras))

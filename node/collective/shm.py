@@ -54,8 +54,8 @@ class ShmCollective:
         self.request_id = request_id
         self._rider.clear()
 
-    def ride(self, token: mx.array, cancel: bool) -> None:
-        self._rider.ride(token, cancel)
+    def ride(self, values: mx.array) -> None:
+        self._rider.ride(values)
 
     def settle(self) -> Agreement | None:
         return self._rider.settle()

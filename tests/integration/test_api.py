@@ -34,6 +34,7 @@ YAML = yaml_for(2, extra=f"""api:
 serving:
   prefill_chunk: {CHUNK}
   queue: {QUEUE}
+  max_batch: 1  # one request runs at a time: the queue's order is what these tests see
 """)
 PROMPT = "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him."
 LONG = 3000  # max_tokens of a request that runs for about a minute unless stopped

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from moe_cluster.node.collective.base import (Agreement, CollectiveError, TokenMismatch, rank_order_sum, read_slots,
-                                             ride_slots)
+                                             ride_slots, solo_values)
 from moe_cluster.node.collective.mlx import MlxCollective, write_hostfile
 from moe_cluster.node.collective.specs import MlxSpec
 from moe_cluster.proto.errors import UserError
@@ -45,15 +45,25 @@ def test_a_backend_missing_from_this_build_is_a_clear_error():
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
 def test_summed_ride_slots_carry_every_ranks_token_exactly(dtype):
     tokens, cancel = (151_935, 0, 255, 16_777_215), (False, True, False, False)
-    total = rank_order_sum([ride_slots(r, 4, mx.array([t]), c, dtype) for r, (t, c) in enumerate(zip(tokens, cancel))])
-    assert read_slots(total.astype(mx.float32).tolist(), 4) == Agreement(tokens, cancel)
+    total = rank_order_sum([ride_slots(r, 4, solo_values(mx.array([t]), c), dtype)
+                            for r, (t, c) in enumerate(zip(tokens, cancel))])
+    agreement = read_slots(total.astype(mx.float32).tolist(), 4)
+    assert (agreement.tokens, agreement.cancel) == (tokens, cancel)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_summed_ride_slots_carry_a_batchs_vector_exactly(dtype):
+    """A running batch rides its queue, cancel flags and tokens: any length, every value exact."""
+    rows = [[r * 1000 + i * 65_537 % (1 << 24) for i in range(19)] for r in range(3)]
+    total = rank_order_sum([ride_slots(r, 3, mx.array(v, dtype=mx.int32), dtype) for r, v in enumerate(rows)])
+    assert read_slots(total.astype(mx.float32).tolist(), 3) == Agreement(tuple(tuple(v) for v in rows))
 
 
 def test_an_agreement_names_the_step_and_both_tokens():
-    assert Agreement((7, 7), (False, True)).check(4) is True
-    assert Agreement((7, 7), (False, False)).check(4) is False
+    assert Agreement(((7, 0), (7, 1))).check(4) is True
+    assert Agreement(((7, 0), (7, 0))).check(4) is False
     with pytest.raises(TokenMismatch, match="step 4: rank 1 sampled token 8, rank 0 sampled 7"):
-        Agreement((7, 8), (False, False)).check(4)
+        Agreement(((7, 0), (8, 0))).check(4)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])

@@ -1,0 +1,414 @@
+"""The running batch: every sequence a node generates, stepped together and in lock-step with the
+other nodes (continuous batching).
+
+Each step, every node
+1. rides one vector on the step's first MoE all-reduce (an explicit round trip only where the step
+   runs no MoE layer): the ids of the requests it holds queued (the smallest `max_batch`), a cancel
+   flag per running sequence and the token each decoding sequence sampled last step;
+2. prefills joining sequences in whole chunks, at most `prefill_budget` tokens while others decode
+   (a 10,000-token prompt never stalls the running streams), and runs one decode step for every
+   decoding sequence at once (one all-reduce per MoE layer for all of them);
+3. reads what every rank rode: a token is handed out only once every rank sampled it (a mismatch
+   fails the batch, never drifts), a cancel on any rank ends that sequence, and the requests held by
+   every rank join in request order while `max_batch` and the KV budget allow (first come, first
+   served: the head of the queue is never overtaken, so no request starves).
+Every decision is taken from what all ranks agreed, so every node runs the same sequences in the same
+order at every step. Alone (one node) there is nothing to agree and no round trip at all.
+
+A sequence's sampler has its own key (its seed's, or one drawn for it), so its tokens do not depend on
+what else runs beside it; a lone decoding sequence keeps its own KV cache (the stock path's bytes),
+two or more share mlx-lm's batched caches.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import mlx.core as mx
+
+from ..proto.errors import MoeClusterError, UserError
+from ..proto.records import GenerateRequest
+from .collective.base import RIDE_MAX_TOKEN, TokenMismatch, agree, waiting
+
+logger = logging.getLogger(__name__)
+
+KV_STEP = 256  # mlx-lm's KVCache grows in steps of this many positions
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_batch: int = 8  # sequences running at once
+    prefill_budget: int = 512  # prompt tokens prefilled per step while other sequences decode
+    kv_budget_bytes: int = 0  # KV of running sequences plus the prompt cache; 0: no limit
+
+
+class Sink(Protocol):
+    """Where a sequence's results go (called on the engine's thread)."""
+
+    def tokens(self, ids: list[int]) -> None: ...
+
+    def done(self, result) -> None: ...
+
+    def failed(self, exc: BaseException) -> None: ...
+
+
+@dataclass(eq=False)
+class Sequence:
+    req: GenerateRequest
+    seq: int
+    sink: Sink
+    result: object  # runtime.GenerateResult
+    reserve: int = 0  # KV bytes held for it while it runs
+    cancel: bool = False  # asked for on this node
+    state: str = "queued"  # queued -> prefill -> decode
+    cache: list | None = None  # its own KV cache until it joins the batch's
+    todo: list[int] = field(default_factory=list)  # prompt tokens still to prefill (all but the last)
+    first_input: int | None = None  # the last prompt token: the input of its first decode step
+    token: mx.array | None = None  # sampled last step, lazy, not agreed yet
+    logits: mx.array | None = None  # the row `token` was sampled from (record_logits)
+    prev_logits: mx.array | None = None  # the row of the token being agreed
+    key: mx.array | None = None  # its sampler's key (temperature > 0)
+    fed: list[int] = field(default_factory=list)  # tokens fed after the prompt
+    t_start: float = 0.0
+    t_first: float = 0.0
+
+
+class RunningBatch:
+    """The node's continuous batch (see the module docstring). `submit` and `cancel` are thread-safe;
+    `step` runs on the one thread that drives MLX."""
+
+    def __init__(self, runtime, limits: BatchLimits = BatchLimits()):
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.runtime = runtime
+        self.model = runtime.sharded.model
+        self.collective = runtime.sharded.collective
+        mergeable = all(hasattr(type(c), "merge") for c in make_prompt_cache(self.model))
+        if not mergeable and limits.max_batch > 1:
+            logger.info("this family's caches cannot be batched: one sequence at a time")
+            limits = BatchLimits(1, limits.prefill_budget, limits.kv_budget_bytes)
+        if self.collective.world_size > 1 and runtime.vocab >= RIDE_MAX_TOKEN - 1:
+            raise UserError(f"a vocabulary of {runtime.vocab} tokens is past what a step's agreement carries "
+                            f"({RIDE_MAX_TOKEN - 2})")
+        self.limits = limits
+        self.kv_per_token = kv_bytes_per_token(self.model)
+        self._lock = threading.Lock()
+        self._queued: dict[int, Sequence] = {}
+        self._active: list[Sequence] = []  # admission order
+        self._decoding: list[Sequence] = []  # the order of the batch's cache rows
+        self._batch_cache: list | None = None
+        self._epoch = 0
+        self._steps = 0
+        self._recent_cancels: dict[str, None] = {}  # request ids cancelled before they arrived
+
+    # -- from other threads --------------------------------------------------------------------
+
+    def submit(self, req: GenerateRequest, seq: int, sink: Sink, result) -> Sequence:
+        s = Sequence(req, seq, sink, result, reserve=self._reserve(req))
+        with self._lock:
+            if req.request_id in self._recent_cancels:
+                s.cancel = True
+            self._queued[seq] = s
+        return s
+
+    def withdraw(self, s: Sequence) -> None:
+        """Its caller left: it ends at the next step after it joined. A queued one stays queued (the
+        other ranks may admit it already; every rank must run the same sequences) and leaves at once."""
+        with self._lock:
+            s.cancel = True
+
+    def cancel(self, request_id: str) -> bool:
+        with self._lock:
+            found = False
+            for s in [*self._queued.values(), *self._active]:
+                if s.req.request_id == request_id:
+                    s.cancel, found = True, True
+            if not found:
+                self._recent_cancels[request_id] = None
+                while len(self._recent_cancels) > 1024:
+                    self._recent_cancels.pop(next(iter(self._recent_cancels)))
+            return found
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            for s in [*self._queued.values(), *self._active]:
+                s.cancel = True
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._active or self._queued)
+
+    def running(self) -> tuple[int, int]:
+        with self._lock:
+            return len(self._active), len(self._queued)
+
+    @property
+    def epoch_id(self) -> str:
+        return f"batch-{self._epoch}"
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """One step of every running sequence; on any error every sequence fails with it."""
+        try:
+            self._step()
+        except BaseException as exc:  # noqa: BLE001 - every sequence gets it, the driver goes on
+            self.fail_all(exc)
+            if not isinstance(exc, MoeClusterError):
+                raise
+
+    def fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            everyone = [*self._active, *self._queued.values()]
+            self._active, self._decoding, self._batch_cache = [], [], None
+            self._queued.clear()
+        for s in everyone:
+            s.sink.failed(exc)
+
+    def _step(self) -> None:
+        c = self.collective
+        alone = c.world_size == 1
+        if not self._active:  # from idle: a new epoch, the same on every node
+            self._epoch += 1
+            c.begin(self.epoch_id)
+        with self._lock:
+            held = sorted(self._queued)[: self.limits.max_batch]
+            active = list(self._active)
+            cancels = [1 if s.cancel else 0 for s in active]
+        decoding = list(self._decoding)
+        previous = [s.token for s in decoding]  # sampled last step: what this step agrees on
+        width = self.limits.max_batch
+        values = None
+        if not alone:
+            host = mx.array(held + [0] * (width - len(held)) + cancels, dtype=mx.int32)
+            toks = [(t.reshape(-1)[:1].astype(mx.int32) + 1) if t is not None else mx.zeros((1,), mx.int32)
+                    for t in previous]
+            values = mx.concatenate([host, *toks]) if toks else host
+            c.ride(values)
+
+        # mx.distributed cannot time out: the whole step is watched (MLX may block in async_eval too)
+        with waiting(c, f"batch step {self._steps}"):
+            self._prefill([s for s in active if s.state == "prefill"], bool(decoding))
+            sampled = self._decode(decoding)
+            if sampled is not None:
+                mx.async_eval(sampled)
+            agreement = None if alone else (c.settle() or agree(c, values))
+
+        if alone:
+            common = held
+            cancel = [bool(f) for f in cancels]
+            agreed = [int(t.item()) if t is not None else None for t in previous]
+        else:
+            rows = agreement.values
+            common = sorted(set.intersection(*(set(r[:width]) for r in rows)) - {0})
+            cancel = [any(r[width + i] for r in rows) for i in range(len(active))]
+            agreed = []
+            for i, s in enumerate(decoding):
+                mine = [r[width + len(active) + i] for r in rows]
+                for rank, v in enumerate(mine):
+                    if v != mine[0]:
+                        raise TokenMismatch(f"request {s.req.request_id}, step {len(s.fed)}: rank {rank} sampled token "
+                                            f"{v - 1}, rank 0 sampled {mine[0] - 1} (the nodes' logits differ)")
+                agreed.append(mine[0] - 1 if mine[0] else None)
+        self._steps += 1
+        self._settle(decoding, agreed, sampled)
+        for s, flag in zip(active, cancel):
+            if flag and s in self._active:
+                self._finish(s, "cancelled")
+        self._admit(common)
+
+    # -- prefill and decode --------------------------------------------------------------------
+
+    def _prefill(self, joining: list[Sequence], others_decode: bool) -> None:
+        """Whole chunks of the joining prompts, in order, within the step's budget."""
+        budget = self.limits.prefill_budget if others_decode else 0
+        used = 0
+        for s in joining:
+            while s.todo:
+                n = min(self._chunk(s), len(s.todo))
+                if used and (not budget or used + n > budget):
+                    return
+                self.model(mx.array(s.todo[:n], dtype=mx.uint32)[None], cache=s.cache)
+                mx.eval([x.state for x in s.cache])
+                s.todo = s.todo[n:]
+                used += n
+            s.state = "decode"  # its last prompt token goes in with the next decode step
+
+    def _chunk(self, s: Sequence) -> int:
+        return max(1, min(s.req.prefill_step, self.limits.prefill_budget))
+
+    def _decode(self, decoding: list[Sequence]) -> mx.array | None:
+        if not decoding:
+            return None
+        inputs = mx.concatenate([
+            s.token.reshape(-1)[:1].astype(mx.uint32) if s.token is not None else mx.array([s.first_input], mx.uint32)
+            for s in decoding])
+        logits = self.model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled = sample_tokens(decoding, logprobs)
+        for i, s in enumerate(decoding):
+            s.token = sampled[i : i + 1] if len(decoding) > 1 else sampled
+            if s.req.record_logits:
+                s.logits = logits[i]
+        return sampled
+
+    # -- after the step ------------------------------------------------------------------------
+
+    def _settle(self, decoding: list[Sequence], agreed: list[int | None], sampled) -> None:
+        """Hand out the agreed tokens; sequences that end leave the batch."""
+        import numpy as np
+
+        now = time.perf_counter()
+        for s, token in zip(decoding, agreed):
+            if token is None:
+                continue  # its first decode step: nothing sampled before it
+            r = s.result
+            s.fed.append(token)
+            if s.req.record_logits and s.prev_logits is not None:
+                r.logits.append(np.array(s.prev_logits.astype(mx.float32)).reshape(-1))
+            stats = r.stats
+            if not s.t_first:
+                s.t_first = now
+                stats.prompt_seconds = now - s.t_start
+            else:
+                stats.generation_seconds = now - s.t_first
+            if token in set(s.req.eos_token_ids):
+                self._finish(s, "stop")
+                continue
+            stats.generated += 1
+            stats.tokens.append(token)
+            r.tokens.append(token)
+            s.sink.tokens([token])
+            if stats.generated >= s.req.sampling.max_tokens:
+                self._finish(s, "length")
+        for s in decoding:
+            s.prev_logits = s.logits
+
+    def _finish(self, s: Sequence, reason: str) -> None:
+        s.result.stats.finish_reason = reason
+        s.result.cancelled = reason == "cancelled"
+        if s in self._decoding:
+            i = self._decoding.index(s)
+            cache = self._batch_cache if len(self._decoding) == 1 and s.cache is self._batch_cache else (
+                [c.extract(i) for c in self._batch_cache])
+            keep = [j for j in range(len(self._decoding)) if j != i]
+            self._decoding.pop(i)
+            if not keep:
+                self._batch_cache = None
+            elif cache is not self._batch_cache:
+                for c in self._batch_cache:
+                    c.filter(keep)
+            s.cache = cache
+        with self._lock:
+            self._active.remove(s)
+        if self.runtime.prompt_cache is not None and s.cache is not None:
+            self.runtime._store(list(s.req.prompt) + s.fed, s.cache)
+        s.cache = None
+        s.result.stats.prompt_tokens = len(s.req.prompt)
+        s.sink.done(s.result)
+
+    def _admit(self, common: list[int]) -> None:
+        """Requests every rank holds join in request order while max_batch and the KV budget allow."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        # prefilled sequences join the decode batch first (their caches merge into the batch's)
+        for s in list(self._active):
+            if s.state == "decode" and s not in self._decoding:
+                self._join(s)
+        budget = self.limits.kv_budget_bytes
+        for seq in common:
+            held = sum(s.reserve for s in self._active)
+            with self._lock:
+                s = self._queued[seq]  # every rank held it when it rode, and queued ones stay queued
+                if len(self._active) >= self.limits.max_batch or (
+                        budget and self._active and held + s.reserve > budget):
+                    return  # the head of the queue waits: nobody overtakes it
+                del self._queued[seq]
+                self._active.append(s)
+            s.t_start = time.perf_counter()
+            cache, covered = self.runtime._reuse(list(s.req.prompt))
+            if cache is None:
+                cache = make_prompt_cache(self.model)
+            s.result.cached_tokens = covered
+            s.cache = cache
+            prompt = list(s.req.prompt)
+            s.todo = prompt[covered:-1]
+            s.first_input = prompt[-1]
+            s.state = "prefill" if s.todo else "decode"
+            if s.req.sampling.temperature > 0:
+                seed = s.req.sampling.seed
+                s.key = mx.random.key(seed if seed is not None else zlib.crc32(s.req.request_id.encode()))
+            if budget and self.runtime.prompt_cache is not None:
+                self.runtime.prompt_cache.trim_to(n_bytes=max(0, budget - held - s.reserve))
+            if s.state == "decode":
+                self._join(s)
+
+    def _join(self, s: Sequence) -> None:
+        from mlx_lm.models.cache import BatchKVCache  # noqa: F401 - the batched caches come from `merge`
+
+        if not self._decoding:
+            self._batch_cache = s.cache
+        elif len(self._decoding) == 1 and self._decoding[0].cache is self._batch_cache:
+            first = self._decoding[0]
+            self._batch_cache = [type(a).merge([a, b]) for a, b in zip(first.cache, s.cache)]
+        else:
+            for mine, theirs in zip(self._batch_cache, s.cache):
+                mine.extend(type(theirs).merge([theirs]))
+        self._decoding.append(s)
+
+    def _reserve(self, req: GenerateRequest) -> int:
+        if not self.kv_per_token:
+            return 0
+        positions = math.ceil((len(req.prompt) + req.sampling.max_tokens) / KV_STEP) * KV_STEP
+        return positions * self.kv_per_token
+
+
+def sample_tokens(decoding: list[Sequence], logprobs: mx.array) -> mx.array:
+    """Each decoding sequence's next token (lazy, (B,)) from the step's (B, vocab) log-probabilities."""
+    if all(s.req.sampling.temperature == 0 for s in decoding):
+        return mx.argmax(logprobs, axis=-1)
+    return mx.concatenate([_sample(s, logprobs[i : i + 1]) for i, s in enumerate(decoding)])
+
+
+def _sample(s: Sequence, logprobs: mx.array) -> mx.array:
+    """One sequence's token from its (1, vocab) log-probabilities, with its own key."""
+    from mlx_lm.sample_utils import apply_top_p
+
+    sampling = s.req.sampling
+    if sampling.temperature == 0:
+        return mx.argmax(logprobs, axis=-1)
+    if 0 < sampling.top_p < 1:
+        logprobs = apply_top_p(logprobs, sampling.top_p)
+    keys = mx.random.split(s.key)
+    s.key = keys[0]
+    return mx.random.categorical(logprobs * (1.0 / sampling.temperature), key=keys[1])
+
+
+def kv_bytes_per_token(model) -> int:
+    """KV bytes one position takes over every layer (0 where the config does not say)."""
+    args = getattr(model, "args", None)
+    layers = getattr(model, "layers", None)
+    if args is None or layers is None:
+        return 0
+    heads = getattr(args, "num_attention_heads", None)
+    kv_heads = getattr(args, "num_key_value_heads", None) or heads
+    head_dim = getattr(args, "head_dim", None) or (args.hidden_size // heads if heads else None)
+    if not kv_heads or not head_dim:
+        return 0
+    dtype = next(iter(p.dtype for _, p in _leaves(model)), mx.float32)
+    return len(layers) * 2 * kv_heads * head_dim * dtype.size
+
+
+def _leaves(model):
+    from mlx.utils import tree_flatten
+
+    return (kv for kv in tree_flatten(model.parameters()) if kv[1].dtype in (mx.float32, mx.float16, mx.bfloat16))
+
+
+
