@@ -193,7 +193,7 @@ class RunningBatch:
             c.ride(values)
 
         # mx.distributed cannot time out: the whole step is watched (MLX may block in async_eval too)
-        with waiting(c, f"batch step {self._steps}"):
+        with waiting(c, f"batch step {self._steps}"), mx.stream(_generation_stream()):
             self._prefill([s for s in active if s.state == "prefill"], bool(decoding))
             sampled = self._decode(decoding)
             if sampled is not None:
@@ -367,6 +367,14 @@ class RunningBatch:
             return 0
         positions = math.ceil((len(req.prompt) + req.sampling.max_tokens) / KV_STEP) * KV_STEP
         return positions * self.kv_per_token
+
+
+def _generation_stream():
+    """mlx-lm's own stream for generation: the step runs where stock generate_step runs it (on the
+    default stream it measured 0.73x stock at one sequence on this CPU)."""
+    from mlx_lm.generate import generation_stream
+
+    return generation_stream
 
 
 def sample_tokens(decoding: list[Sequence], logprobs: mx.array) -> mx.array:

@@ -26,14 +26,17 @@ READY = re.compile(r"moe-cluster ready: (http://\S+)")
 
 
 @contextmanager
-def local_cluster(nodes: int, model: str, prompt_cache: str, timeout_s: float = 300, log_dir: Path | None = None):
+def local_cluster(nodes: int, model: str, prompt_cache: str, timeout_s: float = 300, log_dir: Path | None = None,
+                  serving: dict | None = None):
     """Start `moe-cluster up` on a temporary local cluster; yields its URL; stops it after.
-    `log_dir`: keep the coordinator's (coordinator.log, at -v) and the nodes' logs there."""
+    `log_dir`: keep the coordinator's (coordinator.log, at -v) and the nodes' logs there;
+    `serving`: more cluster.yaml `serving:` keys."""
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
         cfg = Path(tmp) / "cluster.yaml"
         names = "\n".join(f"  - name: bench-{i}" for i in range(nodes))
         cfg.write_text(f"name: bench\nmodel: {model}\nlaunch: local\nnodes:\n{names}\n"
-                       f"serving:\n  prompt_cache: {prompt_cache}\n  prefill_chunk: 512\n")
+                       f"serving:\n  prompt_cache: {prompt_cache}\n  prefill_chunk: 512\n"
+                       + "".join(f"  {k}: {v}\n" for k, v in (serving or {}).items()))
         env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_RUNTIME_DIR=tmp)
         logs = Path(log_dir) if log_dir is not None else Path(tmp) / "logs"
         logs.mkdir(parents=True, exist_ok=True)

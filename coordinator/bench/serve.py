@@ -40,6 +40,8 @@ def add_arguments(p) -> None:
     p.add_argument("--concurrency", default="1,4,8,16", help="comma list of concurrent clients")
     p.add_argument("--requests", type=int, default=2, help="requests each client sends, one after another")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-batch", type=int, help="our serving.max_batch (default: the largest --concurrency, "
+                   "so neither server queues a client)")
     p.add_argument("--no-mlx-lm", action="store_true", help="measure only our cluster")
     p.add_argument("--plot", metavar="FILE.png", help="aggregate tok/s and p99 inter-token latency against concurrency")
     p.add_argument("--json", action="store_true")
@@ -170,14 +172,16 @@ def mlx_lm_server(model_path: str):
 
 
 def run(model: str, nodes: list[int], concurrency: list[int], requests: int, max_tokens: int,
-        with_mlx_lm: bool = True) -> dict:
+        with_mlx_lm: bool = True, max_batch: int | None = None) -> dict:
     from ...node.checkpoint import Checkpoint
 
     path = str(Checkpoint.open(model).path)  # 'demo' or a folder: refused in one line if unusable
-    out: dict = {"model": path, "max_tokens": max_tokens, "requests_per_client": requests, "rows": [],
-                 "mlx_lm_server": []}
+    max_batch = max_batch or max(concurrency)
+    out: dict = {"model": path, "max_tokens": max_tokens, "requests_per_client": requests, "max_batch": max_batch,
+                 "rows": [], "mlx_lm_server": []}
+    serving = {"max_batch": max_batch, "queue": max(16, max(concurrency))}
     for n in nodes:
-        with local_cluster(n, path, "0") as url:  # no prompt cache: every request computes its prompt
+        with local_cluster(n, path, "0", serving=serving) as url:  # no prompt cache: every request computes its prompt
             for c in concurrency:
                 out["rows"].append({"nodes": n, **measure(url, c, requests, max_tokens)})
     if with_mlx_lm:
@@ -222,8 +226,10 @@ def plot(out: dict, path: str) -> None:
 def main(args) -> int:
     if args.requests < 1 or args.max_tokens < 1:
         raise UserError("--requests and --max-tokens must be at least 1")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise UserError(f"--max-batch must be at least 1 (got {args.max_batch})")
     out = run(args.model, _ints(args.nodes, "--nodes"), _ints(args.concurrency, "--concurrency"), args.requests,
-              args.max_tokens, not args.no_mlx_lm)
+              args.max_tokens, not args.no_mlx_lm, args.max_batch)
     if args.plot:
         plot(out, args.plot)
     if args.json:

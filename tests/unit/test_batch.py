@@ -1,0 +1,96 @@
+"""The running batch in one process (demo model, LocalCollective): sequences stepped together give
+stock mlx-lm's tokens and logits, join in arrival order, and wait while the KV budget is spent."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moe_cluster.node.batch import BatchLimits, kv_bytes_per_token
+from moe_cluster.node.collective.base import LocalCollective
+from moe_cluster.node.demo import MODEL_DIR
+from moe_cluster.node.moe.load import load_shard
+from moe_cluster.node.runtime import GenerateResult, NodeRuntime
+from moe_cluster.proto.records import GenerateRequest, Sampling
+
+PROMPTS = ("To be, or not to be, that is the question:", "Now is the winter of our discontent",
+           "All the world's a stage,", "Friends, Romans, countrymen, lend me your ears;")
+
+
+@pytest.fixture(scope="module")
+def sharded():
+    return load_shard("demo", None, 0, collective=LocalCollective())
+
+
+@pytest.fixture(scope="module")
+def encode():
+    from mlx_lm.tokenizer_utils import load
+
+    tok = load(MODEL_DIR)
+    return lambda text: tuple(tok.encode(text, add_special_tokens=False))
+
+
+class Log:
+    """A Sink noting, for each sequence, the batch step of each event."""
+
+    def __init__(self, steps: list[int]):
+        self.steps, self.first, self.ended, self.error = steps, None, None, None
+
+    def tokens(self, ids):
+        if self.first is None:
+            self.first = self.steps[0]
+
+    def done(self, result):
+        self.ended = self.steps[0]
+
+    def failed(self, exc):
+        self.error = exc
+
+
+def drive(rt: NodeRuntime, reqs: list[GenerateRequest]) -> tuple[list[GenerateResult], list[Log]]:
+    steps = [0]
+    results, logs = [], []
+    for i, req in enumerate(reqs):
+        results.append(GenerateResult())
+        logs.append(Log(steps))
+        rt.batch.submit(req, i + 1, logs[-1], results[-1])
+    while rt.batch.busy():
+        rt.batch.step()
+        steps[0] += 1
+        assert steps[0] < 1000
+    assert all(log.error is None for log in logs), [log.error for log in logs]
+    return results, logs
+
+
+def test_sequences_stepped_together_give_stock_tokens_and_logits(sharded, encode, reference):
+    rt = NodeRuntime(sharded, limits=BatchLimits(max_batch=4, prefill_budget=8))
+    reqs = [GenerateRequest(f"r{i}", encode(p), Sampling(max_tokens=10 + 3 * i), prefill_step=8, record_logits=True)
+            for i, p in enumerate(PROMPTS)]
+    results, logs = drive(rt, reqs)
+    for req, r in zip(reqs, results):
+        tokens, logits = reference(MODEL_DIR, req.prompt, len(r.tokens))
+        assert r.tokens == tokens and len(r.tokens) == req.sampling.max_tokens
+        assert max(float(np.abs(a - b).max()) for a, b in zip(r.logits, logits)) < 1e-4
+    # all four decoded at once: the last one's first token came before the first one ended
+    assert max(log.first for log in logs) < min(log.ended for log in logs)
+
+
+def test_a_spent_kv_budget_makes_requests_wait_in_order(sharded, encode):
+    per_request = kv_bytes_per_token(sharded.model) * 256  # one KV step: each request below fits in it
+    assert per_request > 0
+    rt = NodeRuntime(sharded, limits=BatchLimits(max_batch=8, kv_budget_bytes=2 * per_request))
+    reqs = [GenerateRequest(f"k{i}", encode(p), Sampling(max_tokens=6)) for i, p in enumerate(PROMPTS)]
+    _, logs = drive(rt, reqs)
+    # two at a time, in arrival order: the third starts only once one of the first two has ended
+    assert logs[2].first > min(logs[0].ended, logs[1].ended)
+    assert logs[0].first <= logs[1].first <= logs[2].first <= logs[3].first
+    assert logs[1].first < min(logs[0].ended, logs[1].ended)
+
+
+def test_a_seeded_sampled_request_draws_the_same_tokens_beside_others(sharded, encode):
+    sampled = GenerateRequest("s", encode(PROMPTS[0]), Sampling(max_tokens=16, temperature=0.9, top_p=0.9, seed=5))
+    alone, _ = drive(NodeRuntime(sharded), [sampled])
+    others = [GenerateRequest(f"o{i}", encode(p), Sampling(max_tokens=12, temperature=1.0, seed=i))
+              for i, p in enumerate(PROMPTS[1:])]
+    together, _ = drive(NodeRuntime(sharded), [others[0], sampled, *others[1:]])
+    assert together[1].tokens == alone[0].tokens and len(alone[0].tokens) == 16
