@@ -26,6 +26,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -39,6 +40,7 @@ from .collective.base import RIDE_MAX_TOKEN, TokenMismatch, agree, waiting
 logger = logging.getLogger(__name__)
 
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of this many positions
+_EPOCHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # collective -> batches begun on it
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,10 @@ class RunningBatch:
         c = self.collective
         alone = c.world_size == 1
         if not self._active:  # from idle: a new epoch, the same on every node
-            self._epoch += 1
+            # numbered per collective, not per batch: one envoy may serve batches of several
+            # models in turn (simulate), and a request id it has seen before is not a new request
+            self._epoch = _EPOCHS.get(c, 0) + 1
+            _EPOCHS[c] = self._epoch
             c.begin(self.epoch_id)
         with self._lock:
             held = sorted(self._queued)[: self.limits.max_batch]
