@@ -25,6 +25,7 @@ class SimTask:
     repeats: int = 1  # run the request this many times and report the last (benchmarks)
     expert_cache: str = "off"  # placement.expert_cache: off | SIZE | PCT%
     profile: dict | None = None  # {MoE layer: (selections per expert, tokens)} of a routing profile
+    prefetch: int | None = None  # expert cache read-ahead per layer (node.moe.load.load_shard); None: auto
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
 
     placement = Placement.from_json(task.placement_json, job.world_size) if task.placement_json else None
     sharded = load_shard(task.model, placement, job.rank, keepalive=task.keepalive, collective=collective,
-                         expert_cache=task.expert_cache, profile=task.profile)
+                         expert_cache=task.expert_cache, profile=task.profile, prefetch=task.prefetch)
     runtime = NodeRuntime(sharded)
     result, wall = None, 0.0
     for i in range(task.repeats):

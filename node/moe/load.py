@@ -28,7 +28,7 @@ from ..checkpoint import (Checkpoint, CheckpointError, TensorInfo, _physical_row
 from ..collective.base import Collective, LocalCollective
 from . import families
 from ...proto.expert_cache import ExpertCacheSpec
-from .expert_cache import CacheStats, LayerCache, Part, choose_resident, read_parts, read_pool
+from .expert_cache import CacheStats, LayerCache, Part, Staging, choose_resident, read_parts, read_pool
 from .experts import ExpertShard, ShardLinear, ShardState
 from .layer import ClusterMoE, InProcessCluster, install, owns_dense_terms
 from .structure import MoEBlock, StructureError, find_moe_blocks, set_bank
@@ -364,9 +364,10 @@ def _slot_keys(shard: ExpertShard) -> list[tuple[str, str]]:
 
 
 def _attach_cache(ckpt: Checkpoint, b: MoEBlock, shard: ExpertShard, resident: Sequence[int],
-                  pinned: Sequence[int]) -> LayerCache:
-    """Give `shard` (whose projections hold the experts `resident`, by local index) its cache; take
-    every local expert's checksum on the way (each is read once, then dropped)."""
+                  pinned: Sequence[int], hot: Sequence[int], staging: Staging) -> LayerCache:
+    """Give `shard` (whose projections hold the experts `resident`, by local index; `hot`: by the
+    profile's selections) its cache; take every local expert's checksum on the way (each is read
+    once, then dropped)."""
     parts_of = _expert_parts(ckpt, b, shard)
     views = []
     for proj, param in _slot_keys(shard):
@@ -377,10 +378,11 @@ def _attach_cache(ckpt: Checkpoint, b: MoEBlock, shard: ExpertShard, resident: S
     if sizes != [v.shape[1] for v in views]:
         raise ShardError(f"layer {b.layer}: an expert's bytes on disk {sizes} do not match its slots "
                          f"{[v.shape[1] for v in views]}; the expert cache cannot read it by byte range")
-    cache = LayerCache(b.layer, n_local, views, parts_of, resident, pinned, CacheStats(), read_pool())
+    cache = LayerCache(b.layer, n_local, views, parts_of, resident, pinned, CacheStats(), read_pool(), hot,
+                       staging)
     cache.fingerprint(dict(enumerate(read_pool().map(lambda i: zlib.crc32(read_parts(parts_of(i))),
                                                      range(n_local)))))
-    shard.attach_cache(cache)
+    shard.attach_cache(cache, ahead=b.top_k)
     return cache
 
 
@@ -450,6 +452,8 @@ def _make_shard(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int], holders, st
     if cached:
         local_heat = np.array([heat[0][e] for e in local], dtype=np.float64) if heat else None
         resident, pinned = choose_resident(capacity, local_heat, heat[1] if heat else 0)
+        order = np.argsort(-local_heat, kind="stable") if local_heat is not None else []
+        hot = [int(i) for i in order if local_heat[i] > 0]  # what a prefetch reads first
         params = _read_local(ckpt, b, [local[i] for i in resident])
     else:
         params = _read_local(ckpt, b, local)
@@ -464,7 +468,7 @@ def _make_shard(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int], holders, st
     shard = ExpertShard(b.layer, local, holders, projections, b.kind, b.activation, state)
     mx.eval(shard.parameters())
     if cached:
-        _attach_cache(ckpt, b, shard, resident, pinned)
+        _attach_cache(ckpt, b, shard, resident, pinned, hot, state.staging)
     return shard
 
 
@@ -484,6 +488,7 @@ def load_shard(
     expert_cache: ExpertCacheSpec | str | None = None,
     cache_budget_bytes: int | None = None,
     profile: dict[int, tuple[Sequence[float], int]] | None = None,
+    prefetch: int | None = None,
 ) -> ShardedModel:
     """Load this rank's shard. `placement=None` means an even split over `collective.world_size`.
     `model_spec` is a checkpoint folder, or an open Checkpoint (a node's cached shard, node/cache.py).
@@ -495,6 +500,9 @@ def load_shard(
         cache_budget_bytes: what `auto` may spend on resident experts.
         profile: {MoE layer: (selections per expert, tokens)} from a routing profile: the hottest
             start resident, and those selected by most tokens are pinned.
+        prefetch: with a cache, the experts of the next MoE layer read ahead when a layer begins
+            (the profile's hottest non-resident ones); None: its top-k where the profile covers that
+            layer, else none; 0: off.
     """
     collective = collective or LocalCollective()
     t_start = time.perf_counter()
@@ -560,6 +568,7 @@ def load_shard(
         resident_experts += shard.resident_bytes()
         report(min(done + resident_experts, total), total, "experts")
         layers.append(ClusterMoE(b, shard, collective, state, owner[b.layer]))
+    _wire_prefetch(blocks, [layer.shard for layer in layers], profile, prefetch)
 
     # 3. Quantize and load the replicated part, then check that nothing is missing or left over.
     _quantize_replicated(model, config, weights, bank_prefixes)
@@ -602,6 +611,19 @@ def load_shard(
     return ShardedModel(model, config, blocks, placement, state, info, collective, layers)
 
 
+def _wire_prefetch(blocks: Sequence[MoEBlock], shards: Sequence[ExpertShard],
+                   profile: dict | None, depth: int | None) -> None:
+    """Each MoE layer prefetches for the next one (the last for the first: the next token's)."""
+    if depth is not None and depth < 0:
+        raise ShardError(f"prefetch depth must be >= 0 (got {depth})")
+    for i, shard in enumerate(shards):
+        nxt = blocks[(i + 1) % len(blocks)]
+        cache = shards[(i + 1) % len(shards)].cache
+        want = depth if depth is not None else (nxt.top_k if profile and nxt.layer in profile else 0)
+        if cache is not None and cache.hot and want:
+            shard.prefetch_into(cache, want)
+
+
 def set_collective(sm: ShardedModel, collective: Collective) -> None:
     sm.collective = collective
     for layer in sm.layers:
@@ -621,11 +643,13 @@ class _Seat:
 
 def load_in_process(model_spec: str, world_size: int, placement: Placement | None = None, *,
                     keepalive: str = "lru", expert_cache: ExpertCacheSpec | str | None = None,
-                    profile: dict[int, tuple[Sequence[float], int]] | None = None) -> ShardedModel:
+                    profile: dict[int, tuple[Sequence[float], int]] | None = None,
+                    prefetch: int | None = None) -> ShardedModel:
     """All `world_size` ranks' shards in this process, behind one model: rank 0's, with each MoE
     block replaced by every rank's share summed in rank order (`InProcessCluster`)."""
     ranks = [load_shard(model_spec, placement, r, keepalive=keepalive, collective=_Seat(r, world_size),
-                        warm_up=False, expert_cache=expert_cache, profile=profile) for r in range(world_size)]
+                        warm_up=False, expert_cache=expert_cache, profile=profile, prefetch=prefetch)
+             for r in range(world_size)]
     first = ranks[0]
     for i, b in enumerate(first.blocks):
         install(first.model, b.path, InProcessCluster([sm.layers[i] for sm in ranks]))

@@ -119,3 +119,66 @@ def test_more_experts_than_slots_run_in_rounds(make_ckpt, reference):
     assert tokens == ref_tokens
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(logits, ref_logits)) <= 1e-4
     assert sum(c.rounds for c in sm.state.cache.values()) > 0
+
+
+def _decode_counted(sm, steps=STEPS):
+    """Tokens and logits, with the cache's counters over the decode steps only (as `simulate`)."""
+    logits: list = []
+    tokens = []
+    for n, t in enumerate(generate_tokens(sm.model, PROMPT, Sampling(max_tokens=steps), logits_sink=logits)):
+        if n == 0:
+            sm.state.reset_counters()
+        tokens.append(t)
+    return tokens, logits
+
+
+def _heat(path, order):
+    """A routing profile whose selections rank every layer's experts in `order`, hottest first."""
+    from moe_cluster.node.moe.load import expert_bytes
+
+    layers = expert_bytes(Checkpoint.open(path)).num_experts
+    return {l: ([float(len(order) - order.index(e)) for e in range(n)], 100) for l, n in layers.items()}
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_prefetch_serves_the_next_layers_misses_and_keeps_stock_tokens(make_ckpt, reference, nodes):
+    path = make_ckpt("mixtral", experts=16)
+    ref_tokens, ref_logits = reference(path, PROMPT, STEPS)
+    local = 16 // nodes
+    # a profile that ranks the experts backwards from their ids: right or wrong, it only says what
+    # to read early, never what to compute
+    heat = _heat(path, list(range(15, -1, -1)))
+    runs = {}
+    for depth in (0, 1, local):  # off; one expert; every non-resident expert of the next layer
+        sm = load_in_process(str(path), nodes, expert_cache="25%", profile=heat, prefetch=depth)
+        tokens, logits = _decode_counted(sm)
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(logits, ref_logits))
+        assert tokens == ref_tokens and diff <= 1e-4, (depth, diff)
+        runs[depth] = sm.state.cache_totals()
+    assert runs[0]["prefetched"] == runs[0]["prefetch_hits"] == 0
+    assert 0 < runs[1]["prefetched"] and runs[1]["prefetch_hits"] <= runs[1]["misses"]
+    # everything the next layer lacks was staged when it began: a decode miss never waits on a read
+    # it started itself (one round per call: top-2 of at most `local` experts, C = local / 4 >= 2)
+    full = runs[local]
+    assert full["misses"] > 0 and full["prefetch_hits"] == full["misses"], full
+    assert full["prefetched"] > full["misses"]  # the rest were read and dropped
+    assert full["staged_peak_bytes"] > 0
+
+
+def test_a_prefetched_expert_whose_bytes_changed_fails_when_selected(make_ckpt, tmp_path):
+    import shutil
+
+    src = make_ckpt("mixtral", experts=16)
+    path = tmp_path / "ckpt"
+    shutil.copytree(src, path)
+    sm = load_in_process(str(path), 1, expert_cache="25%", profile=_heat(path, list(range(16))), prefetch=16)
+    file, start, end = _bank_file(path)
+    with open(file, "r+b") as f:  # every layer-0 expert's bytes change after the load
+        f.seek(start)
+        data = f.read(end - start)
+        f.seek(start)
+        f.write(bytes(b ^ 0xFF for b in data))
+    with pytest.raises(ExpertReadError, match="checksum") as err:
+        _decode(sm.model)
+    assert str(file) in str(err.value)
+
