@@ -27,7 +27,9 @@ from ..checkpoint import (Checkpoint, CheckpointError, TensorInfo, _physical_row
                           model_classes, read_tensor)
 from ..collective.base import Collective, LocalCollective
 from . import families
-from ...proto.expert_cache import ExpertCacheSpec
+from ...proto.expert_cache import ExpertCacheSpec, auto_budget
+from ...proto.records import DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE
+from ..device import metal_info
 from .expert_cache import CacheStats, LayerCache, Part, Staging, choose_resident, read_parts, read_pool
 from .experts import ExpertShard, ShardLinear, ShardState
 from .layer import ClusterMoE, InProcessCluster, install, owns_dense_terms
@@ -487,6 +489,7 @@ def load_shard(
     progress: Callable[[int, int, str], None] | None = None,
     expert_cache: ExpertCacheSpec | str | None = None,
     cache_budget_bytes: int | None = None,
+    cache_reserve_bytes: int = DEFAULT_KV_RESERVE + DEFAULT_PROMPT_CACHE,
     profile: dict[int, tuple[Sequence[float], int]] | None = None,
     prefetch: int | None = None,
 ) -> ShardedModel:
@@ -497,7 +500,9 @@ def load_shard(
         progress: called as progress(bytes_loaded, bytes_total, phase) while reading.
         expert_cache: off, auto, a size or a percent of this node's experts to keep resident; the
             rest are read from `model_spec`'s files on a miss (node/moe/expert_cache.py).
-        cache_budget_bytes: what `auto` may spend on resident experts.
+        cache_budget_bytes: what `auto` may spend on resident experts (the coordinator's budget).
+            On Metal `auto` also stays within the GPU's recommended working set less the replicated
+            weights and `cache_reserve_bytes` (the KV and prompt caches): proto.expert_cache.auto_budget.
         profile: {MoE layer: (selections per expert, tokens)} from a routing profile: the hottest
             start resident, and those selected by most tokens are pinned.
         prefetch: with a cache, the experts of the next MoE layer read ahead when a layer begins
@@ -530,9 +535,12 @@ def load_shard(
     capacity: dict[int, int] = {}
     if spec.active:
         state.cache_spec = str(spec)
-        sizes = expert_bytes(ckpt).per_expert
-        capacity = spec.capacities({b.layer: len(placement.layers[b.layer][rank]) for b in blocks}, sizes,
-                                   cache_budget_bytes)
+        sizes = expert_bytes(ckpt)
+        budget = cache_budget_bytes
+        if spec.mode == "auto":
+            budget = auto_budget(sizes.replicated, cache_reserve_bytes, metal=metal_info(), given_bytes=cache_budget_bytes)
+        capacity = spec.capacities({b.layer: len(placement.layers[b.layer][rank]) for b in blocks}, sizes.per_expert,
+                                   budget)
 
     # 1. Replicated weights, through the family's own sanitize. Expert tensors (and shared experts
     #    another node owns) enter it as lazy placeholders, never evaluated, never read from disk,
@@ -695,7 +703,7 @@ def _wire(resident_bytes: int) -> None:
     if not _on_metal() or not hasattr(mx, "set_wired_limit"):
         logger.info("wired memory limit: not on Metal, nothing to do (%d bytes resident)", resident_bytes)
         return
-    limit = mx.metal.device_info().get("max_recommended_working_set_size", 0)
+    limit = int(metal_info().get("max_recommended_working_set_size") or 0)
     if limit and resident_bytes > limit:
         logger.warning("resident weights (%.1f GB) exceed the recommended working set (%.1f GB); "
                        "the GPU may page experts out", resident_bytes / 1e9, limit / 1e9)

@@ -182,3 +182,23 @@ def test_a_prefetched_expert_whose_bytes_changed_fails_when_selected(make_ckpt, 
         _decode(sm.model)
     assert str(file) in str(err.value)
 
+
+def test_auto_sizes_the_cache_from_the_metal_working_set(make_ckpt, reference, monkeypatch):
+    """`auto` on a node: on Metal (device info injected here) the recommended working set less the
+    replicated weights and the KV/prompt reserve; on this machine (no Metal, no budget) everything."""
+    import moe_cluster.node.moe.load as load
+    from moe_cluster.proto.records import DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE
+
+    path = make_ckpt("qwen3_moe", experts=16)
+    fp = expert_bytes(Checkpoint.open(path))
+    assert load.metal_info() == {}  # feature-detected: nothing Metal-only runs here
+    sm = load_in_process(str(path), 1, expert_cache="auto")
+    assert sm.state.cache == {}  # no Metal and no budget given: every expert resident
+    ws = fp.replicated + DEFAULT_KV_RESERVE + DEFAULT_PROMPT_CACHE + 5 * sum(fp.per_expert.values())
+    monkeypatch.setattr(load, "metal_info", lambda: {"device_name": "Apple M2 Ultra", "memory_size": 2 * ws,
+                                                     "max_recommended_working_set_size": ws})
+    sm = load_in_process(str(path), 1, expert_cache="auto")
+    assert [c.capacity for c in sm.state.cache.values()] == [5, 5]  # 5 of the 16 experts per layer fit
+    assert _decode(sm.model)[0] == reference(path, PROMPT, STEPS)[0]
+    sm = load.load_shard(str(path), None, 0, warm_up=False, expert_cache="auto", cache_reserve_bytes=0)
+    assert sm.state.cache == {}  # the same working set without the caches' reserve holds every expert
