@@ -91,9 +91,10 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
                               record_logits=task.record_logits and job.rank == 0)
         t0 = time.perf_counter()
         for n, _ in enumerate(runtime.generate(req, result=result)):
-            if n == 0:  # from here on timers and counters cover decode steps only, like generation_seconds
+            if n == 0:  # from here on timers, counters and the peak cover decode steps only, like generation_seconds
                 sharded.state.timers.reset()
                 sharded.state.reset_counters()
+                mx.reset_peak_memory()
         wall = time.perf_counter() - t0
     info = sharded.info
     return {
@@ -116,6 +117,8 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
         "generation_seconds": result.stats.generation_seconds,
         "wall_seconds": wall,
         "timers": vars(sharded.state.timers),
-        "peak_memory_run_bytes": int(mx.get_peak_memory()),
+        # MLX's peak over the last run's decode steps: weights, KV cache and activations (an expert
+        # read waiting for its slot is host memory outside MLX: expert_cache.staged_peak_bytes)
+        "peak_memory_decode_bytes": int(mx.get_peak_memory()),
         "expert_cache": sharded.state.cache_totals(),  # decode steps only, like the counters
     }

@@ -202,3 +202,28 @@ def test_auto_sizes_the_cache_from_the_metal_working_set(make_ckpt, reference, m
     assert _decode(sm.model)[0] == reference(path, PROMPT, STEPS)[0]
     sm = load.load_shard(str(path), None, 0, warm_up=False, expert_cache="auto", cache_reserve_bytes=0)
     assert sm.state.cache == {}  # the same working set without the caches' reserve holds every expert
+
+
+def test_bench_decode_measures_the_cache_within_its_budget():
+    """`bench decode --expert-cache` rows carry the decode's peak memory (MLX's, per node): the slots
+    are the budget, and what the decode holds above the resident weights does not grow with misses."""
+    r = cli("bench", "decode", "--model", "demo", "--nodes", "2", "--keepalive", "none", "--expert-cache", "100%,25%",
+            "--max-tokens", "12", "--rounds", "1", "--json", timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = {(c["expert_cache"], c["profile"]): c for c in json.loads(r.stdout)["expert_cache"]}
+    assert set(rows) == {("100%", False), ("100%", True), ("25%", False), ("25%", True)}
+    assert all(c["same_tokens"] and c["peak_memory_decode_bytes"] > 0 for c in rows.values()), rows
+    full = rows[("100%", False)]
+    one_expert = full["resident_expert_bytes"] // full["local"] * 2  # one expert of one layer (per node: local / 2)
+    for profile in (False, True):
+        quarter = rows[("25%", profile)]
+        assert quarter["misses_per_token"] > 0
+        assert quarter["resident_expert_bytes"] == full["resident_expert_bytes"] // 4  # the slots: the budget
+
+        def above(c):
+            return c["peak_memory_decode_bytes"] - c["resident_weight_bytes"]  # KV cache and activations
+
+        assert above(quarter) <= above(full) + one_expert, (quarter, full)
+        assert quarter["peak_memory_decode_bytes"] < full["peak_memory_decode_bytes"] - full["resident_expert_bytes"] // 2
+    assert rows[("25%", True)]["prefetched_per_token"] > 0 and rows[("25%", False)]["prefetched_per_token"] == 0
+    assert full["staged_peak_bytes"] == 0 and rows[("25%", False)]["staged_peak_bytes"] > 0
