@@ -127,13 +127,12 @@ class LayerCache:
         resident: local index in each slot, initially.
         pinned: local indices never evicted while others can be.
         pool: where reads run (None: on the caller's thread, when they are waited for).
-        hot: local indices by the routing profile's selections, hottest first (what `prefetch` reads).
         staging: the node's count of bytes read and not yet in a slot (shared by its layers).
     """
 
     def __init__(self, layer: int, n_local: int, slots: list[np.ndarray], parts_of: Callable[[int], list[Part]],
                  resident: Sequence[int], pinned: Sequence[int], stats: CacheStats,
-                 pool: ThreadPoolExecutor | None = None, hot: Sequence[int] = (), staging: Staging | None = None):
+                 pool: ThreadPoolExecutor | None = None, staging: Staging | None = None):
         self.layer = layer
         self._views = slots
         self._parts_of = parts_of
@@ -153,7 +152,6 @@ class LayerCache:
         self._pool = pool
         self._reader: mx.array | None = None  # the last output computed from the slots, maybe unevaluated
         self.expert_nbytes = sum(v.shape[1] for v in slots)  # one expert's bytes, all its tensors
-        self.hot = tuple(hot)
         # reads started and not yet copied into a slot: local index -> its bytes (a Future), and which
         # of them a prefetch started
         self._staged: dict[int, Future] = {}
@@ -175,12 +173,11 @@ class LayerCache:
             if self.slot_of[e] < 0 and e not in self._staged:
                 self._staged[e] = self._start(e)
 
-    def prefetch(self, depth: int) -> None:
-        """Start reading the profile's `depth` hottest experts that are not resident (nor on their
-        way): the layer's routing is not known yet, so a read that turns out unneeded is dropped."""
-        if depth <= 0:
-            return
-        picks = [e for e in self.hot if self.slot_of[e] < 0 and e not in self._staged][:depth]
+    def prefetch(self, candidates: Sequence[int], depth: int) -> None:
+        """Start reading the first `depth` of `candidates` (local indices, likeliest first) that are
+        neither resident nor on their way: the layer's routing is not known yet, so a read that
+        turns out unneeded is dropped."""
+        picks = [e for e in candidates if self.slot_of[e] < 0 and e not in self._staged][:depth]
         for e in picks:
             self._staged[e] = self._start(e)
             self._ahead.add(e)
@@ -215,10 +212,13 @@ class LayerCache:
         for e, slot in zip(missing, victims):
             fut = self._staged.pop(e)
             self.staging.now -= self.expert_nbytes
-            blob = fut.result()  # raises the read's ExpertReadError
-            if e in self._ahead:
-                self._ahead.discard(e)
-                self.stats.prefetch_hits += 1
+            if fut.cancel():  # no reader has taken it up yet: reading it here is sooner than a hand-off
+                blob = self._read(e)
+            else:
+                blob = fut.result()  # raises the read's ExpertReadError
+                if e in self._ahead:
+                    self.stats.prefetch_hits += 1
+            self._ahead.discard(e)
             at = 0
             for v in self._views:
                 n = v.shape[1]

@@ -300,6 +300,7 @@ class ExpertShard(nn.Module):
         self._cache: LayerCache | None = None
         self._ahead = 1
         self._next: LayerCache | None = None  # prefetch_into
+        self._next_candidates: tuple[int, ...] = ()
         self._depth = 0
 
     def attach_cache(self, cache: LayerCache, ahead: int = 1) -> None:
@@ -311,10 +312,12 @@ class ExpertShard(nn.Module):
         self._lut = None
         self._state.cache[self._layer] = cache.stats
 
-    def prefetch_into(self, cache: LayerCache | None, depth: int) -> None:
-        """When this layer begins, start reading the `depth` hottest non-resident experts of
-        `cache`, the next cached layer's (its routing is not known before this layer's output)."""
-        self._next = cache if depth > 0 else None
+    def prefetch_into(self, cache: LayerCache | None, candidates: Sequence[int], depth: int) -> None:
+        """When this layer begins, start reading the first `depth` non-resident `candidates` (local
+        indices, likeliest first) of `cache`, the next layer's: its routing is not known before this
+        layer's output."""
+        self._next = cache if depth > 0 and candidates else None
+        self._next_candidates = tuple(candidates)
         self._depth = depth
 
     @property
@@ -363,7 +366,7 @@ class ExpertShard(nn.Module):
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         state = self._state
         if self._next is not None:  # the next layer's likely misses read while this one runs
-            self._next.prefetch(self._depth)
+            self._next.prefetch(self._next_candidates, self._depth)
         if self._lut is not None and inds.size < SORTED_FROM and self._gathered:
             return self._routed_on_device(x, inds)
         t0 = time.perf_counter()

@@ -366,10 +366,9 @@ def _slot_keys(shard: ExpertShard) -> list[tuple[str, str]]:
 
 
 def _attach_cache(ckpt: Checkpoint, b: MoEBlock, shard: ExpertShard, resident: Sequence[int],
-                  pinned: Sequence[int], hot: Sequence[int], staging: Staging) -> LayerCache:
-    """Give `shard` (whose projections hold the experts `resident`, by local index; `hot`: by the
-    profile's selections) its cache; take every local expert's checksum on the way (each is read
-    once, then dropped)."""
+                  pinned: Sequence[int], staging: Staging) -> LayerCache:
+    """Give `shard` (whose projections hold the experts `resident`, by local index) its cache; take
+    every local expert's checksum on the way (each is read once, then dropped)."""
     parts_of = _expert_parts(ckpt, b, shard)
     views = []
     for proj, param in _slot_keys(shard):
@@ -380,8 +379,7 @@ def _attach_cache(ckpt: Checkpoint, b: MoEBlock, shard: ExpertShard, resident: S
     if sizes != [v.shape[1] for v in views]:
         raise ShardError(f"layer {b.layer}: an expert's bytes on disk {sizes} do not match its slots "
                          f"{[v.shape[1] for v in views]}; the expert cache cannot read it by byte range")
-    cache = LayerCache(b.layer, n_local, views, parts_of, resident, pinned, CacheStats(), read_pool(), hot,
-                       staging)
+    cache = LayerCache(b.layer, n_local, views, parts_of, resident, pinned, CacheStats(), read_pool(), staging)
     cache.fingerprint(dict(enumerate(read_pool().map(lambda i: zlib.crc32(read_parts(parts_of(i))),
                                                      range(n_local)))))
     shard.attach_cache(cache, ahead=b.top_k)
@@ -454,8 +452,6 @@ def _make_shard(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int], holders, st
     if cached:
         local_heat = np.array([heat[0][e] for e in local], dtype=np.float64) if heat else None
         resident, pinned = choose_resident(capacity, local_heat, heat[1] if heat else 0)
-        order = np.argsort(-local_heat, kind="stable") if local_heat is not None else []
-        hot = [int(i) for i in order if local_heat[i] > 0]  # what a prefetch reads first
         params = _read_local(ckpt, b, [local[i] for i in resident])
     else:
         params = _read_local(ckpt, b, local)
@@ -470,7 +466,7 @@ def _make_shard(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int], holders, st
     shard = ExpertShard(b.layer, local, holders, projections, b.kind, b.activation, state)
     mx.eval(shard.parameters())
     if cached:
-        _attach_cache(ckpt, b, shard, resident, pinned, hot, state.staging)
+        _attach_cache(ckpt, b, shard, resident, pinned, state.staging)
     return shard
 
 
@@ -505,9 +501,9 @@ def load_shard(
             weights and `cache_reserve_bytes` (the KV and prompt caches): proto.expert_cache.auto_budget.
         profile: {MoE layer: (selections per expert, tokens)} from a routing profile: the hottest
             start resident, and those selected by most tokens are pinned.
-        prefetch: with a cache, the experts of the next MoE layer read ahead when a layer begins
-            (the profile's hottest non-resident ones); None: its top-k where the profile covers that
-            layer, else none; 0: off.
+        prefetch: with a cache and a profile, the next MoE layer's hottest non-resident experts
+            are read when a layer begins; None (auto): those selected by at least half of the
+            profile's tokens (at most top-k); N: the N hottest; 0: off.
     """
     collective = collective or LocalCollective()
     t_start = time.perf_counter()
@@ -620,16 +616,22 @@ def load_shard(
 
 
 def _wire_prefetch(blocks: Sequence[MoEBlock], shards: Sequence[ExpertShard],
-                   profile: dict | None, depth: int | None) -> None:
-    """Each MoE layer prefetches for the next one (the last for the first: the next token's)."""
+                   profile: dict[int, tuple[Sequence[float], int]] | None, depth: int | None) -> None:
+    """Each MoE layer prefetches for the next one (the last for the first: the next token's), from
+    the profile's selections of the next layer's local experts, hottest first. `depth` None (auto):
+    only those the profile saw selected by at least half of the tokens, at most top-k of them, so a
+    read is more likely used than dropped; N: the N hottest selected at all; 0: none."""
     if depth is not None and depth < 0:
         raise ShardError(f"prefetch depth must be >= 0 (got {depth})")
     for i, shard in enumerate(shards):
-        nxt = blocks[(i + 1) % len(blocks)]
-        cache = shards[(i + 1) % len(shards)].cache
-        want = depth if depth is not None else (nxt.top_k if profile and nxt.layer in profile else 0)
-        if cache is not None and cache.hot and want:
-            shard.prefetch_into(cache, want)
+        nxt, target = blocks[(i + 1) % len(blocks)], shards[(i + 1) % len(shards)]
+        if target.cache is None or not profile or nxt.layer not in profile:
+            continue
+        counts, tokens = profile[nxt.layer]
+        share = {j: counts[e] / tokens if tokens else 0.0 for j, e in enumerate(target.global_ids)}  # local j
+        floor = 0.5 if depth is None else 0.0
+        candidates = [j for j in sorted(share, key=lambda j: (-share[j], j)) if share[j] > 0 and share[j] >= floor]
+        shard.prefetch_into(target.cache, candidates, nxt.top_k if depth is None else depth)
 
 
 def set_collective(sm: ShardedModel, collective: Collective) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from moe_cluster.node.checkpoint import Checkpoint
 from moe_cluster.node.engine import generate_tokens
+from moe_cluster.node.moe import expert_cache
 from moe_cluster.node.moe.expert_cache import ExpertReadError
 from moe_cluster.node.moe.load import expert_bytes, load_in_process
 from moe_cluster.proto.records import Sampling
@@ -132,12 +133,12 @@ def _decode_counted(sm, steps=STEPS):
     return tokens, logits
 
 
-def _heat(path, order):
-    """A routing profile whose selections rank every layer's experts in `order`, hottest first."""
-    from moe_cluster.node.moe.load import expert_bytes
-
+def _heat(path, order, selections=None):
+    """A routing profile over 100 tokens whose selections rank every layer's experts in `order`,
+    hottest first: `selections(rank)` each (default: 16 for the first, down to 1)."""
     layers = expert_bytes(Checkpoint.open(path)).num_experts
-    return {l: ([float(len(order) - order.index(e)) for e in range(n)], 100) for l, n in layers.items()}
+    count = selections or (lambda rank: len(order) - rank)
+    return {l: ([float(count(order.index(e))) for e in range(n)], 100) for l, n in layers.items()}
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
@@ -148,21 +149,49 @@ def test_prefetch_serves_the_next_layers_misses_and_keeps_stock_tokens(make_ckpt
     # a profile that ranks the experts backwards from their ids: right or wrong, it only says what
     # to read early, never what to compute
     heat = _heat(path, list(range(15, -1, -1)))
+    # auto reads only experts most tokens select; a profile that puts every other expert in 90% of
+    # its tokens (the rest in 10%) has such experts on every node, more than its slots hold
+    skewed = _heat(path, list(range(15, -1, -1)), lambda rank: 90 if rank % 2 == 0 else 10)
     runs = {}
-    for depth in (0, 1, local):  # off; one expert; every non-resident expert of the next layer
-        sm = load_in_process(str(path), nodes, expert_cache="25%", profile=heat, prefetch=depth)
+    # off; one expert; every non-resident expert of the next layer; auto (none selected by half)
+    for depth, prof in ((0, heat), (1, heat), (local, heat), (None, heat), ("auto", skewed)):
+        sm = load_in_process(str(path), nodes, expert_cache="25%", profile=prof,
+                             prefetch=None if depth == "auto" else depth)
         tokens, logits = _decode_counted(sm)
         diff = max(float(np.max(np.abs(a - b))) for a, b in zip(logits, ref_logits))
         assert tokens == ref_tokens and diff <= 1e-4, (depth, diff)
         runs[depth] = sm.state.cache_totals()
     assert runs[0]["prefetched"] == runs[0]["prefetch_hits"] == 0
+    assert runs[None]["prefetched"] == 0 < runs["auto"]["prefetched"]
     assert 0 < runs[1]["prefetched"] and runs[1]["prefetch_hits"] <= runs[1]["misses"]
-    # everything the next layer lacks was staged when it began: a decode miss never waits on a read
-    # it started itself (one round per call: top-2 of at most `local` experts, C = local / 4 >= 2)
-    full = runs[local]
-    assert full["misses"] > 0 and full["prefetch_hits"] == full["misses"], full
-    assert full["prefetched"] > full["misses"]  # the rest were read and dropped
-    assert full["staged_peak_bytes"] > 0
+    assert runs[local]["prefetched"] > runs[local]["misses"] > 0  # the rest were read and dropped
+    assert runs[local]["staged_peak_bytes"] > 0
+    # Everything the next layer lacks was staged when it began: with reads that finish when started
+    # (a pool that reads on the caller's thread, so no timing enters), every decode miss is served
+    # by a prefetch (one round per call: top-2 of at most `local` experts, C = local / 4 >= 2).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(expert_cache, "_POOL", _InlinePool())
+        sm = load_in_process(str(path), nodes, expert_cache="25%", profile=heat, prefetch=local)
+        tokens, _ = _decode_counted(sm)
+    full = sm.state.cache_totals()
+    assert tokens == ref_tokens and full["misses"] > 0 and full["prefetch_hits"] == full["misses"], full
+
+
+class _InlinePool:
+    """A read pool that reads as soon as asked, on the caller's thread."""
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        fut = Future()
+        try:
+            fut.set_result(fn(*args))
+        except Exception as exc:  # noqa: BLE001 - handed to whoever waits on it, as a pool would
+            fut.set_exception(exc)
+        return fut
+
+    def map(self, fn, items):
+        return map(fn, items)
 
 
 def test_a_prefetched_expert_whose_bytes_changed_fails_when_selected(make_ckpt, tmp_path):
