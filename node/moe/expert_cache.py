@@ -12,11 +12,11 @@ What stays (seed 000): experts pinned by the routing profile, then a recency/fre
 
 Hiding the disk: a read runs in the node's read pool from the moment it is known to be wanted and
 lands in a staging buffer (its bytes, checked), which `ensure` copies into a slot when the expert is
-needed. A call's misses start as soon as its routing is on the host, all rounds' at once (a later
-round's are read while an earlier one computes, at most `ahead` of them); with a routing profile,
-`prefetch` starts the next layer's hottest non-resident experts when a layer begins. Prefetching
-never changes what is computed: a staged expert enters a slot only when the routing selects it, and
-one not selected is dropped after that layer's call.
+needed; one no pool thread has taken up by then is read on the caller's thread instead. A call's
+misses start as soon as its routing is on the host (a later round's first few while an earlier
+round computes); with a routing profile, `prefetch` starts the next layer's likeliest non-resident
+experts when a layer begins. Prefetching never changes what is computed: a staged expert enters a
+slot only when the routing selects it, and one not selected is dropped after that layer's call.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class LayerCache:
         # reads started and not yet copied into a slot: local index -> its bytes (a Future), and which
         # of them a prefetch started
         self._staged: dict[int, Future] = {}
-        self._ahead: set[int] = set()
+        self._prefetched: set[int] = set()
         self.staging = staging if staging is not None else Staging()
 
     def reading(self, y: mx.array) -> None:
@@ -180,7 +180,7 @@ class LayerCache:
         picks = [e for e in candidates if self.slot_of[e] < 0 and e not in self._staged][:depth]
         for e in picks:
             self._staged[e] = self._start(e)
-            self._ahead.add(e)
+            self._prefetched.add(e)
         self.stats.prefetched += len(picks)
         self.stats.prefetch_bytes += len(picks) * self.expert_nbytes
 
@@ -190,7 +190,7 @@ class LayerCache:
             fut.cancel()
         self.staging.now -= len(self._staged) * self.expert_nbytes
         self._staged.clear()
-        self._ahead.clear()
+        self._prefetched.clear()
 
     def ensure(self, need: Sequence[int]) -> np.ndarray:
         """Make the local experts `need` (at most C) resident; -> slot_of (local index -> slot, -1)."""
@@ -216,9 +216,9 @@ class LayerCache:
                 blob = self._read(e)
             else:
                 blob = fut.result()  # raises the read's ExpertReadError
-                if e in self._ahead:
+                if e in self._prefetched:
                     self.stats.prefetch_hits += 1
-            self._ahead.discard(e)
+            self._prefetched.discard(e)
             at = 0
             for v in self._views:
                 n = v.shape[1]
