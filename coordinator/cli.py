@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "per token, each without and with a routing profile")
     b.add_argument("--routing-profile", default=None,
                    help="profile JSON the cached runs pin from (default: one made on two other prompts)")
+    b.add_argument("--prefetch", default="auto",
+                   help="cached runs with a profile: when a layer begins, read this many of the next layer's hottest "
+                        "non-resident experts; auto (default): those the profile saw selected by at least half of "
+                        "its tokens, at most top-k; off")
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler="moe_cluster.coordinator.bench.decode:main")
 

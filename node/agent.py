@@ -24,7 +24,7 @@ from ..proto.errors import (BusyError, ErrorKind, MoeClusterError, NotReadyError
                            kind_of)
 from .device import DeviceInfo, device_info
 from .worker import Worker
-from ..proto.records import (ExpertCacheLayer, GenerateDone, GeneratedTokens, Health, LayerRouting, LoadProgress, Memory, NodeError,
+from ..proto.records import (DEFAULT_KV_RESERVE, ExpertCacheLayer, GenerateDone, GeneratedTokens, Health, LayerRouting, LoadProgress, Memory, NodeError,
                              NodeStatus, Timings)
 
 logger = logging.getLogger(__name__)
@@ -180,7 +180,8 @@ class NodeAgent(npb_grpc.NodeServicer):
                 collective = make_collective(spec.transport, spec.rank)
             try:
                 sharded = load_shard(model, spec.placement, spec.rank, keepalive=spec.keepalive,
-                                     collective=collective, progress=progress, expert_cache=spec.expert_cache)
+                                     collective=collective, progress=progress, expert_cache=spec.expert_cache,
+                                     cache_reserve_bytes=DEFAULT_KV_RESERVE + spec.prompt_cache_bytes)
             except BaseException:
                 collective.close()
                 raise

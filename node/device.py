@@ -22,13 +22,24 @@ def _ram_bytes() -> int:
         return 0
 
 
+def metal_info() -> dict:
+    """MLX's description of the Metal GPU (`max_recommended_working_set_size`, `memory_size`,
+    `device_name`); {} where there is no Metal GPU (Linux, CUDA, an MLX without Metal)."""
+    import mlx.core as mx
+
+    metal = getattr(mx, "metal", None)
+    if metal is None or not metal.is_available():
+        return {}
+    query = getattr(mx, "device_info", None) or metal.device_info  # mx.metal.device_info is deprecated
+    return dict(query())
+
+
 def device_info() -> DeviceInfo:
     import mlx.core as mx
 
     ram = _ram_bytes()
-    metal = getattr(mx, "metal", None)
-    if metal is not None and metal.is_available():
-        info = metal.device_info()
+    info = metal_info()
+    if info:
         working_set = int(info.get("max_recommended_working_set_size") or info.get("memory_size") or ram)
         return DeviceInfo("metal", str(info.get("device_name", "Apple GPU")), working_set,
                           int(info.get("memory_size") or ram))

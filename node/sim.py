@@ -25,6 +25,7 @@ class SimTask:
     repeats: int = 1  # run the request this many times and report the last (benchmarks)
     expert_cache: str = "off"  # placement.expert_cache: off | SIZE | PCT%
     profile: dict | None = None  # {MoE layer: (selections per expert, tokens)} of a routing profile
+    prefetch: int | None = None  # expert cache read-ahead per layer (node.moe.load.load_shard); None: auto
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
 
     placement = Placement.from_json(task.placement_json, job.world_size) if task.placement_json else None
     sharded = load_shard(task.model, placement, job.rank, keepalive=task.keepalive, collective=collective,
-                         expert_cache=task.expert_cache, profile=task.profile)
+                         expert_cache=task.expert_cache, profile=task.profile, prefetch=task.prefetch)
     runtime = NodeRuntime(sharded)
     result, wall = None, 0.0
     for i in range(task.repeats):
@@ -90,9 +91,10 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
                               record_logits=task.record_logits and job.rank == 0)
         t0 = time.perf_counter()
         for n, _ in enumerate(runtime.generate(req, result=result)):
-            if n == 0:  # from here on timers and counters cover decode steps only, like generation_seconds
+            if n == 0:  # from here on timers, counters and the peak cover decode steps only, like generation_seconds
                 sharded.state.timers.reset()
                 sharded.state.reset_counters()
+                mx.reset_peak_memory()
         wall = time.perf_counter() - t0
     info = sharded.info
     return {
@@ -115,6 +117,8 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
         "generation_seconds": result.stats.generation_seconds,
         "wall_seconds": wall,
         "timers": vars(sharded.state.timers),
-        "peak_memory_run_bytes": int(mx.get_peak_memory()),
+        # MLX's peak over the last run's decode steps: weights, KV cache and activations (an expert
+        # read waiting for its slot is host memory outside MLX: expert_cache.staged_peak_bytes)
+        "peak_memory_decode_bytes": int(mx.get_peak_memory()),
         "expert_cache": sharded.state.cache_totals(),  # decode steps only, like the counters
     }

@@ -74,3 +74,24 @@ class ExpertCacheSpec:
         # the same share of every layer, at least one slot each
         share = max(budget, 0) / full if full else 1.0
         return {l: min(n, max(1, math.floor(n * share))) for l, n in local.items()}
+
+
+def auto_budget(replicated_bytes: int, reserve_bytes: int, *, metal: Mapping | None = None,
+                given_bytes: int | None = None) -> int | None:
+    """Bytes `auto` may keep resident of a node's experts.
+
+    Args:
+        metal: MLX's description of the node's Metal GPU (`mx.device_info()` on a Mac; None or {}
+            elsewhere). Its `max_recommended_working_set_size`, less the replicated weights and
+            `reserve_bytes` (the KV and prompt caches), bounds the experts.
+        given_bytes: a budget from elsewhere (the coordinator's): the bound off Metal, and on Metal
+            the experts stay within both. None off Metal: no bound, every expert resident.
+
+    At least 0: a node that cannot even hold its replicated weights keeps one expert per layer
+    (`ExpertCacheSpec.capacities`' floor).
+    """
+    working_set = int((metal or {}).get("max_recommended_working_set_size") or 0)
+    if working_set:
+        room = max(working_set - int(replicated_bytes) - int(reserve_bytes), 0)
+        return room if given_bytes is None else min(room, int(given_bytes))
+    return None if given_bytes is None else int(given_bytes)

@@ -14,6 +14,10 @@ from .errors import ErrorKind, UserError
 from .placement import Placement
 
 DEFAULT_PREFILL_STEP = 512  # tokens per prefill chunk
+# What a node keeps free for its caches, the defaults of cluster.yaml's placement.kv_reserve and
+# serving.prompt_cache (an expert cache sized `auto` leaves both).
+DEFAULT_KV_RESERVE = 512 * 2**20  # bytes for the KV cache
+DEFAULT_PROMPT_CACHE = 256 * 2**20  # bytes for the KV prefix (prompt) cache
 # The all-reduce's time limits, the defaults of cluster.yaml's timeouts, the envoy and its spec.
 COLLECTIVE_TIMEOUT_S = 5.0  # seconds a step waits for a peer before it fails naming the peer
 MESH_CONNECT_TIMEOUT_S = 30.0  # seconds a request waits for the envoy mesh to be whole

@@ -37,6 +37,7 @@ class DecodeBench:
     gpus: bool = False  # bind node r to GPU r
     expert_cache: tuple[str, ...] = ()  # resident shares to measure (proto.expert_cache), e.g. 100%,50%,25%
     routing_profile: str | None = None  # the profile the cached runs pin from; None: one made on PROFILE_PROMPTS
+    prefetch: int | None = None  # the cached runs' read-ahead per layer (load_shard's); None: auto
 
 
 # Prompts a routing profile is made from when none is given: not the benchmark's own prompt, so the
@@ -134,8 +135,9 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> l
 
 
 def _expert_cache(spec: DecodeBench, ids: list[int], nodes: int, stock: list[int]) -> list[dict]:
-    """Decode at each resident share, without and with a routing profile: tok/s, hit rate, and per
-    node per token the misses, bytes and seconds read from disk (decode steps, last of `rounds`)."""
+    """Decode at each resident share, without and with a routing profile: tok/s, hit rate, per node
+    per token the misses, bytes and seconds the step waited on the disk, the prefetches, and the
+    decode's peak memory against the resident weights (decode steps, last of `rounds`)."""
     from ..dev.simulate import cache_summary, profile_heat, run_nodes
     from ...node.sim import SimTask
 
@@ -148,7 +150,7 @@ def _expert_cache(spec: DecodeBench, ids: list[int], nodes: int, stock: list[int
     sampling = Sampling(max_tokens=spec.max_tokens)
     runs = [(c, p) for c in spec.expert_cache for p in (None, heat)]
     tasks = [SimTask(spec.model, tuple(ids), sampling, keepalive=spec.keepalive[0], repeats=spec.rounds,
-                     expert_cache=c, profile=p) for c, p in runs]
+                     expert_cache=c, profile=p, prefetch=spec.prefetch) for c, p in runs]
     out = []
     for (cache, prof), reports in zip(runs, run_nodes(tasks, nodes, transport=spec.transports[0], gpus=spec.gpus)):
         r0 = reports[0]
@@ -165,6 +167,15 @@ def _expert_cache(spec: DecodeBench, ids: list[int], nodes: int, stock: list[int
             "misses_per_token": total["misses"] / nodes / steps,  # per node
             "bytes_read_per_token": total["bytes_read"] / nodes / steps,  # per node
             "read_seconds_per_token": max(r["expert_cache"]["read_seconds"] for r in reports) / steps,
+            # per node: reads started ahead, and misses whose bytes one of them had staged
+            **{f"{k}_per_token": sum(r["expert_cache"][k] for r in reports) / nodes / steps
+               for k in ("prefetched", "prefetch_hits")},
+            # the busiest node's memory: MLX's decode peak, what it keeps resident (replicated weights
+            # and expert slots; the slots are the cache's budget), and expert reads held outside them
+            "peak_memory_decode_bytes": max(r["peak_memory_decode_bytes"] for r in reports),
+            "resident_weight_bytes": max(r["resident_weight_bytes"] for r in reports),
+            "resident_expert_bytes": max(r["expert_bytes"] for r in reports),
+            "staged_peak_bytes": max(r["expert_cache"]["staged_peak_bytes"] for r in reports),
             **_compare(r0["tokens"], stock),
         })
     return out
@@ -324,6 +335,17 @@ def _break_even(bench, cal: dict, cache_model) -> dict:
             if h is None else "below this hit rate, streaming a node costs more than the node saves"}
 
 
+def _prefetch(text: str | None) -> int | None:
+    """--prefetch: auto (None), off (0) or a depth."""
+    if text in (None, "auto"):
+        return None
+    if text == "off":
+        return 0
+    if not str(text).isdigit():
+        raise UserError(f"--prefetch must be auto, off or a number of experts per layer (got {text!r})")
+    return int(text)
+
+
 def main(args) -> int:
     try:
         nodes = tuple(int(n) for n in str(args.nodes).split(","))
@@ -343,7 +365,7 @@ def main(args) -> int:
     for c in caches:
         ExpertCacheSpec.parse(c)
     spec = DecodeBench(args.model, nodes, keepalive, args.max_tokens, args.rounds, args.prompt or DEFAULT_PROMPT,
-                       transports, args.gpus, caches, args.routing_profile)
+                       transports, args.gpus, caches, args.routing_profile, _prefetch(args.prefetch))
     out = run(spec)
     if args.calibrate:
         out["calibration"] = calibrate(out)
@@ -382,10 +404,14 @@ def main(args) -> int:
               f"{fmt('collective_wait'):>10} {fmt('other'):>7}")
     if out["expert_cache"]:
         print(f"{'nodes':>5} {'cache':>6} {'profile':>7} {'tok/s':>7} {'hit rate':>8} {'misses/tok':>10} "
-              f"{'MB read/tok':>11} {'read s/tok':>10} {'stock tokens':>12}")
+              f"{'MB read/tok':>11} {'read s/tok':>10} {'prefetched':>10} {'peak MB':>8} {'experts MB':>10} "
+              f"{'stock tokens':>12}")
     for c in out["expert_cache"]:
         print(f"{c['nodes']:>5} {c['expert_cache']:>6} {'yes' if c['profile'] else 'no':>7} {c['generation_tps']:>7.1f} "
               f"{c['hit_rate']:>8.1%} {c['misses_per_token']:>10.2f} {c['bytes_read_per_token'] / 1e6:>11.3f} "
-              f"{c['read_seconds_per_token']:>10.5f} {'yes' if c['same_tokens'] else 'NO':>12}")
+              f"{c['read_seconds_per_token']:>10.5f} "
+              f"{c['prefetch_hits_per_token']:>4.2f}/{c['prefetched_per_token']:<5.2f} "
+              f"{c['peak_memory_decode_bytes'] / 1e6:>8.2f} {c['resident_expert_bytes'] / 1e6:>10.2f} "
+              f"{'yes' if c['same_tokens'] else 'NO':>12}")
     sys.stdout.flush()
     return 0

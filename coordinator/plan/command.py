@@ -434,17 +434,21 @@ def main(args) -> int:
              measured=measured,
              measured_label=f"measured ({calibration.network or calibration.transport})" if calibration else "measured")
     cache_rows = []
+    ssd = _number(args.ssd_bandwidth, "--ssd-bandwidth", positive=True) or hardware.ssd_read_Bps
     if args.expert_cache:
-        ssd = _number(args.ssd_bandwidth, "--ssd-bandwidth", positive=True) or hardware.ssd_read_Bps
         cache_rows = cache_plan(model, rows, _shares(args.expert_cache), _skews(args.skew, calibration), ssd,
                                 calibration, settings)
+    misfits = misfit_speeds(model, rows, _skews(args.skew, calibration), ssd, calibration)
     if args.json:
         out = plan_json(model, hardware, networks, rows, settings, calibration, checkpoint_bytes)
         if cache_rows:
             out["expert_cache"] = cache_rows
+        out["misfits"] = misfits
         print(json.dumps(out))
     else:
         print(render_table(model, hardware, networks, rows, settings, calibration, checkpoint_bytes))
+        for line in render_misfits(misfits):
+            print(line)
         if cache_rows:
             print(render_cache(cache_rows))
         if args.plot:
@@ -470,32 +474,99 @@ def _skews(text: str | None, calibration: Calibration | None) -> list[float]:
     return [_number(z.strip(), "--skew") for z in text.split(",")]
 
 
+def _miss_cost(model: ModelSpec, ssd_Bps: float, calibration: Calibration | None) -> tuple[cache_model.MissCost, str]:
+    """What one expert-cache miss costs, and where that figure comes from."""
+    if calibration is not None and calibration.cache_per_miss_s is not None:
+        return cache_model.MissCost(calibration.cache_per_miss_s, calibration.cache_per_layer_s), "calibrated"
+    if ssd_Bps > 0:
+        return cache_model.ssd_miss_cost(_per_expert(model), ssd_Bps), f"SSD {ssd_Bps / 1e9:g} GB/s"
+    raise PlanError("--expert-cache needs the SSD's read bandwidth: this hardware preset has none; "
+                    "pass --ssd-bandwidth or a --calibration with an expert cache fit")
+
+
+def _per_expert(model: ModelSpec) -> float:
+    return sum(model.expert_layer_bytes) / model.moe_layers  # bytes, one expert of one layer
+
+
+def _cached_row(model: ModelSpec, r: Estimate, share: float, z: float, cost: cache_model.MissCost,
+                source: str) -> dict:
+    """Plan row `r` with each node keeping `share` of its experts resident (plan/expert_cache.py)."""
+    local = math.ceil(model.num_experts / r.nodes)  # the busiest node's experts per layer
+    p = cache_model.predict(r.time_s, r.expected_experts * model.moe_layers, share, local, z, cost, model.moe_layers)
+    memory = r.memory_per_node_bytes - int((1 - share) * r.expert_shard_bytes)
+    return {"nodes": r.nodes, "network": r.network, "expert_cache": f"{share:.0%}", "skew": z,
+            "hit_rate": p["hit_rate"], "misses_per_token": p["misses_per_token"],
+            "disk_bytes_per_token": p["misses_per_token"] * _per_expert(model), "disk_s": p["disk_s"],
+            "tokens_per_s": p["tokens_per_s"], "memory_per_node_bytes": memory,
+            "fits": memory <= r.usable_memory_bytes, "miss_cost": source}
+
+
 def cache_plan(model: ModelSpec, rows: list[Estimate], shares: list[float], skews: list[float], ssd_Bps: float,
                calibration: Calibration | None, settings: Settings) -> list[dict]:
     """Each plan row again with each node keeping `share` of its experts resident, per routing skew:
     hit rate, bytes read from disk per token, tok/s and memory (plan/expert_cache.py)."""
-    per_expert = sum(model.expert_layer_bytes) / model.moe_layers  # bytes, one expert of one layer
-    if calibration is not None and calibration.cache_per_miss_s is not None:
-        cost, source = cache_model.MissCost(calibration.cache_per_miss_s, calibration.cache_per_layer_s), "calibrated"
-    elif ssd_Bps > 0:
-        cost, source = cache_model.ssd_miss_cost(per_expert, ssd_Bps), f"SSD {ssd_Bps / 1e9:g} GB/s"
-    else:
-        raise PlanError("--expert-cache needs the SSD's read bandwidth: this hardware preset has none; "
-                        "pass --ssd-bandwidth or a --calibration with an expert cache fit")
+    cost, source = _miss_cost(model, ssd_Bps, calibration)
+    return [_cached_row(model, r, share, z, cost, source) for r in rows for share in shares for z in skews]
+
+
+def misfit_speeds(model: ModelSpec, rows: list[Estimate], skews: list[float], ssd_Bps: float,
+                  calibration: Calibration | None) -> list[dict]:
+    """Rows whose nodes cannot hold their share of the experts, as `placement.expert_cache: auto`
+    serves them: each node keeps what its usable memory holds after the replicated weights and the
+    KV cache (at least one expert per layer) and reads the rest from disk. The expected tok/s per
+    skew (plan/expert_cache.py), or why no cache helps (the rest alone does not fit)."""
     out = []
-    for r in rows:
-        local = math.ceil(model.num_experts / r.nodes)  # the busiest node's experts per layer
-        selected = r.expected_experts * model.moe_layers
-        for share in shares:
-            for z in skews:
-                p = cache_model.predict(r.time_s, selected, share, local, z, cost, model.moe_layers)
-                memory = r.memory_per_node_bytes - int((1 - share) * r.expert_shard_bytes)
-                out.append({"nodes": r.nodes, "network": r.network, "expert_cache": f"{share:.0%}", "skew": z,
-                            "hit_rate": p["hit_rate"], "misses_per_token": p["misses_per_token"],
-                            "disk_bytes_per_token": p["misses_per_token"] * per_expert, "disk_s": p["disk_s"],
-                            "tokens_per_s": p["tokens_per_s"], "memory_per_node_bytes": memory,
-                            "fits": memory <= r.usable_memory_bytes, "miss_cost": source})
+    for r in (r for r in rows if not r.fits):
+        room = r.usable_memory_bytes - (r.memory_per_node_bytes - r.expert_shard_bytes)
+        local = math.ceil(model.num_experts / r.nodes)
+        if room <= 0 or not r.expert_shard_bytes:
+            out.append({"nodes": r.nodes, "network": r.network, "servable": False,
+                        "memory_without_experts_bytes": r.memory_per_node_bytes - r.expert_shard_bytes,
+                        "usable_memory_bytes": r.usable_memory_bytes})
+            continue
+        slots = max(1, min(local, math.floor(room / r.expert_shard_bytes * local)))  # as ExpertCacheSpec sizes them
+        share = slots / local
+        try:
+            cost, source = _miss_cost(model, ssd_Bps, calibration)
+        except PlanError:
+            cost, source = None, "unknown: this hardware preset has no SSD bandwidth (--ssd-bandwidth)"
+        for z in skews:
+            row = {"nodes": r.nodes, "network": r.network, "servable": True, "resident_share": share,
+                   "resident_experts": slots, "local_experts": local, "skew": z,
+                   "full_tokens_per_s": r.tokens_per_s, "miss_cost": source,
+                   "memory_per_node_bytes": r.memory_per_node_bytes, "usable_memory_bytes": r.usable_memory_bytes}
+            if cost is not None:
+                cached = _cached_row(model, r, share, z, cost, source)
+                row.update({k: cached[k] for k in ("hit_rate", "disk_bytes_per_token", "tokens_per_s")})
+            out.append(row)
     return out
+
+
+def _kept(m: dict) -> str:
+    return f"{m['resident_experts']} of its {m['local_experts']} experts per layer resident ({m['resident_share']:.0%})"
+
+
+def render_misfits(rows: list[dict]) -> list[str]:
+    """The warning for rows that do not fit: what `expert_cache: auto` would keep, and its tok/s."""
+    lines = []
+    for m in rows:
+        head = (f"at {m['nodes']} node{'s' * (m['nodes'] > 1)} ({m['network']}) a node needs "
+                f"{_gib(m['memory_per_node_bytes'])}, has {_gib(m['usable_memory_bytes'])}: ") \
+            if m["servable"] else f"at {m['nodes']} node{'s' * (m['nodes'] > 1)} ({m['network']}) "
+        if not m["servable"]:
+            lines.append(head + f"the replicated weights and KV cache alone need "
+                         f"{_gib(m['memory_without_experts_bytes'])} of {_gib(m['usable_memory_bytes'])}; "
+                         "no expert cache helps")
+        elif "tokens_per_s" not in m:
+            lines.append(head + f"with placement.expert_cache: auto it keeps {_kept(m)}; tok/s {m['miss_cost']}")
+        else:
+            routing = "uniform routing" if m["skew"] == 0 else f"routing skew {m['skew']:g}"
+            lines.append(head + f"with placement.expert_cache: auto it keeps {_kept(m)} and reads the rest from "
+                         f"disk: expected {m['tokens_per_s']:.2f} tok/s against {m['full_tokens_per_s']:.2f} if every "
+                         f"expert fit (hit rate {m['hit_rate']:.0%}, "
+                         f"{m['disk_bytes_per_token'] / 1e9:.2f} GB read per token, miss cost {m['miss_cost']}, "
+                         f"{routing})")
+    return lines
 
 
 def render_cache(rows: list[dict]) -> str:

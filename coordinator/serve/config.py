@@ -19,7 +19,7 @@ import yaml
 
 from ...proto.errors import UserError
 from ...proto.expert_cache import ExpertCacheSpec
-from ...proto.records import COLLECTIVE_TIMEOUT_S, KEEPALIVES, TlsFiles
+from ...proto.records import COLLECTIVE_TIMEOUT_S, DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE, KEEPALIVES, TlsFiles
 
 
 class ConfigError(UserError):
@@ -55,7 +55,7 @@ class PlacementConfig:
     strategy: Literal["even", "memory", "profile"] = "memory"
     profile: str | None = None  # routing profile JSON from `moe-cluster profile`
     memory_fraction: float = 0.75  # of each node's memory usable for weights and caches
-    kv_reserve: Size = Size(512 * 2**20)  # bytes kept free per node for the KV / prompt cache
+    kv_reserve: Size = Size(DEFAULT_KV_RESERVE)  # bytes kept free per node for the KV / prompt cache
     replicate: bool = True  # with a profile: copy the hottest experts into spare memory
     # experts each node keeps resident: off (all, or refuse what does not fit), auto (what its budget
     # holds), a size ("8GB") or a percent of its share ("50%"); the rest are read from disk on a miss
@@ -96,7 +96,7 @@ class Timeouts:
 @dataclass(frozen=True)
 class ServingConfig:
     prefill_chunk: int = 512  # tokens per prefill chunk (bounds attention and all-reduce size)
-    prompt_cache: Size = Size(256 * 2**20)  # KV prefix cache budget per node, bytes
+    prompt_cache: Size = Size(DEFAULT_PROMPT_CACHE)  # KV prefix cache budget per node, bytes
     queue: int = 16  # requests waiting at most (beyond max_batch running); more get 429
     max_batch: int = 8  # sequences each node decodes together (continuous batching)
     prefill_budget: int = 512  # prompt tokens prefilled per step while others decode

@@ -228,6 +228,7 @@ def plan_placement(
             notes.append(f"{nodes[r].name} holds {fmt_bytes(held)} of experts and keeps {fmt_bytes(resident)} "
                          f"resident ({resident / held:.0%}); the rest are read from disk on a miss, so it runs "
                          f"slower: a hit rate near {resident / held:.0%} under uniform routing, more with a "
-                         f"skewed one (`moe-cluster plan --expert-cache` predicts tok/s)")
+                         f"skewed one (`moe-cluster plan --model MODEL --hardware PRESET --nodes {n}` states the "
+                         f"tok/s expected of a node this short)")
     return PlacementPlan(placement, tuple(budgets), tuple(used), tuple(available), tuple(replicas), tuple(notes),
                          tuple(caches))

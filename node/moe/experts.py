@@ -19,7 +19,7 @@ import numpy as np
 
 from ...proto.errors import UserError
 from ...proto.records import KEEPALIVES
-from .expert_cache import CacheStats, LayerCache
+from .expert_cache import CacheStats, LayerCache, Staging
 from .routing import assign, per_rank
 
 # Upper bounds (seconds) of the all-reduce latency histogram every node keeps (the coordinator's
@@ -71,6 +71,7 @@ class ShardState:
     # per MoE layer, where an expert cache keeps fewer experts resident than the node holds
     cache: dict[int, CacheStats] = field(default_factory=dict)
     cache_spec: str = "off"  # placement.expert_cache as the node was loaded with it
+    staging: Staging = field(default_factory=Staging)  # expert reads held outside the slots
 
     def __post_init__(self):
         if self.keepalive not in KEEPALIVES:
@@ -93,6 +94,7 @@ class ShardState:
         self.pending = []
         for c in self.cache.values():
             c.reset()
+        self.staging.reset()
 
     def cache_totals(self) -> dict[str, int] | None:
         """The expert cache summed over layers: capacity (resident slots), hits, misses, bytes read
@@ -100,7 +102,9 @@ class ShardState:
         if self.cache_spec == "off":
             return None
         self.settle()
-        out = {"capacity": 0, "local": 0, "hits": 0, "misses": 0, "bytes_read": 0, "read_seconds": 0.0}
+        summed = ("capacity", "local", "hits", "misses", "bytes_read", "read_seconds", "prefetched",
+                  "prefetch_hits", "prefetch_bytes")
+        out = dict.fromkeys(summed, 0) | {"read_seconds": 0.0, "staged_peak_bytes": 0}
         for layer, c in self.counters.items():
             stats = self.cache.get(layer)
             if stats is None:  # every local expert resident: a selection here is a hit
@@ -108,8 +112,9 @@ class ShardState:
                 out["local"] += len(self.held.get(layer, ()))
                 out["hits"] += c.selected
                 continue
-            for k in ("capacity", "local", "hits", "misses", "bytes_read", "read_seconds"):
+            for k in summed:
                 out[k] += getattr(stats, k)
+        out["staged_peak_bytes"] = self.staging.peak
         return out
 
     def count_routed(self, layer: int, inds: np.ndarray) -> None:
@@ -293,17 +298,35 @@ class ExpertShard(nn.Module):
         last = self.down_proj if kind == "glu" else self.fc2
         self._gathered = not last._per_expert  # one gather_mm per call
         self._cache: LayerCache | None = None
+        self._ahead = 1
+        self._next: LayerCache | None = None  # prefetch_into
+        self._next_candidates: tuple[int, ...] = ()
+        self._depth = 0
 
-    def attach_cache(self, cache: LayerCache) -> None:
+    def attach_cache(self, cache: LayerCache, ahead: int = 1) -> None:
         """Keep only `cache.capacity` experts resident (the projections hold that many slots): the
-        host reads the routing to learn the misses, so the device-routed path is off."""
+        host reads the routing to learn the misses, so the device-routed path is off. `ahead`: how
+        many of a later round's misses are read while an earlier round computes."""
         self._cache = cache
+        self._ahead = max(int(ahead), 1)
         self._lut = None
         self._state.cache[self._layer] = cache.stats
+
+    def prefetch_into(self, cache: LayerCache | None, candidates: Sequence[int], depth: int) -> None:
+        """When this layer begins, start reading the first `depth` non-resident `candidates` (local
+        indices, likeliest first) of `cache`, the next layer's: its routing is not known before this
+        layer's output."""
+        self._next = cache if depth > 0 and candidates else None
+        self._next_candidates = tuple(candidates)
+        self._depth = depth
 
     @property
     def global_ids(self) -> tuple[int, ...]:
         return self._ids
+
+    @property
+    def cache(self) -> LayerCache | None:
+        return self._cache
 
     def _mlp(self, x: mx.array, slots: mx.array, groups) -> mx.array:
         if self._kind == "glu":
@@ -342,6 +365,8 @@ class ExpertShard(nn.Module):
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         state = self._state
+        if self._next is not None:  # the next layer's likely misses read while this one runs
+            self._next.prefetch(self._next_candidates, self._depth)
         if self._lut is not None and inds.size < SORTED_FROM and self._gathered:
             return self._routed_on_device(x, inds)
         t0 = time.perf_counter()
@@ -350,8 +375,11 @@ class ExpertShard(nn.Module):
         state.count_routed(self._layer, flat)
         T, k = flat.shape
         chosen = assign(np.unique(flat).tolist(), self._holders)
-        counts = per_rank(chosen, state.world_size)
         mine = sorted(int(self._slot[e]) for e, r in chosen.items() if r == state.rank)
+        cache = self._cache
+        if cache is not None:  # the misses are read from here on, while the rest of the call is set up
+            cache.fetch(mine[: cache.capacity])
+        counts = per_rank(chosen, state.world_size)
         fillers = self._fillers(mine, max(counts))
         for s in mine + fillers:
             self._lru.move_to_end(s)
@@ -364,6 +392,8 @@ class ExpertShard(nn.Module):
 
         out_shape = tuple(inds.shape) + (x.shape[-1],)
         if not mine and not fillers:
+            if cache is not None:
+                cache.drop_staged()
             return mx.zeros(out_shape, dtype=x.dtype)
         # The (token, j) positions whose expert this node computes, then one row per filler
         # expert; rows sorted by slot so each expert's tokens are contiguous (gather_mm's
@@ -373,7 +403,6 @@ class ExpertShard(nn.Module):
         positions = np.flatnonzero(np.isin(flat1, here))
         local = self._slot[flat1[positions]]  # each position's local expert
         xf = x.reshape(-1, x.shape[-1])
-        cache = self._cache
         # With a cache, the experts go through the slots C at a time (one round, unless this call
         # selects more than C); without, the local index is the slot.
         size = cache.capacity if cache is not None else max(len(mine), 1)
@@ -383,6 +412,8 @@ class ExpertShard(nn.Module):
         ys, src, base = [], np.full(T * k, -1, dtype=np.int64), 0
         for r, chunk in enumerate(rounds):
             slot_of = cache.ensure(chunk) if cache is not None else None
+            if cache is not None and r + 1 < len(rounds):  # the next round's first misses, while this one computes
+                cache.fetch(rounds[r + 1][: self._ahead])
             extra = fillers if r == len(rounds) - 1 else []
             if slot_of is not None:  # fillers were picked resident; loading `chunk` may have evicted some
                 extra = [s for s in extra if slot_of[s] >= 0]
@@ -401,6 +432,8 @@ class ExpertShard(nn.Module):
             src[positions[sel]] = base + sorted_row[: len(sel)]
             base += len(row_slots)
             ys.append(y)
+        if cache is not None:
+            cache.drop_staged()  # prefetched experts the routing did not select
         # Every position takes its row, or the appended zero row if another node computes it.
         # Filler rows are computed with the rest (one primitive) and then left out.
         src[src < 0] = base

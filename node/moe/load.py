@@ -27,8 +27,10 @@ from ..checkpoint import (Checkpoint, CheckpointError, TensorInfo, _physical_row
                           model_classes, read_tensor)
 from ..collective.base import Collective, LocalCollective
 from . import families
-from ...proto.expert_cache import ExpertCacheSpec
-from .expert_cache import CacheStats, LayerCache, Part, choose_resident, read_parts, read_pool
+from ...proto.expert_cache import ExpertCacheSpec, auto_budget
+from ...proto.records import DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE
+from ..device import metal_info
+from .expert_cache import CacheStats, LayerCache, Part, Staging, choose_resident, read_parts, read_pool
 from .experts import ExpertShard, ShardLinear, ShardState
 from .layer import ClusterMoE, InProcessCluster, install, owns_dense_terms
 from .structure import MoEBlock, StructureError, find_moe_blocks, set_bank
@@ -364,7 +366,7 @@ def _slot_keys(shard: ExpertShard) -> list[tuple[str, str]]:
 
 
 def _attach_cache(ckpt: Checkpoint, b: MoEBlock, shard: ExpertShard, resident: Sequence[int],
-                  pinned: Sequence[int]) -> LayerCache:
+                  pinned: Sequence[int], staging: Staging) -> LayerCache:
     """Give `shard` (whose projections hold the experts `resident`, by local index) its cache; take
     every local expert's checksum on the way (each is read once, then dropped)."""
     parts_of = _expert_parts(ckpt, b, shard)
@@ -377,10 +379,10 @@ def _attach_cache(ckpt: Checkpoint, b: MoEBlock, shard: ExpertShard, resident: S
     if sizes != [v.shape[1] for v in views]:
         raise ShardError(f"layer {b.layer}: an expert's bytes on disk {sizes} do not match its slots "
                          f"{[v.shape[1] for v in views]}; the expert cache cannot read it by byte range")
-    cache = LayerCache(b.layer, n_local, views, parts_of, resident, pinned, CacheStats(), read_pool())
+    cache = LayerCache(b.layer, n_local, views, parts_of, resident, pinned, CacheStats(), read_pool(), staging)
     cache.fingerprint(dict(enumerate(read_pool().map(lambda i: zlib.crc32(read_parts(parts_of(i))),
                                                      range(n_local)))))
-    shard.attach_cache(cache)
+    shard.attach_cache(cache, ahead=b.top_k)
     return cache
 
 
@@ -464,7 +466,7 @@ def _make_shard(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int], holders, st
     shard = ExpertShard(b.layer, local, holders, projections, b.kind, b.activation, state)
     mx.eval(shard.parameters())
     if cached:
-        _attach_cache(ckpt, b, shard, resident, pinned)
+        _attach_cache(ckpt, b, shard, resident, pinned, state.staging)
     return shard
 
 
@@ -483,7 +485,9 @@ def load_shard(
     progress: Callable[[int, int, str], None] | None = None,
     expert_cache: ExpertCacheSpec | str | None = None,
     cache_budget_bytes: int | None = None,
+    cache_reserve_bytes: int = DEFAULT_KV_RESERVE + DEFAULT_PROMPT_CACHE,
     profile: dict[int, tuple[Sequence[float], int]] | None = None,
+    prefetch: int | None = None,
 ) -> ShardedModel:
     """Load this rank's shard. `placement=None` means an even split over `collective.world_size`.
     `model_spec` is a checkpoint folder, or an open Checkpoint (a node's cached shard, node/cache.py).
@@ -492,9 +496,14 @@ def load_shard(
         progress: called as progress(bytes_loaded, bytes_total, phase) while reading.
         expert_cache: off, auto, a size or a percent of this node's experts to keep resident; the
             rest are read from `model_spec`'s files on a miss (node/moe/expert_cache.py).
-        cache_budget_bytes: what `auto` may spend on resident experts.
+        cache_budget_bytes: what `auto` may spend on resident experts (the coordinator's budget).
+            On Metal `auto` also stays within the GPU's recommended working set less the replicated
+            weights and `cache_reserve_bytes` (the KV and prompt caches): proto.expert_cache.auto_budget.
         profile: {MoE layer: (selections per expert, tokens)} from a routing profile: the hottest
             start resident, and those selected by most tokens are pinned.
+        prefetch: with a cache and a profile, the next MoE layer's hottest non-resident experts
+            are read when a layer begins; None (auto): those selected by at least half of the
+            profile's tokens (at most top-k); N: the N hottest; 0: off.
     """
     collective = collective or LocalCollective()
     t_start = time.perf_counter()
@@ -522,9 +531,12 @@ def load_shard(
     capacity: dict[int, int] = {}
     if spec.active:
         state.cache_spec = str(spec)
-        sizes = expert_bytes(ckpt).per_expert
-        capacity = spec.capacities({b.layer: len(placement.layers[b.layer][rank]) for b in blocks}, sizes,
-                                   cache_budget_bytes)
+        sizes = expert_bytes(ckpt)
+        budget = cache_budget_bytes
+        if spec.mode == "auto":
+            budget = auto_budget(sizes.replicated, cache_reserve_bytes, metal=metal_info(), given_bytes=cache_budget_bytes)
+        capacity = spec.capacities({b.layer: len(placement.layers[b.layer][rank]) for b in blocks}, sizes.per_expert,
+                                   budget)
 
     # 1. Replicated weights, through the family's own sanitize. Expert tensors (and shared experts
     #    another node owns) enter it as lazy placeholders, never evaluated, never read from disk,
@@ -560,6 +572,7 @@ def load_shard(
         resident_experts += shard.resident_bytes()
         report(min(done + resident_experts, total), total, "experts")
         layers.append(ClusterMoE(b, shard, collective, state, owner[b.layer]))
+    _wire_prefetch(blocks, [layer.shard for layer in layers], profile, prefetch)
 
     # 3. Quantize and load the replicated part, then check that nothing is missing or left over.
     _quantize_replicated(model, config, weights, bank_prefixes)
@@ -602,6 +615,25 @@ def load_shard(
     return ShardedModel(model, config, blocks, placement, state, info, collective, layers)
 
 
+def _wire_prefetch(blocks: Sequence[MoEBlock], shards: Sequence[ExpertShard],
+                   profile: dict[int, tuple[Sequence[float], int]] | None, depth: int | None) -> None:
+    """Each MoE layer prefetches for the next one (the last for the first: the next token's), from
+    the profile's selections of the next layer's local experts, hottest first. `depth` None (auto):
+    only those the profile saw selected by at least half of the tokens, at most top-k of them, so a
+    read is more likely used than dropped; N: the N hottest selected at all; 0: none."""
+    if depth is not None and depth < 0:
+        raise ShardError(f"prefetch depth must be >= 0 (got {depth})")
+    for i, shard in enumerate(shards):
+        nxt, target = blocks[(i + 1) % len(blocks)], shards[(i + 1) % len(shards)]
+        if target.cache is None or not profile or nxt.layer not in profile:
+            continue
+        counts, tokens = profile[nxt.layer]
+        share = {j: counts[e] / tokens if tokens else 0.0 for j, e in enumerate(target.global_ids)}  # local j
+        floor = 0.5 if depth is None else 0.0
+        candidates = [j for j in sorted(share, key=lambda j: (-share[j], j)) if share[j] > 0 and share[j] >= floor]
+        shard.prefetch_into(target.cache, candidates, nxt.top_k if depth is None else depth)
+
+
 def set_collective(sm: ShardedModel, collective: Collective) -> None:
     sm.collective = collective
     for layer in sm.layers:
@@ -621,11 +653,13 @@ class _Seat:
 
 def load_in_process(model_spec: str, world_size: int, placement: Placement | None = None, *,
                     keepalive: str = "lru", expert_cache: ExpertCacheSpec | str | None = None,
-                    profile: dict[int, tuple[Sequence[float], int]] | None = None) -> ShardedModel:
+                    profile: dict[int, tuple[Sequence[float], int]] | None = None,
+                    prefetch: int | None = None) -> ShardedModel:
     """All `world_size` ranks' shards in this process, behind one model: rank 0's, with each MoE
     block replaced by every rank's share summed in rank order (`InProcessCluster`)."""
     ranks = [load_shard(model_spec, placement, r, keepalive=keepalive, collective=_Seat(r, world_size),
-                        warm_up=False, expert_cache=expert_cache, profile=profile) for r in range(world_size)]
+                        warm_up=False, expert_cache=expert_cache, profile=profile, prefetch=prefetch)
+             for r in range(world_size)]
     first = ranks[0]
     for i, b in enumerate(first.blocks):
         install(first.model, b.path, InProcessCluster([sm.layers[i] for sm in ranks]))
@@ -671,7 +705,7 @@ def _wire(resident_bytes: int) -> None:
     if not _on_metal() or not hasattr(mx, "set_wired_limit"):
         logger.info("wired memory limit: not on Metal, nothing to do (%d bytes resident)", resident_bytes)
         return
-    limit = mx.metal.device_info().get("max_recommended_working_set_size", 0)
+    limit = int(metal_info().get("max_recommended_working_set_size") or 0)
     if limit and resident_bytes > limit:
         logger.warning("resident weights (%.1f GB) exceed the recommended working set (%.1f GB); "
                        "the GPU may page experts out", resident_bytes / 1e9, limit / 1e9)

@@ -259,3 +259,39 @@ def test_a_batch_reads_the_experts_once_for_all_its_sequences():
     for bad, why in (("0", "--batch"), ("2.5", "whole number")):
         r = plan("--model", "dbrx", "--batch", bad)
         assert r.returncode == 2 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_node_short_of_memory_is_warned_with_its_expert_cache_speed():
+    """Where a node cannot hold its share, `plan` says what `expert_cache: auto` keeps resident and
+    the tok/s the expert cache model (plan/expert_cache.py) expects of it."""
+    from moe_cluster.coordinator.plan import expert_cache as cache_model
+
+    args = ["--model", "dbrx", "--hardware", "m4-pro-64", "--nodes", "2,4,8", "--skew", "0,1"]
+    out = plan_json(*args)
+    rows = {r["nodes"]: r for r in out["rows"]}
+    assert not rows[2]["fits"] and not rows[4]["fits"] and rows[8]["fits"]
+    misfits = out["misfits"]
+    assert sorted({(m["nodes"], m["skew"]) for m in misfits}) == [(2, 0), (2, 1), (4, 0), (4, 1)]
+    layers = out["model"]["moe_layers"]
+    per_expert = out["model"]["expert_bytes"] / layers  # one expert of one layer
+    for m in misfits:
+        r = rows[m["nodes"]]
+        # auto keeps what usable memory holds after everything but the experts, in whole experts
+        room = r["usable_memory_bytes"] - (r["memory_per_node_bytes"] - r["expert_shard_bytes"])
+        local = 16 // m["nodes"]
+        assert m["resident_experts"] == int(room // (r["expert_shard_bytes"] / local)) and 0 < m["resident_experts"] < local
+        want = cache_model.predict(r["time_s"], r["expected_experts"] * layers, m["resident_experts"] / local, local,
+                                   m["skew"], cache_model.ssd_miss_cost(per_expert, 4e9), layers)["tokens_per_s"]
+        assert m["tokens_per_s"] == pytest.approx(want) and m["tokens_per_s"] < r["tokens_per_s"]
+    skewed = {m["nodes"]: m["tokens_per_s"] for m in misfits if m["skew"] == 1}
+    assert all(skewed[m["nodes"]] > m["tokens_per_s"] for m in misfits if m["skew"] == 0)  # hotter experts stay
+    text = plan(*args).stdout
+    warned = [line for line in text.splitlines() if line.startswith("at 2 nodes (10gbe) a node needs")]
+    first = next(m for m in misfits if m["nodes"] == 2 and m["skew"] == 0)
+    assert warned and f"expected {first['tokens_per_s']:.2f} tok/s" in warned[0], text
+    assert "2 of its 8 experts per layer resident" in warned[0] and "uniform routing" in warned[0]
+    # fits nowhere: the replicated weights alone exceed a node's memory
+    tiny = plan_json("--model", "dbrx", "--hardware", "m4-pro-64", "--nodes", "2", "--memory-fraction", "0.01")
+    assert tiny["misfits"] == [{**tiny["misfits"][0], "servable": False}]
+    assert "no expert cache helps" in plan("--model", "dbrx", "--hardware", "m4-pro-64", "--nodes", "2",
+                                           "--memory-fraction", "0.01").stdout
