@@ -120,7 +120,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             counters=self.sharded.state.report() if self.sharded else {},
             allreduce=_allreduce_histogram(self.sharded.state) if self.sharded else None,
             routing=tuple(LayerRouting(layer, held, tokens) for layer, (held, tokens)
-                          in self.sharded.state.routing().items()) if self.sharded else (),
+                          in self.sharded.state.routing(fold=False).items()) if self.sharded else (),
             expert_cache=tuple(ExpertCacheLayer(layer, c.capacity, c.local, c.hits, c.misses, c.bytes_read,
                                                 c.read_seconds) for layer, c in sorted(self.sharded.state.cache.items()))
             if self.sharded else (),
@@ -266,7 +266,8 @@ class NodeAgent(npb_grpc.NodeServicer):
                     cached_tokens=result.cached_tokens, generated_tokens=len(result.tokens),
                     timings=Timings(prompt_s=s.prompt_seconds, generation_s=s.generation_seconds,
                                     collective_s=self.sharded.state.timers.collective - collective_before),
-                    counters={**self.sharded.state.means(), "peak_memory_bytes": float(_peak_memory())},
+                    # folded by the batch on its thread when it went idle; a snapshot while others run
+                    counters={**self.sharded.state.means(fold=False), "peak_memory_bytes": float(_peak_memory())},
                 ))
                 return
         finally:

@@ -176,6 +176,7 @@ class RunningBatch:
     def _step(self) -> None:
         c = self.collective
         alone = c.world_size == 1
+        self.runtime.sharded.state.step_begins()
         if not self._active:  # from idle: a new epoch, the same on every node
             # numbered per collective, not per batch: one envoy may serve batches of several
             # models in turn (simulate), and a request id it has seen before is not a new request
@@ -312,6 +313,9 @@ class RunningBatch:
             s.cache = cache
         with self._lock:
             self._active.remove(s)
+            idle = not self._active and not self._queued
+        if idle:  # the counters its caller reads are complete (this waits for the step in flight)
+            self.runtime.sharded.state.settle()
         if self.runtime.prompt_cache is not None and s.cache is not None:
             self.runtime._store(list(s.req.prompt) + s.fed, s.cache)
         s.cache = None

@@ -8,6 +8,7 @@ block's weighted sum becomes this node's partial sum.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -72,6 +73,10 @@ class ShardState:
     cache: dict[int, CacheStats] = field(default_factory=dict)
     cache_spec: str = "off"  # placement.expert_cache as the node was loaded with it
     staging: Staging = field(default_factory=Staging)  # expert reads held outside the slots
+    # len(pending) when each of the last two steps began (step_begins): what came before the older
+    # one belongs to steps already evaluated, so folding it never waits on the device
+    _marks: list = field(default_factory=lambda: [0, 0])
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # folding vs. readers on other threads
 
     def __post_init__(self):
         if self.keepalive not in KEEPALIVES:
@@ -85,13 +90,14 @@ class ShardState:
 
     def report(self) -> dict[str, float]:
         """Counters for the node's Status: keepalive means (the all-reduce histogram travels as its
-        own record, proto.records.AllreduceHistogram)."""
-        return dict(self.means())
+        own record, proto.records.AllreduceHistogram). Read from any thread: it folds nothing."""
+        return dict(self.means(fold=False))
 
     def reset_counters(self) -> None:
         self.counters = {layer: LayerCounters() for layer in self.counters}
         self.routed = {layer: np.zeros_like(r) for layer, r in self.routed.items()}
         self.pending = []
+        self._marks = [0, 0]
         for c in self.cache.values():
             c.reset()
         self.staging.reset()
@@ -123,23 +129,42 @@ class ShardState:
         flat = flat[(flat >= 0) & (flat < len(r))]  # a family's own sentinel ids (none known) are not experts
         r += np.bincount(flat, minlength=len(r))
 
-    def routing(self) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
-        """{layer: (experts held here, selections per expert)} (device-routed calls folded in first)."""
-        self.settle()
-        return {layer: (self.held.get(layer, ()), tuple(int(n) for n in r)) for layer, r in sorted(self.routed.items())}
+    def routing(self, fold: bool = True) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """{layer: (experts held here, selections per expert)}; `fold`: device-routed calls folded in
+        first (only on the thread that drives MLX)."""
+        if fold:
+            self.settle()
+        with self._lock:
+            return {layer: (self.held.get(layer, ()), tuple(int(n) for n in r)) for layer, r in sorted(self.routed.items())}
 
     def note(self, layer: int, inds: mx.array, rank_of: np.ndarray) -> None:
         """A call routed on the device: its indices (evaluated with the step anyway) are counted
         on the host later, adding nothing to the step's graph. rank_of[e] = the rank computing e."""
         self.pending.append((layer, inds, rank_of))
-        if len(self.pending) > _FOLD_AT:
+        if len(self.pending) > _FOLD_HARD:  # nobody marks steps (a loop of its own): bound the list
             self.settle(keep=_FOLD_KEEP)
+
+    def step_begins(self) -> None:
+        """A step starts; the one two steps back has been evaluated (its token was read). Folds what
+        steps before it noted once there is enough of it, never waiting on the device: on a GPU,
+        reading the indices of a step still running cost ~20% of decode (Qwen3-30B-A3B shape, H100)."""
+        self._marks = [self._marks[1], len(self.pending)]
+        safe = self._marks[0]
+        if safe > _FOLD_AT:
+            self.settle(keep=len(self.pending) - safe)
+            self._marks = [0, self._marks[1] - safe]
 
     def settle(self, keep: int = 0) -> None:
         """Fold the device-routed calls into `counters` (all but the `keep` newest, which may belong
         to a step still being built). One host copy and a few numpy passes for all of them: folding
         call by call cost ~30 us per MoE layer call, as much as the layer's own graph building."""
+        with self._lock:
+            self._settle(keep)
+
+    def _settle(self, keep: int) -> None:
         done, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        if not keep:
+            self._marks = [0, 0]
         if not done:
             return
         flat = [np.asarray(memoryview(inds)).reshape(-1) for _, inds, _ in done]  # no copy, no graph op
@@ -171,15 +196,17 @@ class ShardState:
             c.computed += int(mine[i])
             c.cluster_max += int(biggest[i])
 
-    def means(self) -> dict[str, float]:
-        """Mean per MoE layer per call of selected/computed/filler on this node."""
-        self.settle()
-        calls = sum(c.calls for c in self.counters.values())
+    def means(self, fold: bool = True) -> dict[str, float]:
+        """Mean per MoE layer per call of selected/computed/filler on this node; `fold`: device-routed
+        calls folded in first (only on the thread that drives MLX)."""
+        if fold:
+            self.settle()
+        with self._lock:
+            counters = list(self.counters.values())
+        calls = sum(c.calls for c in counters)
         if not calls:
             return {"selected": 0.0, "computed": 0.0, "filler": 0.0}
-        return {
-            k: sum(getattr(c, k) for c in self.counters.values()) / calls for k in ("selected", "computed", "filler")
-        }
+        return {k: sum(getattr(c, k) for c in counters) / calls for k in ("selected", "computed", "filler")}
 
 
 class ShardLinear(nn.Module):
@@ -229,7 +256,8 @@ class ShardLinear(nn.Module):
 
 # Device-routed calls fold their counts into the counters every so many calls, leaving the newest
 # (a step still being built) for later.
-_FOLD_AT, _FOLD_KEEP = 1024, 64
+_FOLD_AT = 1024  # device-routed calls folded at once, from steps already evaluated
+_FOLD_HARD, _FOLD_KEEP = 8192, 512  # without step marks: the bound, and the newest calls left alone
 
 # How the local experts are multiplied: one gather_mm for all rows (the default, "auto"), or one
 # matmul per expert (MLX's CPU backend has no bfloat16/float16 gather_mm, so "auto" does that there).
