@@ -95,14 +95,22 @@ def test_eight_concurrent_requests_get_the_tokens_they_get_alone(api):
 
 
 def test_requests_join_and_leave_mid_batch(api):
-    """A client that leaves frees its slot within a step; one that joins later gets its own tokens."""
+    """A client that leaves frees its slot within a step; a request cancelled by its stop string ends
+    mid-batch; one that joins later gets its own tokens; the one running throughout is untouched."""
     runner = {"prompt": PROMPTS[0], "max_tokens": 64, "temperature": 0, "stream": True}
     joiner = {"prompt": PROMPTS[5], "max_tokens": 16, "temperature": 0}
     want_runner, want_joiner = _alone(api, runner), _alone(api, joiner)
+    status, full = http(api, "/v1/completions", {"prompt": PROMPTS[6], "max_tokens": 48, "temperature": 0})
+    assert status == 200, full
+    text = full["choices"][0]["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # somewhere in the middle of its answer
+    assert stop.strip(), text
+    stopper = {"prompt": PROMPTS[6], "max_tokens": 48, "temperature": 0, "stop": [stop]}
 
     async def main():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
             first = asyncio.create_task(_run(session, api, runner))
+            stopped = asyncio.create_task(session.post(api + "/v1/completions", json=stopper))
             leaver = await session.post(api + "/v1/completions", json={**runner, "prompt": PROMPTS[1], "max_tokens": 2000})
             await leaver.content.readline()  # it streams...
             await asyncio.sleep(0.5)
@@ -115,9 +123,12 @@ def test_requests_join_and_leave_mid_batch(api):
                 await asyncio.sleep(0.05)
             freed = time.monotonic() - left
             joined = await _run(session, api, joiner)
-            return await first, joined, freed
+            async with await stopped as r:
+                cut = (await r.json())["choices"][0]
+            return await first, joined, freed, cut
 
-    first, joined, freed = asyncio.run(main())
+    first, joined, freed, cut = asyncio.run(main())
+    assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.index(stop)], (cut, stop, text)
     assert first["tokens"] == want_runner
     assert joined["tokens"] == want_joiner
     assert freed < 5, f"the slot of a client that left was freed after {freed:.1f} s"
