@@ -9,8 +9,12 @@ import os
 import sys
 import traceback
 
-from ..proto.errors import ErrorKind, MoeClusterError, UserError
-from ..proto.records import KEEPALIVES  # no mlx: cheap commands stay cheap
+from ..envoy import GRPC_EXPERIMENTS
+
+os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)  # before anything imports grpc: every process we start inherits it
+
+from ..proto.errors import ErrorKind, MoeClusterError, UserError  # noqa: E402 - after the grpc setting
+from ..proto.records import KEEPALIVES  # noqa: E402 - no mlx: cheap commands stay cheap
 
 # Quiet third-party chatter (transformers warns that PyTorch is absent; we never need it).
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

@@ -18,10 +18,7 @@ from typing import Any, Callable, Coroutine, TypeVar
 from ..proto.errors import UserError
 from ..proto.records import COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
 
-# grpc's older polling engine reads the socket on the thread that waits for events, one thread
-# hop less per message than the EventEngine default; measured faster on this workload. Must be
-# set before grpc is imported (run_grpc_loop does); a caller's own setting wins.
-GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"
+from . import GRPC_EXPERIMENTS
 
 logger = logging.getLogger("moe_cluster.envoy")
 

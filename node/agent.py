@@ -501,5 +501,7 @@ def main(args) -> int:
         print(f"moe-cluster node {config.name} ready on port {port}", flush=True)
         sys.stdout.flush()
 
-    asyncio.run(agent.serve(ready))
+    from ..envoy.main import run_grpc_loop
+
+    run_grpc_loop(lambda: agent.serve(ready))
     return 0

@@ -355,6 +355,8 @@ def main(args) -> int:
         c = replace(c, api=replace(c.api, port=args.api_port))
     log_dir = Path(args.log_dir).expanduser() if args.log_dir else state_file().parent / "logs" / c.name
     try:
-        return asyncio.run(run_up(c, log_dir=log_dir))
+        from ...envoy.main import run_grpc_loop
+
+        return run_grpc_loop(lambda: run_up(c, log_dir=log_dir))
     except KeyboardInterrupt:
         return 130
