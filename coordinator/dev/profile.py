@@ -58,13 +58,13 @@ def profile(model_spec: str, prompts: list[str], max_tokens: int) -> dict:
     from ...proto.records import Sampling
     from ...node.moe.layer import install
     from ...node.moe.load import ShardError
-    from ...node.moe.structure import StructureError, find_moe_blocks, set_bank
+    from ...node.moe.structure import StructureError, find_moe_blocks_loaded, set_bank
     from .run_local import encode_prompt
 
     ckpt = Checkpoint.open(model_spec)
     model, tokenizer = load(str(ckpt.path))
     try:
-        blocks = find_moe_blocks(model)
+        blocks = find_moe_blocks_loaded(model)
     except StructureError as exc:  # a block we cannot shard is the checkpoint's problem, as in load.py
         raise ShardError(f"{ckpt.path}: {exc}") from None
     if not blocks:

@@ -33,7 +33,7 @@ from ..device import metal_info
 from .expert_cache import CacheStats, LayerCache, Part, Staging, choose_resident, read_parts, read_pool
 from .experts import ExpertShard, ShardLinear, ShardState
 from .layer import ClusterMoE, InProcessCluster, install, owns_dense_terms
-from .structure import MoEBlock, StructureError, find_moe_blocks, set_bank
+from .structure import MoEBlock, StructureError, find_moe_blocks, find_moe_blocks_loaded, set_bank
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +99,10 @@ def activation_dtype(block: nn.Module, bank_attr: str) -> mx.Dtype:
     return mx.float32
 
 
-def _blocks(model: nn.Module, ckpt: Checkpoint) -> list[MoEBlock]:
+def _blocks(model: nn.Module, ckpt: Checkpoint, loaded: bool = False) -> list[MoEBlock]:
+    """The model's MoE blocks; `loaded`: its checkpoint's weights are in it already (kept)."""
     try:
-        return find_moe_blocks(model)
+        return find_moe_blocks_loaded(model) if loaded else find_moe_blocks(model)
     except StructureError as exc:
         raise ShardError(f"{ckpt.path} (model_type {ckpt.config.get('model_type')!r}): {exc}") from None
 
@@ -677,7 +678,7 @@ def load_unsharded(model_spec: str) -> ShardedModel:
     model_args(ckpt.config, ckpt.path / "config.json")
     check_runnable(ckpt.config, ckpt.path / "config.json")
     model, config = load_model(ckpt.path)
-    blocks = _blocks(model, ckpt)
+    blocks = _blocks(model, ckpt, loaded=True)
     moe_layers = {b.layer: b.num_experts for b in blocks}
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     _wire(resident)

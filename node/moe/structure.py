@@ -149,6 +149,17 @@ def _arity(module: nn.Module) -> int:
     return sum(1 for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
+def find_moe_blocks_loaded(model: nn.Module) -> list[MoEBlock]:
+    """`find_moe_blocks` on a model whose checkpoint is loaded (the single-node fallback, `profile`):
+    the probe draws the blocks' own weights afresh, so they are put back afterwards. Without this,
+    layer 0's router kept the probe's random weights and a lone node answered wrong tokens."""
+    saved = tree_flatten(model.parameters())
+    try:
+        return find_moe_blocks(model)
+    finally:
+        model.update(tree_unflatten(saved))
+
+
 def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
     """Every MoE block of `model`, in layer order, each described from its structure.
 

@@ -17,9 +17,14 @@ PROMPTS = ("To be, or not to be, that is the question:", "Now is the winter of o
            "All the world's a stage,", "Friends, Romans, countrymen, lend me your ears;")
 
 
-@pytest.fixture(scope="module")
-def sharded():
-    return load_shard("demo", None, 0, collective=LocalCollective())
+@pytest.fixture(scope="module", params=["cluster path", "single-node fallback"])
+def sharded(request):
+    """The cluster path at N = 1 (ExpertShards), and what a lone node serves: the stock model."""
+    if request.param == "cluster path":
+        return load_shard("demo", None, 0, collective=LocalCollective())
+    from moe_cluster.node.moe.load import load_unsharded
+
+    return load_unsharded("demo")
 
 
 @pytest.fixture(scope="module")

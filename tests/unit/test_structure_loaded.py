@@ -1,0 +1,31 @@
+"""Describing the MoE blocks of a model whose checkpoint is loaded leaves its weights as they were
+(the probe draws a block's own weights afresh): the single-node fallback and `profile` run such a
+model, and a router left with the probe's weights routes wrongly."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from moe_cluster.node.demo import MODEL_DIR
+from moe_cluster.node.moe.structure import find_moe_blocks, find_moe_blocks_loaded
+
+
+def _weights(model) -> dict:
+    return dict(tree_flatten(model.parameters()))
+
+
+def test_a_loaded_models_weights_survive_its_description():
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(MODEL_DIR)
+    before = _weights(model)
+    blocks = find_moe_blocks_loaded(model)
+    assert [b.layer for b in blocks] == [0, 1, 2, 3]
+    after = _weights(model)
+    assert after.keys() == before.keys()
+    assert all(mx.array_equal(before[k], after[k]).item() for k in before)
+    # the plain description (for a model built empty, whose weights the load replaces) draws over them
+    find_moe_blocks(model)
+    changed = [k for k, v in _weights(model).items() if not mx.array_equal(before[k], v).item()]
+    assert changed, "the probe no longer draws a block's weights: find_moe_blocks_loaded may be unneeded"
