@@ -38,8 +38,8 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="demo", help="checkpoint folder, or 'demo'")
     p.add_argument("--nodes", default="1,2", help="comma list of node counts")
     p.add_argument("--concurrency", default="1,4,8,16", help="comma list of concurrent clients")
-    p.add_argument("--requests", type=int, default=2, help="requests each client sends, one after another")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--requests", type=int, default=4, help="requests each client sends, one after another")
+    p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, help="our serving.max_batch (default: the largest --concurrency, "
                    "so neither server queues a client)")
     p.add_argument("--no-mlx-lm", action="store_true", help="measure only our cluster")
