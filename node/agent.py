@@ -181,7 +181,8 @@ class NodeAgent(npb_grpc.NodeServicer):
             try:
                 sharded = load_shard(model, spec.placement, spec.rank, keepalive=spec.keepalive,
                                      collective=collective, progress=progress, expert_cache=spec.expert_cache,
-                                     cache_reserve_bytes=DEFAULT_KV_RESERVE + spec.prompt_cache_bytes)
+                                     cache_reserve_bytes=DEFAULT_KV_RESERVE + spec.prompt_cache_bytes,
+                                     profile={layer: (list(counts), tokens) for layer, counts, tokens in spec.heat} or None)
             except BaseException:
                 collective.close()
                 raise

@@ -181,6 +181,7 @@ def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
         msg.placement.CopyFrom(placement_to_proto(spec.placement))
     if spec.ship is not None:
         msg.ship.CopyFrom(npb.ShipSource(fingerprint=spec.ship.fingerprint, address=spec.ship.address))
+    msg.heat.extend(npb.LayerHeat(layer=layer, selections=list(counts), tokens=tokens) for layer, counts, tokens in spec.heat)
     return msg
 
 
@@ -202,6 +203,7 @@ def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any 
         prompt_cache_bytes=msg.prompt_cache_bytes, ship=_ship_from_proto(msg), expert_cache=msg.expert_cache or "off",
         max_batch=msg.max_batch or LoadSpec.max_batch, prefill_budget=msg.prefill_budget or LoadSpec.prefill_budget,
         kv_budget_bytes=msg.kv_budget_bytes,
+        heat=tuple((h.layer, tuple(h.selections), h.tokens) for h in msg.heat),
     )
 
 

@@ -139,6 +139,9 @@ class LoadSpec:
     max_batch: int = 8  # sequences the running batch holds at once
     prefill_budget: int = 512  # prompt tokens per step while other sequences decode
     kv_budget_bytes: int = 0  # KV of running sequences plus the prompt cache; 0: no limit
+    # a routing profile, ((MoE layer, selections per expert, tokens), ...): the expert cache pins
+    # the hottest experts and prefetches the next layer's from it
+    heat: tuple = ()
 
     def __post_init__(self) -> None:
         _check(self.keepalive, KEEPALIVES, "keepalive")

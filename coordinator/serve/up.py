@@ -97,7 +97,8 @@ def footprint(model_path: str) -> ModelFootprint:
     return ModelFootprint(replicated_bytes=b.replicated, expert_bytes=b.per_expert, num_experts=b.num_experts)
 
 
-def _profile_counts(path: str, base: Path) -> dict[int, list[float]]:
+def _read_profile(path: str, base: Path):
+    """cluster.yaml's placement.profile, checked (a path relative to the file)."""
     p = Path(path).expanduser()
     if not p.is_absolute():
         p = base / p
@@ -105,8 +106,7 @@ def _profile_counts(path: str, base: Path) -> dict[int, list[float]]:
         data = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"placement.profile: cannot read {p}: {exc}") from None
-    profile = parse_profile(data, str(p))
-    return {int(l): list(v.counts) for l, v in profile.layers.items()}
+    return parse_profile(data, str(p))
 
 
 async def _remote_members(c: ClusterConfig) -> list[tuple[str, str, str]]:
@@ -173,7 +173,10 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
     tokenizer = load_tokenizer(Path(model_path))
     fp = footprint(model_path)
     vocab = checkpoint_vocab(model_path)  # prompt ids at or past it are refused at the API
-    profile = _profile_counts(c.placement.profile, Path(c.source).parent) if c.placement.profile else None
+    routing = _read_profile(c.placement.profile, Path(c.source).parent) if c.placement.profile else None
+    profile = {int(l): list(v.counts) for l, v in routing.layers.items()} if routing else None
+    # the nodes get it too: an expert cache pins the hottest experts and prefetches from it
+    heat = tuple((int(l), tuple(float(n) for n in v.counts), v.tokens) for l, v in routing.layers.items()) if routing else ()
 
     _check_port_free(c)
     launcher = None
@@ -231,7 +234,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
                               prefill_step=c.serving.prefill_chunk, prompt_cache_bytes=c.serving.prompt_cache,
                               ship=ship.source if ship else None, expert_cache=plan.expert_cache[m.rank],
                               max_batch=c.serving.max_batch, prefill_budget=c.serving.prefill_budget,
-                              kv_budget_bytes=kv_reserve)
+                              kv_budget_bytes=kv_reserve, heat=heat)
             # what weights may use: memory × memory_fraction less the KV reserve and prompt cache
             m.budget_bytes = plan.available[m.rank] - kv_reserve
         for note in plan.notes:

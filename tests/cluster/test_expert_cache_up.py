@@ -45,3 +45,18 @@ serving:
     assert cache and all(c["capacity"] < c["local"] for c in cache)
     assert sum(c["misses"] for c in cache) > 0 and sum(c["bytes_read"] for c in cache) > 0
     assert 'moe_cluster_expert_cache_misses_total{node="node-1"' in metrics
+
+    # with a routing profile of this very prompt the node starts with its hottest experts pinned
+    # (the profile travels in the Load): the same tokens, fewer misses
+    from conftest import cli
+
+    (tmp_path / "prompts.txt").write_text(PROMPT + "\n")
+    r = cli("profile", "--model", str(path), "--prompts", str(tmp_path / "prompts.txt"), "--out",
+            str(tmp_path / "profile.json"), "--max-tokens", str(TOKENS))
+    assert r.returncode == 0, r.stderr
+    profiled = config.replace("  expert_cache: auto", "  expert_cache: auto\n  profile: profile.json")
+    with cluster(tmp_path, profiled) as (url, proc, lines):
+        status, again = http(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0})
+        pinned = {n["name"]: n for n in http(url, "/v1/cluster/status")[1]["nodes"]}["node-1"]["expert_cache"]
+    assert status == 200 and again["moe_cluster"]["tokens"] == body["moe_cluster"]["tokens"]
+    assert sum(c["misses"] for c in pinned) < sum(c["misses"] for c in cache), (pinned, cache)

@@ -30,7 +30,8 @@ def test_load_request_envoy():
     spec = LoadSpec("/models/dbrx", 1, 2, transport, PLACEMENT, "busy", 256, 8 << 30)
     back = convert.load_request_from_proto(wire(convert.load_request_to_proto(spec)), secret="s", tls=tls)
     assert back == spec
-    cached = LoadSpec("/models/dbrx", 1, 2, transport, PLACEMENT, expert_cache="25%")
+    cached = LoadSpec("/models/dbrx", 1, 2, transport, PLACEMENT, expert_cache="25%", max_batch=16, prefill_budget=64,
+                      kv_budget_bytes=1 << 30, heat=((1, (5.0, 0.0, 2.5, 1.0), 8), (3, (0.0, 1.0, 7.0, 0.0), 8)))
     assert convert.load_request_from_proto(wire(convert.load_request_to_proto(cached)), secret="s", tls=tls) == cached
     with pytest.raises(ValueError, match="expert_cache"):
         LoadSpec("/models/dbrx", 1, 2, transport, PLACEMENT, expert_cache="half")
