@@ -122,7 +122,8 @@ class NodeAgent(npb_grpc.NodeServicer):
             routing=tuple(LayerRouting(layer, held, tokens) for layer, (held, tokens)
                           in self.sharded.state.routing(fold=False).items()) if self.sharded else (),
             expert_cache=tuple(ExpertCacheLayer(layer, c.capacity, c.local, c.hits, c.misses, c.bytes_read,
-                                                c.read_seconds) for layer, c in sorted(self.sharded.state.cache.items()))
+                                                c.read_seconds, c.prefetched, c.prefetch_hits, c.prefetch_bytes)
+                               for layer, c in sorted(self.sharded.state.cache.items()))
             if self.sharded else (),
             uptime_s=time.monotonic() - self.started,
             pid=os.getpid(),

@@ -399,7 +399,8 @@ def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
         counters=dict(sorted(msg.counters.items())), uptime_s=msg.uptime_s, pid=msg.pid, queue_depth=msg.queue_depth,
         allreduce=AllreduceHistogram(tuple(a.bounds), tuple(a.counts), a.sum_s) if msg.HasField("allreduce") else None,
         routing=tuple(LayerRouting(r.layer, tuple(r.held), tuple(r.tokens)) for r in msg.routing),
-        expert_cache=tuple(ExpertCacheLayer(c.layer, c.capacity, c.local, c.hits, c.misses, c.bytes_read, c.read_seconds)
+        expert_cache=tuple(ExpertCacheLayer(c.layer, c.capacity, c.local, c.hits, c.misses, c.bytes_read, c.read_seconds,
+                                            c.prefetched, c.prefetch_hits, c.prefetch_bytes)
                            for c in msg.expert_cache),
     )
 

@@ -255,6 +255,9 @@ class ExpertCacheLayer:
     misses: int = 0
     bytes_read: int = 0
     read_seconds: float = 0.0
+    prefetched: int = 0  # reads started ahead of the layer's routing (from the routing profile)
+    prefetch_hits: int = 0  # misses whose bytes a prefetch had already read
+    prefetch_bytes: int = 0  # bytes read by prefetches, used or not
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,9 @@ _CACHE_SERIES = (
     ("misses_total", "counter", "Selected experts read from disk."),
     ("bytes_read_total", "counter", "Expert bytes read from disk on misses."),
     ("read_seconds_total", "counter", "Seconds spent reading missed experts."),
+    ("prefetched_total", "counter", "Expert reads started ahead of the layer's routing (routing profile)."),
+    ("prefetch_hits_total", "counter", "Misses whose bytes a prefetch had already read."),
+    ("prefetch_bytes_total", "counter", "Bytes read by prefetches, used or not."),
 )
 
 
