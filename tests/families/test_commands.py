@@ -31,11 +31,16 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", WRONG + REFUSED)
-def test_simulate_two_node_processes_equal_stock(family, checkpoints):
-    r = moe_cluster("simulate", "--model", str(checkpoints[family]), "--nodes", "2", "--prompt", PROMPT,
-                    "--max-tokens", "8", "--check", "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+def test_simulate_two_node_processes_equal_stock(family, checkpoints, capsys):
+    """`simulate` through the command's own entry point, in this process (its two node processes are
+    real, spawned as from the CLI): a subprocess each only added an interpreter and MLX import."""
+    from moe_cluster.coordinator.cli import main
+
+    code = main(["simulate", "--model", str(checkpoints[family]), "--nodes", "2", "--prompt", PROMPT,
+                 "--max-tokens", "8", "--check", "--json"])
+    r = capsys.readouterr()
+    assert code == 0, r.err
+    out = json.loads(r.out)  # stdout is the JSON alone
     assert len(out["tokens"]) == 8
     assert out["tokens_match"], out
     assert out["max_abs_logit_diff"] <= sweep.TOLERANCE, out["max_abs_logit_diff"]
