@@ -1,6 +1,8 @@
 """Faults through real processes (issue #14): a node killed, its envoy killed, a node stopped
 (SIGSTOP, a stalled peer) then continued, and a node's network link taken down then up; each while
-idle, during a prefill and during a streamed decode, on one cluster per fault (see faults.py).
+idle, during a prefill and during a streamed decode (see faults.py). The three faults of a local
+node share one cluster (module fixture `local`): each starts from a cluster found ready and serving
+and leaves it so; the link test runs its own remote cluster.
 
 Each phase prints its detect / client answer / recovery times (seconds after the fault); the
 README's reliability table comes from these lines (`pytest -s tests/cluster/test_faults.py`).
@@ -20,7 +22,7 @@ import pytest
 
 import netns
 from cluster_fixture import cluster, http, yaml_for
-from faults import FAST_YAML, Phases
+from faults import FAST_YAML, Phases, recovered
 
 
 def _envoy_of(agent_pid: int) -> int:
@@ -42,51 +44,6 @@ def _alive(pid: int) -> bool:
 
 def _victim(url: str) -> dict:
     return http(url, "/v1/cluster/status")[1]["nodes"][1]
-
-
-def test_a_killed_node_is_restarted_idle_in_prefill_and_in_decode(tmp_path):
-    with cluster(tmp_path, yaml_for(2, extra=FAST_YAML)) as (url, proc, lines):
-        killed = []
-
-        def inject():
-            killed.append(_victim(url)["pid"])
-            os.kill(killed[-1], signal.SIGKILL)
-
-        Phases(url, "node-1 SIGKILLed", "node-1", inject, log=lines).run()
-        pids = [n["pid"] for n in http(url, "/v1/cluster/status")[1]["nodes"]]
-        assert len(set(killed)) == 3 and not set(killed) & set(pids), (killed, pids)
-
-
-def test_a_killed_envoy_is_a_lost_node_then_the_cluster_rebuilds_itself(tmp_path):
-    with cluster(tmp_path, yaml_for(2, extra=FAST_YAML)) as (url, proc, lines):
-        agent = _victim(url)["pid"]
-        Phases(url, "node-1's envoy SIGKILLed", "node-1", lambda: os.kill(_envoy_of(agent), signal.SIGKILL),
-               log=lines).run()
-        assert _victim(url)["pid"] == agent, "an envoy's death needs no new node process"
-        assert any("node-1" in line and "envoy" in line for line in lines), "the coordinator logs the cause"
-
-
-def test_a_stalled_node_is_restarted_and_its_late_continue_changes_nothing(tmp_path):
-    """SIGSTOP of a local node's process group (agent and envoy): it stops answering, so the
-    coordinator kills and restarts it at once, without waiting for a SIGCONT that may never come;
-    the SIGCONT sent once the cluster is ready again finds it gone and disturbs nothing."""
-    with cluster(tmp_path, yaml_for(2, extra=FAST_YAML)) as (url, proc, lines):
-        stopped = []
-
-        def inject():
-            stopped.append(_victim(url)["pid"])
-            os.killpg(stopped[-1], signal.SIGSTOP)
-
-        def restore():
-            for pid in stopped[-1:]:
-                try:
-                    os.killpg(pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-
-        Phases(url, "node-1 SIGSTOPped (SIGCONT once ready again)", "node-1", inject, restore, restore_after="ready",
-               log=lines).run()
-        assert not any(_alive(p) for p in stopped), f"stopped nodes left behind: {stopped}"
 
 
 LINK_REASON = netns.available()
@@ -126,3 +83,66 @@ def test_a_node_whose_link_goes_down_and_up_rejoins(tmp_path):
                        recover_from="restore", log=lines).run()
         finally:
             netns.stop(*agents)
+
+
+# The local faults, after the link test: the shared cluster runs from here to the module's end.
+@pytest.fixture(scope="module")
+def local(tmp_path_factory):
+    """One cluster of two local nodes for the local faults (a start and a stop cost ~5 s each on
+    2 vCPUs); yields (url, the coordinator's output lines so far)."""
+    with cluster(tmp_path_factory.mktemp("faults"), yaml_for(2, extra=FAST_YAML)) as (url, proc, lines):
+        yield url, lines
+
+
+@pytest.fixture
+def ready(local):
+    """The shared cluster, checked ready and serving before a fault (as a fresh one would be)."""
+    url, lines = local
+    recovered(url)
+    return local
+
+
+def test_a_killed_node_is_restarted_idle_in_prefill_and_in_decode(ready):
+    url, lines = ready
+    killed = []
+
+    def inject():
+        killed.append(_victim(url)["pid"])
+        os.kill(killed[-1], signal.SIGKILL)
+
+    Phases(url, "node-1 SIGKILLed", "node-1", inject, log=lines).run()
+    pids = [n["pid"] for n in http(url, "/v1/cluster/status")[1]["nodes"]]
+    assert len(set(killed)) == 3 and not set(killed) & set(pids), (killed, pids)
+
+
+def test_a_killed_envoy_is_a_lost_node_then_the_cluster_rebuilds_itself(ready):
+    url, lines = ready
+    before = len(lines)  # the cause must be logged for this fault, not an earlier one
+    agent = _victim(url)["pid"]
+    Phases(url, "node-1's envoy SIGKILLed", "node-1", lambda: os.kill(_envoy_of(agent), signal.SIGKILL),
+           log=lines).run()
+    assert _victim(url)["pid"] == agent, "an envoy's death needs no new node process"
+    assert any("node-1" in line and "envoy" in line for line in lines[before:]), "the coordinator logs the cause"
+
+
+def test_a_stalled_node_is_restarted_and_its_late_continue_changes_nothing(ready):
+    """SIGSTOP of a local node's process group (agent and envoy): it stops answering, so the
+    coordinator kills and restarts it at once, without waiting for a SIGCONT that may never come;
+    the SIGCONT sent once the cluster is ready again finds it gone and disturbs nothing."""
+    url, lines = ready
+    stopped = []
+
+    def inject():
+        stopped.append(_victim(url)["pid"])
+        os.killpg(stopped[-1], signal.SIGSTOP)
+
+    def restore():
+        for pid in stopped[-1:]:
+            try:
+                os.killpg(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    Phases(url, "node-1 SIGSTOPped (SIGCONT once ready again)", "node-1", inject, restore, restore_after="ready",
+           log=lines).run()
+    assert not any(_alive(p) for p in stopped), f"stopped nodes left behind: {stopped}"

@@ -2,7 +2,9 @@
 
 Two node agents on loopback, one of them in a mount namespace of its own where the checkpoint's
 safetensors file is a copy with layer 2's experts 8..15 swapped in pairs (the experts that node
-holds): its shard is wrong while the coordinator reads the true checkpoint.
+holds): its shard is wrong while the coordinator reads the true checkpoint. The passing case (`up`
+reports that the layers match) is asserted on the 2-node demo cluster of test_up.py's TLS test,
+started there anyway (a cluster of its own here cost ~5 s).
 """
 
 from __future__ import annotations
@@ -15,16 +17,9 @@ import time
 
 import pytest
 
-from cluster_fixture import cluster, yaml_for
 
 LAYER = 2
 SWAPPED = [(8, 9), (10, 11), (12, 13), (14, 15)]  # rank 1's experts under an even split of 16
-
-
-def test_up_reports_that_the_layers_match(tmp_path):
-    with cluster(tmp_path, yaml_for(2)) as (url, proc, lines):
-        pass
-    assert any(line.startswith("load check: MoE layers 0, 1, 2, 3 match the checkpoint") for line in lines), lines
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,

@@ -33,10 +33,56 @@ def float32_models(make_ckpt):
     return [(arch, layout, make_ckpt(arch, layout)) for arch in ARCHS for layout in ("mlx", "hf")]
 
 
+@pytest.fixture(scope="module")
+def bfloat16_models(make_ckpt):
+    models = [(a, make_ckpt(a, "mlx", "bfloat16")) for a in ("mixtral", "qwen3_moe", "deepseek_v3", "dbrx", "gpt_oss")]
+    models.append(("qwen2_moe-hf", make_ckpt("qwen2_moe", "hf", "bfloat16")))
+    return models
+
+
+@pytest.fixture(scope="module")
+def q4_models(make_ckpt):
+    models = [(a, make_ckpt(a, "mlx", "float32", 4)) for a in ARCHS]
+    models += [(f"{a}-hf", make_ckpt(a, "hf", "float32", 4)) for a in ("mixtral", "olmoe", "deepseek_v3")]
+    models.append(("mixtral-mixed-bits", make_ckpt("mixtral", "mlx", "float32", 4, mixed_bits=True)))
+    return models
+
+
+@pytest.fixture(scope="module")
+def reports_at(request):
+    """reports_at(suite, nodes) -> reports[model][rank] of `run_nodes` for that suite's models.
+
+    One spawn of N node processes serves every suite selected at that N (float32, bfloat16, 4-bit:
+    each node loads each model in turn), not one spawn per test: at N = 2 and 3 that is one spawn
+    of the processes instead of three (~10 s on 2 vCPUs). Each test still checks its own models."""
+    tests = {"test_float32_every_family_both_layouts": "float32_models", "test_bfloat16": "bfloat16_models",
+             "test_4bit": "q4_models"}
+    wanted: dict[int, list[str]] = {}  # nodes -> the suites selected at that N, in test order
+    for item in request.session.items:
+        if item.module is request.module and item.originalname in tests:
+            suites = wanted.setdefault(item.callspec.params["nodes"], [])
+            if tests[item.originalname] not in suites:
+                suites.append(tests[item.originalname])
+    cache: dict[int, dict[str, list]] = {}
+
+    def get(suite: str, nodes: int) -> list:
+        if nodes not in cache:
+            suites = wanted.get(nodes, [suite])
+            models = {s: request.getfixturevalue(s) for s in suites}
+            paths = [m[-1] for s in suites for m in models[s]]
+            reports = run_nodes([_task(p) for p in paths], nodes)
+            cache[nodes], at = {}, 0
+            for s in suites:
+                cache[nodes][s], at = reports[at:at + len(models[s])], at + len(models[s])
+        return cache[nodes][suite]
+
+    return get
+
+
 @pytest.mark.parametrize("nodes", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])  # 4 nodes: 18 s
-def test_float32_every_family_both_layouts(nodes, float32_models, reference):
-    reports = run_nodes([_task(p) for _, _, p in float32_models], nodes)
-    for (arch, layout, path), per_rank in zip(float32_models, reports):
+def test_float32_every_family_both_layouts(nodes, float32_models, reports_at, reference):
+    reports = reports_at("float32_models", nodes)
+    for (arch, layout, path), per_rank in zip(float32_models, reports, strict=True):
         ref_tokens, ref_logits = reference(path, PROMPT, TOKENS)
         got = per_rank[0]
         assert all(r["tokens"] == got["tokens"] for r in per_rank), f"{arch}/{layout}: nodes disagree"
@@ -54,11 +100,9 @@ def _near_tie_or_equal(cmp: dict, tol: float, what: str) -> None:
 
 
 @pytest.mark.parametrize("nodes", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3 nodes: 23 s
-def test_bfloat16(nodes, make_ckpt, reference):
-    models = [(a, make_ckpt(a, "mlx", "bfloat16")) for a in ("mixtral", "qwen3_moe", "deepseek_v3", "dbrx", "gpt_oss")]
-    models.append(("qwen2_moe-hf", make_ckpt("qwen2_moe", "hf", "bfloat16")))
-    reports = run_nodes([_task(p) for _, p in models], nodes)
-    for (name, path), per_rank in zip(models, reports):
+def test_bfloat16(nodes, bfloat16_models, reports_at, reference):
+    reports = reports_at("bfloat16_models", nodes)
+    for (name, path), per_rank in zip(bfloat16_models, reports, strict=True):
         # Stock mlx-lm on MLX's CPU backend has no bfloat16 gather_mm: its reference runs the same
         # checkpoint upcast to float32 (exactly representable), i.e. the bf16 model's exact output.
         ref_tokens, ref_logits = reference(path, PROMPT, TOKENS)
@@ -68,12 +112,9 @@ def test_bfloat16(nodes, make_ckpt, reference):
 
 @pytest.mark.slow  # 22 s to 24 s each
 @pytest.mark.parametrize("nodes", [2, 3])
-def test_4bit(nodes, make_ckpt, reference):
-    models = [(a, make_ckpt(a, "mlx", "float32", 4)) for a in ARCHS]
-    models += [(f"{a}-hf", make_ckpt(a, "hf", "float32", 4)) for a in ("mixtral", "olmoe", "deepseek_v3")]
-    models.append(("mixtral-mixed-bits", make_ckpt("mixtral", "mlx", "float32", 4, mixed_bits=True)))
-    reports = run_nodes([_task(p) for _, p in models], nodes)
-    for (name, path), per_rank in zip(models, reports):
+def test_4bit(nodes, q4_models, reports_at, reference):
+    reports = reports_at("q4_models", nodes)
+    for (name, path), per_rank in zip(q4_models, reports, strict=True):
         ref_tokens, ref_logits = reference(path, PROMPT, TOKENS)
         cmp = compare(per_rank[0]["tokens"], per_rank[0]["logits"], ref_tokens, ref_logits)
         _near_tie_or_equal(cmp, Q4_NEAR_TIE, f"{name} 4-bit N={nodes}")

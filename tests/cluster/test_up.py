@@ -129,3 +129,6 @@ def test_tls_between_coordinator_nodes_and_envoys(tmp_path):
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         finally:
             channel.close()
+    # `up` reports the load-time check it passed, as on any cluster (the failing case and why it is
+    # asserted here, on a demo cluster started anyway: tests/cluster/test_load_check.py)
+    assert any(line.startswith("load check: MoE layers 0, 1, 2, 3 match the checkpoint") for line in lines), lines

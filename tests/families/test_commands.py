@@ -31,33 +31,19 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize("family", WRONG + REFUSED)
-def test_simulate_two_node_processes_equal_stock(family, checkpoints):
-    r = moe_cluster("simulate", "--model", str(checkpoints[family]), "--nodes", "2", "--prompt", PROMPT,
-                    "--max-tokens", "8", "--check", "--json")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout)
+def test_simulate_two_node_processes_equal_stock(family, checkpoints, capsys):
+    """`simulate` through the command's own entry point, in this process (its two node processes are
+    real, spawned as from the CLI): a subprocess each only added an interpreter and MLX import."""
+    from moe_cluster.coordinator.cli import main
+
+    code = main(["simulate", "--model", str(checkpoints[family]), "--nodes", "2", "--prompt", PROMPT,
+                 "--max-tokens", "8", "--check", "--json"])
+    r = capsys.readouterr()
+    assert code == 0, r.err
+    out = json.loads(r.out)  # stdout is the JSON alone
     assert len(out["tokens"]) == 8
     assert out["tokens_match"], out
     assert out["max_abs_logit_diff"] <= sweep.TOLERANCE, out["max_abs_logit_diff"]
-
-
-@pytest.mark.parametrize("family", WRONG + REFUSED)
-def test_plan_describes_the_family(family, checkpoints):
-    r = moe_cluster("plan", "--model", str(checkpoints[family]), "--hardware", "m2-ultra-192", "--nodes", "2",
-                    "--json")
-    assert r.returncode == 0, r.stderr
-    model = json.loads(r.stdout)["model"]
-    assert model["top_k"] == (1 if family == "llama4" else 2), model  # tiny.py: top-2, llama4 asserts top-1
-    assert model["num_experts"] == 8
-
-
-@pytest.mark.parametrize("family", ["hunyuan", "step3p5"])
-def test_plan_counts_shared_experts_whatever_their_name(family, checkpoints):
-    r = moe_cluster("plan", "--model", str(checkpoints[family]), "--hardware", "m2-ultra-192", "--nodes", "2",
-                    "--json")
-    assert r.returncode == 0, r.stderr
-    model = json.loads(r.stdout)["model"]
-    assert model["shared_expert_bytes"] > 0, model
 
 
 @pytest.mark.parametrize("family", [f for f in tiny.families() if tiny.needs_metal(f)])
@@ -73,7 +59,9 @@ def test_a_metal_only_family_is_refused_in_one_line(family, tmp_path):
 
 @pytest.mark.parametrize("family", tiny.families())
 def test_plan_describes_every_family(family, tmp_path, capsys):
-    """`plan --model` on every family, in this process (the command's own entry point)."""
+    """`plan --model` on every family, in this process (the command's own entry point): top-k and
+    shared-expert bytes come from the same structure rule, so issue 13's families (WRONG, REFUSED)
+    are checked here with the rest rather than by a subprocess each (17 of them cost ~30 s)."""
     from moe_cluster.coordinator.cli import main
 
     path = tiny.make_checkpoint(family, tmp_path / family)
@@ -84,5 +72,8 @@ def test_plan_describes_every_family(family, tmp_path, capsys):
         return
     assert code == 0, out.err
     model = json.loads(out.out)["model"]
-    assert model["num_experts"] == 8 and model["top_k"] in (1, 2), model
+    assert model["num_experts"] == 8, model
+    assert model["top_k"] == (1 if family == "llama4" else 2), model  # tiny.py: top-2, llama4 asserts top-1
     assert model["moe_layers"] >= 1 and model["expert_bytes"] > 0, model
+    if family in ("hunyuan", "step3p5"):  # shared experts counted whatever their name
+        assert model["shared_expert_bytes"] > 0, model

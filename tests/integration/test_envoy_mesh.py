@@ -65,64 +65,67 @@ def _fails_naming(cluster: Cluster, ranks, peer: int, since: float, within: floa
         assert when - since < within, f"node {r} failed {when - since:.1f} s after the fault: {message}"
 
 
-def test_dead_peer_fails_the_step_everywhere_then_the_mesh_heals(spin):
+def test_a_dead_then_a_stalled_peer_fail_the_step_everywhere_then_the_mesh_heals(spin):
+    """Both faults on one mesh of 3 (a start and a close of 3 nodes and 3 envoys cost ~2 s): a dead
+    peer, then a stalled one, each failing the step on the others within the step timeout, naming
+    it, and the mesh serving again after each."""
     timeout = 2.0
     cluster = Cluster(envoy_spec(3, timeout_s=timeout, connect_timeout_s=20))
     try:
-        all_ok(cluster.run("before", 300))
-
-        # the node process dies (kill -9): its envoy must exit by itself, the others fail at once
-        for r in range(3):
-            cluster.nodes[r].send("run", "doomed-1", 10**7)
-        time.sleep(0.5)
-        orphan = cluster.nodes[2].envoy_pid
-        t = time.monotonic()
-        cluster.kill(2)
-        _fails_naming(cluster, [0, 1], peer=2, since=t, within=timeout + 1.5)
-        deadline = time.monotonic() + 5
-        while alive(orphan) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not alive(orphan), f"envoy {orphan} outlived its node"
-
-        cluster.start(2)  # same address: the others redial it
-        all_ok(cluster.run("after-1", 300))
-
-        # the whole peer dies at once (node and envoy, kill -9)
-        for r in range(3):
-            cluster.nodes[r].send("run", "doomed-2", 10**7)
-        time.sleep(0.5)
-        t = time.monotonic()
-        cluster.kill(2, envoy_too=True)
-        _fails_naming(cluster, [0, 1], peer=2, since=t, within=timeout + 1.5)
-
-        cluster.start(2)
-        all_ok(cluster.run("after-2", 300))
+        _dead_peer_fails_the_step_everywhere_then_the_mesh_heals(cluster, timeout)
+        _stalled_peer_times_out_naming_it(cluster, timeout)
     finally:
         cluster.close()
 
 
-def test_stalled_peer_times_out_naming_it(spin):
-    timeout = 2.0
-    cluster = Cluster(envoy_spec(3, timeout_s=timeout))
+def _dead_peer_fails_the_step_everywhere_then_the_mesh_heals(cluster: Cluster, timeout: float) -> None:
+    all_ok(cluster.run("before", 300))
+
+    # the node process dies (kill -9): its envoy must exit by itself, the others fail at once
+    for r in range(3):
+        cluster.nodes[r].send("run", "doomed-1", 10**7)
+    time.sleep(0.5)
+    orphan = cluster.nodes[2].envoy_pid
+    t = time.monotonic()
+    cluster.kill(2)
+    _fails_naming(cluster, [0, 1], peer=2, since=t, within=timeout + 1.5)
+    deadline = time.monotonic() + 5
+    while alive(orphan) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(orphan), f"envoy {orphan} outlived its node"
+
+    cluster.start(2)  # same address: the others redial it
+    all_ok(cluster.run("after-1", 300))
+
+    # the whole peer dies at once (node and envoy, kill -9)
+    for r in range(3):
+        cluster.nodes[r].send("run", "doomed-2", 10**7)
+    time.sleep(0.5)
+    t = time.monotonic()
+    cluster.kill(2, envoy_too=True)
+    _fails_naming(cluster, [0, 1], peer=2, since=t, within=timeout + 1.5)
+
+    cluster.start(2)
+    all_ok(cluster.run("after-2", 300))
+
+
+def _stalled_peer_times_out_naming_it(cluster: Cluster, timeout: float) -> None:
+    all_ok(cluster.run("before-stall", 100))
+    for r in range(3):
+        cluster.nodes[r].send("run", "stalled", 10**7)
+    time.sleep(0.5)
+    stalled = cluster.nodes[1].envoy_pid
+    t = time.monotonic()
+    import os
+
+    os.kill(stalled, signal.SIGSTOP)
     try:
-        all_ok(cluster.run("before", 100))
-        for r in range(3):
-            cluster.nodes[r].send("run", "stalled", 10**7)
-        time.sleep(0.5)
-        stalled = cluster.nodes[1].envoy_pid
-        t = time.monotonic()
-        import os
-
-        os.kill(stalled, signal.SIGSTOP)
-        try:
-            _fails_naming(cluster, [0, 2], peer=1, since=t, within=timeout + 1.5)
-        finally:
-            os.kill(stalled, signal.SIGCONT)
-        kind, message, _ = cluster.nodes[1].reply(timeout + 30)  # it fails too, once it runs again
-        assert kind == "error" and "rank 1" in message, message
-        all_ok(cluster.run("after", 300))  # frames of the aborted request are dropped, not mixed in
+        _fails_naming(cluster, [0, 2], peer=1, since=t, within=timeout + 1.5)
     finally:
-        cluster.close()
+        os.kill(stalled, signal.SIGCONT)
+    kind, message, _ = cluster.nodes[1].reply(timeout + 30)  # it fails too, once it runs again
+    assert kind == "error" and "rank 1" in message, message
+    all_ok(cluster.run("after", 300))  # frames of the aborted request are dropped, not mixed in
 
 
 # -- the cluster secret --------------------------------------------------------------------------
