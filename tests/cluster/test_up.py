@@ -45,6 +45,16 @@ def test_three_nodes_equal_stock_for_the_demo_and_repeat_with_a_seed(tmp_path):
         assert gen["peak_memory_bytes"] > 0
 
 
+def test_one_node_serves_stock_tokens(tmp_path):
+    """A lone node runs stock mlx-lm's model (the single-node fallback): its tokens are stock's. It
+    once routed layer 0 with the structure probe's random weights and answered wrong tokens."""
+    from moe_cluster.node.demo import MODEL_DIR
+
+    with cluster(tmp_path, yaml_for(1)) as (url, proc, lines):
+        got = _complete(url)["moe_cluster"]["tokens"]
+    assert got == stock_tokens(MODEL_DIR, PROMPT, 24)
+
+
 @pytest.mark.parametrize("arch", [pytest.param("mixtral", marks=pytest.mark.slow), "deepseek_v3",
                                   pytest.param("qwen3_next", marks=pytest.mark.slow)])  # slow ones: 16 s, 17 s
 def test_three_nodes_equal_stock_for_other_families(arch, tmp_path, make_ckpt):
