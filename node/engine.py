@@ -1,15 +1,11 @@
-"""The token loop every node runs: chunked prefill and decode on mlx-lm's `generate_step`.
-
-One node or many, the loop is the same; on a cluster the model's MoE blocks all-reduce inside
-the forward pass, the sampler hands each token to the cluster's agreement, and `settle` checks each
-token the agreement before it is used.
-"""
+"""One request on mlx-lm's `generate_step`: the references, benchmarks and tools that run a model
+(sharded or stock) in one process. Nodes serve through the running batch (node/batch.py)."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -38,17 +34,11 @@ class Stats:
         return self.generated / self.generation_seconds if self.generation_seconds else 0.0
 
 
-TokenHook = Callable[[mx.array], mx.array]
-
-
-def make_sampler(sampling: Sampling, token_hook: TokenHook | None = None):
+def make_sampler(sampling: Sampling):
     from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 
     top_p = sampling.top_p if sampling.top_p < 1.0 else 0.0
-    sampler = mlx_make_sampler(temp=sampling.temperature, top_p=top_p)
-    if token_hook is None:
-        return sampler
-    return lambda logprobs: token_hook(sampler(logprobs))
+    return mlx_make_sampler(temp=sampling.temperature, top_p=top_p)
 
 
 def generate_tokens(
@@ -59,29 +49,15 @@ def generate_tokens(
     eos_token_ids: Sequence[int] = (),
     prompt_cache: list | None = None,
     prefill_step: int = DEFAULT_PREFILL_STEP,
-    token_hook: TokenHook | None = None,
     stats: Stats | None = None,
     logits_sink: list | None = None,
-    fed_tokens: list | None = None,
-    prefill_hook: Callable[[int, int], None] | None = None,
-    settle: Callable[[int], None] | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids until an EOS token (not yielded) or `max_tokens`.
 
     Args:
         prompt: token ids to process; with a `prompt_cache`, only the part not cached yet.
-        token_hook: called on each sampled token (a lazy array, while the step's graph is built)
-            and returns the token to use; the cluster hands it to the next step's all-reduce.
         stats: filled in with timings and the finish reason.
         logits_sink: if given, each step's raw logits (float32 numpy) are appended to it.
-        fed_tokens: if given, every token the model has been fed after the prompt is appended
-            (the yielded ones and a final EOS), i.e. what a prompt cache now holds.
-        prefill_hook: called as (prompt tokens processed, total) before the prefill and after each
-            of its chunks; the cluster uses it to agree on cancellation during a long prefill.
-        settle: called with each token as mlx-lm hands it out, before it is yielded, counted or
-            compared with EOS. mlx-lm has already started the next step by then, whose first
-            all-reduce carried the token: the cluster checks there that every node sampled it and
-            whether one asks to stop (raising to stop), so every node ends at the same step.
     """
     from mlx_lm.generate import generate_step
 
@@ -97,19 +73,14 @@ def generate_tokens(
         mx.array(list(prompt), dtype=mx.uint32),
         model,
         max_tokens=sampling.max_tokens,
-        sampler=make_sampler(sampling, token_hook),
+        sampler=make_sampler(sampling),
         prompt_cache=prompt_cache,
         prefill_step_size=prefill_step,
         logits_processors=[_recorder(logits_sink)] if logits_sink is not None else None,
-        prompt_progress_callback=prefill_hook,
     )
     tic = time.perf_counter()
     stats.finish_reason = "length"
     for n, (token, _) in enumerate(steps):
-        if settle is not None:
-            settle(token)
-        if fed_tokens is not None:
-            fed_tokens.append(token)
         now = time.perf_counter()
         if n == 0:
             stats.prompt_seconds = now - tic
