@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from ..proto.errors import MoeClusterError, UserError
 from ..proto.records import GenerateRequest
-from .collective.base import RIDE_MAX_TOKEN, TokenMismatch, agree, waiting
+from .collective.base import RIDE_MAX_TOKEN, agree, waiting
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,6 @@ class RunningBatch:
         self._active: list[Sequence] = []  # admission order
         self._decoding: list[Sequence] = []  # the order of the batch's cache rows
         self._batch_cache: list | None = None
-        self._epoch = 0
         self._steps = 0
         self._recent_cancels: dict[str, None] = {}  # request ids cancelled before they arrived
 
@@ -152,7 +151,7 @@ class RunningBatch:
 
     @property
     def epoch_id(self) -> str:
-        return f"batch-{self._epoch}"
+        return f"batch-{_EPOCHS.get(self.collective, 0)}"
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -180,8 +179,7 @@ class RunningBatch:
         if not self._active:  # from idle: a new epoch, the same on every node
             # numbered per collective, not per batch: one envoy may serve batches of several
             # models in turn (simulate), and a request id it has seen before is not a new request
-            self._epoch = _EPOCHS.get(c, 0) + 1
-            _EPOCHS[c] = self._epoch
+            _EPOCHS[c] = _EPOCHS.get(c, 0) + 1
             c.begin(self.epoch_id)
         with self._lock:
             held = sorted(self._queued)[: self.limits.max_batch]
@@ -211,19 +209,14 @@ class RunningBatch:
             cancel = [bool(f) for f in cancels]
             agreed = [int(t.item()) if t is not None else None for t in previous]
         else:
-            rows = agreement.values
-            common = sorted(set.intersection(*(set(r[:width]) for r in rows)) - {0})
-            cancel = [any(r[width + i] for r in rows) for i in range(len(active))]
+            common = sorted(set.intersection(*(set(r[:width]) for r in agreement.values)) - {0})
+            cancel = [agreement.any_set(width + i) for i in range(len(active))]
             agreed = []
-            for i, s in enumerate(decoding):
-                mine = [r[width + len(active) + i] for r in rows]
-                for rank, v in enumerate(mine):
-                    if v != mine[0]:
-                        raise TokenMismatch(f"request {s.req.request_id}, step {len(s.fed)}: rank {rank} sampled token "
-                                            f"{v - 1}, rank 0 sampled {mine[0] - 1} (the nodes' logits differ)")
-                agreed.append(mine[0] - 1 if mine[0] else None)
+            for i, s in enumerate(decoding):  # token + 1; 0 where the step had none to agree on
+                t = agreement.token(width + len(active) + i, f"request {s.req.request_id}, step {len(s.fed)}", offset=1)
+                agreed.append(t if t >= 0 else None)
         self._steps += 1
-        self._settle(decoding, agreed, sampled)
+        self._settle(decoding, agreed)
         for s, flag in zip(active, cancel):
             if flag and s in self._active:
                 self._finish(s, "cancelled")
@@ -266,7 +259,7 @@ class RunningBatch:
 
     # -- after the step ------------------------------------------------------------------------
 
-    def _settle(self, decoding: list[Sequence], agreed: list[int | None], sampled) -> None:
+    def _settle(self, decoding: list[Sequence], agreed: list[int | None]) -> None:
         """Hand out the agreed tokens; sequences that end leave the batch."""
         import numpy as np
 
@@ -359,8 +352,8 @@ class RunningBatch:
                 self._join(s)
 
     def _join(self, s: Sequence) -> None:
-        from mlx_lm.models.cache import BatchKVCache  # noqa: F401 - the batched caches come from `merge`
-
+        """`s` (prefilled) joins the decode batch: its cache merges into the batch's (mlx-lm's
+        batched caches come from `merge`); a lone sequence keeps its own."""
         if not self._decoding:
             self._batch_cache = s.cache
         elif len(self._decoding) == 1 and self._decoding[0].cache is self._batch_cache:
@@ -418,14 +411,8 @@ def kv_bytes_per_token(model) -> int:
     head_dim = getattr(args, "head_dim", None) or (args.hidden_size // heads if heads else None)
     if not kv_heads or not head_dim:
         return 0
-    dtype = next(iter(p.dtype for _, p in _leaves(model)), mx.float32)
-    return len(layers) * 2 * kv_heads * head_dim * dtype.size
-
-
-def _leaves(model):
     from mlx.utils import tree_flatten
 
-    return (kv for kv in tree_flatten(model.parameters()) if kv[1].dtype in (mx.float32, mx.float16, mx.bfloat16))
-
-
-
+    floats = (mx.float32, mx.float16, mx.bfloat16)  # the activations' dtype, not a quantized weight's
+    dtype = next((p.dtype for _, p in tree_flatten(model.parameters()) if p.dtype in floats), mx.float32)
+    return len(layers) * 2 * kv_heads * head_dim * dtype.size

@@ -52,28 +52,24 @@ class TokenMismatch(CollectiveError):
 
 @dataclass(frozen=True)
 class Agreement:
-    """What every rank put on one agreement (index = rank): a vector of small non-negative ints.
-
-    A single request rides (token, cancel flag); a running batch rides its queue, cancel flags and
-    tokens (node/batch.py)."""
+    """What every rank put on one agreement (index = rank): a vector of small non-negative ints
+    (a running batch rides its queue, cancel flags and tokens: node/batch.py)."""
 
     values: tuple[tuple[int, ...], ...]
 
-    @property
-    def tokens(self) -> tuple[int, ...]:
-        return tuple(v[0] for v in self.values)
+    def any_set(self, index: int) -> bool:
+        """Whether any rank's value at `index` is non-zero (a flag one rank may raise alone)."""
+        return any(v[index] for v in self.values)
 
-    @property
-    def cancel(self) -> tuple[bool, ...]:
-        return tuple(v[1] != 0 for v in self.values)
-
-    def check(self, step: int) -> bool:
-        """Raise TokenMismatch where a rank's token is not rank 0's; True where any rank cancels."""
-        for rank, token in enumerate(self.tokens):
-            if token != self.tokens[0]:
-                raise TokenMismatch(f"step {step}: rank {rank} sampled token {token}, rank 0 sampled "
-                                    f"{self.tokens[0]} (the nodes' logits differ)")
-        return any(self.cancel)
+    def token(self, index: int, what: str, offset: int = 0) -> int:
+        """The token every rank put at `index` (less `offset`); TokenMismatch naming `what` and both
+        tokens where a rank's is not rank 0's: stopping beats silent drift."""
+        column = [v[index] - offset for v in self.values]
+        for rank, token in enumerate(column):
+            if token != column[0]:
+                raise TokenMismatch(f"{what}: rank {rank} sampled token {token}, rank 0 sampled "
+                                    f"{column[0]} (the nodes' logits differ)")
+        return column[0]
 
 
 # On a summing transport each value travels as three base-256 digits (exact in bfloat16, whose
@@ -81,11 +77,6 @@ class Agreement:
 # every rank's values.
 RIDE_DIGITS = 3
 RIDE_MAX_TOKEN = 1 << 24  # values from here on do not fit three digits
-
-
-def solo_values(token: mx.array, cancel: bool) -> mx.array:
-    """One request's ride: (its sampled token, its cancel flag), lazy in `token`."""
-    return mx.concatenate([token.reshape(-1)[:1].astype(mx.int32), mx.array([1 if cancel else 0], mx.int32)])
 
 
 def ride_slots(rank: int, world_size: int, values: mx.array, dtype) -> mx.array:

@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 
 from moe_cluster.node.collective.base import (Agreement, CollectiveError, TokenMismatch, rank_order_sum, read_slots,
-                                             ride_slots, solo_values)
+                                             ride_slots)
 from moe_cluster.node.collective.mlx import MlxCollective, write_hostfile
 from moe_cluster.node.collective.specs import MlxSpec
 from moe_cluster.proto.errors import UserError
@@ -45,10 +45,10 @@ def test_a_backend_missing_from_this_build_is_a_clear_error():
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
 def test_summed_ride_slots_carry_every_ranks_token_exactly(dtype):
     tokens, cancel = (151_935, 0, 255, 16_777_215), (False, True, False, False)
-    total = rank_order_sum([ride_slots(r, 4, solo_values(mx.array([t]), c), dtype)
+    total = rank_order_sum([ride_slots(r, 4, mx.array([t, c], dtype=mx.int32), dtype)
                             for r, (t, c) in enumerate(zip(tokens, cancel))])
     agreement = read_slots(total.astype(mx.float32).tolist(), 4)
-    assert (agreement.tokens, agreement.cancel) == (tokens, cancel)
+    assert agreement.values == tuple((t, int(c)) for t, c in zip(tokens, cancel))
 
 
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
@@ -60,10 +60,11 @@ def test_summed_ride_slots_carry_a_batchs_vector_exactly(dtype):
 
 
 def test_an_agreement_names_the_step_and_both_tokens():
-    assert Agreement(((7, 0), (7, 1))).check(4) is True
-    assert Agreement(((7, 0), (7, 0))).check(4) is False
+    assert Agreement(((7, 0), (7, 1))).any_set(1) is True
+    assert Agreement(((7, 0), (7, 0))).any_set(1) is False
+    assert Agreement(((8, 0), (8, 0))).token(0, "step 4", offset=1) == 7
     with pytest.raises(TokenMismatch, match="step 4: rank 1 sampled token 8, rank 0 sampled 7"):
-        Agreement(((7, 0), (8, 0))).check(4)
+        Agreement(((7, 0), (8, 0))).token(0, "step 4")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
