@@ -152,7 +152,6 @@ class ShardState:
         safe = self._marks[0]
         if safe > _FOLD_AT:
             self.settle(keep=len(self.pending) - safe)
-            self._marks = [0, self._marks[1] - safe]
 
     def settle(self, keep: int = 0) -> None:
         """Fold the device-routed calls into `counters` (all but the `keep` newest, which may belong
@@ -163,8 +162,7 @@ class ShardState:
 
     def _settle(self, keep: int) -> None:
         done, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
-        if not keep:
-            self._marks = [0, 0]
+        self._marks = [max(0, m - len(done)) for m in self._marks]  # they index `pending`
         if not done:
             return
         flat = [np.asarray(memoryview(inds)).reshape(-1) for _, inds, _ in done]  # no copy, no graph op
