@@ -78,15 +78,20 @@ def test_a_dead_then_a_stalled_peer_fail_the_step_everywhere_then_the_mesh_heals
         cluster.close()
 
 
+def _mid_run(cluster: Cluster, request_id: str) -> float:
+    """Start an endless run on every node and let it get going; -> when the fault comes."""
+    for r in range(3):
+        cluster.nodes[r].send("run", request_id, 10**7)
+    time.sleep(0.5)
+    return time.monotonic()
+
+
 def _dead_peer_fails_the_step_everywhere_then_the_mesh_heals(cluster: Cluster, timeout: float) -> None:
     all_ok(cluster.run("before", 300))
 
     # the node process dies (kill -9): its envoy must exit by itself, the others fail at once
-    for r in range(3):
-        cluster.nodes[r].send("run", "doomed-1", 10**7)
-    time.sleep(0.5)
     orphan = cluster.nodes[2].envoy_pid
-    t = time.monotonic()
+    t = _mid_run(cluster, "doomed-1")
     cluster.kill(2)
     _fails_naming(cluster, [0, 1], peer=2, since=t, within=timeout + 1.5)
     deadline = time.monotonic() + 5
@@ -98,10 +103,7 @@ def _dead_peer_fails_the_step_everywhere_then_the_mesh_heals(cluster: Cluster, t
     all_ok(cluster.run("after-1", 300))
 
     # the whole peer dies at once (node and envoy, kill -9)
-    for r in range(3):
-        cluster.nodes[r].send("run", "doomed-2", 10**7)
-    time.sleep(0.5)
-    t = time.monotonic()
+    t = _mid_run(cluster, "doomed-2")
     cluster.kill(2, envoy_too=True)
     _fails_naming(cluster, [0, 1], peer=2, since=t, within=timeout + 1.5)
 
@@ -111,11 +113,8 @@ def _dead_peer_fails_the_step_everywhere_then_the_mesh_heals(cluster: Cluster, t
 
 def _stalled_peer_times_out_naming_it(cluster: Cluster, timeout: float) -> None:
     all_ok(cluster.run("before-stall", 100))
-    for r in range(3):
-        cluster.nodes[r].send("run", "stalled", 10**7)
-    time.sleep(0.5)
     stalled = cluster.nodes[1].envoy_pid
-    t = time.monotonic()
+    t = _mid_run(cluster, "stalled")
     import os
 
     os.kill(stalled, signal.SIGSTOP)
