@@ -380,20 +380,31 @@ class ExpertShard(nn.Module):
         it selected (measured against the host path in tests/unit/test_experts.py)."""
         self._state.note(self._layer, inds, self._rank_of)
         rows = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, D): every slot of a token reads its row, as SwitchGLU
-        if self._identity:
-            return self._mlp(rows, inds, None).squeeze(-2)
+        if self._state.world_size == 1:  # alone: every expert is here, in stock's order where it is the identity
+            slots = inds if self._identity else self._lut[inds].astype(mx.uint32)
+            if inds.size >= SORTED_FROM:
+                return self._sorted(rows, slots)
+            return self._mlp(rows, slots, None).squeeze(-2)
         slots = self._lut[inds]  # (..., k): local slot, or -1 where another node computes it
-        if self._state.world_size == 1:  # alone: every expert is here
-            return self._mlp(rows, slots.astype(mx.uint32), None).squeeze(-2)
         mine = slots >= 0
         y = self._mlp(rows, mx.where(mine, slots, 0).astype(mx.uint32), None).squeeze(-2)  # (..., k, out)
         return mx.where(mine[..., None], y, mx.zeros_like(y))
+
+    def _sorted(self, rows: mx.array, slots: mx.array) -> mx.array:
+        """Many rows (a prompt, a wide batch) alone: mlx-lm's SwitchGLU sorted path op for op (rows
+        grouped by expert, gather_mm told so, then put back), so a lone node's prefill is stock's to
+        the bit in every dtype (a GPU's sorted kernel rounds differently from its unsorted one)."""
+        flat = slots.flatten()
+        order = mx.argsort(flat)
+        back = mx.argsort(order)
+        y = self._mlp(rows.flatten(0, -3)[order // slots.shape[-1]], flat[order], None)
+        return mx.unflatten(y[back], 0, slots.shape).squeeze(-2)
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
         state = self._state
         if self._next is not None:  # the next layer's likely misses read while this one runs
             self._next.prefetch(self._next_candidates, self._depth)
-        if self._lut is not None and inds.size < SORTED_FROM and self._gathered:
+        if self._lut is not None and self._gathered and (inds.size < SORTED_FROM or state.world_size == 1):
             return self._routed_on_device(x, inds)
         t0 = time.perf_counter()
         flat = np.array(inds).reshape(-1, inds.shape[-1])  # host sync: tiny

@@ -162,6 +162,23 @@ def test_device_routing_equals_the_host_path(world):
         assert delta_d == delta_h
 
 
+@pytest.mark.parametrize("tokens", [1, 30])  # decode, and past SwitchGLU's sort threshold (30 x 3 rows)
+def test_alone_every_call_is_stocks_op_for_op(tokens, monkeypatch):
+    """A lone node runs prompts on the device too, through SwitchGLU's own sorted path: its output is
+    stock's to the bit (on a GPU the sorted kernel rounds differently from the unsorted one, and bf16
+    near-ties turned a lone node's tokens), with no host read of the indices, and counted alike."""
+    bank = _bank(3)
+    (shard,) = _shards(bank, Placement.even({0: E}, 1), "none")
+    monkeypatch.setattr(ShardState, "count_routed", lambda *a: pytest.fail("indices read on the host"))
+    rng = np.random.default_rng(3)
+    x = mx.array(rng.standard_normal((1, tokens, D)).astype(np.float32))
+    sel = np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(1, tokens, K)
+    y = shard(x, mx.array(sel.astype(np.uint32)))
+    assert mx.array_equal(y, bank(x, mx.array(sel.astype(np.uint32)))).item()
+    monkeypatch.undo()
+    assert shard._state.routing()[0][1] == tuple(np.bincount(sel.reshape(-1), minlength=E))
+
+
 def test_replicated_experts_keep_the_host_path():
     """A replica is chosen per call from the whole selection, so it is decided on the host."""
     placement = Placement(2, {0: {0: tuple(range(E)), 1: (0, 1)}})
