@@ -128,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompt", default=None)
     b.add_argument("--transport", default="shm", help="collective(s) for N > 1, a comma list of shm, envoy, mlx")
     b.add_argument("--gpus", action="store_true", help="bind node r to GPU r (CUDA_VISIBLE_DEVICES)")
+    b.add_argument("--no-peers", action="store_true",
+                   help="skip mlx-lm's tensor parallelism at N > 1 (e.g. where its processes would share one GPU)")
     b.add_argument("--calibrate", action="store_true",
                    help="fit the performance model to these measurements and print its predictions beside them")
     b.add_argument("--expert-cache", default=None,

@@ -38,6 +38,7 @@ class DecodeBench:
     expert_cache: tuple[str, ...] = ()  # resident shares to measure (proto.expert_cache), e.g. 100%,50%,25%
     routing_profile: str | None = None  # the profile the cached runs pin from; None: one made on PROFILE_PROMPTS
     prefetch: int | None = None  # the cached runs' read-ahead per layer (load_shard's); None: auto
+    peers: bool = True  # measure mlx-lm's tensor parallelism at each N > 1
 
 
 # Prompts a routing profile is made from when none is given: not the benchmark's own prompt, so the
@@ -75,10 +76,12 @@ def _single_node(spec: DecodeBench, ids: list[int], tokenizer, model) -> dict:
     }
 
 
-def _cluster_path_alone(spec: DecodeBench, ids: list[int], tokenizer, model) -> dict:
+def _cluster_path_alone(spec: DecodeBench, ids: list[int], tokenizer, model, stock_tps: float) -> dict:
     """The cluster path at N = 1 (the sharded model: ExpertShards in ClusterMoE layers, one node)
-    alternating with stock mlx-lm in this process, as `_single_node` alternates our engine: rounds
-    interleaved, so a noisy machine slows both sides alike. Medians."""
+    alternating with stock mlx-lm (`model`) in this process, as `_single_node` alternates our engine:
+    rounds interleaved, so a noisy machine slows both sides alike. Medians. Without `model` (both
+    copies would not fit the device's memory: on a GPU, the oversubscribed one pages and both slow
+    down ~2x), the cluster path runs alone and is compared with `stock_tps`, measured before."""
     from mlx_lm.generate import stream_generate
 
     from ...node.moe.load import load_shard
@@ -90,13 +93,37 @@ def _cluster_path_alone(spec: DecodeBench, ids: list[int], tokenizer, model) -> 
         stats = Stats()
         toks = list(generate_tokens(sharded.model, ids, sampling, eos_token_ids=(), stats=stats))
         last = None
-        for last in stream_generate(model, tokenizer, ids, max_tokens=spec.max_tokens):
+        for last in stream_generate(model, tokenizer, ids, max_tokens=spec.max_tokens) if model is not None else ():
             pass
         if i:
             ours.append(stats.generation_tps)
-            stock.append(last.generation_tps)
+            stock.append(last.generation_tps if last is not None else stock_tps)
             tokens = toks
-    return {"cluster_tps": statistics.median(ours), "mlx_lm_tps": statistics.median(stock), "tokens": tokens}
+    return {"cluster_tps": statistics.median(ours), "mlx_lm_tps": statistics.median(stock), "tokens": tokens,
+            "interleaved": model is not None}
+
+
+def _fits_twice(model) -> bool:
+    """Whether a second copy of `model`'s weights fits beside it in the device's memory (with a
+    tenth to spare for activations and caches)."""
+    from mlx.utils import tree_flatten
+
+    from ...node.device import device_info
+
+    weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    return 2.2 * weights <= device_info().memory_bytes
+
+
+def _release() -> int:
+    """Give MLX's cached buffers back after the stock model is dropped (the node processes need the
+    memory: on a GPU, the same device); the bytes this process still holds."""
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
+    return mx.get_active_memory()
 
 
 def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> list[dict]:
@@ -225,14 +252,14 @@ def run(spec: DecodeBench) -> dict:
     ids = encode_prompt(tokenizer, spec.prompt)
     t0 = time.perf_counter()
     single = _single_node(spec, ids, tokenizer, model)
-    alone = _cluster_path_alone(spec, ids, tokenizer, model) if 1 in spec.nodes else None
+    alone = None
+    if 1 in spec.nodes and _fits_twice(model):
+        alone = _cluster_path_alone(spec, ids, tokenizer, model, single["mlx_lm_tps"])
     del model
-    import gc
-
-    import mlx.core as mx
-
-    gc.collect()
-    mx.clear_cache()  # the node processes need this memory (on a GPU: the same device)
+    held = _release()
+    if 1 in spec.nodes and alone is None:
+        alone = _cluster_path_alone(spec, ids, None, None, single["mlx_lm_tps"])
+        held = _release()
     clusters = []
     for n in spec.nodes:
         # N = 1 runs the cluster path too (one node process, nothing to exchange), so every point
@@ -250,7 +277,7 @@ def run(spec: DecodeBench) -> dict:
     from .tensor_parallel import measure
 
     peers = []
-    for n in (n for n in spec.nodes if n > 1):
+    for n in (n for n in spec.nodes if n > 1 and spec.peers):
         peer = measure(str(ckpt.path), n, ids, spec.max_tokens, spec.rounds, gpus=spec.gpus)
         if "tokens" in peer:
             peer.update(_compare(peer.pop("tokens"), single["stock_tokens"][: spec.max_tokens]))
@@ -268,11 +295,12 @@ def run(spec: DecodeBench) -> dict:
         # measured in alternating rounds in this process
         "cluster_ratio": alone["cluster_tps"] / alone["mlx_lm_tps"] if alone else None,
         "cluster_path": {"tps": alone["cluster_tps"], "mlx_lm_tps": alone["mlx_lm_tps"],
-                         **_compare(alone["tokens"], single["stock_tokens"][: spec.max_tokens])} if alone else None,
+                         "interleaved": alone["interleaved"], **_compare(alone["tokens"], single["stock_tokens"][: spec.max_tokens])} if alone else None,
         "same_tokens": single["same_tokens"],
         "rounds": {"ours": single["ours_rounds_tps"], "mlx_lm": single["mlx_lm_rounds_tps"]},
         "model_bytes": bytes_,
         "host": {"cores": os.cpu_count() or 1},
+        "bench_process_bytes": held,  # what this process held while the node processes ran
         "clusters": clusters,
         "peers": peers,
         "expert_cache": caches,
@@ -365,7 +393,8 @@ def main(args) -> int:
     for c in caches:
         ExpertCacheSpec.parse(c)
     spec = DecodeBench(args.model, nodes, keepalive, args.max_tokens, args.rounds, args.prompt or DEFAULT_PROMPT,
-                       transports, args.gpus, caches, args.routing_profile, _prefetch(args.prefetch))
+                       transports, args.gpus, caches, args.routing_profile, _prefetch(args.prefetch),
+                       not args.no_peers)
     out = run(spec)
     if args.calibrate:
         out["calibration"] = calibrate(out)

@@ -23,3 +23,20 @@ def test_bench_decode_reports_every_path_with_stock_tokens():
     (peer,) = out["peers"]
     assert peer["name"] == "mlx_lm_tensor_parallel" and peer["nodes"] == 2, peer
     assert peer["tps"] > 0 and peer["same_tokens"], peer
+
+
+def test_without_room_for_two_copies_the_cluster_path_runs_after_stock(monkeypatch):
+    """Where stock and the sharded model do not both fit the device (a 59 GB checkpoint on an 80 GB
+    GPU), the cluster path at N = 1 runs after the stock model is dropped and is compared with stock's
+    earlier rounds, still on stock's tokens; --no-peers leaves mlx-lm's tensor parallelism out."""
+    from moe_cluster.coordinator.bench import decode
+
+    monkeypatch.setattr(decode, "_fits_twice", lambda model: False)
+    out = decode.run(decode.DecodeBench("demo", nodes=(1, 2), keepalive=("none",), max_tokens=8, rounds=1,
+                                        peers=False))
+    alone = out["cluster_path"]
+    assert alone["interleaved"] is False and alone["same_tokens"], alone
+    assert alone["mlx_lm_tps"] == out["mlx_lm_tps"] and out["cluster_ratio"] == alone["tps"] / out["mlx_lm_tps"]
+    assert out["peers"] == [] and [c["nodes"] for c in out["clusters"]] == [1, 2]
+    assert all(c["same_tokens"] for c in out["clusters"])
+    assert 0 < out["bench_process_bytes"]
