@@ -78,7 +78,8 @@ def bench(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # one GPU per node where the host has enough; else the node processes share the GPU
-    gpus = ["--gpus"] if gpu_count() >= max(int(n) for n in args.nodes.split(",")) else []
+    # (sharing one GPU, mlx-lm's tensor parallel processes hold a copy each and page: not measured)
+    gpus = ["--gpus"] if gpu_count() >= max(int(n) for n in args.nodes.split(",")) else ["--no-peers"]
     text = cli("bench", "decode", "--model", str(model_dir(args.model)), "--nodes", args.nodes, "--keepalive", "none",
                "--transport", args.transport, *gpus, "--max-tokens", str(args.max_tokens), "--rounds",
                str(args.rounds), "--calibrate", "--json")

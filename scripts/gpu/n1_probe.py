@@ -47,6 +47,19 @@ def blocks_time(blocks, x, reps: int) -> tuple[float, mx.array]:
     return statistics.median(times) / len(blocks), y
 
 
+def build_time(blocks, x, reps: int = 20) -> float:
+    """Python's time to build one chain's graph, per block (nothing evaluated)."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        y = x
+        for b in blocks:
+            y = b(y)
+        times.append(time.perf_counter() - t0)
+        del y
+    return statistics.median(times) / len(blocks)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -88,6 +101,7 @@ def main() -> None:
     out["decode_tps"] = rows
 
     from moe_cluster.node.moe.layer import ClusterMoE
+    from moe_cluster.node.moe.structure import get_bank, set_bank
 
     # the stock block at each path where ours has a ClusterMoE (model.layers.i.mlp, transformer.blocks.i.ffn, ...)
     stock_at = dict(stock.named_modules())
@@ -98,6 +112,33 @@ def main() -> None:
     to, yo = blocks_time([o for _, o in pairs], x, 20)
     one_s, one_o = pairs[0][0](x), pairs[0][1](x)
     out["block_us"] = {"stock": ts * 1e6, "ours": to * 1e6}
+    out["build_us"] = {"stock": build_time([s for s, _ in pairs], x) * 1e6,
+                       "ours": build_time([o for _, o in pairs], x) * 1e6}
+    # suspects one at a time, per block: our wrapper around stock's bank; stock's block on our
+    # prestacked weights; ours without the routing note
+    attr = pairs[0][1].description.bank.attr
+    banks = [(o, get_bank(o.block, attr), getattr(s, attr)) for s, o in pairs]
+    for o, _, stock_bank in banks:
+        set_bank(o.block, attr, stock_bank)
+    out["block_us"]["ours_with_stock_bank"] = blocks_time([o for _, o in pairs], x, 20)[0] * 1e6
+    for o, shard, _ in banks:
+        set_bank(o.block, attr, shard)
+    swapped = []
+    for s, o in pairs:
+        mine, theirs = get_bank(o.block, attr), getattr(s, attr)
+        for name, proj in mine.children().items():
+            if hasattr(theirs, name) and hasattr(proj, "weight"):
+                swapped.append((getattr(theirs, name), getattr(theirs, name).weight))
+                getattr(theirs, name).weight = proj.weight
+    if swapped:
+        out["block_us"]["stock_on_our_weights"] = blocks_time([s for s, _ in pairs], x, 20)[0] * 1e6
+        for lin, w in swapped:
+            lin.weight = w
+    experts_mod.ShardState.note = lambda self, *a: None
+    try:
+        out["block_us"]["ours_without_note"] = blocks_time([o for _, o in pairs], x, 20)[0] * 1e6
+    finally:
+        experts_mod.ShardState.note = real_note
     out["block_out_dtype"] = {"stock": str(one_s.dtype), "ours": str(one_o.dtype)}
     out["block_max_abs_diff_one_layer"] = float(mx.abs(one_s.astype(mx.float32) - one_o.astype(mx.float32)).max())
     out["block_max_abs_diff_chain"] = float(mx.abs(ys.astype(mx.float32) - yo.astype(mx.float32)).max())

@@ -4,13 +4,13 @@
 # then poll /tmp/figs.log and copy /tmp/figs/* out; /tmp/figs/DONE appears at the end.
 # Env: PYTHONPATH=/tmp/site (scripts/gpu/setup.sh), MODELS (default both; NAME:LAYERS overrides a model's
 # layer count), NODES (default 1,2), ALLREDUCE=1 to run bench allreduce on the host's CPUs too,
-# DISTINCT=0 to skip the distinct-experts probe, N1=1 to run n1_probe.py on each model before its bench.
+# PROBE=0 to skip the backends probe, DISTINCT=0 to skip the distinct-experts probe, N1=1 to run n1_probe.py on each model before its bench.
 set -u
 OUTDIR=${1:-/tmp/figs}
 mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1
 F="python3 scripts/gpu/figures.py"
-$F probe --out "$OUTDIR"
+[ "${PROBE:-1}" != 0 ] && $F probe --out "$OUTDIR"
 [ -n "${ALLREDUCE:-}" ] && $F allreduce --out "$OUTDIR"
 [ "${DISTINCT:-1}" != 0 ] && python3 scripts/gpu/distinct_probe.py > "$OUTDIR/distinct.jsonl"
 for spec in ${MODELS:-qwen3-30b-a3b dbrx}; do
