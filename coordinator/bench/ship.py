@@ -6,6 +6,10 @@ file by byte range in chunks of the same size); a receiver process — in a netw
 disk), then takes the same bytes over one plain socket and throws them away. ratio = ship / raw.
 The coordinator's memory while shipping is measured too: Python's traced peak (tracemalloc) and the
 growth of its resident set (ru_maxrss), next to the largest blob.
+
+`--link RATE` (e.g. 10gbit) measures over a link of that rate instead of loopback: the bench makes a
+network namespace of its own for the receiver, joined by a veth whose sending side a token bucket
+(`tc qdisc ... tbf`) holds to RATE, and removes both afterwards (root; no traffic leaves them).
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,6 +27,7 @@ import tempfile
 import threading
 import time
 import tracemalloc
+from contextlib import contextmanager
 from pathlib import Path
 
 SECRET = "bench-ship-secret"
@@ -32,6 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", default="1MiB", help="bytes per streamed chunk")
     p.add_argument("--host", default="127.0.0.1", help="address the receiver reaches this process at")
     p.add_argument("--netns", default=None, help="run the receiver in this network namespace (`ip netns exec`)")
+    p.add_argument("--link", default=None,
+                   help="ship over a link of this rate (e.g. 10gbit, 5gbit) between this process and a namespace "
+                        "the bench makes and removes (root), instead of loopback")
     p.add_argument("--dir", default=None, help="where the source file and the receiver's cache go (default: a temp dir)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--receive", default=None, help=argparse.SUPPRESS)  # the receiver's own entry point
@@ -72,9 +82,55 @@ def _write_source(root: Path, size: int, blob: int) -> tuple[Path, object]:
     return src, (ckpt, catalog)
 
 
+_RATE = re.compile(r"^\d+(\.\d+)?[kmg]?bit$")
+
+
+@contextmanager
+def _shaped_link(rate: str):
+    """A namespace for the receiver, joined to this one by a veth held to `rate` in the shipping
+    direction; yields (namespace, the address the receiver reaches this process at)."""
+    from ...proto.errors import UserError
+
+    if not _RATE.match(rate.lower()):
+        raise UserError(f"--link must be a rate like 10gbit, 2.5gbit or 800mbit (got {rate!r})")
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        raise UserError("--link makes a network namespace and shapes a veth: it needs root, iproute2's `ip` and `tc`")
+    tag = f"mcs{os.getpid() % 100000}"
+    ns, subnet = f"{tag}ns", f"10.214.{os.getpid() % 250}"
+
+    def run(*cmd: str) -> None:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode:
+            raise UserError(f"--link: `{' '.join(cmd)}` failed: {r.stderr.strip()}")
+
+    try:
+        run("ip", "netns", "add", ns)
+        run("ip", "link", "add", f"{tag}a", "type", "veth", "peer", "name", f"{tag}b", "netns", ns)
+        run("ip", "addr", "add", f"{subnet}.1/24", "dev", f"{tag}a")
+        run("ip", "link", "set", f"{tag}a", "up")
+        run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.2/24", "dev", f"{tag}b")
+        run("ip", "netns", "exec", ns, "ip", "link", "set", f"{tag}b", "up")
+        run("tc", "qdisc", "add", "dev", f"{tag}a", "root", "tbf", "rate", rate, "burst", "4mb", "latency", "100ms")
+        yield ns, f"{subnet}.1"
+    finally:
+        subprocess.run(["ip", "link", "del", f"{tag}a"], capture_output=True)  # its peer goes with it
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 def main(args) -> int:
     if args.receive:
         return _receive(json.loads(args.receive))
+    if args.link:
+        if args.netns:
+            from ...proto.errors import UserError
+
+            raise UserError("--link makes its own namespace: give --link or --netns, not both")
+        with _shaped_link(args.link) as (ns, host):
+            return _main(argparse.Namespace(**{**vars(args), "netns": ns, "host": host}))
+    return _main(args)
+
+
+def _main(args) -> int:
     size, blob, chunk = _size(args.size), _size(args.blob), _size(args.chunk)
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-ship-") as tmp:
         root = Path(tmp)
@@ -114,7 +170,8 @@ def main(args) -> int:
            "raw_tcp_bytes_per_s": got["raw_bytes"] / got["raw_seconds"],
            "ratio": (got["bytes"] / got["seconds"]) / (got["raw_bytes"] / got["raw_seconds"]),
            "chunk_bytes": chunk, "blob_bytes": blob, "coordinator_traced_peak_bytes": traced_peak,
-           "coordinator_rss_growth_bytes": max(0, rss1 - rss0), "netns": args.netns or ""}
+           "coordinator_rss_growth_bytes": max(0, rss1 - rss0), "netns": args.netns or "",
+           "link": args.link or ""}
     if args.json:
         print(json.dumps(out))
     else:

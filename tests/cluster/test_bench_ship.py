@@ -1,0 +1,49 @@
+"""`bench ship --json` through the CLI: shipping a real cache against raw TCP between the same two
+endpoints, on loopback and over a rate-limited link in a namespace the bench makes and removes.
+Rates are not asserted (they are the benchmark's output) except where the link bounds them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import netns
+import pytest
+
+from conftest import assert_one_line_error, cli
+
+MB = 1_000_000
+
+
+def _run(*extra: str) -> dict:
+    r = cli("bench", "ship", "--size", "64MB", "--blob", "16MB", "--json", *extra, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_loopback_reports_every_field_and_a_small_coordinator():
+    out = _run()
+    assert out["bytes"] == 64 * MB and out["seconds"] > 0
+    assert out["rate_bytes_per_s"] == pytest.approx(out["bytes"] / out["seconds"])
+    assert out["ratio"] == pytest.approx(out["rate_bytes_per_s"] / out["raw_tcp_bytes_per_s"])
+    # the kernel sends the bytes: the coordinator's Python never holds a blob
+    assert out["coordinator_traced_peak_bytes"] < 16 * MB and out["link"] == ""
+
+
+def _namespaces() -> set[str]:
+    return set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+
+
+@pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
+def test_a_shaped_link_bounds_raw_tcp_and_leaves_nothing_behind():
+    before = _namespaces()
+    out = _run("--link", "1gbit")
+    assert out["link"] == "1gbit" and out["netns"].startswith("mcs")
+    assert 0 < out["raw_tcp_bytes_per_s"] <= 125 * MB * 1.15  # 1 Gbit/s, and the token bucket's burst
+    assert 0 < out["ratio"] <= 1.3
+    assert _namespaces() <= before  # its namespace (and veth) are gone
+
+
+def test_a_bad_link_rate_is_one_line():
+    r = cli("bench", "ship", "--link", "fast")
+    assert_one_line_error(r, "--link must be a rate like 10gbit", "fast")
