@@ -30,6 +30,7 @@ class ModelFootprint:
     replicated_bytes: int
     expert_bytes: Mapping[int, int]  # MoE layer -> bytes of one routed expert
     num_experts: Mapping[int, int]  # MoE layer -> routed experts
+    top_k: Mapping[int, int] = field(default_factory=dict)  # MoE layer -> experts each token selects
 
     @property
     def expert_set_bytes(self) -> int:
@@ -47,6 +48,48 @@ class PlacementPlan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     # per rank, what its node keeps resident (proto.expert_cache): "off" where everything fits
     expert_cache: tuple[str, ...] = ()
+
+
+# The internal SSDs of the Macs in plan/presets.py read 4-6 GB/s (a node short of memory reads its
+# misses from there): the range a disk-bound ceiling is stated for.
+SSD_READ_BPS = (4e9, 6e9)
+
+
+@dataclass(frozen=True)
+class DiskReads:
+    """What a node with an expert cache reads from disk per decoded token (batch 1)."""
+
+    misses: float  # expert reads per token, over its MoE layers
+    bytes: float
+    hit_rate: float  # of its selections
+    profiled: bool  # from the routing profile (its hottest experts pinned), else uniform routing
+
+
+def disk_reads(model: ModelFootprint, held: Mapping[int, Sequence[int]], share: float,
+               profile_counts: Mapping[int, Sequence[float]] | None = None) -> DiskReads:
+    """Expected misses per token of a node keeping `share` of the experts it holds resident. Each
+    token selects top_k of E experts per layer; under uniform routing k·|held|/E of them land on the
+    node and a share of those are resident; with a profile, the node pins its hottest experts and a
+    selection lands on expert e in proportion to e's count."""
+    misses = nbytes = selected = 0.0
+    profiled = bool(profile_counts)
+    for l, ids in held.items():
+        k, E = model.top_k.get(l, 0), model.num_experts[l]
+        if not k or not ids:
+            continue
+        keep = max(1, min(len(ids), int(share * len(ids))))
+        load = list(profile_counts.get(l, ())) if profile_counts else []
+        if load and sum(load):
+            mine = sorted((load[e] for e in ids), reverse=True)
+            sel = k * sum(mine) / sum(load)
+            miss = sel * (1 - sum(mine[:keep]) / sum(mine)) if sum(mine) else 0.0
+        else:
+            sel = k * len(ids) / E
+            miss = sel * (1 - keep / len(ids))
+        selected += sel
+        misses += miss
+        nbytes += miss * model.expert_bytes[l]
+    return DiskReads(misses, nbytes, 1 - misses / selected if selected else 1.0, profiled)
 
 
 def fmt_bytes(n: float) -> str:
@@ -225,10 +268,16 @@ def plan_placement(
         caches.append(str(ExpertCacheSpec("bytes", resident)) if spec.mode == "auto" else str(spec))
         if resident < held:
             used[r] -= int(held - resident)
+            disk = disk_reads(model, {l: layers_out[l][r] for l in layers}, resident / held, profile_counts)
+            speed = (f"about {disk.misses:.1f} misses and {fmt_bytes(disk.bytes)} read per token "
+                     f"({'the routing profile' if disk.profiled else 'uniform routing'}, hit rate "
+                     f"{disk.hit_rate:.0%}), so at most {SSD_READ_BPS[0] / disk.bytes:.1f}–"
+                     f"{SSD_READ_BPS[1] / disk.bytes:.1f} tok/s from a 4–6 GB/s SSD alone"
+                     if disk.bytes else "no reads per token expected") if model.top_k else (
+                "its speed follows its hit rate (the checkpoint's top-k is unknown here)")
             notes.append(f"{nodes[r].name} holds {fmt_bytes(held)} of experts and keeps {fmt_bytes(resident)} "
-                         f"resident ({resident / held:.0%}); the rest are read from disk on a miss, so it runs "
-                         f"slower: a hit rate near {resident / held:.0%} under uniform routing, more with a "
-                         f"skewed one (`moe-cluster plan --model MODEL --hardware PRESET --nodes {n}` states the "
-                         f"tok/s expected of a node this short)")
+                         f"resident ({resident / held:.0%}); the rest are read from disk on a miss: {speed} "
+                         f"(`moe-cluster plan --model MODEL --hardware PRESET --nodes {n} --expert-cache "
+                         f"{resident / held:.0%}` predicts the whole step)")
     return PlacementPlan(placement, tuple(budgets), tuple(used), tuple(available), tuple(replicas), tuple(notes),
                          tuple(caches))

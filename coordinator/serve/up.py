@@ -94,7 +94,8 @@ def footprint(model_path: str) -> ModelFootprint:
     from ...node.moe.load import expert_bytes
 
     b = expert_bytes(Checkpoint.open(model_path))
-    return ModelFootprint(replicated_bytes=b.replicated, expert_bytes=b.per_expert, num_experts=b.num_experts)
+    return ModelFootprint(replicated_bytes=b.replicated, expert_bytes=b.per_expert, num_experts=b.num_experts,
+                          top_k=b.top_k)
 
 
 def _read_profile(path: str, base: Path):

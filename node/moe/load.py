@@ -125,6 +125,7 @@ class ExpertBytes:
     replicated: int  # everything but the routed experts (shared experts included)
     per_expert: dict[int, int]  # MoE layer -> bytes of one routed expert
     num_experts: dict[int, int]  # MoE layer -> routed experts
+    top_k: dict[int, int] = field(default_factory=dict)  # MoE layer -> experts each token selects
 
 
 def expert_bytes(ckpt: Checkpoint) -> ExpertBytes:
@@ -140,7 +141,8 @@ def expert_bytes(ckpt: Checkpoint) -> ExpertBytes:
         per_layer[b.layer] += ckpt.tensors[key].nbytes
     return ExpertBytes(replicated=ckpt.total_bytes() - sum(per_layer.values()),
                        per_expert={b.layer: per_layer[b.layer] // b.num_experts for b in blocks},
-                       num_experts={b.layer: b.num_experts for b in blocks})
+                       num_experts={b.layer: b.num_experts for b in blocks},
+                       top_k={b.layer: b.top_k for b in blocks})
 
 
 class _Selection(nn.Module):

@@ -4,6 +4,8 @@ stock mlx-lm's. Its cache counters reach `status` and /metrics."""
 
 from __future__ import annotations
 
+import re
+
 import sys
 import time
 from pathlib import Path
@@ -57,7 +59,10 @@ serving:
         nodes = _settled(url)
         metrics = http(url, "/metrics")[1]
     assert body["moe_cluster"]["tokens"] == stock_tokens(path, PROMPT, TOKENS)
-    assert any(line.startswith("placement: node-1 holds") and "read from disk" in line for line in lines), lines
+    (warning,) = [line for line in lines if line.startswith("placement: node-1 holds")]
+    # it says what the node reads from disk per token and the speed that bounds it to
+    assert "read from disk" in warning and "uniform routing" in warning, warning
+    assert re.search(r"at most [\d.]+–[\d.]+ tok/s from a 4–6 GB/s SSD alone", warning), warning
     assert nodes["node-0"]["expert_cache"] == []  # everything fits: no cache
     cache = nodes["node-1"]["expert_cache"]
     assert cache and all(c["capacity"] < c["local"] for c in cache)
@@ -78,6 +83,7 @@ serving:
         pinned = _settled(url)["node-1"]["expert_cache"]
         metrics = http(url, "/metrics")[1]
     assert status == 200 and again["moe_cluster"]["tokens"] == body["moe_cluster"]["tokens"]
+    assert any(line.startswith("placement: node-1 holds") and "the routing profile" in line for line in lines), lines
     assert sum(c["misses"] for c in pinned) < sum(c["misses"] for c in cache), (pinned, cache)
     # the prefetch reports what it read (auto reads only experts most profiled tokens select: none
     # on this tiny model's flat routing; tests/integration/test_expert_cache.py drives it)

@@ -90,6 +90,32 @@ def test_node_below_its_share_is_served_with_an_expert_cache():
         plan_placement(MODEL, _nodes(10_000, 900), strategy="even", memory_fraction=1.0, expert_cache=auto)
 
 
+def test_a_cached_nodes_note_states_its_disk_reads_and_speed_ceiling():
+    """The warning for a node short of memory says how much it reads from disk per token and the
+    tok/s that disk bounds it to: uniform routing, and with a profile its pinned hottest experts."""
+    from dataclasses import replace
+
+    from moe_cluster.coordinator.serve.placement import disk_reads
+    from moe_cluster.proto.expert_cache import ExpertCacheSpec
+
+    model = replace(MODEL, top_k={0: 2, 1: 2})
+    auto = [ExpertCacheSpec.parse("auto")] * 2
+    plan = plan_placement(model, _nodes(10_000, 1_400), strategy="even", memory_fraction=1.0, expert_cache=auto)
+    (note,) = [n for n in plan.notes if n.startswith("n1")]
+    # n1 holds 8 of 16 experts per layer and keeps 2 (25%): a token selects 2 x 8/16 = 1 of its experts
+    # per layer, 3/4 of them misses: 1.5 misses, 150 B per token over the 2 layers
+    assert "1.5 misses" in note and "150 B read per token" in note and "uniform routing" in note
+    assert f"{4e9 / 150:.1f}" in note and "--expert-cache 25%" in note
+    # with a profile whose load sits on n1's first two experts, pinning them hits nearly always
+    load = [1.0] * 8 + [100.0, 100.0] + [1.0] * 6
+    held = {l: plan.placement.layers[l][1] for l in (0, 1)}
+    assert held[0] == tuple(range(8, 16))
+    skewed = disk_reads(model, held, 0.25, {0: load, 1: load})
+    uniform = disk_reads(model, held, 0.25)
+    assert skewed.profiled and skewed.hit_rate > 0.95 > 0.25 == pytest.approx(uniform.hit_rate)
+    assert skewed.bytes < uniform.bytes / 10
+
+
 @pytest.mark.parametrize("text,layers", [("50%", {0: 4, 1: 2}), ("100%", {0: 8, 1: 3}), ("1%", {0: 1, 1: 1}),
                                          ("off", {0: 8, 1: 3}), ("300B", {0: 2, 1: 1}), ("8GB", {0: 8, 1: 3})])
 def test_expert_cache_capacities(text, layers):
