@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -247,13 +248,16 @@ class NodeAgent(npb_grpc.NodeServicer):
         seq = self.runtime.batch.submit(req, req.seq or self.runtime.next_seq(), _QueueSink(loop, events), result)
         self._drive()
         ended = False
+        backlog: deque = deque()  # events taken off the queue while coalescing tokens, not yet handled
         try:
             while True:
-                kind, value = await events.get()
-                if kind == "tokens":
+                kind, value = backlog.popleft() if backlog else await events.get()
+                if kind == "tokens":  # every token already waiting goes in one message
                     ids = list(value)
-                    while not events.empty() and events._queue[0][0] == "tokens":  # noqa: SLF001 - coalesce
-                        ids.extend(events.get_nowait()[1])
+                    while not events.empty():
+                        backlog.append(events.get_nowait())
+                    while backlog and backlog[0][0] == "tokens":
+                        ids.extend(backlog.popleft()[1])
                     yield convert.generate_event_to_proto(GeneratedTokens(tuple(ids)))
                     continue
                 ended = True

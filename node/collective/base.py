@@ -37,12 +37,6 @@ class CollectiveError(MoeClusterError):
     kind = ErrorKind.UNAVAILABLE
 
 
-class Cancelled(MoeClusterError):
-    """The cluster agreed to stop the current generation."""
-
-    kind = ErrorKind.CANCELLED
-
-
 class TokenMismatch(CollectiveError):
     """Two nodes sampled different tokens at the same step: their logits differ (mixed hardware
     rounding replicated attention differently, or a bug). Stopping beats silent drift."""
