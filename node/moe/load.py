@@ -603,6 +603,7 @@ def load_shard(
     elif warm_up:
         logger.info("expert warm-up: not on Metal, nothing to do")
     _wire(resident)
+    _check_memory_limit()
     info = ShardInfo(
         rank=rank,
         experts_per_layer=placement.experts_per_layer(rank),
@@ -701,6 +702,21 @@ def _params(bank) -> dict | list:
 def _on_metal() -> bool:
     metal = getattr(mx, "metal", None)
     return metal is not None and metal.is_available()
+
+
+def _check_memory_limit() -> None:
+    """While its active memory is above its memory limit, MLX waits for the device after every array
+    it evaluates (mlx/transforms.cpp), so a step that crosses the limit loses its pipelining. The
+    CUDA allocator sets the limit at 0.8 x the card (about 68 GB of an 80 GB H100), Metal at 1.5 x
+    the working set: a node loaded close to it is told so, with the numbers."""
+    get = getattr(mx, "get_memory_limit", None)
+    limit = int(get()) if get is not None else 0
+    active = int(mx.get_active_memory())
+    if limit and active > 0.9 * limit:
+        logger.warning("loaded, MLX holds %.1f GB, within 10%% of its memory limit (%.1f GB): past the limit MLX "
+                       "waits for the device after every operation and decoding slows down; give this node a "
+                       "smaller share (placement.memory_fraction, or its memory in cluster.yaml)",
+                       active / 1e9, limit / 1e9)
 
 
 def _wire(resident_bytes: int) -> None:

@@ -29,3 +29,20 @@ def test_a_loaded_models_weights_survive_its_description():
     find_moe_blocks(model)
     changed = [k for k, v in _weights(model).items() if not mx.array_equal(before[k], v).item()]
     assert changed, "the probe no longer draws a block's weights: find_moe_blocks_loaded may be unneeded"
+
+
+def test_a_node_loaded_near_mlxs_memory_limit_is_told(monkeypatch, caplog):
+    """Past its memory limit MLX waits for the device after every operation: a node whose weights
+    come within 10% of the limit says so at load, with the numbers; one well below says nothing."""
+    import logging
+
+    from moe_cluster.node.moe.load import load_shard
+
+    with caplog.at_level(logging.WARNING, logger="moe_cluster.node.moe.load"):
+        load_shard(MODEL_DIR, None, 0, keepalive="none", warm_up=False)
+    assert "memory limit" not in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(mx, "get_memory_limit", lambda: 1_000_000)  # 1 MB: the demo's weights are past it
+    with caplog.at_level(logging.WARNING, logger="moe_cluster.node.moe.load"):
+        load_shard(MODEL_DIR, None, 0, keepalive="none", warm_up=False)
+    assert "within 10% of its memory limit (0.0 GB)" in caplog.text
