@@ -603,6 +603,9 @@ def load_shard(
     elif warm_up:
         logger.info("expert warm-up: not on Metal, nothing to do")
     _wire(resident)
+    # The loader's temporaries (byte-range reads, stacks) would stay in MLX's buffer cache: on CUDA
+    # that is managed memory, and weights plus cache past the card's size page during decode.
+    mx.clear_cache()
     _check_memory_limit()
     info = ShardInfo(
         rank=rank,
