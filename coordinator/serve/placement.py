@@ -65,19 +65,20 @@ class DiskReads:
     profiled: bool  # from the routing profile (its hottest experts pinned), else uniform routing
 
 
-def disk_reads(model: ModelFootprint, held: Mapping[int, Sequence[int]], share: float,
+def disk_reads(model: ModelFootprint, held: Mapping[int, Sequence[int]], slots: Mapping[int, int],
                profile_counts: Mapping[int, Sequence[float]] | None = None) -> DiskReads:
-    """Expected misses per token of a node keeping `share` of the experts it holds resident. Each
-    token selects top_k of E experts per layer; under uniform routing k·|held|/E of them land on the
-    node and a share of those are resident; with a profile, the node pins its hottest experts and a
-    selection lands on expert e in proportion to e's count."""
+    """Expected misses per token of a node holding `held` experts per MoE layer and keeping `slots`
+    of them resident (`ExpertCacheSpec.capacities`, the node's own sizing). Each token selects top_k
+    of E experts per layer; under uniform routing k·|held|/E of them land on the node and slots/|held|
+    of those are resident; with a profile, the node pins its hottest experts and a selection lands
+    on expert e in proportion to e's count."""
     misses = nbytes = selected = 0.0
     profiled = bool(profile_counts)
     for l, ids in held.items():
         k, E = model.top_k.get(l, 0), model.num_experts[l]
         if not k or not ids:
             continue
-        keep = max(1, min(len(ids), int(share * len(ids))))
+        keep = slots[l]
         load = list(profile_counts.get(l, ())) if profile_counts else []
         if load and sum(load):
             mine = sorted((load[e] for e in ids), reverse=True)
@@ -268,7 +269,10 @@ def plan_placement(
         caches.append(str(ExpertCacheSpec("bytes", resident)) if spec.mode == "auto" else str(spec))
         if resident < held:
             used[r] -= int(held - resident)
-            disk = disk_reads(model, {l: layers_out[l][r] for l in layers}, resident / held, profile_counts)
+            mine = {l: layers_out[l][r] for l in layers}
+            slots = ExpertCacheSpec.parse(caches[-1]).capacities({l: len(ids) for l, ids in mine.items()},
+                                                                 model.expert_bytes)
+            disk = disk_reads(model, mine, slots, profile_counts)
             speed = (f"about {disk.misses:.1f} misses and {fmt_bytes(disk.bytes)} read per token "
                      f"({'the routing profile' if disk.profiled else 'uniform routing'}, hit rate "
                      f"{disk.hit_rate:.0%}), so at most {SSD_READ_BPS[0] / disk.bytes:.1f}–"

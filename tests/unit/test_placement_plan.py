@@ -110,8 +110,9 @@ def test_a_cached_nodes_note_states_its_disk_reads_and_speed_ceiling():
     load = [1.0] * 8 + [100.0, 100.0] + [1.0] * 6
     held = {l: plan.placement.layers[l][1] for l in (0, 1)}
     assert held[0] == tuple(range(8, 16))
-    skewed = disk_reads(model, held, 0.25, {0: load, 1: load})
-    uniform = disk_reads(model, held, 0.25)
+    slots = {0: 2, 1: 2}  # 25% of 8
+    skewed = disk_reads(model, held, slots, {0: load, 1: load})
+    uniform = disk_reads(model, held, slots)
     assert skewed.profiled and skewed.hit_rate > 0.95 > 0.25 == pytest.approx(uniform.hit_rate)
     assert skewed.bytes < uniform.bytes / 10
 
