@@ -97,10 +97,11 @@ def _cluster_path_alone(spec: DecodeBench, ids: list[int], tokenizer, model, sto
             pass
         if i:
             ours.append(stats.generation_tps)
-            stock.append(last.generation_tps if last is not None else stock_tps)
+            if last is not None:
+                stock.append(last.generation_tps)
             tokens = toks
-    return {"cluster_tps": statistics.median(ours), "mlx_lm_tps": statistics.median(stock), "tokens": tokens,
-            "interleaved": model is not None}
+    return {"cluster_tps": statistics.median(ours), "mlx_lm_tps": statistics.median(stock) if stock else stock_tps,
+            "tokens": tokens, "interleaved": model is not None}
 
 
 def _fits_twice(model) -> bool:
