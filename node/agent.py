@@ -23,7 +23,7 @@ from ..proto import CHANNEL_OPTIONS, convert
 from ..proto import node_pb2_grpc as npb_grpc
 from ..proto.errors import (BusyError, ErrorKind, MoeClusterError, NotReadyError, UnavailableError, UserError, grpc_code,
                            kind_of)
-from .device import DeviceInfo, device_info
+from .device import DeviceInfo, device_info, release_memory
 from .worker import Worker
 from ..proto.records import (DEFAULT_KV_RESERVE, ExpertCacheLayer, GenerateDone, GeneratedTokens, Health, LayerRouting, LoadProgress, Memory, NodeError,
                              NodeStatus, Timings)
@@ -82,12 +82,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             finally:
                 self.sharded = None
                 self.runtime = None
-                import gc
-
-                import mlx.core as mx
-
-                gc.collect()
-                mx.clear_cache()
+                release_memory()
 
     def _watch_collective(self) -> None:
         """A loaded node whose envoy exited cannot all-reduce: it is failed, and says why, instead of

@@ -53,3 +53,17 @@ def device_info() -> DeviceInfo:
             mem, name = ram, "NVIDIA GPU"
         return DeviceInfo("cuda", name, mem, mem)
     return DeviceInfo("cpu", platform.processor() or platform.machine() or "cpu", ram, ram)
+
+
+def release_memory() -> int:
+    """Give back what nothing references any more: collect cycles (a model's modules and state refer
+    to each other, so dropping a model frees nothing until then) and MLX's cached buffers. Returns
+    the bytes MLX still holds. Whoever drops one model to load or measure another calls this first,
+    or both sit in memory at once."""
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
+    return mx.get_active_memory()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..proto.errors import ErrorKind, kind_of
 from ..proto.records import Sampling
+from .device import release_memory
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ def run(job: SimJob, results) -> None:
     try:
         for i, task in enumerate(job.tasks):
             try:
+                release_memory()  # the previous task's model, before this one loads and is measured
                 results.put(_run(job, i, task, collective))
             except BaseException as exc:  # noqa: BLE001
                 results.put(_error(job.rank, i, exc))

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, replace
 
 from ...node.checkpoint import Checkpoint
+from ...node.device import release_memory
 from ...node.engine import Stats, generate_tokens
 from ...proto.errors import UserError
 from ...proto.expert_cache import ExpertCacheSpec
@@ -113,18 +114,6 @@ def _fits_twice(model) -> bool:
 
     weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
     return 2.2 * weights <= device_info().memory_bytes
-
-
-def _release() -> int:
-    """Give MLX's cached buffers back after the stock model is dropped (the node processes need the
-    memory: on a GPU, the same device); the bytes this process still holds."""
-    import gc
-
-    import mlx.core as mx
-
-    gc.collect()
-    mx.clear_cache()
-    return mx.get_active_memory()
 
 
 def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> list[dict]:
@@ -257,10 +246,10 @@ def run(spec: DecodeBench) -> dict:
     if 1 in spec.nodes and _fits_twice(model):
         alone = _cluster_path_alone(spec, ids, tokenizer, model, single["mlx_lm_tps"])
     del model
-    held = _release()
+    held = release_memory()  # the node processes need the memory (on a GPU: the same device)
     if 1 in spec.nodes and alone is None:
         alone = _cluster_path_alone(spec, ids, None, None, single["mlx_lm_tps"])
-        held = _release()
+        held = release_memory()
     clusters = []
     for n in spec.nodes:
         # N = 1 runs the cluster path too (one node process, nothing to exchange), so every point
