@@ -128,11 +128,12 @@ class ExpertBytes:
     top_k: dict[int, int] = field(default_factory=dict)  # MoE layer -> experts each token selects
 
 
-def expert_bytes(ckpt: Checkpoint) -> ExpertBytes:
+def expert_bytes(ckpt: Checkpoint, blocks: Sequence[MoEBlock] | None = None) -> ExpertBytes:
     """Routed-expert and replicated bytes from the safetensors headers, with the blocks found by
-    the node's own rule (no weights are read)."""
-    model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
-    blocks = _blocks(model_cls(model_args(ckpt.config, ckpt.path / "config.json")), ckpt)
+    the node's own rule (no weights are read); `blocks`: already found (a load has them)."""
+    if blocks is None:
+        model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
+        blocks = _blocks(model_cls(model_args(ckpt.config, ckpt.path / "config.json")), ckpt)
     if not blocks:
         raise ShardError(f"{ckpt.path} has no MoE layers (model_type {ckpt.config.get('model_type')!r}); "
                          "there are no experts to spread")
@@ -534,7 +535,7 @@ def load_shard(
     capacity: dict[int, int] = {}
     if spec.active:
         state.cache_spec = str(spec)
-        sizes = expert_bytes(ckpt)
+        sizes = expert_bytes(ckpt, blocks)
         budget = cache_budget_bytes
         if spec.mode == "auto":
             budget = auto_budget(sizes.replicated, cache_reserve_bytes, metal=metal_info(), given_bytes=cache_budget_bytes)
