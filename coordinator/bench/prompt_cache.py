@@ -27,13 +27,13 @@ READY = re.compile(r"moe-cluster ready: (http://\S+)")
 
 @contextmanager
 def local_cluster(nodes: int, model: str, prompt_cache: str, timeout_s: float = 300, log_dir: Path | None = None,
-                  serving: dict | None = None):
+                  serving: dict | None = None, gpus: bool = False):
     """Start `moe-cluster up` on a temporary local cluster; yields its URL; stops it after.
     `log_dir`: keep the coordinator's (coordinator.log, at -v) and the nodes' logs there;
-    `serving`: more cluster.yaml `serving:` keys."""
+    `serving`: more cluster.yaml `serving:` keys; `gpus`: node i on GPU i (`gpu:`)."""
     with tempfile.TemporaryDirectory(prefix="moe-bench-") as tmp:
         cfg = Path(tmp) / "cluster.yaml"
-        names = "\n".join(f"  - name: bench-{i}" for i in range(nodes))
+        names = "\n".join(f"  - name: bench-{i}" + (f"\n    gpu: {i}" if gpus else "") for i in range(nodes))
         cfg.write_text(f"name: bench\nmodel: {model}\nlaunch: local\nnodes:\n{names}\n"
                        f"serving:\n  prompt_cache: {prompt_cache}\n  prefill_chunk: 512\n"
                        + "".join(f"  {k}: {v}\n" for k, v in (serving or {}).items()))

@@ -43,6 +43,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-batch", type=int, help="our serving.max_batch (default: the largest --concurrency, "
                    "so neither server queues a client)")
     p.add_argument("--no-mlx-lm", action="store_true", help="measure only our cluster")
+    p.add_argument("--gpus", action="store_true", help="node i on CUDA GPU i (a multi-GPU host; mlx_lm.server on GPU 0)")
     p.add_argument("--plot", metavar="FILE.png", help="aggregate tok/s and p99 inter-token latency against concurrency")
     p.add_argument("--json", action="store_true")
 
@@ -172,7 +173,7 @@ def mlx_lm_server(model_path: str):
 
 
 def run(model: str, nodes: list[int], concurrency: list[int], requests: int, max_tokens: int,
-        with_mlx_lm: bool = True, max_batch: int | None = None) -> dict:
+        with_mlx_lm: bool = True, max_batch: int | None = None, gpus: bool = False) -> dict:
     from ...node.checkpoint import Checkpoint
 
     path = str(Checkpoint.open(model).path)  # 'demo' or a folder: refused in one line if unusable
@@ -181,7 +182,7 @@ def run(model: str, nodes: list[int], concurrency: list[int], requests: int, max
                  "rows": [], "mlx_lm_server": []}
     serving = {"max_batch": max_batch, "queue": max(16, max(concurrency))}
     for n in nodes:
-        with local_cluster(n, path, "0", serving=serving) as url:  # no prompt cache: every request computes its prompt
+        with local_cluster(n, path, "0", serving=serving, gpus=gpus) as url:  # no prompt cache: every request computes its prompt
             for c in concurrency:
                 out["rows"].append({"nodes": n, **measure(url, c, requests, max_tokens)})
     if with_mlx_lm:
@@ -229,7 +230,7 @@ def main(args) -> int:
     if args.max_batch is not None and args.max_batch < 1:
         raise UserError(f"--max-batch must be at least 1 (got {args.max_batch})")
     out = run(args.model, _ints(args.nodes, "--nodes"), _ints(args.concurrency, "--concurrency"), args.requests,
-              args.max_tokens, not args.no_mlx_lm, args.max_batch)
+              args.max_tokens, not args.no_mlx_lm, args.max_batch, args.gpus)
     if args.plot:
         plot(out, args.plot)
     if args.json:

@@ -13,6 +13,7 @@ import os
 import queue
 import statistics
 import tempfile
+from pathlib import Path
 
 from ...node.collective.specs import free_ports
 
@@ -29,7 +30,7 @@ def supports(model_path: str) -> str | None:
 
 
 def _worker(path: str, rank: int, hostfile: str, ids: list[int], max_tokens: int, rounds: int, out,
-            env: dict, gpu: int | None) -> None:
+            env: dict, gpu: int | None, backend: str | None = None, stream: str = "mlx-lm") -> None:
     os.environ.update(env, MLX_HOSTFILE=hostfile, MLX_RANK=str(rank))
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -38,26 +39,38 @@ def _worker(path: str, rank: int, hostfile: str, ids: list[int], max_tokens: int
         from mlx_lm.generate import stream_generate
         from mlx_lm.utils import sharded_load
 
-        nccl = mx.cuda.is_available() and mx.distributed.is_available("nccl")
-        group = mx.distributed.init(backend="nccl" if nccl else "ring", strict=True)
+        if backend is None:
+            backend = "nccl" if mx.cuda.is_available() and mx.distributed.is_available("nccl") else "ring"
+        group = mx.distributed.init(backend=backend, strict=True)
         model, tokenizer = sharded_load(path, tensor_group=group)
+        # "mlx-lm": its own thread-local generation stream; "plain": a plain stream on the same device
+        kwargs = {} if stream == "mlx-lm" else {"stream": mx.new_stream(mx.default_device())}
         speeds, tokens = [], []
         for i in range(rounds + 1):  # the first round warms up
             last, toks = None, []
-            for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens):
+            for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, **kwargs):
                 toks.append(last.token)
             if i:
                 speeds.append(last.generation_tps)
                 tokens = toks
         out.put({"rank": rank, "tps": statistics.median(speeds), "tokens": tokens})
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as a value
-        out.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+        import traceback
+
+        # where it failed, inside mlx-lm or MLX (run 5 on CUDA: "There is no Stream(gpu, 1) in current thread")
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                            for f in reversed(traceback.extract_tb(exc.__traceback__)[-3:]))
+        out.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}", "where": where})
 
 
 def measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, rounds: int,
-            timeout_s: float = 300.0, gpus: bool = False) -> dict:
-    """{"name", "nodes", "tps", "tokens"} of rank 0, or {"name", "nodes", "error"}. `gpus`: process r
-    on GPU r."""
+            timeout_s: float = 300.0, gpus: bool = False, backend: str | None = None,
+            stream: str = "mlx-lm") -> dict:
+    """{"name", "nodes", "tps", "tokens"} of rank 0, or {"name", "nodes", "error", "where"}. `gpus`:
+    process r on GPU r; `backend`: mx.distributed's (default NCCL on CUDA GPUs, else the ring);
+    `stream`: "mlx-lm" (stream_generate's own thread-local stream) or "plain" (a plain stream passed
+    to it: same arithmetic; MLX's CUDA build has refused mlx-lm's with "There is no Stream(gpu, 1) in
+    current thread")."""
     entry = {"name": "mlx_lm_tensor_parallel", "nodes": nodes}
     why = supports(model_path)
     if why:
@@ -73,7 +86,7 @@ def measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, rounds
         ports = free_ports(1)  # NCCL's rendezvous on rank 0 (the ring uses the hostfile)
         env = {"MLX_WORLD_SIZE": str(nodes), "NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(ports[0])}
         procs = [ctx.Process(target=_worker, args=(model_path, r, hostfile, ids, max_tokens, rounds, out, env,
-                                                   r if gpus else None))
+                                                   r if gpus else None, backend, stream))
                  for r in range(nodes)]
         for p in procs:
             p.start()
@@ -91,5 +104,6 @@ def measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, rounds
                     p.kill()
     failed = [r for r in reports.values() if "error" in r]
     if failed:
-        return {**entry, "error": f"rank {failed[0]['rank']}: {failed[0]['error']}"}
-    return {**entry, "tps": reports[0]["tps"], "tokens": reports[0]["tokens"]}
+        return {**entry, "error": f"rank {failed[0]['rank']}: {failed[0]['error']}", "where": failed[0].get("where", "")}
+    return {**entry, **({} if stream == "mlx-lm" else {"stream": stream}), "tps": reports[0]["tps"],
+            "tokens": reports[0]["tokens"]}

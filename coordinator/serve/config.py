@@ -48,6 +48,8 @@ class NodeConfig:
     envoy_port: int | None = None  # envoy port (chosen free if omitted)
     memory: Size | None = None  # override the memory the node reports (bytes)
     expert_cache: str | None = None  # this node's placement.expert_cache
+    # launch: local on a host with several CUDA GPUs: the one this node uses (its CUDA_VISIBLE_DEVICES)
+    gpu: int | None = None
 
 
 @dataclass(frozen=True)
@@ -314,6 +316,12 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
                 raise r.fail(_find(root, "nodes", i, attr), f"{where}.{attr}", f"{port} is not a port (1..65535)")
         if n.address is not None and not re.fullmatch(r"[A-Za-z0-9_.:\[\]-]+", n.address):
             raise r.fail(_find(root, "nodes", i, "address"), f"{where}.address", f"{n.address!r} is not a host or host:port")
+        if n.gpu is not None:
+            if c.launch != "local":
+                raise r.fail(_find(root, "nodes", i, "gpu"), f"{where}.gpu",
+                             "is for launch: local (a remote node uses the GPUs its own environment gives it)")
+            if n.gpu < 0:
+                raise r.fail(_find(root, "nodes", i, "gpu"), f"{where}.gpu", f"must be a GPU index >= 0 (got {n.gpu})")
         if n.expert_cache is not None:
             try:
                 ExpertCacheSpec.parse(n.expert_cache)

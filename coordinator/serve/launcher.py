@@ -30,6 +30,7 @@ class LocalNode:
     port: int
     log_path: Path
     memory: int | None = None
+    gpu: int | None = None  # CUDA_VISIBLE_DEVICES of the agent (one GPU per node on a multi-GPU host)
     process: asyncio.subprocess.Process | None = None
 
 
@@ -63,6 +64,8 @@ class Launcher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = open(node.log_path, "ab")
         env = dict(os.environ, **{SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1"})
+        if node.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(node.gpu)
         node.process = await asyncio.create_subprocess_exec(
             *self._command(node), stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
         log.close()

@@ -195,7 +195,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
             ports = free_ports(2 * len(c.nodes))
             launcher = Launcher(secret, log_dir, c.name, tls=tls_files(c),
                                 cache_root=state_file().parent / "cache" / c.name if ship else None)
-            local = [LocalNode(n.name, n.port or ports[2 * i], log_dir / f"{n.name}.log", n.memory)
+            local = [LocalNode(n.name, n.port or ports[2 * i], log_dir / f"{n.name}.log", n.memory, n.gpu)
                      for i, n in enumerate(c.nodes)]
             print(f"starting {len(local)} nodes on this machine (logs in {log_dir})", file=sys.stderr, flush=True)
             await asyncio.gather(*(launcher.start(n) for n in local))

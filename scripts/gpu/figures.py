@@ -40,6 +40,13 @@ MODELS = {
                       "--experts", "128", "--top-k", "8", "--layers", "48"],
 }
 
+# bytes on disk of each model as built (bf16), and a margin
+SIZES = {"dbrx": 53e9, "qwen3-30b-a3b": 62e9}
+
+
+def _layers(model: str) -> int:
+    return int(MODELS[model][MODELS[model].index("--layers") + 1])
+
 
 def cli(*args: str) -> str:
     cmd = [sys.executable, "-m", "moe_cluster.coordinator.cli", *args]
@@ -62,8 +69,10 @@ def build(args) -> None:
     if (out / "config.json").exists():
         print(f"{out} exists")
         return
-    for other in MODELS:  # one model on disk at a time: both do not fit the host's disk
-        if other != args.model and model_dir(other).exists():
+    need = SIZES[args.model] * (args.layers / _layers(args.model) if args.layers else 1)
+    for other in MODELS:  # the others go only where this one would not fit beside them (a 64 GiB disk)
+        if other != args.model and model_dir(other).exists() and shutil.disk_usage(out.parent).free < need:
+            print(f"removing {model_dir(other)}: no room for {args.model} beside it", flush=True)
             shutil.rmtree(model_dir(other))
     extra = ["--layers", str(args.layers)] if args.layers else []
     print(cli("demo-model", *MODELS[args.model], *extra, "--out", str(out), "--dtype", "bfloat16",

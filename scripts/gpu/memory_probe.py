@@ -39,6 +39,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--no-stock", action="store_true", help="only ours (stock's speed is bench decode's to measure)")
     args = p.parse_args()
 
     from moe_cluster.coordinator.dev.run_local import load_stock
@@ -49,14 +50,18 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001
         info = repr(exc)
     emit("device", device=str(mx.default_device()), info=info)
-    _, stock, tokenizer = load_stock(args.model)
+    from moe_cluster.node.checkpoint import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model)
     ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 3)
-    emit("stock loaded", **memory())
-    emit("stock decoded", tps=[decode_tps(stock, tokenizer, ids, args.tokens) for _ in range(3)], **memory())
-    del stock
-    gc.collect()
-    mx.clear_cache()
-    mx.reset_peak_memory()
+    if not args.no_stock:
+        _, stock, _ = load_stock(args.model)
+        emit("stock loaded", **memory())
+        emit("stock decoded", tps=[decode_tps(stock, tokenizer, ids, args.tokens) for _ in range(3)], **memory())
+        del stock
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
     ours = load_shard(args.model, None, 0, keepalive="none", warm_up=False).model
     gc.collect()
     emit("ours loaded", **memory())
