@@ -269,9 +269,6 @@ def run(spec: DecodeBench) -> dict:
     peers = []
     for n in (n for n in spec.nodes if n > 1 and spec.peers):
         peer = measure(str(ckpt.path), n, ids, spec.max_tokens, spec.rounds, gpus=spec.gpus)
-        if "no Stream(" in peer.get("error", ""):  # MLX's thread-local streams (CUDA): same path, a plain stream
-            peer = {**measure(str(ckpt.path), n, ids, spec.max_tokens, spec.rounds, gpus=spec.gpus, stream="plain"),
-                    "mlx_lm_stream_error": peer["error"], "mlx_lm_stream_where": peer.get("where", "")}
         if "tokens" in peer:
             peer.update(_compare(peer.pop("tokens"), single["stock_tokens"][: spec.max_tokens]))
         peers.append(peer)

@@ -30,7 +30,7 @@ def supports(model_path: str) -> str | None:
 
 
 def _worker(path: str, rank: int, hostfile: str, ids: list[int], max_tokens: int, rounds: int, out,
-            env: dict, gpu: int | None, backend: str | None = None, stream: str = "mlx-lm") -> None:
+            env: dict, gpu: int | None, backend: str | None = None) -> None:
     os.environ.update(env, MLX_HOSTFILE=hostfile, MLX_RANK=str(rank))
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -39,16 +39,12 @@ def _worker(path: str, rank: int, hostfile: str, ids: list[int], max_tokens: int
         from mlx_lm.generate import stream_generate
         from mlx_lm.utils import sharded_load
 
-        if backend is None:
-            backend = "nccl" if mx.cuda.is_available() and mx.distributed.is_available("nccl") else "ring"
         group = mx.distributed.init(backend=backend, strict=True)
         model, tokenizer = sharded_load(path, tensor_group=group)
-        # "mlx-lm": its own thread-local generation stream; "plain": a plain stream on the same device
-        kwargs = {} if stream == "mlx-lm" else {"stream": mx.new_stream(mx.default_device())}
         speeds, tokens = [], []
         for i in range(rounds + 1):  # the first round warms up
             last, toks = None, []
-            for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, **kwargs):
+            for last in stream_generate(model, tokenizer, ids, max_tokens=max_tokens):
                 toks.append(last.token)
             if i:
                 speeds.append(last.generation_tps)
@@ -64,17 +60,33 @@ def _worker(path: str, rank: int, hostfile: str, ids: list[int], max_tokens: int
 
 
 def measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, rounds: int,
-            timeout_s: float = 300.0, gpus: bool = False, backend: str | None = None,
-            stream: str = "mlx-lm") -> dict:
-    """{"name", "nodes", "tps", "tokens"} of rank 0, or {"name", "nodes", "error", "where"}. `gpus`:
-    process r on GPU r; `backend`: mx.distributed's (default NCCL on CUDA GPUs, else the ring);
-    `stream`: "mlx-lm" (stream_generate's own thread-local stream) or "plain" (a plain stream passed
-    to it: same arithmetic; MLX's CUDA build has refused mlx-lm's with "There is no Stream(gpu, 1) in
-    current thread")."""
-    entry = {"name": "mlx_lm_tensor_parallel", "nodes": nodes}
+            timeout_s: float = 300.0, gpus: bool = False, backend: str | None = None) -> dict:
+    """{"name", "nodes", "backend", "tps", "tokens"} of rank 0, or {"name", "nodes", "error", "where"}.
+    `gpus`: process r on GPU r; `backend`: mx.distributed's, by default NCCL where MLX's CUDA build
+    has it, else the ring over TCP. NCCL that fails falls back to the ring, its error kept as
+    "nccl_error": mlx-lm's `sharded_load` ends with an all_sum on the CPU stream, which MLX 0.32.4's
+    NCCL backend refuses ("There is no Stream(gpu, 1) in current thread", GPU run 8)."""
     why = supports(model_path)
     if why:
-        return {**entry, "error": why}
+        return {"name": "mlx_lm_tensor_parallel", "nodes": nodes, "error": why}
+    if backend is None:
+        import mlx.core as mx
+
+        cuda = getattr(mx, "cuda", None)
+        nccl = cuda is not None and cuda.is_available() and mx.distributed.is_available("nccl")
+        if nccl:
+            first = _measure(model_path, nodes, ids, max_tokens, rounds, timeout_s, gpus, "nccl")
+            if "error" not in first:
+                return first
+            return {**_measure(model_path, nodes, ids, max_tokens, rounds, timeout_s, gpus, "ring"),
+                    "nccl_error": first["error"], "nccl_where": first.get("where", "")}
+        backend = "ring"
+    return _measure(model_path, nodes, ids, max_tokens, rounds, timeout_s, gpus, backend)
+
+
+def _measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, rounds: int, timeout_s: float,
+             gpus: bool, backend: str) -> dict:
+    entry = {"name": "mlx_lm_tensor_parallel", "nodes": nodes, "backend": backend}
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,7 +98,7 @@ def measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, rounds
         ports = free_ports(1)  # NCCL's rendezvous on rank 0 (the ring uses the hostfile)
         env = {"MLX_WORLD_SIZE": str(nodes), "NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(ports[0])}
         procs = [ctx.Process(target=_worker, args=(model_path, r, hostfile, ids, max_tokens, rounds, out, env,
-                                                   r if gpus else None, backend, stream))
+                                                   r if gpus else None, backend))
                  for r in range(nodes)]
         for p in procs:
             p.start()
@@ -105,5 +117,4 @@ def measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, rounds
     failed = [r for r in reports.values() if "error" in r]
     if failed:
         return {**entry, "error": f"rank {failed[0]['rank']}: {failed[0]['error']}", "where": failed[0].get("where", "")}
-    return {**entry, **({} if stream == "mlx-lm" else {"stream": stream}), "tps": reports[0]["tps"],
-            "tokens": reports[0]["tokens"]}
+    return {**entry, "tps": reports[0]["tps"], "tokens": reports[0]["tokens"]}

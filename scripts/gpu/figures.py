@@ -175,11 +175,24 @@ def probe(args) -> None:
 
 
 def _runs_of(runs: Path, model: str) -> list[dict]:
-    """Every bench JSON of `model` in `runs`: <model>.json, then any <model>-<what>.json beside it
-    (a later call's extra rows, e.g. dbrx-nccl.json), skipping configs and probes."""
-    paths = [runs / f"{model}.json"] + sorted(p for p in runs.glob(f"{model}-*.json")
-                                              if not p.stem.endswith(("-config", "-n1")))
-    return [json.loads(p.read_text()) for p in paths if p.exists()]
+    """Every `bench decode` JSON of `model` in `runs`: <model>.json, then any <model>-<what>.json beside
+    it (a later call's extra rows, e.g. dbrx-nccl.json); configs, probes, serve and peer files are not."""
+    paths = [runs / f"{model}.json"] + sorted(runs.glob(f"{model}-*.json"))
+    found = [json.loads(p.read_text()) for p in paths if p.exists()]
+    return [b for b in found if isinstance(b, dict) and "clusters" in b]
+
+
+def _peers_of(runs: Path, model: str, benches: list[dict]) -> list[dict]:
+    """mlx-lm tensor parallel entries: those in the bench JSON, then any measured by hand beside it
+    (<model>-tp-<backend>.json, one `tensor_parallel.measure` result) where the bench's own failed."""
+    peers = [p for b in benches for p in b["peers"]]
+    for path in sorted(runs.glob(f"{model}-tp-*.json")):
+        peers.append({"backend": path.stem.rpartition("-tp-")[2], **json.loads(path.read_text())})
+    return peers
+
+
+def _peer_name(peer: dict) -> str:
+    return "mlx-lm tensor parallel" + (f" ({peer['backend']})" if peer.get("backend") else "")
 
 
 def _path_name(c: dict) -> str:
@@ -233,14 +246,27 @@ def report(args) -> None:
                              + (f"{fixed:.0f}" if fixed >= 0 else "— (faster than stock)") + " | " + pred + " |")
                 per.setdefault(name if c["nodes"] > 1 else "ours, cluster path", []).append(
                     (c["nodes"], c["generation_tps"]))
-            for peer in b["peers"]:
-                if (peer["nodes"], peer["name"]) in seen:
-                    continue
-                seen.add((peer["nodes"], peer["name"]))
-                cell = f"{peer['tps']:.1f} | {peer['tps'] / stock:.2f}" if "tps" in peer else f"— | {peer['error']}"
-                lines.append(f"| {model} | {peer['nodes']} | mlx-lm tensor parallel | {cell} | | | |")
-                if "tps" in peer:
-                    per.setdefault("mlx-lm tensor parallel", []).append((peer["nodes"], peer["tps"]))
+        for peer in _peers_of(runs, model, benches):
+            name = _peer_name(peer)
+            if (peer["nodes"], name) in seen:
+                continue
+            seen.add((peer["nodes"], name))
+            cell = f"{peer['tps']:.1f} | {peer['tps'] / stock:.2f}" if "tps" in peer else f"— | {peer['error']}"
+            lines.append(f"| {model} | {peer['nodes']} | {name} | {cell} | | | |")
+            if "tps" in peer:
+                per.setdefault(name, []).append((peer["nodes"], peer["tps"]))
+    serving = [(m, json.loads((runs / f"{m}-serve.json").read_text())) for m in MODELS
+               if (runs / f"{m}-serve.json").exists()]
+    if serving:
+        lines += ["", "Aggregate decode tok/s of streamed requests (`bench serve --gpus`), one GPU per node:", "",
+                  "| model | server | concurrent streams | aggregate tok/s | time to first token p50 (s) | "
+                  "inter-token p50 / p99 (s) |", "|---|---|---|---|---|---|"]
+        for model, out in serving:
+            rows = [(f"ours, N = {r['nodes']}", r) for r in out["rows"]] + [("mlx_lm.server, one GPU", r)
+                                                                               for r in out["mlx_lm_server"]]
+            for name, r in rows:
+                lines.append(f"| {model} | {name} | {r['concurrency']} | {r['aggregate_tps']:.1f} | "
+                             f"{r['ttft_p50_s']:.2f} | {r['itl_p50_s']:.3f} / {r['itl_p99_s']:.3f} |")
     (runs / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:

@@ -38,6 +38,8 @@ def test_a_good_file():
     assert c.placement.kv_reserve == 2**30 and c.serving.prompt_cache == 64_000_000
     assert c.timeouts.collective == 2.0 and c.timeouts.discovery == 0.5
     assert c.source == "lab.yaml"
+    assert c.nodes[0].gpu is None
+    assert parse_config(GOOD.replace("    port: 7702\n", "    port: 7702\n    gpu: 1\n")).nodes[1].gpu == 1
 
 
 BAD = [
@@ -55,6 +57,9 @@ BAD = [
     ("nodes:\n  - name: a\n    port: 70000", 3, ["nodes[0].port", "not a port"]),
     ("nodes:\n  - name: a\n    address: 10.0.0.2", 3, ["nodes[0].address", "launch: remote"]),
     ("nodes:\n  - name: a\n    address: 'a b'", 3, ["nodes[0].address", "not a host"]),
+    ("launch: remote\nnodes:\n  - name: a\n    gpu: 0", 4, ["nodes[0].gpu", "launch: local"]),
+    ("nodes:\n  - name: a\n    gpu: -1", 3, ["nodes[0].gpu", "GPU index >= 0"]),
+    ("nodes:\n  - name: a\n    gpu: first", 3, ["nodes[0].gpu", "whole number"]),
     ("nodes:\n  - name: a\nlaunch: cloud", 3, ["launch", "local, remote"]),
     ("nodes:\n  - name: a\ntransport: smoke-signals", 3, ["transport", "envoy, mlx"]),
     ("nodes:\n  - name: a\nkeepalive: sometimes", 3, ["keepalive", "none, lru, busy"]),

@@ -89,3 +89,32 @@ def test_the_in_graph_sum_is_the_envoys_bytes(dtype, ranks):
     # differs (the Reducer keeps the sign into float16 as MLX's cast would); every other value is equal.
     nan = np.isnan(to_float32(got, dtype)) & np.isnan(to_float32(want, dtype))
     assert got[~nan].tobytes() == want[~nan].tobytes()
+
+
+def test_mlx_lms_tensor_parallel_falls_back_to_the_ring_where_nccl_fails(monkeypatch):
+    """GPU run 8: mlx-lm's sharded_load ends with an all_sum on the CPU stream that MLX's NCCL backend
+    refuses; the peer is then measured over the ring, and says so with NCCL's error."""
+    from types import SimpleNamespace
+
+    from moe_cluster.coordinator.bench import tensor_parallel as tp
+
+    tried = []
+
+    def fake(model_path, nodes, ids, max_tokens, rounds, timeout_s, gpus, backend):
+        tried.append(backend)
+        entry = {"name": "mlx_lm_tensor_parallel", "nodes": nodes, "backend": backend}
+        if backend == "nccl":
+            return {**entry, "error": "rank 0: RuntimeError: There is no Stream(gpu, 1) in current thread.",
+                    "where": "utils.py:812 sharded_load"}
+        return {**entry, "tps": 9.9, "tokens": [1, 2]}
+
+    monkeypatch.setattr(tp, "supports", lambda path: None)
+    monkeypatch.setattr(tp, "_measure", fake)
+    monkeypatch.setattr(mx, "cuda", SimpleNamespace(is_available=lambda: True), raising=False)
+    monkeypatch.setattr(mx.distributed, "is_available", lambda backend=None: True)
+    r = tp.measure("m", 2, [1], 2, 1, gpus=True)
+    assert tried == ["nccl", "ring"]
+    assert r["backend"] == "ring" and r["tps"] == 9.9 and "no Stream" in r["nccl_error"], r
+    assert r["nccl_where"] == "utils.py:812 sharded_load"
+    tried.clear()
+    assert tp.measure("m", 2, [1], 2, 1, backend="ring")["backend"] == "ring" and tried == ["ring"]
