@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -187,11 +186,17 @@ class ShardState:
         calls = np.bincount(layer_of_call, minlength=len(layers))
         mine = np.bincount(layer_of_call, weights=counts[:, self.rank], minlength=len(layers))
         biggest = np.bincount(layer_of_call, weights=counts.max(axis=1), minlength=len(layers))
+        fill = np.zeros(len(done))
+        if self.keepalive == "lru" and self.world_size > 1:  # ExpertShard._fill's count: up to the busiest node
+            held = np.array([len(self.held.get(layer, ())) for layer in layers])[layer_of_call]
+            fill = np.maximum(np.minimum(counts.max(axis=1), held) - counts[:, self.rank], 0)
+        filler = np.bincount(layer_of_call, weights=fill, minlength=len(layers))
         for i, layer in enumerate(layers):
             c = self.counters.setdefault(layer, LayerCounters())
             c.calls += int(calls[i])
             c.selected += int(mine[i])
-            c.computed += int(mine[i])
+            c.computed += int(mine[i] + filler[i])
+            c.filler += int(filler[i])
             c.cluster_max += int(biggest[i])
 
     def means(self, fold: bool = True) -> dict[str, float]:
@@ -265,6 +270,7 @@ EXPERT_MATMUL = os.environ.get("MOE_CLUSTER_EXPERT_MATMUL", "auto")
 # mlx-lm's SwitchGLU does: on MLX's CUDA backend the sorted kernel is ~6x slower for decode-sized
 # batches (DBRX experts on an H200: 1.07 ms vs 0.17 ms per call; scripts/gpu/expert_matmul_probe.py).
 SORTED_FROM = 64
+_STAMP_SPAN = 1 << 16  # keepalive's recency counts restart this often (ExpertShard._touch)
 
 
 def _gather_mm_ok(dtype: mx.Dtype) -> bool:
@@ -304,23 +310,32 @@ class ExpertShard(nn.Module):
         self._kind = kind
         self._activation = activation
         self._state = state
-        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(len(self._ids)))
+        # Keepalive's recency, on the device so that the decode step can choose its fillers without
+        # a host read: the call count at which each local slot was last computed (0: never), and
+        # the count itself. Least recently used = smallest (stamp, slot).
+        self._stamp = mx.zeros((len(self._ids),), dtype=mx.int32)
+        self._calls = 0
         state.counters.setdefault(layer, LayerCounters())
         state.held[layer] = self._ids
         state.routed.setdefault(layer, np.zeros(len(holders), dtype=np.int64))
         # Routing on the device, without reading the indices on the host, where the work is a
-        # fixed function of them: every expert has one holder (no replica to choose at run time)
-        # and no filler is ever needed (keepalive none, or alone: the cluster maximum is ours).
-        self._lut = self._rank_of = None
+        # fixed function of them and of device state: every expert has one holder (no replica to
+        # choose at run time), and keepalive is none, or lru (its fillers are chosen on the device
+        # from the recency stamps), or the node is alone (the cluster maximum is ours: no filler).
+        self._lut = self._rank_of = self._ranks = self._local = None
         self._identity = False
         if self._ids and all(len(rs) == 1 for rs in self._holders.values()) and (
-                state.keepalive == "none" or state.world_size == 1):
+                state.keepalive in ("none", "lru") or state.world_size == 1):
             n = len(self._slot)
             self._rank_of = np.array([self._holders[e][0] for e in range(n)], dtype=np.int64)
             lut = np.where(self._rank_of == state.rank, self._slot, -1)  # global -> slot
             # alone with every expert in id order, the table is the identity: the indices are the slots
             self._identity = bool(np.array_equal(lut, np.arange(n)))
             self._lut = mx.array(lut.astype(np.int32))
+            if state.keepalive == "lru" and state.world_size > 1:
+                # expert -> its rank, one-hot (num_experts, world): distinct experts per rank in one sum
+                self._ranks = mx.array(self._rank_of[:, None] == np.arange(state.world_size))
+                self._local = mx.array(np.asarray(self._ids, dtype=np.int32))  # slot -> global id
         last = self.down_proj if kind == "glu" else self.fc2
         self._gathered = not last._per_expert  # one gather_mm per call
         self._cache: LayerCache | None = None
@@ -361,6 +376,22 @@ class ExpertShard(nn.Module):
             return self.down_proj(self._activation(up, gate), slots, groups)
         return self.fc2(self._activation(self.fc1(x, slots, groups)), slots, groups)
 
+    @property
+    def _lru(self) -> list[int]:
+        """Local slots, least recently computed first (reads the stamps on the host)."""
+        stamp = np.array(self._stamp)
+        return np.lexsort((np.arange(len(stamp)), stamp)).tolist()
+
+    def _touch(self, computed: mx.array) -> None:
+        """Stamp the slots `computed` (bool, per slot) with this call's count. The counts restart
+        every _STAMP_SPAN calls, older stamps shifted down (those older than half the span tie at 0),
+        so that _fill's int32 key, stamp × local slots + slot, never overflows."""
+        if self._calls >= _STAMP_SPAN:
+            self._calls -= _STAMP_SPAN // 2
+            self._stamp = mx.maximum(self._stamp - _STAMP_SPAN // 2, 0)
+        self._calls += 1
+        self._stamp = mx.where(computed, self._calls, self._stamp)
+
     def _fillers(self, mine: list[int], cluster_max: int) -> list[int]:
         policy = self._state.keepalive
         if policy == "none":
@@ -387,8 +418,28 @@ class ExpertShard(nn.Module):
             return self._mlp(rows, slots, None).squeeze(-2)
         slots = self._lut[inds]  # (..., k): local slot, or -1 where another node computes it
         mine = slots >= 0
-        y = self._mlp(rows, mx.where(mine, slots, 0).astype(mx.uint32), None).squeeze(-2)  # (..., k, out)
+        other = self._fill(inds, mine) if self._ranks is not None else 0
+        y = self._mlp(rows, mx.where(mine, slots, other).astype(mx.uint32), None).squeeze(-2)  # (..., k, out)
         return mx.where(mine[..., None], y, mx.zeros_like(y))
+
+    def _fill(self, inds: mx.array, mine: mx.array) -> mx.array:
+        """Keepalive lru on the device: the slot each position another node computes takes here, so
+        that this node computes as many distinct experts as the busiest node (min(cluster max, its
+        experts)), the extra ones its least recently used; the rest repeat an expert already read.
+        Another node's positions always suffice: the busiest node's experts all sit at positions
+        that are not ours. Its outputs are zeroed by the caller; only the weights' reads matter."""
+        local = len(self._ids)
+        present = mx.zeros((len(self._slot),), dtype=mx.int32).at[inds.reshape(-1)].add(1) > 0  # (E,)
+        per_rank = (present[:, None] & self._ranks).astype(mx.int32).sum(axis=0)  # distinct experts per rank
+        selected = present[self._local]  # (local,)
+        n_mine = per_rank[self._state.rank]
+        want = mx.minimum(per_rank.max(), local) - n_mine  # fillers this call
+        order = mx.argsort(mx.where(selected, 2**31 - 1, self._stamp * local + mx.arange(local)))  # free, LRU first
+        nth = mx.cumsum((~mine).reshape(-1).astype(mx.int32)) - 1  # each position's index among the others'
+        repeat = mx.where(n_mine > 0, mx.argmax(selected), order[0])  # a slot read anyway
+        fill = mx.where(nth < want, order[mx.clip(nth, 0, local - 1)], repeat).reshape(mine.shape)
+        self._touch(selected | (mx.argsort(order) < want))
+        return fill
 
     def _sorted(self, rows: mx.array, slots: mx.array) -> mx.array:
         """Many rows (a prompt, a wide batch) alone: mlx-lm's SwitchGLU sorted path op for op (rows
@@ -418,8 +469,10 @@ class ExpertShard(nn.Module):
             cache.fetch(mine[: cache.capacity])
         counts = per_rank(chosen, state.world_size)
         fillers = self._fillers(mine, max(counts))
-        for s in mine + fillers:
-            self._lru.move_to_end(s)
+        if self._ids:
+            computed = np.zeros(len(self._ids), dtype=bool)
+            computed[mine + fillers] = True
+            self._touch(mx.array(computed))
         c = state.counters[self._layer]
         c.calls += 1
         c.selected += len(mine)

@@ -32,7 +32,7 @@ def checkpoint(family: str, tmp: Path, quantize: str | None = None) -> Path:
 
 def check(path: Path, nodes: int, reference=None, keepalive: str = "lru") -> dict:
     """{"tokens", "reference_tokens", "max_abs_logit_diff", "tokens_match"} for one node count.
-    keepalive "none" routes decode steps on the device (lru at N > 1 reads the indices on the host)."""
+    keepalive "none" and "lru" route decode steps on the device ("busy" reads the indices on the host)."""
     from moe_cluster.node.moe.load import load_in_process
 
     ref_tokens, ref_logits = reference or tiny.stock_tokens(path, PROMPT, STEPS)

@@ -111,6 +111,49 @@ def test_lru_fillers_are_least_recently_used():
     assert seen == [[0, 1], [2, 3], [0, 1], [2, 3]]
 
 
+def test_lru_fillers_are_chosen_on_the_device(monkeypatch):
+    """Keepalive lru at N > 1 decodes without reading the routing on the host: the positions another
+    node computes are pointed at this node's least recently used experts, as many as the busiest
+    node computes beyond ours, and the rest at an expert read anyway."""
+    seen: list[set[int]] = []
+
+    class Recording(ShardLinear):
+        def __call__(self, x, slots, groups):
+            seen.append(set(np.array(slots).reshape(-1).tolist()))
+            return super().__call__(x, slots, groups)
+
+    bank = _bank(3)
+    p = Placement.from_json({"layers": {"0": {"0": [0, 1, 2, 3], "1": [4, 5, 6, 7]}}}, 2)
+    shard0 = _shards(bank, p, "lru", linear=Recording)[0]
+    monkeypatch.setattr(ShardState, "count_routed", lambda *a: pytest.fail("indices read on the host"))
+    computed = []
+    for _ in range(4):  # rank 1 selects experts 4 and 5, rank 0 expert 1 (its slot 1): one filler a call
+        seen.clear()
+        y = shard0(mx.zeros((1, 1, D)), mx.array([[[4, 5, 1]]]))
+        computed.append(seen[0])  # gate_proj's slots: the experts this call reads
+        assert mx.array_equal(y[..., :2, :], mx.zeros_like(y[..., :2, :])).item()  # fillers' outputs left out
+    monkeypatch.undo()
+    assert computed == [{1, 0}, {1, 2}, {1, 3}, {1, 0}]  # slot 1 selected; the filler rotates, LRU first
+    c = _counters(shard0)
+    assert (c["selected"], c["filler"], c["computed"], c["cluster_max"]) == (4, 4, 8, 8)
+
+
+def test_lru_order_survives_the_recency_count_restart(monkeypatch):
+    from moe_cluster.node.moe import experts
+
+    monkeypatch.setattr(experts, "_STAMP_SPAN", 8)  # restart every 8 calls instead of 65536
+    p = Placement.from_json({"layers": {"0": {"0": [0, 1, 2, 3], "1": [4, 5, 6, 7]}}}, 2)
+    shard0 = _shards(_bank(3), p, "lru")[0]
+    orders = []
+    for _ in range(20):
+        orders.append(shard0._lru[:2])
+        shard0(mx.zeros((1, 1, D)), mx.array([[[4, 5, 1]]]))
+    assert shard0._calls <= 8
+    # slot 1 is selected every call; the one filler rotates over 0, 2, 3 through every restart
+    assert orders[1:4] == [[2, 3], [3, 0], [0, 2]]
+    assert all(orders[i] == orders[i + 3] for i in range(1, 17)), orders
+
+
 def test_bfloat16_without_gather_mm_matches_float32():
     bank = _bank(4)
     shards = _shards(bank, Placement.even({0: E}, 2), "none", dtype=mx.bfloat16)
