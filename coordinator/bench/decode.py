@@ -117,7 +117,8 @@ def _fits_twice(model) -> bool:
 
 
 def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> list[dict]:
-    from ..dev.simulate import mlx_backend, run_nodes
+    from ...node.collective.mlx import mlx_backend
+    from ..dev.simulate import run_nodes
     from ...node.sim import SimTask
 
     sampling = Sampling(max_tokens=spec.max_tokens)

@@ -46,16 +46,6 @@ class SimRequest:
     profile: Path | None = None  # routing profile: the hottest experts start resident
 
 
-def mlx_backend(gpus: bool) -> str:
-    """The `mx.distributed` backend of simulated nodes: NCCL where each node has its own CUDA GPU
-    and MLX's CUDA build offers it (GPU to GPU, no host copy), else the ring over TCP."""
-    import mlx.core as mx
-
-    cuda = getattr(mx, "cuda", None)
-    return "nccl" if gpus and cuda is not None and cuda.is_available() and mx.distributed.is_available("nccl") \
-        else "ring"
-
-
 def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float, gpus: bool = False):
     """-> (spec every node gets, cleanup to run once the nodes are gone); loopback only."""
     from ...node.collective.specs import EnvoySpec, MlxSpec, free_ports
@@ -70,6 +60,8 @@ def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float
         addresses = tuple(f"127.0.0.1:{p}" for p in free_ports(nodes))
         return EnvoySpec(addresses, secret=secrets.token_hex(16), timeout_s=timeout_s, max_bytes=slot), lambda: None
     if transport == "mlx":
+        from ...node.collective.mlx import mlx_backend
+
         return MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(nodes)), backend=mlx_backend(gpus),
                        timeout_s=timeout_s), lambda: None
     raise UserError(f"--transport must be shm, envoy or mlx (got {transport!r})")

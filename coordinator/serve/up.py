@@ -158,7 +158,11 @@ def _transport(c: ClusterConfig, hosts: list[str], envoy_ports: list[int], rank_
         return lambda rank: EnvoySpec(addresses, listen=f"0.0.0.0:{envoy_ports[rank]}" if rank_listen_any else "",
                                       timeout_s=c.timeouts.collective, tls=tls)
     hosts_spec = tuple((f"{h}:{p}",) for h, p in zip(hosts, envoy_ports))
-    return lambda rank: MlxSpec(hosts_spec, timeout_s=max(c.timeouts.collective, 30.0))
+    # nodes on this machine, each on its own GPU (`gpu:`): NCCL where MLX's CUDA build has it
+    from ...node.collective.mlx import mlx_backend
+
+    backend = mlx_backend(c.launch == "local" and all(n.gpu is not None for n in c.nodes))
+    return lambda rank: MlxSpec(hosts_spec, backend=backend, timeout_s=max(c.timeouts.collective, 30.0))
 
 
 async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:

@@ -44,6 +44,14 @@ logger = logging.getLogger(__name__)
 EXIT_STALLED = 75  # exit status of a node whose all-reduce outlasted the timeout
 
 
+def mlx_backend(gpus: bool) -> str:
+    """The `mx.distributed` backend for nodes on this machine: NCCL where each node has its own CUDA
+    GPU and MLX's CUDA build offers it (GPU to GPU, no host copy), else the ring over TCP."""
+    cuda = getattr(mx, "cuda", None)
+    return "nccl" if gpus and cuda is not None and cuda.is_available() and mx.distributed.is_available("nccl") \
+        else "ring"
+
+
 def write_hostfile(spec: MlxSpec, folder: str | Path) -> dict[str, str]:
     """Write what the backend reads into `folder`; returns the environment variables to set."""
     folder = Path(folder)

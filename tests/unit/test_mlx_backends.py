@@ -118,3 +118,24 @@ def test_mlx_lms_tensor_parallel_falls_back_to_the_ring_where_nccl_fails(monkeyp
     assert r["nccl_where"] == "utils.py:812 sharded_load"
     tried.clear()
     assert tp.measure("m", 2, [1], 2, 1, backend="ring")["backend"] == "ring" and tried == ["ring"]
+
+
+def test_up_joins_local_gpu_nodes_over_nccl_where_mlx_has_it(monkeypatch):
+    """`transport: mlx` with every node of a local cluster on its own GPU (`gpu:`) takes NCCL where
+    MLX's CUDA build offers it; otherwise, and on this CPU build, the ring."""
+    from types import SimpleNamespace
+
+    from moe_cluster.coordinator.serve.config import parse_config
+    from moe_cluster.coordinator.serve.up import _transport
+
+    def spec(text):
+        c = parse_config("transport: mlx\nlaunch: local\nnodes:\n" + text)
+        return _transport(c, ["127.0.0.1", "127.0.0.1"], [7001, 7002], False)(0)
+
+    on_gpus = "  - name: a\n    gpu: 0\n  - name: b\n    gpu: 1\n"
+    assert spec(on_gpus).backend == ("nccl" if mx.distributed.is_available("nccl") else "ring")
+    monkeypatch.setattr(mx, "cuda", SimpleNamespace(is_available=lambda: True), raising=False)
+    monkeypatch.setattr(mx.distributed, "is_available", lambda backend=None: True)
+    s = spec(on_gpus)
+    assert s.backend == "nccl" and s.hosts[0] == ("127.0.0.1:7001",)
+    assert spec("  - name: a\n    gpu: 0\n  - name: b\n").backend == "ring"  # one node without a GPU of its own
