@@ -260,10 +260,9 @@ def run(spec: DecodeBench) -> dict:
         for t in spec.transports if n > 1 else ():
             clusters += _cluster(spec, ids, n, t)
     bytes_ = model_bytes(str(ckpt.path))
-    stock_s = 1.0 / single["mlx_lm_tps"]
     for c in clusters:
-        # what the cluster adds to each MoE layer, beyond stock mlx-lm's time per token
-        c["fixed_cost_per_moe_layer_us"] = 1e6 * (c["time_per_token_s"] - stock_s) / bytes_["moe_layers"]
+        c["fixed_cost_per_moe_layer_us"] = fixed_cost_us(c["time_per_token_s"], single["mlx_lm_tps"],
+                                                         single["generated_tokens"], bytes_["moe_layers"])
         c.update(_compare(c.pop("tokens"), single["stock_tokens"][: spec.max_tokens]))
     from .tensor_parallel import measure
 
@@ -300,11 +299,21 @@ def run(spec: DecodeBench) -> dict:
     return out
 
 
+def fixed_cost_us(time_per_token_s: float, stock_tps: float, generated: int, moe_layers: int) -> float:
+    """What the cluster adds to each MoE layer beyond stock mlx-lm's time per token, in µs. Stock's
+    tok/s counts n tokens over n - 1 intervals (mlx-lm's convention, and the engine's), while a row's
+    time_per_token_s is the interval itself: compared as intervals."""
+    stock_s = (generated / (generated - 1) if generated > 1 else 1.0) / stock_tps
+    return 1e6 * (time_per_token_s - stock_s) / moe_layers
+
+
 def calibrate(bench_out: dict) -> dict:
     """Fit the performance model to this run, once per transport (with the N = 1 points, which
     exchange nothing), and put its prediction beside each measurement: {transport: calibration}."""
 
     from ..plan.calibration import fit, parse_bench, predict_time
+
+    from ..plan.calibration import CalibrationError
 
     bench = parse_bench(bench_out, "bench decode")
     multi = sorted({c.transport for c in bench.clusters if c.nodes > 1}) or [bench.clusters[0].transport]
@@ -313,13 +322,27 @@ def calibrate(bench_out: dict) -> dict:
         part = replace(bench, clusters=tuple(c for c in bench.clusters if c.nodes == 1 or c.transport == transport))
         cal = fit(part)
         points = []
-        for c in part.clusters:
-            predicted = 1.0 / predict_time(cal, part, c.nodes, c.expected_experts, c.nodes_per_host)
+        for i, c in enumerate(part.clusters):
+            # errors on the time per token the fit is made of; the predicted tok/s is put in the
+            # measured tok/s's own convention (n tokens over n - 1 intervals, as mlx-lm counts)
+            error = c.time_per_token_s / predict_time(cal, part, c.nodes, c.expected_experts, c.nodes_per_host) - 1.0
+            # held out: fitted on the other points only, a prediction rather than a fit
+            others = replace(part, clusters=part.clusters[:i] + part.clusters[i + 1:])
+            try:
+                held = fit(others) if len(others.clusters) >= 2 else None
+            except CalibrationError:
+                held = None
+            held_error = None if held is None else \
+                c.time_per_token_s / predict_time(held, part, c.nodes, c.expected_experts, c.nodes_per_host) - 1.0
             points.append({"nodes": c.nodes, "keepalive": c.keepalive, "measured_tps": c.generation_tps,
-                           "predicted_tps": predicted, "error": predicted / c.generation_tps - 1.0})
+                           "predicted_tps": c.generation_tps * (1.0 + error), "error": error,
+                           "held_out_error": held_error})
+        held = [abs(p["held_out_error"]) for p in points if p["held_out_error"] is not None]
         out[transport] = {"bandwidth_Bps": cal.bandwidth_Bps, "layer_overhead_s": cal.layer_overhead_s,
                           "collective_base_s": cal.collective_base_s, "collective_per_node_s": cal.collective_per_node_s,
-                          "points": points, "max_abs_error": max(abs(p["error"]) for p in points)}
+                          "points": points, "max_abs_error": max(abs(p["error"]) for p in points),
+                          # with no more points than the fit has terms, `error` is ~0 by construction
+                          "max_abs_held_out_error": max(held) if held else None}
     return out
 
 
@@ -407,8 +430,10 @@ def main(args) -> int:
               f"collective {1e6 * (cal['collective_base_s'] or 0):.0f} us per MoE layer at 2 nodes "
               f"+{1e6 * (cal['collective_per_node_s'] or 0):.0f} us per extra node")
         for p in cal["points"]:
+            held = p["held_out_error"]
             print(f"  {p['nodes']} nodes {p['keepalive']:>4}: measured {p['measured_tps']:.1f} tok/s, "
-                  f"predicted {p['predicted_tps']:.1f} tok/s ({100 * p['error']:+.1f}%)")
+                  f"predicted {p['predicted_tps']:.1f} tok/s ({100 * p['error']:+.1f}%; fitted without it: "
+                  + ("-" if held is None else f"{100 * held:+.1f}%") + ")")
     print(f"single node: ours {out['ours_tps']:.1f} tok/s, stock mlx-lm {out['mlx_lm_tps']:.1f} tok/s, "
           f"ratio {out['ratio']:.3f}" + (f"; cluster path at N = 1: ratio {out['cluster_ratio']:.3f}"
                                           if out["cluster_ratio"] is not None else ""))

@@ -211,11 +211,15 @@ def _calibrated(bench: dict, alone: list[dict], path: list[dict], c: dict) -> st
         return "—"
     fitted = calibrate({**bench, "clusters": [{**x, "transport": "path"} for x in points]})["path"]
     p = next(p for p in fitted["points"] if p["nodes"] == c["nodes"])
-    return f"{p['predicted_tps']:.1f} ({100 * p['error']:+.0f}%)"
+    held = p["held_out_error"]  # fitted without this point: a prediction (with two points, none)
+    return f"{p['predicted_tps']:.1f} (fit {100 * p['error']:+.0f}%" + (
+        f", held out {100 * held:+.0f}%)" if held is not None else "; nothing left to hold out)")
 
 
 def report(args) -> None:
     """table.md and figure.png from the bench JSON in --runs: one row per (model, N, path)."""
+    from moe_cluster.coordinator.bench.decode import fixed_cost_us
+
     runs = Path(args.runs)
     lines = ["| model | N | path | tok/s | × stock | tokens | fixed cost per MoE layer (µs) | plan calibrated |",
              "|---|---|---|---|---|---|---|---|"]
@@ -239,8 +243,10 @@ def report(args) -> None:
                 mismatch = c.get("first_mismatch")
                 tokens = "stock's" if c["same_tokens"] else f"differ from token {mismatch}" if mismatch is not None \
                     else "differ"
-                # against the stock run of the same call (each call measures its own)
-                fixed = c["fixed_cost_per_moe_layer_us"]
+                # against the stock run of the same call (each call measures its own), recomputed as
+                # intervals (runs up to 8 stored stock's n-over-(n - 1)-intervals rate against them)
+                fixed = fixed_cost_us(c["time_per_token_s"], b["mlx_lm_tps"], b["generated_tokens"],
+                                      b["model_bytes"]["moe_layers"])
                 lines.append(f"| {model} | {c['nodes']} | {name} | {c['generation_tps']:.1f} | "
                              f"{c['generation_tps'] / b['mlx_lm_tps']:.2f} | {tokens} | "
                              + (f"{fixed:.0f}" if fixed >= 0 else "— (faster than stock)") + " | " + pred + " |")

@@ -151,3 +151,21 @@ def test_a_collective_inside_the_graph_is_fitted_on_whole_tokens():
 def test_timed_parts_that_fit_are_kept():
     cal = fit(parse_bench(bench()))
     assert not any("whole tokens" in n for n in cal.notes)
+
+
+def test_each_point_is_also_predicted_from_a_fit_without_it():
+    """bench decode --calibrate: beside the in-sample error (a fit with about as many terms as points
+    reproduces them by construction), each point's error when the fit leaves it out."""
+    from moe_cluster.coordinator.bench.decode import calibrate
+
+    exact = calibrate(bench())["envoy"]
+    assert all(abs(p["held_out_error"]) < 1e-6 for p in exact["points"]), exact["points"]
+    off = bench(noise=[0.0, 0.0, 0.0, 0.02])  # the 4-node point 20 ms slower than the model says
+    cal = calibrate(off)["envoy"]
+    last = cal["points"][-1]
+    assert last["held_out_error"] == pytest.approx(off["clusters"][-1]["time_per_token_s"] / (
+        off["clusters"][-1]["time_per_token_s"] - 0.02) - 1, rel=1e-6)  # predicted from the three others
+    assert abs(last["held_out_error"]) > abs(last["error"])
+    assert cal["max_abs_held_out_error"] == max(abs(p["held_out_error"]) for p in cal["points"])
+    two = calibrate(bench(nodes=(1, 2)))["envoy"]  # nothing left to fit once a point is out
+    assert [p["held_out_error"] for p in two["points"]] == [None, None] and two["max_abs_held_out_error"] is None
