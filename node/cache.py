@@ -26,7 +26,7 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from ..proto.errors import UserError
 from .checkpoint import _DTYPES, Checkpoint, TensorInfo, read_config
@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+STAMPS = "verified.json"  # per file: its stat when its blobs last matched the manifest (verified_blobs)
 PROGRESS_BYTES = 16 << 20  # an interrupted fill resumes a blob from its last multiple of this
 REPLICATED = "replicated.safetensors"
 _FILE_NAME = re.compile(r"^(replicated|layer-\d{4}-[0-9a-f]{12})\.safetensors$")
@@ -330,23 +331,71 @@ class Have:
     sha256: str
 
 
-def verified_blobs(root: Path, manifest: Manifest) -> dict[str, Have]:
-    """Every blob of a shard whose bytes on disk match the manifest's sha256 (a flipped byte drops it)."""
+def _stat_key(st: os.stat_result) -> list[int]:
+    """What changes when a file's bytes may have: any write moves its ctime (which no tool sets back)."""
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def read_stamps(root: Path) -> dict[str, list[int]]:
+    """{file name: stat key when each of its blobs last matched the manifest's sha256} of a shard."""
+    try:
+        stamps = json.loads((root / STAMPS).read_text())
+        return {str(k): [int(x) for x in v] for k, v in stamps.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def write_stamps(root: Path, names: Iterable[str]) -> None:
+    """Record that the files `names` match the manifest as they are now (their blobs just hashed)."""
+    stamps = read_stamps(root)
+    for name in names:
+        stamps[name] = _stat_key(_inside(root, name).stat())
+    tmp = root / (STAMPS + ".tmp")
+    tmp.write_text(json.dumps(stamps) + "\n")
+    os.replace(tmp, root / STAMPS)
+
+
+def verified_blobs(root: Path, manifest: Manifest, *, full: bool = False,
+                   counts: dict[str, int] | None = None) -> dict[str, Have]:
+    """Every blob of a shard whose bytes on disk match the manifest's sha256 (a flipped byte drops it).
+    A file unchanged since its blobs were last hashed (same size, mtime, ctime and inode: `STAMPS`) is
+    trusted without reading it, so a warm start costs what mapping the files does; any write to a
+    file, however it leaves its mtime, moves its ctime and gets it hashed again. `full`: hash all;
+    `counts` gets {"hashed", "trusted"}: blobs read and hashed, blobs of unchanged files."""
+    counts = counts if counts is not None else {}
+    counts.update(hashed=0, trusted=0)
     sizes = manifest.catalog.blob_nbytes()
-    out = {}
+    stamps = {} if full else read_stamps(root)
+    out, hashed = {}, []
     for fs in layout(manifest.catalog, manifest.local):
         path = _inside(root, fs.name)
         if not path.is_file() or path.stat().st_size != fs.size:
             continue
+        offsets = fs.blob_offsets(sizes)
+        if stamps.get(fs.name) == _stat_key(path.stat()) and all(manifest.sha256.get(b) for b in offsets):
+            out.update({blob: Have(path, at, manifest.sha256[blob]) for blob, at in offsets.items()})
+            counts["trusted"] += len(offsets)
+            continue
+        good = True
         with open(path, "rb") as f:
             if f.read(len(fs.header)) != fs.header:
                 continue
-            for blob, at in fs.blob_offsets(sizes).items():
+            for blob, at in offsets.items():
                 want = manifest.sha256.get(blob)
+                counts["hashed"] += bool(want)
                 if want and _sha(f, at, sizes[blob]) == want:
                     out[blob] = Have(path, at, want)
-                elif want:
-                    logger.warning("cache %s: blob %s fails its sha256; it is fetched again", path.name, blob)
+                else:
+                    good = False
+                    if want:
+                        logger.warning("cache %s: blob %s fails its sha256; it is fetched again", path.name, blob)
+        if good:
+            hashed.append(fs.name)
+    if hashed:
+        try:
+            write_stamps(root, hashed)
+        except OSError as exc:  # a read-only cache still loads; it is hashed again next time
+            logger.warning("cache %s: cannot record its verified files (%s)", root.name, exc)
     return out
 
 
@@ -373,6 +422,7 @@ class ShardCache:
         self.sizes = catalog.blob_nbytes()
         self.have: dict[str, Have] = {}
         self.journal: dict[str, str] = {}
+        self.checked = {"hashed": 0, "trusted": 0}  # by the last scan: blobs hashed, and trusted unchanged
         self.progress: dict[str, int] = {}  # blob -> bytes of it an interrupted fill made durable
 
     @contextlib.contextmanager
@@ -402,7 +452,8 @@ class ShardCache:
             except CacheError as exc:
                 logger.warning("%s; the shard is fetched again", exc)
                 old = None
-        self.have = verified_blobs(self.root, old) if old else {}
+        self.checked = {"hashed": 0, "trusted": 0}
+        self.have = verified_blobs(self.root, old, counts=self.checked) if old else {}
         self.journal = self._read_journal()
         wanted = [b for fs in self.files for s in fs.slots for b in s.blobs]
         fetch = [b for b in wanted if b not in self.have and b not in self.journal]
@@ -502,11 +553,15 @@ class ShardCache:
         tmp = self.root / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest.to_json()) + "\n")
         os.replace(tmp, self.root / MANIFEST)
-        keep = {fs.name for fs in self.files} | {MANIFEST, "config.json", ".lock"}
+        keep = {fs.name for fs in self.files} | {MANIFEST, STAMPS, "config.json", ".lock"}
         for p in self.root.iterdir():  # files of an older placement, journals, partials
             if p.name not in keep and p.is_file():
                 p.unlink()
         (self.root / "config.json").write_text(self.catalog.config_text)
+        # the files just written were hashed on the way in (the sha256 the manifest records): the
+        # next scan trusts them while they stay as they are
+        stamps = read_stamps(self.root)
+        write_stamps(self.root, [fs.name for fs in self.files if fs.name in handles or fs.name in stamps])
         return manifest.sha256
 
     def _receive(self, plan: Plan, fetch, targets, handles, journal, sha: dict[str, str], progress) -> None:

@@ -89,7 +89,8 @@ def _fill(cache: ShardCache, fetch, progress) -> CachedCheckpoint:
     t0 = time.monotonic()
     plan = cache.scan()
     cache.check_disk(plan)
-    print(f"cache {cache.root}: {len(cache.have) + len(cache.journal)} blobs verified in {time.monotonic() - t0:.2f}s; "
+    print(f"cache {cache.root}: {len(cache.have) + len(cache.journal)} blobs verified in {time.monotonic() - t0:.2f}s "
+          f"({cache.checked['hashed']} hashed, {cache.checked['trusted']} in files unchanged since hashed); "
           f"fetching {len(plan.fetch)} blobs ({plan.fetch_bytes} bytes), copying {plan.copy_bytes} bytes locally",
           file=sys.stderr, flush=True)
     t1 = time.monotonic()

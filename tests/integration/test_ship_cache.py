@@ -75,6 +75,40 @@ def test_a_corrupt_chunk_is_fetched_again_and_the_shard_reads_as_the_checkpoint(
     assert shipper.bytes_sent() == before
 
 
+def test_a_warm_fill_hashes_nothing_until_a_file_changes(server, tmp_path, monkeypatch):
+    """A shard just filled, or once verified, is trusted while its files stay as they were (size,
+    mtime, ctime, inode): a warm start reads none of its bytes. A byte flipped in place, even with the
+    mtime put back, moves the file's ctime: that file is hashed again and its bad blob fetched."""
+    import os
+
+    ckpt, shipper, address = server
+    fill(address, shipper.fingerprint, tmp_path)
+    hashed = []
+    real_sha = cache_mod._sha
+    monkeypatch.setattr(cache_mod, "_sha", lambda f, at, n: hashed.append(n) or real_sha(f, at, n))
+    before = dict(shipper.bytes_sent())
+    fill(address, shipper.fingerprint, tmp_path)
+    assert hashed == [] and shipper.bytes_sent() == before  # nothing read, nothing sent
+    (shard,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    target = next(shard.glob("layer-0002-*.safetensors"))  # MoE layer 2's experts
+    st = target.stat()
+    with open(target, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        f.seek(8 + n + 100)
+        b = f.read(1)
+        f.seek(8 + n + 100)
+        f.write(bytes([b[0] ^ 0x10]))
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))  # the mtime as it was: only the ctime tells
+    view = fill(address, shipper.fingerprint, tmp_path)
+    assert hashed, "the changed file was trusted without hashing"
+    assert sum(shipper.bytes_sent().values()) > sum(before.values())  # its corrupt blob came again
+    key = "model.layers.2.mlp.switch_mlp.up_proj.weight"
+    assert np.array_equal(np.array(read_tensor(view.tensors[key], [0, 1])), np.array(read_tensor(ckpt.tensors[key], [0, 1])))
+    hashed.clear()
+    fill(address, shipper.fingerprint, tmp_path)
+    assert hashed == []  # repaired and stamped: trusted again
+
+
 def test_a_wrong_secret_gets_nothing(server, tmp_path):
     _, shipper, address = server
     with pytest.raises(UnavailableError) as exc:
