@@ -245,13 +245,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(handler="moe_cluster.node.agent:main")
 
-    p = sub.add_parser("cache", help="shards the coordinator shipped to this node: list or remove them")
+    p = sub.add_parser("cache", help="shards the coordinator shipped to this node: list, verify or remove them")
     cache = p.add_subparsers(dest="cache_command", required=True)
-    for name, text in (("ls", "list the cached shards"), ("rm", "remove cached shards by name")):
+    for name, text in (("ls", "list the cached shards"), ("rm", "remove cached shards by name"),
+                       ("verify", "hash every blob of the cached shards against their manifests (a load "
+                                  "hashes only files changed since they were last hashed)")):
         c = cache.add_parser(name, help=text)
         c.add_argument("--cache-dir", default=None, help="the node's --cache-dir (default ~/.cache/moe-cluster/shards)")
         if name == "rm":
             c.add_argument("names", nargs="+", help="shard names, as `cache ls` shows them")
+        if name == "verify":
+            c.add_argument("names", nargs="*", help="shard names, as `cache ls` shows them (default: every complete one)")
     p.set_defaults(handler="moe_cluster.node.cache:cache_main")
 
     p = sub.add_parser("plan", help="capacity planning: predicted tok/s and memory per node count (paper Eq. 1)")

@@ -345,9 +345,12 @@ def read_stamps(root: Path) -> dict[str, list[int]]:
         return {}
 
 
-def write_stamps(root: Path, names: Iterable[str]) -> None:
-    """Record that the files `names` match the manifest as they are now (their blobs just hashed)."""
+def write_stamps(root: Path, names: Iterable[str], drop: Iterable[str] = ()) -> None:
+    """Record that the files `names` match the manifest as they are now (their blobs just hashed),
+    and forget the files `drop` (found not to)."""
     stamps = read_stamps(root)
+    for name in drop:
+        stamps.pop(name, None)
     for name in names:
         stamps[name] = _stat_key(_inside(root, name).stat())
     tmp = root / (STAMPS + ".tmp")
@@ -366,7 +369,7 @@ def verified_blobs(root: Path, manifest: Manifest, *, full: bool = False,
     counts.update(hashed=0, trusted=0)
     sizes = manifest.catalog.blob_nbytes()
     stamps = {} if full else read_stamps(root)
-    out, hashed = {}, []
+    out, hashed, bad = {}, [], []
     for fs in layout(manifest.catalog, manifest.local):
         path = _inside(root, fs.name)
         if not path.is_file() or path.stat().st_size != fs.size:
@@ -379,6 +382,7 @@ def verified_blobs(root: Path, manifest: Manifest, *, full: bool = False,
         good = True
         with open(path, "rb") as f:
             if f.read(len(fs.header)) != fs.header:
+                bad.append(fs.name)
                 continue
             for blob, at in offsets.items():
                 want = manifest.sha256.get(blob)
@@ -389,11 +393,10 @@ def verified_blobs(root: Path, manifest: Manifest, *, full: bool = False,
                     good = False
                     if want:
                         logger.warning("cache %s: blob %s fails its sha256; it is fetched again", path.name, blob)
-        if good:
-            hashed.append(fs.name)
-    if hashed:
+        (hashed if good else bad).append(fs.name)
+    if hashed or bad:
         try:
-            write_stamps(root, hashed)
+            write_stamps(root, hashed, drop=bad)
         except OSError as exc:  # a read-only cache still loads; it is hashed again next time
             logger.warning("cache %s: cannot record its verified files (%s)", root.name, exc)
     return out
@@ -722,9 +725,41 @@ def remove_shard(cache_dir: Path, name: str) -> Path:
     return d
 
 
+def verify_shard(cache_dir: Path, name: str) -> tuple[int, list[str]]:
+    """Hash every blob of a cached shard against its manifest, whatever its files' stamps say (a
+    warm start trusts unchanged files): (blobs that match, blobs that do not). A file with a bad
+    blob loses its stamp, so the node's next load fetches that blob again."""
+    if not _SHARD_DIR.match(name):
+        raise CacheError(f"{name!r} is not a cached shard name (16 hex digits, as `cache ls` shows)")
+    root = Path(cache_dir) / name
+    if not (root / MANIFEST).is_file():
+        raise CacheError(f"no complete cached shard {name} in {cache_dir}")
+    manifest = Manifest.read(root / MANIFEST)
+    import fcntl
+
+    with open(root / ".lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CacheError(f"{root} is in use by a node agent; verify it while the node is stopped") from None
+        good = verified_blobs(root, manifest, full=True)
+    return len(good), sorted(b for b in manifest.sha256 if b not in good)
+
+
 def cache_main(args) -> int:
-    """`moe-cluster cache ls|rm`."""
+    """`moe-cluster cache ls|rm|verify`."""
     cache_dir = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
+    if args.cache_command == "verify":
+        names = args.names or [s.name for s in list_shards(cache_dir) if s.state == "complete"]
+        if not names:
+            print(f"{cache_dir}: no complete cached shards")
+        failed = 0
+        for name in names:
+            ok, bad = verify_shard(cache_dir, name)
+            failed += bool(bad)
+            print(f"{name}: {ok} blobs match their sha256" + (f", {len(bad)} do not (first {bad[0]}); the node's "
+                                                            "next load fetches them again" if bad else ""))
+        return 1 if failed else 0
     if args.cache_command == "ls":
         shards = list_shards(cache_dir)
         if not shards:

@@ -109,6 +109,42 @@ def test_a_warm_fill_hashes_nothing_until_a_file_changes(server, tmp_path, monke
     assert hashed == []  # repaired and stamped: trusted again
 
 
+def test_cache_verify_finds_what_a_warm_start_trusts(server, tmp_path):
+    """Corruption that leaves a file's metadata as it was (a failing disk; made here by re-stamping
+    the file after the flip) passes a warm start's stat check. `moe-cluster cache verify` hashes
+    everything, names it (exit 1), and drops the file's stamp: the next fill fetches the blob again."""
+    import subprocess
+    import sys
+
+    ckpt, shipper, address = server
+    fill(address, shipper.fingerprint, tmp_path)
+    (shard,) = [d for d in tmp_path.iterdir() if d.is_dir()]
+    target = next(shard.glob("layer-0001-*.safetensors"))
+    with open(target, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        f.seek(8 + n + 10)
+        b = f.read(1)
+        f.seek(8 + n + 10)
+        f.write(bytes([b[0] ^ 0x01]))
+    cache_mod.write_stamps(shard, [target.name])  # the stat check now passes: as if the disk had rotted
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "moe_cluster.coordinator.cli", "cache", *args, "--cache-dir",
+                               str(tmp_path)], capture_output=True, text=True, timeout=60)
+
+    r = cli("verify")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"{shard.name}: " in r.stdout and "do not (first model.layers.1." in r.stdout, r.stdout
+    assert target.name not in cache_mod.read_stamps(shard)
+    before = sum(shipper.bytes_sent().values())
+    fill(address, shipper.fingerprint, tmp_path)
+    assert sum(shipper.bytes_sent().values()) > before  # the bad blob came again
+    r = cli("verify", shard.name)
+    assert r.returncode == 0 and "do not" not in r.stdout, r.stdout + r.stderr
+    r = cli("verify", "nonsense")
+    assert r.returncode != 0 and "is not a cached shard name" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_a_wrong_secret_gets_nothing(server, tmp_path):
     _, shipper, address = server
     with pytest.raises(UnavailableError) as exc:
