@@ -75,6 +75,16 @@ def test_a_corrupt_chunk_is_fetched_again_and_the_shard_reads_as_the_checkpoint(
     assert shipper.bytes_sent() == before
 
 
+def _flip(path: Path, at: int) -> None:
+    """Flip one bit of the byte `at` bytes past a safetensors file's header, in place."""
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        f.seek(8 + n + at)
+        b = f.read(1)
+        f.seek(8 + n + at)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
 def test_a_warm_fill_hashes_nothing_until_a_file_changes(server, tmp_path, monkeypatch):
     """A shard just filled, or once verified, is trusted while its files stay as they were (size,
     mtime, ctime, inode): a warm start reads none of its bytes. A byte flipped in place, even with the
@@ -92,12 +102,7 @@ def test_a_warm_fill_hashes_nothing_until_a_file_changes(server, tmp_path, monke
     (shard,) = [d for d in tmp_path.iterdir() if d.is_dir()]
     target = next(shard.glob("layer-0002-*.safetensors"))  # MoE layer 2's experts
     st = target.stat()
-    with open(target, "r+b") as f:
-        n = int.from_bytes(f.read(8), "little")
-        f.seek(8 + n + 100)
-        b = f.read(1)
-        f.seek(8 + n + 100)
-        f.write(bytes([b[0] ^ 0x10]))
+    _flip(target, 100)
     os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))  # the mtime as it was: only the ctime tells
     view = fill(address, shipper.fingerprint, tmp_path)
     assert hashed, "the changed file was trusted without hashing"
@@ -120,12 +125,7 @@ def test_cache_verify_finds_what_a_warm_start_trusts(server, tmp_path):
     fill(address, shipper.fingerprint, tmp_path)
     (shard,) = [d for d in tmp_path.iterdir() if d.is_dir()]
     target = next(shard.glob("layer-0001-*.safetensors"))
-    with open(target, "r+b") as f:
-        n = int.from_bytes(f.read(8), "little")
-        f.seek(8 + n + 10)
-        b = f.read(1)
-        f.seek(8 + n + 10)
-        f.write(bytes([b[0] ^ 0x01]))
+    _flip(target, 10)
     cache_mod.write_stamps(shard, [target.name])  # the stat check now passes: as if the disk had rotted
 
     def cli(*args):
