@@ -372,10 +372,11 @@ def verified_blobs(root: Path, manifest: Manifest, *, full: bool = False,
     out, hashed, bad = {}, [], []
     for fs in layout(manifest.catalog, manifest.local):
         path = _inside(root, fs.name)
-        if not path.is_file() or path.stat().st_size != fs.size:
+        st = path.stat() if path.is_file() else None
+        if st is None or st.st_size != fs.size:
             continue
         offsets = fs.blob_offsets(sizes)
-        if stamps.get(fs.name) == _stat_key(path.stat()) and all(manifest.sha256.get(b) for b in offsets):
+        if stamps.get(fs.name) == _stat_key(st) and all(manifest.sha256.get(b) for b in offsets):
             out.update({blob: Have(path, at, manifest.sha256[blob]) for blob, at in offsets.items()})
             counts["trusted"] += len(offsets)
             continue
@@ -432,14 +433,8 @@ class ShardCache:
     def locked(self):
         """Held while filling and opening: two agents given the same cache folder would write the
         same files; the second is refused in one line instead."""
-        import fcntl
-
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.root / ".lock", "w") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise CacheError(f"{self.root} is in use by another node agent (give each agent its own --cache-dir)") from None
+        with _exclusive(self.root, "is in use by another node agent (give each agent its own --cache-dir)"):
             yield
 
     def scan(self) -> Plan:
@@ -562,9 +557,8 @@ class ShardCache:
                 p.unlink()
         (self.root / "config.json").write_text(self.catalog.config_text)
         # the files just written were hashed on the way in (the sha256 the manifest records): the
-        # next scan trusts them while they stay as they are
-        stamps = read_stamps(self.root)
-        write_stamps(self.root, [fs.name for fs in self.files if fs.name in handles or fs.name in stamps])
+        # next scan trusts them while they stay as they are (the others were stamped by the scan)
+        write_stamps(self.root, handles)
         return manifest.sha256
 
     def _receive(self, plan: Plan, fetch, targets, handles, journal, sha: dict[str, str], progress) -> None:
@@ -725,6 +719,20 @@ def remove_shard(cache_dir: Path, name: str) -> Path:
     return d
 
 
+@contextlib.contextmanager
+def _exclusive(root: Path, busy: str):
+    """The shard's lock (`.lock`), held by whoever writes its files; CacheError "<root> <busy>" when
+    another process holds it."""
+    import fcntl
+
+    with open(root / ".lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CacheError(f"{root} {busy}") from None
+        yield
+
+
 def verify_shard(cache_dir: Path, name: str) -> tuple[int, list[str]]:
     """Hash every blob of a cached shard against its manifest, whatever its files' stamps say (a
     warm start trusts unchanged files): (blobs that match, blobs that do not). A file with a bad
@@ -735,13 +743,7 @@ def verify_shard(cache_dir: Path, name: str) -> tuple[int, list[str]]:
     if not (root / MANIFEST).is_file():
         raise CacheError(f"no complete cached shard {name} in {cache_dir}")
     manifest = Manifest.read(root / MANIFEST)
-    import fcntl
-
-    with open(root / ".lock", "w") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise CacheError(f"{root} is in use by a node agent; verify it while the node is stopped") from None
+    with _exclusive(root, "is in use by a node agent; verify it while the node is stopped"):
         good = verified_blobs(root, manifest, full=True)
     return len(good), sorted(b for b in manifest.sha256 if b not in good)
 

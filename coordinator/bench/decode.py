@@ -311,9 +311,7 @@ def calibrate(bench_out: dict) -> dict:
     """Fit the performance model to this run, once per transport (with the N = 1 points, which
     exchange nothing), and put its prediction beside each measurement: {transport: calibration}."""
 
-    from ..plan.calibration import fit, parse_bench, predict_time
-
-    from ..plan.calibration import CalibrationError
+    from ..plan.calibration import CalibrationError, fit, parse_bench, predict_time
 
     bench = parse_bench(bench_out, "bench decode")
     multi = sorted({c.transport for c in bench.clusters if c.nodes > 1}) or [bench.clusters[0].transport]

@@ -30,7 +30,7 @@ def supports(model_path: str) -> str | None:
 
 
 def _worker(path: str, rank: int, hostfile: str, ids: list[int], max_tokens: int, rounds: int, out,
-            env: dict, gpu: int | None, backend: str | None = None) -> None:
+            env: dict, gpu: int | None, backend: str) -> None:
     os.environ.update(env, MLX_HOSTFILE=hostfile, MLX_RANK=str(rank))
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -70,11 +70,9 @@ def measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, rounds
     if why:
         return {"name": "mlx_lm_tensor_parallel", "nodes": nodes, "error": why}
     if backend is None:
-        import mlx.core as mx
+        from ...node.collective.mlx import mlx_backend
 
-        cuda = getattr(mx, "cuda", None)
-        nccl = cuda is not None and cuda.is_available() and mx.distributed.is_available("nccl")
-        if nccl:
+        if mlx_backend(gpus=True) == "nccl":
             first = _measure(model_path, nodes, ids, max_tokens, rounds, timeout_s, gpus, "nccl")
             if "error" not in first:
                 return first

@@ -407,8 +407,9 @@ class ExpertShard(nn.Module):
 
     def _routed_on_device(self, x: mx.array, inds: mx.array) -> mx.array:
         """Every (token, j) position through its expert's slot, no host sync: positions another
-        node computes go to slot 0 and are zeroed, so a node reads at most one expert more than
-        it selected (measured against the host path in tests/unit/test_experts.py)."""
+        node computes go to slot 0 (keepalive lru: to its fillers, `_fill`) and are zeroed, so
+        without keepalive a node reads at most one expert more than it selected (measured against
+        the host path in tests/unit/test_experts.py)."""
         self._state.note(self._layer, inds, self._rank_of)
         rows = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, D): every slot of a token reads its row, as SwitchGLU
         if self._state.world_size == 1:  # alone: every expert is here, in stock's order where it is the identity
