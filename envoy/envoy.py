@@ -218,7 +218,7 @@ class Envoy:
             link.fail(_step_of(body), f"envoy rank {cfg.rank}: {exc}")
             return
         frame = Frame(self.steps.current, r.step, r.layer, cfg.rank, r.dtype, r.shape, checksum(payload), payload)
-        self.mesh.send_all(convert.frame_to_wire(frame))
+        self.mesh.send_all(frame)
         self._keep_hot()
         if done is not None:
             self._finish(done)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..proto.errors import ErrorKind, MoeClusterError
 
-PROTOCOL = "moe-cluster-envoy/1"
+PROTOCOL = "moe-cluster-envoy/2"
 
 
 class FrameError(MoeClusterError, ValueError):
@@ -43,6 +43,8 @@ class Hello:
     rank: int
     world_size: int
     protocol: str = PROTOCOL
+    data_port: int = 0  # the answering side's data channel (envoy/data.py); 0: frames stay on the stream
+    data_token: str = field(default="", repr=False)  # what the dialer's data connection presents
 
 
 def checksum(payload) -> int:

@@ -1,15 +1,21 @@
-"""Persistent gRPC streams from one envoy to every peer: one bidirectional Exchange per pair.
+"""Persistent links from one envoy to every peer: a gRPC Exchange stream and a data channel per pair.
 
 The lower rank of each pair dials the higher one and keeps redialing while the envoy runs; the
-stream is then used both ways. Each side sends Hello first. Frames go out already serialized (one
-serialization per step, whatever the number of peers) and come in as `Frame` records. Reads and
-writes use explicit `read()`/`write()` (an async-generator handler costs about 3x the latency).
+stream is then used both ways. Each side sends Hello first; the higher rank's Hello offers its data
+channel (envoy/data.py) and a token for it, and the dialer connects there presenting the token. A
+peer counts as connected once both are up, and is lost when either ends. Frames go out serialized
+once per step, whatever the number of peers, on the data channel; an envoy started with
+`data_channel=False` (or `MOE_CLUSTER_ENVOY_DATA=0`) offers none, and then frames take the stream,
+as they did before the data channel. Stream reads and writes use explicit `read()`/`write()` (an
+async-generator handler costs about 3x the latency).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,11 +28,14 @@ from ..proto import convert
 from ..proto.errors import UserError
 from ..proto.records import TlsFiles
 from .auth import SecretInterceptor, call_metadata, channel_credentials, server_credentials
+from . import data
+from .auth import ssl_client_context, ssl_server_context
 from .frame import PROTOCOL, Frame, Hello
 
 logger = logging.getLogger(__name__)
 
-_HELLO_TIMEOUT_S = 5.0  # seconds the other end has to answer Hello
+_HELLO_TIMEOUT_S = 5.0  # seconds the other end has to answer Hello (and a data connection its handshake)
+DATA_ENV = "MOE_CLUSTER_ENVOY_DATA"  # "0": no data channel, frames take the gRPC stream
 
 
 @dataclass(frozen=True)
@@ -36,22 +45,31 @@ class MeshConfig:
     listen: str  # this envoy's bind address (port 0: any free port)
     secret: str = field(repr=False)
     tls: TlsFiles | None = None
+    data_channel: bool = field(default_factory=lambda: os.environ.get(DATA_ENV, "1") != "0")
 
     @property
     def world_size(self) -> int:
         return len(self.addresses)
 
 
+def _host(address: str) -> str:
+    """The host of "host:port" or "[v6]:port"."""
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
 class Peer:
-    """One live stream to one peer; a writer task drains the outgoing frames in order.
+    """One live link to one peer: its data channel, or else its stream, where a writer task drains
+    the outgoing frames in order.
 
     (A deque and a future the writer waits on when idle: cheaper per frame than asyncio.Queue.)
     """
 
-    def __init__(self, rank: int, address: str, write: Callable[[bytes], Awaitable[None]]):
+    def __init__(self, rank: int, address: str, write: Callable[[bytes], Awaitable[None]],
+                 channel: data.DataConnection | None = None):
         self.rank = rank
         self.address = address
         self._write = write
+        self.channel = channel
         self._outgoing: deque[bytes] = deque()
         self._idle: asyncio.Future | None = None
         self.task: asyncio.Task | None = None  # the task reading this stream
@@ -92,6 +110,10 @@ class Mesh:
         self._dialers: list[asyncio.Task] = []
         self._closing = False
         self.port = 0
+        self.data_port = 0  # 0: no data channel
+        self._data_server: asyncio.AbstractServer | None = None
+        self._tokens: dict[int, str] = {}  # lower rank -> the token its next data connection must present
+        self._arriving: dict[int, asyncio.Future] = {}  # lower rank -> its data connection, once it presents it
 
     # -- state -------------------------------------------------------------------------------
 
@@ -106,10 +128,18 @@ class Mesh:
     def describe(self, rank: int) -> str:
         return f"rank {rank} ({self.config.addresses[rank]})"
 
-    def send_all(self, data: bytes) -> None:
-        """Queue one serialized frame to every connected peer."""
+    def send_all(self, frame: Frame) -> None:
+        """Send one frame to every connected peer, serialized once for each kind of link."""
+        on_stream = on_channel = None
         for peer in self._peers.values():
-            peer.send(data)
+            if peer.channel is not None:
+                if on_channel is None:
+                    on_channel = data.encode(frame)
+                peer.channel.send(on_channel)
+            else:
+                if on_stream is None:
+                    on_stream = convert.frame_to_wire(frame)
+                peer.send(on_stream)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -135,6 +165,16 @@ class Mesh:
         await server.start()
         self._server = server
         loop = asyncio.get_running_loop()
+        if cfg.data_channel and cfg.rank > 0:  # only lower ranks dial, so rank 0 is never dialed
+            tls = cfg.tls
+            try:
+                self._data_server = await loop.create_server(
+                    lambda: data.DataConnection(claim=self._claim), _host(cfg.listen) or None, 0,
+                    ssl=ssl_server_context(tls.cert, tls.key, tls.ca) if tls else None)
+            except OSError as exc:
+                raise UserError(f"envoy rank {cfg.rank} cannot open its data channel on {_host(cfg.listen)}: "
+                                f"{exc.strerror or exc}") from exc
+            self.data_port = self._data_server.sockets[0].getsockname()[1]
         self._dialers = [loop.create_task(self._dial(r), name=f"dial-{r}")
                          for r in range(cfg.rank + 1, cfg.world_size)]
         logger.info("envoy rank %s listening on %s (port %s), dialing ranks %s", cfg.rank, cfg.listen, self.port,
@@ -149,14 +189,17 @@ class Mesh:
         for t in streams:
             t.cancel()
         await asyncio.gather(*streams, return_exceptions=True)
+        if self._data_server is not None:
+            self._data_server.close()
         if self._server is not None:
             await self._server.stop(grace_s)
 
     # -- streams -----------------------------------------------------------------------------
 
-    async def _serve_stream(self, rank: int, read: Callable[[], Awaitable], write: Callable[[bytes], Awaitable]) -> str:
-        """Run one established stream until it ends; returns why it ended."""
-        peer = Peer(rank, self.config.addresses[rank], write)
+    async def _serve_stream(self, rank: int, read: Callable[[], Awaitable], write: Callable[[bytes], Awaitable],
+                            channel: data.DataConnection | None = None) -> str:
+        """Run one established stream (and its data channel) until either ends; returns why it ended."""
+        peer = Peer(rank, self.config.addresses[rank], write, channel)
         peer.task = asyncio.current_task()
         old = self._peers.get(rank)
         if old is not None:  # the peer restarted before its old stream was seen to die
@@ -167,10 +210,15 @@ class Mesh:
         self.last_error.pop(rank, None)
         self._on_peer(rank, True, "connected")
         writer = asyncio.get_running_loop().create_task(peer.write_loop(), name=f"write-{rank}")
+        if channel is not None:
+            channel.attach(self._on_frame)
         reason = "stream ended"
         try:
             while True:
-                item = await read()
+                item = await (read() if channel is None else _first(read(), channel.lost))
+                if isinstance(item, str):  # the data channel ended: why
+                    reason = item
+                    break
                 if item is grpc.aio.EOF:
                     reason = "closed its stream"
                     break
@@ -184,6 +232,8 @@ class Mesh:
             reason = "envoy closing"
             raise
         finally:
+            if channel is not None:
+                channel.close()
             writer.cancel()
             try:
                 await writer
@@ -208,15 +258,41 @@ class Mesh:
         if problem:
             logger.warning("envoy rank %s refused a stream from %s: %s", cfg.rank, context.peer(), problem)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        await context.write(convert.frame_to_wire(Hello(cfg.rank, cfg.world_size)))
-        logger.info("envoy rank %s: stream from %s up", cfg.rank, self.describe(hello.rank))
+        token = secrets.token_hex(16) if self._data_server is not None else ""
+        self._tokens[hello.rank] = token
+        await context.write(convert.frame_to_wire(Hello(cfg.rank, cfg.world_size, data_port=self.data_port,
+                                                        data_token=token)))
+        channel = None
+        if token:
+            arriving = self._arriving[hello.rank] = asyncio.get_running_loop().create_future()
+            try:
+                channel = await asyncio.wait_for(arriving, _HELLO_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                    f"no data connection from rank {hello.rank} within {_HELLO_TIMEOUT_S} s")
+            finally:
+                if self._arriving.get(hello.rank) is arriving:
+                    del self._arriving[hello.rank]
+        logger.info("envoy rank %s: stream from %s up%s", cfg.rank, self.describe(hello.rank),
+                    " (data channel)" if channel else "")
         try:
-            reason = await self._serve_stream(hello.rank, context.read, context.write)
+            reason = await self._serve_stream(hello.rank, context.read, context.write, channel)
         except asyncio.CancelledError:  # close(), a newer stream from that peer, or grpc ending the RPC
             # the handler returns and the RPC ends; a CancelledError raised out of a handler is logged
             # by grpc as "Exception not handled" with a traceback (seen once, at a 4-node benchmark's end)
             reason = "cancelled"
         logger.info("envoy rank %s: stream from %s down: %s", cfg.rank, self.describe(hello.rank), reason)
+
+    def _claim(self, rank: int, token: str, channel: data.DataConnection) -> str:
+        """A data connection presents `token` as `rank`: "" takes it for that rank's stream, else why not."""
+        arriving = self._arriving.get(rank)
+        if arriving is None or arriving.done() or not data.token_ok(token, self._tokens.get(rank, "")):
+            logger.warning("envoy rank %s refused a data connection as rank %s: wrong or stale token",
+                           self.config.rank, rank)
+            return "wrong or stale data token (a data connection follows its own authenticated stream's Hello)"
+        self._tokens.pop(rank, None)  # one connection per token
+        arriving.set_result(channel)
+        return ""
 
     async def _health(self, request, context: grpc.aio.ServicerContext) -> dict:
         return {"rank": self.config.rank, "world_size": self.config.world_size,
@@ -246,8 +322,10 @@ class Mesh:
                 if problem:
                     call.cancel()
                     raise ConnectionError(problem)
-                logger.info("envoy rank %s: stream to %s up", cfg.rank, self.describe(rank))
-                reason = await self._serve_stream(rank, call.read, call.write)
+                link = await self._open_channel(rank, hello) if hello.data_port and cfg.data_channel else None
+                logger.info("envoy rank %s: stream to %s up%s", cfg.rank, self.describe(rank),
+                            " (data channel)" if link else "")
+                reason = await self._serve_stream(rank, call.read, call.write, link)
                 logger.info("envoy rank %s: stream to %s down: %s", cfg.rank, self.describe(rank), reason)
                 call.cancel()
             except grpc.aio.AioRpcError as exc:
@@ -262,11 +340,40 @@ class Mesh:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
 
+    async def _open_channel(self, rank: int, hello: Hello) -> data.DataConnection:
+        """Connect to `rank`'s data channel and present the token its Hello gave (ConnectionError if not)."""
+        cfg, host = self.config, _host(self.config.addresses[rank])
+        loop = asyncio.get_running_loop()
+        tls = cfg.tls
+        ssl = ssl_client_context(tls.ca, tls.cert, tls.key) if tls else None
+        try:
+            _, channel = await asyncio.wait_for(loop.create_connection(
+                lambda: data.DataConnection(hello=data.handshake(cfg.rank, hello.data_token)), host, hello.data_port,
+                ssl=ssl, server_hostname=host if ssl else None), _HELLO_TIMEOUT_S)
+            return await asyncio.wait_for(channel.ready, _HELLO_TIMEOUT_S)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise ConnectionError(f"data channel {host}:{hello.data_port}: {exc or 'no answer in time'}") from None
+
     def _note_failure(self, rank: int, reason: str, loud: bool) -> None:
         if self.last_error.get(rank) != reason:
             log = logger.warning if loud else logger.info
             log("envoy rank %s: cannot reach %s: %s", self.config.rank, self.describe(rank), reason)
         self.last_error[rank] = reason
+
+
+async def _first(read: Awaitable, lost: asyncio.Future):
+    """The stream's next item, or why the data channel ended if that comes first."""
+    if lost.done():
+        return lost.result()
+    reading = asyncio.ensure_future(read)
+    try:
+        await asyncio.wait((reading, lost), return_when=asyncio.FIRST_COMPLETED)
+        if reading.done():
+            return reading.result()
+        return lost.result()
+    finally:
+        if not reading.done():
+            reading.cancel()
 
 
 def _check_hello(hello, cfg: MeshConfig, *, lower: bool, expect: int | None = None) -> str:

@@ -54,7 +54,8 @@ def frame_to_wire(item: Frame | Hello) -> bytes:
     appended as its length-delimited field, so it is copied once, into the result.
     """
     if isinstance(item, Hello):
-        return epb.Frame(hello=epb.Hello(rank=item.rank, world_size=item.world_size, protocol=item.protocol)).SerializeToString()
+        return epb.Frame(hello=epb.Hello(rank=item.rank, world_size=item.world_size, protocol=item.protocol,
+                                         data_port=item.data_port, data_token=item.data_token)).SerializeToString()
     header = epb.Frame(
         request_id=item.request_id, step=item.step, layer=item.layer, rank=item.rank,
         dtype=_DTYPE_TO_PB[item.dtype], shape=item.shape, checksum=item.checksum,
@@ -68,7 +69,7 @@ def frame_from_wire(data: bytes) -> Frame | Hello:
     msg = epb.Frame.FromString(data)
     if msg.HasField("hello"):
         h = msg.hello
-        return Hello(h.rank, h.world_size, h.protocol)
+        return Hello(h.rank, h.world_size, h.protocol, h.data_port, h.data_token)
     dtype = _DTYPE_FROM_PB.get(msg.dtype)
     if dtype is None:
         raise ConvertError(f"frame from rank {msg.rank} has unknown dtype {msg.dtype}")

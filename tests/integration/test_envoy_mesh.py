@@ -16,6 +16,9 @@ import pytest
 from tls_certs import make_tls
 
 from envoy_nodes import Cluster, alive, all_ok, envoy_spec
+from moe_cluster.envoy import data
+from moe_cluster.envoy.frame import Hello
+from moe_cluster.envoy.mesh import DATA_ENV
 from moe_cluster.envoy.spin import SPIN_ENV, shared_memory_ordered
 from moe_cluster.proto import convert
 
@@ -26,16 +29,19 @@ SOAK_STEPS = 10_000
 def spin(request, monkeypatch):
     """auto: the link decides from idle cores (on a 2-core machine it sleeps); spin: the nodes and
     envoys spin on the link whatever the cores (MOE_CLUSTER_ENVOY_SPIN_US, inherited by every
-    process), so the spinning hand-off is tested here too."""
+    process), so the spinning hand-off is tested here too; stream: no data channel
+    (MOE_CLUSTER_ENVOY_DATA=0), the frames take the gRPC streams."""
     if request.param == "spin":
         monkeypatch.setenv(SPIN_ENV, "200")
+    if request.param == "stream":
+        monkeypatch.setenv(DATA_ENV, "0")
     return request.param
 
 
 # 4 nodes: 24 s at 10,000 steps (3 nodes, 14 s, added nothing 2 and 4 do not: the suite is at its time budget). The
 # spinning hand-off soaks at 2 nodes only: forced to spin, 4 nodes and 4 envoys on 2 cores took 39 s,
 # and the dead- and stalled-peer tests below spin at 3 nodes.
-@pytest.mark.parametrize("nodes,spin", [(2, "auto"), (2, "spin"), pytest.param(4, "auto", marks=pytest.mark.slow)],
+@pytest.mark.parametrize("nodes,spin", [(2, "auto"), (2, "spin"), (2, "stream"), pytest.param(4, "auto", marks=pytest.mark.slow)],
                          indirect=["spin"])
 def test_soak_loses_duplicates_and_reorders_nothing(nodes, spin):
     """10,000 all-reduces at 2 nodes (5,000 at 4: 24 s for 10,000 on 2 cores), in several requests
@@ -155,8 +161,6 @@ def test_callers_without_the_secret_get_unauthenticated_and_no_data(capfd):
         try:
             exchange = channel.stream_stream(convert.ENVOY_EXCHANGE, request_serializer=None,
                                              response_deserializer=convert.frame_from_wire)
-            from moe_cluster.envoy.frame import Hello
-
             hello = convert.frame_to_wire(Hello(0, 2))
             received = []
             with pytest.raises(grpc.RpcError) as err:
@@ -183,6 +187,55 @@ def test_callers_without_the_secret_get_unauthenticated_and_no_data(capfd):
     logs = captured.out + captured.err
     assert "refused /moe_cluster.v1.Envoy/Health" in logs  # the envoys did log (at DEBUG), ...
     assert spec.secret not in logs and "some-other-secret" not in logs  # ... never the secret
+
+
+def _data_answer(port: int, first: bytes) -> bytes:
+    """What the data channel at `port` answers a connection that sends `first` (up to its newline)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(first)
+        answer = s.recv(1)
+        if answer == b"-":
+            answer += s.makefile("rb").readline()
+        return answer
+
+
+def test_the_data_channel_takes_only_the_token_its_stream_gave():
+    """A data connection is accepted only with the token the higher rank's Hello handed the dialing
+    rank over its authenticated stream, once; anything else is refused with a line saying why."""
+    import threading
+
+    spec = envoy_spec(2, connect_timeout_s=10)
+    cluster = Cluster(spec, ranks=[1])  # rank 0 is missing: this test dials rank 1 as rank 0
+    hold = threading.Event()
+    channel = grpc.insecure_channel(spec.addresses[1])
+    try:
+        def frames():
+            yield convert.frame_to_wire(Hello(0, 2))
+            hold.wait(30)
+
+        exchange = channel.stream_stream(convert.ENVOY_EXCHANGE, request_serializer=None,
+                                         response_deserializer=convert.frame_from_wire)
+        answers = exchange(frames(), metadata=(("x-moe-cluster-secret", spec.secret),), timeout=30)
+        offer = next(answers)
+        assert isinstance(offer, Hello) and offer.rank == 1 and offer.data_port > 0 and len(offer.data_token) == 32
+        assert "data_token" not in repr(offer)  # kept out of logs
+
+        assert _data_answer(offer.data_port, b"GET / HTTP/1.1\r\n\r\n" + bytes(20)).startswith(b"-not the envoy data protocol")
+        wrong = "0" * 32 if offer.data_token != "0" * 32 else "1" * 32
+        assert _data_answer(offer.data_port, data.handshake(0, wrong)).startswith(b"-wrong or stale data token")
+        assert _data_answer(offer.data_port, data.handshake(1, offer.data_token)).startswith(b"-wrong or stale")  # not rank 1's
+        assert _data_answer(offer.data_port, data.handshake(0, offer.data_token)) == b"+"
+        assert _data_answer(offer.data_port, data.handshake(0, offer.data_token)).startswith(b"-wrong or stale")  # once
+    finally:
+        hold.set()
+        channel.close()
+    try:
+        cluster.start(0)  # the real rank 0 dials, gets its own token, and the mesh works
+        all_ok(cluster.run("after-refusals", 200))
+    finally:
+        cluster.close()
 
 
 # -- TLS ------------------------------------------------------------------------------------------

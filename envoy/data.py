@@ -1,0 +1,196 @@
+"""The envoys' data channel: partials over one plain TCP connection per pair, beside the gRPC stream.
+
+The gRPC `Exchange` stream (envoy/mesh.py) authenticates the peer (the cluster secret, TLS) and
+says it is there; the frames themselves take this connection. Measured on 16 idle cores
+(`moe-cluster bench allreduce`), grpc.aio streams alone cost 9–10x a blocking socket's exchange,
+more than the rest of the envoy's path together; uvloop's TCP transport writes a frame from the
+callback that made it (no writer task, no HTTP/2 framing) and hands whole reads to one callback.
+
+A connection starts with the dialing rank's `HANDSHAKE` (magic, rank, the token the higher rank's
+Hello gave it over the authenticated stream); the listener answers `b"+"` and from then on both
+directions carry frames, or `b"-"` and one line saying why, and closes. With TLS configured the
+connection is TLS with the mesh's certificates (mutual), like the stream.
+
+A frame on the wire: `HEADER` (body length, step, layer, rank, dtype code, ndim, CRC-32, request id
+length), then the request id (UTF-8), the shape (ndim x uint32) and the payload, little-endian.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import socket
+import struct
+from typing import Callable
+
+from .frame import Frame, FrameError
+from .reduce import DTYPES
+
+MAGIC = b"MCE2"
+HANDSHAKE = struct.Struct("<4sH32s")  # magic, the dialer's rank, its token (hex)
+HEADER = struct.Struct("<IQiHBBIH")  # body bytes after the header, step, layer, rank, dtype, ndim, crc32, id bytes
+MAX_BODY = 1 << 31  # bytes; a header claiming more is a broken or hostile peer
+_DTYPE_CODES = {name: i for i, name in enumerate(sorted(DTYPES))}
+_DTYPE_NAMES = {i: name for name, i in _DTYPE_CODES.items()}
+_ACK_OK, _ACK_NO = b"+", b"-"
+
+
+def encode(frame: Frame) -> bytes:
+    """One frame as it goes on the data channel (one copy of the payload, into the result)."""
+    rid = frame.request_id.encode()
+    payload = memoryview(frame.payload).cast("B")
+    shape = struct.pack(f"<{len(frame.shape)}I", *frame.shape)
+    body = len(rid) + len(shape) + payload.nbytes
+    header = HEADER.pack(body, frame.step, frame.layer, frame.rank, _DTYPE_CODES[frame.dtype], len(frame.shape),
+                         frame.checksum, len(rid))
+    return b"".join((header, rid, shape, payload))
+
+
+def decode(buf, start: int) -> tuple[Frame | None, int]:
+    """The frame at `buf[start:]` and the offset after it, or (None, start) while it is incomplete."""
+    if len(buf) - start < HEADER.size:
+        return None, start
+    body, step, layer, rank, code, ndim, crc, nid = HEADER.unpack_from(buf, start)
+    if body > MAX_BODY or nid + 4 * ndim > body or code not in _DTYPE_NAMES:
+        raise FrameError(f"a frame header from the data channel is malformed (body {body}, dtype code {code}, "
+                         f"ndim {ndim}, id {nid} bytes)")
+    end = start + HEADER.size + body
+    if len(buf) < end:
+        return None, start
+    at = start + HEADER.size
+    rid = bytes(buf[at:at + nid]).decode(errors="replace")
+    shape = struct.unpack_from(f"<{ndim}I", buf, at + nid)
+    payload = bytes(buf[at + nid + 4 * ndim:end])
+    return Frame(rid, step, layer, rank, _DTYPE_NAMES[code], shape, crc, payload), end
+
+
+class DataConnection(asyncio.Protocol):
+    """One end of a data connection. The dialer passes `hello` (its handshake); the listener passes
+    `claim(rank, token) -> str` ("" accepts; else why not) and learns the rank from the handshake.
+
+    `ready` resolves to this connection once the handshake is through (or fails with why not);
+    `lost` resolves to why the connection ended. Until `attach(on_frame)`, frames are kept in order.
+    """
+
+    def __init__(self, *, hello: bytes | None = None, claim: Callable[[int, str, "DataConnection"], str] | None = None):
+        loop = asyncio.get_running_loop()
+        self._hello = hello
+        self._claim = claim
+        self.ready: asyncio.Future = loop.create_future()
+        self.lost: asyncio.Future = loop.create_future()
+        self.rank: int | None = None
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._on_frame: Callable[[Frame], None] | None = None
+        self._held: list[Frame] = []
+        self._open = False
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._hello is not None:
+            transport.write(self._hello)
+
+    def data_received(self, data: bytes) -> None:
+        if self._open and not self._buf:  # the usual case: whole frames, nothing left over
+            self._frames(data)
+            return
+        self._buf += data
+        if not self._open and not self._handshake():
+            return
+        if self._buf:
+            buf, self._buf = self._buf, bytearray()
+            self._frames(buf)
+
+    def connection_lost(self, exc) -> None:
+        why = f"data channel closed ({exc})" if exc else "data channel closed"
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError(why))
+        if not self.lost.done():
+            self.lost.set_result(why)
+
+    # -- use ---------------------------------------------------------------------------------
+
+    def attach(self, on_frame: Callable[[Frame], None]) -> None:
+        """From now on every frame goes to `on_frame`, those kept so far first."""
+        self._on_frame = on_frame
+        held, self._held = self._held, []
+        for frame in held:
+            on_frame(frame)
+
+    def send(self, wire: bytes) -> None:
+        self.transport.write(wire)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- inside ------------------------------------------------------------------------------
+
+    def _handshake(self) -> bool:
+        """Consume the handshake (listener) or the answer to it (dialer); True once frames may follow."""
+        buf = self._buf
+        if self._claim is None:  # the dialer: b"+", or b"-" and why
+            if buf[:1] == _ACK_OK:
+                del buf[:1]
+                return self._opened()
+            if buf[:1] == _ACK_NO and b"\n" in buf:
+                self._refused(buf[1:buf.index(b"\n")].decode(errors="replace"))
+            elif buf[:1] not in (b"", _ACK_NO):
+                self._refused("it answered something other than the envoy data protocol")
+            return False
+        if len(buf) < HANDSHAKE.size:
+            return False
+        magic, rank, token = HANDSHAKE.unpack_from(buf)
+        del buf[:HANDSHAKE.size]
+        why = "not the envoy data protocol" if magic != MAGIC else self._claim(rank, token.decode(errors="replace"), self)
+        if why:
+            self.transport.write(_ACK_NO + why.encode()[:1000].replace(b"\n", b" ") + b"\n")
+            self._refused(why)
+            return False
+        self.rank = rank
+        self.transport.write(_ACK_OK)
+        return self._opened()
+
+    def _opened(self) -> bool:
+        self._open = True
+        if not self.ready.done():
+            self.ready.set_result(self)
+        return True
+
+    def _refused(self, why: str) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError(why))
+        self.transport.close()
+
+    def _frames(self, buf) -> None:
+        at = 0
+        try:
+            while True:
+                frame, at = decode(buf, at)
+                if frame is None:
+                    break
+                if self._on_frame is not None:
+                    self._on_frame(frame)
+                else:
+                    self._held.append(frame)
+        except FrameError as exc:  # a peer speaking garbage cannot be resynchronised: drop the connection
+            if not self.lost.done():
+                self.lost.set_result(str(exc))
+            self.transport.close()
+            return
+        if at < len(buf):
+            self._buf += buf[at:]
+
+
+def handshake(rank: int, token: str) -> bytes:
+    """What a dialer sends first."""
+    return HANDSHAKE.pack(MAGIC, rank, token.encode().ljust(32, b"\0")[:32])
+
+
+def token_ok(given: str, expected: str) -> bool:
+    return bool(expected) and hmac.compare_digest(given.rstrip("\0").encode(), expected.encode())
