@@ -562,19 +562,13 @@ class ShardCache:
         return manifest.sha256
 
     def _receive(self, plan: Plan, fetch, targets, handles, journal, sha: dict[str, str], progress) -> None:
-        """Fetch plan.fetch: sha256 and writes run on owned threads, a few chunks behind the network,
-        so hashing overlaps receiving. A blob's chunks go to one thread in order (sha256 is
-        sequential), consecutive blobs to different threads (`hash_lanes`): one core hashes sha256 at
-        ~1.2–2 GB/s, less than TCP delivers where cores are idle."""
-        import threading
+        """Fetch plan.fetch: sha256 and writes run on one owned thread, a few chunks behind the
+        network, so hashing the bytes on one core overlaps receiving the next on another."""
         from concurrent.futures import ThreadPoolExecutor
 
         hashes: dict[str, object] = {}
         sizes = self.sizes
         marked: dict[str, int] = {}  # blob -> bytes of it last journaled as durable
-        journaled = threading.Lock()  # the lanes share the journal
-        lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"cache-write-{i}") for i in range(hash_lanes())]
-        lane_of: dict[str, ThreadPoolExecutor] = {}
 
         def absorb(blob: str, off: int, data: bytes, last: bool) -> None:
             f, at = targets[blob]
@@ -589,63 +583,39 @@ class ShardCache:
                 # an interrupted fill resumes from here: the bytes are made durable before the
                 # journal says so, so a crash cannot leave a claimed range unwritten
                 os.fsync(f.fileno())
-                with journaled:
-                    journal.write(f"{_name_of(targets, blob, handles)}\t{blob}\t@{end}\n")
-                    journal.flush()
+                journal.write(f"{_name_of(targets, blob, handles)}\t{blob}\t@{end}\n")
+                journal.flush()
                 marked[blob] = end
             if last:
                 got = hashes.pop(blob).hexdigest()
                 sha[blob] = got
-                with journaled:
-                    journal.write(f"{_name_of(targets, blob, handles)}\t{blob}\t{got}\n")
-                    journal.flush()
+                journal.write(f"{_name_of(targets, blob, handles)}\t{blob}\t{got}\n")
+                journal.flush()
 
         done, total = 0, plan.fetch_bytes
         pending = []
-        in_flight = 8 * len(lanes)  # chunks received but not yet written (each holds a receive buffer)
-        try:
-            for blob, off, data, last in fetch(list(plan.fetch), plan.resume_offset):
-                if blob not in targets:
-                    raise CacheError(f"the coordinator sent blob {blob!r}, which was not asked for")
-                if off + len(data) > sizes[blob] or (last and off + len(data) != sizes[blob]):
-                    raise CacheError(f"blob {blob!r}: chunk at {off} ({len(data)} bytes) does not fit its "
-                                     f"{sizes[blob]} bytes")
-                lane = lane_of.get(blob)
-                if lane is None:
-                    lane = lane_of[blob] = lanes[len(lane_of) % len(lanes)]
-                pending.append(lane.submit(absorb, blob, off, data, last))
-                if last:
-                    del lane_of[blob]
-                while len(pending) > in_flight or (pending and pending[0].done()):  # bounded
-                    pending.pop(0).result()
-                done += len(data)
-                progress(min(done, total), total)
-        finally:
+        with ThreadPoolExecutor(1, thread_name_prefix="cache-write") as writer:
             try:
+                for blob, off, data, last in fetch(list(plan.fetch), plan.resume_offset):
+                    if blob not in targets:
+                        raise CacheError(f"the coordinator sent blob {blob!r}, which was not asked for")
+                    if off + len(data) > sizes[blob] or (last and off + len(data) != sizes[blob]):
+                        raise CacheError(f"blob {blob!r}: chunk at {off} ({len(data)} bytes) does not fit its "
+                                         f"{sizes[blob]} bytes")
+                    pending.append(writer.submit(absorb, blob, off, data, last))
+                    while len(pending) > 8 or (pending and pending[0].done()):  # bounded: 8 chunks in flight
+                        pending.pop(0).result()
+                    done += len(data)
+                    progress(min(done, total), total)
+            finally:
                 for fut in pending:
                     fut.result()  # what was received is written and journaled, even when the stream broke
-            finally:
-                for lane in lanes:
-                    lane.shutdown()
         missing = [b for b in plan.fetch if b not in sha]
         if missing:
             raise CacheError(f"the coordinator's stream ended without {len(missing)} blobs (first {missing[0]!r})")
 
     def open(self) -> "CachedCheckpoint":
         return CachedCheckpoint(self.root, self.catalog, self.local)
-
-
-def hash_lanes() -> int:
-    """Threads a fill hashes and writes on: one per 4 usable cores beyond the receiving one, 1 to 4
-    (`MOE_CLUSTER_HASH_LANES` overrides); one on a 2-core machine, where the receiver needs the other."""
-    forced = os.environ.get("MOE_CLUSTER_HASH_LANES", "")
-    if forced.isdigit() and int(forced) > 0:
-        return int(forced)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        cores = os.cpu_count() or 1
-    return max(1, min(4, (cores - 1) // 3))
 
 
 def _copy(h: Have, f, at: int, n: int, blob: str) -> None:

@@ -25,10 +25,7 @@ timeout 600 $MC bench allreduce --nodes 2,4 --hidden 6144 --tokens 1,32 --dtype 
 DIR=/dev/shm  # the source file and the receiver's cache (4 GB); /tmp where /dev/shm is small (containers)
 [ "$(df -k --output=avail /dev/shm 2>/dev/null | tail -1)" -gt 6000000 ] 2>/dev/null || DIR=/tmp
 echo "ship dir: $DIR" >> "$OUT/host.txt"
-for lanes in auto 1; do  # auto: hash_lanes() from the cores; 1: one hashing thread, as before
-  MOE_CLUSTER_HASH_LANES=${lanes/auto/} timeout 300 $MC bench ship --size 2GB --dir "$DIR" --json > "$OUT/ship-loopback-lanes-$lanes.json" \
-    2> "$OUT/ship-loopback-lanes-$lanes.err"
-done
+timeout 300 $MC bench ship --size 2GB --dir "$DIR" --json > "$OUT/ship-loopback.json" 2> "$OUT/ship-loopback.err"
 # across network namespaces: a veth between this namespace and one made here (root), no rate limit
 NS=mcbench$$
 if ip netns add $NS 2>> "$OUT/netns.err"; then
@@ -36,10 +33,8 @@ if ip netns add $NS 2>> "$OUT/netns.err"; then
     && ip addr add 10.213.78.1/24 dev mcb0$$ && ip link set mcb0$$ up \
     && ip netns exec $NS ip addr add 10.213.78.2/24 dev mcb1$$ && ip netns exec $NS ip link set mcb1$$ up \
     && ip netns exec $NS ip link set lo up 2>> "$OUT/netns.err"
-  for lanes in auto 1; do
-    MOE_CLUSTER_HASH_LANES=${lanes/auto/} timeout 300 $MC bench ship --size 2GB --dir "$DIR" --netns $NS \
-      --host 10.213.78.1 --json > "$OUT/ship-netns-lanes-$lanes.json" 2> "$OUT/ship-netns-lanes-$lanes.err"
-  done
+  timeout 300 $MC bench ship --size 2GB --dir "$DIR" --netns $NS --host 10.213.78.1 --json \
+    > "$OUT/ship-netns.json" 2> "$OUT/ship-netns.err"
   ip link del mcb0$$ 2>/dev/null; ip netns del $NS
 fi
 touch "$OUT/done"

@@ -410,9 +410,7 @@ class CutData(Shipper):
             conn.sendall(f.read(self.cut_at))  # and the connection closes: a node's link cut mid-blob
 
 
-@pytest.mark.parametrize("lanes", [1, 3])  # 3: blobs hashed and written on three threads at once (idle cores)
-def test_a_data_channel_cut_inside_a_blob_resumes_from_its_durable_bytes(lanes, tmp_path, monkeypatch):
-    monkeypatch.setenv("MOE_CLUSTER_HASH_LANES", str(lanes))
+def test_a_data_channel_cut_inside_a_blob_resumes_from_its_durable_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_mod, "PROGRESS_BYTES", 64 << 10)
     monkeypatch.setattr("moe_cluster.node.ship.DATA_BUFFER_BYTES", 16 << 10)
     ckpt = Checkpoint.open("demo")
