@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..proto import convert
 from ..proto.errors import UserError
-from .frame import Frame, FrameError, checksum
+from .frame import Frame, FrameError
 from .link import ABORT, BEGIN, CLOSE, NO_STEP, REDUCE, EnvoyLink, LinkError
 from ..proto.records import COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
 from .mesh import Mesh, MeshConfig
@@ -217,7 +217,7 @@ class Envoy:
         except (StepError, LinkError) as exc:
             link.fail(_step_of(body), f"envoy rank {cfg.rank}: {exc}")
             return
-        frame = Frame(self.steps.current, r.step, r.layer, cfg.rank, r.dtype, r.shape, checksum(payload), payload)
+        frame = Frame(self.steps.current, r.step, r.layer, cfg.rank, r.dtype, r.shape, None, payload)  # CRC: send_all
         self.mesh.send_all(frame)
         self._keep_hot()
         if done is not None:

@@ -13,6 +13,7 @@ async-generator handler costs about 3x the latency).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -30,7 +31,7 @@ from ..proto.records import TlsFiles
 from .auth import SecretInterceptor, call_metadata, channel_credentials, server_credentials
 from . import data
 from .auth import ssl_client_context, ssl_server_context
-from .frame import PROTOCOL, Frame, Hello
+from .frame import PROTOCOL, Frame, Hello, checksum
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,9 @@ class Mesh:
                     on_channel = data.encode(frame)
                 peer.channel.send(on_channel)
             else:
-                if on_stream is None:
+                if on_stream is None:  # the stream's frames carry a CRC-32 (the data channel's do not)
+                    if frame.checksum is None:
+                        frame = dataclasses.replace(frame, checksum=checksum(frame.payload))
                     on_stream = convert.frame_to_wire(frame)
                 peer.send(on_stream)
 

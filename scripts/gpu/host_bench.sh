@@ -3,7 +3,8 @@
 # channel against the gRPC stream alone, alternating in one session, the full all-reduce table, and
 # shipping a shard over loopback (and across a namespace where this host lets us make one).
 # Usage: scripts/gpu/host_bench.sh OUT   (after scripts/gpu/setup.sh; MLX's CPU backend is enough)
-# Runs in the background of a device call; OUT/done appears at the end. ROUNDS=3 by default.
+# OUT/done appears at the end. ROUNDS=3 A/B rounds by default; FULL=0 skips the full all-reduce table,
+# SHIP=0 the shipping runs.
 set -uo pipefail
 OUT=${1:?usage: host_bench.sh OUT}
 mkdir -p "$OUT"
@@ -20,8 +21,9 @@ for i in $(seq 1 "${ROUNDS:-3}"); do
       --iters 1000 --json > "$OUT/ab-$i-data$data.json" 2> "$OUT/ab-$i-data$data.err"
   done
 done
-timeout 600 $MC bench allreduce --nodes 2,4 --hidden 6144 --tokens 1,32 --dtype bfloat16 --json \
+[ "${FULL:-1}" = 1 ] && timeout 600 $MC bench allreduce --nodes 2,4 --hidden 6144 --tokens 1,32 --dtype bfloat16 --json \
   > "$OUT/allreduce.json" 2> "$OUT/allreduce.err"
+[ "${SHIP:-1}" = 1 ] || { touch "$OUT/done"; exit 0; }
 DIR=/dev/shm  # the source file and the receiver's cache (4 GB); /tmp where /dev/shm is small (containers)
 [ "$(df -k --output=avail /dev/shm 2>/dev/null | tail -1)" -gt 6000000 ] 2>/dev/null || DIR=/tmp
 echo "ship dir: $DIR" >> "$OUT/host.txt"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from moe_cluster.envoy import data
 from moe_cluster.envoy.frame import PROTOCOL, Frame, FrameError, Hello, checksum
 from moe_cluster.envoy.steps import StepError, StepTable
 from moe_cluster.proto import convert
@@ -45,6 +46,44 @@ def test_wire_is_plain_protobuf():
 def test_hello_round_trip():
     back = convert.frame_from_wire(convert.frame_to_wire(Hello(2, 4)))
     assert back == Hello(2, 4, PROTOCOL)
+
+
+def test_hello_offers_the_data_channel_and_keeps_its_token_out_of_repr():
+    hello = Hello(1, 2, data_port=40123, data_token="ab" * 16)
+    assert convert.frame_from_wire(convert.frame_to_wire(hello)) == hello
+    assert "ab" * 16 not in repr(hello)
+
+
+def test_data_channel_frames_round_trip_whole_split_and_several_at_once():
+    frames = [make_frame(rank=r, step=s, request=f"req-{s}", payload=(np.arange(6, dtype=np.float32) * (r + s)),
+                         dtype="float32", shape=(2, 3)) for s in range(2) for r in range(2)]
+    wire = b"".join(data.encode(f) for f in frames)
+    got, at = [], 0
+    while True:
+        f, at = data.decode(wire, at)
+        if f is None:
+            break
+        got.append(f)
+    assert at == len(wire)
+    assert [(f.request_id, f.step, f.rank, f.dtype, f.shape, f.payload) for f in got] == \
+        [(f.request_id, f.step, f.rank, f.dtype, f.shape, f.payload) for f in frames]
+    assert all(f.checksum is None for f in got)  # TCP guards the data channel; verify() has nothing to check
+    got[0].verify()
+    one = data.encode(frames[0])
+    for cut in (0, 5, data.HEADER.size, len(one) - 1):  # an incomplete frame waits for more bytes
+        assert data.decode(one[:cut], 0) == (None, 0)
+
+
+def test_a_malformed_data_channel_header_is_refused():
+    good = bytearray(data.encode(make_frame()))
+    bad = bytearray(good)
+    bad[0:4] = ((1 << 31) + 1).to_bytes(4, "little")  # a body past the limit
+    with pytest.raises(FrameError, match="malformed"):
+        data.decode(bytes(bad), 0)
+    bad = bytearray(good)
+    bad[data.HEADER.size - 4] = 200  # an unknown dtype code
+    with pytest.raises(FrameError, match="dtype code 200"):
+        data.decode(bytes(bad), 0)
 
 
 def test_checksum_catches_corruption():
