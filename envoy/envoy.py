@@ -213,12 +213,17 @@ class Envoy:
         try:
             r = link.reduce_of(body)
             payload = link.partial(r)
-            done = self.steps.submit(r.step, r.layer, r.dtype, r.shape, payload)
+            self.steps.admit(r.step)
         except (StepError, LinkError) as exc:
             link.fail(_step_of(body), f"envoy rank {cfg.rank}: {exc}")
             return
-        frame = Frame(self.steps.current, r.step, r.layer, cfg.rank, r.dtype, r.shape, None, payload)  # CRC: send_all
-        self.mesh.send_all(frame)
+        # out first (the peers wait on it), then the bookkeeping
+        self.mesh.send_all(Frame(self.steps.current, r.step, r.layer, cfg.rank, r.dtype, r.shape, None, payload))
+        try:
+            done = self.steps.submit(r.step, r.layer, r.dtype, r.shape, payload)
+        except StepError as exc:  # an early frame that disagrees with this node's step
+            self._fail(r.step, str(exc))
+            return
         self._keep_hot()
         if done is not None:
             self._finish(done)

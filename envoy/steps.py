@@ -92,6 +92,16 @@ class StepTable:
 
     def submit(self, step: int, layer: int, dtype: str, shape: tuple[int, ...], payload: np.ndarray) -> Complete | None:
         """This node's partial for `step`; returns the complete step if every peer's frame is in."""
+        self.admit(step)
+        parts = [None] * self.world_size
+        parts[self.rank] = payload
+        self.pending = Pending(self.current, step, layer, dtype, tuple(shape), payload.nbytes, time.monotonic(), parts)
+        for frame in self._early.pop((self.current, step), {}).values():
+            self._accept(frame)
+        return self._complete()
+
+    def admit(self, step: int) -> None:
+        """StepError unless this node may submit `step` now (the envoy sends its frame before it submits)."""
         if self.current is None:
             raise StepError("no request begun: an all-reduce needs begin(request_id) first")
         if self.failed is not None:
@@ -100,12 +110,6 @@ class StepTable:
             raise StepError(f"step {step} submitted while step {self.pending.step} of request {self.current} is pending")
         if step != self.next_step:
             raise StepError(f"node submitted step {step} of request {self.current}, expected step {self.next_step}")
-        parts = [None] * self.world_size
-        parts[self.rank] = payload
-        self.pending = Pending(self.current, step, layer, dtype, tuple(shape), payload.nbytes, time.monotonic(), parts)
-        for frame in self._early.pop((self.current, step), {}).values():
-            self._accept(frame)
-        return self._complete()
 
     def receive(self, frame: Frame) -> Complete | None:
         """A peer's frame; returns the complete step if it was the last one missing."""
