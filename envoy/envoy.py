@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from ..proto import convert
 from ..proto.errors import UserError
 from .frame import Frame, FrameError
-from .link import ABORT, BEGIN, CLOSE, NO_STEP, REDUCE, EnvoyLink, LinkError
+from .link import ABORT, BEGIN, CLOSE, NO_STEP, REDUCE, EnvoyLink, LinkError, widened
 from ..proto.records import COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
 from .mesh import Mesh, MeshConfig
 from .reduce import Reducer
@@ -235,8 +235,10 @@ class Envoy:
             self._fail(r.step, f"{self._absent(gone)} (step {r.step}, layer {r.layer} of request {self.steps.current})")
 
     def _finish(self, done: Complete) -> None:
-        out = self.link.result_area(done.dtype, done.nbytes)
-        self._reduce(done.parts, done.dtype, out)
+        if widened(done.dtype, done.nbytes, self.link.max_bytes):  # the node rounds it (link.py)
+            self._reduce.sum_float32(done.parts, done.dtype, self.link.result_area("float32", 2 * done.nbytes))
+        else:
+            self._reduce(done.parts, done.dtype, self.link.result_area(done.dtype, done.nbytes))
         self.link.done(done.step)
         self._keep_hot()
 

@@ -11,6 +11,10 @@ so in the block; the envoy then sends no DONE, which saves it a system call and 
 wake-up. A node that sleeps says so first, and the envoy wakes it with DONE. FAIL always goes
 on the socket too.
 
+A float16 or bfloat16 sum comes back *widened*: the float32 sum, before its rounding, where it fits
+the result area (`widened`). The node rounds it with MLX, lazily inside its step's graph, which is
+the reference rounding by definition and takes two casting passes off the envoy's critical path.
+
 Every message on the socket: 4-byte little-endian body length, then the body, whose first byte
 is the kind.
 """
@@ -101,6 +105,11 @@ def _attach(name: str) -> shared_memory.SharedMemory:
     except (ImportError, AttributeError, KeyError):
         pass
     return shm
+
+
+def widened(dtype: str, nbytes: int, max_bytes: int) -> bool:
+    """Whether the sum of a `dtype` partial of `nbytes` comes back as float32 (see the module's doc)."""
+    return dtype != "float32" and 2 * nbytes <= max_bytes
 
 
 class _Areas:
@@ -287,7 +296,10 @@ class NodeLink:
         return self.recv(timeout)
 
     def result(self, dtype: str, nbytes: int) -> np.ndarray:
-        """The sum in the result area (a view: copy it before the next reduce)."""
+        """The sum in the result area (a view: copy it before the next reduce): float32 values where
+        `widened(dtype, nbytes, ...)`, else raw `dtype` values."""
+        if widened(dtype, nbytes, self.max_bytes):
+            return self._areas.view(self._areas.result, "float32", 2 * nbytes)
         return self._areas.view(self._areas.result, dtype, nbytes)
 
     def close(self) -> None:

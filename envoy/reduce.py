@@ -82,38 +82,19 @@ class Reducer:
             dtype: wire dtype name ("float32", "float16" or "bfloat16").
             out: optional 1-D buffer of `DTYPES[dtype]` to write the sum into (returned).
         """
-        if dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
-        n = partials[0].size
-        for i, p in enumerate(partials):
-            if p.size != n:
-                raise ValueError(f"partial {i} has {p.size} values, partial 0 has {n}")
+        n = _check(partials, dtype)
         if out is None:
             out = np.empty(n, DTYPES[dtype])
         if dtype == "float32":
-            if len(partials) == 1:
-                np.copyto(out, partials[0])
-                return out
-            np.add(partials[0], partials[1], out=out)
-            for p in partials[2:]:
-                np.add(out, p, out=out)
-            return out
-        acc, tmp = self._scratch(n)
+            return self._sum(partials, dtype, out)
+        acc = self._sum(partials, dtype, self._scratch(n)[0])
         if dtype == "float16":
-            np.copyto(acc, partials[0])
-            for p in partials[1:]:
-                np.add(acc, p, out=acc, dtype=np.float32)
             np.copyto(out, acc, casting="unsafe")
             if not np.isfinite(np.add.reduce(acc)):
                 _fix_f16_nans(acc, out)
             return out
-        # bfloat16: ml_dtypes' casts widen exactly and round to nearest even, as MLX does, one pass
-        # each (the shifts and adds of the same rule in plain numpy took 12 passes: 27 us for two
-        # decode partials on the GPU host's CPU, against ~10)
-        np.copyto(acc, partials[0].view(_BF16), casting="unsafe")
-        for p in partials[1:]:
-            np.copyto(tmp, p.view(_BF16), casting="unsafe")
-            np.add(acc, tmp, out=acc)
+        # bfloat16: ml_dtypes' cast rounds to nearest even, as MLX does, in one pass (the shifts and
+        # adds of the same rule in plain numpy took six)
         # only NaNs need fixing after the rounding (infinities round to themselves; MLX writes every
         # NaN as 0x7FC0, ml_dtypes keeps its sign), and maximum propagates NaN: one cheap pass
         has_nan = np.isnan(np.maximum.reduce(acc))
@@ -121,6 +102,46 @@ class Reducer:
         if has_nan:
             out[np.isnan(acc)] = _BF16_NAN
         return out
+
+    def sum_float32(self, partials: Sequence[np.ndarray], dtype: str, out: np.ndarray) -> np.ndarray:
+        """The rank-order float32 sum of raw `dtype` payloads into `out` (float32, `n` values), not
+        rounded back: the envoy hands float16/bfloat16 sums to its node this way (envoy/link.py)."""
+        _check(partials, dtype)
+        return self._sum(partials, dtype, out)
+
+    def _sum(self, partials: Sequence[np.ndarray], dtype: str, out: np.ndarray) -> np.ndarray:
+        if len(partials) == 1:
+            np.copyto(out, partials[0].view(_BF16) if dtype == "bfloat16" else partials[0], casting="unsafe")
+            return out
+        if dtype == "float32":
+            np.add(partials[0], partials[1], out=out)
+            for p in partials[2:]:
+                np.add(out, p, out=out)
+            return out
+        if dtype == "float16":
+            np.copyto(out, partials[0])
+            for p in partials[1:]:
+                np.add(out, p, out=out, dtype=np.float32)
+            return out
+        # bfloat16: ml_dtypes' casts widen exactly, one pass each (a shift of the bit patterns in
+        # plain numpy took two; the whole reduction went from 27 to 20 us on the GPU host's CPU)
+        tmp = self._scratch(out.size)[1]
+        np.copyto(out, partials[0].view(_BF16), casting="unsafe")
+        for p in partials[1:]:
+            np.copyto(tmp, p.view(_BF16), casting="unsafe")
+            np.add(out, tmp, out=out)
+        return out
+
+
+def _check(partials: Sequence[np.ndarray], dtype: str) -> int:
+    """The values per partial; ValueError for an unknown dtype or partials of unequal length."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
+    n = partials[0].size
+    for i, p in enumerate(partials):
+        if p.size != n:
+            raise ValueError(f"partial {i} has {p.size} values, partial 0 has {n}")
+    return n
 
 
 _default = Reducer()

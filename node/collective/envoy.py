@@ -94,7 +94,8 @@ class EnvoyProcess:
             raise CollectiveError(f"envoy of rank {self.rank} answered begin with {kind!r}")
 
     def all_reduce(self, raw: np.ndarray, dtype: str, shape: tuple[int, ...], layer: int) -> np.ndarray:
-        """Sum a raw 1-D payload over all ranks; returns a view valid until the next call."""
+        """Sum a raw 1-D payload over all ranks; returns a view valid until the next call: float32
+        values where the envoy widened a float16/bfloat16 sum (envoy/link.py `widened`), else raw."""
         if self._request is None:
             self.begin("default")
         step = self._step
@@ -157,6 +158,8 @@ class EnvoyCollective:
         payload, extra = self._rider.attach(partial, layer)
         raw, dtype = to_wire(payload)
         out = self._envoy.all_reduce(raw.reshape(-1), dtype, tuple(payload.shape), layer)
+        if out.dtype == np.float32 and dtype != "float32":  # widened (envoy/link.py): MLX rounds it, in the graph
+            return from_wire(self._rider.detach(out, "float32", extra), "float32", partial.shape).astype(partial.dtype)
         return from_wire(self._rider.detach(out, dtype, extra), dtype, partial.shape)  # mx.array copies out of the shared area
 
     def ride(self, values: mx.array) -> None:

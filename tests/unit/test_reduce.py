@@ -63,6 +63,21 @@ def test_bit_identical_to_mlx(dtype, ranks, special):
         assert_same_bytes(ours, mlx_sum(parts, dtype), dtype, f"{dtype} x{ranks} n={n}")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_a_widened_sum_rounds_in_mlx_to_its_reduction(dtype, ranks):
+    """The envoy hands a node the float32 sum (sum_float32) and MLX rounds it there: the same bytes
+    as the reduction rounded in the envoy, every bit pattern included."""
+    rng = np.random.default_rng(ranks)
+    for special in (False, True):
+        parts = [random_payload(rng, dtype, 3 * 6144 + 5, special) for _ in range(ranks)]
+        with np.errstate(all="ignore"):
+            wide = Reducer().sum_float32(parts, dtype, np.empty(parts[0].size, np.float32))
+        rounded = mx.array(wide).astype(MX[dtype])
+        rounded = np.array(rounded.view(mx.uint16) if dtype == "bfloat16" else rounded)
+        assert_same_bytes(rounded, mlx_sum(parts, dtype), dtype, f"ranks {ranks} special {special}")
+
+
 def test_overflow_to_infinity_and_then_nan():
     big = np.array(mx.array([3e38, -3e38, 3e38], dtype=mx.float32).astype(mx.bfloat16).view(mx.uint16))
     infinities = np.array([0xFF80, 0x7F80, 0x0000], dtype=np.uint16)  # -inf, +inf, 0
