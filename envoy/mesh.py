@@ -4,9 +4,11 @@ The lower rank of each pair dials the higher one and keeps redialing while the e
 stream is then used both ways. Each side sends Hello first; the higher rank's Hello offers its data
 channel (envoy/data.py) and a token for it, and the dialer connects there presenting the token. A
 peer counts as connected once both are up, and is lost when either ends. Frames go out serialized
-once per step, whatever the number of peers, on the data channel; an envoy started with
-`data_channel=False` (or `MOE_CLUSTER_ENVOY_DATA=0`) offers none, and then frames take the stream,
-as they did before the data channel. Stream reads and writes use explicit `read()`/`write()` (an
+once per step, whatever the number of peers, on the data channel. Frames take the stream instead,
+as they did before the data channel, where either end runs with `data_channel=False` (or
+`MOE_CLUSTER_ENVOY_DATA=0`), and for one session after a dialer could not reach its peer's channel
+(a firewall that admits only the envoy's port): it says so, redials with the frames on the
+stream, and tries the channel again the next time it has to redial. Stream reads and writes use explicit `read()`/`write()` (an
 async-generator handler costs about 3x the latency).
 """
 
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 _HELLO_TIMEOUT_S = 5.0  # seconds the other end has to answer Hello (and a data connection its handshake)
 DATA_ENV = "MOE_CLUSTER_ENVOY_DATA"  # "0": no data channel, frames take the gRPC stream
+STREAM_ONLY = "stream"  # a dialer's Hello.data_token: it will not open a data channel this time
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,7 @@ class Mesh:
         self.data_port = 0  # 0: no data channel
         self._data_server: asyncio.AbstractServer | None = None
         self._tokens: dict[int, str] = {}  # lower rank -> the token its next data connection must present
+        self._stream_only: set[int] = set()  # higher ranks whose data channel this envoy could not reach last time
         self._arriving: dict[int, asyncio.Future] = {}  # lower rank -> its data connection, once it presents it
 
     # -- state -------------------------------------------------------------------------------
@@ -261,7 +265,7 @@ class Mesh:
         if problem:
             logger.warning("envoy rank %s refused a stream from %s: %s", cfg.rank, context.peer(), problem)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        token = secrets.token_hex(16) if self._data_server is not None else ""
+        token = secrets.token_hex(16) if self._data_server is not None and hello.data_token != STREAM_ONLY else ""
         self._tokens[hello.rank] = token
         await context.write(convert.frame_to_wire(Hello(cfg.rank, cfg.world_size, data_port=self.data_port,
                                                         data_token=token)))
@@ -319,13 +323,24 @@ class Mesh:
                 call = channel.stream_stream(convert.ENVOY_EXCHANGE, request_serializer=None,
                                              response_deserializer=convert.frame_from_wire)(
                     metadata=call_metadata(cfg.secret), wait_for_ready=False)
-                await call.write(convert.frame_to_wire(Hello(cfg.rank, cfg.world_size)))
+                # after a data channel it could not reach, one session on the stream alone; then try again
+                channel_ok = cfg.data_channel and rank not in self._stream_only
+                self._stream_only.discard(rank)
+                await call.write(convert.frame_to_wire(Hello(cfg.rank, cfg.world_size,
+                                                             data_token="" if channel_ok else STREAM_ONLY)))
                 hello = await asyncio.wait_for(call.read(), _HELLO_TIMEOUT_S)
                 problem = _check_hello(hello, cfg, lower=False, expect=rank)
                 if problem:
                     call.cancel()
                     raise ConnectionError(problem)
-                link = await self._open_channel(rank, hello) if hello.data_port and cfg.data_channel else None
+                link = None
+                if hello.data_port and channel_ok:
+                    try:
+                        link = await self._open_channel(rank, hello)
+                    except ConnectionError as exc:  # e.g. a firewall that admits only the envoy's port
+                        self._stream_only.add(rank)
+                        call.cancel()
+                        raise ConnectionError(f"{exc}; redialing with the frames on the gRPC stream") from None
                 logger.info("envoy rank %s: stream to %s up%s", cfg.rank, self.describe(rank),
                             " (data channel)" if link else "")
                 reason = await self._serve_stream(rank, call.read, call.write, link)

@@ -316,3 +316,57 @@ def test_abort_fails_a_waiting_step_and_a_later_begin_at_once_then_the_next_requ
     finally:
         for e in envoys:
             e.close()
+
+
+def test_mixed_data_channel_settings_fall_back_to_the_streams(monkeypatch):
+    """Rank 0 runs with MOE_CLUSTER_ENVOY_DATA=0 and rank 1 without: rank 0 says so in its Hello, rank 1
+    offers no channel to it, and the frames take the stream."""
+    spec = envoy_spec(2)
+    monkeypatch.setenv(DATA_ENV, "0")
+    cluster = Cluster(spec, ranks=[0])  # the env is the node's, and its envoy's, at spawn
+    try:
+        monkeypatch.delenv(DATA_ENV)
+        cluster.start(1)
+        all_ok(cluster.run("mixed", 300))
+    finally:
+        cluster.close()
+
+
+def test_an_unreachable_data_channel_leaves_the_frames_on_the_stream(caplog):
+    """A dialer that cannot reach its peer's data channel (here: closed right after it opened, as a
+    firewall admitting only the envoy's port would leave it) redials with the frames on the stream,
+    and the pair exchanges frames."""
+    import asyncio
+    import secrets
+
+    from moe_cluster.envoy.frame import Frame
+    from moe_cluster.envoy.mesh import Mesh, MeshConfig
+    from moe_cluster.node.collective.specs import free_ports
+
+    async def run() -> tuple[list, list]:
+        addresses = tuple(f"127.0.0.1:{p}" for p in free_ports(2))
+        secret = secrets.token_hex(8)
+        got: list[list] = [[], []]
+        meshes = [Mesh(MeshConfig(r, addresses, addresses[r], secret), on_frame=got[r].append,
+                       on_peer=lambda rank, up, why: None) for r in (1, 0)][::-1]
+        await meshes[1].start()
+        meshes[1]._data_server.close()  # noqa: SLF001 - the port stays announced, but nothing listens
+        await meshes[1]._data_server.wait_closed()  # noqa: SLF001
+        await meshes[0].start()
+        try:
+            deadline = time.monotonic() + 20
+            while not (meshes[0].whole and meshes[1].whole) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            for r in (0, 1):
+                meshes[r].send_all(Frame("x", 0, 1, r, "float32", (2,), None, bytes(8)))
+            while not (got[0] and got[1]) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return got[0], got[1]
+        finally:
+            for m in meshes:
+                await m.close()
+
+    to0, to1 = asyncio.run(run())
+    assert "data channel 127.0.0.1:" in caplog.text and "redialing with the frames on the gRPC stream" in caplog.text
+    assert [f.rank for f in to0] == [1] and [f.rank for f in to1] == [0]
+    assert to0[0].checksum is not None  # it came on the stream, which carries a CRC-32
