@@ -35,6 +35,7 @@ CANCEL_WAIT_S = 10.0  # seconds a cancelled request may take to end on every nod
 # misses the 1 s heartbeat deadline (seen at load 13 on 2 vCPUs), and restarting it then only
 # restarted the rejoin. A serving node that stops answering is restarted at once.
 LOADING_STALL_S = 10.0
+LOST_BEATS, LOST_BEAT_S = 3, 0.05  # heartbeats (and seconds between) to find the node a peer lost
 
 
 @dataclass
@@ -290,7 +291,13 @@ class Cluster:
                         # A peer saw the loss first ("rank 1 disconnected"): heartbeat every node now,
                         # so the answer names the lost node and its cause, not the node that saw it
                         # (one health RPC: at once for a dead process, max(heartbeat, 1 s) for a stalled one).
-                        await self._beat_all()
+                        # The envoys' data channel can see a killed process's sockets reset before
+                        # the process is a zombie its node can reap: a few beats, LOST_BEAT_S apart.
+                        for _ in range(LOST_BEATS):
+                            await self._beat_all()
+                            if not self.health.ready:
+                                break
+                            await asyncio.sleep(LOST_BEAT_S)
                     if not outcome.error:
                         outcome.error = H.refusal(self.health) if not self.health.ready else None
                         if outcome.error is None and lost:
