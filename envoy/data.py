@@ -110,8 +110,7 @@ class DataConnection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         why = f"data channel closed ({exc})" if exc else "data channel closed"
-        if not self.ready.done():
-            self.ready.set_exception(ConnectionError(why))
+        self._not_ready(why)
         if not self.lost.done():
             self.lost.set_result(why)
 
@@ -125,7 +124,11 @@ class DataConnection(asyncio.Protocol):
             on_frame(frame)
 
     def send(self, wire: bytes) -> None:
-        self.transport.write(wire)
+        """Write one encoded frame. A connection already lost takes nothing (uvloop raises on a
+        closed transport): the mesh marks the peer down on its next turn of the loop, which fails
+        the step naming it."""
+        if not self.transport.is_closing():
+            self.transport.write(wire)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -165,9 +168,17 @@ class DataConnection(asyncio.Protocol):
         return True
 
     def _refused(self, why: str) -> None:
-        if not self.ready.done():
-            self.ready.set_exception(ConnectionError(why))
+        self._not_ready(why)
         self.transport.close()
+
+    def _not_ready(self, why: str) -> None:
+        """`ready` fails with why; only the dialer waits on it (a listener's connection is handed over
+        by `claim`), so only the dialer's carries the exception."""
+        if not self.ready.done():
+            if self._claim is None:
+                self.ready.set_exception(ConnectionError(why))
+            else:
+                self.ready.set_result(None)
 
     def _frames(self, buf) -> None:
         at = 0

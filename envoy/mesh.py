@@ -267,11 +267,12 @@ class Mesh:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         token = secrets.token_hex(16) if self._data_server is not None and hello.data_token != STREAM_ONLY else ""
         self._tokens[hello.rank] = token
+        # ready for the data connection before the Hello goes: the dialer connects as soon as it reads it
+        arriving = self._arriving[hello.rank] = asyncio.get_running_loop().create_future() if token else None
         await context.write(convert.frame_to_wire(Hello(cfg.rank, cfg.world_size, data_port=self.data_port,
                                                         data_token=token)))
         channel = None
-        if token:
-            arriving = self._arriving[hello.rank] = asyncio.get_running_loop().create_future()
+        if arriving is not None:
             try:
                 channel = await asyncio.wait_for(arriving, _HELLO_TIMEOUT_S)
             except asyncio.TimeoutError:

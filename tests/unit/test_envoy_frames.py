@@ -175,3 +175,32 @@ def test_early_frames_are_bounded():
     for i in range(5):  # a peer ran requests this node never began
         t.receive(make_frame(rank=1, request=f"other-{i}"))
     assert t.evicted == 2
+
+
+def test_a_frame_sent_on_a_lost_data_channel_is_dropped_not_raised():
+    """uvloop raises on a write to a closed transport: a peer whose connection was reset, before the
+    mesh has marked it down, must not take the envoy's callback (and its answer to the node) with it."""
+    import asyncio
+
+    uvloop = pytest.importorskip("uvloop")
+
+    async def run() -> str:
+        loop = asyncio.get_running_loop()
+        accepted: list = []
+
+        def claim(rank, token, conn):
+            accepted.append(conn)
+            return "" if data.token_ok(token, "t" * 32) else "wrong"
+
+        server = await loop.create_server(lambda: data.DataConnection(claim=claim), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        _, dialer = await loop.create_connection(
+            lambda: data.DataConnection(hello=data.handshake(0, "t" * 32)), "127.0.0.1", port)
+        await asyncio.wait_for(dialer.ready, 5)
+        accepted[0].transport.abort()  # the peer's end resets
+        why = await asyncio.wait_for(dialer.lost, 5)
+        dialer.send(data.encode(make_frame()))  # must not raise
+        server.close()
+        return why
+
+    assert "data channel closed" in uvloop.run(run())
