@@ -35,6 +35,7 @@ MAX_BODY = 1 << 31  # bytes; a header claiming more is a broken or hostile peer
 _DTYPE_CODES = {name: i for i, name in enumerate(sorted(DTYPES))}
 _DTYPE_NAMES = {i: name for name, i in _DTYPE_CODES.items()}
 _ACK_OK, _ACK_NO = b"+", b"-"
+HANDSHAKE_TIMEOUT_S = 5.0  # a connection that has not presented its token by then is closed
 
 
 def encode(frame: Frame) -> bytes:
@@ -96,6 +97,8 @@ class DataConnection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self._hello is not None:
             transport.write(self._hello)
+        else:  # the listener: nobody holds a connection open without presenting a token
+            asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._unpresented)
 
     def data_received(self, data: bytes) -> None:
         if self._open and not self._buf:  # the usual case: whole frames, nothing left over
@@ -160,6 +163,12 @@ class DataConnection(asyncio.Protocol):
         self.rank = rank
         self.transport.write(_ACK_OK)
         return self._opened()
+
+    def _unpresented(self) -> None:
+        if not self._open and not self.transport.is_closing():
+            why = f"no handshake within {HANDSHAKE_TIMEOUT_S:g} s"
+            self.transport.write(_ACK_NO + why.encode() + b"\n")
+            self._refused(why)
 
     def _opened(self) -> bool:
         self._open = True

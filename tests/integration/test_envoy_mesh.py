@@ -228,6 +228,12 @@ def test_the_data_channel_takes_only_the_token_its_stream_gave():
         assert _data_answer(offer.data_port, data.handshake(1, offer.data_token)).startswith(b"-wrong or stale")  # not rank 1's
         assert _data_answer(offer.data_port, data.handshake(0, offer.data_token)) == b"+"
         assert _data_answer(offer.data_port, data.handshake(0, offer.data_token)).startswith(b"-wrong or stale")  # once
+        import socket
+
+        with socket.create_connection(("127.0.0.1", offer.data_port), timeout=data.HANDSHAKE_TIMEOUT_S + 5) as idle:
+            t0 = time.monotonic()  # says nothing: closed after the handshake timeout, with why
+            assert idle.makefile("rb").readline() == b"-no handshake within 5 s\n"
+            assert time.monotonic() - t0 < data.HANDSHAKE_TIMEOUT_S + 2
     finally:
         hold.set()
         channel.close()
