@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import math
 import socket
 import struct
 from typing import Callable
@@ -49,22 +50,36 @@ def encode(frame: Frame) -> bytes:
     return b"".join((header, rid, shape, payload))
 
 
-def decode(buf, start: int) -> tuple[Frame | None, int]:
-    """The frame at `buf[start:]` and the offset after it, or (None, start) while it is incomplete."""
+def frame_size(buf, start: int) -> int:
+    """Bytes the frame at `buf[start:]` takes, header included, once its header is in (else the
+    header's size); FrameError for a header no envoy writes."""
     if len(buf) - start < HEADER.size:
-        return None, start
-    body, step, layer, rank, code, ndim, nid = HEADER.unpack_from(buf, start)
+        return HEADER.size
+    body, _, _, _, code, ndim, nid = HEADER.unpack_from(buf, start)
     if body > MAX_BODY or nid + 4 * ndim > body or code not in _DTYPE_NAMES:
         raise FrameError(f"a frame header from the data channel is malformed (body {body}, dtype code {code}, "
                          f"ndim {ndim}, id {nid} bytes)")
-    end = start + HEADER.size + body
+    return HEADER.size + body
+
+
+def decode(buf, start: int) -> tuple[Frame | None, int]:
+    """The frame at `buf[start:]` and the offset after it, or (None, start) while it is incomplete.
+    The payload is copied once, out of `buf`."""
+    end = start + frame_size(buf, start)
     if len(buf) < end:
         return None, start
+    body, step, layer, rank, code, ndim, nid = HEADER.unpack_from(buf, start)
     at = start + HEADER.size
-    rid = bytes(buf[at:at + nid]).decode(errors="replace")
     shape = struct.unpack_from(f"<{ndim}I", buf, at + nid)
-    payload = bytes(buf[at + nid + 4 * ndim:end])
-    return Frame(rid, step, layer, rank, _DTYPE_NAMES[code], shape, None, payload), end
+    nbytes = end - (at + nid + 4 * ndim)
+    dtype = _DTYPE_NAMES[code]
+    if nbytes != math.prod(shape) * DTYPES[dtype].itemsize:
+        raise FrameError(f"a frame from rank {rank} (step {step}) has {nbytes} payload bytes for shape "
+                         f"{list(shape)} of {dtype}")
+    with memoryview(buf) as view:
+        rid = bytes(view[at:at + nid]).decode(errors="replace")
+        payload = bytes(view[at + nid + 4 * ndim:end])
+    return Frame(rid, step, layer, rank, dtype, shape, None, payload), end
 
 
 class DataConnection(asyncio.Protocol):
@@ -83,7 +98,8 @@ class DataConnection(asyncio.Protocol):
         self.lost: asyncio.Future = loop.create_future()
         self.rank: int | None = None
         self.transport: asyncio.Transport | None = None
-        self._buf = bytearray()
+        self._buf = bytearray()  # bytes of an incomplete frame (or handshake)
+        self._need = 0  # bytes _buf must hold before a frame can be complete
         self._on_frame: Callable[[Frame], None] | None = None
         self._held: list[Frame] = []
         self._open = False
@@ -94,22 +110,27 @@ class DataConnection(asyncio.Protocol):
         self.transport = transport
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _tune(sock)
         if self._hello is not None:
             transport.write(self._hello)
         else:  # the listener: nobody holds a connection open without presenting a token
             asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._unpresented)
 
     def data_received(self, data: bytes) -> None:
-        if self._open and not self._buf:  # the usual case: whole frames, nothing left over
-            self._frames(data)
+        buf = self._buf
+        if self._open and not buf:  # the usual case: whole frames, straight from the read
+            at = self._frames(data)
+            if at < len(data):
+                buf += memoryview(data)[at:]
             return
-        self._buf += data
-        if not self._open and not self._handshake():
-            return
-        if self._buf:
-            buf, self._buf = self._buf, bytearray()
-            self._frames(buf)
+        buf += data  # a frame arriving in pieces is only appended until it is whole: no re-parsing
+        if not self._open:
+            if not self._handshake():
+                return
+            self._need = 0
+        if len(buf) >= self._need:
+            at = self._frames(buf)
+            del buf[:at]
 
     def connection_lost(self, exc) -> None:
         why = f"data channel closed ({exc})" if exc else "data channel closed"
@@ -189,13 +210,16 @@ class DataConnection(asyncio.Protocol):
             else:
                 self.ready.set_result(None)
 
-    def _frames(self, buf) -> None:
+    def _frames(self, buf) -> int:
+        """Hand on every whole frame in `buf`; returns where the rest starts, and notes in `_need`
+        how much of the next frame must be in before it is worth looking again."""
         at = 0
         try:
             while True:
                 frame, at = decode(buf, at)
-                if frame is None:
-                    break
+                if frame is None:  # what is left becomes the head of _buf: the frame, from its start
+                    self._need = frame_size(buf, at)
+                    return at
                 if self._on_frame is not None:
                     self._on_frame(frame)
                 else:
@@ -204,9 +228,28 @@ class DataConnection(asyncio.Protocol):
             if not self.lost.done():
                 self.lost.set_result(str(exc))
             self.transport.close()
-            return
-        if at < len(buf):
-            self._buf += buf[at:]
+            return len(buf)
+
+
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 3
+USER_TIMEOUT_MS = 15_000  # unacknowledged data this long ends the connection (Linux)
+
+
+def _tune(sock: socket.socket) -> None:
+    """No Nagle delay; and a path that drops packets without a reset (a firewall, a NAT, a peer
+    gone from the network) ends the connection within ~15 s, as the stream's keepalive would: the
+    stream alone does not see a dead data channel. Each option where the system has it."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))  # Linux, macOS
+    for option, value in ((idle, KEEPALIVE_IDLE_S), (getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_S),
+                          (getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_PROBES),
+                          (getattr(socket, "TCP_USER_TIMEOUT", None), USER_TIMEOUT_MS)):
+        if option is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+            except OSError:
+                pass
 
 
 def handshake(rank: int, token: str) -> bytes:

@@ -221,7 +221,7 @@ class Envoy:
         self.mesh.send_all(Frame(self.steps.current, r.step, r.layer, cfg.rank, r.dtype, r.shape, None, payload))
         try:
             done = self.steps.submit(r.step, r.layer, r.dtype, r.shape, payload)
-        except StepError as exc:  # an early frame that disagrees with this node's step
+        except (StepError, FrameError) as exc:  # an early frame that disagrees with this node's step
             self._fail(r.step, str(exc))
             return
         self._keep_hot()

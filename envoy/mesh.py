@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import os
 import secrets
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -59,6 +60,15 @@ class MeshConfig:
 def _host(address: str) -> str:
     """The host of "host:port" or "[v6]:port"."""
     return address.rsplit(":", 1)[0].strip("[]")
+
+
+def _data_socket(host: str) -> socket.socket:
+    """One listening socket on a free port of `host` (both IP versions for "::" where the system
+    can), so the one port a Hello names is the one that listens."""
+    if host in ("", "::") and socket.has_dualstack_ipv6():
+        return socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host or "0.0.0.0", 0), family=family)
 
 
 class Peer:
@@ -116,6 +126,7 @@ class Mesh:
         self.port = 0
         self.data_port = 0  # 0: no data channel
         self._data_server: asyncio.AbstractServer | None = None
+        self._client_ssl = None  # the dialers' TLS context for data channels
         self._tokens: dict[int, str] = {}  # lower rank -> the token its next data connection must present
         self._stream_only: set[int] = set()  # higher ranks whose data channel this envoy could not reach last time
         self._arriving: dict[int, asyncio.Future] = {}  # lower rank -> its data connection, once it presents it
@@ -169,19 +180,25 @@ class Mesh:
                 self.port = server.add_insecure_port(cfg.listen)
         except RuntimeError as exc:
             raise UserError(f"envoy rank {cfg.rank} cannot listen on {cfg.listen}: {exc}") from exc
+        loop = asyncio.get_running_loop()
+        tls = cfg.tls
+        # the dialers' TLS context, once: a certificate that cannot be read fails the start, not a dial
+        self._client_ssl = ssl_client_context(tls.ca, tls.cert, tls.key) if tls and cfg.data_channel else None
+        if cfg.data_channel and cfg.rank > 0:  # only lower ranks dial, so rank 0 is never dialed
+            # open before the gRPC server takes Hellos, so every Hello can offer it
+            host = _host(cfg.listen)
+            try:
+                sock = _data_socket(host)
+                self._data_server = await loop.create_server(
+                    lambda: data.DataConnection(claim=self._claim), sock=sock,
+                    ssl=ssl_server_context(tls.cert, tls.key, tls.ca) if tls else None,
+                    ssl_handshake_timeout=data.HANDSHAKE_TIMEOUT_S if tls else None)
+            except OSError as exc:
+                raise UserError(f"envoy rank {cfg.rank} cannot open its data channel on {host}: "
+                                f"{exc.strerror or exc}") from exc
+            self.data_port = sock.getsockname()[1]
         await server.start()
         self._server = server
-        loop = asyncio.get_running_loop()
-        if cfg.data_channel and cfg.rank > 0:  # only lower ranks dial, so rank 0 is never dialed
-            tls = cfg.tls
-            try:
-                self._data_server = await loop.create_server(
-                    lambda: data.DataConnection(claim=self._claim), _host(cfg.listen) or None, 0,
-                    ssl=ssl_server_context(tls.cert, tls.key, tls.ca) if tls else None)
-            except OSError as exc:
-                raise UserError(f"envoy rank {cfg.rank} cannot open its data channel on {_host(cfg.listen)}: "
-                                f"{exc.strerror or exc}") from exc
-            self.data_port = self._data_server.sockets[0].getsockname()[1]
         self._dialers = [loop.create_task(self._dial(r), name=f"dial-{r}")
                          for r in range(cfg.rank + 1, cfg.world_size)]
         logger.info("envoy rank %s listening on %s (port %s), dialing ranks %s", cfg.rank, cfg.listen, self.port,
@@ -222,7 +239,7 @@ class Mesh:
         reason = "stream ended"
         try:
             while True:
-                item = await (read() if channel is None else _first(read(), channel.lost))
+                item = await (read() if channel is None else _first(read, channel.lost))
                 if isinstance(item, str):  # the data channel ended: why
                     reason = item
                     break
@@ -274,13 +291,15 @@ class Mesh:
         channel = None
         if arriving is not None:
             try:
-                channel = await asyncio.wait_for(arriving, _HELLO_TIMEOUT_S)
+                channel = await asyncio.wait_for(asyncio.shield(arriving), _HELLO_TIMEOUT_S)
             except asyncio.TimeoutError:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"no data connection from rank {hello.rank} within {_HELLO_TIMEOUT_S} s")
             finally:
                 if self._arriving.get(hello.rank) is arriving:
                     del self._arriving[hello.rank]
+                if channel is None and arriving.done() and not arriving.cancelled():
+                    arriving.result().close()  # claimed, but this stream ended before taking it
         logger.info("envoy rank %s: stream from %s up%s", cfg.rank, self.describe(hello.rank),
                     " (data channel)" if channel else "")
         try:
@@ -304,7 +323,8 @@ class Mesh:
 
     async def _health(self, request, context: grpc.aio.ServicerContext) -> dict:
         return {"rank": self.config.rank, "world_size": self.config.world_size,
-                "connected": self.connected, "whole": self.whole}
+                "connected": self.connected, "whole": self.whole,
+                "data_channel": {r for r, p in self._peers.items() if p.channel is not None}}
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         tls = self.config.tls
@@ -363,15 +383,21 @@ class Mesh:
         """Connect to `rank`'s data channel and present the token its Hello gave (ConnectionError if not)."""
         cfg, host = self.config, _host(self.config.addresses[rank])
         loop = asyncio.get_running_loop()
-        tls = cfg.tls
-        ssl = ssl_client_context(tls.ca, tls.cert, tls.key) if tls else None
+        ssl = self._client_ssl
+        channel = None
         try:
             _, channel = await asyncio.wait_for(loop.create_connection(
                 lambda: data.DataConnection(hello=data.handshake(cfg.rank, hello.data_token)), host, hello.data_port,
                 ssl=ssl, server_hostname=host if ssl else None), _HELLO_TIMEOUT_S)
             return await asyncio.wait_for(channel.ready, _HELLO_TIMEOUT_S)
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise ConnectionError(f"data channel {host}:{hello.data_port}: {exc or 'no answer in time'}") from None
+        except BaseException as exc:
+            if channel is not None:
+                channel.close()
+                if channel.ready.done() and not channel.ready.cancelled():
+                    channel.ready.exception()  # retrieved: the reason is in the error below
+            if isinstance(exc, (OSError, asyncio.TimeoutError)):
+                raise ConnectionError(f"data channel {host}:{hello.data_port}: {exc or 'no answer in time'}") from None
+            raise
 
     def _note_failure(self, rank: int, reason: str, loud: bool) -> None:
         if self.last_error.get(rank) != reason:
@@ -380,11 +406,11 @@ class Mesh:
         self.last_error[rank] = reason
 
 
-async def _first(read: Awaitable, lost: asyncio.Future):
+async def _first(read: Callable[[], Awaitable], lost: asyncio.Future):
     """The stream's next item, or why the data channel ended if that comes first."""
     if lost.done():
         return lost.result()
-    reading = asyncio.ensure_future(read)
+    reading = asyncio.ensure_future(read())
     try:
         await asyncio.wait((reading, lost), return_when=asyncio.FIRST_COMPLETED)
         if reading.done():

@@ -154,6 +154,9 @@ class StepTable:
                 f"{frame.layer} {frame.dtype}{list(frame.shape)}, this node has layer {p.layer} {p.dtype}{list(p.shape)}"
             )
         frame.verify()
+        if len(frame.payload) != p.nbytes:
+            raise StepError(f"rank {frame.rank} sent {len(frame.payload)} bytes for step {p.step} of request "
+                            f"{p.request_id}, this node has {p.nbytes}")
         p.parts[frame.rank] = np.frombuffer(frame.payload, dtype=DTYPES[p.dtype])
         p.arrived += 1
 

@@ -85,14 +85,16 @@ def envoy_health_request_from_wire(data: bytes) -> None:
 
 
 def envoy_health_to_wire(health: dict) -> bytes:
-    """{"rank", "world_size", "connected", "whole"} -> serialized EnvoyHealth."""
+    """{"rank", "world_size", "connected", "whole", "data_channel"} -> serialized EnvoyHealth."""
     return epb.EnvoyHealth(rank=health["rank"], world_size=health["world_size"],
-                           connected=sorted(health["connected"]), whole=health["whole"]).SerializeToString()
+                           connected=sorted(health["connected"]), whole=health["whole"],
+                           data_channel=sorted(health.get("data_channel", ()))).SerializeToString()
 
 
 def envoy_health_from_wire(data: bytes) -> dict:
     msg = epb.EnvoyHealth.FromString(data)
-    return {"rank": msg.rank, "world_size": msg.world_size, "connected": list(msg.connected), "whole": msg.whole}
+    return {"rank": msg.rank, "world_size": msg.world_size, "connected": list(msg.connected), "whole": msg.whole,
+            "data_channel": list(msg.data_channel)}
 
 
 # ---------------------------------------------------------------------------------------------

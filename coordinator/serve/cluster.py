@@ -293,9 +293,9 @@ class Cluster:
                         # (one health RPC: at once for a dead process, max(heartbeat, 1 s) for a stalled one).
                         # The envoys' data channel can see a killed process's sockets reset before
                         # the process is a zombie its node can reap: a few beats, LOST_BEAT_S apart.
-                        for _ in range(LOST_BEATS):
+                        for beat in range(LOST_BEATS):
                             await self._beat_all()
-                            if not self.health.ready:
+                            if not self.health.ready or beat == LOST_BEATS - 1:
                                 break
                             await asyncio.sleep(LOST_BEAT_S)
                     if not outcome.error:

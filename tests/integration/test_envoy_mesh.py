@@ -58,6 +58,8 @@ def test_soak_loses_duplicates_and_reorders_nothing(nodes, spin):
                 assert all(rep[1]["spun"] > 0 for rep in replies.values()), replies  # the word answered some
             done += steps
         assert done == total
+        health = _health(cluster.spec.addresses[0], (("x-moe-cluster-secret", cluster.spec.secret),))
+        assert health["data_channel"] == ([] if spin == "stream" else list(range(1, nodes))), health
     finally:
         cluster.close()
 
@@ -172,7 +174,7 @@ def test_callers_without_the_secret_get_unauthenticated_and_no_data(capfd):
 
         all_ok(cluster.run("with-secret", 50))  # begin waits for the mesh to be whole
         health = _health(address, (("x-moe-cluster-secret", spec.secret),))
-        assert health["rank"] == 0 and health["whole"] and health["connected"] == [1]
+        assert health["rank"] == 0 and health["whole"] and health["connected"] == [1] and health["data_channel"] == [1]
 
         # a node configured with another secret never joins; the request fails naming it
         cluster.kill(1)
@@ -240,6 +242,8 @@ def test_the_data_channel_takes_only_the_token_its_stream_gave():
     try:
         cluster.start(0)  # the real rank 0 dials, gets its own token, and the mesh works
         all_ok(cluster.run("after-refusals", 200))
+        health = _health(spec.addresses[1], (("x-moe-cluster-secret", spec.secret),))
+        assert health["data_channel"] == [0], health  # on its data channel, not fallen back to the stream
     finally:
         cluster.close()
 
@@ -265,7 +269,8 @@ def test_tls_mesh_and_refusals(tmp_path):
         with pytest.raises(grpc.RpcError) as err:  # a certificate, but no secret
             _health(address, (), grpc.ssl_channel_credentials(ca, key, cert))
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert _health(address, secret, grpc.ssl_channel_credentials(ca, key, cert))["whole"]
+        health = _health(address, secret, grpc.ssl_channel_credentials(ca, key, cert))
+        assert health["whole"] and health["data_channel"] == [0], health  # the frames took the TLS data channel
     finally:
         cluster.close()
 
@@ -334,6 +339,8 @@ def test_mixed_data_channel_settings_fall_back_to_the_streams(monkeypatch):
         monkeypatch.delenv(DATA_ENV)
         cluster.start(1)
         all_ok(cluster.run("mixed", 300))
+        health = _health(spec.addresses[1], (("x-moe-cluster-secret", spec.secret),))
+        assert health["connected"] == [0] and health["data_channel"] == [], health  # on the stream
     finally:
         cluster.close()
 

@@ -158,6 +158,10 @@ def test_duplicates_and_disagreements_fail_the_request():
         t.receive(make_frame(rank=2, step=2))
     with pytest.raises(StepError, match="claims rank 5"):
         t.receive(make_frame(rank=5))
+    short = make_frame(rank=2)  # the shape agrees, the bytes do not (a data channel frame has no CRC)
+    short = Frame(short.request_id, 0, 3, 2, "bfloat16", (1, 1, 8), None, short.payload[:-2])
+    with pytest.raises(StepError, match="rank 2 sent 14 bytes for step 0 of request r1, this node has 16"):
+        t.receive(short)
 
 
 def test_submit_out_of_order_is_refused():
@@ -204,3 +208,58 @@ def test_a_frame_sent_on_a_lost_data_channel_is_dropped_not_raised():
         return why
 
     assert "data channel closed" in uvloop.run(run())
+
+
+class _Transport:
+    """What a DataConnection uses of an asyncio transport."""
+
+    def __init__(self):
+        self.written = bytearray()
+        self.closed = False
+
+    def get_extra_info(self, name):
+        return None
+
+    def write(self, data):
+        self.written += data
+
+    def is_closing(self):
+        return self.closed
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("piece", [1, 7, 4096, 1 << 20])
+def test_the_data_channel_reassembles_reads_of_any_size(piece):
+    """Handshake and frames in reads of 1 byte to 1 MiB (split and coalesced): every frame arrives
+    whole, in order, the ones before attach() included; a 3 MiB frame among small ones too."""
+    import asyncio
+
+    big = make_frame(step=1, payload=np.arange(3 << 19, dtype=np.float32), dtype="float32", shape=(3 << 19,))
+    frames = [make_frame(step=0), big, make_frame(step=2, rank=1)]
+    wire = data.handshake(0, "k" * 32) + b"".join(data.encode(f) for f in frames)
+
+    async def run():
+        got: list = []
+        conn = data.DataConnection(claim=lambda rank, token, c: "" if data.token_ok(token, "k" * 32) else "no")
+        transport = _Transport()
+        conn.connection_made(transport)
+        for at in range(0, len(wire), piece):
+            if at >= len(wire) // 2 and conn._on_frame is None:  # noqa: SLF001 - attach half-way
+                conn.attach(got.append)
+            conn.data_received(wire[at:at + piece])
+        if conn._on_frame is None:  # noqa: SLF001
+            conn.attach(got.append)
+        return got, bytes(transport.written), conn.rank
+
+    got, answered, rank = asyncio.run(run())
+    assert answered == b"+" and rank == 0
+    assert [(f.step, f.rank, f.shape, f.payload) for f in got] == [(f.step, f.rank, tuple(f.shape), f.payload) for f in frames]
+
+
+def test_a_data_channel_frame_whose_payload_disagrees_with_its_shape_is_refused():
+    frame = make_frame(payload=np.arange(8, dtype=np.uint16), shape=(1, 1, 8))
+    wire = data.encode(Frame(frame.request_id, 0, 3, 1, "bfloat16", (1, 1, 9), None, frame.payload))
+    with pytest.raises(FrameError, match="16 payload bytes for shape \\[1, 1, 9\\] of bfloat16"):
+        data.decode(wire, 0)
