@@ -34,7 +34,7 @@ def test_envoy_by_hand_serves_health_and_stops_on_sigterm():
                     health = call(None, metadata=(("x-moe-cluster-secret", "hand-secret-123"),), timeout=2)
                 except grpc.RpcError:
                     time.sleep(0.1)
-        assert health == {"rank": 0, "world_size": 2, "connected": [], "whole": False}
+        assert health == {"rank": 0, "world_size": 2, "connected": [], "whole": False, "data_channel": []}
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=10)
         assert proc.returncode == 0, err
