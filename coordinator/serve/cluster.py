@@ -287,10 +287,11 @@ class Cluster:
                     continue
                 if isinstance(event, NodeError):
                     lost = event.kind is ErrorKind.UNAVAILABLE  # a node or its envoy is gone
-                    if lost and not outcome.error and self.health.ready:
-                        # A peer saw the loss first ("rank 1 disconnected"): heartbeat every node now,
-                        # so the answer names the lost node and its cause, not the node that saw it
-                        # (one health RPC: at once for a dead process, max(heartbeat, 1 s) for a stalled one).
+                    if not outcome.error and self.health.ready:
+                        # A peer may have seen a loss first ("rank 1 disconnected"; over the mlx ring,
+                        # an error of MLX's own on the survivor): heartbeat every node now, so the
+                        # answer names the lost node and its cause, not the node that saw it (one
+                        # health RPC: at once for a dead process, max(heartbeat, 1 s) for a stalled one).
                         # The envoys' data channel can see a killed process's sockets reset before
                         # the process is a zombie its node can reap: a few beats, LOST_BEAT_S apart.
                         for beat in range(LOST_BEATS):
