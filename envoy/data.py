@@ -50,25 +50,33 @@ def encode(frame: Frame) -> bytes:
     return b"".join((header, rid, shape, payload))
 
 
-def frame_size(buf, start: int) -> int:
-    """Bytes the frame at `buf[start:]` takes, header included, once its header is in (else the
-    header's size); FrameError for a header no envoy writes."""
+def _header(buf, start: int) -> tuple | None:
+    """The header at `buf[start:]` (HEADER's fields), None until it is all in; FrameError for a
+    header no envoy writes."""
     if len(buf) - start < HEADER.size:
-        return HEADER.size
-    body, _, _, _, code, ndim, nid = HEADER.unpack_from(buf, start)
+        return None
+    header = body, _, _, _, code, ndim, nid = HEADER.unpack_from(buf, start)
     if body > MAX_BODY or nid + 4 * ndim > body or code not in _DTYPE_NAMES:
         raise FrameError(f"a frame header from the data channel is malformed (body {body}, dtype code {code}, "
                          f"ndim {ndim}, id {nid} bytes)")
-    return HEADER.size + body
+    return header
+
+
+def frame_size(buf, start: int) -> int:
+    """Bytes the frame at `buf[start:]` takes, header included, once its header is in (else the
+    header's size)."""
+    header = _header(buf, start)
+    return HEADER.size + (header[0] if header is not None else 0)
 
 
 def decode(buf, start: int) -> tuple[Frame | None, int]:
     """The frame at `buf[start:]` and the offset after it, or (None, start) while it is incomplete.
     The payload is copied once, out of `buf`."""
-    end = start + frame_size(buf, start)
-    if len(buf) < end:
+    header = _header(buf, start)
+    if header is None or len(buf) < start + HEADER.size + header[0]:
         return None, start
-    body, step, layer, rank, code, ndim, nid = HEADER.unpack_from(buf, start)
+    body, step, layer, rank, code, ndim, nid = header
+    end = start + HEADER.size + body
     at = start + HEADER.size
     shape = struct.unpack_from(f"<{ndim}I", buf, at + nid)
     nbytes = end - (at + nid + 4 * ndim)

@@ -8,8 +8,8 @@ once per step, whatever the number of peers, on the data channel. Frames take th
 as they did before the data channel, where either end runs with `data_channel=False` (or
 `MOE_CLUSTER_ENVOY_DATA=0`), and for one session after a dialer could not reach its peer's channel
 (a firewall that admits only the envoy's port): it says so, redials with the frames on the
-stream, and tries the channel again the next time it has to redial. Stream reads and writes use explicit `read()`/`write()` (an
-async-generator handler costs about 3x the latency).
+stream, and tries the channel again the next time it has to redial. Stream reads and writes use
+explicit `read()`/`write()` (an async-generator handler costs about 3x the latency).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from ..proto import CHANNEL_OPTIONS
 from ..proto import convert
 from ..proto.errors import UserError
 from ..proto.records import TlsFiles
-from .auth import SecretInterceptor, call_metadata, channel_credentials, server_credentials
 from . import data
-from .auth import ssl_client_context, ssl_server_context
+from .auth import (SecretInterceptor, call_metadata, channel_credentials, server_credentials, ssl_client_context,
+                   ssl_server_context)
 from .frame import PROTOCOL, Frame, Hello, checksum
 
 logger = logging.getLogger(__name__)
@@ -127,9 +127,9 @@ class Mesh:
         self.data_port = 0  # 0: no data channel
         self._data_server: asyncio.AbstractServer | None = None
         self._client_ssl = None  # the dialers' TLS context for data channels
-        self._tokens: dict[int, str] = {}  # lower rank -> the token its next data connection must present
         self._stream_only: set[int] = set()  # higher ranks whose data channel this envoy could not reach last time
-        self._arriving: dict[int, asyncio.Future] = {}  # lower rank -> its data connection, once it presents it
+        # lower rank -> (the token its data connection must present, the future that connection resolves)
+        self._arriving: dict[int, tuple[str, asyncio.Future]] = {}
 
     # -- state -------------------------------------------------------------------------------
 
@@ -283,9 +283,10 @@ class Mesh:
             logger.warning("envoy rank %s refused a stream from %s: %s", cfg.rank, context.peer(), problem)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         token = secrets.token_hex(16) if self._data_server is not None and hello.data_token != STREAM_ONLY else ""
-        self._tokens[hello.rank] = token
-        # ready for the data connection before the Hello goes: the dialer connects as soon as it reads it
-        arriving = self._arriving[hello.rank] = asyncio.get_running_loop().create_future() if token else None
+        arriving = None
+        if token:  # ready for the data connection before the Hello goes: the dialer connects as soon as it reads it
+            arriving = asyncio.get_running_loop().create_future()
+            self._arriving[hello.rank] = (token, arriving)
         await context.write(convert.frame_to_wire(Hello(cfg.rank, cfg.world_size, data_port=self.data_port,
                                                         data_token=token)))
         channel = None
@@ -296,7 +297,7 @@ class Mesh:
                 await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
                                     f"no data connection from rank {hello.rank} within {_HELLO_TIMEOUT_S} s")
             finally:
-                if self._arriving.get(hello.rank) is arriving:
+                if self._arriving.get(hello.rank, (None, None))[1] is arriving:
                     del self._arriving[hello.rank]
                 if channel is None and arriving.done() and not arriving.cancelled():
                     arriving.result().close()  # claimed, but this stream ended before taking it
@@ -312,13 +313,12 @@ class Mesh:
 
     def _claim(self, rank: int, token: str, channel: data.DataConnection) -> str:
         """A data connection presents `token` as `rank`: "" takes it for that rank's stream, else why not."""
-        arriving = self._arriving.get(rank)
-        if arriving is None or arriving.done() or not data.token_ok(token, self._tokens.get(rank, "")):
+        expected, arriving = self._arriving.get(rank, ("", None))
+        if arriving is None or arriving.done() or not data.token_ok(token, expected):
             logger.warning("envoy rank %s refused a data connection as rank %s: wrong or stale token",
                            self.config.rank, rank)
             return "wrong or stale data token (a data connection follows its own authenticated stream's Hello)"
-        self._tokens.pop(rank, None)  # one connection per token
-        arriving.set_result(channel)
+        arriving.set_result(channel)  # done: one connection per token
         return ""
 
     async def _health(self, request, context: grpc.aio.ServicerContext) -> dict:
