@@ -177,6 +177,15 @@ class NodeLink:
         """The child holds its end now: drop ours, so its exit reads as EOF here."""
         self.child_sock.close()
 
+    def child_attached(self) -> None:
+        """The envoy mapped the segment (it does before READY): drop its name. The memory lives on
+        while either process maps it, and nothing is left in /dev/shm however the two end — a node
+        killed with its process group (its resource tracker too) left 128 MiB named segments behind."""
+        try:
+            self._shm.unlink()
+        except FileNotFoundError:
+            pass
+
     def _send(self, body: bytes) -> None:
         try:
             with self._send_lock:

@@ -44,6 +44,7 @@ class EnvoyProcess:
             if kind != READY:
                 raise CollectiveError(f"envoy of rank {rank} sent {kind!r} instead of READY")
             self.pid, self.port = unpack_ready(body)
+            self.link.child_attached()
         except BaseException:
             self.close()
             raise
