@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
+import xxhash
+
 from ..proto.errors import UserError
 from .checkpoint import _DTYPES, Checkpoint, TensorInfo, read_config
 
@@ -37,9 +39,11 @@ FORMAT = 1
 MANIFEST = "manifest.json"
 STAMPS = "verified.json"  # per file: its stat when its blobs last matched the manifest (verified_blobs)
 PROGRESS_BYTES = 16 << 20  # an interrupted fill resumes a blob from its last multiple of this
+PIECE_BYTES = 4 << 20  # the unit of the source's piece digests (coordinator/serve/digests.py)
 REPLICATED = "replicated.safetensors"
 _FILE_NAME = re.compile(r"^(replicated|layer-\d{4}-[0-9a-f]{12})\.safetensors$")
 _SHARD_DIR = re.compile(r"^[0-9a-f]{16}$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _ALIGN = 64  # bytes: tensor data starts aligned, so mmap'd reads are too
 
 
@@ -47,10 +51,27 @@ class CacheError(UserError):
     """A cache directory, manifest or catalog that cannot be used, with the reason."""
 
 
-def default_cache_dir() -> Path:
-    """~/.cache/moe-cluster/shards (or under $XDG_CACHE_HOME)."""
+def cache_home() -> Path:
+    """~/.cache/moe-cluster (or under $XDG_CACHE_HOME): a node's shards, the coordinator's digests."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "moe-cluster" / "shards"
+    return Path(base) / "moe-cluster"
+
+
+def default_cache_dir() -> Path:
+    """Where a node keeps its shards: cache_home()/shards."""
+    return cache_home() / "shards"
+
+
+def piece_digest(data) -> int:
+    """The digest of one piece of a blob, as the coordinator computed it from its checkpoint and the
+    node checks it on arrival: xxh3-64, ~30 GB/s on one core (sha256: ~2)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def piece_hasher():
+    """piece_digest a part at a time (`update`, then `intdigest`): the node hashes each part of a
+    piece as it arrives, while it is still in the CPU's cache."""
+    return xxhash.xxh3_64()
 
 
 def fingerprint(ckpt: Checkpoint) -> str:
@@ -504,13 +525,14 @@ class ShardCache:
             raise CacheError(f"not enough free disk in {self.cache_dir}: the shard needs {plan.disk_bytes} bytes "
                              f"({plan.disk_bytes / 1e9:.2f} GB), {free} bytes ({free / 1e9:.2f} GB) are free")
 
-    def fill(self, plan: Plan, fetch: Callable[[Sequence[str], int], Iterator[tuple[str, int, bytes, bool]]],
+    def fill(self, plan: Plan, fetch: Callable[[Sequence[str], int], Iterator[tuple[str, int, bytes, str | None]]],
              progress: Callable[[int, int], None] = lambda done, total: None) -> dict[str, str]:
         """Write every file of the shard: blobs held are copied, the others fetched.
 
-        `fetch(blobs, first_offset)` yields (blob, offset within it, bytes, whether it is the blob's
-        last chunk), in order, blobs[0] from `first_offset` (plan.resume_offset: the bytes before it
-        are on disk from an interrupted fill), each chunk already checked against its crc32.
+        `fetch(blobs, first_offset)` yields (blob, offset within it, bytes, on the blob's last chunk
+        its sha256 at the source else None), in order, blobs[0] from `first_offset` or before it
+        (plan.resume_offset: the bytes before it are on disk from an interrupted fill), each chunk
+        already checked against the source's digest of it (node/ship.py).
         Returns {blob: sha256} of the shard, as its manifest records it.
         """
         sha: dict[str, str] = {b: h.sha256 for b, h in self.have.items()} | self.journal
@@ -556,27 +578,21 @@ class ShardCache:
             if p.name not in keep and p.is_file():
                 p.unlink()
         (self.root / "config.json").write_text(self.catalog.config_text)
-        # the files just written were hashed on the way in (the sha256 the manifest records): the
-        # next scan trusts them while they stay as they are (the others were stamped by the scan)
+        # the files just written were checked piece by piece against the source's digests on the way
+        # in: the next scan trusts them while they stay as they are (the others were stamped by the scan)
         write_stamps(self.root, handles)
         return manifest.sha256
 
     def _receive(self, plan: Plan, fetch, targets, handles, journal, sha: dict[str, str], progress) -> None:
-        """Fetch plan.fetch: sha256 and writes run on one owned thread, a few chunks behind the
-        network, so hashing the bytes on one core overlaps receiving the next on another."""
+        """Fetch plan.fetch: writes run on one owned thread, a few chunks behind the network."""
         from concurrent.futures import ThreadPoolExecutor
 
-        hashes: dict[str, object] = {}
         sizes = self.sizes
         marked: dict[str, int] = {}  # blob -> bytes of it last journaled as durable
 
-        def absorb(blob: str, off: int, data: bytes, last: bool) -> None:
+        def absorb(blob: str, off: int, data: bytes, source_sha: str | None) -> None:
             f, at = targets[blob]
-            if off == 0:
-                hashes[blob] = hashlib.sha256()
-            elif blob not in hashes:  # a stream resumed inside this blob: hash what is on disk
-                hashes[blob] = hashlib.sha256(os.pread(f.fileno(), off, at))
-            hashes[blob].update(data)
+            last = source_sha is not None
             os.pwrite(f.fileno(), data, at + off)
             end = off + len(data)
             if not last and end - marked.setdefault(blob, off) >= PROGRESS_BYTES:
@@ -587,22 +603,24 @@ class ShardCache:
                 journal.flush()
                 marked[blob] = end
             if last:
-                got = hashes.pop(blob).hexdigest()
-                sha[blob] = got
-                journal.write(f"{_name_of(targets, blob, handles)}\t{blob}\t{got}\n")
+                sha[blob] = source_sha
+                journal.write(f"{_name_of(targets, blob, handles)}\t{blob}\t{source_sha}\n")
                 journal.flush()
 
         done, total = 0, plan.fetch_bytes
         pending = []
         with ThreadPoolExecutor(1, thread_name_prefix="cache-write") as writer:
             try:
-                for blob, off, data, last in fetch(list(plan.fetch), plan.resume_offset):
+                for blob, off, data, source_sha in fetch(list(plan.fetch), plan.resume_offset):
                     if blob not in targets:
                         raise CacheError(f"the coordinator sent blob {blob!r}, which was not asked for")
+                    last = source_sha is not None
                     if off + len(data) > sizes[blob] or (last and off + len(data) != sizes[blob]):
                         raise CacheError(f"blob {blob!r}: chunk at {off} ({len(data)} bytes) does not fit its "
                                          f"{sizes[blob]} bytes")
-                    pending.append(writer.submit(absorb, blob, off, data, last))
+                    if last and not _SHA256.match(source_sha):
+                        raise CacheError(f"blob {blob!r}: the coordinator sent {source_sha[:80]!r} for its sha256")
+                    pending.append(writer.submit(absorb, blob, off, data, source_sha))
                     while len(pending) > 8 or (pending and pending[0].done()):  # bounded: 8 chunks in flight
                         pending.pop(0).result()
                     done += len(data)

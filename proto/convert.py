@@ -482,13 +482,13 @@ def fetch_request_from_proto(msg):
     return FetchSpec(msg.fingerprint, tuple(msg.blobs), msg.node, msg.first_offset, msg.chunk_bytes)
 
 
-def chunk_to_proto(blob: str, offset: int, data: bytes, crc32: int, last: bool):
+def chunk_to_proto(blob: str, offset: int, data: bytes, crc32: int, last: bool, sha256: str = ""):
     from . import ship_pb2 as spb
 
-    return spb.Chunk(blob=blob, offset=offset, data=data, crc32=crc32, last=last)
+    return spb.Chunk(blob=blob, offset=offset, data=data, crc32=crc32, last=last, sha256=sha256)
 
 
 def chunk_from_proto(msg):
     from .records import ShipChunk
 
-    return ShipChunk(msg.blob, msg.offset, msg.data, msg.crc32, msg.last)  # each read of msg.data copies it: once
+    return ShipChunk(msg.blob, msg.offset, msg.data, msg.crc32, msg.last, msg.sha256)  # each read of msg.data copies it: once

@@ -120,6 +120,7 @@ class ShipChunk:
     data: bytes
     crc32: int
     last: bool
+    sha256: str = ""  # on the last chunk: the blob's sha256 at the source
 
 
 @dataclass(frozen=True)

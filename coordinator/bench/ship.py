@@ -1,15 +1,23 @@
 """`moe-cluster bench ship`: shipping throughput against raw TCP between the same two endpoints.
 
 This process plays the coordinator (the Ship service and a plain TCP sender, both reading the same
-file by byte range in chunks of the same size); a receiver process — in a network namespace with
-`--netns` — fetches every blob into a fresh cache (crc32 per chunk, sha256 per blob, written to
-disk), then takes the same bytes over one plain socket and throws them away. ratio = ship / raw.
+file by byte range); a receiver process — in a network namespace with `--netns` or `--link` — takes
+the bytes over one plain socket and throws them away (raw TCP), fetches every blob into a fresh
+cache twice (each piece checked against the coordinator's digests, written to disk, the manifest
+written), then takes the raw bytes again; raw is the mean of its two runs.
+
+The first fetch is the first ship of this checkpoint: the coordinator hashes each blob (sha256 and
+the piece digests, coordinator/serve/digests.py) a couple of blobs ahead of sending it
+(`first_ship_*`). The second is every later one — another node, a changed placement, a lost cache,
+the next `up` — with the digests kept (`seconds`, `rate_bytes_per_s`, `ratio` = ship / raw).
 The coordinator's memory while shipping is measured too: Python's traced peak (tracemalloc) and the
 growth of its resident set (ru_maxrss), next to the largest blob.
 
 `--link RATE` (e.g. 10gbit) measures over a link of that rate instead of loopback: the bench makes a
 network namespace of its own for the receiver, joined by a veth whose sending side a token bucket
 (`tc qdisc ... tbf`) holds to RATE, and removes both afterwards (root; no traffic leaves them).
+`--link veth` makes the same namespace and veth with no limit: another host, as fast as the kernel
+moves packets between namespaces.
 """
 
 from __future__ import annotations
@@ -40,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address the receiver reaches this process at")
     p.add_argument("--netns", default=None, help="run the receiver in this network namespace (`ip netns exec`)")
     p.add_argument("--link", default=None,
-                   help="ship over a link of this rate (e.g. 10gbit, 5gbit) between this process and a namespace "
-                        "the bench makes and removes (root), instead of loopback")
+                   help="ship over a link of this rate (e.g. 10gbit, 5gbit), or over an unlimited veth (`veth`), "
+                        "between this process and a namespace the bench makes and removes (root), instead of loopback")
     p.add_argument("--dir", default=None, help="where the source file and the receiver's cache go (default: a temp dir)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--receive", default=None, help=argparse.SUPPRESS)  # the receiver's own entry point
@@ -91,8 +99,8 @@ def _shaped_link(rate: str):
     direction; yields (namespace, the address the receiver reaches this process at)."""
     from ...proto.errors import UserError
 
-    if not _RATE.match(rate.lower()):
-        raise UserError(f"--link must be a rate like 10gbit, 2.5gbit or 800mbit (got {rate!r})")
+    if rate.lower() != "veth" and not _RATE.match(rate.lower()):
+        raise UserError(f"--link must be a rate like 10gbit, 2.5gbit or 800mbit, or veth (got {rate!r})")
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         raise UserError("--link makes a network namespace and shapes a veth: it needs root, iproute2's `ip` and `tc`")
     tag = f"mcs{os.getpid() % 100000}"
@@ -110,7 +118,8 @@ def _shaped_link(rate: str):
         run("ip", "link", "set", f"{tag}a", "up")
         run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.2/24", "dev", f"{tag}b")
         run("ip", "netns", "exec", ns, "ip", "link", "set", f"{tag}b", "up")
-        run("tc", "qdisc", "add", "dev", f"{tag}a", "root", "tbf", "rate", rate, "burst", "4mb", "latency", "100ms")
+        if rate.lower() != "veth":
+            run("tc", "qdisc", "add", "dev", f"{tag}a", "root", "tbf", "rate", rate, "burst", "4mb", "latency", "100ms")
         yield ns, f"{subnet}.1"
     finally:
         subprocess.run(["ip", "link", "del", f"{tag}a"], capture_output=True)  # its peer goes with it
@@ -147,7 +156,7 @@ def _main(args) -> int:
         raw_thread.start()
         total = sum(r[2] for r in ranges)
         job = {"ship": f"{args.host}:{port}", "raw": f"{args.host}:{raw_port}", "fingerprint": shipper.fingerprint,
-               "cache": str(root / "cache"), "total": total}
+               "caches": [str(root / "cache-first"), str(root / "cache")], "total": total}
         cmd = [sys.executable, "-m", "moe_cluster.coordinator.cli", "bench", "ship", "--receive", json.dumps(job)]
         if args.netns:
             cmd = ["ip", "netns", "exec", args.netns, *cmd]
@@ -166,9 +175,12 @@ def _main(args) -> int:
             print(f"bench ship: the receiver failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}", file=sys.stderr)
             return 1
         got = json.loads(r.stdout.strip().splitlines()[-1])
-    out = {"bytes": got["bytes"], "seconds": got["seconds"], "rate_bytes_per_s": got["bytes"] / got["seconds"],
-           "raw_tcp_bytes_per_s": got["raw_bytes"] / got["raw_seconds"],
-           "ratio": (got["bytes"] / got["seconds"]) / (got["raw_bytes"] / got["raw_seconds"]),
+    raw_rate = got["raw_bytes"] / got["raw_seconds"]
+    first, later = got["seconds"]
+    out = {"bytes": got["bytes"], "seconds": later, "rate_bytes_per_s": got["bytes"] / later,
+           "raw_tcp_bytes_per_s": raw_rate, "ratio": got["bytes"] / later / raw_rate,
+           "first_ship_seconds": first, "first_ship_rate_bytes_per_s": got["bytes"] / first,
+           "first_ship_ratio": got["bytes"] / first / raw_rate, "coordinator_hashed_bytes": shipper.digests.hashed_bytes,
            "chunk_bytes": chunk, "blob_bytes": blob, "coordinator_traced_peak_bytes": traced_peak,
            "coordinator_rss_growth_bytes": max(0, rss1 - rss0), "netns": args.netns or "",
            "link": args.link or ""}
@@ -176,7 +188,9 @@ def _main(args) -> int:
         print(json.dumps(out))
     else:
         print(f"shipped {out['bytes'] / 1e6:.0f} MB in {out['seconds']:.2f}s: {out['rate_bytes_per_s'] / 1e6:.0f} MB/s; "
-              f"raw TCP {out['raw_tcp_bytes_per_s'] / 1e6:.0f} MB/s; ratio {out['ratio']:.2f}; coordinator peak "
+              f"raw TCP {out['raw_tcp_bytes_per_s'] / 1e6:.0f} MB/s; ratio {out['ratio']:.2f} (the first ship, hashing "
+              f"the checkpoint as it went: {out['first_ship_rate_bytes_per_s'] / 1e6:.0f} MB/s, ratio "
+              f"{out['first_ship_ratio']:.2f}); coordinator peak "
               f"{traced_peak / 1e6:.1f} MB traced, RSS +{out['coordinator_rss_growth_bytes'] / 1e6:.1f} MB "
               f"(blob {blob / 1e6:.0f} MB, chunk {chunk / 1e6:.1f} MB)")
     return 0
@@ -207,8 +221,8 @@ def _send_all(conn: socket.socket, ranges, chunk: int) -> None:
 
 
 def _receive(job: dict) -> int:
-    """The receiver: raw TCP, ship into a fresh cache, raw TCP again (the machine's load drifts; the
-    raw rate is the mean of both); prints one JSON line of timings."""
+    """The receiver: raw TCP, ship into each fresh cache in turn, raw TCP again (the machine's load
+    drifts; the raw rate is the mean of both); prints one JSON line of timings."""
     import grpc
 
     from ...envoy.auth import call_metadata
@@ -219,15 +233,18 @@ def _receive(job: dict) -> int:
 
     md = call_metadata(os.environ["MOE_CLUSTER_SECRET"])
     raw_before = _raw_receive(job)
+    seconds = []
     with grpc.insecure_channel(job["ship"], options=CHANNEL_OPTIONS) as channel:
         stub = spb_grpc.ShipStub(channel)
         reply = stub.Catalog(convert.catalog_request_to_proto(job["fingerprint"]), metadata=md, timeout=30)
         catalog = Catalog.from_json(json.loads(convert.catalog_reply_from_proto(reply)), "bench")
-        t0 = time.perf_counter()
-        cache = ShardCache(Path(job["cache"]), catalog, {})
-        plan = cache.scan()
-        cache.fill(plan, fetcher(stub, md, reply, job["fingerprint"], "bench", job["ship"]))
-        seconds = time.perf_counter() - t0
+        for folder in job["caches"]:
+            t0 = time.perf_counter()
+            cache = ShardCache(Path(folder), catalog, {})
+            plan = cache.scan()
+            cache.fill(plan, fetcher(stub, md, reply, job["fingerprint"], "bench", job["ship"]))
+            seconds.append(time.perf_counter() - t0)
+            shutil.rmtree(folder)  # the next fill's pages come from the memory this one used
     raw_after = _raw_receive(job)
     raw_seconds = (raw_before + raw_after) / 2
     print(json.dumps({"bytes": plan.fetch_bytes, "seconds": seconds, "raw_bytes": job["total"], "raw_seconds": raw_seconds}))

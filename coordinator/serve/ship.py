@@ -1,8 +1,8 @@
 """The coordinator's Ship service: each node's shard, read by byte range from the one checkpoint.
 
 A node asks for the blobs its cache lacks (node/ship.py); they stream back in chunks of at most
-`chunk_bytes`, each with its crc32 (the node hashes each blob with sha256 for its manifest; hashing
-here too would halve the coordinator's rate for no extra check on the wire). gRPC's HTTP/2 flow
+`chunk_bytes`, each with its crc32, the last one with the blob's sha256 as the checkpoint holds it
+(coordinator/serve/digests.py hashes each blob once per checkpoint and keeps it). gRPC's HTTP/2 flow
 control holds the handler at `yield` while a node's window is full, so the coordinator holds per
 node one chunk being read plus what the window admits — never a whole tensor (measured by
 `moe-cluster bench ship`). Each stream runs on a thread of the server's pool (pread and zlib release
@@ -10,9 +10,9 @@ the GIL), so several nodes are served at once.
 
 Without TLS the bytes themselves take a plain TCP data channel beside the service (`DataChannel`):
 the kernel sends each blob's byte range straight from the checkpoint file (`os.sendfile`), with no
-message framing, copy or checksum in Python (TCP's own checksums guard the wire; the node hashes
-every blob with sha256 as it writes it). Measured with `moe-cluster bench ship` on this 2-vCPU VM
-over loopback, gRPC chunks reached 0.11–0.22 of raw TCP. A data connection presents a token that
+message framing, copy or checksum in Python. Each blob is preceded by its digests (`send_blobs`): the
+node checks every piece against them as it arrives and records the sha256. Measured with
+`moe-cluster bench ship` on this 2-vCPU VM over loopback, gRPC chunks reached 0.11–0.22 of raw TCP. A data connection presents a token that
 only the authenticated Catalog call hands out; with TLS configured the channel is TLS too (the same
 certificates; Python then reads and encrypts each piece, no sendfile).
 """
@@ -33,16 +33,19 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import grpc
 
 from ...envoy.auth import _authorized, server_credentials, ssl_server_context
+from ...node import cache as node_cache
 from ...node.cache import Catalog, catalog_of, source_ranges
 from ...node.checkpoint import Checkpoint
 from ...node.ship import DATA_ERROR
 from ...proto import CHANNEL_OPTIONS, convert
 from ...proto import ship_pb2_grpc as spb_grpc
+from .digests import Digests
 from .placement import fmt_bytes
 
 logger = logging.getLogger(__name__)
@@ -74,10 +77,12 @@ class Shipper(spb_grpc.ShipServicer):
 
     def __init__(self, ckpt: Checkpoint, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_rate: float = 0.0,
                  report: Callable[[str], None] | None = None, catalog: Catalog | None = None,
-                 data_channel: bool = True):
+                 data_channel: bool = True, digest_dir: Path | None = None):
         self.catalog = catalog or catalog_of(ckpt)
         self.fingerprint = self.catalog.fingerprint
         self.ranges = source_ranges(ckpt, self.catalog)
+        # each blob's sha256 and piece digests, kept in `digest_dir` across runs (None: this run only)
+        self.digests = Digests(self.ranges, self.fingerprint, digest_dir, piece_bytes=node_cache.PIECE_BYTES)
         self.catalog_bytes = json.dumps(self.catalog.to_json()).encode()
         self.chunk_bytes = chunk_bytes
         self.max_rate = max_rate  # bytes per second per node; 0: as fast as the network goes
@@ -130,22 +135,25 @@ class Shipper(spb_grpc.ShipServicer):
                      f"ship {name}: sent {t.sent} bytes in {time.monotonic() - t.started:.2f}s")
 
     def send_blobs(self, conn: socket.socket, name: str, blobs, first_offset: int) -> None:
-        """The data channel's answer: per blob, its length (8 bytes, little-endian) and its bytes, sent
-        by the kernel from the checkpoint file. Raises OSError when the node goes away."""
+        """The data channel's answer, per blob: the bytes that follow (8 bytes, little-endian), its
+        digests (`blob_header`), then those bytes, sent by the kernel from the checkpoint file. Raises
+        OSError when the node goes away."""
         t = self._transfer(name, blobs, first_offset)
         t0, sent_here = time.monotonic(), 0
         piece = self.chunk_bytes if self.max_rate else DATA_PIECE_BYTES  # a rate limit wants small steps
         for i, blob in enumerate(blobs):
             path, start, n = self.ranges[blob]
             off = first_offset if i == 0 else 0
+            self.digests.ahead(blobs[i + 1:])
             try:
                 f = open(path, "rb")
-            except OSError as exc:  # the checkpoint moved or went away since `up` read its headers
+                digest = self.digests.get(blob)
+            except OSError as exc:  # the checkpoint moved, went away or changed since `up` read its headers
                 logger.error("ship %s: cannot read %s: %s", name, path, exc.strerror or exc)
                 conn.sendall(struct.pack("<Q", DATA_ERROR) + f"the coordinator cannot read {path}: "
                              f"{exc.strerror or exc}".encode() + b"\n")
                 return
-            conn.sendall(struct.pack("<Q", n - off))
+            conn.sendall(struct.pack("<Q", n - off) + blob_header(digest))
             with f:
                 while off < n:
                     if isinstance(conn, ssl.SSLSocket):  # encrypted here: read the piece, send it
@@ -173,9 +181,11 @@ class Shipper(spb_grpc.ShipServicer):
         for i, blob in enumerate(request.blobs):
             path, start, n = self.ranges[blob]
             off = request.first_offset if i == 0 else 0
+            self.digests.ahead(request.blobs[i + 1:])
             try:
+                sha256 = self.digests.get(blob).sha256
                 fd = os.open(path, os.O_RDONLY)
-            except OSError as exc:  # the checkpoint moved or went away since `up` read its headers
+            except OSError as exc:  # the checkpoint moved, went away or changed since `up` read its headers
                 logger.error("ship %s: cannot read %s: %s", name, path, exc.strerror or exc)
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"the coordinator cannot read {path}: {exc.strerror or exc}")
             try:
@@ -191,7 +201,7 @@ class Shipper(spb_grpc.ShipServicer):
                         context.abort(grpc.StatusCode.DATA_LOSS, f"{path}: short read at byte {start + off}: "
                                                                  "the checkpoint changed while shipping")
                     last = off + k >= n
-                    yield convert.chunk_to_proto(blob, off, data, zlib.crc32(data), last)
+                    yield convert.chunk_to_proto(blob, off, data, zlib.crc32(data), last, sha256 if last else "")
                     off += k
                     sent_here += k
                     self._sent(t, k, sent_here, t0)
@@ -203,6 +213,14 @@ class Shipper(spb_grpc.ShipServicer):
 
 
 DATA_PIECE_BYTES = 8 << 20  # bytes per sendfile call (progress and the node's liveness between calls)
+_HEADER = struct.Struct("<32sII")  # sha256, piece bytes, pieces
+
+
+def blob_header(d) -> bytes:
+    """What precedes a blob's bytes on the data channel: its sha256 (32 bytes), its piece size and
+    piece count (4 bytes each), then each piece's digest (8 bytes each, little-endian); all
+    little-endian, pieces counted from the blob's first byte."""
+    return _HEADER.pack(bytes.fromhex(d.sha256), d.piece_bytes, len(d.pieces)) + struct.pack(f"<{len(d.pieces)}Q", *d.pieces)
 MAX_REQUEST_LINE = 1 << 20  # a data request names blobs; a longer line is refused
 
 
@@ -264,6 +282,9 @@ class DataChannel:
                 why = self._shipper.refusal(fp, blobs, first)
                 if why:
                     return self._refuse(conn, why[1])
+                if first % self._shipper.digests.piece_bytes:
+                    return self._refuse(conn, f"first_offset {first} is not a multiple of the piece size "
+                                              f"{self._shipper.digests.piece_bytes}")
                 conn.sendall(b"+")
                 self._shipper.send_blobs(conn, node, blobs, first)
         except OSError as exc:  # the node went away or said nothing in time, or the checkpoint changed under us
@@ -329,12 +350,14 @@ def start_server(shipper: Shipper, host: str, port: int, secret: str, tls=None) 
             shipper.data = DataChannel(shipper, host, tls)
         except OSError as exc:
             raise UserError(f"ship: cannot open the data channel on {host}: {exc.strerror or exc}") from None
-        stop = server.stop
+    stop = server.stop
 
-        def stop_both(grace):  # the data channel ends with the service
+    def stop_all(grace):  # the data channel and the hashing end with the service
+        if shipper.data is not None:
             shipper.data.close()
-            return stop(grace)
+        shipper.digests.close()
+        return stop(grace)
 
-        server.stop = stop_both
+    server.stop = stop_all
     server.start()
     return server, bound

@@ -261,6 +261,9 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
             sent = ship.shipper.bytes_sent()
             print("shipped: " + ", ".join(f"{m.name} {sent.get(m.name, 0)} bytes" for m in members)
                   + f" (total {sum(sent.values())} bytes)", file=sys.stderr, flush=True)
+            d = ship.shipper.digests
+            print(f"digests: hashed {d.hashed_bytes} bytes of the checkpoint this run; {d.known()} blobs known"
+                  + (f" (kept in {d.path})" if d.path else " (kept in memory only)"), file=sys.stderr, flush=True)
         if c.verify and len(members) > 1:
             from .verify import check_load
 
@@ -327,6 +330,7 @@ async def _start_ship(c: ClusterConfig, model_path: str, secret: str) -> _Ship:
     """With `checkpoint: coordinator`: serve the nodes their shards from this machine's checkpoint."""
     from ...node.collective.specs import check_port_free
     from ...proto.records import ShipSource
+    from .digests import default_digest_dir
     from .ship import Shipper, start_server
 
     if c.ship.port:
@@ -337,7 +341,8 @@ async def _start_ship(c: ClusterConfig, model_path: str, secret: str) -> _Ship:
     # on a terminal the per-node bars carry bytes, rate and ETA; lines from the Ship service would
     # break them, so they go to the log there
     report = (lambda line: logger.info("%s", line)) if sys.stderr.isatty() else None
-    shipper = Shipper(Checkpoint.open(model_path), chunk_bytes=c.ship.chunk, max_rate=c.ship.max_rate, report=report)
+    shipper = Shipper(Checkpoint.open(model_path), chunk_bytes=c.ship.chunk, max_rate=c.ship.max_rate, report=report,
+                      digest_dir=default_digest_dir())
     server, port = start_server(shipper, c.ship.host, c.ship.port, secret, tls_files(c))
     print(f"shipping shards of {model_path} (model {shipper.fingerprint[:16]}) on port {port}",
           file=sys.stderr, flush=True)

@@ -26,7 +26,11 @@ def test_loopback_reports_every_field_and_a_small_coordinator():
     assert out["bytes"] == 64 * MB and out["seconds"] > 0
     assert out["rate_bytes_per_s"] == pytest.approx(out["bytes"] / out["seconds"])
     assert out["ratio"] == pytest.approx(out["rate_bytes_per_s"] / out["raw_tcp_bytes_per_s"])
-    # the kernel sends the bytes: the coordinator's Python never holds a blob
+    assert out["first_ship_ratio"] == pytest.approx(out["bytes"] / out["first_ship_seconds"] / out["raw_tcp_bytes_per_s"])
+    # the first ship hashed every blob once; the second reused those digests
+    assert out["coordinator_hashed_bytes"] == 64 * MB
+    # the kernel sends the bytes, and hashing reads a piece at a time: the coordinator's Python
+    # never holds a blob
     assert out["coordinator_traced_peak_bytes"] < 16 * MB and out["link"] == ""
 
 
@@ -44,6 +48,14 @@ def test_a_shaped_link_bounds_raw_tcp_and_leaves_nothing_behind():
     assert _namespaces() <= before  # its namespace (and veth) are gone
 
 
+@pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
+def test_an_unshaped_veth_is_another_host():
+    before = _namespaces()
+    out = _run("--link", "veth")
+    assert out["link"] == "veth" and out["netns"].startswith("mcs") and out["bytes"] == 64 * MB
+    assert _namespaces() <= before
+
+
 def test_a_bad_link_rate_is_one_line():
     r = cli("bench", "ship", "--link", "fast")
-    assert_one_line_error(r, "--link must be a rate like 10gbit", "fast")
+    assert_one_line_error(r, "--link must be a rate like 10gbit", "or veth", "fast")

@@ -117,7 +117,7 @@ def test_only_the_coordinator_has_the_checkpoint(tmp_path):
                 wait_port(h["coord"][0], h[n][1], 7700)
             coord_ns, coord_ip = h["coord"]
             even = {n: (h[n][1], None) for n in ("n1", "n2")}
-            env = {"MOE_CLUSTER_SECRET": SECRET}
+            env = {"MOE_CLUSTER_SECRET": SECRET, "XDG_CACHE_HOME": str(tmp_path / "coord-cache")}
 
             # 1. a transfer killed half-way: both nodes start empty behind a slow link; n2 dies while
             #    fetching, so `up` fails once n1 has its whole shard
@@ -154,6 +154,9 @@ def test_only_the_coordinator_has_the_checkpoint(tmp_path):
             held = {n: manifest(caches[n])["placement"] for n in caches}
             whole = replicated + per_expert * sum(len(v) for v in held["n2"].values())
             assert shipped(lines) == {"n1": 0, "n2": whole - kept}, (whole, kept)
+            # the coordinator kept the digests of what it hashed in step 1 (all n1 needed, some of n2's)
+            hashed = int(next(re.match(r"digests: hashed (\d+) bytes", l)[1] for l in lines if l.startswith("digests:")))
+            assert hashed < whole - kept, (hashed, lines)
             stock = stock_tokens(ckpt, PROMPT, 12)
             assert out["moe_cluster"]["tokens"] == stock
             assert f"of {whole - kept} bytes (100%)" in (tmp_path / "n2.log").read_text()
@@ -185,5 +188,7 @@ def test_only_the_coordinator_has_the_checkpoint(tmp_path):
             with cluster(tmp_path, yaml_text(coord_ip, uneven, ckpt), netns=coord_ns, env=env) as (url, _, lines):
                 pass
             assert shipped(lines) == {"n1": 0, "n2": 0}
+            assert any(l.startswith("digests: hashed 0 bytes") for l in lines), lines
+            assert list((tmp_path / "coord-cache" / "moe-cluster" / "digests").glob("*.jsonl"))
         finally:
             netns.stop(*agents.values())

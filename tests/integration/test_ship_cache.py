@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 
-from moe_cluster.coordinator.serve.ship import Shipper, start_server
+from moe_cluster.coordinator.serve.ship import Shipper, blob_header, start_server
 from moe_cluster.node import cache as cache_mod
 from moe_cluster.node.cache import CacheError, _inside, list_shards, remove_shard
 from moe_cluster.node.checkpoint import Checkpoint, CheckpointError, read_tensor
@@ -326,6 +327,19 @@ class CutOnce(Shipper):
                 context.abort(grpc.StatusCode.UNAVAILABLE, "cut for the test")
 
 
+def assert_holds_the_source(view, ckpt, shipper, cache_dir: Path) -> None:
+    """The cached shard reads the largest blob as the checkpoint holds it, and its manifest records
+    that blob's sha256 as the checkpoint's bytes give it."""
+    assert np.array_equal(np.array(read_tensor(view.tensors[shipper.big])),
+                          np.array(read_tensor(ckpt.tensors[shipper.big])))
+    path, start, n = shipper.ranges[shipper.big]
+    with open(path, "rb") as f:
+        f.seek(start)
+        truth = hashlib.sha256(f.read(n)).hexdigest()
+    manifest = json.loads((cache_mod.shard_dir(cache_dir, shipper.fingerprint) / cache_mod.MANIFEST).read_text())
+    assert manifest["sha256"][shipper.big] == truth
+
+
 def test_a_transfer_cut_inside_a_blob_resumes_from_its_durable_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_mod, "PROGRESS_BYTES", 64 << 10)  # the demo's blobs are at most 512 KiB
     ckpt = Checkpoint.open("demo")
@@ -349,14 +363,7 @@ def test_a_transfer_cut_inside_a_blob_resumes_from_its_durable_bytes(tmp_path, m
         excess = sent_before + resent - needed
         assert 0 <= excess <= (64 << 10) + (16 << 10), (sent_before, resent, needed)
         assert shipper.big in ckpt.tensors  # the demo's largest blob is a whole replicated tensor
-        assert np.array_equal(np.array(read_tensor(view.tensors[shipper.big])),
-                              np.array(read_tensor(ckpt.tensors[shipper.big])))
-        path, start, n = shipper.ranges[shipper.big]
-        with open(path, "rb") as f:
-            f.seek(start)
-            truth = hashlib.sha256(f.read(n)).hexdigest()
-        manifest = json.loads((cache_mod.shard_dir(tmp_path, shipper.fingerprint) / cache_mod.MANIFEST).read_text())
-        assert truth in json.dumps(manifest)
+        assert_holds_the_source(view, ckpt, shipper, tmp_path)
         assert not (cache_mod.shard_dir(tmp_path, shipper.fingerprint) / "journal").exists()
     finally:
         srv.stop(0.5).wait()
@@ -386,10 +393,9 @@ def test_the_data_channel_carries_the_shard_and_refuses_a_wrong_token(tmp_path):
         socket.create_connection(("127.0.0.1", shipper.data.port), timeout=2).close()
 
 
-class CutData(Shipper):
-    """Over the data channel: closes the connection once, after `cut_at` bytes of the largest blob."""
-
-    cut_at = 300 << 10
+class FaultyData(Shipper):
+    """Over the data channel, the first answer goes wrong (`fault`) on the largest blob, which the demo
+    sends first; later answers are the real ones. Records each request's (first blob, offset)."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -397,22 +403,31 @@ class CutData(Shipper):
         self.requests: list[tuple[str, int]] = []
 
     def send_blobs(self, conn, name, blobs, first_offset):
+        import struct
+
         self.requests.append((blobs[0], first_offset))
         if len(self.requests) > 1:
             return super().send_blobs(conn, name, blobs, first_offset)
-        path, start, n = self.ranges[self.big]
         assert blobs[0] == self.big and first_offset == 0  # the demo's first blob is its largest
-        import struct
-
-        conn.sendall(struct.pack("<Q", n))
+        path, start, n = self.ranges[self.big]
         with open(path, "rb") as f:
             f.seek(start)
-            conn.sendall(f.read(self.cut_at))  # and the connection closes: a node's link cut mid-blob
+            data = self.fault(bytearray(f.read(n)))
+        conn.sendall(struct.pack("<Q", n) + blob_header(self.digests.get(self.big)) + data)
+
+
+class CutData(FaultyData):
+    """Closes the connection after `cut_at` bytes of the largest blob."""
+
+    cut_at = 300 << 10
+
+    def fault(self, data: bytearray) -> bytearray:
+        return data[: self.cut_at]  # and the connection closes: a node's link cut mid-blob
 
 
 def test_a_data_channel_cut_inside_a_blob_resumes_from_its_durable_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_mod, "PROGRESS_BYTES", 64 << 10)
-    monkeypatch.setattr("moe_cluster.node.ship.DATA_BUFFER_BYTES", 16 << 10)
+    monkeypatch.setattr(cache_mod, "PIECE_BYTES", 16 << 10)
     ckpt = Checkpoint.open("demo")
     shipper = CutData(ckpt, report=lambda line: None)
     srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
@@ -426,3 +441,59 @@ def test_a_data_channel_cut_inside_a_blob_resumes_from_its_durable_bytes(tmp_pat
                               np.array(read_tensor(ckpt.tensors[shipper.big])))
     finally:
         srv.stop(0.5).wait()
+
+
+class CorruptData(FaultyData):
+    """The second piece of the largest blob arrives with one bit flipped (the digests in front of it
+    are the checkpoint's)."""
+
+    def fault(self, data: bytearray) -> bytearray:
+        data[cache_mod.PIECE_BYTES + 5] ^= 0x10
+        return data
+
+
+def test_a_corrupt_piece_on_the_data_channel_is_fetched_again_from_that_piece(tmp_path, monkeypatch, caplog):
+    """Each piece is checked against the coordinator's digest of its checkpoint's bytes: a flipped bit
+    on the way is caught, and the stream restarts at that piece, not at the blob or the shard."""
+    monkeypatch.setattr(cache_mod, "PIECE_BYTES", 64 << 10)
+    ckpt = Checkpoint.open("demo")
+    shipper = CorruptData(ckpt, report=lambda line: None)
+    srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
+    try:
+        view = fill(f"127.0.0.1:{port}", shipper.fingerprint, tmp_path)
+        assert "arrived corrupt (its digest differs from the coordinator's)" in caplog.text
+        assert shipper.requests[1] == (shipper.big, 64 << 10), shipper.requests
+        assert_holds_the_source(view, ckpt, shipper, tmp_path)
+    finally:
+        srv.stop(0.5).wait()
+
+
+def test_the_coordinator_hashes_a_checkpoint_once_and_again_only_what_changed(tmp_path):
+    """The digests are kept across runs in the folder `up` gives (one line per blob): a second
+    coordinator on the same checkpoint ships a fresh node without reading a byte to hash it, and a
+    checkpoint file written since is hashed again."""
+    import shutil
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(Checkpoint.open("demo").path, src)
+    digests = tmp_path / "digests"
+
+    def ship_once(cache: Path) -> Shipper:
+        shipper = Shipper(Checkpoint.open(src), report=lambda line: None, digest_dir=digests)
+        srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
+        try:
+            fill(f"127.0.0.1:{port}", shipper.fingerprint, cache)
+        finally:
+            srv.stop(0.5).wait()
+        return shipper
+
+    first = ship_once(tmp_path / "a")
+    sent = first.bytes_sent()["t0"]
+    assert first.digests.hashed_bytes >= sent > 0  # what rank 0 needs, hashed once (some ahead of it)
+    assert len(list(digests.glob("*.jsonl"))) == 1
+    second = ship_once(tmp_path / "b")
+    assert second.bytes_sent()["t0"] == sent and second.digests.hashed_bytes == 0
+    (f,) = src.glob("*.safetensors")
+    os.utime(f)  # a checkpoint written since (its mtime moved): its digests are not trusted
+    third = ship_once(tmp_path / "c")
+    assert third.digests.hashed_bytes >= sent
