@@ -19,6 +19,7 @@ import numpy as np
 
 from ...proto.errors import UserError
 from ...proto.records import KEEPALIVES
+from . import skip_gemv
 from .expert_cache import CacheStats, LayerCache, Staging
 from .routing import assign, per_rank
 
@@ -338,6 +339,7 @@ class ExpertShard(nn.Module):
                 self._local = mx.array(np.asarray(self._ids, dtype=np.int32))  # slot -> global id
         last = self.down_proj if kind == "glu" else self.fc2
         self._gathered = not last._per_expert  # one gather_mm per call
+        self._skip = False  # decode at N > 1 through skip_gemv (enable_skip_gemv)
         self._cache: LayerCache | None = None
         self._ahead = 1
         self._next: LayerCache | None = None  # prefetch_into
@@ -360,6 +362,37 @@ class ExpertShard(nn.Module):
         self._next = cache if depth > 0 and candidates else None
         self._next_candidates = tuple(candidates)
         self._depth = depth
+
+    def enable_skip_gemv(self) -> str | None:
+        """Compute the device-routed decode step at N > 1 with skip_gemv (CUDA), which reads nothing
+        for the positions another node computes; returns why not (None: on)."""
+        if self._lut is None or self._state.world_size == 1 or not self._gathered:
+            return "this layer's decode is not routed on the device at N > 1"
+        projs = self._projections()
+        for p in projs:
+            if p.quant is not None or p._biased or not skip_gemv.fits(p.weight):
+                return "quantized, biased or odd-sized expert weights"
+        for p in projs:
+            why = skip_gemv.check(p.weight)
+            if why:
+                return why
+        self._skip = True
+        return None
+
+    def _projections(self) -> list[ShardLinear]:
+        return [self.gate_proj, self.up_proj, self.down_proj] if self._kind == "glu" else [self.fc1, self.fc2]
+
+    def _skipped(self, x: mx.array, inds: mx.array, slots: mx.array) -> mx.array:
+        """_routed_on_device's MLP through skip_gemv: `slots` (..., k) local slot per position, -1
+        where none is read; (..., k, out)."""
+        k, x2, s = inds.shape[-1], x.reshape(-1, x.shape[-1]), slots.reshape(-1).astype(mx.int32)
+        if self._kind == "glu":
+            h = self._activation(skip_gemv.skip_gemv(x2, self.up_proj.weight, s, k),
+                                 skip_gemv.skip_gemv(x2, self.gate_proj.weight, s, k))
+            y = skip_gemv.skip_gemv(h, self.down_proj.weight, s, 1)
+        else:
+            y = skip_gemv.skip_gemv(self._activation(skip_gemv.skip_gemv(x2, self.fc1.weight, s, k)), self.fc2.weight, s, 1)
+        return y.reshape(*inds.shape, y.shape[-1])
 
     @property
     def global_ids(self) -> tuple[int, ...]:
@@ -419,6 +452,11 @@ class ExpertShard(nn.Module):
             return self._mlp(rows, slots, None).squeeze(-2)
         slots = self._lut[inds]  # (..., k): local slot, or -1 where another node computes it
         mine = slots >= 0
+        if self._skip and x.dtype == self._projections()[0].weight.dtype:
+            if self._ranks is None:  # nothing read for the positions another node computes
+                return self._skipped(x, inds, slots)
+            y = self._skipped(x, inds, mx.where(mine, slots, self._fill(inds, mine)))  # fillers read, then zeroed
+            return mx.where(mine[..., None], y, mx.zeros_like(y))
         other = self._fill(inds, mine) if self._ranks is not None else 0
         y = self._mlp(rows, mx.where(mine, slots, other).astype(mx.uint32), None).squeeze(-2)  # (..., k, out)
         return mx.where(mine[..., None], y, mx.zeros_like(y))

@@ -26,7 +26,7 @@ from ...proto.placement import Placement
 from ..checkpoint import (Checkpoint, CheckpointError, TensorInfo, _physical_rows, check_runnable, model_args,
                           model_classes, read_tensor)
 from ..collective.base import Collective, LocalCollective
-from . import families
+from . import families, skip_gemv
 from ...proto.expert_cache import ExpertCacheSpec, auto_budget
 from ...proto.records import DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE
 from ..device import metal_info
@@ -603,6 +603,10 @@ def load_shard(
             layer.shard.warm_up()
     elif warm_up:
         logger.info("expert warm-up: not on Metal, nothing to do")
+    if skip_gemv.available():
+        why = {layer.shard.enable_skip_gemv() for layer in layers}
+        logger.info("decode at N > 1: %s", "skip_gemv in every MoE layer (reads only this node's experts)"
+                    if why == {None} else f"gather_mm where skip_gemv does not apply: {sorted(w for w in why if w)}")
     _wire(resident)
     # The loader's temporaries (byte-range reads, stacks) would stay in MLX's buffer cache: on CUDA
     # that is managed memory, and weights plus cache past the card's size page during decode.

@@ -193,16 +193,21 @@ def test_device_routing_equals_the_host_path(world):
     for s in host:
         s._lut = None  # the host path: indices read on the host, rows grouped by expert
     assert all(s._lut is not None for s in device)
-    rng = np.random.default_rng(1)
+    _assert_steps_agree(device, host, seed=1, atol=1e-6)
+
+
+def _assert_steps_agree(shards, host, seed: int, atol: float) -> None:
+    """Six decode-sized steps (1-3 tokens): the same partial outputs and counters on both sets."""
+    rng = np.random.default_rng(seed)
     for step in range(6):
         tokens = 1 + step % 3
         x = mx.array(rng.standard_normal((1, tokens, D)).astype(np.float32))
         inds = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(1, tokens, K))
-        ys_d, delta_d = _step(device, x, inds)
+        ys_s, delta_s = _step(shards, x, inds)
         ys_h, delta_h = _step(host, x, inds)
-        for a, b in zip(ys_d, ys_h):
-            assert mx.allclose(a, b, atol=1e-6).item()
-        assert delta_d == delta_h
+        for a, b in zip(ys_s, ys_h):
+            assert mx.allclose(a, b, atol=atol).item()
+        assert delta_s == delta_h
 
 
 @pytest.mark.parametrize("tokens", [1, 30])  # decode, and past SwitchGLU's sort threshold (30 x 3 rows)
@@ -266,3 +271,40 @@ def test_folding_many_device_routed_calls_at_once_counts_as_one_at_a_time():
     together.settle()
     assert together.counters == alone.counters and sum(c.calls for c in alone.counters.values()) == 300
     assert all((together.routed[layer] == alone.routed[layer]).all() for layer in tables)
+
+
+def _reference_skip_gemv(x, w, slots, per_x):
+    """skip_gemv's contract in plain MLX ops (the kernel itself needs CUDA): position r is
+    x[r // per_x] @ w[slots[r]].T, zeros where slots[r] < 0."""
+    rows = x[mx.arange(slots.shape[0]) // per_x]
+    y = (w[mx.maximum(slots, 0)] @ rows[:, :, None])[:, :, 0]
+    return mx.where((slots >= 0)[:, None], y, mx.zeros_like(y))
+
+
+@pytest.mark.parametrize("keepalive", ["none", "lru"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_skipping_decode_step_equals_the_host_path(world, keepalive, monkeypatch):
+    """Decode at N > 1 through skip_gemv (positions another node computes read nothing; lru's fillers
+    are read and zeroed) gives the host path's partial outputs and counters."""
+    from moe_cluster.node.moe import skip_gemv
+
+    monkeypatch.setattr(skip_gemv, "skip_gemv", _reference_skip_gemv)
+    bank = _bank()
+    placement = Placement.even({0: E}, world)
+    skipping, host = _shards(bank, placement, keepalive), _shards(bank, placement, keepalive)
+    for s in skipping:
+        s._skip = True
+    for s in host:
+        s._lut = None
+    _assert_steps_agree(skipping, host, seed=2, atol=1e-5)
+
+
+def test_skip_gemv_stays_off_without_cuda_and_says_why_where_it_cannot_apply():
+    from moe_cluster.node.moe import skip_gemv
+
+    assert not skip_gemv.available()  # this CPU build: the step keeps gather_mm
+    bank = _bank()
+    alone = _shards(bank, Placement.even({0: E}, 1), "none")[0]
+    assert "not routed on the device at N > 1" in alone.enable_skip_gemv()
+    pair = _shards(bank, Placement.even({0: E}, 2), "none")[0]
+    assert skip_gemv.fits(pair.up_proj.weight) and not skip_gemv.fits(mx.zeros((2, 4, 6)))

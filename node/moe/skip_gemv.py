@@ -1,0 +1,142 @@
+"""The decode step's expert matmuls on CUDA, skipping the positions another node computes.
+
+At N > 1 the device-routed step (experts.py `_routed_on_device`) keeps fixed shapes: each of a
+token's k positions goes through some local slot and the positions another node computes are zeroed
+afterwards. MLX's `gather_mm` on CUDA then reads one expert matrix per position, duplicates included,
+so a node read k experts per layer — what one GPU holding every expert reads — and expert parallelism
+saved no bytes at batch 1 (docs/gpu/run8: DBRX at N = 2 ran at 0.72× N = 1).
+
+This kernel takes each position's slot, or -1 for a position computed elsewhere, and returns zeros
+for the latter without reading anything: a node reads the experts its own positions select, about
+E[n] of them, with the same fixed shapes and no host read. One warp per output feature: 16-byte loads
+along the (contiguous) input dimension, float32 accumulation, a warp reduction, one rounding to the
+output dtype — what `gather_mm` computes, summed in another order.
+
+Used where it applies (CUDA, unquantized bfloat16/float16/float32 weights without bias, the input
+width a multiple of 8) and where a check at load time against `gather_mm` passes; elsewhere the step
+keeps `gather_mm`. `MOE_CLUSTER_SKIP_GEMV=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import mlx.core as mx
+
+logger = logging.getLogger(__name__)
+
+ENABLED = os.environ.get("MOE_CLUSTER_SKIP_GEMV", "1") != "0"
+MAX_POSITIONS = 64  # rows the step sends this way (experts.py SORTED_FROM): decode and small batches
+_WARPS = 4  # per block: 128 threads, one output feature per warp
+
+_HEADER = r"""
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float* v) {
+  uint4 u = *reinterpret_cast<const uint4*>(p);
+  unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    v[2 * i] = __uint_as_float(w[i] << 16);
+    v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+__device__ __forceinline__ void load8(const __half* p, float* v) {
+  uint4 u = *reinterpret_cast<const uint4*>(p);
+  const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; i++) {
+    float2 f = __half22float2(h[i]);
+    v[2 * i] = f.x;
+    v[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void load8(const float* p, float* v) {
+  float4 a = *reinterpret_cast<const float4*>(p);
+  float4 b = *reinterpret_cast<const float4*>(p + 4);
+  v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+  v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+"""
+
+# x: (rows of input, D_IN); w: (experts, D_OUT, D_IN); slots: (positions,) int32, -1: computed
+# elsewhere; y: (positions, D_OUT). Position r reads input row r / PER_X (k positions share a token's
+# row for the first projections; the last one has a row per position).
+_SOURCE = r"""
+  const int lane = threadIdx.x & 31;
+  const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  const int r = blockIdx.y;
+  if (o >= D_OUT) return;
+  const int s = slots[r];
+  float acc = 0.0f;
+  if (s >= 0) {
+    const T* wr = w + ((size_t)s * D_OUT + o) * D_IN;
+    const T* xr = x + (size_t)(r / PER_X) * D_IN;
+#pragma unroll 4
+    for (int i = lane * 8; i < D_IN; i += 256) {
+      float a[8], b[8];
+      load8(wr + i, a);
+      load8(xr + i, b);
+#pragma unroll
+      for (int j = 0; j < 8; j++) acc += a[j] * b[j];
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+  }
+  if (lane == 0) y[(size_t)r * D_OUT + o] = static_cast<T>(acc);
+"""
+
+_kernel = None
+
+
+def available() -> bool:
+    """MLX has a CUDA device here and the kernel is not turned off."""
+    if not ENABLED:
+        return False
+    try:
+        return bool(mx.cuda.is_available()) and mx.default_device().type == mx.DeviceType.gpu
+    except AttributeError:  # an MLX without the cuda module (Metal, CPU builds)
+        return False
+
+
+def fits(weight: mx.array) -> bool:
+    """Whether a (experts, out, in) weight can take this kernel."""
+    return (weight.ndim == 3 and weight.dtype in (mx.bfloat16, mx.float16, mx.float32)
+            and weight.shape[-1] % 8 == 0)
+
+
+def skip_gemv(x: mx.array, w: mx.array, slots: mx.array, per_x: int) -> mx.array:
+    """(positions, out): position r is x[r // per_x] @ w[slots[r]].T, or zeros where slots[r] < 0
+    (nothing of w read for it). x (rows, in) in w's dtype; slots (positions,) int32."""
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(name="moe_cluster_skip_gemv", input_names=["x", "w", "slots"],
+                                      output_names=["y"], source=_SOURCE, header=_HEADER)
+    positions, (_, d_out, d_in) = slots.shape[0], w.shape
+    blocks = -(-d_out // _WARPS)
+    (y,) = _kernel(inputs=[x, w, slots],
+                   template=[("T", w.dtype), ("D_IN", d_in), ("D_OUT", d_out), ("PER_X", per_x)],
+                   grid=(blocks * 32 * _WARPS, positions, 1), threadgroup=(32 * _WARPS, 1, 1),
+                   output_shapes=[(positions, d_out)], output_dtypes=[w.dtype])
+    return y
+
+
+def check(w: mx.array) -> str | None:
+    """Why the kernel cannot stand in for gather_mm on weight `w` here (None: it can): compiled and
+    compared with gather_mm on two slots, one skipped position, at the weight's own shape."""
+    try:
+        e, d_out, d_in = w.shape
+        x = (mx.random.normal((1, d_in), key=mx.random.key(0)) * 0.5).astype(w.dtype)
+        slots = mx.array([0, -1, e - 1], dtype=mx.int32)
+        got = skip_gemv(x, w, slots, 3)
+        want = mx.gather_mm(x.reshape(1, 1, d_in), w.swapaxes(-1, -2), rhs_indices=mx.array([0, e - 1], dtype=mx.uint32))
+        got32, want32 = got.astype(mx.float32), want.reshape(2, d_out).astype(mx.float32)
+        scale = mx.maximum(mx.abs(want32).max(), 1e-6)
+        # bfloat16 keeps 8 bits: outputs summed in another order differ by a rounding or two
+        tol = {mx.bfloat16: 2e-2, mx.float16: 4e-3, mx.float32: 1e-5}[w.dtype]
+        err = float((mx.abs(got32[::2] - want32).max() / scale).item())
+        zero = float(mx.abs(got32[1]).max().item())
+    except Exception as exc:  # noqa: BLE001 - a compiler or driver that cannot build it: keep gather_mm
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if zero != 0.0 or not err <= tol:
+        return f"differs from gather_mm (relative {err:.3g}, skipped row {zero:.3g})"
+    return None
