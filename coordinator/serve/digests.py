@@ -78,6 +78,7 @@ class Digests:
             logger.warning("digests %s: cannot read (%s); blobs are hashed again", self.path, exc.strerror or exc)
             return
         stats: dict[Path, list[int] | None] = {}
+        kept: dict[str, str] = {}  # blob -> its latest valid line
         for line in lines:
             try:
                 d = json.loads(line)
@@ -98,6 +99,14 @@ class Digests:
             done: Future = Future()
             done.set_result(digest)
             self._futures[blob] = done
+            kept[blob] = line
+        if len(lines) > 2 * len(kept) + 16:  # mostly stale or repeated lines: keep the file small
+            try:
+                tmp = self.path.with_suffix(".tmp")
+                tmp.write_text("".join(line + "\n" for line in kept.values()))
+                os.replace(tmp, self.path)
+            except OSError as exc:
+                logger.warning("digests %s: cannot compact (%s)", self.path, exc.strerror or exc)
 
     def known(self) -> int:
         """Blobs whose digests are at hand (kept or computed)."""

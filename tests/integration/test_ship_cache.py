@@ -497,3 +497,25 @@ def test_the_coordinator_hashes_a_checkpoint_once_and_again_only_what_changed(tm
     os.utime(f)  # a checkpoint written since (its mtime moved): its digests are not trusted
     third = ship_once(tmp_path / "c")
     assert third.digests.hashed_bytes >= sent
+
+
+def test_a_digest_file_of_stale_lines_is_compacted_and_a_torn_line_skipped(tmp_path):
+    """Lines of a checkpoint file that changed since, repeated lines and a line cut short by a crash
+    are skipped when a coordinator starts; when they outnumber the good ones, the file is rewritten
+    with the good ones only."""
+    from moe_cluster.coordinator.serve.digests import Digests
+
+    ckpt = Checkpoint.open("demo")
+    shipper = Shipper(ckpt, report=lambda line: None)
+    blobs = sorted(shipper.ranges)[:3]
+    first = Digests(shipper.ranges, shipper.fingerprint, tmp_path, piece_bytes=cache_mod.PIECE_BYTES)
+    truth = {b: first.get(b) for b in blobs}
+    first.close()
+    (path,) = tmp_path.glob("*.jsonl")
+    good = path.read_text().splitlines()
+    stale = [json.dumps({**json.loads(line), "stat": [1, 2, 3]}) for line in good] * 20
+    path.write_text("\n".join(stale + good) + "\n" + good[0][:40])  # and a torn last line
+    again = Digests(shipper.ranges, shipper.fingerprint, tmp_path, piece_bytes=cache_mod.PIECE_BYTES)
+    assert {b: again.get(b) for b in blobs} == truth and again.hashed_bytes == 0
+    assert sorted(path.read_text().splitlines()) == sorted(good)
+    again.close()
