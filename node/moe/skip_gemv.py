@@ -12,9 +12,13 @@ E[n] of them, with the same fixed shapes and no host read. One warp per output f
 along the (contiguous) input dimension, float32 accumulation, a warp reduction, one rounding to the
 output dtype — what `gather_mm` computes, summed in another order.
 
-Used where it applies (CUDA, unquantized bfloat16/float16/float32 weights without bias, the input
-width a multiple of 8) and where a check at load time against `gather_mm` passes; elsewhere the step
-keeps `gather_mm`. `MOE_CLUSTER_SKIP_GEMV=0` turns it off.
+Opt-in (`MOE_CLUSTER_SKIP_GEMV=1` in the node's environment), then used where it applies (CUDA,
+unquantized bfloat16/float16/float32 weights without bias, the input width a multiple of 8) and
+where a check at load time against `gather_mm` passes; elsewhere the step keeps `gather_mm`. Not on
+by default because of what run 9 measured (docs/gpu/run9): at N = 2 on 2 × H100 it made decode
+1.36× (DBRX shape, 8 layers) and 1.61× (Qwen3-30B-A3B shape, 12 layers) faster than gather_mm, but
+the full 48-layer Qwen3 shape ran at 19.0 tok/s against gather_mm's 54.7 — not understood yet (a
+suspect: MLX's CUDA-graph cache, 400 entries, keyed by each captured subgraph's topology).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import mlx.core as mx
 
 logger = logging.getLogger(__name__)
 
-ENABLED = os.environ.get("MOE_CLUSTER_SKIP_GEMV", "1") != "0"
+ENABLED = os.environ.get("MOE_CLUSTER_SKIP_GEMV", "0") == "1"
 MAX_POSITIONS = 64  # rows the step sends this way (experts.py SORTED_FROM): decode and small batches
 _WARPS = 4  # per block: 128 threads, one output feature per warp
 
@@ -89,7 +93,7 @@ _kernel = None
 
 
 def available() -> bool:
-    """MLX has a CUDA device here and the kernel is not turned off."""
+    """The kernel is turned on (MOE_CLUSTER_SKIP_GEMV=1) and MLX has a CUDA device here."""
     if not ENABLED:
         return False
     try:
