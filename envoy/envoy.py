@@ -46,10 +46,13 @@ class EnvoyConfig:
     shm_name: str = ""
     max_bytes: int = 0
     parent_pid: int = 0  # exit when this process is gone (0: no watch)
+    data_port: int = 0  # the data channel's port; 0: any free port
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < len(self.addresses):
             raise UserError(f"rank {self.rank} is outside the {len(self.addresses)} addresses given")
+        if not 0 <= self.data_port <= 65535:
+            raise UserError(f"--data-port {self.data_port} is not a port (1..65535, or 0: any free port)")
         if not self.secret:
             raise UserError("the cluster secret is empty")
 
@@ -60,7 +63,7 @@ class Envoy:
         self.steps = StepTable(config.rank, len(config.addresses))
         self.mesh = Mesh(
             MeshConfig(config.rank, config.addresses, config.listen or config.addresses[config.rank],
-                       config.secret, config.tls),
+                       config.secret, config.tls, data_port=config.data_port),
             on_frame=self._on_frame, on_peer=self._on_peer,
         )
         self.link: EnvoyLink | None = None

@@ -47,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--addresses", required=True, help="every rank's envoy host:port, comma-separated, in rank order")
     p.add_argument("--listen", default="", help="bind address (default: this rank's entry of --addresses)")
+    p.add_argument("--data-port", type=int, default=0,
+                   help="port of the data channel, on the --listen host (default: any free port; rank 0 opens none)")
     p.add_argument("--timeout", type=float, default=COLLECTIVE_TIMEOUT_S, help="seconds a step waits for a peer before failing")
     p.add_argument("--connect-timeout", type=float, default=MESH_CONNECT_TIMEOUT_S,
                    help="seconds a request waits for the mesh")
@@ -86,6 +88,7 @@ def config_from_args(args: argparse.Namespace):
         connect_timeout_s=args.connect_timeout,
         tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if all(tls_given) else None,
         link_fd=args.link_fd, shm_name=args.shm, max_bytes=args.max_bytes, parent_pid=args.parent_pid,
+        data_port=args.data_port,
     )
 
 

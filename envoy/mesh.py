@@ -51,6 +51,7 @@ class MeshConfig:
     secret: str = field(repr=False)
     tls: TlsFiles | None = None
     data_channel: bool = field(default_factory=lambda: os.environ.get(DATA_ENV, "1") != "0")
+    data_port: int = 0  # the data channel's port on the listen host; 0: any free port
 
     @property
     def world_size(self) -> int:
@@ -62,13 +63,13 @@ def _host(address: str) -> str:
     return address.rsplit(":", 1)[0].strip("[]")
 
 
-def _data_socket(host: str) -> socket.socket:
-    """One listening socket on a free port of `host` (both IP versions for "::" where the system
-    can), so the one port a Hello names is the one that listens."""
+def _data_socket(host: str, port: int = 0) -> socket.socket:
+    """One listening socket on `port` (0: a free port) of `host` (both IP versions for "::" where
+    the system can), so the one port a Hello names is the one that listens."""
     if host in ("", "::") and socket.has_dualstack_ipv6():
-        return socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+        return socket.create_server(("::", port), family=socket.AF_INET6, dualstack_ipv6=True)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host or "0.0.0.0", 0), family=family)
+    return socket.create_server((host or "0.0.0.0", port), family=family)
 
 
 class Peer:
@@ -188,13 +189,13 @@ class Mesh:
             # open before the gRPC server takes Hellos, so every Hello can offer it
             host = _host(cfg.listen)
             try:
-                sock = _data_socket(host)
+                sock = _data_socket(host, cfg.data_port)
                 self._data_server = await loop.create_server(
                     lambda: data.DataConnection(claim=self._claim), sock=sock,
                     ssl=ssl_server_context(tls.cert, tls.key, tls.ca) if tls else None,
                     ssl_handshake_timeout=data.HANDSHAKE_TIMEOUT_S if tls else None)
             except OSError as exc:
-                raise UserError(f"envoy rank {cfg.rank} cannot open its data channel on {host}: "
+                raise UserError(f"envoy rank {cfg.rank} cannot open its data channel on {host}:{cfg.data_port or 'any port'}: "
                                 f"{exc.strerror or exc}") from exc
             self.data_port = sock.getsockname()[1]
         await server.start()

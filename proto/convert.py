@@ -140,7 +140,8 @@ def transport_to_proto(spec: Any) -> npb.Transport:
     from ..node.collective.specs import EnvoySpec, MlxSpec
 
     if isinstance(spec, EnvoySpec):
-        return npb.Transport(envoy=npb.EnvoyTransport(peers=spec.addresses, listen=spec.listen, tls=spec.tls is not None))
+        return npb.Transport(envoy=npb.EnvoyTransport(peers=spec.addresses, listen=spec.listen, tls=spec.tls is not None,
+                                                      data_port=spec.data_port))
     if isinstance(spec, MlxSpec):
         return npb.Transport(mlx=npb.MlxTransport(
             backend=spec.backend, hosts=[npb.MlxHost(addresses=h) for h in spec.hosts],
@@ -162,7 +163,7 @@ def transport_from_proto(msg: npb.Transport, *, timeout_s: float, secret: str = 
         if e.tls and tls is None:
             raise ConvertError("transport asks for TLS but this node has no TLS files configured")
         return EnvoySpec(tuple(e.peers), secret=secret, listen=e.listen, timeout_s=timeout_s,
-                         tls=tls if e.tls else None)
+                         tls=tls if e.tls else None, data_port=e.data_port)
     if kind == "mlx":
         m = msg.mlx
         return MlxSpec(tuple(tuple(h.addresses) for h in m.hosts), backend=m.backend or "ring", timeout_s=timeout_s,

@@ -46,6 +46,8 @@ class NodeConfig:
     address: str | None = None
     port: int | None = None  # agent port (local launch: chosen free if omitted)
     envoy_port: int | None = None  # envoy port (chosen free if omitted)
+    # the envoy's data channel port, a firewall's second port per node (any free one if omitted)
+    envoy_data_port: int | None = None
     memory: Size | None = None  # override the memory the node reports (bytes)
     expert_cache: str | None = None  # this node's placement.expert_cache
     # launch: local on a host with several CUDA GPUs: the one this node uses (its CUDA_VISIBLE_DEVICES)
@@ -310,10 +312,17 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
         if n.name in names:
             raise r.fail(_find(root, "nodes", i, "name"), f"{where}.name", f"{n.name!r} is used by nodes[{names[n.name]}] too")
         names[n.name] = i
-        for attr in ("port", "envoy_port"):
+        for attr in ("port", "envoy_port", "envoy_data_port"):
             port = getattr(n, attr)
             if port is not None and not 1 <= port <= 65535:
                 raise r.fail(_find(root, "nodes", i, attr), f"{where}.{attr}", f"{port} is not a port (1..65535)")
+        if n.envoy_data_port is not None:
+            if c.transport != "envoy":
+                raise r.fail(_find(root, "nodes", i, "envoy_data_port"), f"{where}.envoy_data_port",
+                             "applies only with transport: envoy")
+            if n.envoy_data_port in (n.port, n.envoy_port):
+                raise r.fail(_find(root, "nodes", i, "envoy_data_port"), f"{where}.envoy_data_port",
+                             f"{n.envoy_data_port} is this node's {'port' if n.envoy_data_port == n.port else 'envoy_port'} too")
         if n.address is not None and not re.fullmatch(r"[A-Za-z0-9_.:\[\]-]+", n.address):
             raise r.fail(_find(root, "nodes", i, "address"), f"{where}.address", f"{n.address!r} is not a host or host:port")
         if n.gpu is not None:

@@ -156,7 +156,8 @@ def _transport(c: ClusterConfig, hosts: list[str], envoy_ports: list[int], rank_
         addresses = tuple(f"{h}:{p}" for h, p in zip(hosts, envoy_ports))
         tls = tls_files(c)
         return lambda rank: EnvoySpec(addresses, listen=f"0.0.0.0:{envoy_ports[rank]}" if rank_listen_any else "",
-                                      timeout_s=c.timeouts.collective, tls=tls)
+                                      timeout_s=c.timeouts.collective, tls=tls,
+                                      data_port=c.nodes[rank].envoy_data_port or 0)
     hosts_spec = tuple((f"{h}:{p}",) for h, p in zip(hosts, envoy_ports))
     # nodes on this machine, each on its own GPU (`gpu:`): NCCL where MLX's CUDA build has it
     from ...node.collective.mlx import mlx_backend

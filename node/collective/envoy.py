@@ -59,6 +59,8 @@ class EnvoyProcess:
                "--max-bytes", str(spec.max_bytes), "--parent-pid", str(os.getpid()), "--log-level", spec.log_level]
         if spec.tls is not None:
             cmd += ["--tls-cert", spec.tls.cert, "--tls-key", spec.tls.key, "--tls-ca", spec.tls.ca]
+        if spec.data_port:
+            cmd += ["--data-port", str(spec.data_port)]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(child_fd,), close_fds=True)
         try:
             proc.stdin.write(spec.secret.encode() + b"\n")

@@ -42,10 +42,13 @@ class EnvoySpec:
     max_bytes: int = 64 << 20  # largest partial (bytes): the size of the shared payload areas
     tls: TlsFiles | None = None  # this node's envoy's files, paths on the node
     log_level: str = "WARNING"  # of the envoy process (stderr)
+    data_port: int = 0  # this rank's data channel port (a firewall's second port); 0: any free port
 
     def __post_init__(self) -> None:
         if len(self.addresses) < 1:
             raise UserError("envoy transport needs at least one address")
+        if not 0 <= self.data_port <= 65535:
+            raise UserError(f"envoy data_port {self.data_port} is not a port (1..65535, or 0: any free port)")
         for a in self.addresses:
             host, sep, port = a.rpartition(":")
             if not sep or not host or not port.isdigit():

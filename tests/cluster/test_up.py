@@ -24,12 +24,19 @@ def _complete(url: str, **body) -> dict:
 
 @pytest.mark.slow  # 28 s
 def test_three_nodes_equal_stock_for_the_demo_and_repeat_with_a_seed(tmp_path):
-    from moe_cluster.node.demo import MODEL_DIR
+    import socket
 
-    with cluster(tmp_path, yaml_for(3)) as (url, proc, lines):
+    from moe_cluster.node.demo import MODEL_DIR
+    from moe_cluster.node.collective.specs import free_ports
+
+    (data_port,) = free_ports(1)  # node-2's envoy data channel on a port the file gives (a firewall's)
+    text = yaml_for(3).replace("  - name: node-2\n", f"  - name: node-2\n    envoy_data_port: {data_port}\n")
+    with cluster(tmp_path, text) as (url, proc, lines):
         out = _complete(url)
         got = out["moe_cluster"]["tokens"]
         assert got == stock_tokens(MODEL_DIR, PROMPT, 24)  # same length too, and never empty
+        with pytest.raises(OSError):  # node-2's envoy listens there
+            socket.create_server(("127.0.0.1", data_port)).close()
         sampled = [_complete(url, temperature=0.9, top_p=0.95, seed=7)["choices"][0]["text"] for _ in range(2)]
         assert sampled[0] == sampled[1]
         s = http(url, "/v1/cluster/status")[1]

@@ -316,14 +316,7 @@ def test_abort_fails_a_waiting_step_and_a_later_begin_at_once_then_the_next_requ
             envoys[0].begin("never-begun")
         assert time.monotonic() - t0 < 1.0
 
-        replies: dict = {}
-        threads = [threading.Thread(target=lambda e=e: replies.__setitem__(e.rank, run_request(e, "after", 50)))
-                   for e in envoys]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(30)
-        assert {r: rep["steps"] for r, rep in replies.items()} == {0: 50, 1: 50}, replies  # sums checked
+        _run_together(envoys, "after", 50)
         # the node dropped its segment's name once the envoy had mapped it: however the processes
         # end (a process group killed at once, its resource tracker with it), nothing stays behind
         from pathlib import Path
@@ -389,3 +382,47 @@ def test_an_unreachable_data_channel_leaves_the_frames_on_the_stream(caplog):
     assert "data channel 127.0.0.1:" in caplog.text and "redialing with the frames on the gRPC stream" in caplog.text
     assert [f.rank for f in to0] == [1] and [f.rank for f in to1] == [0]
     assert to0[0].checksum is not None  # it came on the stream, which carries a CRC-32
+
+
+def test_a_fixed_data_port_is_the_one_the_channel_takes_and_a_taken_one_is_one_line(capfd):
+    """`envoy_data_port` (EnvoySpec.data_port): the envoy's data channel listens there, so a firewall
+    can admit it, and the frames take it; a port already taken stops the envoy with one line."""
+    import socket
+
+    from moe_cluster.node.collective.base import CollectiveError
+    from moe_cluster.node.collective.envoy import EnvoyProcess
+    from moe_cluster.node.collective.specs import free_ports
+
+    spec = envoy_spec(2)
+    (port,) = free_ports(1)
+    fixed = dataclasses.replace(spec, data_port=port)
+    with socket.create_server(("127.0.0.1", port)):
+        with pytest.raises(CollectiveError):
+            EnvoyProcess(fixed, 1)
+    assert f"cannot open its data channel on 127.0.0.1:{port}: Address already in use" in capfd.readouterr().err
+    envoys = [EnvoyProcess(spec, 0), EnvoyProcess(fixed, 1)]  # only ranks above 0 open a channel
+    try:
+        _run_together(envoys, "fixed", 40)
+        health = _health(spec.addresses[1], (("x-moe-cluster-secret", spec.secret),))
+        assert health["data_channel"] == [0], health
+        with pytest.raises(OSError):  # rank 1's envoy listens on the port it was given
+            socket.create_server(("127.0.0.1", port)).close()
+    finally:
+        for e in envoys:
+            e.close()
+
+
+def _run_together(envoys, request_id: str, steps: int) -> None:
+    """One request of `steps` all-reduces on every envoy at once, each result checked."""
+    import threading
+
+    from envoy_nodes import run_request
+
+    replies: dict = {}
+    threads = [threading.Thread(target=lambda e=e: replies.__setitem__(e.rank, run_request(e, request_id, steps)))
+               for e in envoys]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert {r: rep["steps"] for r, rep in replies.items()} == {e.rank: steps for e in envoys}, replies

@@ -82,6 +82,10 @@ BAD = [
     ("nodes:\n  - name: a\nplacement:\n  expert_cache: most", 4, ["placement.expert_cache", "a percent (50%)"]),
     ("nodes:\n  - name: a\n    expert_cache: 120%", 3, ["nodes[0].expert_cache", "(0, 100]"]),
     ("nodes:\n  - name: a\nfrobnicate: 1", 3, ["frobnicate", "unknown key"]),
+    ("nodes:\n  - name: a\n    envoy_data_port: 0", 3, ["nodes[0].envoy_data_port", "not a port"]),
+    ("nodes:\n  - name: a\n    envoy_data_port: 7701\ntransport: mlx", 3, ["nodes[0].envoy_data_port", "transport: envoy"]),
+    ("nodes:\n  - name: a\n    envoy_port: 7701\n    envoy_data_port: 7701", 4,
+     ["nodes[0].envoy_data_port", "7701 is this node's envoy_port too"]),
 ]
 
 

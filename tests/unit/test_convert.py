@@ -26,7 +26,8 @@ PLACEMENT = Placement(2, {1: {0: (0, 1, 2), 1: (2, 3)}, 3: {0: (0, 1), 1: (2, 3)
 
 def test_load_request_envoy():
     tls = TlsFiles("/etc/moe/envoy.pem", "/etc/moe/envoy.key", "/etc/moe/ca.pem")
-    transport = EnvoySpec(("10.0.0.1:7000", "10.0.0.2:7000"), secret="s", listen="0.0.0.0:7000", timeout_s=3.0, tls=tls)
+    transport = EnvoySpec(("10.0.0.1:7000", "10.0.0.2:7000"), secret="s", listen="0.0.0.0:7000", timeout_s=3.0, tls=tls,
+                          data_port=7001)
     spec = LoadSpec("/models/dbrx", 1, 2, transport, PLACEMENT, "busy", 256, 8 << 30)
     back = convert.load_request_from_proto(wire(convert.load_request_to_proto(spec)), secret="s", tls=tls)
     assert back == spec
