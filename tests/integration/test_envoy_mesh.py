@@ -280,7 +280,7 @@ def test_abort_fails_a_waiting_step_and_a_later_begin_at_once_then_the_next_requ
     not at the 20 s step timeout; a begin of the aborted id fails on arrival; the mesh stays usable."""
     import threading
 
-    from envoy_nodes import partial, run_request, step_layout
+    from envoy_nodes import partial, step_layout
     from moe_cluster.node.collective.base import CollectiveError
     from moe_cluster.node.collective.envoy import EnvoyProcess
 
