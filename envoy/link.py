@@ -150,6 +150,7 @@ class NodeLink:
     def __init__(self, max_bytes: int, spin: SpinPolicy | None = None):
         self.max_bytes = max_bytes
         self._shm = shared_memory.SharedMemory(create=True, size=_CTL_BYTES + 2 * max_bytes)
+        self._named = True  # the segment's name is still in /dev/shm (child_attached drops it)
         self._areas = _Areas(self._shm, max_bytes)
         self._ctl = self._areas.ctl
         self._ctl[:] = 0
@@ -181,10 +182,16 @@ class NodeLink:
         """The envoy mapped the segment (it does before READY): drop its name. The memory lives on
         while either process maps it, and nothing is left in /dev/shm however the two end — a node
         killed with its process group (its resource tracker too) left 128 MiB named segments behind."""
-        try:
-            self._shm.unlink()
-        except FileNotFoundError:
-            pass
+        self._unlink()
+
+    def _unlink(self) -> None:
+        """Drop the segment's name once (later, the name may be another segment's)."""
+        if self._named:
+            self._named = False
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass
 
     def _send(self, body: bytes) -> None:
         try:
@@ -323,10 +330,7 @@ class NodeLink:
             pass
         self._ctl = None  # a view of the segment: it would keep the mapping open
         self._areas.close()
-        try:
-            self._shm.unlink()
-        except FileNotFoundError:
-            pass
+        self._unlink()
 
 
 def unpack_step(body: bytes) -> int:

@@ -43,7 +43,7 @@ PIECE_BYTES = 4 << 20  # the unit of the source's piece digests (coordinator/ser
 REPLICATED = "replicated.safetensors"
 _FILE_NAME = re.compile(r"^(replicated|layer-\d{4}-[0-9a-f]{12})\.safetensors$")
 _SHARD_DIR = re.compile(r"^[0-9a-f]{16}$")
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")  # fullmatch only
 _ALIGN = 64  # bytes: tensor data starts aligned, so mmap'd reads are too
 
 
@@ -618,7 +618,7 @@ class ShardCache:
                     if off + len(data) > sizes[blob] or (last and off + len(data) != sizes[blob]):
                         raise CacheError(f"blob {blob!r}: chunk at {off} ({len(data)} bytes) does not fit its "
                                          f"{sizes[blob]} bytes")
-                    if last and not _SHA256.match(source_sha):
+                    if last and not _SHA256.fullmatch(source_sha):
                         raise CacheError(f"blob {blob!r}: the coordinator sent {source_sha[:80]!r} for its sha256")
                     pending.append(writer.submit(absorb, blob, off, data, source_sha))
                     while len(pending) > 8 or (pending and pending[0].done()):  # bounded: 8 chunks in flight

@@ -71,7 +71,7 @@ def fill_cache(source: ShipSource, address: str, *, cache_dir: Path, secret: str
         if catalog.fingerprint != source.fingerprint:
             raise CacheError(f"the coordinator at {address} sent a catalog for {catalog.fingerprint[:16]}, "
                              f"not {source.fingerprint[:16]}")
-        fetch = fetcher(stub, md, reply, source.fingerprint, node, address, tls)
+        fetch = fetcher(stub, md, reply, source.fingerprint, node, address, tls, catalog.blob_nbytes())
         moe_layers = {l: n for l, (n, _) in catalog.layers.items()}
         placement = placement or Placement.even(moe_layers, world_size)
         placement.check(moe_layers)
@@ -118,22 +118,22 @@ def _fill(cache: ShardCache, fetch, progress) -> CachedCheckpoint:
     return cache.open()
 
 
-def fetcher(stub, md, reply, fingerprint: str, node: str, address: str, tls=None
+def fetcher(stub, md, reply, fingerprint: str, node: str, address: str, tls, sizes: dict[str, int]
             ) -> Callable[[Sequence[str], int], Iterator[tuple[str, int, bytes, str | None]]]:
     """How this node takes the bytes: the Catalog reply's plain-TCP data channel when it names one
     (on the Ship service's host; TLS with the cluster's certificates when it has them), else the
-    gRPC Fetch stream."""
+    gRPC Fetch stream. `sizes`: every blob's bytes, from the catalog."""
     port, token = convert.data_channel_from_proto(reply)
     if port:
         host = address.rsplit(":", 1)[0].strip("[]")
         ctx = ssl_client_context(tls.ca, tls.cert, tls.key) if tls else None
-        return lambda blobs, first: _fetch_tcp(host, port, token, fingerprint, node, blobs, first, ctx)
+        return lambda blobs, first: _fetch_tcp(host, port, token, fingerprint, node, blobs, sizes, first, ctx)
     return lambda blobs, first: _fetch(stub, md, fingerprint, node, blobs, address, first)
 
 
 DATA_ERROR = (1 << 64) - 1  # a blob length that means: one line saying why follows (coordinator/serve/ship.py)
 _HEADER = struct.Struct("<32sII")  # coordinator/serve/ship.py blob_header: sha256, piece bytes, pieces
-MAX_PIECE_BYTES = 64 << 20
+MAX_PIECE_BYTES = 16 << 20  # a larger piece in a blob header is refused (receive buffers are pieces)
 
 
 class _Buffers:
@@ -189,7 +189,8 @@ class _Corrupt(Exception):
 
 
 def _fetch_tcp(host: str, port: int, token: str, fingerprint: str, node: str, blobs: Sequence[str],
-               first_offset: int = 0, tls_context=None) -> Iterator[tuple[str, int, bytes, str | None]]:
+               sizes: dict[str, int], first_offset: int = 0, tls_context=None
+               ) -> Iterator[tuple[str, int, bytes, str | None]]:
     """Blobs over the data channel (coordinator/serve/ship.py DataChannel), blobs[0] from
     `first_offset` (rounded down to a piece), a piece at a time, each checked against the
     coordinator's digest of it; a piece that fails is asked for again (at most MAX_RESTARTS times per
@@ -199,7 +200,7 @@ def _fetch_tcp(host: str, port: int, token: str, fingerprint: str, node: str, bl
     restarts = 0
     while todo:
         try:
-            for item in _fetch_tcp_once(host, port, token, fingerprint, node, tuple(todo), first, tls_context):
+            for item in _fetch_tcp_once(host, port, token, fingerprint, node, tuple(todo), sizes, first, tls_context):
                 yield item
                 if item[3] is not None:  # that blob is complete
                     todo.pop(0)
@@ -216,7 +217,8 @@ def _fetch_tcp(host: str, port: int, token: str, fingerprint: str, node: str, bl
 
 
 def _fetch_tcp_once(host: str, port: int, token: str, fingerprint: str, node: str, blobs: Sequence[str],
-                    first_offset: int, tls_context) -> Iterator[tuple[str, int, bytes, str | None]]:
+                    sizes: dict[str, int], first_offset: int, tls_context
+                    ) -> Iterator[tuple[str, int, bytes, str | None]]:
     """One data connection: yields checked pieces until the blobs end; _Corrupt at a bad piece."""
     where = f"{host}:{port}"
     try:
@@ -238,13 +240,18 @@ def _fetch_tcp_once(host: str, port: int, token: str, fingerprint: str, node: st
             if n == DATA_ERROR:
                 why = sock.makefile("rb").readline(4096).decode(errors="replace").strip()
                 raise UnavailableError(f"shipping from the coordinator's data channel at {where} stopped: {why}")
-            sha, piece, count = _HEADER.unpack(_recv_exact(sock, _HEADER.size, f"the digests of {blob}", where))
             off = first_offset if i == 0 else 0
             end = off + n
-            if not 0 < piece <= MAX_PIECE_BYTES or off % piece or count != -(-end // piece) or count > 1 << 24:
+            if end != sizes[blob]:
+                raise CacheError(f"the coordinator's data channel at {where} sends {n} bytes of blob {blob!r} from byte "
+                                 f"{off}; the catalog gives it {sizes[blob]}")
+            sha, piece, count = _HEADER.unpack(_recv_exact(sock, _HEADER.size, f"the digests of {blob}", where))
+            if not 0 < piece <= MAX_PIECE_BYTES or off % piece or count != -(-end // piece):
                 raise CacheError(f"the coordinator's data channel at {where} sent blob {blob!r} with digests that do "
                                  f"not fit it ({count} pieces of {piece} bytes for bytes {off}..{end})")
             digests = struct.unpack(f"<{count}Q", _recv_exact(sock, 8 * count, f"the digests of {blob}", where))
+            if off == end:  # an empty blob: nothing follows its header
+                yield blob, off, bytearray(), sha.hex()
             while off < end:
                 hasher.reset()
                 data = _recv_exact(sock, min(piece, end - off), blob, where, buffers, hasher)

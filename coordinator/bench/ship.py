@@ -242,7 +242,7 @@ def _receive(job: dict) -> int:
             t0 = time.perf_counter()
             cache = ShardCache(Path(folder), catalog, {})
             plan = cache.scan()
-            cache.fill(plan, fetcher(stub, md, reply, job["fingerprint"], "bench", job["ship"]))
+            cache.fill(plan, fetcher(stub, md, reply, job["fingerprint"], "bench", job["ship"], None, catalog.blob_nbytes()))
             seconds.append(time.perf_counter() - t0)
             shutil.rmtree(folder)  # the next fill's pages come from the memory this one used
     raw_after = _raw_receive(job)

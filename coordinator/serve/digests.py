@@ -11,8 +11,8 @@ second `up`, another node, or a changed placement then ships with no hashing on 
 
 Why here and not on the node: hashing every received byte with sha256 (~2 GB/s per core) beside a
 network that moves 2–3 GB/s capped a node at ~0.45 of raw TCP on loopback on a 2-vCPU VM (`moe-cluster
-bench ship`); xxh3 runs at ~30 GB/s. A file is read in PIECE_BYTES pieces into one reused buffer per
-thread, so hashing holds at most `workers` pieces of memory.
+bench ship`); xxh3 runs at ~30 GB/s. A blob is read in PIECE_BYTES pieces into one buffer (one per
+blob being hashed), so hashing holds at most `workers` pieces of memory.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ class BlobDigest:
     sha256: str  # hex, of the whole blob
     piece_bytes: int
     pieces: tuple[int, ...]  # piece_digest of bytes [i * piece_bytes, (i + 1) * piece_bytes)
+    stat: tuple[int, ...] = ()  # its file's _file_key when it was hashed
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _file_key(path: Path) -> list[int]:
@@ -82,19 +87,23 @@ class Digests:
         for line in lines:
             try:
                 d = json.loads(line)
-                blob, sha, piece, pieces, stat = d["blob"], d["sha256"], d["piece_bytes"], d["pieces"], d["stat"]
-                digest = BlobDigest(str(sha), int(piece), tuple(int(p, 16) for p in pieces))
-            except (ValueError, KeyError, TypeError):
+                blob, span = str(d["blob"]), [int(x) for x in d["range"]]
+                digest = BlobDigest(str(d["sha256"]), int(d["piece_bytes"]), tuple(int(p, 16) for p in d["pieces"]),
+                                    tuple(int(x) for x in d["stat"]))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 continue
-            if blob not in self.ranges or digest.piece_bytes != self.piece_bytes or len(digest.sha256) != 64:
+            if (blob not in self.ranges or digest.piece_bytes != self.piece_bytes
+                    or not _SHA256.fullmatch(digest.sha256)):
                 continue
-            path, _, n = self.ranges[blob]
+            path, start, n = self.ranges[blob]
             if path not in stats:
                 try:
-                    stats[path] = _file_key(path)
+                    stats[path] = tuple(_file_key(path))
                 except OSError:
                     stats[path] = None
-            if stats[path] != stat or len(digest.pieces) != math.ceil(n / self.piece_bytes):
+            # the same file as it was, and the same bytes of it (another version may place a blob elsewhere)
+            if (stats[path] != digest.stat or span != [start, n]
+                    or len(digest.pieces) != math.ceil(n / self.piece_bytes)):
                 continue
             done: Future = Future()
             done.set_result(digest)
@@ -111,24 +120,36 @@ class Digests:
     def known(self) -> int:
         """Blobs whose digests are at hand (kept or computed)."""
         with self._lock:
-            return sum(f.done() and f.exception() is None for f in self._futures.values())
+            return sum(f.done() and not f.cancelled() and f.exception() is None for f in self._futures.values())
 
-    def ahead(self, blobs) -> None:
-        """Start hashing the first AHEAD of `blobs` (the ones a stream sends next)."""
-        for blob in list(blobs)[:AHEAD]:
-            self._future(blob)
+    def start(self, blob: str, then=()) -> None:
+        """Start hashing `blob`, then the first AHEAD of `then` (the ones its stream sends next), in
+        that order: the blob being sent is never queued behind its own look-ahead."""
+        self._future(blob)
+        for b in then[:AHEAD]:
+            self._future(b)
 
     def get(self, blob: str) -> BlobDigest:
-        """The digests of `blob`, hashing it now if nobody has; OSError when its file cannot be read
-        or changed while it was read (asked again, it is hashed again)."""
-        fut = self._future(blob)
-        try:
-            return fut.result()
-        except OSError:
-            with self._lock:
-                if self._futures.get(blob) is fut:
-                    del self._futures[blob]
-            raise
+        """The digests of `blob`, hashing it now if nobody has; a digest whose file has changed since
+        is hashed again. OSError when the file cannot be read or changes while it is read (asked
+        again, it is hashed again)."""
+        for _ in range(2):
+            fut = self._future(blob)
+            try:
+                digest = fut.result()
+                if tuple(_file_key(self.ranges[blob][0])) == digest.stat:
+                    return digest
+                logger.warning("digests: %s changed since %s was hashed; hashing it again", self.ranges[blob][0], blob)
+            except OSError:
+                self._drop(blob, fut)
+                raise
+            self._drop(blob, fut)
+        raise OSError("the file keeps changing while it is shipped")
+
+    def _drop(self, blob: str, fut: Future) -> None:
+        with self._lock:
+            if self._futures.get(blob) is fut:
+                del self._futures[blob]
 
     def _future(self, blob: str) -> Future:
         with self._lock:
@@ -150,26 +171,27 @@ class Digests:
                 k = min(self.piece_bytes, n - off)
                 got = os.preadv(fd, [view[:k]], start + off)
                 if got != k:
-                    raise OSError(f"{path}: short read at byte {start + off}: the checkpoint changed")
+                    raise OSError(f"short read at byte {start + off}: the file changed")
                 sha.update(view[:k])
                 pieces.append(piece_digest(view[:k]))
                 off += k
         finally:
             os.close(fd)
         if _file_key(path) != before:
-            raise OSError(f"{path} changed while it was hashed")
-        digest = BlobDigest(sha.hexdigest(), self.piece_bytes, tuple(pieces))
+            raise OSError("the file changed while it was hashed")
+        digest = BlobDigest(sha.hexdigest(), self.piece_bytes, tuple(pieces), tuple(before))
         with self._lock:
             self.hashed_bytes += n
-            self._keep(blob, digest, before)
+            self._keep(blob, digest)
         return digest
 
-    def _keep(self, blob: str, digest: BlobDigest, stat: list[int]) -> None:
+    def _keep(self, blob: str, digest: BlobDigest) -> None:
         """Append one line (under the lock); a folder we cannot write keeps the digests in memory."""
         if self.path is None:
             return
-        line = json.dumps({"blob": blob, "sha256": digest.sha256, "piece_bytes": digest.piece_bytes,
-                           "pieces": [f"{p:016x}" for p in digest.pieces], "stat": stat})
+        _, start, n = self.ranges[blob]
+        line = json.dumps({"blob": blob, "range": [start, n], "sha256": digest.sha256, "piece_bytes": digest.piece_bytes,
+                           "pieces": [f"{p:016x}" for p in digest.pieces], "stat": list(digest.stat)})
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as f:

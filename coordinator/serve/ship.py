@@ -45,7 +45,7 @@ from ...node.checkpoint import Checkpoint
 from ...node.ship import DATA_ERROR
 from ...proto import CHANNEL_OPTIONS, convert
 from ...proto import ship_pb2_grpc as spb_grpc
-from .digests import Digests
+from .digests import AHEAD, Digests
 from .placement import fmt_bytes
 
 logger = logging.getLogger(__name__)
@@ -109,8 +109,8 @@ class Shipper(spb_grpc.ShipServicer):
         unknown = [b for b in blobs if b not in self.ranges]
         if unknown:
             return grpc.StatusCode.INVALID_ARGUMENT, f"{len(unknown)} unknown blobs, e.g. {unknown[0][:200]!r}"
-        if first_offset and (not blobs or first_offset >= self.ranges[blobs[0]][2]):
-            return grpc.StatusCode.INVALID_ARGUMENT, f"first_offset {first_offset} is past the blob"
+        if first_offset < 0 or (first_offset and (not blobs or first_offset >= self.ranges[blobs[0]][2])):
+            return grpc.StatusCode.INVALID_ARGUMENT, f"first_offset {first_offset} is not inside the blob"
         return None
 
     def _transfer(self, name: str, blobs, first_offset: int) -> NodeTransfer:
@@ -144,14 +144,15 @@ class Shipper(spb_grpc.ShipServicer):
         for i, blob in enumerate(blobs):
             path, start, n = self.ranges[blob]
             off = first_offset if i == 0 else 0
-            self.digests.ahead(blobs[i + 1:])
+            self.digests.start(blob, blobs[i + 1:i + 1 + AHEAD])
             try:
-                f = open(path, "rb")
                 digest = self.digests.get(blob)
-            except OSError as exc:  # the checkpoint moved, went away or changed since `up` read its headers
-                logger.error("ship %s: cannot read %s: %s", name, path, exc.strerror or exc)
-                conn.sendall(struct.pack("<Q", DATA_ERROR) + f"the coordinator cannot read {path}: "
-                             f"{exc.strerror or exc}".encode() + b"\n")
+                f = open(path, "rb")
+            except Exception as exc:  # noqa: BLE001 - the checkpoint moved, went away or changed; the service stopping
+                why = _why(exc)
+                logger.error("ship %s: cannot read %s: %s", name, path, why)
+                conn.sendall(struct.pack("<Q", DATA_ERROR) + f"the coordinator cannot read {path}: {why}".encode()[:4000]
+                             + b"\n")
                 return
             conn.sendall(struct.pack("<Q", n - off) + blob_header(digest))
             with f:
@@ -181,13 +182,13 @@ class Shipper(spb_grpc.ShipServicer):
         for i, blob in enumerate(request.blobs):
             path, start, n = self.ranges[blob]
             off = request.first_offset if i == 0 else 0
-            self.digests.ahead(request.blobs[i + 1:])
+            self.digests.start(blob, request.blobs[i + 1:i + 1 + AHEAD])
             try:
                 sha256 = self.digests.get(blob).sha256
                 fd = os.open(path, os.O_RDONLY)
-            except OSError as exc:  # the checkpoint moved, went away or changed since `up` read its headers
-                logger.error("ship %s: cannot read %s: %s", name, path, exc.strerror or exc)
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"the coordinator cannot read {path}: {exc.strerror or exc}")
+            except Exception as exc:  # noqa: BLE001 - the checkpoint moved, went away or changed; the service stopping
+                logger.error("ship %s: cannot read %s: %s", name, path, _why(exc))
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"the coordinator cannot read {path}: {_why(exc)}")
             try:
                 while True:
                     if not context.is_active():  # the node went away: stop reading for it
@@ -216,19 +217,27 @@ DATA_PIECE_BYTES = 8 << 20  # bytes per sendfile call (progress and the node's l
 _HEADER = struct.Struct("<32sII")  # sha256, piece bytes, pieces
 
 
+def _why(exc: BaseException) -> str:
+    """One line saying why, for a node: an OSError's own words, else its kind."""
+    if isinstance(exc, OSError):
+        return str(exc.strerror or exc)
+    return f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (the Ship service is stopping?)"
+
+
 def blob_header(d) -> bytes:
     """What precedes a blob's bytes on the data channel: its sha256 (32 bytes), its piece size and
     piece count (4 bytes each), then each piece's digest (8 bytes each, little-endian); all
     little-endian, pieces counted from the blob's first byte."""
     return _HEADER.pack(bytes.fromhex(d.sha256), d.piece_bytes, len(d.pieces)) + struct.pack(f"<{len(d.pieces)}Q", *d.pieces)
+
 MAX_REQUEST_LINE = 1 << 20  # a data request names blobs; a longer line is refused
 
 
 class DataChannel:
     """The plain-TCP data channel: a node sends one JSON line {token, fingerprint, node, blobs,
-    first_offset}; the answer is b"+" and the blobs (Shipper.send_blobs: per blob its length, 8 bytes
-    little-endian, then its bytes; DATA_ERROR for a length means one line saying why follows), or b"-"
-    and one line saying why not. One thread per connection, at most MAX_STREAMS at once."""
+    first_offset}; the answer is b"+" and the blobs (Shipper.send_blobs: per blob the bytes that follow,
+    8 bytes little-endian, its digests (`blob_header`), then those bytes; DATA_ERROR for a length means
+    one line saying why follows), or b"-" and one line saying why not. One thread per connection, at most MAX_STREAMS at once."""
 
     def __init__(self, shipper: Shipper, host: str, tls=None):
         self._shipper = shipper

@@ -519,3 +519,66 @@ def test_a_digest_file_of_stale_lines_is_compacted_and_a_torn_line_skipped(tmp_p
     assert {b: again.get(b) for b in blobs} == truth and again.hashed_bytes == 0
     assert sorted(path.read_text().splitlines()) == sorted(good)
     again.close()
+
+
+def test_a_blob_is_hashed_before_its_look_ahead_and_again_after_its_file_changes(tmp_path):
+    """The blob a stream sends next is hashed first, its look-ahead after it (one worker here); a
+    digest kept in memory is not trusted once its file has changed (it is hashed again), nor is a
+    kept line for another byte range of the file."""
+    from moe_cluster.coordinator.serve import digests as digests_mod
+    from moe_cluster.coordinator.serve.digests import Digests
+
+    f = tmp_path / "w.bin"
+    f.write_bytes(bytes(range(256)) * 64)
+    ranges = {f"b{i}": (f, i * 4096, 4096) for i in range(4)}
+    order: list[str] = []
+
+    class Recording(Digests):
+        def _hash(self, blob):
+            order.append(blob)
+            return super()._hash(blob)
+
+    d = Recording(ranges, "f" * 64, tmp_path / "dg", piece_bytes=1024, workers=1)
+    d.start("b0", ["b1", "b2", "b3"])
+    first = d.get("b0")
+    d.get("b2")
+    assert order[0] == "b0" and order[1:3] == ["b1", "b2"], order  # at most AHEAD ahead
+    with open(f, "r+b") as fh:  # the checkpoint rewritten in place while the coordinator runs
+        fh.seek(10)
+        fh.write(b"\xff")
+    again = d.get("b0")
+    assert again.sha256 != first.sha256 and again.sha256 == hashlib.sha256(f.read_bytes()[:4096]).hexdigest()
+    d.close()
+    moved = {b: (p, start + 1, n) for b, (p, start, n) in ranges.items()}  # a later version places blobs elsewhere
+    fresh = Digests(moved, "f" * 64, tmp_path / "dg", piece_bytes=1024)
+    assert fresh.known() == 0
+    fresh.close()
+    assert digests_mod.AHEAD == 2
+
+
+def test_the_data_channel_refuses_a_negative_offset_and_the_node_a_wrong_length(tmp_path):
+    import socket
+    import struct
+
+    ckpt = Checkpoint.open("demo")
+
+    class Short(Shipper):  # announces one byte less than the blob has
+        def send_blobs(self, conn, name, blobs, first_offset):
+            path, start, n = self.ranges[blobs[0]]
+            conn.sendall(struct.pack("<Q", n - 1) + blob_header(self.digests.get(blobs[0])))
+
+    for cls in (Shipper, Short):
+        shipper = cls(ckpt, report=lambda line: None)
+        srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
+        try:
+            if cls is Shipper:
+                with socket.create_connection(("127.0.0.1", shipper.data.port), timeout=10) as s:
+                    s.sendall(json.dumps({"token": shipper.data_token, "fingerprint": shipper.fingerprint,
+                                          "blobs": ["model.norm.weight"], "first_offset": -65536}).encode() + b"\n")
+                    answer = s.makefile("rb").read()
+                assert answer.startswith(b"-first_offset -65536 is not inside the blob"), answer[:100]
+            else:
+                with pytest.raises(CacheError, match=r"sends \d+ bytes of blob .* the catalog gives it \d+"):
+                    fill(f"127.0.0.1:{port}", shipper.fingerprint, tmp_path / "short")
+        finally:
+            srv.stop(0.5).wait()
