@@ -152,6 +152,13 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> l
     return out
 
 
+def _skip_gemv_on() -> bool:
+    """Whether the node processes (this process's environment) run skip_gemv where it applies."""
+    from ...node.moe import skip_gemv
+
+    return skip_gemv.ENABLED
+
+
 def _expert_cache(spec: DecodeBench, ids: list[int], nodes: int, stock: list[int]) -> list[dict]:
     """Decode at each resident share, without and with a routing profile: tok/s, hit rate, per node
     per token the misses, bytes and seconds the step waited on the disk, the prefetches, and the
@@ -290,6 +297,8 @@ def run(spec: DecodeBench) -> dict:
         "rounds": {"ours": single["ours_rounds_tps"], "mlx_lm": single["mlx_lm_rounds_tps"]},
         "model_bytes": bytes_,
         "host": {"cores": os.cpu_count() or 1},
+        # the node processes' decode kernel at N > 1 (node/moe/skip_gemv.py: opt-in, CUDA only)
+        "skip_gemv": _skip_gemv_on(),
         "bench_process_bytes": held,  # what this process held while the node processes ran
         "clusters": clusters,
         "peers": peers,
