@@ -43,7 +43,7 @@ PIECE_BYTES = 4 << 20  # the unit of the source's piece digests (coordinator/ser
 REPLICATED = "replicated.safetensors"
 _FILE_NAME = re.compile(r"^(replicated|layer-\d{4}-[0-9a-f]{12})\.safetensors$")
 _SHARD_DIR = re.compile(r"^[0-9a-f]{16}$")
-_SHA256 = re.compile(r"[0-9a-f]{64}")  # fullmatch only
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a blob's sha256 as manifests and digests write it (fullmatch)
 _ALIGN = 64  # bytes: tensor data starts aligned, so mmap'd reads are too
 
 
@@ -62,15 +62,10 @@ def default_cache_dir() -> Path:
     return cache_home() / "shards"
 
 
-def piece_digest(data) -> int:
-    """The digest of one piece of a blob, as the coordinator computed it from its checkpoint and the
-    node checks it on arrival: xxh3-64, ~30 GB/s on one core (sha256: ~2)."""
-    return xxhash.xxh3_64_intdigest(data)
-
-
 def piece_hasher():
-    """piece_digest a part at a time (`update`, then `intdigest`): the node hashes each part of a
-    piece as it arrives, while it is still in the CPU's cache."""
+    """The digest of one piece of a blob, as the coordinator computes it from its checkpoint and the
+    node checks it on arrival, a part at a time (`update`, then `intdigest`; the node hashes each
+    part as it lands, while it is in the CPU's cache): xxh3-64, ~30 GB/s on one core (sha256: ~2)."""
     return xxhash.xxh3_64()
 
 
@@ -618,7 +613,7 @@ class ShardCache:
                     if off + len(data) > sizes[blob] or (last and off + len(data) != sizes[blob]):
                         raise CacheError(f"blob {blob!r}: chunk at {off} ({len(data)} bytes) does not fit its "
                                          f"{sizes[blob]} bytes")
-                    if last and not _SHA256.fullmatch(source_sha):
+                    if last and not SHA256_HEX.fullmatch(source_sha):
                         raise CacheError(f"blob {blob!r}: the coordinator sent {source_sha[:80]!r} for its sha256")
                     pending.append(writer.submit(absorb, blob, off, data, source_sha))
                     while len(pending) > 8 or (pending and pending[0].done()):  # bounded: 8 chunks in flight

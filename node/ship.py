@@ -132,7 +132,7 @@ def fetcher(stub, md, reply, fingerprint: str, node: str, address: str, tls, siz
 
 
 DATA_ERROR = (1 << 64) - 1  # a blob length that means: one line saying why follows (coordinator/serve/ship.py)
-_HEADER = struct.Struct("<32sII")  # coordinator/serve/ship.py blob_header: sha256, piece bytes, pieces
+BLOB_HEADER = struct.Struct("<32sII")  # before a blob's bytes: its sha256, piece bytes, pieces (coordinator/serve/ship.py blob_header)
 MAX_PIECE_BYTES = 16 << 20  # a larger piece in a blob header is refused (receive buffers are pieces)
 
 
@@ -245,7 +245,7 @@ def _fetch_tcp_once(host: str, port: int, token: str, fingerprint: str, node: st
             if end != sizes[blob]:
                 raise CacheError(f"the coordinator's data channel at {where} sends {n} bytes of blob {blob!r} from byte "
                                  f"{off}; the catalog gives it {sizes[blob]}")
-            sha, piece, count = _HEADER.unpack(_recv_exact(sock, _HEADER.size, f"the digests of {blob}", where))
+            sha, piece, count = BLOB_HEADER.unpack(_recv_exact(sock, BLOB_HEADER.size, f"the digests of {blob}", where))
             if not 0 < piece <= MAX_PIECE_BYTES or off % piece or count != -(-end // piece):
                 raise CacheError(f"the coordinator's data channel at {where} sent blob {blob!r} with digests that do "
                                  f"not fit it ({count} pieces of {piece} bytes for bytes {off}..{end})")

@@ -22,13 +22,12 @@ import json
 import logging
 import math
 import os
-import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...node.cache import cache_home, piece_digest
+from ...node.cache import SHA256_HEX, cache_home, piece_hasher
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +43,8 @@ def default_digest_dir() -> Path:
 class BlobDigest:
     sha256: str  # hex, of the whole blob
     piece_bytes: int
-    pieces: tuple[int, ...]  # piece_digest of bytes [i * piece_bytes, (i + 1) * piece_bytes)
+    pieces: tuple[int, ...]  # piece_hasher's digest of bytes [i * piece_bytes, (i + 1) * piece_bytes)
     stat: tuple[int, ...] = ()  # its file's _file_key when it was hashed
-
-
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _file_key(path: Path) -> list[int]:
@@ -93,7 +89,7 @@ class Digests:
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue
             if (blob not in self.ranges or digest.piece_bytes != self.piece_bytes
-                    or not _SHA256.fullmatch(digest.sha256)):
+                    or not SHA256_HEX.fullmatch(digest.sha256)):
                 continue
             path, start, n = self.ranges[blob]
             if path not in stats:
@@ -161,7 +157,7 @@ class Digests:
     def _hash(self, blob: str) -> BlobDigest:
         path, start, n = self.ranges[blob]
         before = _file_key(path)
-        sha, pieces = hashlib.sha256(), []
+        sha, piece, pieces = hashlib.sha256(), piece_hasher(), []
         buf = bytearray(min(self.piece_bytes, n) or 1)
         view = memoryview(buf)
         fd = os.open(path, os.O_RDONLY)
@@ -173,7 +169,9 @@ class Digests:
                 if got != k:
                     raise OSError(f"short read at byte {start + off}: the file changed")
                 sha.update(view[:k])
-                pieces.append(piece_digest(view[:k]))
+                piece.reset()
+                piece.update(view[:k])
+                pieces.append(piece.intdigest())
                 off += k
         finally:
             os.close(fd)

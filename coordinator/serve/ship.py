@@ -12,9 +12,10 @@ Without TLS the bytes themselves take a plain TCP data channel beside the servic
 the kernel sends each blob's byte range straight from the checkpoint file (`os.sendfile`), with no
 message framing, copy or checksum in Python. Each blob is preceded by its digests (`send_blobs`): the
 node checks every piece against them as it arrives and records the sha256. Measured with
-`moe-cluster bench ship` on this 2-vCPU VM over loopback, gRPC chunks reached 0.11–0.22 of raw TCP. A data connection presents a token that
-only the authenticated Catalog call hands out; with TLS configured the channel is TLS too (the same
-certificates; Python then reads and encrypts each piece, no sendfile).
+`moe-cluster bench ship` on this 2-vCPU VM over loopback, gRPC chunks reached 0.11–0.22 of raw TCP.
+A data connection presents a token that only the authenticated Catalog call hands out; with TLS
+configured the channel is TLS too (the same certificates; Python then reads and encrypts each
+piece, no sendfile).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from ...envoy.auth import _authorized, server_credentials, ssl_server_context
 from ...node import cache as node_cache
 from ...node.cache import Catalog, catalog_of, source_ranges
 from ...node.checkpoint import Checkpoint
-from ...node.ship import DATA_ERROR
+from ...node.ship import BLOB_HEADER, DATA_ERROR
 from ...proto import CHANNEL_OPTIONS, convert
 from ...proto import ship_pb2_grpc as spb_grpc
 from .digests import AHEAD, Digests
@@ -214,7 +215,6 @@ class Shipper(spb_grpc.ShipServicer):
 
 
 DATA_PIECE_BYTES = 8 << 20  # bytes per sendfile call (progress and the node's liveness between calls)
-_HEADER = struct.Struct("<32sII")  # sha256, piece bytes, pieces
 
 
 def _why(exc: BaseException) -> str:
@@ -228,7 +228,8 @@ def blob_header(d) -> bytes:
     """What precedes a blob's bytes on the data channel: its sha256 (32 bytes), its piece size and
     piece count (4 bytes each), then each piece's digest (8 bytes each, little-endian); all
     little-endian, pieces counted from the blob's first byte."""
-    return _HEADER.pack(bytes.fromhex(d.sha256), d.piece_bytes, len(d.pieces)) + struct.pack(f"<{len(d.pieces)}Q", *d.pieces)
+    return BLOB_HEADER.pack(bytes.fromhex(d.sha256), d.piece_bytes, len(d.pieces)) + struct.pack(f"<{len(d.pieces)}Q", *d.pieces)
+
 
 MAX_REQUEST_LINE = 1 << 20  # a data request names blobs; a longer line is refused
 
@@ -237,7 +238,8 @@ class DataChannel:
     """The plain-TCP data channel: a node sends one JSON line {token, fingerprint, node, blobs,
     first_offset}; the answer is b"+" and the blobs (Shipper.send_blobs: per blob the bytes that follow,
     8 bytes little-endian, its digests (`blob_header`), then those bytes; DATA_ERROR for a length means
-    one line saying why follows), or b"-" and one line saying why not. One thread per connection, at most MAX_STREAMS at once."""
+    one line saying why follows), or b"-" and one line saying why not. One thread per connection, at
+    most MAX_STREAMS at once."""
 
     def __init__(self, shipper: Shipper, host: str, tls=None):
         self._shipper = shipper
