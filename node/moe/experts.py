@@ -339,7 +339,7 @@ class ExpertShard(nn.Module):
                 self._local = mx.array(np.asarray(self._ids, dtype=np.int32))  # slot -> global id
         last = self.down_proj if kind == "glu" else self.fc2
         self._gathered = not last._per_expert  # one gather_mm per call
-        self._skip = False  # decode at N > 1 through skip_gemv (enable_skip_gemv)
+        self._skip: mx.Dtype | None = None  # decode at N > 1 through skip_gemv, for inputs of this dtype (enable_skip_gemv)
         self._cache: LayerCache | None = None
         self._ahead = 1
         self._next: LayerCache | None = None  # prefetch_into
@@ -378,7 +378,7 @@ class ExpertShard(nn.Module):
             why = skip_gemv.check(p.weight)
             if why:
                 return why
-        self._skip = True
+        self._skip = projs[0].weight.dtype
         return None
 
     def _projections(self) -> list[ShardLinear]:
@@ -454,7 +454,7 @@ class ExpertShard(nn.Module):
             return self._mlp(rows, slots, None).squeeze(-2)
         slots = self._lut[inds]  # (..., k): local slot, or -1 where another node computes it
         mine = slots >= 0
-        if self._skip and x.dtype == self._projections()[0].weight.dtype:
+        if self._skip is not None and x.dtype == self._skip:
             if self._ranks is None:  # nothing read for the positions another node computes
                 return self._skipped(x, inds, slots)
             y = self._skipped(x, inds, mx.where(mine, slots, self._fill(inds, mine)))  # fillers read, then zeroed

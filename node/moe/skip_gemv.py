@@ -23,12 +23,9 @@ suspect: MLX's CUDA-graph cache, 400 entries, keyed by each captured subgraph's 
 
 from __future__ import annotations
 
-import logging
 import os
 
 import mlx.core as mx
-
-logger = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("MOE_CLUSTER_SKIP_GEMV", "0") == "1"
 _WARPS = 4  # per block: 128 threads, one output feature per warp
@@ -89,6 +86,7 @@ _SOURCE = r"""
 """
 
 _kernel = None
+_checked: dict[tuple, str | None] = {}  # (dtype, experts, out, in) -> check()'s answer: one per shape
 
 
 def available() -> bool:
@@ -126,7 +124,15 @@ def skip_gemv(x: mx.array, w: mx.array, slots: mx.array, per_x: int) -> mx.array
 def check(w: mx.array) -> str | None:
     """Why the kernel cannot stand in for gather_mm on weight `w` here (None: it can): compiled and
     compared with gather_mm at the weight's own shape, with two input rows shared by two positions
-    each (one of them skipped) and with a row per position."""
+    each (one of them skipped) and with a row per position. Asked once per dtype and shape: every
+    layer's projections of a model share a few."""
+    key = (w.dtype, *w.shape)
+    if key not in _checked:
+        _checked[key] = _check(w)
+    return _checked[key]
+
+
+def _check(w: mx.array) -> str | None:
     try:
         e, d_out, d_in = w.shape
         x = (mx.random.normal((2, d_in), key=mx.random.key(0)) * 0.5).astype(w.dtype)

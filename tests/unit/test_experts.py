@@ -293,7 +293,7 @@ def test_the_skipping_decode_step_equals_the_host_path(world, keepalive, monkeyp
     placement = Placement.even({0: E}, world)
     skipping, host = _shards(bank, placement, keepalive), _shards(bank, placement, keepalive)
     for s in skipping:
-        s._skip = True
+        s._skip = mx.float32  # what enable_skip_gemv sets where the kernel checks out (CUDA only)
     for s in host:
         s._lut = None
     _assert_steps_agree(skipping, host, seed=2, atol=1e-5)
@@ -308,3 +308,18 @@ def test_skip_gemv_stays_off_without_cuda_and_says_why_where_it_cannot_apply():
     assert "not routed on the device at N > 1" in alone.enable_skip_gemv()
     pair = _shards(bank, Placement.even({0: E}, 2), "none")[0]
     assert skip_gemv.fits(pair.up_proj.weight) and not skip_gemv.fits(mx.zeros((2, 4, 6)))
+
+
+def test_skip_gemv_is_checked_once_per_dtype_and_shape(monkeypatch):
+    """The load-time check compiles and runs the kernel: every layer's projections share a few shapes,
+    so each is asked once (here it fails: no CUDA, and the reason is kept)."""
+    from moe_cluster.node.moe import skip_gemv
+
+    calls = []
+    monkeypatch.setattr(skip_gemv, "_checked", {})
+    monkeypatch.setattr(skip_gemv, "_check", lambda w: calls.append(w.shape) or "no CUDA here")
+    for _ in range(3):
+        assert skip_gemv.check(mx.zeros((4, 8, 16))) == "no CUDA here"
+    skip_gemv.check(mx.zeros((4, 16, 8)))
+    skip_gemv.check(mx.zeros((4, 8, 16), dtype=mx.bfloat16))
+    assert calls == [(4, 8, 16), (4, 16, 8), (4, 8, 16)]
