@@ -153,10 +153,10 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> l
 
 
 def _skip_gemv_on() -> bool:
-    """Whether the node processes (this process's environment) run skip_gemv where it applies."""
+    """Whether the node processes (this process's environment and device) run skip_gemv where it applies."""
     from ...node.moe import skip_gemv
 
-    return skip_gemv.ENABLED
+    return skip_gemv.available()
 
 
 def _expert_cache(spec: DecodeBench, ids: list[int], nodes: int, stock: list[int]) -> list[dict]:
@@ -297,7 +297,7 @@ def run(spec: DecodeBench) -> dict:
         "rounds": {"ours": single["ours_rounds_tps"], "mlx_lm": single["mlx_lm_rounds_tps"]},
         "model_bytes": bytes_,
         "host": {"cores": os.cpu_count() or 1},
-        # the node processes' decode kernel at N > 1 (node/moe/skip_gemv.py: opt-in, CUDA only)
+        # the node processes' decode kernel at N > 1 (node/moe/skip_gemv.py: CUDA only, MOE_CLUSTER_SKIP_GEMV=0 turns it off)
         "skip_gemv": _skip_gemv_on(),
         "bench_process_bytes": held,  # what this process held while the node processes ran
         "clusters": clusters,

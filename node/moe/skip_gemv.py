@@ -12,13 +12,15 @@ E[n] of them, with the same fixed shapes and no host read. One warp per output f
 along the (contiguous) input dimension, float32 accumulation, a warp reduction, one rounding to the
 output dtype — what `gather_mm` computes, summed in another order.
 
-Opt-in (`MOE_CLUSTER_SKIP_GEMV=1` in the node's environment), then used where it applies (CUDA,
-unquantized bfloat16/float16/float32 weights without bias, the input width a multiple of 8) and
-where a check at load time against `gather_mm` passes; elsewhere the step keeps `gather_mm`. Not on
-by default because of what run 9 measured (docs/gpu/run9): at N = 2 on 2 × H100 it made decode
-1.36× (DBRX shape, 8 layers) and 1.61× (Qwen3-30B-A3B shape, 12 layers) faster than gather_mm, but
-the full 48-layer Qwen3 shape ran at 19.0 tok/s against gather_mm's 54.7 — not understood yet (a
-suspect: MLX's CUDA-graph cache, 400 entries, keyed by each captured subgraph's topology).
+Used by default where it applies (CUDA, unquantized bfloat16/float16/float32 weights without bias,
+the input width a multiple of 8) and where a check at load time against `gather_mm` passes;
+elsewhere, or with `MOE_CLUSTER_SKIP_GEMV=0` in the node's environment, the step keeps `gather_mm`.
+Measured at N = 2, one GPU per node: 1.36x gather_mm's decode on the DBRX shape and 1.61x on 12
+layers of the Qwen3-30B-A3B shape (run 9, 2 x H100); on all 48 layers, run 9's one pair of runs
+gave 19.0 against 54.7 tok/s, which run 10 (2 x H200, docs/gpu/run10) did not reproduce: five
+runs with the kernel gave 37.3-69.3 tok/s (median 59.7), three interleaved without it 33.1-57.6
+(median 53.2), and a one-process 48-layer chain (scripts/gpu/graph_probe.py) ran 1.27x gather_mm
+under every CUDA-graph setting.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import os
 
 import mlx.core as mx
 
-ENABLED = os.environ.get("MOE_CLUSTER_SKIP_GEMV", "0") == "1"
+ENABLED = os.environ.get("MOE_CLUSTER_SKIP_GEMV", "1") != "0"
 _WARPS = 4  # per block: 128 threads, one output feature per warp
 
 _HEADER = r"""
@@ -90,7 +92,7 @@ _checked: dict[tuple, str | None] = {}  # (dtype, experts, out, in) -> check()'s
 
 
 def available() -> bool:
-    """The kernel is turned on (MOE_CLUSTER_SKIP_GEMV=1) and MLX has a CUDA device here."""
+    """MLX has a CUDA device here and the kernel is not turned off (MOE_CLUSTER_SKIP_GEMV=0)."""
     if not ENABLED:
         return False
     try:
