@@ -5,6 +5,7 @@ Rates are not asserted (they are the benchmark's output) except where the link b
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 
 import netns
@@ -25,6 +26,11 @@ def test_loopback_reports_every_field_and_a_small_coordinator():
     out = _run()
     assert out["bytes"] == 64 * MB and out["seconds"] > 0
     assert out["rate_bytes_per_s"] == pytest.approx(out["bytes"] / out["seconds"])
+    # the later ships' median against raw TCP's, every run listed: 3 later ships, raw before and after each
+    runs = out["rounds"]
+    assert len(runs["ship_seconds"]) == 3 and len(runs["raw_tcp_seconds"]) == 4
+    assert out["seconds"] == sorted(runs["ship_seconds"])[1]
+    assert out["raw_tcp_bytes_per_s"] == pytest.approx(out["bytes"] / statistics.median(runs["raw_tcp_seconds"]))
     assert out["ratio"] == pytest.approx(out["rate_bytes_per_s"] / out["raw_tcp_bytes_per_s"])
     assert out["first_ship_ratio"] == pytest.approx(out["bytes"] / out["first_ship_seconds"] / out["raw_tcp_bytes_per_s"])
     # the first ship hashed every blob once; the second reused those digests
@@ -59,3 +65,8 @@ def test_an_unshaped_veth_is_another_host():
 def test_a_bad_link_rate_is_one_line():
     r = cli("bench", "ship", "--link", "fast")
     assert_one_line_error(r, "--link must be a rate like 10gbit", "or veth", "fast")
+
+
+def test_rounds_below_one_is_one_line():
+    r = cli("bench", "ship", "--rounds", "0")
+    assert_one_line_error(r, "--rounds must be at least 1", "0")
