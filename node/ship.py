@@ -181,26 +181,22 @@ def _recv_exact(sock: socket.socket, n: int, what: str, where: str, buffers: _Bu
 
 
 class _Corrupt(Exception):
-    """A piece that does not match its digest: the stream restarts at (blob, offset)."""
+    """A piece that does not match its check (`why`): the stream restarts at (blob, offset)."""
 
-    def __init__(self, blob: str, offset: int):
-        super().__init__(blob, offset)
-        self.blob, self.offset = blob, offset
+    def __init__(self, blob: str, offset: int, why: str):
+        super().__init__(blob, offset, why)
+        self.blob, self.offset, self.why = blob, offset, why
 
 
-def _fetch_tcp(host: str, port: int, token: str, fingerprint: str, node: str, blobs: Sequence[str],
-               sizes: dict[str, int], first_offset: int = 0, tls_context=None
-               ) -> Iterator[tuple[str, int, bytes, str | None]]:
-    """Blobs over the data channel (coordinator/serve/ship.py DataChannel), blobs[0] from
-    `first_offset` (rounded down to a piece), a piece at a time, each checked against the
-    coordinator's digest of it; a piece that fails is asked for again (at most MAX_RESTARTS times per
-    fill). Yields (blob, offset, bytes, the blob's sha256 on its last piece else None); a dead
-    coordinator is one line within RPC_TIMEOUT_S."""
-    todo, first = list(blobs), first_offset - first_offset % cache_mod.PIECE_BYTES
-    restarts = 0
+def _restarting(once: Callable[[tuple[str, ...], int], Iterator[tuple[str, int, bytes, str | None]]],
+                blobs: Sequence[str], first_offset: int, where: str) -> Iterator[tuple[str, int, bytes, str | None]]:
+    """What `once(blobs, first_offset)` yields — (blob, offset, bytes, the blob's sha256 on its last
+    piece else None) — asking again from a piece where it raises _Corrupt (the blobs done so far are
+    not sent again), at most MAX_RESTARTS times per fill."""
+    todo, first, restarts = list(blobs), first_offset, 0
     while todo:
         try:
-            for item in _fetch_tcp_once(host, port, token, fingerprint, node, tuple(todo), sizes, first, tls_context):
+            for item in once(tuple(todo), first):
                 yield item
                 if item[3] is not None:  # that blob is complete
                     todo.pop(0)
@@ -208,12 +204,23 @@ def _fetch_tcp(host: str, port: int, token: str, fingerprint: str, node: str, bl
             return
         except _Corrupt as bad:
             restarts += 1
-            logger.warning("piece of %s at %d arrived corrupt (its digest differs from the coordinator's); "
-                           "asking again from there", bad.blob, bad.offset)
+            logger.warning("piece of %s at %d arrived corrupt (%s); asking again from there", bad.blob, bad.offset, bad.why)
             if restarts > MAX_RESTARTS:
-                raise CacheError(f"{restarts} corrupt pieces from the coordinator's data channel at {host}:{port}; "
-                                 "giving up") from None
+                raise CacheError(f"{restarts} corrupt pieces from {where}; giving up") from None
             todo, first = todo[todo.index(bad.blob):], bad.offset
+
+
+def _fetch_tcp(host: str, port: int, token: str, fingerprint: str, node: str, blobs: Sequence[str],
+               sizes: dict[str, int], first_offset: int = 0, tls_context=None
+               ) -> Iterator[tuple[str, int, bytes, str | None]]:
+    """Blobs over the data channel (coordinator/serve/ship.py DataChannel), blobs[0] from
+    `first_offset` (rounded down to a piece), a piece at a time, each checked against the
+    coordinator's digest of it (a piece that fails is asked for again); a dead coordinator is one
+    line within RPC_TIMEOUT_S."""
+    return _restarting(lambda todo, first: _fetch_tcp_once(host, port, token, fingerprint, node, todo, sizes, first,
+                                                           tls_context),
+                       blobs, first_offset - first_offset % cache_mod.PIECE_BYTES,
+                       f"the coordinator's data channel at {host}:{port}")
 
 
 def _fetch_tcp_once(host: str, port: int, token: str, fingerprint: str, node: str, blobs: Sequence[str],
@@ -256,41 +263,31 @@ def _fetch_tcp_once(host: str, port: int, token: str, fingerprint: str, node: st
                 hasher.reset()
                 data = _recv_exact(sock, min(piece, end - off), blob, where, buffers, hasher)
                 if hasher.intdigest() != digests[off // piece]:
-                    raise _Corrupt(blob, off)
+                    raise _Corrupt(blob, off, "its digest differs from the coordinator's")
                 yield blob, off, data, (sha.hex() if off + len(data) >= end else None)
                 off += len(data)
 
 
 def _fetch(stub, md, fingerprint: str, node: str, blobs: Sequence[str], address: str, first_offset: int = 0
            ) -> Iterator[tuple[str, int, bytes, str | None]]:
-    """Chunks of `blobs` in order, blobs[0] from `first_offset`, as `_fetch_tcp` yields them; a
-    corrupt chunk restarts the stream at that chunk."""
-    todo = list(blobs)
-    restarts = 0
-    while todo:
-        call = stub.Fetch(convert.fetch_request_to_proto(FetchSpec(fingerprint, tuple(todo), node, first_offset)),
-                          metadata=md)
-        corrupt = False
-        try:
-            for msg in call:
-                c = convert.chunk_from_proto(msg)
-                if zlib.crc32(c.data) != c.crc32:
-                    logger.warning("chunk of %s at %d arrived corrupt (crc32); asking again from there", c.blob, c.offset)
-                    restarts += 1
-                    if restarts > MAX_RESTARTS:
-                        raise CacheError(f"{restarts} corrupt chunks from the coordinator at {address}; giving up")
-                    i = todo.index(c.blob)
-                    todo, first_offset, corrupt = todo[i:], c.offset, True
-                    call.cancel()
-                    break
-                yield c.blob, c.offset, c.data, (c.sha256 if c.last else None)
-                if c.last:
-                    todo.pop(0)
-                    first_offset = 0
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED and corrupt:
-                continue
-            raise UnavailableError(f"shipping from the coordinator at {address} stopped: "
-                                   f"{exc.code().name}: {exc.details()}") from None
-        if not corrupt:
-            return
+    """Chunks of `blobs` in order, blobs[0] from `first_offset`, as `_fetch_tcp` yields them, over
+    the gRPC Fetch stream; a corrupt chunk restarts the stream at that chunk."""
+    return _restarting(lambda todo, first: _fetch_once(stub, md, fingerprint, node, todo, address, first),
+                       blobs, first_offset, f"the coordinator at {address}")
+
+
+def _fetch_once(stub, md, fingerprint: str, node: str, blobs: tuple[str, ...], address: str, first_offset: int
+                ) -> Iterator[tuple[str, int, bytes, str | None]]:
+    """One Fetch stream: yields checked chunks until the blobs end; _Corrupt at a bad one."""
+    call = stub.Fetch(convert.fetch_request_to_proto(FetchSpec(fingerprint, blobs, node, first_offset)), metadata=md)
+    try:
+        for msg in call:
+            c = convert.chunk_from_proto(msg)
+            if zlib.crc32(c.data) != c.crc32:
+                raise _Corrupt(c.blob, c.offset, "crc32")
+            yield c.blob, c.offset, c.data, (c.sha256 if c.last else None)
+    except grpc.RpcError as exc:
+        raise UnavailableError(f"shipping from the coordinator at {address} stopped: "
+                               f"{exc.code().name}: {exc.details()}") from None
+    finally:
+        call.cancel()  # a no-op once the stream has ended; else the coordinator stops sending
