@@ -371,7 +371,7 @@ class ExpertShard(nn.Module):
         projs = self._projections()
         for p in projs:
             if p.quant is not None or p._biased or not skip_gemv.fits(p.weight):
-                return "quantized, biased or odd-sized expert weights"
+                return "quantized, biased, float32 or odd-sized expert weights"
         if len({p.weight.dtype for p in projs}) != 1:
             return "expert projections of different dtypes"
         for p in projs:
