@@ -19,6 +19,7 @@ float32, where a cluster must give stock mlx-lm's logits within 1e-4: summed in 
 kernel put longcat_flash's tiny float32 model 3.2e-4 away at N = 2 on an H100 (the family sweep,
 tests/families), where gather_mm stays within 1e-4. bfloat16 tokens part from stock's within a few
 steps on either path (each node's partial is rounded before the sum).
+
 Measured at N = 2, one GPU per node: 1.36x gather_mm's decode on the DBRX shape and 1.61x on 12
 layers of the Qwen3-30B-A3B shape (run 9, 2 x H100); on all 48 layers, run 9's one pair of runs
 gave 19.0 against 54.7 tok/s, which run 10 (2 x H200, docs/gpu/run10) did not reproduce: five
