@@ -49,11 +49,11 @@ class SimRequest:
 def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float, gpus: bool = False):
     """-> (spec every node gets, cleanup to run once the nodes are gone); loopback only."""
     from ...node.collective.specs import EnvoySpec, MlxSpec, free_ports
-    from ...node.collective.shm import ShmCollective
+    from ...node.collective.shm import ShmCollective, unlink_segment
 
     if transport == "shm":
         spec, shm = ShmCollective.create(nodes, slot, ctx, timeout_s=timeout_s)
-        return spec, lambda: (shm.close(), shm.unlink())
+        return spec, lambda: (shm.close(), unlink_segment(shm))
     if transport == "envoy":
         import secrets
 
