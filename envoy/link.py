@@ -107,6 +107,14 @@ def _attach(name: str) -> shared_memory.SharedMemory:
     return shm
 
 
+def unlink_segment(shm: shared_memory.SharedMemory) -> None:
+    """Remove a segment's name; one already removed (by another process) is no error."""
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
+
+
 def widened(dtype: str, nbytes: int, max_bytes: int) -> bool:
     """Whether the sum of a `dtype` partial of `nbytes` comes back as float32 (see the module's doc)."""
     return dtype != "float32" and 2 * nbytes <= max_bytes
@@ -188,10 +196,7 @@ class NodeLink:
         """Drop the segment's name once (later, the name may be another segment's)."""
         if self._named:
             self._named = False
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:
-                pass
+            unlink_segment(self._shm)
 
     def _send(self, body: bytes) -> None:
         try:

@@ -49,7 +49,8 @@ class SimRequest:
 def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float, gpus: bool = False):
     """-> (spec every node gets, cleanup to run once the nodes are gone); loopback only."""
     from ...node.collective.specs import EnvoySpec, MlxSpec, free_ports
-    from ...node.collective.shm import ShmCollective, unlink_segment
+    from ...envoy.link import unlink_segment
+    from ...node.collective.shm import ShmCollective
 
     if transport == "shm":
         spec, shm = ShmCollective.create(nodes, slot, ctx, timeout_s=timeout_s)

@@ -7,18 +7,11 @@ from multiprocessing import shared_memory
 import mlx.core as mx
 import numpy as np
 
+from ...envoy.link import unlink_segment
 from ...envoy.reduce import DTYPES, Reducer
 from .base import Agreement, CollectiveError, Rider, from_wire, to_wire
 
 _HDR = 16  # per slot: int64 sequence number, int64 payload bytes
-
-
-def unlink_segment(shm: shared_memory.SharedMemory) -> None:
-    """Remove the segment's name, which rank 0 may have removed already."""
-    try:
-        shm.unlink()
-    except FileNotFoundError:
-        pass
 
 
 class ShmCollective:
@@ -47,10 +40,10 @@ class ShmCollective:
         self.world_size = spec.world_size
         self._spec = spec
         # Simulated nodes are spawned children sharing the creator's resource tracker. Rank 0
-        # drops the segment's name after the first all-reduce (_drop_name), so a creator killed
-        # together with its tracker leaves nothing in /dev/shm.
+        # drops the segment's name after the first all-reduce, so a creator killed together with
+        # its tracker leaves nothing in /dev/shm.
         self._shm = shared_memory.SharedMemory(name=spec.name)
-        self._named = True
+        self._named = rank == 0  # the name is still to drop, by this rank
         self._seq = 0
         self._reduce = Reducer()
         self._rider = Rider(rank, spec.world_size)
@@ -102,15 +95,10 @@ class ShmCollective:
                 raise CollectiveError(f"rank {src} is out of step at layer {layer} (step {seq}, expected {self._seq})")
             parts.append(np.frombuffer(sbody[:nbytes], dtype=DTYPES[dtype]))
         out = from_wire(self._rider.detach(self._reduce(parts, dtype), dtype, extra), dtype, partial.shape)
-        if self._named and self.rank == 0:
-            self._drop_name()
+        if self._named:  # every rank has the segment mapped (each wrote its slot): its name can go,
+            self._named = False  # the memory stays until the last rank unmaps it
+            unlink_segment(self._shm)
         return out
-
-    def _drop_name(self) -> None:
-        """Every rank has the segment mapped (each wrote its slot for this all-reduce): its name
-        can go; the memory stays until the last rank unmaps it."""
-        self._named = False
-        unlink_segment(self._shm)
 
     def failure(self) -> str | None:
         return None  # no child process to lose: a peer's loss fails the step itself
