@@ -442,8 +442,9 @@ class ExpertShard(nn.Module):
 
     def _routed_on_device(self, x: mx.array, inds: mx.array) -> mx.array:
         """Every (token, j) position through its expert's slot, no host sync: positions another
-        node computes go to slot 0 (keepalive lru: to its fillers, `_fill`) and are zeroed, so
-        without keepalive a node reads at most one expert more than it selected (measured against
+        node computes repeat a slot this node computes anyway (keepalive lru: go to its fillers,
+        `_fill`) and are zeroed, so without keepalive a node reads at most one expert more than it
+        selected, and only where it selected none (measured against
         the host path in tests/unit/test_experts.py)."""
         self._state.note(self._layer, inds, self._rank_of)
         rows = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, D): every slot of a token reads its row, as SwitchGLU
@@ -459,7 +460,9 @@ class ExpertShard(nn.Module):
                 return self._skipped(x, inds, slots)
             y = self._skipped(x, inds, mx.where(mine, slots, self._fill(inds, mine)))  # fillers read, then zeroed
             return mx.where(mine[..., None], y, mx.zeros_like(y))
-        other = self._fill(inds, mine) if self._ranks is not None else 0
+        # keepalive none: another node's positions repeat a slot read anyway (the highest selected
+        # here; slot 0 where none is), since a repeated expert's bytes are read once on a CPU
+        other = self._fill(inds, mine) if self._ranks is not None else mx.maximum(slots.max(), 0)
         y = self._mlp(rows, mx.where(mine, slots, other).astype(mx.uint32), None).squeeze(-2)  # (..., k, out)
         return mx.where(mine[..., None], y, mx.zeros_like(y))
 

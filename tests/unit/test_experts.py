@@ -33,6 +33,26 @@ def _shards(bank, placement: Placement, keepalive: str, dtype=mx.float32, linear
     return out
 
 
+class _Recording(ShardLinear):
+    """Notes each call's (output dim, slots multiplied): the weights it touches."""
+
+    seen: list[tuple[int, tuple[int, ...]]] = []
+
+    def __call__(self, x, slots, groups):
+        _Recording.seen.append((self.weight.shape[1], tuple(np.array(slots).reshape(-1).tolist())))
+        return super().__call__(x, slots, groups)
+
+
+def _rank0_of_two(keepalive: str, monkeypatch):
+    """Rank 0 of two (experts 0-3 here, 4-7 there), noting what it reads; the test fails where it
+    reads the routing on the host."""
+    _Recording.seen.clear()
+    p = Placement.from_json({"layers": {"0": {"0": [0, 1, 2, 3], "1": [4, 5, 6, 7]}}}, 2)
+    shard0 = _shards(_bank(3), p, keepalive, linear=_Recording)[0]
+    monkeypatch.setattr(ShardState, "count_routed", lambda *a: pytest.fail("indices read on the host"))
+    return shard0
+
+
 def _counters(shard):
     shard._state.settle()  # device-routed calls count lazily
     return dict(vars(shard._state.counters[0]))
@@ -115,22 +135,13 @@ def test_lru_fillers_are_chosen_on_the_device(monkeypatch):
     """Keepalive lru at N > 1 decodes without reading the routing on the host: the positions another
     node computes are pointed at this node's least recently used experts, as many as the busiest
     node computes beyond ours, and the rest at an expert read anyway."""
-    seen: list[set[int]] = []
-
-    class Recording(ShardLinear):
-        def __call__(self, x, slots, groups):
-            seen.append(set(np.array(slots).reshape(-1).tolist()))
-            return super().__call__(x, slots, groups)
-
-    bank = _bank(3)
-    p = Placement.from_json({"layers": {"0": {"0": [0, 1, 2, 3], "1": [4, 5, 6, 7]}}}, 2)
-    shard0 = _shards(bank, p, "lru", linear=Recording)[0]
-    monkeypatch.setattr(ShardState, "count_routed", lambda *a: pytest.fail("indices read on the host"))
+    seen = _Recording.seen
+    shard0 = _rank0_of_two("lru", monkeypatch)
     computed = []
     for _ in range(4):  # rank 1 selects experts 4 and 5, rank 0 expert 1 (its slot 1): one filler a call
         seen.clear()
         y = shard0(mx.zeros((1, 1, D)), mx.array([[[4, 5, 1]]]))
-        computed.append(seen[0])  # gate_proj's slots: the experts this call reads
+        computed.append(set(seen[0][1]))  # gate_proj's slots: the experts this call reads
         assert mx.array_equal(y[..., :2, :], mx.zeros_like(y[..., :2, :])).item()  # fillers' outputs left out
     monkeypatch.undo()
     assert computed == [{1, 0}, {1, 2}, {1, 3}, {1, 0}]  # slot 1 selected; the filler rotates, LRU first
@@ -165,16 +176,10 @@ def test_bfloat16_without_gather_mm_matches_float32():
 
 
 def test_warm_up_touches_every_local_expert():
-    seen: list[tuple[int, tuple[int, ...]]] = []  # (projection's output dim, slots it multiplied)
-
-    class Recording(ShardLinear):
-        def __call__(self, x, slots, groups):
-            y = super().__call__(x, slots, groups)
-            seen.append((self.weight.shape[1], tuple(np.array(slots).tolist())))
-            return y
-
+    seen = _Recording.seen
+    seen.clear()
     bank = _bank(5)
-    shard = _shards(bank, Placement.even({0: E}, 2), "lru", linear=Recording)[1]
+    shard = _shards(bank, Placement.even({0: E}, 2), "lru", linear=_Recording)[1]
     local = len(shard.global_ids)
     shard.warm_up()  # runs every local expert once; must not disturb the LRU order or counters
     # gate and up project D -> F, down F -> D: each ran over every local slot
@@ -182,6 +187,20 @@ def test_warm_up_touches_every_local_expert():
     assert all(sorted(set(slots)) == list(range(local)) for _, slots in seen), seen
     assert list(shard._lru) == list(range(local))
     assert shard._state.counters[0].calls == 0
+
+
+def test_without_keepalive_other_nodes_positions_read_no_other_expert(monkeypatch):
+    """Keepalive none routed on the device: the positions another node computes repeat an expert this
+    node reads anyway, so the weights read are those of its selected experts (a CPU reads a repeated
+    expert's bytes once), and slot 0 only where it selected none."""
+    seen = _Recording.seen
+    shard0 = _rank0_of_two("none", monkeypatch)
+    for inds, read in (([[[4, 2, 5]]], {2}), ([[[6, 3, 1], [7, 4, 5]]], {1, 3}), ([[[4, 5, 6]]], {0})):
+        seen.clear()
+        y = shard0(mx.ones((1, len(inds[0]), D)), mx.array(inds))
+        assert set(seen[0][1]) == read  # gate_proj's slots: the experts this call reads
+        theirs = mx.array(inds) >= 4
+        assert mx.array_equal(mx.where(theirs[..., None], y, 0), mx.zeros_like(y)).item()
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
