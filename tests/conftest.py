@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# float32 is held to |Δlogit| <= 1e-4 against stock: a GPU must compute it in float32, not in the TF32
+# MLX uses by default on CUDA (and on M5's NAX), 10 bits of mantissa (GPU run 11). Node processes the
+# tests start inherit it.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 # tests/<folder>/... -> the marker every test there gets (the markers are listed in pyproject.toml)
 FOLDER_MARKERS = {"unit": "unit", "integration": "integration", "cluster": "cluster", "families": "integration"}
