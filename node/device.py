@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from dataclasses import dataclass
@@ -67,3 +68,16 @@ def release_memory() -> int:
     gc.collect()
     mx.clear_cache()
     return mx.get_active_memory()
+
+
+def ieee_float32(dtype=None):
+    """A context in which float32 matmuls are IEEE float32: the CPU stream where the default device
+    is a GPU, whose float32 matmuls MLX computes in TF32 unless MLX_ENABLE_TF32=0 (CUDA, M5's NAX;
+    ~1e-3 relative, GPU run 11); otherwise, or for another `dtype` (half precision has no TF32
+    path), no change. For the exactness checks: the structure probe, the load-time check's shares
+    and reference."""
+    import mlx.core as mx
+
+    if (dtype is not None and dtype != mx.float32) or mx.default_device().type != mx.DeviceType.gpu:
+        return contextlib.nullcontext()
+    return mx.stream(mx.cpu)

@@ -29,7 +29,7 @@ from ..collective.base import Collective, LocalCollective
 from . import families, skip_gemv
 from ...proto.expert_cache import ExpertCacheSpec, auto_budget
 from ...proto.records import DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE
-from ..device import metal_info
+from ..device import ieee_float32, metal_info
 from .expert_cache import CacheStats, LayerCache, Part, Staging, choose_resident, read_parts, read_pool
 from .experts import ExpertShard, ShardLinear, ShardState
 from .layer import ClusterMoE, InProcessCluster, install, owns_dense_terms
@@ -84,8 +84,9 @@ class ShardedModel:
         if moe.description.routed_call:
             raise UserError(f"layer {layer}'s MoE block is called with its routing from outside; it cannot be probed")
         dtype = activation_dtype(moe.block, moe.description.bank_attr)
-        y = moe.partial(mx.array(x)[None].astype(dtype))
-        return np.array(y[0].astype(mx.float32))
+        with ieee_float32(dtype):  # as the reference is computed: the check holds float32 to 1e-4
+            y = moe.partial(mx.array(x)[None].astype(dtype))
+            return np.array(y[0].astype(mx.float32))
 
 
 def activation_dtype(block: nn.Module, bank_attr: str) -> mx.Dtype:
@@ -204,14 +205,16 @@ class Reference:
         out = {}
         for layer in layers:
             b = self.blocks[layer]
-            xa = mx.array(x)[None].astype(activation_dtype(b.block, b.bank_attr))
-            selection = _Selection(b.bank.out_dims)
-            set_bank(b.block, b.bank_attr, selection)
-            b.forward(b.block, xa)
-            holders = {e: (0,) if e in selection.selected else (1,) for e in range(b.num_experts)}
-            shard = _make_shard(ckpt, b, sorted(selection.selected), holders, ShardState(0, 2, "none"))
-            set_bank(b.block, b.bank_attr, shard)
-            out[layer] = np.array(b.forward(b.block, xa)[0].astype(mx.float32))
+            dtype = activation_dtype(b.block, b.bank_attr)
+            with ieee_float32(dtype):  # as the nodes compute their shares of the check
+                xa = mx.array(x)[None].astype(dtype)
+                selection = _Selection(b.bank.out_dims)
+                set_bank(b.block, b.bank_attr, selection)
+                b.forward(b.block, xa)
+                holders = {e: (0,) if e in selection.selected else (1,) for e in range(b.num_experts)}
+                shard = _make_shard(ckpt, b, sorted(selection.selected), holders, ShardState(0, 2, "none"))
+                set_bank(b.block, b.bank_attr, shard)
+                out[layer] = np.array(b.forward(b.block, xa)[0].astype(mx.float32))
         return out
 
 

@@ -36,6 +36,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ...proto.errors import UserError
+from ..device import ieee_float32
 from . import families
 
 GLU_PROJ = ("gate_proj", "up_proj", "down_proj")
@@ -196,7 +197,8 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
                tuple(sorted((n, type(c).__name__) for n, c in m.children().items() if isinstance(c, nn.Module))))
         if key not in probed:
             top_k = _sibling_top_k(modules, path, bank) if routed_call else None
-            probed[key] = _probe_in_float32(path, m, bank, top_k)
+            with ieee_float32():  # TF32's rounding would fail the linearity check (GPU run 11)
+                probed[key] = probe_block(path, m, bank, top_k)
         top_k, routers, dense, residual, forward, width = probed[key]
         blocks.append(MoEBlock(layer, path, m, bank, top_k, routers, dense, residual, forward, routed_call, width))
     return blocks
@@ -341,17 +343,6 @@ def _input_dims(block: nn.Module, bank: Bank) -> list[int]:
         if isinstance(m, nn.Linear) and m.weight.shape[-1] not in dims:
             dims.append(m.weight.shape[-1])
     return dims
-
-
-def _probe_in_float32(path: str, block: nn.Module, bank: Bank, top_k: int | None):
-    """probe_block, on the CPU where the default device is a GPU: float32 is IEEE float32 there,
-    while a GPU's float32 matmuls may round through TF32 (MLX_ENABLE_TF32, on by default on CUDA and
-    on M5's NAX), whose ~1e-3 errors fail the linearity check: kimi_k3's and nemotron_h's blocks
-    were refused on an H200 (GPU run 11). The probe is a few 8-token calls of one block."""
-    if mx.default_device().type != mx.DeviceType.gpu:
-        return probe_block(path, block, bank, top_k)
-    with mx.stream(mx.cpu):
-        return probe_block(path, block, bank, top_k)
 
 
 def probe_block(path: str, block: nn.Module, bank: Bank, top_k: int | None = None):

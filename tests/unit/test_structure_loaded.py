@@ -50,3 +50,25 @@ def test_a_node_loaded_near_mlxs_memory_limit_is_told(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="moe_cluster.node.moe.load"):
         load_shard(MODEL_DIR, None, 0, keepalive="none", warm_up=False)
     assert "within 10% of its memory limit (0.0 GB)" in caplog.text
+
+
+def test_on_a_gpu_the_structure_probe_computes_float32_on_the_cpu(monkeypatch):
+    """A GPU's float32 matmuls are TF32 unless MLX_ENABLE_TF32=0 (CUDA, M5), and TF32's rounding
+    failed the probe's linearity check (GPU run 11): where the default device is a GPU, the probe
+    runs on the CPU stream. Half precision, which has no TF32 path, is left where it is."""
+    import contextlib
+
+    from mlx_lm.utils import load_model
+
+    from moe_cluster.node.device import ieee_float32
+
+    streams = []
+    real_stream = mx.stream
+    monkeypatch.setattr(mx, "stream", lambda s: streams.append(s) or real_stream(s))
+    model, _ = load_model(MODEL_DIR)
+    find_moe_blocks(model)
+    assert streams == []  # this machine's default device is the CPU already
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert isinstance(ieee_float32(mx.bfloat16), contextlib.nullcontext)
+    blocks = find_moe_blocks(model)
+    assert [b.layer for b in blocks] == [0, 1, 2, 3] and streams == [mx.cpu]  # one block type, probed once
