@@ -17,8 +17,9 @@ import sys
 import time
 
 
-class _Alone:
-    """A collective of `world` ranks that waits for nobody."""
+class AloneCollective:
+    """A collective of `world` ranks that waits for nobody: its all-reduce returns the node's own
+    partial (also scripts/gpu/load_check_probe.py's nodes, whose probes never all-reduce)."""
 
     in_graph = True
 
@@ -40,7 +41,7 @@ def _rank(model: str, rank: int, world: int, tokens: int, rounds: int) -> None:
 
     from moe_cluster.node.moe.load import load_shard
 
-    net = load_shard(model, None, rank, keepalive="none", collective=_Alone(rank, world)).model
+    net = load_shard(model, None, rank, keepalive="none", collective=AloneCollective(rank, world)).model
     for r in range(rounds):
         cache = make_prompt_cache(net)
         mx.eval(net(mx.array([[1, 2, 3, 4]]), cache=cache))

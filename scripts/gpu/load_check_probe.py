@@ -11,29 +11,18 @@ import asyncio
 import contextlib
 import json
 import os
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
 
 from moe_cluster.coordinator.serve import verify
-from moe_cluster.node.collective.base import Rider
 from moe_cluster.node.demo import MODEL_DIR
 from moe_cluster.node.moe import load, structure
 
-
-class _Alone:
-    """A collective of `world` ranks that waits for nobody: probes never all-reduce."""
-
-    in_graph = True
-
-    def __init__(self, rank, world):
-        self.rank, self.world_size, self._rider = rank, world, Rider(rank, world)
-
-    def all_reduce(self, partial, layer):
-        return partial
-
-    def __getattr__(self, name):  # begin, ride, settle, watch, close, abort: no-ops here
-        return lambda *a, **k: None
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rank_alone_probe import AloneCollective  # noqa: E402
 
 
 async def _check(shards):
@@ -46,7 +35,7 @@ async def _check(shards):
 
 
 def main() -> int:
-    shards = [load.load_shard(str(MODEL_DIR), None, r, keepalive="none", collective=_Alone(r, 2)) for r in range(2)]
+    shards = [load.load_shard(str(MODEL_DIR), None, r, keepalive="none", collective=AloneCollective(r, 2)) for r in range(2)]
     base = {"device": str(mx.default_device()), "MLX_ENABLE_TF32": os.environ.get("MLX_ENABLE_TF32", "(default: 1)")}
     for variant in ("as shipped", "without ieee_float32"):
         if variant != "as shipped":
