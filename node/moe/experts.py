@@ -461,7 +461,8 @@ class ExpertShard(nn.Module):
             y = self._skipped(x, inds, mx.where(mine, slots, self._fill(inds, mine)))  # fillers read, then zeroed
             return mx.where(mine[..., None], y, mx.zeros_like(y))
         # keepalive none: another node's positions repeat a slot read anyway (the highest selected
-        # here; slot 0 where none is), since a repeated expert's bytes are read once on a CPU
+        # here; slot 0 where none is): a repeated expert's weights come from cache, not memory
+        # (scripts/filler_probe.py), though a CPU still computes the row
         other = self._fill(inds, mine) if self._ranks is not None else mx.maximum(slots.max(), 0)
         y = self._mlp(rows, mx.where(mine, slots, other).astype(mx.uint32), None).squeeze(-2)  # (..., k, out)
         return mx.where(mine[..., None], y, mx.zeros_like(y))
