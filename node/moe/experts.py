@@ -21,7 +21,7 @@ from ...proto.errors import UserError
 from ...proto.records import KEEPALIVES
 from . import skip_gemv
 from .expert_cache import CacheStats, LayerCache, Staging
-from .routing import assign, per_rank
+from .routing import ArrayRule, assign, everywhere_or_once, per_rank, selected_experts
 
 # Upper bounds (seconds) of the all-reduce latency histogram every node keeps (the coordinator's
 # /metrics shows it per node).
@@ -137,9 +137,10 @@ class ShardState:
         with self._lock:
             return {layer: (self.held.get(layer, ()), tuple(int(n) for n in r)) for layer, r in sorted(self.routed.items())}
 
-    def note(self, layer: int, inds: mx.array, rank_of: np.ndarray) -> None:
+    def note(self, layer: int, inds: mx.array, rank_of: np.ndarray | mx.array) -> None:
         """A call routed on the device: its indices (evaluated with the step anyway) are counted
-        on the host later, adding nothing to the step's graph. rank_of[e] = the rank computing e."""
+        on the host later, adding nothing to the step's graph. rank_of[e] = the rank computing e:
+        the layer's table, or this call's (replicas; evaluated with the step too)."""
         self.pending.append((layer, inds, rank_of))
         if len(self.pending) > _FOLD_HARD:  # nobody marks steps (a loop of its own): bound the list
             self.settle(keep=_FOLD_KEEP)
@@ -172,18 +173,26 @@ class ShardState:
         index = {layer: i for i, layer in enumerate(layers)}
         layer_of_call = np.fromiter((index[layer] for layer, _, _ in done), dtype=np.int64, count=len(done))
         layer_of = layer_of_call[call]  # per id: its layer's index in `layers`
-        tables = {layer: rank_of for layer, _, rank_of in done}
-        width = max(len(t) for t in tables.values())
-        known = (ids >= 0) & (ids < np.array([len(tables[layer]) for layer in layers])[layer_of])
+        # per call, the rank computing each expert: its layer's table, or the call's own where
+        # replicas were assigned on the device (ArrayRule's ranks, evaluated with the step)
+        rows: dict[int, int] = {}  # id(table) -> its row in `tables`: a layer's table is shared by its calls
+        tables, table_of_call = [], np.empty(len(done), dtype=np.int64)
+        for i, (_, _, t) in enumerate(done):
+            if id(t) not in rows:
+                rows[id(t)] = len(tables)
+                tables.append(np.asarray(memoryview(t) if isinstance(t, mx.array) else t))
+            table_of_call[i] = rows[id(t)]
+        width = max(len(t) for t in tables)
+        known = (ids >= 0) & (ids < np.array([len(t) for t in tables])[table_of_call[call]])
         call, ids, layer_of = call[known], ids[known], layer_of[known]  # a family's sentinel ids are no expert
         for i, layer in enumerate(layers):  # per-expert selections (the routing heat map)
             self.count_routed(layer, ids[layer_of == i])
         # each call's distinct experts, then how many of them each rank computes
         key = np.unique(call * width + ids)
         call_of, expert_of = key // width, key % width
-        rank_table = np.stack([np.pad(tables[layer], (0, width - len(tables[layer]))) for layer in layers])
+        rank_table = np.stack([np.pad(t.astype(np.int64), (0, width - len(t))) for t in tables])
         counts = np.zeros((len(done), self.world_size), dtype=np.int64)
-        np.add.at(counts, (call_of, rank_table[layer_of_call[call_of], expert_of]), 1)
+        np.add.at(counts, (call_of, rank_table[table_of_call[call_of], expert_of]), 1)
         calls = np.bincount(layer_of_call, minlength=len(layers))
         mine = np.bincount(layer_of_call, weights=counts[:, self.rank], minlength=len(layers))
         biggest = np.bincount(layer_of_call, weights=counts.max(axis=1), minlength=len(layers))
@@ -320,23 +329,30 @@ class ExpertShard(nn.Module):
         state.held[layer] = self._ids
         state.routed.setdefault(layer, np.zeros(len(holders), dtype=np.int64))
         # Routing on the device, without reading the indices on the host, where the work is a
-        # fixed function of them and of device state: every expert has one holder (no replica to
-        # choose at run time), and keepalive is none, or lru (its fillers are chosen on the device
-        # from the recency stamps), or the node is alone (the cluster maximum is ours: no filler).
-        self._lut = self._rank_of = self._ranks = self._local = None
+        # fixed function of them and of device state: every expert has one holder, or one holder or
+        # all of them (replicas choose their rank through ArrayRule, routing.py's rule as array
+        # operations), and keepalive is none, or lru (its fillers are chosen on the device from the
+        # recency stamps), or the node is alone (the cluster maximum is ours: no filler).
+        self._lut = self._rank_of = self._ranks = self._local = self._rule = None
         self._identity = False
-        if self._ids and all(len(rs) == 1 for rs in self._holders.values()) and (
+        if self._ids and everywhere_or_once(self._holders, state.world_size) and (
                 state.keepalive in ("none", "lru") or state.world_size == 1):
             n = len(self._slot)
-            self._rank_of = np.array([self._holders[e][0] for e in range(n)], dtype=np.int64)
-            lut = np.where(self._rank_of == state.rank, self._slot, -1)  # global -> slot
-            # alone with every expert in id order, the table is the identity: the indices are the slots
-            self._identity = bool(np.array_equal(lut, np.arange(n)))
-            self._lut = mx.array(lut.astype(np.int32))
+            if all(len(rs) == 1 for rs in self._holders.values()):
+                self._rank_of = np.array([self._holders[e][0] for e in range(n)], dtype=np.int64)
+                lut = np.where(self._rank_of == state.rank, self._slot, -1)  # global -> slot
+                # alone with every expert in id order, the table is the identity: the indices are the slots
+                self._identity = bool(np.array_equal(lut, np.arange(n)))
+                self._lut = mx.array(lut.astype(np.int32))
+            else:  # replicas: the table is made per call from the rule's ranks
+                self._rule = ArrayRule(self._holders, state.world_size)
+                self._held_slot = mx.array(self._slot.astype(np.int32))  # global -> slot here, -1: not held
             if state.keepalive == "lru" and state.world_size > 1:
-                # expert -> its rank, one-hot (num_experts, world): distinct experts per rank in one sum
-                self._ranks = mx.array(self._rank_of[:, None] == np.arange(state.world_size))
                 self._local = mx.array(np.asarray(self._ids, dtype=np.int32))  # slot -> global id
+                self._world = mx.arange(state.world_size)
+                if self._rank_of is not None:
+                    # expert -> its rank, one-hot (num_experts, world): distinct experts per rank in one sum
+                    self._ranks = mx.array(self._rank_of[:, None] == np.arange(state.world_size))
         last = self.down_proj if kind == "glu" else self.fc2
         self._gathered = not last._per_expert  # one gather_mm per call
         self._skip: mx.Dtype | None = None  # decode at N > 1 through skip_gemv, for inputs of this dtype (enable_skip_gemv)
@@ -352,7 +368,7 @@ class ExpertShard(nn.Module):
         many of a later round's misses are read while an earlier round computes."""
         self._cache = cache
         self._ahead = max(int(ahead), 1)
-        self._lut = None
+        self._lut = self._rule = None
         self._state.cache[self._layer] = cache.stats
 
     def prefetch_into(self, cache: LayerCache | None, candidates: Sequence[int], depth: int) -> None:
@@ -366,7 +382,7 @@ class ExpertShard(nn.Module):
     def enable_skip_gemv(self) -> str | None:
         """Compute the device-routed decode step at N > 1 with skip_gemv (CUDA), which reads nothing
         for the positions another node computes; returns why not (None: on)."""
-        if self._lut is None or self._state.world_size == 1 or not self._gathered:
+        if not self._device_routed or self._state.world_size == 1 or not self._gathered:
             return "this layer's decode is not routed on the device at N > 1"
         projs = self._projections()
         for p in projs:
@@ -395,6 +411,10 @@ class ExpertShard(nn.Module):
         else:
             y = skip_gemv.skip_gemv(self._activation(skip_gemv.skip_gemv(x2, self.fc1.weight, s, k)), self.fc2.weight, s, 1)
         return y.reshape(*inds.shape, y.shape[-1])
+
+    @property
+    def _device_routed(self) -> bool:
+        return self._lut is not None or self._rule is not None
 
     @property
     def global_ids(self) -> tuple[int, ...]:
@@ -446,37 +466,46 @@ class ExpertShard(nn.Module):
         `_fill`) and are zeroed, so without keepalive a node reads at most one expert more than it
         selected, and only where it selected none (measured against
         the host path in tests/unit/test_experts.py)."""
-        self._state.note(self._layer, inds, self._rank_of)
         rows = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, D): every slot of a token reads its row, as SwitchGLU
         if self._state.world_size == 1:  # alone: every expert is here, in stock's order where it is the identity
+            self._state.note(self._layer, inds, self._rank_of)
             slots = inds if self._identity else self._lut[inds].astype(mx.uint32)
             if inds.size >= SORTED_FROM:
                 return self._sorted(rows, slots)
             return self._mlp(rows, slots, None).squeeze(-2)
-        slots = self._lut[inds]  # (..., k): local slot, or -1 where another node computes it
+        lut, rank_of, ranks, present = self._lut, self._rank_of, self._ranks, None
+        if self._rule is not None or ranks is not None:
+            present = selected_experts(inds, len(self._slot))
+        if self._rule is not None:  # this call's ranks for the replicas, then its table
+            rank_of = self._rule(inds, present)
+            lut = mx.where(rank_of == self._state.rank, self._held_slot, -1)
+            if self._local is not None:  # keepalive lru
+                ranks = rank_of[:, None] == self._world
+        self._state.note(self._layer, inds, rank_of)
+        slots = lut[inds]  # (..., k): local slot, or -1 where another node computes it
         mine = slots >= 0
         if self._skip is not None and x.dtype == self._skip:
-            if self._ranks is None:  # nothing read for the positions another node computes
+            if ranks is None:  # nothing read for the positions another node computes
                 return self._skipped(x, inds, slots)
-            y = self._skipped(x, inds, mx.where(mine, slots, self._fill(inds, mine)))  # fillers read, then zeroed
+            y = self._skipped(x, inds, mx.where(mine, slots, self._fill(mine, ranks, present)))  # fillers read, then zeroed
             return mx.where(mine[..., None], y, mx.zeros_like(y))
         # keepalive none: another node's positions repeat a slot read anyway (the highest selected
         # here; slot 0 where none is): a repeated expert's weights come from cache, not memory
         # (scripts/filler_probe.py), though a CPU still computes the row
-        other = self._fill(inds, mine) if self._ranks is not None else mx.maximum(slots.max(), 0)
+        other = self._fill(mine, ranks, present) if ranks is not None else mx.maximum(slots.max(), 0)
         y = self._mlp(rows, mx.where(mine, slots, other).astype(mx.uint32), None).squeeze(-2)  # (..., k, out)
         return mx.where(mine[..., None], y, mx.zeros_like(y))
 
-    def _fill(self, inds: mx.array, mine: mx.array) -> mx.array:
-        """Keepalive lru on the device: the slot each position another node computes takes here, so
+    def _fill(self, mine: mx.array, ranks: mx.array, present: mx.array) -> mx.array:
+        """Keepalive lru on the device (`ranks`: expert x rank, who computes it; `present`: the
+        experts this call selects): the slot each position another node computes takes here, so
         that this node computes as many distinct experts as the busiest node (min(cluster max, its
         experts)), the extra ones its least recently used; the rest repeat an expert already read.
         Another node's positions always suffice: the busiest node's experts all sit at positions
         that are not ours. Its outputs are zeroed by the caller; only the weights' reads matter."""
         local = len(self._ids)
-        present = mx.zeros((len(self._slot),), dtype=mx.int32).at[inds.reshape(-1)].add(1) > 0  # (E,)
-        per_rank = (present[:, None] & self._ranks).astype(mx.int32).sum(axis=0)  # distinct experts per rank
-        selected = present[self._local]  # (local,)
+        per_rank = (present[:, None] & ranks).astype(mx.int32).sum(axis=0)  # distinct experts per rank
+        selected = (present & ranks[:, self._state.rank])[self._local]  # (local,): computed here
         n_mine = per_rank[self._state.rank]
         want = mx.minimum(per_rank.max(), local) - n_mine  # fillers this call
         order = mx.argsort(mx.where(selected, 2**31 - 1, self._stamp * local + mx.arange(local)))  # free, LRU first
@@ -500,7 +529,7 @@ class ExpertShard(nn.Module):
         state = self._state
         if self._next is not None:  # the next layer's likely misses read while this one runs
             self._next.prefetch(self._next_candidates, self._depth)
-        if self._lut is not None and self._gathered and (inds.size < SORTED_FROM or state.world_size == 1):
+        if self._device_routed and self._gathered and (inds.size < SORTED_FROM or state.world_size == 1):
             return self._routed_on_device(x, inds)
         t0 = time.perf_counter()
         flat = np.array(inds).reshape(-1, inds.shape[-1])  # host sync: tiny

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
+import mlx.core as mx
+import numpy as np
+
 # holders[e] = the ranks that hold expert e of this layer, ascending.
 Holders = Mapping[int, Sequence[int]]
 
@@ -50,3 +53,54 @@ def per_rank(chosen: Mapping[int, int], world_size: int) -> list[int]:
 def rank_counts(selected: Iterable[int], holders: Holders, world_size: int) -> list[int]:
     """How many distinct selected experts each rank computes under `assign`."""
     return per_rank(assign(selected, holders), world_size)
+
+
+def selected_experts(inds: mx.array, num_experts: int) -> mx.array:
+    """(num_experts,) bool: the experts a call's indices select, on the device."""
+    return mx.zeros((num_experts,), dtype=mx.int32).at[inds.reshape(-1)].add(1) > 0
+
+
+def everywhere_or_once(holders: Holders, world_size: int) -> bool:
+    """Every expert is held by one node or by all of them: every placement at N = 2, and any
+    placement whose replicas are full copies. `ArrayRule` computes `assign` for these."""
+    full = tuple(range(world_size))
+    return all(len(rs) == 1 or tuple(rs) == full for rs in holders.values())
+
+
+class ArrayRule:
+    """`assign` as a few array operations on the device, for holders where `everywhere_or_once`:
+    the decode step learns which node computes each replicated expert without reading the routing
+    on the host.
+
+    With every replica on every node, `assign`'s greedy pass is water-filling: the single-held
+    experts set each rank's load L_r, then each replicated expert, by id, takes the free place
+    (level, rank) that is smallest in that order, with level >= L_r. So the n-th replicated expert
+    selected goes to the rank of the n-th smallest such place; only levels min(L) .. min(L) + P - 1
+    can hold one of the first P. The unit tests hold it to `assign` on random selections.
+    """
+
+    def __init__(self, holders: Holders, world_size: int):
+        if not everywhere_or_once(holders, world_size):
+            raise ValueError("ArrayRule needs every expert held by one node or by every node")
+        n = len(holders)
+        single = np.array([len(holders[e]) == 1 for e in range(n)])
+        owner = np.array([holders[e][0] for e in range(n)])
+        self._n, self._world, self._replicated = n, world_size, int((~single).sum())
+        self._single = mx.array(single)
+        self._owner = mx.array(owner.astype(np.int32))
+        self._load = mx.array(((owner[:, None] == np.arange(world_size)) & single[:, None]).astype(np.int32))
+        self._grids: dict[int, tuple[mx.array, mx.array]] = {}  # P -> levels above min(L) (P, 1), places (P, world)
+
+    def __call__(self, inds: mx.array, present: mx.array) -> mx.array:
+        """(num_experts,) int32: the rank computing each expert that `inds` select (`present`: the
+        experts they select, `selected_experts`); any rank for the others."""
+        P = max(min(inds.size, self._replicated), 1)  # replicated experts one call can select
+        if P not in self._grids:
+            self._grids[P] = (mx.arange(P, dtype=mx.int32)[:, None],
+                              mx.arange(P * self._world, dtype=mx.int32).reshape(P, self._world))
+        levels, places = self._grids[P]
+        load = (self._load * present[:, None]).sum(axis=0)  # (world,): single-held experts per rank
+        nth = mx.cumsum((present & ~self._single).astype(mx.int32)) - 1  # each replica's turn, by id
+        free = levels + load.min() >= load  # (P, world): place (level, rank) is above rank's load
+        turn = mx.sort(mx.where(free, places, P * self._world).reshape(-1))[:P] % self._world
+        return mx.where(self._single, self._owner, turn[mx.clip(nth, 0, P - 1)])

@@ -45,8 +45,9 @@ def _scenario(scenario: str, spec, rank: int, model: str) -> dict:
     from moe_cluster.proto.records import GenerateRequest, Sampling
 
     collective = make_collective(spec, rank)
-    sharded = load_shard(model, None, rank, keepalive="none", collective=collective)  # device-routed experts
-    if scenario == "graph":
+    placement = _replicas_on_both(model) if scenario == "graph-replicas" else None
+    sharded = load_shard(model, placement, rank, keepalive="none", collective=collective)  # device-routed experts
+    if scenario.startswith("graph"):
         return _one_step(sharded)
     explicit = []  # layers of the all-reduces outside the MoE layers (explicit agreements)
     reduce = collective.all_reduce
@@ -73,6 +74,16 @@ def _scenario(scenario: str, spec, rank: int, model: str) -> dict:
         batch.sample_tokens = sample
         collective.close()
     return {"tokens": tokens, "cancelled": result.cancelled, "explicit": len(explicit)}
+
+
+def _replicas_on_both(model: str):
+    """Two nodes, half of every layer's experts held by both: the replica rule decides per call."""
+    from moe_cluster.node.checkpoint import Checkpoint
+    from moe_cluster.node.moe.load import moe_layers_of
+    from moe_cluster.proto.placement import Placement
+
+    layers = moe_layers_of(Checkpoint.open(model))
+    return Placement(2, {l: {0: tuple(range(3 * n // 4)), 1: tuple(range(n // 4, n))} for l, n in layers.items()})
 
 
 def _one_step(sharded) -> dict:
@@ -175,12 +186,20 @@ def reports_of(request, model):
 
 
 def test_an_mlx_step_is_one_graph_with_the_all_gather_inside(model):
-    reports = _run(("graph",), "mlx", model)[0]["graph"]
-    assert all("error" not in r for r in reports.values()), reports
-    for rank, r in reports.items():
-        assert r["syncs"] == [], f"rank {rank} synced with the host while building the step: {r['syncs']}"
-        assert r["gathers"] == r["moe_layers"], (rank, r["gathers"], r["moe_layers"])
-    assert reports[0]["logits"] == reports[1]["logits"]  # rank-order float32 sum: the same bytes everywhere
+    """With the even split, and with replicated experts (their holder chosen by the replica rule
+    on the device): no host sync while the step is built, the same logits on both nodes, and the
+    replicas change them by no more than float32 rounding."""
+    import numpy as np
+
+    both = _run(("graph", "graph-replicas"), "mlx", model)[0]
+    for scenario, reports in both.items():
+        assert all("error" not in r for r in reports.values()), (scenario, reports)
+        for rank, r in reports.items():
+            assert r["syncs"] == [], f"{scenario}, rank {rank}: synced with the host while building the step: {r['syncs']}"
+            assert r["gathers"] == r["moe_layers"], (scenario, rank, r["gathers"], r["moe_layers"])
+        assert reports[0]["logits"] == reports[1]["logits"]  # rank-order float32 sum: the same bytes everywhere
+    even, replicas = (np.frombuffer(both[s][0]["logits"], dtype=np.float32) for s in ("graph", "graph-replicas"))
+    assert np.abs(even - replicas).max() <= 1e-5
 
 
 @pytest.mark.parametrize("transport", ["mlx", "envoy"])

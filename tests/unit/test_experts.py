@@ -66,6 +66,13 @@ def _step(shards, x, inds):
     return ys, delta
 
 
+def _on_the_host(shards):
+    """The same shards taking the host path: indices read on the host, rows grouped by expert."""
+    for s in shards:
+        s._lut = s._rule = None
+    return shards
+
+
 @pytest.mark.parametrize("keepalive", ["lru", "none"])  # none: decode routed on the device
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_partials_sum_to_the_full_bank(world, keepalive):
@@ -208,10 +215,8 @@ def test_device_routing_equals_the_host_path(world):
     """Decode steps routed on the device (no host sync) give the host path's outputs and counters."""
     bank = _bank()
     placement = Placement.even({0: E}, world)
-    device, host = _shards(bank, placement, "none"), _shards(bank, placement, "none")
-    for s in host:
-        s._lut = None  # the host path: indices read on the host, rows grouped by expert
-    assert all(s._lut is not None for s in device)
+    device, host = _shards(bank, placement, "none"), _on_the_host(_shards(bank, placement, "none"))
+    assert all(s._device_routed for s in device)
     _assert_steps_agree(device, host, seed=1, atol=1e-6)
 
 
@@ -246,20 +251,56 @@ def test_alone_every_call_is_stocks_op_for_op(tokens, monkeypatch):
     assert shard._state.routing()[0][1] == tuple(np.bincount(sel.reshape(-1), minlength=E))
 
 
-def test_replicated_experts_keep_the_host_path():
-    """A replica is chosen per call from the whole selection, so it is decided on the host."""
-    placement = Placement(2, {0: {0: tuple(range(E)), 1: (0, 1)}})
-    assert all(s._lut is None for s in _shards(_bank(), placement, "none"))
+# Replicas: at N = 2 every replica is on both nodes; at N = 3, full copies, and copies on 2 of 3.
+_TWO = Placement(2, {0: {0: (0, 1, 2, 3, 4, 5), 1: (2, 3, 4, 5, 6, 7)}})
+_EVERYWHERE = Placement(3, {0: {0: (0, 1, 2, 6), 1: (0, 1, 3, 4), 2: (0, 1, 5, 7)}})
+_PARTLY = Placement(3, {0: {0: (0, 1, 2, 6), 1: (0, 3, 4), 2: (1, 5, 7)}})
+
+
+@pytest.mark.parametrize("keepalive", ["none", "lru"])
+@pytest.mark.parametrize("placement", [_TWO, _EVERYWHERE], ids=["two", "everywhere"])
+def test_replicas_held_everywhere_are_routed_on_the_device(placement, keepalive):
+    """Every replica on every node: the replica rule runs as array operations (routing.ArrayRule),
+    with no host read of the indices, and gives the host path's partial outputs and counters."""
+    bank = _bank(5)
+    device, host = _shards(bank, placement, keepalive), _on_the_host(_shards(bank, placement, keepalive))
+    assert all(s._rule is not None for s in device)
+    _assert_steps_agree(device, host, seed=5, atol=1e-5)
+    # the host path times its read of the indices; the device path has none to time
+    assert all(s._state.timers.attention_router == 0 for s in device)
+    assert all(s._state.timers.attention_router > 0 for s in host)
+
+
+@pytest.mark.parametrize("keepalive", ["none", "lru"])
+def test_with_replicas_a_node_reads_the_experts_it_computes(keepalive):
+    """Device-routed with replicas: the distinct experts a node's call reads are those it computes
+    (its own, plus lru's fillers up to the busiest node), never a replica another node computes
+    beside them."""
+    seen = _Recording.seen
+    shards = _shards(_bank(6), _TWO, keepalive, linear=_Recording)
+    rng = np.random.default_rng(6)
+    for step in range(40):
+        tokens = 1 + step % 2
+        inds = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(1, tokens, K))
+        for shard in shards:
+            before = _counters(shard)
+            seen.clear()
+            mx.eval(shard(mx.ones((1, tokens, D)), inds))
+            computed = _counters(shard)["computed"] - before["computed"]
+            assert len(set(seen[0][1])) == max(computed, 1), (step, seen[0][1])  # slot 0 where it computes none
+
+
+def test_replicas_on_some_nodes_keep_the_host_path():
+    """A replica on 2 of 3 nodes: assign's greedy pass has no array form here; the host decides."""
+    assert all(not s._device_routed for s in _shards(_bank(), _PARTLY, "none"))
 
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_routing_counts_every_selection_on_both_paths(world):
     """Each (token, slot) selection counts once for its expert, on every node alike (the heat map)."""
     placement = Placement.even({0: E}, world)
-    device, host = _shards(_bank(), placement, "none"), _shards(_bank(), placement, "lru")
-    for s in host:
-        s._lut = None  # the host path: indices read on the host
-    assert device[0]._lut is not None
+    device, host = _shards(_bank(), placement, "none"), _on_the_host(_shards(_bank(), placement, "lru"))
+    assert device[0]._device_routed
     rng = np.random.default_rng(2)
     want = np.zeros(E, dtype=np.int64)
     for tokens in (1, 4, 1):
@@ -310,11 +351,9 @@ def test_the_skipping_decode_step_equals_the_host_path(world, keepalive, monkeyp
     monkeypatch.setattr(skip_gemv, "skip_gemv", _reference_skip_gemv)
     bank = _bank()
     placement = Placement.even({0: E}, world)
-    skipping, host = _shards(bank, placement, keepalive), _shards(bank, placement, keepalive)
+    skipping, host = _shards(bank, placement, keepalive), _on_the_host(_shards(bank, placement, keepalive))
     for s in skipping:
         s._skip = mx.float32  # what enable_skip_gemv sets where the kernel checks out (CUDA only)
-    for s in host:
-        s._lut = None
     _assert_steps_agree(skipping, host, seed=2, atol=1e-5)
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from moe_cluster.proto.placement import Placement, PlacementError
-from moe_cluster.node.moe.routing import assign, rank_counts
+from moe_cluster.node.moe.routing import ArrayRule, assign, everywhere_or_once, rank_counts, selected_experts
 from moe_cluster.proto.placement import holders_of
 
 
@@ -30,6 +30,36 @@ def test_replication_never_raises_the_maximum():
     h0, h1 = holders_of(base, 8), holders_of(replicated, 8)
     for sel in itertools.combinations(range(8), 3):
         assert max(rank_counts(sel, h1, 2)) <= max(rank_counts(sel, h0, 2))
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_the_array_rule_is_assign(world):
+    """ArrayRule (the rule on the device) assigns every selected expert as `assign` does, where each
+    expert is held by one node or all: random holders, from no replica to all replicated, calls of
+    1-3 tokens."""
+    import mlx.core as mx
+    import numpy as np
+
+    rng = np.random.default_rng(world)
+    for share in (0.0, 0.3, 0.7, 1.0):  # the fraction of experts replicated everywhere
+        for _ in range(40):
+            n = int(rng.integers(world, 24))
+            holders = {e: tuple(range(world)) if rng.random() < share else (int(rng.integers(world)),)
+                       for e in range(n)}
+            k, tokens = int(rng.integers(1, min(n, 8) + 1)), int(rng.integers(1, 4))
+            sel = np.stack([rng.choice(n, k, replace=False) for _ in range(tokens)]).astype(np.uint32)
+            inds = mx.array(sel.reshape(1, tokens, k))
+            got = np.array(ArrayRule(holders, world)(inds, selected_experts(inds, n)))
+            want = assign(np.unique(sel).tolist(), holders)
+            assert {e: int(got[e]) for e in want} == want, (holders, sel)
+
+
+def test_the_array_rule_needs_replicas_everywhere():
+    holders = {0: (0,), 1: (0, 1), 2: (2,)}  # expert 1 on 2 of 3 nodes
+    assert not everywhere_or_once(holders, 3)
+    assert everywhere_or_once({0: (0,), 1: (0, 1, 2), 2: (2,)}, 3)
+    with pytest.raises(ValueError, match="every node"):
+        ArrayRule(holders, 3)
 
 
 def test_holders_errors():
