@@ -462,10 +462,10 @@ class ExpertShard(nn.Module):
 
     def _routed_on_device(self, x: mx.array, inds: mx.array) -> mx.array:
         """Every (token, j) position through its expert's slot, no host sync: positions another
-        node computes repeat a slot this node computes anyway (keepalive lru: go to its fillers,
-        `_fill`) and are zeroed, so without keepalive a node reads at most one expert more than it
-        selected, and only where it selected none (measured against
-        the host path in tests/unit/test_experts.py)."""
+        node computes (for a replica, the one this call's ArrayRule picks) repeat a slot this node
+        computes anyway (keepalive lru: go to its fillers, `_fill`) and are zeroed, so without
+        keepalive a node reads at most one expert more than it selected, and only where it selected
+        none (measured against the host path in tests/unit/test_experts.py)."""
         rows = mx.expand_dims(x, (-2, -3))  # (..., 1, 1, D): every slot of a token reads its row, as SwitchGLU
         if self._state.world_size == 1:  # alone: every expert is here, in stock's order where it is the identity
             self._state.note(self._layer, inds, self._rank_of)
