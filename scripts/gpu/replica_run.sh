@@ -4,7 +4,7 @@
 # commit before routing.ArrayRule, whose nodes read the routing on the host wherever a layer has
 # replicas). One JSON line per run in OUT/<model>.jsonl.
 # Env: PYTHONPATH=/tmp/site (scripts/gpu/setup.sh); OLD_SITE; MODELS ("demo qwen3-30b-a3b:12");
-#      KEEPALIVES ("none lru"); PAIRS (3).
+#      KEEPALIVES ("none lru"); PAIRS (3); GPUS=1: node r on GPU r (a host with two), NCCL.
 set -u
 OUT=${1:-/tmp/replica}
 mkdir -p "$OUT"
@@ -24,6 +24,7 @@ for spec in ${MODELS-demo qwen3-30b-a3b:12}; do
         pp=$PYTHONPATH
         [ "$side" = old ] && pp=$OLD_SITE:$PYTHONPATH
         PYTHONPATH=$pp python3 scripts/replica_probe.py --model "$path" --keepalive "$k" --max-tokens 32 --rounds 2 \
+          $([ -n "${GPUS:-}" ] && echo --gpus) \
           >> "$OUT/$m.jsonl" 2>> "$OUT/$m.err"
         tail -n1 "$OUT/$m.jsonl" | cut -c1-150
       done
