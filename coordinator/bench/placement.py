@@ -1,8 +1,8 @@
 """`moe-cluster bench placement`: does profile-guided placement lower the per-node expert load?
 
 Profiles the model's routing on some prompts, plans two placements for N nodes with the same
-memory — the even split, and the profile-guided one (hot experts spread, the hottest replicated
-into the spare room) — and measures, on other prompts, the mean over MoE layers and steps of the
+memory — the even split, and the profile-guided one (hot experts spread, the hottest copied to
+every node while the spare room allows) — and measures, on other prompts, the mean over MoE layers and steps of the
 largest number of experts any node computes (what bounds a layer's time, the paper's E).
 """
 

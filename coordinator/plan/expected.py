@@ -31,7 +31,7 @@ from fractions import Fraction
 from typing import Iterable, Mapping, Sequence
 
 from ...node.moe.routing import rank_counts
-from ...proto.placement import holders_of
+from ...proto.placement import copy_everywhere, holders_of
 from ...proto.records import KEEPALIVES
 from .perfmodel import PlanError
 
@@ -75,12 +75,10 @@ def placement_for(
     replicas_per_node: int = 0,
     profile_counts: Sequence[int] | None = None,
 ) -> dict[int, list[int]]:
-    """Experts split evenly, then up to `replicas_per_node` extra experts per node.
-
-    Replicas go to the hottest experts first (by `profile_counts`; under uniform routing the
-    ranks' blocks are interleaved so every rank's experts get copies alike), each to the node with the most free replica slots that lacks it (lowest rank on a
-    tie), cycling through the experts until the slots are used. Small and pure on purpose: the
-    placement planner (coordinator/placement.py) can replace it.
+    """Experts split evenly, then up to `replicas_per_node` extra experts per node, as the
+    placement planner copies them (proto.placement.copy_everywhere): the hottest first (by
+    `profile_counts`; under uniform routing the ranks' blocks interleaved so that every rank's
+    experts get copies alike), each to every node that lacks it while each of those has room.
     """
     placement = even_split(num_experts, nodes)
     if replicas_per_node < 0:
@@ -94,21 +92,8 @@ def placement_for(
     else:
         blocks = [placement[r] for r in sorted(placement)]
         order = [b[i] for i in range(max(map(len, blocks))) for b in blocks if i < len(b)]
-    held = {r: set(es) for r, es in placement.items()}
-    free = {r: min(replicas_per_node, num_experts - len(held[r])) for r in placement}
-    placed = True
-    while placed and any(free.values()):
-        placed = False
-        for e in order:
-            candidates = [r for r in placement if free[r] > 0 and e not in held[r]]
-            if not candidates:
-                continue
-            r = max(candidates, key=lambda r: (free[r], -r))
-            held[r].add(e)
-            placement[r].append(e)
-            free[r] -= 1
-            placed = True
-    return {r: sorted(es) for r, es in placement.items()}
+    free = [min(replicas_per_node, num_experts - len(placement[r])) for r in sorted(placement)]
+    return copy_everywhere(placement, free, order)
 
 
 def is_disjoint(placement: Placement) -> bool:

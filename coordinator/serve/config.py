@@ -60,7 +60,7 @@ class PlacementConfig:
     profile: str | None = None  # routing profile JSON from `moe-cluster profile`
     memory_fraction: float = 0.75  # of each node's memory usable for weights and caches
     kv_reserve: Size = Size(DEFAULT_KV_RESERVE)  # bytes kept free per node for the KV / prompt cache
-    replicate: bool = True  # with a profile: copy the hottest experts into spare memory
+    replicate: bool = True  # with a profile: copy the hottest experts to every node, as spare memory allows
     # experts each node keeps resident: off (all, or refuse what does not fit), auto (what its budget
     # holds), a size ("8GB") or a percent of its share ("50%"); the rest are read from disk on a miss
     expert_cache: str = "off"

@@ -2,8 +2,9 @@
 
 Pure functions. Each node's budget is its memory × fraction − the replicated weights − the KV
 reserve; experts are split in proportion to the budgets. With a routing profile the hot experts
-are spread so every node expects the same load, and the hottest are copied into spare memory;
-`node.routing.assign` then decides, identically on every node, which copy computes a selection.
+are spread so every node expects the same load, and the hottest are copied to every node while
+spare memory allows (proto.placement.copy_everywhere); `node.routing.assign` then decides,
+identically on every node, which copy computes a selection.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
 from ...proto.expert_cache import ExpertCacheSpec
-from ...proto.placement import Placement, PlacementError, even_counts
+from ...proto.placement import Placement, PlacementError, copy_everywhere, even_counts
 
 __all__ = ["ModelFootprint", "NodeBudget", "PlacementPlan", "PlacementError", "plan_placement", "proportional_counts"]
 
@@ -142,33 +143,6 @@ def _assign_ids(num_experts: int, counts: Sequence[int], load: Sequence[float] |
     return {r: sorted(es) for r, es in out.items()}
 
 
-def _replicate(held: dict[int, list[int]], slots: Sequence[int], load: Sequence[float]) -> dict[int, list[int]]:
-    """Copy the hottest experts into free slots: each goes to the rank with the least expected
-    load (an expert's load shared by its holders) that lacks it, until the slots run out."""
-    held = {r: list(es) for r, es in held.items()}
-    free = list(slots)
-    holders: dict[int, list[int]] = {}
-    for r, es in held.items():
-        for e in es:
-            holders.setdefault(e, []).append(r)
-    share = {r: sum(load[e] / len(holders[e]) for e in es) for r, es in held.items()}
-    for e in sorted(range(len(load)), key=lambda e: (-load[e], e)):
-        if not any(free):
-            break
-        candidates = [r for r in held if free[r] > 0 and r not in holders.get(e, [])]
-        if not candidates:
-            continue
-        r = min(candidates, key=lambda r: (share[r], r))
-        k = len(holders.setdefault(e, []))
-        for h in holders[e]:
-            share[h] -= load[e] / k - load[e] / (k + 1)
-        holders[e].append(r)
-        share[r] += load[e] / (k + 1)
-        held[r].append(e)
-        free[r] -= 1
-    return {r: sorted(es) for r, es in held.items()}
-
-
 def plan_placement(
     model: ModelFootprint,
     nodes: Sequence[NodeBudget],
@@ -184,7 +158,8 @@ def plan_placement(
 
     Args:
         strategy: "even" (same count per node), "memory" (in proportion to budgets) or "profile"
-            (proportional counts, experts spread by expected load, hottest copied into spare room).
+            (proportional counts, experts spread by expected load, hottest copied to every node
+            while spare room allows).
         profile_counts: MoE layer -> selection count per expert, from `moe-cluster profile`.
         expert_cache: per node: with a cache, a node may hold more experts than its memory fits
             (the rest are read from disk on a miss); without, such a plan is refused.
@@ -246,7 +221,7 @@ def plan_placement(
         held = _assign_ids(E[l], counts, load if strategy == "profile" else None)
         if strategy == "profile" and replicate and load is not None:
             free = [min(caps[r] - counts[r], E[l] - counts[r]) for r in range(n)]
-            held = _replicate(held, free, load)
+            held = copy_everywhere(held, free, sorted(range(E[l]), key=lambda e: (-load[e], e)))
             for r in range(n):
                 replicas[r] = max(replicas[r], len(held[r]) - counts[r])
         layers_out[l] = {r: tuple(held[r]) for r in range(n)}

@@ -143,11 +143,16 @@ def test_profile_over_every_selection_equals_uniform_enumeration():
 
 def test_placement_for():
     assert even_split(16, 3) == {0: list(range(6)), 1: list(range(6, 11)), 2: list(range(11, 16))}
+    # The paper's placement, every expert on two of 4 nodes (8 each): it measured E = 1.57.
+    paper = {0: list(range(8)), 1: list(range(8)), 2: list(range(8, 16)), 3: list(range(8, 16))}
+    assert expected_experts(paper, 16, 4).value == pytest.approx(1.57, abs=0.01)
+    # The planner copies an expert to every node or to none (ArrayRule assigns those on the device):
+    # with 4 spare slots per node, 5 experts on all 4 nodes (15 slots), and E lower than the paper's
     p = placement_for(16, 4, replicas_per_node=4)
-    assert all(len(v) == 8 and len(set(v)) == 8 for v in p.values())
-    assert sorted(e for v in p.values() for e in v) == sorted(list(range(16)) * 2)  # every expert twice
-    # The paper measured E = 1.57 on 4 nodes holding 8 experts each.
-    assert expected_experts(p, 16, 4).value == pytest.approx(1.57, abs=0.01)
+    holders = holders_of(p, 16)
+    assert all(len(h) in (1, 4) for h in holders.values()) and sum(len(h) == 4 for h in holders.values()) == 5
+    assert all(len(v) <= 8 for v in p.values())
+    assert expected_experts(p, 16, 4).value == pytest.approx(1.459, abs=0.001)
     counts = [1] * 16
     counts[13], counts[2] = 100, 50
     hot = placement_for(16, 2, replicas_per_node=1, profile_counts=counts)

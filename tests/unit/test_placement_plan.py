@@ -8,7 +8,7 @@ import pytest
 
 from moe_cluster.coordinator.serve.placement import (ModelFootprint, NodeBudget, PlacementError, plan_placement,
                                                proportional_counts)
-from moe_cluster.node.moe.routing import rank_counts
+from moe_cluster.node.moe.routing import everywhere_or_once, rank_counts
 
 MODEL = ModelFootprint(replicated_bytes=1000, expert_bytes={0: 100, 1: 100}, num_experts={0: 16, 1: 16})
 
@@ -64,6 +64,24 @@ def test_profile_balances_and_replication_lowers_the_maximum():
     assert e_bal < e_even
     assert e_rep < e_bal
     assert all(len(replicated.layers[0][r]) == 13 for r in (0, 1))
+
+
+def test_replicas_are_full_copies_so_the_device_assigns_them():
+    """At 4 nodes the hottest experts are copied to every node, while each has room: a layer's
+    replicas are then assigned on the device (routing.ArrayRule); a copy on some nodes would send
+    every decode step's routing through the host. The copies still lower the busiest node's load."""
+    skew = [400, 300, 200, 150, 100, 60, 40, 30, 20, 15, 10, 8, 6, 4, 2, 1]
+    sets = [s for s in itertools.combinations(range(16), 4) for _ in range(max(1, int(
+        skew[s[0]] * skew[s[1]] * skew[s[2]] * skew[s[3]] / 1e6)))]
+    nodes = _nodes(*[1_000 + 200 * 7] * 4)  # 4 experts each (of 2 layers, 100 B each), and room for 3 more
+    common = dict(memory_fraction=1.0, strategy="profile", profile_counts={0: skew, 1: skew})
+    balanced = plan_placement(MODEL, nodes, replicate=False, **common).placement
+    replicated = plan_placement(MODEL, nodes, **common)
+    holders = replicated.placement.holders(0, 16)
+    assert everywhere_or_once(holders, 4)
+    assert sorted(e for e, h in holders.items() if len(h) == 4) == [0, 1, 2, 3]  # the 4 hottest: 3 copies each
+    assert replicated.replicas == (3, 3, 3, 3)
+    assert _e_max(replicated.placement, 0, sets) < _e_max(balanced, 0, sets)
 
 
 def test_profile_needs_counts():
