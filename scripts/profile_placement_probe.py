@@ -13,34 +13,26 @@ on every node, assigned on the device). Prints one JSON line.
 
 import argparse
 import json
-import os
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from replica_probe import decode, decode_arguments  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="demo")
+    decode_arguments(ap, max_tokens=32, rounds=2)
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--spare-experts", type=int, default=4)
     ap.add_argument("--profile", default=None, help="profile JSON to read, or to write if missing")
-    ap.add_argument("--transport", default="mlx")
-    ap.add_argument("--keepalive", default="none")
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--gpus", action="store_true", help="node r on GPU r")
     args = ap.parse_args()
 
-    from moe_cluster.coordinator.bench.decode import DEFAULT_PROMPT
     from moe_cluster.coordinator.bench.placement import PROFILE_PROMPTS
     from moe_cluster.coordinator.dev.profile import profile
-    from moe_cluster.coordinator.dev.run_local import encode_prompt
-    from moe_cluster.coordinator.dev.simulate import run_nodes
     from moe_cluster.coordinator.serve.placement import NodeBudget, plan_placement
     from moe_cluster.coordinator.serve.up import footprint
-    from moe_cluster.node import moe
-    from moe_cluster.node.checkpoint import Checkpoint, load_tokenizer
-    from moe_cluster.node.sim import SimTask
-    from moe_cluster.proto.records import Sampling
+    from moe_cluster.node.checkpoint import Checkpoint
 
     path = str(Checkpoint.open(args.model).path)
     saved = Path(args.profile) if args.profile else None
@@ -60,15 +52,7 @@ def main() -> None:
     for layer, n in fp.num_experts.items():
         for holders in plan.placement.holders(layer, n).values():
             copies["one" if len(holders) == 1 else "all" if len(holders) == args.nodes else "some"] += 1
-    ids = encode_prompt(load_tokenizer(Path(path)), DEFAULT_PROMPT)
-    task = SimTask(path, tuple(ids), Sampling(max_tokens=args.max_tokens), plan.placement.to_json(), args.keepalive,
-                   repeats=args.rounds)
-    (reports,) = run_nodes([task], args.nodes, transport=args.transport, gpus=args.gpus)
-    print(json.dumps({"code": os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(moe.__file__)))),
-                      "model": args.model, "nodes": args.nodes, "spare_experts": args.spare_experts,
-                      "transport": args.transport, "keepalive": args.keepalive, "copies": copies,
-                      "generation_tps": reports[0]["generation_tps"], "tokens": reports[0]["tokens"],
-                      "computed_per_node": [r["counters"]["computed"] for r in reports]}))
+    print(json.dumps({**decode(path, plan.placement, args), "spare_experts": args.spare_experts, "copies": copies}))
 
 
 if __name__ == "__main__":
