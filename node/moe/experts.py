@@ -349,10 +349,11 @@ class ExpertShard(nn.Module):
                 self._held_slot = mx.array(self._slot.astype(np.int32))  # global -> slot here, -1: not held
             if state.keepalive == "lru" and state.world_size > 1:
                 self._local = mx.array(np.asarray(self._ids, dtype=np.int32))  # slot -> global id
-                self._world = mx.arange(state.world_size)
                 if self._rank_of is not None:
                     # expert -> its rank, one-hot (num_experts, world): distinct experts per rank in one sum
                     self._ranks = mx.array(self._rank_of[:, None] == np.arange(state.world_size))
+                else:  # each call's ranks, one-hot against the ranks
+                    self._world = mx.arange(state.world_size)
         last = self.down_proj if kind == "glu" else self.fc2
         self._gathered = not last._per_expert  # one gather_mm per call
         self._skip: mx.Dtype | None = None  # decode at N > 1 through skip_gemv, for inputs of this dtype (enable_skip_gemv)
