@@ -2,7 +2,8 @@
 
 One `Phases` drives a fault through three moments on one cluster (idle, during a request's prefill,
 during a streamed decode), checking after each that the cluster is ready again and serves. Every
-phase prints one `RELIABILITY |` line (seconds after the fault); the README's table comes from them.
+phase prints one `RELIABILITY |` line (seconds after the fault); docs/reliability.md's table comes
+from them.
 """
 
 from __future__ import annotations

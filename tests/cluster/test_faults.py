@@ -5,7 +5,8 @@ node share one cluster (module fixture `local`): each starts from a cluster foun
 and leaves it so; the link test runs its own remote cluster.
 
 Each phase prints its detect / client answer / recovery times (seconds after the fault); the
-README's reliability table comes from these lines (`pytest -s tests/cluster/test_faults.py`).
+reliability table in docs/reliability.md comes from these lines
+(`pytest -s tests/cluster/test_faults.py`).
 Batched decode is not built yet, so there is no batched phase.
 """
 

@@ -3,7 +3,8 @@
 `check(family, tmp, nodes, quantize)` builds the family's tiny checkpoint (tiny.py), decodes it
 greedily with stock mlx-lm, then with every rank's shard in this process (node.moe.load's
 `load_in_process`: each MoE block is every rank's `ClusterMoE` share summed in rank order), and
-returns tokens and the largest |Δlogit|. Used by test_sweep.py and by table.py (the README table).
+returns tokens and the largest |Δlogit|. Used by test_sweep.py and by table.py
+(the table of docs/families.md).
 """
 
 from __future__ import annotations

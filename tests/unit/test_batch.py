@@ -103,8 +103,8 @@ def test_a_seeded_sampled_request_draws_the_same_tokens_beside_others(sharded, e
 
 @pytest.mark.parametrize("dtype, quantize, tol", [("float32", 4, 1e-3), ("bfloat16", None, 0.25)])
 def test_bf16_and_4bit_batches_give_each_sequence_its_alone_tokens_or_a_near_tie(make_ckpt, dtype, quantize, tol):
-    """The README's tolerance policy: tokens equal, or the first difference is a near-tie (the lone
-    run's top-2 logits within 1e-3 for 4-bit, 0.25 for bfloat16)."""
+    """The tolerance policy of docs/families.md: tokens equal, or the first difference is a
+    near-tie (the lone run's top-2 logits within 1e-3 for 4-bit, 0.25 for bfloat16)."""
     path = make_ckpt("qwen3_moe", dtype=dtype, quantize=quantize)
     # the cluster path (MLX's CPU backend has no bfloat16 gather_mm for the stock model)
     sharded = load_shard(str(path), None, 0, collective=LocalCollective())
