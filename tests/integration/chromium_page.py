@@ -35,6 +35,8 @@ class Page:
         self.loop = asyncio.new_event_loop()
         self.loop.run_until_complete(self._open(f"http://127.0.0.1:{port}"))
         self.next_id = 0
+        self.watched = {"Fetch.requestPaused"}  # events kept for event(); the others are dropped
+        self.events: list[dict] = []
         self.call("Browser.setDownloadBehavior", behavior="allow", downloadPath=str(downloads))
         # every Content-Security-Policy violation, from the first script on
         self.call("Page.addScriptToEvaluateOnNewDocument", source=(
@@ -52,9 +54,25 @@ class Page:
         await self.ws.send_json({"id": self.next_id, "method": method, "params": params})
         while True:
             msg = await self.ws.receive_json(timeout=60)
-            if msg.get("id") == self.next_id:  # events in between are not needed
+            if msg.get("id") == self.next_id:
                 assert "error" not in msg, (method, msg["error"])
                 return msg["result"]
+            if msg.get("method") in self.watched:
+                self.events.append(msg)
+
+    async def _event(self, method: str, timeout: float) -> dict:
+        while True:
+            hit = next((m for m in self.events if m["method"] == method), None)
+            if hit:
+                self.events.remove(hit)
+                return hit["params"]
+            msg = await self.ws.receive_json(timeout=timeout)
+            if msg.get("method") in self.watched:
+                self.events.append(msg)
+
+    def event(self, method: str, timeout: float = 60) -> dict:
+        """The params of the next `method` event (one of self.watched), kept if it came during a call."""
+        return self.loop.run_until_complete(self._event(method, timeout))
 
     def call(self, method: str, **params) -> dict:
         return self.loop.run_until_complete(self._call(method, params))
