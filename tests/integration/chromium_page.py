@@ -1,5 +1,5 @@
-"""Headless Chromium for the page tests: the flags that keep it to loopback, and one tab driven over the
-DevTools protocol (its WebSocket, through aiohttp) with real key presses and clicks."""
+"""Headless Chromium for the page tests: the flags that keep it to loopback, and one tab driven over
+the DevTools protocol (its WebSocket, through aiohttp) with real key presses and clicks."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from pathlib import Path
 
 import aiohttp
 
-# Chromium resolves no name and reaches no address but loopback (everything else goes to a proxy that is
-# not there, port 9 of this machine): a page must draw from the coordinator alone.
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+# Chromium resolves no name and reaches no address but loopback (everything else goes to a proxy
+# that is not there, port 9 of this machine): a page must draw from the coordinator alone.
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                  "--disable-extensions", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync",
                   "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
                   "--proxy-server=127.0.0.1:9"]  # loopback bypasses a proxy by Chromium's own rule
 
@@ -29,7 +30,7 @@ class Page:
         port_file = profile / "DevToolsActivePort"
         deadline = time.monotonic() + 60
         while not (port_file.exists() and len(port_file.read_text().split()) >= 2):
-            assert self.proc.poll() is None and time.monotonic() < deadline, "Chromium did not start"
+            assert self.proc.poll() is None and time.monotonic() < deadline, "no Chromium"
             time.sleep(0.1)
         port = port_file.read_text().split()[0]
         self.loop = asyncio.new_event_loop()
@@ -71,14 +72,15 @@ class Page:
                 self.events.append(msg)
 
     def event(self, method: str, timeout: float = 60) -> dict:
-        """The params of the next `method` event (one of self.watched), kept if it came during a call."""
+        """The params of the next `method` event (one of self.watched), even one seen in a call."""
         return self.loop.run_until_complete(self._event(method, timeout))
 
     def call(self, method: str, **params) -> dict:
         return self.loop.run_until_complete(self._call(method, params))
 
     def js(self, expression: str):
-        r = self.call("Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True)
+        r = self.call("Runtime.evaluate", expression=expression, returnByValue=True,
+                      awaitPromise=True)
         assert "exceptionDetails" not in r, r["exceptionDetails"]
         return r["result"].get("value")
 
@@ -94,12 +96,14 @@ class Page:
     def open(self, url: str) -> None:
         self.call("Page.enable")
         self.call("Page.navigate", url=url)
-        self.wait("document.readyState === 'complete' && !!document.getElementById('chat')", what="the page")
+        self.wait("document.readyState === 'complete' && !!document.getElementById('chat')",
+                  what="the page")
 
     def click(self, element_id: str) -> None:
-        """A real mouse click at the element's centre (as a person would, so a disabled button stays dead)."""
-        x, y = self.js(f"(() => {{ const e = document.getElementById('{element_id}'); e.scrollIntoView(); "
-                       "const r = e.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        """A mouse click at the element's centre, as a person's (a disabled button stays dead)."""
+        x, y = self.js(f"(() => {{ const e = document.getElementById('{element_id}'); "
+                       "e.scrollIntoView(); const r = e.getBoundingClientRect(); "
+                       "return [r.x + r.width / 2, r.y + r.height / 2]; })()")
         for kind in ("mousePressed", "mouseReleased"):
             self.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
 
@@ -108,15 +112,19 @@ class Page:
         self.call("Input.insertText", text=text)
         if enter:
             for kind in ("keyDown", "keyUp"):
-                self.call("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter", windowsVirtualKeyCode=13)
+                self.call("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter",
+                          windowsVirtualKeyCode=13)
 
     def set_field(self, element_id: str, value: str) -> None:
-        self.js(f"(() => {{ const e = document.getElementById('{element_id}'); e.value = ''; e.focus(); }})()")
+        self.js(f"(() => {{ const e = document.getElementById('{element_id}'); e.value = ''; "
+                "e.focus(); })()")
         self.call("Input.insertText", text=value)
         self.js(f"document.getElementById('{element_id}').dispatchEvent(new Event('change'))")
 
     def stored(self) -> list[dict]:
-        return self.js("JSON.parse(localStorage.getItem('moe-cluster-chat') || '{\"messages\": []}').messages")
+        """The conversation the page keeps in local storage."""
+        return self.js("(JSON.parse(localStorage.getItem('moe-cluster-chat')) || {messages: []})"
+                       ".messages")
 
     def close(self) -> None:
         try:

@@ -1,8 +1,8 @@
-"""The chat beside the dashboard, driven in headless Chromium against a real 2-node `moe-cluster up` of
-the demo model with an API key: the page asks for the key, streams the same greedy answer as the
+"""The chat beside the dashboard, driven in headless Chromium against a real 2-node `moe-cluster up`
+of the demo model with an API key: the page asks for the key, streams the same greedy answer as the
 `openai` client, stops a long answer so the cluster runs nothing, keeps the conversation in local
-storage (reload, export, clear) and shows model output that holds HTML as text. Chromium gets real key
-presses and clicks on the page as served, under the dashboard's own Content-Security-Policy."""
+storage (reload, export, clear) and shows model output that holds HTML as text. Chromium gets real
+key presses and clicks on the page as served, under the dashboard's own Content-Security-Policy."""
 
 from __future__ import annotations
 
@@ -21,12 +21,13 @@ from cluster.cluster_fixture import cluster, http, yaml_for
 KEY = "sk-test-chat"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SYSTEM = "You are a player in a Shakespeare play."
-HOSTILE = ("Here it is:\n<script>window.__pwned = 1</script>\n<img src=x onerror=\"window.__pwned = 2\">\n"
-           "**bold** and `<b>code</b>`\n```html\n<script>window.__pwned = 3</script>\n```\n")
+HOSTILE = ("Here it is:\n<script>window.__pwned = 1</script>\n"
+           "<img src=x onerror=\"window.__pwned = 2\">\n**bold** and `<b>code</b>`\n"
+           "```html\n<script>window.__pwned = 3</script>\n```\n")
 
 pytestmark = pytest.mark.skipif(shutil.which("chromium") is None,
-                                reason="Debian's chromium is not installed here (apt-get install chromium): "
-                                       "no browser to load the chat in")
+                                reason="Debian's chromium is not installed here (apt-get install "
+                                       "chromium): no browser to load the chat in")
 
 
 LAST = "document.querySelector('#messages .msg.assistant:last-child')"  # the newest answer's node
@@ -79,8 +80,8 @@ def running(api) -> int:
 
 def cancelled(api) -> int:
     metrics = http(api, "/metrics", headers=AUTH)[1]
-    return int(float(re.search(r'^moe_cluster_requests_total\{outcome="cancelled"\} (\S+)$', metrics,
-                               re.M).group(1)))
+    line = re.search(r'^moe_cluster_requests_total\{outcome="cancelled"\} (\S+)$', metrics, re.M)
+    return int(float(line.group(1)))
 
 
 def ask(page, text: str) -> dict:
@@ -147,8 +148,10 @@ def test_the_streamed_answer_is_the_openai_client_s(page, oai):
     # the second turn carries the first: the same as the client sending the whole history
     second = ask(page, "Speak again")
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Speak again"}]
-    ref2 = oai.chat.completions.create(model="demo", messages=messages, temperature=0, max_tokens=40)
-    assert second["state"] == "done" and page.stored()[3]["content"] == ref2.choices[0].message.content
+    ref2 = oai.chat.completions.create(model="demo", messages=messages, temperature=0,
+                                       max_tokens=40)
+    assert second["state"] == "done"
+    assert page.stored()[3]["content"] == ref2.choices[0].message.content
     assert ref2.usage.prompt_tokens > ref.usage.prompt_tokens + tokens  # it saw the history
 
 
@@ -197,7 +200,8 @@ def test_the_conversation_survives_a_reload_and_exports_as_json(api, page):
     assert doc["messages"] == stored and doc["model"] == "demo"
     assert doc["settings"]["system"] == SYSTEM and doc["settings"]["max_tokens"] == "8"
     page.click("clear")
-    assert page.js("document.querySelectorAll('#messages .msg').length") == 0 and page.stored() == []
+    assert page.js("document.querySelectorAll('#messages .msg').length") == 0
+    assert page.stored() == []
     assert page.js("window.__csp") == []  # nothing the page did tripped its Content-Security-Policy
 
 
@@ -205,7 +209,8 @@ def shown_as_text(page) -> None:
     """HOSTILE, the newest answer, is on the page as text: no element of it ran or was made."""
     time.sleep(0.5)
     assert page.js("window.__pwned") is None
-    assert page.js("document.querySelectorAll('#messages script, #messages img, #messages b').length") == 0
+    made = "document.querySelectorAll('#messages script, #messages img, #messages b').length"
+    assert page.js(made) == 0
     body = page.js(f"{LAST}.querySelector('.body').textContent")
     assert "<script>window.__pwned = 1</script>" in body and 'onerror="window.__pwned = 2"' in body
     # the Markdown around it is drawn: bold, inline code and a fenced block, each holding text only
@@ -227,10 +232,11 @@ def test_a_streamed_answer_with_html_is_shown_as_text(api, page):
         assert json.loads(paused["request"]["postData"])["stream"] is True
         chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "demo"}
         pieces = [HOSTILE[i:i + 7] for i in range(0, len(HOSTILE), 7)]
-        events = [{**chunk, "choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}]}
-                  for p in pieces]
+        events = [{**chunk, "choices": [{"index": 0, "delta": {"content": p},
+                                         "finish_reason": None}]} for p in pieces]
         events.append({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-                       "usage": {"prompt_tokens": 9, "completion_tokens": len(pieces), "total_tokens": 9}})
+                       "usage": {"prompt_tokens": 9, "completion_tokens": len(pieces),
+                                 "total_tokens": 9 + len(pieces)}})
         sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
         page.call("Fetch.fulfillRequest", requestId=paused["requestId"], responseCode=200,
                   responseHeaders=[{"name": "Content-Type", "value": "text/event-stream"}],

@@ -1,13 +1,14 @@
-// The chat beside the dashboard: streams answers from the cluster's own /v1/chat/completions (the server
-// renders the model's chat template), keeps the conversation in this browser's local storage, and
-// draws the model's Markdown with DOM nodes and textContent only, so no output of the model is ever
-// parsed as HTML. Loaded after dashboard.js, whose $, el and apiKey it uses (the same key).
+// The chat beside the dashboard: streams answers from the cluster's own /v1/chat/completions
+// (the server renders the model's chat template), keeps the conversation in this browser's local
+// storage, and draws the model's Markdown with DOM nodes and text only, so no output of the model
+// is ever parsed as HTML. Loaded after dashboard.js, whose $, el, seconds and apiKey it uses.
 "use strict";
 
 (() => {
   const STORE = "moe-cluster-chat";  // {messages: [{role, content, stats?, error?, stopped?}]}
   const SETTINGS = "moe-cluster-chat-settings";
-  const FIELDS = {system: "system", temperature: "temperature", top_p: "top-p", max_tokens: "max-tokens"};
+  const FIELDS = {system: "system", temperature: "temperature", top_p: "top-p",
+                  max_tokens: "max-tokens"};  // setting -> its input's id
   let model = "";
   let controller = null;  // the answer being streamed, aborted by Stop
   let locked = true;
@@ -16,7 +17,7 @@
     try {
       return JSON.parse(localStorage.getItem(key)) || fallback;
     } catch (err) {
-      return fallback;  // a store another version wrote, or hand-edited: start afresh rather than break
+      return fallback;  // written by another version, or by hand: start afresh rather than break
     }
   }
 
@@ -27,7 +28,8 @@
   // -- Markdown, as DOM nodes ---------------------------------------------------------------------
 
   // `code`, **bold** and *italic* within a line; everything else stays text
-  const INLINE = /(`+)([\s\S]*?[^`])\1(?!`)|\*\*(?=\S)([\s\S]*?\S)\*\*|\*(?=[^\s*])([^*]*?[^\s*])\*/g;
+  const INLINE = new RegExp([/(`+)([\s\S]*?[^`])\1(?!`)/, /\*\*(?=\S)([\s\S]*?\S)\*\*/,
+                             /\*(?=[^\s*])([^*]*?[^\s*])\*/].map((r) => r.source).join("|"), "g");
 
   function inline(text) {
     const out = [];
@@ -43,8 +45,8 @@
     return out;
   }
 
-  // Fenced code blocks (an unclosed fence, as while streaming, runs to the end), headings, lists and
-  // paragraphs. el() appends strings as text nodes: nothing here is parsed as HTML.
+  // Fenced code blocks (an unclosed fence, as while streaming, runs to the end), headings, lists
+  // and paragraphs. el() appends strings as text nodes: nothing here is parsed as HTML.
   function markdown(text) {
     const lines = text.split("\n");
     const blocks = [];
@@ -59,9 +61,11 @@
       if (fence) {
         flush();
         const body = [];
-        for (i++; i < lines.length && !lines[i].trim().startsWith(fence[1]); i++) body.push(lines[i]);
-        const pre = el("pre", fence[2] ? {"data-lang": fence[2]} : {}, el("code", {}, body.join("\n")));
-        blocks.push(pre);
+        for (i++; i < lines.length && !lines[i].trim().startsWith(fence[1]); i++) {
+          body.push(lines[i]);
+        }
+        const code = el("code", {}, body.join("\n"));
+        blocks.push(el("pre", fence[2] ? {"data-lang": fence[2]} : {}, code));
         continue;
       }
       const head = line.match(/^(#{1,6})\s+(.*)$/);
@@ -103,15 +107,16 @@
   // One message's node; an assistant's text goes through markdown(), restored or streamed alike.
   function drawMessage(m, node) {
     node = node || el("div");
-    node.className = `msg ${m.role}` + (m.error ? " error" : "") + (m === streaming() ? " streaming" : "");
+    const live = m === streaming();
+    node.className = `msg ${m.role}` + (m.error ? " error" : "") + (live ? " streaming" : "");
     node.dataset.role = m.role;
     const body = el("div", {class: "body"});
     if (m.role === "user") body.append(m.content);
-    else if (m.error) body.append(m.content ? el("div", {}, ...markdown(m.content)) : "", el("p", {}, m.error));
+    else if (m.error) body.append(el("div", {}, ...markdown(m.content)), el("p", {}, m.error));
     else body.append(...markdown(m.content));
     node.replaceChildren(body);
     if (m.role === "assistant") {
-      node.dataset.state = m.error ? "error" : m.stopped ? "stopped" : m === streaming() ? "streaming" : "done";
+      node.dataset.state = m.error ? "error" : m.stopped ? "stopped" : live ? "streaming" : "done";
       node.append(el("div", {class: "meta"}, meta(m)));
     }
     return node;
@@ -124,14 +129,15 @@
   function drawAll() {
     const box = $("messages");
     if (!chat.messages.length) {
-      box.replaceChildren(el("p", {class: "empty"}, "No messages yet. The heat map moves while the model answers."));
+      box.replaceChildren(el("p", {class: "empty"},
+                             "No messages yet. The heat map moves while the model answers."));
       return;
     }
     box.replaceChildren(...chat.messages.map((m) => drawMessage(m)));
     box.scrollTop = box.scrollHeight;
   }
 
-  // What the model sees: the system prompt, then every turn but those that failed (and their question).
+  // What the model sees: the system prompt, then every turn but failed ones (and their question).
   function history(system) {
     const out = system ? [{role: "system", content: system}] : [];
     chat.messages.forEach((m, i) => {
@@ -192,7 +198,8 @@
     const question = {role: "user", content: text};
     const answer = {role: "assistant", content: "", stats: {}};
     chat.messages.push(question);
-    const body = {model, stream: true, messages: history($("system").value.trim()), ...sampling(settings())};
+    const messages = history($("system").value.trim());
+    const body = {model, stream: true, messages, ...sampling(settings())};
     chat.messages.push(answer);
     controller = new AbortController();
     busy(true);
@@ -259,8 +266,8 @@
     }
     if (r.status === 401) {
       $("auth").hidden = false;
-      return lock(apiKey() ? "That key was refused: enter the cluster's API key in the box at the top."
-                           : "This cluster needs its API key: enter it in the box at the top.");
+      return lock(apiKey() ? "That key was refused: enter the cluster's API key in the box above."
+                           : "This cluster needs its API key: enter it in the box above.");
     }
     if (!r.ok) return lock(`/v1/models: ${await errorOf(r)}`);
     model = (await r.json()).data[0].id;
@@ -278,8 +285,10 @@
   }
 
   function exportJson() {
-    const doc = {model, exported: new Date().toISOString(), settings: settings(), messages: chat.messages};
-    const url = URL.createObjectURL(new Blob([JSON.stringify(doc, null, 2)], {type: "application/json"}));
+    const doc = {model, exported: new Date().toISOString(), settings: settings(),
+                 messages: chat.messages};
+    const blob = new Blob([JSON.stringify(doc, null, 2)], {type: "application/json"});
+    const url = URL.createObjectURL(blob);
     const a = el("a", {href: url, download: `moe-cluster-chat-${Date.now()}.json`});
     document.body.append(a);
     a.click();
@@ -292,7 +301,8 @@
   const stored = load(SETTINGS, {});
   for (const [name, id] of Object.entries(FIELDS)) {
     if (typeof stored[name] === "string") $(id).value = stored[name];
-    $(id).addEventListener("change", () => localStorage.setItem(SETTINGS, JSON.stringify(settings())));
+    $(id).addEventListener("change",
+                           () => localStorage.setItem(SETTINGS, JSON.stringify(settings())));
   }
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
