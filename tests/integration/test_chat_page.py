@@ -249,11 +249,14 @@ def test_a_streamed_answer_with_html_is_shown_as_text(api, page):
 
 
 def test_a_restored_answer_with_html_is_shown_as_text(api, page):
-    convo = {"messages": [{"role": "user", "content": "<i>hi</i>"},
-                          {"role": "assistant", "content": HOSTILE, "stats": {}}]}
+    # with entries no page wrote (a store edited by hand): left out, the rest still drawn
+    convo = {"messages": [None, {"role": "user", "content": "<i>hi</i>"}, {"role": "system"},
+                          {"role": "assistant", "content": {"html": "<b>x</b>"}},
+                          {"role": "assistant", "content": HOSTILE, "stats": {"tps": "fast"}}]}
     page.js(f"localStorage.setItem('moe-cluster-chat', {json.dumps(json.dumps(convo))})")
     page.open(api + "/")
     page.wait(f"!!{LAST}", what="the restored answer")
     assert page.js("document.querySelector('#messages .msg.user').textContent") == "<i>hi</i>"
     assert page.js("document.querySelectorAll('#messages i').length") == 0
+    assert page.js("document.querySelectorAll('#messages .msg').length") == 2
     shown_as_text(page)

@@ -22,7 +22,9 @@
   }
 
   const chat = load(STORE, {messages: []});
-  if (!Array.isArray(chat.messages)) chat.messages = [];
+  // only turns this page can draw (a store edited by hand may hold anything)
+  chat.messages = (Array.isArray(chat.messages) ? chat.messages : []).filter((m) =>
+    m && (m.role === "user" || m.role === "assistant") && typeof m.content === "string");
   const save = () => localStorage.setItem(STORE, JSON.stringify(chat));
 
   // -- Markdown, as DOM nodes ---------------------------------------------------------------------
@@ -94,10 +96,10 @@
   // -- the conversation ---------------------------------------------------------------------------
 
   function meta(m) {
-    const s = m.stats || {};
+    const s = m.stats && typeof m.stats === "object" ? m.stats : {};
     const parts = [];
-    if (s.ttft_s !== undefined) parts.push(`first token ${seconds(s.ttft_s)}`);
-    if (s.tps) parts.push(`${s.tps.toFixed(1)} tok/s`);
+    if (s.ttft_s !== undefined) parts.push(`first token ${seconds(Number(s.ttft_s))}`);
+    if (s.tps) parts.push(`${Number(s.tps).toFixed(1)} tok/s`);
     if (s.tokens !== undefined) parts.push(`${s.tokens} tokens`);
     if (m.stopped) parts.push("stopped");
     else if (s.finish) parts.push(s.finish);
