@@ -23,7 +23,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 SYSTEM = "You are a player in a Shakespeare play."
 HOSTILE = ("Here it is:\n<script>window.__pwned = 1</script>\n"
            "<img src=x onerror=\"window.__pwned = 2\">\n**bold** and `<b>code</b>`\n"
-           "```html\n<script>window.__pwned = 3</script>\n```\n")
+           "```html\n<script>window.__pwned = 3</script>\n```\n## Steps\n- one <u>\n- two\n")
 
 pytestmark = pytest.mark.skipif(shutil.which("chromium") is None,
                                 reason="Debian's chromium is not installed here (apt-get install "
@@ -219,6 +219,9 @@ def shown_as_text(page) -> None:
     assert page.js(f"{LAST}.querySelector('pre').dataset.lang") == "html"
     code = page.js(f"{LAST}.querySelector('pre code').textContent")
     assert code == "<script>window.__pwned = 3</script>"
+    assert page.js(f"{LAST}.querySelector('h3').textContent") == "Steps"
+    assert page.js(f"[...{LAST}.querySelectorAll('ul > li')].map((e) => e.textContent)") == \
+        ["one <u>", "two"]
     assert page.js("window.__csp") == []
 
 
