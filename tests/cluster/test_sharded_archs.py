@@ -89,6 +89,7 @@ def test_float32_every_family_both_layouts(nodes, float32_models, reports_at, re
         cmp = compare(got["tokens"], got["logits"], ref_tokens, ref_logits)
         assert cmp["tokens_match"], (arch, layout, nodes, cmp)
         assert len(got["tokens"]) == TOKENS
+        assert len(got["logits"]) == TOKENS and cmp["compared_steps"] == TOKENS, (arch, len(got["logits"]))
         assert cmp["max_abs_logit_diff"] <= FLOAT32_TOL, (arch, layout, nodes, cmp["max_abs_logit_diff"])
 
 
