@@ -83,8 +83,10 @@ def _alone(url: str, body: dict) -> list[int]:
 def test_eight_concurrent_requests_get_the_tokens_they_get_alone(api):
     bodies = [{"prompt": p, "max_tokens": 24 + 4 * i, "temperature": 0, "stream": i % 2 == 0}
               for i, p in enumerate(PROMPTS)]
+    greedy3 = bodies[3]
     bodies[3] = {**bodies[3], "temperature": 0.9, "top_p": 0.9, "seed": 11}  # seeded sampling too
     alone = [_alone(api, b) for b in bodies]
+    assert alone[3] != _alone(api, greedy3), "the seeded request drew the greedy answer"
     assert all(len(t) == b["max_tokens"] or t for t, b in zip(alone, bodies))
     together = _together(api, bodies)
     for i, (got, want) in enumerate(zip(together, alone)):

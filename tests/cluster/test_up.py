@@ -37,8 +37,8 @@ def test_three_nodes_equal_stock_for_the_demo_and_repeat_with_a_seed(tmp_path):
         assert got == stock_tokens(MODEL_DIR, PROMPT, 24)  # same length too, and never empty
         with pytest.raises(OSError):  # node-2's envoy listens there
             socket.create_server(("127.0.0.1", data_port)).close()
-        sampled = [_complete(url, temperature=0.9, top_p=0.95, seed=7)["choices"][0]["text"] for _ in range(2)]
-        assert sampled[0] == sampled[1]
+        sampled = [_complete(url, temperature=0.9, top_p=0.95, seed=s)["moe_cluster"]["tokens"] for s in (7, 7, 8)]
+        assert sampled[0] == sampled[1] and sampled[0] != got and sampled[0] != sampled[2], (sampled, got)
         s = http(url, "/v1/cluster/status")[1]
         assert s["state"] == "ready" and len(s["nodes"]) == 3
         assert sum(n["experts"] for n in s["nodes"]) == 16 * 4

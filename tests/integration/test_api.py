@@ -220,10 +220,14 @@ def test_models_and_health(client, api):
     assert status == 200 and body == {"status": "ready", "reason": "", "nodes": {"node-0": "ready", "node-1": "ready"}}
 
 
-def test_sampling_with_a_seed_repeats(client):
-    texts = [client.completions.create(model="demo", prompt=PROMPT, max_tokens=16, temperature=0.9, top_p=0.9,
-                                       seed=11).choices[0].text for _ in range(2)]
+def test_sampling_with_a_seed_repeats_and_differs_from_greedy_and_another_seed(client):
+    def text(**sampling):
+        return client.completions.create(model="demo", prompt=PROMPT, max_tokens=16, **sampling).choices[0].text
+
+    texts = [text(temperature=0.9, top_p=0.9, seed=11) for _ in range(2)]
     assert texts[0] == texts[1]
+    greedy, other = text(temperature=0), text(temperature=0.9, top_p=0.9, seed=12)
+    assert texts[0] != greedy and texts[0] != other, (texts[0], greedy, other)
 
 
 # -- errors ----------------------------------------------------------------------------------------

@@ -111,6 +111,11 @@ def test_seed_at_the_ends_of_its_range_runs_and_repeats(api):
         b = complete(api, {"prompt": "Good night", "max_tokens": 3, "temperature": 1.0, "seed": seed})
         assert a[0] == b[0] == 200, (a, b)
         assert a[1]["moe_cluster"]["tokens"] == b[1]["moe_cluster"]["tokens"]
+        assert len(a[1]["moe_cluster"]["tokens"]) == 3, a
+    # the two ends are two seeds, not one clamped value: their draws differ (over 24 tokens)
+    ends = [complete(api, {"prompt": "Good night", "max_tokens": 24, "temperature": 1.0, "seed": seed})
+            for seed in (0, 2**64 - 1)]
+    assert ends[0][1]["moe_cluster"]["tokens"] != ends[1][1]["moe_cluster"]["tokens"], ends
 
 
 def test_the_nodes_survive_the_issue_cases_and_serve_after(api):

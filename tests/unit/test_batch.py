@@ -3,6 +3,8 @@ stock mlx-lm's tokens and logits, join in arrival order, and wait while the KV b
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -99,6 +101,10 @@ def test_a_seeded_sampled_request_draws_the_same_tokens_beside_others(sharded, e
               for i, p in enumerate(PROMPTS[1:])]
     together, _ = drive(NodeRuntime(sharded), [others[0], sampled, *others[1:]])
     assert together[1].tokens == alone[0].tokens and len(alone[0].tokens) == 16
+    # what it drew is its seed's draw, not the greedy answer nor another seed's
+    greedy, _ = drive(NodeRuntime(sharded), [GenerateRequest("g", sampled.prompt, Sampling(max_tokens=16))])
+    other, _ = drive(NodeRuntime(sharded), [GenerateRequest("s6", sampled.prompt, replace(sampled.sampling, seed=6))])
+    assert alone[0].tokens != greedy[0].tokens and alone[0].tokens != other[0].tokens
 
 
 @pytest.mark.parametrize("dtype, quantize, tol", [("float32", 4, 1e-3), ("bfloat16", None, 0.25)])
