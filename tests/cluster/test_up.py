@@ -73,10 +73,15 @@ def test_three_nodes_equal_stock_for_other_families(arch, tmp_path, make_ckpt):
 
 @pytest.mark.slow  # 17 s
 @pytest.mark.parametrize("transport", ["envoy", "mlx"])
-def test_a_killed_node_fails_the_request_and_rejoins(transport, tmp_path):
+def test_a_killed_node_fails_the_request_and_an_envoy_cluster_rejoins_with_its_tokens(transport, tmp_path):
     """Over either transport: the ring of `transport: mlx` fails on the survivor as an error of its
-    own (a RuntimeError from MLX), which must still read as the lost node's 503, not a 500."""
+    own (a RuntimeError from MLX), which must still read as the lost node's 503, not a 500. Over the
+    envoy the node restarts and rejoins, and the cluster serves the greedy tokens it served before.
+    An MLX group cannot be rebuilt in-process (every node restarts); that rejoin is not checked here:
+    it was not ready again within 150 s on 2 loaded vCPUs (rejoin attempts kept timing out)."""
     with cluster(tmp_path, yaml_for(2, extra=f"transport: {transport}\n")) as (url, proc, lines):
+        before = _complete(url)["moe_cluster"]["tokens"]  # greedy: what the rebuilt cluster must serve
+        assert len(before) == 24, before
         victim = http(url, "/v1/cluster/status")[1]["nodes"][1]
         result = {}
 
@@ -102,8 +107,8 @@ def test_a_killed_node_fails_the_request_and_rejoins(transport, tmp_path):
         assert status == 503 and "error" in body, body
         assert result["seconds"] < 1.5 + 3 + 5  # within the collective timeout (3 s) and a margin
         assert seen_dead is not None and seen_dead < 3.0
-        if transport == "mlx":  # an MLX group cannot be rebuilt in-process: every node restarts (~40 s
-            return              # here), which the envoy case below already shows for rejoining
+        if transport == "mlx":
+            return
         # refused with a clear reason while degraded, then the node restarts and rejoins
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -114,7 +119,8 @@ def test_a_killed_node_fails_the_request_and_rejoins(transport, tmp_path):
             assert code == 503 and ("degraded" in body["error"]["message"] or "loading" in body["error"]["message"])
             time.sleep(0.5)
         assert s["state"] == "ready", s
-        assert _complete(url)["choices"][0]["text"]
+        after = _complete(url)["moe_cluster"]["tokens"]
+        assert after == before, f"the rebuilt cluster serves {after}, before the kill {before}"
 
 
 def test_up_refuses_a_bad_file_and_a_bad_model(tmp_path):
