@@ -45,9 +45,14 @@ def test_sampling_is_repeatable_with_a_seed_and_differs_from_greedy_and_another_
 
 
 def test_plain_output_has_text_then_figures(make_ckpt):
-    r = cli("run", "--model", str(make_ckpt("qwen3_moe")), "--prompt", PROMPT, "--max-tokens", "8")
+    """stdout is the generated text alone (stock mlx-lm's greedy tokens, decoded); the figures go to stderr."""
+    from moe_cluster.node.checkpoint import load_tokenizer
+
+    path = make_ckpt("qwen3_moe")
+    r = cli("run", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "8")
     assert r.returncode == 0, r.stderr
-    assert "Generation:" in r.stderr and "tokens/s" in r.stderr and "Peak memory" in r.stderr
+    assert r.stdout == load_tokenizer(path).decode(_stock_tokens(path, PROMPT, 8)) + "\n", r.stdout
+    assert "Generation: 8 tokens" in r.stderr and "tokens/s" in r.stderr and "Peak memory" in r.stderr
 
 
 def test_errors(tmp_path, make_ckpt):
