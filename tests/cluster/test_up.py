@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import faults
 from cluster_fixture import cluster, http, stock_tokens, yaml_for
 from conftest import assert_one_line_error, cli
 
@@ -86,9 +87,8 @@ def test_a_killed_node_fails_the_request_and_an_envoy_cluster_rejoins_with_its_t
         result = {}
 
         def long_request():
-            t0 = time.monotonic()
             result["reply"] = http(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3000}, timeout=60)
-            result["seconds"] = time.monotonic() - t0
+            result["at"] = time.monotonic()
 
         worker = threading.Thread(target=long_request)
         worker.start()
@@ -105,8 +105,12 @@ def test_a_killed_node_fails_the_request_and_an_envoy_cluster_rejoins_with_its_t
         worker.join(timeout=30)
         status, body = result["reply"]
         assert status == 503 and "error" in body, body
-        assert result["seconds"] < 1.5 + 3 + 5  # within the collective timeout (3 s) and a margin
-        assert seen_dead is not None and seen_dead < 3.0
+        # the fault suite's bounds for a killed node (tests/cluster/faults.py): seen dead within
+        # its detection bound, the client answered within the collective timeout after the kill
+        # plus that (a survivor's step fails at the timeout, or when the death is seen)
+        bound = faults.bounds("node killed", os.getloadavg()[0])
+        assert seen_dead is not None and seen_dead <= bound.detect, (seen_dead, bound)
+        assert result["at"] - killed <= faults.COLLECTIVE_S + bound.detect, (result["at"] - killed, bound)
         if transport == "mlx":
             return
         # refused with a clear reason while degraded, then the node restarts and rejoins
