@@ -83,8 +83,10 @@ def _alone(url: str, body: dict) -> list[int]:
 def test_eight_concurrent_requests_get_the_tokens_they_get_alone(api):
     bodies = [{"prompt": p, "max_tokens": 24 + 4 * i, "temperature": 0, "stream": i % 2 == 0}
               for i, p in enumerate(PROMPTS)]
+    greedy3 = bodies[3]
     bodies[3] = {**bodies[3], "temperature": 0.9, "top_p": 0.9, "seed": 11}  # seeded sampling too
     alone = [_alone(api, b) for b in bodies]
+    assert alone[3] != _alone(api, greedy3), "the seeded request drew the greedy answer"
     assert all(len(t) == b["max_tokens"] or t for t, b in zip(alone, bodies))
     together = _together(api, bodies)
     for i, (got, want) in enumerate(zip(together, alone)):
@@ -131,7 +133,11 @@ def test_requests_join_and_leave_mid_batch(api):
     assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.index(stop)], (cut, stop, text)
     assert first["tokens"] == want_runner
     assert joined["tokens"] == want_joiner
-    assert freed < 5, f"the slot of a client that left was freed after {freed:.1f} s"
+    # freed within a few dozen of the batch's steps (the runner's mean time per token, which a
+    # loaded machine stretches alike; its events come in bursts, so not the gap between two),
+    # where a slot never freed would run its 2,000 tokens
+    step = (first["times"][-1] - first["times"][0]) / (len(first["times"]) - 1)
+    assert freed < 40 * step, f"the slot of a client that left was freed after {freed:.2f} s ({freed / step:.0f} steps)"
 
 
 def test_a_long_prompt_joins_while_others_stream_within_the_step_budget(api):
