@@ -16,8 +16,9 @@ Every decision is taken from what all ranks agreed, so every node runs the same 
 order at every step. Alone (one node) there is nothing to agree and no round trip at all.
 
 A sequence's sampler has its own key (its seed's, or one drawn for it, advanced past the draws a
-resumed request made before), so its tokens do not depend on what else runs beside it; a lone decoding sequence keeps its own KV cache (the stock path's bytes),
-two or more share mlx-lm's batched caches.
+resumed request made before), so its tokens do not depend on what else runs beside it; a lone
+decoding sequence keeps its own KV cache (the stock path's bytes), two or more share mlx-lm's
+batched caches.
 """
 
 from __future__ import annotations

@@ -276,8 +276,8 @@ def generate_request_from_proto(msg: npb.GenerateRequest, *, prefill_step: int |
         raise ConvertError("GenerateRequest.request_id is empty")
     if not msg.prompt:
         raise ConvertError(f"GenerateRequest {msg.request_id} has an empty prompt")
-    sampling = Sampling(msg.max_tokens, msg.temperature, msg.top_p, msg.seed if msg.HasField("seed") else None,
-                        msg.sampler_step)
+    seed = msg.seed if msg.HasField("seed") else None
+    sampling = Sampling(msg.max_tokens, msg.temperature, msg.top_p, seed, msg.sampler_step)
     try:
         sampling.check()
     except ValueError as exc:

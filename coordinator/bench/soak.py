@@ -50,7 +50,7 @@ class Tally:
     other: int = 0  # any other answer (a 500, a stream that ended without an error event or its end)
     hung: int = 0  # no answer within the request timeout
     max_latency_s: float = 0.0
-    stalls: list[float] = field(default_factory=list)  # seconds a resumed request went without a token
+    stalls: list[float] = field(default_factory=list)  # seconds without a token, per resume
     latencies: list[float] = field(default_factory=list)
     other_errors: list[str] = field(default_factory=list)  # the first few, for the report
 
@@ -84,10 +84,13 @@ def _one_request(url: str, stream: bool, timeout_s: float) -> tuple[str, str, li
             if not stream:
                 out = json.loads(r.read())
                 stalls = out.get("moe_cluster", {}).get("stalls_s", [])
-                return ("ok", "", stalls) if out.get("choices") else ("other", f"no choices: {out}", stalls)
+                if not out.get("choices"):
+                    return "other", f"no choices: {out}", stalls
+                return "ok", "", stalls
             events = [line[6:].strip() for line in (raw.decode() for raw in r) if line.startswith("data: ")]
     except urllib.error.HTTPError as exc:
-        return ("unavailable" if exc.code == 503 else "other"), f"HTTP {exc.code}: {exc.read()[:200]!r}", []
+        outcome = "unavailable" if exc.code == 503 else "other"
+        return outcome, f"HTTP {exc.code}: {exc.read()[:200]!r}", []
     except TimeoutError:
         return "hung", f"no answer within {timeout_s:g} s", []
     except (OSError, ValueError) as exc:  # a connection dropped, a body that is not JSON
@@ -231,8 +234,9 @@ def main(args) -> int:
         r = out["requests"]
         st = out["stall_s"]
         print(f"{r['total']} requests in {out['minutes']:g} min, {len(out['kills'])} nodes killed: "
-              f"{r['ok']} ok, {r['failed']} failed ({r['503']} 503, {r['other']} other, {r['hung']} hung), "
-              f"{r['resumed']} resumes (stall p50 {st['p50']} s, p90 {st['p90']} s, max {st['max']} s); "
+              f"{r['ok']} ok, {r['failed']} failed ({r['503']} 503, {r['other']} other, "
+              f"{r['hung']} hung), {r['resumed']} resumes (stall p50 {st['p50']} s, "
+              f"p90 {st['p90']} s, max {st['max']} s); "
               f"max latency {out['latency_s']['max']:.2f} s; detect ≤ {out['detect_s_max']} s, "
               f"recovery ≤ {out['recovery_s_max']} s; final: {out['final']['state']}")
     return 0 if passed(out) else 1

@@ -1,11 +1,11 @@
 """The running cluster as the coordinator sees it: members, their health, loading, and requests.
 
 Each request is sent to every node (they run it in lock-step, beside the others in their running
-batch) and rank 0's stream carries the tokens. Heartbeats, RPC failures and the nodes' own reports (an
-envoy that exited) feed one health machine (`health.py`): a lost node fails the requests in flight
-on the nodes and turns the cluster `degraded`; once every node answers, the cluster is rebuilt
-(every node loaded again, then a warm-up step) once those requests have ended on the nodes, so a
-rejoin never races a request; a rejoin that fails is retried with backoff. The requests themselves
+batch) and rank 0's stream carries the tokens. Heartbeats, RPC failures and the nodes' own reports
+(an envoy that exited) feed one health machine (`health.py`): a lost node fails the requests in
+flight on the nodes and turns the cluster `degraded`; once every node answers, the cluster is
+rebuilt (every node loaded again, then a warm-up step) once those requests have ended on the
+nodes, so a rejoin never races a request; a rejoin that fails is retried with backoff. The requests themselves
 go on (`resume.py`): each waits for the cluster to be ready again and resumes where its stream
 stopped, at most `max_resumes` times; new requests wait too. A wait is bounded by `recovery_wait`,
 past which the request gets the 503 (or stream error) with the reason and Retry-After.
@@ -83,7 +83,8 @@ class Outcome:
 class Cluster:
     def __init__(self, members: Sequence[Member], *, model: str, transport: str, heartbeat_s: float = 1.0,
                  load_timeout_s: float = 600.0, request_timeout_s: float = 600.0, queue_limit: int = 16,
-                 max_batch: int = 8, recovery_wait_s: float = RECOVERY_WAIT_S, max_resumes: int = MAX_RESUMES,
+                 max_batch: int = 8, recovery_wait_s: float = RECOVERY_WAIT_S,
+                 max_resumes: int = MAX_RESUMES,
                  respawn: Callable[[Member], None] | None = None,
                  pid_of: Callable[[str], int | None] | None = None):
         self.members = list(members)
@@ -105,7 +106,7 @@ class Cluster:
         self._running: set[str] = set()
         self._drained = asyncio.Event()  # set while no request is on the nodes (a rejoin waits for it)
         self._drained.set()
-        self._ready = asyncio.Event()  # set while the health machine says ready (waiting requests go on)
+        self._ready = asyncio.Event()  # set while the health machine says ready
         self._waiting = 0  # requests waiting for a recovery before their first run
         self._attempts: dict[str, str] = {}  # a request's id -> the id of its run on the nodes now
         self._seq = 0  # admission order sent with each request; restarts with every load of the nodes
@@ -239,8 +240,9 @@ class Cluster:
             raise error
 
     async def _wait_ready(self, since: float, outcome: Outcome) -> None:
-        """Wait until the cluster is ready, at most `recovery_wait_s` after `since` (time.monotonic());
-        past it, or when the cluster is not recovering, raise the health machine's refusal."""
+        """Wait until the cluster is ready, at most `recovery_wait_s` after `since`
+        (time.monotonic()); past it, or when the cluster is not recovering, raise the health
+        machine's refusal."""
         outcome.waiting = True
         try:
             while not self.health.ready:
@@ -291,9 +293,9 @@ class Cluster:
                         last = time.monotonic()
                         yield token
                 finally:
-                    # When our consumer stops early (a stop string, a client gone) `run` must end here:
-                    # left to the garbage collector it would still be stopping the nodes while later
-                    # requests run.
+                    # When our consumer stops early (a stop string, a client gone) `run` must end
+                    # here: left to the garbage collector it would still be stopping the nodes while
+                    # later requests run.
                     await run.aclose()
                 if stalled and outcome.error is None:  # the resumed run ended without a token (EOS)
                     outcome.stalls.append(time.monotonic() - last)
@@ -304,22 +306,24 @@ class Cluster:
                     return
                 if not self._resumable(outcome, attempt):
                     return
-                logger.warning("request %s lost its run after %d tokens (%s): resuming once the cluster is "
-                               "ready", req.request_id, len(outcome.tokens), lost)
+                logger.warning("request %s lost its run after %d tokens (%s): resuming once the "
+                               "cluster is ready", req.request_id, len(outcome.tokens), lost)
                 outcome.error = None
                 try:
                     await self._wait_ready(time.monotonic(), outcome)
                 except MoeClusterError as exc:
-                    outcome.error = exc  # the reason it cannot come back (or the loss, still unresolved)
+                    outcome.error = exc  # why it cannot come back (or the loss, unresolved)
                     return
                 attempt, stalled = attempt + 1, True
         finally:
             self._attempts.pop(req.request_id, None)
 
     def _resumable(self, outcome: Outcome, attempt: int) -> bool:
-        """A run that failed because a node was lost (the cluster's 503) resumes, up to max_resumes."""
+        """A run that failed because a node was lost (the cluster's 503) resumes, up to
+        max_resumes times."""
         error = outcome.error
-        return error is not None and error.kind is ErrorKind.UNAVAILABLE and attempt < self.max_resumes
+        lost = error is not None and error.kind is ErrorKind.UNAVAILABLE
+        return lost and attempt < self.max_resumes
 
     def _seeded(self, req: GenerateRequest) -> GenerateRequest:
         """A sampled request without a seed gets one: every node must draw the same tokens, and a
@@ -331,10 +335,12 @@ class Cluster:
 
     async def cancel(self, request_id: str, abort: bool = False) -> None:
         """Stop a request on every node: at the next agreement, or at once with `abort` (it failed)."""
-        await self._cancel_run(self._attempts.get(request_id, request_id), abort)  # a resumed one's run now
+        # a resumed request's run now has an id of its own
+        await self._cancel_run(self._attempts.get(request_id, request_id), abort)
 
     async def _cancel_run(self, run_id: str, abort: bool) -> None:
-        await asyncio.gather(*(self._cancel_one(m, run_id, abort) for m in self.members), return_exceptions=True)
+        await asyncio.gather(*(self._cancel_one(m, run_id, abort) for m in self.members),
+                             return_exceptions=True)
 
     async def _cancel_one(self, m: Member, request_id: str, abort: bool) -> None:
         try:
@@ -430,8 +436,8 @@ class Cluster:
 
     async def _end(self, req: GenerateRequest, tasks: list[asyncio.Task], queue: asyncio.Queue,
                    outcome: Outcome | None) -> None:
-        """End run `req` on every node; `outcome` (None: the run failed, and a resumed run may fill the
-        request's outcome meanwhile) gets rank 0's report of it."""
+        """End run `req` on every node; `outcome` (None: the run failed, and a resumed run may
+        fill the request's outcome meanwhile) gets rank 0's report of it."""
         try:
             # a failed request: the nodes still in it stop waiting for the lost peer now (a begin or a
             # step would wait out the collective timeout, holding the gate and so the rejoin)
@@ -547,7 +553,7 @@ class Cluster:
             "queue_depth": self.queue_depth,
             "running": min(len(self._running), self.max_batch),
             "waiting": max(0, len(self._running) - self.max_batch),
-            "waiting_for_recovery": self._waiting,  # requests that arrived while a lost node is rebuilt
+            "waiting_for_recovery": self._waiting,  # arrived while a lost node is rebuilt
             "nodes": [
                 {"name": m.name, "rank": m.rank, "state": self.node_state(m), "address": m.address,
                  "memory_bytes": m.memory_bytes, "budget_bytes": m.budget_bytes, "used_bytes": m.used_bytes,

@@ -130,7 +130,7 @@ class Metrics:
             "# HELP moe_cluster_requests_total Generation requests by outcome.",
             "# TYPE moe_cluster_requests_total counter",
             *(f'moe_cluster_requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()),
-            "# HELP moe_cluster_resumes_total Requests resumed where they stopped after a lost node.",
+            "# HELP moe_cluster_resumes_total Runs resumed where they stopped after a lost node.",
             "# TYPE moe_cluster_resumes_total counter",
             f"moe_cluster_resumes_total {self.resumes}",
             "# HELP moe_cluster_prompt_tokens_total Prompt tokens received.",

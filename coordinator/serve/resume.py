@@ -35,7 +35,8 @@ def continuation(req: GenerateRequest, tokens: Sequence[int], attempt: int) -> G
         return req
     s = req.sampling
     if len(tokens) >= s.max_tokens:
-        raise ValueError(f"request {req.request_id} has all its {s.max_tokens} tokens: nothing to resume")
+        raise ValueError(f"request {req.request_id} has all its {s.max_tokens} tokens: "
+                         "nothing to resume")
     sampling = replace(s, max_tokens=s.max_tokens - len(tokens), step=s.step + len(tokens))
     return replace(req, request_id=f"{req.request_id}.r{attempt}", prompt=(*req.prompt, *tokens),
                    sampling=sampling)
@@ -55,7 +56,7 @@ class KeepAlive:
         self._task: asyncio.Task | None = None
 
     async def start(self, gen) -> None:
-        """`gen.start()`, then the response's head; errors before any byte are raised as they come."""
+        """`gen.start()`, then the response's head; errors before any byte are raised."""
         self._task = asyncio.create_task(self._beat(), name="keep-alive")
         try:
             await gen.start()
