@@ -100,6 +100,12 @@ class Answer:
     def tokens(self) -> list[int] | None:
         return self.final.get("moe_cluster", {}).get("tokens")
 
+    def text(self) -> str:
+        if self.events is None:
+            return (self.body or {}).get("choices", [{}])[0].get("text", "")
+        return "".join(e["choices"][0].get("text", "") for e in self.events
+                       if isinstance(e, dict) and e.get("choices"))
+
 
 def post(url: str, body: dict, answer: Answer, on_event: Callable[[dict | str], None] | None = None) -> None:
     """POST /v1/completions into `answer` (streams read event by event)."""
@@ -264,13 +270,22 @@ class Phases:
 
     def decode(self) -> None:
         """The fault while eight greedy streams decode together: all eight complete with exactly the
-        tokens the same requests got just before on the unfaulted cluster, none gets an error."""
+        tokens and text the same requests got just before on the unfaulted cluster, none gets an
+        error. One has a stop string that its text reaches only after the fault: it ends there."""
         bodies = [{"prompt": p, "max_tokens": DECODE_TOKENS, "stream": True} for p in PROMPTS]
+        status, whole = http(self.url, "/v1/completions", {**bodies[0], "stream": False})
+        assert status == 200, whole
+        text = whole["choices"][0]["text"]
+        stop = text[len(text) * 3 // 4:][:4]  # late in its answer: after the fault lands
+        assert stop.strip() and text.index(stop) > len(text) // 2, (text, stop)
+        bodies[0] = {**bodies[0], "stop": [stop]}
         before, threads = run_together(self.url, bodies)
         self._join("before the fault", threads, time.monotonic())
         for b, a in zip(bodies, before):
             check_completed(a, what=f"without the fault: {b['prompt']}")
-            assert len(a.tokens()) == DECODE_TOKENS, f"{b['prompt']!r} ends early: pick a prompt it continues"
+            if "stop" not in b:
+                assert len(a.tokens()) == DECODE_TOKENS, f"{b['prompt']!r} ends early: pick another prompt"
+        assert before[0].text() == text[:text.index(stop)], (before[0].text(), stop)
         seen = [0] * len(bodies)
         going = threading.Event()
 
@@ -290,6 +305,8 @@ class Phases:
         self._join(phase, threads, t0)
         for b, a, want in zip(bodies, answers, before):
             check_completed(a, want.tokens(), f"{phase}: {b['prompt']}")
+            assert a.text() == want.text(), (phase, b, a.text(), want.text())
+        assert answers[0].final["choices"][0]["finish_reason"] == "stop", answers[0].final
         cut = stalls(answers)
         resumed = [a for a in answers if stalls([a])]
         assert len(resumed) == len(answers), f"{phase}: {len(answers) - len(resumed)} streams not resumed"
