@@ -37,7 +37,9 @@ PROMPTS = [  # eight streams of different lengths of prompt
     "Uneasy lies the head that wears a crown.",
 ]
 DECODE_TOKENS = 40  # per stream: eight of them decode together for a few seconds
-FAST_YAML = "serving:\n  prefill_chunk: 16\n"
+SAMPLED = {"prompt": "All that glitters is not gold;", "temperature": 0.8, "seed": 7}  # a ninth stream
+# room for the ninth stream beside the eight greedy ones
+FAST_YAML = "serving:\n  prefill_chunk: 16\n  max_batch: 9\n"
 
 
 class HealthWatch:
@@ -271,8 +273,10 @@ class Phases:
     def decode(self) -> None:
         """The fault while eight greedy streams decode together: all eight complete with exactly the
         tokens and text the same requests got just before on the unfaulted cluster, none gets an
-        error. One has a stop string that its text reaches only after the fault: it ends there."""
+        error. One has a stop string that its text reaches only after the fault: it ends there. A
+        ninth, sampled with a seed, goes on drawing what it drew without the fault."""
         bodies = [{"prompt": p, "max_tokens": DECODE_TOKENS, "stream": True} for p in PROMPTS]
+        bodies.append({**SAMPLED, "max_tokens": DECODE_TOKENS, "stream": True})
         status, whole = http(self.url, "/v1/completions", {**bodies[0], "stream": False})
         assert status == 200, whole
         text = whole["choices"][0]["text"]
@@ -300,7 +304,7 @@ class Phases:
         self.inject()
         t0 = time.monotonic()
         watch = HealthWatch(self.url, t0)
-        phase = "during decode (8 streams)"
+        phase = "during decode (8 greedy streams and a sampled one)"
         detect, up = self._recover(phase, t0, watch)
         self._join(phase, threads, t0)
         for b, a, want in zip(bodies, answers, before):
@@ -310,7 +314,8 @@ class Phases:
         cut = stalls(answers)
         resumed = [a for a in answers if stalls([a])]
         assert len(resumed) == len(answers), f"{phase}: {len(answers) - len(resumed)} streams not resumed"
-        report(f"{self.name}, {phase}", detect, f"8 of 8 complete, tokens as without the fault, last at "
+        report(f"{self.name}, {phase}", detect, f"all {len(answers)} complete, tokens as without the "
+               f"fault, last at "
                f"{max(a.at for a in answers) - t0:.2f} s", up)
         print(f"RELIABILITY-STALLS | {self.name}, {phase} | {len(cut)} resumed | stalls "
               f"{', '.join(f'{s:.2f}' for s in sorted(cut))} s")
