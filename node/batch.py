@@ -15,9 +15,10 @@ Each step, every node
 Every decision is taken from what all ranks agreed, so every node runs the same sequences in the same
 order at every step. Alone (one node) there is nothing to agree and no round trip at all.
 
-A sequence's sampler has its own key (its seed's, or one drawn for it), so its tokens do not depend on
-what else runs beside it; a lone decoding sequence keeps its own KV cache (the stock path's bytes),
-two or more share mlx-lm's batched caches.
+A sequence's sampler has its own key (its seed's, or one drawn for it, advanced past the draws a
+resumed request made before), so its tokens do not depend on what else runs beside it; a lone
+decoding sequence keeps its own KV cache (the stock path's bytes), two or more share mlx-lm's
+batched caches.
 """
 
 from __future__ import annotations
@@ -345,7 +346,8 @@ class RunningBatch:
             s.state = "prefill" if s.todo else "decode"
             if s.req.sampling.temperature > 0:
                 seed = s.req.sampling.seed
-                s.key = mx.random.key(seed if seed is not None else zlib.crc32(s.req.request_id.encode()))
+                key = mx.random.key(seed if seed is not None else zlib.crc32(s.req.request_id.encode()))
+                s.key = advance_key(key, s.req.sampling.step)  # a resumed request: past its draws
             if budget and self.runtime.prompt_cache is not None:
                 self.runtime.prompt_cache.trim_to(n_bytes=max(0, budget - held - s.reserve))
             if s.state == "decode":
@@ -384,6 +386,14 @@ def sample_tokens(decoding: list[Sequence], logprobs: mx.array) -> mx.array:
     if all(s.req.sampling.temperature == 0 for s in decoding):
         return mx.argmax(logprobs, axis=-1)
     return mx.concatenate([_sample(s, logprobs[i : i + 1]) for i, s in enumerate(decoding)])
+
+
+def advance_key(key: mx.array, steps: int) -> mx.array:
+    """The key a sequence's sampler holds after `steps` draws (`_sample` splits it once per draw): a
+    resumed request samples its step k as the run that was cut would have, on every rank alike."""
+    for _ in range(steps):
+        key = mx.random.split(key)[0]
+    return key
 
 
 def _sample(s: Sequence, logprobs: mx.array) -> mx.array:

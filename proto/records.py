@@ -31,6 +31,9 @@ class Sampling:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # draws the seed's sampler made before this request: a request resumed after a lost node goes on
+    # with the draw its step k would have made (node/batch.py advances the key as many times)
+    step: int = 0
 
     def check(self) -> None:
         if self.max_tokens < 1:
@@ -42,6 +45,8 @@ class Sampling:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed <= SEED_MAX):
             raise UserError(f"seed must be an integer in [0, 2**64-1] (got {self.seed!r})")
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise UserError(f"the sampler's step must be an integer >= 0 (got {self.step!r})")
 
 
 SEED_MAX = 2**64 - 1  # mx.random.seed takes 0 .. 2**64-1 (measured: 2**64 and -1 raise TypeError)

@@ -28,6 +28,7 @@ from ...proto.records import SEED_MAX, GenerateRequest, Sampling, check_token_id
 from ...proto.errors import KINDS, ErrorKind, MoeClusterError, UserError, kind_from_http
 from .cluster import Cluster, Outcome
 from .metrics import Metrics, prompt_tps
+from .resume import KeepAlive
 from . import anthropic
 from .tools import FieldError, ToolCall, Tools, ToolSplitter, history_tool_calls, parse_tools
 from ...node.worker import Worker
@@ -568,8 +569,8 @@ class Api:
                                                        (len(ids), len(outcome.tokens))))
         events = anthropic.EventStream(gen.req.request_id, model, len(ids))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await gen.start()  # errors before the first byte are still proper HTTP errors
-        await resp.prepare(request)
+        alive = KeepAlive(request, resp, gen.outcome)  # comments while the cluster recovers
+        await alive.start(gen)  # errors before the first byte are still proper HTTP errors
         try:
             await resp.write(events.start())
             async for part in gen.stream_parts():
@@ -582,6 +583,8 @@ class Api:
         except (ConnectionResetError, asyncio.CancelledError):
             await gen.client_gone()
             raise
+        finally:
+            await alive.close()
         return resp
 
     def _generation(self, ids: list[int], sampling: Sampling, stops: list[str], chat: bool,
@@ -618,6 +621,7 @@ class Api:
             "prompt_tps": prompt_tps(d),
             "generation_tps": (max(len(outcome.tokens), 1) / t.generation_s) if t and t.generation_s else 0.0,
             "time_to_first_token_s": gen.ttft,
+            "stalls_s": [round(s, 3) for s in outcome.stalls],  # one per resume after a lost node
             "counters": {k: v for k, v in d.counters.items() if k != "peak_memory_bytes"} if d else {},
             # rank 0's MLX peak since it started (the nodes of one cluster hold about the same)
             "peak_memory_bytes": int(d.counters.get("peak_memory_bytes", 0)) if d else 0,
@@ -639,8 +643,8 @@ class Api:
 
     async def _stream(self, request: web.Request, gen: "_Generation", chat: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await gen.start()  # errors before the first byte are still proper HTTP errors
-        await resp.prepare(request)
+        alive = KeepAlive(request, resp, gen.outcome)  # comments while the cluster recovers
+        await alive.start(gen)  # errors before the first byte are still proper HTTP errors
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -688,6 +692,8 @@ class Api:
         except (ConnectionResetError, asyncio.CancelledError):
             await gen.client_gone()
             raise
+        finally:
+            await alive.close()
         return resp
 
 

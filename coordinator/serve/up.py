@@ -253,6 +253,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         cluster = Cluster(members, model=c.model, transport=c.transport, heartbeat_s=c.timeouts.heartbeat,
                           load_timeout_s=c.timeouts.load, request_timeout_s=c.timeouts.request,
                           queue_limit=c.serving.queue, max_batch=c.serving.max_batch,
+                          recovery_wait_s=c.serving.recovery_wait, max_resumes=c.serving.max_resumes,
                           respawn=respawn if launcher else None,
                           pid_of=launcher.pid if launcher else None)
         progress = Progress([m.name for m in members])

@@ -1,6 +1,7 @@
 """Continuous batching through real HTTP on a 2-node cluster (`up`, envoys): many requests at once,
 each with the tokens it gets alone; joins, leaves and cancels mid-batch; a long prompt prefilled
-beside running streams within the step budget; a node killed mid-batch fails every request with 503."""
+beside running streams within the step budget; a node killed mid-batch, with resuming turned off
+(serving.max_resumes: 0), fails every request with 503 (tests/cluster/test_faults.py resumes them)."""
 
 from __future__ import annotations
 
@@ -168,7 +169,12 @@ def test_a_long_prompt_joins_while_others_stream_within_the_step_budget(api):
         assert max(during) < prefill_s / 4, (max(during), prefill_s)
 
 
-def test_a_node_killed_mid_batch_fails_every_request_with_503(api):
+def test_a_node_killed_mid_batch_without_resumes_fails_every_request_with_503(tmp_path):
+    with cluster(tmp_path, YAML + "  max_resumes: 0\n") as (api, proc, lines):
+        _kill_mid_batch(api)
+
+
+def _kill_mid_batch(api: str) -> None:
     victim = http(api, "/v1/cluster/status")[1]["nodes"][1]
     bodies = [{"prompt": p, "max_tokens": 3000, "temperature": 0, "stream": i % 2 == 1} for i, p in enumerate(PROMPTS[:4])]
 

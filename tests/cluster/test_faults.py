@@ -1,13 +1,13 @@
-"""Faults through real processes (issue #14): a node killed, its envoy killed, a node stopped
-(SIGSTOP, a stalled peer) then continued, and a node's network link taken down then up; each while
-idle, during a prefill and during a streamed decode (see faults.py). The three faults of a local
-node share one cluster (module fixture `local`): each starts from a cluster found ready and serving
-and leaves it so; the link test runs its own remote cluster.
+"""Faults through real processes: a node killed, its envoy killed, a node stopped (SIGSTOP, a
+stalled peer) then continued, and a node's network link taken down then up; each while idle,
+during a prefill and while eight streams decode (see faults.py). Every request completes with the
+tokens it gets without the fault: the ones in flight resume, the ones that arrive meanwhile wait.
+The three faults of a local node share one cluster (module fixture `local`): each starts from a
+cluster found ready and serving and leaves it so; the link test runs its own remote cluster.
 
-Each phase prints its detect / client answer / recovery times (seconds after the fault); the
-reliability table in docs/reliability.md comes from these lines
+Each phase prints its detect / client answer / recovery times (seconds after the fault) and the
+streams' stalls; docs/reliability.md's table comes from these lines
 (`pytest -s tests/cluster/test_faults.py`).
-Batched decode is not built yet, so there is no batched phase.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ LINK_REASON = netns.available()
 @pytest.mark.skipif(LINK_REASON is not None, reason=LINK_REASON or "")
 def test_a_node_whose_link_goes_down_and_up_rejoins(tmp_path):
     """Two remote nodes, each in its own network namespace; node n2's link goes down, then up once
-    the client has its answer: the coordinator waits for it (it cannot restart a remote node) and
-    rebuilds the cluster when it answers again."""
+    the cluster saw it: the coordinator waits for it (it cannot restart a remote node), the requests
+    wait too, and the cluster is rebuilt when it answers again."""
     secret = "faults-link-secret"
     env = dict(os.environ, MOE_CLUSTER_SECRET=secret, PYTHONUNBUFFERED="1")
     with netns.hosts(["n1", "n2"]) as h:
@@ -80,7 +80,7 @@ def test_a_node_whose_link_goes_down_and_up_rejoins(tmp_path):
                 subprocess.run(["ip", "netns", "exec", ns2, "ip", "link", "set", "eth0", state], check=True)
 
             with cluster(tmp_path, yaml_text, env={"MOE_CLUSTER_SECRET": secret}) as (url, _, lines):
-                Phases(url, "n2's link down (up after the answer)", "n2", "link down", lambda: link("down"),
+                Phases(url, "n2's link down (up once detected)", "n2", "link down", lambda: link("down"),
                        lambda: link("up"), recover_from="restore", log=lines).run()
         finally:
             netns.stop(*agents)
@@ -152,3 +152,13 @@ def test_a_stalled_node_is_restarted_and_its_late_continue_changes_nothing(ready
     Phases(url, "node-1 SIGSTOPped (SIGCONT once ready again)", "node-1", "node stopped", inject, restore,
            restore_after="ready", log=lines).run()
     assert not any(_alive(p) for p in stopped), f"stopped nodes left behind: {stopped}"
+
+
+@pytest.mark.slow
+def test_a_node_killed_while_eight_streams_decode_on_three_nodes(tmp_path):
+    """The 8-stream phase on a 3-node cluster: the restarted node rejoins the two survivors, and
+    every stream resumes with the tokens it gets without the fault."""
+    with cluster(tmp_path, yaml_for(3, extra=FAST_YAML)) as (url, proc, lines):
+        victim = _victim(url)
+        Phases(url, "node-1 of 3 SIGKILLed", victim["name"], "node killed",
+               lambda: os.kill(victim["pid"], signal.SIGKILL), log=lines).decode()

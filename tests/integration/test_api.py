@@ -620,7 +620,9 @@ def test_chat_shows_an_answer_as_it_streams_and_ctrl_c_stops_it(api):
 
 
 def test_a_cluster_with_a_dead_node_answers_503_with_the_reason(tmp_path):
-    with cluster(tmp_path, yaml_for(2)) as (url, proc, lines):
+    """Past serving.recovery_wait (shorter here than the restarted node's rejoin) a request waiting
+    for the cluster gets the 503 of the lost node."""
+    with cluster(tmp_path, yaml_for(2, extra="serving:\n  recovery_wait: 100ms\n")) as (url, proc, lines):
         victim = http(url, "/v1/cluster/status")[1]["nodes"][1]
         os.kill(victim["pid"], signal.SIGKILL)
         wait_for(lambda: http(url, "/health")[0] == 503, 10, "the cluster degraded")

@@ -109,6 +109,23 @@ def test_a_seeded_sampled_request_draws_the_same_tokens_beside_others(sharded, e
     assert alone[0].tokens != greedy[0].tokens and alone[0].tokens != other[0].tokens
 
 
+@pytest.mark.parametrize("sampling", [Sampling(max_tokens=16), Sampling(max_tokens=16, temperature=0.9, seed=5)],
+                         ids=["greedy", "sampled"])
+def test_a_request_resumed_at_step_k_goes_on_with_the_tokens_of_the_whole_run(sharded, encode, sampling):
+    """What the coordinator sends after a lost node (prompt + the k streamed tokens, the sampler
+    advanced k draws) gives the tokens the uncut run gave from step k on."""
+    from moe_cluster.coordinator.serve.resume import continuation
+
+    req = GenerateRequest("w", encode(PROMPTS[1]), sampling)
+    whole = drive(NodeRuntime(sharded), [req])[0][0].tokens
+    assert len(whole) == 16
+    for k in (1, 7):
+        cont = continuation(req, whole[:k], 1)
+        assert cont.sampling.step == k and cont.sampling.max_tokens == 16 - k
+        rest = drive(NodeRuntime(sharded), [cont])[0][0].tokens
+        assert whole[:k] + rest == whole, (k, whole, rest)
+
+
 @pytest.mark.parametrize("dtype, quantize, tol", [("float32", 4, 1e-3), ("bfloat16", None, 0.25)])
 def test_bf16_and_4bit_batches_give_each_sequence_its_alone_tokens_or_a_near_tie(make_ckpt, dtype, quantize, tol):
     """The tolerance policy of docs/families.md: tokens equal, or the first difference is a
