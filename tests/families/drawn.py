@@ -61,15 +61,17 @@ KEYS = {
 # width, its dense MLP's is `intermediate_size_mlp`; dbrx's `ffn_config.ffn_hidden_size` is too).
 _FAMILY_KEYS = {"llama4": {"intermediate_size": "expert_ffn"}, "dbrx": {"ffn_hidden_size": "expert_ffn"}}
 # Families whose layer layout is written out per layer in tiny.py's overrides (1-based KDA layer
-# lists, hybrid patterns), or needs a full-attention layer every 4th (qwen3_next and qwen3_5 index
-# the cache of layer 3): their depth stays tiny.LAYERS.
+# lists, hybrid patterns), or needs a full-attention layer every 4th (qwen3_next, qwen3_5 and llama4
+# index the cache of layer 3): their depth stays tiny.LAYERS.
 _FIXED_DEPTH = {"kimi_linear", "kimi_k3", "lfm2_moe", "nemotron_h", "granitemoehybrid", "jamba",
-                "qwen3_next", "qwen3_5", "qwen3_5_moe"}
+                "qwen3_next", "qwen3_5", "qwen3_5_moe", "llama4"}
 # Families that accept only some values: llama4 asserts top-1; muse_spark rejects shared experts;
 _FIXED = {"llama4": {"top_k": 1}, "muse_spark": {"shared": 0}}
 # Lower bounds: stock mlx-lm (0.32) dies of a segmentation fault decoding a top-1 bailing_moe;
-# hunyuan's mixed MLP+MoE layer (its real shape, tiny.py) and Klear always have a shared expert.
-_MIN = {"bailing_moe": {"top_k": 2}, "hunyuan": {"shared": 1}, "Klear": {"shared": 1}}
+# hunyuan's mixed MLP+MoE layer (its real shape, tiny.py), Klear and bailing_moe_v3 always have a
+# shared expert (0 builds a 0-wide MLP).
+_MIN = {"bailing_moe": {"top_k": 2}, "hunyuan": {"shared": 1}, "Klear": {"shared": 1},
+        "bailing_moe_v3": {"shared": 1}}
 # So does the deepseek lineage, which counts them in `n_shared_experts`: mlx-lm builds a 0-wide MLP
 # from 0 (it tests `is not None`), and transformers' configs, read with the tokenizer, refuse null.
 _ALWAYS_SHARED = "n_shared_experts"
