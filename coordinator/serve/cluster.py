@@ -93,6 +93,9 @@ class Cluster:
         # Requests on the nodes: they run together in each node's batch (max_batch at once, the rest
         # wait there in arrival order); past max_batch + queue_limit a request gets 429.
         self._running: set[str] = set()
+        # of those, requests whose caller left (a client gone, a stop string): they still end on the
+        # nodes (CANCEL_WAIT_S at most, a queued one when the nodes admit it) but hold no queue slot
+        self._gone: set[str] = set()
         self._drained = asyncio.Event()  # set while no request is on the nodes (a rejoin waits for it)
         self._drained.set()
         self._seq = 0  # admission order sent with each request; restarts with every load of the nodes
@@ -207,7 +210,8 @@ class Cluster:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._running)
+        """Requests running or waiting for a caller."""
+        return len(self._running) - len(self._gone)
 
     def check_ready(self) -> None:
         """Raise the health machine's refusal (503, with Retry-After) unless the cluster can serve."""
@@ -223,7 +227,7 @@ class Cluster:
         afterwards failures end the stream and are reported in `outcome.error`.
         """
         self.check_ready()
-        if len(self._running) >= self.max_batch + self.queue_limit:
+        if self.queue_depth >= self.max_batch + self.queue_limit:
             raise QueueFull(f"queue is full ({self.queue_limit} requests waiting) beside {self.max_batch} running")
         run = self._run(req, outcome)
         try:
@@ -259,6 +263,7 @@ class Cluster:
 
     def _leave(self, request_id: str) -> None:
         self._running.discard(request_id)
+        self._gone.discard(request_id)
         if not self._running:
             self._drained.set()
         self._spawn(self.refresh(), "refresh")
@@ -329,6 +334,7 @@ class Cluster:
                 if outcome.error is not None:
                     self._spawn(self._end(req, tasks, queue, outcome), f"end-{req.request_id}")
                 else:
+                    self._gone.add(req.request_id)  # its queue slot is free at once
                     await self._end(req, tasks, queue, outcome)
             else:
                 self._leave(req.request_id)
@@ -448,8 +454,8 @@ class Cluster:
             "transport": self.transport,
             "uptime_s": round(time.monotonic() - self.started, 1),
             "queue_depth": self.queue_depth,
-            "running": min(len(self._running), self.max_batch),
-            "waiting": max(0, len(self._running) - self.max_batch),
+            "running": min(self.queue_depth, self.max_batch),
+            "waiting": max(0, self.queue_depth - self.max_batch),
             "nodes": [
                 {"name": m.name, "rank": m.rank, "state": self.node_state(m), "address": m.address,
                  "memory_bytes": m.memory_bytes, "budget_bytes": m.budget_bytes, "used_bytes": m.used_bytes,
