@@ -358,6 +358,10 @@ def test_a_request_of_400k_blocks_fails_fast_while_health_answers(api):
         conn.close()
         sender.join(60)
     took = time.monotonic() - t0
+    if latencies:
+        q = statistics.quantiles(latencies, n=20) if len(latencies) > 1 else latencies * 19
+        print(f"BLOCKS | refused after {took:.2f} s; /health x{len(latencies)}: median "
+              f"{statistics.median(latencies) * 1000:.1f} ms, p95 {q[18] * 1000:.1f} ms, max {max(latencies) * 1000:.1f} ms")
     code, reply = result[0]
     assert code == 400 and "at most" in reply["error"]["message"] and "blocks" in reply["error"]["message"], reply
     assert took < 20, f"refused after {took:.1f} s"
