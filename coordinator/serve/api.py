@@ -1,8 +1,9 @@
 """The coordinator's HTTP API: OpenAI-compatible completions and chat, health, metrics, cluster control.
 
-Built on aiohttp. Errors use OpenAI's JSON shape. Requests run together in the nodes' batch, the rest
-wait in arrival order (the queue depth is in /metrics and /v1/cluster/status); a client that goes away cancels its
-generation on every node.
+Built on aiohttp. Errors use OpenAI's JSON shape (Anthropic's on /v1/messages), aiohttp's own parser
+errors included. Requests run together in the nodes' batch, the rest wait in arrival order (the queue
+depth is in /metrics and /v1/cluster/status); a client that goes away cancels its generation on every
+node.
 """
 
 from __future__ import annotations
