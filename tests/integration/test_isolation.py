@@ -268,8 +268,10 @@ def test_clients_that_hang_up_while_queued_free_their_slots_at_once(api):
             for conn in waiting:
                 conn.sock.shutdown(socket.SHUT_RDWR)
                 conn.close()
-            await asyncio.sleep(1.0)  # well under the 10 s the nodes may take to end them
             t0 = time.monotonic()
+            while status(api)["queue_depth"] > MAX_BATCH and time.monotonic() - t0 < 5:
+                await asyncio.sleep(0.05)  # well under the 10 s the nodes may take to end them
+
             late = [asyncio.create_task(session.post(api + path, json=body)) for path, body in (
                 ("/v1/messages", {"messages": CHAT, "max_tokens": 2}),
                 ("/v1/completions", {"prompt": "hi", "max_tokens": 2}))]
