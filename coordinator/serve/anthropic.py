@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...proto.records import Sampling
-from .sampling import ANTHROPIC_TEMPERATURE, json_type, parse as sampling_of
+from .sampling import ANTHROPIC_TEMPERATURE, json_kind, parse as sampling_of
 from .tools import FieldError, ToolCall, Tools, check_function, new_call_id, show as _show
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
@@ -109,7 +109,7 @@ def _turn(m: Any, where: str) -> list[tuple[dict, dict]]:
     (before its text); an assistant turn's tool_use blocks become its tool calls. Each comes with
     the request's field of each of its keys."""
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-        got = _show(m.get("role")) if isinstance(m, dict) else f"a {json_type(m)}"
+        got = _show(m.get("role")) if isinstance(m, dict) else json_kind(m)
         raise FieldError(f"{where} must have a role of user or assistant (got {got})", f"{where}.role")
     role, content = m["role"], m.get("content")
     if isinstance(content, str):

@@ -31,7 +31,7 @@ from ...proto.records import GenerateRequest, Sampling, check_token_ids
 from ...proto.errors import KINDS, ErrorKind, MoeClusterError, UserError, kind_from_http
 from .cluster import Cluster, Outcome
 from .metrics import Metrics, prompt_tps
-from .sampling import OPENAI_TEMPERATURE, json_type, parse as sampling_of
+from .sampling import OPENAI_TEMPERATURE, json_kind, parse as sampling_of
 from . import anthropic
 from .tools import FieldError, ToolCall, Tools, ToolSplitter, history_tool_calls, parse_tools
 from ...node.worker import Worker
@@ -232,7 +232,7 @@ def chat_message(m: Any, i: int) -> dict:
     """messages[i] of a chat request as the template reads it: role, text content, and an assistant's
     tool calls or a tool result's call id."""
     if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-        got = _show(m.get("role")) if isinstance(m, dict) else f"a {json_type(m)}"
+        got = _show(m.get("role")) if isinstance(m, dict) else json_kind(m)
         raise ApiError(INVALID, f"messages[{i}] must have a role of system, user, assistant or tool (got {got})",
                        param=f"messages[{i}].role")
     content = m.get("content")
@@ -305,7 +305,7 @@ def parse_json(raw: bytes | list[bytes]) -> dict:
         where = f" (line {exc.lineno}, column {exc.colno}: {exc.msg})" if isinstance(exc, json.JSONDecodeError) else ""
         raise ApiError(INVALID, f"request body is not valid JSON{where}") from None
     if not isinstance(body, dict):
-        raise ApiError(INVALID, f"request body must be a JSON object (got {json_type(body)})")
+        raise ApiError(INVALID, f"request body must be a JSON object (got {json_kind(body)})")
     return body
 
 

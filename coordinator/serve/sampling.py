@@ -41,19 +41,20 @@ ANTHROPIC_TEMPERATURE = Range(0, 1)
 TOP_P = Range(0, 1, lo_open=True)
 
 
-def json_type(value: Any) -> str:
-    """The JSON name of a value's type, for an error message (null, not NoneType)."""
+def json_kind(value: Any) -> str:
+    """What a value is in JSON's terms, for an error message: null, a boolean, a number, a string,
+    an array, an object (not NoneType)."""
     if value is None:
         return "null"
     if isinstance(value, bool):
-        return "boolean"
+        return "a boolean"
     if isinstance(value, (int, float)):
-        return "number"
+        return "a number"
     if isinstance(value, str):
-        return "string"
+        return "a string"
     if isinstance(value, list):
-        return "array"
-    return "object" if isinstance(value, dict) else type(value).__name__
+        return "an array"
+    return "an object" if isinstance(value, dict) else f"a {type(value).__name__}"
 
 
 def number(body: dict, name: str, allowed: Range, default: float) -> float:
@@ -62,7 +63,7 @@ def number(body: dict, name: str, allowed: Range, default: float) -> float:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise FieldError(f"'{name}' must be a number in {allowed} (got a {json_type(v)}: {show(v)})", name)
+        raise FieldError(f"'{name}' must be a number in {allowed} (got {json_kind(v)}: {show(v)})", name)
     if not allowed.holds(v):
         raise FieldError(f"'{name}' is out of range ({show(v)}): must be a number in {allowed}", name)
     return float(v)
