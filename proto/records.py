@@ -23,9 +23,17 @@ COLLECTIVE_TIMEOUT_S = 5.0  # seconds a step waits for a peer before it fails na
 MESH_CONNECT_TIMEOUT_S = 30.0  # seconds a request waits for the envoy mesh to be whole
 
 
+# Below these a sampled request is greedy: a temperature under GREEDY_TEMPERATURE scales log-probabilities
+# towards what float32 cannot hold (1/T is inf near 1e-39: every token equally likely), and a top_p
+# under GREEDY_TOP_P keeps the most likely token alone for any vocabulary up to 1e6 tokens (under
+# ~1e-45 it is 0.0 in float32, where a top-p filter reads past the vocabulary).
+GREEDY_TEMPERATURE = 1e-6
+GREEDY_TOP_P = 1e-6
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """How to pick tokens; temperature 0 is greedy."""
+    """How to pick tokens; temperature 0 (or an edge value, see `greedy`) is greedy."""
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -34,6 +42,10 @@ class Sampling:
     # draws the seed's sampler made before this request: a request resumed after a lost node goes on
     # with the draw its step k would have made (node/batch.py advances the key as many times)
     step: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_p < GREEDY_TOP_P
 
     def check(self) -> None:
         if self.max_tokens < 1:

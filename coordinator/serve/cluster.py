@@ -104,6 +104,9 @@ class Cluster:
         # Requests on the nodes: they run together in each node's batch (max_batch at once, the rest
         # wait there in arrival order); past max_batch + queue_limit a request gets 429.
         self._running: set[str] = set()
+        # of those, requests whose caller left (a client gone, a stop string): they still end on the
+        # nodes (CANCEL_WAIT_S at most, a queued one when the nodes admit it) but hold no queue slot
+        self._gone: set[str] = set()
         self._drained = asyncio.Event()  # set while no request is on the nodes (a rejoin waits for it)
         self._drained.set()
         self._ready = asyncio.Event()  # set while the health machine says ready
@@ -225,7 +228,8 @@ class Cluster:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._running)
+        """Requests running or waiting for a caller."""
+        return len(self._running) - len(self._gone)
 
     def _recovering(self) -> bool:
         """A request may wait for the cluster: a node was lost and the cluster is rebuilding (or
@@ -266,7 +270,7 @@ class Cluster:
         degraded past the wait (ClusterError, also left in `outcome.error`) or the queue is full
         (QueueFull); afterwards failures end the stream and are reported in `outcome.error`.
         """
-        if len(self._running) + self._waiting >= self.max_batch + self.queue_limit:
+        if self.queue_depth + self._waiting >= self.max_batch + self.queue_limit:
             raise QueueFull(f"queue is full ({self.queue_limit} requests waiting) beside {self.max_batch} running")
         started = last = time.monotonic()
         if not self.health.ready:
@@ -360,6 +364,7 @@ class Cluster:
 
     def _leave(self, request_id: str) -> None:
         self._running.discard(request_id)
+        self._gone.discard(request_id)
         if not self._running:
             self._drained.set()
         self._spawn(self.refresh(), "refresh")
@@ -430,6 +435,7 @@ class Cluster:
                 if outcome.error is not None:
                     self._spawn(self._end(req, tasks, queue, None), f"end-{req.request_id}")
                 else:
+                    self._gone.add(req.request_id)  # its queue slot is free at once
                     await self._end(req, tasks, queue, outcome)
             else:
                 self._leave(req.request_id)
@@ -551,8 +557,8 @@ class Cluster:
             "transport": self.transport,
             "uptime_s": round(time.monotonic() - self.started, 1),
             "queue_depth": self.queue_depth,
-            "running": min(len(self._running), self.max_batch),
-            "waiting": max(0, len(self._running) - self.max_batch),
+            "running": min(self.queue_depth, self.max_batch),
+            "waiting": max(0, self.queue_depth - self.max_batch),
             "waiting_for_recovery": self._waiting,  # arrived while a lost node is rebuilt
             "nodes": [
                 {"name": m.name, "rank": m.rank, "state": self.node_state(m), "address": m.address,

@@ -154,7 +154,7 @@ class Metrics:
             "# HELP moe_cluster_prompt_cache_reused_tokens_total Prompt tokens served from the prompt cache.",
             "# TYPE moe_cluster_prompt_cache_reused_tokens_total counter",
             f"moe_cluster_prompt_cache_reused_tokens_total {self.cached_tokens}",
-            "# HELP moe_cluster_requests_running Requests running now (0 or 1: one runs at a time).",
+            "# HELP moe_cluster_requests_running Requests running now (up to serving.max_batch together).",
             "# TYPE moe_cluster_requests_running gauge",
             f"moe_cluster_requests_running {s.get('running', 0)}",
             "# HELP moe_cluster_queue_depth Requests running or waiting.",
