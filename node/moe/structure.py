@@ -38,9 +38,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ...proto.errors import UserError
 from ..device import ieee_float32
 from . import families
-
-GLU_PROJ = ("gate_proj", "up_proj", "down_proj")
-MLP_PROJ = ("fc1", "fc2")
+from .bank import Bank
 
 _PROBE_TOKENS = 8
 # A term only some routings add (LongCat-Flash's identity "zero experts": a token routed to one adds
@@ -62,24 +60,6 @@ _ULPS = 64
 
 class StructureError(UserError):
     """A MoE block whose output the cluster cannot split exactly, naming the module path."""
-
-
-@dataclass
-class Bank:
-    """An expert bank as found in the module tree."""
-
-    attr: str  # attribute path from the block to the bank, e.g. "switch_mlp" or "experts.switch_mlp"
-    module: object
-    kind: str  # "glu" (gate/up/down) or "mlp" (fc1/fc2)
-    activation: Callable
-    num_experts: int
-    in_dims: int
-    out_dims: int
-    layout: str  # "stacked" (one (E, ...) tensor per projection) or "list" (one module per expert)
-
-    @property
-    def projections(self) -> tuple[str, ...]:
-        return GLU_PROJ if self.kind == "glu" else MLP_PROJ
 
 
 @dataclass
