@@ -71,7 +71,7 @@ def frame_size(buf, start: int) -> int:
 
 def decode(buf, start: int) -> tuple[Frame | None, int]:
     """The frame at `buf[start:]` and the offset after it, or (None, start) while it is incomplete.
-    The payload is copied once, out of `buf`."""
+    The payload is a view of `buf` where `buf` is immutable (bytes), else a copy out of it."""
     header = _header(buf, start)
     if header is None or len(buf) < start + HEADER.size + header[0]:
         return None, start
@@ -84,9 +84,11 @@ def decode(buf, start: int) -> tuple[Frame | None, int]:
     if nbytes != math.prod(shape) * DTYPES[dtype].itemsize:
         raise FrameError(f"a frame from rank {rank} (step {step}) has {nbytes} payload bytes for shape "
                          f"{list(shape)} of {dtype}")
-    with memoryview(buf) as view:
-        rid = bytes(view[at:at + nid]).decode(errors="replace")
-        payload = bytes(view[at + nid + 4 * ndim:end])
+    view = memoryview(buf)
+    rid = str(view[at:at + nid], "utf-8", "replace")
+    payload = view[at + nid + 4 * ndim:end]
+    if not view.readonly:  # a buffer its owner will change: the frame needs its own bytes
+        payload = bytes(payload)
     return Frame(rid, step, layer, rank, dtype, shape, None, payload), end
 
 
@@ -106,8 +108,10 @@ class DataConnection(asyncio.Protocol):
         self.lost: asyncio.Future = loop.create_future()
         self.rank: int | None = None
         self.transport: asyncio.Transport | None = None
-        self._buf = bytearray()  # bytes of an incomplete frame (or handshake)
-        self._need = 0  # bytes _buf must hold before a frame can be complete
+        self._buf = bytearray()  # bytes of the handshake, until it is through
+        self._parts: list = []  # the reads (bytes, or views of them) holding an incomplete frame
+        self._have = 0  # bytes in _parts
+        self._need = 0  # bytes _parts must hold before their frame can be complete
         self._on_frame: Callable[[Frame], None] | None = None
         self._held: list[Frame] = []
         self._open = False
@@ -125,20 +129,24 @@ class DataConnection(asyncio.Protocol):
             asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._unpresented)
 
     def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        if self._open and not buf:  # the usual case: whole frames, straight from the read
-            at = self._frames(data)
-            if at < len(data):
-                buf += memoryview(data)[at:]
-            return
-        buf += data  # a frame arriving in pieces is only appended until it is whole: no re-parsing
+        """Frames straight from the reads, their payloads views of them (the reads are immutable
+        bytes): a frame in one read is not copied at all, one in several is joined once, when its
+        last piece is in (nothing is re-parsed before)."""
         if not self._open:
+            self._buf += data
             if not self._handshake():
                 return
-            self._need = 0
-        if len(buf) >= self._need:
-            at = self._frames(buf)
-            del buf[:at]
+            data, self._buf = bytes(self._buf), bytearray()  # what followed the handshake
+        if self._have:
+            self._parts.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return
+            data = b"".join(self._parts)
+            self._parts, self._have = [], 0
+        at = self._frames(data)
+        if at < len(data):
+            self._parts, self._have = [memoryview(data)[at:]], len(data) - at
 
     def connection_lost(self, exc) -> None:
         why = f"data channel closed ({exc})" if exc else "data channel closed"
@@ -225,7 +233,7 @@ class DataConnection(asyncio.Protocol):
         try:
             while True:
                 frame, at = decode(buf, at)
-                if frame is None:  # what is left becomes the head of _buf: the frame, from its start
+                if frame is None:  # what is left is kept (in _parts): the frame, from its start
                     self._need = frame_size(buf, at)
                     return at
                 if self._on_frame is not None:
