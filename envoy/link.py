@@ -373,7 +373,6 @@ class EnvoyLink:
         self.max_bytes = max_bytes
         self.ticket = 0  # of the latest REDUCE (reduce_of)
         self._data = b""
-        self._buf = bytearray(1 << 16)
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -381,14 +380,13 @@ class EnvoyLink:
     def read(self) -> list[tuple[int, bytes]] | None:
         """Messages that arrived; None once the node closed its end."""
         try:
-            got = self._sock.recv_into(self._buf)
+            chunk = self._sock.recv(1 << 16)  # one copy (recv_into a bytearray, then bytes of it, took two)
         except (BlockingIOError, InterruptedError):
             return []
         except OSError:
             return None
-        if not got:
+        if not chunk:
             return None
-        chunk = bytes(self._buf[:got])
         data = self._data + chunk if self._data else chunk
         out = []
         while len(data) >= 4:
