@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import math
+import os
 import socket
 import struct
 from typing import Callable
@@ -41,13 +42,19 @@ HANDSHAKE_TIMEOUT_S = 5.0  # a connection that has not presented its token by th
 
 def encode(frame: Frame) -> bytes:
     """One frame as it goes on the data channel (one copy of the payload, into the result)."""
+    return b"".join(encode_parts(frame))
+
+
+def encode_parts(frame: Frame) -> tuple[bytes, memoryview]:
+    """One frame as it goes on the data channel, in two pieces: everything before the payload,
+    and the payload itself (a view of the frame's, not copied)."""
     rid = frame.request_id.encode()
     payload = memoryview(frame.payload).cast("B")
     shape = struct.pack(f"<{len(frame.shape)}I", *frame.shape)
     body = len(rid) + len(shape) + payload.nbytes
     header = HEADER.pack(body, frame.step, frame.layer, frame.rank, _DTYPE_CODES[frame.dtype], len(frame.shape),
                          len(rid))
-    return b"".join((header, rid, shape, payload))
+    return header + rid + shape, payload
 
 
 def _header(buf, start: int) -> tuple | None:
@@ -115,6 +122,7 @@ class DataConnection(asyncio.Protocol):
         self._on_frame: Callable[[Frame], None] | None = None
         self._held: list[Frame] = []
         self._open = False
+        self._direct: socket.socket | None = None  # the connection's socket (a copy of its fd), plain TCP only
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -123,6 +131,9 @@ class DataConnection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             _tune(sock)
+            if transport.get_extra_info("sslcontext") is None and transport.get_extra_info("ssl_object") is None:
+                self._direct = socket.socket(fileno=os.dup(sock.fileno()))
+                self._direct.setblocking(False)
         if self._hello is not None:
             transport.write(self._hello)
         else:  # the listener: nobody holds a connection open without presenting a token
@@ -149,6 +160,7 @@ class DataConnection(asyncio.Protocol):
             self._parts, self._have = [memoryview(data)[at:]], len(data) - at
 
     def connection_lost(self, exc) -> None:
+        self._close_direct()
         why = f"data channel closed ({exc})" if exc else "data channel closed"
         self._not_ready(why)
         if not self.lost.done():
@@ -170,9 +182,38 @@ class DataConnection(asyncio.Protocol):
         if not self.transport.is_closing():
             self.transport.write(wire)
 
+    def send_parts(self, head: bytes, payload: memoryview) -> None:
+        """Write one frame given as `encode_parts` gives it. The payload may change once this
+        returns (it is the node's shared memory): where nothing waits in the transport, the frame
+        goes to the socket at once, the payload uncopied, and only what the socket did not take
+        goes to the transport, as a copy; over TLS, or behind queued bytes, it is joined first."""
+        transport = self.transport
+        if transport.is_closing():
+            return
+        direct = self._direct
+        if direct is None or transport.get_write_buffer_size():
+            transport.write(b"".join((head, payload)))
+            return
+        try:
+            sent = direct.sendmsg((head, payload))
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:  # broken: the transport finds out on its own write, and reports the loss
+            sent = 0
+        if sent < len(head):
+            transport.write(b"".join((head[sent:], payload)))
+        elif sent < len(head) + len(payload):
+            transport.write(bytes(payload[sent - len(head):]))
+
     def close(self) -> None:
+        self._close_direct()
         if self.transport is not None:
             self.transport.close()
+
+    def _close_direct(self) -> None:
+        if self._direct is not None:
+            self._direct.close()  # the copy of the fd only: the transport's socket stays
+            self._direct = None
 
     # -- inside ------------------------------------------------------------------------------
 
