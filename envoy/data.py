@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import math
+import os
 import socket
 import struct
 from typing import Callable
@@ -41,13 +42,19 @@ HANDSHAKE_TIMEOUT_S = 5.0  # a connection that has not presented its token by th
 
 def encode(frame: Frame) -> bytes:
     """One frame as it goes on the data channel (one copy of the payload, into the result)."""
+    return b"".join(encode_parts(frame))
+
+
+def encode_parts(frame: Frame) -> tuple[bytes, memoryview]:
+    """One frame as it goes on the data channel, in two pieces: everything before the payload,
+    and the payload itself (a view of the frame's, not copied)."""
     rid = frame.request_id.encode()
     payload = memoryview(frame.payload).cast("B")
     shape = struct.pack(f"<{len(frame.shape)}I", *frame.shape)
     body = len(rid) + len(shape) + payload.nbytes
     header = HEADER.pack(body, frame.step, frame.layer, frame.rank, _DTYPE_CODES[frame.dtype], len(frame.shape),
                          len(rid))
-    return b"".join((header, rid, shape, payload))
+    return header + rid + shape, payload
 
 
 def _header(buf, start: int) -> tuple | None:
@@ -71,7 +78,7 @@ def frame_size(buf, start: int) -> int:
 
 def decode(buf, start: int) -> tuple[Frame | None, int]:
     """The frame at `buf[start:]` and the offset after it, or (None, start) while it is incomplete.
-    The payload is copied once, out of `buf`."""
+    The payload is a view of `buf` where `buf` is immutable (bytes), else a copy out of it."""
     header = _header(buf, start)
     if header is None or len(buf) < start + HEADER.size + header[0]:
         return None, start
@@ -84,9 +91,11 @@ def decode(buf, start: int) -> tuple[Frame | None, int]:
     if nbytes != math.prod(shape) * DTYPES[dtype].itemsize:
         raise FrameError(f"a frame from rank {rank} (step {step}) has {nbytes} payload bytes for shape "
                          f"{list(shape)} of {dtype}")
-    with memoryview(buf) as view:
-        rid = bytes(view[at:at + nid]).decode(errors="replace")
-        payload = bytes(view[at + nid + 4 * ndim:end])
+    view = memoryview(buf)
+    rid = str(view[at:at + nid], "utf-8", "replace")
+    payload = view[at + nid + 4 * ndim:end]
+    if not view.readonly:  # a buffer its owner will change: the frame needs its own bytes
+        payload = bytes(payload)
     return Frame(rid, step, layer, rank, dtype, shape, None, payload), end
 
 
@@ -106,11 +115,14 @@ class DataConnection(asyncio.Protocol):
         self.lost: asyncio.Future = loop.create_future()
         self.rank: int | None = None
         self.transport: asyncio.Transport | None = None
-        self._buf = bytearray()  # bytes of an incomplete frame (or handshake)
-        self._need = 0  # bytes _buf must hold before a frame can be complete
+        self._buf = bytearray()  # bytes of the handshake, until it is through
+        self._parts: list = []  # the reads (bytes, or views of them) holding an incomplete frame
+        self._have = 0  # bytes in _parts
+        self._need = 0  # bytes _parts must hold before their frame can be complete
         self._on_frame: Callable[[Frame], None] | None = None
         self._held: list[Frame] = []
         self._open = False
+        self._direct: socket.socket | None = None  # the connection's socket (a copy of its fd), plain TCP only
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -119,28 +131,36 @@ class DataConnection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             _tune(sock)
+            if transport.get_extra_info("sslcontext") is None and transport.get_extra_info("ssl_object") is None:
+                self._direct = socket.socket(fileno=os.dup(sock.fileno()))
+                self._direct.setblocking(False)
         if self._hello is not None:
             transport.write(self._hello)
         else:  # the listener: nobody holds a connection open without presenting a token
             asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._unpresented)
 
     def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        if self._open and not buf:  # the usual case: whole frames, straight from the read
-            at = self._frames(data)
-            if at < len(data):
-                buf += memoryview(data)[at:]
-            return
-        buf += data  # a frame arriving in pieces is only appended until it is whole: no re-parsing
+        """Frames straight from the reads, their payloads views of them (the reads are immutable
+        bytes): a frame in one read is not copied at all, one in several is joined once, when its
+        last piece is in (nothing is re-parsed before)."""
         if not self._open:
+            self._buf += data
             if not self._handshake():
                 return
-            self._need = 0
-        if len(buf) >= self._need:
-            at = self._frames(buf)
-            del buf[:at]
+            data, self._buf = bytes(self._buf), bytearray()  # what followed the handshake
+        if self._have:
+            self._parts.append(data)
+            self._have += len(data)
+            if self._have < self._need:
+                return
+            data = b"".join(self._parts)
+            self._parts, self._have = [], 0
+        at = self._frames(data)
+        if at < len(data):
+            self._parts, self._have = [memoryview(data)[at:]], len(data) - at
 
     def connection_lost(self, exc) -> None:
+        self._close_direct()
         why = f"data channel closed ({exc})" if exc else "data channel closed"
         self._not_ready(why)
         if not self.lost.done():
@@ -162,9 +182,38 @@ class DataConnection(asyncio.Protocol):
         if not self.transport.is_closing():
             self.transport.write(wire)
 
+    def send_parts(self, head: bytes, payload: memoryview) -> None:
+        """Write one frame given as `encode_parts` gives it. The payload may change once this
+        returns (it is the node's shared memory): where nothing waits in the transport, the frame
+        goes to the socket at once, the payload uncopied, and only what the socket did not take
+        goes to the transport, as a copy; over TLS, or behind queued bytes, it is joined first."""
+        transport = self.transport
+        if transport.is_closing():
+            return
+        direct = self._direct
+        if direct is None or transport.get_write_buffer_size():
+            transport.write(b"".join((head, payload)))
+            return
+        try:
+            sent = direct.sendmsg((head, payload))
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:  # broken: the transport finds out on its own write, and reports the loss
+            sent = 0
+        if sent < len(head):
+            transport.write(b"".join((head[sent:], payload)))
+        elif sent < len(head) + len(payload):
+            transport.write(bytes(payload[sent - len(head):]))
+
     def close(self) -> None:
+        self._close_direct()
         if self.transport is not None:
             self.transport.close()
+
+    def _close_direct(self) -> None:
+        if self._direct is not None:
+            self._direct.close()  # the copy of the fd only: the transport's socket stays
+            self._direct = None
 
     # -- inside ------------------------------------------------------------------------------
 
@@ -225,7 +274,7 @@ class DataConnection(asyncio.Protocol):
         try:
             while True:
                 frame, at = decode(buf, at)
-                if frame is None:  # what is left becomes the head of _buf: the frame, from its start
+                if frame is None:  # what is left is kept (in _parts): the frame, from its start
                     self._need = frame_size(buf, at)
                     return at
                 if self._on_frame is not None:

@@ -27,6 +27,7 @@ from .mesh import Mesh, MeshConfig
 from .reduce import Reducer
 from .spin import SpinPolicy
 from .steps import Complete, StepError, StepTable
+from .trace import EnvoyStamps
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class EnvoyConfig:
     max_bytes: int = 0
     parent_pid: int = 0  # exit when this process is gone (0: no watch)
     data_port: int = 0  # the data channel's port; 0: any free port
+    trace: bool = False  # stamp every step for the node (envoy/trace.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < len(self.addresses):
@@ -77,6 +79,7 @@ class Envoy:
         self._hot_until = 0.0  # time.monotonic() until which the loop polls without sleeping
         self._polling = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._trace: EnvoyStamps | None = None  # chosen once: every stamp is skipped on this None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -91,6 +94,8 @@ class Envoy:
                 loop.add_signal_handler(sig, self.stop, f"signal {sig.name}")
             if cfg.link_fd is not None:
                 self.link = EnvoyLink(cfg.link_fd, cfg.shm_name, cfg.max_bytes)
+                if cfg.trace:
+                    self._trace = EnvoyStamps(self.link.trace_words(), len(cfg.addresses))
                 loop.add_reader(self.link.fileno(), self._on_link)
                 self.link.set_whole(self.mesh.whole)
                 self.link.ready(port)
@@ -162,6 +167,8 @@ class Envoy:
 
     def _on_link(self) -> None:
         assert self.link is not None
+        if self._trace is not None:
+            self._trace.link = time.perf_counter_ns()
         messages = self.link.read()
         if messages is None:
             self.stop("node closed the link")
@@ -221,7 +228,10 @@ class Envoy:
             link.fail(_step_of(body), f"envoy rank {cfg.rank}: {exc}")
             return
         # out first (the peers wait on it), then the bookkeeping
-        self.mesh.send_all(Frame(self.steps.current, r.step, r.layer, cfg.rank, r.dtype, r.shape, None, payload))
+        frame = Frame(self.steps.current, r.step, r.layer, cfg.rank, r.dtype, r.shape, None, payload)
+        if self._trace is not None:
+            self._trace.sent = time.perf_counter_ns()
+        self.mesh.send_all(frame)
         try:
             done = self.steps.submit(r.step, r.layer, r.dtype, r.shape, payload)
         except (StepError, FrameError) as exc:  # an early frame that disagrees with this node's step
@@ -238,10 +248,13 @@ class Envoy:
             self._fail(r.step, f"{self._absent(gone)} (step {r.step}, layer {r.layer} of request {self.steps.current})")
 
     def _finish(self, done: Complete) -> None:
+        complete = time.perf_counter_ns() if self._trace is not None else 0
         if widened(done.dtype, done.nbytes, self.link.max_bytes):  # the node rounds it (link.py)
             self._reduce.sum_float32(done.parts, done.dtype, self.link.result_area("float32", 2 * done.nbytes))
         else:
             self._reduce(done.parts, done.dtype, self.link.result_area(done.dtype, done.nbytes))
+        if self._trace is not None:
+            self._trace.publish(self.steps.current, done.step, complete, time.perf_counter_ns())
         self.link.done(done.step)
         self._keep_hot()
 
@@ -272,6 +285,8 @@ class Envoy:
     # -- mesh (peer) side --------------------------------------------------------------------
 
     def _on_frame(self, frame: Frame) -> None:
+        if self._trace is not None:
+            self._trace.arrived(frame.request_id, frame.step, frame.rank)
         try:
             done = self.steps.receive(frame)
         except (StepError, FrameError) as exc:

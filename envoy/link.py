@@ -32,6 +32,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
+from . import trace
 from .reduce import DTYPES
 from .spin import SpinPolicy, shared_memory_ordered
 from ..proto.errors import ErrorKind, MoeClusterError
@@ -55,7 +56,9 @@ _DONE = struct.Struct("<BQQ")  # kind, step, ticket
 NO_STEP = 2**64 - 1  # FAIL of a begin, not of a step
 
 # The control block: uint64 words at the head of the segment, then the request and result areas.
-_CTL_BYTES = 64  # one cache line
+# Its first cache line holds the words below; the next three the stamps of a traced step
+# (envoy/trace.py), apart from the line both processes poll.
+_CTL_BYTES = 256
 ANSWER = 0  # envoy: ticket << 1 | failed, written after the result
 WHOLE = 1  # envoy: 1 while every peer's stream is up (a node spins only then)
 SLEEPING = 2  # node: 1 while it may sleep in recv (the envoy must send DONE), 0 while it spins
@@ -175,7 +178,7 @@ class NodeLink:
         self._step = 0  # of the latest reduce
         self._spin_s = 0.0  # how long to spin on the latest reduce's answer
         self._typical_s = NODE_SPIN_MAX_S / 4  # moving average of answer times (seconds)
-        self._sent_at = 0.0
+        self.sent_at = 0.0  # time.perf_counter() just before the latest REDUCE went on the link
         self.spun = 0  # answers seen while spinning (for tests and benchmarks)
 
     @property
@@ -271,7 +274,7 @@ class NodeLink:
         self._spin_s = spin
         ctl[SLEEPING] = 0 if spin else 1  # before the envoy can answer
         body = _REDUCE.pack(REDUCE, step, layer, DTYPE_CODES[dtype], len(shape), nbytes, self._ticket)
-        self._sent_at = time.perf_counter()
+        self.sent_at = time.perf_counter()
         self._send(body + _dims(len(shape)).pack(*shape))
 
     def _taken(self) -> tuple[int, bytes]:
@@ -285,7 +288,7 @@ class NodeLink:
         bounded time), then sleeps in `recv`."""
         ctl, want = self._ctl, self._ticket << 1
         if self._spin_s:
-            t0 = self._sent_at
+            t0 = self.sent_at
             end = t0 + self._spin_s
             now = t0
             while now < end:
@@ -315,6 +318,10 @@ class NodeLink:
                     raise
                 return self.recv(left)
         return self.recv(timeout)
+
+    def trace_words(self) -> np.ndarray:
+        """The envoy's stamps of the latest traced step (envoy/trace.py): read them after its answer."""
+        return self._ctl[trace.TRACE:trace.TRACE + trace.WORDS]
 
     def result(self, dtype: str, nbytes: int) -> np.ndarray:
         """The sum in the result area (a view: copy it before the next reduce): float32 values where
@@ -366,7 +373,6 @@ class EnvoyLink:
         self.max_bytes = max_bytes
         self.ticket = 0  # of the latest REDUCE (reduce_of)
         self._data = b""
-        self._buf = bytearray(1 << 16)
 
     def fileno(self) -> int:
         return self._sock.fileno()
@@ -374,14 +380,13 @@ class EnvoyLink:
     def read(self) -> list[tuple[int, bytes]] | None:
         """Messages that arrived; None once the node closed its end."""
         try:
-            got = self._sock.recv_into(self._buf)
+            chunk = self._sock.recv(1 << 16)  # one copy (recv_into a bytearray, then bytes of it, took two)
         except (BlockingIOError, InterruptedError):
             return []
         except OSError:
             return None
-        if not got:
+        if not chunk:
             return None
-        chunk = bytes(self._buf[:got])
         data = self._data + chunk if self._data else chunk
         out = []
         while len(data) >= 4:
@@ -407,6 +412,10 @@ class EnvoyLink:
         """Parse a REDUCE; its answer (done or fail) goes to its ticket."""
         self.ticket = _REDUCE.unpack_from(body)[6]
         return self.parse_reduce(body)
+
+    def trace_words(self) -> np.ndarray:
+        """Where the envoy writes a traced step's stamps (envoy/trace.py), before its answer."""
+        return self._ctl[trace.TRACE:trace.TRACE + trace.WORDS]
 
     def set_whole(self, whole: bool) -> None:
         """Tell the node whether every peer is connected: it spins only then."""

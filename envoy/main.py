@@ -61,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shm", default="", help=argparse.SUPPRESS)
     p.add_argument("--max-bytes", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)  # stamps for bench allreduce --trace
     p.add_argument("--log-level", default=None, help="WARNING (default), INFO or DEBUG")
 
 
@@ -88,7 +89,7 @@ def config_from_args(args: argparse.Namespace):
         connect_timeout_s=args.connect_timeout,
         tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if all(tls_given) else None,
         link_fd=args.link_fd, shm_name=args.shm, max_bytes=args.max_bytes, parent_pid=args.parent_pid,
-        data_port=args.data_port,
+        data_port=args.data_port, trace=args.trace,
     )
 
 

@@ -151,8 +151,8 @@ class Mesh:
         for peer in self._peers.values():
             if peer.channel is not None:
                 if on_channel is None:
-                    on_channel = data.encode(frame)
-                peer.channel.send(on_channel)
+                    on_channel = data.encode_parts(frame)
+                peer.channel.send_parts(*on_channel)
             else:
                 if on_stream is None:  # the stream's frames carry a CRC-32 (the data channel's do not)
                     if frame.checksum is None:

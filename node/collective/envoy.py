@@ -12,10 +12,12 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import mlx.core as mx
 import numpy as np
 
+from ...envoy import trace
 from ...envoy.link import BEGUN, DONE, FAIL, READY, LinkError, NodeLink, fail_message, unpack_ready, unpack_step
 from .base import Agreement, CollectiveError, Rider, from_wire, to_wire
 from .specs import EnvoySpec
@@ -38,6 +40,7 @@ class EnvoyProcess:
         self._request: str | None = None
         self.port = 0
         self.proc: subprocess.Popen | None = None
+        self.handed = self.answered = 0  # stamps of the latest all-reduce, where the spec traces
         try:
             self.proc = self._spawn()
             kind, body = self._answer(_START_TIMEOUT_S, "start")
@@ -61,6 +64,8 @@ class EnvoyProcess:
             cmd += ["--tls-cert", spec.tls.cert, "--tls-key", spec.tls.key, "--tls-ca", spec.tls.ca]
         if spec.data_port:
             cmd += ["--data-port", str(spec.data_port)]
+        if spec.trace:
+            cmd += ["--trace"]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(child_fd,), close_fds=True)
         try:
             proc.stdin.write(spec.secret.encode() + b"\n")
@@ -107,13 +112,22 @@ class EnvoyProcess:
             self.link.reduce(raw, dtype, shape, layer, step)
         except LinkError as exc:
             raise CollectiveError(f"{self._gone()}: {exc}") from exc
+        if self.spec.trace:
+            self.handed = round(self.link.sent_at * 1e9)  # perf_counter's clock, in ns
         kind, body = self._answer(self.spec.timeout_s + _ANSWER_GRACE_S, f"step {step} (layer {layer})", reduce=True)
+        if self.spec.trace:
+            self.answered = time.perf_counter_ns()
         if kind == DONE and unpack_step(body) == step:
             return self.link.result(dtype, raw.nbytes)
         if kind == FAIL:
             raise CollectiveError(fail_message(body))
         raise CollectiveError(f"envoy of rank {self.rank} answered step {step} with {kind!r} "
                               f"(step {unpack_step(body) if kind == DONE else '?'})")
+
+    @property
+    def next_step(self) -> int:
+        """The step number the next all-reduce of this request takes."""
+        return self._step
 
     def abort(self, request_id: str) -> None:
         """Fail the request's pending begin or step now, and its later steps (see Collective.abort)."""
@@ -148,6 +162,8 @@ class EnvoyCollective:
         self.rank = rank
         self.world_size = spec.world_size
         self._rider = Rider(rank, spec.world_size)
+        # one envoy/trace.py record per all-reduce where the spec traces (chosen once; else None)
+        self.trace: list[tuple[int, ...]] | None = [] if spec.trace else None
 
     @property
     def envoy(self) -> EnvoyProcess:
@@ -158,12 +174,30 @@ class EnvoyCollective:
         self._envoy.begin(request_id)
 
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
+        if self.trace is not None:
+            return self._traced(partial, layer)
         payload, extra = self._rider.attach(partial, layer)
         raw, dtype = to_wire(payload)
-        out = self._envoy.all_reduce(raw.reshape(-1), dtype, tuple(payload.shape), layer)
+        return self._result(self._envoy.all_reduce(raw.reshape(-1), dtype, tuple(payload.shape), layer),
+                            dtype, extra, partial)
+
+    def _result(self, out: np.ndarray, dtype: str, extra: int, partial: mx.array) -> mx.array:
         if out.dtype == np.float32 and dtype != "float32":  # widened (envoy/link.py): MLX rounds it, in the graph
             return from_wire(self._rider.detach(out, "float32", extra), "float32", partial.shape).astype(partial.dtype)
         return from_wire(self._rider.detach(out, dtype, extra), dtype, partial.shape)  # mx.array copies out of the shared area
+
+    def _traced(self, partial: mx.array, layer: int) -> mx.array:
+        """all_reduce with the node's stamps, kept with the envoy's (envoy/trace.py)."""
+        entered = time.perf_counter_ns()
+        payload, extra = self._rider.attach(partial, layer)
+        raw, dtype = to_wire(payload)
+        on_host = time.perf_counter_ns()
+        envoy = self._envoy
+        step = envoy.next_step
+        out = self._result(envoy.all_reduce(raw.reshape(-1), dtype, tuple(payload.shape), layer), dtype, extra, partial)
+        self.trace.append(trace.record(step, (entered, on_host, envoy.handed, envoy.answered, time.perf_counter_ns()),
+                                       envoy.link.trace_words()))
+        return out
 
     def ride(self, values: mx.array) -> None:
         self._rider.ride(values)

@@ -36,6 +36,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from ...proto.errors import UserError
 from .base import Agreement, CollectiveError, Rider, rank_order_sum
 from .specs import MlxSpec
 
@@ -44,9 +45,18 @@ logger = logging.getLogger(__name__)
 EXIT_STALLED = 75  # exit status of a node whose all-reduce outlasted the timeout
 
 
+BACKEND_ENV = "MOE_CLUSTER_MLX_BACKEND"  # "ring": the ring even where NCCL would be picked (to compare)
+
+
 def mlx_backend(gpus: bool) -> str:
     """The `mx.distributed` backend for nodes on this machine: NCCL where each node has its own CUDA
-    GPU and MLX's CUDA build offers it (GPU to GPU, no host copy), else the ring over TCP."""
+    GPU and MLX's CUDA build offers it (GPU to GPU, no host copy), else the ring over TCP; or
+    the ring where $MOE_CLUSTER_MLX_BACKEND says so (the host-mediated path the envoy compares to)."""
+    forced = os.environ.get(BACKEND_ENV, "").strip()
+    if forced:
+        if forced != "ring":
+            raise UserError(f"${BACKEND_ENV} may only be 'ring' (got {forced!r}); unset, the backend is chosen")
+        return forced
     cuda = getattr(mx, "cuda", None)
     return "nccl" if gpus and cuda is not None and cuda.is_available() and mx.distributed.is_available("nccl") \
         else "ring"

@@ -43,6 +43,7 @@ class EnvoySpec:
     tls: TlsFiles | None = None  # this node's envoy's files, paths on the node
     log_level: str = "WARNING"  # of the envoy process (stderr)
     data_port: int = 0  # this rank's data channel port (a firewall's second port); 0: any free port
+    trace: bool = False  # stamp every all-reduce's hops (envoy/trace.py; bench allreduce --trace)
 
     def __post_init__(self) -> None:
         if len(self.addresses) < 1:

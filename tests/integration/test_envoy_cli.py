@@ -11,6 +11,8 @@ import time
 
 import grpc
 
+from moe_cluster.coordinator.bench import allreduce
+from moe_cluster.envoy import trace
 from moe_cluster.node.collective.specs import free_ports
 from moe_cluster.proto import convert
 
@@ -67,3 +69,30 @@ def test_bench_allreduce_reports_every_path():
         assert 0 < c["relay_p50_us"] <= c["relay_p99_us"]  # its sum is checked against every rank's payload
         assert 0 < c["grpc_p50_us"] <= c["grpc_p99_us"]  # every message checked for its length
         assert c["grpc_over_floor"] == round(c["grpc_p50_us"] / c["floor_p50_us"], 2)
+
+
+def test_bench_allreduce_trace_stamps_every_hop_on_one_clock():
+    iters, warmup = 40, 5
+    r = subprocess.run([*CLI, "bench", "allreduce", "--nodes", "2", "--hidden", "256", "--tokens", "1", "--paths",
+                        "envoy", "--trace", "--iters", str(iters), "--warmup", str(warmup), "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (case,) = json.loads(r.stdout)["cases"]
+    t = case["trace"]
+    assert 0 < t["p50_us"] <= t["p99_us"]
+    hops = {h["hop"]: h for h in t["hops"]}
+    assert list(hops) == [name for name, _ in trace.HOPS]
+    for h in hops.values():
+        # every step of both ranks stamped (the warm-up left out), and no hop negative: the node's and
+        # both envoys' stamps are on one clock and each is taken where the hop's cause precedes it
+        assert h["samples"] == 2 * iters, h
+        assert 0 <= h["p50_us"] <= h["p90_us"], h
+    assert hops["total"]["p50_us"] >= hops["after the last REDUCE"]["p50_us"]
+
+
+def test_the_trace_table_prints_one_line_per_hop(capsys):
+    hops = trace.table({"total": [10.0, 12.0]})
+    allreduce._print_trace({"nodes": 2, "tokens": 1, "trace": {"p50_us": 11.0, "p99_us": 12.0, "hops": hops}})
+    lines = capsys.readouterr().out.splitlines()
+    assert "traced envoy p50 11.0 us" in lines[0] and len(lines) == 1 + len(trace.HOPS)
+    assert lines[-1].split()[:4] == ["total", "p50", "11.0", "p90"]

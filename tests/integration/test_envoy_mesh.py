@@ -296,9 +296,11 @@ def test_abort_fails_a_waiting_step_and_a_later_begin_at_once_then_the_next_requ
         other = threading.Thread(target=envoys[1].begin, args=("doomed",))
         other.start()
         caught: list = []
+        begun = threading.Event()
 
         def reduce_alone():
             envoys[0].begin("doomed")
+            begun.set()
             try:
                 envoys[0].all_reduce(partial(0, 0, (layer, dtype, shape)), dtype, shape, layer)
             except CollectiveError as exc:
@@ -306,6 +308,7 @@ def test_abort_fails_a_waiting_step_and_a_later_begin_at_once_then_the_next_requ
 
         t = threading.Thread(target=reduce_alone)
         t.start()
+        assert begun.wait(20), "the mesh did not come up"  # on a busy machine it can take over a second
         time.sleep(1.0)
         assert not caught, caught
         aborted = time.monotonic()

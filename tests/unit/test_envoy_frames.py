@@ -263,3 +263,50 @@ def test_a_data_channel_frame_whose_payload_disagrees_with_its_shape_is_refused(
     wire = data.encode(Frame(frame.request_id, 0, 3, 1, "bfloat16", (1, 1, 9), None, frame.payload))
     with pytest.raises(FrameError, match="16 payload bytes for shape \\[1, 1, 9\\] of bfloat16"):
         data.decode(wire, 0)
+
+
+def test_a_frame_sent_from_changing_memory_arrives_as_it_was_when_sent():
+    """send_parts writes the payload (the node's shared memory, rewritten for the next step as soon
+    as the answer comes) to the socket uncopied; what the socket cannot take at once must be copied,
+    or the peer would read the next step's bytes. Frames far larger than the socket's buffers,
+    each followed at once by a scribble over its payload, arrive intact and in order."""
+    import asyncio
+
+    uvloop = pytest.importorskip("uvloop")
+    big = (6 << 20) // 4  # values per frame: 6 MiB, past what the kernel takes in one send
+
+    async def run() -> tuple[list, int]:
+        loop = asyncio.get_running_loop()
+        accepted: list = []
+        got: list = []
+
+        def claim(rank, token, conn):
+            accepted.append(conn)
+            return ""
+
+        server = await loop.create_server(lambda: data.DataConnection(claim=claim), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        _, dialer = await loop.create_connection(
+            lambda: data.DataConnection(hello=data.handshake(0, "t" * 32)), "127.0.0.1", port)
+        await asyncio.wait_for(dialer.ready, 5)
+        while not accepted or not accepted[0]._open:  # noqa: SLF001 - the handshake's answer is on its way
+            await asyncio.sleep(0.01)
+        accepted[0].attach(lambda f: got.append((f.step, np.frombuffer(f.payload, np.float32).copy())))
+        shared = np.empty(big, np.float32)  # one buffer, as the link's request area
+        partial_sends = 0
+        for step in range(3):
+            shared[:] = step + 1
+            dialer.send_parts(*data.encode_parts(Frame("r", step, 0, 0, "float32", (big,), None, shared)))
+            partial_sends += dialer.transport.get_write_buffer_size() > 0
+            shared[:] = -1  # the next step's partial lands at once
+        while len(got) < 3:
+            await asyncio.sleep(0.01)
+        dialer.close()
+        server.close()
+        return got, partial_sends
+
+    got, partial_sends = uvloop.run(run())
+    assert partial_sends > 0  # the socket did not take every frame whole: the copy was needed
+    assert [step for step, _ in got] == [0, 1, 2]
+    for step, values in got:
+        assert values.size == big and np.all(values == step + 1), (step, np.unique(values)[:5])

@@ -139,3 +139,20 @@ def test_up_joins_local_gpu_nodes_over_nccl_where_mlx_has_it(monkeypatch):
     s = spec(on_gpus)
     assert s.backend == "nccl" and s.hosts[0] == ("127.0.0.1:7001",)
     assert spec("  - name: a\n    gpu: 0\n  - name: b\n").backend == "ring"  # one node without a GPU of its own
+
+
+def test_the_ring_can_be_forced_where_nccl_would_be_picked(monkeypatch):
+    """$MOE_CLUSTER_MLX_BACKEND=ring: the host-mediated ring on GPU nodes, to compare the envoy with it."""
+    from types import SimpleNamespace
+
+    from moe_cluster.node.collective.mlx import BACKEND_ENV, mlx_backend
+
+    monkeypatch.setattr(mx, "cuda", SimpleNamespace(is_available=lambda: True), raising=False)
+    monkeypatch.setattr(mx.distributed, "is_available", lambda backend=None: True)
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert mlx_backend(gpus=True) == "nccl"
+    monkeypatch.setenv(BACKEND_ENV, "ring")
+    assert mlx_backend(gpus=True) == "ring"
+    monkeypatch.setenv(BACKEND_ENV, "mpi")
+    with pytest.raises(UserError, match="MOE_CLUSTER_MLX_BACKEND may only be 'ring' \\(got 'mpi'\\)"):
+        mlx_backend(gpus=True)
