@@ -27,7 +27,7 @@ import socket
 import struct
 from typing import Callable
 
-from .frame import Frame, FrameError
+from ..proto.frame import Frame, FrameError
 from .reduce import DTYPES
 
 MAGIC = b"MCE2"

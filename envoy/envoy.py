@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..proto import convert
 from ..proto.errors import UserError
-from .frame import Frame, FrameError
+from ..proto.frame import Frame, FrameError
 from .link import ABORT, BEGIN, CLOSE, NO_STEP, REDUCE, EnvoyLink, LinkError, widened
 from ..proto.records import COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
 from .mesh import Mesh, MeshConfig

@@ -34,7 +34,7 @@ from ..proto.records import TlsFiles
 from . import data
 from .auth import (SecretInterceptor, call_metadata, channel_credentials, server_credentials, ssl_client_context,
                    ssl_server_context)
-from .frame import PROTOCOL, Frame, Hello, checksum
+from ..proto.frame import PROTOCOL, Frame, Hello, checksum
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .frame import Frame
+from ..proto.frame import Frame
 from .reduce import DTYPES
 from ..proto.errors import ErrorKind, MoeClusterError
 

@@ -331,7 +331,7 @@ class NodeAgent(npb_grpc.NodeServicer):
     # -- lifecycle -----------------------------------------------------------------------------
 
     def _tls_files(self):
-        from .collective.specs import TlsFiles
+        from ..proto.records import TlsFiles
 
         c = self.config
         if c.tls_cert and c.tls_key and c.tls_ca:

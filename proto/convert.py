@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from ..envoy.frame import Frame, Hello
+from .frame import Frame, Hello
 from . import envoy_pb2 as epb
 from . import node_pb2 as npb
 from .errors import ErrorKind, UserError
@@ -137,7 +137,7 @@ def placement_from_proto(msg: npb.Placement) -> Placement:
 
 def transport_to_proto(spec: Any) -> npb.Transport:
     """A node.transports spec (EnvoySpec or MlxSpec) -> Transport."""
-    from ..node.collective.specs import EnvoySpec, MlxSpec
+    from .transport import EnvoySpec, MlxSpec
 
     if isinstance(spec, EnvoySpec):
         return npb.Transport(envoy=npb.EnvoyTransport(peers=spec.addresses, listen=spec.listen, tls=spec.tls is not None,
@@ -153,7 +153,7 @@ def transport_to_proto(spec: Any) -> npb.Transport:
 
 def transport_from_proto(msg: npb.Transport, *, timeout_s: float, secret: str = "", tls: Any = None) -> Any:
     """Transport -> EnvoySpec or MlxSpec. The secret and TLS files are the node's own configuration."""
-    from ..node.collective.specs import EnvoySpec, MlxSpec
+    from .transport import EnvoySpec, MlxSpec
     from .records import COLLECTIVE_TIMEOUT_S
 
     timeout_s = timeout_s or COLLECTIVE_TIMEOUT_S

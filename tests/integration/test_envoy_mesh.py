@@ -17,7 +17,7 @@ from tls_certs import make_tls
 
 from envoy_nodes import Cluster, alive, all_ok, envoy_spec
 from moe_cluster.envoy import data
-from moe_cluster.envoy.frame import Hello
+from moe_cluster.proto.frame import Hello
 from moe_cluster.envoy.mesh import DATA_ENV
 from moe_cluster.envoy.spin import SPIN_ENV, shared_memory_ordered
 from moe_cluster.proto import convert
@@ -358,7 +358,7 @@ def test_an_unreachable_data_channel_leaves_the_frames_on_the_stream(caplog):
     import asyncio
     import secrets
 
-    from moe_cluster.envoy.frame import Frame
+    from moe_cluster.proto.frame import Frame
     from moe_cluster.envoy.mesh import Mesh, MeshConfig
     from moe_cluster.node.collective.specs import free_ports
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from moe_cluster.envoy import data
-from moe_cluster.envoy.frame import PROTOCOL, Frame, FrameError, Hello, checksum
+from moe_cluster.proto.frame import PROTOCOL, Frame, FrameError, Hello, checksum
 from moe_cluster.envoy.steps import StepError, StepTable
 from moe_cluster.proto import convert
 from moe_cluster.proto import envoy_pb2

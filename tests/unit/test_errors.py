@@ -58,7 +58,7 @@ def test_project_errors_have_the_kind_of_what_went_wrong():
     from moe_cluster.coordinator.serve.client import ClusterError
     from moe_cluster.coordinator.serve.cluster import QueueFull
     from moe_cluster.coordinator.serve.config import ConfigError
-    from moe_cluster.envoy.frame import FrameError
+    from moe_cluster.proto.frame import FrameError
     from moe_cluster.envoy.link import LinkError
     from moe_cluster.envoy.steps import StepError
     from moe_cluster.node.mdns import DiscoveryError

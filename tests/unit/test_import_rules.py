@@ -1,6 +1,7 @@
 """The layout's import rules, checked on the source: request and record types import no mlx,
 `coordinator/serve/` never imports `coordinator/plan/` or `coordinator/bench/`, `node/` never
-imports `coordinator/`.
+imports `coordinator/`, `proto/` imports no other package of the project, and no two modules
+import each other (directly or through others).
 
 The static check parses every file with `ast`, resolves relative imports, and follows imports
 transitively inside the project, function-level imports included (they run too, only later);
@@ -31,9 +32,12 @@ class Rule:
 
 RULES = (
     Rule("records import no mlx",
-         ("proto.records", "proto.placement", "proto.profile", "node.collective.specs"), ("mlx", "mlx_lm")),
+         ("proto.records", "proto.placement", "proto.profile", "proto.transport", "proto.frame",
+          "node.collective.specs"), ("mlx", "mlx_lm")),
     Rule("serve/ imports neither plan/ nor bench/", ("coordinator.serve",), ("coordinator.plan", "coordinator.bench")),
     Rule("node/ imports no coordinator/", ("node",), ("coordinator",)),
+    # proto holds the contracts, records and wire constants every process shares: it is the bottom
+    Rule("proto/ imports no other package of the project", ("proto",), ("coordinator", "node", "envoy")),
 )
 
 # (importer, imported) edges allowed for now, each with the change that removes it. The test

@@ -5,7 +5,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-from ..proto.errors import ErrorKind, MoeClusterError
+from .errors import ErrorKind, MoeClusterError
 
 PROTOCOL = "moe-cluster-envoy/2"
 
