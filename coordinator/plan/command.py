@@ -14,6 +14,7 @@ from ...proto.profile import RoutingProfile, parse_profile
 from ...proto.records import KEEPALIVES
 from . import presets
 from . import expert_cache as cache_model
+from . import race as race_model
 from .calibration import Calibration, _load_json, fit, parse_bench, read_calibration, write_calibration
 from .expected import (
     ExpectedExperts,
@@ -76,6 +77,15 @@ def add_arguments(p) -> None:
                    help="routing skew for --expert-cache: Zipf exponents of expert popularity (0 uniform; default 0, "
                         "or the calibrated one)")
     p.add_argument("--ssd-bandwidth", metavar="BYTES/S", help="SSD read bandwidth, replacing the hardware preset's")
+    p.add_argument("--race", action="store_true",
+                   help="predict ours against mlx-lm's pipeline and tensor parallelism at batch 1 and at --streams "
+                        "(docs/race.md)")
+    p.add_argument("--link", metavar="LINK[,LINK]",
+                   help="with --race: " + ", ".join(race_model.LINKS) + " or any network preset (default all three)")
+    p.add_argument("--streams", metavar="B[,B]", default="1,8,32", help="with --race: concurrent streams (default 1,8,32)")
+    p.add_argument("--check-against", metavar="RACE.json",
+                   help="compare the race model with `bench race --json` rows: fitted on ours at batch 1, the "
+                        "other rows held out; prints each relative miss")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -363,6 +373,10 @@ def _calibrate(args) -> Calibration:
 
 
 def main(args) -> int:
+    if args.race or args.check_against:
+        from .race_command import main as race_main
+
+        return race_main(args)
     calibration = None
     if args.calibrate:
         if args.calibration:
