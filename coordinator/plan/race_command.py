@@ -4,6 +4,7 @@ JSON, and its predictions against the rows of a `bench race --json` run."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from . import presets
@@ -45,27 +46,27 @@ def main(args) -> int:
     if args.calibration:
         overheads = read_calibration(args.calibration).overheads(apply_collective=False)
     out = []
-    for link in links:
-        net = _network(link)
+    stack = _number(args.stack_latency, "--stack-latency")
+    nets = {link: _network(link) if stack is None else replace(_network(link), stack_s=stack) for link in links}
+    for link, net in nets.items():
         for p in race_model.race(model, hardware, net, nodes, batches, overheads=overheads, memory_fraction=fraction):
             out.append({"link": link, **p.to_json()})
     if args.json:
         print(json.dumps({"model": model.name, "weights": model.weights, "hardware": hardware.name,
                           "prediction": True, "points": out}))
         return 0
-    print(render(model, hardware, out))
+    print(render(model, hardware, out, nets))
     return 0
 
 
-def render(model, hardware: HardwareSpec, points: list[dict]) -> str:
+def render(model, hardware: HardwareSpec, points: list[dict], nets: dict) -> str:
     """One table per link: tok/s of each strategy per node count and batch, the winner marked."""
     lines = [f"race (predicted): {model.name} ({model.weights}), {model.layers} layers, {model.num_experts} experts "
              f"top-{model.top_k}, on {hardware.name} ({hardware.bandwidth_Bps / 1e9:g} GB/s, "
              f"{hardware.memory_bytes / GiB:.0f} GiB)"]
     head = ["nodes", "streams"] + [f"{s} tok/s" for s in race_model.STRATEGIES] + ["winner", "ours/pipeline",
                                                                                   "ours/tensor"]
-    for link in dict.fromkeys(p["link"] for p in points):
-        net = _network(link)
+    for link, net in nets.items():
         lines += ["", f"link {link} ({net.name}: {net.latency_per_layer_s * 1e6:g} us per collective, "
                       f"{net.bandwidth_Bps * 8 / 1e9:g} Gb/s)"]
         table = [head]
