@@ -91,6 +91,15 @@ def _batch(model, prompts: list[list[int]], max_tokens: int) -> dict:
     return {"t0": t0, "tokens": [tokens[u] for u in uids], "times": [times[u] for u in uids]}
 
 
+def _barrier(group) -> None:
+    """Every rank here before any goes on. BatchGenerator evaluates the step after the last one
+    ahead of time; a rank that ends (or exits) first leaves the others' step without its peer."""
+    import mlx.core as mx
+
+    mx.synchronize()
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
+
+
 def _worker(path: str, rank: int, hostfile: str, ids: list[int], max_tokens: int, rounds: int, out,
             env: dict, gpu: int | None, backend: str, mode: str = "tensor",
             streams: tuple[tuple[tuple[int, ...], ...], ...] = ()) -> None:
@@ -116,7 +125,9 @@ def _worker(path: str, rank: int, hostfile: str, ids: list[int], max_tokens: int
         batches = []
         for prompts in streams:
             _batch(model, [list(p) for p in prompts], min(max_tokens, 4))  # warms up this batch's shapes
+            _barrier(group)
             batches.append(_batch(model, [list(p) for p in prompts], max_tokens))
+            _barrier(group)
         out.put({"rank": rank, "tps": statistics.median(speeds), "tokens": tokens, "t0": t0, "times": times,
                  "streams": batches})
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as a value
@@ -170,21 +181,24 @@ def _measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, round
         for p in procs:
             p.start()
         reports = {}
+        wait = timeout_s
         try:
             while len(reports) < nodes:
-                rep = out.get(timeout=timeout_s)
+                rep = out.get(timeout=wait)
                 reports[rep["rank"]] = rep
                 if "error" in rep:
-                    break  # the others wait on it in a collective: do not wait out the timeout
+                    wait = 10.0  # the others may report the cause; do not wait out the timeout for them
         except queue.Empty:
-            return {**entry, "error": f"no answer from {nodes - len(reports)} of {nodes} processes in {timeout_s:g} s"}
+            if not any("error" in r for r in reports.values()):
+                return {**entry, "error": f"no answer from {nodes - len(reports)} of {nodes} processes in {timeout_s:g} s"}
         finally:
             for p in procs:
                 p.join(timeout=10)
                 if p.is_alive():
                     p.kill()
-    failed = [r for r in reports.values() if "error" in r]
+    failed = sorted((r for r in reports.values() if "error" in r), key=lambda r: r["rank"])
     if failed:
-        return {**entry, "error": f"rank {failed[0]['rank']}: {failed[0]['error']}", "where": failed[0].get("where", "")}
+        return {**entry, "error": "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed),
+                "where": "; ".join(f"rank {r['rank']}: {r.get('where', '')}" for r in failed)}
     r0 = reports[0]
     return {**entry, **{k: r0[k] for k in ("tps", "tokens", "t0", "times", "streams")}}
