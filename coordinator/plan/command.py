@@ -84,7 +84,7 @@ def add_arguments(p) -> None:
                    help="with --race: " + ", ".join(race_model.LINKS) + " or any network preset (default all three)")
     p.add_argument("--streams", metavar="B[,B]", default="1,8,32", help="with --race: concurrent streams (default 1,8,32)")
     p.add_argument("--check-against", metavar="RACE.json",
-                   help="compare the race model with `bench race --json` rows: fitted on ours at batch 1, the "
+                   help="compare the race model with `bench race --json` rows: fitted on the ours_mlx rows, the "
                         "other rows held out; prints each relative miss")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -184,27 +184,39 @@ def predict_row(model: ModelSpec, hardware: HardwareSpec, network: NetworkSpec, 
 
 def check(model: ModelSpec, hardware: HardwareSpec, network: NetworkSpec, rows: list[MeasuredRow],
           fit_on: str = "ours_mlx") -> dict:
-    """Fit the effective memory bandwidth to `fit_on`'s batch-1 row (bytes it reads over its step
-    less its collectives), then predict every row with it: the fitted row's miss is ~0 by
-    construction, the others are held out. Without that row, the hardware's bandwidth is used."""
-    fitted = next((r for r in rows if r.name == fit_on and r.batch == 1), None)
-    bandwidth, note = hardware.bandwidth_Bps, f"{hardware.name}'s bandwidth, not fitted (no {fit_on} batch-1 row)"
-    if fitted is not None:
-        probe = predict_row(model, hardware, network, fitted, hardware.bandwidth_Bps)
-        spare = fitted.step_s - probe.comm_s
-        if spare > 0:
-            bandwidth = probe.bytes_per_node / spare
-            note = f"fitted to {fit_on} at batch 1 on {fitted.nodes} nodes"
-        else:
-            note = f"{fit_on}'s collectives alone exceed its measured step: {hardware.name}'s bandwidth kept"
+    """Fit the model to `fit_on`'s rows, then predict every row: the fitted rows' misses are ~0
+    by construction, the others are held out. With rows at two batches or more, the step less its
+    collectives is fitted as bytes / bandwidth + layers × a fixed cost per layer (least squares);
+    with one, the bandwidth alone. Without `fit_on` rows, the hardware's bandwidth is used."""
+    fitted = [r for r in rows if r.name == fit_on]
+    bandwidth, per_layer = hardware.bandwidth_Bps, 0.0
+    note = f"{hardware.name}'s bandwidth, not fitted (no {fit_on} rows)"
+    points = []
+    for r in fitted:
+        probe = predict_row(model, hardware, network, r, hardware.bandwidth_Bps)
+        points.append((probe.bytes_per_node, r.step_s - probe.comm_s))
+    if len({b for b, _ in points}) >= 2:
+        n = len(points)
+        mb, my = sum(b for b, _ in points) / n, sum(y for _, y in points) / n
+        slope = sum((b - mb) * (y - my) for b, y in points) / sum((b - mb) ** 2 for b, _ in points)
+        intercept = my - slope * mb
+        if slope > 0 and intercept >= 0:
+            bandwidth, per_layer = 1.0 / slope, intercept / model.layers
+            note = f"fitted to {fit_on}'s {n} rows: bandwidth and a fixed cost per layer"
+            points = []
+    if points and points[0][1] > 0:  # one row, or a two-term fit without physical meaning
+        bandwidth, per_layer = points[0][0] / points[0][1], 0.0
+        note = f"bandwidth fitted to {fit_on} at batch {fitted[0].batch} on {fitted[0].nodes} nodes"
+        fitted = fitted[:1]
+    elif points:
+        note, fitted = f"{fit_on}'s collectives alone exceed its measured step: {hardware.name}'s bandwidth kept", []
     out = []
     for r in rows:
-        p = predict_row(model, hardware, network, r, bandwidth)
+        p = predict_row(model, hardware, network, r, bandwidth, per_layer)
         measured = r.batch / r.step_s
         out.append({"row": r.name, "strategy": p.strategy, "nodes": r.nodes, "batch": r.batch,
                     "measured_tps": measured, "predicted_tps": p.tokens_per_s,
-                    "miss": p.tokens_per_s / measured - 1.0,
-                    "held_out": not (fitted is not None and r is fitted and note.startswith("fitted"))})
+                    "miss": p.tokens_per_s / measured - 1.0, "held_out": r not in fitted})
     held = [abs(x["miss"]) for x in out if x["held_out"]]
-    return {"bandwidth_Bps": bandwidth, "bandwidth_source": note, "rows": out,
+    return {"bandwidth_Bps": bandwidth, "layer_overhead_s": per_layer, "bandwidth_source": note, "rows": out,
             "max_abs_held_out_miss": max(held) if held else None}

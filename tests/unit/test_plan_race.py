@@ -104,3 +104,18 @@ def test_bad_strategy_and_sizes_are_refused():
         race.race_point("ours", m, HW, NET, 2, 0, ours_experts=1.0, distinct_experts=2.0)
     with pytest.raises(race.PlanError, match="MoE layers"):
         race.race_point("ours", m, HW, NET, 2, 1, ours_experts=[1.0, 2.0], distinct_experts=2.0)
+
+
+def test_check_with_two_batches_fits_bandwidth_and_a_cost_per_layer():
+    m = _model()
+
+    def row(name, batch):
+        probe = race.MeasuredRow(name, 2, batch, 1.0, 200e-6)
+        p = race.predict_row(m, HW, NET, probe, 25 * GB, layer_overhead_s=1e-3)  # 25 GB/s and 1 ms per layer
+        return race.MeasuredRow(name, 2, batch, p.time_s, 200e-6)
+
+    rows = [row("ours_mlx", 1), row("ours_mlx", 4), row("mlx_lm_pipeline", 4), row("mlx_lm_tensor", 1)]
+    out = race.check(m, HW, NET, rows)
+    assert out["bandwidth_Bps"] == pytest.approx(25 * GB) and out["layer_overhead_s"] == pytest.approx(1e-3)
+    assert [r["held_out"] for r in out["rows"]] == [False, False, True, True]
+    assert out["max_abs_held_out_miss"] == pytest.approx(0.0, abs=1e-9)
