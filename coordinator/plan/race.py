@@ -54,7 +54,11 @@ def active_bytes(model: ModelSpec, experts_per_layer: float | list[float]) -> fl
     """Weight bytes a step reads over the whole model when each MoE layer computes
     `experts_per_layer` distinct experts: replicated reads, shared experts and those experts."""
     e = _per_layer(model, experts_per_layer)
-    return model.replicated_read_bytes + model.shared_bytes + sum(b * x for b, x in zip(model.expert_layer_bytes, e))
+    return (
+        model.replicated_read_bytes
+        + model.shared_bytes
+        + sum(b * x for b, x in zip(model.expert_layer_bytes, e))
+    )
 
 
 def _per_layer(model: ModelSpec, values: float | list[float]) -> list[float]:
@@ -67,10 +71,14 @@ def _per_layer(model: ModelSpec, values: float | list[float]) -> list[float]:
 def _flops(model: ModelSpec, experts_per_token: float | list[float], batch: int) -> float:
     e = _per_layer(model, experts_per_token)
     shared = sum(model.shared_layer_flops)
-    return batch * (model.replicated_flops + shared + sum(f * x for f, x in zip(model.expert_layer_flops, e)))
+    return batch * (
+        model.replicated_flops + shared + sum(f * x for f, x in zip(model.expert_layer_flops, e))
+    )
 
 
-def collective_s(network: NetworkSpec, overheads: Overheads, nodes: int, payload_bytes: float) -> float:
+def collective_s(
+    network: NetworkSpec, overheads: Overheads, nodes: int, payload_bytes: float
+) -> float:
     """One all-reduce (or hop) of `payload_bytes`: the calibrated collective where there is one
     (it includes its bytes), else the link's latency plus the bytes over its bandwidth."""
     measured = overheads.collective_s(nodes)
@@ -79,9 +87,19 @@ def collective_s(network: NetworkSpec, overheads: Overheads, nodes: int, payload
     return network.latency_per_layer_s + payload_bytes / network.bandwidth_Bps
 
 
-def race_point(strategy: str, model: ModelSpec, hardware: HardwareSpec, network: NetworkSpec, nodes: int,
-               batch: int, *, ours_experts: float | list[float], distinct_experts: float | list[float],
-               overheads: Overheads = Overheads(), memory_fraction: float = 0.75) -> RacePoint:
+def race_point(
+    strategy: str,
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    network: NetworkSpec,
+    nodes: int,
+    batch: int,
+    *,
+    ours_experts: float | list[float],
+    distinct_experts: float | list[float],
+    overheads: Overheads = Overheads(),
+    memory_fraction: float = 0.75,
+) -> RacePoint:
     """One strategy's step of `batch` tokens on `nodes` nodes.
 
     Args:
@@ -113,8 +131,11 @@ def race_point(strategy: str, model: ModelSpec, hardware: HardwareSpec, network:
     else:
         shared_b, _ = model.shared_max(nodes)
         e = _per_layer(model, ours_experts)
-        read = per_node = model.replicated_read_bytes + shared_b + sum(b * x for b, x in
-                                                                       zip(model.expert_layer_bytes, e))
+        read = per_node = (
+            model.replicated_read_bytes
+            + shared_b
+            + sum(b * x for b, x in zip(model.expert_layer_bytes, e))
+        )
         flops = _flops(model, [min(per_token_k, x) for x in e], batch)
         collectives = model.moe_layers if nodes > 1 else 0
         memory = model.replicated_bytes + -(-model.num_experts // nodes) * model.expert_bytes
@@ -123,8 +144,21 @@ def race_point(strategy: str, model: ModelSpec, hardware: HardwareSpec, network:
     overhead_s = overheads.layer_overhead_s * model.layers
     comm_s = collectives * one
     time_s = max(read_s, compute_s) + overhead_s + comm_s
-    return RacePoint(strategy, nodes, batch, per_node, read_s, compute_s, overhead_s, comm_s, collectives, time_s,
-                     batch / time_s, int(memory), memory <= hardware.memory_bytes * memory_fraction)
+    return RacePoint(
+        strategy,
+        nodes,
+        batch,
+        per_node,
+        read_s,
+        compute_s,
+        overhead_s,
+        comm_s,
+        collectives,
+        time_s,
+        batch / time_s,
+        int(memory),
+        memory <= hardware.memory_bytes * memory_fraction,
+    )
 
 
 def winner(points: list[RacePoint]) -> RacePoint:
@@ -138,27 +172,60 @@ def expected_batch(model: ModelSpec, nodes: int, batch: int) -> tuple[float, flo
     per MoE layer, uniform routing."""
     from .expected import expected_distinct_alone, expected_experts, placement_for
 
-    ours = expected_experts(placement_for(model.num_experts, nodes), model.num_experts, model.top_k, "none",
-                            batch=batch).value if nodes > 1 else expected_distinct_alone(model.num_experts,
-                                                                                         model.top_k, batch)
+    ours = (
+        expected_experts(
+            placement_for(model.num_experts, nodes),
+            model.num_experts,
+            model.top_k,
+            "none",
+            batch=batch,
+        ).value
+        if nodes > 1
+        else expected_distinct_alone(model.num_experts, model.top_k, batch)
+    )
     return ours, expected_distinct_alone(model.num_experts, model.top_k, batch)
 
 
-def race(model: ModelSpec, hardware: HardwareSpec, network: NetworkSpec, nodes: list[int], batches: list[int], *,
-         overheads: Overheads = Overheads(), memory_fraction: float = 0.75) -> list[RacePoint]:
+def race(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    network: NetworkSpec,
+    nodes: list[int],
+    batches: list[int],
+    *,
+    overheads: Overheads = Overheads(),
+    memory_fraction: float = 0.75,
+) -> list[RacePoint]:
     """Every strategy at every node count and batch (node counts > 1; one node races nobody)."""
     out = []
     for n in nodes:
         for b in batches:
             ours, distinct = expected_batch(model, n, b)
-            out += [race_point(s, model, hardware, network, n, b, ours_experts=ours, distinct_experts=distinct,
-                               overheads=overheads, memory_fraction=memory_fraction) for s in STRATEGIES]
+            out += [
+                race_point(
+                    s,
+                    model,
+                    hardware,
+                    network,
+                    n,
+                    b,
+                    ours_experts=ours,
+                    distinct_experts=distinct,
+                    overheads=overheads,
+                    memory_fraction=memory_fraction,
+                )
+                for s in STRATEGIES
+            ]
     return out
 
 
 # bench race's row names onto the strategies here, with the bare collective each one pays
-ROW_STRATEGY = {"ours_mlx": ("ours", "mlx"), "ours_envoy": ("ours", "envoy"),
-                "mlx_lm_pipeline": ("pipeline", "mlx"), "mlx_lm_tensor": ("tensor", "mlx")}
+ROW_STRATEGY = {
+    "ours_mlx": ("ours", "mlx"),
+    "ours_envoy": ("ours", "envoy"),
+    "mlx_lm_pipeline": ("pipeline", "mlx"),
+    "mlx_lm_tensor": ("tensor", "mlx"),
+}
 
 
 @dataclass(frozen=True)
@@ -172,18 +239,41 @@ class MeasuredRow:
     collective_s: float | None  # the bare collective (or hop) this row's transport pays, seconds
 
 
-def predict_row(model: ModelSpec, hardware: HardwareSpec, network: NetworkSpec, row: MeasuredRow,
-                bandwidth_Bps: float, layer_overhead_s: float = 0.0) -> RacePoint:
+def predict_row(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    network: NetworkSpec,
+    row: MeasuredRow,
+    bandwidth_Bps: float,
+    layer_overhead_s: float = 0.0,
+) -> RacePoint:
     strategy = ROW_STRATEGY[row.name][0]
     ours, distinct = expected_batch(model, row.nodes, row.batch)
-    over = Overheads(bandwidth_Bps=bandwidth_Bps, layer_overhead_s=layer_overhead_s,
-                     collective_base_s=row.collective_s)
-    return race_point(strategy, model, hardware, network, row.nodes, row.batch, ours_experts=ours,
-                      distinct_experts=distinct, overheads=over)
+    over = Overheads(
+        bandwidth_Bps=bandwidth_Bps,
+        layer_overhead_s=layer_overhead_s,
+        collective_base_s=row.collective_s,
+    )
+    return race_point(
+        strategy,
+        model,
+        hardware,
+        network,
+        row.nodes,
+        row.batch,
+        ours_experts=ours,
+        distinct_experts=distinct,
+        overheads=over,
+    )
 
 
-def check(model: ModelSpec, hardware: HardwareSpec, network: NetworkSpec, rows: list[MeasuredRow],
-          fit_on: str = "ours_mlx") -> dict:
+def check(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    network: NetworkSpec,
+    rows: list[MeasuredRow],
+    fit_on: str = "ours_mlx",
+) -> dict:
     """Fit the model to `fit_on`'s rows, then predict every row: the fitted rows' misses are ~0
     by construction, the others are held out. With rows at two batches or more, the step less its
     collectives is fitted as bytes / bandwidth + layers × a fixed cost per layer (least squares);
@@ -209,14 +299,31 @@ def check(model: ModelSpec, hardware: HardwareSpec, network: NetworkSpec, rows: 
         note = f"bandwidth fitted to {fit_on} at batch {fitted[0].batch} on {fitted[0].nodes} nodes"
         fitted = fitted[:1]
     elif points:
-        note, fitted = f"{fit_on}'s collectives alone exceed its measured step: {hardware.name}'s bandwidth kept", []
+        note, fitted = (
+            f"{fit_on}'s collectives alone exceed its measured step: {hardware.name}'s bandwidth kept",
+            [],
+        )
     out = []
     for r in rows:
         p = predict_row(model, hardware, network, r, bandwidth, per_layer)
         measured = r.batch / r.step_s
-        out.append({"row": r.name, "strategy": p.strategy, "nodes": r.nodes, "batch": r.batch,
-                    "measured_tps": measured, "predicted_tps": p.tokens_per_s,
-                    "miss": p.tokens_per_s / measured - 1.0, "held_out": r not in fitted})
+        out.append(
+            {
+                "row": r.name,
+                "strategy": p.strategy,
+                "nodes": r.nodes,
+                "batch": r.batch,
+                "measured_tps": measured,
+                "predicted_tps": p.tokens_per_s,
+                "miss": p.tokens_per_s / measured - 1.0,
+                "held_out": r not in fitted,
+            }
+        )
     held = [abs(x["miss"]) for x in out if x["held_out"]]
-    return {"bandwidth_Bps": bandwidth, "layer_overhead_s": per_layer, "bandwidth_source": note, "rows": out,
-            "max_abs_held_out_miss": max(held) if held else None}
+    return {
+        "bandwidth_Bps": bandwidth,
+        "layer_overhead_s": per_layer,
+        "bandwidth_source": note,
+        "rows": out,
+        "max_abs_held_out_miss": max(held) if held else None,
+    }

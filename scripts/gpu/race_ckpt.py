@@ -21,18 +21,56 @@ import sys
 import tempfile
 from pathlib import Path
 
-SHAPE = ["--arch", "qwen3_moe", "--hidden", "4096", "--heads", "64", "--kv-heads", "4", "--ffn", "1536",
-         "--experts", "128", "--top-k", "8", "--quantize", "4", "--dtype", "bfloat16"]
+SHAPE = [
+    "--arch",
+    "qwen3_moe",
+    "--hidden",
+    "4096",
+    "--heads",
+    "64",
+    "--kv-heads",
+    "4",
+    "--ffn",
+    "1536",
+    "--experts",
+    "128",
+    "--top-k",
+    "8",
+    "--quantize",
+    "4",
+    "--dtype",
+    "bfloat16",
+]
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--test-shape", action="store_true", help="a small shape, to try the script on a CPU")
+    p.add_argument(
+        "--test-shape", action="store_true", help="a small shape, to try the script on a CPU"
+    )
     args = p.parse_args()
-    shape = SHAPE if not args.test_shape else [*SHAPE[:2], "--hidden", "256", "--heads", "4", "--kv-heads", "2",
-                                                "--ffn", "64", "--experts", "16", "--top-k", "4", *SHAPE[14:]]
+    shape = (
+        SHAPE
+        if not args.test_shape
+        else [
+            *SHAPE[:2],
+            "--hidden",
+            "256",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--ffn",
+            "64",
+            "--experts",
+            "16",
+            "--top-k",
+            "4",
+            *SHAPE[14:],
+        ]
+    )
     import mlx.core as mx
     import numpy as np
 
@@ -46,8 +84,20 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         one = Path(tmp) / "one"
-        subprocess.run([sys.executable, "-m", "moe_cluster.coordinator.cli", "demo-model", *shape, "--layers", "1",
-                        "--out", str(one)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "moe_cluster.coordinator.cli",
+                "demo-model",
+                *shape,
+                "--layers",
+                "1",
+                "--out",
+                str(one),
+            ],
+            check=True,
+        )
         config = json.loads((one / "config.json").read_text())
         # the released config: 64 query heads of 128 (the demo divides hidden by heads)
         weights = {}
@@ -77,9 +127,14 @@ def main() -> int:
             print(f"layer {i + 1}/{args.layers}", flush=True)
         config["num_hidden_layers"] = args.layers
         (out / "config.json").write_text(json.dumps(config, indent=2))
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": index})
+        )
         for f in one.iterdir():
-            if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            if f.suffix != ".safetensors" and f.name not in (
+                "config.json",
+                "model.safetensors.index.json",
+            ):
                 shutil.copy(f, out / f.name)
     return 0
 
@@ -88,16 +143,30 @@ def _resize_attention(weights: dict, config: dict) -> None:
     """q, k, v and o projections of layer 0 rebuilt at head_dim 128 (random, 4-bit like the rest)."""
     import mlx.core as mx
 
-    hidden, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    hidden, heads, kv = (
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+    )
     q = config.get("quantization", {})
     bits, group = q.get("bits", 4), q.get("group_size", 64)
-    shapes = {"q_proj": (heads * 128, hidden), "k_proj": (kv * 128, hidden), "v_proj": (kv * 128, hidden),
-              "o_proj": (hidden, heads * 128)}
+    shapes = {
+        "q_proj": (heads * 128, hidden),
+        "k_proj": (kv * 128, hidden),
+        "v_proj": (kv * 128, hidden),
+        "o_proj": (hidden, heads * 128),
+    }
     for seed, (name, shape) in enumerate(shapes.items()):
         prefix = f"model.layers.0.self_attn.{name}"
-        w = (mx.random.normal(shape, key=mx.random.key(seed)) * shape[1] ** -0.5).astype(mx.bfloat16)
+        w = (mx.random.normal(shape, key=mx.random.key(seed)) * shape[1] ** -0.5).astype(
+            mx.bfloat16
+        )
         wq, scales, biases = mx.quantize(w, group_size=group, bits=bits)
-        weights[f"{prefix}.weight"], weights[f"{prefix}.scales"], weights[f"{prefix}.biases"] = wq, scales, biases
+        weights[f"{prefix}.weight"], weights[f"{prefix}.scales"], weights[f"{prefix}.biases"] = (
+            wq,
+            scales,
+            biases,
+        )
     for norm in ("q_norm", "k_norm"):
         weights[f"model.layers.0.self_attn.{norm}.weight"] = mx.ones((128,), dtype=mx.bfloat16)
 

@@ -4,19 +4,34 @@ against hand arithmetic on a small made-up model and against the Qwen3-235B pres
 from __future__ import annotations
 
 import pytest
-
-from moe_cluster.coordinator.plan import presets
-from moe_cluster.coordinator.plan import race
-from moe_cluster.coordinator.plan.perfmodel import HardwareSpec, ModelSpec, NetworkSpec, Overheads, requantized
+from moe_cluster.coordinator.plan import presets, race
+from moe_cluster.coordinator.plan.perfmodel import (
+    HardwareSpec,
+    ModelSpec,
+    NetworkSpec,
+    Overheads,
+    requantized,
+)
 
 GB = 1e9
 
 
 def _model() -> ModelSpec:
     # 4 decoder layers, all MoE; per layer one expert is 10 MB; replicated reads 40 MB
-    return ModelSpec(name="toy", num_experts=8, top_k=2, layers=4, moe_layer_ids=(0, 1, 2, 3), hidden=1000,
-                     act_bytes=2, replicated_bytes=50_000_000, replicated_read_bytes=40_000_000,
-                     replicated_flops=1e6, expert_layer_bytes=(10_000_000,) * 4, expert_layer_flops=(1e6,) * 4)
+    return ModelSpec(
+        name="toy",
+        num_experts=8,
+        top_k=2,
+        layers=4,
+        moe_layer_ids=(0, 1, 2, 3),
+        hidden=1000,
+        act_bytes=2,
+        replicated_bytes=50_000_000,
+        replicated_read_bytes=40_000_000,
+        replicated_flops=1e6,
+        expert_layer_bytes=(10_000_000,) * 4,
+        expert_layer_flops=(1e6,) * 4,
+    )
 
 
 HW = HardwareSpec("hw", 10**12, 100 * GB, 1e30, 0.0)
@@ -55,8 +70,17 @@ def test_a_batch_pays_the_collectives_once_per_step():
     p = race.race_point("ours", m, HW, slow, 2, 8, ours_experts=4.0, distinct_experts=6.0)
     assert p.comm_s == pytest.approx(4 * 8 * 1000 * 2 / 1e6)
     # a measured collective replaces the link's figures
-    q = race.race_point("ours", m, HW, slow, 2, 8, ours_experts=4.0, distinct_experts=6.0,
-                        overheads=Overheads(collective_base_s=1e-3))
+    q = race.race_point(
+        "ours",
+        m,
+        HW,
+        slow,
+        2,
+        8,
+        ours_experts=4.0,
+        distinct_experts=6.0,
+        overheads=Overheads(collective_base_s=1e-3),
+    )
     assert q.comm_s == pytest.approx(4e-3)
 
 
@@ -73,7 +97,10 @@ def test_qwen3_235b_on_mac_studios_the_link_decides():
     slow = tps("10gbe", 2, 1)
     assert slow["pipeline"] > 3 * slow["ours"] > 3 * slow["tensor"]
     fast2, fast4 = tps("tb5-rdma", 2, 32), tps("tb5-rdma", 4, 32)
-    assert fast2["ours"] > 1.3 * fast2["pipeline"] and fast4["ours"] / fast4["pipeline"] > fast2["ours"] / fast2["pipeline"]
+    assert (
+        fast2["ours"] > 1.3 * fast2["pipeline"]
+        and fast4["ours"] / fast4["pipeline"] > fast2["ours"] / fast2["pipeline"]
+    )
     # batching helps the strategies that pay many collectives far more than the pipeline
     b1, b32 = tps("tb-ip", 4, 1), tps("tb-ip", 4, 32)
     assert b32["ours"] / b1["ours"] > 3 * (b32["pipeline"] / b1["pipeline"])
@@ -93,7 +120,9 @@ def test_check_recovers_the_bandwidth_and_reports_held_out_misses():
     # a row 1.5x slower than the model says is a -33% miss (the model predicts 1.5x its tok/s: +50%)
     slowed = rows[:2] + [race.MeasuredRow("mlx_lm_tensor", 2, 4, rows[2].step_s * 1.5, 200e-6)]
     out = race.check(m, HW, NET, slowed)
-    assert out["rows"][2]["miss"] == pytest.approx(0.5) and out["max_abs_held_out_miss"] == pytest.approx(0.5)
+    assert out["rows"][2]["miss"] == pytest.approx(0.5) and out[
+        "max_abs_held_out_miss"
+    ] == pytest.approx(0.5)
 
 
 def test_bad_strategy_and_sizes_are_refused():
@@ -111,11 +140,20 @@ def test_check_with_two_batches_fits_bandwidth_and_a_cost_per_layer():
 
     def row(name, batch):
         probe = race.MeasuredRow(name, 2, batch, 1.0, 200e-6)
-        p = race.predict_row(m, HW, NET, probe, 25 * GB, layer_overhead_s=1e-3)  # 25 GB/s and 1 ms per layer
+        p = race.predict_row(
+            m, HW, NET, probe, 25 * GB, layer_overhead_s=1e-3
+        )  # 25 GB/s and 1 ms per layer
         return race.MeasuredRow(name, 2, batch, p.time_s, 200e-6)
 
-    rows = [row("ours_mlx", 1), row("ours_mlx", 4), row("mlx_lm_pipeline", 4), row("mlx_lm_tensor", 1)]
+    rows = [
+        row("ours_mlx", 1),
+        row("ours_mlx", 4),
+        row("mlx_lm_pipeline", 4),
+        row("mlx_lm_tensor", 1),
+    ]
     out = race.check(m, HW, NET, rows)
-    assert out["bandwidth_Bps"] == pytest.approx(25 * GB) and out["layer_overhead_s"] == pytest.approx(1e-3)
+    assert out["bandwidth_Bps"] == pytest.approx(25 * GB) and out[
+        "layer_overhead_s"
+    ] == pytest.approx(1e-3)
     assert [r["held_out"] for r in out["rows"]] == [False, False, True, True]
     assert out["max_abs_held_out_miss"] == pytest.approx(0.0, abs=1e-9)
