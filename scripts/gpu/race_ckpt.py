@@ -126,6 +126,11 @@ def main() -> int:
             index.update({k: name for k in tensors})
             print(f"layer {i + 1}/{args.layers}", flush=True)
         config["num_hidden_layers"] = args.layers
+        for key in ("quantization", "quantization_config"):  # per-module bits (the router's 8) per layer
+            q = config.get(key) or {}
+            for path, v in [(p, v) for p, v in q.items() if ".layers.0." in p]:
+                for i in range(1, args.layers):
+                    q[path.replace(".layers.0.", f".layers.{i}.")] = v
         (out / "config.json").write_text(json.dumps(config, indent=2))
         (out / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {}, "weight_map": index})
