@@ -82,7 +82,12 @@ def timing(streams: int, t0: float, tokens: list[list[int]], times: list[list[fl
 
 
 def _ours(
-    spec: RaceBench, path: str, name: str, prompts: list[list[int]], moe_layers: int
+    spec: RaceBench,
+    path: str,
+    name: str,
+    prompts: list[list[int]],
+    moe_layers: int,
+    eos: tuple[int, ...],
 ) -> list[dict]:
     from ...node.sim import SimTask
     from ..dev.simulate import run_nodes
@@ -96,7 +101,8 @@ def _ours(
             tuple(prompts[0]),
             sampling,
             keepalive="none",
-            repeats=spec.rounds,
+            eos_token_ids=eos,  # every row stops where stock's stream_generate does
+            repeats=spec.rounds + 1,  # the first warms up, as the peers do
             streams=tuple(tuple(p) for p in prompts[:b]),
         )
         for b in spec.streams
@@ -365,11 +371,12 @@ def run(spec: RaceBench) -> dict:
     model, _ = describe_path(path)
     tokenizer = load_tokenizer(ckpt.path, eos_token_ids=ckpt.config.get("eos_token_id"))
     prompts = prompt_ids(tokenizer, max(spec.streams))
+    eos = tuple(sorted(tokenizer.eos_token_ids or ()))
     stock = _stock(spec, path, prompts)
     rows: list[dict] = []
     for name in spec.rows:
         rows += (
-            _ours(spec, path, name, prompts, model.moe_layers)
+            _ours(spec, path, name, prompts, model.moe_layers, eos)
             if name in _TRANSPORT
             else _peer(spec, path, name, prompts)
         )
@@ -450,7 +457,7 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument(
-        "--rounds", type=int, default=1, help="timed rounds at batch 1 (the last is kept)"
+        "--rounds", type=int, default=1, help="timed rounds after one warm-up (the last is kept)"
     )
     p.add_argument(
         "--rows", default=",".join(ROWS), help="which rows, comma list of " + ", ".join(ROWS)

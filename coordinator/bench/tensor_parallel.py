@@ -68,12 +68,14 @@ def _load(path: str, mode: str, group):
     return model, tokenizer
 
 
-def _batch(model, prompts: list[list[int]], max_tokens: int) -> dict:
-    """B prompts at once through mlx-lm's BatchGenerator (greedy, no stop token): each stream's
-    tokens and the perf_counter time each arrived, from t0 (when they were inserted)."""
+def _batch(model, prompts: list[list[int]], max_tokens: int, eos: tuple[int, ...] = ()) -> dict:
+    """B prompts at once through mlx-lm's BatchGenerator (greedy, stopping at `eos` as
+    stream_generate does): each stream's tokens and the perf_counter time each arrived, from t0
+    (when they were inserted)."""
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, max_tokens=max_tokens, completion_batch_size=len(prompts),
+    gen = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=[[t] for t in eos] or None,
+                         completion_batch_size=len(prompts),
                          prefill_batch_size=len(prompts))
     try:
         t0 = time.perf_counter()
@@ -126,7 +128,8 @@ def _worker(path: str, rank: int, hostfile: str, ids: list[int], max_tokens: int
         for prompts in streams:
             _batch(model, [list(p) for p in prompts], min(max_tokens, 4))  # warms up this batch's shapes
             _barrier(group)
-            batches.append(_batch(model, [list(p) for p in prompts], max_tokens))
+            eos = tuple(sorted(tokenizer.eos_token_ids or ()))
+            batches.append(_batch(model, [list(p) for p in prompts], max_tokens, eos))
             _barrier(group)
         out.put({"rank": rank, "tps": statistics.median(speeds), "tokens": tokens, "t0": t0, "times": times,
                  "streams": batches})
