@@ -9,15 +9,16 @@ Each step, every node
    (a 10,000-token prompt never stalls the running streams), and runs one decode step for every
    decoding sequence at once (one all-reduce per MoE layer for all of them);
 3. reads what every rank rode: a token is handed out only once every rank sampled it (a mismatch
-   fails the batch, never drifts), a cancel on any rank ends that sequence, and the requests held by
+   fails that sequence, never drifts), a cancel on any rank ends that sequence, and the requests held by
    every rank join in request order while `max_batch` and the KV budget allow (first come, first
    served: the head of the queue is never overtaken, so no request starves).
 Every decision is taken from what all ranks agreed, so every node runs the same sequences in the same
 order at every step. Alone (one node) there is nothing to agree and no round trip at all.
 
-A sequence's sampler has its own key (its seed's, or one drawn for it), so its tokens do not depend on
-what else runs beside it; a lone decoding sequence keeps its own KV cache (the stock path's bytes),
-two or more share mlx-lm's batched caches.
+A sequence's sampler has its own key (its seed's, or one drawn for it, advanced past the draws a
+resumed request made before), so its tokens do not depend on what else runs beside it; a lone
+decoding sequence keeps its own KV cache (the stock path's bytes), two or more share mlx-lm's
+batched caches.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import mlx.core as mx
 
 from ..proto.errors import MoeClusterError, UserError
 from ..proto.records import GenerateRequest
-from .collective.base import RIDE_MAX_TOKEN, agree, waiting
+from .collective.base import RIDE_MAX_TOKEN, TokenMismatch, agree, waiting
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,8 @@ class Sequence:
     token: mx.array | None = None  # sampled last step, lazy, not agreed yet
     logits: mx.array | None = None  # the row `token` was sampled from (record_logits)
     prev_logits: mx.array | None = None  # the row of the token being agreed
-    key: mx.array | None = None  # its sampler's key (temperature > 0)
+    key: mx.array | None = None  # its sampler's key (not greedy)
+    error: BaseException | None = None  # its own failure: it leaves the batch alone after the step
     fed: list[int] = field(default_factory=list)  # tokens fed after the prompt
     t_start: float = 0.0
     t_first: float = 0.0
@@ -156,7 +158,8 @@ class RunningBatch:
     # -- the step ------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """One step of every running sequence; on any error every sequence fails with it."""
+        """One step of every running sequence. A sequence's own failure (its sampler, a token the ranks
+        sampled differently) ends that sequence alone; any other error fails every sequence."""
         try:
             self._step()
         except BaseException as exc:  # noqa: BLE001 - every sequence gets it, the driver goes on
@@ -213,10 +216,17 @@ class RunningBatch:
             cancel = [agreement.any_set(width + i) for i in range(len(active))]
             agreed = []
             for i, s in enumerate(decoding):  # token + 1; 0 where the step had none to agree on
-                t = agreement.token(width + len(active) + i, f"request {s.req.request_id}, step {len(s.fed)}", offset=1)
+                try:
+                    t = agreement.token(width + len(active) + i, f"request {s.req.request_id}, step {len(s.fed)}",
+                                        offset=1)
+                except TokenMismatch as exc:  # every rank reads the same agreement: all drop it alike
+                    s.error, t = exc, -1
                 agreed.append(t if t >= 0 else None)
         self._steps += 1
         self._settle(decoding, agreed)
+        for s in decoding:  # a sequence that failed alone leaves alone; the others go on
+            if s.error is not None and s in self._active:
+                self._finish(s, "failed")
         for s, flag in zip(active, cancel):
             if flag and s in self._active:
                 self._finish(s, "cancelled")
@@ -309,11 +319,14 @@ class RunningBatch:
             idle = not self._active and not self._queued
         if idle:  # the counters its caller reads are complete (this waits for the step in flight)
             self.runtime.sharded.state.settle()
-        if self.runtime.prompt_cache is not None and s.cache is not None:
+        if self.runtime.prompt_cache is not None and s.cache is not None and reason != "failed":
             self.runtime._store(list(s.req.prompt) + s.fed, s.cache)
         s.cache = None
         s.result.stats.prompt_tokens = len(s.req.prompt)
-        s.sink.done(s.result)
+        if reason == "failed":
+            s.sink.failed(s.error)
+        else:
+            s.sink.done(s.result)
 
     def _admit(self, common: list[int]) -> None:
         """Requests every rank holds join in request order while max_batch and the KV budget allow."""
@@ -343,9 +356,10 @@ class RunningBatch:
             s.todo = prompt[covered:-1]
             s.first_input = prompt[-1]
             s.state = "prefill" if s.todo else "decode"
-            if s.req.sampling.temperature > 0:
+            if not s.req.sampling.greedy:
                 seed = s.req.sampling.seed
-                s.key = mx.random.key(seed if seed is not None else zlib.crc32(s.req.request_id.encode()))
+                key = mx.random.key(seed if seed is not None else zlib.crc32(s.req.request_id.encode()))
+                s.key = advance_key(key, s.req.sampling.step)  # a resumed request: past its draws
             if budget and self.runtime.prompt_cache is not None:
                 self.runtime.prompt_cache.trim_to(n_bytes=max(0, budget - held - s.reserve))
             if s.state == "decode":
@@ -380,10 +394,28 @@ def _generation_stream():
 
 
 def sample_tokens(decoding: list[Sequence], logprobs: mx.array) -> mx.array:
-    """Each decoding sequence's next token (lazy, (B,)) from the step's (B, vocab) log-probabilities."""
-    if all(s.req.sampling.temperature == 0 for s in decoding):
+    """Each decoding sequence's next token (lazy, (B,)) from the step's (B, vocab) log-probabilities.
+    A sequence whose sampler raises gets `error` set and the greedy token in its row: it leaves the
+    batch after the step, alone (every rank raises alike: the same inputs, the same code)."""
+    if all(s.req.sampling.greedy for s in decoding):
         return mx.argmax(logprobs, axis=-1)
-    return mx.concatenate([_sample(s, logprobs[i : i + 1]) for i, s in enumerate(decoding)])
+    rows = []
+    for i, s in enumerate(decoding):
+        row = logprobs[i : i + 1]
+        try:
+            rows.append(_sample(s, row))
+        except Exception as exc:  # noqa: BLE001 - this sequence's failure, not the batch's
+            s.error = exc
+            rows.append(mx.argmax(row, axis=-1))
+    return mx.concatenate(rows)
+
+
+def advance_key(key: mx.array, steps: int) -> mx.array:
+    """The key a sequence's sampler holds after `steps` draws (`_sample` splits it once per draw): a
+    resumed request samples its step k as the run that was cut would have, on every rank alike."""
+    for _ in range(steps):
+        key = mx.random.split(key)[0]
+    return key
 
 
 def _sample(s: Sequence, logprobs: mx.array) -> mx.array:
@@ -391,9 +423,9 @@ def _sample(s: Sequence, logprobs: mx.array) -> mx.array:
     from mlx_lm.sample_utils import apply_top_p
 
     sampling = s.req.sampling
-    if sampling.temperature == 0:
+    if sampling.greedy:  # the edge values too (proto.records.GREEDY_*): never handed to the kernels
         return mx.argmax(logprobs, axis=-1)
-    if 0 < sampling.top_p < 1:
+    if sampling.top_p < 1:
         logprobs = apply_top_p(logprobs, sampling.top_p)
     keys = mx.random.split(s.key)
     s.key = keys[0]

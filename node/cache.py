@@ -176,20 +176,6 @@ def _shape(x) -> tuple[int, ...]:
     return tuple(x)
 
 
-def catalog_of(ckpt: Checkpoint) -> Catalog:
-    """The catalog of a checkpoint, from its headers and the node's own MoE rule (no weights read)."""
-    from .moe.load import expert_groups
-
-    layers = {}
-    grouped: set[str] = set()
-    for layer, (n, groups) in expert_groups(ckpt).items():
-        layers[layer] = (n, tuple(groups))
-        for g in groups:
-            grouped.update({g.key} if g.stacked else {g.key.format(e=e) for e in range(n)})
-    replicated = tuple((k, t.dtype, t.shape) for k, t in sorted(ckpt.tensors.items()) if k not in grouped)
-    return Catalog(fingerprint(ckpt), (ckpt.path / "config.json").read_text(), replicated, layers)
-
-
 def source_ranges(ckpt: Checkpoint, catalog: Catalog) -> dict[str, tuple[Path, int, int]]:
     """{blob id: (file, start, bytes)} in the checkpoint: where the coordinator reads each blob."""
     out = {k: (ckpt.tensors[k].file, ckpt.tensors[k].start, ckpt.tensors[k].nbytes) for k, _, _ in catalog.replicated}

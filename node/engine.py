@@ -37,6 +37,8 @@ class Stats:
 def make_sampler(sampling: Sampling):
     from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 
+    if sampling.greedy:  # the edge values too: mlx-lm's top-p filter reads past the vocabulary at 0.0
+        return mlx_make_sampler(temp=0.0)
     top_p = sampling.top_p if sampling.top_p < 1.0 else 0.0
     return mlx_make_sampler(temp=sampling.temperature, top_p=top_p)
 

@@ -259,7 +259,7 @@ def generate_request_to_proto(req: GenerateRequest) -> npb.GenerateRequest:
     try:  # protobuf refuses values its fields cannot hold (a negative id, a seed past uint64)
         msg = npb.GenerateRequest(request_id=req.request_id, prompt=list(req.prompt), max_tokens=s.max_tokens,
                                   temperature=s.temperature, top_p=s.top_p, eos_token_ids=list(req.eos_token_ids),
-                                  seq=req.seq)
+                                  seq=req.seq, sampler_step=s.step)
         if s.seed is not None:
             msg.seed = s.seed
     except (ValueError, TypeError) as exc:
@@ -276,7 +276,8 @@ def generate_request_from_proto(msg: npb.GenerateRequest, *, prefill_step: int |
         raise ConvertError("GenerateRequest.request_id is empty")
     if not msg.prompt:
         raise ConvertError(f"GenerateRequest {msg.request_id} has an empty prompt")
-    sampling = Sampling(msg.max_tokens, msg.temperature, msg.top_p, msg.seed if msg.HasField("seed") else None)
+    seed = msg.seed if msg.HasField("seed") else None
+    sampling = Sampling(msg.max_tokens, msg.temperature, msg.top_p, seed, msg.sampler_step)
     try:
         sampling.check()
     except ValueError as exc:

@@ -23,14 +23,29 @@ COLLECTIVE_TIMEOUT_S = 5.0  # seconds a step waits for a peer before it fails na
 MESH_CONNECT_TIMEOUT_S = 30.0  # seconds a request waits for the envoy mesh to be whole
 
 
+# Below these a sampled request is greedy: a temperature under GREEDY_TEMPERATURE scales log-probabilities
+# towards what float32 cannot hold (1/T is inf near 1e-39: every token equally likely), and a top_p
+# under GREEDY_TOP_P keeps the most likely token alone for any vocabulary up to 1e6 tokens (under
+# ~1e-45 it is 0.0 in float32, where a top-p filter reads past the vocabulary).
+GREEDY_TEMPERATURE = 1e-6
+GREEDY_TOP_P = 1e-6
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """How to pick tokens; temperature 0 is greedy."""
+    """How to pick tokens; temperature 0 (or an edge value, see `greedy`) is greedy."""
 
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # draws the seed's sampler made before this request: a request resumed after a lost node goes on
+    # with the draw its step k would have made (node/batch.py advances the key as many times)
+    step: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_p < GREEDY_TOP_P
 
     def check(self) -> None:
         if self.max_tokens < 1:
@@ -42,6 +57,8 @@ class Sampling:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed <= SEED_MAX):
             raise UserError(f"seed must be an integer in [0, 2**64-1] (got {self.seed!r})")
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise UserError(f"the sampler's step must be an integer >= 0 (got {self.step!r})")
 
 
 SEED_MAX = 2**64 - 1  # mx.random.seed takes 0 .. 2**64-1 (measured: 2**64 and -1 raise TypeError)

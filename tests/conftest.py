@@ -20,6 +20,25 @@ FOLDER_MARKERS = {"unit": "unit", "integration": "integration", "cluster": "clus
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "dbrx", "gpt_oss", "qwen3_next")
 
+# bfloat16 keeps 8 significant bits: a value in [2^e, 2^(e+1)) is a multiple of 2^(e-7) (its ulp),
+# and each rounding errs by half of that. Two bf16 runs of one checkpoint that sum the experts in
+# another order (the cluster: float32 partial sums, one rounding; stock: a rounding per term) differ
+# by a few such roundings per layer in the hidden state, which reach the logits at about the same
+# relative size, and the logits are rounded to bf16 themselves. 8 ulps of the largest logit bounds
+# that for these 2-4-layer models (measured: 0 or 1 ulp) and is far below what one wrong expert or
+# a wrong token does (an error of the logits' own size).
+BF16_ULPS = 8
+
+
+def bf16_logit_bound(logits) -> float:
+    """BF16_ULPS bfloat16 ulps at the magnitude of the largest |logit| of `logits`."""
+    import math
+
+    import numpy as np
+
+    top = float(np.max(np.abs(np.asarray(logits, dtype=np.float32))))
+    return BF16_ULPS * 2.0 ** (math.floor(math.log2(top)) - 7)
+
 
 def pytest_collection_modifyitems(config, items):
     """Mark each test by its folder, so `-m "not cluster"` and the like select by kind."""

@@ -71,7 +71,7 @@ def _single_node(spec: DecodeBench, ids: list[int], tokenizer, model) -> dict:
         "mlx_lm_tps": statistics.median(stock),
         "ours_rounds_tps": ours,
         "mlx_lm_rounds_tps": stock,
-        "same_tokens": tokens_ours == tokens_stock[: len(tokens_ours)],
+        **_compare(tokens_ours, tokens_stock),
         "generated_tokens": len(tokens_ours or []),
         "stock_tokens": tokens_stock,
     }
@@ -242,10 +242,12 @@ def model_bytes(model: str) -> dict:
 
 def _compare(tokens: list[int], stock: list[int]) -> dict:
     """same_tokens, and where a run that differs from stock mlx-lm first does (None: it does not),
-    so a bfloat16 near-tie late in a run is told from a wrong first token."""
+    so a bfloat16 near-tie late in a run is told from a wrong first token. Counts must agree too:
+    a run that stops early (or generated nothing) differs where it stopped."""
     first = next((i for i, (a, b) in enumerate(zip(tokens, stock)) if a != b),
-                 None if len(tokens) == len(stock) else min(len(tokens), len(stock)))
-    return {"same_tokens": first is None, "first_mismatch": first}
+                 None if len(tokens) == len(stock) and stock else min(len(tokens), len(stock)))
+    return {"same_tokens": first is None, "first_mismatch": first, "generated": len(tokens),
+            "stock_generated": len(stock)}
 
 
 def run(spec: DecodeBench) -> dict:

@@ -1,11 +1,14 @@
 """`moe-cluster bench soak`: a local cluster serves a stream of requests while a node is killed every
-so often; no request may hang past its timeout and the cluster must end ready.
+so often; no request may fail or hang past its timeout, and the cluster must end ready.
 
 It starts `moe-cluster up` on a temporary local cluster (product defaults: heartbeat 1 s, collective
 timeout 5 s), sends requests back to back (plain and streamed, in turn) from one client, and
 SIGKILLs one node process every --kill-every seconds (the nodes in turn), timing from each kill
 until /health says not ready (detect) and until it says ready again (recovery). The next kill waits
 for the recovery. At the end it waits for the cluster to be ready and sends one more request.
+Requests cut by a kill resume once the cluster is ready again and those sent meanwhile wait for it
+(serving.recovery_wait), so every answer should be whole: the report counts the failed ones (a 503,
+an error event, anything but a complete answer) and gives the stalls the resumed ones saw.
 """
 
 from __future__ import annotations
@@ -47,14 +50,16 @@ class Tally:
     other: int = 0  # any other answer (a 500, a stream that ended without an error event or its end)
     hung: int = 0  # no answer within the request timeout
     max_latency_s: float = 0.0
+    stalls: list[float] = field(default_factory=list)  # seconds without a token, per resume
     latencies: list[float] = field(default_factory=list)
     other_errors: list[str] = field(default_factory=list)  # the first few, for the report
 
-    def add(self, outcome: str, latency: float, detail: str = "") -> None:
+    def add(self, outcome: str, latency: float, detail: str = "", stalls: list[float] = ()) -> None:
         setattr(self, outcome, getattr(self, outcome) + 1)
+        self.stalls.extend(stalls)
         self.latencies.append(latency)
         self.max_latency_s = max(self.max_latency_s, latency)
-        if outcome in ("other", "hung") and len(self.other_errors) < 10:
+        if outcome != "ok" and len(self.other_errors) < 10:
             self.other_errors.append(f"{outcome}: {detail}"[:300])
 
 
@@ -68,8 +73,9 @@ def _get(url: str, path: str, timeout: float = 5.0) -> tuple[int, dict]:
         return 0, {}
 
 
-def _one_request(url: str, stream: bool, timeout_s: float) -> tuple[str, str]:
-    """(outcome, detail) of one completion: ok | unavailable | other | hung."""
+def _one_request(url: str, stream: bool, timeout_s: float) -> tuple[str, str, list[float]]:
+    """(outcome, detail, stalls) of one completion: ok | unavailable | other | hung, and the seconds
+    without a token at each of its resumes (the coordinator's moe_cluster.stalls_s)."""
     body = json.dumps({"prompt": PROMPT, "max_tokens": 32, "stream": stream}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
                                  headers={"Content-Type": "application/json"})
@@ -77,30 +83,36 @@ def _one_request(url: str, stream: bool, timeout_s: float) -> tuple[str, str]:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             if not stream:
                 out = json.loads(r.read())
-                return ("ok", "") if out.get("choices") else ("other", f"no choices: {out}")
+                stalls = out.get("moe_cluster", {}).get("stalls_s", [])
+                if not out.get("choices"):
+                    return "other", f"no choices: {out}", stalls
+                return "ok", "", stalls
             events = [line[6:].strip() for line in (raw.decode() for raw in r) if line.startswith("data: ")]
     except urllib.error.HTTPError as exc:
-        return ("unavailable" if exc.code == 503 else "other"), f"HTTP {exc.code}: {exc.read()[:200]!r}"
+        outcome = "unavailable" if exc.code == 503 else "other"
+        return outcome, f"HTTP {exc.code}: {exc.read()[:200]!r}", []
     except TimeoutError:
-        return "hung", f"no answer within {timeout_s:g} s"
+        return "hung", f"no answer within {timeout_s:g} s", []
     except (OSError, ValueError) as exc:  # a connection dropped, a body that is not JSON
         if "timed out" in str(exc):
-            return "hung", f"no answer within {timeout_s:g} s"
-        return "other", f"{type(exc).__name__}: {exc}"
+            return "hung", f"no answer within {timeout_s:g} s", []
+        return "other", f"{type(exc).__name__}: {exc}", []
     if not events or events[-1] != "[DONE]":
-        return "other", f"stream ended without [DONE]: {events[-2:]}"
+        return "other", f"stream ended without [DONE]: {events[-2:]}", []
     errors = [json.loads(e)["error"] for e in events[:-1] if e.startswith("{") and '"error"' in e]
-    if errors:  # a node lost mid-stream: an error event, then [DONE]
-        return ("unavailable" if errors[0].get("code") == "cluster_degraded" else "other"), errors[0].get("message", "")
-    return "ok", ""
+    if errors:  # the cluster did not come back in time: an error event, then [DONE]
+        return (("unavailable" if errors[0].get("code") == "cluster_degraded" else "other"),
+                errors[0].get("message", ""), [])
+    final = json.loads(events[-2]) if len(events) > 1 and events[-2].startswith("{") else {}
+    return "ok", "", final.get("moe_cluster", {}).get("stalls_s", [])
 
 
 def _client(url: str, stop: threading.Event, timeout_s: float, tally: Tally) -> None:
     stream = False
     while not stop.is_set():
         t0 = time.monotonic()
-        outcome, detail = _one_request(url, stream, timeout_s)
-        tally.add(outcome, time.monotonic() - t0, detail)
+        outcome, detail, stalls = _one_request(url, stream, timeout_s)
+        tally.add(outcome, time.monotonic() - t0, detail, stalls)
         stream = not stream
         if outcome == "unavailable":
             stop.wait(RETRY_S)  # as a client honouring Retry-After (2 s) would, but keeping up the pressure
@@ -168,16 +180,21 @@ def run(nodes: int, model: str, minutes: float, kill_every_s: float, request_tim
             stop.set()
             client.join(request_timeout_s + 5)
         ready = _wait_ready(url, FINAL_WAIT_S)
-        last, detail = _one_request(url, False, request_timeout_s) if ready else ("unavailable", "")
+        last = _one_request(url, False, request_timeout_s)[0] if ready else "unavailable"
         state = _get(url, "/v1/cluster/status")[1]
     lat = sorted(tally.latencies)
     detects = [k.detect_s for k in kills if k.detect_s is not None]
     recoveries = [k.recovery_s for k in kills if k.recovery_s is not None]
+    stalls = sorted(tally.stalls)
     return {
         "nodes": nodes, "model": model, "minutes": minutes, "kill_every_s": kill_every_s,
         "request_timeout_s": request_timeout_s,
         "requests": {"total": len(lat), "ok": tally.ok, "503": tally.unavailable, "other": tally.other,
-                     "hung": tally.hung},
+                     "hung": tally.hung, "failed": len(lat) - tally.ok, "resumed": len(stalls)},
+        # seconds without a token at each resume, from the last token before the kill to the next
+        "stall_s": {"count": len(stalls), "min": stalls[0] if stalls else None,
+                    "p50": _quantile(stalls, 0.5), "p90": _quantile(stalls, 0.9),
+                    "max": stalls[-1] if stalls else None},
         "latency_s": {"max": round(tally.max_latency_s, 3),
                       "p50": round(lat[len(lat) // 2], 3) if lat else None,
                       "p99": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None},
@@ -192,9 +209,15 @@ def run(nodes: int, model: str, minutes: float, kill_every_s: float, request_tim
     }
 
 
+def _quantile(values: list[float], q: float) -> float | None:
+    """The q-quantile of sorted `values` (nearest rank), rounded to ms; None when there are none."""
+    return round(values[min(len(values) - 1, int(q * len(values)))], 3) if values else None
+
+
 def passed(out: dict) -> bool:
-    """The soak's verdict: nothing hung, every kill recovered, and the cluster ends ready and serving."""
-    return (out["requests"]["hung"] == 0 and out["unrecovered"] == 0 and out["final"]["ready"]
+    """The soak's verdict: no request failed or hung, every kill recovered, and the cluster ends
+    ready and serving."""
+    return (out["requests"]["failed"] == 0 and out["unrecovered"] == 0 and out["final"]["ready"]
             and out["final"]["request"] == "ok")
 
 
@@ -209,8 +232,11 @@ def main(args) -> int:
         print(json.dumps(out))
     else:
         r = out["requests"]
+        st = out["stall_s"]
         print(f"{r['total']} requests in {out['minutes']:g} min, {len(out['kills'])} nodes killed: "
-              f"{r['ok']} ok, {r['503']} 503, {r['other']} other, {r['hung']} hung; "
+              f"{r['ok']} ok, {r['failed']} failed ({r['503']} 503, {r['other']} other, "
+              f"{r['hung']} hung), {r['resumed']} resumes (stall p50 {st['p50']} s, "
+              f"p90 {st['p90']} s, max {st['max']} s); "
               f"max latency {out['latency_s']['max']:.2f} s; detect ≤ {out['detect_s_max']} s, "
               f"recovery ≤ {out['recovery_s_max']} s; final: {out['final']['state']}")
     return 0 if passed(out) else 1

@@ -8,6 +8,7 @@ logits on the same checkpoint.
 from __future__ import annotations
 
 import json
+import math
 import multiprocessing as mp
 import queue
 import sys
@@ -190,13 +191,21 @@ def _half_gather_mm():
 
 
 def compare(tokens: list[int], logits: list, ref_tokens: list[int], ref_logits: list) -> dict:
-    """Max |Δlogit| over the steps both runs share, and the first token that differs."""
+    """Max |Δlogit| over the steps both runs share, and the first token that differs.
+
+    Every generated token must come with the logits it was sampled from (a run may record one row
+    more: the step whose token was EOS). A side without them, or a run with no step to compare,
+    gives an infinite difference, so no bound passes on nothing compared."""
     n = 0
     while n < min(len(tokens), len(ref_tokens)) and tokens[n] == ref_tokens[n]:
         n += 1
     steps = min(n + 1, len(logits), len(ref_logits))
-    diff = max((float(np.max(np.abs(logits[i] - ref_logits[i]))) for i in range(steps)), default=0.0)
-    out = {"reference_tokens": ref_tokens, "max_abs_logit_diff": diff, "tokens_match": tokens == ref_tokens}
+    recorded = len(logits) >= len(tokens) and len(ref_logits) >= len(ref_tokens)
+    diff = max((float(np.max(np.abs(logits[i] - ref_logits[i]))) for i in range(steps)), default=math.inf)
+    if not recorded:
+        diff = math.inf
+    out = {"reference_tokens": ref_tokens, "max_abs_logit_diff": diff, "tokens_match": tokens == ref_tokens,
+           "compared_steps": steps if recorded else 0}
     if tokens != ref_tokens and n < min(len(logits), len(ref_logits)):
         ref = ref_logits[n]
         top2 = np.sort(ref)[-2:]

@@ -374,9 +374,7 @@ def _calibrate(args) -> Calibration:
 
 def main(args) -> int:
     if args.race or args.check_against:
-        from .race_command import main as race_main
-
-        return race_main(args)
+        return _race(args)
     calibration = None
     if args.calibrate:
         if args.calibration:
@@ -468,6 +466,21 @@ def main(args) -> int:
         if args.plot:
             print(f"plot: {args.plot}")
     return 0
+
+
+def _race(args) -> int:
+    """`--race` or `--check-against` (plan/race_command.py), on arguments parsed as the plan's."""
+    from .race_command import main as race_main
+
+    if not args.model:
+        raise PlanError("--race and --check-against need --model (a preset or a checkpoint folder)")
+    bits = int(_number(args.bits, "--bits", positive=True)) if args.bits is not None else None
+    model, _ = load_model(args.model, bits, int(_number(args.group_size, "--group-size", positive=True)))
+    hardware = presets.hardware_preset(args.hardware or DEFAULT_HARDWARE)
+    return race_main(args, model, hardware, _ints(args.nodes or DEFAULT_NODES, "--nodes"),
+                     _ints(args.streams, "--streams"),
+                     _number(args.memory_fraction, "--memory-fraction", positive=True),
+                     _number(args.stack_latency, "--stack-latency"))
 
 
 def _shares(text: str) -> list[float]:

@@ -190,7 +190,7 @@ HARDWARE = {
                      "Mac Studio M4 Max 16-core CPU, 40-core GPU, 128 GB, 512 GB (2025); Thunderbolt 5", ssd_read_Bps=5e9),
         HardwareSpec("m4-pro-64", 64 * GiB, 273e9, _gpu_flops(20, 1.578), 2199,
                      "Mac mini M4 Pro 14-core CPU, 20-core GPU, 64 GB, 512 GB (2024); Thunderbolt 5", ssd_read_Bps=4e9),
-        # Not a Mac: the GPU host the README's accelerator figures were measured on.
+        # Not a Mac: the GPU host docs/performance.md's accelerator figures were measured on.
         HardwareSpec("h200", 141 * 10**9, 4.8e12, 989e12, 32000,
                      "NVIDIA H200 SXM: 141 GB HBM3e at 4.8 TB/s, 989 TFLOP/s dense bf16 (datasheet); "
                      "price an estimate for one GPU's share of a server", ssd_read_Bps=7e9),

@@ -20,37 +20,21 @@ def _network(name: str):
     return presets.network_preset(race_model.LINKS.get(name, name))
 
 
-def _batches(text: str) -> list[int]:
-    from .command import _ints
-
-    return _ints(text, "--streams")
-
-
-def main(args) -> int:
-    from .command import DEFAULT_HARDWARE, DEFAULT_NODES, _ints, _number, load_model
-
-    if not args.model:
-        raise PlanError("--race and --check-against need --model (a preset or a checkpoint folder)")
-    bits = int(_number(args.bits, "--bits", positive=True)) if args.bits is not None else None
-    model, _ = load_model(
-        args.model, bits, int(_number(args.group_size, "--group-size", positive=True))
-    )
-    hardware = presets.hardware_preset(args.hardware or DEFAULT_HARDWARE)
+def main(args, model, hardware: HardwareSpec, nodes: list[int], batches: list[int],
+         fraction: float, stack: float | None) -> int:
+    """The race or the check, on what `plan`'s own parsing made of the arguments."""
     if args.check_against:
         return _check(args, model, hardware)
     links = [x.strip() for x in (args.link or args.network or DEFAULT_LINKS).split(",")]
-    nodes = [n for n in _ints(args.nodes or DEFAULT_NODES, "--nodes") if n > 1]
+    nodes = [n for n in nodes if n > 1]
     if not nodes:
         raise PlanError(
             "--race compares ways of splitting a model over nodes: give --nodes of 2 or more"
         )
-    batches = _batches(args.streams)
-    fraction = _number(args.memory_fraction, "--memory-fraction", positive=True)
     overheads = Overheads()
     if args.calibration:
         overheads = read_calibration(args.calibration).overheads(apply_collective=False)
     out = []
-    stack = _number(args.stack_latency, "--stack-latency")
     nets = {
         link: _network(link) if stack is None else replace(_network(link), stack_s=stack)
         for link in links

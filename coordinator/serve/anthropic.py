@@ -12,19 +12,24 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ...proto.records import SEED_MAX, Sampling
+from ...proto.records import Sampling
+from .sampling import ANTHROPIC_TEMPERATURE, json_kind, parse as sampling_of
 from .tools import FieldError, ToolCall, Tools, check_function, new_call_id, show as _show
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-               503: "overloaded_error", 529: "overloaded_error"}
+               404: "not_found_error", 405: "not_found_error", 413: "request_too_large",
+               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 MAX_STOPS = 16
+# Messages and content blocks of one request at most (system blocks included): far more than any
+# context holds as separate turns, and few enough to check in milliseconds.
+MAX_BLOCKS = 10_000
 
 
 def error_body(status: int, message: str) -> dict:
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if 400 <= status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
 
 
 @dataclass(frozen=True)
@@ -34,15 +39,9 @@ class MessagesRequest:
     sampling: Sampling
     stops: list[str]
     stream: bool
-
-
-def _number(body: dict, name: str, lo: float, hi: float, default: float, lo_open: bool = False) -> float:
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v > hi or v < lo or (lo_open and v == lo):
-        raise FieldError(f"'{name}' must be a number in {'(' if lo_open else '['}{lo}, {hi}] (got {_show(v)})", name)
-    return float(v)
+    # per chat message, the request's own field of each of its keys ("content": "system",
+    # "tool_call_id": "messages[1].content[0].tool_use_id"): errors name what the client sent
+    fields: tuple[dict, ...] = ()
 
 
 def parse_request(body: dict) -> MessagesRequest:
@@ -53,13 +52,10 @@ def parse_request(body: dict) -> MessagesRequest:
     # Greedy unless asked, as on the OpenAI routes here: recent anthropic clients no longer send
     # temperature at all (older ones and extra_body still may), and the same request should give the
     # same text on either API.
-    temperature = _number(body, "temperature", 0, 1, 0.0)
-    top_p = _number(body, "top_p", 0, 1, 1.0, lo_open=True)
+    # (a seed is not Anthropic's, but taken as on the OpenAI routes)
+    sampling = sampling_of(body, max_tokens, ANTHROPIC_TEMPERATURE)
     if body.get("top_k") is not None:
         raise FieldError("'top_k' is not supported by this server", "top_k")
-    seed = body.get("seed")  # not Anthropic's, but as the OpenAI routes take it
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX):
-        raise FieldError(f"'seed' must be an integer in [0, 2**64-1] (got {_show(seed)})", "seed")
     stops = body.get("stop_sequences") or []
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) for s in stops):
         raise FieldError(f"'stop_sequences' must be a list of up to {MAX_STOPS} strings (got {_show(stops)})",
@@ -67,17 +63,30 @@ def parse_request(body: dict) -> MessagesRequest:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise FieldError(f"'stream' must be a boolean (got {_show(stream)})", "stream")
-    chat = []
-    if body.get("system") is not None:
-        chat.append({"role": "system", "content": _text(body["system"], "system")})
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise FieldError("'messages' must be a non-empty list", "messages")
+        raise FieldError(f"'messages' must be a non-empty list (got {_show(messages)})", "messages")
+    _check_block_count(body.get("system"), messages)
+    chat, fields = [], []
+    if body.get("system") is not None:
+        chat.append({"role": "system", "content": _text(body["system"], "system")})
+        fields.append({"content": "system"})
     for i, m in enumerate(messages):
-        chat += _turn(m, f"messages[{i}]")
+        for msg, names in _turn(m, f"messages[{i}]"):
+            chat.append(msg)
+            fields.append(names)
     tools = _tools(body)
-    sampling = Sampling(max_tokens, temperature, top_p, seed)
-    return MessagesRequest(chat, tools, sampling, [s for s in stops if s], stream)
+    return MessagesRequest(chat, tools, sampling, [s for s in stops if s], stream, tuple(fields))
+
+
+def _check_block_count(system: Any, messages: list) -> None:
+    """Refuse more content blocks than MAX_BLOCKS before looking at any: counting is a len() per
+    message, while checking 400,000 blocks one by one takes seconds."""
+    n = (len(system) if isinstance(system, list) else 0) + len(messages)
+    n += sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
+    if n > MAX_BLOCKS:
+        raise FieldError(f"'messages' holds {n} messages and content blocks: at most {MAX_BLOCKS} are taken",
+                         "messages")
 
 
 def _text(content: Any, where: str) -> str:
@@ -95,15 +104,16 @@ def _text(content: Any, where: str) -> str:
     raise FieldError(f"{where} must be a string or a list of text blocks (got {_show(content)})", where)
 
 
-def _turn(m: Any, where: str) -> list[dict]:
+def _turn(m: Any, where: str) -> list[tuple[dict, dict]]:
     """One Messages API turn as chat messages: a user turn's tool results become tool messages
-    (before its text); an assistant turn's tool_use blocks become its tool calls."""
+    (before its text); an assistant turn's tool_use blocks become its tool calls. Each comes with
+    the request's field of each of its keys."""
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-        got = _show(m.get("role")) if isinstance(m, dict) else f"a {type(m).__name__}"
+        got = _show(m.get("role")) if isinstance(m, dict) else json_kind(m)
         raise FieldError(f"{where} must have a role of user or assistant (got {got})", f"{where}.role")
     role, content = m["role"], m.get("content")
     if isinstance(content, str):
-        return [{"role": role, "content": content}]
+        return [({"role": role, "content": content}, {"content": f"{where}.content"})]
     if not isinstance(content, list):
         raise FieldError(f"{where}.content must be a string or a list of content blocks (got {_show(content)})",
                          f"{where}.content")
@@ -128,13 +138,14 @@ def _turn(m: Any, where: str) -> list[dict]:
             if not isinstance(call_id, str):
                 raise FieldError(f"{at}.tool_use_id must be the id of a tool_use block (got {_show(call_id)})",
                                  f"{at}.tool_use_id")
-            results.append({"role": "tool", "tool_call_id": call_id, "content": _text(result, f"{at}.content")})
+            results.append(({"role": "tool", "tool_call_id": call_id, "content": _text(result, f"{at}.content")},
+                            {"content": f"{at}.content", "tool_call_id": f"{at}.tool_use_id"}))
     out = list(results)
     if texts or calls or not results:
         msg: dict = {"role": role, "content": "".join(texts)}
         if calls:
             msg["tool_calls"] = calls
-        out.append(msg)
+        out.append((msg, {"content": f"{where}.content", "tool_calls": f"{where}.content"}))
     return out
 
 
@@ -153,7 +164,8 @@ def _tools(body: dict) -> Tools | None:
             raise FieldError(f"tools[{i}] must be an object (got {_show(t)})", f"tools[{i}]")
         if t.get("input_schema") is None:
             raise FieldError(f"tools[{i}].input_schema is required", f"tools[{i}].input_schema")
-        fn = check_function(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]")
+        fn = check_function(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]",
+                            schema="input_schema")
         if fn["name"] in names:
             raise FieldError(f"tools[{i}]: the tool name {fn['name']!r} appears twice", f"tools[{i}].name")
         names.add(fn["name"])

@@ -1,8 +1,9 @@
 """The coordinator's HTTP API: OpenAI-compatible completions and chat, health, metrics, cluster control.
 
-Built on aiohttp. Errors use OpenAI's JSON shape. Requests are served one at a time in arrival
-order (the queue depth is in /metrics and /v1/cluster/status); a client that goes away cancels its
-generation on every node.
+Built on aiohttp. Errors use OpenAI's JSON shape (Anthropic's on /v1/messages), aiohttp's own parser
+errors included. Requests run together in the nodes' batch, the rest wait in arrival order (the queue
+depth is in /metrics and /v1/cluster/status); a client that goes away cancels its generation on every
+node.
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
-from ...proto.records import SEED_MAX, GenerateRequest, Sampling, check_token_ids
+from ...proto.records import GenerateRequest, Sampling, check_token_ids
 from ...proto.errors import KINDS, ErrorKind, MoeClusterError, UserError, kind_from_http
 from .cluster import Cluster, Outcome
 from .metrics import Metrics, prompt_tps
+from .resume import KeepAlive
+from .sampling import OPENAI_TEMPERATURE, json_kind, parse as sampling_of
 from . import anthropic
 from .tools import FieldError, ToolCall, Tools, ToolSplitter, history_tool_calls, parse_tools
 from ...node.worker import Worker
@@ -184,10 +189,7 @@ def parse_sampling(body: dict, default_max_tokens: int) -> tuple[Sampling, list[
     max_tokens = _field(body, "max_tokens", (int,), default_max_tokens, check=lambda v: v >= 1, what="an integer >= 1")
     max_tokens = _field(body, "max_completion_tokens", (int,), max_tokens, check=lambda v: v >= 1,
                         what="an integer >= 1")
-    temperature = float(_field(body, "temperature", (int, float), 0.0, check=lambda v: 0 <= v <= 2,
-                               what="a number in [0, 2]"))
-    top_p = float(_field(body, "top_p", (int, float), 1.0, check=lambda v: 0 < v <= 1, what="a number in (0, 1]"))
-    seed = _field(body, "seed", (int,), None, check=lambda v: 0 <= v <= SEED_MAX, what="an integer in [0, 2**64-1]")
+    sampling = sampling_of(body, max_tokens, OPENAI_TEMPERATURE)
     stop = body.get("stop")
     if stop is None:
         stops = []
@@ -202,7 +204,7 @@ def parse_sampling(body: dict, default_max_tokens: int) -> tuple[Sampling, list[
     stream = _field(body, "stream", (bool,), False, what="a boolean")
     n = _field(body, "n", (int,), 1, check=lambda v: v == 1, what="1 (one choice per request)")
     del n
-    return Sampling(max_tokens, temperature, top_p, seed), stops, stream
+    return sampling, stops, stream
 
 
 def _check_text(text: str, param: str) -> None:
@@ -231,7 +233,7 @@ def chat_message(m: Any, i: int) -> dict:
     """messages[i] of a chat request as the template reads it: role, text content, and an assistant's
     tool calls or a tool result's call id."""
     if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
-        got = _show(m.get("role")) if isinstance(m, dict) else f"a {type(m).__name__}"
+        got = _show(m.get("role")) if isinstance(m, dict) else json_kind(m)
         raise ApiError(INVALID, f"messages[{i}] must have a role of system, user, assistant or tool (got {got})",
                        param=f"messages[{i}].role")
     content = m.get("content")
@@ -267,6 +269,22 @@ def check_unsupported(body: dict) -> None:
         raise ApiError(INVALID, f"'response_format' {what}", param="response_format")
 
 
+def check_unsupported_completion(body: dict) -> bool:
+    """/v1/completions' options: those it cannot honour are refused, as chat refuses its own (no
+    log-probabilities, one choice, no text after the insertion point); returns `echo`."""
+    best_of, suffix = body.get("best_of"), body.get("suffix")
+    refused = {"logprobs": body.get("logprobs") is not None,
+               "best_of": best_of is not None and (isinstance(best_of, bool) or best_of != 1),
+               "suffix": suffix is not None and suffix != ""}
+    for name, bad in refused.items():
+        if bad:
+            raise ApiError(INVALID, f"'{name}' is not supported by this server (got {_show(body[name])})",
+                           param=name)
+    if body.get("response_format") is not None:
+        check_unsupported({"response_format": body["response_format"]})
+    return _field(body, "echo", (bool,), False, what="a boolean")
+
+
 def call_json(call: ToolCall, index: int | None = None) -> dict:
     """A tool call in OpenAI's shape (with its index, in a stream)."""
     out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
@@ -288,7 +306,7 @@ def parse_json(raw: bytes | list[bytes]) -> dict:
         where = f" (line {exc.lineno}, column {exc.colno}: {exc.msg})" if isinstance(exc, json.JSONDecodeError) else ""
         raise ApiError(INVALID, f"request body is not valid JSON{where}") from None
     if not isinstance(body, dict):
-        raise ApiError(INVALID, f"request body must be a JSON object (got {type(body).__name__})")
+        raise ApiError(INVALID, f"request body must be a JSON object (got {json_kind(body)})")
     return body
 
 
@@ -300,6 +318,65 @@ def _decode_in_pieces(chunks: list[bytes]) -> str:
              for i in range(0, len(view), _PIECE)]
     texts.append(decoder.decode(b"", final=True))
     return "".join(texts)
+
+
+# -- the connection: aiohttp's own errors in the API's shape ---------------------------------------
+
+# Content-Encoding values a body may come in (aiohttp decodes gzip and deflate as it reads)
+BODY_ENCODINGS = ("", "identity", "gzip", "deflate")
+_REQUEST_LINE = re.compile(rb"(?:GET|POST|PUT|DELETE|PATCH|HEAD|OPTIONS) (/[!-~]*) HTTP/1\.[01]\r?\n")
+
+
+def _unsupported_encoding(encoding: str | None = None) -> ApiError:
+    what = f"Content-Encoding {encoding!r} is" if encoding is not None else "the body's Content-Encoding is"
+    error = ApiError(INVALID, f"{what} not supported: send the body as is, or compressed with gzip or deflate",
+                     code="unsupported_media_type")
+    error.status = 415
+    return error
+
+
+class _Connection(RequestHandler):
+    """aiohttp's handler of one connection, answering its parser's own errors (a malformed header, a
+    bad Content-Length or chunk size, an encoding it cannot decode) as JSON in the shape of the route
+    the request line named; they never reach the app's middlewares."""
+
+    _path = b""  # the path of the last request line seen on this connection
+
+    def data_received(self, data: bytes) -> None:
+        found = None
+        for found in _REQUEST_LINE.finditer(data[:65536]):
+            pass
+        if found is not None:
+            self._path = found.group(1)
+        super().data_received(data)
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        plain = super().handle_error(request, status, exc, message)  # logs it; raises when too late
+        if isinstance(exc, ContentEncodingError):  # br or zstd, which aiohttp cannot decode here
+            error = _unsupported_encoding()
+        elif status >= 500:
+            error = ApiError(ErrorKind.INTERNAL, INTERNAL_MESSAGE)
+        else:
+            error = ApiError(kind_from_http(status), f"malformed HTTP request: {message or plain.reason}")
+            error.status = status
+        resp = error.response(self._path.decode("ascii").startswith(ANTHROPIC_PATHS))
+        resp.force_close()
+        return resp
+
+
+class _Server(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _Connection(self, loop=self._loop, **self._kwargs)
+
+
+class ApiRunner(web.AppRunner):
+    """web.AppRunner whose connections answer aiohttp's own errors in the API's shape (_Connection)."""
+
+    async def _make_server(self) -> web.Server:
+        s = await super()._make_server()
+        return _Server(s.request_handler, request_factory=s.request_factory,
+                       handler_cancellation=s.handler_cancellation, loop=s._loop, **s._kwargs)
 
 
 # -- the app ---------------------------------------------------------------------------------
@@ -344,13 +421,25 @@ class Api:
         """The body as a JSON object. Its chunks go to the worker as they came: joining 13 MB here
         would hold the event loop for ~10 ms."""
         limit, chunks, size = self.options.max_body, [], 0
-        if (request.content_length or 0) <= limit:
-            async for chunk in request.content.iter_any():
-                size += len(chunk)
-                if size > limit:
-                    break
-                chunks.append(chunk)
-        if (request.content_length or 0) > limit or size > limit:
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        if encoding not in BODY_ENCODINGS:
+            raise _unsupported_encoding(encoding)
+        # a compressed body's length says nothing of its size: the limit holds for what it decodes to
+        # (aiohttp decodes it in bounded pieces as it is read: a zip bomb stops at the limit)
+        compressed = encoding in ("gzip", "deflate")
+        if not compressed and (request.content_length or 0) > limit:
+            size = request.content_length
+        else:
+            try:
+                async for chunk in request.content.iter_any():
+                    size += len(chunk)
+                    if size > limit:
+                        break
+                    chunks.append(chunk)
+            except (RequestPayloadError, HttpProcessingError) as exc:
+                what = f"is not valid {encoding} data" if compressed else "could not be read"
+                raise ApiError(INVALID, f"request body {what} ({exc})") from None
+        if size > limit:
             error = ApiError(INVALID, f"request body is larger than the limit of {limit} bytes "
                                       "(cluster.yaml api.max_body)", code="request_too_large")
             error.status = 413
@@ -407,18 +496,25 @@ class Api:
         tok = self.tokenizer
         return list(tok.encode(prompt, add_special_tokens=tok.bos_token is None or not prompt.startswith(tok.bos_token)))
 
-    def _render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def _render(self, messages: list[dict], tools: list[dict] | None = None,
+                fields: tuple[dict, ...] = ()) -> list[int]:
         """Token ids of a chat through the model's template, with the tools offered as mlx_lm.server
-        hands them to it (on the worker)."""
+        hands them to it (on the worker). `fields`: per message, the request's own name of each key
+        (errors name it); messages[i].<key> where it says nothing."""
         from jinja2 import TemplateError
 
         for i, m in enumerate(messages):
-            _check_text(m["content"], f"messages[{i}].content")
+            names = fields[i] if fields else {}
+
+            def at(key: str) -> str:
+                return names.get(key, f"messages[{i}].{key}")
+
+            _check_text(m["content"], at("content"))
             if "tool_calls" in m:  # arguments are objects now: the template writes them as JSON text
-                _check_text(json.dumps(m["tool_calls"], ensure_ascii=False), f"messages[{i}].tool_calls")
+                _check_text(json.dumps(m["tool_calls"], ensure_ascii=False), at("tool_calls"))
             for key in ("tool_call_id", "name"):  # some templates write them too
                 if key in m:
-                    _check_text(m[key], f"messages[{i}].{key}")
+                    _check_text(m[key], at(key))
         if tools:
             _check_text(json.dumps(tools, ensure_ascii=False), "tools")
             if not self.tokenizer.has_tool_calling:
@@ -527,6 +623,7 @@ class Api:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
+        echo = check_unsupported_completion(body)
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):
             # the length first: it costs nothing, while a pass over 4 million ids stalls the loop 0.3 s
             self._check_context(prompt, sampling, chat=False)
@@ -537,7 +634,13 @@ class Api:
         else:
             raise ApiError(INVALID, "'prompt' must be a non-empty string (or a list of token ids), "
                                     f"got {_show(prompt)}", param="prompt")
-        return await self._serve(request, ids, sampling, stops, stream, chat=False)
+        if not echo:
+            echoed = ""
+        elif isinstance(prompt, str):
+            echoed = prompt
+        else:
+            echoed = await self.worker.call(lambda: self.tokenizer.decode(ids))
+        return await self._serve(request, ids, sampling, stops, stream, chat=False, echo=echoed)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
@@ -557,9 +660,9 @@ class Api:
         """Anthropic's Messages API: the same rendering, generation and tool parsing as chat."""
         body = await self._json_body(request)
         self._check_model(body)
-        req = anthropic.parse_request(body)
+        req = await self.worker.call(lambda: anthropic.parse_request(body))  # a big body: seconds
         rendered = req.tools.rendered if req.tools else None
-        ids = await self.worker.call(lambda: self._render(req.messages, rendered))
+        ids = await self.worker.call(lambda: self._render(req.messages, rendered, req.fields))
         gen = self._generation(ids, req.sampling, req.stops, chat=True, tools=req.tools, prefix="msg_")
         model = self.options.model_id
         if not req.stream:
@@ -568,8 +671,8 @@ class Api:
                                                        (len(ids), len(outcome.tokens))))
         events = anthropic.EventStream(gen.req.request_id, model, len(ids))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await gen.start()  # errors before the first byte are still proper HTTP errors
-        await resp.prepare(request)
+        alive = KeepAlive(request, resp, gen.outcome)  # comments while the cluster recovers
+        await alive.start(gen)  # errors before the first byte are still proper HTTP errors
         try:
             await resp.write(events.start())
             async for part in gen.stream_parts():
@@ -582,6 +685,8 @@ class Api:
         except (ConnectionResetError, asyncio.CancelledError):
             await gen.client_gone()
             raise
+        finally:
+            await alive.close()
         return resp
 
     def _generation(self, ids: list[int], sampling: Sampling, stops: list[str], chat: bool,
@@ -598,12 +703,13 @@ class Api:
         return _Generation(self, GenerateRequest(rid, tuple(ids), sampling, eos), stops, tools)
 
     async def _serve(self, request: web.Request, ids: list[int], sampling: Sampling, stops: list[str],
-                     stream: bool, chat: bool, tools: Tools | None = None) -> web.StreamResponse:
+                     stream: bool, chat: bool, tools: Tools | None = None, echo: str = "") -> web.StreamResponse:
+        """`echo`: text put before a completion's own (the prompt, where the request asked for it)."""
         gen = self._generation(ids, sampling, stops, chat, tools)
         if stream:
-            return await self._stream(request, gen, chat)
+            return await self._stream(request, gen, chat, echo)
         text, outcome = await gen.run()
-        return web.json_response(self._final(gen, text, outcome, chat))
+        return web.json_response(self._final(gen, echo + text, outcome, chat))
 
     def _usage(self, gen: "_Generation", outcome: Outcome) -> dict:
         n = len(outcome.tokens)
@@ -618,6 +724,7 @@ class Api:
             "prompt_tps": prompt_tps(d),
             "generation_tps": (max(len(outcome.tokens), 1) / t.generation_s) if t and t.generation_s else 0.0,
             "time_to_first_token_s": gen.ttft,
+            "stalls_s": [round(s, 3) for s in outcome.stalls],  # one per resume after a lost node
             "counters": {k: v for k, v in d.counters.items() if k != "peak_memory_bytes"} if d else {},
             # rank 0's MLX peak since it started (the nodes of one cluster hold about the same)
             "peak_memory_bytes": int(d.counters.get("peak_memory_bytes", 0)) if d else 0,
@@ -637,10 +744,10 @@ class Api:
                 "created": int(time.time()), "model": self.options.model_id, "choices": [choice],
                 "usage": self._usage(gen, outcome), "moe_cluster": self._extra(gen, outcome)}
 
-    async def _stream(self, request: web.Request, gen: "_Generation", chat: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, gen: "_Generation", chat: bool, echo: str = "") -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await gen.start()  # errors before the first byte are still proper HTTP errors
-        await resp.prepare(request)
+        alive = KeepAlive(request, resp, gen.outcome)  # comments while the cluster recovers
+        await alive.start(gen)  # errors before the first byte are still proper HTTP errors
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
@@ -665,6 +772,8 @@ class Api:
         try:
             if chat:
                 await resp.write(sse(chunk(None, None, first=True)))
+            elif echo:
+                await resp.write(sse(chunk(echo, None)))
             calls = 0
             async for piece in gen.stream_parts():
                 if isinstance(piece, str):
@@ -688,6 +797,8 @@ class Api:
         except (ConnectionResetError, asyncio.CancelledError):
             await gen.client_gone()
             raise
+        finally:
+            await alive.close()
         return resp
 
 
@@ -809,7 +920,14 @@ class _Generation:
         self.api.metrics.finished(self)
 
     def _failure(self) -> ApiError:
-        return ApiError.of(self.outcome.error, "generation failed")
+        error = self.outcome.error
+        if error.kind is ErrorKind.INVALID_INPUT:
+            # The nodes refused what the coordinator let through (their own check, the second line):
+            # their text names the node, its RPC status and the request, which is for the log.
+            logger.warning("request %s refused by the nodes: %s", self.req.request_id, error)
+            return ApiError(INVALID, "the request's parameters were refused by the cluster's nodes "
+                                     "(the coordinator's log has their reason)")
+        return ApiError.of(error, "generation failed")
 
     async def run(self) -> tuple[str, Outcome]:
         await self.start()

@@ -1,11 +1,14 @@
 """The running cluster as the coordinator sees it: members, their health, loading, and requests.
 
-One request runs at a time; it is sent to every node (they run in lock-step) and rank 0's stream
-carries the tokens. Heartbeats, RPC failures and the nodes' own reports (an envoy that exited) feed
-one health machine (`health.py`): a lost node fails the request in flight and turns the cluster
-`degraded` (new requests get 503 with the reason and Retry-After); once every node answers, the
-cluster is rebuilt (every node loaded again, then a warm-up step) under the request gate, so a
-rejoin never races a request; a rejoin that fails is retried with backoff.
+Each request is sent to every node (they run it in lock-step, beside the others in their running
+batch) and rank 0's stream carries the tokens. Heartbeats, RPC failures and the nodes' own reports
+(an envoy that exited) feed one health machine (`health.py`): a lost node fails the requests in
+flight on the nodes and turns the cluster `degraded`; once every node answers, the cluster is
+rebuilt (every node loaded again, then a warm-up step) once those requests have ended on the
+nodes, so a rejoin never races a request; a rejoin that fails is retried with backoff. The requests themselves
+go on (`resume.py`): each waits for the cluster to be ready again and resumes where its stream
+stopped, at most `max_resumes` times; new requests wait too. A wait is bounded by `recovery_wait`,
+past which the request gets the 503 (or stream error) with the reason and Retry-After.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ...proto.records import GenerateDone, GeneratedTokens, LoadSpec, NodeError
 from ...proto.records import GenerateRequest
 from . import health as H
 from .client import ClusterError, NodeClient, describe_rpc_error
+from .resume import MAX_RESUMES, RECOVERY_WAIT_S, continuation
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +72,19 @@ class Outcome:
     """How a request ended (filled in by `Cluster.generate`)."""
 
     tokens: list[int] = field(default_factory=list)
-    done: GenerateDone | None = None
+    done: GenerateDone | None = None  # the last run's (after a resume: the resumed run's)
     error: MoeClusterError | None = None  # its kind decides the HTTP status
+    # seconds without a token at each resume: from the last token before the node was lost (or the
+    # request's start) to the first one after the cluster recovered
+    stalls: list[float] = field(default_factory=list)
+    waiting: bool = False  # while it waits for the cluster to recover (a stream sends keep-alives)
 
 
 class Cluster:
     def __init__(self, members: Sequence[Member], *, model: str, transport: str, heartbeat_s: float = 1.0,
                  load_timeout_s: float = 600.0, request_timeout_s: float = 600.0, queue_limit: int = 16,
-                 max_batch: int = 8,
+                 max_batch: int = 8, recovery_wait_s: float = RECOVERY_WAIT_S,
+                 max_resumes: int = MAX_RESUMES,
                  respawn: Callable[[Member], None] | None = None,
                  pid_of: Callable[[str], int | None] | None = None):
         self.members = list(members)
@@ -86,6 +95,8 @@ class Cluster:
         self.request_timeout_s = request_timeout_s
         self.queue_limit = queue_limit
         self.max_batch = max_batch
+        self.recovery_wait_s = recovery_wait_s
+        self.max_resumes = max_resumes
         self.health = H.initial([(m.name, m.address) for m in self.members])
         self.started = time.monotonic()
         self._respawn = respawn
@@ -93,8 +104,14 @@ class Cluster:
         # Requests on the nodes: they run together in each node's batch (max_batch at once, the rest
         # wait there in arrival order); past max_batch + queue_limit a request gets 429.
         self._running: set[str] = set()
+        # of those, requests whose caller left (a client gone, a stop string): they still end on the
+        # nodes (CANCEL_WAIT_S at most, a queued one when the nodes admit it) but hold no queue slot
+        self._gone: set[str] = set()
         self._drained = asyncio.Event()  # set while no request is on the nodes (a rejoin waits for it)
         self._drained.set()
+        self._ready = asyncio.Event()  # set while the health machine says ready
+        self._waiting = 0  # requests waiting for a recovery before their first run
+        self._attempts: dict[str, str] = {}  # a request's id -> the id of its run on the nodes now
         self._seq = 0  # admission order sent with each request; restarts with every load of the nodes
         self._failed = asyncio.Event()  # set when a node dies during requests: every one of them fails
         self._monitor: asyncio.Task | None = None
@@ -128,6 +145,10 @@ class Cluster:
         """Apply one health event; a cluster that stops being ready fails the request in flight."""
         before = self.health
         self.health = H.apply(before, event)
+        if self.health.ready:
+            self._ready.set()
+        else:
+            self._ready.clear()
         if before.ready and not self.health.ready:
             logger.warning("cluster %s: %s", self.health.phase, self.health.reason)
             self._failed.set()
@@ -207,36 +228,123 @@ class Cluster:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._running)
+        """Requests running or waiting for a caller."""
+        return len(self._running) - len(self._gone)
+
+    def _recovering(self) -> bool:
+        """A request may wait for the cluster: a node was lost and the cluster is rebuilding (or
+        waiting for the node), as opposed to starting, loading or stopping."""
+        return self.recovery_wait_s > 0 and self.health.phase in ("degraded", "recovering")
 
     def check_ready(self) -> None:
-        """Raise the health machine's refusal (503, with Retry-After) unless the cluster can serve."""
+        """Raise the health machine's refusal (503, with Retry-After) unless the cluster can serve,
+        or a request may wait for it to recover (`generate` waits)."""
         error = H.refusal(self.health)
-        if error is not None:
+        if error is not None and not self._recovering():
             raise error
+
+    async def _wait_ready(self, since: float, outcome: Outcome) -> None:
+        """Wait until the cluster is ready, at most `recovery_wait_s` after `since`
+        (time.monotonic()); past it, or when the cluster is not recovering, raise the health
+        machine's refusal."""
+        outcome.waiting = True
+        try:
+            while not self.health.ready:
+                left = since + self.recovery_wait_s - time.monotonic()
+                if not self._recovering() or left <= 0:
+                    raise H.refusal(self.health) or H.NodeLostError("cluster is not ready")
+                try:
+                    await asyncio.wait_for(self._ready.wait(), timeout=left)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            outcome.waiting = False
 
     async def generate(self, req: GenerateRequest, outcome: Outcome) -> AsyncIterator[int]:
         """Run one request on every node (beside the others running there); yields rank 0's tokens.
 
+        A request that finds the cluster recovering waits for it (`recovery_wait_s`); one whose run
+        fails because a node was lost waits likewise, then resumes where its tokens stopped (at most
+        `max_resumes` times), so its tokens are those of a run without the fault.
         Raises a MoeClusterError before the first token if the cluster is not ready (NotReadyError),
-        degraded (ClusterError) or the queue is full (QueueFull);
-        afterwards failures end the stream and are reported in `outcome.error`.
+        degraded past the wait (ClusterError, also left in `outcome.error`) or the queue is full
+        (QueueFull); afterwards failures end the stream and are reported in `outcome.error`.
         """
-        self.check_ready()
-        if len(self._running) >= self.max_batch + self.queue_limit:
+        if self.queue_depth + self._waiting >= self.max_batch + self.queue_limit:
             raise QueueFull(f"queue is full ({self.queue_limit} requests waiting) beside {self.max_batch} running")
-        run = self._run(req, outcome)
+        started = last = time.monotonic()
+        if not self.health.ready:
+            self._waiting += 1
+            try:
+                await self._wait_ready(started, outcome)
+            except MoeClusterError as exc:
+                outcome.error = exc
+                raise
+            finally:
+                self._waiting -= 1
+        req = self._seeded(req)
+        attempt, stalled = 0, False
         try:
-            async for token in run:
-                yield token
+            while True:
+                now = continuation(req, outcome.tokens, attempt)
+                self._attempts[req.request_id] = now.request_id
+                run = self._run(now, outcome)
+                try:
+                    async for token in run:
+                        if stalled:
+                            outcome.stalls.append(time.monotonic() - last)
+                            stalled = False
+                        last = time.monotonic()
+                        yield token
+                finally:
+                    # When our consumer stops early (a stop string, a client gone) `run` must end
+                    # here: left to the garbage collector it would still be stopping the nodes while
+                    # later requests run.
+                    await run.aclose()
+                if stalled and outcome.error is None:  # the resumed run ended without a token (EOS)
+                    outcome.stalls.append(time.monotonic() - last)
+                lost = outcome.error
+                if lost is not None and lost.kind is ErrorKind.UNAVAILABLE and \
+                        len(outcome.tokens) >= req.sampling.max_tokens:
+                    outcome.error = None  # only its end was lost: every token came
+                    return
+                if not self._resumable(outcome, attempt):
+                    return
+                logger.warning("request %s lost its run after %d tokens (%s): resuming once the "
+                               "cluster is ready", req.request_id, len(outcome.tokens), lost)
+                outcome.error = None
+                try:
+                    await self._wait_ready(time.monotonic(), outcome)
+                except MoeClusterError as exc:
+                    outcome.error = exc  # why it cannot come back (or the loss, unresolved)
+                    return
+                attempt, stalled = attempt + 1, True
         finally:
-            # When our consumer stops early (a stop string, a client gone) `run` must end here: left to
-            # the garbage collector it would still be stopping the nodes while later requests run.
-            await run.aclose()
+            self._attempts.pop(req.request_id, None)
+
+    def _resumable(self, outcome: Outcome, attempt: int) -> bool:
+        """A run that failed because a node was lost (the cluster's 503) resumes, up to
+        max_resumes times."""
+        error = outcome.error
+        lost = error is not None and error.kind is ErrorKind.UNAVAILABLE
+        return lost and attempt < self.max_resumes
+
+    def _seeded(self, req: GenerateRequest) -> GenerateRequest:
+        """A sampled request without a seed gets one: every node must draw the same tokens, and a
+        resumed run must go on with the draws of the run it continues."""
+        sampling = req.sampling
+        if sampling.temperature > 0 and sampling.seed is None:
+            return replace(req, sampling=replace(sampling, seed=secrets.randbits(63)))
+        return req
 
     async def cancel(self, request_id: str, abort: bool = False) -> None:
         """Stop a request on every node: at the next agreement, or at once with `abort` (it failed)."""
-        await asyncio.gather(*(self._cancel_one(m, request_id, abort) for m in self.members), return_exceptions=True)
+        # a resumed request's run now has an id of its own
+        await self._cancel_run(self._attempts.get(request_id, request_id), abort)
+
+    async def _cancel_run(self, run_id: str, abort: bool) -> None:
+        await asyncio.gather(*(self._cancel_one(m, run_id, abort) for m in self.members),
+                             return_exceptions=True)
 
     async def _cancel_one(self, m: Member, request_id: str, abort: bool) -> None:
         try:
@@ -252,13 +360,11 @@ class Cluster:
         self._running.add(req.request_id)
         self._drained.clear()
         self._seq += 1
-        sampling = req.sampling
-        if sampling.temperature > 0 and sampling.seed is None:
-            sampling = replace(sampling, seed=secrets.randbits(63))
-        return replace(req, seq=self._seq, sampling=sampling)
+        return replace(self._seeded(req), seq=self._seq)
 
     def _leave(self, request_id: str) -> None:
         self._running.discard(request_id)
+        self._gone.discard(request_id)
         if not self._running:
             self._drained.set()
         self._spawn(self.refresh(), "refresh")
@@ -327,25 +433,28 @@ class Cluster:
                 # still counted as running (a rejoin waits for it; a peer may wait out its collective
                 # timeout first).
                 if outcome.error is not None:
-                    self._spawn(self._end(req, tasks, queue, outcome), f"end-{req.request_id}")
+                    self._spawn(self._end(req, tasks, queue, None), f"end-{req.request_id}")
                 else:
+                    self._gone.add(req.request_id)  # its queue slot is free at once
                     await self._end(req, tasks, queue, outcome)
             else:
                 self._leave(req.request_id)
 
     async def _end(self, req: GenerateRequest, tasks: list[asyncio.Task], queue: asyncio.Queue,
-                   outcome: Outcome) -> None:
+                   outcome: Outcome | None) -> None:
+        """End run `req` on every node; `outcome` (None: the run failed, and a resumed run may
+        fill the request's outcome meanwhile) gets rank 0's report of it."""
         try:
             # a failed request: the nodes still in it stop waiting for the lost peer now (a begin or a
             # step would wait out the collective timeout, holding the gate and so the rejoin)
-            await self.cancel(req.request_id, abort=outcome.error is not None)
+            await self._cancel_run(req.request_id, abort=outcome is None)
             _, late = await asyncio.wait(tasks, timeout=CANCEL_WAIT_S)
             for t in late:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             while not queue.empty():  # rank 0's report of the request (cached tokens, timings)
                 m, event = queue.get_nowait()
-                if m.rank == 0 and isinstance(event, GenerateDone):
+                if m.rank == 0 and isinstance(event, GenerateDone) and outcome is not None:
                     outcome.done = event
         finally:
             self._leave(req.request_id)
@@ -448,8 +557,9 @@ class Cluster:
             "transport": self.transport,
             "uptime_s": round(time.monotonic() - self.started, 1),
             "queue_depth": self.queue_depth,
-            "running": min(len(self._running), self.max_batch),
-            "waiting": max(0, len(self._running) - self.max_batch),
+            "running": min(self.queue_depth, self.max_batch),
+            "waiting": max(0, self.queue_depth - self.max_batch),
+            "waiting_for_recovery": self._waiting,  # arrived while a lost node is rebuilt
             "nodes": [
                 {"name": m.name, "rank": m.rank, "state": self.node_state(m), "address": m.address,
                  "memory_bytes": m.memory_bytes, "budget_bytes": m.budget_bytes, "used_bytes": m.used_bytes,

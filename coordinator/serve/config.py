@@ -20,6 +20,7 @@ import yaml
 from ...proto.errors import UserError
 from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.records import COLLECTIVE_TIMEOUT_S, DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE, KEEPALIVES, TlsFiles
+from .resume import MAX_RESUMES, RECOVERY_WAIT_S
 
 
 class ConfigError(UserError):
@@ -105,6 +106,10 @@ class ServingConfig:
     max_batch: int = 8  # sequences each node decodes together (continuous batching)
     prefill_budget: int = 512  # prompt tokens prefilled per step while others decode
     max_tokens: int = 256  # default when a request does not say
+    # seconds a request waits for a recovering cluster (arriving, or resuming after a lost node)
+    # before it gets 503; a little above the slowest recovery the soak measured
+    recovery_wait: Duration = Duration(RECOVERY_WAIT_S)
+    max_resumes: int = MAX_RESUMES  # times one request may resume after a lost node; 0: never
 
 
 @dataclass(frozen=True)
@@ -364,6 +369,9 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
         raise r.fail(_find(root, "serving", "queue"), "serving.queue", f"must be at least 1 (got {c.serving.queue})")
     if c.serving.max_tokens < 1:
         raise r.fail(_find(root, "serving", "max_tokens"), "serving.max_tokens", f"must be at least 1 (got {c.serving.max_tokens})")
+    if c.serving.max_resumes < 0:
+        raise r.fail(_find(root, "serving", "max_resumes"), "serving.max_resumes",
+                     f"must be at least 0 (got {c.serving.max_resumes})")
     if c.launch == "local":
         remote = [n.name for n in c.nodes if n.address not in (None, "127.0.0.1", "localhost", "::1")
                   and not str(n.address).startswith(("127.", "localhost:"))]

@@ -98,6 +98,7 @@ class Metrics:
         self.generated_tokens = 0
         self.cache_hits = 0
         self.cached_tokens = 0
+        self.resumes = 0  # runs resumed after a lost node
         self.last_prompt_tps = 0.0
         self.last_generation_tps = 0.0
         self.ttft = Histogram(TTFT_BUCKETS)
@@ -109,6 +110,7 @@ class Metrics:
         self.requests[status] = self.requests.get(status, 0) + 1
         self.prompt_tokens += len(gen.req.prompt)
         self.generated_tokens += len(o.tokens)
+        self.resumes += len(o.stalls)
         if gen.ttft is not None:
             self.ttft.observe(gen.ttft)
         d = o.done
@@ -128,6 +130,9 @@ class Metrics:
             "# HELP moe_cluster_requests_total Generation requests by outcome.",
             "# TYPE moe_cluster_requests_total counter",
             *(f'moe_cluster_requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()),
+            "# HELP moe_cluster_resumes_total Runs resumed where they stopped after a lost node.",
+            "# TYPE moe_cluster_resumes_total counter",
+            f"moe_cluster_resumes_total {self.resumes}",
             "# HELP moe_cluster_prompt_tokens_total Prompt tokens received.",
             "# TYPE moe_cluster_prompt_tokens_total counter",
             f"moe_cluster_prompt_tokens_total {self.prompt_tokens}",
@@ -149,7 +154,7 @@ class Metrics:
             "# HELP moe_cluster_prompt_cache_reused_tokens_total Prompt tokens served from the prompt cache.",
             "# TYPE moe_cluster_prompt_cache_reused_tokens_total counter",
             f"moe_cluster_prompt_cache_reused_tokens_total {self.cached_tokens}",
-            "# HELP moe_cluster_requests_running Requests running now (0 or 1: one runs at a time).",
+            "# HELP moe_cluster_requests_running Requests running now (up to serving.max_batch together).",
             "# TYPE moe_cluster_requests_running gauge",
             f"moe_cluster_requests_running {s.get('running', 0)}",
             "# HELP moe_cluster_queue_depth Requests running or waiting.",

@@ -41,7 +41,8 @@ import grpc
 
 from ...envoy.auth import _authorized, server_credentials, ssl_server_context
 from ...node import cache as node_cache
-from ...node.cache import Catalog, catalog_of, source_ranges
+from ...node.cache import Catalog, source_ranges
+from ...node.moe.load import catalog_of
 from ...node.checkpoint import Checkpoint
 from ...node.ship import BLOB_HEADER, DATA_ERROR
 from ...proto import CHANNEL_OPTIONS, convert

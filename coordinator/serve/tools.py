@@ -113,7 +113,8 @@ def function_spec(t: Any, where: str) -> dict:
                                                            fn.get("parameters"), f"{where}.function")}
 
 
-def check_function(name: Any, description: Any, parameters: Any, where: str) -> dict:
+def check_function(name: Any, description: Any, parameters: Any, where: str, schema: str = "parameters") -> dict:
+    """A function tool as the template reads it; `schema`: the request's name of its JSON Schema."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise FieldError(f"{where}.name must be 1 to 64 letters, digits, '_', '-' or '.' (got {show(name)})",
                          f"{where}.name")
@@ -125,8 +126,8 @@ def check_function(name: Any, description: Any, parameters: Any, where: str) -> 
         out["description"] = description
     if parameters is not None:
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-            raise FieldError(f"{where}.parameters must be a JSON Schema object (got {show(parameters)})",
-                             f"{where}.parameters")
+            raise FieldError(f"{where}.{schema} must be a JSON Schema object (got {show(parameters)})",
+                             f"{where}.{schema}")
         out["parameters"] = parameters
     return out
 

@@ -169,7 +169,7 @@ def _transport(c: ClusterConfig, hosts: list[str], envoy_ports: list[int], rank_
 async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
     from ...node.checkpoint import load_tokenizer
 
-    from .api import Api, ServingOptions
+    from .api import Api, ApiRunner, ServingOptions
     from .launcher import Launcher, LocalNode
 
     model_path = str(Checkpoint.open(c.model).path)
@@ -253,6 +253,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         cluster = Cluster(members, model=c.model, transport=c.transport, heartbeat_s=c.timeouts.heartbeat,
                           load_timeout_s=c.timeouts.load, request_timeout_s=c.timeouts.request,
                           queue_limit=c.serving.queue, max_batch=c.serving.max_batch,
+                          recovery_wait_s=c.serving.recovery_wait, max_resumes=c.serving.max_resumes,
                           respawn=respawn if launcher else None,
                           pid_of=launcher.pid if launcher else None)
         progress = Progress([m.name for m in members])
@@ -285,7 +286,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
                                                      default_max_tokens=c.serving.max_tokens, api_key=api_key,
                                                      on_shutdown=stop.set, vocab_size=vocab,
                                                      max_body=c.api.max_body, metrics_auth=c.api.metrics_auth))
-        runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+        runner = ApiRunner(api.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, c.api.host, c.api.port)
         await site.start()

@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten
 
 from ...proto.errors import UserError
 from ...proto.placement import Placement
+from ..cache import Catalog, Group, fingerprint
 from ..checkpoint import (Checkpoint, CheckpointError, TensorInfo, _physical_rows, check_runnable, model_args,
                           model_classes, read_tensor)
 from ..collective.base import Collective, LocalCollective
@@ -244,11 +245,21 @@ def _expert_keys(ckpt: Checkpoint, blocks: Sequence[MoEBlock]) -> dict[str, MoEB
     return out
 
 
+def catalog_of(ckpt: Checkpoint) -> Catalog:
+    """The catalog of a checkpoint, from its headers and the node's own MoE rule (no weights read)."""
+    layers = {}
+    grouped: set[str] = set()
+    for layer, (n, groups) in expert_groups(ckpt).items():
+        layers[layer] = (n, tuple(groups))
+        for g in groups:
+            grouped.update({g.key} if g.stacked else {g.key.format(e=e) for e in range(n)})
+    replicated = tuple((k, t.dtype, t.shape) for k, t in sorted(ckpt.tensors.items()) if k not in grouped)
+    return Catalog(fingerprint(ckpt), (ckpt.path / "config.json").read_text(), replicated, layers)
+
+
 def expert_groups(ckpt: Checkpoint) -> dict[int, tuple[int, list]]:
     """{MoE layer: (experts, [cache.Group])}: each routed-expert tensor of the checkpoint, stacked
     (`per` leading rows per expert) or one per expert — what a node's cache stores per expert."""
-    from ..cache import Group
-
     model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
     blocks = _blocks(model_cls(model_args(ckpt.config, ckpt.path / "config.json")), ckpt)
     if not blocks:

@@ -38,36 +38,28 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ...proto.errors import UserError
 from ..device import ieee_float32
 from . import families
-
-GLU_PROJ = ("gate_proj", "up_proj", "down_proj")
-MLP_PROJ = ("fc1", "fc2")
+from .bank import Bank
 
 _PROBE_TOKENS = 8
-# float32 probe: sums of a few hundred terms of magnitude ~1 agree to ~1e-6; a real mismatch (a
-# term counted twice, a norm after the sum) is of order 1.
-_RTOL, _ATOL = 1e-4, 1e-5
+# A term only some routings add (LongCat-Flash's identity "zero experts": a token routed to one adds
+# itself, scaled) shows on the probe only if some probe token is routed there. Eight tokens missed
+# it at 16 experts top-2; 2048 miss one expert of 65 at top-1 with probability (64/65)^2048 ~ 1e-14.
+# Only the residual's silent run takes them (router and inline terms; the bank answers zeros).
+_RESIDUAL_TOKENS = 2048
+# The probe's comparisons add and subtract whole block outputs computed in float32. Each output
+# carries the rounding of the block's own sums (top-k routed terms, shared experts, gates: a few
+# dozen additions of terms no larger than the largest output), so an identity that holds exactly
+# holds in float32 to within a few dozen ulps of the largest operand, for every element: also one
+# that came out near zero from a cancellation of large terms, which an element-wise relative bound
+# would refuse. The bound is that, with a margin: `_ULPS` float32 epsilons per operand, times the
+# largest |value| of any operand of the comparison. A structural mismatch (a term counted twice, a
+# norm or a square after the routed sum) is of the order of the values themselves, 10^4 times more.
+_EPS32 = 2.0 ** -23
+_ULPS = 64
 
 
 class StructureError(UserError):
     """A MoE block whose output the cluster cannot split exactly, naming the module path."""
-
-
-@dataclass
-class Bank:
-    """An expert bank as found in the module tree."""
-
-    attr: str  # attribute path from the block to the bank, e.g. "switch_mlp" or "experts.switch_mlp"
-    module: object
-    kind: str  # "glu" (gate/up/down) or "mlp" (fc1/fc2)
-    activation: Callable
-    num_experts: int
-    in_dims: int
-    out_dims: int
-    layout: str  # "stacked" (one (E, ...) tensor per projection) or "list" (one module per expert)
-
-    @property
-    def projections(self) -> tuple[str, ...]:
-        return GLU_PROJ if self.kind == "glu" else MLP_PROJ
 
 
 @dataclass
@@ -277,18 +269,18 @@ class _Run:
     """Runs the block on the probe with a chosen bank stand-in and chosen children zeroed."""
 
     def __init__(self, path: str, block: nn.Module, bank: Bank, forward: Callable, in_dims: int,
-                 top_k: int | None):
+                 top_k: int | None, tokens: int = _PROBE_TOKENS):
         self.path, self.block, self.bank, self.forward = path, block, bank, forward
         kx, kt, ki, kw = mx.random.split(mx.random.key(0), 4)
-        self.x = mx.random.normal((1, _PROBE_TOKENS, in_dims), key=kx)
+        self.x = mx.random.normal((1, tokens, in_dims), key=kx)
         self.table = mx.random.normal((bank.num_experts, bank.out_dims), key=kt)
         self.u = mx.random.normal((bank.in_dims,), key=mx.random.key(1))
         half = mx.arange(bank.num_experts) % 2
         self.keep_a, self.keep_b = half.astype(mx.float32), (1 - half).astype(mx.float32)
         self.args: tuple = ()
         if top_k is not None:  # called as block(x, indices, weights): distinct experts per token
-            order = mx.argsort(mx.random.uniform(shape=(1, _PROBE_TOKENS, bank.num_experts), key=ki), axis=-1)
-            self.args = (order[..., :top_k], mx.random.uniform(shape=(1, _PROBE_TOKENS, top_k), key=kw))
+            order = mx.argsort(mx.random.uniform(shape=(1, tokens, bank.num_experts), key=ki), axis=-1)
+            self.args = (order[..., :top_k], mx.random.uniform(shape=(1, tokens, top_k), key=kw))
 
     def __call__(self, *, table: bool = True, keep=None, scale: float = 1.0, zero: Sequence[str] = ()):
         stand_in = _ProbeBank(self.table if table else mx.zeros_like(self.table), self.u, keep, scale)
@@ -312,8 +304,49 @@ class _Run:
         return y.astype(mx.float32), stand_in.calls
 
 
-def _close(a: mx.array, b: mx.array) -> bool:
-    return a.shape == b.shape and bool(mx.allclose(a, b, rtol=_RTOL, atol=_ATOL))
+@dataclass(frozen=True)
+class Mismatch:
+    """How far an identity the probe checks is from holding, against what float32 rounding allows."""
+
+    what: str  # the identity, e.g. "half_a + half_b - silent == full"
+    error: float  # max |lhs - rhs|
+    bound: float  # what rounding allows: _ULPS eps32 per operand, times the largest |operand|
+    scale: float  # the largest |operand|
+    operands: int
+
+    @property
+    def holds(self) -> bool:
+        return self.error <= self.bound
+
+    def __str__(self) -> str:
+        return (f"{self.what}: max |difference| {self.error:.3g} against a float32 rounding bound of "
+                f"{self.bound:.3g} ({_ULPS} ulps x {self.operands} operands of magnitude up to "
+                f"{self.scale:.3g})")
+
+
+def compare(what: str, lhs: Sequence[tuple[float, mx.array]], rhs: Sequence[tuple[float, mx.array]]) -> Mismatch:
+    """Check sum(c * a for c, a in lhs) == sum(c * b for c, b in rhs) up to float32 rounding.
+
+    Operands are whole block outputs; each weighs in with _ULPS epsilons of the largest |operand|.
+    """
+    terms = [*lhs, *rhs]
+    shapes = {tuple(a.shape) for _, a in terms}
+    if len(shapes) != 1:
+        return Mismatch(f"{what} (shapes {sorted(shapes)})", float("inf"), 0.0, 0.0, len(terms))
+    left = sum(c * a for c, a in lhs)
+    right = sum(c * b for c, b in rhs)
+    scale = max(float(mx.max(mx.abs(c * a))) for c, a in terms)
+    error = float(mx.max(mx.abs(left - right)))
+    if error != error:  # NaN: no bound holds
+        error = float("inf")
+    return Mismatch(what, error, _ULPS * _EPS32 * scale * len(terms), scale, len(terms))
+
+
+def _same_routed(with_t: mx.array, without_t: mx.array, full: mx.array, silent: mx.array,
+                 zeroed: str) -> Mismatch:
+    """Whether zeroing a child leaves the routed part of the output (full - silent) as it was."""
+    return compare(f"the routed part with {zeroed} zeroed == the routed part",
+                   [(1, with_t), (-1, without_t)], [(1, full), (-1, silent)])
 
 
 def _same_routing(a: list[mx.array], b: list[mx.array]) -> bool:
@@ -331,8 +364,20 @@ def _keyed_parameters(block: nn.Module, bank_attr: str) -> None:
     if not own:
         return
     keys = mx.random.split(mx.random.key(2), len(own))
-    block.update(tree_unflatten([(k, (0.5 * mx.random.normal(v.shape, key=keys[i])).astype(v.dtype))
-                                 for i, (k, v) in enumerate(own)]))
+    block.update(tree_unflatten([(k, _keyed(k, v, keys[i]).astype(v.dtype)) for i, (k, v) in enumerate(own)]))
+
+
+def _keyed(name: str, v: mx.array, key: mx.array) -> mx.array:
+    """Matrices 0.5 * normal; vectors as a model's: scales near 1, biases near 0. A router's score
+    bias drawn as large as its weights (DeepSeek's and LongCat's `e_score_correction_bias`) would
+    pick the same experts for every token, and a term only some experts add (LongCat's identity
+    experts) would never show on the probe."""
+    z = mx.random.normal(v.shape, key=key)
+    if v.ndim >= 2:
+        return 0.5 * z
+    if name.rsplit(".", 1)[-1] in ("weight", "scale", "g", "gamma"):
+        return 1.0 + 0.02 * z
+    return 0.02 * z
 
 
 def _input_dims(block: nn.Module, bank: Bank) -> list[int]:
@@ -366,15 +411,18 @@ def probe_block(path: str, block: nn.Module, bank: Bank, top_k: int | None = Non
         raise StructureError(f"MoE block {path} ({type(block).__name__}) cannot be run on a probe: "
                              + "; ".join(errors))
     silent, _ = run(table=False)
-    routed = full - silent
     top_k = int(calls[0].shape[-1])
 
     half_a, _ = run(keep=run.keep_a)
     half_b, _ = run(keep=run.keep_b)
     double, _ = run(scale=2.0)
-    if not _close(half_a + half_b - silent, full) or not _close(double - silent, 2 * routed):
-        raise StructureError(f"the output of MoE block {path} ({type(block).__name__}) is not linear in its "
-                             "routed experts' outputs, so it cannot be summed across nodes")
+    for check in (compare("half_a + half_b - silent == full (the experts split in two halves)",
+                          [(1, half_a), (1, half_b), (-1, silent)], [(1, full)]),
+                  compare("double - silent == 2 (full - silent) (every expert's output doubled)",
+                          [(1, double), (-1, silent)], [(2, full), (-2, silent)])):
+        if not check.holds:
+            raise StructureError(f"the output of MoE block {path} ({type(block).__name__}) is not linear in its "
+                                 f"routed experts' outputs, so it cannot be summed across nodes: {check}")
 
     routers, dense = [], []
     for name in _children(block, bank.attr):
@@ -384,18 +432,17 @@ def probe_block(path: str, block: nn.Module, bank: Bank, top_k: int | None = Non
         except Exception:  # a child whose output is not a tensor like its input (a router's tuple)
             routers.append(name)
             continue
-        if _same_routing(zc, calls) and _close(with_t - without_t, routed):
+        if _same_routing(zc, calls) and _same_routed(with_t, without_t, full, silent, name).holds:
             dense.append(name)
         else:
             routers.append(name)
-    residual = False
     if dense:
         with_t, _ = run(zero=dense)
         without_t, _ = run(table=False, zero=dense)
-        if not _close(with_t - without_t, routed):
+        check = _same_routed(with_t, without_t, full, silent, " and ".join(dense))
+        if not check.holds:
             raise StructureError(f"MoE block {path}: zeroing its dense children {dense} together changes the "
-                                 "routed part of its output")
-        residual = bool(mx.any(without_t != 0))
-    else:
-        residual = bool(mx.any(silent != 0))
+                                 f"routed part of its output: {check}")
+    many = _Run(path, block, bank, forward, dims, top_k if run.args else None, tokens=_RESIDUAL_TOKENS)
+    residual = bool(mx.any(many(table=False, zero=dense)[0] != 0))
     return top_k, tuple(routers), tuple(dense), residual, forward, dims

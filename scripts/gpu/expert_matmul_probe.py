@@ -1,7 +1,7 @@
 """Time the ways to multiply a node's selected experts on this device, DBRX-sized, decode batch.
 
 Prints one JSON line per variant and, last, the fastest for 2 rows. node/experts.py uses unsorted
-gather_mm below 64 rows because of what this found on an H200 (README, GPU section).
+gather_mm below 64 rows because of what this found on an H200 (docs/performance.md, On GPUs).
 """
 
 import json

@@ -1,6 +1,7 @@
 """Continuous batching through real HTTP on a 2-node cluster (`up`, envoys): many requests at once,
 each with the tokens it gets alone; joins, leaves and cancels mid-batch; a long prompt prefilled
-beside running streams within the step budget; a node killed mid-batch fails every request with 503."""
+beside running streams within the step budget; a node killed mid-batch, with resuming turned off
+(serving.max_resumes: 0), fails every request with 503 (tests/cluster/test_faults.py resumes them)."""
 
 from __future__ import annotations
 
@@ -83,8 +84,10 @@ def _alone(url: str, body: dict) -> list[int]:
 def test_eight_concurrent_requests_get_the_tokens_they_get_alone(api):
     bodies = [{"prompt": p, "max_tokens": 24 + 4 * i, "temperature": 0, "stream": i % 2 == 0}
               for i, p in enumerate(PROMPTS)]
+    greedy3 = bodies[3]
     bodies[3] = {**bodies[3], "temperature": 0.9, "top_p": 0.9, "seed": 11}  # seeded sampling too
     alone = [_alone(api, b) for b in bodies]
+    assert alone[3] != _alone(api, greedy3), "the seeded request drew the greedy answer"
     assert all(len(t) == b["max_tokens"] or t for t, b in zip(alone, bodies))
     together = _together(api, bodies)
     for i, (got, want) in enumerate(zip(together, alone)):
@@ -131,7 +134,11 @@ def test_requests_join_and_leave_mid_batch(api):
     assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.index(stop)], (cut, stop, text)
     assert first["tokens"] == want_runner
     assert joined["tokens"] == want_joiner
-    assert freed < 5, f"the slot of a client that left was freed after {freed:.1f} s"
+    # freed within a few dozen of the batch's steps (the runner's mean time per token, which a
+    # loaded machine stretches alike; its events come in bursts, so not the gap between two),
+    # where a slot never freed would run its 2,000 tokens
+    step = (first["times"][-1] - first["times"][0]) / (len(first["times"]) - 1)
+    assert freed < 40 * step, f"the slot of a client that left was freed after {freed:.2f} s ({freed / step:.0f} steps)"
 
 
 def test_a_long_prompt_joins_while_others_stream_within_the_step_budget(api):
@@ -162,7 +169,12 @@ def test_a_long_prompt_joins_while_others_stream_within_the_step_budget(api):
         assert max(during) < prefill_s / 4, (max(during), prefill_s)
 
 
-def test_a_node_killed_mid_batch_fails_every_request_with_503(api):
+def test_a_node_killed_mid_batch_without_resumes_fails_every_request_with_503(tmp_path):
+    with cluster(tmp_path, YAML + "  max_resumes: 0\n") as (api, proc, lines):
+        _kill_mid_batch(api)
+
+
+def _kill_mid_batch(api: str) -> None:
     victim = http(api, "/v1/cluster/status")[1]["nodes"][1]
     bodies = [{"prompt": p, "max_tokens": 3000, "temperature": 0, "stream": i % 2 == 1} for i, p in enumerate(PROMPTS[:4])]
 

@@ -27,6 +27,7 @@ import pytest
 from cluster_fixture import cluster, stock_tokens
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "families"))
+import drawn  # noqa: E402
 import tiny  # noqa: E402
 
 PROMPT = "To be, or not to be"
@@ -69,13 +70,32 @@ def test_the_families_exist_in_mlx_lm():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_up_serves_stock_tokens(family, agents, tmp_path):
+    if tiny.needs_metal(family):
+        pytest.skip(f"{family} calls mlx-lm's Metal-only kernels (refused off Metal: tests/families/test_commands.py)")
+    _serve_stock_tokens(tiny.make_checkpoint(family, tmp_path / family, tokenizer=True), agents, tmp_path)
+
+
+# Families the structure probe refused on configs other than tiny.py's (float32 rounding judged
+# with an absolute tolerance): served here on a drawn config each (tests/families/drawn.py).
+DRAWN = [f for f in ("qwen2_moe", "deepseek", "deepseek_v41", "glm4_moe", "ernie4_5_moe", "hunyuan", "llama4",
+                     "afmoe", "step3p5", "nemotron_h", "Klear", "laguna") if f in tiny.families()]
+
+
+@pytest.mark.parametrize("family", DRAWN)
+def test_up_serves_stock_tokens_on_a_drawn_config(family, agents, tmp_path):
+    d = drawn.draw(family, 0)
+    if tiny.needs_metal(family):
+        pytest.skip(f"{family} calls mlx-lm's Metal-only kernels")
+    path = tiny.make_checkpoint(family, tmp_path / family, tokenizer=True, quantize=d.quantize,
+                                cfg=drawn.config(family, d))
+    _serve_stock_tokens(path, agents, tmp_path)
+
+
+def _serve_stock_tokens(path, agents, tmp_path):
     from openai import OpenAI
 
     from moe_cluster.node.collective.specs import free_ports
 
-    if tiny.needs_metal(family):
-        pytest.skip(f"{family} calls mlx-lm's Metal-only kernels (refused off Metal: tests/families/test_commands.py)")
-    path = tiny.make_checkpoint(family, tmp_path / family, tokenizer=True)
     envoys = free_ports(2)
     nodes = "\n".join(f"  - name: n{i}\n    address: 127.0.0.1:{port}\n    envoy_port: {envoys[i]}"
                       for i, port in enumerate(agents))

@@ -85,7 +85,7 @@ serving:
     assert status == 200 and again["moe_cluster"]["tokens"] == body["moe_cluster"]["tokens"]
     assert any(line.startswith("placement: node-1 holds") and "the routing profile" in line for line in lines), lines
     assert sum(c["misses"] for c in pinned) < sum(c["misses"] for c in cache), (pinned, cache)
-    # the prefetch reports what it read (auto reads only experts most profiled tokens select: none
-    # on this tiny model's flat routing; tests/integration/test_expert_cache.py drives it)
-    assert all(c["prefetch_hits"] <= c["prefetched"] for c in pinned), pinned
+    # the prefetch reports what it read: auto reads only experts most profiled tokens select, none
+    # on this tiny model's flat routing (tests/integration/test_expert_cache.py drives the reads)
+    assert all(c["prefetched"] == 0 and c["prefetch_hits"] == 0 for c in pinned), pinned
     assert 'moe_cluster_expert_cache_prefetched_total{node="node-1"' in metrics

@@ -1,12 +1,13 @@
-"""Faults through real processes (issue #14): a node killed, its envoy killed, a node stopped
-(SIGSTOP, a stalled peer) then continued, and a node's network link taken down then up; each while
-idle, during a prefill and during a streamed decode (see faults.py). The three faults of a local
-node share one cluster (module fixture `local`): each starts from a cluster found ready and serving
-and leaves it so; the link test runs its own remote cluster.
+"""Faults through real processes: a node killed, its envoy killed, a node stopped (SIGSTOP, a
+stalled peer) then continued, and a node's network link taken down then up; each while idle,
+during a prefill and while eight streams decode (see faults.py). Every request completes with the
+tokens it gets without the fault: the ones in flight resume, the ones that arrive meanwhile wait.
+The three faults of a local node share one cluster (module fixture `local`): each starts from a
+cluster found ready and serving and leaves it so; the link test runs its own remote cluster.
 
-Each phase prints its detect / client answer / recovery times (seconds after the fault); the
-README's reliability table comes from these lines (`pytest -s tests/cluster/test_faults.py`).
-Batched decode is not built yet, so there is no batched phase.
+Each phase prints its detect / client answer / recovery times (seconds after the fault) and the
+streams' stalls; docs/reliability.md's table comes from these lines
+(`pytest -s tests/cluster/test_faults.py`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from pathlib import Path
 import pytest
 
 import netns
-from cluster_fixture import cluster, http, yaml_for
-from faults import FAST_YAML, Phases, recovered
+from cluster_fixture import cluster, http, stock_tokens, yaml_for
+from faults import FAST_YAML, SENTENCE, RECOVERY_TOKENS, Phases, greedy_tokens, recovered
 
 
 def _envoy_of(agent_pid: int) -> int:
@@ -52,8 +53,8 @@ LINK_REASON = netns.available()
 @pytest.mark.skipif(LINK_REASON is not None, reason=LINK_REASON or "")
 def test_a_node_whose_link_goes_down_and_up_rejoins(tmp_path):
     """Two remote nodes, each in its own network namespace; node n2's link goes down, then up once
-    the client has its answer: the coordinator waits for it (it cannot restart a remote node) and
-    rebuilds the cluster when it answers again."""
+    the cluster saw it: the coordinator waits for it (it cannot restart a remote node), the requests
+    wait too, and the cluster is rebuilt when it answers again."""
     secret = "faults-link-secret"
     env = dict(os.environ, MOE_CLUSTER_SECRET=secret, PYTHONUNBUFFERED="1")
     with netns.hosts(["n1", "n2"]) as h:
@@ -79,8 +80,8 @@ def test_a_node_whose_link_goes_down_and_up_rejoins(tmp_path):
                 subprocess.run(["ip", "netns", "exec", ns2, "ip", "link", "set", "eth0", state], check=True)
 
             with cluster(tmp_path, yaml_text, env={"MOE_CLUSTER_SECRET": secret}) as (url, _, lines):
-                Phases(url, "n2's link down (up after the answer)", "n2", lambda: link("down"), lambda: link("up"),
-                       recover_from="restore", log=lines).run()
+                Phases(url, "n2's link down (up once detected)", "n2", "link down", lambda: link("down"),
+                       lambda: link("up"), recover_from="restore", log=lines).run()
         finally:
             netns.stop(*agents)
 
@@ -90,16 +91,21 @@ def test_a_node_whose_link_goes_down_and_up_rejoins(tmp_path):
 def local(tmp_path_factory):
     """One cluster of two local nodes for the local faults (a start and a stop cost ~5 s each on
     2 vCPUs); yields (url, the coordinator's output lines so far)."""
+    from moe_cluster.node.demo import MODEL_DIR
+
     with cluster(tmp_path_factory.mktemp("faults"), yaml_for(2, extra=FAST_YAML)) as (url, proc, lines):
-        yield url, lines
+        want = greedy_tokens(url)
+        assert want == stock_tokens(MODEL_DIR, SENTENCE, RECOVERY_TOKENS)
+        yield url, lines, want
 
 
 @pytest.fixture
 def ready(local):
-    """The shared cluster, checked ready and serving before a fault (as a fresh one would be)."""
-    url, lines = local
-    recovered(url)
-    return local
+    """The shared cluster, checked ready and serving stock's tokens before a fault (as a fresh one
+    would be); yields (url, the coordinator's output lines)."""
+    url, lines, want = local
+    recovered(url, want)
+    return url, lines
 
 
 def test_a_killed_node_is_restarted_idle_in_prefill_and_in_decode(ready):
@@ -110,7 +116,7 @@ def test_a_killed_node_is_restarted_idle_in_prefill_and_in_decode(ready):
         killed.append(_victim(url)["pid"])
         os.kill(killed[-1], signal.SIGKILL)
 
-    Phases(url, "node-1 SIGKILLed", "node-1", inject, log=lines).run()
+    Phases(url, "node-1 SIGKILLed", "node-1", "node killed", inject, log=lines).run()
     pids = [n["pid"] for n in http(url, "/v1/cluster/status")[1]["nodes"]]
     assert len(set(killed)) == 3 and not set(killed) & set(pids), (killed, pids)
 
@@ -119,7 +125,7 @@ def test_a_killed_envoy_is_a_lost_node_then_the_cluster_rebuilds_itself(ready):
     url, lines = ready
     before = len(lines)  # the cause must be logged for this fault, not an earlier one
     agent = _victim(url)["pid"]
-    Phases(url, "node-1's envoy SIGKILLed", "node-1", lambda: os.kill(_envoy_of(agent), signal.SIGKILL),
+    Phases(url, "node-1's envoy SIGKILLed", "node-1", "envoy killed", lambda: os.kill(_envoy_of(agent), signal.SIGKILL),
            log=lines).run()
     assert _victim(url)["pid"] == agent, "an envoy's death needs no new node process"
     assert any("node-1" in line and "envoy" in line for line in lines[before:]), "the coordinator logs the cause"
@@ -143,6 +149,16 @@ def test_a_stalled_node_is_restarted_and_its_late_continue_changes_nothing(ready
             except ProcessLookupError:
                 pass
 
-    Phases(url, "node-1 SIGSTOPped (SIGCONT once ready again)", "node-1", inject, restore, restore_after="ready",
-           log=lines).run()
+    Phases(url, "node-1 SIGSTOPped (SIGCONT once ready again)", "node-1", "node stopped", inject, restore,
+           restore_after="ready", log=lines).run()
     assert not any(_alive(p) for p in stopped), f"stopped nodes left behind: {stopped}"
+
+
+@pytest.mark.slow
+def test_a_node_killed_while_eight_streams_decode_on_three_nodes(tmp_path):
+    """The 8-stream phase on a 3-node cluster: the restarted node rejoins the two survivors, and
+    every stream resumes with the tokens it gets without the fault."""
+    with cluster(tmp_path, yaml_for(3, extra=FAST_YAML)) as (url, proc, lines):
+        victim = _victim(url)
+        Phases(url, "node-1 of 3 SIGKILLed", victim["name"], "node killed",
+               lambda: os.kill(victim["pid"], signal.SIGKILL), log=lines).decode()

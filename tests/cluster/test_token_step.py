@@ -235,7 +235,7 @@ def test_a_cancel_on_one_node_stops_every_node_at_the_same_step(transport, model
     assert reports[0]["tokens"] == reports[1]["tokens"] and AT <= len(reports[0]["tokens"]) < TOKENS
 
 
-def test_a_stalled_peer_ends_the_mlx_node_within_the_collective_timeout(model):
+def test_a_stalled_peer_ends_the_mlx_node_as_stalled_before_the_peer_wakes(model):
     from moe_cluster.node.collective.mlx import EXIT_STALLED
 
     reports, codes, seconds = _run(("stall",), "mlx", model, timeout_s=STALL_S, wait_s=60)

@@ -31,4 +31,5 @@ def test_tokens_equal_stock_mlx_lm(transport, nodes, models, reference):
         ref_tokens, ref_logits = reference(path, PROMPT, TOKENS)
         cmp = compare(got["tokens"], got["logits"], ref_tokens, ref_logits)
         assert cmp["tokens_match"] and len(got["tokens"]) == TOKENS, (arch, transport, nodes, cmp)
+        assert len(got["logits"]) == TOKENS and cmp["compared_steps"] == TOKENS, (arch, len(got["logits"]))
         assert cmp["max_abs_logit_diff"] <= FLOAT32_TOL, (arch, transport, nodes, cmp["max_abs_logit_diff"])

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+import faults
 from cluster_fixture import cluster, http, stock_tokens, yaml_for
 from conftest import assert_one_line_error, cli
 
@@ -37,8 +38,8 @@ def test_three_nodes_equal_stock_for_the_demo_and_repeat_with_a_seed(tmp_path):
         assert got == stock_tokens(MODEL_DIR, PROMPT, 24)  # same length too, and never empty
         with pytest.raises(OSError):  # node-2's envoy listens there
             socket.create_server(("127.0.0.1", data_port)).close()
-        sampled = [_complete(url, temperature=0.9, top_p=0.95, seed=7)["choices"][0]["text"] for _ in range(2)]
-        assert sampled[0] == sampled[1]
+        sampled = [_complete(url, temperature=0.9, top_p=0.95, seed=s)["moe_cluster"]["tokens"] for s in (7, 7, 8)]
+        assert sampled[0] == sampled[1] and sampled[0] != got and sampled[0] != sampled[2], (sampled, got)
         s = http(url, "/v1/cluster/status")[1]
         assert s["state"] == "ready" and len(s["nodes"]) == 3
         assert sum(n["experts"] for n in s["nodes"]) == 16 * 4
@@ -73,17 +74,21 @@ def test_three_nodes_equal_stock_for_other_families(arch, tmp_path, make_ckpt):
 
 @pytest.mark.slow  # 17 s
 @pytest.mark.parametrize("transport", ["envoy", "mlx"])
-def test_a_killed_node_fails_the_request_and_rejoins(transport, tmp_path):
+def test_a_killed_node_fails_the_request_and_an_envoy_cluster_rejoins_with_its_tokens(transport, tmp_path):
     """Over either transport: the ring of `transport: mlx` fails on the survivor as an error of its
-    own (a RuntimeError from MLX), which must still read as the lost node's 503, not a 500."""
+    own (a RuntimeError from MLX), which must still read as the lost node's 503, not a 500. Over the
+    envoy the node restarts and rejoins, and the cluster serves the greedy tokens it served before.
+    An MLX group cannot be rebuilt in-process (every node restarts); that rejoin is not checked here:
+    it was not ready again within 150 s on 2 loaded vCPUs (rejoin attempts kept timing out)."""
     with cluster(tmp_path, yaml_for(2, extra=f"transport: {transport}\n")) as (url, proc, lines):
+        before = _complete(url)["moe_cluster"]["tokens"]  # greedy: what the rebuilt cluster must serve
+        assert len(before) == 24, before
         victim = http(url, "/v1/cluster/status")[1]["nodes"][1]
         result = {}
 
         def long_request():
-            t0 = time.monotonic()
             result["reply"] = http(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3000}, timeout=60)
-            result["seconds"] = time.monotonic() - t0
+            result["at"] = time.monotonic()
 
         worker = threading.Thread(target=long_request)
         worker.start()
@@ -100,10 +105,14 @@ def test_a_killed_node_fails_the_request_and_rejoins(transport, tmp_path):
         worker.join(timeout=30)
         status, body = result["reply"]
         assert status == 503 and "error" in body, body
-        assert result["seconds"] < 1.5 + 3 + 5  # within the collective timeout (3 s) and a margin
-        assert seen_dead is not None and seen_dead < 3.0
-        if transport == "mlx":  # an MLX group cannot be rebuilt in-process: every node restarts (~40 s
-            return              # here), which the envoy case below already shows for rejoining
+        # the fault suite's bounds for a killed node (tests/cluster/faults.py): seen dead within
+        # its detection bound, the client answered within the collective timeout after the kill
+        # plus that (a survivor's step fails at the timeout, or when the death is seen)
+        bound = faults.bounds("node killed", os.getloadavg()[0])
+        assert seen_dead is not None and seen_dead <= bound.detect, (seen_dead, bound)
+        assert result["at"] - killed <= faults.COLLECTIVE_S + bound.detect, (result["at"] - killed, bound)
+        if transport == "mlx":
+            return
         # refused with a clear reason while degraded, then the node restarts and rejoins
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -114,7 +123,8 @@ def test_a_killed_node_fails_the_request_and_rejoins(transport, tmp_path):
             assert code == 503 and ("degraded" in body["error"]["message"] or "loading" in body["error"]["message"])
             time.sleep(0.5)
         assert s["state"] == "ready", s
-        assert _complete(url)["choices"][0]["text"]
+        after = _complete(url)["moe_cluster"]["tokens"]
+        assert after == before, f"the rebuilt cluster serves {after}, before the kill {before}"
 
 
 def test_up_refuses_a_bad_file_and_a_bad_model(tmp_path):

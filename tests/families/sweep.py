@@ -3,7 +3,8 @@
 `check(family, tmp, nodes, quantize)` builds the family's tiny checkpoint (tiny.py), decodes it
 greedily with stock mlx-lm, then with every rank's shard in this process (node.moe.load's
 `load_in_process`: each MoE block is every rank's `ClusterMoE` share summed in rank order), and
-returns tokens and the largest |Δlogit|. Used by test_sweep.py and by table.py (the README table).
+returns tokens and the largest |Δlogit|. Used by test_sweep.py and by table.py
+(the table of docs/families.md).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def check(path: Path, nodes: int, reference=None, keepalive: str = "lru") -> dic
     ref_tokens, ref_logits = reference or tiny.stock_tokens(path, PROMPT, STEPS)
     sm = load_in_process(str(path), nodes, keepalive=keepalive)
     tokens, logits = tiny.decode(sm.model, PROMPT, STEPS)
+    assert len(tokens) == len(ref_tokens) == STEPS and logits.shape == ref_logits.shape, (
+        len(tokens), len(ref_tokens), logits.shape, ref_logits.shape)
     diff = float(np.max(np.abs(logits - ref_logits)))
     return {"tokens": tokens, "reference_tokens": ref_tokens, "max_abs_logit_diff": diff,
             "tokens_match": tokens == ref_tokens}

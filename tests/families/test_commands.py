@@ -43,6 +43,7 @@ def test_simulate_two_node_processes_equal_stock(family, checkpoints, capsys):
     out = json.loads(r.out)  # stdout is the JSON alone
     assert len(out["tokens"]) == 8
     assert out["tokens_match"], out
+    assert out["compared_steps"] == 8, out  # every step's logits were recorded and compared
     assert out["max_abs_logit_diff"] <= sweep.TOLERANCE, out["max_abs_logit_diff"]
 
 

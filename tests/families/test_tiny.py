@@ -26,7 +26,35 @@ def test_families_found():
         assert name in FAMILIES, name
     assert "llama" not in FAMILIES and "qwen3" not in FAMILIES  # dense families stay out
     assert "dbrx" in tiny.per_expert_list_families()
-    assert not set(tiny.survey_errors()) - {"prism_hadamard_qwen35"}, tiny.survey_errors()
+
+
+# Families whose tiny checkpoint tiny.py cannot build yet, each with why. Listed, not dropped: each
+# runs below as an expected failure that turns into an error (strict) the day it builds.
+SETUP_GAPS = {
+    "prism_hadamard_qwen35": "a Hadamard pack needs a module manifest, 2-bit/128 packed weights and "
+                             "widths divisible by 128: tiny.py writes none of them",
+}
+
+
+@pytest.mark.parametrize("family", sorted(set(tiny.survey_errors()) | set(SETUP_GAPS)))
+def test_a_family_that_cannot_be_built_is_refused_by_the_product_or_fails(family, request):
+    """An expert family whose tiny config does not even instantiate is not dropped from the sweep in
+    silence: it must be one the product refuses with a reason (node.checkpoint.check_runnable), or
+    this test fails (expected only for the gaps listed above)."""
+    from moe_cluster.node.checkpoint import CheckpointError, check_runnable
+
+    if family in SETUP_GAPS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=SETUP_GAPS[family]))
+    why = tiny.survey_errors().get(family)
+    if why is None:  # it builds (a listed gap that passes here is an error: strict)
+        assert family in FAMILIES, family
+        return
+    try:
+        check_runnable(tiny.tiny_config(family))
+    except CheckpointError as exc:
+        assert str(exc).strip(), family  # refused, with its reason
+        return
+    pytest.fail(f"{family}: its tiny checkpoint cannot be made ({why}) and the product does not refuse it")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -296,6 +296,18 @@ def moe_layers(bank_paths) -> int:
     return len(idx)
 
 
+def expert_count(cfg: dict) -> int:
+    """The routed experts a config declares (at any level: text_config, dbrx's ffn_config)."""
+    names = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    for k, v in cfg.items():
+        if k in names and isinstance(v, int):
+            return v
+    for v in cfg.values():
+        if isinstance(v, dict) and (n := expert_count(v)):
+            return n
+    return 0
+
+
 def build_model(model_type: str, seed: int = 0, cfg: dict | None = None) -> tuple[nn.Module, dict]:
     """Instantiate the tiny model and re-initialise every parameter deterministically."""
     from mlx_lm.utils import _get_classes
@@ -304,11 +316,11 @@ def build_model(model_type: str, seed: int = 0, cfg: dict | None = None) -> tupl
     model_cls, args_cls = _get_classes(cfg)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(json.loads(json.dumps(cfg))))
-    reinit(model, seed)
+    reinit(model, seed, expert_count(cfg) or EXPERTS)
     return model, cfg
 
 
-def reinit(model: nn.Module, seed: int = 0) -> None:
+def reinit(model: nn.Module, seed: int = 0, experts: int = EXPERTS) -> None:
     """Deterministic random values everywhere, scaled so every block matters and routing is non-degenerate.
 
     mlx-lm's own init leaves some families with zero gates, zero e_score_correction_bias or zero
@@ -334,7 +346,7 @@ def reinit(model: nn.Module, seed: int = 0) -> None:
         if owner in embeddings and leaf == "weight":
             w = z * embed_std
         elif v.ndim >= 2:
-            fan_in = v.shape[-1] if v.ndim == 2 or v.shape[0] == EXPERTS else int(np.prod(v.shape[1:]))
+            fan_in = v.shape[-1] if v.ndim == 2 or v.shape[0] == experts else int(np.prod(v.shape[1:]))
             w = z * fan_in ** -0.5
         elif leaf in ("weight", "scale", "g", "gamma"):
             w = 1.0 + z * 0.02
@@ -477,9 +489,10 @@ def _tokenizer_dir() -> Path:
 
 
 def make_checkpoint(model_type: str, out_dir, seed: int = 0, quantize: str | None = None,
-                    tokenizer: bool = False) -> Path:
+                    tokenizer: bool = False, cfg: dict | None = None) -> Path:
     """Write config.json + model.safetensors of the tiny model, loadable by mlx_lm.utils.load_model;
-    with `tokenizer`, also tokenizer files of VOCAB tokens, so the commands that read text run on it."""
+    with `tokenizer`, also tokenizer files of VOCAB tokens, so the commands that read text run on it.
+    `cfg` replaces the family's tiny config (drawn.py's configs)."""
     import contextlib
     import io
 
@@ -487,7 +500,7 @@ def make_checkpoint(model_type: str, out_dir, seed: int = 0, quantize: str | Non
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model, cfg = build_model(model_type, seed)
+    model, cfg = build_model(model_type, seed, cfg)
     if quantize is not None:
         q = QUANT_MODES[quantize]
         # group size 32 divides every tiny width (hidden 64, expert 32); quantize_model skips others

@@ -15,15 +15,17 @@ def test_bench_decode_reports_every_path_with_stock_tokens():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["same_tokens"] and out["mlx_lm_tps"] > 0
+    assert out["generated_tokens"] == 16  # the demo model says no EOS within 16 tokens of this prompt
     assert out["cluster_ratio"] > 0
     assert out["skip_gemv"] is False  # CUDA only: this CPU build keeps gather_mm
     assert [(c["nodes"], c["keepalive"]) for c in out["clusters"]] == [(1, "none"), (2, "none")]
     for c in out["clusters"]:
-        assert c["same_tokens"], c
+        assert c["same_tokens"] and c["generated"] == c["stock_generated"] == 16, c
         assert isinstance(c["fixed_cost_per_moe_layer_us"], float)
     (peer,) = out["peers"]
     assert peer["name"] == "mlx_lm_tensor_parallel" and peer["nodes"] == 2, peer
-    assert peer["tps"] > 0 and peer["same_tokens"], peer
+    assert peer["tps"] > 0 and peer["same_tokens"] and peer["generated"] == 16, peer
+    assert out["cluster_path"]["same_tokens"] and out["cluster_path"]["generated"] == 16, out["cluster_path"]
 
 
 def test_without_room_for_two_copies_the_cluster_path_runs_after_stock(monkeypatch):
@@ -36,8 +38,8 @@ def test_without_room_for_two_copies_the_cluster_path_runs_after_stock(monkeypat
     out = decode.run(decode.DecodeBench("demo", nodes=(1, 2), keepalive=("none",), max_tokens=8, rounds=1,
                                         peers=False))
     alone = out["cluster_path"]
-    assert alone["interleaved"] is False and alone["same_tokens"], alone
+    assert alone["interleaved"] is False and alone["same_tokens"] and alone["generated"] == 8, alone
     assert alone["mlx_lm_tps"] == out["mlx_lm_tps"] and out["cluster_ratio"] == alone["tps"] / out["mlx_lm_tps"]
     assert out["peers"] == [] and [c["nodes"] for c in out["clusters"]] == [1, 2]
-    assert all(c["same_tokens"] for c in out["clusters"])
+    assert all(c["same_tokens"] and c["generated"] == 8 for c in out["clusters"])
     assert 0 < out["bench_process_bytes"]

@@ -104,6 +104,7 @@ def test_simulate_json_sums_the_nodes_caches(make_ckpt):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["tokens_match"] and out["max_abs_logit_diff"] <= 1e-4
+    assert len(out["tokens"]) == 8 and out["compared_steps"] == 8, out
     cache = out["expert_cache"]
     assert set(cache) == {"capacity", "hits", "misses", "bytes_read"}
     assert cache["capacity"] == 2 * 2 * 4  # nodes x layers x half of 8 local experts

@@ -34,18 +34,25 @@ def test_greedy_tokens_equal_mlx_lm_generate(arch, make_ckpt, capsys):
     assert out["peak_memory_bytes"] > 0 and out["generation_tps"] > 0
 
 
-def test_sampling_is_repeatable_with_a_seed(make_ckpt):
+def test_sampling_is_repeatable_with_a_seed_and_differs_from_greedy_and_another_seed(make_ckpt):
     path = make_ckpt("mixtral")
-    args = ["run", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "16", "--temperature", "0.8",
-            "--top-p", "0.9", "--seed", "11", "--json"]
-    a, b = (json.loads(cli(*args).stdout)["tokens"] for _ in range(2))
-    assert a == b
+    args = ["run", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "16", "--json"]
+    sampled = ["--temperature", "0.8", "--top-p", "0.9", "--seed"]
+    a, b, other, greedy = (json.loads(cli(*args, *extra).stdout)["tokens"]
+                           for extra in ([*sampled, "11"], [*sampled, "11"], [*sampled, "12"], []))
+    assert a == b and len(a) == 16
+    assert a != greedy and a != other, (a, greedy, other)
 
 
 def test_plain_output_has_text_then_figures(make_ckpt):
-    r = cli("run", "--model", str(make_ckpt("qwen3_moe")), "--prompt", PROMPT, "--max-tokens", "8")
+    """stdout is the generated text alone (stock mlx-lm's greedy tokens, decoded); the figures go to stderr."""
+    from moe_cluster.node.checkpoint import load_tokenizer
+
+    path = make_ckpt("qwen3_moe")
+    r = cli("run", "--model", str(path), "--prompt", PROMPT, "--max-tokens", "8")
     assert r.returncode == 0, r.stderr
-    assert "Generation:" in r.stderr and "tokens/s" in r.stderr and "Peak memory" in r.stderr
+    assert r.stdout == load_tokenizer(path).decode(_stock_tokens(path, PROMPT, 8)) + "\n", r.stdout
+    assert "Generation: 8 tokens" in r.stderr and "tokens/s" in r.stderr and "Peak memory" in r.stderr
 
 
 def test_errors(tmp_path, make_ckpt):

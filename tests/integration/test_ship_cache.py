@@ -163,10 +163,11 @@ def test_a_dead_coordinator_is_one_line_quickly(server, tmp_path):
     dead = f"127.0.0.1:{s.getsockname()[1]}"  # bound, not listening: nobody answers there
     t = time.monotonic()
     try:
-        with pytest.raises(UnavailableError, match="cannot get the model's catalog from the coordinator at"):
+        with pytest.raises(UnavailableError, match="cannot get the model's catalog from the coordinator at") as exc:
             fill(dead, shipper.fingerprint, tmp_path)
     finally:
         s.close()
+    assert "\n" not in str(exc.value) and dead in str(exc.value), str(exc.value)  # one line, naming the address
     assert time.monotonic() - t < 20
 
 

@@ -40,6 +40,9 @@ def test_a_good_file():
     assert c.source == "lab.yaml"
     assert c.nodes[0].gpu is None
     assert parse_config(GOOD.replace("    port: 7702\n", "    port: 7702\n    gpu: 1\n")).nodes[1].gpu == 1
+    assert c.serving.recovery_wait == 15.0 and c.serving.max_resumes == 2  # the defaults
+    waits = parse_config(GOOD + "  recovery_wait: 2m\n  max_resumes: 0\n").serving
+    assert waits.recovery_wait == 120.0 and waits.max_resumes == 0
 
 
 BAD = [
@@ -77,6 +80,11 @@ BAD = [
     ("nodes:\n  - name: a\ntls:\n  cert: c.pem", 4, ["tls.key", "is required"]),
     ("nodes:\n  - name: a\nserving:\n  queue: 0", 4, ["serving.queue", "at least 1"]),
     ("nodes:\n  - name: a\nserving:\n  prefill_chunk: 4", 4, ["serving.prefill_chunk", "at least 16"]),
+    ("nodes:\n  - name: a\nserving:\n  recovery_wait: 0", 4, ["serving.recovery_wait", "positive"]),
+    ("nodes:\n  - name: a\nserving:\n  recovery_wait: a while", 4, ["serving.recovery_wait", "not a duration"]),
+    ("nodes:\n  - name: a\nserving:\n  max_resumes: -1", 4, ["serving.max_resumes", "at least 0"]),
+    ("nodes:\n  - name: a\nserving:\n  max_resumes: 1.5", 4, ["serving.max_resumes", "whole number"]),
+    ("nodes:\n  - name: a\nserving:\n  max_resume: 1", 4, ["serving.max_resume", "'max_resumes'"]),
     ("nodes:\n  - name: a\nnodes:\n  - name: b", 3, ["nodes", "given twice"]),
     ("nodes:\n  - name: a\nplacement:\n  replicate: maybe", 4, ["placement.replicate", "true or false"]),
     ("nodes:\n  - name: a\nplacement:\n  expert_cache: most", 4, ["placement.expert_cache", "a percent (50%)"]),

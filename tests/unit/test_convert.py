@@ -84,7 +84,8 @@ def test_load_progress():
 
 
 def test_generate_request():
-    for sampling in (Sampling(64, 0.0, 1.0, None), Sampling(8, 0.7, 0.9, 1234), Sampling(8, 0.7, 0.9, 0)):
+    for sampling in (Sampling(64, 0.0, 1.0, None), Sampling(8, 0.7, 0.9, 1234), Sampling(8, 0.7, 0.9, 0),
+                     Sampling(8, 0.7, 0.9, 5, step=37)):  # a resumed request's sampler goes on at its step
         req = GenerateRequest("req-1", (1, 2, 3), sampling, (2, 7), prefill_step=128)
         back = convert.generate_request_from_proto(wire(convert.generate_request_to_proto(req)), prefill_step=128)
         assert back == req

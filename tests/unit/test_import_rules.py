@@ -255,3 +255,59 @@ def test_the_checker_finds_violations(tmp_path):
     allowed = {("coordinator.serve.helper", "coordinator.plan.model")}
     assert set(violations(import_graph(root), allowed=allowed)) == {
         ("node.engine", "coordinator.serve.api"), ("proto.convert", "mlx.core")}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import circles among project modules (Tarjan's strongly connected components of more than
+    one module), counting only the imports written in the source: a submodule's implicit import of
+    its own package (which may import the submodule back, as any package does) is no circle."""
+    explicit = {m: {t for t in ts if t in graph and not m.startswith(t + ".")} for m, ts in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(explicit):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(explicit[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(explicit[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    x = stack.pop()
+                    on.discard(x)
+                    comp.append(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    found.append(sorted(comp))
+    return found
+
+
+def test_the_project_has_no_import_circle():
+    found = cycles(import_graph(ROOT))
+    assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_a_circle_is_found():
+    """The check can fail: two modules importing each other (through a function-level import too)."""
+    graph = {"node.a": {"node.b"}, "node.b": {"node.a", "node"}, "node": {"node.b"}, "node.c": {"node"}}
+    assert cycles(graph) == [["node.a", "node.b"]]

@@ -89,7 +89,9 @@ def test_cost_efficiency_as_table_5(dbrx, m2):
     row = estimate(dbrx, m2, presets.network_preset("10gbe"), 2, [2.65])
     assert row.price_per_node_usd == 6599
     assert row.tokens_per_s_per_usd == pytest.approx(row.tokens_per_s / (2 * 6599))
-    assert 5.9 / (2 * row.price_per_node_usd) == pytest.approx(0.000447, abs=1e-6)  # Table 5's figure
+    # Table 5 divides the measured 5.9 tok/s by 2 x $6,599 (0.000447); the model's own figure is the
+    # same quotient of its Table 6 prediction (9.7 tok/s at 2 nodes), both numbers from the paper
+    assert row.tokens_per_s_per_usd == pytest.approx(9.7 / (2 * 6599), rel=0.01)
     roce = estimate(dbrx, m2, presets.network_preset("rocev2"), 2, [2.65])
     assert roce.price_per_node_usd == 6599 + 339
     one = estimate(dbrx, m2, presets.network_preset("rocev2"), 1, [4])

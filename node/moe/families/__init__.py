@@ -4,7 +4,7 @@ The generic rule (node/moe/structure.py): a MoE block owns a `SwitchGLU`/`Switch
 experts are stacked or stored one tensor per expert, and calls it as `bank(x, inds)`. An adapter
 says why its family differs and supplies only the part that differs:
 
-- `find_bank(model, path, module)`: the bank (a `structure.Bank`) of a block the generic search
+- `find_bank(model, path, module)`: the bank (a `bank.Bank`) of a block the generic search
   cannot see;
 - `read_experts(ckpt, block, local)`: expert tensors in a checkpoint layout of its own;
 - `forward(block)`: a block forward that calls the bank as `bank(x, inds)`, or None.

@@ -28,7 +28,7 @@ def _swiglu(up, gate):
 def find_bank(model, path, module):
     if not _is_dbrx_block(module):
         return None
-    from ..structure import Bank
+    from ..bank import Bank
 
     return Bank("experts", module.experts, "glu", _swiglu, module.num_experts, module.d_model, module.d_model, "list")
 

@@ -1,0 +1,152 @@
+"""README.md and docs/: every relative link resolves (file and anchor), every `moe-cluster COMMAND`
+named in code is a subcommand of the CLI's own parser, every scripts/ path exists."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
+INLINE = re.compile(r"(`+)(.+?)\1", re.S)
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+# `moe-cluster` then a lower-case word ending at a space, a backtick, a pipe or the end: a command
+COMMAND = re.compile(r"(?<![\w-])moe-cluster\s+([a-z][a-z0-9-]*)(?=[\s`|]|$)"
+                     r"(?:\s+([a-z][a-z0-9-]*(?:\\?\|[a-z][a-z0-9-]*)*)(?=[\s`]|$))?")
+SCRIPT = re.compile(r"(?<![\w/.-])scripts/(?:[a-z0-9_]+/)*[a-z0-9_]+\.(?:py|sh)\b")
+
+
+def _rel(page: Path) -> str:
+    return str(page.relative_to(ROOT)) if page.is_relative_to(ROOT) else str(page)
+
+
+def _prose(text: str) -> str:
+    """The text outside code: links in code blocks are examples, not links."""
+    return INLINE.sub(" ", FENCE.sub(" ", text))
+
+
+def _code(text: str) -> list[str]:
+    """Fenced blocks and inline code spans."""
+    blocks = [m.group(0) for m in FENCE.finditer(text)]
+    return blocks + [m.group(2) for m in INLINE.finditer(FENCE.sub(" ", text))]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, markup and punctuation dropped, spaces to '-'."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link's text only
+    text = text.replace("`", "").replace("*", "").strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for m in HEADING.finditer(FENCE.sub(" ", page.read_text())):
+        s = slug(m.group(1))
+        n = seen.get(s, 0)
+        seen[s] = n + 1
+        out.add(s if n == 0 else f"{s}-{n}")
+    return out
+
+
+def broken_links(page: Path) -> list[str]:
+    bad = []
+    for m in LINK.finditer(_prose(page.read_text())):
+        target = m.group(1)
+        if re.match(r"[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            bad.append(f"{_rel(page)}: {target}: no such file")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            bad.append(f"{_rel(page)}: {target}: no heading #{anchor} in {dest.name}")
+    return bad
+
+
+def _choices(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def unknown_commands(text: str, where: str, parser: argparse.ArgumentParser) -> list[str]:
+    commands = _choices(parser)
+    bad = []
+    for code in _code(text):
+        for m in COMMAND.finditer(code):
+            name, sub = m.group(1), m.group(2)
+            if name not in commands:
+                bad.append(f"{where}: moe-cluster {name}: no such command")
+                continue
+            subs = _choices(commands[name])
+            if subs and sub:
+                for s in sub.replace("\\", "").split("|"):
+                    if s not in subs:
+                        bad.append(f"{where}: moe-cluster {name} {s}: no such {name} command")
+    return bad
+
+
+@pytest.fixture(scope="module")
+def parser() -> argparse.ArgumentParser:
+    from moe_cluster.coordinator.cli import build_parser
+
+    return build_parser()
+
+
+def test_pages_are_found():
+    names = {_rel(p) for p in PAGES}
+    assert {"README.md", "docs/configuration.md", "docs/performance.md", "docs/CONTRIBUTING.md",
+            "docs/architecture.md", "docs/reliability.md", "docs/shipping.md"} <= names
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_every_relative_link_resolves(page):
+    assert broken_links(page) == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_every_named_command_is_a_subcommand(page, parser):
+    assert unknown_commands(page.read_text(), _rel(page), parser) == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_every_named_script_exists(page):
+    missing = sorted({m.group(0) for m in SCRIPT.finditer(page.read_text())
+                      if not (ROOT / m.group(0)).exists()})
+    assert missing == [], f"{_rel(page)} names scripts that do not exist"
+
+
+def test_the_checks_catch_what_they_look_for(tmp_path, parser):
+    """The three checks fail on a page with a broken link, a wrong anchor, a made-up command and
+    a made-up bench, and pass on the same page mended."""
+    (tmp_path / "other.md").write_text("# Other page\n\n## A `code` heading: yes\n")
+    page = tmp_path / "page.md"
+    page.write_text("# Page\n[a](missing.md) [b](other.md#nope) [c](#page) "
+                    "[d](other.md#a-code-heading-yes) [e](https://example.com/x)\n"
+                    "```\nmoe-cluster fly\n```\n"
+                    "`moe-cluster bench fly`, `moe-cluster up cluster.yaml`\n"
+                    "`moe-cluster bench decode\\|serve`, `moe-cluster ready: http://x`\n")
+    assert len(broken_links(page)) == 2
+    assert len(unknown_commands(page.read_text(), "page.md", parser)) == 2
+    page.write_text("# Page\n[c](#page) [d](other.md#a-code-heading-yes)\n"
+                    "`moe-cluster bench decode\\|serve`, `moe-cluster cache rm NAME`\n")
+    assert broken_links(page) == [] and unknown_commands(page.read_text(), "page.md", parser) == []
+
+
+def test_readme_family_count_matches_the_generated_table():
+    """The README's summary of families counts the rows of docs/families.md's generated table."""
+    table = (ROOT / "docs" / "families.md").read_text().split("do not edit by hand -->", 1)[1]
+    rows = [r for r in table.split("<!-- end of table -->", 1)[0].splitlines()
+            if r.startswith("| ") and not r.startswith("| family |")]
+    exact = [r for r in rows if r.split("|")[2].strip().startswith("exact")]
+    m = re.search(r"(\d+) of its (\d+)", (ROOT / "README.md").read_text())
+    assert m, "README.md: the supported-families summary lost its count"
+    assert (int(m[1]), int(m[2])) == (len(exact), len(rows))
