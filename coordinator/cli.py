@@ -175,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     importlib.import_module("moe_cluster.coordinator.bench.serve").add_arguments(b)
     b.set_defaults(handler="moe_cluster.coordinator.bench.serve:main")
 
+    b = bench.add_parser("race", help="ours against mlx-lm's pipeline and tensor parallelism: batch 1 and B streams")
+    importlib.import_module("moe_cluster.coordinator.bench.race").add_arguments(b)
+    b.set_defaults(handler="moe_cluster.coordinator.bench.race:main")
+
     b = bench.add_parser("ship", help="shipping a shard to a node: throughput against raw TCP, coordinator memory")
     importlib.import_module("moe_cluster.coordinator.bench.ship").add_arguments(b)
     b.set_defaults(handler="moe_cluster.coordinator.bench.ship:main")

@@ -27,6 +27,10 @@ class SimTask:
     expert_cache: str = "off"  # placement.expert_cache: off | SIZE | PCT%
     profile: dict | None = None  # {MoE layer: (selections per expert, tokens)} of a routing profile
     prefetch: int | None = None  # expert cache read-ahead per layer (node.moe.load.load_shard); None: auto
+    # None: `prompt` alone, as above. Else these prompts run at once in the running batch (`prompt`
+    # unused), each token's arrival time kept; timers and counters then cover the steps after
+    # every stream has its first token (bench race)
+    streams: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,9 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
     placement = Placement.from_json(task.placement_json, job.world_size) if task.placement_json else None
     sharded = load_shard(task.model, placement, job.rank, keepalive=task.keepalive, collective=collective,
                          expert_cache=task.expert_cache, profile=task.profile, prefetch=task.prefetch)
+    if task.streams is not None:
+        streams = _run_streams(index, task, sharded)
+        return {**_report(job, index, sharded), **streams}
     runtime = NodeRuntime(sharded)
     result, wall = None, 0.0
     for i in range(task.repeats):
@@ -98,12 +105,26 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
                 sharded.state.reset_counters()
                 mx.reset_peak_memory()
         wall = time.perf_counter() - t0
+    return {
+        **_report(job, index, sharded),
+        "tokens": result.tokens,
+        "logits": result.logits if job.rank == 0 else None,
+        "prompt_tps": result.stats.prompt_tps,
+        "generation_tps": result.stats.generation_tps,
+        "generated": result.stats.generated,
+        "generation_seconds": result.stats.generation_seconds,
+        "wall_seconds": wall,
+    }
+
+
+def _report(job: SimJob, index: int, sharded) -> dict:
+    """What a node reports of any task: its shard, counters, timers and memory."""
+    import mlx.core as mx
+
     info = sharded.info
     return {
         "rank": job.rank,
         "task": index,
-        "tokens": result.tokens,
-        "logits": result.logits if job.rank == 0 else None,
         "experts_per_layer": {str(k): v for k, v in info.experts_per_layer.items()},
         "resident_weight_bytes": info.resident_weight_bytes,
         "replicated_bytes": info.replicated_bytes,
@@ -113,14 +134,63 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
         "load_seconds": info.load_seconds,
         "counters": sharded.state.means(),  # folds the device-side counts first
         "layer_counters": {str(layer): vars(c) for layer, c in sharded.state.counters.items()},
-        "prompt_tps": result.stats.prompt_tps,
-        "generation_tps": result.stats.generation_tps,
-        "generated": result.stats.generated,
-        "generation_seconds": result.stats.generation_seconds,
-        "wall_seconds": wall,
         "timers": vars(sharded.state.timers),
         # MLX's peak over the last run's decode steps: weights, KV cache and activations (an expert
         # read waiting for its slot is host memory outside MLX: expert_cache.staged_peak_bytes)
         "peak_memory_decode_bytes": int(mx.get_peak_memory()),
         "expert_cache": sharded.state.cache_totals(),  # decode steps only, like the counters
     }
+
+
+class _Timed:
+    """A Sink that keeps when each of a sequence's tokens arrived (perf_counter seconds)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.ended = False
+        self.error: BaseException | None = None
+
+    def tokens(self, ids: list[int]) -> None:
+        now = time.perf_counter()
+        self.times.extend([now] * len(ids))
+
+    def done(self, result) -> None:
+        self.ended = True
+
+    def failed(self, exc: BaseException) -> None:
+        self.ended, self.error = True, exc
+
+
+def _run_streams(index: int, task: SimTask, sharded) -> dict:
+    """Every prompt of `task.streams` at once through the running batch, `repeats` times (the last
+    kept): each stream's tokens and token times from t0, and the decode steps the timers cover."""
+    from ..proto.records import GenerateRequest
+    from .batch import BatchLimits
+    from .runtime import GenerateResult, NodeRuntime
+
+    runtime = NodeRuntime(sharded, limits=BatchLimits(max_batch=len(task.streams)))
+    out: dict = {}
+    for i in range(task.repeats):
+        sharded.state.reset_counters()
+        sharded.state.timers.reset()
+        sinks = [_Timed() for _ in task.streams]
+        results = [GenerateResult() for _ in task.streams]
+        t0 = time.perf_counter()
+        for j, (prompt, sink, result) in enumerate(zip(task.streams, sinks, results)):
+            req = GenerateRequest(f"sim-{index}-{i}-{j}", prompt, task.sampling, task.eos_token_ids)
+            runtime.batch.submit(req, runtime.next_seq(), sink, result)
+        steps, t_decode = 0, None
+        while not all(s.ended for s in sinks):
+            runtime.batch.step()
+            steps += 1
+            if t_decode is None and all(s.times or s.ended for s in sinks):
+                # from here on timers and counters cover decode steps of the whole batch only
+                sharded.state.timers.reset()
+                sharded.state.reset_counters()
+                t_decode, steps = time.perf_counter(), 0
+        failed = next((s.error for s in sinks if s.error is not None), None)
+        if failed is not None:
+            raise failed
+        out = {"t0": t0, "tokens": [r.tokens for r in results], "times": [s.times for s in sinks],
+               "decode_steps": steps, "decode_seconds": time.perf_counter() - (t_decode or t0)}
+    return out

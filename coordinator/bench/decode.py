@@ -128,13 +128,6 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> l
         r0 = reports[0]
         steps = max(r0["generated"] - 1, 1)
         per_token = r0["generation_seconds"] / steps
-        timers = r0["timers"]
-        breakdown = {
-            "attention_router": timers["attention_router"] / steps,
-            "experts": timers["experts"] / steps,
-            "collective_wait": timers["collective"] / steps,
-        }
-        breakdown["other"] = max(per_token - sum(breakdown.values()), 0.0)
         out.append({
             "nodes": nodes,
             "keepalive": keepalive,
@@ -145,10 +138,22 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> l
             "time_per_token_s": per_token,
             "expected_experts": _expected_experts(reports, keepalive),
             "mean_computed_per_node": statistics.mean(r["counters"]["computed"] for r in reports),
-            "breakdown_s": breakdown,
+            "breakdown_s": breakdown(r0["timers"], steps, per_token),
             # simulated nodes share this machine's CPU cores, unless each has its own GPU
             "nodes_per_host": 1 if spec.gpus else nodes,
         })
+    return out
+
+
+def breakdown(timers: dict, steps: int, per_step: float) -> dict:
+    """A node's timers (node/moe/experts.py Timers) over `steps` decode steps, per step in seconds:
+    attention+router, experts, waiting on the collective, and the rest of `per_step`."""
+    out = {
+        "attention_router": timers["attention_router"] / steps,
+        "experts": timers["experts"] / steps,
+        "collective_wait": timers["collective"] / steps,
+    }
+    out["other"] = max(per_step - sum(out.values()), 0.0)
     return out
 
 

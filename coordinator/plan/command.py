@@ -14,6 +14,7 @@ from ...proto.profile import RoutingProfile, parse_profile
 from ...proto.records import KEEPALIVES
 from . import presets
 from . import expert_cache as cache_model
+from . import race as race_model
 from .calibration import Calibration, _load_json, fit, parse_bench, read_calibration, write_calibration
 from .expected import (
     ExpectedExperts,
@@ -76,6 +77,15 @@ def add_arguments(p) -> None:
                    help="routing skew for --expert-cache: Zipf exponents of expert popularity (0 uniform; default 0, "
                         "or the calibrated one)")
     p.add_argument("--ssd-bandwidth", metavar="BYTES/S", help="SSD read bandwidth, replacing the hardware preset's")
+    p.add_argument("--race", action="store_true",
+                   help="predict ours against mlx-lm's pipeline and tensor parallelism at batch 1 and at --streams "
+                        "(docs/race.md)")
+    p.add_argument("--link", metavar="LINK[,LINK]",
+                   help="with --race: " + ", ".join(race_model.LINKS) + " or any network preset (default all three)")
+    p.add_argument("--streams", metavar="B[,B]", default="1,8,32", help="with --race: concurrent streams (default 1,8,32)")
+    p.add_argument("--check-against", metavar="RACE.json",
+                   help="compare the race model with `bench race --json` rows: fitted on the ours_mlx rows, the "
+                        "other rows held out; prints each relative miss")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -363,6 +373,8 @@ def _calibrate(args) -> Calibration:
 
 
 def main(args) -> int:
+    if args.race or args.check_against:
+        return _race(args)
     calibration = None
     if args.calibrate:
         if args.calibration:
@@ -454,6 +466,21 @@ def main(args) -> int:
         if args.plot:
             print(f"plot: {args.plot}")
     return 0
+
+
+def _race(args) -> int:
+    """`--race` or `--check-against` (plan/race_command.py), on arguments parsed as the plan's."""
+    from .race_command import main as race_main
+
+    if not args.model:
+        raise PlanError("--race and --check-against need --model (a preset or a checkpoint folder)")
+    bits = int(_number(args.bits, "--bits", positive=True)) if args.bits is not None else None
+    model, _ = load_model(args.model, bits, int(_number(args.group_size, "--group-size", positive=True)))
+    hardware = presets.hardware_preset(args.hardware or DEFAULT_HARDWARE)
+    return race_main(args, model, hardware, _ints(args.nodes or DEFAULT_NODES, "--nodes"),
+                     _ints(args.streams, "--streams"),
+                     _number(args.memory_fraction, "--memory-fraction", positive=True),
+                     _number(args.stack_latency, "--stack-latency"))
 
 
 def _shares(text: str) -> list[float]:

@@ -100,7 +100,7 @@ def test_mlx_lms_tensor_parallel_falls_back_to_the_ring_where_nccl_fails(monkeyp
 
     tried = []
 
-    def fake(model_path, nodes, ids, max_tokens, rounds, timeout_s, gpus, backend):
+    def fake(model_path, nodes, ids, max_tokens, rounds, timeout_s, gpus, backend, **peer):
         tried.append(backend)
         entry = {"name": "mlx_lm_tensor_parallel", "nodes": nodes, "backend": backend}
         if backend == "nccl":
@@ -108,7 +108,7 @@ def test_mlx_lms_tensor_parallel_falls_back_to_the_ring_where_nccl_fails(monkeyp
                     "where": "utils.py:812 sharded_load"}
         return {**entry, "tps": 9.9, "tokens": [1, 2]}
 
-    monkeypatch.setattr(tp, "supports", lambda path: None)
+    monkeypatch.setattr(tp, "supports", lambda path, mode="tensor": None)
     monkeypatch.setattr(tp, "_measure", fake)
     monkeypatch.setattr(mx, "cuda", SimpleNamespace(is_available=lambda: True), raising=False)
     monkeypatch.setattr(mx.distributed, "is_available", lambda backend=None: True)

@@ -1,0 +1,548 @@
+"""`moe-cluster bench race`: ours against mlx-lm's pipeline and tensor parallelism, one checkpoint,
+one prompt set, N processes each.
+
+Rows: ours over `transport: mlx` (NCCL with one GPU per node, else the ring) and over the envoy
+(N simulated node processes, coordinator/dev/simulate.py), mlx-lm pipeline and mlx-lm tensor
+parallelism (N processes, coordinator/bench/tensor_parallel.py). Each at batch 1 and at B concurrent
+streams (ours: the node's running batch; mlx-lm: its BatchGenerator), every token's time taken the
+same way: time to first token, the gaps between a stream's tokens (p50, p99; their mean is the
+step), decode tok/s = B / step and tok/s over the whole run including prefill. Greedy tokens of
+every row are compared with the others and with stock mlx-lm's at batch 1 on the same prompts
+where one device holds the model. Per row, the weight bytes each node reads per step and the
+physical bound (plan/race.py: those bytes over the memory bandwidth plus the bare collectives,
+measured here by `bench allreduce`'s workers). Where ours is slower than a peer, where its time
+per MoE layer goes (`bench decode`'s breakdown).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+from ...proto.errors import MoeClusterError, UserError
+from ...proto.records import Sampling
+from .serve import PROMPTS, _ints, _pct
+
+ROWS = ("ours_mlx", "ours_envoy", "mlx_lm_pipeline", "mlx_lm_tensor")
+_PEER_MODE = {"mlx_lm_pipeline": "pipeline", "mlx_lm_tensor": "tensor"}
+_TRANSPORT = {"ours_mlx": "mlx", "ours_envoy": "envoy"}
+
+
+@dataclass(frozen=True)
+class RaceBench:
+    model: str
+    nodes: int = 2
+    streams: tuple[int, ...] = (1, 8, 32)
+    max_tokens: int = 32
+    rounds: int = (
+        1  # timed batch-1 rounds of mlx-lm's stream_generate and of ours (the last is kept)
+    )
+    rows: tuple[str, ...] = ROWS
+    gpus: bool = False  # process r on GPU r
+    bandwidth_Bps: float | None = None  # the device's memory bandwidth, for the physical bound
+    bandwidth_source: str = ""
+    stock: bool | None = None  # compare with stock mlx-lm; None: where one device holds the model
+    collective_iters: int = 200
+    timeout_s: float = 900.0
+
+
+def prompt_ids(tokenizer, count: int) -> list[list[int]]:
+    """`count` distinct prompts, the first one the batch-1 prompt."""
+    from ..dev.run_local import encode_prompt
+
+    return [
+        encode_prompt(
+            tokenizer, PROMPTS[i % len(PROMPTS)] + (f" ({i})" if i >= len(PROMPTS) else "")
+        )
+        for i in range(count)
+    ]
+
+
+def timing(streams: int, t0: float, tokens: list[list[int]], times: list[list[float]]) -> dict:
+    """The row's figures from each stream's token times (all rows are counted by this one rule)."""
+    gaps = [b - a for ts in times for a, b in zip(ts, ts[1:])]
+    firsts = [ts[0] - t0 for ts in times if ts]
+    last = max((ts[-1] for ts in times if ts), default=t0)
+    step = statistics.mean(gaps) if gaps else None
+    return {
+        "streams": streams,
+        "generated": sum(len(t) for t in tokens),
+        "ttft_s": statistics.median(firsts) if firsts else None,
+        "ttft_max_s": max(firsts, default=None),
+        "step_s": step,  # mean gap between a stream's tokens: one decode step of the batch
+        "decode_tps": streams / step if step else None,  # all streams together, decode steps only
+        "aggregate_tps": sum(len(t) for t in tokens) / (last - t0)
+        if last > t0
+        else None,  # prefill included
+        "itl_p50_s": _pct(gaps, 0.5) if gaps else None,
+        "itl_p99_s": _pct(gaps, 0.99) if gaps else None,
+    }
+
+
+def _ours(
+    spec: RaceBench,
+    path: str,
+    name: str,
+    prompts: list[list[int]],
+    moe_layers: int,
+    eos: tuple[int, ...],
+) -> list[dict]:
+    from ...node.sim import SimTask
+    from ..dev.simulate import run_nodes
+    from .decode import _expected_experts, breakdown
+
+    transport = _TRANSPORT[name]
+    sampling = Sampling(max_tokens=spec.max_tokens)
+    tasks = [
+        SimTask(
+            path,
+            tuple(prompts[0]),
+            sampling,
+            keepalive="none",
+            eos_token_ids=eos,  # every row stops where stock's stream_generate does
+            repeats=spec.rounds + 1,  # the first warms up, as the peers do
+            streams=tuple(tuple(p) for p in prompts[:b]),
+        )
+        for b in spec.streams
+    ]
+    from ...node.collective.mlx import mlx_backend
+
+    entry = {
+        "name": name,
+        "nodes": spec.nodes,
+        "transport": transport,
+        "backend": mlx_backend(spec.gpus) if transport == "mlx" else "envoy (gRPC over TCP)",
+    }
+    try:
+        reports = run_nodes(tasks, spec.nodes, transport=transport, gpus=spec.gpus)
+    except (MoeClusterError, UserError, OSError, RuntimeError) as exc:
+        return [
+            {**entry, "streams": b, "error": f"{type(exc).__name__}: {exc}"} for b in spec.streams
+        ]
+    rows = []
+    for b, reps in zip(spec.streams, reports):
+        r0 = reps[0]
+        row = timing(b, r0["t0"], r0["tokens"], r0["times"])
+        # the timers cover the decode steps; the rest of a step is what its token gap leaves
+        rows.append(
+            {
+                **entry,
+                **row,
+                "tokens": r0["tokens"],
+                "expected_experts_measured": _expected_experts(reps, "none"),
+                "breakdown_per_step_s": breakdown(
+                    r0["timers"], max(r0["decode_steps"], 1), row["step_s"] or 0.0
+                ),
+                "moe_layers": moe_layers,
+            }
+        )
+    return rows
+
+
+def _peer(spec: RaceBench, path: str, name: str, prompts: list[list[int]]) -> list[dict]:
+    from .tensor_parallel import measure
+
+    multi = [b for b in spec.streams if b > 1]
+    got = measure(
+        path,
+        spec.nodes,
+        prompts[0],
+        spec.max_tokens,
+        spec.rounds,
+        timeout_s=spec.timeout_s,
+        gpus=spec.gpus,
+        mode=_PEER_MODE[name],
+        streams=tuple(tuple(tuple(p) for p in prompts[:b]) for b in multi),
+    )
+    entry = {
+        "name": name,
+        "nodes": spec.nodes,
+        "backend": got.get("backend"),
+        "mlx_lm_name": got["name"],
+        **{k: got[k] for k in ("nccl_error", "nccl_where") if k in got},
+    }
+    if "error" in got:
+        return [
+            {**entry, "streams": b, "error": got["error"], "where": got.get("where", "")}
+            for b in spec.streams
+        ]
+    rows = []
+    batches = dict(zip(multi, got["streams"]))
+    for b in spec.streams:
+        if b == 1:
+            rows.append(
+                {
+                    **entry,
+                    **timing(1, got["t0"], [got["tokens"]], [got["times"]]),
+                    "tokens": [got["tokens"]],
+                    "mlx_lm_generation_tps": got["tps"],
+                }
+            )
+        else:
+            r = batches[b]
+            rows.append(
+                {**entry, **timing(b, r["t0"], r["tokens"], r["times"]), "tokens": r["tokens"]}
+            )
+    return rows
+
+
+def _stock(spec: RaceBench, path: str, prompts: list[list[int]]) -> dict:
+    """Stock mlx-lm's greedy tokens for every prompt, at batch 1, on this one device."""
+    from mlx_lm.generate import stream_generate
+
+    from ...node.checkpoint import Checkpoint
+    from ...node.device import device_info, release_memory
+    from ..dev.run_local import load_stock
+
+    if spec.stock is False:
+        return {"skipped": "--no-stock"}
+    size, memory = Checkpoint.open(path).total_bytes(), device_info().memory_bytes
+    if spec.stock is None and size > 0.9 * memory:
+        return {
+            "skipped": f"the checkpoint ({size / 1e9:.1f} GB) does not fit one device ({memory / 1e9:.1f} GB)"
+        }
+    _, model, tokenizer = load_stock(path)
+    tokens = [
+        [r.token for r in stream_generate(model, tokenizer, p, max_tokens=spec.max_tokens)]
+        for p in prompts
+    ]
+    del model
+    release_memory()
+    return {"tokens": tokens}
+
+
+def _first_mismatch(a: list[int], b: list[int]) -> int | None:
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return first if first is not None or len(a) == len(b) else min(len(a), len(b))
+
+
+def agreement(rows: list[dict], stock: dict) -> dict:
+    """Per batch: whether every row that ran gave the same greedy tokens on every stream, and each
+    row's streams against stock's batch-1 tokens of the same prompts. Sets each row's same_as_stock."""
+    out = {}
+    for b in dict.fromkeys(r["streams"] for r in rows):
+        ran = [r for r in rows if r["streams"] == b and "tokens" in r]
+        ref = ran[0] if ran else None
+        differ = []
+        for r in ran[1:]:
+            for s, (x, y) in enumerate(zip(r["tokens"], ref["tokens"])):
+                at = _first_mismatch(x, y)
+                if at is not None:
+                    differ.append(
+                        {
+                            "row": r["name"],
+                            "stream": s,
+                            "first_mismatch": at,
+                            "against": ref["name"],
+                        }
+                    )
+                    break
+        for r in ran:
+            if "tokens" in stock:
+                wrong = [
+                    (s, _first_mismatch(t, stock["tokens"][s])) for s, t in enumerate(r["tokens"])
+                ]
+                wrong = [(s, at) for s, at in wrong if at is not None]
+                r["same_as_stock"] = not wrong
+                if wrong:
+                    r["stock_mismatch"] = {
+                        "streams": len(wrong),
+                        "first": {"stream": wrong[0][0], "token": wrong[0][1]},
+                    }
+        out[str(b)] = {
+            "rows": [r["name"] for r in ran],
+            "same": not differ,
+            "differences": differ,
+            "missing": [r["name"] for r in rows if r["streams"] == b and "tokens" not in r],
+        }
+    return out
+
+
+def collectives(spec: RaceBench, hidden: int, act_bytes: int, names: list[str]) -> dict:
+    """The bare all-reduce per call (seconds, p50) of each transport the rows use, at each batch's
+    payload (B hidden vectors): `bench allreduce`'s mlx ring and envoy workers."""
+    from .allreduce import Case, run_case
+
+    dtype = {4: "float32", 2: "bfloat16"}.get(act_bytes, "float32")
+    paths = sorted({"envoy" if n == "ours_envoy" else "mlx_ring" for n in names})
+    out: dict = {
+        "dtype": dtype,
+        "iters": spec.collective_iters,
+        "note": "mlx_ring stands for every mx.distributed row (ring over TCP); a pipeline hop is counted as one",
+    }
+    for path in paths:
+        out[path] = {}
+        for b in spec.streams:
+            case = Case(
+                spec.nodes,
+                b,
+                hidden,
+                dtype,
+                spec.collective_iters,
+                max(spec.collective_iters // 10, 1),
+            )
+            try:
+                row = run_case(case, [path], timeout_s=300.0)
+                out[path][str(b)] = row[f"{path}_p50_us"] * 1e-6
+            except (RuntimeError, OSError) as exc:
+                out[path][str(b)] = None
+                out.setdefault("errors", []).append(f"{path} at {b} tokens: {exc}")
+    return out
+
+
+def bounds(spec: RaceBench, model, rows: list[dict], coll: dict) -> None:
+    """Per row: the weight bytes each node reads per step and the physical bound (plan/race.py);
+    the share of that bound the row reached."""
+    from ..plan import race as race_model
+    from ..plan.perfmodel import HardwareSpec, NetworkSpec
+
+    hardware = HardwareSpec("bench", 1 << 60, spec.bandwidth_Bps or 1.0, 1e30, 0.0)
+    network = NetworkSpec("measured", 0.0, 1e30, 0.0)
+    for r in rows:
+        strategy = race_model.ROW_STRATEGY[r["name"]][0]
+        bare = coll.get("envoy" if r["name"] == "ours_envoy" else "mlx_ring", {}).get(
+            str(r["streams"])
+        )
+        measured = race_model.MeasuredRow(r["name"], spec.nodes, r["streams"], 1.0, bare)
+        p = race_model.predict_row(model, hardware, network, measured, hardware.bandwidth_Bps)
+        r["strategy"] = strategy
+        r["bytes_per_node_per_step"] = p.bytes_per_node
+        r["collective_s"] = bare
+        r["collectives_per_step"] = p.collectives
+        if spec.bandwidth_Bps and bare is not None:
+            r["bound"] = {
+                "step_s": p.time_s,
+                "read_s": p.read_s,
+                "collective_s": p.comm_s,
+                "decode_tps": p.tokens_per_s,
+            }
+            if r.get("decode_tps"):
+                r["share_of_bound"] = r["decode_tps"] / p.tokens_per_s
+        else:
+            r["bound"] = None
+            r["bound_missing"] = (
+                "no --bandwidth or --hardware"
+                if not spec.bandwidth_Bps
+                else "the bare collective was not measured"
+            )
+
+
+def losses(rows: list[dict]) -> None:
+    """Where an ours row is slower than a peer at the same batch: which peers, and where its time per
+    MoE layer goes (attention+router, experts, the bare collective, waiting for the slowest node
+    beyond it, the rest)."""
+    for r in (r for r in rows if r["name"] in _TRANSPORT and r.get("decode_tps")):
+        faster = [
+            p["name"]
+            for p in rows
+            if p["name"] in _PEER_MODE
+            and p["streams"] == r["streams"]
+            and (p.get("decode_tps") or 0) > r["decode_tps"]
+        ]
+        if not faster:
+            continue
+        per = r["moe_layers"] or 1
+        b = r["breakdown_per_step_s"]
+        bare = r.get("collective_s")
+        wait = b["collective_wait"] / per
+        r["loses_to"] = faster
+        r["per_moe_layer_s"] = {
+            "attention_router": b["attention_router"] / per,
+            "experts": b["experts"] / per,
+            "collective_bare": bare,
+            "waiting": max(wait - bare, 0.0) if bare is not None else wait,
+            "other": b["other"] / per,
+            "note": "timers of rank 0; where the step is one lazy graph (transport mlx), its collective runs "
+            "inside the graph and shows under other",
+        }
+
+
+def run(spec: RaceBench) -> dict:
+    from mlx_lm.utils import load_tokenizer
+
+    from ...node.checkpoint import Checkpoint
+    from ..plan.describe import describe_path
+
+    t_start = time.perf_counter()
+    ckpt = Checkpoint.open(spec.model)
+    path = str(ckpt.path)
+    model, _ = describe_path(path)
+    tokenizer = load_tokenizer(ckpt.path, eos_token_ids=ckpt.config.get("eos_token_id"))
+    prompts = prompt_ids(tokenizer, max(spec.streams))
+    eos = tuple(sorted(tokenizer.eos_token_ids or ()))
+    stock = _stock(spec, path, prompts)
+    rows: list[dict] = []
+    for name in spec.rows:
+        rows += (
+            _ours(spec, path, name, prompts, model.moe_layers, eos)
+            if name in _TRANSPORT
+            else _peer(spec, path, name, prompts)
+        )
+    coll = collectives(spec, model.hidden, model.act_bytes, list(spec.rows))
+    bounds(spec, model, rows, coll)
+    losses(rows)
+    agree = agreement(rows, stock)
+    return {
+        "model": path,
+        "nodes": spec.nodes,
+        "streams": list(spec.streams),
+        "max_tokens": spec.max_tokens,
+        "prompts": [len(p) for p in prompts],
+        "gpus": spec.gpus,
+        "bandwidth_Bps": spec.bandwidth_Bps,
+        "bandwidth_source": spec.bandwidth_source,
+        "model_bytes": {
+            "replicated_read": model.replicated_read_bytes,
+            "expert_one_all_layers": model.expert_bytes,
+            "layers": model.layers,
+            "moe_layers": model.moe_layers,
+            "num_experts": model.num_experts,
+            "top_k": model.top_k,
+            "hidden": model.hidden,
+            "act_bytes": model.act_bytes,
+            "weights": model.weights,
+        },
+        "collective": coll,
+        "stock": {k: v for k, v in stock.items() if k != "tokens"} | {"ran": "tokens" in stock},
+        "agreement": agree,
+        "rows": rows,
+        "seconds": time.perf_counter() - t_start,
+    }
+
+
+def plot(out: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib (pip install matplotlib)") from None
+    names = list(dict.fromkeys(r["name"] for r in out["rows"]))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
+    ones = [
+        next((r for r in out["rows"] if r["name"] == n and r["streams"] == 1), {}) for n in names
+    ]
+    a.bar(names, [r.get("decode_tps") or 0 for r in ones])
+    a.set_ylabel("decode tok/s at batch 1")
+    a.tick_params(axis="x", labelrotation=20)
+    for n in names:
+        rs = [r for r in out["rows"] if r["name"] == n and r.get("decode_tps")]
+        b.plot([r["streams"] for r in rs], [r["decode_tps"] for r in rs], "o-", label=n)
+    b.set_xscale("log", base=2)
+    b.set_xlabel("concurrent streams")
+    b.set_ylabel("decode tok/s, all streams")
+    b.legend(fontsize=8)
+    fig.suptitle(f"{out['model'].rstrip('/').split('/')[-1]} on {out['nodes']} processes each")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _streams(text: str) -> tuple[int, ...]:
+    out = tuple(_ints(text, "--streams"))
+    if len(set(out)) != len(out):
+        raise UserError(f"--streams must list distinct numbers (got {text!r})")
+    return out
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
+    p.add_argument(
+        "--nodes", type=int, default=2, help="processes per row (ours: nodes; mlx-lm: ranks)"
+    )
+    p.add_argument(
+        "--streams", default="1,8,32", help="concurrent streams, comma list (1: batch 1)"
+    )
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--rounds", type=int, default=1, help="timed rounds after one warm-up (the last is kept)"
+    )
+    p.add_argument(
+        "--rows", default=",".join(ROWS), help="which rows, comma list of " + ", ".join(ROWS)
+    )
+    p.add_argument(
+        "--gpus", action="store_true", help="process r on CUDA GPU r (NCCL where MLX has it)"
+    )
+    p.add_argument(
+        "--bandwidth",
+        type=float,
+        default=None,
+        metavar="GBps",
+        help="the device's memory bandwidth, GB/s, for the physical bound",
+    )
+    p.add_argument("--hardware", default=None, help="or a hardware preset of `plan` for it")
+    p.add_argument(
+        "--no-stock",
+        action="store_true",
+        help="do not run stock mlx-lm (default: where it fits one device)",
+    )
+    p.add_argument(
+        "--plot", metavar="FILE.png", help="tok/s per row at batch 1 and against streams"
+    )
+    p.add_argument("--json", action="store_true")
+
+
+def main(args) -> int:
+    rows = tuple(r.strip() for r in args.rows.split(","))
+    bad = [r for r in rows if r not in ROWS]
+    if bad:
+        raise UserError(f"--rows: unknown row {bad[0]!r} ({', '.join(ROWS)})")
+    if args.nodes < 2:
+        raise UserError(f"--nodes must be at least 2: a race splits the model (got {args.nodes})")
+    if args.max_tokens < 2 or args.rounds < 1:
+        raise UserError(
+            f"--max-tokens must be >= 2 and --rounds >= 1 (got {args.max_tokens}, {args.rounds})"
+        )
+    bandwidth, source = None, ""
+    if args.bandwidth is not None:
+        if not args.bandwidth > 0:
+            raise UserError(f"--bandwidth must be > 0 GB/s (got {args.bandwidth})")
+        bandwidth, source = args.bandwidth * 1e9, "--bandwidth"
+    elif args.hardware:
+        from ..plan.presets import hardware_preset
+
+        bandwidth, source = (
+            hardware_preset(args.hardware).bandwidth_Bps,
+            f"--hardware {args.hardware}",
+        )
+    spec = RaceBench(
+        args.model,
+        args.nodes,
+        _streams(args.streams),
+        args.max_tokens,
+        args.rounds,
+        rows,
+        args.gpus,
+        bandwidth,
+        source,
+        False if args.no_stock else None,
+    )
+    out = run(spec)
+    if args.plot:
+        plot(out, args.plot)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(
+        f"{out['model']}: {out['nodes']} processes per row, {out['max_tokens']} tokens per stream"
+    )
+    print(
+        f"{'row':>16} {'B':>3} {'decode tok/s':>12} {'ttft s':>7} {'itl p50':>8} {'itl p99':>8} "
+        f"{'bound tok/s':>11} {'stock':>5}"
+    )
+    for r in out["rows"]:
+        if "error" in r:
+            print(f"{r['name']:>16} {r['streams']:>3} failed: {r['error']}")
+            continue
+        bound = r["bound"]["decode_tps"] if r.get("bound") else None
+        print(
+            f"{r['name']:>16} {r['streams']:>3} {r['decode_tps'] or 0:>12.1f} {r['ttft_s'] or 0:>7.3f} "
+            f"{r['itl_p50_s'] or 0:>8.4f} {r['itl_p99_s'] or 0:>8.4f} "
+            f"{'-' if bound is None else f'{bound:.1f}':>11} "
+            f"{'-' if 'same_as_stock' not in r else ('yes' if r['same_as_stock'] else 'NO'):>5}"
+        )
+    for b, a in out["agreement"].items():
+        print(f"B = {b}: rows agree" if a["same"] else f"B = {b}: rows differ: {a['differences']}")
+    return 0

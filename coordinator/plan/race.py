@@ -1,0 +1,329 @@
+"""The race on paper: expert parallelism (ours) against mlx-lm's pipeline and tensor parallelism.
+
+Per decode step of B tokens (B = 1 at batch 1), on N nodes, each strategy pays weight reads
+(bytes over the memory bandwidth, or FLOPs over the GPU, whichever is longer) and collectives:
+
+- pipeline: the nodes run their layers one after another, so the step reads every active byte
+  (attention, router, the distinct experts of the B tokens) in sequence, plus one hop of the
+  hidden state per boundary (N - 1);
+- ours: every node reads the replicated attention and router plus E_B experts of its own (the
+  busiest node's expectation, plan/expected.py) at the same time, plus one all-reduce per MoE layer;
+- tensor: every node reads 1/N of every active byte at the same time, plus two all-reduces per
+  decoder layer (after attention and after the MLP).
+
+A collective or hop costs the link's latency (wire + software stack, or the calibrated collective)
+plus its bytes (B × hidden × activation bytes) over the link's bandwidth; it is paid once per step
+whatever B is, which is how batching spreads it until the step is bound by bandwidth or compute.
+Everything here is pure arithmetic on the frozen records of perfmodel.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .perfmodel import HardwareSpec, ModelSpec, NetworkSpec, Overheads, PlanError
+
+STRATEGIES = ("ours", "pipeline", "tensor")
+# `--link` names a Mac owner knows, onto the network presets
+LINKS = {"10gbe": "10gbe", "tb-ip": "tb5", "tb5-rdma": "tb5-rdma"}
+
+
+@dataclass(frozen=True)
+class RacePoint:
+    """One strategy at one node count and batch: bytes read, the step's terms and tok/s."""
+
+    strategy: str
+    nodes: int
+    batch: int
+    bytes_per_node: float  # weight bytes the busiest node reads per step
+    read_s: float  # weight reads on the step's critical path, seconds
+    compute_s: float  # FLOPs on the critical path, seconds
+    overhead_s: float  # calibrated fixed cost per decoder layer on the critical path
+    comm_s: float  # collectives or hops per step, seconds
+    collectives: int  # collectives (or hops) per step
+    time_s: float  # one step of `batch` tokens
+    tokens_per_s: float  # all `batch` streams together
+    memory_per_node_bytes: int
+    fits: bool
+
+    def to_json(self) -> dict:
+        return dict(vars(self))
+
+
+def active_bytes(model: ModelSpec, experts_per_layer: float | list[float]) -> float:
+    """Weight bytes a step reads over the whole model when each MoE layer computes
+    `experts_per_layer` distinct experts: replicated reads, shared experts and those experts."""
+    e = _per_layer(model, experts_per_layer)
+    return (
+        model.replicated_read_bytes
+        + model.shared_bytes
+        + sum(b * x for b, x in zip(model.expert_layer_bytes, e))
+    )
+
+
+def _per_layer(model: ModelSpec, values: float | list[float]) -> list[float]:
+    e = [float(values)] * model.moe_layers if isinstance(values, (int, float)) else list(values)
+    if len(e) != model.moe_layers:
+        raise PlanError(f"{len(e)} expected-expert values for {model.moe_layers} MoE layers")
+    return e
+
+
+def _flops(model: ModelSpec, experts_per_token: float | list[float], batch: int) -> float:
+    e = _per_layer(model, experts_per_token)
+    shared = sum(model.shared_layer_flops)
+    return batch * (
+        model.replicated_flops + shared + sum(f * x for f, x in zip(model.expert_layer_flops, e))
+    )
+
+
+def collective_s(
+    network: NetworkSpec, overheads: Overheads, nodes: int, payload_bytes: float
+) -> float:
+    """One all-reduce (or hop) of `payload_bytes`: the calibrated collective where there is one
+    (it includes its bytes), else the link's latency plus the bytes over its bandwidth."""
+    measured = overheads.collective_s(nodes)
+    if measured is not None:
+        return measured
+    return network.latency_per_layer_s + payload_bytes / network.bandwidth_Bps
+
+
+def race_point(
+    strategy: str,
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    network: NetworkSpec,
+    nodes: int,
+    batch: int,
+    *,
+    ours_experts: float | list[float],
+    distinct_experts: float | list[float],
+    overheads: Overheads = Overheads(),
+    memory_fraction: float = 0.75,
+) -> RacePoint:
+    """One strategy's step of `batch` tokens on `nodes` nodes.
+
+    Args:
+        ours_experts: E_B per MoE layer, the distinct experts the busiest node computes for the
+            batch under expert parallelism (plan/expected.py).
+        distinct_experts: the distinct experts the batch selects per MoE layer on one device
+            (k at batch 1): what pipeline and tensor parallelism read.
+    """
+    if strategy not in STRATEGIES:
+        raise PlanError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
+    if nodes < 1 or batch < 1:
+        raise PlanError(f"nodes ({nodes}) and batch ({batch}) must be at least 1")
+    bandwidth = overheads.bandwidth_Bps or hardware.bandwidth_Bps
+    payload = batch * model.hidden * model.act_bytes  # bytes, one hidden state per token
+    one = collective_s(network, overheads, nodes, payload) if nodes > 1 else 0.0
+    every = active_bytes(model, distinct_experts)
+    per_token_k = float(model.top_k)  # FLOPs: each token multiplies through its own k experts
+    if strategy == "pipeline":
+        read = every  # one node after another: the step's critical path reads all of it
+        per_node = every / nodes
+        flops = _flops(model, per_token_k, batch)
+        collectives = nodes - 1
+        memory = model.total_bytes / nodes
+    elif strategy == "tensor":
+        read = per_node = every / nodes
+        flops = _flops(model, per_token_k, batch) / nodes
+        collectives = 2 * model.layers if nodes > 1 else 0
+        memory = model.total_bytes / nodes
+    else:
+        shared_b, _ = model.shared_max(nodes)
+        e = _per_layer(model, ours_experts)
+        read = per_node = (
+            model.replicated_read_bytes
+            + shared_b
+            + sum(b * x for b, x in zip(model.expert_layer_bytes, e))
+        )
+        flops = _flops(model, [min(per_token_k, x) for x in e], batch)
+        collectives = model.moe_layers if nodes > 1 else 0
+        memory = model.replicated_bytes + -(-model.num_experts // nodes) * model.expert_bytes
+    read_s = read / bandwidth
+    compute_s = flops / hardware.flops
+    overhead_s = overheads.layer_overhead_s * model.layers
+    comm_s = collectives * one
+    time_s = max(read_s, compute_s) + overhead_s + comm_s
+    return RacePoint(
+        strategy,
+        nodes,
+        batch,
+        per_node,
+        read_s,
+        compute_s,
+        overhead_s,
+        comm_s,
+        collectives,
+        time_s,
+        batch / time_s,
+        int(memory),
+        memory <= hardware.memory_bytes * memory_fraction,
+    )
+
+
+def winner(points: list[RacePoint]) -> RacePoint:
+    """The fastest point that fits (the fastest of all where none fits)."""
+    fitting = [p for p in points if p.fits] or points
+    return max(fitting, key=lambda p: p.tokens_per_s)
+
+
+def expected_batch(model: ModelSpec, nodes: int, batch: int) -> tuple[float, float]:
+    """(E_B of the busiest node under an even split, distinct experts of the batch on one device),
+    per MoE layer, uniform routing."""
+    from .expected import expected_distinct_alone, expected_experts, placement_for
+
+    ours = (
+        expected_experts(
+            placement_for(model.num_experts, nodes),
+            model.num_experts,
+            model.top_k,
+            "none",
+            batch=batch,
+        ).value
+        if nodes > 1
+        else expected_distinct_alone(model.num_experts, model.top_k, batch)
+    )
+    return ours, expected_distinct_alone(model.num_experts, model.top_k, batch)
+
+
+def race(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    network: NetworkSpec,
+    nodes: list[int],
+    batches: list[int],
+    *,
+    overheads: Overheads = Overheads(),
+    memory_fraction: float = 0.75,
+) -> list[RacePoint]:
+    """Every strategy at every node count and batch (node counts > 1; one node races nobody)."""
+    out = []
+    for n in nodes:
+        for b in batches:
+            ours, distinct = expected_batch(model, n, b)
+            out += [
+                race_point(
+                    s,
+                    model,
+                    hardware,
+                    network,
+                    n,
+                    b,
+                    ours_experts=ours,
+                    distinct_experts=distinct,
+                    overheads=overheads,
+                    memory_fraction=memory_fraction,
+                )
+                for s in STRATEGIES
+            ]
+    return out
+
+
+# bench race's row names onto the strategies here, with the bare collective each one pays
+ROW_STRATEGY = {
+    "ours_mlx": ("ours", "mlx"),
+    "ours_envoy": ("ours", "envoy"),
+    "mlx_lm_pipeline": ("pipeline", "mlx"),
+    "mlx_lm_tensor": ("tensor", "mlx"),
+}
+
+
+@dataclass(frozen=True)
+class MeasuredRow:
+    """One row of `bench race --json`, as the check needs it."""
+
+    name: str
+    nodes: int
+    batch: int
+    step_s: float  # one decode step of all `batch` streams, seconds
+    collective_s: float | None  # the bare collective (or hop) this row's transport pays, seconds
+
+
+def predict_row(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    network: NetworkSpec,
+    row: MeasuredRow,
+    bandwidth_Bps: float,
+    layer_overhead_s: float = 0.0,
+) -> RacePoint:
+    strategy = ROW_STRATEGY[row.name][0]
+    ours, distinct = expected_batch(model, row.nodes, row.batch)
+    over = Overheads(
+        bandwidth_Bps=bandwidth_Bps,
+        layer_overhead_s=layer_overhead_s,
+        collective_base_s=row.collective_s,
+    )
+    return race_point(
+        strategy,
+        model,
+        hardware,
+        network,
+        row.nodes,
+        row.batch,
+        ours_experts=ours,
+        distinct_experts=distinct,
+        overheads=over,
+    )
+
+
+def check(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    network: NetworkSpec,
+    rows: list[MeasuredRow],
+    fit_on: str = "ours_mlx",
+) -> dict:
+    """Fit the model to `fit_on`'s rows, then predict every row: the fitted rows' misses are ~0
+    by construction, the others are held out. With rows at two batches or more, the step less its
+    collectives is fitted as bytes / bandwidth + layers × a fixed cost per layer (least squares);
+    with one, the bandwidth alone. Without `fit_on` rows, the hardware's bandwidth is used."""
+    fitted = [r for r in rows if r.name == fit_on]
+    bandwidth, per_layer = hardware.bandwidth_Bps, 0.0
+    note = f"{hardware.name}'s bandwidth, not fitted (no {fit_on} rows)"
+    points = []
+    for r in fitted:
+        probe = predict_row(model, hardware, network, r, hardware.bandwidth_Bps)
+        points.append((probe.bytes_per_node, r.step_s - probe.comm_s))
+    if len({b for b, _ in points}) >= 2:
+        n = len(points)
+        mb, my = sum(b for b, _ in points) / n, sum(y for _, y in points) / n
+        slope = sum((b - mb) * (y - my) for b, y in points) / sum((b - mb) ** 2 for b, _ in points)
+        intercept = my - slope * mb
+        if slope > 0 and intercept >= 0:
+            bandwidth, per_layer = 1.0 / slope, intercept / model.layers
+            note = f"fitted to {fit_on}'s {n} rows: bandwidth and a fixed cost per layer"
+            points = []
+    if points and points[0][1] > 0:  # one row, or a two-term fit without physical meaning
+        bandwidth, per_layer = points[0][0] / points[0][1], 0.0
+        note = f"bandwidth fitted to {fit_on} at batch {fitted[0].batch} on {fitted[0].nodes} nodes"
+        fitted = fitted[:1]
+    elif points:
+        note, fitted = (
+            f"{fit_on}'s collectives alone exceed its measured step: {hardware.name}'s bandwidth kept",
+            [],
+        )
+    out = []
+    for r in rows:
+        p = predict_row(model, hardware, network, r, bandwidth, per_layer)
+        measured = r.batch / r.step_s
+        out.append(
+            {
+                "row": r.name,
+                "strategy": p.strategy,
+                "nodes": r.nodes,
+                "batch": r.batch,
+                "measured_tps": measured,
+                "predicted_tps": p.tokens_per_s,
+                "miss": p.tokens_per_s / measured - 1.0,
+                "held_out": r not in fitted,
+            }
+        )
+    held = [abs(x["miss"]) for x in out if x["held_out"]]
+    return {
+        "bandwidth_Bps": bandwidth,
+        "layer_overhead_s": per_layer,
+        "bandwidth_source": note,
+        "rows": out,
+        "max_abs_held_out_miss": max(held) if held else None,
+    }

@@ -1,0 +1,100 @@
+"""`bench race --json` through the CLI on a tiny qwen3_moe at N = 2: ours over the ring and over the
+envoy, mlx-lm pipeline and tensor parallelism, at batch 1 and at 3 streams. The speeds are not
+asserted (this CPU is shared); what is: every row ran (or quotes why not), every row gave stock
+mlx-lm's greedy tokens on every stream, the rows agree, and each carries its bytes and bound."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import assert_one_line_error, cli
+
+ROWS = ("ours_mlx", "ours_envoy", "mlx_lm_pipeline", "mlx_lm_tensor")
+
+
+@pytest.mark.slow  # ~2 minutes on 2 shared cores: 4 rows of 2 processes, stock, 2 bare collectives
+def test_bench_race_runs_every_row_and_the_rows_agree(make_ckpt, tmp_path):
+    ckpt = make_ckpt("qwen3_moe", layers=3, experts=8, top_k=2)
+    plot = tmp_path / "race.png"
+    r = cli(
+        "bench",
+        "race",
+        "--model",
+        str(ckpt),
+        "--nodes",
+        "2",
+        "--streams",
+        "1,3",
+        "--max-tokens",
+        "6",
+        "--bandwidth",
+        "20",
+        "--plot",
+        str(plot),
+        "--json",
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["stock"]["ran"], out["stock"]
+    got = {(row["name"], row["streams"]): row for row in out["rows"]}
+    assert set(got) == {(n, b) for n in ROWS for b in (1, 3)}, sorted(got)
+    for (name, b), row in got.items():
+        # on this CPU every row runs: a failure is quoted, and fails the test with its reason
+        assert "error" not in row, (name, b, row.get("error"), row.get("where"))
+        assert len(row["tokens"]) == b and all(len(t) == 6 for t in row["tokens"]), (name, b)
+        assert row["same_as_stock"], (name, b, row.get("stock_mismatch"))
+        assert (
+            row["decode_tps"] > 0 and row["ttft_s"] > 0 and row["itl_p99_s"] >= row["itl_p50_s"] > 0
+        )
+        assert row["bytes_per_node_per_step"] > 0 and row["bound"]["decode_tps"] > 0, row
+    for b in ("1", "3"):
+        assert out["agreement"][b]["same"] and sorted(out["agreement"][b]["rows"]) == sorted(
+            ROWS
+        ), out["agreement"]
+    # bytes per node per step: tensor reads half of what the whole pipeline reads; ours reads the
+    # replicated part plus E[n] < k experts, so more than tensor's half and less than all of it
+    one = {n: got[(n, 1)]["bytes_per_node_per_step"] for n in ROWS}
+    assert one["mlx_lm_pipeline"] == one["mlx_lm_tensor"]  # the pipeline's bytes split by layers
+    assert got[("mlx_lm_pipeline", 1)]["bound"]["read_s"] == pytest.approx(
+        2 * got[("mlx_lm_tensor", 1)]["bound"]["read_s"]
+    )
+    assert one["mlx_lm_tensor"] < one["ours_mlx"] < 2 * one["mlx_lm_tensor"]
+    assert got[("mlx_lm_tensor", 1)]["collectives_per_step"] == 2 * out["model_bytes"]["layers"]
+    assert got[("ours_mlx", 1)]["collectives_per_step"] == out["model_bytes"]["moe_layers"]
+    assert out["collective"]["mlx_ring"]["1"] > 0 and out["collective"]["envoy"]["1"] > 0
+    for row in out["rows"]:
+        if "loses_to" in row:  # where ours is slower, where its time per MoE layer goes
+            assert set(row["per_moe_layer_s"]) >= {
+                "attention_router",
+                "experts",
+                "collective_bare",
+                "waiting",
+            }
+    assert plot.stat().st_size > 0
+
+
+def test_bench_race_refuses_bad_input_in_one_line():
+    assert_one_line_error(
+        cli("bench", "race", "--model", "demo", "--rows", "ours_mlx,nope"), "--rows", "nope"
+    )
+    assert_one_line_error(cli("bench", "race", "--model", "demo", "--nodes", "1"), "--nodes")
+    assert_one_line_error(cli("bench", "race", "--model", "demo", "--streams", "1,x"), "--streams")
+
+
+def test_agreement_names_the_row_and_stream_that_differ():
+    from moe_cluster.coordinator.bench.race import agreement
+
+    rows = [
+        {"name": "ours_mlx", "streams": 2, "tokens": [[1, 2, 3], [4, 5, 6]]},
+        {"name": "mlx_lm_pipeline", "streams": 2, "tokens": [[1, 2, 3], [4, 9, 6]]},
+        {"name": "mlx_lm_tensor", "streams": 2, "error": "rank 1: boom"},
+    ]
+    out = agreement(rows, {"tokens": [[1, 2, 3], [4, 5, 6]]})["2"]
+    assert not out["same"] and out["missing"] == ["mlx_lm_tensor"]
+    assert out["differences"] == [
+        {"row": "mlx_lm_pipeline", "stream": 1, "first_mismatch": 1, "against": "ours_mlx"}
+    ]
+    assert rows[0]["same_as_stock"] and not rows[1]["same_as_stock"]
+    assert rows[1]["stock_mismatch"] == {"streams": 1, "first": {"stream": 1, "token": 1}}

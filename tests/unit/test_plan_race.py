@@ -1,0 +1,159 @@
+"""The race model (coordinator/plan/race.py): what each strategy reads and pays per step, checked
+against hand arithmetic on a small made-up model and against the Qwen3-235B preset's shape."""
+
+from __future__ import annotations
+
+import pytest
+from moe_cluster.coordinator.plan import presets, race
+from moe_cluster.coordinator.plan.perfmodel import (
+    HardwareSpec,
+    ModelSpec,
+    NetworkSpec,
+    Overheads,
+    requantized,
+)
+
+GB = 1e9
+
+
+def _model() -> ModelSpec:
+    # 4 decoder layers, all MoE; per layer one expert is 10 MB; replicated reads 40 MB
+    return ModelSpec(
+        name="toy",
+        num_experts=8,
+        top_k=2,
+        layers=4,
+        moe_layer_ids=(0, 1, 2, 3),
+        hidden=1000,
+        act_bytes=2,
+        replicated_bytes=50_000_000,
+        replicated_read_bytes=40_000_000,
+        replicated_flops=1e6,
+        expert_layer_bytes=(10_000_000,) * 4,
+        expert_layer_flops=(1e6,) * 4,
+    )
+
+
+HW = HardwareSpec("hw", 10**12, 100 * GB, 1e30, 0.0)
+NET = NetworkSpec("net", 100e-6, 1e30, 0.0)  # 100 us per collective, no transfer time
+
+
+def test_each_strategy_reads_and_pays_what_the_arithmetic_says():
+    m = _model()
+    k = 2.0
+    active = 40e6 + 4 * k * 10e6  # 120 MB
+    pipe = race.race_point("pipeline", m, HW, NET, 4, 1, ours_experts=1.25, distinct_experts=k)
+    tens = race.race_point("tensor", m, HW, NET, 4, 1, ours_experts=1.25, distinct_experts=k)
+    ours = race.race_point("ours", m, HW, NET, 4, 1, ours_experts=1.25, distinct_experts=k)
+    # pipeline: every active byte, one node after another, plus N - 1 hops
+    assert pipe.read_s == pytest.approx(active / 100e9) and pipe.collectives == 3
+    assert pipe.time_s == pytest.approx(active / 100e9 + 3 * 100e-6)
+    assert pipe.bytes_per_node == pytest.approx(active / 4)
+    # tensor: a quarter of every active byte at once, two all-reduces per layer
+    assert tens.read_s == pytest.approx(active / 4 / 100e9) and tens.collectives == 8
+    assert tens.time_s == pytest.approx(active / 4 / 100e9 + 8 * 100e-6)
+    # ours: the replicated bytes and E[n] experts at once, one all-reduce per MoE layer
+    assert ours.bytes_per_node == pytest.approx(40e6 + 4 * 1.25 * 10e6) and ours.collectives == 4
+    assert ours.time_s == pytest.approx((40e6 + 50e6) / 100e9 + 4 * 100e-6)
+    assert ours.tokens_per_s == pytest.approx(1 / ours.time_s)
+
+
+def test_a_batch_pays_the_collectives_once_per_step():
+    m = _model()
+    one = race.race_point("tensor", m, HW, NET, 2, 1, ours_experts=1.5, distinct_experts=2.0)
+    eight = race.race_point("tensor", m, HW, NET, 2, 8, ours_experts=4.0, distinct_experts=6.0)
+    assert eight.comm_s == one.comm_s
+    assert eight.read_s == pytest.approx((40e6 + 4 * 6 * 10e6) / 2 / 100e9)
+    assert eight.tokens_per_s == pytest.approx(8 / eight.time_s)
+    # the link's bytes count where nothing was measured: B hidden vectors per collective
+    slow = NetworkSpec("slow", 0.0, 1e6, 0.0)
+    p = race.race_point("ours", m, HW, slow, 2, 8, ours_experts=4.0, distinct_experts=6.0)
+    assert p.comm_s == pytest.approx(4 * 8 * 1000 * 2 / 1e6)
+    # a measured collective replaces the link's figures
+    q = race.race_point(
+        "ours",
+        m,
+        HW,
+        slow,
+        2,
+        8,
+        ours_experts=4.0,
+        distinct_experts=6.0,
+        overheads=Overheads(collective_base_s=1e-3),
+    )
+    assert q.comm_s == pytest.approx(4e-3)
+
+
+def test_qwen3_235b_on_mac_studios_the_link_decides():
+    """At batch 1 over 10GbE (1 ms per collective) 94 all-reduces lose to the pipeline's one hop;
+    over TB5 RDMA with 32 streams expert parallelism wins, by more on 4 nodes than on 2."""
+    model = requantized(presets.model_preset("qwen3-235b-a22b"), 4)
+    hw = presets.hardware_preset("m3-ultra-256")
+
+    def tps(link, nodes, batch):
+        pts = race.race(model, hw, presets.network_preset(race.LINKS[link]), [nodes], [batch])
+        return {p.strategy: p.tokens_per_s for p in pts}
+
+    slow = tps("10gbe", 2, 1)
+    assert slow["pipeline"] > 3 * slow["ours"] > 3 * slow["tensor"]
+    fast2, fast4 = tps("tb5-rdma", 2, 32), tps("tb5-rdma", 4, 32)
+    assert (
+        fast2["ours"] > 1.3 * fast2["pipeline"]
+        and fast4["ours"] / fast4["pipeline"] > fast2["ours"] / fast2["pipeline"]
+    )
+    # batching helps the strategies that pay many collectives far more than the pipeline
+    b1, b32 = tps("tb-ip", 4, 1), tps("tb-ip", 4, 32)
+    assert b32["ours"] / b1["ours"] > 3 * (b32["pipeline"] / b1["pipeline"])
+
+
+def test_check_recovers_the_bandwidth_and_reports_held_out_misses():
+    m = _model()
+    rows = []
+    for name, batch in (("ours_mlx", 1), ("mlx_lm_pipeline", 1), ("mlx_lm_tensor", 4)):
+        probe = race.MeasuredRow(name, 2, batch, 1.0, 200e-6)
+        p = race.predict_row(m, HW, NET, probe, 25 * GB)  # "measured" on a 25 GB/s device
+        rows.append(race.MeasuredRow(name, 2, batch, p.time_s, 200e-6))
+    out = race.check(m, HW, NET, rows)
+    assert out["bandwidth_Bps"] == pytest.approx(25 * GB) and "fitted" in out["bandwidth_source"]
+    assert [r["held_out"] for r in out["rows"]] == [False, True, True]
+    assert out["max_abs_held_out_miss"] == pytest.approx(0.0, abs=1e-9)
+    # a row 1.5x slower than the model says is a -33% miss (the model predicts 1.5x its tok/s: +50%)
+    slowed = rows[:2] + [race.MeasuredRow("mlx_lm_tensor", 2, 4, rows[2].step_s * 1.5, 200e-6)]
+    out = race.check(m, HW, NET, slowed)
+    assert out["rows"][2]["miss"] == pytest.approx(0.5) and out[
+        "max_abs_held_out_miss"
+    ] == pytest.approx(0.5)
+
+
+def test_bad_strategy_and_sizes_are_refused():
+    m = _model()
+    with pytest.raises(race.PlanError, match="strategy"):
+        race.race_point("ring", m, HW, NET, 2, 1, ours_experts=1.0, distinct_experts=2.0)
+    with pytest.raises(race.PlanError, match="at least 1"):
+        race.race_point("ours", m, HW, NET, 2, 0, ours_experts=1.0, distinct_experts=2.0)
+    with pytest.raises(race.PlanError, match="MoE layers"):
+        race.race_point("ours", m, HW, NET, 2, 1, ours_experts=[1.0, 2.0], distinct_experts=2.0)
+
+
+def test_check_with_two_batches_fits_bandwidth_and_a_cost_per_layer():
+    m = _model()
+
+    def row(name, batch):
+        probe = race.MeasuredRow(name, 2, batch, 1.0, 200e-6)
+        p = race.predict_row(
+            m, HW, NET, probe, 25 * GB, layer_overhead_s=1e-3
+        )  # 25 GB/s and 1 ms per layer
+        return race.MeasuredRow(name, 2, batch, p.time_s, 200e-6)
+
+    rows = [
+        row("ours_mlx", 1),
+        row("ours_mlx", 4),
+        row("mlx_lm_pipeline", 4),
+        row("mlx_lm_tensor", 1),
+    ]
+    out = race.check(m, HW, NET, rows)
+    assert out["bandwidth_Bps"] == pytest.approx(25 * GB) and out[
+        "layer_overhead_s"
+    ] == pytest.approx(1e-3)
+    assert [r["held_out"] for r in out["rows"]] == [False, False, True, True]
+    assert out["max_abs_held_out_miss"] == pytest.approx(0.0, abs=1e-9)
