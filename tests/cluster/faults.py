@@ -22,6 +22,7 @@ from typing import Callable
 
 from cluster_fixture import http
 
+COLLECTIVE_S = 3.0  # the yaml's timeouts.collective
 HEARTBEAT_S = 0.5  # the yaml's timeouts.heartbeat
 MARGIN = 3.0  # a bound is this many times the median measured for its fault kind
 # Seconds after the fault (for the link: ready again after it came back), idle / prefill / decode,

@@ -79,8 +79,11 @@ def test_a_killed_node_fails_the_request_and_an_envoy_cluster_rejoins_with_its_t
     own (a RuntimeError from MLX), which must still read as the lost node's 503, not a 500. Over the
     envoy the node restarts and rejoins, and the cluster serves the greedy tokens it served before.
     An MLX group cannot be rebuilt in-process (every node restarts); that rejoin is not checked here:
-    it was not ready again within 150 s on 2 loaded vCPUs (rejoin attempts kept timing out)."""
-    with cluster(tmp_path, yaml_for(2, extra=f"transport: {transport}\n")) as (url, proc, lines):
+    it was not ready again within 150 s on 2 loaded vCPUs (rejoin attempts kept timing out).
+    Resuming is off here (max_resumes 0, a 100 ms recovery wait): this is the refusal a client gets
+    past those limits; tests/cluster/test_faults.py has the requests that resume."""
+    extra = f"transport: {transport}\nserving:\n  max_resumes: 0\n  recovery_wait: 100ms\n"
+    with cluster(tmp_path, yaml_for(2, extra=extra)) as (url, proc, lines):
         before = _complete(url)["moe_cluster"]["tokens"]  # greedy: what the rebuilt cluster must serve
         assert len(before) == 24, before
         victim = http(url, "/v1/cluster/status")[1]["nodes"][1]
