@@ -73,6 +73,7 @@ class ShardState:
     cache: dict[int, CacheStats] = field(default_factory=dict)
     cache_spec: str = "off"  # placement.expert_cache as the node was loaded with it
     staging: Staging = field(default_factory=Staging)  # expert reads held outside the slots
+    route: object = None  # route.RouteChoice: how decode steps compute the routed experts, set at load
     # len(pending) when each of the last two steps began (step_begins): what came before the older
     # one belongs to steps already evaluated, so folding it never waits on the device
     _marks: list = field(default_factory=lambda: [0, 0])
@@ -281,6 +282,11 @@ EXPERT_MATMUL = os.environ.get("MOE_CLUSTER_EXPERT_MATMUL", "auto")
 # batches (DBRX experts on an H200: 1.07 ms vs 0.17 ms per call; scripts/gpu/expert_matmul_probe.py).
 SORTED_FROM = 64
 _STAMP_SPAN = 1 << 16  # keepalive's recency counts restart this often (ExpertShard._touch)
+# How a decode step's routed experts are computed (ExpertShard.routes), in the order preferred where
+# nothing is measured: on the device reading only this node's experts (a skip kernel), on the
+# device with the other nodes' positions redirected to a local slot (one expert read per position),
+# or with the routing read on the host (only the selected experts computed; one host sync a layer).
+ROUTES = ("skip", "device", "host")
 
 
 def _gather_mm_ok(dtype: mx.Dtype) -> bool:
@@ -357,6 +363,7 @@ class ExpertShard(nn.Module):
         last = self.down_proj if kind == "glu" else self.fc2
         self._gathered = not last._per_expert  # one gather_mm per call
         self._skip: mx.Dtype | None = None  # decode at N > 1 through skip_gemv, for inputs of this dtype (enable_skip_gemv)
+        self._route = self.routes()[0]  # chosen once, at load (set_route)
         self._cache: LayerCache | None = None
         self._ahead = 1
         self._next: LayerCache | None = None  # prefetch_into
@@ -370,6 +377,7 @@ class ExpertShard(nn.Module):
         self._cache = cache
         self._ahead = max(int(ahead), 1)
         self._lut = self._rule = None
+        self._route = "host"
         self._state.cache[self._layer] = cache.stats
 
     def prefetch_into(self, cache: LayerCache | None, candidates: Sequence[int], depth: int) -> None:
@@ -382,35 +390,57 @@ class ExpertShard(nn.Module):
 
     def enable_skip_gemv(self) -> str | None:
         """Compute the device-routed decode step at N > 1 with skip_gemv (CUDA), which reads nothing
-        for the positions another node computes; returns why not (None: on)."""
+        for the positions another node computes; returns why not (None: on, and the route)."""
         if not self._device_routed or self._state.world_size == 1 or not self._gathered:
             return "this layer's decode is not routed on the device at N > 1"
         projs = self._projections()
         for p in projs:
             if p.quant is not None or p._biased or not skip_gemv.fits(p.weight):
                 return "quantized, biased, float32 or odd-sized expert weights"
-        if len({p.weight.dtype for p in projs}) != 1:
+        dtypes = {_act_dtype(p) for p in projs}
+        if len(dtypes) != 1 or not dtypes <= {mx.bfloat16, mx.float16}:
             return "expert projections of different dtypes"
         for p in projs:
             why = skip_gemv.check(p.weight)
             if why:
                 return why
-        self._skip = projs[0].weight.dtype
+        self._skip = dtypes.pop()
+        self._route = "skip"
         return None
+
+    def routes(self) -> tuple[str, ...]:
+        """The routes this layer's decode step can take (ROUTES), preferred first. Alone, only one:
+        every expert is here, so the device route (stock mlx-lm's op for op) reads nothing it does
+        not use, and the host read would only add a sync; without device routing (an expert
+        cache, keepalive busy, per-expert matmuls), only the host read."""
+        device = self._device_routed and self._gathered
+        if self._state.world_size == 1:
+            return ("device",) if device else ("host",)
+        return (("skip",) if self._skip is not None and device else ()) + (("device",) if device else ()) + ("host",)
+
+    @property
+    def route(self) -> str:
+        return self._route
+
+    def set_route(self, route: str) -> None:
+        """Compute decode steps by `route` from now on (one of routes())."""
+        if route not in self.routes():
+            raise UserError(f"MoE layer {self._layer} cannot take the {route!r} route here "
+                            f"(it can take: {', '.join(self.routes())})")
+        self._route = route
 
     def _projections(self) -> list[ShardLinear]:
         return [self.gate_proj, self.up_proj, self.down_proj] if self._kind == "glu" else [self.fc1, self.fc2]
 
     def _skipped(self, x: mx.array, inds: mx.array, slots: mx.array) -> mx.array:
-        """_routed_on_device's MLP through skip_gemv: `slots` (..., k) local slot per position, -1
-        where none is read; (..., k, out)."""
+        """_routed_on_device's MLP through the skip kernels: `slots` (..., k) local slot per
+        position, -1 where none is read; (..., k, out)."""
         k, x2, s = inds.shape[-1], x.reshape(-1, x.shape[-1]), slots.reshape(-1).astype(mx.int32)
         if self._kind == "glu":
-            h = self._activation(skip_gemv.skip_gemv(x2, self.up_proj.weight, s, k),
-                                 skip_gemv.skip_gemv(x2, self.gate_proj.weight, s, k))
-            y = skip_gemv.skip_gemv(h, self.down_proj.weight, s, 1)
+            h = self._activation(_skip_proj(self.up_proj, x2, s, k), _skip_proj(self.gate_proj, x2, s, k))
+            y = _skip_proj(self.down_proj, h, s, 1)
         else:
-            y = skip_gemv.skip_gemv(self._activation(skip_gemv.skip_gemv(x2, self.fc1.weight, s, k)), self.fc2.weight, s, 1)
+            y = _skip_proj(self.fc2, self._activation(_skip_proj(self.fc1, x2, s, k)), s, 1)
         return y.reshape(*inds.shape, y.shape[-1])
 
     @property
@@ -485,7 +515,7 @@ class ExpertShard(nn.Module):
         self._state.note(self._layer, inds, rank_of)
         slots = lut[inds]  # (..., k): local slot, or -1 where another node computes it
         mine = slots >= 0
-        if self._skip is not None and x.dtype == self._skip:
+        if self._route == "skip" and x.dtype == self._skip:
             if ranks is None:  # nothing read for the positions another node computes
                 return self._skipped(x, inds, slots)
             y = self._skipped(x, inds, mx.where(mine, slots, self._fill(mine, ranks, present)))  # fillers read, then zeroed
@@ -530,7 +560,7 @@ class ExpertShard(nn.Module):
         state = self._state
         if self._next is not None:  # the next layer's likely misses read while this one runs
             self._next.prefetch(self._next_candidates, self._depth)
-        if self._device_routed and self._gathered and (inds.size < SORTED_FROM or state.world_size == 1):
+        if self._route != "host" and (inds.size < SORTED_FROM or state.world_size == 1):
             return self._routed_on_device(x, inds)
         t0 = time.perf_counter()
         flat = np.array(inds).reshape(-1, inds.shape[-1])  # host sync: tiny
@@ -618,6 +648,11 @@ class ExpertShard(nn.Module):
 
     def resident_bytes(self) -> int:
         return sum(v.nbytes for _, v in _leaves(self.parameters()))
+
+
+def _skip_proj(p: ShardLinear, x: mx.array, slots: mx.array, per_x: int) -> mx.array:
+    """One projection of the skipping decode step."""
+    return skip_gemv.skip_gemv(x, p.weight, slots, per_x)
 
 
 def _groups(slots: np.ndarray) -> list[tuple[int, int, int]]:
