@@ -19,7 +19,7 @@ import numpy as np
 
 from ...proto.errors import UserError
 from ...proto.records import KEEPALIVES
-from . import skip_gemv
+from . import qskip, skip_gemv
 from .expert_cache import CacheStats, LayerCache, Staging
 from .routing import ArrayRule, assign, everywhere_or_once, per_rank, selected_experts
 
@@ -389,19 +389,23 @@ class ExpertShard(nn.Module):
         self._depth = depth
 
     def enable_skip_gemv(self) -> str | None:
-        """Compute the device-routed decode step at N > 1 with skip_gemv (CUDA), which reads nothing
-        for the positions another node computes; returns why not (None: on, and the route)."""
+        """Compute the device-routed decode step at N > 1 with a skip kernel (CUDA): skip_gemv for
+        bfloat16/float16 weights, qskip for 4/8-bit affine and mxfp4 ones; neither reads anything
+        for the positions another node computes. Returns why not (None: on, and the route)."""
         if not self._device_routed or self._state.world_size == 1 or not self._gathered:
             return "this layer's decode is not routed on the device at N > 1"
         projs = self._projections()
         for p in projs:
-            if p.quant is not None or p._biased or not skip_gemv.fits(p.weight):
-                return "quantized, biased, float32 or odd-sized expert weights"
+            fits = (qskip.fits(p.weight, p.scales, p.get("biases"), p.quant) if p.quant is not None
+                    else skip_gemv.fits(p.weight))
+            if p._biased or not fits:
+                return "biased, float32, odd-sized or unsupported quantized expert weights"
         dtypes = {_act_dtype(p) for p in projs}
         if len(dtypes) != 1 or not dtypes <= {mx.bfloat16, mx.float16}:
             return "expert projections of different dtypes"
         for p in projs:
-            why = skip_gemv.check(p.weight)
+            why = (qskip.check(p.weight, p.scales, p.get("biases"), p.quant) if p.quant is not None
+                   else skip_gemv.check(p.weight))
             if why:
                 return why
         self._skip = dtypes.pop()
@@ -651,8 +655,10 @@ class ExpertShard(nn.Module):
 
 
 def _skip_proj(p: ShardLinear, x: mx.array, slots: mx.array, per_x: int) -> mx.array:
-    """One projection of the skipping decode step."""
-    return skip_gemv.skip_gemv(x, p.weight, slots, per_x)
+    """One projection of the skipping decode step, by the kernel for its weight format."""
+    if p.quant is None:
+        return skip_gemv.skip_gemv(x, p.weight, slots, per_x)
+    return qskip.qskip(x, p.weight, p.scales, p.get("biases"), slots, per_x, p.quant)
 
 
 def _groups(slots: np.ndarray) -> list[tuple[int, int, int]]:

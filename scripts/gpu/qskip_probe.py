@@ -1,0 +1,121 @@
+"""Does a node at N > 1 read only its own quantized experts per MoE layer? The quantized skip kernel
+(node/moe/qskip.py) against gather_qmm, in two parts, one JSON line each:
+
+1. `exact`: per format (affine 4/8-bit with groups of 32/64/128, mxfp4) and activation dtype, the
+   kernel against gather_qmm on random weights and inputs, positions skipped (-1) and not, k
+   positions sharing one input row (gate/up) and one row each (down): the largest |diff|, the same
+   relative to the output's largest value, whether skipped positions are exactly zero, and the
+   load-time check's answer (qskip.check) at this shape.
+2. `time`: one decode token's expert step (gate, up, SiLU, down over k positions) with m of the k
+   positions this node's (m distinct local experts) and the rest another node's, two ways: gather_qmm
+   (the device route: the other positions go to slot 0 and are zeroed) and qskip (nothing read for
+   them), for a DBRX-like and a Qwen3-30B-A3B-like expert shape (local experts at N = 2). If the
+   kernel reads E[n] experts, its time grows with m; gather_qmm's stays at k experts' bytes.
+
+    PYTHONPATH=/tmp/site python3 scripts/gpu/qskip_probe.py [--small] > qskip.jsonl
+`--small`: shapes / 16 and a few formats (a quick run; on a CPU only part 1's reference runs).
+"""
+
+import json
+import sys
+
+import mlx.core as mx
+
+from distinct_probe import timed  # this folder's probes (python3 scripts/gpu/qskip_probe.py)
+from moe_cluster.node.moe import qskip
+from skip_probe import SHAPES  # local experts at N = 2, expert width, hidden, k: DBRX, Qwen3-30B-A3B
+
+FORMATS = [("affine", 4, 32), ("affine", 4, 64), ("affine", 4, 128), ("affine", 8, 32), ("affine", 8, 64),
+           ("affine", 8, 128), ("mxfp4", 4, 32)]
+TIMED = [("affine", 4, 64), ("affine", 8, 64), ("mxfp4", 4, 32)]  # mlx-community's usual ones
+
+
+def quantized(w, mode, bits, group):
+    q = mx.quantize(w, group_size=group, bits=bits, mode=mode)
+    return q[0], q[1], (q[2] if len(q) > 2 else None), {"mode": mode, "bits": bits, "group_size": group}
+
+
+def nbytes(*arrays):
+    return sum(a.nbytes for a in arrays if a is not None)
+
+
+def exact(small: bool, on_gpu: bool) -> None:
+    run = qskip.qskip if on_gpu else qskip.reference
+    for dtype in (mx.bfloat16, mx.float16):
+        for mode, bits, group in FORMATS if not small else FORMATS[::3]:
+            for e, d_out, d_in, k in ((8, 256, 512, 4), (4, 96, 384, 8)):
+                w = (mx.random.normal((e, d_out, d_in), key=mx.random.key(1)) * 0.05).astype(dtype)
+                wq, scales, biases, quant = quantized(w, mode, bits, group)
+                for per_x in (k, 1):  # gate/up: k positions share a row; down: a row each
+                    rows = (mx.random.normal((k // per_x, d_in), key=mx.random.key(2))).astype(dtype)
+                    slots = mx.random.randint(-1, e, (k,), key=mx.random.key(3 + per_x)).astype(mx.int32)
+                    slots = mx.concatenate([slots[:-1], mx.array([-1], dtype=mx.int32)])  # one skipped at least
+                    got = run(rows, wq, scales, biases, slots, per_x, quant).astype(mx.float32)
+                    want = qskip.gather_qmm(rows, wq, scales, biases, slots, per_x, quant).astype(mx.float32)
+                    diff = mx.abs(got - want).max().item()
+                    skipped = mx.abs(mx.where((slots < 0)[:, None], got, 0.0)).max().item()
+                    print(json.dumps({"part": "exact", "kernel": "qskip" if on_gpu else "reference",
+                                      "dtype": str(dtype), "mode": mode, "bits": bits, "group": group,
+                                      "shape": [e, d_out, d_in], "per_x": per_x, "slots": slots.tolist(),
+                                      "max_abs_diff": diff,
+                                      "max_rel_diff": diff / max(mx.abs(want).max().item(), 1e-6),
+                                      "skipped_zero": skipped == 0.0,
+                                      "check": qskip.check(wq, scales, biases, quant) if on_gpu else None}),
+                          flush=True)
+
+
+def timing(small: bool) -> None:
+    dtype = mx.bfloat16
+    for name, (E, F, D, k) in SHAPES.items():
+        if small:
+            F, D = F // 16, D // 16
+        for mode, bits, group in TIMED:
+            ws = []
+            for shape in ((E, F, D), (E, F, D), (E, D, F)):
+                w = (mx.random.normal(shape) * 0.02).astype(dtype)
+                ws.append(quantized(w, mode, bits, group))
+                mx.eval(ws[-1][:3])
+                del w
+            (gq, gs, gb, quant), (uq, us, ub, _), (dq, ds, db, _) = ws
+            expert_bytes = nbytes(gq, gs, gb, uq, us, ub, dq, ds, db) / E
+            x = mx.random.normal((1, D)).astype(dtype)
+            print(json.dumps({"part": "check", "shape": name, "mode": mode, "bits": bits, "group": group,
+                              "gate": qskip.check(gq, gs, gb, quant), "down": qskip.check(dq, ds, db, quant)}),
+                  flush=True)
+            for m in range(0, k + 1):
+                slots = mx.array([i if i < m else -1 for i in range(k)], dtype=mx.int32)  # m distinct local experts
+
+                def by_gather():
+                    h = qskip.gather_qmm(x, gq, gs, gb, slots, k, quant)
+                    h = mx.sigmoid(h) * h * qskip.gather_qmm(x, uq, us, ub, slots, k, quant)
+                    return qskip.gather_qmm(h, dq, ds, db, slots, 1, quant)
+
+                def by_skip():
+                    h = qskip.qskip(x, gq, gs, gb, slots, k, quant)
+                    h = mx.sigmoid(h) * h * qskip.qskip(x, uq, us, ub, slots, k, quant)
+                    return qskip.qskip(h, dq, ds, db, slots, 1, quant)
+
+                diff = mx.abs(by_skip().astype(mx.float32) - by_gather().astype(mx.float32)).max().item()
+                tg, ts = timed(by_gather), timed(by_skip)
+                print(json.dumps({"part": "time", "shape": name, "mode": mode, "bits": bits, "group": group,
+                                  "k": k, "mine": m, "gather_qmm_ms": round(1e3 * tg, 4), "qskip_ms": round(1e3 * ts, 4),
+                                  "speedup": round(tg / ts, 2), "max_abs_diff": diff,
+                                  "qskip_GB_per_s_of_mine": round(m * expert_bytes / ts / 1e9, 1) if m else None,
+                                  "gather_GB_per_s_if_k_read": round(k * expert_bytes / tg / 1e9, 1)}), flush=True)
+            del ws, gq, gs, gb, uq, us, ub, dq, ds, db
+            mx.clear_cache()
+
+
+def main() -> int:
+    small = "--small" in sys.argv
+    on_gpu = qskip.available()
+    print(json.dumps({"part": "device", "device": str(mx.default_device()), "qskip_available": on_gpu,
+                      "mlx": mx.__version__}), flush=True)
+    exact(small, on_gpu)
+    if on_gpu:
+        timing(small)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
