@@ -388,6 +388,7 @@ def status_to_proto(s: NodeStatus) -> npb.NodeStatus:
         if s.allreduce is not None else None,
         routing=[npb.LayerRouting(layer=r.layer, held=r.held, tokens=r.tokens) for r in s.routing],
         expert_cache=[npb.ExpertCacheLayer(**vars(c)) for c in s.expert_cache],
+        route=s.route, route_us=dict(s.route_us),
     )
 
 
@@ -406,6 +407,7 @@ def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
         expert_cache=tuple(ExpertCacheLayer(c.layer, c.capacity, c.local, c.hits, c.misses, c.bytes_read, c.read_seconds,
                                             c.prefetched, c.prefetch_hits, c.prefetch_bytes)
                            for c in msg.expert_cache),
+        route=msg.route, route_us=dict(sorted(msg.route_us.items())),
     )
 
 

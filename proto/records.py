@@ -278,6 +278,8 @@ class NodeStatus:
     allreduce: AllreduceHistogram | None = None  # None before a model is loaded
     routing: tuple[LayerRouting, ...] = ()  # by layer
     expert_cache: tuple[ExpertCacheLayer, ...] = ()  # by layer, where fewer experts are resident than held
+    route: str = ""  # the decode route chosen at load (node/moe/route.py): skip, device or host
+    route_us: Mapping[str, float] = field(default_factory=dict)  # µs per MoE layer call, per route timed
 
     def __post_init__(self) -> None:
         _check(self.state, NODE_STATES, "state")

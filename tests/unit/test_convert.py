@@ -115,6 +115,8 @@ def test_status_health_cancel_shutdown():
     assert convert.status_from_proto(wire(convert.status_to_proto(status))) == status
     cached = NodeStatus("ready", expert_cache=(ExpertCacheLayer(1, 4, 8, 30, 6, 6 << 20, 0.012),))
     assert convert.status_from_proto(wire(convert.status_to_proto(cached))) == cached
+    routed = NodeStatus("ready", route="host", route_us={"device": 250.0, "host": 120.5})
+    assert convert.status_from_proto(wire(convert.status_to_proto(routed))) == routed
     idle = NodeStatus("idle")
     assert convert.status_from_proto(wire(convert.status_to_proto(idle))) == idle  # no histogram before a load
     assert convert.health_from_proto(wire(convert.health_to_proto(Health(True, "ready")))) == Health(True, "ready")
