@@ -2,7 +2,7 @@
 (node/moe/qskip.py) against gather_qmm, in two parts, one JSON line each:
 
 1. `exact`: per format (affine 4/8-bit with groups of 32/64/128, mxfp4) and activation dtype, the
-   kernel against gather_qmm on random weights and inputs, positions skipped (-1) and not, k
+   kernel against gather_qmm (as the device route runs it, and in float32) on random inputs, positions skipped (-1) and not, k
    positions sharing one input row (gate/up) and one row each (down): the largest |diff|, the same
    relative to the output's largest value, whether skipped positions are exactly zero, and the
    load-time check's answer (qskip.check) at this shape.
@@ -13,7 +13,7 @@
    kernel reads E[n] experts, its time grows with m; gather_qmm's stays at k experts' bytes.
 
     PYTHONPATH=/tmp/site python3 scripts/gpu/qskip_probe.py [--small] > qskip.jsonl
-`--small`: shapes / 16 and a few formats (a quick run; on a CPU only part 1's reference runs).
+`--small`: 256 x 512 experts and a few formats (a quick run; on a CPU only part 1's reference runs).
 """
 
 import json
@@ -52,13 +52,19 @@ def exact(small: bool, on_gpu: bool) -> None:
                     slots = mx.concatenate([slots[:-1], mx.array([-1], dtype=mx.int32)])  # one skipped at least
                     got = run(rows, wq, scales, biases, slots, per_x, quant).astype(mx.float32)
                     want = qskip.gather_qmm(rows, wq, scales, biases, slots, per_x, quant).astype(mx.float32)
+                    exact32 = qskip.gather_qmm(rows, wq, scales, biases, slots, per_x, quant, float32=True)
                     diff = mx.abs(got - want).max().item()
+                    diff32 = mx.abs(got - exact32).max().item()
                     skipped = mx.abs(mx.where((slots < 0)[:, None], got, 0.0)).max().item()
                     print(json.dumps({"part": "exact", "kernel": "qskip" if on_gpu else "reference",
                                       "dtype": str(dtype), "mode": mode, "bits": bits, "group": group,
                                       "shape": [e, d_out, d_in], "per_x": per_x, "slots": slots.tolist(),
                                       "max_abs_diff": diff,
                                       "max_rel_diff": diff / max(mx.abs(want).max().item(), 1e-6),
+                                      # against gather_qmm with float32 activations and scales: the sum
+                                      # both approximate (the load-time check's reference)
+                                      "max_abs_diff_f32": diff32,
+                                      "max_rel_diff_f32": diff32 / max(mx.abs(exact32).max().item(), 1e-6),
                                       "skipped_zero": skipped == 0.0,
                                       "check": qskip.check(wq, scales, biases, quant) if on_gpu else None}),
                           flush=True)
@@ -68,7 +74,7 @@ def timing(small: bool) -> None:
     dtype = mx.bfloat16
     for name, (E, F, D, k) in SHAPES.items():
         if small:
-            F, D = F // 16, D // 16
+            F, D = 256, 512
         for mode, bits, group in TIMED:
             ws = []
             for shape in ((E, F, D), (E, F, D), (E, D, F)):

@@ -5,7 +5,7 @@
 # against m for a DBRX-like and a Qwen3-30B-A3B-like expert shape. One device call:
 #   bash scripts/gpu/qskip_run.sh OUT [WHEEL_DIR...]     (OUT: e.g. $OUT/qskip)
 # Writes OUT/qskip.jsonl (one JSON line per check or (shape, format, m)) and OUT/qskip.err.
-# Env: SMALL=1 for shapes / 16 (a quick look).
+# Env: SMALL=1 for 256 x 512 experts (a quick look).
 set -u
 OUT=${1:-/tmp/qskip}
 shift || true

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import cuda_emulator
 from moe_cluster.node.moe import qskip
 from moe_cluster.node.moe.experts import ExpertShard, ShardLinear, ShardState
 from moe_cluster.proto.placement import Placement
@@ -101,3 +102,36 @@ def test_enable_takes_quantized_bfloat16_experts_where_the_check_passes(monkeypa
     assert "differs from gather_qmm" in shard.enable_skip_gemv() and shard.routes() == ("device", "host")
     shard = _quantized_shards(placement, "none", "affine", 4, 32)[0]  # float32 scales: gather_qmm
     assert "float32" in shard.enable_skip_gemv() and shard.route == "device"
+
+
+def _bits(a: mx.array) -> np.ndarray:
+    """An array's raw bits as numpy (bfloat16 as uint16)."""
+    return np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a)
+
+
+@pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="no g++ to build the emulated kernel")
+@pytest.mark.parametrize("mode, bits, group", [("affine", 4, 64), ("affine", 8, 128), ("mxfp4", 4, 32)])
+@pytest.mark.parametrize("per_x", [4, 1])  # gate/up: k positions share a row; down: a row each
+def test_the_cuda_source_run_on_the_host_matches_gather_qmm(mode, bits, group, per_x, tmp_path):
+    """The kernel's own source (compiled for the host, cuda_emulator.py) against gather_qmm in
+    float32 on the same bfloat16 inputs: within a bfloat16 rounding of the output, zeros where skipped."""
+    e, d_out, d_in, k = 4, 6, 1280, 4  # 1280: lanes that take one chunk and lanes that take two
+    q = _quantized((mx.random.normal((e, d_out, d_in), key=mx.random.key(1)) * 0.05).astype(mx.bfloat16),
+                   mode, bits, group)
+    x = mx.random.normal((k // per_x, d_in), key=mx.random.key(2)).astype(mx.bfloat16)
+    slots = mx.array([e - 1, -1, 0, e // 2], dtype=mx.int32)
+    scale_t = "uint8_t" if mode == "mxfp4" else "__nv_bfloat16"
+    biases = q["biases"] if q["biases"] is not None else q["scales"]
+    got = cuda_emulator.run(qskip._HEADER, qskip._SOURCE,
+                            {"x": ("__nv_bfloat16", _bits(x)), "w": ("uint32_t", np.array(q["weight"])),
+                             "scales": (scale_t, _bits(q["scales"])), "biases": (scale_t, _bits(biases)),
+                             "slots": ("int32_t", np.array(slots))},
+                            {"D_IN": d_in, "D_OUT": d_out, "PER_X": per_x, "BITS": bits, "GROUP": group,
+                             "MX": mode == "mxfp4"}, k, d_out, tmp_path)
+    want = np.array(qskip.gather_qmm(x, q["weight"], q["scales"], q["biases"], slots, per_x, q["quant"],
+                                     float32=True))
+    assert not got[1].any()  # the skipped position: nothing read, zeros
+    assert np.abs(got - want).max() <= 2 ** -8 * np.abs(want).max()  # a bfloat16 rounding of the largest
+    ref = np.array(qskip.reference(x, q["weight"], q["scales"], q["biases"], slots, per_x, q["quant"])
+                   .astype(mx.float32))
+    np.testing.assert_array_equal(got, ref)  # the CPU tests' reference is the kernel, to the bit here
