@@ -614,8 +614,8 @@ def load_shard(
         logger.info("expert warm-up: not on Metal, nothing to do")
     if skip_gemv.available():
         why = {layer.shard.enable_skip_gemv() for layer in layers}
-        logger.info("decode at N > 1: %s", "skip_gemv in every MoE layer (reads only this node's experts)"
-                    if why == {None} else f"gather_mm where skip_gemv does not apply: {sorted(w for w in why if w)}")
+        logger.info("decode at N > 1: %s", "a skip kernel in every MoE layer (reads only this node's experts)"
+                    if why == {None} else f"no skip kernel where it does not apply: {sorted(w for w in why if w)}")
     state.route = decode_route.choose([layer.shard for layer in layers], [b.top_k or 1 for b in blocks], how)
     logger.info("rank %d decode route: %s", rank, state.route.describe())
     _wire(resident)

@@ -11,11 +11,15 @@
    (the device route: the other positions go to slot 0 and are zeroed) and qskip (nothing read for
    them), for a DBRX-like and a Qwen3-30B-A3B-like expert shape (local experts at N = 2). If the
    kernel reads E[n] experts, its time grows with m; gather_qmm's stays at k experts' bytes.
+3. `route`: rank 0 of two's ExpertShard of those shapes (bfloat16, and 4-bit group 64; keepalive none)
+   timed on each decode route as a node does at load (node/moe/route.py: one token, k experts drawn
+   from all 2E, median of 7), and the route it would keep.
 
     PYTHONPATH=/tmp/site python3 scripts/gpu/qskip_probe.py [--small] > qskip.jsonl
 `--small`: 256 x 512 experts and a few formats (a quick run; on a CPU only part 1's reference runs).
 """
 
+import itertools
 import json
 import sys
 
@@ -112,6 +116,38 @@ def timing(small: bool) -> None:
             mx.clear_cache()
 
 
+def routes(small: bool) -> None:
+    from mlx_lm.models.switch_layers import SwiGLU
+
+    from moe_cluster.node.moe import route
+    from moe_cluster.node.moe.experts import ExpertShard, ShardLinear, ShardState
+    from moe_cluster.proto.placement import Placement
+
+    for (name, (E, F, D, k)), fmt in itertools.product(SHAPES.items(), ("bfloat16", "affine 4-bit g64")):
+        if small:
+            F, D = 256, 512
+        placement = Placement.even({0: 2 * E}, 2)
+        projs = {}
+        for proj, shape in (("gate_proj", (E, F, D)), ("up_proj", (E, F, D)), ("down_proj", (E, D, F))):
+            w = (mx.random.normal(shape) * 0.02).astype(mx.bfloat16)
+            if fmt == "bfloat16":
+                projs[proj] = ShardLinear(w)
+                mx.eval(w)
+                continue
+            wq, scales, biases, quant = quantized(w, "affine", 4, 64)
+            projs[proj] = ShardLinear(wq, scales=scales, biases=biases, quant=quant)
+            mx.eval(wq, scales, biases)
+            del w
+        shard = ExpertShard(0, placement.layers[0][0], placement.holders(0, 2 * E), projs, "glu", SwiGLU(),
+                            ShardState(0, 2, "none"))
+        why = shard.enable_skip_gemv()
+        choice = route.choose([shard], [k], "measure")
+        print(json.dumps({"part": "route", "shape": name, "experts": 2 * E, "k": k, "format": fmt,
+                          "skip": why or "on", "times_us": choice.times_us, "chosen": choice.route}), flush=True)
+        del shard, projs
+        mx.clear_cache()
+
+
 def main() -> int:
     small = "--small" in sys.argv
     on_gpu = qskip.available()
@@ -120,6 +156,7 @@ def main() -> int:
     exact(small, on_gpu)
     if on_gpu:
         timing(small)
+    routes(small)
     return 0
 
 
