@@ -130,7 +130,7 @@ def qskip(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | No
     blocks = -(-d_out // _WARPS)
     (y,) = _kernel(inputs=[x, weight, scales, biases if biases is not None else scales, slots],
                    template=[("T", x.dtype), ("D_IN", d_in), ("D_OUT", d_out), ("PER_X", per_x), ("BITS", bits),
-                             ("GROUP", group), ("MX", mode == "mxfp4")],
+                             ("GROUP", group), ("MX", int(mode == "mxfp4"))],
                    grid=(blocks * 32 * _WARPS, positions, 1), threadgroup=(32 * _WARPS, 1, 1),
                    output_shapes=[(positions, d_out)], output_dtypes=[x.dtype])
     return y

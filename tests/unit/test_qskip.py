@@ -127,7 +127,7 @@ def test_the_cuda_source_run_on_the_host_matches_gather_qmm(mode, bits, group, p
                              "scales": (scale_t, _bits(q["scales"])), "biases": (scale_t, _bits(biases)),
                              "slots": ("int32_t", np.array(slots))},
                             {"D_IN": d_in, "D_OUT": d_out, "PER_X": per_x, "BITS": bits, "GROUP": group,
-                             "MX": mode == "mxfp4"}, k, d_out, tmp_path)
+                             "MX": int(mode == "mxfp4")}, k, d_out, tmp_path)
     want = np.array(qskip.gather_qmm(x, q["weight"], q["scales"], q["biases"], slots, per_x, q["quant"],
                                      float32=True))
     assert not got[1].any()  # the skipped position: nothing read, zeros
