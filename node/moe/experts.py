@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -427,6 +428,33 @@ class ExpertShard(nn.Module):
     @property
     def route(self) -> str:
         return self._route
+
+    @property
+    def layer(self) -> int:
+        return self._layer
+
+    def decode_sample(self, top_k: int, count: int, seed: int = 0) -> tuple[mx.array, list[mx.array]]:
+        """A decode call's input for timing: one token (1, 1, hidden) in the experts' dtype, and
+        `count` routings of it, each `top_k` distinct experts drawn from the router's count."""
+        last = self.down_proj if self._kind == "glu" else self.fc2
+        n = len(self._slot)
+        rng = np.random.default_rng(seed)
+        x = (mx.random.normal((1, 1, _out_dim(last)), key=mx.random.key(seed)) * 0.1).astype(_act_dtype(last))
+        inds = [mx.array(rng.choice(n, size=min(top_k, n), replace=False)[None, None].astype(np.int32))
+                for _ in range(count)]
+        mx.eval(x, *inds)
+        return x, inds
+
+    @contextmanager
+    def trying(self, route: str):
+        """Calls on `route` that leave the layer as it was: its route, keepalive's recency, and no
+        prefetch of the next layer's cache (the node's counters are the caller's to reset)."""
+        saved = self._route, self._stamp, self._calls, self._next
+        self._route, self._next = route, None
+        try:
+            yield self
+        finally:
+            self._route, self._stamp, self._calls, self._next = saved
 
     def set_route(self, route: str) -> None:
         """Compute decode steps by `route` from now on (one of routes())."""

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...proto.errors import UserError
-from .experts import ROUTES, ExpertShard, _act_dtype, _out_dim
+from .experts import ROUTES, ExpertShard
 
 logger = logging.getLogger(__name__)
 
@@ -64,26 +64,15 @@ TimeRoute = Callable[[ExpertShard, str, int], float]
 
 def time_route(shard: ExpertShard, route: str, top_k: int) -> float:
     """Seconds one decode call (one token, `top_k` experts drawn at random from the router's count)
-    of `shard` takes on `route`: the median of REPEATS calls after an untimed one. The shard's
-    route, recency stamps and counters are as they were afterwards."""
-    d_in = shard.down_proj if shard._kind == "glu" else shard.fc2
-    hidden, dtype = _out_dim(d_in), _act_dtype(d_in)
-    num_experts = len(shard._slot)
-    rng = np.random.default_rng(0)  # the same draws for every route
-    x = (mx.random.normal((1, 1, hidden), key=mx.random.key(0)) * 0.1).astype(dtype)
-    draws = [mx.array(rng.choice(num_experts, size=min(top_k, num_experts), replace=False)[None, None]
-                      .astype(np.int32)) for _ in range(REPEATS + 1)]
-    mx.eval(x, *draws)
-    saved = shard._route, shard._stamp, shard._calls, shard._next
-    shard._route, shard._next = route, None  # no prefetch of the next layer's cache while timing
+    of `shard` takes on `route`: the median of REPEATS calls after an untimed one, the same draws
+    for every route. The shard is as it was afterwards (ExpertShard.trying)."""
+    x, draws = shard.decode_sample(top_k, REPEATS + 1)
     times = []
-    try:
+    with shard.trying(route):
         for inds in draws:
             t0 = time.perf_counter()
             mx.eval(shard(x, inds))
             times.append(time.perf_counter() - t0)
-    finally:
-        shard._route, shard._stamp, shard._calls, shard._next = saved
     return float(np.median(times[1:]))
 
 
@@ -109,11 +98,10 @@ def choose(shards: Sequence[ExpertShard], top_k: Sequence[int], how: str = "meas
     routes = timed.routes()
     times = {}
     if how == "measure" and len(routes) > 1:
-        state = timed._state
         times = {r: timer(timed, r, top_k[i]) for r in routes}
-        state.reset_counters()
+        timed._state.reset_counters()
     order = sorted(times, key=times.get) or list(routes)
     for s in shards:
         s.set_route(next((r for r in order if r in s.routes()), s.routes()[0]))
     kind = "measured" if times else ("only" if len(routes) == 1 else "preferred")
-    return RouteChoice(order[0], kind, {r: round(t * 1e6, 1) for r, t in times.items()}, timed._layer if times else None)
+    return RouteChoice(order[0], kind, {r: round(t * 1e6, 1) for r, t in times.items()}, timed.layer if times else None)
