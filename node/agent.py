@@ -181,6 +181,7 @@ class NodeAgent(npb_grpc.NodeServicer):
                 sharded = load_shard(model, spec.placement, spec.rank, keepalive=spec.keepalive,
                                      collective=collective, progress=progress, expert_cache=spec.expert_cache,
                                      cache_reserve_bytes=DEFAULT_KV_RESERVE + spec.prompt_cache_bytes,
+                                     route=None if spec.route == "measure" else spec.route,
                                      profile={layer: (list(counts), tokens) for layer, counts, tokens in spec.heat} or None)
             except BaseException:
                 collective.close()

@@ -180,6 +180,7 @@ def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
         collective_timeout_s=spec.transport.timeout_s, prefill_step=spec.prefill_step,
         prompt_cache_bytes=spec.prompt_cache_bytes, expert_cache=spec.expert_cache,
         max_batch=spec.max_batch, prefill_budget=spec.prefill_budget, kv_budget_bytes=spec.kv_budget_bytes,
+        route=spec.route,
     )
     if spec.placement is not None:
         msg.placement.CopyFrom(placement_to_proto(spec.placement))
@@ -208,6 +209,7 @@ def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any 
         max_batch=msg.max_batch or LoadSpec.max_batch, prefill_budget=msg.prefill_budget or LoadSpec.prefill_budget,
         kv_budget_bytes=msg.kv_budget_bytes,
         heat=tuple((h.layer, tuple(h.selections), h.tokens) for h in msg.heat),
+        route=msg.route or "measure",
     )
 
 

@@ -83,6 +83,8 @@ class TlsFiles:
 
 
 KEEPALIVES = ("none", "lru", "busy")
+# How a node picks its decode route (node/moe/route.py): timed at load, or forced (benchmarks)
+DECODE_ROUTES = ("measure", "skip", "device", "host")
 NODE_STATES = ("idle", "loading", "ready", "busy", "failed", "stopping")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -143,9 +145,11 @@ class LoadSpec:
     # a routing profile, ((MoE layer, selections per expert, tokens), ...): the expert cache pins
     # the hottest experts and prefetches the next layer's from it
     heat: tuple = ()
+    route: str = "measure"  # DECODE_ROUTES; measure: the node's MOE_CLUSTER_ROUTE if set, else timed
 
     def __post_init__(self) -> None:
         _check(self.keepalive, KEEPALIVES, "keepalive")
+        _check(self.route, DECODE_ROUTES, "route")
         if self.max_batch < 1 or self.prefill_budget < 1:
             raise UserError(f"max_batch ({self.max_batch}) and prefill_budget ({self.prefill_budget}) must be at least 1")
         from .expert_cache import ExpertCacheSpec

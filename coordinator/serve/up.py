@@ -240,7 +240,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
                               prefill_step=c.serving.prefill_chunk, prompt_cache_bytes=c.serving.prompt_cache,
                               ship=ship.source if ship else None, expert_cache=plan.expert_cache[m.rank],
                               max_batch=c.serving.max_batch, prefill_budget=c.serving.prefill_budget,
-                              kv_budget_bytes=kv_reserve, heat=heat)
+                              kv_budget_bytes=kv_reserve, heat=heat, route=c.route)
             # what weights may use: memory × memory_fraction less the KV reserve and prompt cache
             m.budget_bytes = plan.available[m.rank] - kv_reserve
         for note in plan.notes:

@@ -7,7 +7,8 @@ for one host sync per layer). Which is fastest depends on the chip, the expert s
 format and the sync's cost, none of which can be known ahead: so at load the node times one MoE
 layer of its own shard on each route it has (a one-token decode input, k experts drawn from the
 router's count, a few repetitions) and keeps the fastest for every layer.
-`MOE_CLUSTER_ROUTE=skip|device|host` in the node's environment forces one (benchmarks).
+cluster.yaml's `route: skip|device|host` forces one (benchmarks), and where it says `measure` (the
+default) `MOE_CLUSTER_ROUTE=skip|device|host` in a node's environment does.
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ def choose(shards: Sequence[ExpertShard], top_k: Sequence[int], how: str = "meas
     if how in ROUTES:
         able = [s for s in shards if how in s.routes()]
         if not able:
-            raise UserError(f"{ENV}={how}: no MoE layer of this node can take that route here "
-                            f"(they can take: {', '.join(sorted({r for s in shards for r in s.routes()}))})")
+            raise UserError(f"route {how} (cluster.yaml's route or {ENV}): no MoE layer of this node can take "
+                            f"it here (they can take: {', '.join(sorted({r for s in shards for r in s.routes()}))})")
         for s in able:
             s.set_route(how)
         return RouteChoice(how, "forced")

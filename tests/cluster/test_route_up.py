@@ -18,9 +18,9 @@ PROMPT = "To be, or not to be"
 TOKENS = 8
 
 
-def _serve(tmp_path, path, env) -> tuple[list[str], dict, str, list[int]]:
+def _serve(tmp_path, path, env, extra: str = "") -> tuple[list[str], dict, str, list[int]]:
     tmp_path.mkdir()
-    with cluster(tmp_path, yaml_for(2, str(path)), env=env) as (url, proc, lines):
+    with cluster(tmp_path, yaml_for(2, str(path), extra=extra), env=env) as (url, proc, lines):
         status, body = http(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0})
         assert status == 200, body
         nodes = {n["name"]: n for n in http(url, "/v1/cluster/status")[1]["nodes"]}
@@ -48,3 +48,9 @@ def test_up_prints_each_nodes_measured_route_and_honours_a_forced_one(tmp_path):
     assert tokens == want
     assert "decode route: node-0 host; node-1 host" in lines  # forced: nothing timed
     assert {n["route"] for n in nodes.values()} == {"host"}
+
+    # cluster.yaml's route forces it too, over what a node's environment says
+    lines, nodes, _, tokens = _serve(tmp_path / "yaml", path, {"MOE_CLUSTER_ROUTE": "host"}, extra="route: device\n")
+    assert tokens == want
+    assert "decode route: node-0 device; node-1 device" in lines
+    assert {n["route"] for n in nodes.values()} == {"device"}

@@ -36,6 +36,10 @@ def test_load_request_envoy():
     assert convert.load_request_from_proto(wire(convert.load_request_to_proto(cached)), secret="s", tls=tls) == cached
     with pytest.raises(ValueError, match="expert_cache"):
         LoadSpec("/models/dbrx", 1, 2, transport, PLACEMENT, expert_cache="half")
+    forced = LoadSpec("/models/dbrx", 1, 2, transport, PLACEMENT, route="host")
+    assert convert.load_request_from_proto(wire(convert.load_request_to_proto(forced)), secret="s", tls=tls) == forced
+    with pytest.raises(ValueError, match="route"):
+        LoadSpec("/models/dbrx", 1, 2, transport, PLACEMENT, route="fastest")
 
 
 def test_load_request_mlx_and_defaults():

@@ -51,7 +51,7 @@ def test_a_forced_route_is_honoured_and_nothing_is_timed():
     shards = _two(layers=2)
     choice = route.choose(shards, [3, 3], "host", timer=lambda *a: pytest.fail("timed a forced route"))
     assert (choice.route, choice.how) == ("host", "forced") and [s.route for s in shards] == ["host", "host"]
-    with pytest.raises(UserError, match="MOE_CLUSTER_ROUTE=skip: no MoE layer .* can take"):
+    with pytest.raises(UserError, match="route skip .*: no MoE layer of this node can take it"):
         route.choose(shards, [3, 3], "skip")  # float32 weights, no kernel here
 
 
