@@ -121,6 +121,8 @@ class NodeAgent(npb_grpc.NodeServicer):
                                                 c.read_seconds, c.prefetched, c.prefetch_hits, c.prefetch_bytes)
                                for layer, c in sorted(self.sharded.state.cache.items()))
             if self.sharded else (),
+            route=self.sharded.state.route.route if self.sharded and self.sharded.state.route else "",
+            route_us=dict(self.sharded.state.route.times_us) if self.sharded and self.sharded.state.route else {},
             uptime_s=time.monotonic() - self.started,
             pid=os.getpid(),
             queue_depth=sum(self.runtime.batch.running()) if self.runtime else 0,
@@ -179,6 +181,7 @@ class NodeAgent(npb_grpc.NodeServicer):
                 sharded = load_shard(model, spec.placement, spec.rank, keepalive=spec.keepalive,
                                      collective=collective, progress=progress, expert_cache=spec.expert_cache,
                                      cache_reserve_bytes=DEFAULT_KV_RESERVE + spec.prompt_cache_bytes,
+                                     route=None if spec.route == "measure" else spec.route,
                                      profile={layer: (list(counts), tokens) for layer, counts, tokens in spec.heat} or None)
             except BaseException:
                 collective.close()

@@ -180,6 +180,7 @@ def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
         collective_timeout_s=spec.transport.timeout_s, prefill_step=spec.prefill_step,
         prompt_cache_bytes=spec.prompt_cache_bytes, expert_cache=spec.expert_cache,
         max_batch=spec.max_batch, prefill_budget=spec.prefill_budget, kv_budget_bytes=spec.kv_budget_bytes,
+        route=spec.route,
     )
     if spec.placement is not None:
         msg.placement.CopyFrom(placement_to_proto(spec.placement))
@@ -208,6 +209,7 @@ def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any 
         max_batch=msg.max_batch or LoadSpec.max_batch, prefill_budget=msg.prefill_budget or LoadSpec.prefill_budget,
         kv_budget_bytes=msg.kv_budget_bytes,
         heat=tuple((h.layer, tuple(h.selections), h.tokens) for h in msg.heat),
+        route=msg.route or "measure",
     )
 
 
@@ -389,6 +391,7 @@ def status_to_proto(s: NodeStatus) -> npb.NodeStatus:
         if s.allreduce is not None else None,
         routing=[npb.LayerRouting(layer=r.layer, held=r.held, tokens=r.tokens) for r in s.routing],
         expert_cache=[npb.ExpertCacheLayer(**vars(c)) for c in s.expert_cache],
+        route=s.route, route_us=dict(s.route_us),
     )
 
 
@@ -407,6 +410,7 @@ def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
         expert_cache=tuple(ExpertCacheLayer(c.layer, c.capacity, c.local, c.hits, c.misses, c.bytes_read, c.read_seconds,
                                             c.prefetched, c.prefetch_hits, c.prefetch_bytes)
                            for c in msg.expert_cache),
+        route=msg.route, route_us=dict(sorted(msg.route_us.items())),
     )
 
 

@@ -100,6 +100,8 @@ class TlsFiles:
 
 
 KEEPALIVES = ("none", "lru", "busy")
+# How a node picks its decode route (node/moe/route.py): timed at load, or forced (benchmarks)
+DECODE_ROUTES = ("measure", "skip", "device", "host")
 NODE_STATES = ("idle", "loading", "ready", "busy", "failed", "stopping")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -160,9 +162,11 @@ class LoadSpec:
     # a routing profile, ((MoE layer, selections per expert, tokens), ...): the expert cache pins
     # the hottest experts and prefetches the next layer's from it
     heat: tuple = ()
+    route: str = "measure"  # DECODE_ROUTES; measure: the node's MOE_CLUSTER_ROUTE if set, else timed
 
     def __post_init__(self) -> None:
         _check(self.keepalive, KEEPALIVES, "keepalive")
+        _check(self.route, DECODE_ROUTES, "route")
         if self.max_batch < 1 or self.prefill_budget < 1:
             raise UserError(f"max_batch ({self.max_batch}) and prefill_budget ({self.prefill_budget}) must be at least 1")
         from .expert_cache import ExpertCacheSpec
@@ -295,6 +299,8 @@ class NodeStatus:
     allreduce: AllreduceHistogram | None = None  # None before a model is loaded
     routing: tuple[LayerRouting, ...] = ()  # by layer
     expert_cache: tuple[ExpertCacheLayer, ...] = ()  # by layer, where fewer experts are resident than held
+    route: str = ""  # the decode route chosen at load (node/moe/route.py): skip, device or host
+    route_us: Mapping[str, float] = field(default_factory=dict)  # µs per MoE layer call, per route timed
 
     def __post_init__(self) -> None:
         _check(self.state, NODE_STATES, "state")

@@ -61,6 +61,8 @@ class Member:
     load_total: int = 0
     routing: tuple = ()  # proto.records.LayerRouting by layer, from the node's last Status
     expert_cache: tuple = ()  # proto.records.ExpertCacheLayer by layer, from the node's last Status
+    route: str = ""  # the node's decode route and the µs per MoE layer it measured per route (Status)
+    route_us: dict = field(default_factory=dict)
 
     @property
     def address(self) -> str:
@@ -218,6 +220,7 @@ class Cluster:
         m.device, m.backend = s.device, s.backend
         m.experts = sum(s.experts_per_layer.values())
         m.routing, m.expert_cache = s.routing, s.expert_cache
+        m.route, m.route_us = s.route, dict(s.route_us)
         from .metrics import allreduce_histogram
 
         hist = allreduce_histogram(s.allreduce)
@@ -569,7 +572,8 @@ class Cluster:
                  "allreduce_p50_s": self.allreduce_histograms[m.name].quantile(0.5)
                  if m.name in self.allreduce_histograms else None,
                  "last_seen_s": round(time.monotonic() - m.last_seen, 1) if m.last_seen else None,
-                 "expert_cache": [vars(c) for c in m.expert_cache]}
+                 "expert_cache": [vars(c) for c in m.expert_cache],
+                 "route": m.route, "route_us": dict(m.route_us)}
                 for m in self.members
             ],
         }

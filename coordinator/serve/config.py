@@ -19,7 +19,8 @@ import yaml
 
 from ...proto.errors import UserError
 from ...proto.expert_cache import ExpertCacheSpec
-from ...proto.records import COLLECTIVE_TIMEOUT_S, DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE, KEEPALIVES, TlsFiles
+from ...proto.records import (COLLECTIVE_TIMEOUT_S, DECODE_ROUTES, DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE, KEEPALIVES,
+                              TlsFiles)
 from .resume import MAX_RESUMES, RECOVERY_WAIT_S
 
 
@@ -134,6 +135,7 @@ class ClusterConfig:
     launch: Literal["local", "remote"] = "local"
     transport: Literal["envoy", "mlx"] = "envoy"
     keepalive: Literal[KEEPALIVES] = "lru"  # Literal[("a", "b")] is Literal["a", "b"]
+    route: Literal[DECODE_ROUTES] = "measure"  # the nodes' decode route (node/moe/route.py)
     verify: bool = True  # the load-time check (serve/verify.py)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     api: ApiConfig = field(default_factory=ApiConfig)

@@ -84,6 +84,23 @@ def expert_cache_lines(nodes: list[dict]) -> list[str]:
     return lines
 
 
+def route_lines(nodes: list[dict]) -> list[str]:
+    """/metrics lines of each node's decode route (node/moe/route.py): the one it chose, and the
+    seconds per call of one MoE layer it measured on each route at load (none where nothing was timed)."""
+    chosen = [(n["name"], n["route"]) for n in nodes if n.get("route")]
+    times = [(n["name"], r, us) for n in nodes for r, us in sorted(n.get("route_us", {}).items())]
+    lines = []
+    if chosen:
+        lines += ["# HELP moe_cluster_node_route The decode route the node chose at load (skip, device or host).",
+                  "# TYPE moe_cluster_node_route gauge"]
+        lines += [f'moe_cluster_node_route{{node="{node}",route="{r}"}} 1' for node, r in chosen]
+    if times:
+        lines += ["# HELP moe_cluster_node_route_seconds One MoE layer's decode call per route, timed at load.",
+                  "# TYPE moe_cluster_node_route_seconds gauge"]
+        lines += [f'moe_cluster_node_route_seconds{{node="{node}",route="{r}"}} {us * 1e-6:.9g}' for node, r, us in times]
+    return lines
+
+
 def prompt_tps(done) -> float:
     """Prompt tokens prefilled per second (a GenerateDone's): a prompt-cache hit prefills only the rest."""
     if done is None or not done.timings.prompt_s:
@@ -184,6 +201,7 @@ class Metrics:
             lines += [f'moe_cluster_expert_selections_total{{layer="{entry["layer"]}",expert="{e}"}} {n}'
                       for entry in layers for e, n in enumerate(entry["tokens"])]
         lines += expert_cache_lines(s["nodes"])
+        lines += route_lines(s["nodes"])
         hist = getattr(cluster, "allreduce_histograms", {})
         if hist:
             lines += ["# HELP moe_cluster_allreduce_seconds Latency of one MoE layer's all-reduce, per node.",

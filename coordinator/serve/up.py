@@ -240,7 +240,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
                               prefill_step=c.serving.prefill_chunk, prompt_cache_bytes=c.serving.prompt_cache,
                               ship=ship.source if ship else None, expert_cache=plan.expert_cache[m.rank],
                               max_batch=c.serving.max_batch, prefill_budget=c.serving.prefill_budget,
-                              kv_budget_bytes=kv_reserve, heat=heat)
+                              kv_budget_bytes=kv_reserve, heat=heat, route=c.route)
             # what weights may use: memory × memory_fraction less the KV reserve and prompt cache
             m.budget_bytes = plan.available[m.rank] - kv_reserve
         for note in plan.notes:
@@ -266,6 +266,10 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
             d = ship.shipper.digests
             print(f"digests: hashed {d.hashed_bytes} bytes of the checkpoint this run; {d.known()} blobs known"
                   + (f" (kept in {d.path})" if d.path else " (kept in memory only)"), file=sys.stderr, flush=True)
+        routes = [f"{m.name} {m.route}" + (f" ({', '.join(f'{r} {us:.1f} µs' for r, us in m.route_us.items())})"
+                                           if m.route_us else "") for m in members if m.route]
+        if routes:  # each node's decode route, timed at load on its own hardware (node/moe/route.py)
+            print("decode route: " + "; ".join(routes), file=sys.stderr, flush=True)
         if c.verify and len(members) > 1:
             from .verify import check_load
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -19,7 +20,7 @@ import numpy as np
 
 from ...proto.errors import UserError
 from ...proto.records import KEEPALIVES
-from . import skip_gemv
+from . import qskip, skip_gemv
 from .expert_cache import CacheStats, LayerCache, Staging
 from .routing import ArrayRule, assign, everywhere_or_once, per_rank, selected_experts
 
@@ -73,6 +74,7 @@ class ShardState:
     cache: dict[int, CacheStats] = field(default_factory=dict)
     cache_spec: str = "off"  # placement.expert_cache as the node was loaded with it
     staging: Staging = field(default_factory=Staging)  # expert reads held outside the slots
+    route: object = None  # route.RouteChoice: how decode steps compute the routed experts, set at load
     # len(pending) when each of the last two steps began (step_begins): what came before the older
     # one belongs to steps already evaluated, so folding it never waits on the device
     _marks: list = field(default_factory=lambda: [0, 0])
@@ -281,6 +283,11 @@ EXPERT_MATMUL = os.environ.get("MOE_CLUSTER_EXPERT_MATMUL", "auto")
 # batches (DBRX experts on an H200: 1.07 ms vs 0.17 ms per call; scripts/gpu/expert_matmul_probe.py).
 SORTED_FROM = 64
 _STAMP_SPAN = 1 << 16  # keepalive's recency counts restart this often (ExpertShard._touch)
+# How a decode step's routed experts are computed (ExpertShard.routes), in the order preferred where
+# nothing is measured: on the device reading only this node's experts (a skip kernel), on the
+# device with the other nodes' positions redirected to a local slot (one expert read per position),
+# or with the routing read on the host (only the selected experts computed; one host sync a layer).
+ROUTES = ("skip", "device", "host")
 
 
 def _gather_mm_ok(dtype: mx.Dtype) -> bool:
@@ -357,6 +364,7 @@ class ExpertShard(nn.Module):
         last = self.down_proj if kind == "glu" else self.fc2
         self._gathered = not last._per_expert  # one gather_mm per call
         self._skip: mx.Dtype | None = None  # decode at N > 1 through skip_gemv, for inputs of this dtype (enable_skip_gemv)
+        self._route = self.routes()[0]  # chosen once, at load (set_route)
         self._cache: LayerCache | None = None
         self._ahead = 1
         self._next: LayerCache | None = None  # prefetch_into
@@ -370,6 +378,7 @@ class ExpertShard(nn.Module):
         self._cache = cache
         self._ahead = max(int(ahead), 1)
         self._lut = self._rule = None
+        self._route = "host"
         self._state.cache[self._layer] = cache.stats
 
     def prefetch_into(self, cache: LayerCache | None, candidates: Sequence[int], depth: int) -> None:
@@ -381,36 +390,91 @@ class ExpertShard(nn.Module):
         self._depth = depth
 
     def enable_skip_gemv(self) -> str | None:
-        """Compute the device-routed decode step at N > 1 with skip_gemv (CUDA), which reads nothing
-        for the positions another node computes; returns why not (None: on)."""
+        """Compute the device-routed decode step at N > 1 with a skip kernel (CUDA): skip_gemv for
+        bfloat16/float16 weights, qskip for 4/8-bit affine and mxfp4 ones; neither reads anything
+        for the positions another node computes. Returns why not (None: on, and the route)."""
         if not self._device_routed or self._state.world_size == 1 or not self._gathered:
             return "this layer's decode is not routed on the device at N > 1"
         projs = self._projections()
         for p in projs:
-            if p.quant is not None or p._biased or not skip_gemv.fits(p.weight):
-                return "quantized, biased, float32 or odd-sized expert weights"
-        if len({p.weight.dtype for p in projs}) != 1:
+            fits = (qskip.fits(p.weight, p.scales, p.get("biases"), p.quant) if p.quant is not None
+                    else skip_gemv.fits(p.weight))
+            if p._biased or not fits:
+                return "biased, float32, odd-sized or unsupported quantized expert weights"
+        dtypes = {_act_dtype(p) for p in projs}
+        # float32 keeps gather_mm/gather_qmm: summed in the kernel's order, longcat_flash's float32
+        # model was 3.2e-4 from stock at N = 2 (bound 1e-4), within it with gather_mm (skip_gemv.py)
+        if len(dtypes) != 1 or not dtypes <= {mx.bfloat16, mx.float16}:
             return "expert projections of different dtypes"
         for p in projs:
-            why = skip_gemv.check(p.weight)
+            why = (qskip.check(p.weight, p.scales, p.get("biases"), p.quant) if p.quant is not None
+                   else skip_gemv.check(p.weight))
             if why:
                 return why
-        self._skip = projs[0].weight.dtype
+        self._skip = dtypes.pop()
+        self._route = "skip"
         return None
+
+    def routes(self) -> tuple[str, ...]:
+        """The routes this layer's decode step can take (ROUTES), preferred first. Alone, only one:
+        every expert is here, so the device route (stock mlx-lm's op for op) reads nothing it does
+        not use, and the host read would only add a sync; without device routing (an expert
+        cache, keepalive busy, per-expert matmuls), only the host read."""
+        device = self._device_routed and self._gathered
+        if self._state.world_size == 1:
+            return ("device",) if device else ("host",)
+        return (("skip",) if self._skip is not None and device else ()) + (("device",) if device else ()) + ("host",)
+
+    @property
+    def route(self) -> str:
+        return self._route
+
+    @property
+    def layer(self) -> int:
+        return self._layer
+
+    def decode_sample(self, top_k: int, count: int, seed: int = 0) -> tuple[mx.array, list[mx.array]]:
+        """A decode call's input for timing: one token (1, 1, hidden) in the experts' dtype, and
+        `count` routings of it, each `top_k` distinct experts drawn from the router's count."""
+        last = self.down_proj if self._kind == "glu" else self.fc2
+        n = len(self._slot)
+        rng = np.random.default_rng(seed)
+        x = (mx.random.normal((1, 1, _out_dim(last)), key=mx.random.key(seed)) * 0.1).astype(_act_dtype(last))
+        inds = [mx.array(rng.choice(n, size=min(top_k, n), replace=False)[None, None].astype(np.int32))
+                for _ in range(count)]
+        mx.eval(x, *inds)
+        return x, inds
+
+    @contextmanager
+    def trying(self, route: str):
+        """Calls on `route` that leave the layer as it was: its route, keepalive's recency, and no
+        prefetch of the next layer's cache (the node's counters are the caller's to reset)."""
+        saved = self._route, self._stamp, self._calls, self._next
+        self._route, self._next = route, None
+        try:
+            yield self
+        finally:
+            self._route, self._stamp, self._calls, self._next = saved
+
+    def set_route(self, route: str) -> None:
+        """Compute decode steps by `route` from now on (one of routes())."""
+        if route not in self.routes():
+            raise UserError(f"MoE layer {self._layer} cannot take the {route!r} route here "
+                            f"(it can take: {', '.join(self.routes())})")
+        self._route = route
 
     def _projections(self) -> list[ShardLinear]:
         return [self.gate_proj, self.up_proj, self.down_proj] if self._kind == "glu" else [self.fc1, self.fc2]
 
     def _skipped(self, x: mx.array, inds: mx.array, slots: mx.array) -> mx.array:
-        """_routed_on_device's MLP through skip_gemv: `slots` (..., k) local slot per position, -1
-        where none is read; (..., k, out)."""
+        """_routed_on_device's MLP through the skip kernels: `slots` (..., k) local slot per
+        position, -1 where none is read; (..., k, out)."""
         k, x2, s = inds.shape[-1], x.reshape(-1, x.shape[-1]), slots.reshape(-1).astype(mx.int32)
         if self._kind == "glu":
-            h = self._activation(skip_gemv.skip_gemv(x2, self.up_proj.weight, s, k),
-                                 skip_gemv.skip_gemv(x2, self.gate_proj.weight, s, k))
-            y = skip_gemv.skip_gemv(h, self.down_proj.weight, s, 1)
+            h = self._activation(_skip_proj(self.up_proj, x2, s, k), _skip_proj(self.gate_proj, x2, s, k))
+            y = _skip_proj(self.down_proj, h, s, 1)
         else:
-            y = skip_gemv.skip_gemv(self._activation(skip_gemv.skip_gemv(x2, self.fc1.weight, s, k)), self.fc2.weight, s, 1)
+            y = _skip_proj(self.fc2, self._activation(_skip_proj(self.fc1, x2, s, k)), s, 1)
         return y.reshape(*inds.shape, y.shape[-1])
 
     @property
@@ -485,7 +549,7 @@ class ExpertShard(nn.Module):
         self._state.note(self._layer, inds, rank_of)
         slots = lut[inds]  # (..., k): local slot, or -1 where another node computes it
         mine = slots >= 0
-        if self._skip is not None and x.dtype == self._skip:
+        if self._route == "skip" and x.dtype == self._skip:
             if ranks is None:  # nothing read for the positions another node computes
                 return self._skipped(x, inds, slots)
             y = self._skipped(x, inds, mx.where(mine, slots, self._fill(mine, ranks, present)))  # fillers read, then zeroed
@@ -530,7 +594,7 @@ class ExpertShard(nn.Module):
         state = self._state
         if self._next is not None:  # the next layer's likely misses read while this one runs
             self._next.prefetch(self._next_candidates, self._depth)
-        if self._device_routed and self._gathered and (inds.size < SORTED_FROM or state.world_size == 1):
+        if self._route != "host" and (inds.size < SORTED_FROM or state.world_size == 1):
             return self._routed_on_device(x, inds)
         t0 = time.perf_counter()
         flat = np.array(inds).reshape(-1, inds.shape[-1])  # host sync: tiny
@@ -618,6 +682,13 @@ class ExpertShard(nn.Module):
 
     def resident_bytes(self) -> int:
         return sum(v.nbytes for _, v in _leaves(self.parameters()))
+
+
+def _skip_proj(p: ShardLinear, x: mx.array, slots: mx.array, per_x: int) -> mx.array:
+    """One projection of the skipping decode step, by the kernel for its weight format."""
+    if p.quant is None:
+        return skip_gemv.skip_gemv(x, p.weight, slots, per_x)
+    return qskip.qskip(x, p.weight, p.scales, p.get("biases"), slots, per_x, p.quant)
 
 
 def _groups(slots: np.ndarray) -> list[tuple[int, int, int]]:

@@ -28,6 +28,7 @@ from ..checkpoint import (Checkpoint, CheckpointError, TensorInfo, _physical_row
                           model_classes, read_tensor)
 from ..collective.base import Collective, LocalCollective
 from . import families, skip_gemv
+from . import route as decode_route
 from ...proto.expert_cache import ExpertCacheSpec, auto_budget
 from ...proto.records import DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE
 from ..device import ieee_float32, metal_info
@@ -506,6 +507,7 @@ def load_shard(
     cache_reserve_bytes: int = DEFAULT_KV_RESERVE + DEFAULT_PROMPT_CACHE,
     profile: dict[int, tuple[Sequence[float], int]] | None = None,
     prefetch: int | None = None,
+    route: str | None = None,
 ) -> ShardedModel:
     """Load this rank's shard. `placement=None` means an even split over `collective.world_size`.
     `model_spec` is a checkpoint folder, or an open Checkpoint (a node's cached shard, node/cache.py).
@@ -522,7 +524,11 @@ def load_shard(
         prefetch: with a cache and a profile, the next MoE layer's hottest non-resident experts
             are read when a layer begins; None (auto): those selected by at least half of the
             profile's tokens (at most top-k); N: the N hottest; 0: off.
+        route: how decode steps compute the routed experts (route.py): skip, device or host
+            (forced where a layer can take it), measure (time each on one layer, keep the fastest),
+            preferred (each layer's first); None: MOE_CLUSTER_ROUTE from the environment, else measure.
     """
+    how = decode_route.requested(route)  # a bad value fails before anything is read
     collective = collective or LocalCollective()
     t_start = time.perf_counter()
     mx.reset_peak_memory()
@@ -619,8 +625,10 @@ def load_shard(
         logger.info("expert warm-up: not on Metal, nothing to do")
     if skip_gemv.available():
         why = {layer.shard.enable_skip_gemv() for layer in layers}
-        logger.info("decode at N > 1: %s", "skip_gemv in every MoE layer (reads only this node's experts)"
-                    if why == {None} else f"gather_mm where skip_gemv does not apply: {sorted(w for w in why if w)}")
+        logger.info("decode at N > 1: %s", "a skip kernel in every MoE layer (reads only this node's experts)"
+                    if why == {None} else f"no skip kernel where it does not apply: {sorted(w for w in why if w)}")
+    state.route = decode_route.choose([layer.shard for layer in layers], [b.top_k or 1 for b in blocks], how)
+    logger.info("rank %d decode route: %s", rank, state.route.describe())
     _wire(resident)
     # The loader's temporaries (byte-range reads, stacks) would stay in MLX's buffer cache: on CUDA
     # that is managed memory, and weights plus cache past the card's size page during decode.
@@ -680,11 +688,13 @@ class _Seat:
 def load_in_process(model_spec: str, world_size: int, placement: Placement | None = None, *,
                     keepalive: str = "lru", expert_cache: ExpertCacheSpec | str | None = None,
                     profile: dict[int, tuple[Sequence[float], int]] | None = None,
-                    prefetch: int | None = None) -> ShardedModel:
+                    prefetch: int | None = None, route: str = "preferred") -> ShardedModel:
     """All `world_size` ranks' shards in this process, behind one model: rank 0's, with each MoE
-    block replaced by every rank's share summed in rank order (`InProcessCluster`)."""
+    block replaced by every rank's share summed in rank order (`InProcessCluster`). `route`: as
+    load_shard's, each layer's preferred one unless told (tests choose it, not a measurement)."""
     ranks = [load_shard(model_spec, placement, r, keepalive=keepalive, collective=_Seat(r, world_size),
-                        warm_up=False, expert_cache=expert_cache, profile=profile, prefetch=prefetch)
+                        warm_up=False, expert_cache=expert_cache, profile=profile, prefetch=prefetch,
+                        route=route)
              for r in range(world_size)]
     first = ranks[0]
     for i, b in enumerate(first.blocks):

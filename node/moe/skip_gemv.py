@@ -62,13 +62,16 @@ __device__ __forceinline__ void load8(const __half* p, float* v) {
 # x: (rows of input, D_IN); w: (experts, D_OUT, D_IN); slots: (positions,) int32, -1: computed
 # elsewhere; y: (positions, D_OUT). Position r reads input row r / PER_X (k positions share a token's
 # row for the first projections; the last one has a row per position).
-_SOURCE = r"""
+# One warp per (output feature o, position r), slot s; the kernels of qskip.py start alike.
+POSITION = r"""
   const int lane = threadIdx.x & 31;
   const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   const int r = blockIdx.y;
   if (o >= D_OUT) return;
   const int s = slots[r];
   float acc = 0.0f;
+"""
+_SOURCE = POSITION + r"""
   if (s >= 0) {
     const T* wr = w + ((size_t)s * D_OUT + o) * D_IN;
     const T* xr = x + (size_t)(r / PER_X) * D_IN;
@@ -134,23 +137,35 @@ def check(w: mx.array) -> str | None:
 
 
 def _check(w: mx.array) -> str | None:
+    wt = w.swapaxes(-1, -2)
+
+    def gather(rows, slots, per_x):
+        src = rows[mx.arange(slots.shape[0]) // per_x][:, None, :]
+        return mx.gather_mm(src, wt, rhs_indices=mx.maximum(slots, 0).astype(mx.uint32))[:, 0, :]
+
+    return compare(lambda rows, slots, per_x: skip_gemv(rows, w, slots, per_x), gather, w.shape[0], w.shape[-1],
+                   w.dtype, "gather_mm")
+
+
+def compare(kernel, reference, experts: int, d_in: int, dtype: mx.Dtype, name: str) -> str | None:
+    """Why `kernel(rows, slots, per_x)` cannot stand in for `reference` (the same, reading one expert
+    per position; None: it can), with two input rows shared by two positions each (one skipped)
+    and with a row per position. Also qskip's check."""
     try:
-        e, d_out, d_in = w.shape
-        x = (mx.random.normal((2, d_in), key=mx.random.key(0)) * 0.5).astype(w.dtype)
-        slots = mx.array([0, -1, e - 1, e // 2], dtype=mx.int32)
-        wt, errs, zero = w.swapaxes(-1, -2), [], 0.0
+        x = (mx.random.normal((2, d_in), key=mx.random.key(0)) * 0.5).astype(dtype)
+        slots = mx.array([0, -1, experts - 1, experts // 2], dtype=mx.int32)
+        errs, zero = [], 0.0
         # bfloat16 keeps 8 bits: outputs summed in another order differ by a rounding or two
-        tol = {mx.bfloat16: 2e-2, mx.float16: 4e-3}[w.dtype]
+        tol = {mx.bfloat16: 2e-2, mx.float16: 4e-3}[dtype]
         for per_x, rows in ((2, x), (1, mx.concatenate([x, x[::-1]]))):
-            got = skip_gemv(rows, w, slots, per_x).astype(mx.float32)
-            src = rows[mx.arange(4) // per_x][:, None, :]
-            want = mx.gather_mm(src, wt, rhs_indices=mx.maximum(slots, 0).astype(mx.uint32))[:, 0, :].astype(mx.float32)
+            got = kernel(rows, slots, per_x).astype(mx.float32)
+            want = reference(rows, slots, per_x).astype(mx.float32)
             keep = mx.array([0, 2, 3])
             scale = mx.maximum(mx.abs(want[keep]).max(), 1e-6)
             errs.append(float((mx.abs(got[keep] - want[keep]).max() / scale).item()))
             zero = max(zero, float(mx.abs(got[1]).max().item()))
-    except Exception as exc:  # noqa: BLE001 - a compiler or driver that cannot build it: keep gather_mm
+    except Exception as exc:  # noqa: BLE001 - a compiler or driver that cannot build it: keep the reference
         return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     if zero != 0.0 or not max(errs) <= tol:
-        return f"differs from gather_mm (relative {max(errs):.3g}, skipped row {zero:.3g})"
+        return f"differs from {name} (relative {max(errs):.3g}, skipped row {zero:.3g})"
     return None

@@ -46,7 +46,8 @@ def _scenario(scenario: str, spec, rank: int, model: str) -> dict:
 
     collective = make_collective(spec, rank)
     placement = _replicas_on_both(model) if scenario == "graph-replicas" else None
-    sharded = load_shard(model, placement, rank, keepalive="none", collective=collective)  # device-routed experts
+    sharded = load_shard(model, placement, rank, keepalive="none", collective=collective,
+                         route="device")  # device-routed experts: no host read of the routing
     if scenario.startswith("graph"):
         return _one_step(sharded)
     explicit = []  # layers of the all-reduces outside the MoE layers (explicit agreements)

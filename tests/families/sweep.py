@@ -31,13 +31,14 @@ def checkpoint(family: str, tmp: Path, quantize: str | None = None) -> Path:
     return tiny.make_checkpoint(family, Path(tmp) / f"{family}-{quantize or 'f32'}", quantize=quantize)
 
 
-def check(path: Path, nodes: int, reference=None, keepalive: str = "lru") -> dict:
+def check(path: Path, nodes: int, reference=None, keepalive: str = "lru", route: str = "preferred") -> dict:
     """{"tokens", "reference_tokens", "max_abs_logit_diff", "tokens_match"} for one node count.
-    keepalive "none" and "lru" route decode steps on the device ("busy" reads the indices on the host)."""
+    keepalive "none" and "lru" route decode steps on the device ("busy" reads the indices on the host);
+    `route`: load_shard's (node/moe/route.py), each layer's preferred one unless told."""
     from moe_cluster.node.moe.load import load_in_process
 
     ref_tokens, ref_logits = reference or tiny.stock_tokens(path, PROMPT, STEPS)
-    sm = load_in_process(str(path), nodes, keepalive=keepalive)
+    sm = load_in_process(str(path), nodes, keepalive=keepalive, route=route)
     tokens, logits = tiny.decode(sm.model, PROMPT, STEPS)
     assert len(tokens) == len(ref_tokens) == STEPS and logits.shape == ref_logits.shape, (
         len(tokens), len(ref_tokens), logits.shape, ref_logits.shape)

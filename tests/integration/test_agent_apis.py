@@ -321,4 +321,10 @@ def test_status_prints_a_table_and_watches(api):
         row = next(line for line in tables[2].splitlines() if line.startswith(f"node-{i} "))
         assert " ready " in row and "<= " in row and " ms" in row  # the node has all-reduced
     r = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60, env=env)
-    assert [n["name"] for n in json.loads(r.stdout)["nodes"]] == [f"node-{i}" for i in range(NODES)]
+    nodes = json.loads(r.stdout)["nodes"]
+    assert [n["name"] for n in nodes] == [f"node-{i}" for i in range(NODES)]
+    for n in nodes:  # each node's decode route, chosen at load (node/moe/route.py)
+        assert n["route"] in ("skip", "device", "host"), n
+        assert n["route_us"] == {} or n["route"] == min(n["route_us"], key=n["route_us"].get), n
+        row = next(line for line in tables[2].splitlines() if line.startswith(f"{n['name']} "))
+        assert f" {n['route']} " in row

@@ -66,6 +66,7 @@ BAD = [
     ("nodes:\n  - name: a\nlaunch: cloud", 3, ["launch", "local, remote"]),
     ("nodes:\n  - name: a\ntransport: smoke-signals", 3, ["transport", "envoy, mlx"]),
     ("nodes:\n  - name: a\nkeepalive: sometimes", 3, ["keepalive", "none, lru, busy"]),
+    ("nodes:\n  - name: a\nroute: fastest", 3, ["route", "measure, skip, device, host"]),
     ("nodes:\n  - name: a\nmodel: /no/such/model", 3, ["model", "does not exist"]),
     ("nodes:\n  - name: a\nplacement: even", 3, ["placement", "mapping"]),
     ("nodes:\n  - name: a\nplacement:\n  strategy: profile", 4, ["placement.profile", "needs a profile"]),

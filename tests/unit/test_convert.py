@@ -36,6 +36,10 @@ def test_load_request_envoy():
     assert convert.load_request_from_proto(wire(convert.load_request_to_proto(cached)), secret="s", tls=tls) == cached
     with pytest.raises(ValueError, match="expert_cache"):
         LoadSpec("/models/dbrx", 1, 2, transport, PLACEMENT, expert_cache="half")
+    forced = LoadSpec("/models/dbrx", 1, 2, transport, PLACEMENT, route="host")
+    assert convert.load_request_from_proto(wire(convert.load_request_to_proto(forced)), secret="s", tls=tls) == forced
+    with pytest.raises(ValueError, match="route"):
+        LoadSpec("/models/dbrx", 1, 2, transport, PLACEMENT, route="fastest")
 
 
 def test_load_request_mlx_and_defaults():
@@ -116,6 +120,8 @@ def test_status_health_cancel_shutdown():
     assert convert.status_from_proto(wire(convert.status_to_proto(status))) == status
     cached = NodeStatus("ready", expert_cache=(ExpertCacheLayer(1, 4, 8, 30, 6, 6 << 20, 0.012),))
     assert convert.status_from_proto(wire(convert.status_to_proto(cached))) == cached
+    routed = NodeStatus("ready", route="host", route_us={"device": 250.0, "host": 120.5})
+    assert convert.status_from_proto(wire(convert.status_to_proto(routed))) == routed
     idle = NodeStatus("idle")
     assert convert.status_from_proto(wire(convert.status_to_proto(idle))) == idle  # no histogram before a load
     assert convert.health_from_proto(wire(convert.health_to_proto(Health(True, "ready")))) == Health(True, "ready")

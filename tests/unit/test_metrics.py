@@ -47,6 +47,22 @@ def test_the_status_table_has_a_row_per_node_with_its_all_reduce():
     assert "running 1, waiting 2" in lines[0] and "all-reduce p50" in lines[1]
     assert lines[2].split()[0] == "a" and "<= 2.5 ms" in lines[2] and "64" in lines[2]
     assert lines[3].split()[0] == "b" and lines[3].split()[-2] == "-"
+    assert "route" in lines[1] and lines[2].split()[-5] == "-"  # a node that has not said its route
+    s["nodes"][0]["route"] = "host"
+    assert status_table(s).splitlines()[2].split()[-5] == "host"
+
+
+def test_the_decode_route_per_node_and_its_measured_times():
+    from moe_cluster.coordinator.serve.metrics import route_lines
+
+    lines = route_lines([{"name": "a", "route": "host", "route_us": {"device": 250.0, "host": 120.5}},
+                         {"name": "b", "route": "device", "route_us": {}}, {"name": "c"}])
+    assert 'moe_cluster_node_route{node="a",route="host"} 1' in lines
+    assert 'moe_cluster_node_route{node="b",route="device"} 1' in lines
+    assert 'moe_cluster_node_route_seconds{node="a",route="device"} 0.00025' in lines
+    assert 'moe_cluster_node_route_seconds{node="a",route="host"} 0.0001205' in lines
+    assert not any('node="c"' in line or ('node="b"' in line and "seconds" in line) for line in lines)
+    assert route_lines([{"name": "a", "route": "", "route_us": {}}]) == []
 
 
 def test_expert_cache_counters_per_node_and_layer():

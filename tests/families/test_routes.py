@@ -1,0 +1,108 @@
+"""Every decode route (node/moe/route.py) gives stock mlx-lm's tokens, |Δlogit| <= 1e-4 in float32,
+on families of every bank kind at N = 2; the route a node takes is the one forced in its environment
+or the fastest it measured at load, and its load log says which, with the times."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import sweep
+import tiny
+from moe_cluster.node.moe import route as decode_route
+from moe_cluster.node.moe.load import load_in_process
+from moe_cluster.proto.errors import UserError
+from test_sweep import _quantized_reference  # skips, with the reason, where a GPU gives no stable one
+
+pytestmark = pytest.mark.integration
+
+# a stacked GLU bank, DBRX's per-expert list, biased experts (gpt_oss), shared experts (deepseek_v3)
+FAMILIES = ["qwen3_moe", "dbrx", "gpt_oss", "deepseek_v3"]
+
+
+def _routes(sm) -> set[str]:
+    return {layer.shard.route for rank in _ranks(sm) for layer in rank}
+
+
+def _ranks(sm):
+    """Every rank's ClusterMoE layers of an in-process cluster, by rank."""
+    from moe_cluster.node.moe.layer import InProcessCluster
+
+    clusters = [m for m in sm.model.modules() if isinstance(m, InProcessCluster)]
+    return list(zip(*(c.ranks for c in clusters)))
+
+
+@pytest.mark.parametrize("route", ["device", "host"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_route_gives_stocks_tokens(family, route, tmp_path):
+    path = sweep.checkpoint(family, tmp_path)
+    ref = tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)
+    for keepalive in ("lru", "none"):
+        got = sweep.check(path, 2, ref, keepalive, route=route)
+        assert got["tokens_match"], (family, route, keepalive, got)
+        assert got["max_abs_logit_diff"] <= sweep.TOLERANCE, (family, route, keepalive, got["max_abs_logit_diff"])
+
+
+@pytest.mark.parametrize("route", ["device", "host"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_every_route_gives_stocks_tokens_quantized(family, route, tmp_path):
+    path = sweep.checkpoint(family, tmp_path, sweep.quant_mode(family))
+    got = sweep.check(path, 2, _quantized_reference(path), route=route)
+    assert got["tokens_match"], (family, route, got)
+    assert got["max_abs_logit_diff"] <= sweep.QUANT_TOLERANCE, (family, route, got["max_abs_logit_diff"])
+
+
+@pytest.mark.parametrize("family", tiny.families())
+def test_the_whole_sweep_on_the_host_route(family, tmp_path):
+    """The sweep (test_sweep.py) runs each layer's preferred route, the device one where a layer has
+    it; here every family at N = 2 with the routing read on the host, float32 and quantized."""
+    if tiny.needs_metal(family):
+        pytest.skip(f"{family} calls mlx-lm's Metal-only kernels; stock mlx-lm cannot run it on this backend")
+    for quantize, bound in ((None, sweep.TOLERANCE), (sweep.quant_mode(family), sweep.QUANT_TOLERANCE)):
+        path = sweep.checkpoint(family, tmp_path, quantize)
+        ref = _quantized_reference(path) if quantize else tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)
+        got = sweep.check(path, 2, ref, route="host")
+        assert got["tokens_match"], (family, quantize, got)
+        assert got["max_abs_logit_diff"] <= bound, (family, quantize, got["max_abs_logit_diff"])
+
+
+def test_the_route_is_forced_from_the_environment(tmp_path, monkeypatch, caplog):
+    path = sweep.checkpoint("qwen3_moe", tmp_path)
+    monkeypatch.setattr(decode_route, "time_route", lambda *a: pytest.fail("a forced route is not timed"))
+    for forced in ("host", "device"):
+        monkeypatch.setenv(decode_route.ENV, forced)
+        with caplog.at_level(logging.INFO, logger="moe_cluster.node.moe.load"):
+            sm = load_in_process(str(path), 2, keepalive="none", route=None)
+        assert _routes(sm) == {forced}
+        assert f"decode route: {forced}, forced" in caplog.text
+    monkeypatch.setenv(decode_route.ENV, "skip")  # float32 weights: no kernel takes them (gather_mm stays)
+    with pytest.raises(UserError, match="route skip .*MOE_CLUSTER_ROUTE.*: no MoE layer of this node can take it"):
+        load_in_process(str(path), 2, route=None)
+    monkeypatch.setenv(decode_route.ENV, "fastest")
+    with pytest.raises(UserError, match="MOE_CLUSTER_ROUTE must be one of"):
+        load_in_process(str(path), 2, route=None)
+
+
+@pytest.mark.parametrize("fast", ["host", "device"])
+def test_a_node_keeps_the_route_it_measured_fastest_and_logs_the_times(fast, tmp_path, monkeypatch, caplog):
+    path = sweep.checkpoint("qwen3_moe", tmp_path)
+    monkeypatch.delenv(decode_route.ENV, raising=False)
+    timed = []
+
+    def fake(shard, r, top_k):
+        timed.append((r, top_k))
+        return 1e-4 if r == fast else 3e-4
+
+    monkeypatch.setattr(decode_route, "time_route", fake)
+    with caplog.at_level(logging.INFO, logger="moe_cluster.node.moe.load"):
+        sm = load_in_process(str(path), 2, keepalive="none", route=None)
+    assert _routes(sm) == {fast}
+    assert sorted(timed) == sorted([("device", tiny.TOP_K), ("host", tiny.TOP_K)] * 2)  # one layer per rank, the router's top-k
+    other = "device" if fast == "host" else "host"
+    assert f"decode route: {fast}, measured" in caplog.text and f"{fast} 100.0 µs" in caplog.text
+    assert f"{other} 300.0 µs" in caplog.text
+    assert sm.state.route.times_us == {"device": 100.0 if fast == "device" else 300.0,
+                                       "host": 100.0 if fast == "host" else 300.0}
+    tokens, _ = tiny.decode(sm.model, sweep.PROMPT, sweep.STEPS)  # timing calls left nothing behind
+    assert tokens == tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)[0]

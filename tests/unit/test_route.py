@@ -1,0 +1,109 @@
+"""The decode route (node/moe/route.py): chosen once at load from the times measured on each route,
+or forced; every route computes the same partial outputs."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from moe_cluster.node.moe import route
+from moe_cluster.proto.errors import UserError
+from moe_cluster.proto.placement import Placement
+from test_experts import E, _bank, _shards
+
+
+def _two(keepalive="none", layers=1):
+    """Rank 0 of two, `layers` MoE layers of the same bank."""
+    return [_shards(_bank(), Placement.even({0: E}, 2), keepalive)[0] for _ in range(layers)]
+
+
+def _timer(times, calls=None):
+    def timer(shard, r, top_k):
+        if calls is not None:
+            calls.append((r, top_k))
+        return times[r]
+    return timer
+
+
+@pytest.mark.parametrize("times, want", [({"device": 2e-4, "host": 1e-4}, "host"),
+                                         ({"device": 1e-4, "host": 2e-4}, "device")])
+def test_the_choice_follows_the_measured_times(times, want):
+    shards, calls = _two(layers=3), []
+    choice = route.choose(shards, [3, 3, 3], "measure", timer=_timer(times, calls))
+    assert choice.route == want and choice.how == "measured"
+    assert choice.times_us == {r: t * 1e6 for r, t in times.items()}
+    assert [s.route for s in shards] == [want] * 3  # one layer timed, every layer takes its choice
+    assert sorted(calls) == [("device", 3), ("host", 3)]
+    assert f"{want}, measured" in choice.describe() and "µs" in choice.describe()
+
+
+def test_a_skip_route_is_timed_where_the_kernel_applies_and_kept_when_fastest():
+    shards = _two()
+    for s in shards:
+        s._skip = mx.float32  # what enable_skip_gemv sets where its check passes (CUDA only)
+    assert shards[0].routes() == ("skip", "device", "host")
+    choice = route.choose(shards, [3], "measure", timer=_timer({"skip": 5e-5, "device": 2e-4, "host": 1e-4}))
+    assert choice.route == "skip" and shards[0].route == "skip"
+
+
+def test_a_forced_route_is_honoured_and_nothing_is_timed():
+    shards = _two(layers=2)
+    choice = route.choose(shards, [3, 3], "host", timer=lambda *a: pytest.fail("timed a forced route"))
+    assert (choice.route, choice.how) == ("host", "forced") and [s.route for s in shards] == ["host", "host"]
+    with pytest.raises(UserError, match="route skip .*: no MoE layer of this node can take it"):
+        route.choose(shards, [3, 3], "skip")  # float32 weights, no kernel here
+
+
+def test_layers_without_the_fastest_route_take_their_next_fastest():
+    device, busy = _two()[0], _shards(_bank(), Placement.even({0: E}, 2), "busy")[0]  # busy: host only
+    assert busy.routes() == ("host",)
+    route.choose([busy, device], [3, 3], "measure", timer=_timer({"device": 1e-4, "host": 2e-4}))
+    assert (busy.route, device.route) == ("host", "device")
+
+
+def test_alone_the_device_route_is_the_only_one():
+    alone = _shards(_bank(), Placement.even({0: E}, 1), "lru")[0]
+    assert alone.routes() == ("device",)
+    assert route.choose([alone], [3], "measure", timer=lambda *a: pytest.fail("timed")).how == "only"
+
+
+def test_timing_really_times_and_leaves_the_shard_as_it_was():
+    shard = _two("lru")[0]
+    stamp = np.array(shard._stamp)
+    choice = route.choose([shard], [3], "measure")
+    assert set(choice.times_us) == {"device", "host"} and all(t > 0 for t in choice.times_us.values())
+    assert np.array_equal(np.array(shard._stamp), stamp) and shard._calls == 0
+    shard._state.settle()
+    assert shard._state.counters[0].calls == 0 and not shard._state.routed[0].any()
+
+
+def test_every_route_gives_the_same_partials():
+    bank = _bank()
+    rng = np.random.default_rng(4)
+    x = mx.array(rng.standard_normal((1, 2, bank.gate_proj.weight.shape[-1])).astype(np.float32))
+    inds = mx.array(np.stack([rng.choice(E, 3, replace=False) for _ in range(2)])[None])
+    outs = {}
+    for r in ("device", "host"):
+        shards = _shards(bank, Placement.even({0: E}, 2), "none")
+        for s in shards:
+            s.set_route(r)
+        outs[r] = [np.array(s(x, inds)) for s in shards]
+    for a, b in zip(outs["device"], outs["host"]):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("value", ["fast", "Host", "skip,host"])
+def test_a_bad_route_in_the_environment_is_refused_by_name(value, monkeypatch):
+    monkeypatch.setenv(route.ENV, value)
+    with pytest.raises(UserError, match=f"MOE_CLUSTER_ROUTE must be one of skip, device, host, measure"):
+        route.requested(None)
+    monkeypatch.delenv(route.ENV)
+    assert route.requested(None) == "measure"
+    assert route.requested("device") == "device"
+
+
+def test_set_route_refuses_a_route_the_layer_cannot_take():
+    shard = _two()[0]
+    with pytest.raises(UserError, match="cannot take the 'skip' route"):
+        shard.set_route("skip")
