@@ -102,14 +102,27 @@ def model_classes(config: dict, where: Path | str = "config.json"):
         ) from exc
 
 
+# Families whose checkpoints no test here can make, so the cluster's answers on them were never
+# checked against stock mlx-lm: refused with the reason rather than guessed at.
+UNVERIFIED = {
+    "prism_hadamard_qwen35": "its Hadamard-rotated 2-bit pack (a module manifest and packed weights, "
+                             "made by its own packing tool) cannot be built by the family sweep, so the "
+                             "cluster was never checked against stock mlx-lm on it",
+}
+
+
 def check_runnable(config: dict, where: Path | str = "config.json") -> None:
     """Refuse, in one line, a family that cannot run on this machine's MLX backend: one that calls
-    mlx-lm's hand-written Metal kernels (`mlx_lm.kernels`, e.g. muse_spark) off Metal. Describing a
-    model for the planner runs its MoE blocks once, so `plan` asks too."""
+    mlx-lm's hand-written Metal kernels (`mlx_lm.kernels`, e.g. muse_spark) off Metal, or one never
+    checked against stock (UNVERIFIED). Describing a model for the planner runs its MoE blocks once,
+    so `plan` asks too."""
     import inspect
 
     import mlx.core as mx
 
+    model_type = config.get("model_type")
+    if model_type in UNVERIFIED:
+        raise CheckpointError(f"{where}: model_type={model_type!r} is not supported: {UNVERIFIED[model_type]}")
     model_cls, _ = model_classes(config, where)
     module = inspect.getmodule(model_cls)
     kernels = sorted({name for name, v in vars(module).items()

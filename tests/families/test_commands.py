@@ -78,3 +78,19 @@ def test_plan_describes_every_family(family, tmp_path, capsys):
     assert model["moe_layers"] >= 1 and model["expert_bytes"] > 0, model
     if family in ("hunyuan", "step3p5"):  # shared experts counted whatever their name
         assert model["shared_expert_bytes"] > 0, model
+
+
+def test_a_family_never_checked_against_stock_is_refused_in_one_line(tmp_path):
+    """prism_hadamard_qwen35's packed checkpoint cannot be built here, so no run was ever compared
+    with stock mlx-lm: `plan` (which reads config.json alone) refuses it, saying why."""
+    import json as _json
+
+    from moe_cluster.node.checkpoint import UNVERIFIED
+
+    for family in UNVERIFIED:
+        (tmp_path / family).mkdir()
+        (tmp_path / family / "config.json").write_text(_json.dumps(tiny.tiny_config(family)))
+        r = moe_cluster("plan", "--model", str(tmp_path / family), "--hardware", "m2-ultra-192", "--nodes", "2")
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"model_type={family!r} is not supported" in lines[0], r.stderr
