@@ -33,6 +33,34 @@ def http(url: str, path: str, body: dict | None = None, timeout: float = 120, he
         except ValueError:
             return exc.code, raw.decode()
 
+def health_during(url: str, sender, limit_s: float, pause_s: float, join_s: float) -> tuple[list[float], float]:
+    """Start thread `sender` and time GET /health on one warm connection until it ends (`limit_s` at
+    most): (seconds of each /health, seconds until the sender ended). Every /health must be 200."""
+    import urllib.parse
+    from http.client import HTTPConnection
+
+    u = urllib.parse.urlsplit(url)
+    conn = HTTPConnection(u.hostname, u.port, timeout=10)
+    conn.request("GET", "/health")  # connected and warm before the sender starts
+    conn.getresponse().read()
+    t0 = time.monotonic()
+    sender.start()
+    latencies = []
+    try:
+        while sender.is_alive() and time.monotonic() - t0 < limit_s:
+            t = time.perf_counter()
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            r.read()
+            latencies.append(time.perf_counter() - t)
+            assert r.status == 200
+            time.sleep(pause_s)
+    finally:
+        conn.close()
+        sender.join(join_s)
+    return latencies, time.monotonic() - t0
+
+
 
 def stock_tokens(path, prompt: str, max_tokens: int) -> list[int]:
     """Stock mlx-lm's greedy tokens as the cluster returns them: at most max_tokens, no EOS.
@@ -126,3 +154,10 @@ timeouts:
   collective: 3s
   heartbeat: 0.5s
 {extra}"""
+
+
+def keyed_yaml(nodes: int, model: str = "demo", key_env: str = "MOE_TEST_API_KEY") -> str:
+    """yaml_for with an API key read from `key_env`, and heartbeats every 2 s: on a loaded 2-core
+    machine with Chromium running, 0.5 s can call a busy node dead."""
+    yaml = yaml_for(nodes, model=model, extra=f"api:\n  api_key_env: {key_env}\n")
+    return yaml.replace("heartbeat: 0.5s", "heartbeat: 2s")

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from chromium_page import CHROMIUM_FLAGS
-from cluster.cluster_fixture import cluster, http, yaml_for
+from cluster.cluster_fixture import cluster, http, keyed_yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tool_model import CALL_ARGS, CALL_NAME, CALL_TEXT, calling_checkpoint  # noqa: E402
@@ -42,10 +42,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def api(tmp_path_factory, model):
     tmp = tmp_path_factory.mktemp("agents")
-    # heartbeats every 2 s: on a loaded 2-core machine with Chromium running, 0.5 s can call a busy node dead
-    yaml = yaml_for(NODES, model=str(model), extra="api:\n  api_key_env: MOE_TEST_API_KEY\n")
-    yaml = yaml.replace("heartbeat: 0.5s", "heartbeat: 2s")
-    assert "heartbeat: 2s" in yaml
+    yaml = keyed_yaml(NODES, model=str(model))
     with cluster(tmp, yaml, env={"MOE_TEST_API_KEY": KEY}, api_key=KEY) as (url, proc, lines):
         yield url
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
 import time
 import urllib.parse
@@ -17,7 +16,7 @@ import aiohttp
 import grpc
 import pytest
 
-from cluster.cluster_fixture import cluster, http, yaml_for
+from cluster.cluster_fixture import cluster, health_during, http, yaml_for
 
 KEY = "sk-test-bad-input"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -301,26 +300,7 @@ def test_health_answers_promptly_while_13mb_requests_are_prepared(api):
     assert all(len(b) > 13_000_000 for b in bodies)
     results: list = []
     sender = threading.Thread(target=lambda: results.extend(post_raw(api, b, timeout=180) for b in bodies))
-    u = urllib.parse.urlsplit(api)
-    conn = HTTPConnection(u.hostname, u.port, timeout=10)
-    conn.request("GET", "/health")  # connected and warm before the big requests start
-    conn.getresponse().read()
-    t_sent = time.monotonic()
-    sender.start()
-    latencies = []
-    try:
-        while sender.is_alive() and time.monotonic() - t_sent < 120:
-            t0 = time.perf_counter()
-            conn.request("GET", "/health")
-            r = conn.getresponse()
-            r.read()
-            latencies.append(time.perf_counter() - t0)
-            assert r.status == 200
-            time.sleep(0.02)
-    finally:
-        conn.close()
-        sender.join(180)
-    took = time.monotonic() - t_sent
+    latencies, took = health_during(api, sender, limit_s=120, pause_s=0.02, join_s=180)
     for code, reply in results:  # refused for their length: really read and parsed meanwhile
         assert code == 400 and reply["error"]["code"] == "context_length_exceeded", reply
     assert len(results) == 2 and len(latencies) >= 10, (took, len(latencies))

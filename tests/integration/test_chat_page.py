@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from chromium_page import Page
-from cluster.cluster_fixture import cluster, http, yaml_for
+from cluster.cluster_fixture import cluster, http, keyed_yaml
 
 KEY = "sk-test-chat"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -39,11 +39,7 @@ LOCK = "document.getElementById('chat-lock')"
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("chat")
-    # heartbeats every 2 s: on a loaded 2-core machine with Chromium running, 0.5 s can call a busy
-    # node dead
-    yaml = yaml_for(2, extra="api:\n  api_key_env: MOE_TEST_API_KEY\n")
-    yaml = yaml.replace("heartbeat: 0.5s", "heartbeat: 2s")
-    assert "heartbeat: 2s" in yaml
+    yaml = keyed_yaml(2)
     with cluster(tmp, yaml, env={"MOE_TEST_API_KEY": KEY}, api_key=KEY) as (url, proc, lines):
         yield url
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from cluster.cluster_fixture import cluster, http, yaml_for
+from cluster.cluster_fixture import cluster, health_during, http, yaml_for
 
 MAX_BATCH, QUEUE = 4, 2
 YAML = yaml_for(2, extra=f"""serving:
@@ -340,26 +340,7 @@ def test_a_request_of_400k_blocks_fails_fast_while_health_answers(api):
     assert len(body) > 12_000_000
     result: list = []
     sender = threading.Thread(target=lambda: result.append(raw_post(api, "/v1/messages", body)))
-    u = urllib.parse.urlsplit(api)
-    conn = HTTPConnection(u.hostname, u.port, timeout=10)
-    conn.request("GET", "/health")
-    conn.getresponse().read()
-    t0 = time.monotonic()
-    sender.start()
-    latencies = []
-    try:
-        while sender.is_alive() and time.monotonic() - t0 < 60:
-            t = time.perf_counter()
-            conn.request("GET", "/health")
-            r = conn.getresponse()
-            r.read()
-            latencies.append(time.perf_counter() - t)
-            assert r.status == 200
-            time.sleep(0.01)
-    finally:
-        conn.close()
-        sender.join(60)
-    took = time.monotonic() - t0
+    latencies, took = health_during(api, sender, limit_s=60, pause_s=0.01, join_s=60)
     if latencies:
         q = statistics.quantiles(latencies, n=20) if len(latencies) > 1 else latencies * 19
         print(f"BLOCKS | refused after {took:.2f} s; /health x{len(latencies)}: median "
