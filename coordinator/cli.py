@@ -14,7 +14,7 @@ from ..envoy import GRPC_EXPERIMENTS
 os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)  # before anything imports grpc: every process we start inherits it
 
 from ..proto.errors import ErrorKind, MoeClusterError, UserError  # noqa: E402 - after the grpc setting
-from ..proto.records import KEEPALIVES  # noqa: E402 - no mlx: cheap commands stay cheap
+from ..proto.records import DRAFT_LIMIT, KEEPALIVES, SPECULATIVE_MODES  # noqa: E402 - no mlx: cheap commands stay cheap
 
 # Quiet third-party chatter (transformers warns that PyTorch is absent; we never need it).
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -53,6 +53,19 @@ def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 100) -> None
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
 
 
+def _draft_tokens(text: str) -> int:
+    n = _positive_int(text)
+    if n > DRAFT_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be 1 to {DRAFT_LIMIT} (got {n})")
+    return n
+
+
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative", choices=SPECULATIVE_MODES, default="off",
+                   help="verify drafted tokens in one step (serving.speculative)")
+    p.add_argument("--draft-tokens", type=_draft_tokens, default=4, help="drafts per step at most")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moe-cluster",
@@ -84,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="also run stock mlx-lm and compare tokens and logits")
     p.add_argument("--transport", choices=("shm", "envoy", "mlx"), default="shm",
                    help="how the nodes all-reduce: shared memory, envoy processes (gRPC) or mx.distributed ring")
+    add_speculation_args(p)
+    p.add_argument("--prediction", default=None, help="the output you expect: speculation drafts from it")
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler="moe_cluster.coordinator.dev.simulate:main")
 

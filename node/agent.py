@@ -123,6 +123,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             if self.sharded else (),
             route=self.sharded.state.route.route if self.sharded and self.sharded.state.route else "",
             route_us=dict(self.sharded.state.route.times_us) if self.sharded and self.sharded.state.route else {},
+            speculative=self.runtime.batch.speculation() if self.runtime else "",
             uptime_s=time.monotonic() - self.started,
             pid=os.getpid(),
             queue_depth=sum(self.runtime.batch.running()) if self.runtime else 0,
@@ -271,7 +272,8 @@ class NodeAgent(npb_grpc.NodeServicer):
                     timings=Timings(prompt_s=s.prompt_seconds, generation_s=s.generation_seconds,
                                     collective_s=self.sharded.state.timers.collective - collective_before),
                     # folded by the batch on its thread when it went idle; a snapshot while others run
-                    counters={**self.sharded.state.means(fold=False), "peak_memory_bytes": float(_peak_memory())},
+                    counters={**self.sharded.state.means(fold=False), "peak_memory_bytes": float(_peak_memory()),
+                              **_figures(result.figures, len(self.sharded.moe_layers()))},
                 ))
                 return
         finally:
@@ -394,10 +396,17 @@ class NodeAgent(npb_grpc.NodeServicer):
             self._worker.close()
 
 
+def _figures(f, moe_layers: int) -> dict[str, float]:
+    """A request's own decoding figures (node/batch.py SequenceFigures), for GenerateDone."""
+    return {"decode_steps": float(f.steps), "drafted": float(f.drafted), "accepted": float(f.accepted),
+            "moe_layers": float(moe_layers)}
+
+
 def _limits(spec):
     from .batch import BatchLimits
 
-    return BatchLimits(spec.max_batch, spec.prefill_budget, spec.kv_budget_bytes)
+    return BatchLimits(spec.max_batch, spec.prefill_budget, spec.kv_budget_bytes, spec.speculative,
+                       spec.draft_tokens)
 
 
 class _QueueSink:

@@ -23,6 +23,7 @@ batched caches.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -49,6 +50,8 @@ class BatchLimits:
     max_batch: int = 8  # sequences running at once
     prefill_budget: int = 512  # prompt tokens prefilled per step while other sequences decode
     kv_budget_bytes: int = 0  # KV of running sequences plus the prompt cache; 0: no limit
+    speculative: str = "off"  # node.speculate.MODES
+    draft_tokens: int = 4  # drafts a step verifies per sequence at most, where speculation is on
 
 
 class Sink(Protocol):
@@ -81,6 +84,23 @@ class Sequence:
     fed: list[int] = field(default_factory=list)  # tokens fed after the prompt
     t_start: float = 0.0
     t_first: float = 0.0
+    # speculation (node/speculate.py): the step's tokens are read on the host, not agreed yet
+    drafts: int = 0  # drafts per step at most; 0: one token per step
+    pending: list[int] = field(default_factory=list)  # emitted last step; the last is the next input
+    pending_logits: list = field(default_factory=list)  # their rows (record_logits)
+
+    @property
+    def figures(self) -> "SequenceFigures":
+        return self.result.figures
+
+
+@dataclass
+class SequenceFigures:
+    """What one sequence's decoding cost, counted on its own (not the node's running totals)."""
+
+    steps: int = 0  # decode steps it took part in (each: one all-reduce per MoE layer)
+    drafted: int = 0  # drafts verified
+    accepted: int = 0  # drafts accepted
 
 
 class RunningBatch:
@@ -96,12 +116,22 @@ class RunningBatch:
         mergeable = all(hasattr(type(c), "merge") for c in make_prompt_cache(self.model))
         if not mergeable and limits.max_batch > 1:
             logger.info("this family's caches cannot be batched: one sequence at a time")
-            limits = BatchLimits(1, limits.prefill_budget, limits.kv_budget_bytes)
+            limits = dataclasses.replace(limits, max_batch=1)
         if self.collective.world_size > 1 and runtime.vocab >= RIDE_MAX_TOKEN - 1:
             raise UserError(f"a vocabulary of {runtime.vocab} tokens is past what a step's agreement carries "
                             f"({RIDE_MAX_TOKEN - 2})")
         self.limits = limits
         self.kv_per_token = kv_bytes_per_token(self.model)
+        self.draft_max = limits.draft_tokens if limits.speculative != "off" else 0
+        self.speculation_off = None  # why a node asked to speculate cannot, for its status
+        if self.draft_max:
+            from .speculate import can_roll_back
+
+            self.speculation_off = can_roll_back(make_prompt_cache(self.model))
+            if self.speculation_off:
+                logger.warning("speculative decoding is off: %s", self.speculation_off)
+                self.draft_max = 0
+        self.slots = 1 + self.draft_max  # tokens a decoding sequence rides per step
         self._lock = threading.Lock()
         self._queued: dict[int, Sequence] = {}
         self._active: list[Sequence] = []  # admission order
@@ -142,6 +172,12 @@ class RunningBatch:
         with self._lock:
             for s in [*self._queued.values(), *self._active]:
                 s.cancel = True
+
+    def speculation(self) -> str:
+        """What the node's status says of speculative decoding."""
+        if self.draft_max:
+            return f"{self.limits.speculative}, {self.draft_max} drafts"
+        return f"off: {self.speculation_off}" if self.speculation_off else "off"
 
     def busy(self) -> bool:
         with self._lock:
@@ -192,38 +228,53 @@ class RunningBatch:
         previous = [s.token for s in decoding]  # sampled last step: what this step agrees on
         width = self.limits.max_batch
         values = None
+        if self.draft_max:
+            previous = [list(s.pending) for s in decoding]
         if not alone:
             host = mx.array(held + [0] * (width - len(held)) + cancels, dtype=mx.int32)
-            toks = [(t.reshape(-1)[:1].astype(mx.int32) + 1) if t is not None else mx.zeros((1,), mx.int32)
-                    for t in previous]
+            if self.draft_max:  # every emitted token + 1, zero where a sequence emitted fewer
+                toks = [mx.array([t + 1 for t in p] + [0] * (self.slots - len(p)), dtype=mx.int32)
+                        for p in previous]
+            else:
+                toks = [(t.reshape(-1)[:1].astype(mx.int32) + 1) if t is not None else mx.zeros((1,), mx.int32)
+                        for t in previous]
             values = mx.concatenate([host, *toks]) if toks else host
             c.ride(values)
 
         # mx.distributed cannot time out: the whole step is watched (MLX may block in async_eval too)
         with waiting(c, f"batch step {self._steps}"), mx.stream(_generation_stream()):
             self._prefill([s for s in active if s.state == "prefill"], bool(decoding))
-            sampled = self._decode(decoding)
-            if sampled is not None:
-                mx.async_eval(sampled)
+            logits_before = [s.pending_logits if self.draft_max else [s.prev_logits] for s in decoding]
+            if self.draft_max:
+                self._verify(decoding)
+            else:
+                sampled = self._decode(decoding)
+                if sampled is not None:
+                    mx.async_eval(sampled)
             agreement = None if alone else (c.settle() or agree(c, values))
 
         if alone:
             common = held
             cancel = [bool(f) for f in cancels]
-            agreed = [int(t.item()) if t is not None else None for t in previous]
+            if self.draft_max:
+                agreed = [p or None for p in previous]
+            else:
+                agreed = [[int(t.item())] if t is not None else None for t in previous]
         else:
             common = sorted(set.intersection(*(set(r[:width]) for r in agreement.values)) - {0})
             cancel = [agreement.any_set(width + i) for i in range(len(active))]
             agreed = []
             for i, s in enumerate(decoding):  # token + 1; 0 where the step had none to agree on
+                at = width + len(active) + i * self.slots
                 try:
-                    t = agreement.token(width + len(active) + i, f"request {s.req.request_id}, step {len(s.fed)}",
-                                        offset=1)
+                    ts = [agreement.token(at + j, f"request {s.req.request_id}, step {len(s.fed) + j}", offset=1)
+                          for j in range(self.slots)]
                 except TokenMismatch as exc:  # every rank reads the same agreement: all drop it alike
-                    s.error, t = exc, -1
-                agreed.append(t if t >= 0 else None)
+                    s.error, ts = exc, []
+                ts = [t for t in ts if t >= 0]
+                agreed.append(ts or None)
         self._steps += 1
-        self._settle(decoding, agreed)
+        self._settle(decoding, agreed, logits_before)
         for s in decoding:  # a sequence that failed alone leaves alone; the others go on
             if s.error is not None and s in self._active:
                 self._finish(s, "failed")
@@ -263,39 +314,86 @@ class RunningBatch:
         sampled = sample_tokens(decoding, logprobs)
         for i, s in enumerate(decoding):
             s.token = sampled[i : i + 1] if len(decoding) > 1 else sampled
+            s.figures.steps += 1
             if s.req.record_logits:
                 s.logits = logits[i]
         return sampled
 
+    def _verify(self, decoding: list[Sequence]) -> None:
+        """One speculative step (node/speculate.py): each sequence feeds its next input and up to
+        its own number of drafts; what the model agrees with is emitted, the rest rolled back.
+        Every row is as wide as the widest allowance, whatever each sequence found to draft: the
+        step's shape then depends only on what the ranks agreed, never on a token not yet agreed."""
+        import numpy as np
+
+        from .speculate import accept, lookup, predicted, rollback
+
+        if not decoding:
+            return
+        width = 1 + max(s.drafts for s in decoding)
+        rows, drafts = [], []
+        for s in decoding:
+            first = s.pending[-1] if s.pending else s.first_input
+            mine = []
+            if s.drafts:
+                history = [*s.req.prompt, *s.fed, *s.pending]
+                done = len(history) - len(s.req.prompt)
+                mine = predicted(s.req.prediction, history, done, s.drafts) or lookup(history, s.drafts)
+            drafts.append(mine)
+            rows.append([first, *mine] + [first] * (width - 1 - len(mine)))
+        logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self._batch_cache)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        chosen, keys = sample_positions(decoding, logprobs)
+        chosen = np.array(chosen).tolist()
+        drop = []
+        for i, s in enumerate(decoding):
+            v = accept(drafts[i], chosen[i])
+            if keys[i] is not None:
+                s.key = keys[i][len(v.tokens) - 1]
+            s.pending = v.tokens
+            s.pending_logits = [logits[i, j] for j in range(len(v.tokens))] if s.req.record_logits else []
+            f = s.figures
+            f.steps, f.drafted, f.accepted = f.steps + 1, f.drafted + len(drafts[i]), f.accepted + v.accepted
+            drop.append(width - len(v.tokens))
+        rollback(self._batch_cache, drop)
+
     # -- after the step ------------------------------------------------------------------------
 
-    def _settle(self, decoding: list[Sequence], agreed: list[int | None]) -> None:
-        """Hand out the agreed tokens; sequences that end leave the batch."""
+    def _settle(self, decoding: list[Sequence], agreed: list[list[int] | None], rows: list[list]) -> None:
+        """Hand out the agreed tokens (`rows`: the logits each was taken from, where recorded);
+        sequences that end leave the batch."""
         import numpy as np
 
         now = time.perf_counter()
-        for s, token in zip(decoding, agreed):
-            if token is None:
+        for s, tokens, logits in zip(decoding, agreed, rows):
+            if tokens is None:
                 continue  # its first decode step: nothing sampled before it
             r = s.result
-            s.fed.append(token)
-            if s.req.record_logits and s.prev_logits is not None:
-                r.logits.append(np.array(s.prev_logits.astype(mx.float32)).reshape(-1))
             stats = r.stats
             if not s.t_first:
                 s.t_first = now
                 stats.prompt_seconds = now - s.t_start
             else:
                 stats.generation_seconds = now - s.t_first
-            if token in set(s.req.eos_token_ids):
-                self._finish(s, "stop")
-                continue
-            stats.generated += 1
-            stats.tokens.append(token)
-            r.tokens.append(token)
-            s.sink.tokens([token])
-            if stats.generated >= s.req.sampling.max_tokens:
-                self._finish(s, "length")
+            out = []
+            for token, row in zip(tokens, logits if s.req.record_logits else [None] * len(tokens)):
+                s.fed.append(token)
+                if row is not None:
+                    r.logits.append(np.array(row.astype(mx.float32)).reshape(-1))
+                if token in set(s.req.eos_token_ids):
+                    stats.finish_reason = "stop"
+                    break
+                stats.generated += 1
+                stats.tokens.append(token)
+                r.tokens.append(token)
+                out.append(token)
+                if stats.generated >= s.req.sampling.max_tokens:
+                    stats.finish_reason = "length"
+                    break
+            if out:
+                s.sink.tokens(out)
+            if stats.finish_reason:
+                self._finish(s, stats.finish_reason)
         for s in decoding:
             s.prev_logits = s.logits
 
@@ -352,6 +450,8 @@ class RunningBatch:
                 cache = make_prompt_cache(self.model)
             s.result.cached_tokens = covered
             s.cache = cache
+            wanted = s.req.draft_tokens
+            s.drafts = self.draft_max if wanted is None else min(wanted, self.draft_max)
             prompt = list(s.req.prompt)
             s.todo = prompt[covered:-1]
             s.first_input = prompt[-1]
@@ -381,7 +481,8 @@ class RunningBatch:
     def _reserve(self, req: GenerateRequest) -> int:
         if not self.kv_per_token:
             return 0
-        positions = math.ceil((len(req.prompt) + req.sampling.max_tokens) / KV_STEP) * KV_STEP
+        # a verifying step holds its drafts before the rejected ones roll back
+        positions = math.ceil((len(req.prompt) + req.sampling.max_tokens + self.draft_max) / KV_STEP) * KV_STEP
         return positions * self.kv_per_token
 
 
@@ -410,6 +511,33 @@ def sample_tokens(decoding: list[Sequence], logprobs: mx.array) -> mx.array:
     return mx.concatenate(rows)
 
 
+def sample_positions(decoding: list[Sequence], logprobs: mx.array) -> tuple[mx.array, list]:
+    """The model's token at every verified position ((B, width), lazy) from (B, width, vocab)
+    log-probabilities, and per sequence the key after each number of draws (None where greedy).
+    Position j of a sampling sequence draws with the subkey its j-th next token would use without
+    speculation (node.speculate.key_chain), so an accepted prefix keeps the tokens and the keys."""
+    from .speculate import key_chain
+
+    if all(s.req.sampling.greedy for s in decoding):
+        return mx.argmax(logprobs, axis=-1), [None] * len(decoding)
+    rows, keys = [], []
+    for i, s in enumerate(decoding):
+        row = logprobs[i]
+        if s.req.sampling.greedy:
+            rows.append(mx.argmax(row, axis=-1))
+            keys.append(None)
+            continue
+        after, subs = key_chain(s.key, row.shape[0])
+        try:
+            rows.append(mx.concatenate([_draw(s, row[j : j + 1], sub) for j, sub in enumerate(subs)]))
+            keys.append(after)
+        except Exception as exc:  # noqa: BLE001 - this sequence's failure, not the batch's
+            s.error = exc
+            rows.append(mx.argmax(row, axis=-1))
+            keys.append(None)
+    return mx.stack(rows), keys
+
+
 def advance_key(key: mx.array, steps: int) -> mx.array:
     """The key a sequence's sampler holds after `steps` draws (`_sample` splits it once per draw): a
     resumed request samples its step k as the run that was cut would have, on every rank alike."""
@@ -420,16 +548,22 @@ def advance_key(key: mx.array, steps: int) -> mx.array:
 
 def _sample(s: Sequence, logprobs: mx.array) -> mx.array:
     """One sequence's token from its (1, vocab) log-probabilities, with its own key."""
-    from mlx_lm.sample_utils import apply_top_p
-
     sampling = s.req.sampling
     if sampling.greedy:  # the edge values too (proto.records.GREEDY_*): never handed to the kernels
         return mx.argmax(logprobs, axis=-1)
-    if sampling.top_p < 1:
-        logprobs = apply_top_p(logprobs, sampling.top_p)
     keys = mx.random.split(s.key)
     s.key = keys[0]
-    return mx.random.categorical(logprobs * (1.0 / sampling.temperature), key=keys[1])
+    return _draw(s, logprobs, keys[1])
+
+
+def _draw(s: Sequence, logprobs: mx.array, key: mx.array) -> mx.array:
+    """A draw from a (1, vocab) row with the sequence's temperature and top-p, with `key`."""
+    from mlx_lm.sample_utils import apply_top_p
+
+    sampling = s.req.sampling
+    if sampling.top_p < 1:
+        logprobs = apply_top_p(logprobs, sampling.top_p)
+    return mx.random.categorical(logprobs * (1.0 / sampling.temperature), key=key)
 
 
 def kv_bytes_per_token(model) -> int:

@@ -9,10 +9,11 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from ..proto.errors import UserError
-from .batch import BatchLimits, RunningBatch
+from .batch import BatchLimits, RunningBatch, SequenceFigures
 from .collective.base import TOKEN_LAYER, waiting
 from ..proto.records import GenerateRequest, check_token_ids
 from .engine import Stats
+from .speculate import DRAFT_LIMIT
 from .moe.load import ShardedModel
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class GenerateResult:
     cancelled: bool = False
     cached_tokens: int = 0  # prompt tokens served from the prompt cache
     collective_s: float = 0.0
+    figures: SequenceFigures = field(default_factory=SequenceFigures)
 
 
 class NodeRuntime:
@@ -62,6 +64,11 @@ class NodeRuntime:
         if not req.prompt:
             raise UserError(f"request {req.request_id} has an empty prompt")
         check_token_ids(req.prompt, self.vocab)
+        if req.prediction:
+            check_token_ids(req.prediction, self.vocab, "prediction")
+        if req.draft_tokens is not None and not 0 <= req.draft_tokens <= DRAFT_LIMIT:
+            raise UserError(f"request {req.request_id} asks for {req.draft_tokens} drafts per step "
+                            f"(at most {DRAFT_LIMIT})")
 
     @property
     def collective(self):

@@ -31,6 +31,9 @@ class SimTask:
     # unused), each token's arrival time kept; timers and counters then cover the steps after
     # every stream has its first token (bench race)
     streams: tuple[tuple[int, ...], ...] | None = None
+    speculative: str = "off"  # node/speculate.py MODES
+    draft_tokens: int = 4
+    prediction: tuple[int, ...] = ()  # the output expected (drafts), for the request(s)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,7 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
     import mlx.core as mx
 
     from ..proto.placement import Placement
+    from .batch import BatchLimits
     from .runtime import GenerateResult, NodeRuntime
     from ..proto.records import GenerateRequest
     from .moe.load import load_shard
@@ -90,14 +94,14 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
     if task.streams is not None:
         streams = _run_streams(index, task, sharded)
         return {**_report(job, index, sharded), **streams}
-    runtime = NodeRuntime(sharded)
+    runtime = NodeRuntime(sharded, limits=BatchLimits(speculative=task.speculative, draft_tokens=task.draft_tokens))
     result, wall = None, 0.0
     for i in range(task.repeats):
         sharded.state.reset_counters()
         sharded.state.timers.reset()
         result = GenerateResult()
         req = GenerateRequest(f"sim-{index}-{i}", task.prompt, task.sampling, task.eos_token_ids,
-                              record_logits=task.record_logits and job.rank == 0)
+                              record_logits=task.record_logits and job.rank == 0, prediction=task.prediction)
         t0 = time.perf_counter()
         for n, _ in enumerate(runtime.generate(req, result=result)):
             if n == 0:  # from here on timers, counters and the peak cover decode steps only, like generation_seconds
@@ -114,6 +118,8 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
         "generated": result.stats.generated,
         "generation_seconds": result.stats.generation_seconds,
         "wall_seconds": wall,
+        "figures": vars(result.figures),  # its decode steps, drafts and accepted drafts
+        "speculative": runtime.batch.speculation(),
     }
 
 
@@ -168,7 +174,8 @@ def _run_streams(index: int, task: SimTask, sharded) -> dict:
     from .batch import BatchLimits
     from .runtime import GenerateResult, NodeRuntime
 
-    runtime = NodeRuntime(sharded, limits=BatchLimits(max_batch=len(task.streams)))
+    runtime = NodeRuntime(sharded, limits=BatchLimits(max_batch=len(task.streams), speculative=task.speculative,
+                                                      draft_tokens=task.draft_tokens))
     out: dict = {}
     for i in range(task.repeats):
         sharded.state.reset_counters()
@@ -177,7 +184,8 @@ def _run_streams(index: int, task: SimTask, sharded) -> dict:
         results = [GenerateResult() for _ in task.streams]
         t0 = time.perf_counter()
         for j, (prompt, sink, result) in enumerate(zip(task.streams, sinks, results)):
-            req = GenerateRequest(f"sim-{index}-{i}-{j}", prompt, task.sampling, task.eos_token_ids)
+            req = GenerateRequest(f"sim-{index}-{i}-{j}", prompt, task.sampling, task.eos_token_ids,
+                                  prediction=task.prediction)
             runtime.batch.submit(req, runtime.next_seq(), sink, result)
         steps, t_decode = 0, None
         while not all(s.ended for s in sinks):
@@ -192,5 +200,6 @@ def _run_streams(index: int, task: SimTask, sharded) -> dict:
         if failed is not None:
             raise failed
         out = {"t0": t0, "tokens": [r.tokens for r in results], "times": [s.times for s in sinks],
+               "figures": [vars(r.figures) for r in results],
                "decode_steps": steps, "decode_seconds": time.perf_counter() - (t_decode or t0)}
     return out

@@ -180,7 +180,7 @@ def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
         collective_timeout_s=spec.transport.timeout_s, prefill_step=spec.prefill_step,
         prompt_cache_bytes=spec.prompt_cache_bytes, expert_cache=spec.expert_cache,
         max_batch=spec.max_batch, prefill_budget=spec.prefill_budget, kv_budget_bytes=spec.kv_budget_bytes,
-        route=spec.route,
+        route=spec.route, speculative=spec.speculative, draft_tokens=spec.draft_tokens,
     )
     if spec.placement is not None:
         msg.placement.CopyFrom(placement_to_proto(spec.placement))
@@ -188,6 +188,14 @@ def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
         msg.ship.CopyFrom(npb.ShipSource(fingerprint=spec.ship.fingerprint, address=spec.ship.address))
     msg.heat.extend(npb.LayerHeat(layer=layer, selections=list(counts), tokens=tokens) for layer, counts, tokens in spec.heat)
     return msg
+
+
+def _speculative(mode: str) -> str:
+    from .records import SPECULATIVE_MODES
+
+    if mode and mode not in SPECULATIVE_MODES:
+        raise ConvertError(f"LoadRequest.speculative {mode!r} is not one of {', '.join(SPECULATIVE_MODES)}")
+    return mode or "off"
 
 
 def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any = None) -> LoadSpec:
@@ -209,7 +217,8 @@ def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any 
         max_batch=msg.max_batch or LoadSpec.max_batch, prefill_budget=msg.prefill_budget or LoadSpec.prefill_budget,
         kv_budget_bytes=msg.kv_budget_bytes,
         heat=tuple((h.layer, tuple(h.selections), h.tokens) for h in msg.heat),
-        route=msg.route or "measure",
+        route=msg.route or "measure", speculative=_speculative(msg.speculative),
+        draft_tokens=msg.draft_tokens or LoadSpec.draft_tokens,
     )
 
 
@@ -261,9 +270,11 @@ def generate_request_to_proto(req: GenerateRequest) -> npb.GenerateRequest:
     try:  # protobuf refuses values its fields cannot hold (a negative id, a seed past uint64)
         msg = npb.GenerateRequest(request_id=req.request_id, prompt=list(req.prompt), max_tokens=s.max_tokens,
                                   temperature=s.temperature, top_p=s.top_p, eos_token_ids=list(req.eos_token_ids),
-                                  seq=req.seq, sampler_step=s.step)
+                                  seq=req.seq, sampler_step=s.step, prediction=list(req.prediction))
         if s.seed is not None:
             msg.seed = s.seed
+        if req.draft_tokens is not None:
+            msg.draft_tokens = req.draft_tokens
     except (ValueError, TypeError) as exc:
         raise ConvertError(f"GenerateRequest {req.request_id} does not fit the wire format: {exc}") from None
     return msg
@@ -285,7 +296,9 @@ def generate_request_from_proto(msg: npb.GenerateRequest, *, prefill_step: int |
     except ValueError as exc:
         raise ConvertError(f"GenerateRequest {msg.request_id}: {exc}") from exc
     return GenerateRequest(msg.request_id, tuple(msg.prompt), sampling, tuple(msg.eos_token_ids),
-                           prefill_step or DEFAULT_PREFILL_STEP, seq=msg.seq)
+                           prefill_step or DEFAULT_PREFILL_STEP, seq=msg.seq,
+                           draft_tokens=msg.draft_tokens if msg.HasField("draft_tokens") else None,
+                           prediction=tuple(msg.prediction))
 
 
 def generate_event_to_proto(event: GenerateEvent) -> npb.GenerateEvent:
@@ -391,7 +404,7 @@ def status_to_proto(s: NodeStatus) -> npb.NodeStatus:
         if s.allreduce is not None else None,
         routing=[npb.LayerRouting(layer=r.layer, held=r.held, tokens=r.tokens) for r in s.routing],
         expert_cache=[npb.ExpertCacheLayer(**vars(c)) for c in s.expert_cache],
-        route=s.route, route_us=dict(s.route_us),
+        route=s.route, route_us=dict(s.route_us), speculative=s.speculative,
     )
 
 
@@ -410,7 +423,7 @@ def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
         expert_cache=tuple(ExpertCacheLayer(c.layer, c.capacity, c.local, c.hits, c.misses, c.bytes_read, c.read_seconds,
                                             c.prefetched, c.prefetch_hits, c.prefetch_bytes)
                            for c in msg.expert_cache),
-        route=msg.route, route_us=dict(sorted(msg.route_us.items())),
+        route=msg.route, route_us=dict(sorted(msg.route_us.items())), speculative=msg.speculative,
     )
 
 

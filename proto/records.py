@@ -82,6 +82,8 @@ class GenerateRequest:
     eos_token_ids: Sequence[int] = ()
     prefill_step: int = DEFAULT_PREFILL_STEP
     record_logits: bool = False
+    draft_tokens: int | None = None  # drafts per step at most (speculation); None: the node's setting
+    prediction: Sequence[int] = ()  # the output the client expects (OpenAI's `prediction`): drafts
     seq: int = 0  # the coordinator's admission order (a running batch admits in it); 0: the node numbers it
 
 
@@ -102,6 +104,8 @@ class TlsFiles:
 KEEPALIVES = ("none", "lru", "busy")
 # How a node picks its decode route (node/moe/route.py): timed at load, or forced (benchmarks)
 DECODE_ROUTES = ("measure", "skip", "device", "host")
+SPECULATIVE_MODES = ("off", "prompt-lookup")  # node/speculate.py
+DRAFT_LIMIT = 16  # the most drafts one step verifies per sequence
 NODE_STATES = ("idle", "loading", "ready", "busy", "failed", "stopping")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -163,6 +167,8 @@ class LoadSpec:
     # the hottest experts and prefetches the next layer's from it
     heat: tuple = ()
     route: str = "measure"  # DECODE_ROUTES; measure: the node's MOE_CLUSTER_ROUTE if set, else timed
+    speculative: str = "off"  # node/speculate.py MODES
+    draft_tokens: int = 4  # drafts a step verifies per sequence at most, where speculation is on
 
     def __post_init__(self) -> None:
         _check(self.keepalive, KEEPALIVES, "keepalive")
@@ -301,6 +307,7 @@ class NodeStatus:
     expert_cache: tuple[ExpertCacheLayer, ...] = ()  # by layer, where fewer experts are resident than held
     route: str = ""  # the decode route chosen at load (node/moe/route.py): skip, device or host
     route_us: Mapping[str, float] = field(default_factory=dict)  # µs per MoE layer call, per route timed
+    speculative: str = ""  # "prompt-lookup, 4 drafts", "off", or "off: <why the model cannot>"
 
     def __post_init__(self) -> None:
         _check(self.state, NODE_STATES, "state")

@@ -45,6 +45,9 @@ class SimRequest:
     transport: str = "shm"  # shm | envoy | mlx
     expert_cache: str = "off"  # experts each node keeps resident (proto.expert_cache)
     profile: Path | None = None  # routing profile: the hottest experts start resident
+    speculative: str = "off"  # node/speculate.py MODES
+    draft_tokens: int = 4
+    prediction: str = ""  # the output expected: drafts for speculation
 
 
 def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float, gpus: bool = False):
@@ -240,9 +243,11 @@ def simulate(req: SimRequest) -> dict:
     ids = encode_prompt(tokenizer, req.prompt)
     eos = tuple(tokenizer.eos_token_ids)
     ExpertCacheSpec.parse(req.expert_cache)  # bad input is refused before any process starts
+    prediction = tuple(tokenizer.encode(req.prediction, add_special_tokens=False)) if req.prediction else ()
     task = SimTask(str(ckpt.path), tuple(ids), req.sampling, placement_json, req.keepalive, eos,
                    record_logits=req.check, repeats=req.repeats, expert_cache=req.expert_cache,
-                   profile=profile_heat(req.profile) if req.profile else None)
+                   profile=profile_heat(req.profile) if req.profile else None,
+                   speculative=req.speculative, draft_tokens=req.draft_tokens, prediction=prediction)
     reports = run_nodes([task], req.nodes, timeout_s=req.timeout_s, transport=req.transport)[0]
     r0 = reports[0]
     out = {
@@ -257,6 +262,7 @@ def simulate(req: SimRequest) -> dict:
         "generation_tps": r0["generation_tps"],
         "prompt_tps": r0["prompt_tps"],
         "keepalive": req.keepalive,
+        "speculative": {"mode": r0["speculative"], **r0["figures"]},
     }
     if reports[0].get("expert_cache") is not None:
         out["expert_cache"] = cache_summary([rep["expert_cache"] for rep in reports])
@@ -295,7 +301,8 @@ def main(args) -> int:
     req = SimRequest(args.model, args.nodes, args.prompt, sampling, args.keepalive,
                      Path(args.placement) if args.placement else None, args.check,
                      transport=args.transport, expert_cache=args.expert_cache,
-                     profile=Path(args.routing_profile) if args.routing_profile else None)
+                     profile=Path(args.routing_profile) if args.routing_profile else None,
+                     speculative=args.speculative, draft_tokens=args.draft_tokens, prediction=args.prediction or "")
     out = simulate(req)
     if args.json:
         print(json.dumps(out))
@@ -314,6 +321,10 @@ def main(args) -> int:
         print(f"expert cache: {e['capacity']} slots, {e['hits']} hits, {e['misses']} misses, "
               f"{e['bytes_read'] / 1e6:.1f} MB read", file=sys.stderr)
     print(f"generation: {out['generation_tps']:.1f} tokens/s", file=sys.stderr)
+    spec = out["speculative"]
+    if spec["mode"] != "off":
+        print(f"speculative ({spec['mode']}): {spec['accepted']} of {spec['drafted']} drafts accepted, "
+              f"{spec['steps']} decode steps", file=sys.stderr)
     if args.check:
         print(f"check: tokens {'match' if out['tokens_match'] else 'DIFFER'} stock mlx-lm; "
               f"max |Δlogit| {out['max_abs_logit_diff']:.2e}", file=sys.stderr)

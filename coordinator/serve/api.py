@@ -162,6 +162,8 @@ class ServingOptions:
     vocab_size: int = 0  # rows of the model's token embedding: prompt ids must be below it (0: unchecked)
     max_body: int = MAX_BODY  # bytes; larger bodies get 413
     metrics_auth: bool = False  # /metrics needs the API key too
+    speculative: str = "off"  # serving.speculative: whether a request may ask for drafts
+    draft_tokens: int = 4  # serving.draft_tokens: the most a request may ask for
 
 
 # -- request parsing -------------------------------------------------------------------------
@@ -205,6 +207,42 @@ def parse_sampling(body: dict, default_max_tokens: int) -> tuple[Sampling, list[
     n = _field(body, "n", (int,), 1, check=lambda v: v == 1, what="1 (one choice per request)")
     del n
     return sampling, stops, stream
+
+
+_OWN_FIGURES = ("peak_memory_bytes", "decode_steps", "drafted", "accepted", "moe_layers")
+
+
+def speculation_figures(counters: dict, generated: int) -> dict:
+    """A request's speculation as the client sees it: drafts verified and accepted, and the
+    all-reduces its decoding paid per generated token (one per MoE layer per step)."""
+    steps, layers = counters.get("decode_steps", 0.0), counters.get("moe_layers", 0.0)
+    return {"drafted": int(counters.get("drafted", 0)), "accepted": int(counters.get("accepted", 0)),
+            "decode_steps": int(steps),
+            "allreduces_per_token": round(steps * layers / generated, 3) if generated else 0.0}
+
+
+def parse_speculation(body: dict, options: "ServingOptions") -> tuple[int | None, str | None]:
+    """(drafts per step, predicted text) a request asks for: `draft_tokens` (this server's
+    extension; 0 turns speculation off for the request) and OpenAI's `prediction` ({"type":
+    "content", "content": text or text parts}), whose tokens the nodes draft from. A prediction
+    only changes speed, never the output: it is taken whether or not the cluster speculates."""
+    drafts = body.get("draft_tokens")
+    if drafts is not None:
+        limit = options.draft_tokens if options.speculative != "off" else 0
+        if options.speculative == "off" and drafts != 0:
+            raise ApiError(INVALID, "'draft_tokens' needs speculative decoding, which is off on this cluster "
+                                    "(serving.speculative in cluster.yaml)", param="draft_tokens")
+        drafts = _field(body, "draft_tokens", (int,), None, check=lambda v: 0 <= v <= limit,
+                        what=f"an integer in [0, {limit}] (serving.draft_tokens)")
+    prediction = body.get("prediction")
+    if prediction is None:
+        return drafts, None
+    if not (isinstance(prediction, dict) and prediction.get("type") == "content" and "content" in prediction):
+        raise ApiError(INVALID, "'prediction' must be {'type': 'content', 'content': <text>} "
+                                f"(got {_show(prediction)})", param="prediction")
+    text = text_content(prediction["content"], "prediction.content")
+    _check_text(text, "prediction.content")
+    return drafts, text
 
 
 def _check_text(text: str, param: str) -> None:
@@ -624,6 +662,7 @@ class Api:
             prompt = prompt[0]
         sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
         echo = check_unsupported_completion(body)
+        speculation = await self._speculation(body)
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):
             # the length first: it costs nothing, while a pass over 4 million ids stalls the loop 0.3 s
             self._check_context(prompt, sampling, chat=False)
@@ -640,13 +679,15 @@ class Api:
             echoed = prompt
         else:
             echoed = await self.worker.call(lambda: self.tokenizer.decode(ids))
-        return await self._serve(request, ids, sampling, stops, stream, chat=False, echo=echoed)
+        return await self._serve(request, ids, sampling, stops, stream, chat=False, echo=echoed,
+                                 speculation=speculation)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
         self._check_model(body)
         sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
         check_unsupported(body)
+        speculation = await self._speculation(body)
         tools = parse_tools(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -654,7 +695,8 @@ class Api:
         clean = [chat_message(m, i) for i, m in enumerate(messages)]
         rendered = tools.rendered if tools else None
         ids = await self.worker.call(lambda: self._render(clean, rendered))
-        return await self._serve(request, ids, sampling, stops, stream, chat=True, tools=tools)
+        return await self._serve(request, ids, sampling, stops, stream, chat=True, tools=tools,
+                                 speculation=speculation)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API: the same rendering, generation and tool parsing as chat."""
@@ -689,8 +731,25 @@ class Api:
             await alive.close()
         return resp
 
+    async def _speculation(self, body: dict) -> tuple[int | None, tuple[int, ...]]:
+        """(drafts per step, predicted token ids) of a request (parse_speculation)."""
+        drafts, text = parse_speculation(body, self.options)
+        if not text:
+            return drafts, ()
+
+        def encode() -> tuple[int, ...]:
+            self._refuse_too_long([text], "prediction.content")
+            return tuple(self.tokenizer.encode(text, add_special_tokens=False))
+
+        ids = await self.worker.call(encode)
+        if len(ids) > self.options.context_length:
+            raise ApiError(INVALID, f"'prediction' has {len(ids)} tokens, past this model's context of "
+                                    f"{self.options.context_length}", param="prediction")
+        return drafts, ids
+
     def _generation(self, ids: list[int], sampling: Sampling, stops: list[str], chat: bool,
-                    tools: Tools | None = None, prefix: str = "") -> "_Generation":
+                    tools: Tools | None = None, prefix: str = "",
+                    speculation: tuple[int | None, tuple[int, ...]] = (None, ())) -> "_Generation":
         """A request checked against the context, the vocabulary and the cluster's state."""
         self._check_context(ids, sampling, chat)
         self._check_ids(ids, "messages" if chat else "prompt")  # a tokenizer larger than the embedding
@@ -700,12 +759,15 @@ class Api:
             raise ApiError.of(exc) from None
         rid = f"{prefix or ('chatcmpl-' if chat else 'cmpl-')}{uuid.uuid4().hex[:24]}"
         eos = tuple(self.tokenizer.eos_token_ids)
-        return _Generation(self, GenerateRequest(rid, tuple(ids), sampling, eos), stops, tools)
+        drafts, prediction = speculation
+        req = GenerateRequest(rid, tuple(ids), sampling, eos, draft_tokens=drafts, prediction=prediction)
+        return _Generation(self, req, stops, tools)
 
     async def _serve(self, request: web.Request, ids: list[int], sampling: Sampling, stops: list[str],
-                     stream: bool, chat: bool, tools: Tools | None = None, echo: str = "") -> web.StreamResponse:
+                     stream: bool, chat: bool, tools: Tools | None = None, echo: str = "",
+                     speculation: tuple[int | None, tuple[int, ...]] = (None, ())) -> web.StreamResponse:
         """`echo`: text put before a completion's own (the prompt, where the request asked for it)."""
-        gen = self._generation(ids, sampling, stops, chat, tools)
+        gen = self._generation(ids, sampling, stops, chat, tools, speculation=speculation)
         if stream:
             return await self._stream(request, gen, chat, echo)
         text, outcome = await gen.run()
@@ -725,7 +787,8 @@ class Api:
             "generation_tps": (max(len(outcome.tokens), 1) / t.generation_s) if t and t.generation_s else 0.0,
             "time_to_first_token_s": gen.ttft,
             "stalls_s": [round(s, 3) for s in outcome.stalls],  # one per resume after a lost node
-            "counters": {k: v for k, v in d.counters.items() if k != "peak_memory_bytes"} if d else {},
+            "counters": {k: v for k, v in d.counters.items() if k not in _OWN_FIGURES} if d else {},
+            "speculative": speculation_figures(d.counters if d else {}, len(outcome.tokens)),
             # rank 0's MLX peak since it started (the nodes of one cluster hold about the same)
             "peak_memory_bytes": int(d.counters.get("peak_memory_bytes", 0)) if d else 0,
         }

@@ -63,6 +63,7 @@ class Member:
     expert_cache: tuple = ()  # proto.records.ExpertCacheLayer by layer, from the node's last Status
     route: str = ""  # the node's decode route and the µs per MoE layer it measured per route (Status)
     route_us: dict = field(default_factory=dict)
+    speculative: str = ""  # what the node's batch does of serving.speculative (Status)
 
     @property
     def address(self) -> str:
@@ -221,6 +222,7 @@ class Cluster:
         m.experts = sum(s.experts_per_layer.values())
         m.routing, m.expert_cache = s.routing, s.expert_cache
         m.route, m.route_us = s.route, dict(s.route_us)
+        m.speculative = s.speculative
         from .metrics import allreduce_histogram
 
         hist = allreduce_histogram(s.allreduce)
@@ -573,7 +575,7 @@ class Cluster:
                  if m.name in self.allreduce_histograms else None,
                  "last_seen_s": round(time.monotonic() - m.last_seen, 1) if m.last_seen else None,
                  "expert_cache": [vars(c) for c in m.expert_cache],
-                 "route": m.route, "route_us": dict(m.route_us)}
+                 "route": m.route, "route_us": dict(m.route_us), "speculative": m.speculative}
                 for m in self.members
             ],
         }

@@ -19,8 +19,8 @@ import yaml
 
 from ...proto.errors import UserError
 from ...proto.expert_cache import ExpertCacheSpec
-from ...proto.records import (COLLECTIVE_TIMEOUT_S, DECODE_ROUTES, DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE, KEEPALIVES,
-                              TlsFiles)
+from ...proto.records import (COLLECTIVE_TIMEOUT_S, DECODE_ROUTES, DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE, DRAFT_LIMIT,
+                              KEEPALIVES, SPECULATIVE_MODES, TlsFiles)
 from .resume import MAX_RESUMES, RECOVERY_WAIT_S
 
 
@@ -111,6 +111,10 @@ class ServingConfig:
     # before it gets 503; a little above the slowest recovery the soak measured
     recovery_wait: Duration = Duration(RECOVERY_WAIT_S)
     max_resumes: int = MAX_RESUMES  # times one request may resume after a lost node; 0: never
+    # one step verifies drafted tokens (node/speculate.py): fewer all-reduces per token where the
+    # drafts hold; off until measured on for a model and a link (docs/speculative.md)
+    speculative: Literal[SPECULATIVE_MODES] = "off"
+    draft_tokens: int = 4  # drafts a step verifies per sequence at most (1..16)
 
 
 @dataclass(frozen=True)
@@ -371,6 +375,9 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
         raise r.fail(_find(root, "serving", "queue"), "serving.queue", f"must be at least 1 (got {c.serving.queue})")
     if c.serving.max_tokens < 1:
         raise r.fail(_find(root, "serving", "max_tokens"), "serving.max_tokens", f"must be at least 1 (got {c.serving.max_tokens})")
+    if not 1 <= c.serving.draft_tokens <= DRAFT_LIMIT:
+        raise r.fail(_find(root, "serving", "draft_tokens"), "serving.draft_tokens",
+                     f"must be 1 to {DRAFT_LIMIT} (got {c.serving.draft_tokens})")
     if c.serving.max_resumes < 0:
         raise r.fail(_find(root, "serving", "max_resumes"), "serving.max_resumes",
                      f"must be at least 0 (got {c.serving.max_resumes})")

@@ -119,6 +119,9 @@ class Metrics:
         self.last_prompt_tps = 0.0
         self.last_generation_tps = 0.0
         self.ttft = Histogram(TTFT_BUCKETS)
+        self.drafted = 0  # speculation: drafts verified, and accepted
+        self.accepted = 0
+        self.decode_allreduces = 0  # MoE all-reduces the decode steps paid (steps x MoE layers)
 
     def finished(self, gen) -> None:
         """Called once per request by the API with its _Generation."""
@@ -132,6 +135,10 @@ class Metrics:
             self.ttft.observe(gen.ttft)
         d = o.done
         if d is not None:
+            c = d.counters
+            self.drafted += int(c.get("drafted", 0))
+            self.accepted += int(c.get("accepted", 0))
+            self.decode_allreduces += int(c.get("decode_steps", 0) * c.get("moe_layers", 0))
             if d.cached_tokens:
                 self.cache_hits += 1
                 self.cached_tokens += d.cached_tokens
@@ -156,6 +163,16 @@ class Metrics:
             "# HELP moe_cluster_generated_tokens_total Tokens generated.",
             "# TYPE moe_cluster_generated_tokens_total counter",
             f"moe_cluster_generated_tokens_total {self.generated_tokens}",
+            "# HELP moe_cluster_speculative_drafted_total Drafted tokens verified (speculative decoding).",
+            "# TYPE moe_cluster_speculative_drafted_total counter",
+            f"moe_cluster_speculative_drafted_total {self.drafted}",
+            "# HELP moe_cluster_speculative_accepted_total Drafted tokens the model accepted.",
+            "# TYPE moe_cluster_speculative_accepted_total counter",
+            f"moe_cluster_speculative_accepted_total {self.accepted}",
+            "# HELP moe_cluster_decode_allreduces_total MoE all-reduces paid by decode steps (steps x MoE "
+            "layers); over moe_cluster_generated_tokens_total: all-reduces per generated token.",
+            "# TYPE moe_cluster_decode_allreduces_total counter",
+            f"moe_cluster_decode_allreduces_total {self.decode_allreduces}",
             "# HELP moe_cluster_prompt_tokens_per_second Prompt throughput of the last request.",
             "# TYPE moe_cluster_prompt_tokens_per_second gauge",
             f"moe_cluster_prompt_tokens_per_second {self.last_prompt_tps:.3f}",

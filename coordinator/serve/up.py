@@ -240,7 +240,8 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
                               prefill_step=c.serving.prefill_chunk, prompt_cache_bytes=c.serving.prompt_cache,
                               ship=ship.source if ship else None, expert_cache=plan.expert_cache[m.rank],
                               max_batch=c.serving.max_batch, prefill_budget=c.serving.prefill_budget,
-                              kv_budget_bytes=kv_reserve, heat=heat, route=c.route)
+                              kv_budget_bytes=kv_reserve, heat=heat, route=c.route,
+                              speculative=c.serving.speculative, draft_tokens=c.serving.draft_tokens)
             # what weights may use: memory × memory_fraction less the KV reserve and prompt cache
             m.budget_bytes = plan.available[m.rank] - kv_reserve
         for note in plan.notes:
@@ -289,7 +290,9 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         api = Api(cluster, tokenizer, ServingOptions(model_id=c.model, context_length=context,
                                                      default_max_tokens=c.serving.max_tokens, api_key=api_key,
                                                      on_shutdown=stop.set, vocab_size=vocab,
-                                                     max_body=c.api.max_body, metrics_auth=c.api.metrics_auth))
+                                                     max_body=c.api.max_body, metrics_auth=c.api.metrics_auth,
+                                                     speculative=c.serving.speculative,
+                                                     draft_tokens=c.serving.draft_tokens))
         runner = ApiRunner(api.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, c.api.host, c.api.port)

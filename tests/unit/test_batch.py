@@ -152,3 +152,75 @@ def test_bf16_and_4bit_batches_give_each_sequence_its_alone_tokens_or_a_near_tie
             continue
         top2 = np.sort(alone.logits[n])[-2:]
         assert top2[1] - top2[0] <= tol, (req.request_id, n, float(top2[1] - top2[0]))
+
+
+# -- speculative decoding (node/speculate.py) -------------------------------------------------------
+
+SPEC = BatchLimits(max_batch=8, speculative="prompt-lookup", draft_tokens=4)
+
+
+def _spoil(tokens: list[int], every: int) -> tuple[int, ...]:
+    """A prediction wrong at every `every`-th token: its drafts are rejected there."""
+    return tuple((t + 1) % 300 if i % every == every - 1 else t for i, t in enumerate(tokens))
+
+
+@pytest.mark.parametrize("sampling", [Sampling(max_tokens=24), Sampling(max_tokens=24, temperature=0.9, top_p=0.95, seed=3)],
+                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize("together", [1, 8], ids=["alone", "batch of 8"])
+def test_speculation_gives_the_tokens_and_logits_of_one_token_steps(sharded, encode, sampling, together):
+    """Drafts from a right prediction (most accepted), a spoiled one (rejections mid-draft), a
+    wrong one (every draft rejected) and the prompt alone: each sequence's tokens are those of
+    decoding one token per step, and so are its logits, so a rejected draft left no trace in the
+    KV cache of the steps after it (a left-over position changes every logit after it)."""
+    prompts = [encode(p) for p in (PROMPTS * 2)[:max(together, 4)]]
+    plain = [GenerateRequest(f"p{i}", p, sampling, record_logits=True) for i, p in enumerate(prompts)]
+    base, _ = drive(NodeRuntime(sharded, limits=BatchLimits(max_batch=8)), plain)
+    kinds = [lambda t: t, lambda t: _spoil(t, 3), lambda t: tuple((x + 1) % 300 for x in t), lambda t: ()]
+    reqs = [replace(q, request_id=f"s{i}", prediction=kinds[i % 4](tuple(b.tokens)))
+            for i, (q, b) in enumerate(zip(plain, base))]
+    if together > 1:
+        spec, _ = drive(NodeRuntime(sharded, limits=SPEC), reqs)
+    else:
+        spec = [drive(NodeRuntime(sharded, limits=SPEC), [q])[0][0] for q in reqs]
+    for b, s in zip(base, spec):
+        assert s.tokens == b.tokens and len(s.tokens) == 24
+        assert len(s.logits) == len(b.logits) >= 24
+        assert max(float(np.abs(x - y).max()) for x, y in zip(s.logits, b.logits)) <= 1e-4
+    right, spoiled, wrong = (r.figures for r in spec[:3])
+    assert right.accepted >= 16 and right.steps <= 8, right  # most of 4 drafts a step held
+    assert 0 < spoiled.accepted < spoiled.drafted, spoiled
+    # drafts from a wrong prediction (or, past it, from the prompt) all but fail
+    assert wrong.drafted - wrong.accepted >= 12, wrong
+
+
+def test_a_sequence_asking_for_no_drafts_steps_one_token_at_a_time(sharded, encode):
+    req = GenerateRequest("n", encode(PROMPTS[0]), Sampling(max_tokens=12), draft_tokens=0)
+    (r,), _ = drive(NodeRuntime(sharded, limits=SPEC), [req])
+    assert r.figures.drafted == 0 and r.figures.steps == 13  # the first step comes with the prompt
+    (b,), _ = drive(NodeRuntime(sharded), [req])
+    assert r.tokens == b.tokens
+
+
+def test_a_speculated_sequence_leaves_a_prompt_cache_entry_of_its_own_tokens(sharded, encode):
+    """What a speculating sequence stores (its prompt and output) continues as a fresh prefill
+    would: the accepted drafts of its last step are not in the entry."""
+    rt = NodeRuntime(sharded, prompt_cache_bytes=64 * 2**20, limits=SPEC)
+    first = GenerateRequest("c1", encode(PROMPTS[2]), Sampling(max_tokens=10))
+    (r1,), _ = drive(rt, [replace(first, prediction=tuple(range(40, 60)))])
+    (plain1,), _ = drive(NodeRuntime(sharded), [first])
+    assert r1.tokens == plain1.tokens
+    follow = GenerateRequest("c2", first.prompt + tuple(r1.tokens) + encode(" and"), Sampling(max_tokens=10))
+    (r2,), _ = drive(rt, [follow])
+    assert r2.cached_tokens >= len(first.prompt) + len(r1.tokens) - 1
+    (plain2,), _ = drive(NodeRuntime(sharded), [follow])
+    assert r2.tokens == plain2.tokens
+
+
+def test_a_family_whose_caches_cannot_roll_back_says_so_and_decodes_one_token_a_step(make_ckpt):
+    path = make_ckpt("qwen3_next")
+    sharded = load_shard(str(path), None, 0, collective=LocalCollective())
+    rt = NodeRuntime(sharded, limits=SPEC)
+    assert rt.batch.speculation().startswith("off: its caches (ArraysCache") and rt.batch.draft_max == 0
+    req = GenerateRequest("q", tuple(range(3, 30)), Sampling(max_tokens=6), prediction=tuple(range(5, 15)))
+    (r,), _ = drive(rt, [req])
+    assert len(r.tokens) == 6 and r.figures.drafted == 0

@@ -1,0 +1,132 @@
+"""Speculative decoding in the running batch: one step verifies a sequence's drafted tokens and the
+token after them in one forward pass, so one all-reduce per MoE layer carries several positions.
+
+Drafts come from prompt lookup (the tokens that followed the latest earlier occurrence of the
+sequence's last n-gram, in its prompt or its output; no second model). Every rank drafts from the
+same agreed history, so every rank feeds the same positions.
+
+Verification keeps the model's output exactly: at each verified position the model's own token is
+taken (its argmax, or a draw from its distribution with the sequence's key, split once per emitted
+token as without speculation), and a draft is accepted while it equals that token. The emitted
+tokens are then the tokens decoding one at a time would emit, in value for greedy and in
+distribution (with the same keys: in value) for sampling; only rounding differs, a forward pass
+over several positions summing in another order than one over a single position.
+
+Rejected positions leave the KV cache before the next step (`rollback`): a lone sequence's cache is
+trimmed; in a batch's left-padded cache each row's own rejected tail is rolled into its padding.
+Caches that cannot be rolled back (a recurrent state, a rotating window) keep speculation off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..proto.records import DRAFT_LIMIT, SPECULATIVE_MODES as MODES  # noqa: F401 - re-exported
+
+MAX_NGRAM = 3  # the longest suffix looked up; longer matches are rarer and the drafts no better
+
+
+def lookup(history: Sequence[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+    """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix n-gram of
+    `history` (n from `max_ngram` down to 1); [] where no suffix occurred before."""
+    if k <= 0 or len(history) < 2:
+        return []
+    a = np.asarray(history, dtype=np.int64)
+    for n in range(min(max_ngram, len(a) - 1), 0, -1):
+        found = _occurrences(a[:-1], a[len(a) - n :])
+        if found.size:
+            start = int(found[-1]) + n
+            return a[start : start + k].tolist()
+    return []
+
+
+def predicted(prediction: Sequence[int], history: Sequence[int], done: int, k: int,
+              max_ngram: int = MAX_NGRAM) -> list[int]:
+    """Up to `k` drafts from a predicted output (OpenAI's `prediction`) after `done` tokens of
+    output: where the history's suffix n-gram occurs in the prediction, the tokens after it, taking
+    the occurrence nearest where the output would stand if it followed the prediction; the
+    prediction's start before any output. [] where nothing matches."""
+    if k <= 0 or not prediction:
+        return []
+    p = np.asarray(prediction, dtype=np.int64)
+    if done == 0:
+        return p[:k].tolist()
+    a = np.asarray(history, dtype=np.int64)
+    for n in range(min(max_ngram, len(a), len(p) - 1), 0, -1):
+        found = _occurrences(p[:-1], a[len(a) - n :])
+        if found.size:
+            latest_first = found[::-1]  # argmin takes the first of equals: the latest occurrence
+            start = int(latest_first[np.argmin(np.abs(latest_first + n - done))])
+            return p[start + n : start + n + k].tolist()
+    return []
+
+
+def _occurrences(a: np.ndarray, gram: np.ndarray) -> np.ndarray:
+    """Every start of `gram` in `a` (the callers pass a sequence less its last token, so that a
+    token always follows a match)."""
+    n = len(gram)
+    starts = len(a) - n + 1
+    if starts <= 0:
+        return np.zeros(0, dtype=np.int64)
+    hit = np.ones(starts, dtype=bool)
+    for j in range(n):
+        hit &= a[j : j + starts] == gram[j]
+    return np.flatnonzero(hit)
+
+
+def can_roll_back(cache: list) -> str | None:
+    """None where every layer's cache can drop a rejected tail (plain KV caches, which mlx-lm's
+    batched cache merges into); else why not, naming the cache type."""
+    from mlx_lm.models.cache import KVCache
+
+    others = sorted({type(c).__name__ for c in cache if type(c) is not KVCache})
+    if others:
+        return f"its caches ({', '.join(others)}) cannot drop rejected drafts"
+    return None
+
+
+def rollback(cache: list, drop: Sequence[int]) -> None:
+    """Remove the last `drop[i]` positions of row i from every layer's cache (a lone sequence's
+    KVCache, or a batch's BatchKVCache)."""
+    if not any(drop):
+        return
+    common = min(drop)
+    extra = [d - common for d in drop]
+    for c in cache:
+        if common:
+            c.trim(common)
+        if any(extra):  # left-padded rows: each row's rejected tail rolls round into its padding
+            c.prepare(right_padding=extra)
+            c.finalize()
+
+
+@dataclass
+class Verified:
+    """One sequence's outcome of a verifying step."""
+
+    tokens: list[int]  # the accepted drafts, then the model's own next token
+    accepted: int  # drafts accepted (len(tokens) - 1)
+
+
+def accept(drafts: Sequence[int], model_tokens: Sequence[int]) -> Verified:
+    """The longest prefix of `drafts` the model agrees with, then the model's token after it:
+    `model_tokens[j]` is the model's token at the position where `drafts[j]` was fed."""
+    a = 0
+    while a < len(drafts) and drafts[a] == model_tokens[a]:
+        a += 1
+    return Verified([*drafts[:a], int(model_tokens[a])], a)
+
+
+def key_chain(key: mx.array, n: int) -> tuple[list[mx.array], list[mx.array]]:
+    """(keys, subkeys): the key after each of n draws and the subkey each draw uses, as
+    node.batch._sample splits them one draw at a time."""
+    keys, subs = [], []
+    for _ in range(n):
+        key, sub = mx.random.split(key)
+        keys.append(key)
+        subs.append(sub)
+    return keys, subs

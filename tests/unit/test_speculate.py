@@ -1,0 +1,73 @@
+"""Speculative decoding's parts (node/speculate.py): where drafts come from, which are accepted,
+the keys a sampled sequence draws with, and which caches can drop a rejected tail."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from moe_cluster.node.speculate import accept, can_roll_back, key_chain, lookup, predicted, rollback
+
+
+def test_lookup_takes_what_followed_the_latest_longest_suffix():
+    # the 3-gram (2, 3, 4) occurred at 1 and 6: the latest one's followers
+    assert lookup([1, 2, 3, 4, 9, 9, 2, 3, 4, 7, 8, 2, 3, 4], 2) == [7, 8]
+    # no 3-gram or 2-gram occurred before, the 1-gram 5 did
+    assert lookup([5, 6, 1, 2, 5], 3) == [6, 1, 2]
+    # drafts stop where the history ends
+    assert lookup([1, 2, 1], 4) == [2, 1]
+    assert lookup([1, 2, 3], 4) == [] and lookup([7], 4) == [] and lookup([1, 2, 1], 0) == []
+
+
+def test_a_prediction_drafts_from_where_the_output_stands():
+    pred = [10, 11, 12, 13, 10, 11, 14]
+    assert predicted(pred, [1, 2], done=0, k=3) == [10, 11, 12]  # nothing out yet: its start
+    # (10, 11) occurs at 0 and 4; after 6 tokens of output the one ending at 6 is where it stands
+    assert predicted(pred, [1, 2, 10, 11, 12, 13, 10, 11], done=6, k=2) == [14]
+    assert predicted(pred, [1, 2, 10, 11], done=2, k=2) == [12, 13]
+    assert predicted(pred, [1, 2, 99], done=1, k=2) == [] and predicted((), [1], 0, 2) == []
+
+
+def test_accept_keeps_the_drafts_up_to_the_first_the_model_disagrees_with():
+    v = accept([5, 6, 7], [5, 6, 9, 4])
+    assert (v.tokens, v.accepted) == ([5, 6, 9], 2)
+    v = accept([5, 6], [5, 6, 8])  # all accepted, and the model's token after them
+    assert (v.tokens, v.accepted) == ([5, 6, 8], 2)
+    assert accept([], [3]).tokens == [3] and accept([1], [2, 2]).tokens == [2]
+
+
+def test_the_key_chain_is_the_keys_of_one_draw_at_a_time():
+    key = mx.random.key(7)
+    keys, subs = key_chain(key, 3)
+    k = key
+    for j in range(3):
+        k, sub = mx.random.split(k)
+        assert mx.array_equal(sub, subs[j]).item() and mx.array_equal(k, keys[j]).item()
+
+
+def test_only_plain_kv_caches_roll_back():
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    assert can_roll_back([KVCache(), KVCache()]) is None
+    why = can_roll_back([KVCache(), ArraysCache(2), RotatingKVCache(16)])
+    assert "ArraysCache" in why and "RotatingKVCache" in why
+
+
+@pytest.mark.parametrize("drop", [[0, 0], [2, 2], [0, 3], [3, 1]])
+def test_rollback_leaves_each_row_as_if_only_its_kept_positions_were_fed(drop):
+    """A batch cache fed 4 positions per row, each row's last drop[i] removed, holds what a cache
+    fed only the kept positions holds (and the positions its next keys go to)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    mx.random.seed(0)
+    keys = mx.random.normal((2, 1, 7, 4))
+    fed = BatchKVCache([1, 0])  # row 0 is one shorter: one position of left padding
+    fed.update_and_fetch(keys[:, :, :3], keys[:, :, :3])
+    fed.update_and_fetch(keys[:, :, 3:], keys[:, :, 3:])
+    rollback([fed], drop)
+    for row in range(2):
+        got = fed.extract(row)
+        kept = 7 - drop[row]
+        start = 1 if row == 0 else 0
+        assert got.offset == kept - start
+        assert mx.array_equal(got.keys[..., : got.offset, :], keys[row : row + 1, :, start:kept]).item()
