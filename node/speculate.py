@@ -80,10 +80,14 @@ def _occurrences(a: np.ndarray, gram: np.ndarray) -> np.ndarray:
 
 def can_roll_back(cache: list) -> str | None:
     """None where every layer's cache can drop a rejected tail (plain KV caches, which mlx-lm's
-    batched cache merges into); else why not, naming the cache type."""
-    from mlx_lm.models.cache import KVCache
+    batched cache merges into, alone or in a CacheList); else why not, naming the cache types."""
+    from mlx_lm.models.cache import CacheList, KVCache
 
-    others = sorted({type(c).__name__ for c in cache if type(c) is not KVCache})
+    def leaves(caches):  # a CacheList (two attentions in one layer) trims and rolls each of its own
+        for c in caches:
+            yield from leaves(c.caches) if type(c) is CacheList else (c,)
+
+    others = sorted({type(c).__name__ for c in leaves(cache) if type(c) is not KVCache})
     if others:
         return f"its caches ({', '.join(others)}) cannot drop rejected drafts"
     return None

@@ -17,6 +17,9 @@ pytestmark = pytest.mark.integration
 
 WRONG, REFUSED = tiny.WRONG, tiny.REFUSED
 PROMPT = "To be, or not to be"
+# families whose caches hold a recurrent state or a window: no speculation (node/speculate.py)
+NO_ROLLBACK = {"kimi_linear", "kimi_k3", "qwen3_5_moe", "longcat_flash_ngram",  # ArraysCache
+               "gemma4_text", "step3p5", "llama4"}  # a rotating or chunked window
 
 
 def moe_cluster(*args: str) -> subprocess.CompletedProcess:
@@ -33,11 +36,12 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("family", WRONG + REFUSED)
 def test_simulate_two_node_processes_equal_stock(family, checkpoints, capsys):
     """`simulate` through the command's own entry point, in this process (its two node processes are
-    real, spawned as from the CLI): a subprocess each only added an interpreter and MLX import."""
+    real, spawned as from the CLI): a subprocess each only added an interpreter and MLX import.
+    With speculation on: its steps verify drafts, so the check also covers rolling them back."""
     from moe_cluster.coordinator.cli import main
 
     code = main(["simulate", "--model", str(checkpoints[family]), "--nodes", "2", "--prompt", PROMPT,
-                 "--max-tokens", "8", "--check", "--json"])
+                 "--max-tokens", "8", "--check", "--json", "--speculative", "prompt-lookup"])
     r = capsys.readouterr()
     assert code == 0, r.err
     out = json.loads(r.out)  # stdout is the JSON alone
@@ -45,6 +49,13 @@ def test_simulate_two_node_processes_equal_stock(family, checkpoints, capsys):
     assert out["tokens_match"], out
     assert out["compared_steps"] == 8, out  # every step's logits were recorded and compared
     assert out["max_abs_logit_diff"] <= sweep.TOLERANCE, out["max_abs_logit_diff"]
+    # speculating (drafts from the prompt's n-grams, most rejected and rolled back) where the
+    # family's caches can drop positions; one token a step, saying why, where they cannot
+    spec = out["speculative"]
+    if family in NO_ROLLBACK:
+        assert spec["mode"].startswith("off: its caches (") and spec["drafted"] == 0, spec
+    else:
+        assert spec["mode"] == "prompt-lookup, 4 drafts" and spec["drafted"] > 0, spec
 
 
 @pytest.mark.parametrize("family", [f for f in tiny.families() if tiny.needs_metal(f)])

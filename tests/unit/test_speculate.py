@@ -46,11 +46,11 @@ def test_the_key_chain_is_the_keys_of_one_draw_at_a_time():
 
 
 def test_only_plain_kv_caches_roll_back():
-    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-    assert can_roll_back([KVCache(), KVCache()]) is None
-    why = can_roll_back([KVCache(), ArraysCache(2), RotatingKVCache(16)])
-    assert "ArraysCache" in why and "RotatingKVCache" in why
+    assert can_roll_back([KVCache(), CacheList(KVCache(), KVCache())]) is None
+    why = can_roll_back([KVCache(), ArraysCache(2), CacheList(KVCache(), RotatingKVCache(16))])
+    assert why == "its caches (ArraysCache, RotatingKVCache) cannot drop rejected drafts"
 
 
 @pytest.mark.parametrize("drop", [[0, 0], [2, 2], [0, 3], [3, 1]])
