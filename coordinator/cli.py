@@ -156,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cached runs with a profile: when a layer begins, read this many of the next layer's hottest "
                         "non-resident experts; auto (default): those the profile saw selected by at least half of "
                         "its tokens, at most top-k; off")
+    add_speculation_args(b)
+    b.add_argument("--spoil", default=None,
+                   help="with --speculative: comma list of shares of the predicted output to spoil, from 0 (every "
+                        "draft holds) to 1 (none does); default 0,0.1,0.25,0.5,1")
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler="moe_cluster.coordinator.bench.decode:main")
 

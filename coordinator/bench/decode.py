@@ -409,6 +409,12 @@ def main(args) -> int:
         raise UserError(f"--nodes must list whole numbers, e.g. 1,2,4 (got {args.nodes})") from None
     if any(n < 1 for n in nodes):
         raise UserError(f"--nodes must list numbers >= 1 (got {args.nodes})")
+    if args.speculative != "off":
+        from .speculative import main as speculative
+
+        return speculative(args, nodes)
+    if args.spoil is not None:
+        raise UserError("--spoil needs --speculative prompt-lookup")
     keepalive = tuple(args.keepalive.split(","))
     bad = [k for k in keepalive if k not in KEEPALIVES]
     if bad:

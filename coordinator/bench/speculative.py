@@ -1,0 +1,155 @@
+"""`moe-cluster bench decode --speculative prompt-lookup`: decode with and without speculation in
+one run, on N node processes, the scenarios alternated round by round.
+
+Acceptance is controlled, not hoped for: the model's own greedy continuation (stock mlx-lm on the
+same checkpoint) is sent as the request's predicted output with a share of its tokens spoiled,
+which sweeps the rate at which drafts hold from all to none, so tok/s against acceptance is a
+measured curve. Two natural scenarios sit beside it: the plain prompt (drafts from its own
+n-grams) and the prompt followed by its continuation and the prompt again, the case where prompt
+lookup is meant to pay on a model that repeats what it read.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from dataclasses import dataclass
+
+from ...node.checkpoint import Checkpoint
+from ...proto.errors import UserError
+from ...proto.records import Sampling
+
+SPOIL = (0.0, 0.1, 0.25, 0.5, 1.0)  # shares of the prediction's tokens spoiled
+
+
+@dataclass(frozen=True)
+class SpeculativeBench:
+    model: str
+    nodes: tuple[int, ...] = (2,)
+    transports: tuple[str, ...] = ("shm",)
+    max_tokens: int = 64
+    rounds: int = 3
+    prompt: str = ""
+    mode: str = "prompt-lookup"
+    draft_tokens: int = 4
+    spoil: tuple[float, ...] = SPOIL
+    gpus: bool = False
+
+
+def spoiled(tokens: list[int], share: float, vocab: int, seed: int = 0) -> tuple[int, ...]:
+    """`tokens` with `share` of them (chosen by `seed`) replaced by another id below `vocab`."""
+    rnd = random.Random(seed)
+    picked = set(rnd.sample(range(len(tokens)), round(share * len(tokens))))
+    return tuple((t + 1 + rnd.randrange(vocab - 1)) % vocab if i in picked else t for i, t in enumerate(tokens))
+
+
+def scenarios(spec: SpeculativeBench, ids: list[int], continuation: list[int], vocab: int) -> list[dict]:
+    """(name, prompt ids, prediction ids, speculative mode) of every scenario, the baseline first."""
+    off = {"scenario": "off", "prompt": tuple(ids), "prediction": (), "mode": "off"}
+    rows = [off, {**off, "scenario": "prompt lookup", "mode": spec.mode},
+            {**off, "scenario": "prompt lookup, the continuation in the prompt", "mode": spec.mode,
+             "prompt": (*ids, *continuation, *ids)},
+            {**off, "scenario": "off, the continuation in the prompt", "prompt": (*ids, *continuation, *ids)}]
+    for share in spec.spoil:
+        rows.append({**off, "scenario": f"prediction, {share:.0%} spoiled", "mode": spec.mode,
+                     "prediction": spoiled(continuation, share, vocab, seed=int(share * 1000))})
+    return rows
+
+
+def run(spec: SpeculativeBench) -> dict:
+    from ..dev.simulate import reference, run_nodes
+    from ...node.checkpoint import load_tokenizer
+    from ...node.sim import SimTask
+    from ...node.vocab import checkpoint_vocab
+
+    ckpt = Checkpoint.open(spec.model)
+    tokenizer = load_tokenizer(ckpt.path)
+    from ..dev.run_local import encode_prompt
+
+    ids = encode_prompt(tokenizer, spec.prompt)
+    sampling = Sampling(max_tokens=spec.max_tokens)
+    continuation, _ = reference(str(ckpt.path), ids, sampling, ())
+    if len(continuation) < spec.max_tokens:
+        raise UserError(f"stock mlx-lm stops after {len(continuation)} tokens on this prompt; pick a longer one")
+    vocab = checkpoint_vocab(ckpt.path)
+    rows = scenarios(spec, ids, continuation, vocab)
+    layers = _moe_layers(ckpt)
+    out = {"model": spec.model, "max_tokens": spec.max_tokens, "rounds": spec.rounds,
+           "draft_tokens": spec.draft_tokens, "moe_layers": layers, "runs": []}
+    for nodes in spec.nodes:
+        for transport in spec.transports if nodes > 1 else ("shm",):
+            tasks = [SimTask(str(ckpt.path), r["prompt"], sampling, speculative=r["mode"],
+                             draft_tokens=spec.draft_tokens, prediction=r["prediction"])
+                     for _ in range(spec.rounds + 1) for r in rows]  # the first round warms up
+            reports = run_nodes(tasks, nodes, transport=transport, gpus=spec.gpus)
+            out["runs"].append(_summary(nodes, transport, rows, reports, spec.rounds, layers, continuation))
+    return out
+
+
+def _summary(nodes: int, transport: str, rows: list[dict], reports: list, rounds: int, layers: int,
+             continuation: list[int]) -> dict:
+    per = len(rows)
+    table = []
+    for j, r in enumerate(rows):
+        runs = [reports[i * per + j][0] for i in range(1, rounds + 1)]
+        tps = [x["generation_tps"] for x in runs]
+        f = runs[-1]["figures"]
+        generated = len(runs[-1]["tokens"])
+        table.append({
+            "scenario": r["scenario"], "speculative": runs[-1]["speculative"],
+            "tps": statistics.median(tps), "rounds_tps": tps,
+            "drafted": f["drafted"], "accepted": f["accepted"], "decode_steps": f["steps"],
+            "acceptance": f["accepted"] / f["drafted"] if f["drafted"] else None,
+            "allreduces_per_token": f["steps"] * layers / generated if generated else None,
+            # every round, every node: the same tokens; with the prompt alone, stock's
+            "same_tokens_every_round": all(reports[i * per + j][k]["tokens"] == runs[-1]["tokens"]
+                                          for i in range(1, rounds + 1) for k in range(nodes)),
+            "tokens": runs[-1]["tokens"],
+        })
+    base = {t["scenario"]: t for t in table}
+    for t in table:
+        ref = base["off, the continuation in the prompt" if "in the prompt" in t["scenario"] else "off"]
+        t["ratio_vs_off"] = t["tps"] / ref["tps"] if ref["tps"] else None
+        t["tokens_equal_off"] = t["tokens"] == ref["tokens"]
+    return {"nodes": nodes, "transport": transport, "tokens_equal_stock": base["off"]["tokens"] == continuation,
+            "rows": table}
+
+
+def _moe_layers(ckpt: Checkpoint) -> int:
+    from ...node.moe.load import moe_layers_of
+
+    return len(moe_layers_of(ckpt))
+
+
+def main(args, nodes: tuple[int, ...]) -> int:
+    import json
+
+    from .decode import DEFAULT_PROMPT, TRANSPORTS
+
+    transports = tuple(args.transport.split(","))
+    bad = [t for t in transports if t not in TRANSPORTS]
+    if bad:
+        raise UserError(f"--transport: unknown transport {bad[0]!r} ({', '.join(TRANSPORTS)})")
+    spoil = SPOIL
+    if args.spoil is not None:
+        try:
+            spoil = tuple(float(s) for s in args.spoil.split(","))
+        except ValueError:
+            raise UserError(f"--spoil must list shares from 0 to 1, e.g. 0,0.5,1 (got {args.spoil})") from None
+        if not all(0 <= s <= 1 for s in spoil):
+            raise UserError(f"--spoil must list shares from 0 to 1 (got {args.spoil})")
+    spec = SpeculativeBench(args.model, nodes, transports, args.max_tokens, args.rounds, args.prompt or DEFAULT_PROMPT,
+                            args.speculative, args.draft_tokens, spoil, args.gpus)
+    out = run(spec)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    for r in out["runs"]:
+        print(f"N = {r['nodes']} over {r['transport']}: tokens {'equal' if r['tokens_equal_stock'] else 'DIFFER from'} "
+              f"stock mlx-lm's")
+        for t in r["rows"]:
+            acc = "-" if t["acceptance"] is None else f"{t['acceptance']:.0%}"
+            print(f"  {t['scenario']:<48} {t['tps']:7.1f} tok/s  x{t['ratio_vs_off']:.2f}  accepted {acc:>4}  "
+                  f"{t['allreduces_per_token']:.2f} all-reduces/token  tokens "
+                  f"{'same' if t['tokens_equal_off'] else 'DIFFER'}")
+    return 0
