@@ -64,6 +64,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", choices=SPECULATIVE_MODES, default="off",
                    help="verify drafted tokens in one step (serving.speculative)")
     p.add_argument("--draft-tokens", type=_draft_tokens, default=4, help="drafts per step at most")
+    p.add_argument("--draft-model", default=None,
+                   help="with --speculative draft: a small checkpoint with the model's tokenizer, or 'demo'")
 
 
 def build_parser() -> argparse.ArgumentParser:

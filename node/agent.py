@@ -406,7 +406,7 @@ def _limits(spec):
     from .batch import BatchLimits
 
     return BatchLimits(spec.max_batch, spec.prefill_budget, spec.kv_budget_bytes, spec.speculative,
-                       spec.draft_tokens)
+                       spec.draft_tokens, spec.draft_model)
 
 
 class _QueueSink:

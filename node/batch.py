@@ -52,6 +52,7 @@ class BatchLimits:
     kv_budget_bytes: int = 0  # KV of running sequences plus the prompt cache; 0: no limit
     speculative: str = "off"  # node.speculate.MODES
     draft_tokens: int = 4  # drafts a step verifies per sequence at most, where speculation is on
+    draft_model: str = ""  # speculative "draft": the draft checkpoint (read on rank 0 only)
 
 
 class Sink(Protocol):
@@ -131,6 +132,13 @@ class RunningBatch:
             if self.speculation_off:
                 logger.warning("speculative decoding is off: %s", self.speculation_off)
                 self.draft_max = 0
+        self.drafter = None  # speculative "draft": the draft model, on rank 0
+        if self.draft_max and limits.speculative == "draft" and self.collective.rank == 0:
+            from .speculate import Drafter
+
+            if not limits.draft_model:
+                raise UserError("speculative: draft needs a draft model (serving.draft_model)")
+            self.drafter = Drafter(limits.draft_model, runtime.vocab)
         self.slots = 1 + self.draft_max  # tokens a decoding sequence rides per step
         self._lock = threading.Lock()
         self._queued: dict[int, Sequence] = {}
@@ -331,15 +339,18 @@ class RunningBatch:
         if not decoding:
             return
         width = 1 + max(s.drafts for s in decoding)
-        rows, drafts = [], []
-        for s in decoding:
-            first = s.pending[-1] if s.pending else s.first_input
-            mine = []
-            if s.drafts:
-                history = [*s.req.prompt, *s.fed, *s.pending]
+        histories = [[*s.req.prompt, *s.fed, *s.pending] for s in decoding]
+        if self.limits.speculative == "draft":
+            drafts = self._guessed(decoding, histories)
+        else:
+            drafts = []
+            for s, history in zip(decoding, histories):
                 done = len(history) - len(s.req.prompt)
-                mine = predicted(s.req.prediction, history, done, s.drafts) or lookup(history, s.drafts)
-            drafts.append(mine)
+                drafts.append((predicted(s.req.prediction, history, done, s.drafts) or lookup(history, s.drafts))
+                              if s.drafts else [])
+        rows = []
+        for s, mine in zip(decoding, drafts):
+            first = s.pending[-1] if s.pending else s.first_input
             rows.append([first, *mine] + [first] * (width - 1 - len(mine)))
         logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self._batch_cache)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -355,7 +366,22 @@ class RunningBatch:
             f = s.figures
             f.steps, f.drafted, f.accepted = f.steps + 1, f.drafted + len(drafts[i]), f.accepted + v.accepted
             drop.append(width - len(v.tokens))
+            if self.drafter is not None:
+                self.drafter.keep(s.seq, len(histories[i]) + v.accepted)
         rollback(self._batch_cache, drop)
+
+    def _guessed(self, decoding: list[Sequence], histories: list[list[int]]) -> list[list[int]]:
+        """The draft model's guesses (node.speculate.Drafter): rank 0 makes them, and every rank
+        reads rank 0's from one explicit agreement (the others put zeros)."""
+        guesses = [self.drafter.guess(s.seq, h, s.drafts) if self.drafter is not None and s.drafts else []
+                   for s, h in zip(decoding, histories)]
+        c = self.collective
+        if c.world_size == 1:
+            return guesses
+        k = self.draft_max
+        values = [g + 1 for mine in guesses for g in (mine + [-1] * (k - len(mine)))]
+        row = agree(c, values).values[0]
+        return [[t - 1 for t in row[i * k : (i + 1) * k] if t > 0] for i in range(len(decoding))]
 
     # -- after the step ------------------------------------------------------------------------
 
@@ -398,6 +424,8 @@ class RunningBatch:
             s.prev_logits = s.logits
 
     def _finish(self, s: Sequence, reason: str) -> None:
+        if self.drafter is not None:
+            self.drafter.drop(s.seq)
         s.result.stats.finish_reason = reason
         s.result.cancelled = reason == "cancelled"
         if s in self._decoding:

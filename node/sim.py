@@ -34,6 +34,7 @@ class SimTask:
     speculative: str = "off"  # node/speculate.py MODES
     draft_tokens: int = 4
     prediction: tuple[int, ...] = ()  # the output expected (drafts), for the request(s)
+    draft_model: str = ""  # speculative "draft": its checkpoint
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
     if task.streams is not None:
         streams = _run_streams(index, task, sharded)
         return {**_report(job, index, sharded), **streams}
-    runtime = NodeRuntime(sharded, limits=BatchLimits(speculative=task.speculative, draft_tokens=task.draft_tokens))
+    runtime = NodeRuntime(sharded, limits=BatchLimits(speculative=task.speculative, draft_tokens=task.draft_tokens,
+                                                      draft_model=task.draft_model))
     result, wall = None, 0.0
     for i in range(task.repeats):
         sharded.state.reset_counters()
@@ -175,7 +177,7 @@ def _run_streams(index: int, task: SimTask, sharded) -> dict:
     from .runtime import GenerateResult, NodeRuntime
 
     runtime = NodeRuntime(sharded, limits=BatchLimits(max_batch=len(task.streams), speculative=task.speculative,
-                                                      draft_tokens=task.draft_tokens))
+                                                      draft_tokens=task.draft_tokens, draft_model=task.draft_model))
     out: dict = {}
     for i in range(task.repeats):
         sharded.state.reset_counters()

@@ -134,3 +134,67 @@ def key_chain(key: mx.array, n: int) -> tuple[list[mx.array], list[mx.array]]:
         keys.append(key)
         subs.append(sub)
     return keys, subs
+
+
+class Drafter:
+    """A small model with the main model's tokenizer that guesses each sequence's next tokens
+    (`serving.speculative: draft`, as mlx-lm's `draft_model`). It runs on rank 0 only, which hands
+    its guesses to the others in one round trip per step: a draft replicated on every node would
+    need every node to hold it and to draft bit-identically (mixed Macs round differently), while
+    one node drafting costs one round trip per step against the MoE layers' one per layer.
+
+    Each sequence has its own draft KV cache, holding a prefix of its history: what the draft has
+    not read yet is fed before it guesses, and after each step the cache is cut back to the tokens
+    that were accepted."""
+
+    def __init__(self, path: str, vocab: int):
+        from mlx_lm.utils import load_model
+
+        from .checkpoint import Checkpoint
+        from .vocab import embedding_rows
+
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from ..proto.errors import UserError
+
+        self.model, _ = load_model(Checkpoint.open(path).path)
+        why = can_roll_back(make_prompt_cache(self.model))
+        if why:
+            raise UserError(f"the draft model {path} cannot be a draft: {why}")
+        rows = embedding_rows(self.model)
+        if rows > vocab:
+            raise UserError(f"the draft model {path} has {rows} tokens, more than the model's {vocab}: "
+                            "it must share the model's tokenizer")
+        self.caches: dict[int, tuple[list, int]] = {}  # seq -> (draft cache, history tokens it holds)
+
+    def guess(self, seq: int, history: Sequence[int], k: int) -> list[int]:
+        """Up to `k` greedy guesses after `history` (the draft reads what it has not yet)."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache, held = self.caches.get(seq) or (make_prompt_cache(self.model), 0)
+        if held >= len(history):  # never: a history only grows; start over rather than guess wrong
+            cache, held = make_prompt_cache(self.model), 0
+        logits = self.model(mx.array(history[held:], dtype=mx.uint32)[None], cache=cache)[:, -1]
+        out = []
+        for j in range(k):
+            token = int(mx.argmax(logits, axis=-1).item())
+            out.append(token)
+            if j + 1 < k:
+                logits = self.model(mx.array([[token]], dtype=mx.uint32), cache=cache)[:, -1]
+        # the cache holds the history and the first k - 1 guesses; keep(…) cuts it back
+        self.caches[seq] = (cache, len(history) + max(k - 1, 0))
+        return out
+
+    def keep(self, seq: int, history: int) -> None:
+        """After a step: the sequence's first `history` tokens stand; the draft keeps at most those."""
+        if seq not in self.caches:
+            return
+        cache, held = self.caches[seq]
+        if held > history:
+            for c in cache:
+                c.trim(held - history)
+            held = history
+        self.caches[seq] = (cache, held)
+
+    def drop(self, seq: int) -> None:
+        self.caches.pop(seq, None)

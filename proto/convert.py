@@ -181,6 +181,7 @@ def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
         prompt_cache_bytes=spec.prompt_cache_bytes, expert_cache=spec.expert_cache,
         max_batch=spec.max_batch, prefill_budget=spec.prefill_budget, kv_budget_bytes=spec.kv_budget_bytes,
         route=spec.route, speculative=spec.speculative, draft_tokens=spec.draft_tokens,
+        draft_model=spec.draft_model,
     )
     if spec.placement is not None:
         msg.placement.CopyFrom(placement_to_proto(spec.placement))
@@ -218,7 +219,7 @@ def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any 
         kv_budget_bytes=msg.kv_budget_bytes,
         heat=tuple((h.layer, tuple(h.selections), h.tokens) for h in msg.heat),
         route=msg.route or "measure", speculative=_speculative(msg.speculative),
-        draft_tokens=msg.draft_tokens or LoadSpec.draft_tokens,
+        draft_tokens=msg.draft_tokens or LoadSpec.draft_tokens, draft_model=msg.draft_model,
     )
 
 

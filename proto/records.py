@@ -104,7 +104,7 @@ class TlsFiles:
 KEEPALIVES = ("none", "lru", "busy")
 # How a node picks its decode route (node/moe/route.py): timed at load, or forced (benchmarks)
 DECODE_ROUTES = ("measure", "skip", "device", "host")
-SPECULATIVE_MODES = ("off", "prompt-lookup")  # node/speculate.py
+SPECULATIVE_MODES = ("off", "prompt-lookup", "draft")  # node/speculate.py
 DRAFT_LIMIT = 16  # the most drafts one step verifies per sequence
 NODE_STATES = ("idle", "loading", "ready", "busy", "failed", "stopping")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -169,6 +169,7 @@ class LoadSpec:
     route: str = "measure"  # DECODE_ROUTES; measure: the node's MOE_CLUSTER_ROUTE if set, else timed
     speculative: str = "off"  # node/speculate.py MODES
     draft_tokens: int = 4  # drafts a step verifies per sequence at most, where speculation is on
+    draft_model: str = ""  # speculative: draft: the draft checkpoint, on rank 0's machine (rank 0 only)
 
     def __post_init__(self) -> None:
         _check(self.keepalive, KEEPALIVES, "keepalive")

@@ -409,12 +409,6 @@ def main(args) -> int:
         raise UserError(f"--nodes must list whole numbers, e.g. 1,2,4 (got {args.nodes})") from None
     if any(n < 1 for n in nodes):
         raise UserError(f"--nodes must list numbers >= 1 (got {args.nodes})")
-    if args.speculative != "off":
-        from .speculative import main as speculative
-
-        return speculative(args, nodes)
-    if args.spoil is not None:
-        raise UserError("--spoil needs --speculative prompt-lookup")
     keepalive = tuple(args.keepalive.split(","))
     bad = [k for k in keepalive if k not in KEEPALIVES]
     if bad:
@@ -423,6 +417,12 @@ def main(args) -> int:
     bad = [t for t in transports if t not in TRANSPORTS]
     if bad:
         raise UserError(f"--transport: unknown transport {bad[0]!r} ({', '.join(TRANSPORTS)})")
+    if args.speculative != "off":
+        from .speculative import main as speculative
+
+        return speculative(args, nodes, transports, args.prompt or DEFAULT_PROMPT)
+    if args.spoil is not None or args.draft_model:
+        raise UserError("--spoil and --draft-model need --speculative")
     caches = tuple(c for c in (args.expert_cache or "").split(",") if c)
     for c in caches:
         ExpertCacheSpec.parse(c)

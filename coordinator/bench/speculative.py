@@ -34,6 +34,7 @@ class SpeculativeBench:
     draft_tokens: int = 4
     spoil: tuple[float, ...] = SPOIL
     gpus: bool = False
+    draft_model: str = ""  # mode "draft": its checkpoint
 
 
 def spoiled(tokens: list[int], share: float, vocab: int, seed: int = 0) -> tuple[int, ...]:
@@ -46,11 +47,12 @@ def spoiled(tokens: list[int], share: float, vocab: int, seed: int = 0) -> tuple
 def scenarios(spec: SpeculativeBench, ids: list[int], continuation: list[int], vocab: int) -> list[dict]:
     """(name, prompt ids, prediction ids, speculative mode) of every scenario, the baseline first."""
     off = {"scenario": "off", "prompt": tuple(ids), "prediction": (), "mode": "off"}
-    rows = [off, {**off, "scenario": "prompt lookup", "mode": spec.mode},
-            {**off, "scenario": "prompt lookup, the continuation in the prompt", "mode": spec.mode,
+    name = "draft model" if spec.mode == "draft" else "prompt lookup"
+    rows = [off, {**off, "scenario": name, "mode": spec.mode},
+            {**off, "scenario": f"{name}, the continuation in the prompt", "mode": spec.mode,
              "prompt": (*ids, *continuation, *ids)},
             {**off, "scenario": "off, the continuation in the prompt", "prompt": (*ids, *continuation, *ids)}]
-    for share in spec.spoil:
+    for share in spec.spoil if spec.mode == "prompt-lookup" else ():  # a draft model ignores predictions
         rows.append({**off, "scenario": f"prediction, {share:.0%} spoiled", "mode": spec.mode,
                      "prediction": spoiled(continuation, share, vocab, seed=int(share * 1000))})
     return rows
@@ -63,6 +65,9 @@ def run(spec: SpeculativeBench) -> dict:
     from ...node.vocab import checkpoint_vocab
 
     ckpt = Checkpoint.open(spec.model)
+    if (spec.mode == "draft") != bool(spec.draft_model):
+        raise UserError("--speculative draft and --draft-model go together")
+    draft = str(Checkpoint.open(spec.draft_model).path) if spec.draft_model else ""
     tokenizer = load_tokenizer(ckpt.path)
     from ..dev.run_local import encode_prompt
 
@@ -79,7 +84,8 @@ def run(spec: SpeculativeBench) -> dict:
     for nodes in spec.nodes:
         for transport in spec.transports if nodes > 1 else ("shm",):
             tasks = [SimTask(str(ckpt.path), r["prompt"], sampling, speculative=r["mode"],
-                             draft_tokens=spec.draft_tokens, prediction=r["prediction"])
+                             draft_tokens=spec.draft_tokens, prediction=r["prediction"],
+                             draft_model=draft if r["mode"] == "draft" else "")
                      for _ in range(spec.rounds + 1) for r in rows]  # the first round warms up
             reports = run_nodes(tasks, nodes, transport=transport, gpus=spec.gpus)
             out["runs"].append(_summary(nodes, transport, rows, reports, spec.rounds, layers, continuation))
@@ -121,15 +127,10 @@ def _moe_layers(ckpt: Checkpoint) -> int:
     return len(moe_layers_of(ckpt))
 
 
-def main(args, nodes: tuple[int, ...]) -> int:
+def main(args, nodes: tuple[int, ...], transports: tuple[str, ...], prompt: str) -> int:
+    """`bench decode --speculative` (its caller checked the node counts and transports)."""
     import json
 
-    from .decode import DEFAULT_PROMPT, TRANSPORTS
-
-    transports = tuple(args.transport.split(","))
-    bad = [t for t in transports if t not in TRANSPORTS]
-    if bad:
-        raise UserError(f"--transport: unknown transport {bad[0]!r} ({', '.join(TRANSPORTS)})")
     spoil = SPOIL
     if args.spoil is not None:
         try:
@@ -138,8 +139,8 @@ def main(args, nodes: tuple[int, ...]) -> int:
             raise UserError(f"--spoil must list shares from 0 to 1, e.g. 0,0.5,1 (got {args.spoil})") from None
         if not all(0 <= s <= 1 for s in spoil):
             raise UserError(f"--spoil must list shares from 0 to 1 (got {args.spoil})")
-    spec = SpeculativeBench(args.model, nodes, transports, args.max_tokens, args.rounds, args.prompt or DEFAULT_PROMPT,
-                            args.speculative, args.draft_tokens, spoil, args.gpus)
+    spec = SpeculativeBench(args.model, nodes, transports, args.max_tokens, args.rounds, prompt,
+                            args.speculative, args.draft_tokens, spoil, args.gpus, args.draft_model or "")
     out = run(spec)
     if args.json:
         print(json.dumps(out))

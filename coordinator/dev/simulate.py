@@ -48,6 +48,7 @@ class SimRequest:
     speculative: str = "off"  # node/speculate.py MODES
     draft_tokens: int = 4
     prediction: str = ""  # the output expected: drafts for speculation
+    draft_model: str = ""  # speculative "draft": its checkpoint
 
 
 def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float, gpus: bool = False):
@@ -247,7 +248,8 @@ def simulate(req: SimRequest) -> dict:
     task = SimTask(str(ckpt.path), tuple(ids), req.sampling, placement_json, req.keepalive, eos,
                    record_logits=req.check, repeats=req.repeats, expert_cache=req.expert_cache,
                    profile=profile_heat(req.profile) if req.profile else None,
-                   speculative=req.speculative, draft_tokens=req.draft_tokens, prediction=prediction)
+                   speculative=req.speculative, draft_tokens=req.draft_tokens, prediction=prediction,
+                   draft_model=_draft_path(req))
     reports = run_nodes([task], req.nodes, timeout_s=req.timeout_s, transport=req.transport)[0]
     r0 = reports[0]
     out = {
@@ -272,6 +274,17 @@ def simulate(req: SimRequest) -> dict:
         ref_tokens, ref_logits = reference(str(ckpt.path), ids, req.sampling, eos)
         out.update(compare(r0["tokens"], r0["logits"], ref_tokens, ref_logits))
     return out
+
+
+def _draft_path(req: SimRequest) -> str:
+    """The draft checkpoint's folder where the mode needs one (refused before any process starts)."""
+    if req.speculative != "draft":
+        if req.draft_model:
+            raise UserError("--draft-model needs --speculative draft")
+        return ""
+    if not req.draft_model:
+        raise UserError("--speculative draft needs --draft-model (a checkpoint with the model's tokenizer)")
+    return str(Checkpoint.open(req.draft_model).path)
 
 
 def cache_summary(per_node: list[dict]) -> dict:
@@ -302,7 +315,8 @@ def main(args) -> int:
                      Path(args.placement) if args.placement else None, args.check,
                      transport=args.transport, expert_cache=args.expert_cache,
                      profile=Path(args.routing_profile) if args.routing_profile else None,
-                     speculative=args.speculative, draft_tokens=args.draft_tokens, prediction=args.prediction or "")
+                     speculative=args.speculative, draft_tokens=args.draft_tokens, prediction=args.prediction or "",
+                     draft_model=args.draft_model or "")
     out = simulate(req)
     if args.json:
         print(json.dumps(out))

@@ -115,6 +115,7 @@ class ServingConfig:
     # drafts hold; off until measured on for a model and a link (docs/speculative.md)
     speculative: Literal[SPECULATIVE_MODES] = "off"
     draft_tokens: int = 4  # drafts a step verifies per sequence at most (1..16)
+    draft_model: str = ""  # speculative: draft: a small checkpoint with the model's tokenizer, on rank 0
 
 
 @dataclass(frozen=True)
@@ -375,6 +376,20 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
         raise r.fail(_find(root, "serving", "queue"), "serving.queue", f"must be at least 1 (got {c.serving.queue})")
     if c.serving.max_tokens < 1:
         raise r.fail(_find(root, "serving", "max_tokens"), "serving.max_tokens", f"must be at least 1 (got {c.serving.max_tokens})")
+    draft = c.serving.speculative == "draft"
+    if draft != bool(c.serving.draft_model):
+        key = "speculative" if draft else "draft_model"
+        raise r.fail(_find(root, "serving", key), f"serving.{key}",
+                     "speculative: draft needs serving.draft_model (a small checkpoint with the model's tokenizer)"
+                     if draft else "serving.draft_model needs speculative: draft")
+    if draft and c.checkpoint == "coordinator":
+        raise r.fail(_find(root, "serving", "draft_model"), "serving.draft_model",
+                     "the draft model is read on the first node's machine; checkpoint: coordinator ships only "
+                     "the model (copy the draft there and use checkpoint: every-node)")
+    if draft and c.launch == "local" and c.serving.draft_model != "demo" \
+            and not Path(c.serving.draft_model).expanduser().exists():
+        raise r.fail(_find(root, "serving", "draft_model"), "serving.draft_model",
+                     f"{c.serving.draft_model} does not exist on this machine")
     if not 1 <= c.serving.draft_tokens <= DRAFT_LIMIT:
         raise r.fail(_find(root, "serving", "draft_tokens"), "serving.draft_tokens",
                      f"must be 1 to {DRAFT_LIMIT} (got {c.serving.draft_tokens})")

@@ -33,6 +33,12 @@ DEFAULT_AGENT_PORT = 7700  # `moe-cluster node` listens here unless told otherwi
 DEFAULT_ENVOY_PORT = 7701
 
 
+def _draft_model(c: ClusterConfig) -> str:
+    """The draft checkpoint as rank 0 reads it: resolved here where the nodes run on this machine."""
+    d = c.serving.draft_model
+    return str(Checkpoint.open(d).path) if d and c.launch == "local" else d
+
+
 def state_file() -> Path:
     """Where `up` records its URL and pid, so `down` and `status` find it without --url."""
     base = Path(os.environ.get("XDG_RUNTIME_DIR") or Path.home() / ".cache")
@@ -241,7 +247,8 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
                               ship=ship.source if ship else None, expert_cache=plan.expert_cache[m.rank],
                               max_batch=c.serving.max_batch, prefill_budget=c.serving.prefill_budget,
                               kv_budget_bytes=kv_reserve, heat=heat, route=c.route,
-                              speculative=c.serving.speculative, draft_tokens=c.serving.draft_tokens)
+                              speculative=c.serving.speculative, draft_tokens=c.serving.draft_tokens,
+                              draft_model=_draft_model(c) if m.rank == 0 else "")
             # what weights may use: memory × memory_fraction less the KV reserve and prompt cache
             m.budget_bytes = plan.available[m.rank] - kv_reserve
         for note in plan.notes:

@@ -32,7 +32,10 @@ def test_bench_speculative_sweeps_acceptance_with_the_tokens_of_decoding_without
 
 
 def test_bench_speculative_refuses_bad_options():
-    assert_one_line_error(cli("bench", "decode", "--model", "demo", "--spoil", "0.5"), "--spoil needs --speculative")
+    assert_one_line_error(cli("bench", "decode", "--model", "demo", "--spoil", "0.5"),
+                          "--spoil and --draft-model need --speculative")
+    assert_one_line_error(cli("bench", "decode", "--model", "demo", "--speculative", "draft"),
+                          "--speculative draft and --draft-model go together")
     assert_one_line_error(cli("bench", "decode", "--model", "demo", "--speculative", "prompt-lookup", "--spoil", "2"),
                           "--spoil must list shares from 0 to 1")
     r = cli("bench", "decode", "--model", "demo", "--speculative", "prompt-lookup", "--draft-tokens", "17")

@@ -224,3 +224,53 @@ def test_a_family_whose_caches_cannot_roll_back_says_so_and_decodes_one_token_a_
     req = GenerateRequest("q", tuple(range(3, 30)), Sampling(max_tokens=6), prediction=tuple(range(5, 15)))
     (r,), _ = drive(rt, [req])
     assert len(r.tokens) == 6 and r.figures.drafted == 0
+
+
+def _tiny_draft(folder, vocab: int = 1024) -> str:
+    """A one-layer dense llama with the demo's tokenizer and random weights: a draft that guesses
+    badly (most of its guesses are rejected)."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    config = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": vocab,
+              "tie_word_embeddings": True}
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(3)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(MODEL_DIR / name, folder / name)
+    return str(folder)
+
+
+@pytest.mark.parametrize("draft", ["the model itself", "a random one-layer model"])
+def test_a_draft_models_guesses_keep_the_tokens_and_logits_of_one_token_steps(sharded, encode, draft, tmp_path):
+    path = str(MODEL_DIR) if draft == "the model itself" else _tiny_draft(tmp_path / "draft")
+    limits = BatchLimits(max_batch=4, speculative="draft", draft_tokens=3, draft_model=path)
+    reqs = [GenerateRequest(f"d{i}", encode(p), Sampling(max_tokens=20), record_logits=True)
+            for i, p in enumerate(PROMPTS)]
+    reqs[3] = replace(reqs[3], sampling=Sampling(max_tokens=20, temperature=0.8, seed=9))
+    base, _ = drive(NodeRuntime(sharded, limits=BatchLimits(max_batch=4)), reqs)
+    spec, _ = drive(NodeRuntime(sharded, limits=limits), reqs)
+    for b, s in zip(base, spec):
+        assert s.tokens == b.tokens and len(s.tokens) == 20
+        assert max(float(np.abs(x - y).max()) for x, y in zip(s.logits, b.logits)) <= 1e-4
+    greedy = [r.figures for r in spec[:3]]
+    if draft == "the model itself":  # it guesses what the model says: every guess holds
+        assert all(f.accepted == f.drafted > 0 and f.steps <= 7 for f in greedy), greedy
+    else:
+        assert all(f.drafted > 0 for f in greedy) and sum(f.accepted for f in greedy) < sum(f.drafted for f in greedy) / 2
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(sharded, tmp_path):
+    from moe_cluster.proto.errors import UserError
+
+    path = _tiny_draft(tmp_path / "big", vocab=4096)
+    with pytest.raises(UserError, match="has 4096 tokens, more than the model's 1024"):
+        NodeRuntime(sharded, limits=BatchLimits(speculative="draft", draft_model=path))
