@@ -84,3 +84,16 @@ def test_speculation_through_up_gives_stock_tokens_and_counts_its_drafts(tmp_pat
                             ({"prediction": {"type": "content", "content": 3}}, "prediction.content")):
             status, err = http(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, **body})
             assert status == 400 and err["error"]["param"] == param, (body, err)
+
+
+def test_a_draft_model_through_up_guesses_on_the_first_node_only(tmp_path):
+    """`speculative: draft` reaches the first node alone (the others read its guesses): with the
+    model as its own draft every guess holds and the tokens are stock's."""
+    extra = "serving:\n  speculative: draft\n  draft_model: demo\n  draft_tokens: 3\n"
+    with cluster(tmp_path, yaml_for(2, extra=extra)) as (url, proc, lines):
+        nodes = http(url, "/v1/cluster/status")[1]["nodes"]
+        assert [n["speculative"] for n in nodes] == ["draft, 3 drafts"] * 2, nodes
+        got = _complete(url, PROMPTS[2])["moe_cluster"]
+        assert got["tokens"] == stock_tokens(MODEL_DIR, PROMPTS[2], TOKENS)
+        spec = got["speculative"]
+        assert spec["accepted"] == spec["drafted"] > 0 and spec["decode_steps"] <= TOKENS // 4 + 2, spec
