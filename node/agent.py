@@ -243,7 +243,6 @@ class NodeAgent(npb_grpc.NodeServicer):
         events: asyncio.Queue = asyncio.Queue()
         rid = req.request_id
         result = GenerateResult()
-        collective_before = self.sharded.state.timers.collective
         seq = self.runtime.batch.submit(req, req.seq or self.runtime.next_seq(), _QueueSink(loop, events), result)
         self._drive()
         ended = False
@@ -270,7 +269,7 @@ class NodeAgent(npb_grpc.NodeServicer):
                     finish_reason=s.finish_reason or "length", prompt_tokens=s.prompt_tokens,
                     cached_tokens=result.cached_tokens, generated_tokens=len(result.tokens),
                     timings=Timings(prompt_s=s.prompt_seconds, generation_s=s.generation_seconds,
-                                    collective_s=self.sharded.state.timers.collective - collective_before),
+                                    collective_s=result.figures.collective_s),
                     # folded by the batch on its thread when it went idle; a snapshot while others run
                     counters={**self.sharded.state.means(fold=False), "peak_memory_bytes": float(_peak_memory()),
                               **_figures(result.figures, len(self.sharded.moe_layers()))},

@@ -100,6 +100,7 @@ class SequenceFigures:
     """What one sequence's decoding cost, counted on its own (not the node's running totals)."""
 
     steps: int = 0  # decode steps it took part in (each: one all-reduce per MoE layer)
+    collective_s: float = 0.0  # waiting on all-reduces in the steps it ran in (each waited for them)
     drafted: int = 0  # drafts verified
     accepted: int = 0  # drafts accepted
 
@@ -222,6 +223,8 @@ class RunningBatch:
     def _step(self) -> None:
         c = self.collective
         alone = c.world_size == 1
+        timers = self.runtime.sharded.state.timers
+        collective_before = timers.collective
         self.runtime.sharded.state.step_begins()
         if not self._active:  # from idle: a new epoch, the same on every node
             # numbered per collective, not per batch: one envoy may serve batches of several
@@ -282,6 +285,9 @@ class RunningBatch:
                 ts = [t for t in ts if t >= 0]
                 agreed.append(ts or None)
         self._steps += 1
+        waited = max(0.0, timers.collective - collective_before)  # a benchmark may reset the timers
+        for s in active:
+            s.figures.collective_s += waited
         self._settle(decoding, agreed, logits_before)
         for s in decoding:  # a sequence that failed alone leaves alone; the others go on
             if s.error is not None and s in self._active:

@@ -28,7 +28,6 @@ class GenerateResult:
     logits: list = field(default_factory=list)
     cancelled: bool = False
     cached_tokens: int = 0  # prompt tokens served from the prompt cache
-    collective_s: float = 0.0
     figures: SequenceFigures = field(default_factory=SequenceFigures)
 
 

@@ -274,3 +274,24 @@ def test_a_draft_model_with_another_vocabulary_is_refused(sharded, tmp_path):
     path = _tiny_draft(tmp_path / "big", vocab=4096)
     with pytest.raises(UserError, match="has 4096 tokens, more than the model's 1024"):
         NodeRuntime(sharded, limits=BatchLimits(speculative="draft", draft_model=path))
+
+
+def test_each_request_counts_the_all_reduce_waits_of_the_steps_it_ran_in():
+    """A request's collective_s is the waiting of its own steps, not the node's running total:
+    one of 3 tokens beside one of 18 waited about a sixth as long."""
+    import time
+
+    class Slow(LocalCollective):
+        in_graph = False
+
+        def all_reduce(self, partial, layer):
+            time.sleep(0.002)
+            return partial
+
+    sharded = load_shard("demo", None, 0, collective=Slow())
+    reqs = [GenerateRequest("short", (5, 6, 7), Sampling(max_tokens=3)),
+            GenerateRequest("long", (8, 9, 10), Sampling(max_tokens=18))]
+    (short, long), _ = drive(NodeRuntime(sharded, limits=BatchLimits(max_batch=2)), reqs)
+    layers = len(sharded.moe_layers())
+    assert long.figures.collective_s >= 18 * layers * 0.002
+    assert short.figures.collective_s <= long.figures.collective_s / 3, (short.figures, long.figures)
