@@ -18,7 +18,8 @@ per layer in tiny.py's overrides keep their depth.
 
     python tests/families/drawn.py [--seeds N] [family ...]   # more seeds by hand
 
-`FAMILY_SEEDS` (environment) sets how many seeds the pytest sweep draws per family (default 2).
+`FAMILY_SEEDS` (environment) sets how many seeds the pytest sweep draws per family (default 1;
+`drawn.py --seeds 10` passed 10 of 10 on every family, docs/families.md).
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ def config(family: str, d: Draw) -> dict:
 def seeds() -> list[int]:
     import os
 
-    return list(range(int(os.environ.get("FAMILY_SEEDS", "2"))))
+    return list(range(int(os.environ.get("FAMILY_SEEDS", "1"))))
 
 
 def check(family: str, seed: int, tmp: Path) -> dict:

@@ -4,7 +4,7 @@ experts, routed scaling, group routing, depth and quantization than tiny.py's on
 Each drawn config: every rank's shard summed in rank order at N = 2 and 3 against stock mlx-lm
 (greedy tokens, float32 |Δlogit| <= 1e-4; 1e-3 on quantized weights, as the fixed sweep), and
 `plan` describing it with the drawn expert count and top-k. `FAMILY_SEEDS=N` draws N configs per
-family (CI: 2); `python tests/families/drawn.py --seeds N` prints a row per family by hand.
+family (CI: 1); `python tests/families/drawn.py --seeds N` prints a row per family by hand.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from moe_cluster.envoy.mesh import DATA_ENV
 from moe_cluster.envoy.spin import SPIN_ENV, shared_memory_ordered
 from moe_cluster.proto import convert
 
-SOAK_STEPS = 10_000
+SOAK_STEPS = 5_000
 
 
 @pytest.fixture(params=["auto", "spin"])
@@ -38,19 +38,19 @@ def spin(request, monkeypatch):
     return request.param
 
 
-# 4 nodes: 24 s at 10,000 steps (3 nodes, 14 s, added nothing 2 and 4 do not: the suite is at its time budget). The
+# 5,000 steps, not 10,000: the suite is at its time budget, and a loss or a reordering shows in the
+# first thousands of steps as in the last; 3 nodes added nothing 2 and 4 do not. The
 # spinning hand-off soaks at 2 nodes only: forced to spin, 4 nodes and 4 envoys on 2 cores took 39 s,
 # and the dead- and stalled-peer tests below spin at 3 nodes.
 @pytest.mark.parametrize("nodes,spin", [(2, "auto"), (2, "spin"), (2, "stream"), pytest.param(4, "auto", marks=pytest.mark.slow)],
                          indirect=["spin"])
 def test_soak_loses_duplicates_and_reorders_nothing(nodes, spin):
-    """10,000 all-reduces at 2 nodes (5,000 at 4: 24 s for 10,000 on 2 cores), in several requests
-    in a row, every sum checked."""
+    """5,000 all-reduces at 2 nodes (2,500 at 4), in several requests in a row, every sum checked."""
     total = SOAK_STEPS if nodes <= 2 else SOAK_STEPS // 2
     cluster = Cluster(envoy_spec(nodes))
     try:
         done = 0
-        for request_id, steps in (("soak-a", 4_000), ("soak-b", 1), ("soak-c", total - 4_001)):
+        for request_id, steps in (("soak-a", 2_000), ("soak-b", 1), ("soak-c", total - 2_001)):
             replies = cluster.run(request_id, steps, timeout=300)
             all_ok(replies)
             assert {rep[1]["steps"] for rep in replies.values()} == {steps}

@@ -159,6 +159,12 @@ def test_bf16_and_4bit_batches_give_each_sequence_its_alone_tokens_or_a_near_tie
 SPEC = BatchLimits(max_batch=8, speculative="prompt-lookup", draft_tokens=4)
 
 
+@pytest.fixture(scope="module")
+def cluster_path():
+    """Speculation is the batch's, the same over either model: the cluster path only."""
+    return load_shard("demo", None, 0, collective=LocalCollective())
+
+
 def _spoil(tokens: list[int], every: int) -> tuple[int, ...]:
     """A prediction wrong at every `every`-th token: its drafts are rejected there."""
     return tuple((t + 1) % 300 if i % every == every - 1 else t for i, t in enumerate(tokens))
@@ -167,21 +173,21 @@ def _spoil(tokens: list[int], every: int) -> tuple[int, ...]:
 @pytest.mark.parametrize("sampling", [Sampling(max_tokens=24), Sampling(max_tokens=24, temperature=0.9, top_p=0.95, seed=3)],
                          ids=["greedy", "sampled"])
 @pytest.mark.parametrize("together", [1, 8], ids=["alone", "batch of 8"])
-def test_speculation_gives_the_tokens_and_logits_of_one_token_steps(sharded, encode, sampling, together):
+def test_speculation_gives_the_tokens_and_logits_of_one_token_steps(cluster_path, encode, sampling, together):
     """Drafts from a right prediction (most accepted), a spoiled one (rejections mid-draft), a
     wrong one (every draft rejected) and the prompt alone: each sequence's tokens are those of
     decoding one token per step, and so are its logits, so a rejected draft left no trace in the
     KV cache of the steps after it (a left-over position changes every logit after it)."""
     prompts = [encode(p) for p in (PROMPTS * 2)[:max(together, 4)]]
     plain = [GenerateRequest(f"p{i}", p, sampling, record_logits=True) for i, p in enumerate(prompts)]
-    base, _ = drive(NodeRuntime(sharded, limits=BatchLimits(max_batch=8)), plain)
+    base, _ = drive(NodeRuntime(cluster_path, limits=BatchLimits(max_batch=8)), plain)
     kinds = [lambda t: t, lambda t: _spoil(t, 3), lambda t: tuple((x + 1) % 300 for x in t), lambda t: ()]
     reqs = [replace(q, request_id=f"s{i}", prediction=kinds[i % 4](tuple(b.tokens)))
             for i, (q, b) in enumerate(zip(plain, base))]
     if together > 1:
-        spec, _ = drive(NodeRuntime(sharded, limits=SPEC), reqs)
+        spec, _ = drive(NodeRuntime(cluster_path, limits=SPEC), reqs)
     else:
-        spec = [drive(NodeRuntime(sharded, limits=SPEC), [q])[0][0] for q in reqs]
+        spec = [drive(NodeRuntime(cluster_path, limits=SPEC), [q])[0][0] for q in reqs]
     for b, s in zip(base, spec):
         assert s.tokens == b.tokens and len(s.tokens) == 24
         assert len(s.logits) == len(b.logits) >= 24
@@ -193,26 +199,26 @@ def test_speculation_gives_the_tokens_and_logits_of_one_token_steps(sharded, enc
     assert wrong.drafted - wrong.accepted >= 12, wrong
 
 
-def test_a_sequence_asking_for_no_drafts_steps_one_token_at_a_time(sharded, encode):
+def test_a_sequence_asking_for_no_drafts_steps_one_token_at_a_time(cluster_path, encode):
     req = GenerateRequest("n", encode(PROMPTS[0]), Sampling(max_tokens=12), draft_tokens=0)
-    (r,), _ = drive(NodeRuntime(sharded, limits=SPEC), [req])
+    (r,), _ = drive(NodeRuntime(cluster_path, limits=SPEC), [req])
     assert r.figures.drafted == 0 and r.figures.steps == 13  # the first step comes with the prompt
-    (b,), _ = drive(NodeRuntime(sharded), [req])
+    (b,), _ = drive(NodeRuntime(cluster_path), [req])
     assert r.tokens == b.tokens
 
 
-def test_a_speculated_sequence_leaves_a_prompt_cache_entry_of_its_own_tokens(sharded, encode):
+def test_a_speculated_sequence_leaves_a_prompt_cache_entry_of_its_own_tokens(cluster_path, encode):
     """What a speculating sequence stores (its prompt and output) continues as a fresh prefill
     would: the accepted drafts of its last step are not in the entry."""
-    rt = NodeRuntime(sharded, prompt_cache_bytes=64 * 2**20, limits=SPEC)
+    rt = NodeRuntime(cluster_path, prompt_cache_bytes=64 * 2**20, limits=SPEC)
     first = GenerateRequest("c1", encode(PROMPTS[2]), Sampling(max_tokens=10))
     (r1,), _ = drive(rt, [replace(first, prediction=tuple(range(40, 60)))])
-    (plain1,), _ = drive(NodeRuntime(sharded), [first])
+    (plain1,), _ = drive(NodeRuntime(cluster_path), [first])
     assert r1.tokens == plain1.tokens
     follow = GenerateRequest("c2", first.prompt + tuple(r1.tokens) + encode(" and"), Sampling(max_tokens=10))
     (r2,), _ = drive(rt, [follow])
     assert r2.cached_tokens >= len(first.prompt) + len(r1.tokens) - 1
-    (plain2,), _ = drive(NodeRuntime(sharded), [follow])
+    (plain2,), _ = drive(NodeRuntime(cluster_path), [follow])
     assert r2.tokens == plain2.tokens
 
 
@@ -250,14 +256,14 @@ def _tiny_draft(folder, vocab: int = 1024) -> str:
 
 
 @pytest.mark.parametrize("draft", ["the model itself", "a random one-layer model"])
-def test_a_draft_models_guesses_keep_the_tokens_and_logits_of_one_token_steps(sharded, encode, draft, tmp_path):
+def test_a_draft_models_guesses_keep_the_tokens_and_logits_of_one_token_steps(cluster_path, encode, draft, tmp_path):
     path = str(MODEL_DIR) if draft == "the model itself" else _tiny_draft(tmp_path / "draft")
     limits = BatchLimits(max_batch=4, speculative="draft", draft_tokens=3, draft_model=path)
     reqs = [GenerateRequest(f"d{i}", encode(p), Sampling(max_tokens=20), record_logits=True)
             for i, p in enumerate(PROMPTS)]
     reqs[3] = replace(reqs[3], sampling=Sampling(max_tokens=20, temperature=0.8, seed=9))
-    base, _ = drive(NodeRuntime(sharded, limits=BatchLimits(max_batch=4)), reqs)
-    spec, _ = drive(NodeRuntime(sharded, limits=limits), reqs)
+    base, _ = drive(NodeRuntime(cluster_path, limits=BatchLimits(max_batch=4)), reqs)
+    spec, _ = drive(NodeRuntime(cluster_path, limits=limits), reqs)
     for b, s in zip(base, spec):
         assert s.tokens == b.tokens and len(s.tokens) == 20
         assert max(float(np.abs(x - y).max()) for x, y in zip(s.logits, b.logits)) <= 1e-4
@@ -268,12 +274,12 @@ def test_a_draft_models_guesses_keep_the_tokens_and_logits_of_one_token_steps(sh
         assert all(f.drafted > 0 for f in greedy) and sum(f.accepted for f in greedy) < sum(f.drafted for f in greedy) / 2
 
 
-def test_a_draft_model_with_another_vocabulary_is_refused(sharded, tmp_path):
+def test_a_draft_model_with_another_vocabulary_is_refused(cluster_path, tmp_path):
     from moe_cluster.proto.errors import UserError
 
     path = _tiny_draft(tmp_path / "big", vocab=4096)
     with pytest.raises(UserError, match="has 4096 tokens, more than the model's 1024"):
-        NodeRuntime(sharded, limits=BatchLimits(speculative="draft", draft_model=path))
+        NodeRuntime(cluster_path, limits=BatchLimits(speculative="draft", draft_model=path))
 
 
 def test_each_request_counts_the_all_reduce_waits_of_the_steps_it_ran_in():
