@@ -452,7 +452,7 @@ class RunningBatch:
         if idle:  # the counters its caller reads are complete (this waits for the step in flight)
             self.runtime.sharded.state.settle()
         if self.runtime.prompt_cache is not None and s.cache is not None and reason != "failed":
-            self.runtime._store(list(s.req.prompt) + s.fed, s.cache)
+            self.runtime.prompt_cache.store(list(s.req.prompt) + s.fed, s.cache)
         s.cache = None
         s.result.stats.prompt_tokens = len(s.req.prompt)
         if reason == "failed":
@@ -479,7 +479,8 @@ class RunningBatch:
                 del self._queued[seq]
                 self._active.append(s)
             s.t_start = time.perf_counter()
-            cache, covered = self.runtime._reuse(list(s.req.prompt))
+            pc = self.runtime.prompt_cache
+            cache, covered = pc.reuse(list(s.req.prompt)) if pc is not None else (None, 0)
             if cache is None:
                 cache = make_prompt_cache(self.model)
             s.result.cached_tokens = covered
@@ -494,8 +495,8 @@ class RunningBatch:
                 seed = s.req.sampling.seed
                 key = mx.random.key(seed if seed is not None else zlib.crc32(s.req.request_id.encode()))
                 s.key = advance_key(key, s.req.sampling.step)  # a resumed request: past its draws
-            if budget and self.runtime.prompt_cache is not None:
-                self.runtime.prompt_cache.trim_to(n_bytes=max(0, budget - held - s.reserve))
+            if budget and pc is not None:
+                pc.make_room(budget - held - s.reserve)
             if s.state == "decode":
                 self._join(s)
 

@@ -53,7 +53,7 @@ def assert_stock(result: GenerateResult, prompt: list[int], reference) -> None:
 
 def entries(rt: NodeRuntime) -> list[int]:
     """Token counts of the cached sequences, least recently used first."""
-    return [len(tokens) for lru in rt.prompt_cache._lru._lrus.values() for _, tokens in lru]
+    return [len(tokens) for lru in rt.prompt_cache.entries._lru._lrus.values() for _, tokens in lru]
 
 
 def test_a_follow_up_prefills_only_its_suffix_and_gives_stock_tokens(sharded, encode, reference):
