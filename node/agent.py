@@ -23,7 +23,9 @@ from ..proto import CHANNEL_OPTIONS, convert
 from ..proto import node_pb2_grpc as npb_grpc
 from ..proto.errors import (BusyError, ErrorKind, MoeClusterError, NotReadyError, UnavailableError, UserError, grpc_code,
                            kind_of)
+from . import lifecycle
 from .device import DeviceInfo, device_info, release_memory
+from .lifecycle import NodeState
 from .worker import Worker
 from ..proto.records import (DEFAULT_KV_RESERVE, ExpertCacheLayer, GenerateDone, GeneratedTokens, Health, LayerRouting, LoadProgress, Memory, NodeError,
                              NodeStatus, Timings)
@@ -55,17 +57,27 @@ class NodeAgent(npb_grpc.NodeServicer):
     def __init__(self, config: AgentConfig, device: DeviceInfo | None = None):
         self.config = config
         self.device = device or device_info()
-        self.state = "idle"
+        self.life = NodeState()  # node/lifecycle.py: changed only by _on(event)
         self.started = time.monotonic()
         self.sharded = None
         self.runtime = None
         self.load_spec = None
         self._worker = Worker("mlx-worker")  # the one thread that touches MLX
         self._driving: asyncio.Future | None = None  # the worker stepping the running batch
-        self.failure = ""  # why the state is failed (a load that failed, an envoy that exited)
         self._stop: asyncio.Event | None = None
 
     # -- helpers -------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        return self.life.phase
+
+    @property
+    def failure(self) -> str:
+        return self.life.failure
+
+    def _on(self, event) -> None:
+        self.life = lifecycle.apply(self.life, event)
 
     def _memory(self) -> Memory:
         import mlx.core as mx
@@ -88,11 +100,11 @@ class NodeAgent(npb_grpc.NodeServicer):
         """A loaded node whose envoy exited cannot all-reduce: it is failed, and says why, instead of
         letting every request wait out its peers' timeouts (issue #14). Cheap (a waitpid): checked on
         every Health, Status and Generate."""
-        if self.sharded is None or self.state not in ("ready", "busy"):
+        if self.sharded is None or not self.life.serving:
             return
         reason = self.sharded.collective.failure()
         if reason:
-            self.state, self.failure = "failed", reason
+            self._on(lifecycle.Failed(reason))
             logger.error("node failed: %s; the coordinator reloads it", reason)
 
     # -- RPCs ----------------------------------------------------------------------------------
@@ -137,7 +149,7 @@ class NodeAgent(npb_grpc.NodeServicer):
     def _ready(self) -> None:
         if self.state == "failed":
             raise UnavailableError(f"node {self.config.name} has failed: {self.failure}")
-        if self.runtime is None or self.state not in ("ready", "busy"):
+        if self.runtime is None or not self.life.serving:
             raise NotReadyError(f"node is {self.state}, not ready")
 
     async def Load(self, request, context):
@@ -191,7 +203,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             self.runtime = NodeRuntime(sharded, prompt_cache_bytes=spec.prompt_cache_bytes, limits=_limits(spec))
             return sharded.info
 
-        self.state, self.failure = "loading", ""
+        self._on(lifecycle.Load())
         self.load_spec = spec
         fut = asyncio.ensure_future(self._worker.call(load))
         logger.info("loading %s as rank %d of %d", spec.model, spec.rank, spec.world_size)
@@ -206,12 +218,12 @@ class NodeAgent(npb_grpc.NodeServicer):
         try:
             info = fut.result()
         except BaseException as exc:  # noqa: BLE001 - reported to the coordinator
-            self.state, self.failure = "failed", f"load failed: {exc}"
+            self._on(lifecycle.Failed(f"load failed: {exc}"))
             logger.error("load failed: %s: %s", type(exc).__name__, exc, exc_info=kind_of(exc) is ErrorKind.INTERNAL)
             yield convert.load_progress_to_proto(LoadProgress(0, 0, "failed", done=True,
                                                               error=node_error(exc, spec.rank)))
             return
-        self.state = "ready"
+        self._on(lifecycle.Loaded())
         total = info.resident_weight_bytes
         yield convert.load_progress_to_proto(LoadProgress(total, total, "ready", done=True))
 
@@ -293,12 +305,11 @@ class NodeAgent(npb_grpc.NodeServicer):
             self._driving = None
             if fut.exception() is not None:
                 logger.error("the running batch stopped: %s", fut.exception())
-            if self.state == "busy":
-                self.state = "ready"
+            self._on(lifecycle.Idle())
             if self.runtime is not None and self.runtime.batch.busy():
                 self._drive()
 
-        self.state = "busy" if self.state == "ready" else self.state
+        self._on(lifecycle.Busy())
         self._driving = asyncio.ensure_future(self._worker.call(drive))
         self._driving.add_done_callback(finished)
 
@@ -325,7 +336,7 @@ class NodeAgent(npb_grpc.NodeServicer):
     async def Shutdown(self, request, context):
         grace = convert.shutdown_request_from_proto(request)
         logger.info("shutdown requested (grace %.1fs)", grace)
-        self.state = "stopping"
+        self._on(lifecycle.Stop())
         if self.runtime is not None:
             self.runtime.batch.cancel_all()
         if self._stop is not None:
@@ -387,7 +398,7 @@ class NodeAgent(npb_grpc.NodeServicer):
                 ready(port)
             await self._stop.wait()
         finally:
-            self.state = "stopping"
+            self._on(lifecycle.Stop())
             if advertiser is not None:
                 await advertiser.close()
             await server.stop(1.0)
