@@ -346,14 +346,16 @@ class RunningBatch:
             return
         width = 1 + max(s.drafts for s in decoding)
         histories = [[*s.req.prompt, *s.fed, *s.pending] for s in decoding]
+        # no guess past max_tokens: the step's own token is the last one a sequence may still need
+        wanted = [min(s.drafts, max(0, s.req.sampling.max_tokens - len(h) + len(s.req.prompt) - 1))
+                  for s, h in zip(decoding, histories)]
         if self.limits.speculative == "draft":
-            drafts = self._guessed(decoding, histories)
+            drafts = self._guessed(decoding, histories, wanted)
         else:
             drafts = []
-            for s, history in zip(decoding, histories):
+            for s, history, k in zip(decoding, histories, wanted):
                 done = len(history) - len(s.req.prompt)
-                drafts.append((predicted(s.req.prediction, history, done, s.drafts) or lookup(history, s.drafts))
-                              if s.drafts else [])
+                drafts.append((predicted(s.req.prediction, history, done, k) or lookup(history, k)) if k else [])
         rows = []
         for s, mine in zip(decoding, drafts):
             first = s.pending[-1] if s.pending else s.first_input
@@ -376,11 +378,12 @@ class RunningBatch:
                 self.drafter.keep(s.seq, len(histories[i]) + v.accepted)
         rollback(self._batch_cache, drop)
 
-    def _guessed(self, decoding: list[Sequence], histories: list[list[int]]) -> list[list[int]]:
-        """The draft model's guesses (node.speculate.Drafter): rank 0 makes them, and every rank
-        reads rank 0's from one explicit agreement (the others put zeros)."""
-        guesses = [self.drafter.guess(s.seq, h, s.drafts) if self.drafter is not None and s.drafts else []
-                   for s, h in zip(decoding, histories)]
+    def _guessed(self, decoding: list[Sequence], histories: list[list[int]], wanted: list[int]) -> list[list[int]]:
+        """The draft model's guesses (node.speculate.Drafter), `wanted[i]` for sequence i at most:
+        rank 0 makes them, and every rank reads rank 0's from one explicit agreement (the others
+        put zeros)."""
+        guesses = [self.drafter.guess(s.seq, h, k) if self.drafter is not None and k else []
+                   for s, h, k in zip(decoding, histories, wanted)]
         c = self.collective
         if c.world_size == 1:
             return guesses
