@@ -142,6 +142,10 @@ def _report(job: SimJob, index: int, sharded) -> dict:
         "load_seconds": info.load_seconds,
         "counters": sharded.state.means(),  # folds the device-side counts first
         "layer_counters": {str(layer): vars(c) for layer, c in sharded.state.counters.items()},
+        # per MoE layer: the decode route its experts take (route.py) and one local expert's bytes
+        "layer_routes": {str(m.shard.layer): m.shard.route for m in sharded.layers},
+        "expert_matrix_bytes": {str(m.shard.layer): m.shard.matrix_bytes() for m in sharded.layers},
+        "route": sharded.state.route.describe() if sharded.state.route is not None else None,
         "timers": vars(sharded.state.timers),
         # MLX's peak over the last run's decode steps: weights, KV cache and activations (an expert
         # read waiting for its slot is host memory outside MLX: expert_cache.staged_peak_bytes)

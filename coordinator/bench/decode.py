@@ -138,11 +138,40 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> l
             "time_per_token_s": per_token,
             "expected_experts": _expected_experts(reports, keepalive),
             "mean_computed_per_node": statistics.mean(r["counters"]["computed"] for r in reports),
+            "expert_reads": expert_reads(reports),
             "breakdown_s": breakdown(r0["timers"], steps, per_token),
             # simulated nodes share this machine's CPU cores, unless each has its own GPU
             "nodes_per_host": 1 if spec.gpus else nodes,
         })
     return out
+
+
+def expert_reads(reports: list[dict]) -> dict:
+    """Per node, the routed-expert bytes its decode steps read, counted rather than timed: per MoE
+    layer and call, the expert matrices the layer's route reads (skip and host: the experts this
+    node computes; device, redirected rows: one matrix per routed position, k per token, since
+    every position another node computes is redirected to a local slot), times the bytes of one
+    local expert. A repeated slot may come from the GPU's cache rather than its memory: these are
+    the reads the kernel issues. Bench decode's steps carry one token, so per call is per token."""
+    nodes = []
+    for r in reports:
+        per_layer, total = [], 0.0
+        for layer, c in r["layer_counters"].items():
+            if not c["calls"] or layer not in r["layer_routes"]:
+                continue
+            route = r["layer_routes"][layer]
+            read = (c["positions"] if route == "device" else c["computed"]) / c["calls"]
+            per_layer.append(read)
+            total += read * r["expert_matrix_bytes"][layer]
+        nodes.append({"rank": r["rank"], "route": r["route"],
+                      "routes": sorted(set(r["layer_routes"].values())),
+                      "matrices_per_layer": statistics.mean(per_layer) if per_layer else 0.0,
+                      "computed_per_layer": r["counters"]["computed"],
+                      "bytes_per_token": total})
+    return {"counts": "routed-expert bytes read per node per token: per MoE layer, the matrices "
+                      "its route reads (skip, host: experts computed; device: one per routed "
+                      "position) x one local expert's bytes",
+            "nodes": nodes, "max_bytes_per_token": max((n["bytes_per_token"] for n in nodes), default=0.0)}
 
 
 def breakdown(timers: dict, steps: int, per_step: float) -> dict:
@@ -277,7 +306,8 @@ def run(spec: DecodeBench) -> dict:
     for c in clusters:
         c["fixed_cost_per_moe_layer_us"] = fixed_cost_us(c["time_per_token_s"], single["mlx_lm_tps"],
                                                          single["generated_tokens"], bytes_["moe_layers"])
-        c.update(_compare(c.pop("tokens"), single["stock_tokens"][: spec.max_tokens]))
+        # the tokens stay in the row: runs with another decode route are compared on them
+        c.update(_compare(c["tokens"], single["stock_tokens"][: spec.max_tokens]))
     from .tensor_parallel import measure
 
     peers = []

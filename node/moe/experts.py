@@ -38,6 +38,7 @@ class LayerCounters:
     computed: int = 0
     filler: int = 0
     cluster_max: int = 0  # the largest per-node selected count, summed over calls
+    positions: int = 0  # routed (token, j) positions of every node, summed over calls
 
 
 @dataclass
@@ -196,6 +197,7 @@ class ShardState:
         counts = np.zeros((len(done), self.world_size), dtype=np.int64)
         np.add.at(counts, (call_of, rank_table[table_of_call[call_of], expert_of]), 1)
         calls = np.bincount(layer_of_call, minlength=len(layers))
+        positions = np.bincount(layer_of_call, weights=[f.size for f in flat], minlength=len(layers))
         mine = np.bincount(layer_of_call, weights=counts[:, self.rank], minlength=len(layers))
         biggest = np.bincount(layer_of_call, weights=counts.max(axis=1), minlength=len(layers))
         fill = np.zeros(len(done))
@@ -210,6 +212,7 @@ class ShardState:
             c.computed += int(mine[i] + filler[i])
             c.filler += int(filler[i])
             c.cluster_max += int(biggest[i])
+            c.positions += int(positions[i])
 
     def means(self, fold: bool = True) -> dict[str, float]:
         """Mean per MoE layer per call of selected/computed/filler on this node; `fold`: device-routed
@@ -618,6 +621,7 @@ class ExpertShard(nn.Module):
         c.computed += len(mine) + len(fillers)
         c.filler += len(fillers)
         c.cluster_max += max(counts)
+        c.positions += flat.size
 
         out_shape = tuple(inds.shape) + (x.shape[-1],)
         if not mine and not fillers:
@@ -682,6 +686,12 @@ class ExpertShard(nn.Module):
 
     def resident_bytes(self) -> int:
         return sum(v.nbytes for _, v in _leaves(self.parameters()))
+
+    def matrix_bytes(self) -> int:
+        """Bytes of one local expert (every projection: weights, scales, biases), what a kernel
+        reads for one expert it computes."""
+        slots = self._projections()[0].weight.shape[0]
+        return self.resident_bytes() // slots if slots else 0
 
 
 def _skip_proj(p: ShardLinear, x: mx.array, slots: mx.array, per_x: int) -> mx.array:
