@@ -193,8 +193,8 @@ class ExpertShard(nn.Module):
         return self.config.global_ids
 
     @property
-    def state(self) -> ShardState:
-        """The node's counters, which this shard's calls add to."""
+    def telemetry(self) -> ShardState:
+        """The node's counters, which this shard's calls add to (not `state`: nn.Module's own)."""
         return self._state
 
     @property

@@ -55,8 +55,8 @@ def _rank0_of_two(keepalive: str, monkeypatch):
 
 
 def _counters(shard):
-    shard.state.settle()  # device-routed calls count lazily
-    return dict(vars(shard.state.counters[0]))
+    shard.telemetry.settle()  # device-routed calls count lazily
+    return dict(vars(shard.telemetry.counters[0]))
 
 
 def _step(shards, x, inds):
@@ -194,7 +194,7 @@ def test_warm_up_touches_every_local_expert():
     assert sorted(out for out, _ in seen) == [D, F, F], seen
     assert all(sorted(set(slots)) == list(range(local)) for _, slots in seen), seen
     assert list(shard.lru) == list(range(local))
-    assert shard.state.counters[0].calls == 0
+    assert shard.telemetry.counters[0].calls == 0
 
 
 def test_without_keepalive_other_nodes_positions_read_no_other_expert(monkeypatch):
@@ -249,7 +249,7 @@ def test_alone_every_call_is_stocks_op_for_op(tokens, monkeypatch):
     y = shard(x, mx.array(sel.astype(np.uint32)))
     assert mx.array_equal(y, bank(x, mx.array(sel.astype(np.uint32)))).item()
     monkeypatch.undo()
-    assert shard.state.routing()[0][1] == tuple(np.bincount(sel.reshape(-1), minlength=E))
+    assert shard.telemetry.routing()[0][1] == tuple(np.bincount(sel.reshape(-1), minlength=E))
 
 
 # Replicas: at N = 2 every replica is on both nodes; at N = 3, full copies, and copies on 2 of 3.
@@ -268,8 +268,8 @@ def test_replicas_held_everywhere_are_routed_on_the_device(placement, keepalive)
     assert all(isinstance(s.plan, Replicas) for s in device)
     _assert_steps_agree(device, host, seed=5, atol=1e-5)
     # the host path times its read of the indices; the device path has none to time
-    assert all(s.state.timers.attention_router == 0 for s in device)
-    assert all(s.state.timers.attention_router > 0 for s in host)
+    assert all(s.telemetry.timers.attention_router == 0 for s in device)
+    assert all(s.telemetry.timers.attention_router > 0 for s in host)
 
 
 @pytest.mark.parametrize("keepalive", ["none", "lru"])
@@ -311,7 +311,7 @@ def test_routing_counts_every_selection_on_both_paths(world):
         for s in device + host:
             mx.eval(s(x, mx.array(sel)))
     for rank, s in enumerate(device + host):
-        held, tokens = s.state.routing()[0]
+        held, tokens = s.telemetry.routing()[0]
         assert tokens == tuple(want) and held == placement.layers[0][rank % world]
 
 

@@ -74,8 +74,8 @@ def test_timing_really_times_and_leaves_the_shard_as_it_was():
     choice = route.choose([shard], [3], "measure")
     assert set(choice.times_us) == {"device", "host"} and all(t > 0 for t in choice.times_us.values())
     assert np.array_equal(np.array(shard.recency.stamp), stamp) and shard.recency.calls == 0
-    shard.state.settle()
-    assert shard.state.counters[0].calls == 0 and not shard.state.routed[0].any()
+    shard.telemetry.settle()
+    assert shard.telemetry.counters[0].calls == 0 and not shard.telemetry.routed[0].any()
 
 
 def test_every_route_gives_the_same_partials():

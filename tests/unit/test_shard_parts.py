@@ -39,7 +39,7 @@ def test_the_load_chooses_the_plan_and_the_kernel(placement, keepalive, want_pla
     with pytest.raises(TypeError):
         cfg.holders[0] = (1,)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        shard.state.config.rank = 1
+        shard.telemetry.config.rank = 1
 
 
 def test_setting_the_route_swaps_the_kernel_and_keeps_the_plan():
