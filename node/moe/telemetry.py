@@ -21,7 +21,8 @@ from .expert_cache import CacheStats, Staging
 
 # Upper bounds (seconds) of the all-reduce latency histogram every node keeps (the coordinator's
 # /metrics shows it per node).
-ALLREDUCE_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.25, 1.0)
+ALLREDUCE_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.25,
+                     1.0)
 
 
 @dataclass
@@ -59,7 +60,8 @@ class NodeConfig:
 
     def __post_init__(self):
         if self.keepalive not in KEEPALIVES:
-            raise UserError(f"keepalive must be one of {', '.join(KEEPALIVES)} (got {self.keepalive!r})")
+            raise UserError(f"keepalive must be one of {', '.join(KEEPALIVES)} "
+                            f"(got {self.keepalive!r})")
 
 
 class ShardState:
@@ -83,7 +85,8 @@ class ShardState:
         # per MoE layer, where an expert cache keeps fewer experts resident than the node holds
         self.cache: dict[int, CacheStats] = {}
         self.staging = Staging()  # expert reads held outside the slots
-        self.route = None  # route.RouteChoice: how decode steps compute the routed experts, set at load
+        # route.RouteChoice: how decode steps compute the routed experts, set at load
+        self.route = None
         # len(pending) when each of the last two steps began (step_begins): what came before the
         # older one belongs to steps already evaluated, so folding it never waits on the device
         self._marks = [0, 0]
@@ -162,16 +165,18 @@ class ShardState:
     def count_routed(self, layer: int, inds: np.ndarray) -> None:
         r = self.routed[layer]
         flat = inds.reshape(-1)
-        flat = flat[(flat >= 0) & (flat < len(r))]  # a family's own sentinel ids (none known) are not experts
+        # a family's own sentinel ids (none known) are not experts
+        flat = flat[(flat >= 0) & (flat < len(r))]
         r += np.bincount(flat, minlength=len(r))
 
     def routing(self, fold: bool = True) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
-        """{layer: (experts held here, selections per expert)}; `fold`: device-routed calls folded in
-        first (only on the thread that drives MLX)."""
+        """{layer: (experts held here, selections per expert)}; `fold`: device-routed calls folded
+        in first (only on the thread that drives MLX)."""
         if fold:
             self.settle()
         with self._lock:
-            return {layer: (self.held.get(layer, ()), tuple(int(n) for n in r)) for layer, r in sorted(self.routed.items())}
+            return {layer: (self.held.get(layer, ()), tuple(int(n) for n in r))
+                    for layer, r in sorted(self.routed.items())}
 
     def note(self, layer: int, inds: mx.array, rank_of: np.ndarray | mx.array) -> None:
         """A call routed on the device: its indices (evaluated with the step anyway) are counted
@@ -184,7 +189,8 @@ class ShardState:
     def step_begins(self) -> None:
         """A step starts; the one two steps back has been evaluated (its token was read). Folds what
         steps before it noted once there is enough of it, never waiting on the device: on a GPU,
-        reading the indices of a step still running cost ~20% of decode (Qwen3-30B-A3B shape, H100)."""
+        reading the indices of a step still running cost ~20% of decode (Qwen3-30B-A3B shape,
+        H100)."""
         self._marks = [self._marks[1], len(self.pending)]
         safe = self._marks[0]
         if safe > _FOLD_AT:
@@ -198,20 +204,24 @@ class ShardState:
             self._settle(keep)
 
     def _settle(self, keep: int) -> None:
-        done, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep:]
+        cut = len(self.pending) - keep
+        done, self.pending = self.pending[:cut], self.pending[cut:]
         self._marks = [max(0, m - len(done)) for m in self._marks]  # they index `pending`
         if not done:
             return
-        flat = [np.asarray(memoryview(inds)).reshape(-1) for _, inds, _ in done]  # no copy, no graph op
+        # no copy, no graph op
+        flat = [np.asarray(memoryview(inds)).reshape(-1) for _, inds, _ in done]
         ids = np.concatenate(flat).astype(np.int64)  # every call's expert ids, end to end
         call = np.repeat(np.arange(len(done)), [f.size for f in flat])
         layers = sorted({layer for layer, _, _ in done})
         index = {layer: i for i, layer in enumerate(layers)}
-        layer_of_call = np.fromiter((index[layer] for layer, _, _ in done), dtype=np.int64, count=len(done))
+        layer_of_call = np.fromiter((index[layer] for layer, _, _ in done), dtype=np.int64,
+                                    count=len(done))
         layer_of = layer_of_call[call]  # per id: its layer's index in `layers`
         # per call, the rank computing each expert: its layer's table, or the call's own where
         # replicas were assigned on the device (ArrayRule's ranks, evaluated with the step)
-        rows: dict[int, int] = {}  # id(table) -> its row in `tables`: a layer's table is shared by its calls
+        # id(table) -> its row in `tables`: a layer's table is shared by its calls
+        rows: dict[int, int] = {}
         tables, table_of_call = [], np.empty(len(done), dtype=np.int64)
         for i, (_, _, t) in enumerate(done):
             if id(t) not in rows:
@@ -220,7 +230,8 @@ class ShardState:
             table_of_call[i] = rows[id(t)]
         width = max(len(t) for t in tables)
         known = (ids >= 0) & (ids < np.array([len(t) for t in tables])[table_of_call[call]])
-        call, ids, layer_of = call[known], ids[known], layer_of[known]  # a family's sentinel ids are no expert
+        # a family's sentinel ids are no expert
+        call, ids, layer_of = call[known], ids[known], layer_of[known]
         for i, layer in enumerate(layers):  # per-expert selections (the routing heat map)
             self.count_routed(layer, ids[layer_of == i])
         # each call's distinct experts, then how many of them each rank computes
@@ -233,7 +244,8 @@ class ShardState:
         mine = np.bincount(layer_of_call, weights=counts[:, self.rank], minlength=len(layers))
         biggest = np.bincount(layer_of_call, weights=counts.max(axis=1), minlength=len(layers))
         fill = np.zeros(len(done))
-        if self.keepalive == "lru" and self.world_size > 1:  # Recency.fill's count: up to the busiest node
+        # Recency.fill's count: up to the busiest node
+        if self.keepalive == "lru" and self.world_size > 1:
             held = np.array([len(self.held.get(layer, ())) for layer in layers])[layer_of_call]
             fill = np.maximum(np.minimum(counts.max(axis=1), held) - counts[:, self.rank], 0)
         filler = np.bincount(layer_of_call, weights=fill, minlength=len(layers))
@@ -246,8 +258,8 @@ class ShardState:
             c.cluster_max += int(biggest[i])
 
     def means(self, fold: bool = True) -> dict[str, float]:
-        """Mean per MoE layer per call of selected/computed/filler on this node; `fold`: device-routed
-        calls folded in first (only on the thread that drives MLX)."""
+        """Mean per MoE layer per call of selected/computed/filler on this node; `fold`:
+        device-routed calls folded in first (only on the thread that drives MLX)."""
         if fold:
             self.settle()
         with self._lock:
@@ -255,7 +267,8 @@ class ShardState:
         calls = sum(c.calls for c in counters)
         if not calls:
             return {"selected": 0.0, "computed": 0.0, "filler": 0.0}
-        return {k: sum(getattr(c, k) for c in counters) / calls for k in ("selected", "computed", "filler")}
+        return {k: sum(getattr(c, k) for c in counters) / calls
+                for k in ("selected", "computed", "filler")}
 
 
 
