@@ -33,7 +33,7 @@ from ...proto.expert_cache import ExpertCacheSpec, auto_budget
 from ...proto.records import DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE
 from ..device import ieee_float32, metal_info
 from .expert_cache import CacheStats, LayerCache, Part, Staging, choose_resident, read_parts, read_pool
-from .experts import ExpertShard, ShardLinear, ShardState
+from .experts import ExpertShard, NodeConfig, ShardLinear, ShardState
 from .layer import ClusterMoE, InProcessCluster, install, owns_dense_terms
 from .structure import MoEBlock, StructureError, find_moe_blocks, find_moe_blocks_loaded, set_bank
 
@@ -550,11 +550,11 @@ def load_shard(
     placement.check(moe_layers)
     if not 0 <= rank < world:
         raise ShardError(f"rank {rank} is out of range 0..{world - 1}")
-    state = ShardState(rank, world, keepalive)
+    NodeConfig(rank, world, keepalive)  # a bad keepalive is named before a bad expert_cache
     spec = expert_cache if isinstance(expert_cache, ExpertCacheSpec) else ExpertCacheSpec.parse(expert_cache)
+    state = ShardState(rank, world, keepalive, str(spec) if spec.active else "off")
     capacity: dict[int, int] = {}
     if spec.active:
-        state.cache_spec = str(spec)
         sizes = expert_bytes(ckpt, blocks)
         budget = cache_budget_bytes
         if spec.mode == "auto":

@@ -1,6 +1,6 @@
 """skip_gemv for quantized experts on CUDA: the decode step reads only this node's experts.
 
-The device-routed step at N > 1 (experts.py `_routed_on_device`) sends the positions another node
+The device-routed step at N > 1 (kernels.py `Gather`) sends the positions another node
 computes to a local slot and zeroes them; `gather_qmm` then reads one expert per position, k per
 node per layer, what one device reads alone. This kernel takes each position's slot, or -1 for a
 position computed elsewhere, and returns zeros there without reading anything, as skip_gemv.py does

@@ -100,7 +100,7 @@ def choose(shards: Sequence[ExpertShard], top_k: Sequence[int], how: str = "meas
     times = {}
     if how == "measure" and len(routes) > 1:
         times = {r: timer(timed, r, top_k[i]) for r in routes}
-        timed._state.reset_counters()
+        timed.telemetry.reset_counters()
     order = sorted(times, key=times.get) or list(routes)
     for s in shards:
         s.set_route(next((r for r in order if r in s.routes()), s.routes()[0]))

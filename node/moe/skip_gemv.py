@@ -1,6 +1,6 @@
 """The decode step's expert matmuls on CUDA, skipping the positions another node computes.
 
-At N > 1 the device-routed step (experts.py `_routed_on_device`) keeps fixed shapes: each of a
+At N > 1 the device-routed step (kernels.py `Gather`) keeps fixed shapes: each of a
 token's k positions goes through some local slot and the positions another node computes are zeroed
 afterwards. MLX's `gather_mm` on CUDA then reads one expert matrix per position, duplicates included,
 so a node read k experts per layer — what one GPU holding every expert reads — and expert parallelism

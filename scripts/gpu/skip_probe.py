@@ -3,7 +3,7 @@
 experts) and the rest another node's, two ways:
 
 - `gather_mm`: the device-routed step before skip_gemv: the other positions go to slot 0 and are
-  zeroed afterwards (node/moe/experts.py `_routed_on_device`);
+  zeroed afterwards (node/moe/kernels.py `Gather`);
 - `skip_gemv`: the kernel (node/moe/skip_gemv.py): nothing read for the other positions.
 
 Prints one JSON line per (shape, m): milliseconds each way and the GB/s reading m experts would

@@ -55,7 +55,7 @@ def test_resident_experts_stay_within_a_byte_budget(make_ckpt, reference):
     sm = load_in_process(str(path), 1, expert_cache=str(budget))
     shards = [moe.ranks[0].shard for moe in _moes(sm.model)]
     assert sum(s.resident_bytes() for s in shards) <= budget
-    assert [s._cache.capacity for s in shards] == [5, 5]
+    assert [s.cache.capacity for s in shards] == [5, 5]
     assert _decode(sm.model)[0] == reference(path, PROMPT, STEPS)[0]
 
 

@@ -8,6 +8,7 @@ import pytest
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from moe_cluster.node.moe.experts import ExpertShard, ShardLinear, ShardState
+from moe_cluster.node.moe.plan import Replicas
 from moe_cluster.proto.placement import Placement
 
 E, D, F, K = 8, 32, 48, 3
@@ -54,8 +55,8 @@ def _rank0_of_two(keepalive: str, monkeypatch):
 
 
 def _counters(shard):
-    shard._state.settle()  # device-routed calls count lazily
-    return dict(vars(shard._state.counters[0]))
+    shard.telemetry.settle()  # device-routed calls count lazily
+    return dict(vars(shard.telemetry.counters[0]))
 
 
 def _step(shards, x, inds):
@@ -69,8 +70,7 @@ def _step(shards, x, inds):
 def _on_the_host(shards):
     """The same shards taking the host path: indices read on the host, rows grouped by expert."""
     for s in shards:
-        s._lut = s._rule = None
-        s._route = "host"  # alone the host route is not offered (routes()): forced here to compare
+        s.host_only()  # alone the host route is not offered (routes()): forced here to compare
     return shards
 
 
@@ -133,7 +133,7 @@ def test_lru_fillers_are_least_recently_used():
     # rank 1 is selected twice per step, rank 0 never: rank 0 pads with 2 fillers, rotating
     seen = []
     for i in range(4):
-        before = list(shard0._lru)
+        before = list(shard0.lru)
         shard0(mx.zeros((1, 1, D)), mx.array([[[4, 5]]]))
         seen.append(before[:2])
     assert seen == [[0, 1], [2, 3], [0, 1], [2, 3]]
@@ -158,16 +158,16 @@ def test_lru_fillers_are_chosen_on_the_device(monkeypatch):
 
 
 def test_lru_order_survives_the_recency_count_restart(monkeypatch):
-    from moe_cluster.node.moe import experts
+    from moe_cluster.node.moe import plan
 
-    monkeypatch.setattr(experts, "_STAMP_SPAN", 8)  # restart every 8 calls instead of 65536
+    monkeypatch.setattr(plan, "_STAMP_SPAN", 8)  # restart every 8 calls instead of 65536
     p = Placement.from_json({"layers": {"0": {"0": [0, 1, 2, 3], "1": [4, 5, 6, 7]}}}, 2)
     shard0 = _shards(_bank(3), p, "lru")[0]
     orders = []
     for _ in range(20):
-        orders.append(shard0._lru[:2])
+        orders.append(shard0.lru[:2])
         shard0(mx.zeros((1, 1, D)), mx.array([[[4, 5, 1]]]))
-    assert shard0._calls <= 8
+    assert shard0.recency.calls <= 8
     # slot 1 is selected every call; the one filler rotates over 0, 2, 3 through every restart
     assert orders[1:4] == [[2, 3], [3, 0], [0, 2]]
     assert all(orders[i] == orders[i + 3] for i in range(1, 17)), orders
@@ -193,8 +193,8 @@ def test_warm_up_touches_every_local_expert():
     # gate and up project D -> F, down F -> D: each ran over every local slot
     assert sorted(out for out, _ in seen) == [D, F, F], seen
     assert all(sorted(set(slots)) == list(range(local)) for _, slots in seen), seen
-    assert list(shard._lru) == list(range(local))
-    assert shard._state.counters[0].calls == 0
+    assert list(shard.lru) == list(range(local))
+    assert shard.telemetry.counters[0].calls == 0
 
 
 def test_without_keepalive_other_nodes_positions_read_no_other_expert(monkeypatch):
@@ -217,7 +217,7 @@ def test_device_routing_equals_the_host_path(world):
     bank = _bank()
     placement = Placement.even({0: E}, world)
     device, host = _shards(bank, placement, "none"), _on_the_host(_shards(bank, placement, "none"))
-    assert all(s._device_routed for s in device)
+    assert all(s.device_routed for s in device)
     _assert_steps_agree(device, host, seed=1, atol=1e-6)
 
 
@@ -249,7 +249,7 @@ def test_alone_every_call_is_stocks_op_for_op(tokens, monkeypatch):
     y = shard(x, mx.array(sel.astype(np.uint32)))
     assert mx.array_equal(y, bank(x, mx.array(sel.astype(np.uint32)))).item()
     monkeypatch.undo()
-    assert shard._state.routing()[0][1] == tuple(np.bincount(sel.reshape(-1), minlength=E))
+    assert shard.telemetry.routing()[0][1] == tuple(np.bincount(sel.reshape(-1), minlength=E))
 
 
 # Replicas: at N = 2 every replica is on both nodes; at N = 3, full copies, and copies on 2 of 3.
@@ -265,11 +265,11 @@ def test_replicas_held_everywhere_are_routed_on_the_device(placement, keepalive)
     with no host read of the indices, and gives the host path's partial outputs and counters."""
     bank = _bank(5)
     device, host = _shards(bank, placement, keepalive), _on_the_host(_shards(bank, placement, keepalive))
-    assert all(s._rule is not None for s in device)
+    assert all(isinstance(s.plan, Replicas) for s in device)
     _assert_steps_agree(device, host, seed=5, atol=1e-5)
     # the host path times its read of the indices; the device path has none to time
-    assert all(s._state.timers.attention_router == 0 for s in device)
-    assert all(s._state.timers.attention_router > 0 for s in host)
+    assert all(s.telemetry.timers.attention_router == 0 for s in device)
+    assert all(s.telemetry.timers.attention_router > 0 for s in host)
 
 
 @pytest.mark.parametrize("keepalive", ["none", "lru"])
@@ -293,7 +293,7 @@ def test_with_replicas_a_node_reads_the_experts_it_computes(keepalive):
 
 def test_replicas_on_some_nodes_keep_the_host_path():
     """A replica on 2 of 3 nodes: assign's greedy pass has no array form here; the host decides."""
-    assert all(not s._device_routed for s in _shards(_bank(), _PARTLY, "none"))
+    assert all(not s.device_routed for s in _shards(_bank(), _PARTLY, "none"))
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -301,7 +301,7 @@ def test_routing_counts_every_selection_on_both_paths(world):
     """Each (token, slot) selection counts once for its expert, on every node alike (the heat map)."""
     placement = Placement.even({0: E}, world)
     device, host = _shards(_bank(), placement, "none"), _on_the_host(_shards(_bank(), placement, "lru"))
-    assert device[0]._device_routed
+    assert device[0].device_routed
     rng = np.random.default_rng(2)
     want = np.zeros(E, dtype=np.int64)
     for tokens in (1, 4, 1):
@@ -311,7 +311,7 @@ def test_routing_counts_every_selection_on_both_paths(world):
         for s in device + host:
             mx.eval(s(x, mx.array(sel)))
     for rank, s in enumerate(device + host):
-        held, tokens = s._state.routing()[0]
+        held, tokens = s.telemetry.routing()[0]
         assert tokens == tuple(want) and held == placement.layers[0][rank % world]
 
 
@@ -354,7 +354,7 @@ def test_the_skipping_decode_step_equals_the_host_path(world, keepalive, monkeyp
     placement = Placement.even({0: E}, world)
     skipping, host = _shards(bank, placement, keepalive), _on_the_host(_shards(bank, placement, keepalive))
     for s in skipping:
-        s._skip = mx.float32  # what enable_skip_gemv sets where the kernel checks out (CUDA only)
+        s.use_skip(mx.float32)  # what enable_skip_gemv does where the kernel checks out (CUDA only)
         s.set_route("skip")
     _assert_steps_agree(skipping, host, seed=2, atol=1e-5)
 

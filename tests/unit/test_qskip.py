@@ -87,7 +87,7 @@ def test_the_quantized_skipping_step_equals_the_host_path(mode, bits, group, kee
     skipping = _quantized_shards(placement, keepalive, mode, bits, group)
     host = _on_the_host(_quantized_shards(placement, keepalive, mode, bits, group))
     for s in skipping:
-        s._skip = mx.float32  # what enable_skip_gemv sets where the check passes (CUDA, bf16/f16 only)
+        s.use_skip(mx.float32)  # what enable_skip_gemv does where the check passes (CUDA, bf16/f16 only)
         s.set_route("skip")
     _assert_steps_agree(skipping, host, seed=3, atol=1e-4)
 

@@ -41,7 +41,7 @@ def test_the_choice_follows_the_measured_times(times, want):
 def test_a_skip_route_is_timed_where_the_kernel_applies_and_kept_when_fastest():
     shards = _two()
     for s in shards:
-        s._skip = mx.float32  # what enable_skip_gemv sets where its check passes (CUDA only)
+        s.use_skip(mx.float32)  # what enable_skip_gemv does where its check passes (CUDA only)
     assert shards[0].routes() == ("skip", "device", "host")
     choice = route.choose(shards, [3], "measure", timer=_timer({"skip": 5e-5, "device": 2e-4, "host": 1e-4}))
     assert choice.route == "skip" and shards[0].route == "skip"
@@ -70,12 +70,12 @@ def test_alone_the_device_route_is_the_only_one():
 
 def test_timing_really_times_and_leaves_the_shard_as_it_was():
     shard = _two("lru")[0]
-    stamp = np.array(shard._stamp)
+    stamp = np.array(shard.recency.stamp)
     choice = route.choose([shard], [3], "measure")
     assert set(choice.times_us) == {"device", "host"} and all(t > 0 for t in choice.times_us.values())
-    assert np.array_equal(np.array(shard._stamp), stamp) and shard._calls == 0
-    shard._state.settle()
-    assert shard._state.counters[0].calls == 0 and not shard._state.routed[0].any()
+    assert np.array_equal(np.array(shard.recency.stamp), stamp) and shard.recency.calls == 0
+    shard.telemetry.settle()
+    assert shard.telemetry.counters[0].calls == 0 and not shard.telemetry.routed[0].any()
 
 
 def test_every_route_gives_the_same_partials():

@@ -1,0 +1,282 @@
+"""How a shard's local experts compute, chosen once at load: the matmul of each projection
+(gather_mm, gather_qmm or one matmul per expert), and the kernel of a routed call (every position
+through a slot, a skip kernel, or rows grouped on the host).
+
+A kernel takes the input and what the shard's slot plan (plan.py) made of the routing indices,
+`kernel(x, plan(inds))`, and returns the shard's output, (..., k, out), zeros at the positions
+another node computes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Mapping, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from . import qskip, skip_gemv
+from .plan import Hosted, Routed
+
+# How the local experts are multiplied: one gather_mm for all rows (the default, "auto"), or one
+# matmul per expert (MLX's CPU backend has no bfloat16/float16 gather_mm, so "auto" does that
+# there). MOE_CLUSTER_EXPERT_MATMUL=per-expert forces the latter everywhere.
+EXPERT_MATMUL = os.environ.get("MOE_CLUSTER_EXPERT_MATMUL", "auto")
+# Rows are always grouped by expert, but gather_mm is told so only from this many rows on, as
+# mlx-lm's SwitchGLU does: on MLX's CUDA backend the sorted kernel is ~6x slower for decode-sized
+# batches (DBRX experts on an H200: 1.07 ms vs 0.17 ms per call;
+# scripts/gpu/expert_matmul_probe.py).
+SORTED_FROM = 64
+
+Groups = Sequence[tuple[int, int, int]]  # [(slot, start, end)]: runs of equal slot in sorted rows
+
+
+def _gather_mm_ok(dtype: mx.Dtype) -> bool:
+    return dtype == mx.float32 or mx.default_device().type != mx.DeviceType.cpu
+
+
+def _per_expert(dtype: mx.Dtype, quantized: bool) -> bool:
+    if EXPERT_MATMUL == "per-expert":
+        return True
+    return not quantized and not _gather_mm_ok(dtype)
+
+
+class ShardLinear(nn.Module):
+    """One projection of the local experts: weight (E_local, out, in), maybe quantized, maybe
+    biased."""
+
+    def __init__(self, weight: mx.array, *, scales=None, biases=None, bias=None,
+                 quant: Mapping | None = None):
+        super().__init__()
+        self.weight = weight
+        if scales is not None:
+            self.scales = scales
+        if biases is not None:
+            self.biases = biases
+        if bias is not None:
+            self.bias = bias
+        self.quant = dict(quant) if quant else None  # {"group_size", "bits", "mode"}
+        # chosen once: this runs three times per MoE layer per token, on the step's critical path
+        self.per_expert = _per_expert(weight.dtype, quant is not None)
+        self._biased = bias is not None
+        self._matmul = (self._by_expert if self.per_expert else
+                        self._gather_qmm if self.quant is not None else self._gather_mm)
+
+    @property
+    def biased(self) -> bool:
+        return self._biased
+
+    def __call__(self, x: mx.array, slots: mx.array, groups: Groups | None) -> mx.array:
+        """x (M, 1, in) rows sorted by slot; slots (M,); groups [(slot, start, end)] -> (M, 1,
+        out)."""
+        y = self._matmul(x, slots, groups)
+        if self._biased:
+            y = y + mx.expand_dims(self["bias"][slots], -2)
+        return y
+
+    def _by_expert(self, x: mx.array, slots: mx.array, groups: Groups) -> mx.array:
+        return mx.concatenate([self._one(x[a:b], s) for s, a, b in groups], axis=0)
+
+    def _gather_qmm(self, x: mx.array, slots: mx.array, groups) -> mx.array:
+        return mx.gather_qmm(
+            x, self["weight"], self["scales"], self.get("biases"), rhs_indices=slots,
+            transpose=True, group_size=self.quant["group_size"], bits=self.quant["bits"],
+            mode=self.quant["mode"],
+            sorted_indices=x.shape[0] >= SORTED_FROM,
+        )
+
+    def _gather_mm(self, x: mx.array, slots: mx.array, groups) -> mx.array:
+        return mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=slots,
+                            sorted_indices=x.shape[0] >= SORTED_FROM)
+
+    def _one(self, x: mx.array, slot: int) -> mx.array:
+        """Rows of one expert through its (maybe quantized) matrix."""
+        if self.quant is None:
+            return x @ self["weight"][slot].T
+        biases = self.get("biases")
+        return mx.quantized_matmul(x, self["weight"][slot], self["scales"][slot],
+                                   biases[slot] if biases is not None else None, transpose=True,
+                                   group_size=self.quant["group_size"], bits=self.quant["bits"],
+                                   mode=self.quant["mode"])
+
+
+class ExpertMLP:
+    """The local experts' MLP over rows: gate/up/down (glu) or fc1/fc2 (mlp), each projection a
+    ShardLinear. Called through the modules, so the shard's parameters are read at call time."""
+
+    def __init__(self, projections: Sequence[ShardLinear], kind: str, activation: Callable):
+        self.projections = tuple(projections)  # gate, up, down (glu) or fc1, fc2 (mlp)
+        self.kind = kind
+        self.activation = activation
+        self.gathered = not self.projections[-1].per_expert  # one gather_mm for all rows
+        self._mlp = self._glu if kind == "glu" else self._two
+
+    def __call__(self, x: mx.array, slots: mx.array, groups: Groups | None) -> mx.array:
+        return self._mlp(x, slots, groups)
+
+    def _glu(self, x, slots, groups):
+        gate, up, down = self.projections
+        return down(self.activation(up(x, slots, groups), gate(x, slots, groups)), slots, groups)
+
+    def _two(self, x, slots, groups):
+        fc1, fc2 = self.projections
+        return fc2(self.activation(fc1(x, slots, groups)), slots, groups)
+
+    @property
+    def last(self) -> ShardLinear:
+        return self.projections[-1]
+
+
+class Gather:
+    """The device-routed call: every (token, j) position through a local slot, one gather_mm (or
+    gather_qmm) per projection; positions another node computes read a filler slot and are
+    zeroed."""
+
+    name = "device"
+
+    def __init__(self, mlp: ExpertMLP):
+        self.mlp = mlp
+
+    def __call__(self, x: mx.array, r: Routed) -> mx.array:
+        # (..., 1, 1, D): every slot of a token reads its row, as SwitchGLU
+        rows = mx.expand_dims(x, (-2, -3))
+        if r.alone:  # every position is ours, in stock's order
+            if r.inds.size >= SORTED_FROM:
+                return self._sorted(rows, r.slots)
+            return self.mlp(rows, r.slots, None).squeeze(-2)
+        mine = r.mine
+        # keepalive none: another node's positions repeat a slot read anyway (the highest selected
+        # here; slot 0 where none is): a repeated expert's weights come from cache, not memory
+        # (scripts/filler_probe.py), though a CPU still computes the row
+        other = r.fill if r.fill is not None else mx.maximum(r.slots.max(), 0)
+        slots = mx.where(mine, r.slots, other).astype(mx.uint32)
+        y = self.mlp(rows, slots, None).squeeze(-2)  # (..., k, out)
+        return mx.where(mine[..., None], y, mx.zeros_like(y))
+
+    def _sorted(self, rows: mx.array, slots: mx.array) -> mx.array:
+        """Many rows (a prompt, a wide batch) alone: mlx-lm's SwitchGLU sorted path op for op (rows
+        grouped by expert, gather_mm told so, then put back), so a lone node's prefill is stock's to
+        the bit in every dtype (a GPU's sorted kernel rounds differently from its unsorted one)."""
+        flat = slots.flatten()
+        order = mx.argsort(flat)
+        back = mx.argsort(order)
+        y = self.mlp(rows.flatten(0, -3)[order // slots.shape[-1]], flat[order], None)
+        return mx.unflatten(y[back], 0, slots.shape).squeeze(-2)
+
+
+class Skip:
+    """The device-routed call at N > 1 through the skip kernels (skip_gemv for bfloat16/float16
+    weights, qskip for quantized ones): nothing is read for a position another node computes.
+    Inputs of another dtype than the one checked at load take `fallback` (Gather)."""
+
+    name = "skip"
+
+    def __init__(self, mlp: ExpertMLP, dtype: mx.Dtype, fallback: Gather):
+        self.mlp = mlp
+        self.dtype = dtype
+        self.fallback = fallback
+
+    def __call__(self, x: mx.array, r: Routed) -> mx.array:
+        if x.dtype != self.dtype:
+            return self.fallback(x, r)
+        if r.fill is None:  # nothing read for the positions another node computes
+            return self._skipped(x, r.inds, r.slots)
+        y = self._skipped(x, r.inds, mx.where(r.mine, r.slots, r.fill))  # fillers read, then zeroed
+        return mx.where(r.mine[..., None], y, mx.zeros_like(y))
+
+    def _skipped(self, x: mx.array, inds: mx.array, slots: mx.array) -> mx.array:
+        """The MLP through the skip kernels: `slots` (..., k) local slot per position, -1 where none
+        is read; (..., k, out)."""
+        m = self.mlp
+        k, x2, s = inds.shape[-1], x.reshape(-1, x.shape[-1]), slots.reshape(-1).astype(mx.int32)
+        if m.kind == "glu":
+            gate, up, down = m.projections
+            h = m.activation(skip_proj(up, x2, s, k), skip_proj(gate, x2, s, k))
+            y = skip_proj(down, h, s, 1)
+        else:
+            fc1, fc2 = m.projections
+            y = skip_proj(fc2, m.activation(skip_proj(fc1, x2, s, k)), s, 1)
+        return y.reshape(*inds.shape, y.shape[-1])
+
+
+def skip_proj(p: ShardLinear, x: mx.array, slots: mx.array, per_x: int) -> mx.array:
+    """One projection of the skipping decode step, by the kernel for its weight format."""
+    if p.quant is None:
+        return skip_gemv.skip_gemv(x, p.weight, slots, per_x)
+    return qskip.qskip(x, p.weight, p.scales, p.get("biases"), slots, per_x, p.quant)
+
+
+def skip_fits(mlp: ExpertMLP) -> tuple[str | None, mx.Dtype | None]:
+    """(why not, None) where a skip kernel cannot compute these projections, else (None, dtype):
+    unbiased weights of a format a kernel takes, one bfloat16/float16 activation dtype, and the
+    kernel's check at the weight's shape passed (on CUDA)."""
+    projs = mlp.projections
+    for p in projs:
+        fits = (qskip.fits(p.weight, p.scales, p.get("biases"), p.quant) if p.quant is not None
+                else skip_gemv.fits(p.weight))
+        if p.biased or not fits:
+            return "biased, float32, odd-sized or unsupported quantized expert weights", None
+    dtypes = {act_dtype(p) for p in projs}
+    # float32 keeps gather_mm/gather_qmm: summed in the kernel's order, longcat_flash's float32
+    # model was 3.2e-4 from stock at N = 2 (bound 1e-4), within it with gather_mm (skip_gemv.py)
+    if len(dtypes) != 1 or not dtypes <= {mx.bfloat16, mx.float16}:
+        return "expert projections of different dtypes", None
+    for p in projs:
+        why = (qskip.check(p.weight, p.scales, p.get("biases"), p.quant) if p.quant is not None
+               else skip_gemv.check(p.weight))
+        if why:
+            return why, None
+    return None, dtypes.pop()
+
+
+class HostRows:
+    """The host-read call: the rows of the positions (and fillers) this node computes, grouped by
+    slot, through the MLP round by round as the plan's expert cache fills its slots; every other
+    position takes a zero row."""
+
+    name = "host"
+
+    def __init__(self, mlp: ExpertMLP):
+        self.mlp = mlp
+
+    def __call__(self, x: mx.array, h: Hosted) -> mx.array:
+        out_shape = tuple(h.inds.shape) + (x.shape[-1],)
+        if h.empty:
+            return mx.zeros(out_shape, dtype=x.dtype)
+        xf = x.reshape(-1, x.shape[-1])
+        ys, src, base = [], np.full(h.positions_total, -1, dtype=np.int64), 0
+        for rows in h.rounds():
+            tokens = xf[mx.array(rows.tokens.astype(np.int32))][:, None, :]
+            slots = mx.array(rows.slots.astype(np.uint32))
+            y = self.mlp(tokens, slots, groups(rows.slots))[:, 0, :]
+            h.reading(y)  # evaluated before the next miss overwrites a slot it reads
+            src[rows.positions] = base + rows.order
+            base += len(rows.slots)
+            ys.append(y)
+        # Every position takes its row, or the appended zero row if another node computes it.
+        # Filler rows are computed with the rest (one primitive) and then left out.
+        src[src < 0] = base
+        y = mx.concatenate(ys + [mx.zeros((1, ys[0].shape[-1]), dtype=ys[0].dtype)], axis=0)
+        return y[mx.array(src.astype(np.int32))].reshape(out_shape)
+
+
+def groups(slots: np.ndarray) -> list[tuple[int, int, int]]:
+    """Runs of equal slot in sorted rows: [(slot, start, end)]."""
+    if len(slots) == 0:
+        return []
+    edges = np.flatnonzero(np.diff(slots)) + 1
+    starts = np.concatenate([[0], edges])
+    ends = np.concatenate([edges, [len(slots)]])
+    return [(int(slots[a]), int(a), int(b)) for a, b in zip(starts, ends)]
+
+
+def out_dim(lin: ShardLinear) -> int:
+    return lin.weight.shape[1]
+
+
+def act_dtype(lin: ShardLinear) -> mx.Dtype:
+    if lin.quant is not None:
+        floating = (mx.float32, mx.float16, mx.bfloat16)
+        return lin.scales.dtype if lin.scales.dtype in floating else mx.float32
+    return lin.weight.dtype

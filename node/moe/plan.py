@@ -1,0 +1,327 @@
+"""Slot plans: how a MoE layer's routing indices become this node's local slots, and which
+positions are its own, chosen once at load.
+
+On the device, without reading the indices on the host: a table from expert to local slot
+(`Table`: every expert has one holder; `Alone`: one node holds every expert), or the replica rule
+as array operations (`Replicas`: every expert has one holder or all of them). Keepalive lru wraps
+either (`Recency.fill`): the positions another node computes take this node's least recently used
+experts, on the device. Otherwise the host reads the indices (`HostPlan`), assigns the experts,
+picks keepalive's fillers, and an expert cache (expert_cache.py) fills its slots round by round.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
+
+import mlx.core as mx
+import numpy as np
+
+from .expert_cache import LayerCache
+from .routing import ArrayRule, assign, everywhere_or_once, per_rank, selected_experts
+
+if TYPE_CHECKING:
+    from .telemetry import ShardState
+
+_STAMP_SPAN = 1 << 16  # keepalive's recency counts restart this often (Recency.touch)
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """What one shard is, fixed at load: its MoE layer, the experts it holds (local slot i holds
+    global expert global_ids[i]), who holds every expert, its MLP's kind, and the node's place."""
+
+    layer: int
+    global_ids: tuple[int, ...]
+    holders: Mapping[int, tuple[int, ...]]  # global expert -> the ranks holding it
+    kind: str  # "glu" (gate/up/down) or "mlp" (fc1/fc2)
+    rank: int
+    world_size: int
+    keepalive: str  # proto.records.KEEPALIVES
+
+    @property
+    def num_experts(self) -> int:
+        return max(len(self.holders), 1)
+
+    def slot_table(self) -> np.ndarray:
+        """global expert -> local slot, -1 where not held here; (num_experts,)."""
+        slot = np.full(self.num_experts, -1, dtype=np.int64)
+        for i, e in enumerate(self.global_ids):
+            slot[e] = i
+        return slot
+
+
+@dataclass
+class Routed:
+    """A device plan's answer for one call: `slots` (..., k) the local slot of each position, -1
+    where another node computes it; `mine` slots >= 0 (None when alone: every position is ours);
+    `fill` (..., k) the slot such a position reads instead (keepalive lru), None where none was
+    chosen."""
+
+    inds: mx.array
+    slots: mx.array
+    mine: mx.array | None = None
+    fill: mx.array | None = None
+
+    @property
+    def alone(self) -> bool:
+        return self.mine is None
+
+
+class Recency:
+    """Keepalive's recency, on the device so that the decode step can choose its fillers without
+    a host read: the call count at which each local slot was last computed (0: never), and the
+    count itself. Least recently used = smallest (stamp, slot)."""
+
+    def __init__(self, local: int):
+        self.stamp = mx.zeros((local,), dtype=mx.int32)
+        self.calls = 0
+
+    def order(self) -> list[int]:
+        """Local slots, least recently computed first (reads the stamps on the host)."""
+        stamp = np.array(self.stamp)
+        return np.lexsort((np.arange(len(stamp)), stamp)).tolist()
+
+    def saved(self) -> tuple:
+        return self.stamp, self.calls
+
+    def restore(self, saved: tuple) -> None:
+        self.stamp, self.calls = saved
+
+    def touch(self, computed: mx.array) -> None:
+        """Stamp the slots `computed` (bool, per slot) with this call's count. The counts restart
+        every _STAMP_SPAN calls, older stamps shifted down (those older than half the span tie at
+        0), so that fill's int32 key, stamp × local slots + slot, never overflows."""
+        if self.calls >= _STAMP_SPAN:
+            self.calls -= _STAMP_SPAN // 2
+            self.stamp = mx.maximum(self.stamp - _STAMP_SPAN // 2, 0)
+        self.calls += 1
+        self.stamp = mx.where(computed, self.calls, self.stamp)
+
+    def fill(self, mine: mx.array, ranks: mx.array, present: mx.array, rank: int,
+             local_ids: mx.array) -> mx.array:
+        """Keepalive lru on the device (`ranks`: expert x rank, who computes it; `present`: the
+        experts this call selects): the slot each position another node computes takes here, so
+        that this node computes as many distinct experts as the busiest node (min(cluster max, its
+        experts)), the extra ones its least recently used; the rest repeat an expert already read.
+        Another node's positions always suffice: the busiest node's experts all sit at positions
+        that are not ours. Its outputs are zeroed by the kernel; only the weights' reads matter."""
+        local = local_ids.shape[0]
+        # distinct experts per rank
+        per_rank = (present[:, None] & ranks).astype(mx.int32).sum(axis=0)
+        selected = (present & ranks[:, rank])[local_ids]  # (local,): computed here
+        n_mine = per_rank[rank]
+        want = mx.minimum(per_rank.max(), local) - n_mine  # fillers this call
+        # the free slots, least recently used first
+        order = mx.argsort(mx.where(selected, 2**31 - 1, self.stamp * local + mx.arange(local)))
+        # each position's index among the other nodes' positions
+        nth = mx.cumsum((~mine).reshape(-1).astype(mx.int32)) - 1
+        repeat = mx.where(n_mine > 0, mx.argmax(selected), order[0])  # a slot read anyway
+        fill = mx.where(nth < want, order[mx.clip(nth, 0, local - 1)], repeat).reshape(mine.shape)
+        self.touch(selected | (mx.argsort(order) < want))
+        return fill
+
+
+class Alone:
+    """One node holds every expert: each index is its expert's slot (the identity in id order)."""
+
+    def __init__(self, cfg: ShardConfig, state: ShardState):
+        self._layer, self._state = cfg.layer, state
+        slot = cfg.slot_table()
+        self.rank_of = np.array([cfg.holders[e][0] for e in range(len(slot))], dtype=np.int64)
+        lut = np.where(self.rank_of == cfg.rank, slot, -1)  # global -> slot
+        self.identity = bool(np.array_equal(lut, np.arange(len(slot))))  # the indices are the slots
+        self.lut = mx.array(lut.astype(np.int32))
+
+    def __call__(self, inds: mx.array) -> Routed:
+        self._state.note(self._layer, inds, self.rank_of)
+        return Routed(inds, inds if self.identity else self.lut[inds].astype(mx.uint32))
+
+
+class Table:
+    """Every expert has one holder: a table from global expert to local slot, -1 elsewhere;
+    keepalive lru (`recency`) points the others' positions at fillers."""
+
+    def __init__(self, cfg: ShardConfig, state: ShardState, recency: Recency | None):
+        self._layer, self._state, self._rank, self.recency = cfg.layer, state, cfg.rank, recency
+        slot = cfg.slot_table()
+        self.rank_of = np.array([cfg.holders[e][0] for e in range(len(slot))], dtype=np.int64)
+        self.lut = mx.array(np.where(self.rank_of == cfg.rank, slot, -1).astype(np.int32))
+        if recency is not None:
+            self._local = mx.array(np.asarray(cfg.global_ids, dtype=np.int32))  # slot -> global id
+            # expert -> its rank, one-hot (num_experts, world): distinct experts per rank in one sum
+            self._ranks = mx.array(self.rank_of[:, None] == np.arange(cfg.world_size))
+
+    def __call__(self, inds: mx.array) -> Routed:
+        present = selected_experts(inds, self.lut.shape[0]) if self.recency is not None else None
+        self._state.note(self._layer, inds, self.rank_of)
+        slots = self.lut[inds]  # (..., k): local slot, or -1 where another node computes it
+        r = Routed(inds, slots, slots >= 0)
+        if self.recency is not None:
+            r.fill = self.recency.fill(r.mine, self._ranks, present, self._rank, self._local)
+        return r
+
+
+class Replicas:
+    """Every expert has one holder or all of them: each call's ranks for the replicas come from the
+    replica rule as array operations (routing.ArrayRule), then its table; keepalive lru as Table."""
+
+    def __init__(self, cfg: ShardConfig, state: ShardState, recency: Recency | None):
+        self._layer, self._state, self._rank, self.recency = cfg.layer, state, cfg.rank, recency
+        slot = cfg.slot_table()
+        self._n = len(slot)
+        self.rule = ArrayRule(cfg.holders, cfg.world_size)
+        self._held_slot = mx.array(slot.astype(np.int32))  # global -> slot here, -1: not held
+        if recency is not None:
+            self._local = mx.array(np.asarray(cfg.global_ids, dtype=np.int32))
+            self._world = mx.arange(cfg.world_size)  # each call's ranks, one-hot against the ranks
+
+    def __call__(self, inds: mx.array) -> Routed:
+        present = selected_experts(inds, self._n)
+        rank_of = self.rule(inds, present)
+        lut = mx.where(rank_of == self._rank, self._held_slot, -1)
+        self._state.note(self._layer, inds, rank_of)
+        slots = lut[inds]
+        r = Routed(inds, slots, slots >= 0)
+        if self.recency is not None:
+            ranks = rank_of[:, None] == self._world
+            r.fill = self.recency.fill(r.mine, ranks, present, self._rank, self._local)
+        return r
+
+
+def device_plan(cfg: ShardConfig, state: ShardState,
+                recency: Recency) -> Alone | Table | Replicas | None:
+    """The plan that routes this shard's calls on the device, or None where the host must decide:
+    the work must be a fixed function of the indices and of device state (every expert has one
+    holder, or one holder or all of them; keepalive none, or lru with its fillers chosen on the
+    device from the recency stamps, or the node alone, where the cluster maximum is its own)."""
+    if not cfg.global_ids or not everywhere_or_once(cfg.holders, cfg.world_size) or not (
+            cfg.keepalive in ("none", "lru") or cfg.world_size == 1):
+        return None
+    if cfg.world_size == 1:
+        return Alone(cfg, state)
+    lru = recency if cfg.keepalive == "lru" else None
+    if all(len(rs) == 1 for rs in cfg.holders.values()):
+        return Table(cfg, state, lru)
+    return Replicas(cfg, state, lru)
+
+
+@dataclass
+class Rows:
+    """One round of a host-read call: the rows it computes, sorted by slot."""
+
+    positions: np.ndarray  # the (token, j) positions these rows answer
+    order: np.ndarray  # each of those positions' row among the sorted ones
+    tokens: np.ndarray  # per row, the token whose input it reads
+    slots: np.ndarray  # per row, the slot computing it (sorted)
+
+
+class Hosted:
+    """A host plan's answer for one call: the positions this node computes and its fillers, in
+    rounds of at most the cache's slots (one round without a cache); `rounds()` fills the slots
+    as it goes, and `reading(y)` holds each round's output until then."""
+
+    def __init__(self, inds: mx.array, positions: np.ndarray = None, local: np.ndarray = None,
+                 mine: list[int] = (), fillers: list[int] = (), cache: LayerCache | None = None,
+                 ahead: int = 1, k: int = 1):
+        self.inds = inds
+        self.positions_total = int(np.prod(inds.shape))
+        self.empty = not mine and not fillers
+        self._positions, self._local = positions, local
+        self._mine, self._fillers = list(mine), list(fillers)
+        self._cache, self._ahead, self._k = cache, ahead, k
+
+    def reading(self, y: mx.array) -> None:
+        if self._cache is not None:
+            self._cache.reading(y)
+
+    def rounds(self) -> Iterator[Rows]:
+        cache, mine, local, positions = self._cache, self._mine, self._local, self._positions
+        k = self._k
+        # With a cache, the experts go through the slots C at a time (one round, unless this call
+        # selects more than C); without, the local index is the slot.
+        size = cache.capacity if cache is not None else max(len(mine), 1)
+        rounds = [mine[i: i + size] for i in range(0, len(mine), size)] or [[]]
+        if cache is not None and len(rounds) > 1:
+            cache.stats.rounds += 1
+        for r, chunk in enumerate(rounds):
+            slot_of = cache.ensure(chunk) if cache is not None else None
+            # the next round's first misses are read while this one computes
+            if cache is not None and r + 1 < len(rounds):
+                cache.fetch(rounds[r + 1][: self._ahead])
+            extra = self._fillers if r == len(rounds) - 1 else []
+            # fillers were picked resident; loading `chunk` may have evicted some
+            if slot_of is not None:
+                extra = [s for s in extra if slot_of[s] >= 0]
+            sel = np.flatnonzero(np.isin(local, chunk))
+            row_local = np.concatenate([local[sel], np.asarray(extra, dtype=np.int64)])
+            row_slots = slot_of[row_local] if slot_of is not None else row_local
+            row_tokens = np.concatenate([positions[sel] // k, np.zeros(len(extra), dtype=np.int64)])
+            perm = np.argsort(row_slots, kind="stable")
+            sorted_row = np.empty(len(perm), dtype=np.int64)
+            sorted_row[perm] = np.arange(len(perm))
+            yield Rows(positions[sel], sorted_row[: len(sel)], row_tokens[perm], row_slots[perm])
+        if cache is not None:
+            cache.drop_staged()  # prefetched experts the routing did not select
+
+
+class HostPlan:
+    """The host reads the routing (one sync), assigns every selected expert to one holder
+    (routing.assign), counts the call, and picks keepalive's fillers from the recency stamps; with
+    an expert cache, the misses start reading as soon as they are known."""
+
+    def __init__(self, cfg: ShardConfig, state: ShardState, recency: Recency,
+                 cache: LayerCache | None = None, ahead: int = 1):
+        self.cfg, self._state, self.recency = cfg, state, recency
+        self._slot = cfg.slot_table()
+        self.cache = cache
+        self._ahead = max(int(ahead), 1)
+
+    def __call__(self, inds: mx.array) -> Hosted:
+        cfg, state, cache = self.cfg, self._state, self.cache
+        t0 = time.perf_counter()
+        flat = np.array(inds).reshape(-1, inds.shape[-1])  # host sync: tiny
+        state.timers.attention_router += time.perf_counter() - t0
+        state.count_routed(cfg.layer, flat)
+        chosen = assign(np.unique(flat).tolist(), cfg.holders)
+        mine = sorted(int(self._slot[e]) for e, r in chosen.items() if r == cfg.rank)
+        # the misses are read from here on, while the rest of the call is set up
+        if cache is not None:
+            cache.fetch(mine[: cache.capacity])
+        counts = per_rank(chosen, cfg.world_size)
+        fillers = self._fillers(mine, max(counts))
+        if cfg.global_ids:
+            computed = np.zeros(len(cfg.global_ids), dtype=bool)
+            computed[mine + fillers] = True
+            self.recency.touch(mx.array(computed))
+        state.count_call(cfg.layer, len(mine), len(fillers), max(counts), flat.size)
+        if not mine and not fillers:
+            if cache is not None:
+                cache.drop_staged()
+            return Hosted(inds)
+        # The (token, j) positions whose expert this node computes, then one row per filler
+        # expert; rows sorted by slot so each expert's tokens are contiguous (gather_mm's
+        # sorted path, or one matmul per expert).
+        flat1 = flat.reshape(-1)
+        here = np.array([e for e, r in chosen.items() if r == cfg.rank], dtype=flat1.dtype)
+        positions = np.flatnonzero(np.isin(flat1, here))
+        return Hosted(inds, positions, self._slot[flat1[positions]], mine, fillers, cache,
+                      self._ahead, flat.shape[1])
+
+    def _fillers(self, mine: list[int], cluster_max: int) -> list[int]:
+        policy = self.cfg.keepalive
+        if policy == "none":
+            return []
+        taken = set(mine)
+        free = [s for s in self.recency.order() if s not in taken]
+        # keep busy with what is resident: a filler is never read from disk
+        if self.cache is not None:
+            free = [s for s in free if self.cache.slot_of[s] >= 0]
+        if policy == "busy":
+            return free
+        want = min(cluster_max, len(self.cfg.global_ids)) - len(mine)
+        return free[: max(want, 0)]  # least recently used first
+
+
+Plan = Callable[[mx.array], "Routed | Hosted"]  # a shard's slot plan: routing indices -> its slots
