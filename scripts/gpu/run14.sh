@@ -14,7 +14,7 @@
 # Usage, after scripts/gpu/setup.sh (PYTHONPATH=/tmp/site):  bash scripts/gpu/run14.sh $OUT
 # Env: BUDGET (seconds from the script's start to the packing, default 500: leave the call's other
 #      steps their time), PARTS ("A B C"), MODELS_ROOT (/tmp), ROUTES ("skip device"), MAX_TOKENS
-#      (32, part A), ROUNDS (2, part A), CPU=1: tiny shapes on this machine's CPU, no GPUs, routes
+#      (32, part A), ROUNDS (2, part A), DBRX_LAYERS (4), QWEN_LAYERS (12), CPU=1: tiny shapes on this machine's CPU, no GPUs, routes
 #      "host device" (no skip kernel there):  CPU=1 BUDGET=900 bash scripts/gpu/run14.sh /tmp/r14
 set -u
 OUT=${1:-${OUT:-/tmp/run14-out}}
@@ -65,8 +65,8 @@ pack() {
 trap pack EXIT
 
 GPUS="--gpus" ROUTES=${ROUTES:-skip device}
-DBRX=(--arch dbrx --hidden 6144 --heads 48 --kv-heads 8 --ffn 10752 --experts 16 --top-k 4 --layers 4)
-QWEN=(--arch qwen3_moe --hidden 2048 --heads 16 --kv-heads 4 --ffn 768 --experts 128 --top-k 8 --layers 12)
+DBRX=(--arch dbrx --hidden 6144 --heads 48 --kv-heads 8 --ffn 10752 --experts 16 --top-k 4 --layers ${DBRX_LAYERS:-4})
+QWEN=(--arch qwen3_moe --hidden 2048 --heads 16 --kv-heads 4 --ffn 768 --experts 128 --top-k 8 --layers ${QWEN_LAYERS:-12})
 if [ -n "${CPU:-}" ]; then
   GPUS="" ROUTES=${ROUTES_CPU:-host device}
   DBRX=(--arch dbrx --hidden 256 --heads 4 --kv-heads 2 --ffn 128 --experts 16 --top-k 4 --layers 2)
