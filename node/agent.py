@@ -262,6 +262,8 @@ class NodeAgent(npb_grpc.NodeServicer):
         try:
             while True:
                 kind, value = backlog.popleft() if backlog else await events.get()
+                if kind == "tokens" and req.quiet:  # the coordinator reads rank 0's tokens only
+                    continue
                 if kind == "tokens":  # every token already waiting goes in one message
                     ids = list(value)
                     while not events.empty():

@@ -105,6 +105,37 @@ class SequenceFigures:
     accepted: int = 0  # drafts accepted
 
 
+@dataclass(frozen=True)
+class StepReport:
+    """What one step of the running batch did (RunningBatch.step's answer)."""
+
+    step: int
+    prefilled: int = 0  # prompt tokens prefilled
+    decoded: int = 0  # sequences in the decode pass
+    positions: int = 0  # positions the decode pass fed (sequences x (1 + their guesses' room))
+    handed_out: int = 0  # tokens handed to the sequences' callers
+    drafted: int = 0  # guesses verified
+    accepted: int = 0  # guesses accepted
+    admitted: tuple[str, ...] = ()  # request ids that joined
+    finished: tuple[tuple[str, str], ...] = ()  # (request id, finish reason) of those that ended
+    collective_s: float = 0.0  # waiting on all-reduces
+    seconds: float = 0.0
+
+
+@dataclass
+class _Tally:
+    """A step's figures while it runs (StepReport once it ends)."""
+
+    prefilled: int = 0
+    decoded: int = 0
+    positions: int = 0
+    handed_out: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    admitted: list = field(default_factory=list)
+    finished: list = field(default_factory=list)
+
+
 class RunningBatch:
     """The node's continuous batch (see the module docstring). `submit` and `cancel` are thread-safe;
     `step` runs on the one thread that drives MLX."""
@@ -148,6 +179,7 @@ class RunningBatch:
         self._batch_cache: list | None = None
         self._steps = 0
         self._recent_cancels: dict[str, None] = {}  # request ids cancelled before they arrived
+        self._tally = _Tally()
 
     # -- from other threads --------------------------------------------------------------------
 
@@ -202,15 +234,27 @@ class RunningBatch:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def step(self) -> None:
-        """One step of every running sequence. A sequence's own failure (its sampler, a token the ranks
-        sampled differently) ends that sequence alone; any other error fails every sequence."""
+    def step(self) -> StepReport:
+        """One step of every running sequence, and what it did. A sequence's own failure (its
+        sampler, a token the ranks sampled differently) ends that sequence alone; any other error
+        fails every sequence (the report lists them as failed)."""
+        t0 = time.perf_counter()
+        self._tally = _Tally()
+        timers = self.runtime.sharded.state.timers
+        waited = timers.collective
         try:
             self._step()
         except BaseException as exc:  # noqa: BLE001 - every sequence gets it, the driver goes on
+            with self._lock:
+                ids = [s.req.request_id for s in [*self._active, *self._queued.values()]]
             self.fail_all(exc)
+            self._tally.finished.extend((rid, "failed") for rid in ids)
             if not isinstance(exc, MoeClusterError):
                 raise
+        t = self._tally
+        return StepReport(self._steps, t.prefilled, t.decoded, t.positions, t.handed_out, t.drafted, t.accepted,
+                          tuple(t.admitted), tuple(t.finished), max(0.0, timers.collective - waited),
+                          time.perf_counter() - t0)
 
     def fail_all(self, exc: BaseException) -> None:
         with self._lock:
@@ -312,6 +356,7 @@ class RunningBatch:
                 mx.eval([x.state for x in s.cache])
                 s.todo = s.todo[n:]
                 used += n
+                self._tally.prefilled += n
             s.state = "decode"  # its last prompt token goes in with the next decode step
 
     def _chunk(self, s: Sequence) -> int:
@@ -324,6 +369,7 @@ class RunningBatch:
             s.token.reshape(-1)[:1].astype(mx.uint32) if s.token is not None else mx.array([s.first_input], mx.uint32)
             for s in decoding])
         logits = self.model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
+        self._tally.decoded = self._tally.positions = len(decoding)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled = sample_tokens(decoding, logprobs)
         for i, s in enumerate(decoding):
@@ -361,6 +407,7 @@ class RunningBatch:
             first = s.pending[-1] if s.pending else s.first_input
             rows.append([first, *mine] + [first] * (width - 1 - len(mine)))
         logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self._batch_cache)
+        self._tally.decoded, self._tally.positions = len(decoding), len(decoding) * width
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         chosen, keys = sample_positions(decoding, logprobs)
         chosen = np.array(chosen).tolist()
@@ -373,6 +420,8 @@ class RunningBatch:
             s.pending_logits = [logits[i, j] for j in range(len(v.tokens))] if s.req.record_logits else []
             f = s.figures
             f.steps, f.drafted, f.accepted = f.steps + 1, f.drafted + len(drafts[i]), f.accepted + v.accepted
+            self._tally.drafted += len(drafts[i])
+            self._tally.accepted += v.accepted
             drop.append(width - len(v.tokens))
             if self.drafter is not None:
                 self.drafter.keep(s.seq, len(histories[i]) + v.accepted)
@@ -422,11 +471,15 @@ class RunningBatch:
                 stats.tokens.append(token)
                 r.tokens.append(token)
                 out.append(token)
+                if any(_ends_with(r.tokens, stop) for stop in s.req.stop_sequences):
+                    stats.finish_reason = "stop"  # on the agreed token: every rank ends it at this step
+                    break
                 if stats.generated >= s.req.sampling.max_tokens:
                     stats.finish_reason = "length"
                     break
             if out:
                 s.sink.tokens(out)
+                self._tally.handed_out += len(out)
             if stats.finish_reason:
                 self._finish(s, stats.finish_reason)
         for s in decoding:
@@ -437,6 +490,7 @@ class RunningBatch:
             self.drafter.drop(s.seq)
         s.result.stats.finish_reason = reason
         s.result.cancelled = reason == "cancelled"
+        self._tally.finished.append((s.req.request_id, reason))
         if s in self._decoding:
             i = self._decoding.index(s)
             cache = self._batch_cache if len(self._decoding) == 1 and s.cache is self._batch_cache else (
@@ -482,6 +536,7 @@ class RunningBatch:
                 del self._queued[seq]
                 self._active.append(s)
             s.t_start = time.perf_counter()
+            self._tally.admitted.append(s.req.request_id)
             pc = self.runtime.prompt_cache
             cache, covered = pc.reuse(list(s.req.prompt)) if pc is not None else (None, 0)
             if cache is None:
@@ -522,6 +577,11 @@ class RunningBatch:
         # a verifying step holds its drafts before the rejected ones roll back
         positions = math.ceil((len(req.prompt) + req.sampling.max_tokens + self.draft_max) / KV_STEP) * KV_STEP
         return positions * self.kv_per_token
+
+
+def _ends_with(tokens: list[int], stop) -> bool:
+    n = len(stop)
+    return 0 < n <= len(tokens) and tuple(tokens[-n:]) == tuple(stop)
 
 
 def _generation_stream():

@@ -271,7 +271,9 @@ def generate_request_to_proto(req: GenerateRequest) -> npb.GenerateRequest:
     try:  # protobuf refuses values its fields cannot hold (a negative id, a seed past uint64)
         msg = npb.GenerateRequest(request_id=req.request_id, prompt=list(req.prompt), max_tokens=s.max_tokens,
                                   temperature=s.temperature, top_p=s.top_p, eos_token_ids=list(req.eos_token_ids),
-                                  seq=req.seq, sampler_step=s.step, prediction=list(req.prediction))
+                                  seq=req.seq, sampler_step=s.step, prediction=list(req.prediction),
+                                  quiet=req.quiet,
+                                  stop_sequences=[npb.Tokens(ids=list(t)) for t in req.stop_sequences])
         if s.seed is not None:
             msg.seed = s.seed
         if req.draft_tokens is not None:
@@ -299,7 +301,8 @@ def generate_request_from_proto(msg: npb.GenerateRequest, *, prefill_step: int |
     return GenerateRequest(msg.request_id, tuple(msg.prompt), sampling, tuple(msg.eos_token_ids),
                            prefill_step or DEFAULT_PREFILL_STEP, seq=msg.seq,
                            draft_tokens=msg.draft_tokens if msg.HasField("draft_tokens") else None,
-                           prediction=tuple(msg.prediction))
+                           prediction=tuple(msg.prediction), quiet=msg.quiet,
+                           stop_sequences=tuple(tuple(t.ids) for t in msg.stop_sequences if t.ids))
 
 
 def generate_event_to_proto(event: GenerateEvent) -> npb.GenerateEvent:

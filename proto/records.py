@@ -84,6 +84,8 @@ class GenerateRequest:
     record_logits: bool = False
     draft_tokens: int | None = None  # drafts per step at most (speculation); None: the node's setting
     prediction: Sequence[int] = ()  # the output the client expects (OpenAI's `prediction`): drafts
+    quiet: bool = False  # the node sends no tokens, only the end (ranks but 0: the coordinator reads rank 0's)
+    stop_sequences: Sequence[Sequence[int]] = ()  # the output ends after any of these (finish reason stop)
     seq: int = 0  # the coordinator's admission order (a running batch admits in it); 0: the node numbers it
 
 

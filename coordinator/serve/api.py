@@ -760,7 +760,11 @@ class Api:
         rid = f"{prefix or ('chatcmpl-' if chat else 'cmpl-')}{uuid.uuid4().hex[:24]}"
         eos = tuple(self.tokenizer.eos_token_ids)
         drafts, prediction = speculation
-        req = GenerateRequest(rid, tuple(ids), sampling, eos, draft_tokens=drafts, prediction=prediction)
+        # the nodes end a sequence on a stop string's tokens at once (as mlx-lm's server does); one
+        # the model spells with other tokens is still found in the text here, and cancelled
+        stop_ids = tuple(t for t in (tuple(self.tokenizer.encode(s, add_special_tokens=False)) for s in stops) if t)
+        req = GenerateRequest(rid, tuple(ids), sampling, eos, draft_tokens=drafts, prediction=prediction,
+                              stop_sequences=stop_ids)
         return _Generation(self, req, stops, tools)
 
     async def _serve(self, request: web.Request, ids: list[int], sampling: Sampling, stops: list[str],

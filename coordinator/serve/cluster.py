@@ -377,7 +377,10 @@ class Cluster:
     async def _run(self, req: GenerateRequest, outcome: Outcome) -> AsyncIterator[int]:
         req = self._admit(req)
         queue: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.create_task(self._pump(m, req, queue), name=f"gen-{m.name}") for m in self.members]
+        # only rank 0 streams its tokens; the others say how the request ended (every rank hands out
+        # the same agreed tokens)
+        tasks = [asyncio.create_task(self._pump(m, req if m.rank == 0 else replace(req, quiet=True), queue),
+                                     name=f"gen-{m.name}") for m in self.members]
         failed_wait = asyncio.create_task(self._failed.wait())
         getter = None
         finished = 0

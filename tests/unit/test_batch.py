@@ -303,3 +303,27 @@ def test_each_request_counts_the_all_reduce_waits_of_the_steps_it_ran_in():
     # counts for both: only the difference is bounded below)
     assert long.figures.collective_s - short.figures.collective_s >= 14 * layers * 0.002, (short.figures, long.figures)
     assert short.figures.collective_s >= 3 * layers * 0.002, short.figures
+
+
+def test_each_step_reports_what_it_did(cluster_path, encode):
+    """The step's report (StepReport): over a run, the prompt tokens prefilled, the tokens handed
+    out, who joined and who ended, summed, are the run's; speculation's guesses are counted."""
+    rt = NodeRuntime(cluster_path, limits=replace(SPEC, max_batch=2, prefill_budget=8))
+    reqs = [GenerateRequest(f"r{i}", encode(p), Sampling(max_tokens=6 + i), prefill_step=8)
+            for i, p in enumerate(PROMPTS[:3])]
+    results = [GenerateResult() for _ in reqs]
+    for i, (req, r) in enumerate(zip(reqs, results)):
+        rt.batch.submit(req, i + 1, Log([0]), r)
+    reports = []
+    while rt.batch.busy():
+        reports.append(rt.batch.step())
+        assert len(reports) < 200
+    assert [r.step for r in reports] == list(range(1, len(reports) + 1))
+    assert sum(r.prefilled for r in reports) == sum(len(q.prompt) - 1 for q in reqs)
+    assert sum(r.handed_out for r in reports) == sum(len(r.tokens) for r in results) == 6 + 7 + 8
+    assert sorted(rid for r in reports for rid in r.admitted) == ["r0", "r1", "r2"]
+    assert sorted(f for r in reports for f in r.finished) == [("r0", "length"), ("r1", "length"), ("r2", "length")]
+    assert max(r.decoded for r in reports) == 2  # max_batch
+    assert all(r.positions >= r.decoded and r.seconds > 0 for r in reports)
+    assert sum(r.drafted for r in reports) == sum(q.figures.drafted for q in results)
+    assert sum(r.accepted for r in reports) == sum(q.figures.accepted for q in results)
