@@ -87,6 +87,8 @@ class Sequence:
     t_first: float = 0.0
     # speculation (node/speculate.py): the step's tokens are read on the host, not agreed yet
     drafts: int = 0  # drafts per step at most; 0: one token per step
+    allowance: int = 0  # drafts this step may verify (node/speculate.py adapt), from agreed steps only
+    cool: int = 0  # steps left without drafts after its guesses kept failing
     pending: list[int] = field(default_factory=list)  # emitted last step; the last is the next input
     pending_logits: list = field(default_factory=list)  # their rows (record_logits)
 
@@ -390,10 +392,10 @@ class RunningBatch:
 
         if not decoding:
             return
-        width = 1 + max(s.drafts for s in decoding)
+        width = 1 + max(s.allowance for s in decoding)
         histories = [[*s.req.prompt, *s.fed, *s.pending] for s in decoding]
         # no guess past max_tokens: the step's own token is the last one a sequence may still need
-        wanted = [min(s.drafts, max(0, s.req.sampling.max_tokens - len(h) + len(s.req.prompt) - 1))
+        wanted = [min(s.allowance, max(0, s.req.sampling.max_tokens - len(h) + len(s.req.prompt) - 1))
                   for s, h in zip(decoding, histories)]
         if self.limits.speculative == "draft":
             drafts = self._guessed(decoding, histories, wanted)
@@ -459,6 +461,10 @@ class RunningBatch:
                 stats.prompt_seconds = now - s.t_start
             else:
                 stats.generation_seconds = now - s.t_first
+            if s.drafts:  # the agreed tokens say how many of its guesses held: the next allowance
+                from .speculate import adapt
+
+                s.allowance, s.cool = adapt(s.allowance, s.cool, len(tokens) - 1, s.drafts)
             out = []
             for token, row in zip(tokens, logits if s.req.record_logits else [None] * len(tokens)):
                 s.fed.append(token)
@@ -545,6 +551,7 @@ class RunningBatch:
             s.cache = cache
             wanted = s.req.draft_tokens
             s.drafts = self.draft_max if wanted is None else min(wanted, self.draft_max)
+            s.allowance = s.drafts
             prompt = list(s.req.prompt)
             s.todo = prompt[covered:-1]
             s.first_input = prompt[-1]

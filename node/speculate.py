@@ -108,6 +108,24 @@ def rollback(cache: list, drop: Sequence[int]) -> None:
             c.finalize()
 
 
+COOL_STEPS = 8  # steps without guesses after they kept failing, before one is tried again
+
+
+def adapt(allowance: int, cool: int, accepted: int, limit: int) -> tuple[int, int]:
+    """(allowance, cool) for a sequence's next step, from how many guesses of an agreed step held.
+
+    A step verifies 1 + allowance positions however few guesses hold, so guesses that fail cost:
+    the allowance halves when none held, and at zero stays there for COOL_STEPS steps, then one
+    guess probes again; once one holds, the whole allowance (`limit`) is back. Every rank computes
+    it from the same agreed tokens, so every rank gives the step the same width."""
+    if allowance == 0:
+        return (1, 0) if cool <= 1 else (0, cool - 1)
+    if accepted == 0:
+        allowance //= 2
+        return allowance, COOL_STEPS if allowance == 0 else 0
+    return limit, 0
+
+
 @dataclass
 class Verified:
     """One sequence's outcome of a verifying step."""

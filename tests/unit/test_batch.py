@@ -195,8 +195,9 @@ def test_speculation_gives_the_tokens_and_logits_of_one_token_steps(cluster_path
     right, spoiled, wrong = (r.figures for r in spec[:3])
     assert right.accepted >= 16 and right.steps <= 8, right  # most of 4 drafts a step held
     assert 0 < spoiled.accepted < spoiled.drafted, spoiled
-    # drafts from a wrong prediction (or, past it, from the prompt) all but fail
-    assert wrong.drafted - wrong.accepted >= 8, wrong
+    # guesses from a wrong prediction (or, past it, from the prompt) all but fail, and the
+    # sequence soon stops guessing (node.speculate.adapt): 24 steps would have verified 96
+    assert wrong.drafted - wrong.accepted >= 4 and wrong.drafted <= 16, wrong
 
 
 def test_a_sequence_asking_for_no_drafts_steps_one_token_at_a_time(cluster_path, encode):
