@@ -9,7 +9,7 @@ import os
 import sys
 import traceback
 
-from ..envoy import GRPC_EXPERIMENTS
+from ..common import GRPC_EXPERIMENTS
 
 os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)  # before anything imports grpc: every process we start inherits it
 

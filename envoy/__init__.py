@@ -1,7 +1,1 @@
 """Envoy: the per-node gRPC process that all-reduces expert outputs."""
-
-# grpc's older polling engine reads the socket on the thread that waits for events, one thread
-# hop less per message than the EventEngine default; measured faster on this workload (the envoy's
-# all-reduce; the coordinator's CPU per streamed token, 0.33 -> 0.19 ms). Must be set before grpc
-# is imported (the `moe-cluster` entry point and run_grpc_loop do); a caller's own setting wins.
-GRPC_EXPERIMENTS = "-event_engine_client,-event_engine_listener"

@@ -7,40 +7,15 @@ Normally the node starts it (node/collective/envoy.py); `moe-cluster envoy` runs
 from __future__ import annotations
 
 import argparse
-import asyncio
-import ctypes
 import logging
 import os
-import signal
 import sys
-from typing import Any, Callable, Coroutine, TypeVar
 
+from ..common.process import die_with_parent, run_grpc_loop
 from ..proto.errors import UserError
 from ..proto.records import COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
 
-from . import GRPC_EXPERIMENTS
-
 logger = logging.getLogger("moe_cluster.envoy")
-
-T = TypeVar("T")
-
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """On Linux, have the kernel SIGTERM this process when its parent (the node) exits; then make
-    sure the parent did not exit before that took effect. (macOS relies on the watchdog and link
-    EOF.) An envoy run by hand (no parent pid) is left alone."""
-    if not parent_pid:
-        return
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        except (OSError, AttributeError) as exc:
-            logger.debug("prctl(PR_SET_PDEATHSIG) unavailable: %s", exc)
-    if os.getppid() != parent_pid:
-        sys.exit(f"envoy: parent {parent_pid} already exited")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def read_secret(from_stdin: bool) -> str:
-    from .auth import SECRET_ENV
+    from ..common.auth import SECRET_ENV
 
     secret = sys.stdin.readline().rstrip("\n") if from_stdin else os.environ.get(SECRET_ENV, "")
     if not secret:
@@ -91,17 +66,6 @@ def config_from_args(args: argparse.Namespace):
         link_fd=args.link_fd, shm_name=args.shm, max_bytes=args.max_bytes, parent_pid=args.parent_pid,
         data_port=args.data_port, trace=args.trace,
     )
-
-
-def run_grpc_loop(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Run `main()` as the envoy runs: grpc on its older poller (set before `main` imports grpc;
-    a caller's own GRPC_EXPERIMENTS wins), on uvloop where it is installed."""
-    os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)
-    try:
-        import uvloop  # optional: a faster event loop
-    except ImportError:
-        return asyncio.run(main())
-    return uvloop.run(main())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -32,7 +32,7 @@ from ..proto import convert
 from ..proto.errors import UserError
 from ..proto.records import TlsFiles
 from . import data
-from .auth import (SecretInterceptor, call_metadata, channel_credentials, server_credentials, ssl_client_context,
+from ..common.auth import (SecretInterceptor, call_metadata, channel_credentials, server_credentials, ssl_client_context,
                    ssl_server_context)
 from ..proto.frame import PROTOCOL, Frame, Hello, checksum
 

@@ -18,7 +18,7 @@ from typing import Callable
 
 import grpc
 
-from ..envoy.auth import SecretInterceptor, server_credentials
+from ..common.auth import SecretInterceptor, server_credentials
 from ..proto import CHANNEL_OPTIONS, convert
 from ..proto import node_pb2_grpc as npb_grpc
 from ..proto.errors import (BusyError, ErrorKind, MoeClusterError, NotReadyError, UnavailableError, UserError, grpc_code,
@@ -26,7 +26,7 @@ from ..proto.errors import (BusyError, ErrorKind, MoeClusterError, NotReadyError
 from . import lifecycle
 from .device import DeviceInfo, device_info, release_memory
 from .lifecycle import NodeState
-from .worker import Worker
+from ..common.worker import Worker
 from ..proto.records import (DEFAULT_KV_RESERVE, ExpertCacheLayer, GenerateDone, GeneratedTokens, Health, LayerRouting, LoadProgress, Memory, NodeError,
                              NodeStatus, Timings)
 
@@ -363,7 +363,7 @@ class NodeAgent(npb_grpc.NodeServicer):
         if not c.secret:
             raise UserError("no cluster secret: set MOE_CLUSTER_SECRET (the same on every node)")
         self._stop = asyncio.Event()
-        from .collective.specs import check_port_free
+        from ..common.ports import check_port_free
 
         try:
             check_port_free(c.host, c.port, "is another node agent running? --port P picks another")
@@ -385,7 +385,7 @@ class NodeAgent(npb_grpc.NodeServicer):
         advertiser = None
         try:
             if c.mdns:
-                from .mdns import Advert, Advertiser, interface_addresses
+                from ..common.mdns import Advert, Advertiser, interface_addresses
 
                 addr = c.advertise or (interface_addresses(list(c.interfaces))[0] if c.interfaces else
                                        (c.host if c.host not in ("0.0.0.0", "") else _default_ip()))
@@ -497,12 +497,12 @@ def main(args) -> int:
     """`moe-cluster node` entry point."""
     import sys
 
-    from ..envoy.auth import SECRET_ENV
+    from ..common.auth import SECRET_ENV
 
     if args.exit_with_parent:
-        from ..envoy.main import die_with_parent
+        from ..common.process import die_with_parent
 
-        die_with_parent(os.getppid())
+        die_with_parent(os.getppid(), "node")
     secret = os.environ.get(SECRET_ENV, "")
     if args.secret_file:
         from pathlib import Path
@@ -526,7 +526,7 @@ def main(args) -> int:
         print(f"moe-cluster node {config.name} ready on port {port}", flush=True)
         sys.stdout.flush()
 
-    from ..envoy.main import run_grpc_loop
+    from ..common.process import run_grpc_loop
 
     run_grpc_loop(lambda: agent.serve(ready))
     return 0

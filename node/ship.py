@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 
 import grpc
 
-from ..envoy.auth import call_metadata, channel_credentials, ssl_client_context
+from ..common.auth import call_metadata, channel_credentials, ssl_client_context
 from ..proto import CHANNEL_OPTIONS, convert
 from ..proto import ship_pb2_grpc as spb_grpc
 from ..proto.errors import UnavailableError

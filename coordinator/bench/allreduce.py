@@ -310,7 +310,7 @@ def _grpc_worker(addresses: list[str], rank: int, case: Case, results) -> None:
     """All-to-all over grpc.aio: one bidirectional stream per pair (the lower rank dials), raw bytes
     both ways; each call writes to every peer, then reads every peer."""
     try:
-        from ...envoy.main import run_grpc_loop
+        from ...common.process import run_grpc_loop
 
         results.put((rank, run_grpc_loop(lambda: _grpc_exchange(addresses, rank, case))))
     except Exception as exc:  # noqa: BLE001
@@ -454,7 +454,8 @@ def _percentiles(samples: list[float]) -> tuple[float, float]:
 def run_case(case: Case, paths: list[str], timeout_s: float, traced: bool = False) -> dict:
     import secrets
 
-    from ...node.collective.specs import EnvoySpec, MlxSpec, free_ports
+    from ...node.collective.specs import EnvoySpec, MlxSpec
+    from ...common.ports import free_ports
 
     row: dict = {"nodes": case.nodes, "tokens": case.tokens, "hidden": case.hidden, "dtype": case.dtype,
                  "iters": case.iters}
@@ -493,7 +494,8 @@ def _trace(case: Case, timeout_s: float) -> dict:
     import secrets
 
     from ...envoy import trace
-    from ...node.collective.specs import EnvoySpec, free_ports
+    from ...node.collective.specs import EnvoySpec
+    from ...common.ports import free_ports
 
     spec = EnvoySpec(tuple(f"127.0.0.1:{p}" for p in free_ports(case.nodes)), secret=secrets.token_hex(16),
                      max_bytes=max(2 * case.nbytes, 1 << 16), trace=True)

@@ -239,7 +239,7 @@ def _receive(job: dict) -> int:
     but the first (the machine's load drifts: the two alternate); prints one JSON line of timings."""
     import grpc
 
-    from ...envoy.auth import call_metadata
+    from ...common.auth import call_metadata
     from ...node.cache import Catalog, ShardCache
     from ...node.ship import fetcher
     from ...proto import CHANNEL_OPTIONS, convert

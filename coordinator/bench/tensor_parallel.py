@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ...node.collective.specs import free_ports
+from ...common.ports import free_ports
 
 MODES = {"tensor": "mlx_lm_tensor_parallel", "pipeline": "mlx_lm_pipeline"}
 

@@ -53,7 +53,8 @@ class SimRequest:
 
 def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float, gpus: bool = False):
     """-> (spec every node gets, cleanup to run once the nodes are gone); loopback only."""
-    from ...node.collective.specs import EnvoySpec, MlxSpec, free_ports
+    from ...node.collective.specs import EnvoySpec, MlxSpec
+    from ...common.ports import free_ports
     from ...envoy.link import unlink_segment
     from ...node.collective.shm import ShmCollective
 

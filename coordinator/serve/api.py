@@ -35,7 +35,7 @@ from .resume import KeepAlive
 from .sampling import OPENAI_TEMPERATURE, json_kind, parse as sampling_of
 from . import anthropic
 from .tools import FieldError, ToolCall, Tools, ToolSplitter, history_tool_calls, parse_tools
-from ...node.worker import Worker
+from ...common.worker import Worker
 
 logger = logging.getLogger(__name__)
 

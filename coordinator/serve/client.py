@@ -7,7 +7,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from ...envoy.auth import call_metadata, channel_credentials
+from ...common.auth import call_metadata, channel_credentials
 from ...proto.records import GenerateEvent, Health, LoadProgress, LoadSpec, NodeStatus
 from ...proto.records import GenerateRequest
 from ...proto import CHANNEL_OPTIONS, convert

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...envoy.auth import SECRET_ENV
+from ...common.auth import SECRET_ENV
 from .client import ClusterError
 
 logger = logging.getLogger(__name__)

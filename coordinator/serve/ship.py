@@ -39,7 +39,7 @@ from typing import Callable
 
 import grpc
 
-from ...envoy.auth import _authorized, server_credentials, ssl_server_context
+from ...common.auth import authorized, server_credentials, ssl_server_context
 from ...node import cache as node_cache
 from ...node.cache import Catalog, source_ranges
 from ...node.moe.load import catalog_of
@@ -326,7 +326,7 @@ class _SecretCheck(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation, details):
         handler = continuation(details)
-        if handler is None or _authorized(details.invocation_metadata, self._secret):
+        if handler is None or authorized(details.invocation_metadata, self._secret):
             return handler
         logger.warning("refused %s: missing or wrong cluster secret", details.method)
 

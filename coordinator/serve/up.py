@@ -21,7 +21,8 @@ from ...node.vocab import checkpoint_vocab
 from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.profile import parse_profile
 from ...proto.records import LoadSpec, TlsFiles
-from ...node.collective.specs import EnvoySpec, MlxSpec, free_ports
+from ...node.collective.specs import EnvoySpec, MlxSpec
+from ...common.ports import free_ports
 from .client import ClusterError, NodeClient
 from .cluster import Cluster, Member
 from .config import ClusterConfig, ConfigError, load_config, read_credentials
@@ -121,7 +122,7 @@ async def _remote_members(c: ClusterConfig) -> list[tuple[str, str, str]]:
     out, wanted = [], [n.name for n in c.nodes if not n.address]
     seen = {}
     if wanted:
-        from ...node.mdns import DiscoveryError, browse
+        from ...common.mdns import DiscoveryError, browse
 
         seen = await browse(c.name, wanted, c.timeouts.discovery, c.discovery.interfaces or None)
         missing = [w for w in wanted if w not in seen]
@@ -344,7 +345,7 @@ class _Ship:
 
 async def _start_ship(c: ClusterConfig, model_path: str, secret: str) -> _Ship:
     """With `checkpoint: coordinator`: serve the nodes their shards from this machine's checkpoint."""
-    from ...node.collective.specs import check_port_free
+    from ...common.ports import check_port_free
     from ...proto.records import ShipSource
     from .digests import default_digest_dir
     from .ship import Shipper, start_server
@@ -367,7 +368,7 @@ async def _start_ship(c: ClusterConfig, model_path: str, secret: str) -> _Ship:
 
 def _check_port_free(c: ClusterConfig) -> None:
     """Refuse before any node starts if the API cannot listen where the file says."""
-    from ...node.collective.specs import check_port_free
+    from ...common.ports import check_port_free
 
     try:
         check_port_free(c.api.host, c.api.port, "is another cluster running? --api-port P picks another")
@@ -384,7 +385,7 @@ def main(args) -> int:
         c = replace(c, api=replace(c.api, port=args.api_port))
     log_dir = Path(args.log_dir).expanduser() if args.log_dir else state_file().parent / "logs" / c.name
     try:
-        from ...envoy.main import run_grpc_loop
+        from ...common.process import run_grpc_loop
 
         return run_grpc_loop(lambda: run_up(c, log_dir=log_dir))
     except KeyboardInterrupt:

@@ -140,7 +140,7 @@ for op in ("all_sum", "all_gather"):
 def probe(args) -> None:
     import mlx.core as mx
 
-    from moe_cluster.node.collective.specs import free_ports
+    from moe_cluster.common.ports import free_ports
 
     found = {"mlx": mx.__version__, "device": str(mx.default_device()),
              "cuda": bool(getattr(mx, "cuda", None) and mx.cuda.is_available()),

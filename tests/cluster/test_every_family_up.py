@@ -40,7 +40,7 @@ SECRET = "every-family-secret"
 @pytest.fixture(scope="module")
 def agents(tmp_path_factory):
     """Two node agents on loopback for the module; yields their agent ports."""
-    from moe_cluster.node.collective.specs import free_ports
+    from moe_cluster.common.ports import free_ports
 
     logs = tmp_path_factory.mktemp("agents")
     ports = free_ports(2)
@@ -96,7 +96,7 @@ def test_up_serves_stock_tokens_on_a_drawn_config(family, agents, tmp_path):
 def _serve_stock_tokens(path, agents, tmp_path):
     from openai import OpenAI
 
-    from moe_cluster.node.collective.specs import free_ports
+    from moe_cluster.common.ports import free_ports
 
     envoys = free_ports(2)
     nodes = "\n".join(f"  - name: n{i}\n    address: 127.0.0.1:{port}\n    envoy_port: {envoys[i]}"

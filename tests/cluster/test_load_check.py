@@ -27,7 +27,7 @@ SWAPPED = [(8, 9), (10, 11), (12, 13), (14, 15)]  # rank 1's experts under an ev
 def test_a_node_with_swapped_experts_stops_up_naming_the_layer(tmp_path):
     import mlx.core as mx
 
-    from moe_cluster.node.collective.specs import free_ports
+    from moe_cluster.common.ports import free_ports
     from moe_cluster.node.demo import MODEL_DIR
 
     ckpt = tmp_path / "ckpt"

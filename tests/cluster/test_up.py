@@ -28,7 +28,7 @@ def test_three_nodes_equal_stock_for_the_demo_and_repeat_with_a_seed(tmp_path):
     import socket
 
     from moe_cluster.node.demo import MODEL_DIR
-    from moe_cluster.node.collective.specs import free_ports
+    from moe_cluster.common.ports import free_ports
 
     (data_port,) = free_ports(1)  # node-2's envoy data channel on a port the file gives (a firewall's)
     text = yaml_for(3).replace("  - name: node-2\n", f"  - name: node-2\n    envoy_data_port: {data_port}\n")

@@ -209,7 +209,8 @@ def envoy_spec(n: int, **kw):
     """An EnvoySpec for `n` envoys on free loopback ports, with a fresh secret."""
     import secrets
 
-    from moe_cluster.node.collective.specs import EnvoySpec, free_ports
+    from moe_cluster.node.collective.specs import EnvoySpec
+    from moe_cluster.common.ports import free_ports
 
     kw.setdefault("secret", secrets.token_hex(16))
     kw.setdefault("max_bytes", 1 << 20)

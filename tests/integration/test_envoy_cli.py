@@ -13,7 +13,7 @@ import grpc
 
 from moe_cluster.coordinator.bench import allreduce
 from moe_cluster.envoy import trace
-from moe_cluster.node.collective.specs import free_ports
+from moe_cluster.common.ports import free_ports
 from moe_cluster.proto import convert
 
 CLI = [sys.executable, "-m", "moe_cluster.coordinator.cli"]

@@ -360,7 +360,7 @@ def test_an_unreachable_data_channel_leaves_the_frames_on_the_stream(caplog):
 
     from moe_cluster.proto.frame import Frame
     from moe_cluster.envoy.mesh import Mesh, MeshConfig
-    from moe_cluster.node.collective.specs import free_ports
+    from moe_cluster.common.ports import free_ports
 
     async def run() -> tuple[list, list]:
         addresses = tuple(f"127.0.0.1:{p}" for p in free_ports(2))
@@ -398,7 +398,7 @@ def test_a_fixed_data_port_is_the_one_the_channel_takes_and_a_taken_one_is_one_l
 
     from moe_cluster.node.collective.base import CollectiveError
     from moe_cluster.node.collective.envoy import EnvoyProcess
-    from moe_cluster.node.collective.specs import free_ports
+    from moe_cluster.common.ports import free_ports
 
     spec = envoy_spec(2)
     (port,) = free_ports(1)

@@ -61,7 +61,7 @@ def test_project_errors_have_the_kind_of_what_went_wrong():
     from moe_cluster.proto.frame import FrameError
     from moe_cluster.envoy.link import LinkError
     from moe_cluster.envoy.steps import StepError
-    from moe_cluster.node.mdns import DiscoveryError
+    from moe_cluster.common.mdns import DiscoveryError
     from moe_cluster.proto.convert import ConvertError
     from moe_cluster.proto.placement import PlacementError
 

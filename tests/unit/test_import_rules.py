@@ -1,7 +1,9 @@
 """The layout's import rules, checked on the source: request and record types import no mlx,
 `coordinator/serve/` never imports `coordinator/plan/` or `coordinator/bench/`, `node/` never
-imports `coordinator/`, `proto/` imports no other package of the project, and no two modules
-import each other (directly or through others).
+imports `coordinator/`, `proto/` imports no other package of the project, the shared plumbing
+(`common/`) imports only `proto/`, the envoy imports neither the node nor the coordinator, the
+coordinator's serving code takes no plumbing from the envoy's or the node's package, and no two
+modules import each other (directly or through others).
 
 The static check parses every file with `ast`, resolves relative imports, and follows imports
 transitively inside the project, function-level imports included (they run too, only later);
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("coordinator", "node", "envoy", "proto")  # folders installed as moe_cluster.<name>
+PACKAGES = ("common", "coordinator", "node", "envoy", "proto")  # folders installed as moe_cluster.<name>
 DIST = "moe_cluster"
 
 
@@ -37,7 +39,13 @@ RULES = (
     Rule("serve/ imports neither plan/ nor bench/", ("coordinator.serve",), ("coordinator.plan", "coordinator.bench")),
     Rule("node/ imports no coordinator/", ("node",), ("coordinator",)),
     # proto holds the contracts, records and wire constants every process shares: it is the bottom
-    Rule("proto/ imports no other package of the project", ("proto",), ("coordinator", "node", "envoy")),
+    Rule("proto/ imports no other package of the project", ("proto",), ("common", "coordinator", "node", "envoy")),
+    # the shared plumbing (worker thread, gRPC loop and auth, ports, mDNS) stands on proto/ alone,
+    # and every process takes it from there, not from another process's package
+    Rule("common/ imports only proto/", ("common",), ("coordinator", "node", "envoy")),
+    Rule("envoy/ imports neither node/ nor coordinator/", ("envoy",), ("node", "coordinator")),
+    Rule("serve/ takes no plumbing from the node's or the envoy's packages", ("coordinator.serve",),
+         ("envoy.auth", "envoy.main", "envoy.mesh", "node.worker", "node.mdns", "node.agent")),
 )
 
 # (importer, imported) edges allowed for now, each with the change that removes it. The test

@@ -27,7 +27,7 @@ def call_metadata(secret: str) -> tuple[tuple[str, str], ...]:
     return ((SECRET_KEY, secret),)
 
 
-def _authorized(metadata, secret: str) -> bool:
+def authorized(metadata, secret: str) -> bool:
     for key, value in metadata or ():
         if key == SECRET_KEY:
             return hmac.compare_digest(value.encode() if isinstance(value, str) else value, secret.encode())
@@ -71,7 +71,7 @@ class SecretInterceptor(grpc.aio.ServerInterceptor):
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
-        if handler is None or _authorized(details.invocation_metadata, self._secret):
+        if handler is None or authorized(details.invocation_metadata, self._secret):
             return handler
         logger.warning("refused %s: missing or wrong cluster secret", details.method)
         return _denier(handler, details.method)
