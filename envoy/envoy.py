@@ -212,7 +212,7 @@ class Envoy:
             self.link.begun()
         else:
             # A mesh that was whole lost a peer (it died, or its envoy did): waiting connect_timeout_s
-            # (30 s) for it held every request that long (issue #14); a lost peer gets the step timeout.
+            # (30 s) for it held every request that long; a lost peer gets the step timeout.
             wait = min(self.config.timeout_s, self.config.connect_timeout_s) if self._was_whole \
                 else self.config.connect_timeout_s
             self._begin_deadline = time.monotonic() + wait

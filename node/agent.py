@@ -98,7 +98,7 @@ class NodeAgent(npb_grpc.NodeServicer):
 
     def _watch_collective(self) -> None:
         """A loaded node whose envoy exited cannot all-reduce: it is failed, and says why, instead of
-        letting every request wait out its peers' timeouts (issue #14). Cheap (a waitpid): checked on
+        letting every request wait out its peers' timeouts. Cheap (a waitpid): checked on
         every Health, Status and Generate."""
         if self.sharded is None or not self.life.serving:
             return

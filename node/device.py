@@ -73,7 +73,7 @@ def release_memory() -> int:
 def ieee_float32(dtype=None):
     """A context in which float32 matmuls are IEEE float32: the CPU stream where the default device
     is a GPU, whose float32 matmuls MLX computes in TF32 unless MLX_ENABLE_TF32=0 (CUDA, M5's NAX;
-    ~1e-3 relative, GPU run 11); otherwise, or for another `dtype` (half precision has no TF32
+    ~1e-3 relative); otherwise, or for another `dtype` (half precision has no TF32
     path), no change. For the exactness checks: the structure probe, the load-time check's shares
     and reference."""
     import mlx.core as mx

@@ -112,7 +112,7 @@ class Launcher:
 
         One still running is stalled (SIGSTOP, a machine that froze) or hung: it cannot shut down
         cleanly, and a SIGTERM left pending on a stopped process waited out the 5 s grace before the
-        restart (issue #14), so its process group (agent and envoy) is SIGKILLed at once. Its peers
+        restart, so its process group (agent and envoy) is SIGKILLed at once. Its peers
         and the coordinator have already given up on it; a SIGCONT that comes later finds it gone."""
         node = self.nodes.get(name)
         if node is None or self._closing:

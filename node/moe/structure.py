@@ -189,7 +189,7 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
                tuple(sorted((n, type(c).__name__) for n, c in m.children().items() if isinstance(c, nn.Module))))
         if key not in probed:
             top_k = _sibling_top_k(modules, path, bank) if routed_call else None
-            with ieee_float32():  # TF32's rounding would fail the linearity check (GPU run 11)
+            with ieee_float32():  # TF32's rounding (~1e-3 relative) would fail the linearity check
                 probed[key] = probe_block(path, m, bank, top_k)
         top_k, routers, dense, residual, forward, width = probed[key]
         blocks.append(MoEBlock(layer, path, m, bank, top_k, routers, dense, residual, forward, routed_call, width))
