@@ -30,7 +30,9 @@ def call_metadata(secret: str) -> tuple[tuple[str, str], ...]:
 def authorized(metadata, secret: str) -> bool:
     for key, value in metadata or ():
         if key == SECRET_KEY:
-            return hmac.compare_digest(value.encode() if isinstance(value, str) else value, secret.encode())
+            return hmac.compare_digest(
+                value.encode() if isinstance(value, str) else value, secret.encode()
+            )
     return False
 
 
@@ -38,13 +40,20 @@ def _denier(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandle
     """A handler of the same kind as `handler` that aborts every call with UNAUTHENTICATED."""
 
     async def deny(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method}: missing or wrong cluster secret")
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED, f"{method}: missing or wrong cluster secret"
+        )
 
     async def deny_stream(request_or_iterator: Any, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{method}: missing or wrong cluster secret")
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED, f"{method}: missing or wrong cluster secret"
+        )
         yield  # pragma: no cover - makes this an async generator, as streaming handlers are
 
-    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    kw = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(deny_stream, **kw)
     if handler.request_streaming:
@@ -93,7 +102,9 @@ def server_credentials(cert: str, key: str, ca: str | None = None) -> grpc.Serve
     )
 
 
-def channel_credentials(ca: str, cert: str | None = None, key: str | None = None) -> grpc.ChannelCredentials:
+def channel_credentials(
+    ca: str, cert: str | None = None, key: str | None = None
+) -> grpc.ChannelCredentials:
     """TLS for a client: trust `ca`; present `cert`/`key` when the server asks for one."""
     return grpc.ssl_channel_credentials(
         root_certificates=_read(ca, "CA"),

@@ -37,15 +37,34 @@ class Advert:
     cluster: str
 
     def properties(self) -> dict[str, str]:
-        return {"name": self.name, "version": self.version, "memory": str(self.memory_bytes),
-                "backend": self.backend, "device": self.device, "port": str(self.port), "cluster": self.cluster}
+        return {
+            "name": self.name,
+            "version": self.version,
+            "memory": str(self.memory_bytes),
+            "backend": self.backend,
+            "device": self.device,
+            "port": str(self.port),
+            "cluster": self.cluster,
+        }
 
     @classmethod
     def from_properties(cls, props: dict, address: str, port: int) -> "Advert":
-        p = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v or "")
-             for k, v in props.items()}
-        return cls(p.get("name", ""), address, int(p.get("port") or port), p.get("version", ""),
-                   int(p.get("memory") or 0), p.get("backend", ""), p.get("device", ""), p.get("cluster", ""))
+        p = {
+            (k.decode() if isinstance(k, bytes) else k): (
+                v.decode() if isinstance(v, bytes) else v or ""
+            )
+            for k, v in props.items()
+        }
+        return cls(
+            p.get("name", ""),
+            address,
+            int(p.get("port") or port),
+            p.get("version", ""),
+            int(p.get("memory") or 0),
+            p.get("backend", ""),
+            p.get("device", ""),
+            p.get("cluster", ""),
+        )
 
 
 def interface_addresses(interfaces: Sequence[str]) -> list[str]:
@@ -64,7 +83,9 @@ def interface_addresses(interfaces: Sequence[str]) -> list[str]:
         try:
             socket.inet_aton(item)
         except OSError:
-            raise DiscoveryError(f"no interface or IPv4 address {item!r} (interfaces: {', '.join(adapters)})") from None
+            raise DiscoveryError(
+                f"no interface or IPv4 address {item!r} (interfaces: {', '.join(adapters)})"
+            ) from None
         out.append(item)
     return out
 
@@ -74,7 +95,9 @@ def _zeroconf(interfaces: Sequence[str] | None):
     from zeroconf.asyncio import AsyncZeroconf
 
     if interfaces:
-        return AsyncZeroconf(interfaces=interface_addresses(interfaces), ip_version=IPVersion.V4Only)
+        return AsyncZeroconf(
+            interfaces=interface_addresses(interfaces), ip_version=IPVersion.V4Only
+        )
     return AsyncZeroconf(interfaces=InterfaceChoice.All, ip_version=IPVersion.V4Only)
 
 
@@ -93,8 +116,12 @@ class Advertiser:
         self._zc = _zeroconf(self.interfaces)
         a = self.advert
         self._info = AsyncServiceInfo(
-            SERVICE_TYPE, f"{a.name}.{SERVICE_TYPE}", addresses=[socket.inet_aton(a.address)], port=a.port,
-            properties=a.properties(), server=f"{a.name}.local.",
+            SERVICE_TYPE,
+            f"{a.name}.{SERVICE_TYPE}",
+            addresses=[socket.inet_aton(a.address)],
+            port=a.port,
+            properties=a.properties(),
+            server=f"{a.name}.local.",
         )
         await self._zc.async_register_service(self._info, allow_name_change=False)
         logger.info("advertising %s on %s:%d via mDNS", a.name, a.address, a.port)
@@ -109,8 +136,9 @@ class Advertiser:
                 self._zc = None
 
 
-async def browse(cluster: str, wanted: Sequence[str], timeout_s: float,
-                 interfaces: Sequence[str] | None = None) -> dict[str, Advert]:
+async def browse(
+    cluster: str, wanted: Sequence[str], timeout_s: float, interfaces: Sequence[str] | None = None
+) -> dict[str, Advert]:
     """Find the named nodes of a cluster within `timeout_s`; returns all adverts seen by then.
 
     Returns early once every wanted node has been seen.

@@ -30,4 +30,6 @@ def check_port_free(host: str, port: int, hint: str = "") -> None:
         try:
             s.bind((host, port))
         except OSError as exc:
-            raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}" + (f" ({hint})" if hint else "")) from None
+            raise OSError(
+                f"cannot listen on {host}:{port}: {exc.strerror}" + (f" ({hint})" if hint else "")
+            ) from None

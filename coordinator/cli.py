@@ -11,7 +11,9 @@ import traceback
 
 from ..common import GRPC_EXPERIMENTS
 
-os.environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS)  # before anything imports grpc: every process we start inherits it
+os.environ.setdefault(
+    "GRPC_EXPERIMENTS", GRPC_EXPERIMENTS
+)  # before anything imports grpc: every process we start inherits it
 
 from ..proto.errors import ErrorKind, MoeClusterError, UserError  # noqa: E402 - after the grpc setting
 from ..proto.records import DRAFT_LIMIT, KEEPALIVES, SPECULATIVE_MODES  # noqa: E402 - no mlx: cheap commands stay cheap
@@ -47,7 +49,9 @@ def _positive_int(text: str) -> int:
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 100) -> None:
-    p.add_argument("--max-tokens", type=_positive_int, default=max_tokens, help="tokens to generate at most")
+    p.add_argument(
+        "--max-tokens", type=_positive_int, default=max_tokens, help="tokens to generate at most"
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
@@ -61,11 +65,18 @@ def _draft_tokens(text: str) -> int:
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculative", choices=SPECULATIVE_MODES, default="off",
-                   help="verify drafted tokens in one step (serving.speculative)")
+    p.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_MODES,
+        default="off",
+        help="verify drafted tokens in one step (serving.speculative)",
+    )
     p.add_argument("--draft-tokens", type=_draft_tokens, default=4, help="drafts per step at most")
-    p.add_argument("--draft-model", default=None,
-                   help="with --speculative draft: a small checkpoint with the model's tokenizer, or 'demo'")
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="with --speculative draft: a small checkpoint with the model's tokenizer, or 'demo'",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moe-cluster",
         description="Serve Mixture-of-Experts LLMs from a LAN of Macs by expert parallelism.",
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -88,42 +101,88 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
     p.add_argument("--nodes", type=_positive_int, required=True)
     p.add_argument("--keepalive", choices=KEEPALIVES, default="lru")
-    p.add_argument("--placement", default=None, help='JSON file {"layers": {"<layer>": {"<rank>": [experts]}}}')
-    p.add_argument("--expert-cache", default="off",
-                   help="experts each node keeps resident: off, a percent of its share (50%%) or a size (8GB); "
-                        "the rest are read from disk on a miss")
-    p.add_argument("--routing-profile", default=None,
-                   help="profile JSON from `moe-cluster profile`: the hottest experts start resident, pinned")
+    p.add_argument(
+        "--placement", default=None, help='JSON file {"layers": {"<layer>": {"<rank>": [experts]}}}'
+    )
+    p.add_argument(
+        "--expert-cache",
+        default="off",
+        help="experts each node keeps resident: off, a percent of its share (50%%) or a size (8GB); "
+        "the rest are read from disk on a miss",
+    )
+    p.add_argument(
+        "--routing-profile",
+        default=None,
+        help="profile JSON from `moe-cluster profile`: the hottest experts start resident, pinned",
+    )
     p.add_argument("--prompt", required=True)
     add_sampling_args(p, max_tokens=32)
-    p.add_argument("--check", action="store_true", help="also run stock mlx-lm and compare tokens and logits")
-    p.add_argument("--transport", choices=("shm", "envoy", "mlx"), default="shm",
-                   help="how the nodes all-reduce: shared memory, envoy processes (gRPC) or mx.distributed ring")
+    p.add_argument(
+        "--check", action="store_true", help="also run stock mlx-lm and compare tokens and logits"
+    )
+    p.add_argument(
+        "--transport",
+        choices=("shm", "envoy", "mlx"),
+        default="shm",
+        help="how the nodes all-reduce: shared memory, envoy processes (gRPC) or mx.distributed ring",
+    )
     add_speculation_args(p)
-    p.add_argument("--prediction", default=None, help="the output you expect: speculation drafts from it")
+    p.add_argument(
+        "--prediction", default=None, help="the output you expect: speculation drafts from it"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler="moe_cluster.coordinator.dev.simulate:main")
 
     p = sub.add_parser("demo-model", help="write a random-weight MoE checkpoint of a chosen family")
-    p.add_argument("--arch", required=True, help="mixtral, qwen2_moe, qwen3_moe, deepseek_v3, dbrx, gpt_oss, olmoe, qwen3_next")
+    p.add_argument(
+        "--arch",
+        required=True,
+        help="mixtral, qwen2_moe, qwen3_moe, deepseek_v3, dbrx, gpt_oss, olmoe, qwen3_next",
+    )
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--layers", type=_positive_int, default=None, help="decoder layers (default: the family's minimum, at least 2)")
+    p.add_argument(
+        "--layers",
+        type=_positive_int,
+        default=None,
+        help="decoder layers (default: the family's minimum, at least 2)",
+    )
     p.add_argument("--experts", type=_positive_int, default=8)
     p.add_argument("--top-k", type=_positive_int, default=2)
     p.add_argument("--hidden", type=_positive_int, default=64)
     p.add_argument("--heads", type=_positive_int, default=None, help="attention heads (default 4)")
-    p.add_argument("--kv-heads", type=_positive_int, default=None, help="key/value heads (default 2)")
-    p.add_argument("--ffn", type=_positive_int, default=None, help="width of one routed expert (default: the family's)")
+    p.add_argument(
+        "--kv-heads", type=_positive_int, default=None, help="key/value heads (default 2)"
+    )
+    p.add_argument(
+        "--ffn",
+        type=_positive_int,
+        default=None,
+        help="width of one routed expert (default: the family's)",
+    )
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     p.add_argument("--quantize", type=int, default=None, help="4 or 8 bits")
-    p.add_argument("--mixed-bits", action="store_true", help="with --quantize: 8-bit experts in the first MoE layer (a per-layer override)")
-    p.add_argument("--layout", default="mlx", help="mlx (stacked experts) or hf (as Hugging Face releases store them)")
+    p.add_argument(
+        "--mixed-bits",
+        action="store_true",
+        help="with --quantize: 8-bit experts in the first MoE layer (a per-layer override)",
+    )
+    p.add_argument(
+        "--layout",
+        default="mlx",
+        help="mlx (stacked experts) or hf (as Hugging Face releases store them)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shard-size", default="5GB", help="split the weights into files past this size (e.g. 200KB, 5GB)")
+    p.add_argument(
+        "--shard-size",
+        default="5GB",
+        help="split the weights into files past this size (e.g. 200KB, 5GB)",
+    )
     p.set_defaults(handler="moe_cluster.coordinator.dev.demo:demo_model")
 
     p = sub.add_parser("train-demo", help="train the embedded demo model on the bundled corpus")
-    p.add_argument("--out", required=True, help="output folder (the shipped one is node/demo/model)")
+    p.add_argument(
+        "--out", required=True, help="output folder (the shipped one is node/demo/model)"
+    )
     p.add_argument("--steps", type=_positive_int, default=None)
     p.add_argument("--batch", type=_positive_int, default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -132,98 +191,187 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks on this machine")
     bench = p.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench.required = True
-    b = bench.add_parser("allreduce", help="one all-reduce: envoy path vs plain sockets vs mx.distributed ring")
+    b = bench.add_parser(
+        "allreduce", help="one all-reduce: envoy path vs plain sockets vs mx.distributed ring"
+    )
     importlib.import_module("moe_cluster.coordinator.bench.allreduce").add_arguments(b)
     b.set_defaults(handler="moe_cluster.coordinator.bench.allreduce:main")
 
-    b = bench.add_parser("decode", help="decode tok/s of our path vs stock mlx-lm, and the per-token breakdown on N nodes")
+    b = bench.add_parser(
+        "decode",
+        help="decode tok/s of our path vs stock mlx-lm, and the per-token breakdown on N nodes",
+    )
     b.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
     b.add_argument("--nodes", default="1", help="comma list of node counts, e.g. 1,2,3,4")
     b.add_argument("--keepalive", default="none,lru", help="comma list of policies for N > 1")
     b.add_argument("--max-tokens", type=_positive_int, default=64)
-    b.add_argument("--rounds", type=_positive_int, default=3, help="timed rounds per side (medians are reported)")
+    b.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=3,
+        help="timed rounds per side (medians are reported)",
+    )
     b.add_argument("--prompt", default=None)
-    b.add_argument("--transport", default="shm", help="collective(s) for N > 1, a comma list of shm, envoy, mlx")
-    b.add_argument("--gpus", action="store_true", help="bind node r to GPU r (CUDA_VISIBLE_DEVICES)")
-    b.add_argument("--no-peers", action="store_true",
-                   help="skip mlx-lm's tensor parallelism at N > 1 (e.g. where its processes would share one GPU)")
-    b.add_argument("--calibrate", action="store_true",
-                   help="fit the performance model to these measurements and print its predictions beside them")
-    b.add_argument("--expert-cache", default=None,
-                   help="comma list of resident shares to measure, e.g. 100%%,50%%,25%%: tok/s, hit rate, bytes read "
-                        "per token, each without and with a routing profile")
-    b.add_argument("--routing-profile", default=None,
-                   help="profile JSON the cached runs pin from (default: one made on two other prompts)")
-    b.add_argument("--prefetch", default="auto",
-                   help="cached runs with a profile: when a layer begins, read this many of the next layer's hottest "
-                        "non-resident experts; auto (default): those the profile saw selected by at least half of "
-                        "its tokens, at most top-k; off")
+    b.add_argument(
+        "--transport",
+        default="shm",
+        help="collective(s) for N > 1, a comma list of shm, envoy, mlx",
+    )
+    b.add_argument(
+        "--gpus", action="store_true", help="bind node r to GPU r (CUDA_VISIBLE_DEVICES)"
+    )
+    b.add_argument(
+        "--no-peers",
+        action="store_true",
+        help="skip mlx-lm's tensor parallelism at N > 1 (e.g. where its processes would share one GPU)",
+    )
+    b.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="fit the performance model to these measurements and print its predictions beside them",
+    )
+    b.add_argument(
+        "--expert-cache",
+        default=None,
+        help="comma list of resident shares to measure, e.g. 100%%,50%%,25%%: tok/s, hit rate, bytes read "
+        "per token, each without and with a routing profile",
+    )
+    b.add_argument(
+        "--routing-profile",
+        default=None,
+        help="profile JSON the cached runs pin from (default: one made on two other prompts)",
+    )
+    b.add_argument(
+        "--prefetch",
+        default="auto",
+        help="cached runs with a profile: when a layer begins, read this many of the next layer's hottest "
+        "non-resident experts; auto (default): those the profile saw selected by at least half of "
+        "its tokens, at most top-k; off",
+    )
     add_speculation_args(b)
-    b.add_argument("--spoil", default=None,
-                   help="with --speculative: comma list of shares of the predicted output to spoil, from 0 (every "
-                        "draft holds) to 1 (none does); default 0,0.1,0.25,0.5,1")
+    b.add_argument(
+        "--spoil",
+        default=None,
+        help="with --speculative: comma list of shares of the predicted output to spoil, from 0 (every "
+        "draft holds) to 1 (none does); default 0,0.1,0.25,0.5,1",
+    )
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler="moe_cluster.coordinator.bench.decode:main")
 
-    b = bench.add_parser("placement", help="measured per-node expert load: even split vs profile-guided placement")
+    b = bench.add_parser(
+        "placement", help="measured per-node expert load: even split vs profile-guided placement"
+    )
     b.add_argument("--model", default="demo")
     b.add_argument("--nodes", type=_positive_int, default=2)
-    b.add_argument("--spare-experts", type=int, default=4, help="room per node for this many extra experts per layer")
+    b.add_argument(
+        "--spare-experts",
+        type=int,
+        default=4,
+        help="room per node for this many extra experts per layer",
+    )
     b.add_argument("--max-tokens", type=_positive_int, default=48)
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler="moe_cluster.coordinator.bench.placement:main")
 
-    b = bench.add_parser("prompt-cache", help="time to first token of a follow-up chat turn, prompt cache on vs off")
+    b = bench.add_parser(
+        "prompt-cache", help="time to first token of a follow-up chat turn, prompt cache on vs off"
+    )
     b.add_argument("--model", default="demo")
     b.add_argument("--nodes", type=_positive_int, default=2)
-    b.add_argument("--prefix-tokens", type=_positive_int, default=1200, help="size of the shared prefix")
+    b.add_argument(
+        "--prefix-tokens", type=_positive_int, default=1200, help="size of the shared prefix"
+    )
     b.add_argument("--max-tokens", type=_positive_int, default=16)
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler="moe_cluster.coordinator.bench.prompt_cache:main")
 
-    b = bench.add_parser("soak", help="serve a stream of requests while a node is killed every so often")
+    b = bench.add_parser(
+        "soak", help="serve a stream of requests while a node is killed every so often"
+    )
     b.add_argument("--model", default="demo")
     b.add_argument("--nodes", type=_positive_int, default=2)
     b.add_argument("--minutes", type=_positive_float, default=10.0, help="how long the soak runs")
-    b.add_argument("--kill-every", type=_positive_float, default=60.0, help="seconds between kills of a node")
-    b.add_argument("--request-timeout", type=_positive_float, default=30.0,
-                   help="seconds a request may take before it counts as hung")
-    b.add_argument("--log-dir", default=None, help="keep the coordinator's and the nodes' logs here (default: none kept)")
+    b.add_argument(
+        "--kill-every", type=_positive_float, default=60.0, help="seconds between kills of a node"
+    )
+    b.add_argument(
+        "--request-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds a request may take before it counts as hung",
+    )
+    b.add_argument(
+        "--log-dir",
+        default=None,
+        help="keep the coordinator's and the nodes' logs here (default: none kept)",
+    )
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler="moe_cluster.coordinator.bench.soak:main")
 
-    b = bench.add_parser("serve", help="many users at once: aggregate tok/s, TTFT and ITL of our cluster and mlx_lm.server")
+    b = bench.add_parser(
+        "serve",
+        help="many users at once: aggregate tok/s, TTFT and ITL of our cluster and mlx_lm.server",
+    )
     importlib.import_module("moe_cluster.coordinator.bench.serve").add_arguments(b)
     b.set_defaults(handler="moe_cluster.coordinator.bench.serve:main")
 
-    b = bench.add_parser("race", help="ours against mlx-lm's pipeline and tensor parallelism: batch 1 and B streams")
+    b = bench.add_parser(
+        "race", help="ours against mlx-lm's pipeline and tensor parallelism: batch 1 and B streams"
+    )
     importlib.import_module("moe_cluster.coordinator.bench.race").add_arguments(b)
     b.set_defaults(handler="moe_cluster.coordinator.bench.race:main")
 
-    b = bench.add_parser("ship", help="shipping a shard to a node: throughput against raw TCP, coordinator memory")
+    b = bench.add_parser(
+        "ship", help="shipping a shard to a node: throughput against raw TCP, coordinator memory"
+    )
     importlib.import_module("moe_cluster.coordinator.bench.ship").add_arguments(b)
     b.set_defaults(handler="moe_cluster.coordinator.bench.ship:main")
 
-    p = sub.add_parser("envoy", help="run one envoy by hand (nodes start their own); secret from $MOE_CLUSTER_SECRET")
+    p = sub.add_parser(
+        "envoy",
+        help="run one envoy by hand (nodes start their own); secret from $MOE_CLUSTER_SECRET",
+    )
     importlib.import_module("moe_cluster.envoy.main").add_arguments(p)
     p.set_defaults(handler="moe_cluster.envoy.main:run")
 
-    p = sub.add_parser("up", help="start (or find) the nodes of a cluster.yaml, load the model, serve the API")
+    p = sub.add_parser(
+        "up", help="start (or find) the nodes of a cluster.yaml, load the model, serve the API"
+    )
     p.add_argument("file", help="cluster.yaml")
-    p.add_argument("--model", default=None, help="override the file's model (a checkpoint folder, or 'demo')")
-    p.add_argument("--api-port", type=int, default=None, help="override the file's API port (0: any free port)")
+    p.add_argument(
+        "--model", default=None, help="override the file's model (a checkpoint folder, or 'demo')"
+    )
+    p.add_argument(
+        "--api-port", type=int, default=None, help="override the file's API port (0: any free port)"
+    )
     p.add_argument("--log-dir", default=None, help="where local nodes write their logs")
     p.set_defaults(handler="moe_cluster.coordinator.serve.up:main")
 
     p = sub.add_parser("down", help="stop the cluster that `up` started")
-    p.add_argument("--url", default=None, help="the cluster's API URL (default: the one started on this machine)")
+    p.add_argument(
+        "--url",
+        default=None,
+        help="the cluster's API URL (default: the one started on this machine)",
+    )
     p.set_defaults(handler="moe_cluster.coordinator.serve.remote:down")
 
-    p = sub.add_parser("status", help="nodes, health, memory, experts and all-reduce of a running cluster")
+    p = sub.add_parser(
+        "status", help="nodes, health, memory, experts and all-reduce of a running cluster"
+    )
     p.add_argument("--url", default=None)
-    p.add_argument("--json", action="store_true", help="the cluster's status as JSON (one line per refresh)")
-    p.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS until Ctrl-C")
-    p.add_argument("--count", type=int, default=None, help="with --watch: stop after this many refreshes")
+    p.add_argument(
+        "--json", action="store_true", help="the cluster's status as JSON (one line per refresh)"
+    )
+    p.add_argument(
+        "--watch",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS until Ctrl-C",
+    )
+    p.add_argument(
+        "--count", type=int, default=None, help="with --watch: stop after this many refreshes"
+    )
     p.set_defaults(handler="moe_cluster.coordinator.serve.remote:status")
 
     p = sub.add_parser("generate", help="generate text on a running cluster")
@@ -233,57 +381,106 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(handler="moe_cluster.coordinator.serve.remote:generate")
 
-    p = sub.add_parser("profile", help="record which experts the routers pick on real prompts (for placement)")
+    p = sub.add_parser(
+        "profile", help="record which experts the routers pick on real prompts (for placement)"
+    )
     p.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
-    p.add_argument("--prompts", required=True, help="text file, one prompt per line (or .jsonl with {\"prompt\"})")
+    p.add_argument(
+        "--prompts",
+        required=True,
+        help='text file, one prompt per line (or .jsonl with {"prompt"})',
+    )
     p.add_argument("--out", required=True, help="profile.json to write")
-    p.add_argument("--max-tokens", type=_positive_int, default=32, help="tokens to generate per prompt")
+    p.add_argument(
+        "--max-tokens", type=_positive_int, default=32, help="tokens to generate per prompt"
+    )
     p.set_defaults(handler="moe_cluster.coordinator.dev.profile:main")
 
-    p = sub.add_parser("chat", help="chat with a running cluster in the terminal (streaming, multi-turn)")
+    p = sub.add_parser(
+        "chat", help="chat with a running cluster in the terminal (streaming, multi-turn)"
+    )
     p.add_argument("--url", default=None)
     p.add_argument("--system", default=None, help="a system prompt")
     add_sampling_args(p, max_tokens=256)
     p.add_argument("--api-key", default=None, help="API key (default: $MOE_CLUSTER_API_KEY)")
-    p.add_argument("--verbose-stats", action="store_true", help="print tokens and time to first token per answer")
+    p.add_argument(
+        "--verbose-stats",
+        action="store_true",
+        help="print tokens and time to first token per answer",
+    )
     p.set_defaults(handler="moe_cluster.coordinator.dev.chat:main")
 
     p = sub.add_parser("validate", help="check a cluster.yaml")
     p.add_argument("file")
     p.set_defaults(handler="moe_cluster.coordinator.serve.config:validate_main")
 
-    p = sub.add_parser("node", help="the agent to run on each Mac: advertises itself, loads its shard, serves")
+    p = sub.add_parser(
+        "node", help="the agent to run on each Mac: advertises itself, loads its shard, serves"
+    )
     p.add_argument("--name", default=None, help="node name (default: this host's name)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=7700, help="agent port (0: any free port)")
     p.add_argument("--advertise", default=None, help="address to put in the mDNS record")
     p.add_argument("--cluster", default="moe-cluster", help="cluster name to advertise")
-    p.add_argument("--interface", action="append", help="advertise only on this interface (name or IPv4); repeatable")
-    p.add_argument("--no-mdns", action="store_true", help="do not advertise (static addresses only)")
-    p.add_argument("--secret-file", default=None, help="read the cluster secret from this file (else $MOE_CLUSTER_SECRET)")
-    p.add_argument("--memory", type=int, default=None, help="memory bytes to report instead of the device's")
+    p.add_argument(
+        "--interface",
+        action="append",
+        help="advertise only on this interface (name or IPv4); repeatable",
+    )
+    p.add_argument(
+        "--no-mdns", action="store_true", help="do not advertise (static addresses only)"
+    )
+    p.add_argument(
+        "--secret-file",
+        default=None,
+        help="read the cluster secret from this file (else $MOE_CLUSTER_SECRET)",
+    )
+    p.add_argument(
+        "--memory", type=int, default=None, help="memory bytes to report instead of the device's"
+    )
     p.add_argument("--tls-cert", default=None)
     p.add_argument("--tls-key", default=None)
     p.add_argument("--tls-ca", default=None)
-    p.add_argument("--cache-dir", default=None,
-                   help="where shards the coordinator ships are kept (default ~/.cache/moe-cluster/shards)")
+    p.add_argument(
+        "--cache-dir",
+        default=None,
+        help="where shards the coordinator ships are kept (default ~/.cache/moe-cluster/shards)",
+    )
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(handler="moe_cluster.node.agent:main")
 
-    p = sub.add_parser("cache", help="shards the coordinator shipped to this node: list, verify or remove them")
+    p = sub.add_parser(
+        "cache", help="shards the coordinator shipped to this node: list, verify or remove them"
+    )
     cache = p.add_subparsers(dest="cache_command", required=True)
-    for name, text in (("ls", "list the cached shards"), ("rm", "remove cached shards by name"),
-                       ("verify", "hash every blob of the cached shards against their manifests (a load "
-                                  "hashes only files changed since they were last hashed)")):
+    for name, text in (
+        ("ls", "list the cached shards"),
+        ("rm", "remove cached shards by name"),
+        (
+            "verify",
+            "hash every blob of the cached shards against their manifests (a load "
+            "hashes only files changed since they were last hashed)",
+        ),
+    ):
         c = cache.add_parser(name, help=text)
-        c.add_argument("--cache-dir", default=None, help="the node's --cache-dir (default ~/.cache/moe-cluster/shards)")
+        c.add_argument(
+            "--cache-dir",
+            default=None,
+            help="the node's --cache-dir (default ~/.cache/moe-cluster/shards)",
+        )
         if name == "rm":
             c.add_argument("names", nargs="+", help="shard names, as `cache ls` shows them")
         if name == "verify":
-            c.add_argument("names", nargs="*", help="shard names, as `cache ls` shows them (default: every complete one)")
+            c.add_argument(
+                "names",
+                nargs="*",
+                help="shard names, as `cache ls` shows them (default: every complete one)",
+            )
     p.set_defaults(handler="moe_cluster.node.cache:cache_main")
 
-    p = sub.add_parser("plan", help="capacity planning: predicted tok/s and memory per node count (paper Eq. 1)")
+    p = sub.add_parser(
+        "plan", help="capacity planning: predicted tok/s and memory per node count (paper Eq. 1)"
+    )
     importlib.import_module("moe_cluster.coordinator.plan.command").add_arguments(p)
     p.set_defaults(handler="moe_cluster.coordinator.plan.command:main")
 
@@ -292,7 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _setup_logging(verbosity: int) -> None:
     level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s: %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(name)s %(levelname)s: %(message)s", stream=sys.stderr
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,13 +521,17 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILURE
     except Exception as exc:  # noqa: BLE001 - anything else is a bug: one line, the traceback with -v
         _traceback_if(args.verbose)
-        print(f"{prog}: internal error: {type(exc).__name__}: {exc} (run with -v for the traceback)", file=sys.stderr)
+        print(
+            f"{prog}: internal error: {type(exc).__name__}: {exc} (run with -v for the traceback)",
+            file=sys.stderr,
+        )
         return EXIT_FAILURE
 
 
 def _traceback_if(verbose: int) -> None:
     if verbose:
         traceback.print_exc()
+
 
 if __name__ == "__main__":
     sys.exit(main())

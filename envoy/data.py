@@ -32,7 +32,9 @@ from .reduce import DTYPES
 
 MAGIC = b"MCE2"
 HANDSHAKE = struct.Struct("<4sH32s")  # magic, the dialer's rank, its token (hex)
-HEADER = struct.Struct("<IQiHBBH")  # body bytes after the header, step, layer, rank, dtype, ndim, id bytes
+HEADER = struct.Struct(
+    "<IQiHBBH"
+)  # body bytes after the header, step, layer, rank, dtype, ndim, id bytes
 MAX_BODY = 1 << 31  # bytes; a header claiming more is a broken or hostile peer
 _DTYPE_CODES = {name: i for i, name in enumerate(sorted(DTYPES))}
 _DTYPE_NAMES = {i: name for name, i in _DTYPE_CODES.items()}
@@ -52,8 +54,15 @@ def encode_parts(frame: Frame) -> tuple[bytes, memoryview]:
     payload = memoryview(frame.payload).cast("B")
     shape = struct.pack(f"<{len(frame.shape)}I", *frame.shape)
     body = len(rid) + len(shape) + payload.nbytes
-    header = HEADER.pack(body, frame.step, frame.layer, frame.rank, _DTYPE_CODES[frame.dtype], len(frame.shape),
-                         len(rid))
+    header = HEADER.pack(
+        body,
+        frame.step,
+        frame.layer,
+        frame.rank,
+        _DTYPE_CODES[frame.dtype],
+        len(frame.shape),
+        len(rid),
+    )
     return header + rid + shape, payload
 
 
@@ -64,8 +73,10 @@ def _header(buf, start: int) -> tuple | None:
         return None
     header = body, _, _, _, code, ndim, nid = HEADER.unpack_from(buf, start)
     if body > MAX_BODY or nid + 4 * ndim > body or code not in _DTYPE_NAMES:
-        raise FrameError(f"a frame header from the data channel is malformed (body {body}, dtype code {code}, "
-                         f"ndim {ndim}, id {nid} bytes)")
+        raise FrameError(
+            f"a frame header from the data channel is malformed (body {body}, dtype code {code}, "
+            f"ndim {ndim}, id {nid} bytes)"
+        )
     return header
 
 
@@ -89,11 +100,13 @@ def decode(buf, start: int) -> tuple[Frame | None, int]:
     nbytes = end - (at + nid + 4 * ndim)
     dtype = _DTYPE_NAMES[code]
     if nbytes != math.prod(shape) * DTYPES[dtype].itemsize:
-        raise FrameError(f"a frame from rank {rank} (step {step}) has {nbytes} payload bytes for shape "
-                         f"{list(shape)} of {dtype}")
+        raise FrameError(
+            f"a frame from rank {rank} (step {step}) has {nbytes} payload bytes for shape "
+            f"{list(shape)} of {dtype}"
+        )
     view = memoryview(buf)
-    rid = str(view[at:at + nid], "utf-8", "replace")
-    payload = view[at + nid + 4 * ndim:end]
+    rid = str(view[at : at + nid], "utf-8", "replace")
+    payload = view[at + nid + 4 * ndim : end]
     if not view.readonly:  # a buffer its owner will change: the frame needs its own bytes
         payload = bytes(payload)
     return Frame(rid, step, layer, rank, dtype, shape, None, payload), end
@@ -107,7 +120,12 @@ class DataConnection(asyncio.Protocol):
     `lost` resolves to why the connection ended. Until `attach(on_frame)`, frames are kept in order.
     """
 
-    def __init__(self, *, hello: bytes | None = None, claim: Callable[[int, str, "DataConnection"], str] | None = None):
+    def __init__(
+        self,
+        *,
+        hello: bytes | None = None,
+        claim: Callable[[int, str, "DataConnection"], str] | None = None,
+    ):
         loop = asyncio.get_running_loop()
         self._hello = hello
         self._claim = claim
@@ -122,7 +140,9 @@ class DataConnection(asyncio.Protocol):
         self._on_frame: Callable[[Frame], None] | None = None
         self._held: list[Frame] = []
         self._open = False
-        self._direct: socket.socket | None = None  # the connection's socket (a copy of its fd), plain TCP only
+        self._direct: socket.socket | None = (
+            None  # the connection's socket (a copy of its fd), plain TCP only
+        )
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -131,7 +151,10 @@ class DataConnection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             _tune(sock)
-            if transport.get_extra_info("sslcontext") is None and transport.get_extra_info("ssl_object") is None:
+            if (
+                transport.get_extra_info("sslcontext") is None
+                and transport.get_extra_info("ssl_object") is None
+            ):
                 self._direct = socket.socket(fileno=os.dup(sock.fileno()))
                 self._direct.setblocking(False)
         if self._hello is not None:
@@ -203,7 +226,7 @@ class DataConnection(asyncio.Protocol):
         if sent < len(head):
             transport.write(b"".join((head[sent:], payload)))
         elif sent < len(head) + len(payload):
-            transport.write(bytes(payload[sent - len(head):]))
+            transport.write(bytes(payload[sent - len(head) :]))
 
     def close(self) -> None:
         self._close_direct()
@@ -225,15 +248,19 @@ class DataConnection(asyncio.Protocol):
                 del buf[:1]
                 return self._opened()
             if buf[:1] == _ACK_NO and b"\n" in buf:
-                self._refused(buf[1:buf.index(b"\n")].decode(errors="replace"))
+                self._refused(buf[1 : buf.index(b"\n")].decode(errors="replace"))
             elif buf[:1] not in (b"", _ACK_NO):
                 self._refused("it answered something other than the envoy data protocol")
             return False
         if len(buf) < HANDSHAKE.size:
             return False
         magic, rank, token = HANDSHAKE.unpack_from(buf)
-        del buf[:HANDSHAKE.size]
-        why = "not the envoy data protocol" if magic != MAGIC else self._claim(rank, token.decode(errors="replace"), self)
+        del buf[: HANDSHAKE.size]
+        why = (
+            "not the envoy data protocol"
+            if magic != MAGIC
+            else self._claim(rank, token.decode(errors="replace"), self)
+        )
         if why:
             self.transport.write(_ACK_NO + why.encode()[:1000].replace(b"\n", b" ") + b"\n")
             self._refused(why)
@@ -281,7 +308,9 @@ class DataConnection(asyncio.Protocol):
                     self._on_frame(frame)
                 else:
                     self._held.append(frame)
-        except FrameError as exc:  # a peer speaking garbage cannot be resynchronised: drop the connection
+        except (
+            FrameError
+        ) as exc:  # a peer speaking garbage cannot be resynchronised: drop the connection
             if not self.lost.done():
                 self.lost.set_result(str(exc))
             self.transport.close()
@@ -299,9 +328,12 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     idle = getattr(socket, "TCP_KEEPIDLE", getattr(socket, "TCP_KEEPALIVE", None))  # Linux, macOS
-    for option, value in ((idle, KEEPALIVE_IDLE_S), (getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_S),
-                          (getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_PROBES),
-                          (getattr(socket, "TCP_USER_TIMEOUT", None), USER_TIMEOUT_MS)):
+    for option, value in (
+        (idle, KEEPALIVE_IDLE_S),
+        (getattr(socket, "TCP_KEEPINTVL", None), KEEPALIVE_INTERVAL_S),
+        (getattr(socket, "TCP_KEEPCNT", None), KEEPALIVE_PROBES),
+        (getattr(socket, "TCP_USER_TIMEOUT", None), USER_TIMEOUT_MS),
+    ):
         if option is not None:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, option, value)

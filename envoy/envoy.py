@@ -40,8 +40,12 @@ class EnvoyConfig:
     addresses: tuple[str, ...]  # every rank's envoy "host:port", indexed by rank
     listen: str  # bind address; "" = addresses[rank]
     secret: str = field(repr=False)
-    timeout_s: float = COLLECTIVE_TIMEOUT_S  # a step fails after this long without some peer's frame
-    connect_timeout_s: float = MESH_CONNECT_TIMEOUT_S  # a begin fails after this long without a whole mesh
+    timeout_s: float = (
+        COLLECTIVE_TIMEOUT_S  # a step fails after this long without some peer's frame
+    )
+    connect_timeout_s: float = (
+        MESH_CONNECT_TIMEOUT_S  # a begin fails after this long without a whole mesh
+    )
     tls: TlsFiles | None = None
     link_fd: int | None = None  # the node's link; None: run the mesh alone (by hand)
     shm_name: str = ""
@@ -52,9 +56,13 @@ class EnvoyConfig:
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < len(self.addresses):
-            raise UserError(f"rank {self.rank} is outside the {len(self.addresses)} addresses given")
+            raise UserError(
+                f"rank {self.rank} is outside the {len(self.addresses)} addresses given"
+            )
         if not 0 <= self.data_port <= 65535:
-            raise UserError(f"--data-port {self.data_port} is not a port (1..65535, or 0: any free port)")
+            raise UserError(
+                f"--data-port {self.data_port} is not a port (1..65535, or 0: any free port)"
+            )
         if not self.secret:
             raise UserError("the cluster secret is empty")
 
@@ -64,16 +72,25 @@ class Envoy:
         self.config = config
         self.steps = StepTable(config.rank, len(config.addresses))
         self.mesh = Mesh(
-            MeshConfig(config.rank, config.addresses, config.listen or config.addresses[config.rank],
-                       config.secret, config.tls, data_port=config.data_port),
-            on_frame=self._on_frame, on_peer=self._on_peer,
+            MeshConfig(
+                config.rank,
+                config.addresses,
+                config.listen or config.addresses[config.rank],
+                config.secret,
+                config.tls,
+                data_port=config.data_port,
+            ),
+            on_frame=self._on_frame,
+            on_peer=self._on_peer,
         )
         self.link: EnvoyLink | None = None
         self._reduce = Reducer()
         self._stopped: asyncio.Event | None = None
         self._stop_reason = ""
         self._begin_deadline: float | None = None  # a begin waiting for the mesh to be whole
-        self._was_whole = False  # the mesh has been whole once: a peer missing now is lost, not starting
+        self._was_whole = (
+            False  # the mesh has been whole once: a peer missing now is lost, not starting
+        )
         self._aborted: str | None = None  # the last request the node aborted
         self._spin = SpinPolicy(ENVOY_SPIN_MAX_S)
         self._hot_until = 0.0  # time.monotonic() until which the loop polls without sleeping
@@ -135,11 +152,18 @@ class Envoy:
             p = self.steps.pending
             if p is not None and now - p.started > cfg.timeout_s:
                 names = ", ".join(self.mesh.describe(r) for r in p.missing())
-                self._fail(p.step, f"no frame from {names} for step {p.step} (layer {p.layer}) of request "
-                                   f"{p.request_id} within {cfg.timeout_s:g} s: stalled or unreachable")
+                self._fail(
+                    p.step,
+                    f"no frame from {names} for step {p.step} (layer {p.layer}) of request "
+                    f"{p.request_id} within {cfg.timeout_s:g} s: stalled or unreachable",
+                )
             if self._begin_deadline is not None and now > self._begin_deadline:
                 self._begin_deadline = None
-                wait = min(cfg.timeout_s, cfg.connect_timeout_s) if self._was_whole else cfg.connect_timeout_s
+                wait = (
+                    min(cfg.timeout_s, cfg.connect_timeout_s)
+                    if self._was_whole
+                    else cfg.connect_timeout_s
+                )
                 self._fail_begin(f"mesh not whole within {wait:g} s: {self._absent()}")
             if cfg.parent_pid and os.getppid() != cfg.parent_pid:
                 self.stop(f"node process {cfg.parent_pid} is gone")
@@ -213,8 +237,11 @@ class Envoy:
         else:
             # A mesh that was whole lost a peer (it died, or its envoy did): waiting connect_timeout_s
             # (30 s) for it held every request that long; a lost peer gets the step timeout.
-            wait = min(self.config.timeout_s, self.config.connect_timeout_s) if self._was_whole \
+            wait = (
+                min(self.config.timeout_s, self.config.connect_timeout_s)
+                if self._was_whole
                 else self.config.connect_timeout_s
+            )
             self._begin_deadline = time.monotonic() + wait
 
     def _on_reduce(self, body: bytes) -> None:
@@ -228,13 +255,18 @@ class Envoy:
             link.fail(_step_of(body), f"envoy rank {cfg.rank}: {exc}")
             return
         # out first (the peers wait on it), then the bookkeeping
-        frame = Frame(self.steps.current, r.step, r.layer, cfg.rank, r.dtype, r.shape, None, payload)
+        frame = Frame(
+            self.steps.current, r.step, r.layer, cfg.rank, r.dtype, r.shape, None, payload
+        )
         if self._trace is not None:
             self._trace.sent = time.perf_counter_ns()
         self.mesh.send_all(frame)
         try:
             done = self.steps.submit(r.step, r.layer, r.dtype, r.shape, payload)
-        except (StepError, FrameError) as exc:  # an early frame that disagrees with this node's step
+        except (
+            StepError,
+            FrameError,
+        ) as exc:  # an early frame that disagrees with this node's step
             self._fail(r.step, str(exc))
             return
         self._keep_hot()
@@ -245,12 +277,17 @@ class Envoy:
             return
         gone = [rank for rank in self.steps.pending.missing() if rank not in self.mesh.connected]
         if gone:
-            self._fail(r.step, f"{self._absent(gone)} (step {r.step}, layer {r.layer} of request {self.steps.current})")
+            self._fail(
+                r.step,
+                f"{self._absent(gone)} (step {r.step}, layer {r.layer} of request {self.steps.current})",
+            )
 
     def _finish(self, done: Complete) -> None:
         complete = time.perf_counter_ns() if self._trace is not None else 0
         if widened(done.dtype, done.nbytes, self.link.max_bytes):  # the node rounds it (link.py)
-            self._reduce.sum_float32(done.parts, done.dtype, self.link.result_area("float32", 2 * done.nbytes))
+            self._reduce.sum_float32(
+                done.parts, done.dtype, self.link.result_area("float32", 2 * done.nbytes)
+            )
         else:
             self._reduce(done.parts, done.dtype, self.link.result_area(done.dtype, done.nbytes))
         if self._trace is not None:
@@ -275,7 +312,11 @@ class Envoy:
     def _absent(self, ranks: list[int] | None = None) -> str:
         """'rank 1 (addr) is not connected (reason), ...' for the given or all absent peers."""
         if ranks is None:
-            ranks = [r for r in range(len(self.config.addresses)) if r != self.config.rank and r not in self.mesh.connected]
+            ranks = [
+                r
+                for r in range(len(self.config.addresses))
+                if r != self.config.rank and r not in self.mesh.connected
+            ]
         parts = []
         for r in ranks:
             why = self.mesh.last_error.get(r, "never connected")
@@ -314,8 +355,11 @@ class Envoy:
             return
         p = self.steps.pending
         if p is not None and p.parts[rank] is None:
-            self._fail(p.step, f"{self.mesh.describe(rank)} disconnected ({reason}) during step {p.step} "
-                               f"(layer {p.layer}) of request {p.request_id}")
+            self._fail(
+                p.step,
+                f"{self.mesh.describe(rank)} disconnected ({reason}) during step {p.step} "
+                f"(layer {p.layer}) of request {p.request_id}",
+            )
 
 
 def _step_of(body: bytes) -> int:

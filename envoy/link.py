@@ -174,7 +174,9 @@ class NodeLink:
         self._spin = spin if spin is not None else SpinPolicy(NODE_SPIN_MAX_S)
         self._ordered = shared_memory_ordered()  # elsewhere the answer word could beat the result
         self._ticket = 0  # reduces sent
-        self._answered = 0  # the latest ticket whose DONE the node has taken (from the word or the socket)
+        self._answered = (
+            0  # the latest ticket whose DONE the node has taken (from the word or the socket)
+        )
         self._step = 0  # of the latest reduce
         self._spin_s = 0.0  # how long to spin on the latest reduce's answer
         self._typical_s = NODE_SPIN_MAX_S / 4  # moving average of answer times (seconds)
@@ -259,11 +261,15 @@ class NodeLink:
     def abort(self, request_id: str) -> None:
         self._send(bytes([ABORT]) + request_id.encode())
 
-    def reduce(self, raw: np.ndarray, dtype: str, shape: tuple[int, ...], layer: int, step: int) -> None:
+    def reduce(
+        self, raw: np.ndarray, dtype: str, shape: tuple[int, ...], layer: int, step: int
+    ) -> None:
         """Put a raw 1-D payload into the request area and ask for its sum."""
         nbytes = raw.nbytes
         if nbytes > self.max_bytes:
-            raise LinkError(f"partial of {nbytes} bytes exceeds the envoy link's area ({self.max_bytes} bytes)")
+            raise LinkError(
+                f"partial of {nbytes} bytes exceeds the envoy link's area ({self.max_bytes} bytes)"
+            )
         self._areas.request[:nbytes] = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
         self._ticket += 1
         self._step = step
@@ -273,7 +279,9 @@ class NodeLink:
             spin = min(self._spin.budget_s(), max(4 * self._typical_s, 100e-6))
         self._spin_s = spin
         ctl[SLEEPING] = 0 if spin else 1  # before the envoy can answer
-        body = _REDUCE.pack(REDUCE, step, layer, DTYPE_CODES[dtype], len(shape), nbytes, self._ticket)
+        body = _REDUCE.pack(
+            REDUCE, step, layer, DTYPE_CODES[dtype], len(shape), nbytes, self._ticket
+        )
         self.sent_at = time.perf_counter()
         self._send(body + _dims(len(shape)).pack(*shape))
 
@@ -321,7 +329,7 @@ class NodeLink:
 
     def trace_words(self) -> np.ndarray:
         """The envoy's stamps of the latest traced step (envoy/trace.py): read them after its answer."""
-        return self._ctl[trace.TRACE:trace.TRACE + trace.WORDS]
+        return self._ctl[trace.TRACE : trace.TRACE + trace.WORDS]
 
     def result(self, dtype: str, nbytes: int) -> np.ndarray:
         """The sum in the result area (a view: copy it before the next reduce): float32 values where
@@ -380,7 +388,9 @@ class EnvoyLink:
     def read(self) -> list[tuple[int, bytes]] | None:
         """Messages that arrived; None once the node closed its end."""
         try:
-            chunk = self._sock.recv(1 << 16)  # one copy (recv_into a bytearray, then bytes of it, took two)
+            chunk = self._sock.recv(
+                1 << 16
+            )  # one copy (recv_into a bytearray, then bytes of it, took two)
         except (BlockingIOError, InterruptedError):
             return []
         except OSError:
@@ -415,7 +425,7 @@ class EnvoyLink:
 
     def trace_words(self) -> np.ndarray:
         """Where the envoy writes a traced step's stamps (envoy/trace.py), before its answer."""
-        return self._ctl[trace.TRACE:trace.TRACE + trace.WORDS]
+        return self._ctl[trace.TRACE : trace.TRACE + trace.WORDS]
 
     def set_whole(self, whole: bool) -> None:
         """Tell the node whether every peer is connected: it spins only then."""
@@ -424,7 +434,9 @@ class EnvoyLink:
     def partial(self, r: Reduce) -> np.ndarray:
         """The node's partial for `r` (a view of the request area)."""
         if r.nbytes > self.max_bytes:
-            raise LinkError(f"partial of {r.nbytes} bytes exceeds the link's area ({self.max_bytes} bytes)")
+            raise LinkError(
+                f"partial of {r.nbytes} bytes exceeds the link's area ({self.max_bytes} bytes)"
+            )
         return self._areas.view(self._areas.request, r.dtype, r.nbytes)
 
     def result_area(self, dtype: str, nbytes: int) -> np.ndarray:

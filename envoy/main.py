@@ -20,15 +20,37 @@ logger = logging.getLogger("moe_cluster.envoy")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--addresses", required=True, help="every rank's envoy host:port, comma-separated, in rank order")
-    p.add_argument("--listen", default="", help="bind address (default: this rank's entry of --addresses)")
-    p.add_argument("--data-port", type=int, default=0,
-                   help="port of the data channel, on the --listen host (default: any free port; rank 0 opens none)")
-    p.add_argument("--timeout", type=float, default=COLLECTIVE_TIMEOUT_S, help="seconds a step waits for a peer before failing")
-    p.add_argument("--connect-timeout", type=float, default=MESH_CONNECT_TIMEOUT_S,
-                   help="seconds a request waits for the mesh")
-    p.add_argument("--secret-stdin", action="store_true",
-                   help="read the cluster secret from the first line of stdin (default: $MOE_CLUSTER_SECRET)")
+    p.add_argument(
+        "--addresses",
+        required=True,
+        help="every rank's envoy host:port, comma-separated, in rank order",
+    )
+    p.add_argument(
+        "--listen", default="", help="bind address (default: this rank's entry of --addresses)"
+    )
+    p.add_argument(
+        "--data-port",
+        type=int,
+        default=0,
+        help="port of the data channel, on the --listen host (default: any free port; rank 0 opens none)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=COLLECTIVE_TIMEOUT_S,
+        help="seconds a step waits for a peer before failing",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=MESH_CONNECT_TIMEOUT_S,
+        help="seconds a request waits for the mesh",
+    )
+    p.add_argument(
+        "--secret-stdin",
+        action="store_true",
+        help="read the cluster secret from the first line of stdin (default: $MOE_CLUSTER_SECRET)",
+    )
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain of this envoy")
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument("--tls-ca", default=None, help="PEM root certificates of the cluster")
@@ -36,7 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shm", default="", help=argparse.SUPPRESS)
     p.add_argument("--max-bytes", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--trace", action="store_true", help=argparse.SUPPRESS)  # stamps for bench allreduce --trace
+    p.add_argument(
+        "--trace", action="store_true", help=argparse.SUPPRESS
+    )  # stamps for bench allreduce --trace
     p.add_argument("--log-level", default=None, help="WARNING (default), INFO or DEBUG")
 
 
@@ -59,12 +83,19 @@ def config_from_args(args: argparse.Namespace):
     if args.link_fd is not None and not (args.shm and args.max_bytes > 0):
         raise UserError("--link-fd needs --shm and --max-bytes")
     return EnvoyConfig(
-        rank=args.rank, addresses=tuple(a.strip() for a in args.addresses.split(",") if a.strip()),
-        listen=args.listen, secret=read_secret(args.secret_stdin), timeout_s=args.timeout,
+        rank=args.rank,
+        addresses=tuple(a.strip() for a in args.addresses.split(",") if a.strip()),
+        listen=args.listen,
+        secret=read_secret(args.secret_stdin),
+        timeout_s=args.timeout,
         connect_timeout_s=args.connect_timeout,
         tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if all(tls_given) else None,
-        link_fd=args.link_fd, shm_name=args.shm, max_bytes=args.max_bytes, parent_pid=args.parent_pid,
-        data_port=args.data_port, trace=args.trace,
+        link_fd=args.link_fd,
+        shm_name=args.shm,
+        max_bytes=args.max_bytes,
+        parent_pid=args.parent_pid,
+        data_port=args.data_port,
+        trace=args.trace,
     )
 
 
@@ -85,12 +116,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_cluster.envoy", description="one envoy of a moe-cluster node")
+    parser = argparse.ArgumentParser(
+        prog="python -m moe_cluster.envoy", description="one envoy of a moe-cluster node"
+    )
     add_arguments(parser)
     args = parser.parse_args(argv)
     level = (args.log_level or "WARNING").upper()
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format=f"%(asctime)s envoy[{args.rank}] %(name)s %(levelname)s: %(message)s")
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format=f"%(asctime)s envoy[{args.rank}] %(name)s %(levelname)s: %(message)s",
+    )
     try:
         return run(args)
     except (UserError, OSError) as exc:  # OSError: a socket the machine refuses

@@ -32,13 +32,21 @@ from ..proto import convert
 from ..proto.errors import UserError
 from ..proto.records import TlsFiles
 from . import data
-from ..common.auth import (SecretInterceptor, call_metadata, channel_credentials, server_credentials, ssl_client_context,
-                   ssl_server_context)
+from ..common.auth import (
+    SecretInterceptor,
+    call_metadata,
+    channel_credentials,
+    server_credentials,
+    ssl_client_context,
+    ssl_server_context,
+)
 from ..proto.frame import PROTOCOL, Frame, Hello, checksum
 
 logger = logging.getLogger(__name__)
 
-_HELLO_TIMEOUT_S = 5.0  # seconds the other end has to answer Hello (and a data connection its handshake)
+_HELLO_TIMEOUT_S = (
+    5.0  # seconds the other end has to answer Hello (and a data connection its handshake)
+)
 DATA_ENV = "MOE_CLUSTER_ENVOY_DATA"  # "0": no data channel, frames take the gRPC stream
 STREAM_ONLY = "stream"  # a dialer's Hello.data_token: it will not open a data channel this time
 
@@ -79,8 +87,13 @@ class Peer:
     (A deque and a future the writer waits on when idle: cheaper per frame than asyncio.Queue.)
     """
 
-    def __init__(self, rank: int, address: str, write: Callable[[bytes], Awaitable[None]],
-                 channel: data.DataConnection | None = None):
+    def __init__(
+        self,
+        rank: int,
+        address: str,
+        write: Callable[[bytes], Awaitable[None]],
+        channel: data.DataConnection | None = None,
+    ):
         self.rank = rank
         self.address = address
         self._write = write
@@ -114,8 +127,12 @@ class Mesh:
     reason)` whenever a peer's stream comes up or goes down.
     """
 
-    def __init__(self, config: MeshConfig, on_frame: Callable[[Frame], None],
-                 on_peer: Callable[[int, bool, str], None]):
+    def __init__(
+        self,
+        config: MeshConfig,
+        on_frame: Callable[[Frame], None],
+        on_peer: Callable[[int, bool, str], None],
+    ):
         self.config = config
         self._on_frame = on_frame
         self._on_peer = on_peer
@@ -128,7 +145,9 @@ class Mesh:
         self.data_port = 0  # 0: no data channel
         self._data_server: asyncio.AbstractServer | None = None
         self._client_ssl = None  # the dialers' TLS context for data channels
-        self._stream_only: set[int] = set()  # higher ranks whose data channel this envoy could not reach last time
+        self._stream_only: set[int] = (
+            set()
+        )  # higher ranks whose data channel this envoy could not reach last time
         # lower rank -> (the token its data connection must present, the future that connection resolves)
         self._arriving: dict[int, tuple[str, asyncio.Future]] = {}
 
@@ -154,7 +173,9 @@ class Mesh:
                     on_channel = data.encode_parts(frame)
                 peer.channel.send_parts(*on_channel)
             else:
-                if on_stream is None:  # the stream's frames carry a CRC-32 (the data channel's do not)
+                if (
+                    on_stream is None
+                ):  # the stream's frames carry a CRC-32 (the data channel's do not)
                     if frame.checksum is None:
                         frame = dataclasses.replace(frame, checksum=checksum(frame.payload))
                     on_stream = convert.frame_to_wire(frame)
@@ -165,18 +186,29 @@ class Mesh:
     async def start(self) -> int:
         """Bind and start the server, start dialing the higher ranks; returns the bound port."""
         cfg = self.config
-        server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[SecretInterceptor(cfg.secret)])
+        server = grpc.aio.server(
+            options=CHANNEL_OPTIONS, interceptors=[SecretInterceptor(cfg.secret)]
+        )
         handlers = {
             "Exchange": grpc.stream_stream_rpc_method_handler(
-                self._exchange, request_deserializer=convert.frame_from_wire, response_serializer=None),
+                self._exchange,
+                request_deserializer=convert.frame_from_wire,
+                response_serializer=None,
+            ),
             "Health": grpc.unary_unary_rpc_method_handler(
-                self._health, request_deserializer=convert.envoy_health_request_from_wire,
-                response_serializer=convert.envoy_health_to_wire),
+                self._health,
+                request_deserializer=convert.envoy_health_request_from_wire,
+                response_serializer=convert.envoy_health_to_wire,
+            ),
         }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(convert.ENVOY_SERVICE, handlers),))
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(convert.ENVOY_SERVICE, handlers),)
+        )
         try:
             if cfg.tls is not None:
-                self.port = server.add_secure_port(cfg.listen, server_credentials(cfg.tls.cert, cfg.tls.key, cfg.tls.ca))
+                self.port = server.add_secure_port(
+                    cfg.listen, server_credentials(cfg.tls.cert, cfg.tls.key, cfg.tls.ca)
+                )
             else:
                 self.port = server.add_insecure_port(cfg.listen)
         except RuntimeError as exc:
@@ -184,26 +216,39 @@ class Mesh:
         loop = asyncio.get_running_loop()
         tls = cfg.tls
         # the dialers' TLS context, once: a certificate that cannot be read fails the start, not a dial
-        self._client_ssl = ssl_client_context(tls.ca, tls.cert, tls.key) if tls and cfg.data_channel else None
+        self._client_ssl = (
+            ssl_client_context(tls.ca, tls.cert, tls.key) if tls and cfg.data_channel else None
+        )
         if cfg.data_channel and cfg.rank > 0:  # only lower ranks dial, so rank 0 is never dialed
             # open before the gRPC server takes Hellos, so every Hello can offer it
             host = _host(cfg.listen)
             try:
                 sock = _data_socket(host, cfg.data_port)
                 self._data_server = await loop.create_server(
-                    lambda: data.DataConnection(claim=self._claim), sock=sock,
+                    lambda: data.DataConnection(claim=self._claim),
+                    sock=sock,
                     ssl=ssl_server_context(tls.cert, tls.key, tls.ca) if tls else None,
-                    ssl_handshake_timeout=data.HANDSHAKE_TIMEOUT_S if tls else None)
+                    ssl_handshake_timeout=data.HANDSHAKE_TIMEOUT_S if tls else None,
+                )
             except OSError as exc:
-                raise UserError(f"envoy rank {cfg.rank} cannot open its data channel on {host}:{cfg.data_port or 'any port'}: "
-                                f"{exc.strerror or exc}") from exc
+                raise UserError(
+                    f"envoy rank {cfg.rank} cannot open its data channel on {host}:{cfg.data_port or 'any port'}: "
+                    f"{exc.strerror or exc}"
+                ) from exc
             self.data_port = sock.getsockname()[1]
         await server.start()
         self._server = server
-        self._dialers = [loop.create_task(self._dial(r), name=f"dial-{r}")
-                         for r in range(cfg.rank + 1, cfg.world_size)]
-        logger.info("envoy rank %s listening on %s (port %s), dialing ranks %s", cfg.rank, cfg.listen, self.port,
-                    list(range(cfg.rank + 1, cfg.world_size)))
+        self._dialers = [
+            loop.create_task(self._dial(r), name=f"dial-{r}")
+            for r in range(cfg.rank + 1, cfg.world_size)
+        ]
+        logger.info(
+            "envoy rank %s listening on %s (port %s), dialing ranks %s",
+            cfg.rank,
+            cfg.listen,
+            self.port,
+            list(range(cfg.rank + 1, cfg.world_size)),
+        )
         return self.port
 
     async def close(self, grace_s: float = 0.5) -> None:
@@ -221,14 +266,23 @@ class Mesh:
 
     # -- streams -----------------------------------------------------------------------------
 
-    async def _serve_stream(self, rank: int, read: Callable[[], Awaitable], write: Callable[[bytes], Awaitable],
-                            channel: data.DataConnection | None = None) -> str:
+    async def _serve_stream(
+        self,
+        rank: int,
+        read: Callable[[], Awaitable],
+        write: Callable[[bytes], Awaitable],
+        channel: data.DataConnection | None = None,
+    ) -> str:
         """Run one established stream (and its data channel) until either ends; returns why it ended."""
         peer = Peer(rank, self.config.addresses[rank], write, channel)
         peer.task = asyncio.current_task()
         old = self._peers.get(rank)
         if old is not None:  # the peer restarted before its old stream was seen to die
-            logger.warning("envoy rank %s: a new stream from %s replaces the old one", self.config.rank, self.describe(rank))
+            logger.warning(
+                "envoy rank %s: a new stream from %s replaces the old one",
+                self.config.rank,
+                self.describe(rank),
+            )
             if old.task is not None:
                 old.task.cancel()
         self._peers[rank] = peer
@@ -278,60 +332,90 @@ class Mesh:
         try:
             hello = await asyncio.wait_for(context.read(), _HELLO_TIMEOUT_S)
         except asyncio.TimeoutError:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"no Hello within {_HELLO_TIMEOUT_S} s")
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"no Hello within {_HELLO_TIMEOUT_S} s"
+            )
         problem = _check_hello(hello, cfg, lower=True)
         if problem:
-            logger.warning("envoy rank %s refused a stream from %s: %s", cfg.rank, context.peer(), problem)
+            logger.warning(
+                "envoy rank %s refused a stream from %s: %s", cfg.rank, context.peer(), problem
+            )
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        token = secrets.token_hex(16) if self._data_server is not None and hello.data_token != STREAM_ONLY else ""
+        token = (
+            secrets.token_hex(16)
+            if self._data_server is not None and hello.data_token != STREAM_ONLY
+            else ""
+        )
         arriving = None
         if token:  # ready for the data connection before the Hello goes: the dialer connects as soon as it reads it
             arriving = asyncio.get_running_loop().create_future()
             self._arriving[hello.rank] = (token, arriving)
-        await context.write(convert.frame_to_wire(Hello(cfg.rank, cfg.world_size, data_port=self.data_port,
-                                                        data_token=token)))
+        await context.write(
+            convert.frame_to_wire(
+                Hello(cfg.rank, cfg.world_size, data_port=self.data_port, data_token=token)
+            )
+        )
         channel = None
         if arriving is not None:
             try:
                 channel = await asyncio.wait_for(asyncio.shield(arriving), _HELLO_TIMEOUT_S)
             except asyncio.TimeoutError:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                    f"no data connection from rank {hello.rank} within {_HELLO_TIMEOUT_S} s")
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no data connection from rank {hello.rank} within {_HELLO_TIMEOUT_S} s",
+                )
             finally:
                 if self._arriving.get(hello.rank, (None, None))[1] is arriving:
                     del self._arriving[hello.rank]
                 if channel is None and arriving.done() and not arriving.cancelled():
                     arriving.result().close()  # claimed, but this stream ended before taking it
-        logger.info("envoy rank %s: stream from %s up%s", cfg.rank, self.describe(hello.rank),
-                    " (data channel)" if channel else "")
+        logger.info(
+            "envoy rank %s: stream from %s up%s",
+            cfg.rank,
+            self.describe(hello.rank),
+            " (data channel)" if channel else "",
+        )
         try:
             reason = await self._serve_stream(hello.rank, context.read, context.write, channel)
-        except asyncio.CancelledError:  # close(), a newer stream from that peer, or grpc ending the RPC
+        except (
+            asyncio.CancelledError
+        ):  # close(), a newer stream from that peer, or grpc ending the RPC
             # the handler returns and the RPC ends; a CancelledError raised out of a handler is logged
             # by grpc as "Exception not handled" with a traceback (seen once, at a 4-node benchmark's end)
             reason = "cancelled"
-        logger.info("envoy rank %s: stream from %s down: %s", cfg.rank, self.describe(hello.rank), reason)
+        logger.info(
+            "envoy rank %s: stream from %s down: %s", cfg.rank, self.describe(hello.rank), reason
+        )
 
     def _claim(self, rank: int, token: str, channel: data.DataConnection) -> str:
         """A data connection presents `token` as `rank`: "" takes it for that rank's stream, else why not."""
         expected, arriving = self._arriving.get(rank, ("", None))
         if arriving is None or arriving.done() or not data.token_ok(token, expected):
-            logger.warning("envoy rank %s refused a data connection as rank %s: wrong or stale token",
-                           self.config.rank, rank)
+            logger.warning(
+                "envoy rank %s refused a data connection as rank %s: wrong or stale token",
+                self.config.rank,
+                rank,
+            )
             return "wrong or stale data token (a data connection follows its own authenticated stream's Hello)"
         arriving.set_result(channel)  # done: one connection per token
         return ""
 
     async def _health(self, request, context: grpc.aio.ServicerContext) -> dict:
-        return {"rank": self.config.rank, "world_size": self.config.world_size,
-                "connected": self.connected, "whole": self.whole,
-                "data_channel": {r for r, p in self._peers.items() if p.channel is not None}}
+        return {
+            "rank": self.config.rank,
+            "world_size": self.config.world_size,
+            "connected": self.connected,
+            "whole": self.whole,
+            "data_channel": {r for r, p in self._peers.items() if p.channel is not None},
+        }
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         tls = self.config.tls
         if tls is None:
             return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        return grpc.aio.secure_channel(address, channel_credentials(tls.ca, tls.cert, tls.key), options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(
+            address, channel_credentials(tls.ca, tls.cert, tls.key), options=CHANNEL_OPTIONS
+        )
 
     async def _dial(self, rank: int) -> None:
         """Keep a stream to a higher rank up while the envoy runs (redial with backoff)."""
@@ -342,14 +426,21 @@ class Mesh:
             channel = self._channel(address)
             started = time.monotonic()
             try:
-                call = channel.stream_stream(convert.ENVOY_EXCHANGE, request_serializer=None,
-                                             response_deserializer=convert.frame_from_wire)(
-                    metadata=call_metadata(cfg.secret), wait_for_ready=False)
+                call = channel.stream_stream(
+                    convert.ENVOY_EXCHANGE,
+                    request_serializer=None,
+                    response_deserializer=convert.frame_from_wire,
+                )(metadata=call_metadata(cfg.secret), wait_for_ready=False)
                 # after a data channel it could not reach, one session on the stream alone; then try again
                 channel_ok = cfg.data_channel and rank not in self._stream_only
                 self._stream_only.discard(rank)
-                await call.write(convert.frame_to_wire(Hello(cfg.rank, cfg.world_size,
-                                                             data_token="" if channel_ok else STREAM_ONLY)))
+                await call.write(
+                    convert.frame_to_wire(
+                        Hello(
+                            cfg.rank, cfg.world_size, data_token="" if channel_ok else STREAM_ONLY
+                        )
+                    )
+                )
                 hello = await asyncio.wait_for(call.read(), _HELLO_TIMEOUT_S)
                 problem = _check_hello(hello, cfg, lower=False, expect=rank)
                 if problem:
@@ -359,18 +450,32 @@ class Mesh:
                 if hello.data_port and channel_ok:
                     try:
                         link = await self._open_channel(rank, hello)
-                    except ConnectionError as exc:  # e.g. a firewall that admits only the envoy's port
+                    except (
+                        ConnectionError
+                    ) as exc:  # e.g. a firewall that admits only the envoy's port
                         self._stream_only.add(rank)
                         call.cancel()
-                        raise ConnectionError(f"{exc}; redialing with the frames on the gRPC stream") from None
-                logger.info("envoy rank %s: stream to %s up%s", cfg.rank, self.describe(rank),
-                            " (data channel)" if link else "")
+                        raise ConnectionError(
+                            f"{exc}; redialing with the frames on the gRPC stream"
+                        ) from None
+                logger.info(
+                    "envoy rank %s: stream to %s up%s",
+                    cfg.rank,
+                    self.describe(rank),
+                    " (data channel)" if link else "",
+                )
                 reason = await self._serve_stream(rank, call.read, call.write, link)
-                logger.info("envoy rank %s: stream to %s down: %s", cfg.rank, self.describe(rank), reason)
+                logger.info(
+                    "envoy rank %s: stream to %s down: %s", cfg.rank, self.describe(rank), reason
+                )
                 call.cancel()
             except grpc.aio.AioRpcError as exc:
-                self._note_failure(rank, f"{exc.code().name}: {exc.details()}",
-                                   loud=exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION))
+                self._note_failure(
+                    rank,
+                    f"{exc.code().name}: {exc.details()}",
+                    loud=exc.code()
+                    in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION),
+                )
             except (asyncio.TimeoutError, ConnectionError) as exc:
                 self._note_failure(rank, str(exc) or "no Hello in time", loud=True)
             finally:
@@ -387,9 +492,16 @@ class Mesh:
         ssl = self._client_ssl
         channel = None
         try:
-            _, channel = await asyncio.wait_for(loop.create_connection(
-                lambda: data.DataConnection(hello=data.handshake(cfg.rank, hello.data_token)), host, hello.data_port,
-                ssl=ssl, server_hostname=host if ssl else None), _HELLO_TIMEOUT_S)
+            _, channel = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: data.DataConnection(hello=data.handshake(cfg.rank, hello.data_token)),
+                    host,
+                    hello.data_port,
+                    ssl=ssl,
+                    server_hostname=host if ssl else None,
+                ),
+                _HELLO_TIMEOUT_S,
+            )
             return await asyncio.wait_for(channel.ready, _HELLO_TIMEOUT_S)
         except BaseException as exc:
             if channel is not None:
@@ -397,7 +509,9 @@ class Mesh:
                 if channel.ready.done() and not channel.ready.cancelled():
                     channel.ready.exception()  # retrieved: the reason is in the error below
             if isinstance(exc, (OSError, asyncio.TimeoutError)):
-                raise ConnectionError(f"data channel {host}:{hello.data_port}: {exc or 'no answer in time'}") from None
+                raise ConnectionError(
+                    f"data channel {host}:{hello.data_port}: {exc or 'no answer in time'}"
+                ) from None
             raise
 
     def _note_failure(self, rank: int, reason: str, loud: bool) -> None:

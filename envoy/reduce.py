@@ -72,7 +72,9 @@ class Reducer:
             self._acc = np.empty(n, np.float32)
         return self._acc[:n]
 
-    def __call__(self, partials: Sequence[np.ndarray], dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+    def __call__(
+        self, partials: Sequence[np.ndarray], dtype: str, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Sum raw payloads in the given (rank) order in float32; returns the raw payload of the sum.
 
         Args:
@@ -101,7 +103,9 @@ class Reducer:
             out[np.isnan(acc)] = _BF16_NAN
         return out
 
-    def sum_float32(self, partials: Sequence[np.ndarray], dtype: str, out: np.ndarray) -> np.ndarray:
+    def sum_float32(
+        self, partials: Sequence[np.ndarray], dtype: str, out: np.ndarray
+    ) -> np.ndarray:
         """The rank-order float32 sum of raw `dtype` payloads into `out` (float32, `n` values), not
         rounded back: the envoy hands float16/bfloat16 sums to its node this way (envoy/link.py)."""
         _check(partials, dtype)
@@ -109,7 +113,11 @@ class Reducer:
 
     def _sum(self, partials: Sequence[np.ndarray], dtype: str, out: np.ndarray) -> np.ndarray:
         if len(partials) == 1:
-            np.copyto(out, partials[0].view(_BF16) if dtype == "bfloat16" else partials[0], casting="unsafe")
+            np.copyto(
+                out,
+                partials[0].view(_BF16) if dtype == "bfloat16" else partials[0],
+                casting="unsafe",
+            )
             return out
         if dtype == "float32":
             np.add(partials[0], partials[1], out=out)
@@ -143,7 +151,9 @@ def _check(partials: Sequence[np.ndarray], dtype: str) -> int:
 _default = Reducer()
 
 
-def reduce_sum(partials: Sequence[np.ndarray], dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+def reduce_sum(
+    partials: Sequence[np.ndarray], dtype: str, out: np.ndarray | None = None
+) -> np.ndarray:
     """Sum raw payloads in the given (rank) order in float32; returns the raw payload of the sum.
 
     Not thread-safe (it shares one Reducer's scratch buffers); threads make their own `Reducer`.

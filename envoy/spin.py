@@ -29,7 +29,9 @@ def spin_allowed(cores: int, load: float) -> bool:
 
 def usable_cores() -> int:
     try:
-        return len(os.sched_getaffinity(0))  # Linux: what this process may run on (cgroups, taskset)
+        return len(
+            os.sched_getaffinity(0)
+        )  # Linux: what this process may run on (cgroups, taskset)
     except AttributeError:  # macOS
         return os.cpu_count() or 1
 
@@ -43,9 +45,15 @@ def shared_memory_ordered() -> bool:
 class SpinPolicy:
     """How long a waiter may spin now: `max_s`, or 0 where cores are short (or the override says)."""
 
-    def __init__(self, max_s: float, *, env: Mapping[str, str] | None = None,
-                 cores: Callable[[], int] = usable_cores, load: Callable[[], float] = lambda: os.getloadavg()[0],
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        max_s: float,
+        *,
+        env: Mapping[str, str] | None = None,
+        cores: Callable[[], int] = usable_cores,
+        load: Callable[[], float] = lambda: os.getloadavg()[0],
+        clock: Callable[[], float] = time.monotonic,
+    ):
         env = os.environ if env is None else env
         raw = env.get(SPIN_ENV, "").strip()
         self.forced: float | None = None
@@ -53,7 +61,9 @@ class SpinPolicy:
             try:
                 self.forced = max(float(raw), 0.0) * 1e-6
             except ValueError:
-                raise ValueError(f"${SPIN_ENV} must be a number of microseconds, got {raw!r}") from None
+                raise ValueError(
+                    f"${SPIN_ENV} must be a number of microseconds, got {raw!r}"
+                ) from None
         self.max_s = max_s
         self._cores = cores
         self._load = load

@@ -56,7 +56,9 @@ class Complete:
 
 
 class StepTable:
-    def __init__(self, rank: int, world_size: int, *, history: int = 1024, max_early: int | None = None):
+    def __init__(
+        self, rank: int, world_size: int, *, history: int = 1024, max_early: int | None = None
+    ):
         self.rank = rank
         self.world_size = world_size
         self.current: str | None = None
@@ -64,7 +66,9 @@ class StepTable:
         self.pending: Pending | None = None
         self.failed: str | None = None  # why the current request failed
         self.dropped = 0  # frames of ended requests, dropped
-        self.evicted = 0  # early frames pushed out by newer ones (a peer ran a request we never began)
+        self.evicted = (
+            0  # early frames pushed out by newer ones (a peer ran a request we never began)
+        )
         self._history = history
         self._max_early = max_early if max_early is not None else 4 * world_size
         self._ended: OrderedDict[str, None] = OrderedDict()
@@ -90,12 +94,16 @@ class StepTable:
         self.failed = reason
         self.pending = None
 
-    def submit(self, step: int, layer: int, dtype: str, shape: tuple[int, ...], payload: np.ndarray) -> Complete | None:
+    def submit(
+        self, step: int, layer: int, dtype: str, shape: tuple[int, ...], payload: np.ndarray
+    ) -> Complete | None:
         """This node's partial for `step`; returns the complete step if every peer's frame is in."""
         self.admit(step)
         parts = [None] * self.world_size
         parts[self.rank] = payload
-        self.pending = Pending(self.current, step, layer, dtype, tuple(shape), payload.nbytes, time.monotonic(), parts)
+        self.pending = Pending(
+            self.current, step, layer, dtype, tuple(shape), payload.nbytes, time.monotonic(), parts
+        )
         for frame in self._early.pop((self.current, step), {}).values():
             self._accept(frame)
         return self._complete()
@@ -107,37 +115,51 @@ class StepTable:
         if self.failed is not None:
             raise StepError(f"request {self.current} already failed: {self.failed}")
         if self.pending is not None:
-            raise StepError(f"step {step} submitted while step {self.pending.step} of request {self.current} is pending")
+            raise StepError(
+                f"step {step} submitted while step {self.pending.step} of request {self.current} is pending"
+            )
         if step != self.next_step:
-            raise StepError(f"node submitted step {step} of request {self.current}, expected step {self.next_step}")
+            raise StepError(
+                f"node submitted step {step} of request {self.current}, expected step {self.next_step}"
+            )
 
     def receive(self, frame: Frame) -> Complete | None:
         """A peer's frame; returns the complete step if it was the last one missing."""
         if not 0 <= frame.rank < self.world_size or frame.rank == self.rank:
-            raise StepError(f"frame claims rank {frame.rank} (world size {self.world_size}, this is rank {self.rank})")
-        if frame.request_id in self._ended or (frame.request_id == self.current and self.failed is not None):
+            raise StepError(
+                f"frame claims rank {frame.rank} (world size {self.world_size}, this is rank {self.rank})"
+            )
+        if frame.request_id in self._ended or (
+            frame.request_id == self.current and self.failed is not None
+        ):
             self.dropped += 1
             return None
         p = self.pending
         if frame.request_id == self.current:
             at = self.next_step if p is None else p.step  # the step this node is on
             if frame.step < at:
-                raise StepError(f"rank {frame.rank} sent step {frame.step} of request {frame.request_id} "
-                                f"again (this node is at step {at})")
+                raise StepError(
+                    f"rank {frame.rank} sent step {frame.step} of request {frame.request_id} "
+                    f"again (this node is at step {at})"
+                )
             if p is not None and frame.step == p.step:
                 self._accept(frame)
                 return self._complete()
             # a peer may have finished the pending step already (it has this node's frame), not more
             if frame.step > at + (p is not None):
-                raise StepError(f"rank {frame.rank} is ahead: it sent step {frame.step} of request "
-                                f"{frame.request_id} while this node is at step {at}")
+                raise StepError(
+                    f"rank {frame.rank} is ahead: it sent step {frame.step} of request "
+                    f"{frame.request_id} while this node is at step {at}"
+                )
         self._keep_early(frame)
         return None
 
     def _keep_early(self, frame: Frame) -> None:
         slot = self._early.setdefault((frame.request_id, frame.step), {})
         if frame.rank in slot:
-            raise StepError(f"rank {frame.rank} sent step {frame.step} of request {frame.request_id} twice")
+            raise StepError(
+                f"rank {frame.rank} sent step {frame.step} of request {frame.request_id} twice"
+            )
         slot[frame.rank] = frame
         while sum(len(v) for v in self._early.values()) > self._max_early:
             _, gone = self._early.popitem(last=False)
@@ -155,8 +177,10 @@ class StepTable:
             )
         frame.verify()
         if len(frame.payload) != p.nbytes:
-            raise StepError(f"rank {frame.rank} sent {len(frame.payload)} bytes for step {p.step} of request "
-                            f"{p.request_id}, this node has {p.nbytes}")
+            raise StepError(
+                f"rank {frame.rank} sent {len(frame.payload)} bytes for step {p.step} of request "
+                f"{p.request_id}, this node has {p.nbytes}"
+            )
         p.parts[frame.rank] = np.frombuffer(frame.payload, dtype=DTYPES[p.dtype])
         p.arrived += 1
 

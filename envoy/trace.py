@@ -44,7 +44,9 @@ class EnvoyStamps:
             key = (request_id, step)
             got = self._arrived.get(key)
             if got is None:
-                if len(self._arrived) > 64:  # frames of steps that never finish here (a failed request)
+                if (
+                    len(self._arrived) > 64
+                ):  # frames of steps that never finish here (a failed request)
                     self._arrived.clear()
                 got = self._arrived[key] = [0] * self._n
             got[rank] = time.perf_counter_ns()
@@ -57,7 +59,7 @@ class EnvoyStamps:
         w[COMPLETE - TRACE] = complete
         w[SUMMED - TRACE] = summed
         got = self._arrived.pop((request_id, step), None)
-        w[ARRIVED - TRACE:ARRIVED - TRACE + self._n] = got if got is not None else 0
+        w[ARRIVED - TRACE : ARRIVED - TRACE + self._n] = got if got is not None else 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,7 +81,10 @@ HOPS = (
     ("node: hand-off", "the partial into shared memory"),
     ("envoy: wake-up on REDUCE", "REDUCE about to go on the link -> the envoy reads it"),
     ("envoy: frame out", "REDUCE read -> this rank's frame made"),
-    ("wire: peer's frame in", "a peer's frame made -> decoded here (encode, send, wake-up, decode)"),
+    (
+        "wire: peer's frame in",
+        "a peer's frame made -> decoded here (encode, send, wake-up, decode)",
+    ),
     ("envoy: wait for the last partial", "own frame made -> the last partial in"),
     ("envoy: sum", "the last partial in -> the sum in the result area"),
     ("node: wake-up on the answer", "the sum published -> the node has the answer"),
@@ -111,17 +116,33 @@ def hops(records: dict[int, list[tuple[int, ...]]], skip: int = 0) -> dict[str, 
         last_handed = max(r[3] for r in ranks.values())
         for rank, r in ranks.items():
             entered, on_host, handed, answered, on_device = r[1:e0]
-            link, sent, complete, summed = r[e0:e0 + 4]
-            arrived = r[e0 + 4:]
+            link, sent, complete, summed = r[e0 : e0 + 4]
+            arrived = r[e0 + 4 :]
             if not (link and sent and complete and summed):
                 continue  # a step the envoy did not stamp (it failed)
             us = lambda a, b: (b - a) / 1e3  # noqa: E731
-            peer_in = [us(ranks[p][e0 + 1], arrived[p]) for p in ranks if p != rank and p < len(arrived)
-                       and arrived[p] and ranks[p][e0 + 1]]
-            for name, value in zip([h for h, _ in HOPS], (
-                    us(entered, on_host), us(on_host, handed), us(handed, link), us(link, sent), None,
-                    us(sent, complete), us(complete, summed), us(summed, answered), us(answered, on_device),
-                    us(handed, last_handed), us(last_handed, answered), us(entered, on_device))):
+            peer_in = [
+                us(ranks[p][e0 + 1], arrived[p])
+                for p in ranks
+                if p != rank and p < len(arrived) and arrived[p] and ranks[p][e0 + 1]
+            ]
+            for name, value in zip(
+                [h for h, _ in HOPS],
+                (
+                    us(entered, on_host),
+                    us(on_host, handed),
+                    us(handed, link),
+                    us(link, sent),
+                    None,
+                    us(sent, complete),
+                    us(complete, summed),
+                    us(summed, answered),
+                    us(answered, on_device),
+                    us(handed, last_handed),
+                    us(last_handed, answered),
+                    us(entered, on_device),
+                ),
+            ):
                 if value is not None:
                     out[name].append(value)
             out["wire: peer's frame in"].extend(peer_in)
@@ -133,7 +154,14 @@ def table(durations: dict[str, list[float]]) -> list[dict]:
     rows = []
     for name, what in HOPS:
         values = durations.get(name) or []
-        p50, p90 = (np.percentile(values, [50, 90]) if values else (float("nan"), float("nan")))
-        rows.append({"hop": name, "covers": what, "p50_us": round(float(p50), 1), "p90_us": round(float(p90), 1),
-                     "samples": len(values)})
+        p50, p90 = np.percentile(values, [50, 90]) if values else (float("nan"), float("nan"))
+        rows.append(
+            {
+                "hop": name,
+                "covers": what,
+                "p50_us": round(float(p50), 1),
+                "p90_us": round(float(p90), 1),
+                "samples": len(values),
+            }
+        )
     return rows

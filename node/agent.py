@@ -21,17 +21,35 @@ import grpc
 from ..common.auth import SecretInterceptor, server_credentials
 from ..proto import CHANNEL_OPTIONS, convert
 from ..proto import node_pb2_grpc as npb_grpc
-from ..proto.errors import (BusyError, ErrorKind, MoeClusterError, NotReadyError, UnavailableError, UserError, grpc_code,
-                           kind_of)
+from ..proto.errors import (
+    BusyError,
+    ErrorKind,
+    MoeClusterError,
+    NotReadyError,
+    UnavailableError,
+    UserError,
+    grpc_code,
+    kind_of,
+)
 from . import lifecycle
 from .device import DeviceInfo, device_info, release_memory
 from .lifecycle import NodeState
 from ..common.worker import Worker
-from ..proto.records import (DEFAULT_KV_RESERVE, ExpertCacheLayer, GenerateDone, GeneratedTokens, Health, LayerRouting, LoadProgress, Memory, NodeError,
-                             NodeStatus, Timings)
+from ..proto.records import (
+    DEFAULT_KV_RESERVE,
+    ExpertCacheLayer,
+    GenerateDone,
+    GeneratedTokens,
+    Health,
+    LayerRouting,
+    LoadProgress,
+    Memory,
+    NodeError,
+    NodeStatus,
+    Timings,
+)
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True)
@@ -48,7 +66,9 @@ class AgentConfig:
     tls_key: str | None = None
     tls_ca: str | None = None
     memory_bytes: int | None = None  # override what the node reports
-    cache_dir: str = ""  # shards shipped by the coordinator (node/cache.py); "": the user's cache folder
+    cache_dir: str = (
+        ""  # shards shipped by the coordinator (node/cache.py); "": the user's cache folder
+    )
 
 
 class NodeAgent(npb_grpc.NodeServicer):
@@ -83,8 +103,12 @@ class NodeAgent(npb_grpc.NodeServicer):
         import mlx.core as mx
 
         budget = self.config.memory_bytes or self.device.memory_bytes
-        return Memory(device_bytes=self.device.total_memory_bytes, budget_bytes=budget,
-                      used_bytes=int(mx.get_active_memory()), peak_bytes=int(mx.get_peak_memory()))
+        return Memory(
+            device_bytes=self.device.total_memory_bytes,
+            budget_bytes=budget,
+            used_bytes=int(mx.get_active_memory()),
+            peak_bytes=int(mx.get_peak_memory()),
+        )
 
     def _close_model(self) -> None:
         """Drop the loaded model and stop its transport (runs on the worker)."""
@@ -111,8 +135,13 @@ class NodeAgent(npb_grpc.NodeServicer):
 
     async def Health(self, request, context):
         self._watch_collective()
-        return convert.health_to_proto(Health(ok=self.state not in ("failed", "stopping"), state=self.state,
-                                              reason=self.failure if self.state == "failed" else ""))
+        return convert.health_to_proto(
+            Health(
+                ok=self.state not in ("failed", "stopping"),
+                state=self.state,
+                reason=self.failure if self.state == "failed" else "",
+            )
+        )
 
     async def Status(self, request, context):
         self._watch_collective()
@@ -127,14 +156,35 @@ class NodeAgent(npb_grpc.NodeServicer):
             experts_per_layer=dict(self.sharded.info.experts_per_layer) if self.sharded else {},
             counters=self.sharded.state.report() if self.sharded else {},
             allreduce=_allreduce_histogram(self.sharded.state) if self.sharded else None,
-            routing=tuple(LayerRouting(layer, held, tokens) for layer, (held, tokens)
-                          in self.sharded.state.routing(fold=False).items()) if self.sharded else (),
-            expert_cache=tuple(ExpertCacheLayer(layer, c.capacity, c.local, c.hits, c.misses, c.bytes_read,
-                                                c.read_seconds, c.prefetched, c.prefetch_hits, c.prefetch_bytes)
-                               for layer, c in sorted(self.sharded.state.cache.items()))
-            if self.sharded else (),
-            route=self.sharded.state.route.route if self.sharded and self.sharded.state.route else "",
-            route_us=dict(self.sharded.state.route.times_us) if self.sharded and self.sharded.state.route else {},
+            routing=tuple(
+                LayerRouting(layer, held, tokens)
+                for layer, (held, tokens) in self.sharded.state.routing(fold=False).items()
+            )
+            if self.sharded
+            else (),
+            expert_cache=tuple(
+                ExpertCacheLayer(
+                    layer,
+                    c.capacity,
+                    c.local,
+                    c.hits,
+                    c.misses,
+                    c.bytes_read,
+                    c.read_seconds,
+                    c.prefetched,
+                    c.prefetch_hits,
+                    c.prefetch_bytes,
+                )
+                for layer, c in sorted(self.sharded.state.cache.items())
+            )
+            if self.sharded
+            else (),
+            route=self.sharded.state.route.route
+            if self.sharded and self.sharded.state.route
+            else "",
+            route_us=dict(self.sharded.state.route.times_us)
+            if self.sharded and self.sharded.state.route
+            else {},
             speculative=self.runtime.batch.speculation() if self.runtime else "",
             uptime_s=time.monotonic() - self.started,
             pid=os.getpid(),
@@ -154,7 +204,9 @@ class NodeAgent(npb_grpc.NodeServicer):
 
     async def Load(self, request, context):
         try:
-            spec = convert.load_request_from_proto(request, secret=self.config.secret, tls=self._tls_files())
+            spec = convert.load_request_from_proto(
+                request, secret=self.config.secret, tls=self._tls_files()
+            )
             self._idle()
         except MoeClusterError as exc:
             await context.abort(grpc_code(exc.kind), str(exc))
@@ -179,10 +231,14 @@ class NodeAgent(npb_grpc.NodeServicer):
             model = spec.model
             if spec.ship is not None:  # no checkpoint here: the coordinator fills the cache
                 model = self._fill_cache(spec, ship_address, progress)
-            if spec.world_size == 1 and spec.ship is None and spec.expert_cache == "off":  # alone: stock mlx-lm
+            if (
+                spec.world_size == 1 and spec.ship is None and spec.expert_cache == "off"
+            ):  # alone: stock mlx-lm
                 progress(0, 1, "replicated")
                 self.sharded = load_unsharded(spec.model)
-                self.runtime = NodeRuntime(self.sharded, prompt_cache_bytes=spec.prompt_cache_bytes, limits=_limits(spec))
+                self.runtime = NodeRuntime(
+                    self.sharded, prompt_cache_bytes=spec.prompt_cache_bytes, limits=_limits(spec)
+                )
                 return self.sharded.info
             if spec.world_size == 1:  # a shipped shard alone: nothing to exchange
                 from .collective.base import LocalCollective
@@ -191,16 +247,26 @@ class NodeAgent(npb_grpc.NodeServicer):
             else:
                 collective = make_collective(spec.transport, spec.rank)
             try:
-                sharded = load_shard(model, spec.placement, spec.rank, keepalive=spec.keepalive,
-                                     collective=collective, progress=progress, expert_cache=spec.expert_cache,
-                                     cache_reserve_bytes=DEFAULT_KV_RESERVE + spec.prompt_cache_bytes,
-                                     route=None if spec.route == "measure" else spec.route,
-                                     profile={layer: (list(counts), tokens) for layer, counts, tokens in spec.heat} or None)
+                sharded = load_shard(
+                    model,
+                    spec.placement,
+                    spec.rank,
+                    keepalive=spec.keepalive,
+                    collective=collective,
+                    progress=progress,
+                    expert_cache=spec.expert_cache,
+                    cache_reserve_bytes=DEFAULT_KV_RESERVE + spec.prompt_cache_bytes,
+                    route=None if spec.route == "measure" else spec.route,
+                    profile={layer: (list(counts), tokens) for layer, counts, tokens in spec.heat}
+                    or None,
+                )
             except BaseException:
                 collective.close()
                 raise
             self.sharded = sharded
-            self.runtime = NodeRuntime(sharded, prompt_cache_bytes=spec.prompt_cache_bytes, limits=_limits(spec))
+            self.runtime = NodeRuntime(
+                sharded, prompt_cache_bytes=spec.prompt_cache_bytes, limits=_limits(spec)
+            )
             return sharded.info
 
         self._on(lifecycle.Load())
@@ -219,9 +285,15 @@ class NodeAgent(npb_grpc.NodeServicer):
             info = fut.result()
         except BaseException as exc:  # noqa: BLE001 - reported to the coordinator
             self._on(lifecycle.Failed(f"load failed: {exc}"))
-            logger.error("load failed: %s: %s", type(exc).__name__, exc, exc_info=kind_of(exc) is ErrorKind.INTERNAL)
-            yield convert.load_progress_to_proto(LoadProgress(0, 0, "failed", done=True,
-                                                              error=node_error(exc, spec.rank)))
+            logger.error(
+                "load failed: %s: %s",
+                type(exc).__name__,
+                exc,
+                exc_info=kind_of(exc) is ErrorKind.INTERNAL,
+            )
+            yield convert.load_progress_to_proto(
+                LoadProgress(0, 0, "failed", done=True, error=node_error(exc, spec.rank))
+            )
             return
         self._on(lifecycle.Loaded())
         total = info.resident_weight_bytes
@@ -234,10 +306,23 @@ class NodeAgent(npb_grpc.NodeServicer):
         from .cache import default_cache_dir
         from .ship import fill_cache
 
-        cache_dir = Path(self.config.cache_dir).expanduser() if self.config.cache_dir else default_cache_dir()
-        return fill_cache(spec.ship, address, cache_dir=cache_dir, secret=self.config.secret, tls=self._tls_files(),
-                          node=self.config.name, placement=spec.placement, rank=spec.rank,
-                          world_size=spec.world_size, progress=progress)
+        cache_dir = (
+            Path(self.config.cache_dir).expanduser()
+            if self.config.cache_dir
+            else default_cache_dir()
+        )
+        return fill_cache(
+            spec.ship,
+            address,
+            cache_dir=cache_dir,
+            secret=self.config.secret,
+            tls=self._tls_files(),
+            node=self.config.name,
+            placement=spec.placement,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            progress=progress,
+        )
 
     async def Generate(self, request, context):
         """One request joins the running batch (node/batch.py); its tokens stream back as the batch
@@ -245,7 +330,9 @@ class NodeAgent(npb_grpc.NodeServicer):
         self._watch_collective()
         try:
             self._ready()
-            req = convert.generate_request_from_proto(request, prefill_step=self.load_spec.prefill_step)
+            req = convert.generate_request_from_proto(
+                request, prefill_step=self.load_spec.prefill_step
+            )
             self.runtime.check(req)  # before MLX sees it: a bad id can crash the process
         except MoeClusterError as exc:
             await context.abort(grpc_code(exc.kind), str(exc))
@@ -255,10 +342,14 @@ class NodeAgent(npb_grpc.NodeServicer):
         events: asyncio.Queue = asyncio.Queue()
         rid = req.request_id
         result = GenerateResult()
-        seq = self.runtime.batch.submit(req, req.seq or self.runtime.next_seq(), _QueueSink(loop, events), result)
+        seq = self.runtime.batch.submit(
+            req, req.seq or self.runtime.next_seq(), _QueueSink(loop, events), result
+        )
         self._drive()
         ended = False
-        backlog: deque = deque()  # events taken off the queue while coalescing tokens, not yet handled
+        backlog: deque = (
+            deque()
+        )  # events taken off the queue while coalescing tokens, not yet handled
         try:
             while True:
                 kind, value = backlog.popleft() if backlog else await events.get()
@@ -274,20 +365,35 @@ class NodeAgent(npb_grpc.NodeServicer):
                     continue
                 ended = True
                 if kind == "failed":
-                    logger.error("request %s failed: %s: %s", rid, type(value).__name__, value,
-                                 exc_info=kind_of(value) is ErrorKind.INTERNAL)
+                    logger.error(
+                        "request %s failed: %s: %s",
+                        rid,
+                        type(value).__name__,
+                        value,
+                        exc_info=kind_of(value) is ErrorKind.INTERNAL,
+                    )
                     yield convert.generate_event_to_proto(node_error(value, self.load_spec.rank))
                     return
                 s = result.stats
-                yield convert.generate_event_to_proto(GenerateDone(
-                    finish_reason=s.finish_reason or "length", prompt_tokens=s.prompt_tokens,
-                    cached_tokens=result.cached_tokens, generated_tokens=len(result.tokens),
-                    timings=Timings(prompt_s=s.prompt_seconds, generation_s=s.generation_seconds,
-                                    collective_s=result.figures.collective_s),
-                    # folded by the batch on its thread when it went idle; a snapshot while others run
-                    counters={**self.sharded.state.means(fold=False), "peak_memory_bytes": float(_peak_memory()),
-                              **_figures(result.figures, len(self.sharded.moe_layers()))},
-                ))
+                yield convert.generate_event_to_proto(
+                    GenerateDone(
+                        finish_reason=s.finish_reason or "length",
+                        prompt_tokens=s.prompt_tokens,
+                        cached_tokens=result.cached_tokens,
+                        generated_tokens=len(result.tokens),
+                        timings=Timings(
+                            prompt_s=s.prompt_seconds,
+                            generation_s=s.generation_seconds,
+                            collective_s=result.figures.collective_s,
+                        ),
+                        # folded by the batch on its thread when it went idle; a snapshot while others run
+                        counters={
+                            **self.sharded.state.means(fold=False),
+                            "peak_memory_bytes": float(_peak_memory()),
+                            **_figures(result.figures, len(self.sharded.moe_layers())),
+                        },
+                    )
+                )
                 return
         finally:
             if not ended:  # the caller went away: the sequence leaves the batch at its next step
@@ -369,11 +475,15 @@ class NodeAgent(npb_grpc.NodeServicer):
             check_port_free(c.host, c.port, "is another node agent running? --port P picks another")
         except OSError as exc:  # the port is the user's choice: a one-line error, not a bug
             raise UserError(str(exc)) from None
-        server = grpc.aio.server(interceptors=[SecretInterceptor(c.secret)], options=CHANNEL_OPTIONS)
+        server = grpc.aio.server(
+            interceptors=[SecretInterceptor(c.secret)], options=CHANNEL_OPTIONS
+        )
         npb_grpc.add_NodeServicer_to_server(self, server)
         address = f"{c.host}:{c.port}"
         if c.tls_cert and c.tls_key:
-            port = server.add_secure_port(address, server_credentials(c.tls_cert, c.tls_key, c.tls_ca))
+            port = server.add_secure_port(
+                address, server_credentials(c.tls_cert, c.tls_key, c.tls_ca)
+            )
         else:
             port = server.add_insecure_port(address)
         if port == 0:
@@ -387,13 +497,26 @@ class NodeAgent(npb_grpc.NodeServicer):
             if c.mdns:
                 from ..common.mdns import Advert, Advertiser, interface_addresses
 
-                addr = c.advertise or (interface_addresses(list(c.interfaces))[0] if c.interfaces else
-                                       (c.host if c.host not in ("0.0.0.0", "") else _default_ip()))
+                addr = c.advertise or (
+                    interface_addresses(list(c.interfaces))[0]
+                    if c.interfaces
+                    else (c.host if c.host not in ("0.0.0.0", "") else _default_ip())
+                )
                 from importlib.metadata import version
 
-                advertiser = Advertiser(Advert(c.name, addr, port, version("moe-cluster"),
-                                               c.memory_bytes or self.device.memory_bytes, self.device.backend,
-                                               self.device.device, c.cluster), list(c.interfaces) or None)
+                advertiser = Advertiser(
+                    Advert(
+                        c.name,
+                        addr,
+                        port,
+                        version("moe-cluster"),
+                        c.memory_bytes or self.device.memory_bytes,
+                        self.device.backend,
+                        self.device.device,
+                        c.cluster,
+                    ),
+                    list(c.interfaces) or None,
+                )
                 await advertiser.start()
             logger.info("node %s serving on port %d", c.name, port)
             if ready:
@@ -410,15 +533,25 @@ class NodeAgent(npb_grpc.NodeServicer):
 
 def _figures(f, moe_layers: int) -> dict[str, float]:
     """A request's own decoding figures (node/batch.py SequenceFigures), for GenerateDone."""
-    return {"decode_steps": float(f.steps), "drafted": float(f.drafted), "accepted": float(f.accepted),
-            "moe_layers": float(moe_layers)}
+    return {
+        "decode_steps": float(f.steps),
+        "drafted": float(f.drafted),
+        "accepted": float(f.accepted),
+        "moe_layers": float(moe_layers),
+    }
 
 
 def _limits(spec):
     from .batch import BatchLimits
 
-    return BatchLimits(spec.max_batch, spec.prefill_budget, spec.kv_budget_bytes, spec.speculative,
-                       spec.draft_tokens, spec.draft_model)
+    return BatchLimits(
+        spec.max_batch,
+        spec.prefill_budget,
+        spec.kv_budget_bytes,
+        spec.speculative,
+        spec.draft_tokens,
+        spec.draft_model,
+    )
 
 
 class _QueueSink:
@@ -466,7 +599,9 @@ def _allreduce_histogram(state):
     from ..proto.records import AllreduceHistogram
     from .moe.experts import ALLREDUCE_BUCKETS
 
-    return AllreduceHistogram(tuple(ALLREDUCE_BUCKETS), tuple(state.allreduce_counts), state.allreduce_seconds)
+    return AllreduceHistogram(
+        tuple(ALLREDUCE_BUCKETS), tuple(state.allreduce_counts), state.allreduce_seconds
+    )
 
 
 def _peak_memory() -> int:
@@ -485,7 +620,9 @@ def _default_ip() -> str:
 
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        s.connect(("10.255.255.255", 1))  # no packet is sent: this only picks the outgoing interface
+        s.connect(
+            ("10.255.255.255", 1)
+        )  # no packet is sent: this only picks the outgoing interface
         return s.getsockname()[0]
     except OSError:
         return "127.0.0.1"
@@ -514,9 +651,18 @@ def main(args) -> int:
     import socket
 
     config = AgentConfig(
-        name=args.name or socket.gethostname().split(".")[0], host=args.host, port=args.port, advertise=args.advertise or "", cluster=args.cluster,
-        secret=secret, mdns=not args.no_mdns, interfaces=tuple(args.interface or ()),
-        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, memory_bytes=args.memory,
+        name=args.name or socket.gethostname().split(".")[0],
+        host=args.host,
+        port=args.port,
+        advertise=args.advertise or "",
+        cluster=args.cluster,
+        secret=secret,
+        mdns=not args.no_mdns,
+        interfaces=tuple(args.interface or ()),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
+        memory_bytes=args.memory,
         cache_dir=args.cache_dir or "",
     )
     agent = NodeAgent(config)

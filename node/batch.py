@@ -42,7 +42,9 @@ from .collective.base import RIDE_MAX_TOKEN, TokenMismatch, agree, waiting
 logger = logging.getLogger(__name__)
 
 KV_STEP = 256  # mlx-lm's KVCache grows in steps of this many positions
-_EPOCHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # collective -> batches begun on it
+_EPOCHS: "weakref.WeakKeyDictionary" = (
+    weakref.WeakKeyDictionary()
+)  # collective -> batches begun on it
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,9 @@ class Sequence:
     cancel: bool = False  # asked for on this node
     state: str = "queued"  # queued -> prefill -> decode
     cache: list | None = None  # its own KV cache until it joins the batch's
-    todo: list[int] = field(default_factory=list)  # prompt tokens still to prefill (all but the last)
+    todo: list[int] = field(
+        default_factory=list
+    )  # prompt tokens still to prefill (all but the last)
     first_input: int | None = None  # the last prompt token: the input of its first decode step
     token: mx.array | None = None  # sampled last step, lazy, not agreed yet
     logits: mx.array | None = None  # the row `token` was sampled from (record_logits)
@@ -87,9 +91,13 @@ class Sequence:
     t_first: float = 0.0
     # speculation (node/speculate.py): the step's tokens are read on the host, not agreed yet
     drafts: int = 0  # drafts per step at most; 0: one token per step
-    allowance: int = 0  # drafts this step may verify (node/speculate.py adapt), from agreed steps only
+    allowance: int = (
+        0  # drafts this step may verify (node/speculate.py adapt), from agreed steps only
+    )
     cool: int = 0  # steps left without drafts after its guesses kept failing
-    pending: list[int] = field(default_factory=list)  # emitted last step; the last is the next input
+    pending: list[int] = field(
+        default_factory=list
+    )  # emitted last step; the last is the next input
     pending_logits: list = field(default_factory=list)  # their rows (record_logits)
 
     @property
@@ -102,7 +110,9 @@ class SequenceFigures:
     """What one sequence's decoding cost, counted on its own (not the node's running totals)."""
 
     steps: int = 0  # decode steps it took part in (each: one all-reduce per MoE layer)
-    collective_s: float = 0.0  # waiting on all-reduces in the steps it ran in (each waited for them)
+    collective_s: float = (
+        0.0  # waiting on all-reduces in the steps it ran in (each waited for them)
+    )
     drafted: int = 0  # drafts verified
     accepted: int = 0  # drafts accepted
 
@@ -153,8 +163,10 @@ class RunningBatch:
             logger.info("this family's caches cannot be batched: one sequence at a time")
             limits = dataclasses.replace(limits, max_batch=1)
         if self.collective.world_size > 1 and runtime.vocab >= RIDE_MAX_TOKEN - 1:
-            raise UserError(f"a vocabulary of {runtime.vocab} tokens is past what a step's agreement carries "
-                            f"({RIDE_MAX_TOKEN - 2})")
+            raise UserError(
+                f"a vocabulary of {runtime.vocab} tokens is past what a step's agreement carries "
+                f"({RIDE_MAX_TOKEN - 2})"
+            )
         self.limits = limits
         self.kv_per_token = kv_bytes_per_token(self.model)
         self.draft_max = limits.draft_tokens if limits.speculative != "off" else 0
@@ -254,9 +266,19 @@ class RunningBatch:
             if not isinstance(exc, MoeClusterError):
                 raise
         t = self._tally
-        return StepReport(self._steps, t.prefilled, t.decoded, t.positions, t.handed_out, t.drafted, t.accepted,
-                          tuple(t.admitted), tuple(t.finished), max(0.0, timers.collective - waited),
-                          time.perf_counter() - t0)
+        return StepReport(
+            self._steps,
+            t.prefilled,
+            t.decoded,
+            t.positions,
+            t.handed_out,
+            t.drafted,
+            t.accepted,
+            tuple(t.admitted),
+            tuple(t.finished),
+            max(0.0, timers.collective - waited),
+            time.perf_counter() - t0,
+        )
 
     def fail_all(self, exc: BaseException) -> None:
         with self._lock:
@@ -290,18 +312,26 @@ class RunningBatch:
         if not alone:
             host = mx.array(held + [0] * (width - len(held)) + cancels, dtype=mx.int32)
             if self.draft_max:  # every emitted token + 1, zero where a sequence emitted fewer
-                toks = [mx.array([t + 1 for t in p] + [0] * (self.slots - len(p)), dtype=mx.int32)
-                        for p in previous]
+                toks = [
+                    mx.array([t + 1 for t in p] + [0] * (self.slots - len(p)), dtype=mx.int32)
+                    for p in previous
+                ]
             else:
-                toks = [(t.reshape(-1)[:1].astype(mx.int32) + 1) if t is not None else mx.zeros((1,), mx.int32)
-                        for t in previous]
+                toks = [
+                    (t.reshape(-1)[:1].astype(mx.int32) + 1)
+                    if t is not None
+                    else mx.zeros((1,), mx.int32)
+                    for t in previous
+                ]
             values = mx.concatenate([host, *toks]) if toks else host
             c.ride(values)
 
         # mx.distributed cannot time out: the whole step is watched (MLX may block in async_eval too)
         with waiting(c, f"batch step {self._steps}"), mx.stream(_generation_stream()):
             self._prefill([s for s in active if s.state == "prefill"], bool(decoding))
-            logits_before = [s.pending_logits if self.draft_max else [s.prev_logits] for s in decoding]
+            logits_before = [
+                s.pending_logits if self.draft_max else [s.prev_logits] for s in decoding
+            ]
             if self.draft_max:
                 self._verify(decoding)
             else:
@@ -324,9 +354,15 @@ class RunningBatch:
             for i, s in enumerate(decoding):  # token + 1; 0 where the step had none to agree on
                 at = width + len(active) + i * self.slots
                 try:
-                    ts = [agreement.token(at + j, f"request {s.req.request_id}, step {len(s.fed) + j}", offset=1)
-                          for j in range(self.slots)]
-                except TokenMismatch as exc:  # every rank reads the same agreement: all drop it alike
+                    ts = [
+                        agreement.token(
+                            at + j, f"request {s.req.request_id}, step {len(s.fed) + j}", offset=1
+                        )
+                        for j in range(self.slots)
+                    ]
+                except (
+                    TokenMismatch
+                ) as exc:  # every rank reads the same agreement: all drop it alike
                     s.error, ts = exc, []
                 ts = [t for t in ts if t >= 0]
                 agreed.append(ts or None)
@@ -367,9 +403,14 @@ class RunningBatch:
     def _decode(self, decoding: list[Sequence]) -> mx.array | None:
         if not decoding:
             return None
-        inputs = mx.concatenate([
-            s.token.reshape(-1)[:1].astype(mx.uint32) if s.token is not None else mx.array([s.first_input], mx.uint32)
-            for s in decoding])
+        inputs = mx.concatenate(
+            [
+                s.token.reshape(-1)[:1].astype(mx.uint32)
+                if s.token is not None
+                else mx.array([s.first_input], mx.uint32)
+                for s in decoding
+            ]
+        )
         logits = self.model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
         self._tally.decoded = self._tally.positions = len(decoding)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -395,15 +436,21 @@ class RunningBatch:
         width = 1 + max(s.allowance for s in decoding)
         histories = [[*s.req.prompt, *s.fed, *s.pending] for s in decoding]
         # no guess past max_tokens: the step's own token is the last one a sequence may still need
-        wanted = [min(s.allowance, max(0, s.req.sampling.max_tokens - len(h) + len(s.req.prompt) - 1))
-                  for s, h in zip(decoding, histories)]
+        wanted = [
+            min(s.allowance, max(0, s.req.sampling.max_tokens - len(h) + len(s.req.prompt) - 1))
+            for s, h in zip(decoding, histories)
+        ]
         if self.limits.speculative == "draft":
             drafts = self._guessed(decoding, histories, wanted)
         else:
             drafts = []
             for s, history, k in zip(decoding, histories, wanted):
                 done = len(history) - len(s.req.prompt)
-                drafts.append((predicted(s.req.prediction, history, done, k) or lookup(history, k)) if k else [])
+                drafts.append(
+                    (predicted(s.req.prediction, history, done, k) or lookup(history, k))
+                    if k
+                    else []
+                )
         rows = []
         for s, mine in zip(decoding, drafts):
             first = s.pending[-1] if s.pending else s.first_input
@@ -419,9 +466,15 @@ class RunningBatch:
             if keys[i] is not None:
                 s.key = keys[i][len(v.tokens) - 1]
             s.pending = v.tokens
-            s.pending_logits = [logits[i, j] for j in range(len(v.tokens))] if s.req.record_logits else []
+            s.pending_logits = (
+                [logits[i, j] for j in range(len(v.tokens))] if s.req.record_logits else []
+            )
             f = s.figures
-            f.steps, f.drafted, f.accepted = f.steps + 1, f.drafted + len(drafts[i]), f.accepted + v.accepted
+            f.steps, f.drafted, f.accepted = (
+                f.steps + 1,
+                f.drafted + len(drafts[i]),
+                f.accepted + v.accepted,
+            )
             self._tally.drafted += len(drafts[i])
             self._tally.accepted += v.accepted
             drop.append(width - len(v.tokens))
@@ -429,12 +482,16 @@ class RunningBatch:
                 self.drafter.keep(s.seq, len(histories[i]) + v.accepted)
         rollback(self._batch_cache, drop)
 
-    def _guessed(self, decoding: list[Sequence], histories: list[list[int]], wanted: list[int]) -> list[list[int]]:
+    def _guessed(
+        self, decoding: list[Sequence], histories: list[list[int]], wanted: list[int]
+    ) -> list[list[int]]:
         """The draft model's guesses (node.speculate.Drafter), `wanted[i]` for sequence i at most:
         rank 0 makes them, and every rank reads rank 0's from one explicit agreement (the others
         put zeros)."""
-        guesses = [self.drafter.guess(s.seq, h, k) if self.drafter is not None and k else []
-                   for s, h, k in zip(decoding, histories, wanted)]
+        guesses = [
+            self.drafter.guess(s.seq, h, k) if self.drafter is not None and k else []
+            for s, h, k in zip(decoding, histories, wanted)
+        ]
         c = self.collective
         if c.world_size == 1:
             return guesses
@@ -445,7 +502,9 @@ class RunningBatch:
 
     # -- after the step ------------------------------------------------------------------------
 
-    def _settle(self, decoding: list[Sequence], agreed: list[list[int] | None], rows: list[list]) -> None:
+    def _settle(
+        self, decoding: list[Sequence], agreed: list[list[int] | None], rows: list[list]
+    ) -> None:
         """Hand out the agreed tokens (`rows`: the logits each was taken from, where recorded);
         sequences that end leave the batch."""
         import numpy as np
@@ -478,7 +537,9 @@ class RunningBatch:
                 r.tokens.append(token)
                 out.append(token)
                 if any(_ends_with(r.tokens, stop) for stop in s.req.stop_sequences):
-                    stats.finish_reason = "stop"  # on the agreed token: every rank ends it at this step
+                    stats.finish_reason = (
+                        "stop"  # on the agreed token: every rank ends it at this step
+                    )
                     break
                 if stats.generated >= s.req.sampling.max_tokens:
                     stats.finish_reason = "length"
@@ -499,8 +560,11 @@ class RunningBatch:
         self._tally.finished.append((s.req.request_id, reason))
         if s in self._decoding:
             i = self._decoding.index(s)
-            cache = self._batch_cache if len(self._decoding) == 1 and s.cache is self._batch_cache else (
-                [c.extract(i) for c in self._batch_cache])
+            cache = (
+                self._batch_cache
+                if len(self._decoding) == 1 and s.cache is self._batch_cache
+                else ([c.extract(i) for c in self._batch_cache])
+            )
             keep = [j for j in range(len(self._decoding)) if j != i]
             self._decoding.pop(i)
             if not keep:
@@ -535,9 +599,12 @@ class RunningBatch:
         for seq in common:
             held = sum(s.reserve for s in self._active)
             with self._lock:
-                s = self._queued[seq]  # every rank held it when it rode, and queued ones stay queued
+                s = self._queued[
+                    seq
+                ]  # every rank held it when it rode, and queued ones stay queued
                 if len(self._active) >= self.limits.max_batch or (
-                        budget and self._active and held + s.reserve > budget):
+                    budget and self._active and held + s.reserve > budget
+                ):
                     return  # the head of the queue waits: nobody overtakes it
                 del self._queued[seq]
                 self._active.append(s)
@@ -558,7 +625,9 @@ class RunningBatch:
             s.state = "prefill" if s.todo else "decode"
             if not s.req.sampling.greedy:
                 seed = s.req.sampling.seed
-                key = mx.random.key(seed if seed is not None else zlib.crc32(s.req.request_id.encode()))
+                key = mx.random.key(
+                    seed if seed is not None else zlib.crc32(s.req.request_id.encode())
+                )
                 s.key = advance_key(key, s.req.sampling.step)  # a resumed request: past its draws
             if budget and pc is not None:
                 pc.make_room(budget - held - s.reserve)
@@ -582,7 +651,10 @@ class RunningBatch:
         if not self.kv_per_token:
             return 0
         # a verifying step holds its drafts before the rejected ones roll back
-        positions = math.ceil((len(req.prompt) + req.sampling.max_tokens + self.draft_max) / KV_STEP) * KV_STEP
+        positions = (
+            math.ceil((len(req.prompt) + req.sampling.max_tokens + self.draft_max) / KV_STEP)
+            * KV_STEP
+        )
         return positions * self.kv_per_token
 
 
@@ -634,7 +706,9 @@ def sample_positions(decoding: list[Sequence], logprobs: mx.array) -> tuple[mx.a
             continue
         after, subs = key_chain(s.key, row.shape[0])
         try:
-            rows.append(mx.concatenate([_draw(s, row[j : j + 1], sub) for j, sub in enumerate(subs)]))
+            rows.append(
+                mx.concatenate([_draw(s, row[j : j + 1], sub) for j, sub in enumerate(subs)])
+            )
             keys.append(after)
         except Exception as exc:  # noqa: BLE001 - this sequence's failure, not the batch's
             s.error = exc
@@ -684,6 +758,12 @@ def kv_bytes_per_token(model) -> int:
         return 0
     from mlx.utils import tree_flatten
 
-    floats = (mx.float32, mx.float16, mx.bfloat16)  # the activations' dtype, not a quantized weight's
-    dtype = next((p.dtype for _, p in tree_flatten(model.parameters()) if p.dtype in floats), mx.float32)
+    floats = (
+        mx.float32,
+        mx.float16,
+        mx.bfloat16,
+    )  # the activations' dtype, not a quantized weight's
+    dtype = next(
+        (p.dtype for _, p in tree_flatten(model.parameters()) if p.dtype in floats), mx.float32
+    )
     return len(layers) * 2 * kv_heads * head_dim * dtype.size

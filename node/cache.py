@@ -37,13 +37,17 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 1
 MANIFEST = "manifest.json"
-STAMPS = "verified.json"  # per file: its stat when its blobs last matched the manifest (verified_blobs)
+STAMPS = (
+    "verified.json"  # per file: its stat when its blobs last matched the manifest (verified_blobs)
+)
 PROGRESS_BYTES = 16 << 20  # an interrupted fill resumes a blob from its last multiple of this
 PIECE_BYTES = 4 << 20  # the unit of the source's piece digests (coordinator/serve/digests.py)
 REPLICATED = "replicated.safetensors"
 _FILE_NAME = re.compile(r"^(replicated|layer-\d{4}-[0-9a-f]{12})\.safetensors$")
 _SHARD_DIR = re.compile(r"^[0-9a-f]{16}$")
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")  # a blob's sha256 as manifests and digests write it (fullmatch)
+SHA256_HEX = re.compile(
+    r"[0-9a-f]{64}"
+)  # a blob's sha256 as manifests and digests write it (fullmatch)
 _ALIGN = 64  # bytes: tensor data starts aligned, so mmap'd reads are too
 
 
@@ -118,30 +122,58 @@ class Catalog:
     layers: dict[int, tuple[int, tuple[Group, ...]]]  # MoE layer -> (experts, groups)
 
     def to_json(self) -> dict:
-        return {"fingerprint": self.fingerprint, "config": self.config_text,
-                "replicated": [[k, d, list(s)] for k, d, s in self.replicated],
-                "layers": {str(l): {"experts": n, "groups": [
-                    {"key": g.key, "dtype": g.dtype, "shape": list(g.shape), "stacked": g.stacked, "per": g.per}
-                    for g in groups]} for l, (n, groups) in sorted(self.layers.items())}}
+        return {
+            "fingerprint": self.fingerprint,
+            "config": self.config_text,
+            "replicated": [[k, d, list(s)] for k, d, s in self.replicated],
+            "layers": {
+                str(l): {
+                    "experts": n,
+                    "groups": [
+                        {
+                            "key": g.key,
+                            "dtype": g.dtype,
+                            "shape": list(g.shape),
+                            "stacked": g.stacked,
+                            "per": g.per,
+                        }
+                        for g in groups
+                    ],
+                }
+                for l, (n, groups) in sorted(self.layers.items())
+            },
+        }
 
     @classmethod
     def from_json(cls, d, where: str) -> "Catalog":
         """Strict: a catalog decides file contents, so every field is checked and a bad one named."""
         try:
             fp, config = d["fingerprint"], d["config"]
-            if not (isinstance(fp, str) and re.fullmatch(r"[0-9a-f]{64}", fp)) or not isinstance(config, str):
+            if not (isinstance(fp, str) and re.fullmatch(r"[0-9a-f]{64}", fp)) or not isinstance(
+                config, str
+            ):
                 raise ValueError("fingerprint must be 64 hex digits and config a string")
             replicated = tuple((_s(k), _dtype(dt), _shape(s)) for k, dt, s in d["replicated"])
             layers = {}
             for l, v in d["layers"].items():
                 n = int(v["experts"])
-                groups = tuple(Group(_s(g["key"]), _dtype(g["dtype"]), _shape(g["shape"]), bool(g["stacked"]),
-                                     int(g["per"])) for g in v["groups"])
+                groups = tuple(
+                    Group(
+                        _s(g["key"]),
+                        _dtype(g["dtype"]),
+                        _shape(g["shape"]),
+                        bool(g["stacked"]),
+                        int(g["per"]),
+                    )
+                    for g in v["groups"]
+                )
                 if n < 1 or not groups:
                     raise ValueError(f"layer {l} has {n} experts and {len(groups)} expert tensors")
                 for g in groups:
                     if g.stacked and (g.per < 1 or not g.shape or g.shape[0] != n * g.per):
-                        raise ValueError(f"{g.key}: leading dimension {g.shape[:1]} is not {n} experts × {g.per}")
+                        raise ValueError(
+                            f"{g.key}: leading dimension {g.shape[:1]} is not {n} experts × {g.per}"
+                        )
                     if not g.stacked and "{e}" not in g.key:
                         raise ValueError(f"{g.key}: a per-expert tensor name needs {{e}}")
                 layers[int(l)] = (n, groups)
@@ -178,7 +210,10 @@ def _shape(x) -> tuple[int, ...]:
 
 def source_ranges(ckpt: Checkpoint, catalog: Catalog) -> dict[str, tuple[Path, int, int]]:
     """{blob id: (file, start, bytes)} in the checkpoint: where the coordinator reads each blob."""
-    out = {k: (ckpt.tensors[k].file, ckpt.tensors[k].start, ckpt.tensors[k].nbytes) for k, _, _ in catalog.replicated}
+    out = {
+        k: (ckpt.tensors[k].file, ckpt.tensors[k].start, ckpt.tensors[k].nbytes)
+        for k, _, _ in catalog.replicated
+    }
     for n, groups in catalog.layers.values():
         for g in groups:
             nb = g.expert_nbytes()
@@ -226,7 +261,9 @@ class FileSet:
         return out
 
 
-def _fileset(name: str, tensors: list[tuple[str, str, tuple[int, ...], tuple[str, ...]]], meta: dict) -> FileSet:
+def _fileset(
+    name: str, tensors: list[tuple[str, str, tuple[int, ...], tuple[str, ...]]], meta: dict
+) -> FileSet:
     entries, at = {}, 0
     for tname, dtype, shape, _ in tensors:
         n = math.prod(shape) * _DTYPES[dtype][2]
@@ -236,8 +273,10 @@ def _fileset(name: str, tensors: list[tuple[str, str, tuple[int, ...], tuple[str
     head = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
     head += b" " * (-(len(head) + 8) % _ALIGN)
     base = 8 + len(head)
-    slots = tuple(Slot(tname, dtype, shape, base + entries[tname]["data_offsets"][0], blobs)
-                  for tname, dtype, shape, blobs in tensors)
+    slots = tuple(
+        Slot(tname, dtype, shape, base + entries[tname]["data_offsets"][0], blobs)
+        for tname, dtype, shape, blobs in tensors
+    )
     return FileSet(name, struct.pack("<Q", len(head)) + head, slots, base + at)
 
 
@@ -248,7 +287,13 @@ def _layer_name(layer: int, local: Sequence[int]) -> str:
 
 def layout(catalog: Catalog, local: dict[int, Sequence[int]]) -> list[FileSet]:
     """The files of a shard holding experts `local` ({MoE layer: experts}) of `catalog`."""
-    files = [_fileset(REPLICATED, [(k, d, s, (k,)) for k, d, s in catalog.replicated], {"format": "moe-cluster"})]
+    files = [
+        _fileset(
+            REPLICATED,
+            [(k, d, s, (k,)) for k, d, s in catalog.replicated],
+            {"format": "moe-cluster"},
+        )
+    ]
     for layer, (n, groups) in sorted(catalog.layers.items()):
         experts = sorted(local.get(layer, ()))
         if any(not 0 <= e < n for e in experts):
@@ -260,8 +305,13 @@ def layout(catalog: Catalog, local: dict[int, Sequence[int]]) -> list[FileSet]:
             shape = (len(experts) * g.expert_shape()[0],) + g.expert_shape()[1:]
             tname = g.key if g.stacked else g.key.replace("{e}", "*")
             tensors.append((tname, g.dtype, shape, tuple(g.blob(e) for e in experts)))
-        files.append(_fileset(_layer_name(layer, experts), tensors,
-                              {"format": "moe-cluster", "experts": ",".join(map(str, experts))}))
+        files.append(
+            _fileset(
+                _layer_name(layer, experts),
+                tensors,
+                {"format": "moe-cluster", "experts": ",".join(map(str, experts))},
+            )
+        )
     return files
 
 
@@ -276,9 +326,12 @@ class Manifest:
     sha256: dict[str, str]  # blob id -> hex digest
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "catalog": self.catalog.to_json(),
-                "placement": {str(l): list(v) for l, v in sorted(self.local.items())},
-                "sha256": dict(sorted(self.sha256.items()))}
+        return {
+            "format": FORMAT,
+            "catalog": self.catalog.to_json(),
+            "placement": {str(l): list(v) for l, v in sorted(self.local.items())},
+            "sha256": dict(sorted(self.sha256.items())),
+        }
 
     @classmethod
     def read(cls, path: Path) -> "Manifest":
@@ -360,8 +413,9 @@ def write_stamps(root: Path, names: Iterable[str], drop: Iterable[str] = ()) -> 
     os.replace(tmp, root / STAMPS)
 
 
-def verified_blobs(root: Path, manifest: Manifest, *, full: bool = False,
-                   counts: dict[str, int] | None = None) -> dict[str, Have]:
+def verified_blobs(
+    root: Path, manifest: Manifest, *, full: bool = False, counts: dict[str, int] | None = None
+) -> dict[str, Have]:
     """Every blob of a shard whose bytes on disk match the manifest's sha256 (a flipped byte drops it).
     A file unchanged since its blobs were last hashed (same size, mtime, ctime and inode: `STAMPS`) is
     trusted without reading it, so a warm start costs what mapping the files does; any write to a
@@ -379,7 +433,9 @@ def verified_blobs(root: Path, manifest: Manifest, *, full: bool = False,
             continue
         offsets = fs.blob_offsets(sizes)
         if stamps.get(fs.name) == _stat_key(st) and all(manifest.sha256.get(b) for b in offsets):
-            out.update({blob: Have(path, at, manifest.sha256[blob]) for blob, at in offsets.items()})
+            out.update(
+                {blob: Have(path, at, manifest.sha256[blob]) for blob, at in offsets.items()}
+            )
             counts["trusted"] += len(offsets)
             continue
         good = True
@@ -395,7 +451,11 @@ def verified_blobs(root: Path, manifest: Manifest, *, full: bool = False,
                 else:
                     good = False
                     if want:
-                        logger.warning("cache %s: blob %s fails its sha256; it is fetched again", path.name, blob)
+                        logger.warning(
+                            "cache %s: blob %s fails its sha256; it is fetched again",
+                            path.name,
+                            blob,
+                        )
         (hashed if good else bad).append(fs.name)
     if hashed or bad:
         try:
@@ -413,7 +473,9 @@ class Plan:
     fetch_bytes: int
     disk_bytes: int  # new files written in full (blobs already held are copied locally)
     copy_bytes: int
-    resume_offset: int = 0  # fetch[0] is resumed from this byte (an interrupted fill wrote that much)
+    resume_offset: int = (
+        0  # fetch[0] is resumed from this byte (an interrupted fill wrote that much)
+    )
 
 
 class ShardCache:
@@ -428,7 +490,10 @@ class ShardCache:
         self.sizes = catalog.blob_nbytes()
         self.have: dict[str, Have] = {}
         self.journal: dict[str, str] = {}
-        self.checked = {"hashed": 0, "trusted": 0}  # by the last scan: blobs hashed, and trusted unchanged
+        self.checked = {
+            "hashed": 0,
+            "trusted": 0,
+        }  # by the last scan: blobs hashed, and trusted unchanged
         self.progress: dict[str, int] = {}  # blob -> bytes of it an interrupted fill made durable
 
     @contextlib.contextmanager
@@ -436,7 +501,9 @@ class ShardCache:
         """Held while filling and opening: two agents given the same cache folder would write the
         same files; the second is refused in one line instead."""
         self.root.mkdir(parents=True, exist_ok=True)
-        with _exclusive(self.root, "is in use by another node agent (give each agent its own --cache-dir)"):
+        with _exclusive(
+            self.root, "is in use by another node agent (give each agent its own --cache-dir)"
+        ):
             yield
 
     def scan(self) -> Plan:
@@ -448,7 +515,9 @@ class ShardCache:
             try:
                 old = Manifest.read(m)
                 if old.catalog.fingerprint != self.catalog.fingerprint:
-                    raise CacheError(f"{m}: fingerprint {old.catalog.fingerprint[:16]} is not the model's")
+                    raise CacheError(
+                        f"{m}: fingerprint {old.catalog.fingerprint[:16]} is not the model's"
+                    )
             except CacheError as exc:
                 logger.warning("%s; the shard is fetched again", exc)
                 old = None
@@ -464,11 +533,26 @@ class ShardCache:
             fetch.remove(started[0])
             fetch.insert(0, started[0])
         new_files = [fs for fs in self.files if not self._complete(fs)]
-        return Plan(tuple(fetch), sum(self.sizes[b] for b in fetch) - resume, sum(fs.size for fs in new_files),
-                    sum(self.sizes[b] for fs in new_files for s in fs.slots for b in s.blobs if b in self.have), resume)
+        return Plan(
+            tuple(fetch),
+            sum(self.sizes[b] for b in fetch) - resume,
+            sum(fs.size for fs in new_files),
+            sum(
+                self.sizes[b]
+                for fs in new_files
+                for s in fs.slots
+                for b in s.blobs
+                if b in self.have
+            ),
+            resume,
+        )
 
     def _complete(self, fs: FileSet) -> bool:
-        return all(self.have.get(b) is not None and self.have[b].path.name == fs.name for s in fs.slots for b in s.blobs)
+        return all(
+            self.have.get(b) is not None and self.have[b].path.name == fs.name
+            for s in fs.slots
+            for b in s.blobs
+        )
 
     def _read_journal(self) -> dict[str, str]:
         """{blob: sha256} written into `.partial` files by a fill that was interrupted; each is
@@ -503,11 +587,17 @@ class ShardCache:
     def check_disk(self, plan: Plan) -> None:
         free = shutil.disk_usage(self.root).free
         if plan.disk_bytes > free:
-            raise CacheError(f"not enough free disk in {self.cache_dir}: the shard needs {plan.disk_bytes} bytes "
-                             f"({plan.disk_bytes / 1e9:.2f} GB), {free} bytes ({free / 1e9:.2f} GB) are free")
+            raise CacheError(
+                f"not enough free disk in {self.cache_dir}: the shard needs {plan.disk_bytes} bytes "
+                f"({plan.disk_bytes / 1e9:.2f} GB), {free} bytes ({free / 1e9:.2f} GB) are free"
+            )
 
-    def fill(self, plan: Plan, fetch: Callable[[Sequence[str], int], Iterator[tuple[str, int, bytes, str | None]]],
-             progress: Callable[[int, int], None] = lambda done, total: None) -> dict[str, str]:
+    def fill(
+        self,
+        plan: Plan,
+        fetch: Callable[[Sequence[str], int], Iterator[tuple[str, int, bytes, str | None]]],
+        progress: Callable[[int, int], None] = lambda done, total: None,
+    ) -> dict[str, str]:
         """Write every file of the shard: blobs held are copied, the others fetched.
 
         `fetch(blobs, first_offset)` yields (blob, offset within it, bytes, on the blob's last chunk
@@ -525,7 +615,10 @@ class ShardCache:
                 if self._complete(fs):
                     continue
                 partial = _inside(self.root, fs.name).with_name(fs.name + ".partial")
-                f = open(partial, "r+b" if partial.exists() and partial.stat().st_size == fs.size else "w+b")
+                f = open(
+                    partial,
+                    "r+b" if partial.exists() and partial.stat().st_size == fs.size else "w+b",
+                )
                 f.truncate(fs.size)
                 f.seek(0)
                 f.write(fs.header)
@@ -550,7 +643,11 @@ class ShardCache:
         for name in handles:
             final = _inside(self.root, name)
             os.replace(final.with_name(name + ".partial"), final)
-        manifest = Manifest(self.catalog, self.local, {b: sha[b] for fs in self.files for s in fs.slots for b in s.blobs})
+        manifest = Manifest(
+            self.catalog,
+            self.local,
+            {b: sha[b] for fs in self.files for s in fs.slots for b in s.blobs},
+        )
         tmp = self.root / (MANIFEST + ".tmp")
         tmp.write_text(json.dumps(manifest.to_json()) + "\n")
         os.replace(tmp, self.root / MANIFEST)
@@ -564,7 +661,9 @@ class ShardCache:
         write_stamps(self.root, handles)
         return manifest.sha256
 
-    def _receive(self, plan: Plan, fetch, targets, handles, journal, sha: dict[str, str], progress) -> None:
+    def _receive(
+        self, plan: Plan, fetch, targets, handles, journal, sha: dict[str, str], progress
+    ) -> None:
         """Fetch plan.fetch: writes run on one owned thread, a few chunks behind the network."""
         from concurrent.futures import ThreadPoolExecutor
 
@@ -594,15 +693,23 @@ class ShardCache:
             try:
                 for blob, off, data, source_sha in fetch(list(plan.fetch), plan.resume_offset):
                     if blob not in targets:
-                        raise CacheError(f"the coordinator sent blob {blob!r}, which was not asked for")
+                        raise CacheError(
+                            f"the coordinator sent blob {blob!r}, which was not asked for"
+                        )
                     last = source_sha is not None
                     if off + len(data) > sizes[blob] or (last and off + len(data) != sizes[blob]):
-                        raise CacheError(f"blob {blob!r}: chunk at {off} ({len(data)} bytes) does not fit its "
-                                         f"{sizes[blob]} bytes")
+                        raise CacheError(
+                            f"blob {blob!r}: chunk at {off} ({len(data)} bytes) does not fit its "
+                            f"{sizes[blob]} bytes"
+                        )
                     if last and not SHA256_HEX.fullmatch(source_sha):
-                        raise CacheError(f"blob {blob!r}: the coordinator sent {source_sha[:80]!r} for its sha256")
+                        raise CacheError(
+                            f"blob {blob!r}: the coordinator sent {source_sha[:80]!r} for its sha256"
+                        )
                     pending.append(writer.submit(absorb, blob, off, data, source_sha))
-                    while len(pending) > 8 or (pending and pending[0].done()):  # bounded: 8 chunks in flight
+                    while len(pending) > 8 or (
+                        pending and pending[0].done()
+                    ):  # bounded: 8 chunks in flight
                         pending.pop(0).result()
                     done += len(data)
                     progress(min(done, total), total)
@@ -611,7 +718,9 @@ class ShardCache:
                     fut.result()  # what was received is written and journaled, even when the stream broke
         missing = [b for b in plan.fetch if b not in sha]
         if missing:
-            raise CacheError(f"the coordinator's stream ended without {len(missing)} blobs (first {missing[0]!r})")
+            raise CacheError(
+                f"the coordinator's stream ended without {len(missing)} blobs (first {missing[0]!r})"
+            )
 
     def open(self) -> "CachedCheckpoint":
         return CachedCheckpoint(self.root, self.catalog, self.local)
@@ -650,8 +759,9 @@ class CachedCheckpoint(Checkpoint):
         files = {fs.name: fs for fs in layout(catalog, local)}
         rep = files[REPLICATED]
         for s in rep.slots:
-            self.tensors[s.name] = TensorInfo(s.name, root / REPLICATED, s.dtype, s.shape, s.offset,
-                                              s.offset + sizes[s.blobs[0]])
+            self.tensors[s.name] = TensorInfo(
+                s.name, root / REPLICATED, s.dtype, s.shape, s.offset, s.offset + sizes[s.blobs[0]]
+            )
         for layer, (n, groups) in catalog.layers.items():
             experts = local.get(layer, ())
             fs = files.get(_layer_name(layer, experts)) if experts else None
@@ -661,17 +771,35 @@ class CachedCheckpoint(Checkpoint):
                 if g.stacked:
                     start = offsets[g.blob(experts[0])] if experts else 0
                     full = math.prod(g.shape) * _DTYPES[g.dtype][2]
-                    self.tensors[g.key] = TensorInfo(g.key, path, g.dtype, g.shape, start, start + full,
-                                                     held=tuple(experts), per=g.per)
+                    self.tensors[g.key] = TensorInfo(
+                        g.key,
+                        path,
+                        g.dtype,
+                        g.shape,
+                        start,
+                        start + full,
+                        held=tuple(experts),
+                        per=g.per,
+                    )
                     continue
                 for e in range(n):
                     key = g.key.format(e=e)
                     if e in experts:
                         at = offsets[g.blob(e)]
-                        self.tensors[key] = TensorInfo(key, path, g.dtype, g.shape, at, at + g.expert_nbytes())
+                        self.tensors[key] = TensorInfo(
+                            key, path, g.dtype, g.shape, at, at + g.expert_nbytes()
+                        )
                     else:
-                        self.tensors[key] = TensorInfo(key, path, g.dtype, g.shape, 0, g.expert_nbytes(), held=(),
-                                                       per=g.shape[0] if g.shape else 1)
+                        self.tensors[key] = TensorInfo(
+                            key,
+                            path,
+                            g.dtype,
+                            g.shape,
+                            0,
+                            g.expert_nbytes(),
+                            held=(),
+                            per=g.shape[0] if g.shape else 1,
+                        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -701,7 +829,11 @@ def list_shards(cache_dir: Path) -> list[CachedShard]:
             mt = json.loads(m.catalog.config_text).get("model_type", "?")
             experts = sum(len(v) for v in m.local.values())
         except CacheError as exc:
-            state, mt, experts = ("partial" if (d / "journal").exists() else f"unusable: {exc}"), "?", 0
+            state, mt, experts = (
+                ("partial" if (d / "journal").exists() else f"unusable: {exc}"),
+                "?",
+                0,
+            )
         except json.JSONDecodeError:
             state, mt, experts = "unusable: config is not JSON", "?", 0
         out.append(CachedShard(d.name, mt, size, experts, state))
@@ -710,7 +842,9 @@ def list_shards(cache_dir: Path) -> list[CachedShard]:
 
 def remove_shard(cache_dir: Path, name: str) -> Path:
     if not _SHARD_DIR.match(name):
-        raise CacheError(f"{name!r} is not a cached shard name (16 hex digits, as `cache ls` shows)")
+        raise CacheError(
+            f"{name!r} is not a cached shard name (16 hex digits, as `cache ls` shows)"
+        )
     d = Path(cache_dir) / name
     if not d.is_dir():
         raise CacheError(f"no cached shard {name} in {cache_dir}")
@@ -737,7 +871,9 @@ def verify_shard(cache_dir: Path, name: str) -> tuple[int, list[str]]:
     warm start trusts unchanged files): (blobs that match, blobs that do not). A file with a bad
     blob loses its stamp, so the node's next load fetches that blob again."""
     if not _SHARD_DIR.match(name):
-        raise CacheError(f"{name!r} is not a cached shard name (16 hex digits, as `cache ls` shows)")
+        raise CacheError(
+            f"{name!r} is not a cached shard name (16 hex digits, as `cache ls` shows)"
+        )
     root = Path(cache_dir) / name
     if not (root / MANIFEST).is_file():
         raise CacheError(f"no complete cached shard {name} in {cache_dir}")
@@ -758,15 +894,23 @@ def cache_main(args) -> int:
         for name in names:
             ok, bad = verify_shard(cache_dir, name)
             failed += bool(bad)
-            print(f"{name}: {ok} blobs match their sha256" + (f", {len(bad)} do not (first {bad[0]}); the node's "
-                                                            "next load fetches them again" if bad else ""))
+            print(
+                f"{name}: {ok} blobs match their sha256"
+                + (
+                    f", {len(bad)} do not (first {bad[0]}); the node's next load fetches them again"
+                    if bad
+                    else ""
+                )
+            )
         return 1 if failed else 0
     if args.cache_command == "ls":
         shards = list_shards(cache_dir)
         if not shards:
             print(f"{cache_dir}: no cached shards")
         for s in shards:
-            print(f"{s.name}  {s.model_type:<12} {s.bytes / 1e6:10.1f} MB  {s.experts:5d} experts  {s.state}")
+            print(
+                f"{s.name}  {s.model_type:<12} {s.bytes / 1e6:10.1f} MB  {s.experts:5d} experts  {s.state}"
+            )
         return 0
     for name in args.names:
         print(f"removed {remove_shard(cache_dir, name)}")

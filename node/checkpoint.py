@@ -69,7 +69,9 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
     if not path.exists():
         raise CheckpointError(f"model path {path} does not exist")
     if not path.is_dir():
-        raise CheckpointError(f"model path {path} is not a directory (expected a checkpoint folder)")
+        raise CheckpointError(
+            f"model path {path} is not a directory (expected a checkpoint folder)"
+        )
     return path
 
 
@@ -106,8 +108,8 @@ def model_classes(config: dict, where: Path | str = "config.json"):
 # checked against stock mlx-lm: refused with the reason rather than guessed at.
 UNVERIFIED = {
     "prism_hadamard_qwen35": "its Hadamard-rotated 2-bit pack (a module manifest and packed weights, "
-                             "made by its own packing tool) cannot be built by the family sweep, so the "
-                             "cluster was never checked against stock mlx-lm on it",
+    "made by its own packing tool) cannot be built by the family sweep, so the "
+    "cluster was never checked against stock mlx-lm on it",
 }
 
 
@@ -122,15 +124,24 @@ def check_runnable(config: dict, where: Path | str = "config.json") -> None:
 
     model_type = config.get("model_type")
     if model_type in UNVERIFIED:
-        raise CheckpointError(f"{where}: model_type={model_type!r} is not supported: {UNVERIFIED[model_type]}")
+        raise CheckpointError(
+            f"{where}: model_type={model_type!r} is not supported: {UNVERIFIED[model_type]}"
+        )
     model_cls, _ = model_classes(config, where)
     module = inspect.getmodule(model_cls)
-    kernels = sorted({name for name, v in vars(module).items()
-                      if (getattr(v, "__module__", "") or "").startswith("mlx_lm.kernels")})
+    kernels = sorted(
+        {
+            name
+            for name, v in vars(module).items()
+            if (getattr(v, "__module__", "") or "").startswith("mlx_lm.kernels")
+        }
+    )
     metal = getattr(mx, "metal", None)
     if kernels and not (metal is not None and metal.is_available()):
-        raise CheckpointError(f"{where}: model_type={config.get('model_type')!r} calls mlx-lm's Metal-only kernels "
-                              f"({', '.join(kernels)}); it runs only on Apple silicon with Metal")
+        raise CheckpointError(
+            f"{where}: model_type={config.get('model_type')!r} calls mlx-lm's Metal-only kernels "
+            f"({', '.join(kernels)}); it runs only on Apple silicon with Metal"
+        )
 
 
 def load_tokenizer(path: Path):
@@ -141,7 +152,9 @@ def load_tokenizer(path: Path):
     try:
         return load(Path(path))
     except Exception as exc:  # noqa: BLE001 - a third-party loader: every failure means unusable files
-        raise CheckpointError(f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(
+            f"{path}: cannot load the tokenizer ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def model_args(config: dict, where: Path | str = "config.json"):
@@ -252,7 +265,9 @@ class Checkpoint:
         for f in files:
             for key, info in read_header(f).items():
                 if key in self.tensors:
-                    raise CheckpointError(f"tensor {key!r} appears in both {self.tensors[key].file.name} and {f.name}")
+                    raise CheckpointError(
+                        f"tensor {key!r} appears in both {self.tensors[key].file.name} and {f.name}"
+                    )
                 self.tensors[key] = info
 
     @classmethod
@@ -272,7 +287,9 @@ def _read_bytes(info: TensorInfo, start: int, nbytes: int) -> bytearray:
         while got < nbytes:
             n = f.readinto(view[got:])
             if not n:
-                raise CheckpointError(f"{info.file}: short read of {info.key!r} at byte {start + got}")
+                raise CheckpointError(
+                    f"{info.file}: short read of {info.key!r} at byte {start + got}"
+                )
             got += n
     return buf
 
@@ -285,7 +302,9 @@ def read_tensor(info: TensorInfo, rows: Iterable[int] | None = None) -> mx.array
     """
     np_dtype, mx_dtype, _ = _DTYPES[info.dtype]
     if rows is None and info.held is not None:
-        raise CheckpointError(f"{info.key!r}: this cached shard holds only experts {list(info.held)}, not the whole tensor")
+        raise CheckpointError(
+            f"{info.key!r}: this cached shard holds only experts {list(info.held)}, not the whole tensor"
+        )
     if rows is None:
         raw = _read_bytes(info, info.start, info.nbytes)
         shape = info.shape
@@ -326,7 +345,9 @@ def _physical_rows(info: TensorInfo, rows: list[int]) -> list[int]:
     for r in rows:
         e, within = divmod(r, info.per)
         if e not in where:
-            raise CheckpointError(f"{info.key!r}: expert {e} is not in this cached shard (it holds {list(info.held)})")
+            raise CheckpointError(
+                f"{info.key!r}: expert {e} is not in this cached shard (it holds {list(info.held)})"
+            )
         out.append(where[e] * info.per + within)
     return out
 

@@ -31,7 +31,9 @@ def metal_info() -> dict:
     metal = getattr(mx, "metal", None)
     if metal is None or not metal.is_available():
         return {}
-    query = getattr(mx, "device_info", None) or metal.device_info  # mx.metal.device_info is deprecated
+    query = (
+        getattr(mx, "device_info", None) or metal.device_info
+    )  # mx.metal.device_info is deprecated
     return dict(query())
 
 
@@ -41,9 +43,15 @@ def device_info() -> DeviceInfo:
     ram = _ram_bytes()
     info = metal_info()
     if info:
-        working_set = int(info.get("max_recommended_working_set_size") or info.get("memory_size") or ram)
-        return DeviceInfo("metal", str(info.get("device_name", "Apple GPU")), working_set,
-                          int(info.get("memory_size") or ram))
+        working_set = int(
+            info.get("max_recommended_working_set_size") or info.get("memory_size") or ram
+        )
+        return DeviceInfo(
+            "metal",
+            str(info.get("device_name", "Apple GPU")),
+            working_set,
+            int(info.get("memory_size") or ram),
+        )
     cuda = getattr(mx, "cuda", None)
     if cuda is not None and getattr(cuda, "is_available", lambda: False)():
         try:

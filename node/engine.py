@@ -13,6 +13,7 @@ import mlx.nn as nn
 from ..proto.errors import UserError
 from ..proto.records import DEFAULT_PREFILL_STEP, Sampling
 
+
 @dataclass
 class Stats:
     """Figures of one generation, filled in as it runs."""
@@ -37,7 +38,9 @@ class Stats:
 def make_sampler(sampling: Sampling):
     from mlx_lm.sample_utils import make_sampler as mlx_make_sampler
 
-    if sampling.greedy:  # the edge values too: mlx-lm's top-p filter reads past the vocabulary at 0.0
+    if (
+        sampling.greedy
+    ):  # the edge values too: mlx-lm's top-p filter reads past the vocabulary at 0.0
         return mlx_make_sampler(temp=0.0)
     top_p = sampling.top_p if sampling.top_p < 1.0 else 0.0
     return mlx_make_sampler(temp=sampling.temperature, top_p=top_p)

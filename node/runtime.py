@@ -37,12 +37,16 @@ class NodeRuntime:
     The prompt cache (node/prompt_cache.py) is the same on every node.
     """
 
-    def __init__(self, sharded: ShardedModel, prompt_cache_bytes: int = 0, limits: BatchLimits | None = None):
+    def __init__(
+        self, sharded: ShardedModel, prompt_cache_bytes: int = 0, limits: BatchLimits | None = None
+    ):
         from .vocab import embedding_rows
 
         self.sharded = sharded
         self.vocab = embedding_rows(sharded.model)  # token ids must be below this
-        self.prompt_cache = PromptCache(prompt_cache_bytes, sharded.collective) if prompt_cache_bytes > 0 else None
+        self.prompt_cache = (
+            PromptCache(prompt_cache_bytes, sharded.collective) if prompt_cache_bytes > 0 else None
+        )
         self._auto_seq = 0
         self.batch = RunningBatch(self, limits or BatchLimits())
 
@@ -57,8 +61,10 @@ class NodeRuntime:
         if req.prediction:
             check_token_ids(req.prediction, self.vocab, "prediction")
         if req.draft_tokens is not None and not 0 <= req.draft_tokens <= DRAFT_LIMIT:
-            raise UserError(f"request {req.request_id} asks for {req.draft_tokens} drafts per step "
-                            f"(at most {DRAFT_LIMIT})")
+            raise UserError(
+                f"request {req.request_id} asks for {req.draft_tokens} drafts per step "
+                f"(at most {DRAFT_LIMIT})"
+            )
 
     @property
     def collective(self):
@@ -70,8 +76,12 @@ class NodeRuntime:
         self._auto_seq += 1
         return self._auto_seq
 
-    def generate(self, req: GenerateRequest, should_cancel: Callable[[], bool] = lambda: False,
-                 result: GenerateResult | None = None) -> Iterator[int]:
+    def generate(
+        self,
+        req: GenerateRequest,
+        should_cancel: Callable[[], bool] = lambda: False,
+        result: GenerateResult | None = None,
+    ) -> Iterator[int]:
         """One request driven from the caller's thread through the running batch (simulate, tests);
         the agent drives the batch from its worker for every request at once."""
         result = result if result is not None else GenerateResult()

@@ -48,30 +48,54 @@ def peer_host(peer: str) -> str:
     return "127.0.0.1"
 
 
-def fill_cache(source: ShipSource, address: str, *, cache_dir: Path, secret: str, tls, node: str,
-               placement: Placement | None, rank: int, world_size: int,
-               progress: Callable[[int, int, str], None]) -> CachedCheckpoint:
+def fill_cache(
+    source: ShipSource,
+    address: str,
+    *,
+    cache_dir: Path,
+    secret: str,
+    tls,
+    node: str,
+    placement: Placement | None,
+    rank: int,
+    world_size: int,
+    progress: Callable[[int, int, str], None],
+) -> CachedCheckpoint:
     """Make this node's shard complete in `cache_dir` and open it; returns the checkpoint view."""
     creds = channel_credentials(tls.ca, tls.cert, tls.key) if tls else None
-    channel = (grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS) if creds
-               else grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+    channel = (
+        grpc.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+        if creds
+        else grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    )
     md = call_metadata(secret)
     try:
         stub = spb_grpc.ShipStub(channel)
         try:
-            reply = stub.Catalog(convert.catalog_request_to_proto(source.fingerprint), metadata=md,
-                                 timeout=RPC_TIMEOUT_S)
+            reply = stub.Catalog(
+                convert.catalog_request_to_proto(source.fingerprint),
+                metadata=md,
+                timeout=RPC_TIMEOUT_S,
+            )
         except grpc.RpcError as exc:
-            raise UnavailableError(f"cannot get the model's catalog from the coordinator at {address}: "
-                                   f"{exc.code().name}: {exc.details()}") from None
+            raise UnavailableError(
+                f"cannot get the model's catalog from the coordinator at {address}: "
+                f"{exc.code().name}: {exc.details()}"
+            ) from None
         try:
-            catalog = Catalog.from_json(json.loads(convert.catalog_reply_from_proto(reply)), f"catalog from {address}")
+            catalog = Catalog.from_json(
+                json.loads(convert.catalog_reply_from_proto(reply)), f"catalog from {address}"
+            )
         except json.JSONDecodeError as exc:
             raise CacheError(f"catalog from {address} is not JSON ({exc})") from None
         if catalog.fingerprint != source.fingerprint:
-            raise CacheError(f"the coordinator at {address} sent a catalog for {catalog.fingerprint[:16]}, "
-                             f"not {source.fingerprint[:16]}")
-        fetch = fetcher(stub, md, reply, source.fingerprint, node, address, tls, catalog.blob_nbytes())
+            raise CacheError(
+                f"the coordinator at {address} sent a catalog for {catalog.fingerprint[:16]}, "
+                f"not {source.fingerprint[:16]}"
+            )
+        fetch = fetcher(
+            stub, md, reply, source.fingerprint, node, address, tls, catalog.blob_nbytes()
+        )
         moe_layers = {l: n for l, (n, _) in catalog.layers.items()}
         placement = placement or Placement.even(moe_layers, world_size)
         placement.check(moe_layers)
@@ -81,8 +105,10 @@ def fill_cache(source: ShipSource, address: str, *, cache_dir: Path, secret: str
             with cache.locked():
                 return _fill(cache, fetch, progress)
         except OSError as exc:  # a cache folder we cannot write, a disk that filled up meanwhile
-            raise CacheError(f"cache {cache.root}: {exc.strerror or exc}"
-                             + (f" ({exc.filename})" if getattr(exc, "filename", None) else "")) from None
+            raise CacheError(
+                f"cache {cache.root}: {exc.strerror or exc}"
+                + (f" ({exc.filename})" if getattr(exc, "filename", None) else "")
+            ) from None
     finally:
         channel.close()
 
@@ -92,10 +118,13 @@ def _fill(cache: ShardCache, fetch, progress) -> CachedCheckpoint:
     t0 = time.monotonic()
     plan = cache.scan()
     cache.check_disk(plan)
-    print(f"cache {cache.root}: {len(cache.have) + len(cache.journal)} blobs verified in {time.monotonic() - t0:.2f}s "
-          f"({cache.checked['hashed']} hashed, {cache.checked['trusted']} in files unchanged since hashed); "
-          f"fetching {len(plan.fetch)} blobs ({plan.fetch_bytes} bytes), copying {plan.copy_bytes} bytes locally",
-          file=sys.stderr, flush=True)
+    print(
+        f"cache {cache.root}: {len(cache.have) + len(cache.journal)} blobs verified in {time.monotonic() - t0:.2f}s "
+        f"({cache.checked['hashed']} hashed, {cache.checked['trusted']} in files unchanged since hashed); "
+        f"fetching {len(plan.fetch)} blobs ({plan.fetch_bytes} bytes), copying {plan.copy_bytes} bytes locally",
+        file=sys.stderr,
+        flush=True,
+    )
     t1 = time.monotonic()
     last = [0.0]
 
@@ -106,20 +135,28 @@ def _fill(cache: ShardCache, fetch, progress) -> CachedCheckpoint:
             last[0] = now
             rate = done / max(now - t1, 1e-6)
             # the node's own terminal/log shows its transfer, whatever the log level
-            print(f"fetched {done} of {total} bytes ({100 * done / max(total, 1):.0f}%), {rate / 1e6:.1f} MB/s, "
-                  f"ETA {(total - done) / rate if rate else 0.0:.1f}s", file=sys.stderr, flush=True)
+            print(
+                f"fetched {done} of {total} bytes ({100 * done / max(total, 1):.0f}%), {rate / 1e6:.1f} MB/s, "
+                f"ETA {(total - done) / rate if rate else 0.0:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     if plan.resume_offset:
-        print(f"resuming {plan.fetch[0]} at byte {plan.resume_offset} (an interrupted fill wrote that much)",
-              file=sys.stderr, flush=True)
+        print(
+            f"resuming {plan.fetch[0]} at byte {plan.resume_offset} (an interrupted fill wrote that much)",
+            file=sys.stderr,
+            flush=True,
+        )
     cache.fill(plan, fetch, report)
     if plan.fetch:
         logger.info("fetched %d bytes in %.2fs", plan.fetch_bytes, time.monotonic() - t1)
     return cache.open()
 
 
-def fetcher(stub, md, reply, fingerprint: str, node: str, address: str, tls, sizes: dict[str, int]
-            ) -> Callable[[Sequence[str], int], Iterator[tuple[str, int, bytes, str | None]]]:
+def fetcher(
+    stub, md, reply, fingerprint: str, node: str, address: str, tls, sizes: dict[str, int]
+) -> Callable[[Sequence[str], int], Iterator[tuple[str, int, bytes, str | None]]]:
     """How this node takes the bytes: the Catalog reply's plain-TCP data channel when it names one
     (on the Ship service's host; TLS with the cluster's certificates when it has them), else the
     gRPC Fetch stream. `sizes`: every blob's bytes, from the catalog."""
@@ -127,13 +164,21 @@ def fetcher(stub, md, reply, fingerprint: str, node: str, address: str, tls, siz
     if port:
         host = address.rsplit(":", 1)[0].strip("[]")
         ctx = ssl_client_context(tls.ca, tls.cert, tls.key) if tls else None
-        return lambda blobs, first: _fetch_tcp(host, port, token, fingerprint, node, blobs, sizes, first, ctx)
+        return lambda blobs, first: _fetch_tcp(
+            host, port, token, fingerprint, node, blobs, sizes, first, ctx
+        )
     return lambda blobs, first: _fetch(stub, md, fingerprint, node, blobs, address, first)
 
 
-DATA_ERROR = (1 << 64) - 1  # a blob length that means: one line saying why follows (coordinator/serve/ship.py)
-BLOB_HEADER = struct.Struct("<32sII")  # before a blob's bytes: its sha256, piece bytes, pieces (coordinator/serve/ship.py blob_header)
-MAX_PIECE_BYTES = 16 << 20  # a larger piece in a blob header is refused (receive buffers are pieces)
+DATA_ERROR = (
+    1 << 64
+) - 1  # a blob length that means: one line saying why follows (coordinator/serve/ship.py)
+BLOB_HEADER = struct.Struct(
+    "<32sII"
+)  # before a blob's bytes: its sha256, piece bytes, pieces (coordinator/serve/ship.py blob_header)
+MAX_PIECE_BYTES = (
+    16 << 20
+)  # a larger piece in a blob header is refused (receive buffers are pieces)
 
 
 class _Buffers:
@@ -158,8 +203,9 @@ class _Buffers:
         return buf
 
 
-def _recv_exact(sock: socket.socket, n: int, what: str, where: str, buffers: _Buffers | None = None,
-                hasher=None) -> bytearray:
+def _recv_exact(
+    sock: socket.socket, n: int, what: str, where: str, buffers: _Buffers | None = None, hasher=None
+) -> bytearray:
     """`n` bytes from `sock`, in a buffer nobody else holds (the cache writes it later); `hasher` is
     updated with each part as it lands (hashing the whole piece afterwards read it back from memory:
     12 GB/s instead of 30 on this VM, 14% of the receiver's time)."""
@@ -169,13 +215,17 @@ def _recv_exact(sock: socket.socket, n: int, what: str, where: str, buffers: _Bu
         try:
             k = sock.recv_into(view[got:])
         except OSError as exc:  # timeout included
-            raise UnavailableError(f"shipping from the coordinator's data channel at {where} stopped in {what}: "
-                                   f"{exc.strerror or exc}") from None
+            raise UnavailableError(
+                f"shipping from the coordinator's data channel at {where} stopped in {what}: "
+                f"{exc.strerror or exc}"
+            ) from None
         if not k:
-            raise UnavailableError(f"shipping from the coordinator's data channel at {where} stopped in {what} "
-                                   f"(connection closed after {got} of {n} bytes)")
+            raise UnavailableError(
+                f"shipping from the coordinator's data channel at {where} stopped in {what} "
+                f"(connection closed after {got} of {n} bytes)"
+            )
         if hasher is not None:
-            hasher.update(view[got:got + k])
+            hasher.update(view[got : got + k])
         got += k
     return buf
 
@@ -188,8 +238,12 @@ class _Corrupt(Exception):
         self.blob, self.offset, self.why = blob, offset, why
 
 
-def _restarting(once: Callable[[tuple[str, ...], int], Iterator[tuple[str, int, bytes, str | None]]],
-                blobs: Sequence[str], first_offset: int, where: str) -> Iterator[tuple[str, int, bytes, str | None]]:
+def _restarting(
+    once: Callable[[tuple[str, ...], int], Iterator[tuple[str, int, bytes, str | None]]],
+    blobs: Sequence[str],
+    first_offset: int,
+    where: str,
+) -> Iterator[tuple[str, int, bytes, str | None]]:
     """What `once(blobs, first_offset)` yields — (blob, offset, bytes, the blob's sha256 on its last
     piece else None) — asking again from a piece where it raises _Corrupt (the blobs done so far are
     not sent again), at most MAX_RESTARTS times per fill."""
@@ -204,28 +258,53 @@ def _restarting(once: Callable[[tuple[str, ...], int], Iterator[tuple[str, int, 
             return
         except _Corrupt as bad:
             restarts += 1
-            logger.warning("piece of %s at %d arrived corrupt (%s); asking again from there", bad.blob, bad.offset, bad.why)
+            logger.warning(
+                "piece of %s at %d arrived corrupt (%s); asking again from there",
+                bad.blob,
+                bad.offset,
+                bad.why,
+            )
             if restarts > MAX_RESTARTS:
                 raise CacheError(f"{restarts} corrupt pieces from {where}; giving up") from None
-            todo, first = todo[todo.index(bad.blob):], bad.offset
+            todo, first = todo[todo.index(bad.blob) :], bad.offset
 
 
-def _fetch_tcp(host: str, port: int, token: str, fingerprint: str, node: str, blobs: Sequence[str],
-               sizes: dict[str, int], first_offset: int = 0, tls_context=None
-               ) -> Iterator[tuple[str, int, bytes, str | None]]:
+def _fetch_tcp(
+    host: str,
+    port: int,
+    token: str,
+    fingerprint: str,
+    node: str,
+    blobs: Sequence[str],
+    sizes: dict[str, int],
+    first_offset: int = 0,
+    tls_context=None,
+) -> Iterator[tuple[str, int, bytes, str | None]]:
     """Blobs over the data channel (coordinator/serve/ship.py DataChannel), blobs[0] from
     `first_offset` (rounded down to a piece), a piece at a time, each checked against the
     coordinator's digest of it (a piece that fails is asked for again); a dead coordinator is one
     line within RPC_TIMEOUT_S."""
-    return _restarting(lambda todo, first: _fetch_tcp_once(host, port, token, fingerprint, node, todo, sizes, first,
-                                                           tls_context),
-                       blobs, first_offset - first_offset % cache_mod.PIECE_BYTES,
-                       f"the coordinator's data channel at {host}:{port}")
+    return _restarting(
+        lambda todo, first: _fetch_tcp_once(
+            host, port, token, fingerprint, node, todo, sizes, first, tls_context
+        ),
+        blobs,
+        first_offset - first_offset % cache_mod.PIECE_BYTES,
+        f"the coordinator's data channel at {host}:{port}",
+    )
 
 
-def _fetch_tcp_once(host: str, port: int, token: str, fingerprint: str, node: str, blobs: Sequence[str],
-                    sizes: dict[str, int], first_offset: int, tls_context
-                    ) -> Iterator[tuple[str, int, bytes, str | None]]:
+def _fetch_tcp_once(
+    host: str,
+    port: int,
+    token: str,
+    fingerprint: str,
+    node: str,
+    blobs: Sequence[str],
+    sizes: dict[str, int],
+    first_offset: int,
+    tls_context,
+) -> Iterator[tuple[str, int, bytes, str | None]]:
     """One data connection: yields checked pieces until the blobs end; _Corrupt at a bad piece."""
     where = f"{host}:{port}"
     try:
@@ -233,11 +312,18 @@ def _fetch_tcp_once(host: str, port: int, token: str, fingerprint: str, node: st
         if tls_context is not None:
             sock = tls_context.wrap_socket(sock, server_hostname=host)
     except OSError as exc:  # ssl.SSLError included
-        raise UnavailableError(f"cannot open the coordinator's data channel at {where}: {exc.strerror or exc}") from None
+        raise UnavailableError(
+            f"cannot open the coordinator's data channel at {where}: {exc.strerror or exc}"
+        ) from None
     buffers, hasher = _Buffers(), piece_hasher()
     with sock:
-        request = {"token": token, "fingerprint": fingerprint, "node": node, "blobs": list(blobs),
-                   "first_offset": first_offset}
+        request = {
+            "token": token,
+            "fingerprint": fingerprint,
+            "node": node,
+            "blobs": list(blobs),
+            "first_offset": first_offset,
+        }
         sock.sendall(json.dumps(request).encode() + b"\n")
         if _recv_exact(sock, 1, "its answer", where) != b"+":
             why = sock.makefile("rb").readline(4096).decode(errors="replace").strip()
@@ -246,17 +332,27 @@ def _fetch_tcp_once(host: str, port: int, token: str, fingerprint: str, node: st
             (n,) = struct.unpack("<Q", _recv_exact(sock, 8, f"the length of {blob}", where))
             if n == DATA_ERROR:
                 why = sock.makefile("rb").readline(4096).decode(errors="replace").strip()
-                raise UnavailableError(f"shipping from the coordinator's data channel at {where} stopped: {why}")
+                raise UnavailableError(
+                    f"shipping from the coordinator's data channel at {where} stopped: {why}"
+                )
             off = first_offset if i == 0 else 0
             end = off + n
             if end != sizes[blob]:
-                raise CacheError(f"the coordinator's data channel at {where} sends {n} bytes of blob {blob!r} from byte "
-                                 f"{off}; the catalog gives it {sizes[blob]}")
-            sha, piece, count = BLOB_HEADER.unpack(_recv_exact(sock, BLOB_HEADER.size, f"the digests of {blob}", where))
+                raise CacheError(
+                    f"the coordinator's data channel at {where} sends {n} bytes of blob {blob!r} from byte "
+                    f"{off}; the catalog gives it {sizes[blob]}"
+                )
+            sha, piece, count = BLOB_HEADER.unpack(
+                _recv_exact(sock, BLOB_HEADER.size, f"the digests of {blob}", where)
+            )
             if not 0 < piece <= MAX_PIECE_BYTES or off % piece or count != -(-end // piece):
-                raise CacheError(f"the coordinator's data channel at {where} sent blob {blob!r} with digests that do "
-                                 f"not fit it ({count} pieces of {piece} bytes for bytes {off}..{end})")
-            digests = struct.unpack(f"<{count}Q", _recv_exact(sock, 8 * count, f"the digests of {blob}", where))
+                raise CacheError(
+                    f"the coordinator's data channel at {where} sent blob {blob!r} with digests that do "
+                    f"not fit it ({count} pieces of {piece} bytes for bytes {off}..{end})"
+                )
+            digests = struct.unpack(
+                f"<{count}Q", _recv_exact(sock, 8 * count, f"the digests of {blob}", where)
+            )
             if off == end:  # an empty blob: nothing follows its header
                 yield blob, off, bytearray(), sha.hex()
             while off < end:
@@ -268,18 +364,27 @@ def _fetch_tcp_once(host: str, port: int, token: str, fingerprint: str, node: st
                 off += len(data)
 
 
-def _fetch(stub, md, fingerprint: str, node: str, blobs: Sequence[str], address: str, first_offset: int = 0
-           ) -> Iterator[tuple[str, int, bytes, str | None]]:
+def _fetch(
+    stub, md, fingerprint: str, node: str, blobs: Sequence[str], address: str, first_offset: int = 0
+) -> Iterator[tuple[str, int, bytes, str | None]]:
     """Chunks of `blobs` in order, blobs[0] from `first_offset`, as `_fetch_tcp` yields them, over
     the gRPC Fetch stream; a corrupt chunk restarts the stream at that chunk."""
-    return _restarting(lambda todo, first: _fetch_once(stub, md, fingerprint, node, todo, address, first),
-                       blobs, first_offset, f"the coordinator at {address}")
+    return _restarting(
+        lambda todo, first: _fetch_once(stub, md, fingerprint, node, todo, address, first),
+        blobs,
+        first_offset,
+        f"the coordinator at {address}",
+    )
 
 
-def _fetch_once(stub, md, fingerprint: str, node: str, blobs: tuple[str, ...], address: str, first_offset: int
-                ) -> Iterator[tuple[str, int, bytes, str | None]]:
+def _fetch_once(
+    stub, md, fingerprint: str, node: str, blobs: tuple[str, ...], address: str, first_offset: int
+) -> Iterator[tuple[str, int, bytes, str | None]]:
     """One Fetch stream: yields checked chunks until the blobs end; _Corrupt at a bad one."""
-    call = stub.Fetch(convert.fetch_request_to_proto(FetchSpec(fingerprint, blobs, node, first_offset)), metadata=md)
+    call = stub.Fetch(
+        convert.fetch_request_to_proto(FetchSpec(fingerprint, blobs, node, first_offset)),
+        metadata=md,
+    )
     try:
         for msg in call:
             c = convert.chunk_from_proto(msg)
@@ -287,7 +392,9 @@ def _fetch_once(stub, md, fingerprint: str, node: str, blobs: tuple[str, ...], a
                 raise _Corrupt(c.blob, c.offset, "crc32")
             yield c.blob, c.offset, c.data, (c.sha256 if c.last else None)
     except grpc.RpcError as exc:
-        raise UnavailableError(f"shipping from the coordinator at {address} stopped: "
-                               f"{exc.code().name}: {exc.details()}") from None
+        raise UnavailableError(
+            f"shipping from the coordinator at {address} stopped: "
+            f"{exc.code().name}: {exc.details()}"
+        ) from None
     finally:
         call.cancel()  # a no-op once the stream has ended; else the coordinator stops sending

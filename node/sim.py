@@ -26,7 +26,9 @@ class SimTask:
     repeats: int = 1  # run the request this many times and report the last (benchmarks)
     expert_cache: str = "off"  # placement.expert_cache: off | SIZE | PCT%
     profile: dict | None = None  # {MoE layer: (selections per expert, tokens)} of a routing profile
-    prefetch: int | None = None  # expert cache read-ahead per layer (node.moe.load.load_shard); None: auto
+    prefetch: int | None = (
+        None  # expert cache read-ahead per layer (node.moe.load.load_shard); None: auto
+    )
     # None: `prompt` alone, as above. Else these prompts run at once in the running batch (`prompt`
     # unused), each token's arrival time kept; timers and counters then cover the steps after
     # every stream has its first token (bench race)
@@ -71,7 +73,13 @@ def _error(rank: int, task: int, exc: BaseException) -> dict:
     """The failure as a value: its kind (an ErrorKind's value) decides how the parent re-raises it."""
     kind = kind_of(exc)
     message = str(exc) if kind is not ErrorKind.INTERNAL else f"{type(exc).__name__}: {exc}"
-    return {"rank": rank, "task": task, "kind": kind.value, "error": message, "traceback": traceback.format_exc()}
+    return {
+        "rank": rank,
+        "task": task,
+        "kind": kind.value,
+        "error": message,
+        "traceback": traceback.format_exc(),
+    }
 
 
 def _collective(job: SimJob):
@@ -89,24 +97,48 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
     from ..proto.records import GenerateRequest
     from .moe.load import load_shard
 
-    placement = Placement.from_json(task.placement_json, job.world_size) if task.placement_json else None
-    sharded = load_shard(task.model, placement, job.rank, keepalive=task.keepalive, collective=collective,
-                         expert_cache=task.expert_cache, profile=task.profile, prefetch=task.prefetch)
+    placement = (
+        Placement.from_json(task.placement_json, job.world_size) if task.placement_json else None
+    )
+    sharded = load_shard(
+        task.model,
+        placement,
+        job.rank,
+        keepalive=task.keepalive,
+        collective=collective,
+        expert_cache=task.expert_cache,
+        profile=task.profile,
+        prefetch=task.prefetch,
+    )
     if task.streams is not None:
         streams = _run_streams(index, task, sharded)
         return {**_report(job, index, sharded), **streams}
-    runtime = NodeRuntime(sharded, limits=BatchLimits(speculative=task.speculative, draft_tokens=task.draft_tokens,
-                                                      draft_model=task.draft_model))
+    runtime = NodeRuntime(
+        sharded,
+        limits=BatchLimits(
+            speculative=task.speculative,
+            draft_tokens=task.draft_tokens,
+            draft_model=task.draft_model,
+        ),
+    )
     result, wall = None, 0.0
     for i in range(task.repeats):
         sharded.state.reset_counters()
         sharded.state.timers.reset()
         result = GenerateResult()
-        req = GenerateRequest(f"sim-{index}-{i}", task.prompt, task.sampling, task.eos_token_ids,
-                              record_logits=task.record_logits and job.rank == 0, prediction=task.prediction)
+        req = GenerateRequest(
+            f"sim-{index}-{i}",
+            task.prompt,
+            task.sampling,
+            task.eos_token_ids,
+            record_logits=task.record_logits and job.rank == 0,
+            prediction=task.prediction,
+        )
         t0 = time.perf_counter()
         for n, _ in enumerate(runtime.generate(req, result=result)):
-            if n == 0:  # from here on timers, counters and the peak cover decode steps only, like generation_seconds
+            if (
+                n == 0
+            ):  # from here on timers, counters and the peak cover decode steps only, like generation_seconds
                 sharded.state.timers.reset()
                 sharded.state.reset_counters()
                 mx.reset_peak_memory()
@@ -180,8 +212,15 @@ def _run_streams(index: int, task: SimTask, sharded) -> dict:
     from .batch import BatchLimits
     from .runtime import GenerateResult, NodeRuntime
 
-    runtime = NodeRuntime(sharded, limits=BatchLimits(max_batch=len(task.streams), speculative=task.speculative,
-                                                      draft_tokens=task.draft_tokens, draft_model=task.draft_model))
+    runtime = NodeRuntime(
+        sharded,
+        limits=BatchLimits(
+            max_batch=len(task.streams),
+            speculative=task.speculative,
+            draft_tokens=task.draft_tokens,
+            draft_model=task.draft_model,
+        ),
+    )
     out: dict = {}
     for i in range(task.repeats):
         sharded.state.reset_counters()
@@ -190,8 +229,13 @@ def _run_streams(index: int, task: SimTask, sharded) -> dict:
         results = [GenerateResult() for _ in task.streams]
         t0 = time.perf_counter()
         for j, (prompt, sink, result) in enumerate(zip(task.streams, sinks, results)):
-            req = GenerateRequest(f"sim-{index}-{i}-{j}", prompt, task.sampling, task.eos_token_ids,
-                                  prediction=task.prediction)
+            req = GenerateRequest(
+                f"sim-{index}-{i}-{j}",
+                prompt,
+                task.sampling,
+                task.eos_token_ids,
+                prediction=task.prediction,
+            )
             runtime.batch.submit(req, runtime.next_seq(), sink, result)
         steps, t_decode = 0, None
         while not all(s.ended for s in sinks):
@@ -205,7 +249,12 @@ def _run_streams(index: int, task: SimTask, sharded) -> dict:
         failed = next((s.error for s in sinks if s.error is not None), None)
         if failed is not None:
             raise failed
-        out = {"t0": t0, "tokens": [r.tokens for r in results], "times": [s.times for s in sinks],
-               "figures": [vars(r.figures) for r in results],
-               "decode_steps": steps, "decode_seconds": time.perf_counter() - (t_decode or t0)}
+        out = {
+            "t0": t0,
+            "tokens": [r.tokens for r in results],
+            "times": [s.times for s in sinks],
+            "figures": [vars(r.figures) for r in results],
+            "decode_steps": steps,
+            "decode_seconds": time.perf_counter() - (t_decode or t0),
+        }
     return out

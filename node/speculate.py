@@ -44,8 +44,9 @@ def lookup(history: Sequence[int], k: int, max_ngram: int = MAX_NGRAM) -> list[i
     return []
 
 
-def predicted(prediction: Sequence[int], history: Sequence[int], done: int, k: int,
-              max_ngram: int = MAX_NGRAM) -> list[int]:
+def predicted(
+    prediction: Sequence[int], history: Sequence[int], done: int, k: int, max_ngram: int = MAX_NGRAM
+) -> list[int]:
     """Up to `k` drafts from a predicted output (OpenAI's `prediction`) after `done` tokens of
     output: where the history's suffix n-gram occurs in the prediction, the tokens after it, taking
     the occurrence nearest where the output would stand if it followed the prediction; the
@@ -181,9 +182,13 @@ class Drafter:
             raise UserError(f"the draft model {path} cannot be a draft: {why}")
         rows = embedding_rows(self.model)
         if rows > vocab:
-            raise UserError(f"the draft model {path} has {rows} tokens, more than the model's {vocab}: "
-                            "it must share the model's tokenizer")
-        self.caches: dict[int, tuple[list, int]] = {}  # seq -> (draft cache, history tokens it holds)
+            raise UserError(
+                f"the draft model {path} has {rows} tokens, more than the model's {vocab}: "
+                "it must share the model's tokenizer"
+            )
+        self.caches: dict[
+            int, tuple[list, int]
+        ] = {}  # seq -> (draft cache, history tokens it holds)
 
     def guess(self, seq: int, history: Sequence[int], k: int) -> list[int]:
         """Up to `k` greedy guesses after `history` (the draft reads what it has not yet)."""

@@ -8,6 +8,7 @@ import mlx.nn as nn
 
 from ..proto.errors import UserError
 
+
 def embedding_rows(model: nn.Module) -> int:
     """Rows of the model's first token embedding (plain or quantized): ids must be below this.
 

@@ -27,7 +27,11 @@ ENVOY_EXCHANGE = f"/{_ENVOY.full_name}/Exchange"
 ENVOY_HEALTH = f"/{_ENVOY.full_name}/Health"
 ENVOY_SERVICE = _ENVOY.full_name
 
-_DTYPE_TO_PB = {"float32": epb.DTYPE_FLOAT32, "float16": epb.DTYPE_FLOAT16, "bfloat16": epb.DTYPE_BFLOAT16}
+_DTYPE_TO_PB = {
+    "float32": epb.DTYPE_FLOAT32,
+    "float16": epb.DTYPE_FLOAT16,
+    "bfloat16": epb.DTYPE_BFLOAT16,
+}
 _DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
 
 
@@ -44,7 +48,9 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-_PAYLOAD_TAG = bytes([(epb.Frame.DESCRIPTOR.fields_by_name["payload"].number << 3) | 2])  # length-delimited
+_PAYLOAD_TAG = bytes(
+    [(epb.Frame.DESCRIPTOR.fields_by_name["payload"].number << 3) | 2]
+)  # length-delimited
 
 
 def frame_to_wire(item: Frame | Hello) -> bytes:
@@ -54,11 +60,23 @@ def frame_to_wire(item: Frame | Hello) -> bytes:
     appended as its length-delimited field, so it is copied once, into the result.
     """
     if isinstance(item, Hello):
-        return epb.Frame(hello=epb.Hello(rank=item.rank, world_size=item.world_size, protocol=item.protocol,
-                                         data_port=item.data_port, data_token=item.data_token)).SerializeToString()
+        return epb.Frame(
+            hello=epb.Hello(
+                rank=item.rank,
+                world_size=item.world_size,
+                protocol=item.protocol,
+                data_port=item.data_port,
+                data_token=item.data_token,
+            )
+        ).SerializeToString()
     header = epb.Frame(
-        request_id=item.request_id, step=item.step, layer=item.layer, rank=item.rank,
-        dtype=_DTYPE_TO_PB[item.dtype], shape=item.shape, checksum=item.checksum,
+        request_id=item.request_id,
+        step=item.step,
+        layer=item.layer,
+        rank=item.rank,
+        dtype=_DTYPE_TO_PB[item.dtype],
+        shape=item.shape,
+        checksum=item.checksum,
     ).SerializeToString()
     payload = memoryview(item.payload).cast("B")
     return b"".join((header, _PAYLOAD_TAG, _varint(payload.nbytes), payload))
@@ -73,7 +91,16 @@ def frame_from_wire(data: bytes) -> Frame | Hello:
     dtype = _DTYPE_FROM_PB.get(msg.dtype)
     if dtype is None:
         raise ConvertError(f"frame from rank {msg.rank} has unknown dtype {msg.dtype}")
-    return Frame(msg.request_id, msg.step, msg.layer, msg.rank, dtype, tuple(msg.shape), msg.checksum, msg.payload)
+    return Frame(
+        msg.request_id,
+        msg.step,
+        msg.layer,
+        msg.rank,
+        dtype,
+        tuple(msg.shape),
+        msg.checksum,
+        msg.payload,
+    )
 
 
 def envoy_health_request_to_wire(_: Any = None) -> bytes:
@@ -86,27 +113,50 @@ def envoy_health_request_from_wire(data: bytes) -> None:
 
 def envoy_health_to_wire(health: dict) -> bytes:
     """{"rank", "world_size", "connected", "whole", "data_channel"} -> serialized EnvoyHealth."""
-    return epb.EnvoyHealth(rank=health["rank"], world_size=health["world_size"],
-                           connected=sorted(health["connected"]), whole=health["whole"],
-                           data_channel=sorted(health.get("data_channel", ()))).SerializeToString()
+    return epb.EnvoyHealth(
+        rank=health["rank"],
+        world_size=health["world_size"],
+        connected=sorted(health["connected"]),
+        whole=health["whole"],
+        data_channel=sorted(health.get("data_channel", ())),
+    ).SerializeToString()
 
 
 def envoy_health_from_wire(data: bytes) -> dict:
     msg = epb.EnvoyHealth.FromString(data)
-    return {"rank": msg.rank, "world_size": msg.world_size, "connected": list(msg.connected), "whole": msg.whole,
-            "data_channel": list(msg.data_channel)}
+    return {
+        "rank": msg.rank,
+        "world_size": msg.world_size,
+        "connected": list(msg.connected),
+        "whole": msg.whole,
+        "data_channel": list(msg.data_channel),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # Coordinator <-> node
 
-_KEEPALIVE_TO_PB = {"none": npb.KEEPALIVE_NONE, "lru": npb.KEEPALIVE_LRU, "busy": npb.KEEPALIVE_BUSY}
+_KEEPALIVE_TO_PB = {
+    "none": npb.KEEPALIVE_NONE,
+    "lru": npb.KEEPALIVE_LRU,
+    "busy": npb.KEEPALIVE_BUSY,
+}
 _KEEPALIVE_FROM_PB = {v: k for k, v in _KEEPALIVE_TO_PB.items()}
-_STATE_TO_PB = {"idle": npb.NODE_STATE_IDLE, "loading": npb.NODE_STATE_LOADING, "ready": npb.NODE_STATE_READY,
-                "busy": npb.NODE_STATE_BUSY, "failed": npb.NODE_STATE_FAILED, "stopping": npb.NODE_STATE_STOPPING}
+_STATE_TO_PB = {
+    "idle": npb.NODE_STATE_IDLE,
+    "loading": npb.NODE_STATE_LOADING,
+    "ready": npb.NODE_STATE_READY,
+    "busy": npb.NODE_STATE_BUSY,
+    "failed": npb.NODE_STATE_FAILED,
+    "stopping": npb.NODE_STATE_STOPPING,
+}
 _STATE_FROM_PB = {v: k for k, v in _STATE_TO_PB.items()}
-_FINISH_TO_PB = {"stop": npb.FINISH_REASON_STOP, "length": npb.FINISH_REASON_LENGTH,
-                 "cancelled": npb.FINISH_REASON_CANCELLED, "error": npb.FINISH_REASON_ERROR}
+_FINISH_TO_PB = {
+    "stop": npb.FINISH_REASON_STOP,
+    "length": npb.FINISH_REASON_LENGTH,
+    "cancelled": npb.FINISH_REASON_CANCELLED,
+    "error": npb.FINISH_REASON_ERROR,
+}
 _FINISH_FROM_PB = {v: k for k, v in _FINISH_TO_PB.items()}
 
 
@@ -114,7 +164,9 @@ def _lookup(table: dict, key, what: str):
     try:
         return table[key]
     except KeyError:
-        raise ConvertError(f"unknown {what} {key!r} (expected one of {', '.join(map(str, table))})") from None
+        raise ConvertError(
+            f"unknown {what} {key!r} (expected one of {', '.join(map(str, table))})"
+        ) from None
 
 
 def placement_to_proto(p: Placement) -> npb.Placement:
@@ -129,10 +181,18 @@ def placement_to_proto(p: Placement) -> npb.Placement:
 def placement_from_proto(msg: npb.Placement) -> Placement:
     from .placement import Placement
 
-    layers = {int(layer): {int(rank): tuple(e.ids) for rank, e in sorted(lp.ranks.items())}
-              for layer, lp in sorted(msg.layers.items())}
-    return Placement.from_json({"layers": {str(k): {str(r): list(v) for r, v in ranks.items()}
-                                           for k, ranks in layers.items()}}, msg.world_size)
+    layers = {
+        int(layer): {int(rank): tuple(e.ids) for rank, e in sorted(lp.ranks.items())}
+        for layer, lp in sorted(msg.layers.items())
+    }
+    return Placement.from_json(
+        {
+            "layers": {
+                str(k): {str(r): list(v) for r, v in ranks.items()} for k, ranks in layers.items()
+            }
+        },
+        msg.world_size,
+    )
 
 
 def transport_to_proto(spec: Any) -> npb.Transport:
@@ -140,18 +200,33 @@ def transport_to_proto(spec: Any) -> npb.Transport:
     from .transport import EnvoySpec, MlxSpec
 
     if isinstance(spec, EnvoySpec):
-        return npb.Transport(envoy=npb.EnvoyTransport(peers=spec.addresses, listen=spec.listen, tls=spec.tls is not None,
-                                                      data_port=spec.data_port))
+        return npb.Transport(
+            envoy=npb.EnvoyTransport(
+                peers=spec.addresses,
+                listen=spec.listen,
+                tls=spec.tls is not None,
+                data_port=spec.data_port,
+            )
+        )
     if isinstance(spec, MlxSpec):
-        return npb.Transport(mlx=npb.MlxTransport(
-            backend=spec.backend, hosts=[npb.MlxHost(addresses=h) for h in spec.hosts],
-            jaccl_coordinator=spec.jaccl_coordinator,
-            jaccl_devices=[npb.MlxHost(addresses=[d or "" for d in row]) for row in spec.jaccl_devices],
-        ))
-    raise ConvertError(f"transport {type(spec).__name__} cannot be sent to a node (envoy or mlx only)")
+        return npb.Transport(
+            mlx=npb.MlxTransport(
+                backend=spec.backend,
+                hosts=[npb.MlxHost(addresses=h) for h in spec.hosts],
+                jaccl_coordinator=spec.jaccl_coordinator,
+                jaccl_devices=[
+                    npb.MlxHost(addresses=[d or "" for d in row]) for row in spec.jaccl_devices
+                ],
+            )
+        )
+    raise ConvertError(
+        f"transport {type(spec).__name__} cannot be sent to a node (envoy or mlx only)"
+    )
 
 
-def transport_from_proto(msg: npb.Transport, *, timeout_s: float, secret: str = "", tls: Any = None) -> Any:
+def transport_from_proto(
+    msg: npb.Transport, *, timeout_s: float, secret: str = "", tls: Any = None
+) -> Any:
     """Transport -> EnvoySpec or MlxSpec. The secret and TLS files are the node's own configuration."""
     from .transport import EnvoySpec, MlxSpec
     from .records import COLLECTIVE_TIMEOUT_S
@@ -162,32 +237,55 @@ def transport_from_proto(msg: npb.Transport, *, timeout_s: float, secret: str = 
         e = msg.envoy
         if e.tls and tls is None:
             raise ConvertError("transport asks for TLS but this node has no TLS files configured")
-        return EnvoySpec(tuple(e.peers), secret=secret, listen=e.listen, timeout_s=timeout_s,
-                         tls=tls if e.tls else None, data_port=e.data_port)
+        return EnvoySpec(
+            tuple(e.peers),
+            secret=secret,
+            listen=e.listen,
+            timeout_s=timeout_s,
+            tls=tls if e.tls else None,
+            data_port=e.data_port,
+        )
     if kind == "mlx":
         m = msg.mlx
-        return MlxSpec(tuple(tuple(h.addresses) for h in m.hosts), backend=m.backend or "ring", timeout_s=timeout_s,
-                       jaccl_coordinator=m.jaccl_coordinator,
-                       jaccl_devices=tuple(tuple(d or None for d in row.addresses) for row in m.jaccl_devices))
+        return MlxSpec(
+            tuple(tuple(h.addresses) for h in m.hosts),
+            backend=m.backend or "ring",
+            timeout_s=timeout_s,
+            jaccl_coordinator=m.jaccl_coordinator,
+            jaccl_devices=tuple(tuple(d or None for d in row.addresses) for row in m.jaccl_devices),
+        )
     raise ConvertError("transport is empty (expected envoy or mlx)")
 
 
 def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
     msg = npb.LoadRequest(
-        model=spec.model, rank=spec.rank, world_size=spec.world_size,
+        model=spec.model,
+        rank=spec.rank,
+        world_size=spec.world_size,
         keepalive=_lookup(_KEEPALIVE_TO_PB, spec.keepalive, "keepalive"),
         transport=transport_to_proto(spec.transport),
-        collective_timeout_s=spec.transport.timeout_s, prefill_step=spec.prefill_step,
-        prompt_cache_bytes=spec.prompt_cache_bytes, expert_cache=spec.expert_cache,
-        max_batch=spec.max_batch, prefill_budget=spec.prefill_budget, kv_budget_bytes=spec.kv_budget_bytes,
-        route=spec.route, speculative=spec.speculative, draft_tokens=spec.draft_tokens,
+        collective_timeout_s=spec.transport.timeout_s,
+        prefill_step=spec.prefill_step,
+        prompt_cache_bytes=spec.prompt_cache_bytes,
+        expert_cache=spec.expert_cache,
+        max_batch=spec.max_batch,
+        prefill_budget=spec.prefill_budget,
+        kv_budget_bytes=spec.kv_budget_bytes,
+        route=spec.route,
+        speculative=spec.speculative,
+        draft_tokens=spec.draft_tokens,
         draft_model=spec.draft_model,
     )
     if spec.placement is not None:
         msg.placement.CopyFrom(placement_to_proto(spec.placement))
     if spec.ship is not None:
-        msg.ship.CopyFrom(npb.ShipSource(fingerprint=spec.ship.fingerprint, address=spec.ship.address))
-    msg.heat.extend(npb.LayerHeat(layer=layer, selections=list(counts), tokens=tokens) for layer, counts, tokens in spec.heat)
+        msg.ship.CopyFrom(
+            npb.ShipSource(fingerprint=spec.ship.fingerprint, address=spec.ship.address)
+        )
+    msg.heat.extend(
+        npb.LayerHeat(layer=layer, selections=list(counts), tokens=tokens)
+        for layer, counts, tokens in spec.heat
+    )
     return msg
 
 
@@ -195,7 +293,9 @@ def _speculative(mode: str) -> str:
     from .records import SPECULATIVE_MODES
 
     if mode and mode not in SPECULATIVE_MODES:
-        raise ConvertError(f"LoadRequest.speculative {mode!r} is not one of {', '.join(SPECULATIVE_MODES)}")
+        raise ConvertError(
+            f"LoadRequest.speculative {mode!r} is not one of {', '.join(SPECULATIVE_MODES)}"
+        )
     return mode or "off"
 
 
@@ -208,18 +308,33 @@ def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any 
         raise ConvertError("LoadRequest.model is empty")
     if msg.world_size < 1 or msg.rank >= msg.world_size:
         raise ConvertError(f"LoadRequest rank {msg.rank} is not below world_size {msg.world_size}")
-    keepalive = "lru" if msg.keepalive == npb.KEEPALIVE_UNSPECIFIED else _lookup(_KEEPALIVE_FROM_PB, msg.keepalive, "keepalive")
-    transport = transport_from_proto(msg.transport, timeout_s=msg.collective_timeout_s, secret=secret, tls=tls)
+    keepalive = (
+        "lru"
+        if msg.keepalive == npb.KEEPALIVE_UNSPECIFIED
+        else _lookup(_KEEPALIVE_FROM_PB, msg.keepalive, "keepalive")
+    )
+    transport = transport_from_proto(
+        msg.transport, timeout_s=msg.collective_timeout_s, secret=secret, tls=tls
+    )
     return LoadSpec(
-        model=msg.model, rank=msg.rank, world_size=msg.world_size,
+        model=msg.model,
+        rank=msg.rank,
+        world_size=msg.world_size,
         placement=placement_from_proto(msg.placement) if msg.HasField("placement") else None,
-        keepalive=keepalive, transport=transport, prefill_step=msg.prefill_step or DEFAULT_PREFILL_STEP,
-        prompt_cache_bytes=msg.prompt_cache_bytes, ship=_ship_from_proto(msg), expert_cache=msg.expert_cache or "off",
-        max_batch=msg.max_batch or LoadSpec.max_batch, prefill_budget=msg.prefill_budget or LoadSpec.prefill_budget,
+        keepalive=keepalive,
+        transport=transport,
+        prefill_step=msg.prefill_step or DEFAULT_PREFILL_STEP,
+        prompt_cache_bytes=msg.prompt_cache_bytes,
+        ship=_ship_from_proto(msg),
+        expert_cache=msg.expert_cache or "off",
+        max_batch=msg.max_batch or LoadSpec.max_batch,
+        prefill_budget=msg.prefill_budget or LoadSpec.prefill_budget,
         kv_budget_bytes=msg.kv_budget_bytes,
         heat=tuple((h.layer, tuple(h.selections), h.tokens) for h in msg.heat),
-        route=msg.route or "measure", speculative=_speculative(msg.speculative),
-        draft_tokens=msg.draft_tokens or LoadSpec.draft_tokens, draft_model=msg.draft_model,
+        route=msg.route or "measure",
+        speculative=_speculative(msg.speculative),
+        draft_tokens=msg.draft_tokens or LoadSpec.draft_tokens,
+        draft_model=msg.draft_model,
     )
 
 
@@ -239,7 +354,9 @@ def _ship_from_proto(msg: npb.LoadRequest):
 
 # ErrorKind <-> its wire enum, by name; UNSPECIFIED (a sender that set none) reads as INTERNAL
 _KIND_TO_PB = {k: npb.ErrorKind.Value(f"ERROR_KIND_{k.name}") for k in ErrorKind}
-_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()} | {npb.ERROR_KIND_UNSPECIFIED: ErrorKind.INTERNAL}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()} | {
+    npb.ERROR_KIND_UNSPECIFIED: ErrorKind.INTERNAL
+}
 
 
 def _error_to_proto(error: NodeError) -> npb.Error:
@@ -253,7 +370,9 @@ def _error_from_proto(msg: npb.Error) -> NodeError:
 
 
 def load_progress_to_proto(p: LoadProgress) -> npb.LoadProgress:
-    msg = npb.LoadProgress(bytes_loaded=p.bytes_loaded, bytes_total=p.bytes_total, phase=p.phase, done=p.done)
+    msg = npb.LoadProgress(
+        bytes_loaded=p.bytes_loaded, bytes_total=p.bytes_total, phase=p.phase, done=p.done
+    )
     if p.error is not None:
         msg.error.CopyFrom(_error_to_proto(p.error))
     return msg
@@ -262,28 +381,45 @@ def load_progress_to_proto(p: LoadProgress) -> npb.LoadProgress:
 def load_progress_from_proto(msg: npb.LoadProgress) -> LoadProgress:
     from .records import LoadProgress
 
-    return LoadProgress(msg.bytes_loaded, msg.bytes_total, msg.phase, msg.done,
-                        _error_from_proto(msg.error) if msg.HasField("error") else None)
+    return LoadProgress(
+        msg.bytes_loaded,
+        msg.bytes_total,
+        msg.phase,
+        msg.done,
+        _error_from_proto(msg.error) if msg.HasField("error") else None,
+    )
 
 
 def generate_request_to_proto(req: GenerateRequest) -> npb.GenerateRequest:
     s = req.sampling
     try:  # protobuf refuses values its fields cannot hold (a negative id, a seed past uint64)
-        msg = npb.GenerateRequest(request_id=req.request_id, prompt=list(req.prompt), max_tokens=s.max_tokens,
-                                  temperature=s.temperature, top_p=s.top_p, eos_token_ids=list(req.eos_token_ids),
-                                  seq=req.seq, sampler_step=s.step, prediction=list(req.prediction),
-                                  quiet=req.quiet,
-                                  stop_sequences=[npb.Tokens(ids=list(t)) for t in req.stop_sequences])
+        msg = npb.GenerateRequest(
+            request_id=req.request_id,
+            prompt=list(req.prompt),
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            eos_token_ids=list(req.eos_token_ids),
+            seq=req.seq,
+            sampler_step=s.step,
+            prediction=list(req.prediction),
+            quiet=req.quiet,
+            stop_sequences=[npb.Tokens(ids=list(t)) for t in req.stop_sequences],
+        )
         if s.seed is not None:
             msg.seed = s.seed
         if req.draft_tokens is not None:
             msg.draft_tokens = req.draft_tokens
     except (ValueError, TypeError) as exc:
-        raise ConvertError(f"GenerateRequest {req.request_id} does not fit the wire format: {exc}") from None
+        raise ConvertError(
+            f"GenerateRequest {req.request_id} does not fit the wire format: {exc}"
+        ) from None
     return msg
 
 
-def generate_request_from_proto(msg: npb.GenerateRequest, *, prefill_step: int | None = None) -> GenerateRequest:
+def generate_request_from_proto(
+    msg: npb.GenerateRequest, *, prefill_step: int | None = None
+) -> GenerateRequest:
     """GenerateRequest -> node.runtime.GenerateRequest; the prefill chunk comes from the Load."""
     from .records import DEFAULT_PREFILL_STEP, Sampling
     from .records import GenerateRequest
@@ -298,11 +434,18 @@ def generate_request_from_proto(msg: npb.GenerateRequest, *, prefill_step: int |
         sampling.check()
     except ValueError as exc:
         raise ConvertError(f"GenerateRequest {msg.request_id}: {exc}") from exc
-    return GenerateRequest(msg.request_id, tuple(msg.prompt), sampling, tuple(msg.eos_token_ids),
-                           prefill_step or DEFAULT_PREFILL_STEP, seq=msg.seq,
-                           draft_tokens=msg.draft_tokens if msg.HasField("draft_tokens") else None,
-                           prediction=tuple(msg.prediction), quiet=msg.quiet,
-                           stop_sequences=tuple(tuple(t.ids) for t in msg.stop_sequences if t.ids))
+    return GenerateRequest(
+        msg.request_id,
+        tuple(msg.prompt),
+        sampling,
+        tuple(msg.eos_token_ids),
+        prefill_step or DEFAULT_PREFILL_STEP,
+        seq=msg.seq,
+        draft_tokens=msg.draft_tokens if msg.HasField("draft_tokens") else None,
+        prediction=tuple(msg.prediction),
+        quiet=msg.quiet,
+        stop_sequences=tuple(tuple(t.ids) for t in msg.stop_sequences if t.ids),
+    )
 
 
 def generate_event_to_proto(event: GenerateEvent) -> npb.GenerateEvent:
@@ -312,14 +455,21 @@ def generate_event_to_proto(event: GenerateEvent) -> npb.GenerateEvent:
         return npb.GenerateEvent(tokens=npb.Tokens(ids=list(event.ids)))
     if isinstance(event, GenerateDone):
         t = event.timings
-        return npb.GenerateEvent(done=npb.GenerateDone(
-            finish_reason=_lookup(_FINISH_TO_PB, event.finish_reason, "finish reason"),
-            prompt_tokens=event.prompt_tokens, cached_tokens=event.cached_tokens,
-            generated_tokens=event.generated_tokens,
-            timings=npb.Timings(prompt_s=t.prompt_s, generation_s=t.generation_s, collective_s=t.collective_s,
-                                queue_s=t.queue_s),
-            counters=dict(event.counters),
-        ))
+        return npb.GenerateEvent(
+            done=npb.GenerateDone(
+                finish_reason=_lookup(_FINISH_TO_PB, event.finish_reason, "finish reason"),
+                prompt_tokens=event.prompt_tokens,
+                cached_tokens=event.cached_tokens,
+                generated_tokens=event.generated_tokens,
+                timings=npb.Timings(
+                    prompt_s=t.prompt_s,
+                    generation_s=t.generation_s,
+                    collective_s=t.collective_s,
+                    queue_s=t.queue_s,
+                ),
+                counters=dict(event.counters),
+            )
+        )
     if isinstance(event, NodeError):
         return npb.GenerateEvent(error=_error_to_proto(event))
     raise ConvertError(f"not a generate event: {type(event).__name__}")
@@ -335,8 +485,11 @@ def generate_event_from_proto(msg: npb.GenerateEvent) -> GenerateEvent:
         d, t = msg.done, msg.done.timings
         return GenerateDone(
             finish_reason=_lookup(_FINISH_FROM_PB, d.finish_reason, "finish reason"),
-            prompt_tokens=d.prompt_tokens, cached_tokens=d.cached_tokens, generated_tokens=d.generated_tokens,
-            timings=Timings(t.prompt_s, t.generation_s, t.collective_s, t.queue_s), counters=dict(d.counters),
+            prompt_tokens=d.prompt_tokens,
+            cached_tokens=d.cached_tokens,
+            generated_tokens=d.generated_tokens,
+            timings=Timings(t.prompt_s, t.generation_s, t.collective_s, t.queue_s),
+            counters=dict(d.counters),
         )
     if kind == "error":
         return _error_from_proto(msg.error)
@@ -387,7 +540,9 @@ def shutdown_reply_to_proto() -> npb.ShutdownReply:
 
 
 def health_to_proto(h: Health) -> npb.HealthReply:
-    return npb.HealthReply(ok=h.ok, state=_lookup(_STATE_TO_PB, h.state, "node state"), reason=h.reason)
+    return npb.HealthReply(
+        ok=h.ok, state=_lookup(_STATE_TO_PB, h.state, "node state"), reason=h.reason
+    )
 
 
 def health_from_proto(msg: npb.HealthReply) -> Health:
@@ -399,16 +554,33 @@ def health_from_proto(msg: npb.HealthReply) -> Health:
 def status_to_proto(s: NodeStatus) -> npb.NodeStatus:
     m = s.memory
     return npb.NodeStatus(
-        state=_lookup(_STATE_TO_PB, s.state, "node state"), model=s.model, rank=s.rank, world_size=s.world_size,
-        memory=npb.Memory(device_bytes=m.device_bytes, budget_bytes=m.budget_bytes, used_bytes=m.used_bytes,
-                          peak_bytes=m.peak_bytes),
-        device=s.device, backend=s.backend, experts_per_layer=dict(s.experts_per_layer), counters=dict(s.counters),
-        uptime_s=s.uptime_s, pid=s.pid, queue_depth=s.queue_depth,
-        allreduce=npb.AllreduceHistogram(bounds=s.allreduce.bounds, counts=s.allreduce.counts, sum_s=s.allreduce.sum_s)
-        if s.allreduce is not None else None,
+        state=_lookup(_STATE_TO_PB, s.state, "node state"),
+        model=s.model,
+        rank=s.rank,
+        world_size=s.world_size,
+        memory=npb.Memory(
+            device_bytes=m.device_bytes,
+            budget_bytes=m.budget_bytes,
+            used_bytes=m.used_bytes,
+            peak_bytes=m.peak_bytes,
+        ),
+        device=s.device,
+        backend=s.backend,
+        experts_per_layer=dict(s.experts_per_layer),
+        counters=dict(s.counters),
+        uptime_s=s.uptime_s,
+        pid=s.pid,
+        queue_depth=s.queue_depth,
+        allreduce=npb.AllreduceHistogram(
+            bounds=s.allreduce.bounds, counts=s.allreduce.counts, sum_s=s.allreduce.sum_s
+        )
+        if s.allreduce is not None
+        else None,
         routing=[npb.LayerRouting(layer=r.layer, held=r.held, tokens=r.tokens) for r in s.routing],
         expert_cache=[npb.ExpertCacheLayer(**vars(c)) for c in s.expert_cache],
-        route=s.route, route_us=dict(s.route_us), speculative=s.speculative,
+        route=s.route,
+        route_us=dict(s.route_us),
+        speculative=s.speculative,
     )
 
 
@@ -417,17 +589,40 @@ def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
 
     m, a = msg.memory, msg.allreduce
     return NodeStatus(
-        state=_lookup(_STATE_FROM_PB, msg.state, "node state"), model=msg.model, rank=msg.rank,
-        world_size=msg.world_size, memory=Memory(m.device_bytes, m.budget_bytes, m.used_bytes, m.peak_bytes),
-        device=msg.device, backend=msg.backend,
+        state=_lookup(_STATE_FROM_PB, msg.state, "node state"),
+        model=msg.model,
+        rank=msg.rank,
+        world_size=msg.world_size,
+        memory=Memory(m.device_bytes, m.budget_bytes, m.used_bytes, m.peak_bytes),
+        device=msg.device,
+        backend=msg.backend,
         experts_per_layer={int(k): int(v) for k, v in sorted(msg.experts_per_layer.items())},
-        counters=dict(sorted(msg.counters.items())), uptime_s=msg.uptime_s, pid=msg.pid, queue_depth=msg.queue_depth,
-        allreduce=AllreduceHistogram(tuple(a.bounds), tuple(a.counts), a.sum_s) if msg.HasField("allreduce") else None,
+        counters=dict(sorted(msg.counters.items())),
+        uptime_s=msg.uptime_s,
+        pid=msg.pid,
+        queue_depth=msg.queue_depth,
+        allreduce=AllreduceHistogram(tuple(a.bounds), tuple(a.counts), a.sum_s)
+        if msg.HasField("allreduce")
+        else None,
         routing=tuple(LayerRouting(r.layer, tuple(r.held), tuple(r.tokens)) for r in msg.routing),
-        expert_cache=tuple(ExpertCacheLayer(c.layer, c.capacity, c.local, c.hits, c.misses, c.bytes_read, c.read_seconds,
-                                            c.prefetched, c.prefetch_hits, c.prefetch_bytes)
-                           for c in msg.expert_cache),
-        route=msg.route, route_us=dict(sorted(msg.route_us.items())), speculative=msg.speculative,
+        expert_cache=tuple(
+            ExpertCacheLayer(
+                c.layer,
+                c.capacity,
+                c.local,
+                c.hits,
+                c.misses,
+                c.bytes_read,
+                c.read_seconds,
+                c.prefetched,
+                c.prefetch_hits,
+                c.prefetch_bytes,
+            )
+            for c in msg.expert_cache
+        ),
+        route=msg.route,
+        route_us=dict(sorted(msg.route_us.items())),
+        speculative=msg.speculative,
     )
 
 
@@ -495,8 +690,13 @@ def data_channel_from_proto(msg) -> tuple[int, str]:
 def fetch_request_to_proto(spec):
     from . import ship_pb2 as spb
 
-    return spb.FetchRequest(fingerprint=spec.fingerprint, blobs=list(spec.blobs), node=spec.node,
-                            first_offset=spec.first_offset, chunk_bytes=spec.chunk_bytes)
+    return spb.FetchRequest(
+        fingerprint=spec.fingerprint,
+        blobs=list(spec.blobs),
+        node=spec.node,
+        first_offset=spec.first_offset,
+        chunk_bytes=spec.chunk_bytes,
+    )
 
 
 def fetch_request_from_proto(msg):
@@ -514,4 +714,6 @@ def chunk_to_proto(blob: str, offset: int, data: bytes, crc32: int, last: bool, 
 def chunk_from_proto(msg):
     from .records import ShipChunk
 
-    return ShipChunk(msg.blob, msg.offset, msg.data, msg.crc32, msg.last, msg.sha256)  # each read of msg.data copies it: once
+    return ShipChunk(
+        msg.blob, msg.offset, msg.data, msg.crc32, msg.last, msg.sha256
+    )  # each read of msg.data copies it: once

@@ -39,16 +39,31 @@ class KindMapping:
 
 # The one table: every kind, its HTTP status, OpenAI type/code and gRPC status code.
 KINDS: dict[ErrorKind, KindMapping] = {
-    ErrorKind.INVALID_INPUT: KindMapping(400, "invalid_request_error", "invalid_input", grpc.StatusCode.INVALID_ARGUMENT),
-    ErrorKind.NOT_FOUND: KindMapping(404, "invalid_request_error", "not_found", grpc.StatusCode.NOT_FOUND),
-    ErrorKind.UNAUTHENTICATED: KindMapping(401, "authentication_error", "invalid_api_key",
-                                           grpc.StatusCode.UNAUTHENTICATED),
-    ErrorKind.BUSY: KindMapping(429, "rate_limit_error", "queue_full", grpc.StatusCode.RESOURCE_EXHAUSTED),
-    ErrorKind.UNAVAILABLE: KindMapping(503, "service_unavailable", "cluster_degraded", grpc.StatusCode.UNAVAILABLE),
-    ErrorKind.NOT_READY: KindMapping(503, "service_unavailable", "not_ready", grpc.StatusCode.FAILED_PRECONDITION),
-    ErrorKind.TIMEOUT: KindMapping(504, "server_error", "timeout", grpc.StatusCode.DEADLINE_EXCEEDED),
+    ErrorKind.INVALID_INPUT: KindMapping(
+        400, "invalid_request_error", "invalid_input", grpc.StatusCode.INVALID_ARGUMENT
+    ),
+    ErrorKind.NOT_FOUND: KindMapping(
+        404, "invalid_request_error", "not_found", grpc.StatusCode.NOT_FOUND
+    ),
+    ErrorKind.UNAUTHENTICATED: KindMapping(
+        401, "authentication_error", "invalid_api_key", grpc.StatusCode.UNAUTHENTICATED
+    ),
+    ErrorKind.BUSY: KindMapping(
+        429, "rate_limit_error", "queue_full", grpc.StatusCode.RESOURCE_EXHAUSTED
+    ),
+    ErrorKind.UNAVAILABLE: KindMapping(
+        503, "service_unavailable", "cluster_degraded", grpc.StatusCode.UNAVAILABLE
+    ),
+    ErrorKind.NOT_READY: KindMapping(
+        503, "service_unavailable", "not_ready", grpc.StatusCode.FAILED_PRECONDITION
+    ),
+    ErrorKind.TIMEOUT: KindMapping(
+        504, "server_error", "timeout", grpc.StatusCode.DEADLINE_EXCEEDED
+    ),
     ErrorKind.CANCELLED: KindMapping(499, "server_error", "cancelled", grpc.StatusCode.CANCELLED),
-    ErrorKind.INTERNAL: KindMapping(500, "server_error", "internal_error", grpc.StatusCode.INTERNAL),
+    ErrorKind.INTERNAL: KindMapping(
+        500, "server_error", "internal_error", grpc.StatusCode.INTERNAL
+    ),
 }
 
 _BY_GRPC = {m.grpc: kind for kind, m in KINDS.items()}
@@ -81,7 +96,9 @@ class MoeClusterError(Exception):
     """Base of every error the project raises on purpose; `kind` says how callers should react."""
 
     kind: ClassVar[ErrorKind] = ErrorKind.INTERNAL
-    retry_after_s: float | None = None  # seconds a client should wait before trying again (HTTP Retry-After)
+    retry_after_s: float | None = (
+        None  # seconds a client should wait before trying again (HTTP Retry-After)
+    )
 
 
 class UserError(MoeClusterError, ValueError):
@@ -130,9 +147,15 @@ class InternalError(MoeClusterError):
 
 
 _CLASS_OF_KIND: dict[ErrorKind, type[MoeClusterError]] = {
-    ErrorKind.INVALID_INPUT: UserError, ErrorKind.NOT_FOUND: NotFoundError, ErrorKind.UNAUTHENTICATED: AuthError,
-    ErrorKind.BUSY: BusyError, ErrorKind.NOT_READY: NotReadyError, ErrorKind.UNAVAILABLE: UnavailableError,
-    ErrorKind.TIMEOUT: DeadlineError, ErrorKind.CANCELLED: CancelledError, ErrorKind.INTERNAL: InternalError,
+    ErrorKind.INVALID_INPUT: UserError,
+    ErrorKind.NOT_FOUND: NotFoundError,
+    ErrorKind.UNAUTHENTICATED: AuthError,
+    ErrorKind.BUSY: BusyError,
+    ErrorKind.NOT_READY: NotReadyError,
+    ErrorKind.UNAVAILABLE: UnavailableError,
+    ErrorKind.TIMEOUT: DeadlineError,
+    ErrorKind.CANCELLED: CancelledError,
+    ErrorKind.INTERNAL: InternalError,
 }
 
 

@@ -12,8 +12,18 @@ from typing import Mapping
 
 from .errors import UserError
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 @dataclass(frozen=True)
@@ -44,7 +54,9 @@ class ExpertCacheSpec:
             return cls("fraction", pct / 100)
         m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", s)
         if not m or m[2] not in _UNITS or float(m[1]) <= 0:
-            raise UserError(f"expert_cache must be off, auto, a size (8GB) or a percent (50%) (got {text!r})")
+            raise UserError(
+                f"expert_cache must be off, auto, a size (8GB) or a percent (50%) (got {text!r})"
+            )
         return cls("bytes", float(m[1]) * _UNITS[m[2]])
 
     @property
@@ -58,8 +70,12 @@ class ExpertCacheSpec:
             return f"{int(self.value)}B"
         return self.mode
 
-    def capacities(self, local: Mapping[int, int], expert_bytes: Mapping[int, int],
-                   budget_bytes: int | None = None) -> dict[int, int]:
+    def capacities(
+        self,
+        local: Mapping[int, int],
+        expert_bytes: Mapping[int, int],
+        budget_bytes: int | None = None,
+    ) -> dict[int, int]:
         """{layer: C}, 1 <= C <= E_local: resident slots per MoE layer for `local` experts per layer
         of `expert_bytes` each. `auto` needs `budget_bytes` (what the node may spend on experts);
         without one it keeps everything."""
@@ -76,8 +92,13 @@ class ExpertCacheSpec:
         return {l: min(n, max(1, math.floor(n * share))) for l, n in local.items()}
 
 
-def auto_budget(replicated_bytes: int, reserve_bytes: int, *, metal: Mapping | None = None,
-                given_bytes: int | None = None) -> int | None:
+def auto_budget(
+    replicated_bytes: int,
+    reserve_bytes: int,
+    *,
+    metal: Mapping | None = None,
+    given_bytes: int | None = None,
+) -> int | None:
     """Bytes `auto` may keep resident of a node's experts.
 
     Args:

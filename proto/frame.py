@@ -24,7 +24,9 @@ class Frame:
     rank: int  # the sender
     dtype: str  # wire dtype name, a key of envoy.reduce.DTYPES
     shape: tuple[int, ...]
-    checksum: int | None  # CRC-32 of payload; None on the data channel, where TCP's (or TLS's) guards it
+    checksum: (
+        int | None
+    )  # CRC-32 of payload; None on the data channel, where TCP's (or TLS's) guards it
     payload: bytes
 
     def verify(self) -> None:
@@ -45,7 +47,9 @@ class Hello:
     rank: int
     world_size: int
     protocol: str = PROTOCOL
-    data_port: int = 0  # the answering side's data channel (envoy/data.py); 0: frames stay on the stream
+    data_port: int = (
+        0  # the answering side's data channel (envoy/data.py); 0: frames stay on the stream
+    )
     data_token: str = field(default="", repr=False)  # what the dialer's data connection presents
 
 

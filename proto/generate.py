@@ -30,8 +30,14 @@ def generate(out_dir: Path) -> list[Path]:
 
     include = Path(grpc_tools.__file__).parent / "_proto"
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["grpc_tools.protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={tmp}",
-                f"--grpc_python_out={tmp}", *PROTOS]
+        args = [
+            "grpc_tools.protoc",
+            f"-I{PROTO_DIR}",
+            f"-I{include}",
+            f"--python_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            *PROTOS,
+        ]
         if protoc.main(args) != 0:
             raise RuntimeError(f"protoc failed on {', '.join(PROTOS)} in {PROTO_DIR}")
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -46,7 +52,9 @@ def generate(out_dir: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(PROTO_DIR), help="output folder (default: next to the .proto files)")
+    parser.add_argument(
+        "--out", default=str(PROTO_DIR), help="output folder (default: next to the .proto files)"
+    )
     args = parser.parse_args(argv)
     for path in generate(Path(args.out)):
         print(path)

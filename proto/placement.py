@@ -10,10 +10,8 @@ from typing import Mapping, Sequence
 from .errors import UserError
 
 
-
 class PlacementError(UserError):
     """A placement that cannot run, with the reason."""
-
 
 
 def even_counts(num_experts: int, world_size: int) -> list[int]:
@@ -21,6 +19,7 @@ def even_counts(num_experts: int, world_size: int) -> list[int]:
     ranks hold one more."""
     base, extra = divmod(num_experts, world_size)
     return [base + (1 if r < extra else 0) for r in range(world_size)]
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -51,7 +50,9 @@ class Placement:
     def from_json(cls, data: dict | str | Path, world_size: int) -> "Placement":
         """Parse `{"layers": {"<layer>": {"<rank>": [expert ids]}}}` (a dict, JSON text or a file)."""
         where = "placement"
-        if isinstance(data, Path) or (isinstance(data, str) and not data.lstrip().startswith(("{", "["))):
+        if isinstance(data, Path) or (
+            isinstance(data, str) and not data.lstrip().startswith(("{", "["))
+        ):
             where = str(data)
             try:
                 data = Path(data).read_text()
@@ -63,7 +64,9 @@ class Placement:
             except json.JSONDecodeError as exc:
                 raise PlacementError(f"{where} is not valid JSON: {exc}") from exc
         if not isinstance(data, dict) or not isinstance(data.get("layers"), dict):
-            raise PlacementError(f'{where} must be a JSON object {{"layers": {{"<layer>": {{"<rank>": [experts]}}}}}}')
+            raise PlacementError(
+                f'{where} must be a JSON object {{"layers": {{"<layer>": {{"<rank>": [experts]}}}}}}'
+            )
         layers = {}
         for lk, ranks in data["layers"].items():
             try:
@@ -77,17 +80,28 @@ class Placement:
                 try:
                     rank = int(rk)
                 except ValueError:
-                    raise PlacementError(f"{where}: layer {layer}: rank key {rk!r} is not an integer") from None
+                    raise PlacementError(
+                        f"{where}: layer {layer}: rank key {rk!r} is not an integer"
+                    ) from None
                 if not 0 <= rank < world_size:
-                    raise PlacementError(f"{where}: layer {layer}: rank {rank} is out of range 0..{world_size - 1}")
+                    raise PlacementError(
+                        f"{where}: layer {layer}: rank {rank} is out of range 0..{world_size - 1}"
+                    )
                 if not isinstance(experts, list) or not all(isinstance(e, int) for e in experts):
-                    raise PlacementError(f"{where}: layer {layer}, rank {rank}: experts must be a list of integers")
+                    raise PlacementError(
+                        f"{where}: layer {layer}, rank {rank}: experts must be a list of integers"
+                    )
                 per_rank[rank] = tuple(sorted(experts))
             layers[layer] = {r: per_rank.get(r, ()) for r in range(world_size)}
         return cls(world_size, layers)
 
     def to_json(self) -> dict:
-        return {"layers": {str(l): {str(r): list(es) for r, es in ranks.items()} for l, ranks in sorted(self.layers.items())}}
+        return {
+            "layers": {
+                str(l): {str(r): list(es) for r, es in ranks.items()}
+                for l, ranks in sorted(self.layers.items())
+            }
+        }
 
     def check(self, moe_layers: Mapping[int, int]) -> None:
         """Validate against the model's MoE layers {layer: num_experts}."""
@@ -96,8 +110,10 @@ class Placement:
             raise PlacementError(f"placement has no entry for MoE layers {missing}")
         extra = sorted(set(self.layers) - set(moe_layers))
         if extra:
-            raise PlacementError(f"placement names layers {extra}, which are not MoE layers of this model "
-                                 f"(MoE layers: {sorted(moe_layers)})")
+            raise PlacementError(
+                f"placement names layers {extra}, which are not MoE layers of this model "
+                f"(MoE layers: {sorted(moe_layers)})"
+            )
         for layer, n in moe_layers.items():
             try:
                 holders_of(self.layers[layer], n)
@@ -114,13 +130,17 @@ class Placement:
         return {layer: len(ranks.get(rank, ())) for layer, ranks in self.layers.items()}
 
 
-def holders_of(layer_placement: Mapping[int, Sequence[int]], num_experts: int) -> dict[int, tuple[int, ...]]:
+def holders_of(
+    layer_placement: Mapping[int, Sequence[int]], num_experts: int
+) -> dict[int, tuple[int, ...]]:
     """Invert {rank: [experts]} into {expert: (ranks...)}; every expert must have a holder."""
     out: dict[int, list[int]] = {e: [] for e in range(num_experts)}
     for rank in sorted(layer_placement):
         for e in layer_placement[rank]:
             if not 0 <= e < num_experts:
-                raise PlacementError(f"expert id {e} on rank {rank} is out of range 0..{num_experts - 1}")
+                raise PlacementError(
+                    f"expert id {e} on rank {rank} is out of range 0..{num_experts - 1}"
+                )
             if rank in out[e]:
                 raise PlacementError(f"expert {e} is listed twice on rank {rank}")
             out[e].append(rank)
@@ -130,8 +150,9 @@ def holders_of(layer_placement: Mapping[int, Sequence[int]], num_experts: int) -
     return {e: tuple(rs) for e, rs in out.items()}
 
 
-def copy_everywhere(held: Mapping[int, Sequence[int]], free: Sequence[int], order: Sequence[int]
-                    ) -> dict[int, list[int]]:
+def copy_everywhere(
+    held: Mapping[int, Sequence[int]], free: Sequence[int], order: Sequence[int]
+) -> dict[int, list[int]]:
     """Replicas as full copies: each expert of `order` (hottest first) goes to every rank that
     lacks it, wherever each of those ranks still has one of its `free[rank]` slots (one that does
     not fit everywhere is skipped for the next). A replica held by every rank is assigned on the

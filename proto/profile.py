@@ -42,9 +42,13 @@ def parse_profile(obj, where: str = "profile") -> RoutingProfile:
             raise ProfileError(f"{where}: missing field {key!r}")
     E, k = obj["num_experts"], obj["top_k"]
     if not isinstance(E, int) or E < 2 or not isinstance(k, int) or not 1 <= k <= E:
-        raise ProfileError(f"{where}: num_experts ({E!r}) and top_k ({k!r}) must be whole numbers, 1 <= top_k <= num_experts")
+        raise ProfileError(
+            f"{where}: num_experts ({E!r}) and top_k ({k!r}) must be whole numbers, 1 <= top_k <= num_experts"
+        )
     if not isinstance(obj["layers"], dict) or not obj["layers"]:
-        raise ProfileError(f"{where}: 'layers' must be a non-empty object keyed by decoder layer index")
+        raise ProfileError(
+            f"{where}: 'layers' must be a non-empty object keyed by decoder layer index"
+        )
     layers: dict[int, LayerProfile] = {}
     for key, layer in obj["layers"].items():
         lw = f"{where}: layers[{key!r}]"
@@ -53,15 +57,28 @@ def parse_profile(obj, where: str = "profile") -> RoutingProfile:
         if not isinstance(layer, dict) or not all(f in layer for f in ("counts", "tokens", "sets")):
             raise ProfileError(f"{lw}: expected an object with counts, tokens and sets")
         counts, sets = layer["counts"], layer["sets"]
-        if not isinstance(counts, list) or len(counts) != E or not all(isinstance(c, int) and c >= 0 for c in counts):
+        if (
+            not isinstance(counts, list)
+            or len(counts) != E
+            or not all(isinstance(c, int) and c >= 0 for c in counts)
+        ):
             raise ProfileError(f"{lw}: counts must be {E} whole numbers >= 0")
         if not isinstance(sets, list) or not sets:
-            raise ProfileError(f"{lw}: sets must be a non-empty list of selections (one list of expert ids per token)")
+            raise ProfileError(
+                f"{lw}: sets must be a non-empty list of selections (one list of expert ids per token)"
+            )
         clean = []
         for s in sets:
-            if (not isinstance(s, list) or not s or len(s) > k or len(set(s)) != len(s)
-                    or not all(isinstance(e, int) and 0 <= e < E for e in s)):
-                raise ProfileError(f"{lw}: selection {s!r} must hold 1..{k} distinct expert ids in 0..{E - 1}")
+            if (
+                not isinstance(s, list)
+                or not s
+                or len(s) > k
+                or len(set(s)) != len(s)
+                or not all(isinstance(e, int) and 0 <= e < E for e in s)
+            ):
+                raise ProfileError(
+                    f"{lw}: selection {s!r} must hold 1..{k} distinct expert ids in 0..{E - 1}"
+                )
             clean.append(tuple(s))
         layers[int(key)] = LayerProfile(tuple(counts), int(layer["tokens"]), tuple(clean))
     return RoutingProfile(str(obj["model"]), E, k, layers)

@@ -54,8 +54,11 @@ class Sampling:
             raise UserError(f"temperature must be a finite number >= 0 (got {self.temperature})")
         if not 0 < self.top_p <= 1:
             raise UserError(f"top_p must be in (0, 1] (got {self.top_p})")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed <= SEED_MAX):
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed <= SEED_MAX
+        ):
             raise UserError(f"seed must be an integer in [0, 2**64-1] (got {self.seed!r})")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise UserError(f"the sampler's step must be an integer >= 0 (got {self.step!r})")
@@ -82,10 +85,14 @@ class GenerateRequest:
     eos_token_ids: Sequence[int] = ()
     prefill_step: int = DEFAULT_PREFILL_STEP
     record_logits: bool = False
-    draft_tokens: int | None = None  # drafts per step at most (speculation); None: the node's setting
+    draft_tokens: int | None = (
+        None  # drafts per step at most (speculation); None: the node's setting
+    )
     prediction: Sequence[int] = ()  # the output the client expects (OpenAI's `prediction`): drafts
     quiet: bool = False  # the node sends no tokens, only the end (ranks but 0: the coordinator reads rank 0's)
-    stop_sequences: Sequence[Sequence[int]] = ()  # the output ends after any of these (finish reason stop)
+    stop_sequences: Sequence[
+        Sequence[int]
+    ] = ()  # the output ends after any of these (finish reason stop)
     seq: int = 0  # the coordinator's admission order (a running batch admits in it); 0: the node numbers it
 
 
@@ -168,16 +175,22 @@ class LoadSpec:
     # a routing profile, ((MoE layer, selections per expert, tokens), ...): the expert cache pins
     # the hottest experts and prefetches the next layer's from it
     heat: tuple = ()
-    route: str = "measure"  # DECODE_ROUTES; measure: the node's MOE_CLUSTER_ROUTE if set, else timed
+    route: str = (
+        "measure"  # DECODE_ROUTES; measure: the node's MOE_CLUSTER_ROUTE if set, else timed
+    )
     speculative: str = "off"  # node/speculate.py MODES
     draft_tokens: int = 4  # drafts a step verifies per sequence at most, where speculation is on
-    draft_model: str = ""  # speculative: draft: the draft checkpoint, on rank 0's machine (rank 0 only)
+    draft_model: str = (
+        ""  # speculative: draft: the draft checkpoint, on rank 0's machine (rank 0 only)
+    )
 
     def __post_init__(self) -> None:
         _check(self.keepalive, KEEPALIVES, "keepalive")
         _check(self.route, DECODE_ROUTES, "route")
         if self.max_batch < 1 or self.prefill_budget < 1:
-            raise UserError(f"max_batch ({self.max_batch}) and prefill_budget ({self.prefill_budget}) must be at least 1")
+            raise UserError(
+                f"max_batch ({self.max_batch}) and prefill_budget ({self.prefill_budget}) must be at least 1"
+            )
         from .expert_cache import ExpertCacheSpec
 
         ExpertCacheSpec.parse(self.expert_cache)
@@ -261,8 +274,10 @@ class AllreduceHistogram:
 
     def __post_init__(self) -> None:
         if len(self.counts) != len(self.bounds) + 1:
-            raise ValueError(f"an all-reduce histogram with {len(self.bounds)} bounds needs {len(self.bounds) + 1} "
-                             f"counts (got {len(self.counts)})")
+            raise ValueError(
+                f"an all-reduce histogram with {len(self.bounds)} bounds needs {len(self.bounds) + 1} "
+                f"counts (got {len(self.counts)})"
+            )
 
 
 @dataclass(frozen=True)
@@ -307,9 +322,13 @@ class NodeStatus:
     queue_depth: int = 0
     allreduce: AllreduceHistogram | None = None  # None before a model is loaded
     routing: tuple[LayerRouting, ...] = ()  # by layer
-    expert_cache: tuple[ExpertCacheLayer, ...] = ()  # by layer, where fewer experts are resident than held
+    expert_cache: tuple[
+        ExpertCacheLayer, ...
+    ] = ()  # by layer, where fewer experts are resident than held
     route: str = ""  # the decode route chosen at load (node/moe/route.py): skip, device or host
-    route_us: Mapping[str, float] = field(default_factory=dict)  # µs per MoE layer call, per route timed
+    route_us: Mapping[str, float] = field(
+        default_factory=dict
+    )  # µs per MoE layer call, per route timed
     speculative: str = ""  # "prompt-lookup, 4 drafts", "off", or "off: <why the model cannot>"
 
     def __post_init__(self) -> None:

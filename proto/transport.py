@@ -36,7 +36,9 @@ class EnvoySpec:
     secret: str = field(default="", repr=False)  # the cluster secret; never logged
     listen: str = ""  # this rank's bind address; "" = addresses[rank]
     timeout_s: float = COLLECTIVE_TIMEOUT_S  # a step fails after this long without a peer's frame
-    connect_timeout_s: float = MESH_CONNECT_TIMEOUT_S  # begin() waits this long for the mesh to be whole
+    connect_timeout_s: float = (
+        MESH_CONNECT_TIMEOUT_S  # begin() waits this long for the mesh to be whole
+    )
     max_bytes: int = 64 << 20  # largest partial (bytes): the size of the shared payload areas
     tls: TlsFiles | None = None  # this node's envoy's files, paths on the node
     log_level: str = "WARNING"  # of the envoy process (stderr)
@@ -47,7 +49,9 @@ class EnvoySpec:
         if len(self.addresses) < 1:
             raise UserError("envoy transport needs at least one address")
         if not 0 <= self.data_port <= 65535:
-            raise UserError(f"envoy data_port {self.data_port} is not a port (1..65535, or 0: any free port)")
+            raise UserError(
+                f"envoy data_port {self.data_port} is not a port (1..65535, or 0: any free port)"
+            )
         for a in self.addresses:
             host, sep, port = a.rpartition(":")
             if not sep or not host or not port.isdigit():
@@ -67,22 +71,32 @@ MLX_BACKENDS = ("ring", "jaccl", "nccl")  # the mx.distributed backends a node c
 class MlxSpec:
     """`mx.distributed` with a hostfile written for the nodes."""
 
-    hosts: tuple[tuple[str, ...], ...]  # ring: per rank, its "ip:port" addresses; nccl: rank 0's first is the rendezvous
+    hosts: tuple[
+        tuple[str, ...], ...
+    ]  # ring: per rank, its "ip:port" addresses; nccl: rank 0's first is the rendezvous
     backend: str = "ring"  # "ring", "jaccl" or "nccl" (CUDA GPUs)
     timeout_s: float = 30.0  # an all-reduce that takes longer fails (the group is then unusable)
     jaccl_coordinator: str = ""  # jaccl: "ip:port" of rank 0
-    jaccl_devices: tuple[tuple[str | None, ...], ...] = ()  # jaccl: [rank][peer] RDMA device, None for self
+    jaccl_devices: tuple[
+        tuple[str | None, ...], ...
+    ] = ()  # jaccl: [rank][peer] RDMA device, None for self
     hostfile_dir: str = ""  # where the hostfile is written; "" = a temporary folder
 
     def __post_init__(self) -> None:
         if self.backend not in MLX_BACKENDS:
-            raise UserError(f"mlx backend must be one of {', '.join(MLX_BACKENDS)} (got {self.backend!r})")
+            raise UserError(
+                f"mlx backend must be one of {', '.join(MLX_BACKENDS)} (got {self.backend!r})"
+            )
         if self.backend == "ring" and any(not h for h in self.hosts):
             raise UserError("mlx ring backend needs at least one address per rank")
         if self.backend == "nccl":
-            host, sep, port = (self.hosts[0][0] if self.hosts and self.hosts[0] else "").rpartition(":")
+            host, sep, port = (self.hosts[0][0] if self.hosts and self.hosts[0] else "").rpartition(
+                ":"
+            )
             if not sep or not host or not port.isdigit():
-                raise UserError(f"mlx nccl backend needs rank 0's address as host:port (got {self.hosts[:1]!r})")
+                raise UserError(
+                    f"mlx nccl backend needs rank 0's address as host:port (got {self.hosts[:1]!r})"
+                )
 
     @property
     def world_size(self) -> int:

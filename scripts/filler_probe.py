@@ -26,7 +26,9 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--width", type=int, default=1024, help="expert FFN width")
     ap.add_argument("--local", type=int, default=16, help="experts this node holds per layer")
-    ap.add_argument("--mine", type=int, default=2, help="of k = 4 positions, how many are this node's")
+    ap.add_argument(
+        "--mine", type=int, default=2, help="of k = 4 positions, how many are this node's"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     banks = []
@@ -40,18 +42,31 @@ def main() -> int:
     def per_layer(target: str) -> float:
         t0 = time.perf_counter()
         for bank in banks:
-            mine = [int(s) for s in rng.choice(np.arange(1, args.local), args.mine, replace=False)]  # never slot 0
+            mine = [
+                int(s) for s in rng.choice(np.arange(1, args.local), args.mine, replace=False)
+            ]  # never slot 0
             other = 0 if target == "slot0" else max(mine)
             slots = mx.array([[mine + [other] * (4 - args.mine)]], dtype=mx.uint32)
             mx.eval(bank(x, slots))
         return (time.perf_counter() - t0) / args.layers
 
     for r in range(args.rounds):
-        ms = {t: 1e3 * statistics.median(per_layer(t) for _ in range(8)) for t in ("slot0", "selected")}
-        print(json.dumps({"round": r, "ms_per_layer_slot0": round(ms["slot0"], 3),
-                          "ms_per_layer_selected": round(ms["selected"], 3),
-                          "selected_over_slot0": round(ms["selected"] / ms["slot0"], 3),
-                          "expert_mb": round(3 * args.hidden * args.width * 4 / 1e6, 1)}), flush=True)
+        ms = {
+            t: 1e3 * statistics.median(per_layer(t) for _ in range(8))
+            for t in ("slot0", "selected")
+        }
+        print(
+            json.dumps(
+                {
+                    "round": r,
+                    "ms_per_layer_slot0": round(ms["slot0"], 3),
+                    "ms_per_layer_selected": round(ms["selected"], 3),
+                    "selected_over_slot0": round(ms["selected"] / ms["slot0"], 3),
+                    "expert_mb": round(3 * args.hidden * args.width * 4 / 1e6, 1),
+                }
+            ),
+            flush=True,
+        )
     return 0
 
 

@@ -44,7 +44,9 @@ def main() -> None:
     for _ in range(args.rounds):  # alternating, so a noisy machine slows both alike
         a, b = build_time(stock, args.steps), build_time(ours, args.steps)
         diffs.append((b - a) / layers)
-        print(f"stock {a * 1e6:.0f} us, cluster path {b * 1e6:.0f} us per token: {diffs[-1] * 1e6:+.1f} us per layer")
+        print(
+            f"stock {a * 1e6:.0f} us, cluster path {b * 1e6:.0f} us per token: {diffs[-1] * 1e6:+.1f} us per layer"
+        )
     print(f"median over rounds: {statistics.median(diffs) * 1e6:+.1f} us per layer")
 
 

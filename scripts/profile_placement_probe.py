@@ -46,13 +46,28 @@ def main() -> None:
     E = next(iter(fp.num_experts.values()))
     memory = fp.replicated_bytes + (-(-E // args.nodes) + args.spare_experts) * fp.expert_set_bytes
     counts = {int(l): v["counts"] for l, v in prof["layers"].items()}
-    plan = plan_placement(fp, [NodeBudget(f"n{i}", memory) for i in range(args.nodes)], strategy="profile",
-                          memory_fraction=1.0, profile_counts=counts)
+    plan = plan_placement(
+        fp,
+        [NodeBudget(f"n{i}", memory) for i in range(args.nodes)],
+        strategy="profile",
+        memory_fraction=1.0,
+        profile_counts=counts,
+    )
     copies = {"one": 0, "all": 0, "some": 0}
     for layer, n in fp.num_experts.items():
         for holders in plan.placement.holders(layer, n).values():
-            copies["one" if len(holders) == 1 else "all" if len(holders) == args.nodes else "some"] += 1
-    print(json.dumps({**decode(path, plan.placement, args), "spare_experts": args.spare_experts, "copies": copies}))
+            copies[
+                "one" if len(holders) == 1 else "all" if len(holders) == args.nodes else "some"
+            ] += 1
+    print(
+        json.dumps(
+            {
+                **decode(path, plan.placement, args),
+                "spare_experts": args.spare_experts,
+                "copies": copies,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,9 @@ class AloneCollective:
     def all_reduce(self, partial, layer):
         return partial
 
-    def __getattr__(self, name):  # begin, ride, settle, watch, close, abort, failure: nothing to do alone
+    def __getattr__(
+        self, name
+    ):  # begin, ride, settle, watch, close, abort, failure: nothing to do alone
         return lambda *a, **k: None
 
 
@@ -41,7 +43,9 @@ def _rank(model: str, rank: int, world: int, tokens: int, rounds: int) -> None:
 
     from moe_cluster.node.moe.load import load_shard
 
-    net = load_shard(model, None, rank, keepalive="none", collective=AloneCollective(rank, world)).model
+    net = load_shard(
+        model, None, rank, keepalive="none", collective=AloneCollective(rank, world)
+    ).model
     for r in range(rounds):
         cache = make_prompt_cache(net)
         mx.eval(net(mx.array([[1, 2, 3, 4]]), cache=cache))
@@ -51,7 +55,12 @@ def _rank(model: str, rank: int, world: int, tokens: int, rounds: int) -> None:
             token = mx.argmax(net(token, cache=cache)[:, -1:], axis=-1)
             mx.eval(token)
             times.append(time.perf_counter() - t0)
-        print(json.dumps({"rank": rank, "round": r, "ms_per_token": round(1e3 * statistics.median(times), 2)}), flush=True)
+        print(
+            json.dumps(
+                {"rank": rank, "round": r, "ms_per_token": round(1e3 * statistics.median(times), 2)}
+            ),
+            flush=True,
+        )
 
 
 def main() -> int:
@@ -60,13 +69,31 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)  # one rank's own process
+    ap.add_argument(
+        "--rank", type=int, default=None, help=argparse.SUPPRESS
+    )  # one rank's own process
     args = ap.parse_args()
     if args.rank is not None:
         _rank(args.model, args.rank, args.nodes, args.tokens, args.rounds)
         return 0
-    procs = [subprocess.Popen([sys.executable, __file__, args.model, "--nodes", str(args.nodes), "--tokens",
-                               str(args.tokens), "--rounds", str(args.rounds), "--rank", str(r)]) for r in range(args.nodes)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                args.model,
+                "--nodes",
+                str(args.nodes),
+                "--tokens",
+                str(args.tokens),
+                "--rounds",
+                str(args.rounds),
+                "--rank",
+                str(r),
+            ]
+        )
+        for r in range(args.nodes)
+    ]
     return max(p.wait() for p in procs)
 
 

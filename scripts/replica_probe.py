@@ -37,13 +37,25 @@ def decode(path: str, placement, args) -> dict:
     from pathlib import Path
 
     ids = encode_prompt(load_tokenizer(Path(path)), DEFAULT_PROMPT)
-    task = SimTask(path, tuple(ids), Sampling(max_tokens=args.max_tokens), placement.to_json(), args.keepalive,
-                   repeats=args.rounds)
+    task = SimTask(
+        path,
+        tuple(ids),
+        Sampling(max_tokens=args.max_tokens),
+        placement.to_json(),
+        args.keepalive,
+        repeats=args.rounds,
+    )
     (reports,) = run_nodes([task], placement.world_size, transport=args.transport, gpus=args.gpus)
-    return {"code": os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(moe.__file__)))),
-            "model": args.model, "nodes": placement.world_size, "transport": args.transport,
-            "keepalive": args.keepalive, "generation_tps": reports[0]["generation_tps"],
-            "tokens": reports[0]["tokens"], "computed_per_node": [r["counters"]["computed"] for r in reports]}
+    return {
+        "code": os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(moe.__file__)))),
+        "model": args.model,
+        "nodes": placement.world_size,
+        "transport": args.transport,
+        "keepalive": args.keepalive,
+        "generation_tps": reports[0]["generation_tps"],
+        "tokens": reports[0]["tokens"],
+        "computed_per_node": [r["counters"]["computed"] for r in reports],
+    }
 
 
 def main() -> None:
@@ -57,7 +69,9 @@ def main() -> None:
 
     ckpt = Checkpoint.open(args.model)
     layers = moe_layers_of(ckpt)
-    placement = Placement(2, {l: {0: tuple(range(3 * n // 4)), 1: tuple(range(n // 4, n))} for l, n in layers.items()})
+    placement = Placement(
+        2, {l: {0: tuple(range(3 * n // 4)), 1: tuple(range(n // 4, n))} for l, n in layers.items()}
+    )
     print(json.dumps(decode(str(ckpt.path), placement, args)))
 
 

@@ -16,9 +16,23 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 # tests/<folder>/... -> the marker every test there gets (the markers are listed in pyproject.toml)
-FOLDER_MARKERS = {"unit": "unit", "integration": "integration", "cluster": "cluster", "families": "integration"}
+FOLDER_MARKERS = {
+    "unit": "unit",
+    "integration": "integration",
+    "cluster": "cluster",
+    "families": "integration",
+}
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "dbrx", "gpt_oss", "qwen3_next")
+ARCHS = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v3",
+    "dbrx",
+    "gpt_oss",
+    "qwen3_next",
+)
 
 # bfloat16 keeps 8 significant bits: a value in [2^e, 2^(e+1)) is a multiple of 2^(e-7) (its ulp),
 # and each rounding errs by half of that. Two bf16 runs of one checkpoint that sum the experts in
@@ -53,10 +67,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(marker)
 
 
-def cli(*args: str, timeout: float = 300, env: dict | None = None, input: str | None = None) -> subprocess.CompletedProcess:
+def cli(
+    *args: str, timeout: float = 300, env: dict | None = None, input: str | None = None
+) -> subprocess.CompletedProcess:
     """Run `moe-cluster ARGS...` in a subprocess, as a user would."""
-    return subprocess.run([sys.executable, "-m", "moe_cluster.coordinator.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env=env, input=input)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_cluster.coordinator.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        input=input,
+    )
 
 
 def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None:
@@ -77,7 +99,9 @@ def make_ckpt(tmp_path_factory):
 
     cache: dict = {}
 
-    def make(arch: str, layout: str = "mlx", dtype: str = "float32", quantize: int | None = None, **kw) -> Path:
+    def make(
+        arch: str, layout: str = "mlx", dtype: str = "float32", quantize: int | None = None, **kw
+    ) -> Path:
         key = (arch, layout, dtype, quantize, tuple(sorted(kw.items())))
         if key not in cache:
             kw.setdefault("layers", max(2, SPECS[arch].min_layers))

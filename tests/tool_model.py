@@ -20,7 +20,15 @@ import numpy as np
 
 # The call the variant writes, one added token per piece (no spaces: the byte-level detokenizer
 # reads an added token's characters as bytes, and every printable ASCII character but space is one).
-CALL_PIECES = ("<tool_call>", '{"name":', '"get_weather",', '"arguments":', '{"city":', '"Paris"}}', "</tool_call>")
+CALL_PIECES = (
+    "<tool_call>",
+    '{"name":',
+    '"get_weather",',
+    '"arguments":',
+    '{"city":',
+    '"Paris"}}',
+    "</tool_call>",
+)
 CALL_TEXT = "".join(CALL_PIECES)
 CALL_NAME, CALL_ARGS = "get_weather", {"city": "Paris"}
 _AFTER = "\u010a"  # the byte-level token of "\n", the generation prompt's last token
@@ -29,27 +37,29 @@ _SCALE = 1000.0  # the embedding's magnitude over the layers' updates
 
 # Qwen2.5's tool template, cut down to the demo tokenizer's roles (<|system|>, <|user|>, <|assistant|>,
 # <|end|>); a tool's result goes back as a user turn in <tool_response>, as Qwen's does.
-TOOL_TEMPLATE = "".join([
-    "{% if tools %}<|system|>\n",
-    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}",
-    "# Tools\nYou may call functions. Their signatures are within <tools></tools>:\n<tools>",
-    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n",
-    "For each call, return a JSON object with the function name and arguments within "
-    "<tool_call></tool_call> tags.<|end|>\n",
-    "{% elif messages[0].role == 'system' %}<|system|>\n{{ messages[0].content }}<|end|>\n{% endif %}",
-    "{% for message in messages %}",
-    "{% if message.role == 'system' and loop.first %}",
-    "{% elif message.role == 'assistant' %}<|assistant|>\n{{ message.content }}",
-    "{% for tool_call in message.tool_calls or [] %}",
-    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}",
-    '\n<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>',
-    "{% endfor %}<|end|>\n",
-    "{% elif message.role == 'tool' %}<|user|>\n<tool_response>\n{{ message.content }}\n</tool_response><|end|>\n",
-    "{% else %}<|{{ message.role }}|>\n{{ message.content }}<|end|>\n",
-    "{% endif %}",
-    "{% endfor %}",
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
-])
+TOOL_TEMPLATE = "".join(
+    [
+        "{% if tools %}<|system|>\n",
+        "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}",
+        "# Tools\nYou may call functions. Their signatures are within <tools></tools>:\n<tools>",
+        "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n",
+        "For each call, return a JSON object with the function name and arguments within "
+        "<tool_call></tool_call> tags.<|end|>\n",
+        "{% elif messages[0].role == 'system' %}<|system|>\n{{ messages[0].content }}<|end|>\n{% endif %}",
+        "{% for message in messages %}",
+        "{% if message.role == 'system' and loop.first %}",
+        "{% elif message.role == 'assistant' %}<|assistant|>\n{{ message.content }}",
+        "{% for tool_call in message.tool_calls or [] %}",
+        "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}",
+        '\n<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}\n</tool_call>',
+        "{% endfor %}<|end|>\n",
+        "{% elif message.role == 'tool' %}<|user|>\n<tool_response>\n{{ message.content }}\n</tool_response><|end|>\n",
+        "{% else %}<|{{ message.role }}|>\n{{ message.content }}<|end|>\n",
+        "{% endif %}",
+        "{% endfor %}",
+        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+    ]
+)
 
 
 def demo_dir() -> Path:
@@ -80,8 +90,17 @@ def calling_checkpoint(out: Path) -> Path:
     vocab = json.loads((out / "config.json").read_text())["vocab_size"]
     ids = list(range(vocab, vocab + len(CALL_PIECES)))
     for i, piece in zip(ids, CALL_PIECES):
-        tok["added_tokens"].append({"id": i, "content": piece, "single_word": False, "lstrip": False,
-                                    "rstrip": False, "normalized": False, "special": False})
+        tok["added_tokens"].append(
+            {
+                "id": i,
+                "content": piece,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": False,
+            }
+        )
     tok_path.write_text(json.dumps(tok))
     cfg = json.loads((out / "config.json").read_text())
     cfg["vocab_size"], cfg["tie_word_embeddings"] = vocab + len(ids), False

@@ -56,7 +56,9 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated whole numbers, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated whole numbers, got {text!r}"
+        ) from None
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected numbers >= 1, got {text!r}")
     return values
@@ -70,9 +72,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--iters", type=int, default=1000, help="timed all-reduces per case and path")
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--paths", default=",".join(PATHS), help="which to measure (comma-separated)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds one path of one case may take")
-    p.add_argument("--trace", action="store_true",
-                   help="also run the envoy with every hop stamped, and print where its time goes")
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds one path of one case may take"
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also run the envoy with every hop stamped, and print where its time goes",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -84,7 +91,9 @@ def _payload(case: Case, rank: int):
     import mlx.core as mx
 
     dtype = getattr(mx, case.dtype)
-    return (mx.random.normal((case.tokens, case.hidden), key=mx.random.key(rank)) * 0.01).astype(dtype)
+    return (mx.random.normal((case.tokens, case.hidden), key=mx.random.key(rank)) * 0.01).astype(
+        dtype
+    )
 
 
 def _timed(fn, case: Case) -> list[float]:
@@ -110,7 +119,9 @@ def _envoy_worker(spec, rank: int, case: Case, results) -> None:
             mx.eval(x)
             collective.begin("bench")
             latencies = _timed(lambda: collective.all_reduce(x, 0), case)
-            results.put((rank, latencies if collective.trace is None else (latencies, collective.trace)))
+            results.put(
+                (rank, latencies if collective.trace is None else (latencies, collective.trace))
+            )
         finally:
             collective.close()
     except Exception as exc:  # noqa: BLE001 - reported to the parent as a value
@@ -123,7 +134,10 @@ def _dial(connect):
     while True:
         try:
             return connect()
-        except (FileNotFoundError, ConnectionRefusedError):  # not bound (Unix socket) or not listening yet
+        except (
+            FileNotFoundError,
+            ConnectionRefusedError,
+        ):  # not bound (Unix socket) or not listening yet
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.02)
@@ -165,12 +179,17 @@ class _Mesh:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * nbytes + (1 << 16))
         self.peers = peers
         self.order = sorted(peers)
-        room = min(s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) + s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
-                   for s in peers.values())
+        room = min(
+            s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            + s.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+            for s in peers.values()
+        )
         # sending to everyone before reading could deadlock if a payload does not fit the buffers;
         # then pairs take turns (lower rank sends first), which is slower but still a floor
         self.turns = room < nbytes
-        self.received = {r: bytearray(nbytes) for r in self.order}  # the latest payload of each peer
+        self.received = {
+            r: bytearray(nbytes) for r in self.order
+        }  # the latest payload of each peer
 
     def _recv(self, r: int) -> None:
         view, got = memoryview(self.received[r]), 0
@@ -251,10 +270,12 @@ def _relay(ports: list[int], path: str, rank: int, case: Case, results) -> None:
         request = np.ndarray((case.values,), wire, shm.buf, 0)
         result = np.ndarray((case.values,), wire, shm.buf, case.nbytes)
         peers = {r: np.frombuffer(buf, wire) for r, buf in mesh.received.items()}
-        partials = [peers.get(r, request) for r in range(case.nodes)]  # rank order, this node's in its place
+        partials = [
+            peers.get(r, request) for r in range(case.nodes)
+        ]  # rank order, this node's in its place
         reduce = Reducer()
         while link.recv(1):  # the node closes its end when it is done
-            mesh.exchange(shm.buf[:case.nbytes])
+            mesh.exchange(shm.buf[: case.nbytes])
             reduce(partials, case.dtype, out=result)
             link.sendall(b"D")
         link.close()
@@ -295,7 +316,9 @@ def _relay_node(ports: list[int], path: str, rank: int, case: Case, results) -> 
         latencies = _timed(all_reduce, case)
         want = reduce_sum([payload_of(r) for r in range(case.nodes)], case.dtype).view(np.uint8)
         if not np.array_equal(all_reduce(), want):
-            raise AssertionError("the relay's sum differs from the rank-order sum of every rank's payload")
+            raise AssertionError(
+                "the relay's sum differs from the rank-order sum of every rank's payload"
+            )
         results.put((rank, latencies))
         link.close()
         request = result = None  # views into the segment go before it closes
@@ -341,8 +364,14 @@ async def _grpc_exchange(addresses: list[str], rank: int, case: Case) -> list[fl
             pass
 
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("moe_cluster.bench.Exchange", {
-        "Exchange": grpc.stream_stream_rpc_method_handler(accept)}),))
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "moe_cluster.bench.Exchange",
+                {"Exchange": grpc.stream_stream_rpc_method_handler(accept)},
+            ),
+        )
+    )
     server.add_insecure_port(addresses[rank])
     await server.start()
     channels, calls = [], []
@@ -404,7 +433,9 @@ def _mlx_ring_worker(spec, rank: int, case: Case, results) -> None:
             group = mx.distributed.init(strict=True, backend="ring")
             x = _payload(case, rank)
             mx.eval(x)
-            results.put((rank, _timed(lambda: mx.eval(mx.distributed.all_sum(x, group=group)), case)))
+            results.put(
+                (rank, _timed(lambda: mx.eval(mx.distributed.all_sum(x, group=group)), case))
+            )
     except Exception as exc:  # noqa: BLE001
         results.put((rank, f"{type(exc).__name__}: {exc}"))
 
@@ -412,18 +443,24 @@ def _mlx_ring_worker(spec, rank: int, case: Case, results) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _run_workers(target, make_args, case: Case, timeout_s: float, processes: int = 0) -> list[float]:
+def _run_workers(
+    target, make_args, case: Case, timeout_s: float, processes: int = 0
+) -> list[float]:
     """Spawn `processes` (default: one per rank) running `target(*make_args(i), case, results)`;
     the latencies of the N ranks, pooled."""
     return [x for _, got in _gather(target, make_args, case, timeout_s, processes) for x in got]
 
 
-def _gather(target, make_args, case: Case, timeout_s: float, processes: int = 0) -> list[tuple[int, object]]:
+def _gather(
+    target, make_args, case: Case, timeout_s: float, processes: int = 0
+) -> list[tuple[int, object]]:
     """What each of the N ranks reported, as (rank, report)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(*make_args(i), case, results), daemon=True)
-             for i in range(processes or case.nodes)]
+    procs = [
+        ctx.Process(target=target, args=(*make_args(i), case, results), daemon=True)
+        for i in range(processes or case.nodes)
+    ]
     for p in procs:
         p.start()
     reports: list[tuple[int, object]] = []
@@ -433,7 +470,9 @@ def _gather(target, make_args, case: Case, timeout_s: float, processes: int = 0)
             try:
                 rank, got = results.get(timeout=max(deadline - time.monotonic(), 0.1))
             except queue.Empty:
-                raise RuntimeError(f"{target.__name__} with {case.nodes} nodes did not finish within {timeout_s:g} s") from None
+                raise RuntimeError(
+                    f"{target.__name__} with {case.nodes} nodes did not finish within {timeout_s:g} s"
+                ) from None
             if isinstance(got, str):
                 raise RuntimeError(f"{target.__name__} rank {rank}: {got}")
             reports.append((rank, got))
@@ -457,30 +496,49 @@ def run_case(case: Case, paths: list[str], timeout_s: float, traced: bool = Fals
     from ...node.collective.specs import EnvoySpec, MlxSpec
     from ...common.ports import free_ports
 
-    row: dict = {"nodes": case.nodes, "tokens": case.tokens, "hidden": case.hidden, "dtype": case.dtype,
-                 "iters": case.iters}
+    row: dict = {
+        "nodes": case.nodes,
+        "tokens": case.tokens,
+        "hidden": case.hidden,
+        "dtype": case.dtype,
+        "iters": case.iters,
+    }
     if "envoy" in paths:
-        spec = EnvoySpec(tuple(f"127.0.0.1:{p}" for p in free_ports(case.nodes)), secret=secrets.token_hex(16),
-                         max_bytes=max(2 * case.nbytes, 1 << 16))  # room to widen, as a node's 64 MiB link has
+        spec = EnvoySpec(
+            tuple(f"127.0.0.1:{p}" for p in free_ports(case.nodes)),
+            secret=secrets.token_hex(16),
+            max_bytes=max(2 * case.nbytes, 1 << 16),
+        )  # room to widen, as a node's 64 MiB link has
         row["envoy_p50_us"], row["envoy_p99_us"] = _percentiles(
-            _run_workers(_envoy_worker, lambda r: (spec, r), case, timeout_s))
+            _run_workers(_envoy_worker, lambda r: (spec, r), case, timeout_s)
+        )
     if "floor" in paths:
         ports = free_ports(case.nodes)
         row["floor_p50_us"], row["floor_p99_us"] = _percentiles(
-            _run_workers(_floor_worker, lambda r: (ports, r), case, timeout_s))
+            _run_workers(_floor_worker, lambda r: (ports, r), case, timeout_s)
+        )
     if "relay" in paths:
         ports = free_ports(case.nodes)
         with tempfile.TemporaryDirectory(prefix="moe-relay-") as folder:
             row["relay_p50_us"], row["relay_p99_us"] = _percentiles(
-                _run_workers(_relay_worker, lambda i: (ports, folder, i), case, timeout_s, processes=2 * case.nodes))
+                _run_workers(
+                    _relay_worker,
+                    lambda i: (ports, folder, i),
+                    case,
+                    timeout_s,
+                    processes=2 * case.nodes,
+                )
+            )
     if "grpc" in paths:
         addresses = [f"127.0.0.1:{p}" for p in free_ports(case.nodes)]
         row["grpc_p50_us"], row["grpc_p99_us"] = _percentiles(
-            _run_workers(_grpc_worker, lambda r: (addresses, r), case, timeout_s))
+            _run_workers(_grpc_worker, lambda r: (addresses, r), case, timeout_s)
+        )
     if "mlx_ring" in paths:
         spec = MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(case.nodes)))
         row["mlx_ring_p50_us"], row["mlx_ring_p99_us"] = _percentiles(
-            _run_workers(_mlx_ring_worker, lambda r: (spec, r), case, timeout_s))
+            _run_workers(_mlx_ring_worker, lambda r: (spec, r), case, timeout_s)
+        )
     if traced:
         row["trace"] = _trace(case, timeout_s)
     for path in ("envoy", "relay", "grpc"):
@@ -497,12 +555,21 @@ def _trace(case: Case, timeout_s: float) -> dict:
     from ...node.collective.specs import EnvoySpec
     from ...common.ports import free_ports
 
-    spec = EnvoySpec(tuple(f"127.0.0.1:{p}" for p in free_ports(case.nodes)), secret=secrets.token_hex(16),
-                     max_bytes=max(2 * case.nbytes, 1 << 16), trace=True)
+    spec = EnvoySpec(
+        tuple(f"127.0.0.1:{p}" for p in free_ports(case.nodes)),
+        secret=secrets.token_hex(16),
+        max_bytes=max(2 * case.nbytes, 1 << 16),
+        trace=True,
+    )
     reports = _gather(_envoy_worker, lambda r: (spec, r), case, timeout_s)
     p50, p99 = _percentiles([x for _, (latencies, _) in reports for x in latencies])
-    return {"p50_us": p50, "p99_us": p99,
-            "hops": trace.table(trace.hops({rank: rows for rank, (_, rows) in reports}, skip=case.warmup))}
+    return {
+        "p50_us": p50,
+        "p99_us": p99,
+        "hops": trace.table(
+            trace.hops({rank: rows for rank, (_, rows) in reports}, skip=case.warmup)
+        ),
+    }
 
 
 def main(args: argparse.Namespace) -> int:
@@ -514,7 +581,11 @@ def main(args: argparse.Namespace) -> int:
         raise UserError(f"--iters must be >= 1 and --warmup >= 0 (got {args.iters}, {args.warmup})")
     if min(args.nodes) < 2:
         raise UserError(f"--nodes: an all-reduce needs at least 2 nodes (got {args.nodes})")
-    cases = [Case(n, t, args.hidden, args.dtype, args.iters, args.warmup) for n in args.nodes for t in args.tokens]
+    cases = [
+        Case(n, t, args.hidden, args.dtype, args.iters, args.warmup)
+        for n in args.nodes
+        for t in args.tokens
+    ]
     rows = []
     for case in cases:
         rows.append(run_case(case, paths, args.timeout, traced=args.trace))
@@ -529,20 +600,28 @@ def main(args: argparse.Namespace) -> int:
 
 def _print_trace(row: dict) -> None:
     t = row["trace"]
-    print(f"  trace of {row['nodes']} nodes, {row['tokens']} token(s): traced envoy p50 {t['p50_us']} us, "
-          f"p99 {t['p99_us']} us; per hop (microseconds, pooled over ranks; hops overlap, see docs/envoy.md):")
+    print(
+        f"  trace of {row['nodes']} nodes, {row['tokens']} token(s): traced envoy p50 {t['p50_us']} us, "
+        f"p99 {t['p99_us']} us; per hop (microseconds, pooled over ranks; hops overlap, see docs/envoy.md):"
+    )
     for h in t["hops"]:
         print(f"    {h['hop']:<34} p50 {h['p50_us']:>8}  p90 {h['p90_us']:>8}   {h['covers']}")
     sys.stdout.flush()
 
 
 def _print_row(row: dict, header: bool) -> None:
-    cols = [("nodes", "nodes"), ("tokens", "tokens"), ("envoy_p50_us", "envoy p50"), ("envoy_p99_us", "envoy p99"),
-            ("floor_p50_us", "floor p50"), ("relay_p50_us", "relay p50"), ("grpc_p50_us", "grpc p50"),
-            ("mlx_ring_p50_us", "mlx ring p50"),
-            ("envoy_over_floor", "envoy/floor")]
+    cols = [
+        ("nodes", "nodes"),
+        ("tokens", "tokens"),
+        ("envoy_p50_us", "envoy p50"),
+        ("envoy_p99_us", "envoy p99"),
+        ("floor_p50_us", "floor p50"),
+        ("relay_p50_us", "relay p50"),
+        ("grpc_p50_us", "grpc p50"),
+        ("mlx_ring_p50_us", "mlx ring p50"),
+        ("envoy_over_floor", "envoy/floor"),
+    ]
     if header:
         print("  ".join(f"{title:>12}" for _, title in cols) + "   (microseconds)")
     print("  ".join(f"{row.get(key, '-'):>12}" for key, _ in cols), flush=True)
     sys.stdout.flush()
-

@@ -34,18 +34,26 @@ class DecodeBench:
     max_tokens: int = 64
     rounds: int = 3
     prompt: str = DEFAULT_PROMPT
-    transports: tuple[str, ...] = ("shm",)  # each N > 1 is measured over each (N = 1 exchanges nothing)
+    transports: tuple[str, ...] = (
+        "shm",
+    )  # each N > 1 is measured over each (N = 1 exchanges nothing)
     gpus: bool = False  # bind node r to GPU r
-    expert_cache: tuple[str, ...] = ()  # resident shares to measure (proto.expert_cache), e.g. 100%,50%,25%
-    routing_profile: str | None = None  # the profile the cached runs pin from; None: one made on PROFILE_PROMPTS
+    expert_cache: tuple[
+        str, ...
+    ] = ()  # resident shares to measure (proto.expert_cache), e.g. 100%,50%,25%
+    routing_profile: str | None = (
+        None  # the profile the cached runs pin from; None: one made on PROFILE_PROMPTS
+    )
     prefetch: int | None = None  # the cached runs' read-ahead per layer (load_shard's); None: auto
     peers: bool = True  # measure mlx-lm's tensor parallelism at each N > 1
 
 
 # Prompts a routing profile is made from when none is given: not the benchmark's own prompt, so the
 # profile predicts routing rather than replaying it.
-PROFILE_PROMPTS = ("Once upon a time there was a king who had three daughters.",
-                   "The rain fell on the river and the boats came home before night.")
+PROFILE_PROMPTS = (
+    "Once upon a time there was a king who had three daughters.",
+    "The rain fell on the river and the boats came home before night.",
+)
 
 
 def _single_node(spec: DecodeBench, ids: list[int], tokenizer, model) -> dict:
@@ -77,7 +85,9 @@ def _single_node(spec: DecodeBench, ids: list[int], tokenizer, model) -> dict:
     }
 
 
-def _cluster_path_alone(spec: DecodeBench, ids: list[int], tokenizer, model, stock_tps: float) -> dict:
+def _cluster_path_alone(
+    spec: DecodeBench, ids: list[int], tokenizer, model, stock_tps: float
+) -> dict:
     """The cluster path at N = 1 (the sharded model: ExpertShards in ClusterMoE layers, one node)
     alternating with stock mlx-lm (`model`) in this process, as `_single_node` alternates our engine:
     rounds interleaved, so a noisy machine slows both sides alike. Medians. Without `model` (both
@@ -94,15 +104,23 @@ def _cluster_path_alone(spec: DecodeBench, ids: list[int], tokenizer, model, sto
         stats = Stats()
         toks = list(generate_tokens(sharded.model, ids, sampling, eos_token_ids=(), stats=stats))
         last = None
-        for last in stream_generate(model, tokenizer, ids, max_tokens=spec.max_tokens) if model is not None else ():
+        for last in (
+            stream_generate(model, tokenizer, ids, max_tokens=spec.max_tokens)
+            if model is not None
+            else ()
+        ):
             pass
         if i:
             ours.append(stats.generation_tps)
             if last is not None:
                 stock.append(last.generation_tps)
             tokens = toks
-    return {"cluster_tps": statistics.median(ours), "mlx_lm_tps": statistics.median(stock) if stock else stock_tps,
-            "tokens": tokens, "interleaved": model is not None}
+    return {
+        "cluster_tps": statistics.median(ours),
+        "mlx_lm_tps": statistics.median(stock) if stock else stock_tps,
+        "tokens": tokens,
+        "interleaved": model is not None,
+    }
 
 
 def _fits_twice(model) -> bool:
@@ -122,27 +140,36 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> l
     from ...node.sim import SimTask
 
     sampling = Sampling(max_tokens=spec.max_tokens)
-    tasks = [SimTask(spec.model, tuple(ids), sampling, keepalive=k, repeats=spec.rounds) for k in spec.keepalive]
+    tasks = [
+        SimTask(spec.model, tuple(ids), sampling, keepalive=k, repeats=spec.rounds)
+        for k in spec.keepalive
+    ]
     out = []
-    for keepalive, reports in zip(spec.keepalive, run_nodes(tasks, nodes, transport=transport, gpus=spec.gpus)):
+    for keepalive, reports in zip(
+        spec.keepalive, run_nodes(tasks, nodes, transport=transport, gpus=spec.gpus)
+    ):
         r0 = reports[0]
         steps = max(r0["generated"] - 1, 1)
         per_token = r0["generation_seconds"] / steps
-        out.append({
-            "nodes": nodes,
-            "keepalive": keepalive,
-            "transport": transport,
-            "backend": mlx_backend(spec.gpus) if transport == "mlx" else transport,
-            "generation_tps": r0["generation_tps"],
-            "tokens": r0["tokens"],
-            "time_per_token_s": per_token,
-            "expected_experts": _expected_experts(reports, keepalive),
-            "mean_computed_per_node": statistics.mean(r["counters"]["computed"] for r in reports),
-            "expert_reads": expert_reads(reports),
-            "breakdown_s": breakdown(r0["timers"], steps, per_token),
-            # simulated nodes share this machine's CPU cores, unless each has its own GPU
-            "nodes_per_host": 1 if spec.gpus else nodes,
-        })
+        out.append(
+            {
+                "nodes": nodes,
+                "keepalive": keepalive,
+                "transport": transport,
+                "backend": mlx_backend(spec.gpus) if transport == "mlx" else transport,
+                "generation_tps": r0["generation_tps"],
+                "tokens": r0["tokens"],
+                "time_per_token_s": per_token,
+                "expected_experts": _expected_experts(reports, keepalive),
+                "mean_computed_per_node": statistics.mean(
+                    r["counters"]["computed"] for r in reports
+                ),
+                "expert_reads": expert_reads(reports),
+                "breakdown_s": breakdown(r0["timers"], steps, per_token),
+                # simulated nodes share this machine's CPU cores, unless each has its own GPU
+                "nodes_per_host": 1 if spec.gpus else nodes,
+            }
+        )
     return out
 
 
@@ -163,15 +190,23 @@ def expert_reads(reports: list[dict]) -> dict:
             read = (c["positions"] if route == "device" else c["computed"]) / c["calls"]
             per_layer.append(read)
             total += read * r["expert_matrix_bytes"][layer]
-        nodes.append({"rank": r["rank"], "route": r["route"],
-                      "routes": sorted(set(r["layer_routes"].values())),
-                      "matrices_per_layer": statistics.mean(per_layer) if per_layer else 0.0,
-                      "computed_per_layer": r["counters"]["computed"],
-                      "bytes_per_token": total})
-    return {"counts": "routed-expert bytes read per node per token: per MoE layer, the matrices "
-                      "its route reads (skip, host: experts computed; device: one per routed "
-                      "position) x one local expert's bytes",
-            "nodes": nodes, "max_bytes_per_token": max((n["bytes_per_token"] for n in nodes), default=0.0)}
+        nodes.append(
+            {
+                "rank": r["rank"],
+                "route": r["route"],
+                "routes": sorted(set(r["layer_routes"].values())),
+                "matrices_per_layer": statistics.mean(per_layer) if per_layer else 0.0,
+                "computed_per_layer": r["counters"]["computed"],
+                "bytes_per_token": total,
+            }
+        )
+    return {
+        "counts": "routed-expert bytes read per node per token: per MoE layer, the matrices "
+        "its route reads (skip, host: experts computed; device: one per routed "
+        "position) x one local expert's bytes",
+        "nodes": nodes,
+        "max_bytes_per_token": max((n["bytes_per_token"] for n in nodes), default=0.0),
+    }
 
 
 def breakdown(timers: dict, steps: int, per_step: float) -> dict:
@@ -208,35 +243,58 @@ def _expert_cache(spec: DecodeBench, ids: list[int], nodes: int, stock: list[int
         heat = profile_heat(profile(spec.model, list(PROFILE_PROMPTS), spec.max_tokens))
     sampling = Sampling(max_tokens=spec.max_tokens)
     runs = [(c, p) for c in spec.expert_cache for p in (None, heat)]
-    tasks = [SimTask(spec.model, tuple(ids), sampling, keepalive=spec.keepalive[0], repeats=spec.rounds,
-                     expert_cache=c, profile=p, prefetch=spec.prefetch) for c, p in runs]
+    tasks = [
+        SimTask(
+            spec.model,
+            tuple(ids),
+            sampling,
+            keepalive=spec.keepalive[0],
+            repeats=spec.rounds,
+            expert_cache=c,
+            profile=p,
+            prefetch=spec.prefetch,
+        )
+        for c, p in runs
+    ]
     out = []
-    for (cache, prof), reports in zip(runs, run_nodes(tasks, nodes, transport=spec.transports[0], gpus=spec.gpus)):
+    for (cache, prof), reports in zip(
+        runs, run_nodes(tasks, nodes, transport=spec.transports[0], gpus=spec.gpus)
+    ):
         r0 = reports[0]
         steps = max(r0["generated"] - 1, 1)
         total = cache_summary([r["expert_cache"] for r in reports])
         selected = total["hits"] + total["misses"]
-        out.append({
-            "nodes": nodes, "expert_cache": cache, "profile": prof is not None,
-            "generation_tps": r0["generation_tps"], "time_per_token_s": r0["generation_seconds"] / steps,
-            "capacity": total["capacity"],
-            "local": sum(r["expert_cache"]["local"] for r in reports),
-            "hit_rate": total["hits"] / selected if selected else 1.0,
-            "selected_per_token": selected / nodes / steps,  # per node, summed over its MoE layers
-            "misses_per_token": total["misses"] / nodes / steps,  # per node
-            "bytes_read_per_token": total["bytes_read"] / nodes / steps,  # per node
-            "read_seconds_per_token": max(r["expert_cache"]["read_seconds"] for r in reports) / steps,
-            # per node: reads started ahead, and misses whose bytes one of them had staged
-            **{f"{k}_per_token": sum(r["expert_cache"][k] for r in reports) / nodes / steps
-               for k in ("prefetched", "prefetch_hits")},
-            # the busiest node's memory: MLX's decode peak, what it keeps resident (replicated weights
-            # and expert slots; the slots are the cache's budget), and expert reads held outside them
-            "peak_memory_decode_bytes": max(r["peak_memory_decode_bytes"] for r in reports),
-            "resident_weight_bytes": max(r["resident_weight_bytes"] for r in reports),
-            "resident_expert_bytes": max(r["expert_bytes"] for r in reports),
-            "staged_peak_bytes": max(r["expert_cache"]["staged_peak_bytes"] for r in reports),
-            **_compare(r0["tokens"], stock),
-        })
+        out.append(
+            {
+                "nodes": nodes,
+                "expert_cache": cache,
+                "profile": prof is not None,
+                "generation_tps": r0["generation_tps"],
+                "time_per_token_s": r0["generation_seconds"] / steps,
+                "capacity": total["capacity"],
+                "local": sum(r["expert_cache"]["local"] for r in reports),
+                "hit_rate": total["hits"] / selected if selected else 1.0,
+                "selected_per_token": selected
+                / nodes
+                / steps,  # per node, summed over its MoE layers
+                "misses_per_token": total["misses"] / nodes / steps,  # per node
+                "bytes_read_per_token": total["bytes_read"] / nodes / steps,  # per node
+                "read_seconds_per_token": max(r["expert_cache"]["read_seconds"] for r in reports)
+                / steps,
+                # per node: reads started ahead, and misses whose bytes one of them had staged
+                **{
+                    f"{k}_per_token": sum(r["expert_cache"][k] for r in reports) / nodes / steps
+                    for k in ("prefetched", "prefetch_hits")
+                },
+                # the busiest node's memory: MLX's decode peak, what it keeps resident (replicated weights
+                # and expert slots; the slots are the cache's budget), and expert reads held outside them
+                "peak_memory_decode_bytes": max(r["peak_memory_decode_bytes"] for r in reports),
+                "resident_weight_bytes": max(r["resident_weight_bytes"] for r in reports),
+                "resident_expert_bytes": max(r["expert_bytes"] for r in reports),
+                "staged_peak_bytes": max(r["expert_cache"]["staged_peak_bytes"] for r in reports),
+                **_compare(r0["tokens"], stock),
+            }
+        )
     return out
 
 
@@ -249,7 +307,9 @@ def _expected_experts(reports: list[dict], keepalive: str) -> float:
     if not calls:
         return 0.0
     if keepalive == "lru":
-        return max(sum(c["computed"] for c in r["layer_counters"].values()) for r in reports) / calls
+        return (
+            max(sum(c["computed"] for c in r["layer_counters"].values()) for r in reports) / calls
+        )
     return sum(c["cluster_max"] for c in layers.values()) / calls
 
 
@@ -273,10 +333,16 @@ def _compare(tokens: list[int], stock: list[int]) -> dict:
     """same_tokens, and where a run that differs from stock mlx-lm first does (None: it does not),
     so a bfloat16 near-tie late in a run is told from a wrong first token. Counts must agree too:
     a run that stops early (or generated nothing) differs where it stopped."""
-    first = next((i for i, (a, b) in enumerate(zip(tokens, stock)) if a != b),
-                 None if len(tokens) == len(stock) and stock else min(len(tokens), len(stock)))
-    return {"same_tokens": first is None, "first_mismatch": first, "generated": len(tokens),
-            "stock_generated": len(stock)}
+    first = next(
+        (i for i, (a, b) in enumerate(zip(tokens, stock)) if a != b),
+        None if len(tokens) == len(stock) and stock else min(len(tokens), len(stock)),
+    )
+    return {
+        "same_tokens": first is None,
+        "first_mismatch": first,
+        "generated": len(tokens),
+        "stock_generated": len(stock),
+    }
 
 
 def run(spec: DecodeBench) -> dict:
@@ -304,8 +370,12 @@ def run(spec: DecodeBench) -> dict:
             clusters += _cluster(spec, ids, n, t)
     bytes_ = model_bytes(str(ckpt.path))
     for c in clusters:
-        c["fixed_cost_per_moe_layer_us"] = fixed_cost_us(c["time_per_token_s"], single["mlx_lm_tps"],
-                                                         single["generated_tokens"], bytes_["moe_layers"])
+        c["fixed_cost_per_moe_layer_us"] = fixed_cost_us(
+            c["time_per_token_s"],
+            single["mlx_lm_tps"],
+            single["generated_tokens"],
+            bytes_["moe_layers"],
+        )
         # the tokens stay in the row: runs with another decode route are compared on them
         c.update(_compare(c["tokens"], single["stock_tokens"][: spec.max_tokens]))
     from .tensor_parallel import measure
@@ -316,8 +386,15 @@ def run(spec: DecodeBench) -> dict:
         if "tokens" in peer:
             peer.update(_compare(peer.pop("tokens"), single["stock_tokens"][: spec.max_tokens]))
         peers.append(peer)
-    caches = [row for n in spec.nodes for row in
-              _expert_cache(spec, ids, n, single["stock_tokens"][: spec.max_tokens])] if spec.expert_cache else []
+    caches = (
+        [
+            row
+            for n in spec.nodes
+            for row in _expert_cache(spec, ids, n, single["stock_tokens"][: spec.max_tokens])
+        ]
+        if spec.expert_cache
+        else []
+    )
     out = {
         "model": str(ckpt.path),
         "prompt_tokens": len(ids),
@@ -328,8 +405,14 @@ def run(spec: DecodeBench) -> dict:
         # the cluster path (sharded model, cluster MoE layers) at N = 1 against stock mlx-lm,
         # measured in alternating rounds in this process
         "cluster_ratio": alone["cluster_tps"] / alone["mlx_lm_tps"] if alone else None,
-        "cluster_path": {"tps": alone["cluster_tps"], "mlx_lm_tps": alone["mlx_lm_tps"],
-                         "interleaved": alone["interleaved"], **_compare(alone["tokens"], single["stock_tokens"][: spec.max_tokens])} if alone else None,
+        "cluster_path": {
+            "tps": alone["cluster_tps"],
+            "mlx_lm_tps": alone["mlx_lm_tps"],
+            "interleaved": alone["interleaved"],
+            **_compare(alone["tokens"], single["stock_tokens"][: spec.max_tokens]),
+        }
+        if alone
+        else None,
         "same_tokens": single["same_tokens"],
         "rounds": {"ours": single["ours_rounds_tps"], "mlx_lm": single["mlx_lm_rounds_tps"]},
         "model_bytes": bytes_,
@@ -345,7 +428,9 @@ def run(spec: DecodeBench) -> dict:
     return out
 
 
-def fixed_cost_us(time_per_token_s: float, stock_tps: float, generated: int, moe_layers: int) -> float:
+def fixed_cost_us(
+    time_per_token_s: float, stock_tps: float, generated: int, moe_layers: int
+) -> float:
     """What the cluster adds to each MoE layer beyond stock mlx-lm's time per token, in µs. Stock's
     tok/s counts n tokens over n - 1 intervals (mlx-lm's convention, and the engine's), while a row's
     time_per_token_s is the interval itself: compared as intervals."""
@@ -360,33 +445,59 @@ def calibrate(bench_out: dict) -> dict:
     from ..plan.calibration import CalibrationError, fit, parse_bench, predict_time
 
     bench = parse_bench(bench_out, "bench decode")
-    multi = sorted({c.transport for c in bench.clusters if c.nodes > 1}) or [bench.clusters[0].transport]
+    multi = sorted({c.transport for c in bench.clusters if c.nodes > 1}) or [
+        bench.clusters[0].transport
+    ]
     out = {}
     for transport in multi:
-        part = replace(bench, clusters=tuple(c for c in bench.clusters if c.nodes == 1 or c.transport == transport))
+        part = replace(
+            bench,
+            clusters=tuple(c for c in bench.clusters if c.nodes == 1 or c.transport == transport),
+        )
         cal = fit(part)
         points = []
         for i, c in enumerate(part.clusters):
             # errors on the time per token the fit is made of; the predicted tok/s is put in the
             # measured tok/s's own convention (n tokens over n - 1 intervals, as mlx-lm counts)
-            error = c.time_per_token_s / predict_time(cal, part, c.nodes, c.expected_experts, c.nodes_per_host) - 1.0
+            error = (
+                c.time_per_token_s
+                / predict_time(cal, part, c.nodes, c.expected_experts, c.nodes_per_host)
+                - 1.0
+            )
             # held out: fitted on the other points only, a prediction rather than a fit
-            others = replace(part, clusters=part.clusters[:i] + part.clusters[i + 1:])
+            others = replace(part, clusters=part.clusters[:i] + part.clusters[i + 1 :])
             try:
                 held = fit(others) if len(others.clusters) >= 2 else None
             except CalibrationError:
                 held = None
-            held_error = None if held is None else \
-                c.time_per_token_s / predict_time(held, part, c.nodes, c.expected_experts, c.nodes_per_host) - 1.0
-            points.append({"nodes": c.nodes, "keepalive": c.keepalive, "measured_tps": c.generation_tps,
-                           "predicted_tps": c.generation_tps * (1.0 + error), "error": error,
-                           "held_out_error": held_error})
+            held_error = (
+                None
+                if held is None
+                else c.time_per_token_s
+                / predict_time(held, part, c.nodes, c.expected_experts, c.nodes_per_host)
+                - 1.0
+            )
+            points.append(
+                {
+                    "nodes": c.nodes,
+                    "keepalive": c.keepalive,
+                    "measured_tps": c.generation_tps,
+                    "predicted_tps": c.generation_tps * (1.0 + error),
+                    "error": error,
+                    "held_out_error": held_error,
+                }
+            )
         held = [abs(p["held_out_error"]) for p in points if p["held_out_error"] is not None]
-        out[transport] = {"bandwidth_Bps": cal.bandwidth_Bps, "layer_overhead_s": cal.layer_overhead_s,
-                          "collective_base_s": cal.collective_base_s, "collective_per_node_s": cal.collective_per_node_s,
-                          "points": points, "max_abs_error": max(abs(p["error"]) for p in points),
-                          # with no more points than the fit has terms, `error` is ~0 by construction
-                          "max_abs_held_out_error": max(held) if held else None}
+        out[transport] = {
+            "bandwidth_Bps": cal.bandwidth_Bps,
+            "layer_overhead_s": cal.layer_overhead_s,
+            "collective_base_s": cal.collective_base_s,
+            "collective_per_node_s": cal.collective_per_node_s,
+            "points": points,
+            "max_abs_error": max(abs(p["error"]) for p in points),
+            # with no more points than the fit has terms, `error` is ~0 by construction
+            "max_abs_held_out_error": max(held) if held else None,
+        }
     return out
 
 
@@ -412,13 +523,21 @@ def _break_even(bench, cal: dict, cache_model) -> dict:
     n = cal["nodes"]
     t = {c.nodes: c.time_per_token_s for c in bench.clusters if c.keepalive == "none"}
     if n - 1 not in t or n not in t:
-        return {"saved_s": None, "hit_rate": None, "note": f"needs clusters of {n - 1} and {n} nodes in the run"}
+        return {
+            "saved_s": None,
+            "hit_rate": None,
+            "note": f"needs clusters of {n - 1} and {n} nodes in the run",
+        }
     saved = t[n - 1] - t[n]
     cost = cache_model.MissCost(cal["per_miss_s"], cal["per_layer_s"])
     h = cache_model.break_even_hit_rate(cal["selected_per_token"], cost, bench.moe_layers, saved)
-    return {"saved_s": saved, "hit_rate": h,
-            "note": "a cached node never pays here: a node more saves less than a cached layer's fixed cost"
-            if h is None else "below this hit rate, streaming a node costs more than the node saves"}
+    return {
+        "saved_s": saved,
+        "hit_rate": h,
+        "note": "a cached node never pays here: a node more saves less than a cached layer's fixed cost"
+        if h is None
+        else "below this hit rate, streaming a node costs more than the node saves",
+    }
 
 
 def _prefetch(text: str | None) -> int | None:
@@ -428,7 +547,9 @@ def _prefetch(text: str | None) -> int | None:
     if text == "off":
         return 0
     if not str(text).isdigit():
-        raise UserError(f"--prefetch must be auto, off or a number of experts per layer (got {text!r})")
+        raise UserError(
+            f"--prefetch must be auto, off or a number of experts per layer (got {text!r})"
+        )
     return int(text)
 
 
@@ -456,9 +577,20 @@ def main(args) -> int:
     caches = tuple(c for c in (args.expert_cache or "").split(",") if c)
     for c in caches:
         ExpertCacheSpec.parse(c)
-    spec = DecodeBench(args.model, nodes, keepalive, args.max_tokens, args.rounds, args.prompt or DEFAULT_PROMPT,
-                       transports, args.gpus, caches, args.routing_profile, _prefetch(args.prefetch),
-                       not args.no_peers)
+    spec = DecodeBench(
+        args.model,
+        nodes,
+        keepalive,
+        args.max_tokens,
+        args.rounds,
+        args.prompt or DEFAULT_PROMPT,
+        transports,
+        args.gpus,
+        caches,
+        args.routing_profile,
+        _prefetch(args.prefetch),
+        not args.no_peers,
+    )
     out = run(spec)
     if args.calibrate:
         out["calibration"] = calibrate(out)
@@ -469,44 +601,70 @@ def main(args) -> int:
         return 0
     for c in out.get("expert_cache_calibration", ()):
         h = c["break_even"]["hit_rate"]
-        print(f"expert cache at {c['nodes']} nodes: {c['per_miss_s'] * 1e6:.0f} us per miss, "
-              f"{c['per_layer_s'] * 1e6:.0f} us per cached MoE layer, routing skew {c['skew']:.2f}; break-even hit "
-              f"rate {'-' if h is None else f'{h:.0%}'} ({c['break_even']['note']})")
+        print(
+            f"expert cache at {c['nodes']} nodes: {c['per_miss_s'] * 1e6:.0f} us per miss, "
+            f"{c['per_layer_s'] * 1e6:.0f} us per cached MoE layer, routing skew {c['skew']:.2f}; break-even hit "
+            f"rate {'-' if h is None else f'{h:.0%}'} ({c['break_even']['note']})"
+        )
         for p in c["points"]:
-            print(f"  {p['expert_cache']:>5} profile {'yes' if p['profile'] else 'no':>3}: measured "
-                  f"{p['measured_tps']:.1f} tok/s, predicted {p['predicted_tps']:.1f} ({100 * p['error']:+.1f}%)")
-    for transport, cal in (out["calibration"].items() if args.calibrate else ()):
-        print(f"calibration over {transport}: bandwidth {cal['bandwidth_Bps'] / 1e9:.2f} GB/s, {cal['layer_overhead_s'] * 1e6:.0f} us per layer, "
-              f"collective {1e6 * (cal['collective_base_s'] or 0):.0f} us per MoE layer at 2 nodes "
-              f"+{1e6 * (cal['collective_per_node_s'] or 0):.0f} us per extra node")
+            print(
+                f"  {p['expert_cache']:>5} profile {'yes' if p['profile'] else 'no':>3}: measured "
+                f"{p['measured_tps']:.1f} tok/s, predicted {p['predicted_tps']:.1f} ({100 * p['error']:+.1f}%)"
+            )
+    for transport, cal in out["calibration"].items() if args.calibrate else ():
+        print(
+            f"calibration over {transport}: bandwidth {cal['bandwidth_Bps'] / 1e9:.2f} GB/s, {cal['layer_overhead_s'] * 1e6:.0f} us per layer, "
+            f"collective {1e6 * (cal['collective_base_s'] or 0):.0f} us per MoE layer at 2 nodes "
+            f"+{1e6 * (cal['collective_per_node_s'] or 0):.0f} us per extra node"
+        )
         for p in cal["points"]:
             held = p["held_out_error"]
-            print(f"  {p['nodes']} nodes {p['keepalive']:>4}: measured {p['measured_tps']:.1f} tok/s, "
-                  f"predicted {p['predicted_tps']:.1f} tok/s ({100 * p['error']:+.1f}%; fitted without it: "
-                  + ("-" if held is None else f"{100 * held:+.1f}%") + ")")
-    print(f"single node: ours {out['ours_tps']:.1f} tok/s, stock mlx-lm {out['mlx_lm_tps']:.1f} tok/s, "
-          f"ratio {out['ratio']:.3f}" + (f"; cluster path at N = 1: ratio {out['cluster_ratio']:.3f}"
-                                          if out["cluster_ratio"] is not None else ""))
+            print(
+                f"  {p['nodes']} nodes {p['keepalive']:>4}: measured {p['measured_tps']:.1f} tok/s, "
+                f"predicted {p['predicted_tps']:.1f} tok/s ({100 * p['error']:+.1f}%; fitted without it: "
+                + ("-" if held is None else f"{100 * held:+.1f}%")
+                + ")"
+            )
+    print(
+        f"single node: ours {out['ours_tps']:.1f} tok/s, stock mlx-lm {out['mlx_lm_tps']:.1f} tok/s, "
+        f"ratio {out['ratio']:.3f}"
+        + (
+            f"; cluster path at N = 1: ratio {out['cluster_ratio']:.3f}"
+            if out["cluster_ratio"] is not None
+            else ""
+        )
+    )
     for p in out["peers"]:
-        print(f"peer {p['name']} at {p['nodes']} processes: " + (f"{p['tps']:.1f} tok/s" if "tps" in p else p["error"]))
-    print(f"{'nodes':>5} {'keepalive':>9} {'tok/s':>7} {'s/token':>8} {'E[n]':>5} {'attn+router':>11} "
-          f"{'experts':>8} {'collective':>10} {'other':>7}")
+        print(
+            f"peer {p['name']} at {p['nodes']} processes: "
+            + (f"{p['tps']:.1f} tok/s" if "tps" in p else p["error"])
+        )
+    print(
+        f"{'nodes':>5} {'keepalive':>9} {'tok/s':>7} {'s/token':>8} {'E[n]':>5} {'attn+router':>11} "
+        f"{'experts':>8} {'collective':>10} {'other':>7}"
+    )
     for c in out["clusters"]:
         b = c["breakdown_s"] or {}
         fmt = lambda k: f"{b[k]:.4f}" if k in b else "-"  # noqa: E731
-        print(f"{c['nodes']:>5} {c['keepalive']:>9} {c['generation_tps']:>7.1f} {c['time_per_token_s']:>8.4f} "
-              f"{c['expected_experts'] or 0:>5.2f} {fmt('attention_router'):>11} {fmt('experts'):>8} "
-              f"{fmt('collective_wait'):>10} {fmt('other'):>7}")
+        print(
+            f"{c['nodes']:>5} {c['keepalive']:>9} {c['generation_tps']:>7.1f} {c['time_per_token_s']:>8.4f} "
+            f"{c['expected_experts'] or 0:>5.2f} {fmt('attention_router'):>11} {fmt('experts'):>8} "
+            f"{fmt('collective_wait'):>10} {fmt('other'):>7}"
+        )
     if out["expert_cache"]:
-        print(f"{'nodes':>5} {'cache':>6} {'profile':>7} {'tok/s':>7} {'hit rate':>8} {'misses/tok':>10} "
-              f"{'MB read/tok':>11} {'read s/tok':>10} {'prefetched':>10} {'peak MB':>8} {'experts MB':>10} "
-              f"{'stock tokens':>12}")
+        print(
+            f"{'nodes':>5} {'cache':>6} {'profile':>7} {'tok/s':>7} {'hit rate':>8} {'misses/tok':>10} "
+            f"{'MB read/tok':>11} {'read s/tok':>10} {'prefetched':>10} {'peak MB':>8} {'experts MB':>10} "
+            f"{'stock tokens':>12}"
+        )
     for c in out["expert_cache"]:
-        print(f"{c['nodes']:>5} {c['expert_cache']:>6} {'yes' if c['profile'] else 'no':>7} {c['generation_tps']:>7.1f} "
-              f"{c['hit_rate']:>8.1%} {c['misses_per_token']:>10.2f} {c['bytes_read_per_token'] / 1e6:>11.3f} "
-              f"{c['read_seconds_per_token']:>10.5f} "
-              f"{c['prefetch_hits_per_token']:>4.2f}/{c['prefetched_per_token']:<5.2f} "
-              f"{c['peak_memory_decode_bytes'] / 1e6:>8.2f} {c['resident_expert_bytes'] / 1e6:>10.2f} "
-              f"{'yes' if c['same_tokens'] else 'NO':>12}")
+        print(
+            f"{c['nodes']:>5} {c['expert_cache']:>6} {'yes' if c['profile'] else 'no':>7} {c['generation_tps']:>7.1f} "
+            f"{c['hit_rate']:>8.1%} {c['misses_per_token']:>10.2f} {c['bytes_read_per_token'] / 1e6:>11.3f} "
+            f"{c['read_seconds_per_token']:>10.5f} "
+            f"{c['prefetch_hits_per_token']:>4.2f}/{c['prefetched_per_token']:<5.2f} "
+            f"{c['peak_memory_decode_bytes'] / 1e6:>8.2f} {c['resident_expert_bytes'] / 1e6:>10.2f} "
+            f"{'yes' if c['same_tokens'] else 'NO':>12}"
+        )
     sys.stdout.flush()
     return 0

@@ -46,29 +46,49 @@ def run(model: str, nodes: int, spare_experts: int, max_tokens: int) -> dict:
     prof = profile(path, PROFILE_PROMPTS, max_tokens)
     fp = footprint(path)
     E = next(iter(fp.num_experts.values()))
-    per_node = -(-E // nodes) + spare_experts  # room for the even share plus spare experts per layer
+    per_node = (
+        -(-E // nodes) + spare_experts
+    )  # room for the even share plus spare experts per layer
     memory = fp.replicated_bytes + per_node * fp.expert_set_bytes
     budgets = [NodeBudget(f"n{i}", memory) for i in range(nodes)]
     counts = {int(l): v["counts"] for l, v in prof["layers"].items()}
     plans = {
         "even": plan_placement(fp, budgets, strategy="even", memory_fraction=1.0),
-        "profile": plan_placement(fp, budgets, strategy="profile", memory_fraction=1.0, profile_counts=counts),
+        "profile": plan_placement(
+            fp, budgets, strategy="profile", memory_fraction=1.0, profile_counts=counts
+        ),
     }
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from ..dev.run_local import encode_prompt
 
     tok = load_tokenizer(Checkpoint.open(path).path)
-    out = {"model": path, "nodes": nodes, "experts": E, "spare_experts_per_node": spare_experts,
-           "profile_tokens": next(iter(prof["layers"].values()))["tokens"], "placements": {}}
+    out = {
+        "model": path,
+        "nodes": nodes,
+        "experts": E,
+        "spare_experts_per_node": spare_experts,
+        "profile_tokens": next(iter(prof["layers"].values()))["tokens"],
+        "placements": {},
+    }
     for name, plan in plans.items():
-        tasks = [SimTask(path, tuple(encode_prompt(tok, p)), Sampling(max_tokens=max_tokens),
-                         plan.placement.to_json(), "none") for p in MEASURE_PROMPTS]
+        tasks = [
+            SimTask(
+                path,
+                tuple(encode_prompt(tok, p)),
+                Sampling(max_tokens=max_tokens),
+                plan.placement.to_json(),
+                "none",
+            )
+            for p in MEASURE_PROMPTS
+        ]
         reports = run_nodes(tasks, nodes)
         es = [_measured_e(r) for r in reports]
         out["placements"][name] = {
             "measured_expected_experts": sum(es) / len(es),
-            "experts_per_node": [sum(len(v[r]) for v in plan.placement.layers.values()) for r in range(nodes)],
+            "experts_per_node": [
+                sum(len(v[r]) for v in plan.placement.layers.values()) for r in range(nodes)
+            ],
             "tokens": [r[0]["tokens"] for r in reports],
         }
     even, guided = out["placements"]["even"], out["placements"]["profile"]
@@ -83,8 +103,14 @@ def main(args) -> int:
         print(json.dumps(out))
         return 0
     e, g = out["placements"]["even"], out["placements"]["profile"]
-    print(f"{out['nodes']} nodes, {out['experts']} experts per layer, room for {out['spare_experts_per_node']} more per node:")
-    print(f"  even split     : E = {e['measured_expected_experts']:.3f} experts computed by the busiest node per layer")
-    print(f"  profile-guided : E = {g['measured_expected_experts']:.3f} ({100 * out['reduction']:.1f}% lower; "
-          f"tokens {'identical' if out['same_tokens'] else 'DIFFER'})")
+    print(
+        f"{out['nodes']} nodes, {out['experts']} experts per layer, room for {out['spare_experts_per_node']} more per node:"
+    )
+    print(
+        f"  even split     : E = {e['measured_expected_experts']:.3f} experts computed by the busiest node per layer"
+    )
+    print(
+        f"  profile-guided : E = {g['measured_expected_experts']:.3f} ({100 * out['reduction']:.1f}% lower; "
+        f"tokens {'identical' if out['same_tokens'] else 'DIFFER'})"
+    )
     return 0

@@ -26,10 +26,16 @@ from pathlib import Path
 from ...proto.errors import UserError
 from .prompt_cache import local_cluster
 
-PROMPTS = ("To be, or not to be, that is the question:", "Now is the winter of our discontent",
-           "All the world's a stage, and all the men and women", "Friends, Romans, countrymen, lend me",
-           "Shall I compare thee to a summer's day?", "The quality of mercy is not strained;",
-           "If music be the food of love, play on;", "O Romeo, Romeo, wherefore art thou Romeo?")
+PROMPTS = (
+    "To be, or not to be, that is the question:",
+    "Now is the winter of our discontent",
+    "All the world's a stage, and all the men and women",
+    "Friends, Romans, countrymen, lend me",
+    "Shall I compare thee to a summer's day?",
+    "The quality of mercy is not strained;",
+    "If music be the food of love, play on;",
+    "O Romeo, Romeo, wherefore art thou Romeo?",
+)
 SERVER_START_S = 120.0  # mlx_lm.server must answer /v1/models within this long
 REQUEST_TIMEOUT_S = 300.0
 
@@ -38,13 +44,27 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="demo", help="checkpoint folder, or 'demo'")
     p.add_argument("--nodes", default="1,2", help="comma list of node counts")
     p.add_argument("--concurrency", default="1,4,8,16", help="comma list of concurrent clients")
-    p.add_argument("--requests", type=int, default=4, help="requests each client sends, one after another")
+    p.add_argument(
+        "--requests", type=int, default=4, help="requests each client sends, one after another"
+    )
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--max-batch", type=int, help="our serving.max_batch (default: the largest --concurrency, "
-                   "so neither server queues a client)")
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        help="our serving.max_batch (default: the largest --concurrency, "
+        "so neither server queues a client)",
+    )
     p.add_argument("--no-mlx-lm", action="store_true", help="measure only our cluster")
-    p.add_argument("--gpus", action="store_true", help="node i on CUDA GPU i (a multi-GPU host; mlx_lm.server on GPU 0)")
-    p.add_argument("--plot", metavar="FILE.png", help="aggregate tok/s and p99 inter-token latency against concurrency")
+    p.add_argument(
+        "--gpus",
+        action="store_true",
+        help="node i on CUDA GPU i (a multi-GPU host; mlx_lm.server on GPU 0)",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="aggregate tok/s and p99 inter-token latency against concurrency",
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -61,9 +81,15 @@ def _ints(text: str, flag: str) -> list[int]:
 def _stream(url: str, prompt: str, max_tokens: int) -> tuple[float, list[float], int]:
     """One streamed greedy completion: (seconds to the first text event, the gaps between text
     events, text events). Raises on an HTTP error or a stream that ends without [DONE]."""
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
-                                 headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+    body = json.dumps(
+        {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    ).encode()
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+    )
     t0 = time.perf_counter()
     first, last, gaps, events = None, None, [], 0
     with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
@@ -124,10 +150,19 @@ def measure(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
     for t in threads:
         t.join(REQUEST_TIMEOUT_S * requests)
     wall = time.perf_counter() - t0
-    return {"concurrency": concurrency, "requests": concurrency * requests, "failed": len(errors),
-            "errors": errors[:3], "aggregate_tps": events[0] / wall, "seconds": wall,
-            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99), "ttft_max_s": max(ttft, default=0.0),
-            "itl_p50_s": _pct(itl, 0.5), "itl_p99_s": _pct(itl, 0.99)}
+    return {
+        "concurrency": concurrency,
+        "requests": concurrency * requests,
+        "failed": len(errors),
+        "errors": errors[:3],
+        "aggregate_tps": events[0] / wall,
+        "seconds": wall,
+        "ttft_p50_s": _pct(ttft, 0.5),
+        "ttft_p99_s": _pct(ttft, 0.99),
+        "ttft_max_s": max(ttft, default=0.0),
+        "itl_p50_s": _pct(itl, 0.5),
+        "itl_p99_s": _pct(itl, 0.99),
+    }
 
 
 def _free_port() -> int:
@@ -145,9 +180,23 @@ def mlx_lm_server(model_path: str):
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         with tempfile.TemporaryFile("w+") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "mlx_lm", "server", "--model", model_path, "--host",
-                                     "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "mlx_lm",
+                    "server",
+                    "--model",
+                    model_path,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             try:
                 deadline = time.monotonic() + SERVER_START_S
                 while True:
@@ -158,7 +207,9 @@ def mlx_lm_server(model_path: str):
                         if proc.poll() is not None or time.monotonic() > deadline:
                             log.seek(0)
                             tail = log.read()[-600:].strip().replace("\n", " | ")
-                            raise UserError(f"mlx_lm.server did not start (exit {proc.poll()}): {tail}") from None
+                            raise UserError(
+                                f"mlx_lm.server did not start (exit {proc.poll()}): {tail}"
+                            ) from None
                         time.sleep(0.2)
                 yield url
             finally:
@@ -172,17 +223,33 @@ def mlx_lm_server(model_path: str):
     return run()
 
 
-def run(model: str, nodes: list[int], concurrency: list[int], requests: int, max_tokens: int,
-        with_mlx_lm: bool = True, max_batch: int | None = None, gpus: bool = False) -> dict:
+def run(
+    model: str,
+    nodes: list[int],
+    concurrency: list[int],
+    requests: int,
+    max_tokens: int,
+    with_mlx_lm: bool = True,
+    max_batch: int | None = None,
+    gpus: bool = False,
+) -> dict:
     from ...node.checkpoint import Checkpoint
 
     path = str(Checkpoint.open(model).path)  # 'demo' or a folder: refused in one line if unusable
     max_batch = max_batch or max(concurrency)
-    out: dict = {"model": path, "max_tokens": max_tokens, "requests_per_client": requests, "max_batch": max_batch,
-                 "rows": [], "mlx_lm_server": []}
+    out: dict = {
+        "model": path,
+        "max_tokens": max_tokens,
+        "requests_per_client": requests,
+        "max_batch": max_batch,
+        "rows": [],
+        "mlx_lm_server": [],
+    }
     serving = {"max_batch": max_batch, "queue": max(16, max(concurrency))}
     for n in nodes:
-        with local_cluster(n, path, "0", serving=serving, gpus=gpus) as url:  # no prompt cache: every request computes its prompt
+        with local_cluster(
+            n, path, "0", serving=serving, gpus=gpus
+        ) as url:  # no prompt cache: every request computes its prompt
             for c in concurrency:
                 out["rows"].append({"nodes": n, **measure(url, c, requests, max_tokens)})
     if with_mlx_lm:
@@ -204,7 +271,10 @@ def plot(out: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--plot needs matplotlib (pip install matplotlib)") from None
-    series = [(f"ours, N = {n}", [r for r in out["rows"] if r["nodes"] == n]) for n in sorted({r["nodes"] for r in out["rows"]})]
+    series = [
+        (f"ours, N = {n}", [r for r in out["rows"] if r["nodes"] == n])
+        for n in sorted({r["nodes"] for r in out["rows"]})
+    ]
     if out["mlx_lm_server"]:
         series.append(("mlx_lm.server", out["mlx_lm_server"]))
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
@@ -218,8 +288,10 @@ def plot(out: dict, path: str) -> None:
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{Path(out['model']).name}: {out['requests_per_client']} streamed requests of "
-                 f"{out['max_tokens']} tokens per client")
+    fig.suptitle(
+        f"{Path(out['model']).name}: {out['requests_per_client']} streamed requests of "
+        f"{out['max_tokens']} tokens per client"
+    )
     fig.tight_layout()
     fig.savefig(path)
 
@@ -229,17 +301,33 @@ def main(args) -> int:
         raise UserError("--requests and --max-tokens must be at least 1")
     if args.max_batch is not None and args.max_batch < 1:
         raise UserError(f"--max-batch must be at least 1 (got {args.max_batch})")
-    out = run(args.model, _ints(args.nodes, "--nodes"), _ints(args.concurrency, "--concurrency"), args.requests,
-              args.max_tokens, not args.no_mlx_lm, args.max_batch, args.gpus)
+    out = run(
+        args.model,
+        _ints(args.nodes, "--nodes"),
+        _ints(args.concurrency, "--concurrency"),
+        args.requests,
+        args.max_tokens,
+        not args.no_mlx_lm,
+        args.max_batch,
+        args.gpus,
+    )
     if args.plot:
         plot(out, args.plot)
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{out['model']}: {args.requests} streamed requests of {args.max_tokens} tokens per client")
-    print(f"{'server':>16} {'C':>4} {'agg tok/s':>10} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'itl p99':>8} {'failed':>6}")
-    rows = [(f"ours, N={r['nodes']}", r) for r in out["rows"]] + [("mlx_lm.server", r) for r in out["mlx_lm_server"]]
+    print(
+        f"{out['model']}: {args.requests} streamed requests of {args.max_tokens} tokens per client"
+    )
+    print(
+        f"{'server':>16} {'C':>4} {'agg tok/s':>10} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'itl p99':>8} {'failed':>6}"
+    )
+    rows = [(f"ours, N={r['nodes']}", r) for r in out["rows"]] + [
+        ("mlx_lm.server", r) for r in out["mlx_lm_server"]
+    ]
     for name, r in rows:
-        print(f"{name:>16} {r['concurrency']:>4} {r['aggregate_tps']:>10.1f} {r['ttft_p50_s']:>9.3f} "
-              f"{r['ttft_p99_s']:>9.3f} {r['itl_p50_s']:>8.4f} {r['itl_p99_s']:>8.4f} {r['failed']:>6}")
+        print(
+            f"{name:>16} {r['concurrency']:>4} {r['aggregate_tps']:>10.1f} {r['ttft_p50_s']:>9.3f} "
+            f"{r['ttft_p99_s']:>9.3f} {r['itl_p50_s']:>8.4f} {r['itl_p99_s']:>8.4f} {r['failed']:>6}"
+        )
     return 0

@@ -48,17 +48,37 @@ SECRET = "bench-ship-secret"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", default="512MB", help="bytes to ship (e.g. 256MB, 2GB)")
-    p.add_argument("--blob", default="32MB", help="bytes per blob (one expert tensor's slice; DBRX's is 132MB)")
+    p.add_argument(
+        "--blob", default="32MB", help="bytes per blob (one expert tensor's slice; DBRX's is 132MB)"
+    )
     p.add_argument("--chunk", default="1MiB", help="bytes per streamed chunk")
-    p.add_argument("--host", default="127.0.0.1", help="address the receiver reaches this process at")
-    p.add_argument("--netns", default=None, help="run the receiver in this network namespace (`ip netns exec`)")
-    p.add_argument("--link", default=None,
-                   help="ship over a link of this rate (e.g. 10gbit, 5gbit), or over an unlimited veth (`veth`), "
-                        "between this process and a namespace the bench makes and removes (root), instead of loopback")
-    p.add_argument("--dir", default=None, help="where the source file and the receiver's cache go (default: a temp dir)")
-    p.add_argument("--rounds", type=int, default=3, help="later ships (and raw TCP runs after them) to take the median of")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address the receiver reaches this process at"
+    )
+    p.add_argument(
+        "--netns", default=None, help="run the receiver in this network namespace (`ip netns exec`)"
+    )
+    p.add_argument(
+        "--link",
+        default=None,
+        help="ship over a link of this rate (e.g. 10gbit, 5gbit), or over an unlimited veth (`veth`), "
+        "between this process and a namespace the bench makes and removes (root), instead of loopback",
+    )
+    p.add_argument(
+        "--dir",
+        default=None,
+        help="where the source file and the receiver's cache go (default: a temp dir)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="later ships (and raw TCP runs after them) to take the median of",
+    )
     p.add_argument("--json", action="store_true")
-    p.add_argument("--receive", default=None, help=argparse.SUPPRESS)  # the receiver's own entry point
+    p.add_argument(
+        "--receive", default=None, help=argparse.SUPPRESS
+    )  # the receiver's own entry point
 
 
 def _size(text: str) -> int:
@@ -76,7 +96,10 @@ def _write_source(root: Path, size: int, blob: int) -> tuple[Path, object]:
 
     n = max(1, size // blob)
     names = [f"t{i:05d}" for i in range(n)]
-    header = {k: {"dtype": "U8", "shape": [blob], "data_offsets": [i * blob, (i + 1) * blob]} for i, k in enumerate(names)}
+    header = {
+        k: {"dtype": "U8", "shape": [blob], "data_offsets": [i * blob, (i + 1) * blob]}
+        for i, k in enumerate(names)
+    }
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
     src = root / "src"
@@ -92,7 +115,12 @@ def _write_source(root: Path, size: int, blob: int) -> tuple[Path, object]:
     from ...node.cache import fingerprint
 
     ckpt = Checkpoint(src)
-    catalog = Catalog(fingerprint(ckpt), (src / "config.json").read_text(), tuple((k, "U8", (blob,)) for k in names), {})
+    catalog = Catalog(
+        fingerprint(ckpt),
+        (src / "config.json").read_text(),
+        tuple((k, "U8", (blob,)) for k in names),
+        {},
+    )
     return src, (ckpt, catalog)
 
 
@@ -106,9 +134,13 @@ def _shaped_link(rate: str):
     from ...proto.errors import UserError
 
     if rate.lower() != "veth" and not _RATE.match(rate.lower()):
-        raise UserError(f"--link must be a rate like 10gbit, 2.5gbit or 800mbit, or veth (got {rate!r})")
+        raise UserError(
+            f"--link must be a rate like 10gbit, 2.5gbit or 800mbit, or veth (got {rate!r})"
+        )
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        raise UserError("--link makes a network namespace and shapes a veth: it needs root, iproute2's `ip` and `tc`")
+        raise UserError(
+            "--link makes a network namespace and shapes a veth: it needs root, iproute2's `ip` and `tc`"
+        )
     tag = f"mcs{os.getpid() % 100000}"
     ns, subnet = f"{tag}ns", f"10.214.{os.getpid() % 250}"
 
@@ -125,10 +157,26 @@ def _shaped_link(rate: str):
         run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.2/24", "dev", f"{tag}b")
         run("ip", "netns", "exec", ns, "ip", "link", "set", f"{tag}b", "up")
         if rate.lower() != "veth":
-            run("tc", "qdisc", "add", "dev", f"{tag}a", "root", "tbf", "rate", rate, "burst", "4mb", "latency", "100ms")
+            run(
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                f"{tag}a",
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "4mb",
+                "latency",
+                "100ms",
+            )
         yield ns, f"{subnet}.1"
     finally:
-        subprocess.run(["ip", "link", "del", f"{tag}a"], capture_output=True)  # its peer goes with it
+        subprocess.run(
+            ["ip", "link", "del", f"{tag}a"], capture_output=True
+        )  # its peer goes with it
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
@@ -162,20 +210,42 @@ def _main(args) -> int:
         raw = socket.create_server(("0.0.0.0", 0))
         raw_port = raw.getsockname()[1]
         ranges = sorted(shipper.ranges.values(), key=lambda r: r[1])
-        raw_thread = threading.Thread(target=_raw_send, args=(raw, ranges, chunk, args.rounds + 1), name="raw-sender",
-                                      daemon=True)
+        raw_thread = threading.Thread(
+            target=_raw_send,
+            args=(raw, ranges, chunk, args.rounds + 1),
+            name="raw-sender",
+            daemon=True,
+        )
         raw_thread.start()
         total = sum(r[2] for r in ranges)
-        job = {"ship": f"{args.host}:{port}", "raw": f"{args.host}:{raw_port}", "fingerprint": shipper.fingerprint,
-               "caches": [str(root / f"cache-{i}") for i in range(args.rounds + 1)], "total": total}
-        cmd = [sys.executable, "-m", "moe_cluster.coordinator.cli", "bench", "ship", "--receive", json.dumps(job)]
+        job = {
+            "ship": f"{args.host}:{port}",
+            "raw": f"{args.host}:{raw_port}",
+            "fingerprint": shipper.fingerprint,
+            "caches": [str(root / f"cache-{i}") for i in range(args.rounds + 1)],
+            "total": total,
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "moe_cluster.coordinator.cli",
+            "bench",
+            "ship",
+            "--receive",
+            json.dumps(job),
+        ]
         if args.netns:
             cmd = ["ip", "netns", "exec", args.netns, *cmd]
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         tracemalloc.start()
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                               env=dict(os.environ, MOE_CLUSTER_SECRET=SECRET))
+            r = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env=dict(os.environ, MOE_CLUSTER_SECRET=SECRET),
+            )
         finally:
             traced_peak = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
@@ -183,29 +253,44 @@ def _main(args) -> int:
             raw.close()
         rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         if r.returncode != 0:
-            print(f"bench ship: the receiver failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}", file=sys.stderr)
+            print(
+                f"bench ship: the receiver failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}",
+                file=sys.stderr,
+            )
             return 1
         got = json.loads(r.stdout.strip().splitlines()[-1])
     first, *later_runs = got["seconds"]
     later = statistics.median(later_runs)
     raw_rate = got["raw_bytes"] / statistics.median(got["raw_seconds"])
-    out = {"bytes": got["bytes"], "seconds": later, "rate_bytes_per_s": got["bytes"] / later,
-           "raw_tcp_bytes_per_s": raw_rate, "ratio": got["bytes"] / later / raw_rate,
-           "rounds": {"ship_seconds": later_runs, "raw_tcp_seconds": got["raw_seconds"]},
-           "first_ship_seconds": first, "first_ship_rate_bytes_per_s": got["bytes"] / first,
-           "first_ship_ratio": got["bytes"] / first / raw_rate, "coordinator_hashed_bytes": shipper.digests.hashed_bytes,
-           "chunk_bytes": chunk, "blob_bytes": blob, "coordinator_traced_peak_bytes": traced_peak,
-           "coordinator_rss_growth_bytes": max(0, rss1 - rss0), "netns": args.netns or "",
-           "link": args.link or ""}
+    out = {
+        "bytes": got["bytes"],
+        "seconds": later,
+        "rate_bytes_per_s": got["bytes"] / later,
+        "raw_tcp_bytes_per_s": raw_rate,
+        "ratio": got["bytes"] / later / raw_rate,
+        "rounds": {"ship_seconds": later_runs, "raw_tcp_seconds": got["raw_seconds"]},
+        "first_ship_seconds": first,
+        "first_ship_rate_bytes_per_s": got["bytes"] / first,
+        "first_ship_ratio": got["bytes"] / first / raw_rate,
+        "coordinator_hashed_bytes": shipper.digests.hashed_bytes,
+        "chunk_bytes": chunk,
+        "blob_bytes": blob,
+        "coordinator_traced_peak_bytes": traced_peak,
+        "coordinator_rss_growth_bytes": max(0, rss1 - rss0),
+        "netns": args.netns or "",
+        "link": args.link or "",
+    }
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"shipped {out['bytes'] / 1e6:.0f} MB in {out['seconds']:.2f}s: {out['rate_bytes_per_s'] / 1e6:.0f} MB/s; "
-              f"raw TCP {out['raw_tcp_bytes_per_s'] / 1e6:.0f} MB/s; ratio {out['ratio']:.2f} (the first ship, hashing "
-              f"the checkpoint as it went: {out['first_ship_rate_bytes_per_s'] / 1e6:.0f} MB/s, ratio "
-              f"{out['first_ship_ratio']:.2f}); coordinator peak "
-              f"{traced_peak / 1e6:.1f} MB traced, RSS +{out['coordinator_rss_growth_bytes'] / 1e6:.1f} MB "
-              f"(blob {blob / 1e6:.0f} MB, chunk {chunk / 1e6:.1f} MB)")
+        print(
+            f"shipped {out['bytes'] / 1e6:.0f} MB in {out['seconds']:.2f}s: {out['rate_bytes_per_s'] / 1e6:.0f} MB/s; "
+            f"raw TCP {out['raw_tcp_bytes_per_s'] / 1e6:.0f} MB/s; ratio {out['ratio']:.2f} (the first ship, hashing "
+            f"the checkpoint as it went: {out['first_ship_rate_bytes_per_s'] / 1e6:.0f} MB/s, ratio "
+            f"{out['first_ship_ratio']:.2f}); coordinator peak "
+            f"{traced_peak / 1e6:.1f} MB traced, RSS +{out['coordinator_rss_growth_bytes'] / 1e6:.1f} MB "
+            f"(blob {blob / 1e6:.0f} MB, chunk {chunk / 1e6:.1f} MB)"
+        )
     return 0
 
 
@@ -250,18 +335,41 @@ def _receive(job: dict) -> int:
     seconds = []
     with grpc.insecure_channel(job["ship"], options=CHANNEL_OPTIONS) as channel:
         stub = spb_grpc.ShipStub(channel)
-        reply = stub.Catalog(convert.catalog_request_to_proto(job["fingerprint"]), metadata=md, timeout=30)
+        reply = stub.Catalog(
+            convert.catalog_request_to_proto(job["fingerprint"]), metadata=md, timeout=30
+        )
         catalog = Catalog.from_json(json.loads(convert.catalog_reply_from_proto(reply)), "bench")
         for folder in job["caches"]:
             t0 = time.perf_counter()
             cache = ShardCache(Path(folder), catalog, {})
             plan = cache.scan()
-            cache.fill(plan, fetcher(stub, md, reply, job["fingerprint"], "bench", job["ship"], None, catalog.blob_nbytes()))
+            cache.fill(
+                plan,
+                fetcher(
+                    stub,
+                    md,
+                    reply,
+                    job["fingerprint"],
+                    "bench",
+                    job["ship"],
+                    None,
+                    catalog.blob_nbytes(),
+                ),
+            )
             seconds.append(time.perf_counter() - t0)
             shutil.rmtree(folder)  # the next fill's pages come from the memory this one used
             if len(seconds) > 1:
                 raw.append(_raw_receive(job))
-    print(json.dumps({"bytes": plan.fetch_bytes, "seconds": seconds, "raw_bytes": job["total"], "raw_seconds": raw}))
+    print(
+        json.dumps(
+            {
+                "bytes": plan.fetch_bytes,
+                "seconds": seconds,
+                "raw_bytes": job["total"],
+                "raw_seconds": raw,
+            }
+        )
+    )
     return 0
 
 

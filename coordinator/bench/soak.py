@@ -40,14 +40,18 @@ class Kill:
     node: str
     pid: int
     detect_s: float | None = None  # seconds after the kill; None: /health never said not ready
-    recovery_s: float | None = None  # seconds after the kill; None: not ready again in RECOVER_WAIT_S
+    recovery_s: float | None = (
+        None  # seconds after the kill; None: not ready again in RECOVER_WAIT_S
+    )
 
 
 @dataclass
 class Tally:
     ok: int = 0
     unavailable: int = 0  # 503: the cluster said it is degraded or recovering
-    other: int = 0  # any other answer (a 500, a stream that ended without an error event or its end)
+    other: int = (
+        0  # any other answer (a 500, a stream that ended without an error event or its end)
+    )
     hung: int = 0  # no answer within the request timeout
     max_latency_s: float = 0.0
     stalls: list[float] = field(default_factory=list)  # seconds without a token, per resume
@@ -77,8 +81,12 @@ def _one_request(url: str, stream: bool, timeout_s: float) -> tuple[str, str, li
     """(outcome, detail, stalls) of one completion: ok | unavailable | other | hung, and the seconds
     without a token at each of its resumes (the coordinator's moe_cluster.stalls_s)."""
     body = json.dumps({"prompt": PROMPT, "max_tokens": 32, "stream": stream}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             if not stream:
@@ -87,7 +95,11 @@ def _one_request(url: str, stream: bool, timeout_s: float) -> tuple[str, str, li
                 if not out.get("choices"):
                     return "other", f"no choices: {out}", stalls
                 return "ok", "", stalls
-            events = [line[6:].strip() for line in (raw.decode() for raw in r) if line.startswith("data: ")]
+            events = [
+                line[6:].strip()
+                for line in (raw.decode() for raw in r)
+                if line.startswith("data: ")
+            ]
     except urllib.error.HTTPError as exc:
         outcome = "unavailable" if exc.code == 503 else "other"
         return outcome, f"HTTP {exc.code}: {exc.read()[:200]!r}", []
@@ -101,8 +113,11 @@ def _one_request(url: str, stream: bool, timeout_s: float) -> tuple[str, str, li
         return "other", f"stream ended without [DONE]: {events[-2:]}", []
     errors = [json.loads(e)["error"] for e in events[:-1] if e.startswith("{") and '"error"' in e]
     if errors:  # the cluster did not come back in time: an error event, then [DONE]
-        return (("unavailable" if errors[0].get("code") == "cluster_degraded" else "other"),
-                errors[0].get("message", ""), [])
+        return (
+            ("unavailable" if errors[0].get("code") == "cluster_degraded" else "other"),
+            errors[0].get("message", ""),
+            [],
+        )
     final = json.loads(events[-2]) if len(events) > 1 and events[-2].startswith("{") else {}
     return "ok", "", final.get("moe_cluster", {}).get("stalls_s", [])
 
@@ -115,7 +130,9 @@ def _client(url: str, stop: threading.Event, timeout_s: float, tally: Tally) -> 
         tally.add(outcome, time.monotonic() - t0, detail, stalls)
         stream = not stream
         if outcome == "unavailable":
-            stop.wait(RETRY_S)  # as a client honouring Retry-After (2 s) would, but keeping up the pressure
+            stop.wait(
+                RETRY_S
+            )  # as a client honouring Retry-After (2 s) would, but keeping up the pressure
 
 
 def _watch_kill(url: str, kill: Kill, t_kill: float) -> None:
@@ -143,14 +160,22 @@ def _wait_ready(url: str, timeout_s: float) -> bool:
     return False
 
 
-def run(nodes: int, model: str, minutes: float, kill_every_s: float, request_timeout_s: float,
-        log_dir: str | None = None) -> dict:
+def run(
+    nodes: int,
+    model: str,
+    minutes: float,
+    kill_every_s: float,
+    request_timeout_s: float,
+    log_dir: str | None = None,
+) -> dict:
     duration = 60.0 * minutes
     kills: list[Kill] = []
     tally = Tally()
     with local_cluster(nodes, model, "256MB", log_dir=Path(log_dir) if log_dir else None) as url:
         stop = threading.Event()
-        client = threading.Thread(target=_client, args=(url, stop, request_timeout_s, tally), daemon=True)
+        client = threading.Thread(
+            target=_client, args=(url, stop, request_timeout_s, tally), daemon=True
+        )
         t0 = time.monotonic()
         client.start()
         try:
@@ -187,25 +212,45 @@ def run(nodes: int, model: str, minutes: float, kill_every_s: float, request_tim
     recoveries = [k.recovery_s for k in kills if k.recovery_s is not None]
     stalls = sorted(tally.stalls)
     return {
-        "nodes": nodes, "model": model, "minutes": minutes, "kill_every_s": kill_every_s,
+        "nodes": nodes,
+        "model": model,
+        "minutes": minutes,
+        "kill_every_s": kill_every_s,
         "request_timeout_s": request_timeout_s,
-        "requests": {"total": len(lat), "ok": tally.ok, "503": tally.unavailable, "other": tally.other,
-                     "hung": tally.hung, "failed": len(lat) - tally.ok, "resumed": len(stalls)},
+        "requests": {
+            "total": len(lat),
+            "ok": tally.ok,
+            "503": tally.unavailable,
+            "other": tally.other,
+            "hung": tally.hung,
+            "failed": len(lat) - tally.ok,
+            "resumed": len(stalls),
+        },
         # seconds without a token at each resume, from the last token before the kill to the next
-        "stall_s": {"count": len(stalls), "min": stalls[0] if stalls else None,
-                    "p50": _quantile(stalls, 0.5), "p90": _quantile(stalls, 0.9),
-                    "max": stalls[-1] if stalls else None},
-        "latency_s": {"max": round(tally.max_latency_s, 3),
-                      "p50": round(lat[len(lat) // 2], 3) if lat else None,
-                      "p99": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None},
+        "stall_s": {
+            "count": len(stalls),
+            "min": stalls[0] if stalls else None,
+            "p50": _quantile(stalls, 0.5),
+            "p90": _quantile(stalls, 0.9),
+            "max": stalls[-1] if stalls else None,
+        },
+        "latency_s": {
+            "max": round(tally.max_latency_s, 3),
+            "p50": round(lat[len(lat) // 2], 3) if lat else None,
+            "p99": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3) if lat else None,
+        },
         "kills": [asdict(k) for k in kills],
         "detect_s_max": round(max(detects), 3) if detects else None,
         "recovery_s_max": round(max(recoveries), 3) if recoveries else None,
         "undetected": sum(k.detect_s is None for k in kills),
         "unrecovered": sum(k.recovery_s is None for k in kills),
         "other_errors": tally.other_errors,
-        "final": {"ready": ready, "request": last, "state": state.get("state"),
-                  "nodes": {n["name"]: n["state"] for n in state.get("nodes", [])}},
+        "final": {
+            "ready": ready,
+            "request": last,
+            "state": state.get("state"),
+            "nodes": {n["name"]: n["state"] for n in state.get("nodes", [])},
+        },
     }
 
 
@@ -217,15 +262,23 @@ def _quantile(values: list[float], q: float) -> float | None:
 def passed(out: dict) -> bool:
     """The soak's verdict: no request failed or hung, every kill recovered, and the cluster ends
     ready and serving."""
-    return (out["requests"]["failed"] == 0 and out["unrecovered"] == 0 and out["final"]["ready"]
-            and out["final"]["request"] == "ok")
+    return (
+        out["requests"]["failed"] == 0
+        and out["unrecovered"] == 0
+        and out["final"]["ready"]
+        and out["final"]["request"] == "ok"
+    )
 
 
 def main(args) -> int:
     if args.kill_every > 60.0 * args.minutes:
-        raise UserError(f"--kill-every {args.kill_every:g} s is longer than the soak (--minutes {args.minutes:g}): "
-                        "nothing would be killed")
-    out = run(args.nodes, args.model, args.minutes, args.kill_every, args.request_timeout, args.log_dir)
+        raise UserError(
+            f"--kill-every {args.kill_every:g} s is longer than the soak (--minutes {args.minutes:g}): "
+            "nothing would be killed"
+        )
+    out = run(
+        args.nodes, args.model, args.minutes, args.kill_every, args.request_timeout, args.log_dir
+    )
     for k in out["kills"]:
         k.update({key: round(v, 3) for key, v in k.items() if isinstance(v, float)})
     if args.json:
@@ -233,10 +286,12 @@ def main(args) -> int:
     else:
         r = out["requests"]
         st = out["stall_s"]
-        print(f"{r['total']} requests in {out['minutes']:g} min, {len(out['kills'])} nodes killed: "
-              f"{r['ok']} ok, {r['failed']} failed ({r['503']} 503, {r['other']} other, "
-              f"{r['hung']} hung), {r['resumed']} resumes (stall p50 {st['p50']} s, "
-              f"p90 {st['p90']} s, max {st['max']} s); "
-              f"max latency {out['latency_s']['max']:.2f} s; detect ≤ {out['detect_s_max']} s, "
-              f"recovery ≤ {out['recovery_s_max']} s; final: {out['final']['state']}")
+        print(
+            f"{r['total']} requests in {out['minutes']:g} min, {len(out['kills'])} nodes killed: "
+            f"{r['ok']} ok, {r['failed']} failed ({r['503']} 503, {r['other']} other, "
+            f"{r['hung']} hung), {r['resumed']} resumes (stall p50 {st['p50']} s, "
+            f"p90 {st['p90']} s, max {st['max']} s); "
+            f"max latency {out['latency_s']['max']:.2f} s; detect ≤ {out['detect_s_max']} s, "
+            f"recovery ≤ {out['recovery_s_max']} s; final: {out['final']['state']}"
+        )
     return 0 if passed(out) else 1

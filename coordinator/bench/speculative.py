@@ -41,20 +41,44 @@ def spoiled(tokens: list[int], share: float, vocab: int, seed: int = 0) -> tuple
     """`tokens` with `share` of them (chosen by `seed`) replaced by another id below `vocab`."""
     rnd = random.Random(seed)
     picked = set(rnd.sample(range(len(tokens)), round(share * len(tokens))))
-    return tuple((t + 1 + rnd.randrange(vocab - 1)) % vocab if i in picked else t for i, t in enumerate(tokens))
+    return tuple(
+        (t + 1 + rnd.randrange(vocab - 1)) % vocab if i in picked else t
+        for i, t in enumerate(tokens)
+    )
 
 
-def scenarios(spec: SpeculativeBench, ids: list[int], continuation: list[int], vocab: int) -> list[dict]:
+def scenarios(
+    spec: SpeculativeBench, ids: list[int], continuation: list[int], vocab: int
+) -> list[dict]:
     """(name, prompt ids, prediction ids, speculative mode) of every scenario, the baseline first."""
     off = {"scenario": "off", "prompt": tuple(ids), "prediction": (), "mode": "off"}
     name = "draft model" if spec.mode == "draft" else "prompt lookup"
-    rows = [off, {**off, "scenario": name, "mode": spec.mode},
-            {**off, "scenario": f"{name}, the continuation in the prompt", "mode": spec.mode,
-             "prompt": (*ids, *continuation, *ids)},
-            {**off, "scenario": "off, the continuation in the prompt", "prompt": (*ids, *continuation, *ids)}]
-    for share in spec.spoil if spec.mode == "prompt-lookup" else ():  # a draft model ignores predictions
-        rows.append({**off, "scenario": f"prediction, {share:.0%} spoiled", "mode": spec.mode,
-                     "prediction": spoiled(continuation, share, vocab, seed=int(share * 1000))})
+    rows = [
+        off,
+        {**off, "scenario": name, "mode": spec.mode},
+        {
+            **off,
+            "scenario": f"{name}, the continuation in the prompt",
+            "mode": spec.mode,
+            "prompt": (*ids, *continuation, *ids),
+        },
+        {
+            **off,
+            "scenario": "off, the continuation in the prompt",
+            "prompt": (*ids, *continuation, *ids),
+        },
+    ]
+    for share in (
+        spec.spoil if spec.mode == "prompt-lookup" else ()
+    ):  # a draft model ignores predictions
+        rows.append(
+            {
+                **off,
+                "scenario": f"prediction, {share:.0%} spoiled",
+                "mode": spec.mode,
+                "prediction": spoiled(continuation, share, vocab, seed=int(share * 1000)),
+            }
+        )
     return rows
 
 
@@ -75,25 +99,51 @@ def run(spec: SpeculativeBench) -> dict:
     sampling = Sampling(max_tokens=spec.max_tokens)
     continuation, _ = reference(str(ckpt.path), ids, sampling, ())
     if len(continuation) < spec.max_tokens:
-        raise UserError(f"stock mlx-lm stops after {len(continuation)} tokens on this prompt; pick a longer one")
+        raise UserError(
+            f"stock mlx-lm stops after {len(continuation)} tokens on this prompt; pick a longer one"
+        )
     vocab = checkpoint_vocab(ckpt.path)
     rows = scenarios(spec, ids, continuation, vocab)
     layers = _moe_layers(ckpt)
-    out = {"model": spec.model, "max_tokens": spec.max_tokens, "rounds": spec.rounds,
-           "draft_tokens": spec.draft_tokens, "moe_layers": layers, "runs": []}
+    out = {
+        "model": spec.model,
+        "max_tokens": spec.max_tokens,
+        "rounds": spec.rounds,
+        "draft_tokens": spec.draft_tokens,
+        "moe_layers": layers,
+        "runs": [],
+    }
     for nodes in spec.nodes:
         for transport in spec.transports if nodes > 1 else ("shm",):
-            tasks = [SimTask(str(ckpt.path), r["prompt"], sampling, speculative=r["mode"],
-                             draft_tokens=spec.draft_tokens, prediction=r["prediction"],
-                             draft_model=draft if r["mode"] == "draft" else "")
-                     for _ in range(spec.rounds + 1) for r in rows]  # the first round warms up
+            tasks = [
+                SimTask(
+                    str(ckpt.path),
+                    r["prompt"],
+                    sampling,
+                    speculative=r["mode"],
+                    draft_tokens=spec.draft_tokens,
+                    prediction=r["prediction"],
+                    draft_model=draft if r["mode"] == "draft" else "",
+                )
+                for _ in range(spec.rounds + 1)
+                for r in rows
+            ]  # the first round warms up
             reports = run_nodes(tasks, nodes, transport=transport, gpus=spec.gpus)
-            out["runs"].append(_summary(nodes, transport, rows, reports, spec.rounds, layers, continuation))
+            out["runs"].append(
+                _summary(nodes, transport, rows, reports, spec.rounds, layers, continuation)
+            )
     return out
 
 
-def _summary(nodes: int, transport: str, rows: list[dict], reports: list, rounds: int, layers: int,
-             continuation: list[int]) -> dict:
+def _summary(
+    nodes: int,
+    transport: str,
+    rows: list[dict],
+    reports: list,
+    rounds: int,
+    layers: int,
+    continuation: list[int],
+) -> dict:
     per = len(rows)
     table = []
     for j, r in enumerate(rows):
@@ -101,24 +151,39 @@ def _summary(nodes: int, transport: str, rows: list[dict], reports: list, rounds
         tps = [x["generation_tps"] for x in runs]
         f = runs[-1]["figures"]
         generated = len(runs[-1]["tokens"])
-        table.append({
-            "scenario": r["scenario"], "speculative": runs[-1]["speculative"],
-            "tps": statistics.median(tps), "rounds_tps": tps,
-            "drafted": f["drafted"], "accepted": f["accepted"], "decode_steps": f["steps"],
-            "acceptance": f["accepted"] / f["drafted"] if f["drafted"] else None,
-            "allreduces_per_token": f["steps"] * layers / generated if generated else None,
-            # every round, every node: the same tokens; with the prompt alone, stock's
-            "same_tokens_every_round": all(reports[i * per + j][k]["tokens"] == runs[-1]["tokens"]
-                                          for i in range(1, rounds + 1) for k in range(nodes)),
-            "tokens": runs[-1]["tokens"],
-        })
+        table.append(
+            {
+                "scenario": r["scenario"],
+                "speculative": runs[-1]["speculative"],
+                "tps": statistics.median(tps),
+                "rounds_tps": tps,
+                "drafted": f["drafted"],
+                "accepted": f["accepted"],
+                "decode_steps": f["steps"],
+                "acceptance": f["accepted"] / f["drafted"] if f["drafted"] else None,
+                "allreduces_per_token": f["steps"] * layers / generated if generated else None,
+                # every round, every node: the same tokens; with the prompt alone, stock's
+                "same_tokens_every_round": all(
+                    reports[i * per + j][k]["tokens"] == runs[-1]["tokens"]
+                    for i in range(1, rounds + 1)
+                    for k in range(nodes)
+                ),
+                "tokens": runs[-1]["tokens"],
+            }
+        )
     base = {t["scenario"]: t for t in table}
     for t in table:
-        ref = base["off, the continuation in the prompt" if "in the prompt" in t["scenario"] else "off"]
+        ref = base[
+            "off, the continuation in the prompt" if "in the prompt" in t["scenario"] else "off"
+        ]
         t["ratio_vs_off"] = t["tps"] / ref["tps"] if ref["tps"] else None
         t["tokens_equal_off"] = t["tokens"] == ref["tokens"]
-    return {"nodes": nodes, "transport": transport, "tokens_equal_stock": base["off"]["tokens"] == continuation,
-            "rows": table}
+    return {
+        "nodes": nodes,
+        "transport": transport,
+        "tokens_equal_stock": base["off"]["tokens"] == continuation,
+        "rows": table,
+    }
 
 
 def _moe_layers(ckpt: Checkpoint) -> int:
@@ -136,21 +201,38 @@ def main(args, nodes: tuple[int, ...], transports: tuple[str, ...], prompt: str)
         try:
             spoil = tuple(float(s) for s in args.spoil.split(","))
         except ValueError:
-            raise UserError(f"--spoil must list shares from 0 to 1, e.g. 0,0.5,1 (got {args.spoil})") from None
+            raise UserError(
+                f"--spoil must list shares from 0 to 1, e.g. 0,0.5,1 (got {args.spoil})"
+            ) from None
         if not all(0 <= s <= 1 for s in spoil):
             raise UserError(f"--spoil must list shares from 0 to 1 (got {args.spoil})")
-    spec = SpeculativeBench(args.model, nodes, transports, args.max_tokens, args.rounds, prompt,
-                            args.speculative, args.draft_tokens, spoil, args.gpus, args.draft_model or "")
+    spec = SpeculativeBench(
+        args.model,
+        nodes,
+        transports,
+        args.max_tokens,
+        args.rounds,
+        prompt,
+        args.speculative,
+        args.draft_tokens,
+        spoil,
+        args.gpus,
+        args.draft_model or "",
+    )
     out = run(spec)
     if args.json:
         print(json.dumps(out))
         return 0
     for r in out["runs"]:
-        print(f"N = {r['nodes']} over {r['transport']}: tokens {'equal' if r['tokens_equal_stock'] else 'DIFFER from'} "
-              f"stock mlx-lm's")
+        print(
+            f"N = {r['nodes']} over {r['transport']}: tokens {'equal' if r['tokens_equal_stock'] else 'DIFFER from'} "
+            f"stock mlx-lm's"
+        )
         for t in r["rows"]:
             acc = "-" if t["acceptance"] is None else f"{t['acceptance']:.0%}"
-            print(f"  {t['scenario']:<48} {t['tps']:7.1f} tok/s  x{t['ratio_vs_off']:.2f}  accepted {acc:>4}  "
-                  f"{t['allreduces_per_token']:.2f} all-reduces/token  tokens "
-                  f"{'same' if t['tokens_equal_off'] else 'DIFFER'}")
+            print(
+                f"  {t['scenario']:<48} {t['tps']:7.1f} tok/s  x{t['ratio_vs_off']:.2f}  accepted {acc:>4}  "
+                f"{t['allreduces_per_token']:.2f} all-reduces/token  tokens "
+                f"{'same' if t['tokens_equal_off'] else 'DIFFER'}"
+            )
     return 0

@@ -45,8 +45,11 @@ def supports(model_path: str, mode: str = "tensor") -> str | None:
         import importlib
 
         module = importlib.import_module(model_cls.__module__)
-        inner = [c for c in vars(module).values() if isinstance(c, type) and hasattr(c, "pipeline")
-                 and c.__module__ == module.__name__]
+        inner = [
+            c
+            for c in vars(module).values()
+            if isinstance(c, type) and hasattr(c, "pipeline") and c.__module__ == module.__name__
+        ]
         if not inner:
             return f"mlx-lm has no pipeline path for model_type {model_type!r} (its model has no pipeline())"
     return None
@@ -58,7 +61,9 @@ def _load(path: str, mode: str, group):
     from mlx_lm.utils import load_model, load_tokenizer
 
     model, config = load_model(Path(path), lazy=True, strict=False)
-    tokenizer = load_tokenizer(Path(path), {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id"))
+    tokenizer = load_tokenizer(
+        Path(path), {"trust_remote_code": True}, eos_token_ids=config.get("eos_token_id")
+    )
     if mode == "tensor":
         model.shard(group)
     else:
@@ -74,9 +79,13 @@ def _batch(model, prompts: list[list[int]], max_tokens: int, eos: tuple[int, ...
     (when they were inserted)."""
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(model, max_tokens=max_tokens, stop_tokens=[[t] for t in eos] or None,
-                         completion_batch_size=len(prompts),
-                         prefill_batch_size=len(prompts))
+    gen = BatchGenerator(
+        model,
+        max_tokens=max_tokens,
+        stop_tokens=[[t] for t in eos] or None,
+        completion_batch_size=len(prompts),
+        prefill_batch_size=len(prompts),
+    )
     try:
         t0 = time.perf_counter()
         uids = gen.insert(prompts, [max_tokens] * len(prompts))
@@ -102,9 +111,20 @@ def _barrier(group) -> None:
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group))
 
 
-def _worker(path: str, rank: int, hostfile: str, ids: list[int], max_tokens: int, rounds: int, out,
-            env: dict, gpu: int | None, backend: str, mode: str = "tensor",
-            streams: tuple[tuple[tuple[int, ...], ...], ...] = ()) -> None:
+def _worker(
+    path: str,
+    rank: int,
+    hostfile: str,
+    ids: list[int],
+    max_tokens: int,
+    rounds: int,
+    out,
+    env: dict,
+    gpu: int | None,
+    backend: str,
+    mode: str = "tensor",
+    streams: tuple[tuple[tuple[int, ...], ...], ...] = (),
+) -> None:
     os.environ.update(env, MLX_HOSTFILE=hostfile, MLX_RANK=str(rank))
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -126,25 +146,46 @@ def _worker(path: str, rank: int, hostfile: str, ids: list[int], max_tokens: int
                 tokens, times, t0 = toks, stamps, start
         batches = []
         for prompts in streams:
-            _batch(model, [list(p) for p in prompts], min(max_tokens, 4))  # warms up this batch's shapes
+            _batch(
+                model, [list(p) for p in prompts], min(max_tokens, 4)
+            )  # warms up this batch's shapes
             _barrier(group)
             eos = tuple(sorted(tokenizer.eos_token_ids or ()))
             batches.append(_batch(model, [list(p) for p in prompts], max_tokens, eos))
             _barrier(group)
-        out.put({"rank": rank, "tps": statistics.median(speeds), "tokens": tokens, "t0": t0, "times": times,
-                 "streams": batches})
+        out.put(
+            {
+                "rank": rank,
+                "tps": statistics.median(speeds),
+                "tokens": tokens,
+                "t0": t0,
+                "times": times,
+                "streams": batches,
+            }
+        )
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as a value
         import traceback
 
         # where it failed, inside mlx-lm or MLX (on CUDA: "There is no Stream(gpu, 1) in current thread")
-        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}"
-                            for f in reversed(traceback.extract_tb(exc.__traceback__)[-3:]))
+        where = " <- ".join(
+            f"{Path(f.filename).name}:{f.lineno} {f.name}"
+            for f in reversed(traceback.extract_tb(exc.__traceback__)[-3:])
+        )
         out.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}", "where": where})
 
 
-def measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, rounds: int,
-            timeout_s: float = 300.0, gpus: bool = False, backend: str | None = None, mode: str = "tensor",
-            streams: tuple[tuple[tuple[int, ...], ...], ...] = ()) -> dict:
+def measure(
+    model_path: str,
+    nodes: int,
+    ids: list[int],
+    max_tokens: int,
+    rounds: int,
+    timeout_s: float = 300.0,
+    gpus: bool = False,
+    backend: str | None = None,
+    mode: str = "tensor",
+    streams: tuple[tuple[tuple[int, ...], ...], ...] = (),
+) -> dict:
     """{"name", "nodes", "backend", "tps", "tokens", "t0", "times", "streams"} of rank 0, or
     {"name", "nodes", "error", "where"}. `gpus`: process r on GPU r; `backend`: mx.distributed's, by
     default NCCL where MLX's CUDA build has it, else the ring over TCP. NCCL that fails falls back
@@ -158,17 +199,34 @@ def measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, rounds
         from ...node.collective.mlx import mlx_backend
 
         if mlx_backend(gpus=True) == "nccl":
-            first = _measure(model_path, nodes, ids, max_tokens, rounds, timeout_s, gpus, "nccl", **peer)
+            first = _measure(
+                model_path, nodes, ids, max_tokens, rounds, timeout_s, gpus, "nccl", **peer
+            )
             if "error" not in first:
                 return first
-            return {**_measure(model_path, nodes, ids, max_tokens, rounds, timeout_s, gpus, "ring", **peer),
-                    "nccl_error": first["error"], "nccl_where": first.get("where", "")}
+            return {
+                **_measure(
+                    model_path, nodes, ids, max_tokens, rounds, timeout_s, gpus, "ring", **peer
+                ),
+                "nccl_error": first["error"],
+                "nccl_where": first.get("where", ""),
+            }
         backend = "ring"
     return _measure(model_path, nodes, ids, max_tokens, rounds, timeout_s, gpus, backend, **peer)
 
 
-def _measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, rounds: int, timeout_s: float,
-             gpus: bool, backend: str, mode: str = "tensor", streams: tuple = ()) -> dict:
+def _measure(
+    model_path: str,
+    nodes: int,
+    ids: list[int],
+    max_tokens: int,
+    rounds: int,
+    timeout_s: float,
+    gpus: bool,
+    backend: str,
+    mode: str = "tensor",
+    streams: tuple = (),
+) -> dict:
     entry = {"name": MODES[mode], "nodes": nodes, "backend": backend}
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -177,10 +235,31 @@ def _measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, round
         with open(hostfile, "w") as f:
             json.dump([[f"127.0.0.1:{p}"] for p in free_ports(nodes)], f)
         ports = free_ports(1)  # NCCL's rendezvous on rank 0 (the ring uses the hostfile)
-        env = {"MLX_WORLD_SIZE": str(nodes), "NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(ports[0])}
-        procs = [ctx.Process(target=_worker, args=(model_path, r, hostfile, ids, max_tokens, rounds, out, env,
-                                                   r if gpus else None, backend, mode, streams))
-                 for r in range(nodes)]
+        env = {
+            "MLX_WORLD_SIZE": str(nodes),
+            "NCCL_HOST_IP": "127.0.0.1",
+            "NCCL_PORT": str(ports[0]),
+        }
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(
+                    model_path,
+                    r,
+                    hostfile,
+                    ids,
+                    max_tokens,
+                    rounds,
+                    out,
+                    env,
+                    r if gpus else None,
+                    backend,
+                    mode,
+                    streams,
+                ),
+            )
+            for r in range(nodes)
+        ]
         for p in procs:
             p.start()
         reports = {}
@@ -193,7 +272,10 @@ def _measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, round
                     wait = 10.0  # the others may report the cause; do not wait out the timeout for them
         except queue.Empty:
             if not any("error" in r for r in reports.values()):
-                return {**entry, "error": f"no answer from {nodes - len(reports)} of {nodes} processes in {timeout_s:g} s"}
+                return {
+                    **entry,
+                    "error": f"no answer from {nodes - len(reports)} of {nodes} processes in {timeout_s:g} s",
+                }
         finally:
             for p in procs:
                 p.join(timeout=10)
@@ -201,7 +283,10 @@ def _measure(model_path: str, nodes: int, ids: list[int], max_tokens: int, round
                     p.kill()
     failed = sorted((r for r in reports.values() if "error" in r), key=lambda r: r["rank"])
     if failed:
-        return {**entry, "error": "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed),
-                "where": "; ".join(f"rank {r['rank']}: {r.get('where', '')}" for r in failed)}
+        return {
+            **entry,
+            "error": "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed),
+            "where": "; ".join(f"rank {r['rank']}: {r.get('where', '')}" for r in failed),
+        }
     r0 = reports[0]
     return {**entry, **{k: r0[k] for k in ("tps", "tokens", "t0", "times", "streams")}}

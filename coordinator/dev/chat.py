@@ -21,15 +21,33 @@ from ..serve.remote import _api_key, _url
 HELP = "commands: /reset (forget the conversation), /exit (or Ctrl-D); Ctrl-C stops an answer"
 
 
-def stream_chat(url: str, messages: list[dict], *, max_tokens: int, temperature: float, top_p: float,
-                seed: int | None, api_key: str | None = None, timeout: float = 600) -> Iterator[dict]:
+def stream_chat(
+    url: str,
+    messages: list[dict],
+    *,
+    max_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int | None,
+    api_key: str | None = None,
+    timeout: float = 600,
+) -> Iterator[dict]:
     """Yield the parsed SSE events of one streamed chat completion."""
-    body = {"messages": messages, "stream": True, "max_tokens": max_tokens, "temperature": temperature,
-            "top_p": top_p}
+    body = {
+        "messages": messages,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "top_p": top_p,
+    }
     if seed is not None:
         body["seed"] = seed
-    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+    req = urllib.request.Request(
+        url + "/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+    )
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     try:
@@ -60,8 +78,15 @@ def _turn(args, url: str, messages: list[dict], out) -> str | None:
     first = None
     usage = None
     try:
-        for event in stream_chat(url, messages, max_tokens=args.max_tokens, temperature=args.temperature,
-                                 top_p=args.top_p, seed=args.seed, api_key=_api_key(args)):
+        for event in stream_chat(
+            url,
+            messages,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            api_key=_api_key(args),
+        ):
             if "error" in event:
                 out.write(f"\n[error: {event['error']['message']}]\n")
                 return None
@@ -122,7 +147,9 @@ def main(args) -> int:
         out.flush()
         try:
             answer = _turn(args, url, messages, out)
-        except MoeClusterError as exc:  # the API's answer (bad input, busy, degraded): the chat goes on
+        except (
+            MoeClusterError
+        ) as exc:  # the API's answer (bad input, busy, degraded): the chat goes on
             out.write(f"\n[error: {exc}]\n")
             messages.pop()
             continue

@@ -9,14 +9,25 @@ from pathlib import Path
 
 from ...proto.errors import UserError
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
 
 
 def parse_size(text: str) -> int:
     """'200KB' -> 200000 bytes; plain numbers are bytes."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m[2].upper() not in _UNITS:
-        raise UserError(f"size {text!r} is not a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB)")
+        raise UserError(
+            f"size {text!r} is not a number with an optional unit (B, KB, MB, GB, KiB, MiB, GiB)"
+        )
     n = int(float(m[1]) * _UNITS[m[2].upper()])
     if n <= 0:
         raise UserError(f"size {text!r} must be positive")
@@ -30,10 +41,20 @@ def demo_model(args) -> int:
     arch = ARCHS.get(args.arch)
     layers = args.layers if args.layers is not None else max(2, arch.min_layers if arch else 2)
     spec = DemoSpec(
-        arch=args.arch, layers=layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-        heads=args.heads, kv_heads=args.kv_heads, expert_ffn=args.ffn,
-        dtype=args.dtype, quantize=args.quantize, layout=args.layout, seed=args.seed,
-        shard_bytes=parse_size(args.shard_size), mixed_bits=args.mixed_bits,
+        arch=args.arch,
+        layers=layers,
+        experts=args.experts,
+        top_k=args.top_k,
+        hidden=args.hidden,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        expert_ffn=args.ffn,
+        dtype=args.dtype,
+        quantize=args.quantize,
+        layout=args.layout,
+        seed=args.seed,
+        shard_bytes=parse_size(args.shard_size),
+        mixed_bits=args.mixed_bits,
     )
     info = make_checkpoint(spec, Path(args.out))
     print(json.dumps(info))
@@ -52,5 +73,9 @@ def train_demo(args) -> int:
     if args.batch:
         tc = replace(tc, batch=args.batch)
     report = train(Path(args.out), tc)
-    print(json.dumps({k: report[k] for k in ("parameters", "bytes", "val_perplexity")} | {"out": args.out}))
+    print(
+        json.dumps(
+            {k: report[k] for k in ("parameters", "bytes", "val_perplexity")} | {"out": args.out}
+        )
+    )
     return 0

@@ -33,7 +33,10 @@ class _Recorder(nn.Module):
         if isinstance(self.bank, list):  # DBRX keeps its experts as a list of modules
             flat = x.reshape(-1, x.shape[-1])
             rows = np.array(inds).reshape(flat.shape[0], -1)
-            out = [mx.stack([self.bank[int(e)](flat[t]) for e in rows[t]]) for t in range(flat.shape[0])]
+            out = [
+                mx.stack([self.bank[int(e)](flat[t]) for e in rows[t]])
+                for t in range(flat.shape[0])
+            ]
             return mx.stack(out).reshape(*inds.shape, x.shape[-1])
         return self.bank(x, inds)
 
@@ -65,7 +68,9 @@ def profile(model_spec: str, prompts: list[str], max_tokens: int) -> dict:
     model, tokenizer = load(str(ckpt.path))
     try:
         blocks = find_moe_blocks_loaded(model)
-    except StructureError as exc:  # a block we cannot shard is the checkpoint's problem, as in load.py
+    except (
+        StructureError
+    ) as exc:  # a block we cannot shard is the checkpoint's problem, as in load.py
         raise ShardError(f"{ckpt.path}: {exc}") from None
     if not blocks:
         raise ShardError(f"{ckpt.path} has no MoE layers to profile")
@@ -77,7 +82,9 @@ def profile(model_spec: str, prompts: list[str], max_tokens: int) -> dict:
     top_k = 0
     for text in prompts:
         ids = encode_prompt(tokenizer, text)
-        for _ in generate_tokens(model, ids, Sampling(max_tokens=max_tokens), eos_token_ids=tokenizer.eos_token_ids):
+        for _ in generate_tokens(
+            model, ids, Sampling(max_tokens=max_tokens), eos_token_ids=tokenizer.eos_token_ids
+        ):
             pass
     layers = {}
     num_experts = blocks[0].num_experts
@@ -91,8 +98,14 @@ def profile(model_spec: str, prompts: list[str], max_tokens: int) -> dict:
             "tokens": int(len(sel)),
             "sets": [sorted(int(e) for e in row) for row in sel[::step]],
         }
-    return {"model": str(ckpt.path), "num_experts": num_experts, "top_k": top_k, "layers": layers,
-            "prompts": len(prompts), "max_tokens": max_tokens}
+    return {
+        "model": str(ckpt.path),
+        "num_experts": num_experts,
+        "top_k": top_k,
+        "layers": layers,
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+    }
 
 
 def read_prompts(path: str) -> list[str]:
@@ -104,9 +117,13 @@ def read_prompts(path: str) -> list[str]:
     prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if p.suffix == ".jsonl":
         try:
-            prompts = [json.loads(line)["prompt"] if line.startswith("{") else line for line in prompts]
+            prompts = [
+                json.loads(line)["prompt"] if line.startswith("{") else line for line in prompts
+            ]
         except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise UserError(f"prompts file {path}: a line is not {{\"prompt\": ...}} JSON ({exc})") from None
+            raise UserError(
+                f'prompts file {path}: a line is not {{"prompt": ...}} JSON ({exc})'
+            ) from None
     if not prompts:
         raise UserError(f"prompts file {path} has no prompts (one per line)")
     return prompts
@@ -119,6 +136,8 @@ def main(args) -> int:
     for layer, v in out["layers"].items():
         c = np.array(v["counts"], dtype=float)
         skew.append(c.max() / max(c.mean(), 1e-9))
-    print(f"profiled {len(out['layers'])} MoE layers over {next(iter(out['layers'].values()))['tokens']} tokens "
-          f"-> {args.out} (hottest expert {np.mean(skew):.1f}x the mean load)")
+    print(
+        f"profiled {len(out['layers'])} MoE layers over {next(iter(out['layers'].values()))['tokens']} tokens "
+        f"-> {args.out} (hottest expert {np.mean(skew):.1f}x the mean load)"
+    )
     return 0

@@ -63,7 +63,9 @@ def run(model_spec: str, prompt: str, sampling: Sampling, *, stream_to=None) -> 
     detok = tokenizer.detokenizer
     detok.reset()
     stats = Stats()
-    for token in generate_tokens(model, ids, sampling, eos_token_ids=tokenizer.eos_token_ids, stats=stats):
+    for token in generate_tokens(
+        model, ids, sampling, eos_token_ids=tokenizer.eos_token_ids, stats=stats
+    ):
         detok.add_token(token)
         if stream_to is not None:
             stream_to.write(detok.last_segment)
@@ -91,7 +93,12 @@ def main(args) -> int:
         return 0
     result = run(args.model, args.prompt, sampling, stream_to=sys.stdout)
     print("=" * 10, file=sys.stderr)
-    print(f"Prompt: {result.prompt_tokens} tokens, {result.prompt_tps:.1f} tokens/s", file=sys.stderr)
-    print(f"Generation: {len(result.tokens)} tokens, {result.generation_tps:.1f} tokens/s", file=sys.stderr)
+    print(
+        f"Prompt: {result.prompt_tokens} tokens, {result.prompt_tps:.1f} tokens/s", file=sys.stderr
+    )
+    print(
+        f"Generation: {len(result.tokens)} tokens, {result.generation_tps:.1f} tokens/s",
+        file=sys.stderr,
+    )
     print(f"Peak memory: {result.peak_memory_bytes / 1e9:.3f} GB", file=sys.stderr)
     return 0

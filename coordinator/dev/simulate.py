@@ -51,7 +51,9 @@ class SimRequest:
     draft_model: str = ""  # speculative "draft": its checkpoint
 
 
-def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float, gpus: bool = False):
+def _transport_spec(
+    transport: str, nodes: int, slot: int, ctx, timeout_s: float, gpus: bool = False
+):
     """-> (spec every node gets, cleanup to run once the nodes are gone); loopback only."""
     from ...node.collective.specs import EnvoySpec, MlxSpec
     from ...common.ports import free_ports
@@ -65,17 +67,28 @@ def _transport_spec(transport: str, nodes: int, slot: int, ctx, timeout_s: float
         import secrets
 
         addresses = tuple(f"127.0.0.1:{p}" for p in free_ports(nodes))
-        return EnvoySpec(addresses, secret=secrets.token_hex(16), timeout_s=timeout_s, max_bytes=slot), lambda: None
+        return EnvoySpec(
+            addresses, secret=secrets.token_hex(16), timeout_s=timeout_s, max_bytes=slot
+        ), lambda: None
     if transport == "mlx":
         from ...node.collective.mlx import mlx_backend
 
-        return MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(nodes)), backend=mlx_backend(gpus),
-                       timeout_s=timeout_s), lambda: None
+        return MlxSpec(
+            tuple((f"127.0.0.1:{p}",) for p in free_ports(nodes)),
+            backend=mlx_backend(gpus),
+            timeout_s=timeout_s,
+        ), lambda: None
     raise UserError(f"--transport must be shm, envoy or mlx (got {transport!r})")
 
 
-def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0, transport: str = "shm",
-              gpus: bool = False) -> list[list[dict]]:
+def run_nodes(
+    tasks: list[SimTask],
+    nodes: int,
+    *,
+    timeout_s: float = 60.0,
+    transport: str = "shm",
+    gpus: bool = False,
+) -> list[list[dict]]:
     """Spawn the node processes, run every task on all of them, return reports[task][rank].
 
     Each node process loads each task's model in turn, so one spawn serves many checks.
@@ -94,7 +107,9 @@ def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0, tran
     try:
         for rank in range(nodes):
             job = SimJob(rank, nodes, spec, tuple(tasks))
-            p = ctx.Process(target=sim_run, args=(job, results), name=f"moe-node-{rank}", daemon=True)
+            p = ctx.Process(
+                target=sim_run, args=(job, results), name=f"moe-node-{rank}", daemon=True
+            )
             with _visible_gpu(rank if gpus else None):
                 p.start()
             procs.append(p)
@@ -106,7 +121,9 @@ def run_nodes(tasks: list[SimTask], nodes: int, *, timeout_s: float = 60.0, tran
             except queue.Empty:
                 dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
                 if dead:
-                    raise CollectiveError(f"node process {dead[0].name} died (exit code {dead[0].exitcode})")
+                    raise CollectiveError(
+                        f"node process {dead[0].name} died (exit code {dead[0].exitcode})"
+                    )
                 if time.monotonic() > deadline:
                     raise CollectiveError("simulated nodes did not finish in time")
                 continue
@@ -158,7 +175,9 @@ def _node_error(rep: dict) -> MoeClusterError:
     return exc
 
 
-def reference(model: str, prompt_ids: list[int], sampling: Sampling, eos: tuple[int, ...]) -> tuple[list[int], list]:
+def reference(
+    model: str, prompt_ids: list[int], sampling: Sampling, eos: tuple[int, ...]
+) -> tuple[list[int], list]:
     """Stock mlx-lm on the same checkpoint: its tokens and per-step logits."""
     from mlx_lm.utils import load_model
 
@@ -167,7 +186,9 @@ def reference(model: str, prompt_ids: list[int], sampling: Sampling, eos: tuple[
     ref_model, _ = load_model(Checkpoint.open(model).path)
     logits: list = []
     with _half_gather_mm():
-        tokens = list(generate_tokens(ref_model, prompt_ids, sampling, eos_token_ids=eos, logits_sink=logits))
+        tokens = list(
+            generate_tokens(ref_model, prompt_ids, sampling, eos_token_ids=eos, logits_sink=logits)
+        )
     return tokens, logits
 
 
@@ -185,7 +206,9 @@ def _half_gather_mm():
 
     def gather_mm(a, b, *args, **kwargs):
         if a.dtype in (mx.bfloat16, mx.float16):
-            return original(a.astype(mx.float32), b.astype(mx.float32), *args, **kwargs).astype(a.dtype)
+            return original(a.astype(mx.float32), b.astype(mx.float32), *args, **kwargs).astype(
+                a.dtype
+            )
         return original(a, b, *args, **kwargs)
 
     mx.gather_mm = gather_mm
@@ -206,11 +229,17 @@ def compare(tokens: list[int], logits: list, ref_tokens: list[int], ref_logits: 
         n += 1
     steps = min(n + 1, len(logits), len(ref_logits))
     recorded = len(logits) >= len(tokens) and len(ref_logits) >= len(ref_tokens)
-    diff = max((float(np.max(np.abs(logits[i] - ref_logits[i]))) for i in range(steps)), default=math.inf)
+    diff = max(
+        (float(np.max(np.abs(logits[i] - ref_logits[i]))) for i in range(steps)), default=math.inf
+    )
     if not recorded:
         diff = math.inf
-    out = {"reference_tokens": ref_tokens, "max_abs_logit_diff": diff, "tokens_match": tokens == ref_tokens,
-           "compared_steps": steps if recorded else 0}
+    out = {
+        "reference_tokens": ref_tokens,
+        "max_abs_logit_diff": diff,
+        "tokens_match": tokens == ref_tokens,
+        "compared_steps": steps if recorded else 0,
+    }
     if tokens != ref_tokens and n < min(len(logits), len(ref_logits)):
         ref = ref_logits[n]
         top2 = np.sort(ref)[-2:]
@@ -221,7 +250,8 @@ def compare(tokens: list[int], logits: list, ref_tokens: list[int], ref_logits: 
             # how close the reference's top two were: a near-tie if small
             "reference_top2_gap": float(top2[1] - top2[0]),
             "our_gap_between_the_two": float(logits[n][tokens[n]] - logits[n][ref_tokens[n]])
-            if n < len(tokens) and n < len(ref_tokens) else None,
+            if n < len(tokens) and n < len(ref_tokens)
+            else None,
         }
     return out
 
@@ -245,23 +275,49 @@ def simulate(req: SimRequest) -> dict:
     ids = encode_prompt(tokenizer, req.prompt)
     eos = tuple(tokenizer.eos_token_ids)
     ExpertCacheSpec.parse(req.expert_cache)  # bad input is refused before any process starts
-    prediction = tuple(tokenizer.encode(req.prediction, add_special_tokens=False)) if req.prediction else ()
-    task = SimTask(str(ckpt.path), tuple(ids), req.sampling, placement_json, req.keepalive, eos,
-                   record_logits=req.check, repeats=req.repeats, expert_cache=req.expert_cache,
-                   profile=profile_heat(req.profile) if req.profile else None,
-                   speculative=req.speculative, draft_tokens=req.draft_tokens, prediction=prediction,
-                   draft_model=_draft_path(req))
+    prediction = (
+        tuple(tokenizer.encode(req.prediction, add_special_tokens=False)) if req.prediction else ()
+    )
+    task = SimTask(
+        str(ckpt.path),
+        tuple(ids),
+        req.sampling,
+        placement_json,
+        req.keepalive,
+        eos,
+        record_logits=req.check,
+        repeats=req.repeats,
+        expert_cache=req.expert_cache,
+        profile=profile_heat(req.profile) if req.profile else None,
+        speculative=req.speculative,
+        draft_tokens=req.draft_tokens,
+        prediction=prediction,
+        draft_model=_draft_path(req),
+    )
     reports = run_nodes([task], req.nodes, timeout_s=req.timeout_s, transport=req.transport)[0]
     r0 = reports[0]
     out = {
         "tokens": r0["tokens"],
         "text": tokenizer.decode(r0["tokens"]),
         "nodes": [
-            {k: rep[k] for k in ("rank", "experts_per_layer", "resident_weight_bytes", "peak_memory_bytes",
-                                 "replicated_bytes", "expert_bytes", "active_memory_bytes")}
+            {
+                k: rep[k]
+                for k in (
+                    "rank",
+                    "experts_per_layer",
+                    "resident_weight_bytes",
+                    "peak_memory_bytes",
+                    "replicated_bytes",
+                    "expert_bytes",
+                    "active_memory_bytes",
+                )
+            }
             for rep in reports
         ],
-        "counters": {k: float(np.mean([rep["counters"][k] for rep in reports])) for k in ("selected", "computed", "filler")},
+        "counters": {
+            k: float(np.mean([rep["counters"][k] for rep in reports]))
+            for k in ("selected", "computed", "filler")
+        },
         "generation_tps": r0["generation_tps"],
         "prompt_tps": r0["prompt_tps"],
         "keepalive": req.keepalive,
@@ -284,7 +340,9 @@ def _draft_path(req: SimRequest) -> str:
             raise UserError("--draft-model needs --speculative draft")
         return ""
     if not req.draft_model:
-        raise UserError("--speculative draft needs --draft-model (a checkpoint with the model's tokenizer)")
+        raise UserError(
+            "--speculative draft needs --draft-model (a checkpoint with the model's tokenizer)"
+        )
     return str(Checkpoint.open(req.draft_model).path)
 
 
@@ -297,10 +355,15 @@ def profile_heat(source: Path | dict) -> dict[int, tuple[list[float], int]]:
     """{MoE layer: (selections per expert, tokens)} of a `moe-cluster profile` file (or its JSON)."""
     try:
         doc = source if isinstance(source, dict) else json.loads(Path(source).read_text())
-        return {int(l): (list(map(float, v["counts"])), int(v["tokens"])) for l, v in doc["layers"].items()}
+        return {
+            int(l): (list(map(float, v["counts"])), int(v["tokens"]))
+            for l, v in doc["layers"].items()
+        }
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise UserError(f"{source if not isinstance(source, dict) else 'the profile'}: not a routing profile "
-                        f"from `moe-cluster profile` ({exc})") from None
+        raise UserError(
+            f"{source if not isinstance(source, dict) else 'the profile'}: not a routing profile "
+            f"from `moe-cluster profile` ({exc})"
+        ) from None
 
 
 def _tokenizer(path: Path):
@@ -312,12 +375,22 @@ def _tokenizer(path: Path):
 def main(args) -> int:
     sampling = Sampling(args.max_tokens, args.temperature, args.top_p, args.seed)
     sampling.check()
-    req = SimRequest(args.model, args.nodes, args.prompt, sampling, args.keepalive,
-                     Path(args.placement) if args.placement else None, args.check,
-                     transport=args.transport, expert_cache=args.expert_cache,
-                     profile=Path(args.routing_profile) if args.routing_profile else None,
-                     speculative=args.speculative, draft_tokens=args.draft_tokens, prediction=args.prediction or "",
-                     draft_model=args.draft_model or "")
+    req = SimRequest(
+        args.model,
+        args.nodes,
+        args.prompt,
+        sampling,
+        args.keepalive,
+        Path(args.placement) if args.placement else None,
+        args.check,
+        transport=args.transport,
+        expert_cache=args.expert_cache,
+        profile=Path(args.routing_profile) if args.routing_profile else None,
+        speculative=args.speculative,
+        draft_tokens=args.draft_tokens,
+        prediction=args.prediction or "",
+        draft_model=args.draft_model or "",
+    )
     out = simulate(req)
     if args.json:
         print(json.dumps(out))
@@ -325,22 +398,36 @@ def main(args) -> int:
     print(out["text"], flush=True)
     print("=" * 10, file=sys.stderr)
     for n in out["nodes"]:
-        print(f"node {n['rank']}: {sum(n['experts_per_layer'].values())} experts, "
-              f"{n['resident_weight_bytes'] / 1e6:.1f} MB resident, load peak {n['peak_memory_bytes'] / 1e6:.1f} MB",
-              file=sys.stderr)
+        print(
+            f"node {n['rank']}: {sum(n['experts_per_layer'].values())} experts, "
+            f"{n['resident_weight_bytes'] / 1e6:.1f} MB resident, load peak {n['peak_memory_bytes'] / 1e6:.1f} MB",
+            file=sys.stderr,
+        )
     c = out["counters"]
-    print(f"per node per MoE layer: selected {c['selected']:.2f}, computed {c['computed']:.2f}, "
-          f"filler {c['filler']:.2f} (keepalive {out['keepalive']})", file=sys.stderr)
+    print(
+        f"per node per MoE layer: selected {c['selected']:.2f}, computed {c['computed']:.2f}, "
+        f"filler {c['filler']:.2f} (keepalive {out['keepalive']})",
+        file=sys.stderr,
+    )
     if "expert_cache" in out:
         e = out["expert_cache"]
-        print(f"expert cache: {e['capacity']} slots, {e['hits']} hits, {e['misses']} misses, "
-              f"{e['bytes_read'] / 1e6:.1f} MB read", file=sys.stderr)
+        print(
+            f"expert cache: {e['capacity']} slots, {e['hits']} hits, {e['misses']} misses, "
+            f"{e['bytes_read'] / 1e6:.1f} MB read",
+            file=sys.stderr,
+        )
     print(f"generation: {out['generation_tps']:.1f} tokens/s", file=sys.stderr)
     spec = out["speculative"]
     if spec["mode"] != "off":
-        print(f"speculative ({spec['mode']}): {spec['accepted']} of {spec['drafted']} drafts accepted, "
-              f"{spec['steps']} decode steps", file=sys.stderr)
+        print(
+            f"speculative ({spec['mode']}): {spec['accepted']} of {spec['drafted']} drafts accepted, "
+            f"{spec['steps']} decode steps",
+            file=sys.stderr,
+        )
     if args.check:
-        print(f"check: tokens {'match' if out['tokens_match'] else 'DIFFER'} stock mlx-lm; "
-              f"max |Δlogit| {out['max_abs_logit_diff']:.2e}", file=sys.stderr)
+        print(
+            f"check: tokens {'match' if out['tokens_match'] else 'DIFFER'} stock mlx-lm; "
+            f"max |Δlogit| {out['max_abs_logit_diff']:.2e}",
+            file=sys.stderr,
+        )
     return 0

@@ -146,19 +146,21 @@ def parse_bench(obj: Any, where: str = "bench") -> Bench:
         nodes = _get(c, "nodes", int, cw)
         if nodes < 1:
             raise CalibrationError(f"{cw}: nodes must be >= 1, got {nodes}")
-        clusters.append(BenchCluster(
-            nodes=nodes,
-            keepalive=_get(c, "keepalive", str, cw),
-            transport=_get(c, "transport", str, cw),
-            generation_tps=_get(c, "generation_tps", float, cw),
-            time_per_token_s=_get(c, "time_per_token_s", float, cw),
-            expected_experts=_get(c, "expected_experts", float, cw),
-            attention_router_s=_get(b, "attention_router", float, f"{cw}.breakdown_s"),
-            experts_s=_get(b, "experts", float, f"{cw}.breakdown_s"),
-            collective_wait_s=_get(b, "collective_wait", float, f"{cw}.breakdown_s"),
-            other_s=_get(b, "other", float, f"{cw}.breakdown_s"),
-            nodes_per_host=int(c.get("nodes_per_host", 1)),
-        ))
+        clusters.append(
+            BenchCluster(
+                nodes=nodes,
+                keepalive=_get(c, "keepalive", str, cw),
+                transport=_get(c, "transport", str, cw),
+                generation_tps=_get(c, "generation_tps", float, cw),
+                time_per_token_s=_get(c, "time_per_token_s", float, cw),
+                expected_experts=_get(c, "expected_experts", float, cw),
+                attention_router_s=_get(b, "attention_router", float, f"{cw}.breakdown_s"),
+                experts_s=_get(b, "experts", float, f"{cw}.breakdown_s"),
+                collective_wait_s=_get(b, "collective_wait", float, f"{cw}.breakdown_s"),
+                other_s=_get(b, "other", float, f"{cw}.breakdown_s"),
+                nodes_per_host=int(c.get("nodes_per_host", 1)),
+            )
+        )
     bench = Bench(
         model=_get(obj, "model", str, where),
         replicated_read_bytes=_get(mb, "replicated_read_per_token", int, w),
@@ -171,7 +173,9 @@ def parse_bench(obj: Any, where: str = "bench") -> Bench:
         host_cores=int((obj.get("host") or {}).get("cores", 0)),
     )
     if bench.layers < 1 or bench.moe_layers < 1:
-        raise CalibrationError(f"{where}: layers ({bench.layers}) and moe_layers ({bench.moe_layers}) must be >= 1")
+        raise CalibrationError(
+            f"{where}: layers ({bench.layers}) and moe_layers ({bench.moe_layers}) must be >= 1"
+        )
     return bench
 
 
@@ -189,9 +193,23 @@ def _load_json(path: str | Path) -> Any:
         raise CalibrationError(f"{p} is not readable JSON: {exc}") from exc
 
 
-_CAL_FIELDS = {"format", "model", "bandwidth_Bps", "layer_overhead_s", "collective_base_s", "collective_per_node_s",
-               "transport", "network", "hardware", "residual_rms_s", "points", "notes", "cache_per_miss_s",
-               "cache_per_layer_s", "cache_skew"}
+_CAL_FIELDS = {
+    "format",
+    "model",
+    "bandwidth_Bps",
+    "layer_overhead_s",
+    "collective_base_s",
+    "collective_per_node_s",
+    "transport",
+    "network",
+    "hardware",
+    "residual_rms_s",
+    "points",
+    "notes",
+    "cache_per_miss_s",
+    "cache_per_layer_s",
+    "cache_skew",
+}
 
 
 def parse_calibration(obj: Any, where: str = "calibration") -> Calibration:
@@ -209,9 +227,15 @@ def parse_calibration(obj: Any, where: str = "calibration") -> Calibration:
     points = []
     for i, p in enumerate(_get(obj, "points", list, where)):
         pw = f"{where}: points[{i}]"
-        points.append(MeasuredPoint(_get(p, "nodes", int, pw), _get(p, "tokens_per_s", float, pw),
-                                    _get(p, "keepalive", str, pw), _get(p, "transport", str, pw),
-                                    _get(p, "expected_experts", float, pw)))
+        points.append(
+            MeasuredPoint(
+                _get(p, "nodes", int, pw),
+                _get(p, "tokens_per_s", float, pw),
+                _get(p, "keepalive", str, pw),
+                _get(p, "transport", str, pw),
+                _get(p, "expected_experts", float, pw),
+            )
+        )
     bw = _get(obj, "bandwidth_Bps", float, where)
     if bw <= 0:
         raise CalibrationError(f"{where}: bandwidth_Bps must be > 0, got {bw}")
@@ -231,10 +255,15 @@ def parse_calibration(obj: Any, where: str = "calibration") -> Calibration:
         residual_rms_s=_get(obj, "residual_rms_s", float, where),
         points=tuple(points),
         notes=tuple(str(n) for n in obj.get("notes", [])),
-        cache_per_miss_s=_get(obj, "cache_per_miss_s", float, where) if obj.get("cache_per_miss_s") is not None
+        cache_per_miss_s=_get(obj, "cache_per_miss_s", float, where)
+        if obj.get("cache_per_miss_s") is not None
         else None,
-        cache_per_layer_s=_get(obj, "cache_per_layer_s", float, where) if "cache_per_layer_s" in obj else 0.0,
-        cache_skew=_get(obj, "cache_skew", float, where) if obj.get("cache_skew") is not None else None,
+        cache_per_layer_s=_get(obj, "cache_per_layer_s", float, where)
+        if "cache_per_layer_s" in obj
+        else 0.0,
+        cache_skew=_get(obj, "cache_skew", float, where)
+        if obj.get("cache_skew") is not None
+        else None,
     )
 
 
@@ -266,23 +295,31 @@ def fit(bench: Bench, *, network: str | None = None, hardware: str | None = None
     cs = bench.clusters
     bytes_read = [bench.replicated_read_bytes + bench.expert_bytes * c.expected_experts for c in cs]
     if not any(bytes_read):
-        raise CalibrationError(f"bench of {bench.model}: zero bytes read per token; model_bytes look empty")
+        raise CalibrationError(
+            f"bench of {bench.model}: zero bytes read per token; model_bytes look empty"
+        )
     compute = [c.compute_s / bench.share(c.nodes_per_host) for c in cs]
     line = _line_fit(bytes_read, compute)
     if line is not None and line[0] > 0 and line[1] >= 0:
         inv_bw, fixed = line
     else:
         inv_bw, fixed = _through_origin(bytes_read, compute), 0.0
-        notes.append("per-layer overhead not separable from bandwidth (one distinct bytes-per-token "
-                     "or a negative fit); set to 0")
+        notes.append(
+            "per-layer overhead not separable from bandwidth (one distinct bytes-per-token "
+            "or a negative fit); set to 0"
+        )
     if inv_bw <= 0:
-        raise CalibrationError(f"bench of {bench.model}: compute time does not grow with bytes read; cannot fit bandwidth")
+        raise CalibrationError(
+            f"bench of {bench.model}: compute time does not grow with bytes read; cannot fit bandwidth"
+        )
 
     multi = [c for c in cs if c.nodes >= 2]
     if len({c.transport for c in multi}) > 1:
-        raise CalibrationError(f"bench of {bench.model}: clusters of 2 or more nodes over several transports "
-                               f"({', '.join(sorted({c.transport for c in multi}))}) have different collective costs; "
-                               "fit one transport at a time (bench decode --calibrate fits each)")
+        raise CalibrationError(
+            f"bench of {bench.model}: clusters of 2 or more nodes over several transports "
+            f"({', '.join(sorted({c.transport for c in multi}))}) have different collective costs; "
+            "fit one transport at a time (bench decode --calibrate fits each)"
+        )
     base = per_node = None
     if multi:
         xs = [float(c.nodes - 2) for c in multi]
@@ -302,10 +339,15 @@ def fit(bench: Bench, *, network: str | None = None, hardware: str | None = None
     transports = sorted({c.transport for c in multi}) or sorted({c.transport for c in cs})
     by_parts = (inv_bw, fixed / bench.layers, base, per_node or 0.0)
     by_totals = _fit_totals(bench)
-    if by_totals is not None and _worst_error(bench, by_totals) < _worst_error(bench, by_parts) - 1e-9:
-        notes.append("fitted on whole tokens, not on the timed parts: the parts' split did not fit (a collective "
-                     "inside the step's graph has no timer of its own; on a GPU the host waits for the whole "
-                     "layer in whichever part syncs first)")
+    if (
+        by_totals is not None
+        and _worst_error(bench, by_totals) < _worst_error(bench, by_parts) - 1e-9
+    ):
+        notes.append(
+            "fitted on whole tokens, not on the timed parts: the parts' split did not fit (a collective "
+            "inside the step's graph has no timer of its own; on a GPU the host waits for the whole "
+            "layer in whichever part syncs first)"
+        )
         inv_bw, layer_o, base, per_node = by_totals
         base = base if multi else None
     else:
@@ -320,14 +362,25 @@ def fit(bench: Bench, *, network: str | None = None, hardware: str | None = None
         network=network,
         hardware=hardware,
         residual_rms_s=0.0,
-        points=tuple(MeasuredPoint(c.nodes, c.generation_tps, c.keepalive, c.transport, c.expected_experts)
-                     for c in cs),
+        points=tuple(
+            MeasuredPoint(c.nodes, c.generation_tps, c.keepalive, c.transport, c.expected_experts)
+            for c in cs
+        ),
         notes=tuple(notes),
     )
-    predicted = [predict_time(cal, bench, c.nodes, c.expected_experts, c.nodes_per_host) for c in cs]
+    predicted = [
+        predict_time(cal, bench, c.nodes, c.expected_experts, c.nodes_per_host) for c in cs
+    ]
     rms = math.sqrt(sum((p - c.time_per_token_s) ** 2 for p, c in zip(predicted, cs)) / len(cs))
-    logger.info("calibration of %s: BW_eff %.3g B/s, o %.3g s/layer, a %s s/layer, b %.3g s/layer/node, rms %.3g s",
-                bench.model, cal.bandwidth_Bps, cal.layer_overhead_s, base, cal.collective_per_node_s, rms)
+    logger.info(
+        "calibration of %s: BW_eff %.3g B/s, o %.3g s/layer, a %s s/layer, b %.3g s/layer/node, rms %.3g s",
+        bench.model,
+        cal.bandwidth_Bps,
+        cal.layer_overhead_s,
+        base,
+        cal.collective_per_node_s,
+        rms,
+    )
     return replace(cal, residual_rms_s=rms)
 
 
@@ -335,8 +388,12 @@ def _terms(bench: Bench, c: BenchCluster) -> list[float]:
     """The fitted form's time per token of `c`, as coefficients of (1/BW, o, a, b)."""
     s = bench.share(c.nodes_per_host)
     multi = c.nodes >= 2
-    return [s * (bench.replicated_read_bytes + bench.expert_bytes * c.expected_experts), s * bench.layers,
-            bench.moe_layers * multi, bench.moe_layers * (c.nodes - 2) * multi]
+    return [
+        s * (bench.replicated_read_bytes + bench.expert_bytes * c.expected_experts),
+        s * bench.layers,
+        bench.moe_layers * multi,
+        bench.moe_layers * (c.nodes - 2) * multi,
+    ]
 
 
 def _fit_totals(bench: Bench) -> tuple[float, float, float, float] | None:
@@ -369,18 +426,26 @@ def _fit_totals(bench: Bench) -> tuple[float, float, float, float] | None:
 def _worst_error(bench: Bench, coeffs: tuple) -> float:
     """The largest |predicted / measured − 1| of time per token over the bench's clusters."""
     inv_bw, o, a, b = (0.0 if v is None else v for v in coeffs)
-    return max(abs(sum(t * v for t, v in zip(_terms(bench, c), (inv_bw, o, a, b))) / c.time_per_token_s - 1.0)
-               for c in bench.clusters)
+    return max(
+        abs(
+            sum(t * v for t, v in zip(_terms(bench, c), (inv_bw, o, a, b))) / c.time_per_token_s
+            - 1.0
+        )
+        for c in bench.clusters
+    )
 
 
-def predict_time(cal: Calibration, bench: Bench, nodes: int, expected_experts: float,
-                 nodes_per_host: int = 1) -> float:
+def predict_time(
+    cal: Calibration, bench: Bench, nodes: int, expected_experts: float, nodes_per_host: int = 1
+) -> float:
     """The fitted form's time per token for a bench's model (compute side + collective)."""
     t = (bench.replicated_read_bytes + bench.expert_bytes * expected_experts) / cal.bandwidth_Bps
     t += cal.layer_overhead_s * bench.layers
     t *= bench.share(nodes_per_host)
     if nodes >= 2 and cal.collective_base_s is not None:
-        t += bench.moe_layers * max(0.0, cal.collective_base_s + cal.collective_per_node_s * (nodes - 2))
+        t += bench.moe_layers * max(
+            0.0, cal.collective_base_s + cal.collective_per_node_s * (nodes - 2)
+        )
     return t
 
 

@@ -31,8 +31,10 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _ST_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 _PROBE_TOKENS = (256, 512)  # multiples of KVCache.step, so cache buffers are exactly this long
-_LEGACY_QUANT = {"mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
-                 "mxfp8": {"group_size": 32, "bits": 8, "mode": "mxfp8"}}
+_LEGACY_QUANT = {
+    "mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
+    "mxfp8": {"group_size": 32, "bits": 8, "mode": "mxfp8"},
+}
 
 
 class NotMoEError(PlanError):
@@ -72,17 +74,25 @@ def _find_banks(model: nn.Module) -> list[_Bank]:
         blocks = find_moe_blocks(model)
     except StructureError as exc:
         raise PlanError(str(exc)) from None
-    return [_Bank(b.bank_path, b.path, b.layer, b.num_experts, b.top_k, b.dense_paths()) for b in blocks]
+    return [
+        _Bank(b.bank_path, b.path, b.layer, b.num_experts, b.top_k, b.dense_paths()) for b in blocks
+    ]
 
 
 def _embeddings(model: nn.Module) -> dict[str, int]:
     """Embedding module paths -> rows (vocabulary)."""
-    return {p: m.weight.shape[0] for p, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))}
+    return {
+        p: m.weight.shape[0]
+        for p, m in model.named_modules()
+        if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))
+    }
 
 
 def _has_head(model: nn.Module, vocab: set[int]) -> bool:
-    return any(isinstance(m, (nn.Linear, nn.QuantizedLinear)) and m.weight.shape[0] in vocab
-               for _, m in model.named_modules())
+    return any(
+        isinstance(m, (nn.Linear, nn.QuantizedLinear)) and m.weight.shape[0] in vocab
+        for _, m in model.named_modules()
+    )
 
 
 def _tally(model: nn.Module, banks: list[_Bank], embeddings: dict[str, int], measure) -> _Tally:
@@ -124,12 +134,16 @@ def _dtype(config: dict, checkpoint: Checkpoint | None) -> mx.Dtype:
     return mx.bfloat16
 
 
-def _quantize(model: nn.Module, config: dict, banks: list[_Bank], bits: int | None, group_size: int) -> str:
+def _quantize(
+    model: nn.Module, config: dict, banks: list[_Bank], bits: int | None, group_size: int
+) -> str:
     """Apply the config's quantization (or `bits`) lazily, as mlx-lm's loader would; returns a label."""
     quant = config.get("quantization")
     legacy = (config.get("quantization_config") or {}).get("quant_method")
     if quant is not None and bits is not None:
-        raise PlanError(f"the checkpoint is already quantized ({quant.get('bits')} bits); drop --bits")
+        raise PlanError(
+            f"the checkpoint is already quantized ({quant.get('bits')} bits); drop --bits"
+        )
     family = getattr(model, "quant_predicate", None)
     if quant is not None:
         gs = quant["group_size"]
@@ -142,18 +156,32 @@ def _quantize(model: nn.Module, config: dict, banks: list[_Bank], bits: int | No
                 return False
             return family(path, m) if family else True
 
-        nn.quantize(model, group_size=gs, bits=quant["bits"], mode=quant.get("mode", "affine"),
-                    class_predicate=predicate)
+        nn.quantize(
+            model,
+            group_size=gs,
+            bits=quant["bits"],
+            mode=quant.get("mode", "affine"),
+            class_predicate=predicate,
+        )
         return f"{quant['bits']}-bit {quant.get('mode', 'affine')} g{gs}"
     if legacy in _LEGACY_QUANT:
         q = _LEGACY_QUANT[legacy]
         # mlx-lm quantizes what the checkpoint stores quantized: the released experts only.
-        nn.quantize(model, class_predicate=lambda p, m: any(p.startswith(b.path + ".") for b in banks)
-                    and hasattr(m, "to_quantized"), **q)
+        nn.quantize(
+            model,
+            class_predicate=lambda p, m: (
+                any(p.startswith(b.path + ".") for b in banks) and hasattr(m, "to_quantized")
+            ),
+            **q,
+        )
         return f"experts {legacy}"
     if legacy:
-        logger.warning("quantization_config quant_method=%r is not applied (mlx-lm dequantizes it at load)", legacy)
+        logger.warning(
+            "quantization_config quant_method=%r is not applied (mlx-lm dequantizes it at load)",
+            legacy,
+        )
     if bits is not None:
+
         def predicate(path, m):
             if not hasattr(m, "to_quantized") or m.weight.shape[-1] % group_size:
                 return False
@@ -187,8 +215,13 @@ def _probe_caches(model_cls, args, banks: list[_Bank], dtype: mx.Dtype) -> tuple
     (t1, t2), out = _PROBE_TOKENS, []
     for (b1, cap), (b2, _) in zip(*sizes):
         per_token = (b2 - b1) // (t2 - t1)
-        out.append(CacheSpec(per_token_bytes=per_token, fixed_bytes=b1 - per_token * t1,
-                             max_tokens=cap if isinstance(cap, int) else None))
+        out.append(
+            CacheSpec(
+                per_token_bytes=per_token,
+                fixed_bytes=b1 - per_token * t1,
+                max_tokens=cap if isinstance(cap, int) else None,
+            )
+        )
     return tuple(out)
 
 
@@ -211,17 +244,23 @@ def describe_config(
     banks = _find_banks(model)  # probes the blocks in float32, before the dtype is set
     model.set_dtype(dtype)
     if not banks:
-        raise NotMoEError(f"{where}: model_type={config.get('model_type')!r} has no routed experts "
-                          "(no SwitchGLU/SwitchMLP or expert list); `plan` is for MoE models")
+        raise NotMoEError(
+            f"{where}: model_type={config.get('model_type')!r} has no routed experts "
+            "(no SwitchGLU/SwitchMLP or expert list); `plan` is for MoE models"
+        )
     counts = {b.num_experts for b in banks}
     if len(counts) != 1:
         raise PlanError(f"{where}: expert banks differ in size ({sorted(counts)}); not supported")
     num_experts = counts.pop()
     if len({b.layer for b in banks}) != len(banks):
-        raise PlanError(f"{where}: more than one expert bank in a decoder layer ({[b.path for b in banks]})")
+        raise PlanError(
+            f"{where}: more than one expert bank in a decoder layer ({[b.path for b in banks]})"
+        )
     top_ks = {b.top_k for b in banks}
     if len(top_ks) != 1:
-        raise PlanError(f"{where}: MoE blocks route different numbers of experts per token ({sorted(top_ks)})")
+        raise PlanError(
+            f"{where}: MoE blocks route different numbers of experts per token ({sorted(top_ks)})"
+        )
     top_k = top_ks.pop()
     embeddings = _embeddings(model)
     if not embeddings:
@@ -231,8 +270,10 @@ def describe_config(
     elements = _tally(model, banks, embeddings, _logical_elements)
     head = _has_head(model, set(embeddings.values()))
 
-    weights = _quantize(model, config, banks, bits, group_size) or {
-        mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bf16"}[dtype]
+    weights = (
+        _quantize(model, config, banks, bits, group_size)
+        or {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bf16"}[dtype]
+    )
     nbytes = _tally(model, banks, embeddings, lambda a: a.nbytes)
 
     moe_ids = tuple(sorted(nbytes.expert))
@@ -240,13 +281,20 @@ def describe_config(
     # One row of each table per token; a tied head reads (and multiplies by) the whole table.
     emb_read = sum(b // embeddings[p] for p, b in nbytes.embedding.items()) if head else emb_bytes
     emb_flops = 0.0 if head else 2.0 * sum(elements.embedding.values())
-    layers = len(model.layers) if hasattr(model, "layers") else max(
-        (_layer_index(p) or 0) for p, _ in tree_flatten(model.parameters())) + 1
+    layers = (
+        len(model.layers)
+        if hasattr(model, "layers")
+        else max((_layer_index(p) or 0) for p, _ in tree_flatten(model.parameters())) + 1
+    )
     try:
         caches = _probe_caches(model_cls, args, banks, dtype)
     except Exception as exc:  # noqa: BLE001 - a family the probe cannot run: plan without the KV cache
-        logger.warning("%s: could not size the KV cache (%s: %s); --context is not counted", where,
-                       type(exc).__name__, exc)
+        logger.warning(
+            "%s: could not size the KV cache (%s: %s); --context is not counted",
+            where,
+            type(exc).__name__,
+            exc,
+        )
         caches = ()
     spec = ModelSpec(
         name=name,
@@ -262,7 +310,9 @@ def describe_config(
         expert_layer_bytes=tuple(nbytes.expert[l] // num_experts for l in moe_ids),
         expert_layer_flops=tuple(2.0 * elements.expert[l] / num_experts for l in moe_ids),
         shared_layer_bytes=tuple(nbytes.shared.get(l, 0) for l in moe_ids) if nbytes.shared else (),
-        shared_layer_flops=tuple(2.0 * elements.shared.get(l, 0) for l in moe_ids) if nbytes.shared else (),
+        shared_layer_flops=tuple(2.0 * elements.shared.get(l, 0) for l in moe_ids)
+        if nbytes.shared
+        else (),
         caches=caches,
         weights=weights,
         source=where,
@@ -270,12 +320,18 @@ def describe_config(
     if checkpoint is not None:
         on_disk = checkpoint.total_bytes()
         if abs(on_disk - spec.total_bytes) > 0.01 * on_disk:
-            logger.warning("%s: described %d bytes, the checkpoint holds %d (a layout mlx-lm converts at load?)",
-                           where, spec.total_bytes, on_disk)
+            logger.warning(
+                "%s: described %d bytes, the checkpoint holds %d (a layout mlx-lm converts at load?)",
+                where,
+                spec.total_bytes,
+                on_disk,
+            )
     return spec
 
 
-def describe_path(spec: str, *, bits: int | None = None, group_size: int = 64) -> tuple[ModelSpec, int | None]:
+def describe_path(
+    spec: str, *, bits: int | None = None, group_size: int = 64
+) -> tuple[ModelSpec, int | None]:
     """Describe a checkpoint folder or a bare config.json; returns (model, checkpoint bytes or None)."""
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".json":
@@ -285,8 +341,9 @@ def describe_path(spec: str, *, bits: int | None = None, group_size: int = 64) -
     config = read_config(directory) if cfg_file.name == "config.json" else _read_json(cfg_file)
     checkpoint = Checkpoint(directory) if any(directory.glob("model*.safetensors")) else None
     name = re.sub(r"\s+", "-", directory.name or str(directory))
-    model = describe_config(config, name, checkpoint=checkpoint, bits=bits, group_size=group_size,
-                            where=str(cfg_file))
+    model = describe_config(
+        config, name, checkpoint=checkpoint, bits=bits, group_size=group_size, where=str(cfg_file)
+    )
     return model, (checkpoint.total_bytes() if checkpoint else None)
 
 

@@ -65,7 +65,9 @@ def even_split(num_experts: int, nodes: int) -> dict[int, list[int]]:
     if nodes < 1:
         raise PlanError(f"node count must be at least 1 (got {nodes})")
     if num_experts < nodes:
-        raise PlanError(f"{num_experts} experts cannot be split over {nodes} nodes (each node needs one)")
+        raise PlanError(
+            f"{num_experts} experts cannot be split over {nodes} nodes (each node needs one)"
+        )
     return {r: list(es) for r, es in Placement.even({0: num_experts}, nodes).layers[0].items()}
 
 
@@ -84,7 +86,9 @@ def placement_for(
     if replicas_per_node < 0:
         raise PlanError(f"replicas per node must be >= 0 (got {replicas_per_node})")
     if profile_counts is not None and len(profile_counts) != num_experts:
-        raise PlanError(f"profile has counts for {len(profile_counts)} experts, the model has {num_experts}")
+        raise PlanError(
+            f"profile has counts for {len(profile_counts)} experts, the model has {num_experts}"
+        )
     if replicas_per_node == 0 or nodes == 1:
         return placement
     if profile_counts is not None:
@@ -142,12 +146,18 @@ def expected_max_enumerated(placement: Placement, num_experts: int, k: int) -> F
     """Exact E[max] by applying `assign` to every one of the C(E, k) selections."""
     holders = holders_of(placement, num_experts)
     nodes = len(placement)
-    total = sum(_max_count(s, holders, nodes) for s in itertools.combinations(range(num_experts), k))
+    total = sum(
+        _max_count(s, holders, nodes) for s in itertools.combinations(range(num_experts), k)
+    )
     return Fraction(total, math.comb(num_experts, k))
 
 
 def expected_max_sampled(
-    placement: Placement, num_experts: int, k: int, samples: int = MONTE_CARLO_SAMPLES, seed: int = MONTE_CARLO_SEED
+    placement: Placement,
+    num_experts: int,
+    k: int,
+    samples: int = MONTE_CARLO_SAMPLES,
+    seed: int = MONTE_CARLO_SEED,
 ) -> tuple[float, float]:
     """Monte-Carlo E[max] over uniform k-subsets: (mean, standard error)."""
     holders = holders_of(placement, num_experts)
@@ -159,7 +169,9 @@ def expected_max_sampled(
     return mean, math.sqrt(var / samples)
 
 
-def expected_max_from_sets(placement: Placement, num_experts: int, sets: Sequence[Sequence[int]]) -> float:
+def expected_max_from_sets(
+    placement: Placement, num_experts: int, sets: Sequence[Sequence[int]]
+) -> float:
     """Empirical E[max] over recorded selections (one set of expert ids per token)."""
     if not sets:
         raise PlanError("the routing profile has no recorded selections ('sets') for a layer")
@@ -168,7 +180,9 @@ def expected_max_from_sets(placement: Placement, num_experts: int, sets: Sequenc
     for s in sets:
         bad = [e for e in s if not 0 <= e < num_experts]
         if bad:
-            raise PlanError(f"profile selection {list(s)} names experts {bad} outside 0..{num_experts - 1}")
+            raise PlanError(
+                f"profile selection {list(s)} names experts {bad} outside 0..{num_experts - 1}"
+            )
     return sum(_max_count(s, holders, nodes) for s in sets) / len(sets)
 
 
@@ -179,8 +193,13 @@ def expected_distinct_alone(num_experts: int, top_k: int, batch: int) -> float:
 
 
 def expected_max_batch_sampled(
-    placement: Placement, num_experts: int, k: int, batch: int, sets: Sequence[Sequence[int]] | None = None,
-    samples: int = BATCH_SAMPLES, seed: int = MONTE_CARLO_SEED,
+    placement: Placement,
+    num_experts: int,
+    k: int,
+    batch: int,
+    sets: Sequence[Sequence[int]] | None = None,
+    samples: int = BATCH_SAMPLES,
+    seed: int = MONTE_CARLO_SEED,
 ) -> tuple[float, float]:
     """Monte-Carlo E[max over nodes of the distinct local experts `batch` tokens select]: each node
     computes each of its selected experts once for the whole batch. Tokens route uniformly, or as
@@ -210,7 +229,9 @@ def expected_experts(
     """E for one MoE layer under a placement and keepalive policy (see the module docstring); with
     `batch` > 1, for one step of that many sequences (the union of their selections)."""
     if keepalive not in KEEPALIVES:
-        raise PlanError(f"unknown keepalive policy {keepalive!r}; choose from {', '.join(KEEPALIVES)}")
+        raise PlanError(
+            f"unknown keepalive policy {keepalive!r}; choose from {', '.join(KEEPALIVES)}"
+        )
     if batch < 1:
         raise PlanError(f"batch must be at least 1 sequence (got {batch})")
     nodes = len(placement)
@@ -218,12 +239,18 @@ def expected_experts(
         if sets is not None and not sets:
             raise PlanError("the routing profile has no recorded selections ('sets') for a layer")
         if nodes == 1 and sets is None:
-            return ExpectedExperts(expected_distinct_alone(num_experts, top_k, batch),
-                                   f"exact: distinct experts of {batch} tokens, uniform routing")
+            return ExpectedExperts(
+                expected_distinct_alone(num_experts, top_k, batch),
+                f"exact: distinct experts of {batch} tokens, uniform routing",
+            )
         mean, se = expected_max_batch_sampled(placement, num_experts, top_k, batch, sets)
         source = f"{len(sets)} recorded tokens drawn" if sets else "uniform selections"
-        return ExpectedExperts(mean, f"Monte Carlo: {BATCH_SAMPLES} batches of {batch} tokens ({source}), seed "
-                                     f"{MONTE_CARLO_SEED}, standard error {se:.4f}", stderr=se)
+        return ExpectedExperts(
+            mean,
+            f"Monte Carlo: {BATCH_SAMPLES} batches of {batch} tokens ({source}), seed "
+            f"{MONTE_CARLO_SEED}, standard error {se:.4f}",
+            stderr=se,
+        )
     if nodes == 1:
         # One node runs stock mlx-lm: exactly the selected experts.
         return ExpectedExperts(float(top_k), "one node: the k selected experts")
@@ -231,16 +258,24 @@ def expected_experts(
         most = max(len(es) for es in placement.values())
         return ExpectedExperts(float(most), "busy: every local expert, every layer")
     if sets is not None:
-        return ExpectedExperts(expected_max_from_sets(placement, num_experts, sets),
-                               f"profile: mean over {len(sets)} recorded tokens")
+        return ExpectedExperts(
+            expected_max_from_sets(placement, num_experts, sets),
+            f"profile: mean over {len(sets)} recorded tokens",
+        )
     if is_disjoint(placement):
         sizes = [len(placement[r]) for r in sorted(placement)]
         value = expected_max_hypergeometric(sizes, top_k)
         return ExpectedExperts(float(value), "exact: hypergeometric counts, uniform routing")
     n = math.comb(num_experts, top_k)
     if n <= ENUMERATION_LIMIT:
-        return ExpectedExperts(float(expected_max_enumerated(placement, num_experts, top_k)),
-                               f"exact: all C({num_experts},{top_k}) = {n} selections, uniform routing")
+        return ExpectedExperts(
+            float(expected_max_enumerated(placement, num_experts, top_k)),
+            f"exact: all C({num_experts},{top_k}) = {n} selections, uniform routing",
+        )
     mean, se = expected_max_sampled(placement, num_experts, top_k)
-    return ExpectedExperts(mean, f"Monte Carlo: {MONTE_CARLO_SAMPLES} uniform selections, seed {MONTE_CARLO_SEED}, "
-                                 f"standard error {se:.4f}", stderr=se)
+    return ExpectedExperts(
+        mean,
+        f"Monte Carlo: {MONTE_CARLO_SAMPLES} uniform selections, seed {MONTE_CARLO_SEED}, "
+        f"standard error {se:.4f}",
+        stderr=se,
+    )

@@ -46,8 +46,15 @@ def ssd_miss_cost(expert_bytes: float, ssd_read_Bps: float) -> MissCost:
     return MissCost(per_miss_s=expert_bytes / ssd_read_Bps)
 
 
-def predict(base_time_s: float, selected_per_token: float, share: float, local: int, skew: float, cost: MissCost,
-            moe_layers: int) -> dict:
+def predict(
+    base_time_s: float,
+    selected_per_token: float,
+    share: float,
+    local: int,
+    skew: float,
+    cost: MissCost,
+    moe_layers: int,
+) -> dict:
     """tok/s and its parts at `share` resident, from the time per token with every expert resident.
 
     Args:
@@ -58,10 +65,18 @@ def predict(base_time_s: float, selected_per_token: float, share: float, local: 
     misses = selected_per_token * (1.0 - h)
     disk = misses * cost.per_miss_s + (moe_layers * cost.per_layer_s if share < 1 else 0.0)
     t = base_time_s + disk
-    return {"hit_rate": h, "misses_per_token": misses, "disk_s": disk, "time_s": t, "tokens_per_s": 1.0 / t}
+    return {
+        "hit_rate": h,
+        "misses_per_token": misses,
+        "disk_s": disk,
+        "time_s": t,
+        "tokens_per_s": 1.0 / t,
+    }
 
 
-def break_even_hit_rate(selected_per_token: float, cost: MissCost, moe_layers: int, saved_s: float) -> float | None:
+def break_even_hit_rate(
+    selected_per_token: float, cost: MissCost, moe_layers: int, saved_s: float
+) -> float | None:
     """The hit rate below which a node's misses cost more per token than `saved_s`, the time per
     token its share of the work saves the cluster (None: even a full hit rate costs more)."""
     fixed = moe_layers * cost.per_layer_s
@@ -95,10 +110,20 @@ def rows_of(bench_out: dict, nodes: int, moe_layers: int) -> list[CacheRow]:
             continue
         try:
             local = r["local"] // (nodes * moe_layers)
-            out.append(CacheRow(r["capacity"] / r["local"], local, r["hit_rate"], r["selected_per_token"],
-                                r["misses_per_token"], r["time_per_token_s"]))
+            out.append(
+                CacheRow(
+                    r["capacity"] / r["local"],
+                    local,
+                    r["hit_rate"],
+                    r["selected_per_token"],
+                    r["misses_per_token"],
+                    r["time_per_token_s"],
+                )
+            )
         except (KeyError, TypeError, ZeroDivisionError) as exc:
-            raise CalibrationError(f"bench decode: expert_cache[{i}] is malformed ({exc})") from None
+            raise CalibrationError(
+                f"bench decode: expert_cache[{i}] is malformed ({exc})"
+            ) from None
     return out
 
 
@@ -108,7 +133,9 @@ def fit_skew(rows: Sequence[CacheRow]) -> float:
     if not cached:
         return 0.0
     grid = [i / 50 for i in range(151)]
-    return min(grid, key=lambda z: sum((hit_rate(r.share, r.local, z) - r.hit_rate) ** 2 for r in cached))
+    return min(
+        grid, key=lambda z: sum((hit_rate(r.share, r.local, z) - r.hit_rate) ** 2 for r in cached)
+    )
 
 
 def fit_cost(rows: Sequence[CacheRow], base_time_s: float, moe_layers: int) -> MissCost:
@@ -116,7 +143,9 @@ def fit_cost(rows: Sequence[CacheRow], base_time_s: float, moe_layers: int) -> M
     both kept ≥ 0."""
     cached = [r for r in rows if r.share < 1]
     if not cached:
-        raise CalibrationError("bench decode: no expert-cache row below 100%; nothing to fit the miss cost to")
+        raise CalibrationError(
+            "bench decode: no expert-cache row below 100%; nothing to fit the miss cost to"
+        )
     xs = [(r.misses_per_token, float(moe_layers)) for r in cached]
     ys = [r.time_per_token_s - base_time_s for r in cached]
     sxx = sum(a * a for a, _ in xs)
@@ -156,10 +185,24 @@ def calibrate(bench_out: dict, nodes: int, moe_layers: int) -> dict | None:
     points = []
     for meta, r in zip(raw, rows):
         p = predict(base, selected, r.share, r.local, skew, cost, moe_layers)
-        points.append({"expert_cache": meta["expert_cache"], "profile": meta["profile"],
-                       "measured_tps": 1.0 / r.time_per_token_s, "predicted_tps": p["tokens_per_s"],
-                       "measured_hit_rate": r.hit_rate, "predicted_hit_rate": p["hit_rate"],
-                       "error": p["tokens_per_s"] * r.time_per_token_s - 1.0})
-    return {"nodes": nodes, "per_miss_s": cost.per_miss_s, "per_layer_s": cost.per_layer_s, "skew": skew,
-            "full_time_per_token_s": base, "selected_per_token": selected, "points": points,
-            "max_abs_error": max(abs(p["error"]) for p in points)}
+        points.append(
+            {
+                "expert_cache": meta["expert_cache"],
+                "profile": meta["profile"],
+                "measured_tps": 1.0 / r.time_per_token_s,
+                "predicted_tps": p["tokens_per_s"],
+                "measured_hit_rate": r.hit_rate,
+                "predicted_hit_rate": p["hit_rate"],
+                "error": p["tokens_per_s"] * r.time_per_token_s - 1.0,
+            }
+        )
+    return {
+        "nodes": nodes,
+        "per_miss_s": cost.per_miss_s,
+        "per_layer_s": cost.per_layer_s,
+        "skew": skew,
+        "full_time_per_token_s": base,
+        "selected_per_token": selected,
+        "points": points,
+        "max_abs_error": max(abs(p["error"]) for p in points),
+    }

@@ -60,33 +60,51 @@ class ModelSpec:
     hidden: int
     act_bytes: int  # bytes per activation element (model dtype)
     replicated_bytes: int  # resident on every node, bytes
-    replicated_read_bytes: int  # of those, read by every node per decoded token (no shared experts), bytes
+    replicated_read_bytes: (
+        int  # of those, read by every node per decoded token (no shared experts), bytes
+    )
     replicated_flops: float  # per decoded token, every node
     expert_layer_bytes: tuple[int, ...]  # one routed expert of each MoE layer, bytes
     expert_layer_flops: tuple[float, ...]  # one routed expert of each MoE layer, FLOPs per token
-    shared_layer_bytes: tuple[int, ...] = ()  # shared experts of each MoE layer (empty: none), bytes
+    shared_layer_bytes: tuple[
+        int, ...
+    ] = ()  # shared experts of each MoE layer (empty: none), bytes
     shared_layer_flops: tuple[float, ...] = ()
-    comm_bytes_per_token: int | None = None  # None: Table 1 (a), hidden × 4 × moe_layers × act_bytes
+    comm_bytes_per_token: int | None = (
+        None  # None: Table 1 (a), hidden × 4 × moe_layers × act_bytes
+    )
     caches: tuple[CacheSpec, ...] = ()  # one per decoder layer (or fewer); empty: unknown
     weights: str = "bf16"  # "bf16", "4-bit affine g64", ...
     source: str = ""
 
     def __post_init__(self) -> None:
         if self.num_experts < 2:
-            raise PlanError(f"{self.name}: a MoE model needs at least 2 routed experts (got {self.num_experts})")
+            raise PlanError(
+                f"{self.name}: a MoE model needs at least 2 routed experts (got {self.num_experts})"
+            )
         if not 1 <= self.top_k <= self.num_experts:
-            raise PlanError(f"{self.name}: top-k {self.top_k} must be between 1 and the expert count {self.num_experts}")
+            raise PlanError(
+                f"{self.name}: top-k {self.top_k} must be between 1 and the expert count {self.num_experts}"
+            )
         if not self.moe_layer_ids:
             raise PlanError(f"{self.name}: no MoE layers")
         n = len(self.moe_layer_ids)
-        for label, values in (("expert_layer_bytes", self.expert_layer_bytes),
-                              ("expert_layer_flops", self.expert_layer_flops)):
+        for label, values in (
+            ("expert_layer_bytes", self.expert_layer_bytes),
+            ("expert_layer_flops", self.expert_layer_flops),
+        ):
             if len(values) != n:
-                raise PlanError(f"{self.name}: {label} has {len(values)} entries for {n} MoE layers")
-        for label, values in (("shared_layer_bytes", self.shared_layer_bytes),
-                              ("shared_layer_flops", self.shared_layer_flops)):
+                raise PlanError(
+                    f"{self.name}: {label} has {len(values)} entries for {n} MoE layers"
+                )
+        for label, values in (
+            ("shared_layer_bytes", self.shared_layer_bytes),
+            ("shared_layer_flops", self.shared_layer_flops),
+        ):
             if values and len(values) != n:
-                raise PlanError(f"{self.name}: {label} has {len(values)} entries for {n} MoE layers")
+                raise PlanError(
+                    f"{self.name}: {label} has {len(values)} entries for {n} MoE layers"
+                )
 
     @property
     def moe_layers(self) -> int:
@@ -137,7 +155,9 @@ class HardwareSpec:
     flops: float  # bf16 FLOP/s
     price_usd: float
     note: str = ""
-    ssd_read_Bps: float = 0.0  # the internal SSD's sequential read, bytes/s (expert cache misses); 0: unknown
+    ssd_read_Bps: float = (
+        0.0  # the internal SSD's sequential read, bytes/s (expert cache misses); 0: unknown
+    )
 
 
 @dataclass(frozen=True)
@@ -278,8 +298,15 @@ def estimate(
         E1 = E1 * model.moe_layers
     kv = model.kv_cache_bytes(context) * batch
     shared_b, shared_f = model.shared_max(nodes)
-    read = model.replicated_read_bytes + shared_b + kv + sum(x * e for x, e in zip(model.expert_layer_bytes, E))
-    flops = batch * (model.replicated_flops + shared_f + sum(f * e for f, e in zip(model.expert_layer_flops, E1)))
+    read = (
+        model.replicated_read_bytes
+        + shared_b
+        + kv
+        + sum(x * e for x, e in zip(model.expert_layer_bytes, E))
+    )
+    flops = batch * (
+        model.replicated_flops + shared_f + sum(f * e for f, e in zip(model.expert_layer_flops, E1))
+    )
     bandwidth = overheads.bandwidth_Bps or hardware.bandwidth_Bps
     load_s = read / bandwidth
     compute_s = flops / hardware.flops
@@ -299,9 +326,12 @@ def estimate(
     if expert_slots is None:
         expert_slots = [even_counts(model.num_experts, nodes)] * model.moe_layers
     if len(expert_slots) != model.moe_layers:
-        raise PlanError(f"expert placement covers {len(expert_slots)} MoE layers, the model has {model.moe_layers}")
+        raise PlanError(
+            f"expert placement covers {len(expert_slots)} MoE layers, the model has {model.moe_layers}"
+        )
     shard = max(
-        sum(x * slots[r] for x, slots in zip(model.expert_layer_bytes, expert_slots)) for r in range(nodes)
+        sum(x * slots[r] for x, slots in zip(model.expert_layer_bytes, expert_slots))
+        for r in range(nodes)
     )
     memory = model.replicated_bytes + shard + kv
     usable = int(hardware.memory_bytes * memory_fraction)
@@ -340,7 +370,9 @@ def requantized(model: ModelSpec, bits: int, group_size: int = 64) -> ModelSpec:
     if group_size not in (32, 64, 128):
         raise PlanError(f"quantization group size must be 32, 64 or 128 (got {group_size})")
     if model.weights != "bf16":
-        raise PlanError(f"{model.name} is already quantized ({model.weights}); cannot requantize it")
+        raise PlanError(
+            f"{model.name} is already quantized ({model.weights}); cannot requantize it"
+        )
     factor = (bits + 32 / group_size) / 16
 
     def scale(b: int) -> int:

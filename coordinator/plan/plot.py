@@ -13,7 +13,13 @@ from .perfmodel import Estimate, PlanError
 logger = logging.getLogger(__name__)
 
 # Paper-like styles: triangles for bounds; measured points as filled circles.
-_COLORS = {"10gbe": "#2ca02c", "tb5": "#1f77b4", "tb5-rdma": "#9467bd", "rocev2": "#ff7f0e", "infiniband": "#d62728"}
+_COLORS = {
+    "10gbe": "#2ca02c",
+    "tb5": "#1f77b4",
+    "tb5-rdma": "#9467bd",
+    "rocev2": "#ff7f0e",
+    "infiniband": "#d62728",
+}
 
 
 class PlotError(PlanError):
@@ -42,7 +48,9 @@ def plot(
     networks = list(dict.fromkeys(r.network for r in rows))
     top = max([r.tokens_per_s for r in rows] + [p.tokens_per_s for p in measured])
     markers: dict[int, list[float]] = {}
-    for x, y in [(r.nodes, r.tokens_per_s) for r in rows] + [(p.nodes, p.tokens_per_s) for p in measured]:
+    for x, y in [(r.nodes, r.tokens_per_s) for r in rows] + [
+        (p.nodes, p.tokens_per_s) for p in measured
+    ]:
         markers.setdefault(x, []).append(y)
     labelled: dict[int, list[float]] = {}
 
@@ -54,8 +62,15 @@ def plot(
         if any(abs(y - other) < 0.05 * top for other in labelled.get(x, [])):
             return
         labelled.setdefault(x, []).append(y)
-        ax.annotate(f"{y:.1f}", (x, y), textcoords="offset points", xytext=(0, dy), ha="center", fontsize=7,
-                    color=color)
+        ax.annotate(
+            f"{y:.1f}",
+            (x, y),
+            textcoords="offset points",
+            xytext=(0, dy),
+            ha="center",
+            fontsize=7,
+            color=color,
+        )
 
     for i, net in enumerate(networks):
         pts = sorted((r for r in rows if r.network == net), key=lambda r: r.nodes)
@@ -64,16 +79,35 @@ def plot(
         ax.plot(xs, ys, "-", color=color, alpha=0.6, linewidth=1.5)
         fit = [r for r in pts if r.fits]
         over = [r for r in pts if not r.fits]
-        ax.plot([r.nodes for r in fit], [r.tokens_per_s for r in fit], "^", color=color, markersize=8,
-                label=f"{net} (Eq. 1 bound)")
+        ax.plot(
+            [r.nodes for r in fit],
+            [r.tokens_per_s for r in fit],
+            "^",
+            color=color,
+            markersize=8,
+            label=f"{net} (Eq. 1 bound)",
+        )
         if over:
-            ax.plot([r.nodes for r in over], [r.tokens_per_s for r in over], "^", color=color, markersize=8,
-                    markerfacecolor="white", label=f"{net}: does not fit in memory")
+            ax.plot(
+                [r.nodes for r in over],
+                [r.tokens_per_s for r in over],
+                "^",
+                color=color,
+                markersize=8,
+                markerfacecolor="white",
+                label=f"{net}: does not fit in memory",
+            )
         for r in pts:
             label(r.nodes, r.tokens_per_s, color, 7)
     if measured:
-        ax.plot([p.nodes for p in measured], [p.tokens_per_s for p in measured], "o", color="#1f3b73",
-                markersize=7, label=measured_label)
+        ax.plot(
+            [p.nodes for p in measured],
+            [p.tokens_per_s for p in measured],
+            "o",
+            color="#1f3b73",
+            markersize=7,
+            label=measured_label,
+        )
         for p in measured:
             label(p.nodes, p.tokens_per_s, "#1f3b73", -12)
     nodes = sorted({r.nodes for r in rows} | {p.nodes for p in measured})

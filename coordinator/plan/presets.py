@@ -24,7 +24,9 @@ def _dbrx() -> ModelSpec:
     13.3e9 bytes for P_SA (it drops the precision factor), so the stated value is what Table 6 used.
     """
     layers, d_embed, d_ffn, precision = 40, 6144, 10752, 2
-    expert_layer = d_embed * d_ffn * 3 * precision  # bytes, one expert one layer: footnote (d) / layers
+    expert_layer = (
+        d_embed * d_ffn * 3 * precision
+    )  # bytes, one expert one layer: footnote (d) / layers
     expert_layer_flops = 2 * d_embed * d_ffn * 3  # footnote (e) / layers
     num_experts = 16
     published_params = 132e9  # Databricks: 132B total parameters
@@ -105,8 +107,16 @@ def _gqa(layers: int, kv_heads: int, head_dim: int, precision: int = 2) -> tuple
 
 def _mixtral_8x7b() -> ModelSpec:
     return _published(
-        "mixtral-8x7b", total_params=46.7e9, active_params=12.9e9, num_experts=8, top_k=2, layers=32,
-        moe_layer_ids=tuple(range(32)), hidden=4096, vocab=32000, expert_ffn=14336,
+        "mixtral-8x7b",
+        total_params=46.7e9,
+        active_params=12.9e9,
+        num_experts=8,
+        top_k=2,
+        layers=32,
+        moe_layer_ids=tuple(range(32)),
+        hidden=4096,
+        vocab=32000,
+        expert_ffn=14336,
         caches=_gqa(32, 8, 128),
         source="Mistral AI: 46.7B total, 12.9B active; config.json of Mixtral-8x7B-v0.1",
     )
@@ -114,8 +124,16 @@ def _mixtral_8x7b() -> ModelSpec:
 
 def _mixtral_8x22b() -> ModelSpec:
     return _published(
-        "mixtral-8x22b", total_params=141e9, active_params=39e9, num_experts=8, top_k=2, layers=56,
-        moe_layer_ids=tuple(range(56)), hidden=6144, vocab=32768, expert_ffn=16384,
+        "mixtral-8x22b",
+        total_params=141e9,
+        active_params=39e9,
+        num_experts=8,
+        top_k=2,
+        layers=56,
+        moe_layer_ids=tuple(range(56)),
+        hidden=6144,
+        vocab=32768,
+        expert_ffn=16384,
         caches=_gqa(56, 8, 128),
         source="Mistral AI: 141B total, 39B active; config.json of Mixtral-8x22B-v0.1",
     )
@@ -123,8 +141,16 @@ def _mixtral_8x22b() -> ModelSpec:
 
 def _qwen3_235b() -> ModelSpec:
     return _published(
-        "qwen3-235b-a22b", total_params=235e9, active_params=22e9, num_experts=128, top_k=8, layers=94,
-        moe_layer_ids=tuple(range(94)), hidden=4096, vocab=151936, expert_ffn=1536,
+        "qwen3-235b-a22b",
+        total_params=235e9,
+        active_params=22e9,
+        num_experts=128,
+        top_k=8,
+        layers=94,
+        moe_layer_ids=tuple(range(94)),
+        hidden=4096,
+        vocab=151936,
+        expert_ffn=1536,
         caches=_gqa(94, 4, 128),
         source="Qwen3 technical report: 235B total, 22B active, 128 experts, top-8; config.json of Qwen3-235B-A22B",
     )
@@ -134,12 +160,21 @@ def _deepseek_v3() -> ModelSpec:
     # Multi-head latent attention: mlx-lm caches the 512-wide latent and the 64-wide rope key.
     mla = CacheSpec(per_token_bytes=(512 + 64) * 2)
     return _published(
-        "deepseek-v3", total_params=671e9, active_params=37e9, num_experts=256, top_k=8, layers=61,
-        moe_layer_ids=tuple(range(3, 61)), hidden=7168, vocab=129280, expert_ffn=2048, shared_ffn=2048,
+        "deepseek-v3",
+        total_params=671e9,
+        active_params=37e9,
+        num_experts=256,
+        top_k=8,
+        layers=61,
+        moe_layer_ids=tuple(range(3, 61)),
+        hidden=7168,
+        vocab=129280,
+        expert_ffn=2048,
+        shared_ffn=2048,
         caches=(mla,) * 61,
         source="DeepSeek-V3 technical report: 671B total, 37B active, 256 routed + 1 shared expert, "
-               "top-8, first 3 layers dense (MTP module not counted); published weights are fp8, "
-               "mlx-lm holds them in bf16 unless quantized (--bits)",
+        "top-8, first 3 layers dense (MTP module not counted); published weights are fp8, "
+        "mlx-lm holds them in bf16 unless quantized (--bits)",
     )
 
 
@@ -150,11 +185,20 @@ def _qwen3_coder_next() -> ModelSpec:
     delta = CacheSpec(per_token_bytes=0, fixed_bytes=3 * 8192 * 2 + 32 * 128 * 128 * 4)
     caches = tuple(attn if i % 4 == 3 else delta for i in range(48))
     return _published(
-        "qwen3-coder-next", total_params=80e9, active_params=3e9, num_experts=512, top_k=10, layers=48,
-        moe_layer_ids=tuple(range(48)), hidden=2048, vocab=151936, expert_ffn=512, shared_ffn=512,
+        "qwen3-coder-next",
+        total_params=80e9,
+        active_params=3e9,
+        num_experts=512,
+        top_k=10,
+        layers=48,
+        moe_layer_ids=tuple(range(48)),
+        hidden=2048,
+        vocab=151936,
+        expert_ffn=512,
+        shared_ffn=512,
         caches=caches,
         source="Qwen3-Coder-Next model card: 80B total, 3B active, 512 experts, 10 active + 1 shared, "
-               "48 layers (Qwen3-Next architecture)",
+        "48 layers (Qwen3-Next architecture)",
     )
 
 
@@ -180,20 +224,62 @@ def _gpu_flops(cores: int, ghz: float) -> float:
 HARDWARE = {
     h.name: h
     for h in (
-        HardwareSpec("m2-ultra-192", 192 * GiB, 800e9, 54e12, 6599,
-                     "Mac Studio M2 Ultra 24-core CPU, 76-core GPU, 192 GB, 1 TB: Tables 1, 2 and 5 of the paper", ssd_read_Bps=6e9),
-        HardwareSpec("m3-ultra-256", 256 * GiB, 819e9, _gpu_flops(60, 1.4), 5599,
-                     "Mac Studio M3 Ultra 28-core CPU, 60-core GPU, 256 GB, 1 TB (2025); Thunderbolt 5", ssd_read_Bps=6e9),
-        HardwareSpec("m3-ultra-512", 512 * GiB, 819e9, _gpu_flops(80, 1.4), 9499,
-                     "Mac Studio M3 Ultra 32-core CPU, 80-core GPU, 512 GB, 1 TB (2025); Thunderbolt 5", ssd_read_Bps=6e9),
-        HardwareSpec("m4-max-128", 128 * GiB, 546e9, _gpu_flops(40, 1.578), 3499,
-                     "Mac Studio M4 Max 16-core CPU, 40-core GPU, 128 GB, 512 GB (2025); Thunderbolt 5", ssd_read_Bps=5e9),
-        HardwareSpec("m4-pro-64", 64 * GiB, 273e9, _gpu_flops(20, 1.578), 2199,
-                     "Mac mini M4 Pro 14-core CPU, 20-core GPU, 64 GB, 512 GB (2024); Thunderbolt 5", ssd_read_Bps=4e9),
+        HardwareSpec(
+            "m2-ultra-192",
+            192 * GiB,
+            800e9,
+            54e12,
+            6599,
+            "Mac Studio M2 Ultra 24-core CPU, 76-core GPU, 192 GB, 1 TB: Tables 1, 2 and 5 of the paper",
+            ssd_read_Bps=6e9,
+        ),
+        HardwareSpec(
+            "m3-ultra-256",
+            256 * GiB,
+            819e9,
+            _gpu_flops(60, 1.4),
+            5599,
+            "Mac Studio M3 Ultra 28-core CPU, 60-core GPU, 256 GB, 1 TB (2025); Thunderbolt 5",
+            ssd_read_Bps=6e9,
+        ),
+        HardwareSpec(
+            "m3-ultra-512",
+            512 * GiB,
+            819e9,
+            _gpu_flops(80, 1.4),
+            9499,
+            "Mac Studio M3 Ultra 32-core CPU, 80-core GPU, 512 GB, 1 TB (2025); Thunderbolt 5",
+            ssd_read_Bps=6e9,
+        ),
+        HardwareSpec(
+            "m4-max-128",
+            128 * GiB,
+            546e9,
+            _gpu_flops(40, 1.578),
+            3499,
+            "Mac Studio M4 Max 16-core CPU, 40-core GPU, 128 GB, 512 GB (2025); Thunderbolt 5",
+            ssd_read_Bps=5e9,
+        ),
+        HardwareSpec(
+            "m4-pro-64",
+            64 * GiB,
+            273e9,
+            _gpu_flops(20, 1.578),
+            2199,
+            "Mac mini M4 Pro 14-core CPU, 20-core GPU, 64 GB, 512 GB (2024); Thunderbolt 5",
+            ssd_read_Bps=4e9,
+        ),
         # Not a Mac: the GPU host docs/performance.md's accelerator figures were measured on.
-        HardwareSpec("h200", 141 * 10**9, 4.8e12, 989e12, 32000,
-                     "NVIDIA H200 SXM: 141 GB HBM3e at 4.8 TB/s, 989 TFLOP/s dense bf16 (datasheet); "
-                     "price an estimate for one GPU's share of a server", ssd_read_Bps=7e9),
+        HardwareSpec(
+            "h200",
+            141 * 10**9,
+            4.8e12,
+            989e12,
+            32000,
+            "NVIDIA H200 SXM: 141 GB HBM3e at 4.8 TB/s, 989 TFLOP/s dense bf16 (datasheet); "
+            "price an estimate for one GPU's share of a server",
+            ssd_read_Bps=7e9,
+        ),
     )
 }
 
@@ -202,20 +288,56 @@ HARDWARE = {
 NETWORKS = {
     n.name: n
     for n in (
-        NetworkSpec("10gbe", 5e-6, 10e9 / 8, 1e-3 - 5e-6, 0.0,
-                    "built-in 10 Gigabit Ethernet; stack = the paper's measured 1 ms per layer (gRPC over TCP) "
-                    "less the wire"),
-        NetworkSpec("tb5", 1e-6, 80e9 / 8, 300e-6, 0.0,
-                    "TCP/IP over Thunderbolt 5 (80 Gb/s); stack ~300 us as reported for TCP with Apple TN3205"),
-        NetworkSpec("tb5-rdma", 1e-6, 80e9 / 8, 49e-6, 0.0,
-                    "RDMA over Thunderbolt 5 (macOS 26.2+, MLX JACCL); under 50 us as reported with TN3205"),
-        NetworkSpec("rocev2", 750e-9, 25e9 / 8, 0.0, 339.0,
-                    "RoCEv2 NIC: 750 ns, 25 Gb/s, 339 USD per NIC (paper footnote 7); kernel bypass, no stack cost"),
-        NetworkSpec("infiniband", 600e-9, 200e9 / 8, 0.0, 1267.0,
-                    "InfiniBand NIC: 600 ns, 200 Gb/s, 1,267 USD per NIC (paper footnote 7); no stack cost"),
-        NetworkSpec("loopback", 1e-6, 10e9, 260e-6, 0.0,
-                    "nodes on one host over TCP loopback; stack = this project's envoy, 260 us per 2-node "
-                    "all-reduce measured by `bench allreduce` on 16 idle cores"),
+        NetworkSpec(
+            "10gbe",
+            5e-6,
+            10e9 / 8,
+            1e-3 - 5e-6,
+            0.0,
+            "built-in 10 Gigabit Ethernet; stack = the paper's measured 1 ms per layer (gRPC over TCP) "
+            "less the wire",
+        ),
+        NetworkSpec(
+            "tb5",
+            1e-6,
+            80e9 / 8,
+            300e-6,
+            0.0,
+            "TCP/IP over Thunderbolt 5 (80 Gb/s); stack ~300 us as reported for TCP with Apple TN3205",
+        ),
+        NetworkSpec(
+            "tb5-rdma",
+            1e-6,
+            80e9 / 8,
+            49e-6,
+            0.0,
+            "RDMA over Thunderbolt 5 (macOS 26.2+, MLX JACCL); under 50 us as reported with TN3205",
+        ),
+        NetworkSpec(
+            "rocev2",
+            750e-9,
+            25e9 / 8,
+            0.0,
+            339.0,
+            "RoCEv2 NIC: 750 ns, 25 Gb/s, 339 USD per NIC (paper footnote 7); kernel bypass, no stack cost",
+        ),
+        NetworkSpec(
+            "infiniband",
+            600e-9,
+            200e9 / 8,
+            0.0,
+            1267.0,
+            "InfiniBand NIC: 600 ns, 200 Gb/s, 1,267 USD per NIC (paper footnote 7); no stack cost",
+        ),
+        NetworkSpec(
+            "loopback",
+            1e-6,
+            10e9,
+            260e-6,
+            0.0,
+            "nodes on one host over TCP loopback; stack = this project's envoy, 260 us per 2-node "
+            "all-reduce measured by `bench allreduce` on 16 idle cores",
+        ),
     )
 }
 

@@ -20,8 +20,15 @@ def _network(name: str):
     return presets.network_preset(race_model.LINKS.get(name, name))
 
 
-def main(args, model, hardware: HardwareSpec, nodes: list[int], batches: list[int],
-         fraction: float, stack: float | None) -> int:
+def main(
+    args,
+    model,
+    hardware: HardwareSpec,
+    nodes: list[int],
+    batches: list[int],
+    fraction: float,
+    stack: float | None,
+) -> int:
     """The race or the check, on what `plan`'s own parsing made of the arguments."""
     if args.check_against:
         return _check(args, model, hardware)

@@ -17,9 +17,17 @@ from .sampling import ANTHROPIC_TEMPERATURE, json_kind, parse as sampling_of
 from .tools import FieldError, ToolCall, Tools, check_function, new_call_id, show as _show
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "not_found_error", 413: "request_too_large",
-               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 MAX_STOPS = 16
 # Messages and content blocks of one request at most (system blocks included): far more than any
@@ -48,7 +56,9 @@ def parse_request(body: dict) -> MessagesRequest:
     """A Messages API body, checked field by field (FieldError names the field)."""
     max_tokens = body.get("max_tokens")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise FieldError(f"'max_tokens' is required: an integer >= 1 (got {_show(max_tokens)})", "max_tokens")
+        raise FieldError(
+            f"'max_tokens' is required: an integer >= 1 (got {_show(max_tokens)})", "max_tokens"
+        )
     # Greedy unless asked, as on the OpenAI routes here: recent anthropic clients no longer send
     # temperature at all (older ones and extra_body still may), and the same request should give the
     # same text on either API.
@@ -57,9 +67,15 @@ def parse_request(body: dict) -> MessagesRequest:
     if body.get("top_k") is not None:
         raise FieldError("'top_k' is not supported by this server", "top_k")
     stops = body.get("stop_sequences") or []
-    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) for s in stops):
-        raise FieldError(f"'stop_sequences' must be a list of up to {MAX_STOPS} strings (got {_show(stops)})",
-                         "stop_sequences")
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOPS
+        or not all(isinstance(s, str) for s in stops)
+    ):
+        raise FieldError(
+            f"'stop_sequences' must be a list of up to {MAX_STOPS} strings (got {_show(stops)})",
+            "stop_sequences",
+        )
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise FieldError(f"'stream' must be a boolean (got {_show(stream)})", "stream")
@@ -83,10 +99,16 @@ def _check_block_count(system: Any, messages: list) -> None:
     """Refuse more content blocks than MAX_BLOCKS before looking at any: counting is a len() per
     message, while checking 400,000 blocks one by one takes seconds."""
     n = (len(system) if isinstance(system, list) else 0) + len(messages)
-    n += sum(len(m["content"]) for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list))
+    n += sum(
+        len(m["content"])
+        for m in messages
+        if isinstance(m, dict) and isinstance(m.get("content"), list)
+    )
     if n > MAX_BLOCKS:
-        raise FieldError(f"'messages' holds {n} messages and content blocks: at most {MAX_BLOCKS} are taken",
-                         "messages")
+        raise FieldError(
+            f"'messages' holds {n} messages and content blocks: at most {MAX_BLOCKS} are taken",
+            "messages",
+        )
 
 
 def _text(content: Any, where: str) -> str:
@@ -96,12 +118,21 @@ def _text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for j, block in enumerate(content):
-            if not (isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str)):
-                raise FieldError(f"{where}[{j}] must be a text block {{'type': 'text', 'text': <string>}} "
-                                 f"(got {_show(block)})", f"{where}[{j}]")
+            if not (
+                isinstance(block, dict)
+                and block.get("type") == "text"
+                and isinstance(block.get("text"), str)
+            ):
+                raise FieldError(
+                    f"{where}[{j}] must be a text block {{'type': 'text', 'text': <string>}} "
+                    f"(got {_show(block)})",
+                    f"{where}[{j}]",
+                )
             parts.append(block["text"])
         return "".join(parts)
-    raise FieldError(f"{where} must be a string or a list of text blocks (got {_show(content)})", where)
+    raise FieldError(
+        f"{where} must be a string or a list of text blocks (got {_show(content)})", where
+    )
 
 
 def _turn(m: Any, where: str) -> list[tuple[dict, dict]]:
@@ -110,36 +141,62 @@ def _turn(m: Any, where: str) -> list[tuple[dict, dict]]:
     the request's field of each of its keys."""
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
         got = _show(m.get("role")) if isinstance(m, dict) else json_kind(m)
-        raise FieldError(f"{where} must have a role of user or assistant (got {got})", f"{where}.role")
+        raise FieldError(
+            f"{where} must have a role of user or assistant (got {got})", f"{where}.role"
+        )
     role, content = m["role"], m.get("content")
     if isinstance(content, str):
         return [({"role": role, "content": content}, {"content": f"{where}.content"})]
     if not isinstance(content, list):
-        raise FieldError(f"{where}.content must be a string or a list of content blocks (got {_show(content)})",
-                         f"{where}.content")
+        raise FieldError(
+            f"{where}.content must be a string or a list of content blocks (got {_show(content)})",
+            f"{where}.content",
+        )
     texts, calls, results = [], [], []
     allowed = ("text", "tool_use") if role == "assistant" else ("text", "tool_result")
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind not in allowed:
-            raise FieldError(f"{at} must be a block of type {' or '.join(allowed)} in a {role} turn "
-                             f"(got {_show(block)})", at)
+            raise FieldError(
+                f"{at} must be a block of type {' or '.join(allowed)} in a {role} turn "
+                f"(got {_show(block)})",
+                at,
+            )
         if kind == "text":
             texts.append(_text([block], f"{where}.content"))
         elif kind == "tool_use":
             name, args, call_id = block.get("name"), block.get("input"), block.get("id")
-            if not isinstance(name, str) or not isinstance(args, dict) or not isinstance(call_id, str):
-                raise FieldError(f"{at} must be {{'type': 'tool_use', 'id': <string>, 'name': <string>, "
-                                 f"'input': <object>}} (got {_show(block)})", at)
-            calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": args}})
+            if (
+                not isinstance(name, str)
+                or not isinstance(args, dict)
+                or not isinstance(call_id, str)
+            ):
+                raise FieldError(
+                    f"{at} must be {{'type': 'tool_use', 'id': <string>, 'name': <string>, "
+                    f"'input': <object>}} (got {_show(block)})",
+                    at,
+                )
+            calls.append(
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            )
         else:
             call_id, result = block.get("tool_use_id"), block.get("content", "")
             if not isinstance(call_id, str):
-                raise FieldError(f"{at}.tool_use_id must be the id of a tool_use block (got {_show(call_id)})",
-                                 f"{at}.tool_use_id")
-            results.append(({"role": "tool", "tool_call_id": call_id, "content": _text(result, f"{at}.content")},
-                            {"content": f"{at}.content", "tool_call_id": f"{at}.tool_use_id"}))
+                raise FieldError(
+                    f"{at}.tool_use_id must be the id of a tool_use block (got {_show(call_id)})",
+                    f"{at}.tool_use_id",
+                )
+            results.append(
+                (
+                    {
+                        "role": "tool",
+                        "tool_call_id": call_id,
+                        "content": _text(result, f"{at}.content"),
+                    },
+                    {"content": f"{at}.content", "tool_call_id": f"{at}.tool_use_id"},
+                )
+            )
     out = list(results)
     if texts or calls or not results:
         msg: dict = {"role": role, "content": "".join(texts)}
@@ -164,10 +221,17 @@ def _tools(body: dict) -> Tools | None:
             raise FieldError(f"tools[{i}] must be an object (got {_show(t)})", f"tools[{i}]")
         if t.get("input_schema") is None:
             raise FieldError(f"tools[{i}].input_schema is required", f"tools[{i}].input_schema")
-        fn = check_function(t.get("name"), t.get("description"), t.get("input_schema"), f"tools[{i}]",
-                            schema="input_schema")
+        fn = check_function(
+            t.get("name"),
+            t.get("description"),
+            t.get("input_schema"),
+            f"tools[{i}]",
+            schema="input_schema",
+        )
         if fn["name"] in names:
-            raise FieldError(f"tools[{i}]: the tool name {fn['name']!r} appears twice", f"tools[{i}].name")
+            raise FieldError(
+                f"tools[{i}]: the tool name {fn['name']!r} appears twice", f"tools[{i}].name"
+            )
         names.add(fn["name"])
         specs.append({"type": "function", "function": fn})
     kind = choice.get("type") if isinstance(choice, dict) else None
@@ -178,11 +242,17 @@ def _tools(body: dict) -> Tools | None:
     if kind == "tool":
         name = choice.get("name")
         if name not in names:
-            raise FieldError(f"'tool_choice' names the tool {_show(name)}, which is not among 'tools' "
-                             f"({', '.join(sorted(names)) or 'none'})", "tool_choice")
+            raise FieldError(
+                f"'tool_choice' names the tool {_show(name)}, which is not among 'tools' "
+                f"({', '.join(sorted(names)) or 'none'})",
+                "tool_choice",
+            )
         return Tools(tuple(specs), "function", name)
-    raise FieldError("'tool_choice' must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': <string>} "
-                     f"(got {_show(choice)})", "tool_choice")
+    raise FieldError(
+        "'tool_choice' must be {'type': 'auto' | 'any' | 'none'} or {'type': 'tool', 'name': <string>} "
+        f"(got {_show(choice)})",
+        "tool_choice",
+    )
 
 
 # -- answers ---------------------------------------------------------------------------------
@@ -193,13 +263,22 @@ def message_id() -> str:
 
 
 def tool_use_id(call: ToolCall) -> str:
-    return call.id if call.id.startswith("toolu_") else f"toolu_{call.id.removeprefix('call_') or new_call_id()}"
+    return (
+        call.id
+        if call.id.startswith("toolu_")
+        else f"toolu_{call.id.removeprefix('call_') or new_call_id()}"
+    )
 
 
 def block(part: str | ToolCall) -> dict:
     if isinstance(part, str):
         return {"type": "text", "text": part}
-    return {"type": "tool_use", "id": tool_use_id(part), "name": part.name, "input": json.loads(part.arguments)}
+    return {
+        "type": "tool_use",
+        "id": tool_use_id(part),
+        "name": part.name,
+        "input": json.loads(part.arguments),
+    }
 
 
 def stop_reason(reason: str, stop_hit: str | None) -> str:
@@ -207,7 +286,9 @@ def stop_reason(reason: str, stop_hit: str | None) -> str:
     return "stop_sequence" if stop_hit is not None else STOP_REASONS.get(reason, "end_turn")
 
 
-def message(mid: str, model: str, parts: list, reason: str, stop_hit: str | None, usage: tuple[int, int]) -> dict:
+def message(
+    mid: str, model: str, parts: list, reason: str, stop_hit: str | None, usage: tuple[int, int]
+) -> dict:
     """The whole answer: text and tool_use blocks in the order the model wrote them."""
     blocks: list[dict] = []
     for p in parts:
@@ -215,9 +296,16 @@ def message(mid: str, model: str, parts: list, reason: str, stop_hit: str | None
             blocks[-1]["text"] += p
         elif not isinstance(p, str) or p:
             blocks.append(block(p))
-    return {"id": mid, "type": "message", "role": "assistant", "model": model, "content": blocks,
-            "stop_reason": stop_reason(reason, stop_hit), "stop_sequence": stop_hit,
-            "usage": {"input_tokens": usage[0], "output_tokens": usage[1]}}
+    return {
+        "id": mid,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": blocks,
+        "stop_reason": stop_reason(reason, stop_hit),
+        "stop_sequence": stop_hit,
+        "usage": {"input_tokens": usage[0], "output_tokens": usage[1]},
+    }
 
 
 def event(kind: str, data: dict) -> bytes:
@@ -234,9 +322,16 @@ class EventStream:
         self._open: str | None = None  # the type of the block open now
 
     def start(self) -> bytes:
-        msg = {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": [],
-               "stop_reason": None, "stop_sequence": None,
-               "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}
+        msg = {
+            "id": self.mid,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+        }
         return event("message_start", {"message": msg}) + event("ping", {})
 
     def _close(self) -> bytes:
@@ -254,21 +349,37 @@ class EventStream:
                 out += self._close()
                 self._index += 1
                 self._open = "text"
-                out += event("content_block_start", {"index": self._index, "content_block": {"type": "text", "text": ""}})
-            return out + event("content_block_delta", {"index": self._index,
-                                                        "delta": {"type": "text_delta", "text": p}})
+                out += event(
+                    "content_block_start",
+                    {"index": self._index, "content_block": {"type": "text", "text": ""}},
+                )
+            return out + event(
+                "content_block_delta",
+                {"index": self._index, "delta": {"type": "text_delta", "text": p}},
+            )
         out = self._close()
         self._index += 1
         self._open = "tool_use"
         start = {"type": "tool_use", "id": tool_use_id(p), "name": p.name, "input": {}}
-        return (out + event("content_block_start", {"index": self._index, "content_block": start})
-                + event("content_block_delta", {"index": self._index,
-                                                "delta": {"type": "input_json_delta", "partial_json": p.arguments}}))
+        return (
+            out
+            + event("content_block_start", {"index": self._index, "content_block": start})
+            + event(
+                "content_block_delta",
+                {
+                    "index": self._index,
+                    "delta": {"type": "input_json_delta", "partial_json": p.arguments},
+                },
+            )
+        )
 
     def end(self, reason: str, stop_hit: str | None, output_tokens: int) -> bytes:
         delta = {"stop_reason": stop_reason(reason, stop_hit), "stop_sequence": stop_hit}
-        return (self._close() + event("message_delta", {"delta": delta, "usage": {"output_tokens": output_tokens}})
-                + event("message_stop", {}))
+        return (
+            self._close()
+            + event("message_delta", {"delta": delta, "usage": {"output_tokens": output_tokens}})
+            + event("message_stop", {})
+        )
 
     def error(self, status: int, message: str) -> bytes:
         return f"event: error\ndata: {json.dumps(error_body(status, message))}\n\n".encode()

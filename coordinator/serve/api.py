@@ -41,10 +41,14 @@ logger = logging.getLogger(__name__)
 
 
 ANTHROPIC_PATHS = ("/v1/messages",)
-DASHBOARD = Path(__file__).resolve().parent / "dashboard"  # static files: no build step, nothing from outside
+DASHBOARD = (
+    Path(__file__).resolve().parent / "dashboard"
+)  # static files: no build step, nothing from outside
 # The dashboard loads nothing but the coordinator's own files and data (it must work with no internet).
-_DASHBOARD_HEADERS = {"Cache-Control": "no-cache",
-                      "Content-Security-Policy": "default-src 'self'; style-src 'self'; script-src 'self'"}
+_DASHBOARD_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Content-Security-Policy": "default-src 'self'; style-src 'self'; script-src 'self'",
+}
 INVALID = ErrorKind.INVALID_INPUT  # 400, naming the field in `param`
 INTERNAL_MESSAGE = "internal error in the cluster (the coordinator's log has the details)"
 MAX_BODY = 16 * 2**20  # bytes: cluster.yaml's api.max_body unless it says
@@ -98,7 +102,7 @@ def _escape(s: str, at: int) -> tuple[str, int]:
             raise json.JSONDecodeError(f"Invalid \\escape: {letter!r}", s, at)
         return _ESCAPES[letter], at + 1
     uni = _hex4(s, at)
-    if 0xD800 <= uni <= 0xDBFF and s[at + 5:at + 7] == "\\u":
+    if 0xD800 <= uni <= 0xDBFF and s[at + 5 : at + 7] == "\\u":
         low = _hex4(s, at + 6)
         if 0xDC00 <= low <= 0xDFFF:
             return chr(0x10000 + (((uni - 0xD800) << 10) | (low - 0xDC00))), at + 11
@@ -106,7 +110,7 @@ def _escape(s: str, at: int) -> tuple[str, int]:
 
 
 def _hex4(s: str, at: int) -> int:
-    digits = s[at + 1:at + 5]
+    digits = s[at + 1 : at + 5]
     if len(digits) == 4 and digits[1] not in "xX":
         try:
             return int(digits, 16)
@@ -118,26 +122,43 @@ def _hex4(s: str, at: int) -> int:
 _FAST_JSON = json.JSONDecoder()
 _SLOW_JSON = json.JSONDecoder()
 _SLOW_JSON.parse_string = _scanstring_in_pieces
-_SLOW_JSON.scan_once = json.scanner.py_make_scanner(_SLOW_JSON)  # used only on the API's worker thread
+_SLOW_JSON.scan_once = json.scanner.py_make_scanner(
+    _SLOW_JSON
+)  # used only on the API's worker thread
 
 
 class ApiError(Exception):
     """An HTTP error in OpenAI's shape; the status, type and default code come from the kind (proto.errors.KINDS)."""
 
-    def __init__(self, kind: ErrorKind, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self, kind: ErrorKind, message: str, param: str | None = None, code: str | None = None
+    ):
         super().__init__(message)
         m = KINDS[kind]
-        self.kind, self.status, self.message, self.type, self.param = kind, m.http, message, m.type, param
+        self.kind, self.status, self.message, self.type, self.param = (
+            kind,
+            m.http,
+            message,
+            m.type,
+            param,
+        )
         self.code = code or m.code
-        self.retry_after_s: float | None = None  # sent as Retry-After (a 503 of a lost node, of recovery)
+        self.retry_after_s: float | None = (
+            None  # sent as Retry-After (a 503 of a lost node, of recovery)
+        )
 
     @classmethod
     def of(cls, exc: BaseException, what: str = "") -> "ApiError":
         """A typed error as HTTP by its kind; a bug's text goes to the log only, never to the client."""
         kind = exc.kind if isinstance(exc, MoeClusterError) else ErrorKind.INTERNAL
         if kind is ErrorKind.INTERNAL:
-            logger.error("%sinternal error: %s: %s", f"{what}: " if what else "", type(exc).__name__, exc,
-                         exc_info=not isinstance(exc, MoeClusterError))
+            logger.error(
+                "%sinternal error: %s: %s",
+                f"{what}: " if what else "",
+                type(exc).__name__,
+                exc,
+                exc_info=not isinstance(exc, MoeClusterError),
+            )
             return cls(kind, f"{what}: {INTERNAL_MESSAGE}" if what else INTERNAL_MESSAGE)
         error = cls(kind, f"{what}: {exc}" if what else str(exc))
         error.retry_after_s = exc.retry_after_s
@@ -147,8 +168,17 @@ class ApiError(Exception):
         if anthropic_shape:
             body = anthropic.error_body(self.status, self.message)
         else:
-            body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        headers = {"Retry-After": str(math.ceil(self.retry_after_s))} if self.retry_after_s else None
+            body = {
+                "error": {
+                    "message": self.message,
+                    "type": self.type,
+                    "param": self.param,
+                    "code": self.code,
+                }
+            }
+        headers = (
+            {"Retry-After": str(math.ceil(self.retry_after_s))} if self.retry_after_s else None
+        )
         return web.json_response(body, status=self.status, headers=headers)
 
 
@@ -159,7 +189,9 @@ class ServingOptions:
     default_max_tokens: int = 256
     api_key: str | None = field(default=None, repr=False)
     on_shutdown: Callable[[], None] | None = None
-    vocab_size: int = 0  # rows of the model's token embedding: prompt ids must be below it (0: unchecked)
+    vocab_size: int = (
+        0  # rows of the model's token embedding: prompt ids must be below it (0: unchecked)
+    )
     max_body: int = MAX_BODY  # bytes; larger bodies get 413
     metrics_auth: bool = False  # /metrics needs the API key too
     speculative: str = "off"  # serving.speculative: whether a request may ask for drafts
@@ -175,22 +207,43 @@ def _show(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def _field(body: dict, name: str, types: tuple, default: Any = None, *, check=None, what: str = "") -> Any:
+def _field(
+    body: dict, name: str, types: tuple, default: Any = None, *, check=None, what: str = ""
+) -> Any:
     if name not in body or body[name] is None:
         return default
     value = body[name]
     if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
-        raise ApiError(INVALID, f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)} "
-                                f"(got {_show(value)})", param=name)
+        raise ApiError(
+            INVALID,
+            f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)} "
+            f"(got {_show(value)})",
+            param=name,
+        )
     if check is not None and not check(value):
-        raise ApiError(INVALID, f"'{name}' is out of range ({_show(value)}): must be {what}", param=name)
+        raise ApiError(
+            INVALID, f"'{name}' is out of range ({_show(value)}): must be {what}", param=name
+        )
     return value
 
 
 def parse_sampling(body: dict, default_max_tokens: int) -> tuple[Sampling, list[str], bool]:
-    max_tokens = _field(body, "max_tokens", (int,), default_max_tokens, check=lambda v: v >= 1, what="an integer >= 1")
-    max_tokens = _field(body, "max_completion_tokens", (int,), max_tokens, check=lambda v: v >= 1,
-                        what="an integer >= 1")
+    max_tokens = _field(
+        body,
+        "max_tokens",
+        (int,),
+        default_max_tokens,
+        check=lambda v: v >= 1,
+        what="an integer >= 1",
+    )
+    max_tokens = _field(
+        body,
+        "max_completion_tokens",
+        (int,),
+        max_tokens,
+        check=lambda v: v >= 1,
+        what="an integer >= 1",
+    )
     sampling = sampling_of(body, max_tokens, OPENAI_TEMPERATURE)
     stop = body.get("stop")
     if stop is None:
@@ -200,8 +253,11 @@ def parse_sampling(body: dict, default_max_tokens: int) -> tuple[Sampling, list[
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
         stops = list(stop)
     else:
-        raise ApiError(INVALID, f"'stop' must be a string or a list of up to 4 strings (got {_show(stop)})",
-                       param="stop")
+        raise ApiError(
+            INVALID,
+            f"'stop' must be a string or a list of up to 4 strings (got {_show(stop)})",
+            param="stop",
+        )
     stops = [s for s in stops if s]
     stream = _field(body, "stream", (bool,), False, what="a boolean")
     n = _field(body, "n", (int,), 1, check=lambda v: v == 1, what="1 (one choice per request)")
@@ -216,9 +272,12 @@ def speculation_figures(counters: dict, generated: int) -> dict:
     """A request's speculation as the client sees it: drafts verified and accepted, and the
     all-reduces its decoding paid per generated token (one per MoE layer per step)."""
     steps, layers = counters.get("decode_steps", 0.0), counters.get("moe_layers", 0.0)
-    return {"drafted": int(counters.get("drafted", 0)), "accepted": int(counters.get("accepted", 0)),
-            "decode_steps": int(steps),
-            "allreduces_per_token": round(steps * layers / generated, 3) if generated else 0.0}
+    return {
+        "drafted": int(counters.get("drafted", 0)),
+        "accepted": int(counters.get("accepted", 0)),
+        "decode_steps": int(steps),
+        "allreduces_per_token": round(steps * layers / generated, 3) if generated else 0.0,
+    }
 
 
 def parse_speculation(body: dict, options: "ServingOptions") -> tuple[int | None, str | None]:
@@ -230,16 +289,34 @@ def parse_speculation(body: dict, options: "ServingOptions") -> tuple[int | None
     if drafts is not None:
         limit = options.draft_tokens if options.speculative != "off" else 0
         if options.speculative == "off" and drafts != 0:
-            raise ApiError(INVALID, "'draft_tokens' needs speculative decoding, which is off on this cluster "
-                                    "(serving.speculative in cluster.yaml)", param="draft_tokens")
-        drafts = _field(body, "draft_tokens", (int,), None, check=lambda v: 0 <= v <= limit,
-                        what=f"an integer in [0, {limit}] (serving.draft_tokens)")
+            raise ApiError(
+                INVALID,
+                "'draft_tokens' needs speculative decoding, which is off on this cluster "
+                "(serving.speculative in cluster.yaml)",
+                param="draft_tokens",
+            )
+        drafts = _field(
+            body,
+            "draft_tokens",
+            (int,),
+            None,
+            check=lambda v: 0 <= v <= limit,
+            what=f"an integer in [0, {limit}] (serving.draft_tokens)",
+        )
     prediction = body.get("prediction")
     if prediction is None:
         return drafts, None
-    if not (isinstance(prediction, dict) and prediction.get("type") == "content" and "content" in prediction):
-        raise ApiError(INVALID, "'prediction' must be {'type': 'content', 'content': <text>} "
-                                f"(got {_show(prediction)})", param="prediction")
+    if not (
+        isinstance(prediction, dict)
+        and prediction.get("type") == "content"
+        and "content" in prediction
+    ):
+        raise ApiError(
+            INVALID,
+            "'prediction' must be {'type': 'content', 'content': <text>} "
+            f"(got {_show(prediction)})",
+            param="prediction",
+        )
     text = text_content(prediction["content"], "prediction.content")
     _check_text(text, "prediction.content")
     return drafts, text
@@ -250,17 +327,27 @@ def _check_text(text: str, param: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ApiError(INVALID, f"'{param}' is not valid Unicode text: a lone surrogate at character {exc.start}",
-                       param=param) from None
+        raise ApiError(
+            INVALID,
+            f"'{param}' is not valid Unicode text: a lone surrogate at character {exc.start}",
+            param=param,
+        ) from None
 
 
 def text_content(content: Any, param: str) -> str:
     """A message's content: a string, or text parts [{"type": "text", "text": ...}] (this model reads text only)."""
     if isinstance(content, list):
         for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise ApiError(INVALID, f"{param}[{j}] must be {{'type': 'text', 'text': <string>}} (got {_show(part)})",
-                               param=param)
+            if not (
+                isinstance(part, dict)
+                and part.get("type") == "text"
+                and isinstance(part.get("text"), str)
+            ):
+                raise ApiError(
+                    INVALID,
+                    f"{param}[{j}] must be {{'type': 'text', 'text': <string>}} (got {_show(part)})",
+                    param=param,
+                )
         content = "".join(part["text"] for part in content)
     if not isinstance(content, str):
         raise ApiError(INVALID, f"{param} must be a string (got {_show(content)})", param=param)
@@ -272,8 +359,11 @@ def chat_message(m: Any, i: int) -> dict:
     tool calls or a tool result's call id."""
     if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
         got = _show(m.get("role")) if isinstance(m, dict) else json_kind(m)
-        raise ApiError(INVALID, f"messages[{i}] must have a role of system, user, assistant or tool (got {got})",
-                       param=f"messages[{i}].role")
+        raise ApiError(
+            INVALID,
+            f"messages[{i}] must have a role of system, user, assistant or tool (got {got})",
+            param=f"messages[{i}].role",
+        )
     content = m.get("content")
     calls = m.get("tool_calls") if m["role"] == "assistant" else None
     if content is None and calls:  # an assistant turn that only called tools
@@ -284,8 +374,12 @@ def chat_message(m: Any, i: int) -> dict:
     if m["role"] == "tool":
         call_id = m.get("tool_call_id")
         if not isinstance(call_id, str) or not call_id:
-            raise ApiError(INVALID, f"messages[{i}].tool_call_id must be the id of the call this answers "
-                                    f"(got {_show(call_id)})", param=f"messages[{i}].tool_call_id")
+            raise ApiError(
+                INVALID,
+                f"messages[{i}].tool_call_id must be the id of the call this answers "
+                f"(got {_show(call_id)})",
+                param=f"messages[{i}].tool_call_id",
+            )
         out["tool_call_id"] = call_id
         if isinstance(m.get("name"), str):
             out["name"] = m["name"]
@@ -297,13 +391,20 @@ def check_unsupported(body: dict) -> None:
     only (no log-probabilities), and nothing constrains decoding to JSON."""
     if _field(body, "logprobs", (bool,), False, what="a boolean"):
         raise ApiError(INVALID, "'logprobs' is not supported by this server", param="logprobs")
-    if _field(body, "top_logprobs", (int,), 0, check=lambda v: 0 <= v <= 20, what="an integer in [0, 20]"):
-        raise ApiError(INVALID, "'top_logprobs' is not supported by this server", param="top_logprobs")
+    if _field(
+        body, "top_logprobs", (int,), 0, check=lambda v: 0 <= v <= 20, what="an integer in [0, 20]"
+    ):
+        raise ApiError(
+            INVALID, "'top_logprobs' is not supported by this server", param="top_logprobs"
+        )
     fmt = body.get("response_format")
     kind = fmt.get("type") if isinstance(fmt, dict) else None
     if fmt is not None and kind != "text":
-        what = f"{kind!r} is not supported by this server (only 'text')" if isinstance(kind, str) \
+        what = (
+            f"{kind!r} is not supported by this server (only 'text')"
+            if isinstance(kind, str)
             else f"must be {{'type': 'text'}} (got {_show(fmt)})"
+        )
         raise ApiError(INVALID, f"'response_format' {what}", param="response_format")
 
 
@@ -311,13 +412,18 @@ def check_unsupported_completion(body: dict) -> bool:
     """/v1/completions' options: those it cannot honour are refused, as chat refuses its own (no
     log-probabilities, one choice, no text after the insertion point); returns `echo`."""
     best_of, suffix = body.get("best_of"), body.get("suffix")
-    refused = {"logprobs": body.get("logprobs") is not None,
-               "best_of": best_of is not None and (isinstance(best_of, bool) or best_of != 1),
-               "suffix": suffix is not None and suffix != ""}
+    refused = {
+        "logprobs": body.get("logprobs") is not None,
+        "best_of": best_of is not None and (isinstance(best_of, bool) or best_of != 1),
+        "suffix": suffix is not None and suffix != "",
+    }
     for name, bad in refused.items():
         if bad:
-            raise ApiError(INVALID, f"'{name}' is not supported by this server (got {_show(body[name])})",
-                           param=name)
+            raise ApiError(
+                INVALID,
+                f"'{name}' is not supported by this server (got {_show(body[name])})",
+                param=name,
+            )
     if body.get("response_format") is not None:
         check_unsupported({"response_format": body["response_format"]})
     return _field(body, "echo", (bool,), False, what="a boolean")
@@ -325,7 +431,11 @@ def check_unsupported_completion(body: dict) -> bool:
 
 def call_json(call: ToolCall, index: int | None = None) -> dict:
     """A tool call in OpenAI's shape (with its index, in a stream)."""
-    out = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    out = {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
     return out if index is None else {"index": index, **out}
 
 
@@ -340,8 +450,15 @@ def parse_json(raw: bytes | list[bytes]) -> dict:
             body = _FAST_JSON.decode(whole.decode(json.detect_encoding(whole)))
         else:
             body = _SLOW_JSON.decode(_decode_in_pieces(chunks))
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        where = f" (line {exc.lineno}, column {exc.colno}: {exc.msg})" if isinstance(exc, json.JSONDecodeError) else ""
+    except (
+        ValueError,
+        RecursionError,
+    ) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        where = (
+            f" (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+            if isinstance(exc, json.JSONDecodeError)
+            else ""
+        )
         raise ApiError(INVALID, f"request body is not valid JSON{where}") from None
     if not isinstance(body, dict):
         raise ApiError(INVALID, f"request body must be a JSON object (got {json_kind(body)})")
@@ -352,8 +469,11 @@ def _decode_in_pieces(chunks: list[bytes]) -> str:
     """The text of a body's chunks, decoded at most _PIECE bytes at a time."""
     head = b"".join(chunks)[:4] if len(chunks[0]) < 4 else chunks[0]
     decoder = codecs.getincrementaldecoder(json.detect_encoding(head))()
-    texts = [decoder.decode(view[i:i + _PIECE]) for view in map(memoryview, chunks)
-             for i in range(0, len(view), _PIECE)]
+    texts = [
+        decoder.decode(view[i : i + _PIECE])
+        for view in map(memoryview, chunks)
+        for i in range(0, len(view), _PIECE)
+    ]
     texts.append(decoder.decode(b"", final=True))
     return "".join(texts)
 
@@ -362,13 +482,22 @@ def _decode_in_pieces(chunks: list[bytes]) -> str:
 
 # Content-Encoding values a body may come in (aiohttp decodes gzip and deflate as it reads)
 BODY_ENCODINGS = ("", "identity", "gzip", "deflate")
-_REQUEST_LINE = re.compile(rb"(?:GET|POST|PUT|DELETE|PATCH|HEAD|OPTIONS) (/[!-~]*) HTTP/1\.[01]\r?\n")
+_REQUEST_LINE = re.compile(
+    rb"(?:GET|POST|PUT|DELETE|PATCH|HEAD|OPTIONS) (/[!-~]*) HTTP/1\.[01]\r?\n"
+)
 
 
 def _unsupported_encoding(encoding: str | None = None) -> ApiError:
-    what = f"Content-Encoding {encoding!r} is" if encoding is not None else "the body's Content-Encoding is"
-    error = ApiError(INVALID, f"{what} not supported: send the body as is, or compressed with gzip or deflate",
-                     code="unsupported_media_type")
+    what = (
+        f"Content-Encoding {encoding!r} is"
+        if encoding is not None
+        else "the body's Content-Encoding is"
+    )
+    error = ApiError(
+        INVALID,
+        f"{what} not supported: send the body as is, or compressed with gzip or deflate",
+        code="unsupported_media_type",
+    )
     error.status = 415
     return error
 
@@ -388,15 +517,22 @@ class _Connection(RequestHandler):
             self._path = found.group(1)
         super().data_received(data)
 
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self,
+        request,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
         plain = super().handle_error(request, status, exc, message)  # logs it; raises when too late
         if isinstance(exc, ContentEncodingError):  # br or zstd, which aiohttp cannot decode here
             error = _unsupported_encoding()
         elif status >= 500:
             error = ApiError(ErrorKind.INTERNAL, INTERNAL_MESSAGE)
         else:
-            error = ApiError(kind_from_http(status), f"malformed HTTP request: {message or plain.reason}")
+            error = ApiError(
+                kind_from_http(status), f"malformed HTTP request: {message or plain.reason}"
+            )
             error.status = status
         resp = error.response(self._path.decode("ascii").startswith(ANTHROPIC_PATHS))
         resp.force_close()
@@ -413,15 +549,22 @@ class ApiRunner(web.AppRunner):
 
     async def _make_server(self) -> web.Server:
         s = await super()._make_server()
-        return _Server(s.request_handler, request_factory=s.request_factory,
-                       handler_cancellation=s.handler_cancellation, loop=s._loop, **s._kwargs)
+        return _Server(
+            s.request_handler,
+            request_factory=s.request_factory,
+            handler_cancellation=s.handler_cancellation,
+            loop=s._loop,
+            **s._kwargs,
+        )
 
 
 # -- the app ---------------------------------------------------------------------------------
 
 
 class Api:
-    def __init__(self, cluster: Cluster, tokenizer, options: ServingOptions, metrics: Metrics | None = None):
+    def __init__(
+        self, cluster: Cluster, tokenizer, options: ServingOptions, metrics: Metrics | None = None
+    ):
         self.cluster = cluster
         self.tokenizer = tokenizer
         self.options = options
@@ -431,21 +574,25 @@ class Api:
         self._count_tok = None  # the worker's own tokenizer for counting (see _counter)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors, self._auth], client_max_size=self.options.max_body)
+        app = web.Application(
+            middlewares=[self._errors, self._auth], client_max_size=self.options.max_body
+        )
         app.cleanup_ctx.append(self._worker_ctx)
-        app.add_routes([
-            web.get("/health", self.health),
-            web.get("/metrics", self.prometheus),
-            web.get("/v1/models", self.models),
-            web.post("/v1/completions", self.completions),
-            web.post("/v1/chat/completions", self.chat_completions),
-            web.post("/v1/messages", self.messages),
-            web.get("/v1/cluster/status", self.status),
-            web.get("/v1/cluster/experts", self.experts),
-            web.get("/", self.dashboard),
-            web.get("/dashboard/{name}", self.dashboard),
-            web.post("/v1/cluster/shutdown", self.shutdown),
-        ])
+        app.add_routes(
+            [
+                web.get("/health", self.health),
+                web.get("/metrics", self.prometheus),
+                web.get("/v1/models", self.models),
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.post("/v1/messages", self.messages),
+                web.get("/v1/cluster/status", self.status),
+                web.get("/v1/cluster/experts", self.experts),
+                web.get("/", self.dashboard),
+                web.get("/dashboard/{name}", self.dashboard),
+                web.post("/v1/cluster/shutdown", self.shutdown),
+            ]
+        )
         return app
 
     async def _worker_ctx(self, app: web.Application):
@@ -478,8 +625,12 @@ class Api:
                 what = f"is not valid {encoding} data" if compressed else "could not be read"
                 raise ApiError(INVALID, f"request body {what} ({exc})") from None
         if size > limit:
-            error = ApiError(INVALID, f"request body is larger than the limit of {limit} bytes "
-                                      "(cluster.yaml api.max_body)", code="request_too_large")
+            error = ApiError(
+                INVALID,
+                f"request body is larger than the limit of {limit} bytes "
+                "(cluster.yaml api.max_body)",
+                code="request_too_large",
+            )
             error.status = 413
             raise error
         return await self.worker.call(lambda: parse_json(chunks or [b""]))
@@ -493,7 +644,9 @@ class Api:
     def _counter(self):
         """The fast tokenizer's Rust core, copied for the worker's counting (None: not a fast one)."""
         if self._count_tok is None:
-            backend = getattr(getattr(self.tokenizer, "_tokenizer", None), "backend_tokenizer", None)
+            backend = getattr(
+                getattr(self.tokenizer, "_tokenizer", None), "backend_tokenizer", None
+            )
             if backend is None:
                 self._count_tok = False  # every prompt is tokenized in full
             else:
@@ -517,25 +670,37 @@ class Api:
         for text in texts:
             size = ctx
             while True:  # encode_batch releases the GIL while it works; encode holds it
-                got = len(self._counter().encode_batch([text[:size]], add_special_tokens=False)[0].ids)
+                got = len(
+                    self._counter().encode_batch([text[:size]], add_special_tokens=False)[0].ids
+                )
                 if n + got > ctx + _CUT_MARGIN or size >= len(text):
                     break
                 size *= 2
             n += got
             if n > ctx + _CUT_MARGIN:
-                raise ApiError(INVALID, f"This model's maximum context length is {ctx} tokens. However, your "
-                                        f"{param} alone is more than {ctx} tokens.", param=param,
-                               code="context_length_exceeded")
+                raise ApiError(
+                    INVALID,
+                    f"This model's maximum context length is {ctx} tokens. However, your "
+                    f"{param} alone is more than {ctx} tokens.",
+                    param=param,
+                    code="context_length_exceeded",
+                )
 
     def _encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt (on the worker: a long prompt takes seconds)."""
         _check_text(prompt, "prompt")
         self._refuse_too_long([prompt], "prompt")
         tok = self.tokenizer
-        return list(tok.encode(prompt, add_special_tokens=tok.bos_token is None or not prompt.startswith(tok.bos_token)))
+        return list(
+            tok.encode(
+                prompt,
+                add_special_tokens=tok.bos_token is None or not prompt.startswith(tok.bos_token),
+            )
+        )
 
-    def _render(self, messages: list[dict], tools: list[dict] | None = None,
-                fields: tuple[dict, ...] = ()) -> list[int]:
+    def _render(
+        self, messages: list[dict], tools: list[dict] | None = None, fields: tuple[dict, ...] = ()
+    ) -> list[int]:
         """Token ids of a chat through the model's template, with the tools offered as mlx_lm.server
         hands them to it (on the worker). `fields`: per message, the request's own name of each key
         (errors name it); messages[i].<key> where it says nothing."""
@@ -548,7 +713,9 @@ class Api:
                 return names.get(key, f"messages[{i}].{key}")
 
             _check_text(m["content"], at("content"))
-            if "tool_calls" in m:  # arguments are objects now: the template writes them as JSON text
+            if (
+                "tool_calls" in m
+            ):  # arguments are objects now: the template writes them as JSON text
                 _check_text(json.dumps(m["tool_calls"], ensure_ascii=False), at("tool_calls"))
             for key in ("tool_call_id", "name"):  # some templates write them too
                 if key in m:
@@ -556,19 +723,29 @@ class Api:
         if tools:
             _check_text(json.dumps(tools, ensure_ascii=False), "tools")
             if not self.tokenizer.has_tool_calling:
-                logger.warning("tools offered, but mlx-lm knows no tool-call format for this model's tokenizer: "
-                               "its calls come back as text")
+                logger.warning(
+                    "tools offered, but mlx-lm knows no tool-call format for this model's tokenizer: "
+                    "its calls come back as text"
+                )
         self._refuse_too_long([m["content"] for m in messages], "messages")
         try:
-            return list(self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                           tokenize=True))
-        except TemplateError as exc:  # the template refuses these messages; its text is meant for the user
-            raise ApiError(INVALID, f"the chat template cannot render these messages: {exc}",
-                           param="messages") from None
+            return list(
+                self.tokenizer.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=True, tokenize=True
+                )
+            )
+        except (
+            TemplateError
+        ) as exc:  # the template refuses these messages; its text is meant for the user
+            raise ApiError(
+                INVALID, f"the chat template cannot render these messages: {exc}", param="messages"
+            ) from None
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):
-        shape = request.path.startswith(ANTHROPIC_PATHS)  # errors in Anthropic's shape there, OpenAI's elsewhere
+        shape = request.path.startswith(
+            ANTHROPIC_PATHS
+        )  # errors in Anthropic's shape there, OpenAI's elsewhere
         try:
             return await handler(request)
         except ApiError as exc:
@@ -589,30 +766,56 @@ class Api:
     @web.middleware
     async def _auth(self, request: web.Request, handler):
         key = self.options.api_key
-        if key and (request.path.startswith("/v1/") or (self.options.metrics_auth and request.path == "/metrics")):
+        if key and (
+            request.path.startswith("/v1/")
+            or (self.options.metrics_auth and request.path == "/metrics")
+        ):
             given = request.headers.get("Authorization", "")
             # Anthropic's clients send the key as x-api-key, OpenAI's as a bearer token: either, anywhere
-            token = given[7:] if given.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+            token = (
+                given[7:]
+                if given.lower().startswith("bearer ")
+                else request.headers.get("x-api-key", "")
+            )
             if not token or not hmac.compare_digest(token.encode(), key.encode()):
-                raise ApiError(ErrorKind.UNAUTHENTICATED, "missing or wrong API key (send 'x-api-key: <key>' or "
-                                                          "'Authorization: Bearer <key>')")
+                raise ApiError(
+                    ErrorKind.UNAUTHENTICATED,
+                    "missing or wrong API key (send 'x-api-key: <key>' or "
+                    "'Authorization: Bearer <key>')",
+                )
         return await handler(request)
 
     # -- simple endpoints ----------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
         s = self.cluster.status()
-        body = {"status": s["state"], "reason": s["reason"],
-                "nodes": {n["name"]: n["state"] for n in s["nodes"]}}
+        body = {
+            "status": s["state"],
+            "reason": s["reason"],
+            "nodes": {n["name"]: n["state"] for n in s["nodes"]},
+        }
         return web.json_response(body, status=200 if s["state"] == "ready" else 503)
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.options.model_id, "object": "model", "created": self.created, "owned_by": "moe-cluster"}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.options.model_id,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "moe-cluster",
+                    }
+                ],
+            }
+        )
 
     async def status(self, request: web.Request) -> web.Response:
         # requests that ended well (not failed, not cancelled), as /metrics counts them
-        return web.json_response({**self.cluster.status(), "requests_completed": self.metrics.requests["ok"]})
+        return web.json_response(
+            {**self.cluster.status(), "requests_completed": self.metrics.requests["ok"]}
+        )
 
     async def experts(self, request: web.Request) -> web.Response:
         """Layers x experts: the router's selections and which nodes hold each (the dashboard's heat map)."""
@@ -627,7 +830,9 @@ class Api:
         return web.FileResponse(path, headers=_DASHBOARD_HEADERS)
 
     async def prometheus(self, request: web.Request) -> web.Response:
-        return web.Response(text=self.metrics.render(self.cluster), content_type="text/plain", charset="utf-8")
+        return web.Response(
+            text=self.metrics.render(self.cluster), content_type="text/plain", charset="utf-8"
+        )
 
     async def shutdown(self, request: web.Request) -> web.Response:
         if self.options.on_shutdown is not None:
@@ -641,18 +846,24 @@ class Api:
         if model is not None and not isinstance(model, str):
             raise ApiError(INVALID, "'model' must be a string", param="model")
         if model and model != self.options.model_id:
-            raise ApiError(ErrorKind.NOT_FOUND,
-                           f"The model '{model}' does not exist (this cluster serves '{self.options.model_id}')",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                ErrorKind.NOT_FOUND,
+                f"The model '{model}' does not exist (this cluster serves '{self.options.model_id}')",
+                param="model",
+                code="model_not_found",
+            )
 
     def _check_context(self, prompt_ids: list[int], sampling: Sampling, chat: bool) -> None:
         ctx = self.options.context_length
         if len(prompt_ids) + sampling.max_tokens > ctx:
-            raise ApiError(INVALID, f"This model's maximum context length is {ctx} tokens. However, you requested "
-                                    f"{len(prompt_ids) + sampling.max_tokens} tokens ({len(prompt_ids)} in the "
-                                    f"prompt, {sampling.max_tokens} for the completion).",
-                           param="max_tokens" if len(prompt_ids) < ctx else ("messages" if chat else "prompt"),
-                           code="context_length_exceeded")
+            raise ApiError(
+                INVALID,
+                f"This model's maximum context length is {ctx} tokens. However, you requested "
+                f"{len(prompt_ids) + sampling.max_tokens} tokens ({len(prompt_ids)} in the "
+                f"prompt, {sampling.max_tokens} for the completion).",
+                param="max_tokens" if len(prompt_ids) < ctx else ("messages" if chat else "prompt"),
+                code="context_length_exceeded",
+            )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
@@ -671,16 +882,21 @@ class Api:
         elif isinstance(prompt, str) and prompt:
             ids = await self.worker.call(lambda: self._encode(prompt))
         else:
-            raise ApiError(INVALID, "'prompt' must be a non-empty string (or a list of token ids), "
-                                    f"got {_show(prompt)}", param="prompt")
+            raise ApiError(
+                INVALID,
+                "'prompt' must be a non-empty string (or a list of token ids), "
+                f"got {_show(prompt)}",
+                param="prompt",
+            )
         if not echo:
             echoed = ""
         elif isinstance(prompt, str):
             echoed = prompt
         else:
             echoed = await self.worker.call(lambda: self.tokenizer.decode(ids))
-        return await self._serve(request, ids, sampling, stops, stream, chat=False, echo=echoed,
-                                 speculation=speculation)
+        return await self._serve(
+            request, ids, sampling, stops, stream, chat=False, echo=echoed, speculation=speculation
+        )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
@@ -695,8 +911,9 @@ class Api:
         clean = [chat_message(m, i) for i, m in enumerate(messages)]
         rendered = tools.rendered if tools else None
         ids = await self.worker.call(lambda: self._render(clean, rendered))
-        return await self._serve(request, ids, sampling, stops, stream, chat=True, tools=tools,
-                                 speculation=speculation)
+        return await self._serve(
+            request, ids, sampling, stops, stream, chat=True, tools=tools, speculation=speculation
+        )
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API: the same rendering, generation and tool parsing as chat."""
@@ -705,14 +922,26 @@ class Api:
         req = await self.worker.call(lambda: anthropic.parse_request(body))  # a big body: seconds
         rendered = req.tools.rendered if req.tools else None
         ids = await self.worker.call(lambda: self._render(req.messages, rendered, req.fields))
-        gen = self._generation(ids, req.sampling, req.stops, chat=True, tools=req.tools, prefix="msg_")
+        gen = self._generation(
+            ids, req.sampling, req.stops, chat=True, tools=req.tools, prefix="msg_"
+        )
         model = self.options.model_id
         if not req.stream:
             _, outcome = await gen.run()
-            return web.json_response(anthropic.message(gen.req.request_id, model, gen.parts, gen.reason, gen.stop_hit,
-                                                       (len(ids), len(outcome.tokens))))
+            return web.json_response(
+                anthropic.message(
+                    gen.req.request_id,
+                    model,
+                    gen.parts,
+                    gen.reason,
+                    gen.stop_hit,
+                    (len(ids), len(outcome.tokens)),
+                )
+            )
         events = anthropic.EventStream(gen.req.request_id, model, len(ids))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         alive = KeepAlive(request, resp, gen.outcome)  # comments while the cluster recovers
         await alive.start(gen)  # errors before the first byte are still proper HTTP errors
         try:
@@ -743,16 +972,29 @@ class Api:
 
         ids = await self.worker.call(encode)
         if len(ids) > self.options.context_length:
-            raise ApiError(INVALID, f"'prediction' has {len(ids)} tokens, past this model's context of "
-                                    f"{self.options.context_length}", param="prediction")
+            raise ApiError(
+                INVALID,
+                f"'prediction' has {len(ids)} tokens, past this model's context of "
+                f"{self.options.context_length}",
+                param="prediction",
+            )
         return drafts, ids
 
-    def _generation(self, ids: list[int], sampling: Sampling, stops: list[str], chat: bool,
-                    tools: Tools | None = None, prefix: str = "",
-                    speculation: tuple[int | None, tuple[int, ...]] = (None, ())) -> "_Generation":
+    def _generation(
+        self,
+        ids: list[int],
+        sampling: Sampling,
+        stops: list[str],
+        chat: bool,
+        tools: Tools | None = None,
+        prefix: str = "",
+        speculation: tuple[int | None, tuple[int, ...]] = (None, ()),
+    ) -> "_Generation":
         """A request checked against the context, the vocabulary and the cluster's state."""
         self._check_context(ids, sampling, chat)
-        self._check_ids(ids, "messages" if chat else "prompt")  # a tokenizer larger than the embedding
+        self._check_ids(
+            ids, "messages" if chat else "prompt"
+        )  # a tokenizer larger than the embedding
         try:
             self.cluster.check_ready()
         except MoeClusterError as exc:
@@ -762,14 +1004,34 @@ class Api:
         drafts, prediction = speculation
         # the nodes end a sequence on a stop string's tokens at once (as mlx-lm's server does); one
         # the model spells with other tokens is still found in the text here, and cancelled
-        stop_ids = tuple(t for t in (tuple(self.tokenizer.encode(s, add_special_tokens=False)) for s in stops) if t)
-        req = GenerateRequest(rid, tuple(ids), sampling, eos, draft_tokens=drafts, prediction=prediction,
-                              stop_sequences=stop_ids)
+        stop_ids = tuple(
+            t
+            for t in (tuple(self.tokenizer.encode(s, add_special_tokens=False)) for s in stops)
+            if t
+        )
+        req = GenerateRequest(
+            rid,
+            tuple(ids),
+            sampling,
+            eos,
+            draft_tokens=drafts,
+            prediction=prediction,
+            stop_sequences=stop_ids,
+        )
         return _Generation(self, req, stops, tools)
 
-    async def _serve(self, request: web.Request, ids: list[int], sampling: Sampling, stops: list[str],
-                     stream: bool, chat: bool, tools: Tools | None = None, echo: str = "",
-                     speculation: tuple[int | None, tuple[int, ...]] = (None, ())) -> web.StreamResponse:
+    async def _serve(
+        self,
+        request: web.Request,
+        ids: list[int],
+        sampling: Sampling,
+        stops: list[str],
+        stream: bool,
+        chat: bool,
+        tools: Tools | None = None,
+        echo: str = "",
+        speculation: tuple[int | None, tuple[int, ...]] = (None, ()),
+    ) -> web.StreamResponse:
         """`echo`: text put before a completion's own (the prompt, where the request asked for it)."""
         gen = self._generation(ids, sampling, stops, chat, tools, speculation=speculation)
         if stream:
@@ -779,7 +1041,11 @@ class Api:
 
     def _usage(self, gen: "_Generation", outcome: Outcome) -> dict:
         n = len(outcome.tokens)
-        return {"prompt_tokens": len(gen.req.prompt), "completion_tokens": n, "total_tokens": len(gen.req.prompt) + n}
+        return {
+            "prompt_tokens": len(gen.req.prompt),
+            "completion_tokens": n,
+            "total_tokens": len(gen.req.prompt) + n,
+        }
 
     def _extra(self, gen: "_Generation", outcome: Outcome) -> dict:
         d = outcome.done
@@ -788,7 +1054,9 @@ class Api:
             "tokens": outcome.tokens,
             "cached_tokens": d.cached_tokens if d else 0,
             "prompt_tps": prompt_tps(d),
-            "generation_tps": (max(len(outcome.tokens), 1) / t.generation_s) if t and t.generation_s else 0.0,
+            "generation_tps": (max(len(outcome.tokens), 1) / t.generation_s)
+            if t and t.generation_s
+            else 0.0,
             "time_to_first_token_s": gen.ttft,
             "stalls_s": [round(s, 3) for s in outcome.stalls],  # one per resume after a lost node
             "counters": {k: v for k, v in d.counters.items() if k not in _OWN_FIGURES} if d else {},
@@ -807,18 +1075,33 @@ class Api:
                 choice["message"]["tool_calls"] = calls
         else:
             choice["text"] = text
-        return {"id": gen.req.request_id, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.options.model_id, "choices": [choice],
-                "usage": self._usage(gen, outcome), "moe_cluster": self._extra(gen, outcome)}
+        return {
+            "id": gen.req.request_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.options.model_id,
+            "choices": [choice],
+            "usage": self._usage(gen, outcome),
+            "moe_cluster": self._extra(gen, outcome),
+        }
 
-    async def _stream(self, request: web.Request, gen: "_Generation", chat: bool, echo: str = "") -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    async def _stream(
+        self, request: web.Request, gen: "_Generation", chat: bool, echo: str = ""
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         alive = KeepAlive(request, resp, gen.outcome)  # comments while the cluster recovers
         await alive.start(gen)  # errors before the first byte are still proper HTTP errors
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta_text: str | None, finish: str | None, first: bool = False, calls: list | None = None) -> dict:
+        def chunk(
+            delta_text: str | None,
+            finish: str | None,
+            first: bool = False,
+            calls: list | None = None,
+        ) -> dict:
             if chat:
                 delta: dict[str, Any] = {}
                 if first:
@@ -829,9 +1112,19 @@ class Api:
                     delta["tool_calls"] = calls
                 choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
             else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
-            return {"id": gen.req.request_id, "object": obj, "created": created, "model": self.options.model_id,
-                    "choices": [choice]}
+                choice = {
+                    "index": 0,
+                    "text": delta_text or "",
+                    "finish_reason": finish,
+                    "logprobs": None,
+                }
+            return {
+                "id": gen.req.request_id,
+                "object": obj,
+                "created": created,
+                "model": self.options.model_id,
+                "choices": [choice],
+            }
 
         def sse(event: dict) -> bytes:
             return f"data: {json.dumps(event)}\n\n".encode()
@@ -847,14 +1140,36 @@ class Api:
                     await resp.write(sse(chunk(piece, None)))
                     continue
                 # as OpenAI streams a call: its id and name first, then its arguments in deltas
-                head = {**call_json(piece, calls), "function": {"name": piece.name, "arguments": ""}}
+                head = {
+                    **call_json(piece, calls),
+                    "function": {"name": piece.name, "arguments": ""},
+                }
                 await resp.write(sse(chunk(None, None, calls=[head])))
-                await resp.write(sse(chunk(None, None, calls=[{"index": calls, "function": {"arguments": piece.arguments}}])))
+                await resp.write(
+                    sse(
+                        chunk(
+                            None,
+                            None,
+                            calls=[{"index": calls, "function": {"arguments": piece.arguments}}],
+                        )
+                    )
+                )
                 calls += 1
             outcome = gen.outcome
             if outcome.error:
                 e = gen._failure()
-                await resp.write(sse({"error": {"message": e.message, "type": e.type, "param": None, "code": e.code}}))
+                await resp.write(
+                    sse(
+                        {
+                            "error": {
+                                "message": e.message,
+                                "type": e.type,
+                                "param": None,
+                                "code": e.code,
+                            }
+                        }
+                    )
+                )
             else:
                 final = chunk(None, gen.reason)
                 final["usage"] = self._usage(gen, outcome)
@@ -872,7 +1187,9 @@ class Api:
 class _Generation:
     """One request's detokenisation, stop strings and bookkeeping around Cluster.generate."""
 
-    def __init__(self, api: Api, req: GenerateRequest, stops: list[str], tools: Tools | None = None):
+    def __init__(
+        self, api: Api, req: GenerateRequest, stops: list[str], tools: Tools | None = None
+    ):
         self.api = api
         self.req = req
         self.stops = stops
@@ -919,7 +1236,11 @@ class _Generation:
     async def stream_parts(self):
         """The output as it becomes final: text deltas and, where tools were offered, whole tool calls
         (each also kept in `parts`)."""
-        splitter = ToolSplitter(self.api.tokenizer, self.tools.rendered) if self.tools and self.tools.parsed else None
+        splitter = (
+            ToolSplitter(self.api.tokenizer, self.tools.rendered)
+            if self.tools and self.tools.parsed
+            else None
+        )
         async for piece in self.pieces():
             for p in splitter.feed(piece) if splitter else [piece]:
                 self.parts.append(p)
@@ -950,7 +1271,7 @@ class _Generation:
         else:
             self._detok.finalize()
             self.text = self._detok.text
-        tail = self.text[self._sent:]
+        tail = self.text[self._sent :]
         self._sent = len(self.text)
         self._finish()
         if tail:
@@ -973,7 +1294,7 @@ class _Generation:
         end = len(self.text) - hold if self.stops and not self._stopped else len(self.text)
         if end <= self._sent:
             return ""
-        piece = self.text[self._sent:end]
+        piece = self.text[self._sent : end]
         self._sent = end
         return piece
 
@@ -992,8 +1313,11 @@ class _Generation:
             # The nodes refused what the coordinator let through (their own check, the second line):
             # their text names the node, its RPC status and the request, which is for the log.
             logger.warning("request %s refused by the nodes: %s", self.req.request_id, error)
-            return ApiError(INVALID, "the request's parameters were refused by the cluster's nodes "
-                                     "(the coordinator's log has their reason)")
+            return ApiError(
+                INVALID,
+                "the request's parameters were refused by the cluster's nodes "
+                "(the coordinator's log has their reason)",
+            )
         return ApiError.of(error, "generation failed")
 
     async def run(self) -> tuple[str, Outcome]:

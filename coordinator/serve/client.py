@@ -28,14 +28,23 @@ class ClusterError(MoeClusterError):
 class NodeClient:
     """One node agent, reached at `address` (host:port)."""
 
-    def __init__(self, name: str, address: str, secret: str, *, tls_ca: str | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None):
+    def __init__(
+        self,
+        name: str,
+        address: str,
+        secret: str,
+        *,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ):
         self.name = name
         self.address = address
         self._metadata = call_metadata(secret)
         if tls_ca:
-            self._channel = grpc.aio.secure_channel(address, channel_credentials(tls_ca, tls_cert, tls_key),
-                                                    options=CHANNEL_OPTIONS)
+            self._channel = grpc.aio.secure_channel(
+                address, channel_credentials(tls_ca, tls_cert, tls_key), options=CHANNEL_OPTIONS
+            )
         else:
             self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = npb_grpc.NodeStub(self._channel)
@@ -44,40 +53,55 @@ class NodeClient:
         return f"NodeClient({self.name}@{self.address})"
 
     async def health(self, timeout: float = RPC_TIMEOUT_S) -> Health:
-        msg = await self._stub.Health(convert.health_request_to_proto(), timeout=timeout, metadata=self._metadata)
+        msg = await self._stub.Health(
+            convert.health_request_to_proto(), timeout=timeout, metadata=self._metadata
+        )
         return convert.health_from_proto(msg)
 
     async def status(self, timeout: float = RPC_TIMEOUT_S) -> NodeStatus:
-        msg = await self._stub.Status(convert.status_request_to_proto(), timeout=timeout, metadata=self._metadata)
+        msg = await self._stub.Status(
+            convert.status_request_to_proto(), timeout=timeout, metadata=self._metadata
+        )
         return convert.status_from_proto(msg)
 
     async def load(self, spec: LoadSpec, timeout: float) -> AsyncIterator[LoadProgress]:
-        call = self._stub.Load(convert.load_request_to_proto(spec), timeout=timeout, metadata=self._metadata)
+        call = self._stub.Load(
+            convert.load_request_to_proto(spec), timeout=timeout, metadata=self._metadata
+        )
         async for msg in call:
             yield convert.load_progress_from_proto(msg)
 
     async def generate(self, req: GenerateRequest, timeout: float) -> AsyncIterator[GenerateEvent]:
-        call = self._stub.Generate(convert.generate_request_to_proto(req), timeout=timeout, metadata=self._metadata)
+        call = self._stub.Generate(
+            convert.generate_request_to_proto(req), timeout=timeout, metadata=self._metadata
+        )
         try:
             async for msg in call:
                 yield convert.generate_event_from_proto(msg)
         finally:
             call.cancel()
 
-    async def cancel(self, request_id: str, abort: bool = False, timeout: float = RPC_TIMEOUT_S) -> bool:
-        msg = await self._stub.Cancel(convert.cancel_request_to_proto(request_id, abort), timeout=timeout,
-                                      metadata=self._metadata)
+    async def cancel(
+        self, request_id: str, abort: bool = False, timeout: float = RPC_TIMEOUT_S
+    ) -> bool:
+        msg = await self._stub.Cancel(
+            convert.cancel_request_to_proto(request_id, abort),
+            timeout=timeout,
+            metadata=self._metadata,
+        )
         return convert.cancel_reply_from_proto(msg)
 
     async def probe(self, layer: int, x, timeout: float = RPC_TIMEOUT_S):
         """This node's share of MoE layer `layer`'s output for x (tokens, hidden), float32."""
-        msg = await self._stub.Probe(convert.probe_request_to_proto(layer, x), timeout=timeout,
-                                     metadata=self._metadata)
+        msg = await self._stub.Probe(
+            convert.probe_request_to_proto(layer, x), timeout=timeout, metadata=self._metadata
+        )
         return convert.probe_reply_from_proto(msg)
 
     async def shutdown(self, grace_s: float = 1.0, timeout: float = RPC_TIMEOUT_S) -> None:
-        await self._stub.Shutdown(convert.shutdown_request_to_proto(grace_s), timeout=timeout,
-                                  metadata=self._metadata)
+        await self._stub.Shutdown(
+            convert.shutdown_request_to_proto(grace_s), timeout=timeout, metadata=self._metadata
+        )
 
     async def close(self) -> None:
         await self._channel.close()

@@ -23,8 +23,15 @@ from typing import AsyncIterator, Callable, Sequence
 
 import grpc
 
-from ...proto.errors import (DeadlineError, ErrorKind, MoeClusterError, NotReadyError, error_for, kind_from_grpc,
-                             kind_of)
+from ...proto.errors import (
+    DeadlineError,
+    ErrorKind,
+    MoeClusterError,
+    NotReadyError,
+    error_for,
+    kind_from_grpc,
+    kind_of,
+)
 from ...proto.records import GenerateDone, GeneratedTokens, LoadSpec, NodeError
 from ...proto.records import GenerateRequest
 from . import health as H
@@ -33,7 +40,9 @@ from .resume import MAX_RESUMES, RECOVERY_WAIT_S, continuation
 
 logger = logging.getLogger(__name__)
 
-CANCEL_WAIT_S = 10.0  # seconds a cancelled request may take to end on every node (one step, or a prefill chunk)
+CANCEL_WAIT_S = (
+    10.0  # seconds a cancelled request may take to end on every node (one step, or a prefill chunk)
+)
 # Seconds a local node that is not serving (restarted and not loaded yet, or loading) may go without
 # answering a heartbeat before it is restarted: a fresh process importing mlx-lm on a busy machine
 # misses the 1 s heartbeat deadline (seen at load 13 on 2 vCPUs), and restarting it then only
@@ -61,7 +70,9 @@ class Member:
     load_total: int = 0
     routing: tuple = ()  # proto.records.LayerRouting by layer, from the node's last Status
     expert_cache: tuple = ()  # proto.records.ExpertCacheLayer by layer, from the node's last Status
-    route: str = ""  # the node's decode route and the µs per MoE layer it measured per route (Status)
+    route: str = (
+        ""  # the node's decode route and the µs per MoE layer it measured per route (Status)
+    )
     route_us: dict = field(default_factory=dict)
     speculative: str = ""  # what the node's batch does of serving.speculative (Status)
 
@@ -84,12 +95,22 @@ class Outcome:
 
 
 class Cluster:
-    def __init__(self, members: Sequence[Member], *, model: str, transport: str, heartbeat_s: float = 1.0,
-                 load_timeout_s: float = 600.0, request_timeout_s: float = 600.0, queue_limit: int = 16,
-                 max_batch: int = 8, recovery_wait_s: float = RECOVERY_WAIT_S,
-                 max_resumes: int = MAX_RESUMES,
-                 respawn: Callable[[Member], None] | None = None,
-                 pid_of: Callable[[str], int | None] | None = None):
+    def __init__(
+        self,
+        members: Sequence[Member],
+        *,
+        model: str,
+        transport: str,
+        heartbeat_s: float = 1.0,
+        load_timeout_s: float = 600.0,
+        request_timeout_s: float = 600.0,
+        queue_limit: int = 16,
+        max_batch: int = 8,
+        recovery_wait_s: float = RECOVERY_WAIT_S,
+        max_resumes: int = MAX_RESUMES,
+        respawn: Callable[[Member], None] | None = None,
+        pid_of: Callable[[str], int | None] | None = None,
+    ):
         self.members = list(members)
         self.model = model
         self.transport = transport
@@ -110,18 +131,26 @@ class Cluster:
         # of those, requests whose caller left (a client gone, a stop string): they still end on the
         # nodes (CANCEL_WAIT_S at most, a queued one when the nodes admit it) but hold no queue slot
         self._gone: set[str] = set()
-        self._drained = asyncio.Event()  # set while no request is on the nodes (a rejoin waits for it)
+        self._drained = (
+            asyncio.Event()
+        )  # set while no request is on the nodes (a rejoin waits for it)
         self._drained.set()
         self._ready = asyncio.Event()  # set while the health machine says ready
         self._waiting = 0  # requests waiting for a recovery before their first run
         self._attempts: dict[str, str] = {}  # a request's id -> the id of its run on the nodes now
-        self._seq = 0  # admission order sent with each request; restarts with every load of the nodes
-        self._failed = asyncio.Event()  # set when a node dies during requests: every one of them fails
+        self._seq = (
+            0  # admission order sent with each request; restarts with every load of the nodes
+        )
+        self._failed = (
+            asyncio.Event()
+        )  # set when a node dies during requests: every one of them fails
         self._monitor: asyncio.Task | None = None
         self._rejoin_task: asyncio.Task | None = None
         self._restarting: set[str] = set()  # nodes found not answering, handed to `respawn`
         self._loading: set[str] = set()  # nodes with a Load in flight
-        self._unanswered: dict[str, float] = {}  # node -> time.monotonic() of its first unanswered heartbeat
+        self._unanswered: dict[
+            str, float
+        ] = {}  # node -> time.monotonic() of its first unanswered heartbeat
         self._tasks: set[asyncio.Task] = set()  # background work this cluster owns
         self.allreduce_histograms: dict = {}  # node name -> metrics.Histogram, refreshed after requests
 
@@ -175,14 +204,18 @@ class Cluster:
                 if on_progress:
                     on_progress(m)
                 if p.error is not None:
-                    raise error_for(p.error.kind, f"node {m.name} failed to load: {p.error.message}")
+                    raise error_for(
+                        p.error.kind, f"node {m.name} failed to load: {p.error.message}"
+                    )
                 if p.done:
                     break
         except grpc.RpcError as exc:
             kind = kind_from_grpc(exc.code())
             if kind is ErrorKind.UNAVAILABLE:
                 self._event(H.RpcFailed(m.name, describe_rpc_error(exc)))
-            raise error_for(kind, f"node {m.name} ({m.address}) failed to load: {describe_rpc_error(exc)}") from None
+            raise error_for(
+                kind, f"node {m.name} ({m.address}) failed to load: {describe_rpc_error(exc)}"
+            ) from None
         self._event(H.NodeLoaded(m.name))
         m.last_seen = time.monotonic()
         await self._refresh(m)
@@ -191,8 +224,9 @@ class Cluster:
         """Load every member's shard, then run one warm-up step through the whole mesh."""
         self._event(H.LoadStarted())
         self._seq = 0  # a load starts every node's running batch afresh
-        results = await asyncio.gather(*(self._load_member(m, on_progress) for m in self.members),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._load_member(m, on_progress) for m in self.members), return_exceptions=True
+        )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             self._event(H.LoadDone(error=str(errors[0])))
@@ -276,7 +310,9 @@ class Cluster:
         (QueueFull); afterwards failures end the stream and are reported in `outcome.error`.
         """
         if self.queue_depth + self._waiting >= self.max_batch + self.queue_limit:
-            raise QueueFull(f"queue is full ({self.queue_limit} requests waiting) beside {self.max_batch} running")
+            raise QueueFull(
+                f"queue is full ({self.queue_limit} requests waiting) beside {self.max_batch} running"
+            )
         started = last = time.monotonic()
         if not self.health.ready:
             self._waiting += 1
@@ -309,14 +345,22 @@ class Cluster:
                 if stalled and outcome.error is None:  # the resumed run ended without a token (EOS)
                     outcome.stalls.append(time.monotonic() - last)
                 lost = outcome.error
-                if lost is not None and lost.kind is ErrorKind.UNAVAILABLE and \
-                        len(outcome.tokens) >= req.sampling.max_tokens:
+                if (
+                    lost is not None
+                    and lost.kind is ErrorKind.UNAVAILABLE
+                    and len(outcome.tokens) >= req.sampling.max_tokens
+                ):
                     outcome.error = None  # only its end was lost: every token came
                     return
                 if not self._resumable(outcome, attempt):
                     return
-                logger.warning("request %s lost its run after %d tokens (%s): resuming once the "
-                               "cluster is ready", req.request_id, len(outcome.tokens), lost)
+                logger.warning(
+                    "request %s lost its run after %d tokens (%s): resuming once the "
+                    "cluster is ready",
+                    req.request_id,
+                    len(outcome.tokens),
+                    lost,
+                )
                 outcome.error = None
                 try:
                     await self._wait_ready(time.monotonic(), outcome)
@@ -348,8 +392,9 @@ class Cluster:
         await self._cancel_run(self._attempts.get(request_id, request_id), abort)
 
     async def _cancel_run(self, run_id: str, abort: bool) -> None:
-        await asyncio.gather(*(self._cancel_one(m, run_id, abort) for m in self.members),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(self._cancel_one(m, run_id, abort) for m in self.members), return_exceptions=True
+        )
 
     async def _cancel_one(self, m: Member, request_id: str, abort: bool) -> None:
         try:
@@ -379,21 +424,33 @@ class Cluster:
         queue: asyncio.Queue = asyncio.Queue()
         # only rank 0 streams its tokens; the others say how the request ended (every rank hands out
         # the same agreed tokens)
-        tasks = [asyncio.create_task(self._pump(m, req if m.rank == 0 else replace(req, quiet=True), queue),
-                                     name=f"gen-{m.name}") for m in self.members]
+        tasks = [
+            asyncio.create_task(
+                self._pump(m, req if m.rank == 0 else replace(req, quiet=True), queue),
+                name=f"gen-{m.name}",
+            )
+            for m in self.members
+        ]
         failed_wait = asyncio.create_task(self._failed.wait())
         getter = None
         finished = 0
         try:
             while finished < len(tasks):
                 getter = asyncio.create_task(queue.get())
-                done, _ = await asyncio.wait({getter, failed_wait}, timeout=self.request_timeout_s,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {getter, failed_wait},
+                    timeout=self.request_timeout_s,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
                 if getter not in done:
                     if failed_wait in done:
-                        outcome.error = H.refusal(self.health) or H.NodeLostError("a node died during the request")
+                        outcome.error = H.refusal(self.health) or H.NodeLostError(
+                            "a node died during the request"
+                        )
                     else:
-                        outcome.error = DeadlineError(f"request timed out after {self.request_timeout_s:.0f} s")
+                        outcome.error = DeadlineError(
+                            f"request timed out after {self.request_timeout_s:.0f} s"
+                        )
                     break
                 m, event = getter.result()
                 if event is None:
@@ -418,7 +475,9 @@ class Cluster:
                         if outcome.error is None and lost:
                             # every node still answers: the same 503, Retry-After included
                             outcome.error = H.NodeLostError(f"node {m.name}: {event.message}")
-                        outcome.error = outcome.error or error_for(event.kind, f"node {m.name}: {event.message}")
+                        outcome.error = outcome.error or error_for(
+                            event.kind, f"node {m.name}: {event.message}"
+                        )
                     if lost:
                         break  # the others would only wait out the collective timeout
                     continue
@@ -448,8 +507,13 @@ class Cluster:
             else:
                 self._leave(req.request_id)
 
-    async def _end(self, req: GenerateRequest, tasks: list[asyncio.Task], queue: asyncio.Queue,
-                   outcome: Outcome | None) -> None:
+    async def _end(
+        self,
+        req: GenerateRequest,
+        tasks: list[asyncio.Task],
+        queue: asyncio.Queue,
+        outcome: Outcome | None,
+    ) -> None:
         """End run `req` on every node; `outcome` (None: the run failed, and a resumed run may
         fill the request's outcome meanwhile) gets rank 0's report of it."""
         try:
@@ -469,8 +533,10 @@ class Cluster:
 
     async def refresh(self) -> None:
         """Update every live member's memory, experts and all-reduce histogram."""
-        await asyncio.gather(*(self._refresh(m) for m in self.members if self.node_state(m) == "ready"),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(self._refresh(m) for m in self.members if self.node_state(m) == "ready"),
+            return_exceptions=True,
+        )
 
     async def _pump(self, m: Member, req: GenerateRequest, queue: asyncio.Queue) -> None:
         try:
@@ -478,7 +544,9 @@ class Cluster:
                 await queue.put((m, event))
         except grpc.RpcError as exc:
             kind = kind_from_grpc(exc.code())
-            if kind is ErrorKind.UNAVAILABLE:  # unreachable, or it says it failed: lost before a heartbeat sees it
+            if (
+                kind is ErrorKind.UNAVAILABLE
+            ):  # unreachable, or it says it failed: lost before a heartbeat sees it
                 self._event(H.RpcFailed(m.name, describe_rpc_error(exc)))
             await queue.put((m, NodeError(kind, describe_rpc_error(exc), m.rank)))
         except Exception as exc:  # noqa: BLE001 - e.g. a request the wire cannot carry: the request's error, by kind
@@ -539,15 +607,18 @@ class Cluster:
             if self.state != "recovering":
                 return
             logger.info("rejoin: loading every node again (%s)", self.reason)
-            results = await asyncio.gather(*(self._load_member(m, None) for m in self.members),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(self._load_member(m, None) for m in self.members), return_exceptions=True
+            )
             errors = [r for r in results if isinstance(r, BaseException)]
             if errors:
                 raise errors[0]
             await self._warm_up()
             self._event(H.RejoinSucceeded())
         except asyncio.TimeoutError:
-            self._event(H.RejoinFailed("failed requests did not end on the nodes", time.monotonic()))
+            self._event(
+                H.RejoinFailed("failed requests did not end on the nodes", time.monotonic())
+            )
         except (MoeClusterError, grpc.RpcError) as exc:
             logger.warning("rejoin failed: %s", exc)
             self._event(H.RejoinFailed(str(exc), time.monotonic()))
@@ -569,16 +640,30 @@ class Cluster:
             "waiting": max(0, self.queue_depth - self.max_batch),
             "waiting_for_recovery": self._waiting,  # arrived while a lost node is rebuilt
             "nodes": [
-                {"name": m.name, "rank": m.rank, "state": self.node_state(m), "address": m.address,
-                 "memory_bytes": m.memory_bytes, "budget_bytes": m.budget_bytes, "used_bytes": m.used_bytes,
-                 "experts": m.experts, "device": m.device, "pid": self._pid_of(m.name) if self._pid_of else None,
-                 "error": self.health.node(m.name).reason,
-                 # seconds; the bucket bound of the median all-reduce since the node loaded (None: none yet)
-                 "allreduce_p50_s": self.allreduce_histograms[m.name].quantile(0.5)
-                 if m.name in self.allreduce_histograms else None,
-                 "last_seen_s": round(time.monotonic() - m.last_seen, 1) if m.last_seen else None,
-                 "expert_cache": [vars(c) for c in m.expert_cache],
-                 "route": m.route, "route_us": dict(m.route_us), "speculative": m.speculative}
+                {
+                    "name": m.name,
+                    "rank": m.rank,
+                    "state": self.node_state(m),
+                    "address": m.address,
+                    "memory_bytes": m.memory_bytes,
+                    "budget_bytes": m.budget_bytes,
+                    "used_bytes": m.used_bytes,
+                    "experts": m.experts,
+                    "device": m.device,
+                    "pid": self._pid_of(m.name) if self._pid_of else None,
+                    "error": self.health.node(m.name).reason,
+                    # seconds; the bucket bound of the median all-reduce since the node loaded (None: none yet)
+                    "allreduce_p50_s": self.allreduce_histograms[m.name].quantile(0.5)
+                    if m.name in self.allreduce_histograms
+                    else None,
+                    "last_seen_s": round(time.monotonic() - m.last_seen, 1)
+                    if m.last_seen
+                    else None,
+                    "expert_cache": [vars(c) for c in m.expert_cache],
+                    "route": m.route,
+                    "route_us": dict(m.route_us),
+                    "speculative": m.speculative,
+                }
                 for m in self.members
             ],
         }
@@ -589,12 +674,17 @@ class Cluster:
         layers: dict[int, dict] = {}
         for m in sorted(self.members, key=lambda m: m.rank):
             for r in m.routing:
-                entry = layers.setdefault(r.layer, {"layer": r.layer, "tokens": list(r.tokens),
-                                                    "holders": [[] for _ in r.tokens]})
+                entry = layers.setdefault(
+                    r.layer,
+                    {"layer": r.layer, "tokens": list(r.tokens), "holders": [[] for _ in r.tokens]},
+                )
                 for e in r.held:
                     if e < len(entry["holders"]):
                         entry["holders"][e].append(m.name)
-        return {"nodes": [m.name for m in self.members], "layers": [layers[k] for k in sorted(layers)]}
+        return {
+            "nodes": [m.name for m in self.members],
+            "layers": [layers[k] for k in sorted(layers)],
+        }
 
     async def close(self, shutdown_nodes: bool) -> None:
         self._event(H.Stopping())
@@ -603,7 +693,9 @@ class Cluster:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         if shutdown_nodes:
-            await asyncio.gather(*(m.client.shutdown() for m in self.members), return_exceptions=True)
+            await asyncio.gather(
+                *(m.client.shutdown() for m in self.members), return_exceptions=True
+            )
         await asyncio.gather(*(m.client.close() for m in self.members), return_exceptions=True)
 
 

@@ -19,8 +19,16 @@ import yaml
 
 from ...proto.errors import UserError
 from ...proto.expert_cache import ExpertCacheSpec
-from ...proto.records import (COLLECTIVE_TIMEOUT_S, DECODE_ROUTES, DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE, DRAFT_LIMIT,
-                              KEEPALIVES, SPECULATIVE_MODES, TlsFiles)
+from ...proto.records import (
+    COLLECTIVE_TIMEOUT_S,
+    DECODE_ROUTES,
+    DEFAULT_KV_RESERVE,
+    DEFAULT_PROMPT_CACHE,
+    DRAFT_LIMIT,
+    KEEPALIVES,
+    SPECULATIVE_MODES,
+    TlsFiles,
+)
 from .resume import MAX_RESUMES, RECOVERY_WAIT_S
 
 
@@ -36,8 +44,18 @@ class Duration(float):
     """Seconds, written with an optional unit."""
 
 
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _TIME_UNITS = {"": 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 
 
@@ -61,8 +79,12 @@ class PlacementConfig:
     strategy: Literal["even", "memory", "profile"] = "memory"
     profile: str | None = None  # routing profile JSON from `moe-cluster profile`
     memory_fraction: float = 0.75  # of each node's memory usable for weights and caches
-    kv_reserve: Size = Size(DEFAULT_KV_RESERVE)  # bytes kept free per node for the KV / prompt cache
-    replicate: bool = True  # with a profile: copy the hottest experts to every node, as spare memory allows
+    kv_reserve: Size = Size(
+        DEFAULT_KV_RESERVE
+    )  # bytes kept free per node for the KV / prompt cache
+    replicate: bool = (
+        True  # with a profile: copy the hottest experts to every node, as spare memory allows
+    )
     # experts each node keeps resident: off (all, or refuse what does not fit), auto (what its budget
     # holds), a size ("8GB") or a percent of its share ("50%"); the rest are read from disk on a miss
     expert_cache: str = "off"
@@ -94,7 +116,9 @@ class DiscoveryConfig:
 class Timeouts:
     discovery: Duration = Duration(30.0)  # finding remote nodes
     load: Duration = Duration(600.0)  # loading the shards
-    collective: Duration = Duration(COLLECTIVE_TIMEOUT_S)  # a step fails after this long without a peer
+    collective: Duration = Duration(
+        COLLECTIVE_TIMEOUT_S
+    )  # a step fails after this long without a peer
     heartbeat: Duration = Duration(1.0)  # between health checks
     request: Duration = Duration(600.0)  # one generation, end to end
 
@@ -115,7 +139,9 @@ class ServingConfig:
     # drafts hold; off until measured on for a model and a link (docs/speculative.md)
     speculative: Literal[SPECULATIVE_MODES] = "off"
     draft_tokens: int = 4  # drafts a step verifies per sequence at most (1..16)
-    draft_model: str = ""  # speculative: draft: a small checkpoint with the model's tokenizer, on rank 0
+    draft_model: str = (
+        ""  # speculative: draft: a small checkpoint with the model's tokenizer, on rank 0
+    )
 
 
 @dataclass(frozen=True)
@@ -155,7 +181,9 @@ class ClusterConfig:
 def _parse_units(text: str, units: dict[str, float], what: str) -> float:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m[2].lower() not in units:
-        raise ValueError(f"{text!r} is not a {what} (e.g. {'1GB, 512MiB' if what == 'size' else '500ms, 5s, 2m'})")
+        raise ValueError(
+            f"{text!r} is not a {what} (e.g. {'1GB, 512MiB' if what == 'size' else '500ms, 5s, 2m'})"
+        )
     return float(m[1]) * units[m[2].lower()]
 
 
@@ -165,7 +193,9 @@ class _Reader:
 
     def fail(self, node: yaml.Node, key: str, problem: str) -> ConfigError:
         line = node.start_mark.line + 1 if node is not None else 1
-        return ConfigError(f"{self.source}:{line}: {key}: {problem}" if key else f"{self.source}:{line}: {problem}")
+        return ConfigError(
+            f"{self.source}:{line}: {key}: {problem}" if key else f"{self.source}:{line}: {problem}"
+        )
 
     def read(self, node: yaml.Node, tp: Any, key: str) -> Any:
         origin = get_origin(tp)
@@ -178,7 +208,9 @@ class _Reader:
         if origin is Literal:
             value = self.scalar(node, key, str)
             if value not in get_args(tp):
-                raise self.fail(node, key, f"must be one of {', '.join(get_args(tp))} (got {value!r})")
+                raise self.fail(
+                    node, key, f"must be one of {', '.join(get_args(tp))} (got {value!r})"
+                )
             return value
         if origin is list:
             if not isinstance(node, yaml.SequenceNode):
@@ -191,16 +223,32 @@ class _Reader:
 
     def scalar(self, node: yaml.Node, key: str, tp: type) -> Any:
         if not isinstance(node, yaml.ScalarNode):
-            raise self.fail(node, key, f"must be a single value, not a {'list' if isinstance(node, yaml.SequenceNode) else 'mapping'}")
-        value = yaml.safe_load(yaml.serialize(node)) if node.tag != "tag:yaml.org,2002:str" else node.value
+            raise self.fail(
+                node,
+                key,
+                f"must be a single value, not a {'list' if isinstance(node, yaml.SequenceNode) else 'mapping'}",
+            )
+        value = (
+            yaml.safe_load(yaml.serialize(node))
+            if node.tag != "tag:yaml.org,2002:str"
+            else node.value
+        )
         try:
             if tp is Size:
-                n = value if isinstance(value, int) and not isinstance(value, bool) else _parse_units(str(value), _SIZE_UNITS, "size")
+                n = (
+                    value
+                    if isinstance(value, int) and not isinstance(value, bool)
+                    else _parse_units(str(value), _SIZE_UNITS, "size")
+                )
                 if n < 0:
                     raise ValueError("must not be negative")
                 return Size(int(n))
             if tp is Duration:
-                t = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else _parse_units(str(value), _TIME_UNITS, "duration")
+                t = (
+                    float(value)
+                    if isinstance(value, (int, float)) and not isinstance(value, bool)
+                    else _parse_units(str(value), _TIME_UNITS, "duration")
+                )
                 if t <= 0:
                     raise ValueError("must be positive")
                 return Duration(t)
@@ -236,8 +284,14 @@ class _Reader:
             full = f"{key}.{name}" if key else name
             if name not in known:
                 hint = difflib.get_close_matches(name, known, n=1)
-                raise self.fail(knode, full, "unknown key" + (f" (did you mean {hint[0]!r}?)" if hint else
-                                                            f" (known: {', '.join(known)})"))
+                raise self.fail(
+                    knode,
+                    full,
+                    "unknown key"
+                    + (
+                        f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(known)})"
+                    ),
+                )
             if name in seen:
                 raise self.fail(knode, full, "given twice")
             seen[name] = knode
@@ -264,9 +318,11 @@ def load_config(path: str | os.PathLike) -> ClusterConfig:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        line = raw[:exc.start].count(b"\n") + 1
-        raise ConfigError(f"{source}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
-                          "save the file as UTF-8") from None
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{source}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+            "save the file as UTF-8"
+        ) from None
     return parse_config(text, source)
 
 
@@ -276,7 +332,9 @@ def parse_config(text: str, source: str = "cluster.yaml") -> ClusterConfig:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f"{mark.line + 1}" if mark else "1"
-        raise ConfigError(f"{source}:{line}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        raise ConfigError(
+            f"{source}:{line}: not valid YAML ({getattr(exc, 'problem', exc)})"
+        ) from None
     if root is None:
         raise ConfigError(f"{source}:1: the file is empty; it needs at least `nodes:`")
     reader = _Reader(source)
@@ -319,97 +377,196 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
     for i, n in enumerate(c.nodes):
         where = f"nodes[{i}]"
         if not _NAME.match(n.name):
-            raise r.fail(_find(root, "nodes", i, "name"), f"{where}.name",
-                         f"{n.name!r} must be letters, digits, '.', '_' or '-' (up to 63)")
+            raise r.fail(
+                _find(root, "nodes", i, "name"),
+                f"{where}.name",
+                f"{n.name!r} must be letters, digits, '.', '_' or '-' (up to 63)",
+            )
         if n.name in names:
-            raise r.fail(_find(root, "nodes", i, "name"), f"{where}.name", f"{n.name!r} is used by nodes[{names[n.name]}] too")
+            raise r.fail(
+                _find(root, "nodes", i, "name"),
+                f"{where}.name",
+                f"{n.name!r} is used by nodes[{names[n.name]}] too",
+            )
         names[n.name] = i
         for attr in ("port", "envoy_port", "envoy_data_port"):
             port = getattr(n, attr)
             if port is not None and not 1 <= port <= 65535:
-                raise r.fail(_find(root, "nodes", i, attr), f"{where}.{attr}", f"{port} is not a port (1..65535)")
+                raise r.fail(
+                    _find(root, "nodes", i, attr),
+                    f"{where}.{attr}",
+                    f"{port} is not a port (1..65535)",
+                )
         if n.envoy_data_port is not None:
             if c.transport != "envoy":
-                raise r.fail(_find(root, "nodes", i, "envoy_data_port"), f"{where}.envoy_data_port",
-                             "applies only with transport: envoy")
+                raise r.fail(
+                    _find(root, "nodes", i, "envoy_data_port"),
+                    f"{where}.envoy_data_port",
+                    "applies only with transport: envoy",
+                )
             if n.envoy_data_port in (n.port, n.envoy_port):
-                raise r.fail(_find(root, "nodes", i, "envoy_data_port"), f"{where}.envoy_data_port",
-                             f"{n.envoy_data_port} is this node's {'port' if n.envoy_data_port == n.port else 'envoy_port'} too")
+                raise r.fail(
+                    _find(root, "nodes", i, "envoy_data_port"),
+                    f"{where}.envoy_data_port",
+                    f"{n.envoy_data_port} is this node's {'port' if n.envoy_data_port == n.port else 'envoy_port'} too",
+                )
         if n.address is not None and not re.fullmatch(r"[A-Za-z0-9_.:\[\]-]+", n.address):
-            raise r.fail(_find(root, "nodes", i, "address"), f"{where}.address", f"{n.address!r} is not a host or host:port")
+            raise r.fail(
+                _find(root, "nodes", i, "address"),
+                f"{where}.address",
+                f"{n.address!r} is not a host or host:port",
+            )
         if n.gpu is not None:
             if c.launch != "local":
-                raise r.fail(_find(root, "nodes", i, "gpu"), f"{where}.gpu",
-                             "is for launch: local (a remote node uses the GPUs its own environment gives it)")
+                raise r.fail(
+                    _find(root, "nodes", i, "gpu"),
+                    f"{where}.gpu",
+                    "is for launch: local (a remote node uses the GPUs its own environment gives it)",
+                )
             if n.gpu < 0:
-                raise r.fail(_find(root, "nodes", i, "gpu"), f"{where}.gpu", f"must be a GPU index >= 0 (got {n.gpu})")
+                raise r.fail(
+                    _find(root, "nodes", i, "gpu"),
+                    f"{where}.gpu",
+                    f"must be a GPU index >= 0 (got {n.gpu})",
+                )
         if n.expert_cache is not None:
             try:
                 ExpertCacheSpec.parse(n.expert_cache)
             except UserError as exc:
-                raise r.fail(_find(root, "nodes", i, "expert_cache"), f"{where}.expert_cache", str(exc)) from None
+                raise r.fail(
+                    _find(root, "nodes", i, "expert_cache"), f"{where}.expert_cache", str(exc)
+                ) from None
     if not 0 < c.placement.memory_fraction <= 1:
-        raise r.fail(_find(root, "placement", "memory_fraction"), "placement.memory_fraction",
-                     f"must be in (0, 1] (got {c.placement.memory_fraction})")
+        raise r.fail(
+            _find(root, "placement", "memory_fraction"),
+            "placement.memory_fraction",
+            f"must be in (0, 1] (got {c.placement.memory_fraction})",
+        )
     try:
         ExpertCacheSpec.parse(c.placement.expert_cache)
     except UserError as exc:
-        raise r.fail(_find(root, "placement", "expert_cache"), "placement.expert_cache", str(exc)) from None
+        raise r.fail(
+            _find(root, "placement", "expert_cache"), "placement.expert_cache", str(exc)
+        ) from None
     if c.placement.strategy == "profile" and not c.placement.profile:
-        raise r.fail(_find(root, "placement", "strategy"), "placement.profile", "strategy 'profile' needs a profile file")
+        raise r.fail(
+            _find(root, "placement", "strategy"),
+            "placement.profile",
+            "strategy 'profile' needs a profile file",
+        )
     if not 1 <= c.api.port <= 65535 and c.api.port != 0:
-        raise r.fail(_find(root, "api", "port"), "api.port", f"{c.api.port} is not a port (1..65535)")
+        raise r.fail(
+            _find(root, "api", "port"), "api.port", f"{c.api.port} is not a port (1..65535)"
+        )
     if c.api.max_body < 1024:
-        raise r.fail(_find(root, "api", "max_body"), "api.max_body", f"must be at least 1KB (got {int(c.api.max_body)} bytes)")
+        raise r.fail(
+            _find(root, "api", "max_body"),
+            "api.max_body",
+            f"must be at least 1KB (got {int(c.api.max_body)} bytes)",
+        )
     if c.api.api_key_env and c.api.api_key_file:
         raise r.fail(_find(root, "api"), "api", "give api_key_env or api_key_file, not both")
     secret = _find(root, "secret")
-    if isinstance(secret, yaml.MappingNode) and {"env", "file"} <= {k.value for k, _ in secret.value}:
+    if isinstance(secret, yaml.MappingNode) and {"env", "file"} <= {
+        k.value for k, _ in secret.value
+    }:
         raise r.fail(secret, "secret", "give env or file, not both")
     if c.serving.prefill_chunk < 16:
-        raise r.fail(_find(root, "serving", "prefill_chunk"), "serving.prefill_chunk",
-                     f"must be at least 16 tokens (got {c.serving.prefill_chunk})")
+        raise r.fail(
+            _find(root, "serving", "prefill_chunk"),
+            "serving.prefill_chunk",
+            f"must be at least 16 tokens (got {c.serving.prefill_chunk})",
+        )
     for key in ("max_batch", "prefill_budget"):
         if getattr(c.serving, key) < 1:
-            raise r.fail(_find(root, "serving", key), f"serving.{key}", f"must be at least 1 (got {getattr(c.serving, key)})")
+            raise r.fail(
+                _find(root, "serving", key),
+                f"serving.{key}",
+                f"must be at least 1 (got {getattr(c.serving, key)})",
+            )
     if c.serving.queue < 1:
-        raise r.fail(_find(root, "serving", "queue"), "serving.queue", f"must be at least 1 (got {c.serving.queue})")
+        raise r.fail(
+            _find(root, "serving", "queue"),
+            "serving.queue",
+            f"must be at least 1 (got {c.serving.queue})",
+        )
     if c.serving.max_tokens < 1:
-        raise r.fail(_find(root, "serving", "max_tokens"), "serving.max_tokens", f"must be at least 1 (got {c.serving.max_tokens})")
+        raise r.fail(
+            _find(root, "serving", "max_tokens"),
+            "serving.max_tokens",
+            f"must be at least 1 (got {c.serving.max_tokens})",
+        )
     draft = c.serving.speculative == "draft"
     if draft != bool(c.serving.draft_model):
         key = "speculative" if draft else "draft_model"
-        raise r.fail(_find(root, "serving", key), f"serving.{key}",
-                     "speculative: draft needs serving.draft_model (a small checkpoint with the model's tokenizer)"
-                     if draft else "serving.draft_model needs speculative: draft")
+        raise r.fail(
+            _find(root, "serving", key),
+            f"serving.{key}",
+            "speculative: draft needs serving.draft_model (a small checkpoint with the model's tokenizer)"
+            if draft
+            else "serving.draft_model needs speculative: draft",
+        )
     if draft and c.checkpoint == "coordinator":
-        raise r.fail(_find(root, "serving", "draft_model"), "serving.draft_model",
-                     "the draft model is read on the first node's machine; checkpoint: coordinator ships only "
-                     "the model (copy the draft there and use checkpoint: every-node)")
-    if draft and c.launch == "local" and c.serving.draft_model != "demo" \
-            and not Path(c.serving.draft_model).expanduser().exists():
-        raise r.fail(_find(root, "serving", "draft_model"), "serving.draft_model",
-                     f"{c.serving.draft_model} does not exist on this machine")
+        raise r.fail(
+            _find(root, "serving", "draft_model"),
+            "serving.draft_model",
+            "the draft model is read on the first node's machine; checkpoint: coordinator ships only "
+            "the model (copy the draft there and use checkpoint: every-node)",
+        )
+    if (
+        draft
+        and c.launch == "local"
+        and c.serving.draft_model != "demo"
+        and not Path(c.serving.draft_model).expanduser().exists()
+    ):
+        raise r.fail(
+            _find(root, "serving", "draft_model"),
+            "serving.draft_model",
+            f"{c.serving.draft_model} does not exist on this machine",
+        )
     if not 1 <= c.serving.draft_tokens <= DRAFT_LIMIT:
-        raise r.fail(_find(root, "serving", "draft_tokens"), "serving.draft_tokens",
-                     f"must be 1 to {DRAFT_LIMIT} (got {c.serving.draft_tokens})")
+        raise r.fail(
+            _find(root, "serving", "draft_tokens"),
+            "serving.draft_tokens",
+            f"must be 1 to {DRAFT_LIMIT} (got {c.serving.draft_tokens})",
+        )
     if c.serving.max_resumes < 0:
-        raise r.fail(_find(root, "serving", "max_resumes"), "serving.max_resumes",
-                     f"must be at least 0 (got {c.serving.max_resumes})")
+        raise r.fail(
+            _find(root, "serving", "max_resumes"),
+            "serving.max_resumes",
+            f"must be at least 0 (got {c.serving.max_resumes})",
+        )
     if c.launch == "local":
-        remote = [n.name for n in c.nodes if n.address not in (None, "127.0.0.1", "localhost", "::1")
-                  and not str(n.address).startswith(("127.", "localhost:"))]
+        remote = [
+            n.name
+            for n in c.nodes
+            if n.address not in (None, "127.0.0.1", "localhost", "::1")
+            and not str(n.address).startswith(("127.", "localhost:"))
+        ]
         if remote:
             i = names[remote[0]]
-            raise r.fail(_find(root, "nodes", i, "address"), f"nodes[{i}].address",
-                         "launch: local starts nodes on this machine; a remote address needs launch: remote")
+            raise r.fail(
+                _find(root, "nodes", i, "address"),
+                f"nodes[{i}].address",
+                "launch: local starts nodes on this machine; a remote address needs launch: remote",
+            )
     if _find(root, "ship") is not root and c.checkpoint != "coordinator":
-        raise r.fail(_find(root, "ship"), "ship", "applies only with checkpoint: coordinator (the nodes then "
-                     "receive their shards from this machine)")
+        raise r.fail(
+            _find(root, "ship"),
+            "ship",
+            "applies only with checkpoint: coordinator (the nodes then "
+            "receive their shards from this machine)",
+        )
     if not 0 <= c.ship.port <= 65535:
-        raise r.fail(_find(root, "ship", "port"), "ship.port", f"{c.ship.port} is not a port (0..65535)")
+        raise r.fail(
+            _find(root, "ship", "port"), "ship.port", f"{c.ship.port} is not a port (0..65535)"
+        )
     if not 64 * 2**10 <= c.ship.chunk <= 4 * 2**20:
-        raise r.fail(_find(root, "ship", "chunk"), "ship.chunk", f"must be 64KiB to 4MiB (got {int(c.ship.chunk)} bytes)")
+        raise r.fail(
+            _find(root, "ship", "chunk"),
+            "ship.chunk",
+            f"must be 64KiB to 4MiB (got {int(c.ship.chunk)} bytes)",
+        )
     if c.model != "demo" and c.launch == "local" and not Path(c.model).expanduser().exists():
         raise r.fail(_find(root, "model"), "model", f"{c.model} does not exist on this machine")
 
@@ -423,7 +580,9 @@ def read_secret(c: ClusterConfig) -> str:
         try:
             return p.read_text().strip()
         except OSError as exc:
-            raise ConfigError(f"{c.source}: secret.file: cannot read {p} ({exc.strerror})") from None
+            raise ConfigError(
+                f"{c.source}: secret.file: cannot read {p} ({exc.strerror})"
+            ) from None
     if c.secret.env:
         return os.environ.get(c.secret.env, "")
     return ""
@@ -437,11 +596,15 @@ def read_api_key(c: ClusterConfig) -> str | None:
         try:
             return p.read_text().strip() or None
         except OSError as exc:
-            raise ConfigError(f"{c.source}: api.api_key_file: cannot read {p} ({exc.strerror})") from None
+            raise ConfigError(
+                f"{c.source}: api.api_key_file: cannot read {p} ({exc.strerror})"
+            ) from None
     if c.api.api_key_env:
         key = os.environ.get(c.api.api_key_env)
         if not key:
-            raise ConfigError(f"{c.source}: api.api_key_env: environment variable {c.api.api_key_env} is not set")
+            raise ConfigError(
+                f"{c.source}: api.api_key_env: environment variable {c.api.api_key_env} is not set"
+            )
         return key
     return None
 
@@ -451,8 +614,10 @@ def read_credentials(c: ClusterConfig) -> tuple[str, str | None]:
     read. An empty secret is only allowed with launch: local (`up` then makes one for its nodes)."""
     secret = read_secret(c)
     if not secret and c.launch == "remote":
-        raise ConfigError(f"{c.source}: secret: no cluster secret; set {c.secret.env or 'MOE_CLUSTER_SECRET'} "
-                          "(the same on every node) or secret.file")
+        raise ConfigError(
+            f"{c.source}: secret: no cluster secret; set {c.secret.env or 'MOE_CLUSTER_SECRET'} "
+            "(the same on every node) or secret.file"
+        )
     return secret, read_api_key(c)
 
 
@@ -462,7 +627,9 @@ def validate_main(args) -> int:
     c = load_config(args.file)
     read_credentials(c)
     nodes = ", ".join(n.name + (f" ({n.address})" if n.address else "") for n in c.nodes)
-    print(f"{c.source}: ok — {len(c.nodes)} nodes [{nodes}], model {c.model}, launch {c.launch}, "
-          f"transport {c.transport}, keepalive {c.keepalive}, placement {c.placement.strategy}, "
-          f"API http://{c.api.host}:{c.api.port}")
+    print(
+        f"{c.source}: ok — {len(c.nodes)} nodes [{nodes}], model {c.model}, launch {c.launch}, "
+        f"transport {c.transport}, keepalive {c.keepalive}, placement {c.placement.strategy}, "
+        f"API http://{c.api.host}:{c.api.port}"
+    )
     return 0

@@ -43,7 +43,9 @@ def default_digest_dir() -> Path:
 class BlobDigest:
     sha256: str  # hex, of the whole blob
     piece_bytes: int
-    pieces: tuple[int, ...]  # piece_hasher's digest of bytes [i * piece_bytes, (i + 1) * piece_bytes)
+    pieces: tuple[
+        int, ...
+    ]  # piece_hasher's digest of bytes [i * piece_bytes, (i + 1) * piece_bytes)
     stat: tuple[int, ...] = ()  # its file's _file_key when it was hashed
 
 
@@ -56,13 +58,21 @@ class Digests:
     """Digests of the blobs `ranges` ({blob: (file, start, bytes)}) of the checkpoint `fingerprint`,
     computed on demand and kept in `folder` (None: in memory only)."""
 
-    def __init__(self, ranges: dict[str, tuple[Path, int, int]], fingerprint: str, folder: Path | None,
-                 *, piece_bytes: int, workers: int | None = None):
+    def __init__(
+        self,
+        ranges: dict[str, tuple[Path, int, int]],
+        fingerprint: str,
+        folder: Path | None,
+        *,
+        piece_bytes: int,
+        workers: int | None = None,
+    ):
         self.ranges = ranges
         self.piece_bytes = piece_bytes
         self.hashed_bytes = 0  # read and hashed by this process (the tests and the bench count it)
-        self._pool = ThreadPoolExecutor(workers or max(1, min(4, (os.cpu_count() or 2) // 2)),
-                                        thread_name_prefix="digest")
+        self._pool = ThreadPoolExecutor(
+            workers or max(1, min(4, (os.cpu_count() or 2) // 2)), thread_name_prefix="digest"
+        )
         self._futures: dict[str, Future] = {}
         self._lock = threading.Lock()
         self.path = Path(folder) / f"{fingerprint[:16]}.jsonl" if folder else None
@@ -76,7 +86,11 @@ class Digests:
         except FileNotFoundError:
             return
         except OSError as exc:
-            logger.warning("digests %s: cannot read (%s); blobs are hashed again", self.path, exc.strerror or exc)
+            logger.warning(
+                "digests %s: cannot read (%s); blobs are hashed again",
+                self.path,
+                exc.strerror or exc,
+            )
             return
         stats: dict[Path, list[int] | None] = {}
         kept: dict[str, str] = {}  # blob -> its latest valid line
@@ -84,12 +98,19 @@ class Digests:
             try:
                 d = json.loads(line)
                 blob, span = str(d["blob"]), [int(x) for x in d["range"]]
-                digest = BlobDigest(str(d["sha256"]), int(d["piece_bytes"]), tuple(int(p, 16) for p in d["pieces"]),
-                                    tuple(int(x) for x in d["stat"]))
+                digest = BlobDigest(
+                    str(d["sha256"]),
+                    int(d["piece_bytes"]),
+                    tuple(int(p, 16) for p in d["pieces"]),
+                    tuple(int(x) for x in d["stat"]),
+                )
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue
-            if (blob not in self.ranges or digest.piece_bytes != self.piece_bytes
-                    or not SHA256_HEX.fullmatch(digest.sha256)):
+            if (
+                blob not in self.ranges
+                or digest.piece_bytes != self.piece_bytes
+                or not SHA256_HEX.fullmatch(digest.sha256)
+            ):
                 continue
             path, start, n = self.ranges[blob]
             if path not in stats:
@@ -98,8 +119,11 @@ class Digests:
                 except OSError:
                     stats[path] = None
             # the same file as it was, and the same bytes of it (another version may place a blob elsewhere)
-            if (stats[path] != digest.stat or span != [start, n]
-                    or len(digest.pieces) != math.ceil(n / self.piece_bytes)):
+            if (
+                stats[path] != digest.stat
+                or span != [start, n]
+                or len(digest.pieces) != math.ceil(n / self.piece_bytes)
+            ):
                 continue
             done: Future = Future()
             done.set_result(digest)
@@ -116,7 +140,10 @@ class Digests:
     def known(self) -> int:
         """Blobs whose digests are at hand (kept or computed)."""
         with self._lock:
-            return sum(f.done() and not f.cancelled() and f.exception() is None for f in self._futures.values())
+            return sum(
+                f.done() and not f.cancelled() and f.exception() is None
+                for f in self._futures.values()
+            )
 
     def start(self, blob: str, then=()) -> None:
         """Start hashing `blob`, then the first AHEAD of `then` (the ones its stream sends next), in
@@ -135,7 +162,11 @@ class Digests:
                 digest = fut.result()
                 if tuple(_file_key(self.ranges[blob][0])) == digest.stat:
                     return digest
-                logger.warning("digests: %s changed since %s was hashed; hashing it again", self.ranges[blob][0], blob)
+                logger.warning(
+                    "digests: %s changed since %s was hashed; hashing it again",
+                    self.ranges[blob][0],
+                    blob,
+                )
             except OSError:
                 self._drop(blob, fut)
                 raise
@@ -188,15 +219,26 @@ class Digests:
         if self.path is None:
             return
         _, start, n = self.ranges[blob]
-        line = json.dumps({"blob": blob, "range": [start, n], "sha256": digest.sha256, "piece_bytes": digest.piece_bytes,
-                           "pieces": [f"{p:016x}" for p in digest.pieces], "stat": list(digest.stat)})
+        line = json.dumps(
+            {
+                "blob": blob,
+                "range": [start, n],
+                "sha256": digest.sha256,
+                "piece_bytes": digest.piece_bytes,
+                "pieces": [f"{p:016x}" for p in digest.pieces],
+                "stat": list(digest.stat),
+            }
+        )
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as f:
                 f.write(line + "\n")
         except OSError as exc:
-            logger.warning("digests: cannot keep them in %s (%s); this run keeps them in memory",
-                           self.path, exc.strerror or exc)
+            logger.warning(
+                "digests: cannot keep them in %s (%s); this run keeps them in memory",
+                self.path,
+                exc.strerror or exc,
+            )
             self.path = None
 
     def close(self) -> None:

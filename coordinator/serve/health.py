@@ -20,7 +20,9 @@ from ...proto.errors import ErrorKind, MoeClusterError
 
 BACKOFF_S = 1.0  # seconds before the second rejoin attempt; doubles with each failure
 BACKOFF_MAX_S = 30.0
-RETRY_AFTER_S = 2  # seconds a refused client is told to wait while the cluster is degraded or recovering
+RETRY_AFTER_S = (
+    2  # seconds a refused client is told to wait while the cluster is degraded or recovering
+)
 
 
 class NodeLostError(MoeClusterError):
@@ -72,6 +74,7 @@ class ClusterHealth:
 
 
 # -- events --------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class LoadStarted:
@@ -143,8 +146,20 @@ class Stopping:
     pass
 
 
-Event = Union[LoadStarted, LoadDone, NodeLoading, NodeLoaded, HeartbeatOk, HeartbeatFailed, EnvoyDown, RpcFailed,
-              RejoinStarted, RejoinSucceeded, RejoinFailed, Stopping]
+Event = Union[
+    LoadStarted,
+    LoadDone,
+    NodeLoading,
+    NodeLoaded,
+    HeartbeatOk,
+    HeartbeatFailed,
+    EnvoyDown,
+    RpcFailed,
+    RejoinStarted,
+    RejoinSucceeded,
+    RejoinFailed,
+    Stopping,
+]
 
 
 def initial(nodes: list[tuple[str, str]]) -> ClusterHealth:
@@ -153,6 +168,7 @@ def initial(nodes: list[tuple[str, str]]) -> ClusterHealth:
 
 
 # -- the machine ---------------------------------------------------------------------------------
+
 
 def _set_node(s: ClusterHealth, name: str, **changes) -> ClusterHealth:
     return replace(s, nodes=tuple(replace(n, **changes) if n.name == name else n for n in s.nodes))
@@ -165,7 +181,9 @@ def _lose(s: ClusterHealth, name: str, state: str, reason: str) -> ClusterHealth
         return s
     s = _set_node(s, name, state=state, reason=reason)
     if s.phase in ("ready", "recovering", "degraded"):
-        lost = f"node {name} ({n.address}) {'is down' if state == 'dead' else 'has failed'}: {reason}"
+        lost = (
+            f"node {name} ({n.address}) {'is down' if state == 'dead' else 'has failed'}: {reason}"
+        )
         # the first cause (refined by its node's later reason), or the last rejoin's failure
         keep = s.phase == "degraded" and s.reason and s.cause != name
         s = s if keep else replace(s, reason=lost, cause=name)
@@ -184,7 +202,11 @@ def apply(s: ClusterHealth, e: Event) -> ClusterHealth:
     if isinstance(e, LoadDone):
         if e.error:
             return replace(s, phase="degraded", reason=e.error)
-        return replace(s, phase="ready", reason="", cause="", attempts=0, retry_at=0.0) if _all_ready(s) else s
+        return (
+            replace(s, phase="ready", reason="", cause="", attempts=0, retry_at=0.0)
+            if _all_ready(s)
+            else s
+        )
     if isinstance(e, NodeLoading):
         return _set_node(s, e.node, state="loading", reason="")
     if isinstance(e, NodeLoaded):
@@ -211,8 +233,14 @@ def apply(s: ClusterHealth, e: Event) -> ClusterHealth:
             return s
         attempts = s.attempts + 1
         delay = min(BACKOFF_S * 2 ** (attempts - 1), BACKOFF_MAX_S)
-        return replace(s, phase="degraded", attempts=attempts, retry_at=e.at + delay, cause="",
-                       reason=f"rejoin failed (attempt {attempts}, next in {delay:.0f} s): {e.reason}")
+        return replace(
+            s,
+            phase="degraded",
+            attempts=attempts,
+            retry_at=e.at + delay,
+            cause="",
+            reason=f"rejoin failed (attempt {attempts}, next in {delay:.0f} s): {e.reason}",
+        )
     raise TypeError(f"not a health event: {e!r}")
 
 
@@ -233,6 +261,7 @@ def _heartbeat(s: ClusterHealth, e: HeartbeatOk) -> ClusterHealth:
 
 
 # -- what readers ask ----------------------------------------------------------------------------
+
 
 def can_rejoin(s: ClusterHealth, now: float) -> bool:
     """A rejoin may start: degraded, every node answering, and the backoff has passed."""

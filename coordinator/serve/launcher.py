@@ -30,13 +30,22 @@ class LocalNode:
     port: int
     log_path: Path
     memory: int | None = None
-    gpu: int | None = None  # CUDA_VISIBLE_DEVICES of the agent (one GPU per node on a multi-GPU host)
+    gpu: int | None = (
+        None  # CUDA_VISIBLE_DEVICES of the agent (one GPU per node on a multi-GPU host)
+    )
     process: asyncio.subprocess.Process | None = None
 
 
 class Launcher:
-    def __init__(self, secret: str, log_dir: Path, cluster: str, start_timeout_s: float = 60.0, tls=None,
-                 cache_root: Path | None = None):
+    def __init__(
+        self,
+        secret: str,
+        log_dir: Path,
+        cluster: str,
+        start_timeout_s: float = 60.0,
+        tls=None,
+        cache_root: Path | None = None,
+    ):
         self.secret = secret
         self.tls = tls  # proto.records.TlsFiles: the agents' and envoys' certificate
         self.log_dir = log_dir
@@ -44,12 +53,27 @@ class Launcher:
         self.start_timeout_s = start_timeout_s
         self.nodes: dict[str, LocalNode] = {}
         self._closing = False
-        self.cache_root = cache_root  # shipped shards: each local node its own cache folder under it
+        self.cache_root = (
+            cache_root  # shipped shards: each local node its own cache folder under it
+        )
 
     def _command(self, node: LocalNode) -> list[str]:
-        cmd = [sys.executable, "-m", "moe_cluster.coordinator.cli", "node", "--name", node.name,
-               "--host", "127.0.0.1", "--port", str(node.port), "--cluster", self.cluster, "--no-mdns",
-               "--exit-with-parent"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "moe_cluster.coordinator.cli",
+            "node",
+            "--name",
+            node.name,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(node.port),
+            "--cluster",
+            self.cluster,
+            "--no-mdns",
+            "--exit-with-parent",
+        ]
         if node.memory:
             cmd += ["--memory", str(node.memory)]
         if self.cache_root is not None:
@@ -67,19 +91,32 @@ class Launcher:
         if node.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(node.gpu)
         node.process = await asyncio.create_subprocess_exec(
-            *self._command(node), stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+            *self._command(node),
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=env,
+            start_new_session=True,
+        )
         log.close()
         try:
             line = await asyncio.wait_for(self._ready_line(node), self.start_timeout_s)
         except asyncio.TimeoutError:
             await self.stop_one(node)
-            raise ClusterError(f"node {node.name} did not start within {self.start_timeout_s:.0f} s "
-                               f"(see {node.log_path})") from None
+            raise ClusterError(
+                f"node {node.name} did not start within {self.start_timeout_s:.0f} s "
+                f"(see {node.log_path})"
+            ) from None
         if line is None:
             code = await node.process.wait()
-            tail = node.log_path.read_text(errors="replace").strip().splitlines()[-1:] if node.log_path.exists() else []
-            raise ClusterError(f"node {node.name} exited with code {code} before it was ready"
-                               + (f": {tail[0]}" if tail else f" (see {node.log_path})"))
+            tail = (
+                node.log_path.read_text(errors="replace").strip().splitlines()[-1:]
+                if node.log_path.exists()
+                else []
+            )
+            raise ClusterError(
+                f"node {node.name} exited with code {code} before it was ready"
+                + (f": {tail[0]}" if tail else f" (see {node.log_path})")
+            )
         asyncio.create_task(self._drain(node), name=f"stdout-{node.name}")
         logger.info("started node %s (pid %d) on port %d", node.name, node.process.pid, node.port)
 
@@ -105,7 +142,9 @@ class Launcher:
 
     def pid(self, name: str) -> int | None:
         node = self.nodes.get(name)
-        return node.process.pid if node and node.process and node.process.returncode is None else None
+        return (
+            node.process.pid if node and node.process and node.process.returncode is None else None
+        )
 
     def respawn(self, name: str) -> asyncio.Task | None:
         """Restart an agent that stopped answering, in the background (called by the heartbeat).
@@ -120,7 +159,11 @@ class Launcher:
 
         async def restart():
             if node.process is not None and node.process.returncode is None:
-                logger.warning("node %s (pid %d) is not answering: killing its process group", name, node.process.pid)
+                logger.warning(
+                    "node %s (pid %d) is not answering: killing its process group",
+                    name,
+                    node.process.pid,
+                )
                 await self.stop_one(node, signals=(signal.SIGKILL,))
             for attempt in range(5):
                 if self._closing:
@@ -134,8 +177,12 @@ class Launcher:
 
         return asyncio.create_task(restart(), name=f"respawn-{name}")
 
-    async def stop_one(self, node: LocalNode, grace_s: float = 5.0,
-                       signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGKILL)) -> None:
+    async def stop_one(
+        self,
+        node: LocalNode,
+        grace_s: float = 5.0,
+        signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGKILL),
+    ) -> None:
         """Signal the agent's process group with each of `signals` in turn until it exits (SIGTERM
         waits `grace_s` seconds, SIGKILL 5)."""
         proc = node.process
@@ -154,4 +201,6 @@ class Launcher:
 
     async def close(self) -> None:
         self._closing = True
-        await asyncio.gather(*(self.stop_one(n) for n in self.nodes.values()), return_exceptions=True)
+        await asyncio.gather(
+            *(self.stop_one(n) for n in self.nodes.values()), return_exceptions=True
+        )

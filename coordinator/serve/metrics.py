@@ -64,7 +64,11 @@ _CACHE_SERIES = (
     ("misses_total", "counter", "Selected experts read from disk."),
     ("bytes_read_total", "counter", "Expert bytes read from disk on misses."),
     ("read_seconds_total", "counter", "Seconds spent reading missed experts."),
-    ("prefetched_total", "counter", "Expert reads started ahead of the layer's routing (routing profile)."),
+    (
+        "prefetched_total",
+        "counter",
+        "Expert reads started ahead of the layer's routing (routing profile).",
+    ),
     ("prefetch_hits_total", "counter", "Misses whose bytes a prefetch had already read."),
     ("prefetch_bytes_total", "counter", "Bytes read by prefetches, used or not."),
 )
@@ -78,9 +82,14 @@ def expert_cache_lines(nodes: list[dict]) -> list[str]:
     lines = []
     for series, kind, text in _CACHE_SERIES:
         key = series.removesuffix("_total")
-        lines += [f"# HELP moe_cluster_expert_cache_{series} {text}", f"# TYPE moe_cluster_expert_cache_{series} {kind}"]
-        lines += [f'moe_cluster_expert_cache_{series}{{node="{node}",layer="{c["layer"]}"}} {c[key]}'
-                  for node, c in rows]
+        lines += [
+            f"# HELP moe_cluster_expert_cache_{series} {text}",
+            f"# TYPE moe_cluster_expert_cache_{series} {kind}",
+        ]
+        lines += [
+            f'moe_cluster_expert_cache_{series}{{node="{node}",layer="{c["layer"]}"}} {c[key]}'
+            for node, c in rows
+        ]
     return lines
 
 
@@ -91,13 +100,20 @@ def route_lines(nodes: list[dict]) -> list[str]:
     times = [(n["name"], r, us) for n in nodes for r, us in sorted(n.get("route_us", {}).items())]
     lines = []
     if chosen:
-        lines += ["# HELP moe_cluster_node_route The decode route the node chose at load (skip, device or host).",
-                  "# TYPE moe_cluster_node_route gauge"]
+        lines += [
+            "# HELP moe_cluster_node_route The decode route the node chose at load (skip, device or host).",
+            "# TYPE moe_cluster_node_route gauge",
+        ]
         lines += [f'moe_cluster_node_route{{node="{node}",route="{r}"}} 1' for node, r in chosen]
     if times:
-        lines += ["# HELP moe_cluster_node_route_seconds One MoE layer's decode call per route, timed at load.",
-                  "# TYPE moe_cluster_node_route_seconds gauge"]
-        lines += [f'moe_cluster_node_route_seconds{{node="{node}",route="{r}"}} {us * 1e-6:.9g}' for node, r, us in times]
+        lines += [
+            "# HELP moe_cluster_node_route_seconds One MoE layer's decode call per route, timed at load.",
+            "# TYPE moe_cluster_node_route_seconds gauge",
+        ]
+        lines += [
+            f'moe_cluster_node_route_seconds{{node="{node}",route="{r}"}} {us * 1e-6:.9g}'
+            for node, r, us in times
+        ]
     return lines
 
 
@@ -196,13 +212,22 @@ class Metrics:
             f"moe_cluster_queue_depth {s['queue_depth']}",
             "# HELP moe_cluster_node_up 1 if the node is loaded and answering.",
             "# TYPE moe_cluster_node_up gauge",
-            *(f'moe_cluster_node_up{{node="{n["name"]}"}} {1 if n["state"] == "ready" else 0}' for n in s["nodes"]),
+            *(
+                f'moe_cluster_node_up{{node="{n["name"]}"}} {1 if n["state"] == "ready" else 0}'
+                for n in s["nodes"]
+            ),
             "# HELP moe_cluster_node_memory_used_bytes Memory in use on the node (weights, caches).",
             "# TYPE moe_cluster_node_memory_used_bytes gauge",
-            *(f'moe_cluster_node_memory_used_bytes{{node="{n["name"]}"}} {n["used_bytes"]}' for n in s["nodes"]),
+            *(
+                f'moe_cluster_node_memory_used_bytes{{node="{n["name"]}"}} {n["used_bytes"]}'
+                for n in s["nodes"]
+            ),
             "# HELP moe_cluster_node_memory_budget_bytes Memory placement gave the node.",
             "# TYPE moe_cluster_node_memory_budget_bytes gauge",
-            *(f'moe_cluster_node_memory_budget_bytes{{node="{n["name"]}"}} {n["budget_bytes"]}' for n in s["nodes"]),
+            *(
+                f'moe_cluster_node_memory_budget_bytes{{node="{n["name"]}"}} {n["budget_bytes"]}'
+                for n in s["nodes"]
+            ),
             "# HELP moe_cluster_node_experts Routed experts the node holds, over all layers.",
             "# TYPE moe_cluster_node_experts gauge",
             *(f'moe_cluster_node_experts{{node="{n["name"]}"}} {n["experts"]}' for n in s["nodes"]),
@@ -212,17 +237,24 @@ class Metrics:
         ]
         layers = cluster.experts()["layers"] if hasattr(cluster, "experts") else []
         if layers:
-            lines += ["# HELP moe_cluster_expert_selections_total Tokens the router sent to each expert (one per "
-                      "token and slot) since the load.",
-                      "# TYPE moe_cluster_expert_selections_total counter"]
-            lines += [f'moe_cluster_expert_selections_total{{layer="{entry["layer"]}",expert="{e}"}} {n}'
-                      for entry in layers for e, n in enumerate(entry["tokens"])]
+            lines += [
+                "# HELP moe_cluster_expert_selections_total Tokens the router sent to each expert (one per "
+                "token and slot) since the load.",
+                "# TYPE moe_cluster_expert_selections_total counter",
+            ]
+            lines += [
+                f'moe_cluster_expert_selections_total{{layer="{entry["layer"]}",expert="{e}"}} {n}'
+                for entry in layers
+                for e, n in enumerate(entry["tokens"])
+            ]
         lines += expert_cache_lines(s["nodes"])
         lines += route_lines(s["nodes"])
         hist = getattr(cluster, "allreduce_histograms", {})
         if hist:
-            lines += ["# HELP moe_cluster_allreduce_seconds Latency of one MoE layer's all-reduce, per node.",
-                      "# TYPE moe_cluster_allreduce_seconds histogram"]
+            lines += [
+                "# HELP moe_cluster_allreduce_seconds Latency of one MoE layer's all-reduce, per node.",
+                "# TYPE moe_cluster_allreduce_seconds histogram",
+            ]
             for node, h in sorted(hist.items()):
                 lines += h.lines("moe_cluster_allreduce_seconds", f'node="{node}"')
         return "\n".join(lines) + "\n"

@@ -15,7 +15,14 @@ from typing import Mapping, Sequence
 from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.placement import Placement, PlacementError, copy_everywhere, even_counts
 
-__all__ = ["ModelFootprint", "NodeBudget", "PlacementPlan", "PlacementError", "plan_placement", "proportional_counts"]
+__all__ = [
+    "ModelFootprint",
+    "NodeBudget",
+    "PlacementPlan",
+    "PlacementError",
+    "plan_placement",
+    "proportional_counts",
+]
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,9 @@ class ModelFootprint:
     replicated_bytes: int
     expert_bytes: Mapping[int, int]  # MoE layer -> bytes of one routed expert
     num_experts: Mapping[int, int]  # MoE layer -> routed experts
-    top_k: Mapping[int, int] = field(default_factory=dict)  # MoE layer -> experts each token selects
+    top_k: Mapping[int, int] = field(
+        default_factory=dict
+    )  # MoE layer -> experts each token selects
 
     @property
     def expert_set_bytes(self) -> int:
@@ -66,8 +75,12 @@ class DiskReads:
     profiled: bool  # from the routing profile (its hottest experts pinned), else uniform routing
 
 
-def disk_reads(model: ModelFootprint, held: Mapping[int, Sequence[int]], slots: Mapping[int, int],
-               profile_counts: Mapping[int, Sequence[float]] | None = None) -> DiskReads:
+def disk_reads(
+    model: ModelFootprint,
+    held: Mapping[int, Sequence[int]],
+    slots: Mapping[int, int],
+    profile_counts: Mapping[int, Sequence[float]] | None = None,
+) -> DiskReads:
     """Expected misses per token of a node holding `held` experts per MoE layer and keeping `slots`
     of them resident (`ExpertCacheSpec.capacities`, the node's own sizing). Each token selects top_k
     of E experts per layer; under uniform routing k·|held|/E of them land on the node and slots/|held|
@@ -121,7 +134,9 @@ def proportional_counts(total: int, weights: Sequence[float], caps: Sequence[int
     return counts
 
 
-def _assign_ids(num_experts: int, counts: Sequence[int], load: Sequence[float] | None) -> dict[int, list[int]]:
+def _assign_ids(
+    num_experts: int, counts: Sequence[int], load: Sequence[float] | None
+) -> dict[int, list[int]]:
     """Which expert ids each rank holds, `counts[r]` of them.
 
     Without a profile: contiguous blocks. With expected loads: hottest first, each to the rank
@@ -181,8 +196,10 @@ def plan_placement(
     if len(caching) != n:
         raise PlacementError(f"expert_cache has {len(caching)} entries for {n} nodes")
     # a node with a cache holds any number of experts (room permitting for the replicated weights)
-    caps = [emax if cache and b > 0 else (max(b, 0) // per_set if per_set else emax)
-            for b, cache in zip(budgets, caching)]
+    caps = [
+        emax if cache and b > 0 else (max(b, 0) // per_set if per_set else emax)
+        for b, cache in zip(budgets, caching)
+    ]
     if strategy == "even":
         weights = [1.0] * n
     else:
@@ -193,8 +210,11 @@ def plan_placement(
         for i, node in enumerate(nodes):
             need = model.replicated_bytes + kv_reserve + counts_hint[i] * per_set
             parts.append(f"{node.name} needs {fmt_bytes(need)}, has {fmt_bytes(available[i])}")
-        return PlacementError("the model does not fit: " + "; ".join(parts) +
-                              f" (memory fraction {memory_fraction}, KV reserve {fmt_bytes(kv_reserve)})")
+        return PlacementError(
+            "the model does not fit: "
+            + "; ".join(parts)
+            + f" (memory fraction {memory_fraction}, KV reserve {fmt_bytes(kv_reserve)})"
+        )
 
     counts_by_layer: dict[int, list[int]] = {}
     for l in layers:
@@ -240,23 +260,41 @@ def plan_placement(
         if not spec.active or (spec.mode == "auto" and held <= budgets[r]):
             caches.append("off")
             continue
-        resident = {"auto": budgets[r], "bytes": spec.value, "fraction": held * spec.value}[spec.mode]
+        resident = {"auto": budgets[r], "bytes": spec.value, "fraction": held * spec.value}[
+            spec.mode
+        ]
         caches.append(str(ExpertCacheSpec("bytes", resident)) if spec.mode == "auto" else str(spec))
         if resident < held:
             used[r] -= int(held - resident)
             mine = {l: layers_out[l][r] for l in layers}
-            slots = ExpertCacheSpec.parse(caches[-1]).capacities({l: len(ids) for l, ids in mine.items()},
-                                                                 model.expert_bytes)
+            slots = ExpertCacheSpec.parse(caches[-1]).capacities(
+                {l: len(ids) for l, ids in mine.items()}, model.expert_bytes
+            )
             disk = disk_reads(model, mine, slots, profile_counts)
-            speed = (f"about {disk.misses:.1f} misses and {fmt_bytes(disk.bytes)} read per token "
-                     f"({'the routing profile' if disk.profiled else 'uniform routing'}, hit rate "
-                     f"{disk.hit_rate:.0%}), so at most {SSD_READ_BPS[0] / disk.bytes:.1f}–"
-                     f"{SSD_READ_BPS[1] / disk.bytes:.1f} tok/s from a 4–6 GB/s SSD alone"
-                     if disk.bytes else "no reads per token expected") if model.top_k else (
-                "its speed follows its hit rate (the checkpoint's top-k is unknown here)")
-            notes.append(f"{nodes[r].name} holds {fmt_bytes(held)} of experts and keeps {fmt_bytes(resident)} "
-                         f"resident ({resident / held:.0%}); the rest are read from disk on a miss: {speed} "
-                         f"(`moe-cluster plan --model MODEL --hardware PRESET --nodes {n} --expert-cache "
-                         f"{resident / held:.0%}` predicts the whole step)")
-    return PlacementPlan(placement, tuple(budgets), tuple(used), tuple(available), tuple(replicas), tuple(notes),
-                         tuple(caches))
+            speed = (
+                (
+                    f"about {disk.misses:.1f} misses and {fmt_bytes(disk.bytes)} read per token "
+                    f"({'the routing profile' if disk.profiled else 'uniform routing'}, hit rate "
+                    f"{disk.hit_rate:.0%}), so at most {SSD_READ_BPS[0] / disk.bytes:.1f}–"
+                    f"{SSD_READ_BPS[1] / disk.bytes:.1f} tok/s from a 4–6 GB/s SSD alone"
+                    if disk.bytes
+                    else "no reads per token expected"
+                )
+                if model.top_k
+                else ("its speed follows its hit rate (the checkpoint's top-k is unknown here)")
+            )
+            notes.append(
+                f"{nodes[r].name} holds {fmt_bytes(held)} of experts and keeps {fmt_bytes(resident)} "
+                f"resident ({resident / held:.0%}); the rest are read from disk on a miss: {speed} "
+                f"(`moe-cluster plan --model MODEL --hardware PRESET --nodes {n} --expert-cache "
+                f"{resident / held:.0%}` predicts the whole step)"
+            )
+    return PlacementPlan(
+        placement,
+        tuple(budgets),
+        tuple(used),
+        tuple(available),
+        tuple(replicas),
+        tuple(notes),
+        tuple(caches),
+    )

@@ -23,10 +23,16 @@ def _url(args) -> str:
         raise NotFoundError("no running cluster found on this machine; pass --url URL") from None
 
 
-def _call(url: str, path: str, body: dict | None = None, api_key: str | None = None, timeout: float = 600) -> dict:
+def _call(
+    url: str, path: str, body: dict | None = None, api_key: str | None = None, timeout: float = 600
+) -> dict:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url + path, data=data, method="POST" if body is not None else "GET",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path,
+        data=data,
+        method="POST" if body is not None else "GET",
+        headers={"Content-Type": "application/json"},
+    )
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
     try:
@@ -82,18 +88,22 @@ def status_table(s: dict) -> str:
     """/v1/cluster/status as the lines `moe-cluster status` prints."""
     from .placement import fmt_bytes
 
-    lines = [f"cluster {s['state']}{': ' + s['reason'] if s.get('reason') else ''} — model {s['model']}, "
-             f"transport {s['transport']}, up {s['uptime_s']:.0f}s, running {s.get('running', 0)}, "
-             f"waiting {s.get('waiting', 0)}",
-             f"{'node':<14} {'state':<8} {'address':<22} {'memory used / budget':<24} {'experts':>7} "
-             f"{'route':<6} {'all-reduce p50':>14} {'pid':>7}"]
+    lines = [
+        f"cluster {s['state']}{': ' + s['reason'] if s.get('reason') else ''} — model {s['model']}, "
+        f"transport {s['transport']}, up {s['uptime_s']:.0f}s, running {s.get('running', 0)}, "
+        f"waiting {s.get('waiting', 0)}",
+        f"{'node':<14} {'state':<8} {'address':<22} {'memory used / budget':<24} {'experts':>7} "
+        f"{'route':<6} {'all-reduce p50':>14} {'pid':>7}",
+    ]
     for n in s["nodes"]:
         mem = f"{fmt_bytes(n['used_bytes'])} / {fmt_bytes(n['budget_bytes'])}"
         p50 = n.get("allreduce_p50_s")
         p50 = "-" if p50 is None else f"<= {p50 * 1e3:g} ms"
         route = n.get("route") or "-"  # the node's decode route (node/moe/route.py), chosen at load
-        lines.append(f"{n['name']:<14} {n['state']:<8} {n['address']:<22} {mem:<24} {n['experts']:>7} {route:<6} "
-                     f"{p50:>14} {n['pid'] or '-':>7}")
+        lines.append(
+            f"{n['name']:<14} {n['state']:<8} {n['address']:<22} {mem:<24} {n['experts']:>7} {route:<6} "
+            f"{p50:>14} {n['pid'] or '-':>7}"
+        )
     return "\n".join(lines)
 
 
@@ -109,20 +119,36 @@ def generate(args) -> int:
 
     Sampling(args.max_tokens, args.temperature, args.top_p, args.seed).check()
     url = _url(args)
-    body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "top_p": args.top_p}
+    body = {
+        "prompt": args.prompt,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+    }
     if args.seed is not None:
         body["seed"] = args.seed
     out = _call(url, "/v1/completions", body, api_key=_api_key(args))
     extra = out.get("moe_cluster", {})
     text = out["choices"][0]["text"]
     if args.json:
-        print(json.dumps({"text": text, "tokens": extra.get("tokens", []), "prompt_tps": extra.get("prompt_tps"),
-                          "generation_tps": extra.get("generation_tps"), "peak_memory_bytes": extra.get("peak_memory_bytes"),
-                          "finish_reason": out["choices"][0]["finish_reason"],
-                          "cached_tokens": extra.get("cached_tokens", 0), "usage": out.get("usage")}))
+        print(
+            json.dumps(
+                {
+                    "text": text,
+                    "tokens": extra.get("tokens", []),
+                    "prompt_tps": extra.get("prompt_tps"),
+                    "generation_tps": extra.get("generation_tps"),
+                    "peak_memory_bytes": extra.get("peak_memory_bytes"),
+                    "finish_reason": out["choices"][0]["finish_reason"],
+                    "cached_tokens": extra.get("cached_tokens", 0),
+                    "usage": out.get("usage"),
+                }
+            )
+        )
         return 0
     print(text, flush=True)
-    print(f"{'=' * 10}\ngeneration: {len(extra.get('tokens', []))} tokens, {extra.get('generation_tps', 0):.1f} tokens/s",
-          file=sys.stderr)
+    print(
+        f"{'=' * 10}\ngeneration: {len(extra.get('tokens', []))} tokens, {extra.get('generation_tps', 0):.1f} tokens/s",
+        file=sys.stderr,
+    )
     return 0

@@ -35,14 +35,20 @@ def continuation(req: GenerateRequest, tokens: Sequence[int], attempt: int) -> G
         return req
     s = req.sampling
     if len(tokens) >= s.max_tokens:
-        raise ValueError(f"request {req.request_id} has all its {s.max_tokens} tokens: "
-                         "nothing to resume")
+        raise ValueError(
+            f"request {req.request_id} has all its {s.max_tokens} tokens: nothing to resume"
+        )
     sampling = replace(s, max_tokens=s.max_tokens - len(tokens), step=s.step + len(tokens))
     prediction = tuple(req.prediction)  # what is left of it, where the output followed it so far
     if prediction[: len(tokens)] == tuple(tokens):
         prediction = prediction[len(tokens) :]
-    return replace(req, request_id=f"{req.request_id}.r{attempt}", prompt=(*req.prompt, *tokens),
-                   sampling=sampling, prediction=prediction)
+    return replace(
+        req,
+        request_id=f"{req.request_id}.r{attempt}",
+        prompt=(*req.prompt, *tokens),
+        sampling=sampling,
+        prediction=prediction,
+    )
 
 
 class KeepAlive:

@@ -63,9 +63,13 @@ def number(body: dict, name: str, allowed: Range, default: float) -> float:
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise FieldError(f"'{name}' must be a number in {allowed} (got {json_kind(v)}: {show(v)})", name)
+        raise FieldError(
+            f"'{name}' must be a number in {allowed} (got {json_kind(v)}: {show(v)})", name
+        )
     if not allowed.holds(v):
-        raise FieldError(f"'{name}' is out of range ({show(v)}): must be a number in {allowed}", name)
+        raise FieldError(
+            f"'{name}' is out of range ({show(v)}): must be a number in {allowed}", name
+        )
     return float(v)
 
 
@@ -78,8 +82,14 @@ def seed(body: dict) -> int | None:
 
 def parse(body: dict, max_tokens: int, temperature: Range) -> Sampling:
     """The sampling of a request body, checked against the endpoint's ranges and normalised."""
-    return normalise(Sampling(max_tokens, number(body, "temperature", temperature, 0.0),
-                              number(body, "top_p", TOP_P, 1.0), seed(body)))
+    return normalise(
+        Sampling(
+            max_tokens,
+            number(body, "temperature", temperature, 0.0),
+            number(body, "top_p", TOP_P, 1.0),
+            seed(body),
+        )
+    )
 
 
 def normalise(s: Sampling) -> Sampling:

@@ -70,27 +70,41 @@ class NodeTransfer:
         elapsed = max(time.monotonic() - self.started, 1e-6)
         rate = self.sent / elapsed
         eta = (self.total - self.sent) / rate if rate > 0 else float("inf")
-        return (f"ship {self.node}: {fmt_bytes(self.sent)} of {fmt_bytes(self.total)} "
-                f"({100 * self.sent / max(self.total, 1):.0f}%), {fmt_bytes(rate)}/s, ETA {eta:.1f}s")
+        return (
+            f"ship {self.node}: {fmt_bytes(self.sent)} of {fmt_bytes(self.total)} "
+            f"({100 * self.sent / max(self.total, 1):.0f}%), {fmt_bytes(rate)}/s, ETA {eta:.1f}s"
+        )
 
 
 class Shipper(spb_grpc.ShipServicer):
     """Serves the blobs of one checkpoint (each call on a thread of the server's pool)."""
 
-    def __init__(self, ckpt: Checkpoint, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_rate: float = 0.0,
-                 report: Callable[[str], None] | None = None, catalog: Catalog | None = None,
-                 data_channel: bool = True, digest_dir: Path | None = None):
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_rate: float = 0.0,
+        report: Callable[[str], None] | None = None,
+        catalog: Catalog | None = None,
+        data_channel: bool = True,
+        digest_dir: Path | None = None,
+    ):
         self.catalog = catalog or catalog_of(ckpt)
         self.fingerprint = self.catalog.fingerprint
         self.ranges = source_ranges(ckpt, self.catalog)
         # each blob's sha256 and piece digests, kept in `digest_dir` across runs (None: this run only)
-        self.digests = Digests(self.ranges, self.fingerprint, digest_dir, piece_bytes=node_cache.PIECE_BYTES)
+        self.digests = Digests(
+            self.ranges, self.fingerprint, digest_dir, piece_bytes=node_cache.PIECE_BYTES
+        )
         self.catalog_bytes = json.dumps(self.catalog.to_json()).encode()
         self.chunk_bytes = chunk_bytes
         self.max_rate = max_rate  # bytes per second per node; 0: as fast as the network goes
         self.transfers: dict[str, NodeTransfer] = {}
         self._report = report or (lambda line: print(line, file=sys.stderr, flush=True))
-        self.data_channel = data_channel  # False: every byte over gRPC Fetch (tests of its chunk checks)
+        self.data_channel = (
+            data_channel  # False: every byte over gRPC Fetch (tests of its chunk checks)
+        )
         self.data: DataChannel | None = None  # started by start_server when the service has no TLS
         self.data_token = secrets.token_hex(16)
 
@@ -99,20 +113,39 @@ class Shipper(spb_grpc.ShipServicer):
 
     def Catalog(self, request, context):
         if request.fingerprint != self.fingerprint:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"this coordinator ships model {self.fingerprint[:16]}, "
-                                                     f"not {request.fingerprint[:16]}")
-        return convert.catalog_reply_to_proto(self.catalog_bytes, self.data.port if self.data else 0,
-                                              self.data_token if self.data else "")
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"this coordinator ships model {self.fingerprint[:16]}, "
+                f"not {request.fingerprint[:16]}",
+            )
+        return convert.catalog_reply_to_proto(
+            self.catalog_bytes,
+            self.data.port if self.data else 0,
+            self.data_token if self.data else "",
+        )
 
-    def refusal(self, fingerprint: str, blobs, first_offset: int) -> tuple[grpc.StatusCode, str] | None:
+    def refusal(
+        self, fingerprint: str, blobs, first_offset: int
+    ) -> tuple[grpc.StatusCode, str] | None:
         """Why a request for `blobs` cannot be served (code, message), or None."""
         if fingerprint != self.fingerprint:
-            return grpc.StatusCode.NOT_FOUND, f"this coordinator ships model {self.fingerprint[:16]}, not {fingerprint[:16]}"
+            return (
+                grpc.StatusCode.NOT_FOUND,
+                f"this coordinator ships model {self.fingerprint[:16]}, not {fingerprint[:16]}",
+            )
         unknown = [b for b in blobs if b not in self.ranges]
         if unknown:
-            return grpc.StatusCode.INVALID_ARGUMENT, f"{len(unknown)} unknown blobs, e.g. {unknown[0][:200]!r}"
-        if first_offset < 0 or (first_offset and (not blobs or first_offset >= self.ranges[blobs[0]][2])):
-            return grpc.StatusCode.INVALID_ARGUMENT, f"first_offset {first_offset} is not inside the blob"
+            return (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(unknown)} unknown blobs, e.g. {unknown[0][:200]!r}",
+            )
+        if first_offset < 0 or (
+            first_offset and (not blobs or first_offset >= self.ranges[blobs[0]][2])
+        ):
+            return (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"first_offset {first_offset} is not inside the blob",
+            )
         return None
 
     def _transfer(self, name: str, blobs, first_offset: int) -> NodeTransfer:
@@ -133,8 +166,11 @@ class Shipper(spb_grpc.ShipServicer):
                 time.sleep(ahead)
 
     def _done(self, t: NodeTransfer, name: str) -> None:
-        self._report(t.line() if t.sent < t.total else
-                     f"ship {name}: sent {t.sent} bytes in {time.monotonic() - t.started:.2f}s")
+        self._report(
+            t.line()
+            if t.sent < t.total
+            else f"ship {name}: sent {t.sent} bytes in {time.monotonic() - t.started:.2f}s"
+        )
 
     def send_blobs(self, conn: socket.socket, name: str, blobs, first_offset: int) -> None:
         """The data channel's answer, per blob: the bytes that follow (8 bytes, little-endian), its
@@ -142,31 +178,40 @@ class Shipper(spb_grpc.ShipServicer):
         OSError when the node goes away."""
         t = self._transfer(name, blobs, first_offset)
         t0, sent_here = time.monotonic(), 0
-        piece = self.chunk_bytes if self.max_rate else DATA_PIECE_BYTES  # a rate limit wants small steps
+        piece = (
+            self.chunk_bytes if self.max_rate else DATA_PIECE_BYTES
+        )  # a rate limit wants small steps
         for i, blob in enumerate(blobs):
             path, start, n = self.ranges[blob]
             off = first_offset if i == 0 else 0
-            self.digests.start(blob, blobs[i + 1:i + 1 + AHEAD])
+            self.digests.start(blob, blobs[i + 1 : i + 1 + AHEAD])
             try:
                 digest = self.digests.get(blob)
                 f = open(path, "rb")
             except Exception as exc:  # noqa: BLE001 - the checkpoint moved, went away or changed; the service stopping
                 why = _why(exc)
                 logger.error("ship %s: cannot read %s: %s", name, path, why)
-                conn.sendall(struct.pack("<Q", DATA_ERROR) + f"the coordinator cannot read {path}: {why}".encode()[:4000]
-                             + b"\n")
+                conn.sendall(
+                    struct.pack("<Q", DATA_ERROR)
+                    + f"the coordinator cannot read {path}: {why}".encode()[:4000]
+                    + b"\n"
+                )
                 return
             conn.sendall(struct.pack("<Q", n - off) + blob_header(digest))
             with f:
                 while off < n:
                     if isinstance(conn, ssl.SSLSocket):  # encrypted here: read the piece, send it
-                        data = os.pread(f.fileno(), min(piece, n - off, MAX_CHUNK_BYTES), start + off)
+                        data = os.pread(
+                            f.fileno(), min(piece, n - off, MAX_CHUNK_BYTES), start + off
+                        )
                         conn.sendall(data)
                         k = len(data)
                     else:  # socket.sendfile: os.sendfile, waiting within the socket's timeout when the node is slow
                         k = conn.sendfile(f, start + off, min(piece, n - off))
                     if k == 0:  # the node then sees a short blob and says so
-                        raise OSError(f"{path}: short read at byte {start + off}: the checkpoint changed while shipping")
+                        raise OSError(
+                            f"{path}: short read at byte {start + off}: the checkpoint changed while shipping"
+                        )
                     off += k
                     sent_here += k
                     self._sent(t, k, sent_here, t0)
@@ -184,13 +229,15 @@ class Shipper(spb_grpc.ShipServicer):
         for i, blob in enumerate(request.blobs):
             path, start, n = self.ranges[blob]
             off = request.first_offset if i == 0 else 0
-            self.digests.start(blob, request.blobs[i + 1:i + 1 + AHEAD])
+            self.digests.start(blob, request.blobs[i + 1 : i + 1 + AHEAD])
             try:
                 sha256 = self.digests.get(blob).sha256
                 fd = os.open(path, os.O_RDONLY)
             except Exception as exc:  # noqa: BLE001 - the checkpoint moved, went away or changed; the service stopping
                 logger.error("ship %s: cannot read %s: %s", name, path, _why(exc))
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"the coordinator cannot read {path}: {_why(exc)}")
+                context.abort(
+                    grpc.StatusCode.UNAVAILABLE, f"the coordinator cannot read {path}: {_why(exc)}"
+                )
             try:
                 while True:
                     if not context.is_active():  # the node went away: stop reading for it
@@ -199,12 +246,20 @@ class Shipper(spb_grpc.ShipServicer):
                     try:
                         data = os.pread(fd, k, start + off)
                     except OSError as exc:
-                        context.abort(grpc.StatusCode.UNAVAILABLE, f"the coordinator cannot read {path}: {exc.strerror or exc}")
+                        context.abort(
+                            grpc.StatusCode.UNAVAILABLE,
+                            f"the coordinator cannot read {path}: {exc.strerror or exc}",
+                        )
                     if len(data) != k:
-                        context.abort(grpc.StatusCode.DATA_LOSS, f"{path}: short read at byte {start + off}: "
-                                                                 "the checkpoint changed while shipping")
+                        context.abort(
+                            grpc.StatusCode.DATA_LOSS,
+                            f"{path}: short read at byte {start + off}: "
+                            "the checkpoint changed while shipping",
+                        )
                     last = off + k >= n
-                    yield convert.chunk_to_proto(blob, off, data, zlib.crc32(data), last, sha256 if last else "")
+                    yield convert.chunk_to_proto(
+                        blob, off, data, zlib.crc32(data), last, sha256 if last else ""
+                    )
                     off += k
                     sent_here += k
                     self._sent(t, k, sent_here, t0)
@@ -215,21 +270,29 @@ class Shipper(spb_grpc.ShipServicer):
         self._done(t, name)
 
 
-DATA_PIECE_BYTES = 8 << 20  # bytes per sendfile call (progress and the node's liveness between calls)
+DATA_PIECE_BYTES = (
+    8 << 20
+)  # bytes per sendfile call (progress and the node's liveness between calls)
 
 
 def _why(exc: BaseException) -> str:
     """One line saying why, for a node: an OSError's own words, else its kind."""
     if isinstance(exc, OSError):
         return str(exc.strerror or exc)
-    return f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (the Ship service is stopping?)"
+    return (
+        f"{type(exc).__name__}: {exc}"
+        if str(exc)
+        else f"{type(exc).__name__} (the Ship service is stopping?)"
+    )
 
 
 def blob_header(d) -> bytes:
     """What precedes a blob's bytes on the data channel: its sha256 (32 bytes), its piece size and
     piece count (4 bytes each), then each piece's digest (8 bytes each, little-endian); all
     little-endian, pieces counted from the blob's first byte."""
-    return BLOB_HEADER.pack(bytes.fromhex(d.sha256), d.piece_bytes, len(d.pieces)) + struct.pack(f"<{len(d.pieces)}Q", *d.pieces)
+    return BLOB_HEADER.pack(bytes.fromhex(d.sha256), d.piece_bytes, len(d.pieces)) + struct.pack(
+        f"<{len(d.pieces)}Q", *d.pieces
+    )
 
 
 MAX_REQUEST_LINE = 1 << 20  # a data request names blobs; a longer line is refused
@@ -245,7 +308,9 @@ class DataChannel:
     def __init__(self, shipper: Shipper, host: str, tls=None):
         self._shipper = shipper
         self._tls = ssl_server_context(tls.cert, tls.key, tls.ca) if tls else None
-        self._sock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._sock = socket.create_server(
+            (host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET
+        )
         self.port = self._sock.getsockname()[1]
         self._slots = threading.BoundedSemaphore(MAX_STREAMS)
         self._closed = False
@@ -261,7 +326,9 @@ class DataChannel:
                 self._refuse(conn, f"more than {MAX_STREAMS} transfers at once")
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn, peer), name="ship-data-conn", daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn, peer), name="ship-data-conn", daemon=True
+            ).start()
 
     @staticmethod
     def _refuse(conn: socket.socket, why: str) -> None:
@@ -276,7 +343,10 @@ class DataChannel:
             if self._tls is not None:
                 try:
                     conn = self._tls.wrap_socket(conn, server_side=True)
-                except (OSError, ssl.SSLError) as exc:  # plaintext, or a certificate the CA did not sign
+                except (
+                    OSError,
+                    ssl.SSLError,
+                ) as exc:  # plaintext, or a certificate the CA did not sign
                     logger.warning("refused a data connection from %s: TLS: %s", peer[0], exc)
                     conn.close()
                     return
@@ -284,22 +354,39 @@ class DataChannel:
                 line = conn.makefile("rb").readline(MAX_REQUEST_LINE + 1)
                 try:
                     req = json.loads(line)
-                    token, fp, blobs = str(req["token"]), str(req["fingerprint"]), [str(b) for b in req["blobs"]]
-                    first, node = int(req.get("first_offset", 0)), str(req.get("node") or f"{peer[0]}:{peer[1]}")
+                    token, fp, blobs = (
+                        str(req["token"]),
+                        str(req["fingerprint"]),
+                        [str(b) for b in req["blobs"]],
+                    )
+                    first, node = (
+                        int(req.get("first_offset", 0)),
+                        str(req.get("node") or f"{peer[0]}:{peer[1]}"),
+                    )
                 except (ValueError, KeyError, TypeError):
-                    return self._refuse(conn, "a data request is one JSON line with token, fingerprint and blobs")
+                    return self._refuse(
+                        conn, "a data request is one JSON line with token, fingerprint and blobs"
+                    )
                 if not hmac.compare_digest(token.encode(), self._shipper.data_token.encode()):
                     logger.warning("refused a data connection from %s: wrong token", peer[0])
-                    return self._refuse(conn, "wrong data token (ask the Ship service's Catalog, with the cluster secret)")
+                    return self._refuse(
+                        conn,
+                        "wrong data token (ask the Ship service's Catalog, with the cluster secret)",
+                    )
                 why = self._shipper.refusal(fp, blobs, first)
                 if why:
                     return self._refuse(conn, why[1])
                 if first % self._shipper.digests.piece_bytes:
-                    return self._refuse(conn, f"first_offset {first} is not a multiple of the piece size "
-                                              f"{self._shipper.digests.piece_bytes}")
+                    return self._refuse(
+                        conn,
+                        f"first_offset {first} is not a multiple of the piece size "
+                        f"{self._shipper.digests.piece_bytes}",
+                    )
                 conn.sendall(b"+")
                 self._shipper.send_blobs(conn, node, blobs, first)
-        except OSError as exc:  # the node went away or said nothing in time, or the checkpoint changed under us
+        except (
+            OSError
+        ) as exc:  # the node went away or said nothing in time, or the checkpoint changed under us
             logger.info("ship data channel from %s ended: %s", peer[0], exc.strerror or exc)
         finally:
             self._slots.release()
@@ -331,9 +418,15 @@ class _SecretCheck(grpc.ServerInterceptor):
         logger.warning("refused %s: missing or wrong cluster secret", details.method)
 
         def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{details.method}: missing or wrong cluster secret")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{details.method}: missing or wrong cluster secret",
+            )
 
-        kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+        kw = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(deny, **kw)
         return grpc.unary_unary_rpc_method_handler(deny, **kw)
@@ -342,26 +435,36 @@ class _SecretCheck(grpc.ServerInterceptor):
 MAX_STREAMS = 64  # nodes served at once (one thread each while its stream runs)
 
 
-def start_server(shipper: Shipper, host: str, port: int, secret: str, tls=None) -> tuple[grpc.Server, int]:
+def start_server(
+    shipper: Shipper, host: str, port: int, secret: str, tls=None
+) -> tuple[grpc.Server, int]:
     """The Ship service behind the cluster secret (and TLS when cluster.yaml has it); returns the
     started server and its port. A blocking server, not grpc.aio: measured on this 2-vCPU VM, a bare
     stream of 1 MiB messages ran at 450 MB/s from an aio handler and 520–970 MB/s from a blocking one,
     and reading and crc32 need no hop to a thread pool here."""
     from ...proto.errors import UserError
 
-    server = grpc.server(ThreadPoolExecutor(MAX_STREAMS, thread_name_prefix="ship"),
-                         interceptors=[_SecretCheck(secret)], options=CHANNEL_OPTIONS)
+    server = grpc.server(
+        ThreadPoolExecutor(MAX_STREAMS, thread_name_prefix="ship"),
+        interceptors=[_SecretCheck(secret)],
+        options=CHANNEL_OPTIONS,
+    )
     spb_grpc.add_ShipServicer_to_server(shipper, server)
     address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, server_credentials(tls.cert, tls.key, tls.ca)) if tls
-             else server.add_insecure_port(address))
+    bound = (
+        server.add_secure_port(address, server_credentials(tls.cert, tls.key, tls.ca))
+        if tls
+        else server.add_insecure_port(address)
+    )
     if bound == 0:
         raise UserError(f"ship: cannot listen on {address}")
     if shipper.data_channel:
         try:
             shipper.data = DataChannel(shipper, host, tls)
         except OSError as exc:
-            raise UserError(f"ship: cannot open the data channel on {host}: {exc.strerror or exc}") from None
+            raise UserError(
+                f"ship: cannot open the data channel on {host}: {exc.strerror or exc}"
+            ) from None
     stop = server.stop
 
     def stop_all(grace):  # the data channel and the hashing end with the service

@@ -52,7 +52,9 @@ class ToolCall:
 class Tools:
     """The tools a request offers the template, and whether the output is read for calls."""
 
-    specs: tuple[dict, ...]  # OpenAI's {"type": "function", "function": {...}}, as the template reads them
+    specs: tuple[
+        dict, ...
+    ]  # OpenAI's {"type": "function", "function": {...}}, as the template reads them
     choice: str  # auto | none | required | function
     name: str | None = None  # the function tool_choice names
 
@@ -84,50 +86,82 @@ def parse_tools(body: dict) -> Tools | None:
         specs.append(function_spec(t, f"tools[{i}]"))
         name = specs[-1]["function"]["name"]
         if name in names:
-            raise FieldError(f"tools[{i}]: the function name {name!r} appears twice", f"tools[{i}].function.name")
+            raise FieldError(
+                f"tools[{i}]: the function name {name!r} appears twice", f"tools[{i}].function.name"
+            )
         names.add(name)
     if choice is None:
         return Tools(tuple(specs), "auto")
     if isinstance(choice, str):
         if choice not in CHOICES:
-            raise FieldError(f"'tool_choice' must be one of {', '.join(CHOICES)} or a function (got {show(choice)})",
-                             "tool_choice")
+            raise FieldError(
+                f"'tool_choice' must be one of {', '.join(CHOICES)} or a function (got {show(choice)})",
+                "tool_choice",
+            )
         return Tools(tuple(specs), choice)
-    fn = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    fn = (
+        choice.get("function")
+        if isinstance(choice, dict) and choice.get("type") == "function"
+        else None
+    )
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
-        raise FieldError("'tool_choice' must be a string or {'type': 'function', 'function': {'name': <string>}} "
-                         f"(got {show(choice)})", "tool_choice")
+        raise FieldError(
+            "'tool_choice' must be a string or {'type': 'function', 'function': {'name': <string>}} "
+            f"(got {show(choice)})",
+            "tool_choice",
+        )
     if name not in names:
-        raise FieldError(f"'tool_choice' names the function {name!r}, which is not among 'tools' "
-                         f"({', '.join(sorted(names)) or 'none'})", "tool_choice")
+        raise FieldError(
+            f"'tool_choice' names the function {name!r}, which is not among 'tools' "
+            f"({', '.join(sorted(names)) or 'none'})",
+            "tool_choice",
+        )
     return Tools(tuple(specs), "function", name)
 
 
 def function_spec(t: Any, where: str) -> dict:
     """One OpenAI tool, checked, as the template reads it: {"type": "function", "function": {...}}."""
-    if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
-        raise FieldError(f"{where} must be {{'type': 'function', 'function': {{...}}}} (got {show(t)})", where)
+    if (
+        not isinstance(t, dict)
+        or t.get("type") != "function"
+        or not isinstance(t.get("function"), dict)
+    ):
+        raise FieldError(
+            f"{where} must be {{'type': 'function', 'function': {{...}}}} (got {show(t)})", where
+        )
     fn = t["function"]
-    return {"type": "function", "function": check_function(fn.get("name"), fn.get("description"),
-                                                           fn.get("parameters"), f"{where}.function")}
+    return {
+        "type": "function",
+        "function": check_function(
+            fn.get("name"), fn.get("description"), fn.get("parameters"), f"{where}.function"
+        ),
+    }
 
 
-def check_function(name: Any, description: Any, parameters: Any, where: str, schema: str = "parameters") -> dict:
+def check_function(
+    name: Any, description: Any, parameters: Any, where: str, schema: str = "parameters"
+) -> dict:
     """A function tool as the template reads it; `schema`: the request's name of its JSON Schema."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise FieldError(f"{where}.name must be 1 to 64 letters, digits, '_', '-' or '.' (got {show(name)})",
-                         f"{where}.name")
+        raise FieldError(
+            f"{where}.name must be 1 to 64 letters, digits, '_', '-' or '.' (got {show(name)})",
+            f"{where}.name",
+        )
     out: dict[str, Any] = {"name": name}
     if description is not None:
         if not isinstance(description, str):
-            raise FieldError(f"{where}.description must be a string (got {show(description)})",
-                             f"{where}.description")
+            raise FieldError(
+                f"{where}.description must be a string (got {show(description)})",
+                f"{where}.description",
+            )
         out["description"] = description
     if parameters is not None:
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-            raise FieldError(f"{where}.{schema} must be a JSON Schema object (got {show(parameters)})",
-                             f"{where}.{schema}")
+            raise FieldError(
+                f"{where}.{schema} must be a JSON Schema object (got {show(parameters)})",
+                f"{where}.{schema}",
+            )
         out["parameters"] = parameters
     return out
 
@@ -141,24 +175,40 @@ def history_tool_calls(calls: Any, where: str) -> list[dict]:
     for j, c in enumerate(calls):
         at = f"{where}[{j}]"
         fn = c.get("function") if isinstance(c, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or c.get("type", "function") != "function":
-            raise FieldError(f"{at} must be {{'type': 'function', 'id': ..., 'function': {{'name': <string>, "
-                             f"'arguments': <JSON text>}}}} (got {show(c)})", at)
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or c.get("type", "function") != "function"
+        ):
+            raise FieldError(
+                f"{at} must be {{'type': 'function', 'id': ..., 'function': {{'name': <string>, "
+                f"'arguments': <JSON text>}}}} (got {show(c)})",
+                at,
+            )
         args = fn.get("arguments", "{}")
         if isinstance(args, str):
             try:
                 args = json.loads(args or "{}")
             except ValueError:
-                raise FieldError(f"{at}.function.arguments is not valid JSON ({show(fn['arguments'])})",
-                                 f"{at}.function.arguments") from None
+                raise FieldError(
+                    f"{at}.function.arguments is not valid JSON ({show(fn['arguments'])})",
+                    f"{at}.function.arguments",
+                ) from None
         if not isinstance(args, dict):
-            raise FieldError(f"{at}.function.arguments must be a JSON object (got {show(args)})",
-                             f"{at}.function.arguments")
+            raise FieldError(
+                f"{at}.function.arguments must be a JSON object (got {show(args)})",
+                f"{at}.function.arguments",
+            )
         call_id = c.get("id")
         if call_id is not None and not isinstance(call_id, str):
             raise FieldError(f"{at}.id must be a string (got {show(call_id)})", f"{at}.id")
-        out.append({"id": call_id or new_call_id(), "type": "function",
-                    "function": {"name": fn["name"], "arguments": args}})
+        out.append(
+            {
+                "id": call_id or new_call_id(),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": args},
+            }
+        )
     return out
 
 
@@ -184,11 +234,19 @@ class ToolSplitter:
         self._start, self._end = tokenizer.tool_call_start or "", tokenizer.tool_call_end or ""
         self._tools = tools
         # No stop words: the API has cut the text at the request's own stop strings already.
-        if tokenizer.response_transitions:  # a response format decides where calls start: mlx-lm's machine
+        if (
+            tokenizer.response_transitions
+        ):  # a response format decides where calls start: mlx-lm's machine
             machine = make_text_state_machine(tokenizer)
         else:  # the call markers only: other text (a thinking model's <think>) stays as it is without tools
-            machine = TextStateMachine({"normal": [(self._start, "tool")],
-                                        "tool": [(self._end, "normal")] if self._end else []} if self._start else {})
+            machine = TextStateMachine(
+                {
+                    "normal": [(self._start, "tool")],
+                    "tool": [(self._end, "normal")] if self._end else [],
+                }
+                if self._start
+                else {}
+            )
         self._state = machine.make_state("normal")
         self._call = ""  # the text of the call being written
         self.calls = 0  # calls made, parsed or not
@@ -233,7 +291,11 @@ def parse_call(parser, text: str, tools: list[dict] | None) -> list[ToolCall] | 
     # A parser reads what a model wrote: whatever it raises on malformed text (json's ValueError, a
     # regex that did not match, a missing key), the answer is the text, not a 500.
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
-        logger.info("the model's tool call is not well formed (%s: %s): returned as text", type(exc).__name__, exc)
+        logger.info(
+            "the model's tool call is not well formed (%s: %s): returned as text",
+            type(exc).__name__,
+            exc,
+        )
         return None
     calls = []
     for p in parsed if isinstance(parsed, list) else [parsed]:
@@ -245,10 +307,17 @@ def parse_call(parser, text: str, tools: list[dict] | None) -> list[ToolCall] | 
             except ValueError:
                 args = None
         if not isinstance(name, str) or not name or not isinstance(args, dict):
-            logger.info("the model's tool call has no name or no object of arguments: returned as text")
+            logger.info(
+                "the model's tool call has no name or no object of arguments: returned as text"
+            )
             return None
-        calls.append(ToolCall(p.get("id") if isinstance(p.get("id"), str) else new_call_id(), name,
-                              json.dumps(args, ensure_ascii=False)))
+        calls.append(
+            ToolCall(
+                p.get("id") if isinstance(p.get("id"), str) else new_call_id(),
+                name,
+                json.dumps(args, ensure_ascii=False),
+            )
+        )
     return calls or None
 
 
@@ -256,4 +325,6 @@ def split_all(tokenizer, tools: list[dict] | None, text: str) -> tuple[str, list
     """A whole output's text (the calls taken out) and its calls."""
     s = ToolSplitter(tokenizer, tools)
     pieces = s.feed(text) + s.finish()
-    return "".join(p for p in pieces if isinstance(p, str)), [p for p in pieces if isinstance(p, ToolCall)]
+    return "".join(p for p in pieces if isinstance(p, str)), [
+        p for p in pieces if isinstance(p, ToolCall)
+    ]

@@ -57,7 +57,9 @@ class Progress:
         self.quarter = {n: -1 for n in names}
         self.width = max(len(n) for n in names)
         self.drawn = False
-        self.base = {n: (time.monotonic(), 0) for n in names}  # (time, bytes) a node's current phase counts from
+        self.base = {
+            n: (time.monotonic(), 0) for n in names
+        }  # (time, bytes) a node's current phase counts from
 
     def _rate(self, name: str) -> str:
         """bytes/s and ETA of a node's current load phase (shipping, reading the shard)."""
@@ -70,7 +72,9 @@ class Progress:
         return f", {fmt_bytes(rate)}/s, ETA {max(total - done, 0) / rate:.1f}s"
 
     def update(self, m: Member) -> None:
-        if m.load_done < self.state[m.name][0]:  # a new phase (shipping, then reading the shard) starts over
+        if (
+            m.load_done < self.state[m.name][0]
+        ):  # a new phase (shipping, then reading the shard) starts over
             self.base[m.name] = (time.monotonic(), m.load_done)
         self.state[m.name] = (m.load_done, m.load_total)
         if self.tty:
@@ -80,8 +84,12 @@ class Progress:
         q = int(4 * done / total) if total else 0
         if q != self.quarter[m.name]:
             self.quarter[m.name] = q
-            print(f"loading {m.name}: {fmt_bytes(done)} of {fmt_bytes(total)} ({100 * done / max(total, 1):.0f}%)"
-                  f"{self._rate(m.name)}", file=self.stream, flush=True)
+            print(
+                f"loading {m.name}: {fmt_bytes(done)} of {fmt_bytes(total)} ({100 * done / max(total, 1):.0f}%)"
+                f"{self._rate(m.name)}",
+                file=self.stream,
+                flush=True,
+            )
 
     def _draw(self) -> None:
         if self.drawn:
@@ -90,8 +98,10 @@ class Progress:
             done, total = self.state[n]
             frac = done / total if total else 0.0
             bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-            self.stream.write(f"\r{n:<{self.width}} [{bar}] {100 * frac:5.1f}%  {fmt_bytes(done)} / {fmt_bytes(total)}"
-                              f"{self._rate(n)}\x1b[K\n")
+            self.stream.write(
+                f"\r{n:<{self.width}} [{bar}] {100 * frac:5.1f}%  {fmt_bytes(done)} / {fmt_bytes(total)}"
+                f"{self._rate(n)}\x1b[K\n"
+            )
         self.stream.flush()
         self.drawn = True
 
@@ -101,8 +111,12 @@ def footprint(model_path: str) -> ModelFootprint:
     from ...node.moe.load import expert_bytes
 
     b = expert_bytes(Checkpoint.open(model_path))
-    return ModelFootprint(replicated_bytes=b.replicated, expert_bytes=b.per_expert, num_experts=b.num_experts,
-                          top_k=b.top_k)
+    return ModelFootprint(
+        replicated_bytes=b.replicated,
+        expert_bytes=b.per_expert,
+        num_experts=b.num_experts,
+        top_k=b.top_k,
+    )
 
 
 def _read_profile(path: str, base: Path):
@@ -127,8 +141,10 @@ async def _remote_members(c: ClusterConfig) -> list[tuple[str, str, str]]:
         seen = await browse(c.name, wanted, c.timeouts.discovery, c.discovery.interfaces or None)
         missing = [w for w in wanted if w not in seen]
         if missing:
-            raise DiscoveryError(f"nodes not found by mDNS within {c.timeouts.discovery:.0f} s: {', '.join(missing)}; "
-                                 f"seen: {', '.join(sorted(seen)) or 'none'} (cluster {c.name!r})")
+            raise DiscoveryError(
+                f"nodes not found by mDNS within {c.timeouts.discovery:.0f} s: {', '.join(missing)}; "
+                f"seen: {', '.join(sorted(seen)) or 'none'} (cluster {c.name!r})"
+            )
     for n in c.nodes:
         if n.address:
             host, _, port = n.address.rpartition(":") if ":" in n.address else (n.address, "", "")
@@ -162,15 +178,21 @@ def _transport(c: ClusterConfig, hosts: list[str], envoy_ports: list[int], rank_
     if c.transport == "envoy":
         addresses = tuple(f"{h}:{p}" for h, p in zip(hosts, envoy_ports))
         tls = tls_files(c)
-        return lambda rank: EnvoySpec(addresses, listen=f"0.0.0.0:{envoy_ports[rank]}" if rank_listen_any else "",
-                                      timeout_s=c.timeouts.collective, tls=tls,
-                                      data_port=c.nodes[rank].envoy_data_port or 0)
+        return lambda rank: EnvoySpec(
+            addresses,
+            listen=f"0.0.0.0:{envoy_ports[rank]}" if rank_listen_any else "",
+            timeout_s=c.timeouts.collective,
+            tls=tls,
+            data_port=c.nodes[rank].envoy_data_port or 0,
+        )
     hosts_spec = tuple((f"{h}:{p}",) for h, p in zip(hosts, envoy_ports))
     # nodes on this machine, each on its own GPU (`gpu:`): NCCL where MLX's CUDA build has it
     from ...node.collective.mlx import mlx_backend
 
     backend = mlx_backend(c.launch == "local" and all(n.gpu is not None for n in c.nodes))
-    return lambda rank: MlxSpec(hosts_spec, backend=backend, timeout_s=max(c.timeouts.collective, 30.0))
+    return lambda rank: MlxSpec(
+        hosts_spec, backend=backend, timeout_s=max(c.timeouts.collective, 30.0)
+    )
 
 
 async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
@@ -186,10 +208,18 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
     tokenizer = load_tokenizer(Path(model_path))
     fp = footprint(model_path)
     vocab = checkpoint_vocab(model_path)  # prompt ids at or past it are refused at the API
-    routing = _read_profile(c.placement.profile, Path(c.source).parent) if c.placement.profile else None
+    routing = (
+        _read_profile(c.placement.profile, Path(c.source).parent) if c.placement.profile else None
+    )
     profile = {int(l): list(v.counts) for l, v in routing.layers.items()} if routing else None
     # the nodes get it too: an expert cache pins the hottest experts and prefetches from it
-    heat = tuple((int(l), tuple(float(n) for n in v.counts), v.tokens) for l, v in routing.layers.items()) if routing else ()
+    heat = (
+        tuple(
+            (int(l), tuple(float(n) for n in v.counts), v.tokens) for l, v in routing.layers.items()
+        )
+        if routing
+        else ()
+    )
 
     _check_port_free(c)
     launcher = None
@@ -205,22 +235,51 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
             ship = await _start_ship(c, model_path, secret)
         if c.launch == "local":
             ports = free_ports(2 * len(c.nodes))
-            launcher = Launcher(secret, log_dir, c.name, tls=tls_files(c),
-                                cache_root=state_file().parent / "cache" / c.name if ship else None)
-            local = [LocalNode(n.name, n.port or ports[2 * i], log_dir / f"{n.name}.log", n.memory, n.gpu)
-                     for i, n in enumerate(c.nodes)]
-            print(f"starting {len(local)} nodes on this machine (logs in {log_dir})", file=sys.stderr, flush=True)
+            launcher = Launcher(
+                secret,
+                log_dir,
+                c.name,
+                tls=tls_files(c),
+                cache_root=state_file().parent / "cache" / c.name if ship else None,
+            )
+            local = [
+                LocalNode(
+                    n.name, n.port or ports[2 * i], log_dir / f"{n.name}.log", n.memory, n.gpu
+                )
+                for i, n in enumerate(c.nodes)
+            ]
+            print(
+                f"starting {len(local)} nodes on this machine (logs in {log_dir})",
+                file=sys.stderr,
+                flush=True,
+            )
             await asyncio.gather(*(launcher.start(n) for n in local))
             found = [(n.name, f"127.0.0.1:{n.port}", "127.0.0.1") for n in local]
             envoy_ports = [n.envoy_port or ports[2 * i + 1] for i, n in enumerate(c.nodes)]
         else:
-            print(f"looking for {len(c.nodes)} nodes of cluster {c.name!r}...", file=sys.stderr, flush=True)
+            print(
+                f"looking for {len(c.nodes)} nodes of cluster {c.name!r}...",
+                file=sys.stderr,
+                flush=True,
+            )
             found = await _remote_members(c)
             envoy_ports = [n.envoy_port or DEFAULT_ENVOY_PORT for n in c.nodes]
         tls = tls_files(c)
-        members = [Member(name, NodeClient(name, addr, secret, tls_ca=tls.ca if tls else None,
-                                           tls_cert=tls.cert if tls else None, tls_key=tls.key if tls else None), rank)
-                   for rank, (name, addr, _) in enumerate(found)]
+        members = [
+            Member(
+                name,
+                NodeClient(
+                    name,
+                    addr,
+                    secret,
+                    tls_ca=tls.ca if tls else None,
+                    tls_cert=tls.cert if tls else None,
+                    tls_key=tls.key if tls else None,
+                ),
+                rank,
+            )
+            for rank, (name, addr, _) in enumerate(found)
+        ]
         for m in members:
             try:
                 s = await m.client.status()
@@ -234,22 +293,42 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
             m.device = s.device
         kv_reserve = c.placement.kv_reserve + c.serving.prompt_cache  # bytes per node
         node_config = {n.name: n for n in c.nodes}
-        caches = [ExpertCacheSpec.parse(node_config[m.name].expert_cache or c.placement.expert_cache) for m in members]
-        plan = plan_placement(fp, [NodeBudget(m.name, m.memory_bytes) for m in members],
-                              strategy=c.placement.strategy, memory_fraction=c.placement.memory_fraction,
-                              kv_reserve=kv_reserve,
-                              profile_counts=profile, replicate=c.placement.replicate,
-                              expert_cache=caches)
+        caches = [
+            ExpertCacheSpec.parse(node_config[m.name].expert_cache or c.placement.expert_cache)
+            for m in members
+        ]
+        plan = plan_placement(
+            fp,
+            [NodeBudget(m.name, m.memory_bytes) for m in members],
+            strategy=c.placement.strategy,
+            memory_fraction=c.placement.memory_fraction,
+            kv_reserve=kv_reserve,
+            profile_counts=profile,
+            replicate=c.placement.replicate,
+            expert_cache=caches,
+        )
         make_transport = _transport(c, [h for _, _, h in found], envoy_ports, c.launch == "remote")
         for m in members:
-            m.spec = LoadSpec(model=model_path, rank=m.rank, world_size=len(members),
-                              transport=make_transport(m.rank), placement=plan.placement, keepalive=c.keepalive,
-                              prefill_step=c.serving.prefill_chunk, prompt_cache_bytes=c.serving.prompt_cache,
-                              ship=ship.source if ship else None, expert_cache=plan.expert_cache[m.rank],
-                              max_batch=c.serving.max_batch, prefill_budget=c.serving.prefill_budget,
-                              kv_budget_bytes=kv_reserve, heat=heat, route=c.route,
-                              speculative=c.serving.speculative, draft_tokens=c.serving.draft_tokens,
-                              draft_model=_draft_model(c) if m.rank == 0 else "")
+            m.spec = LoadSpec(
+                model=model_path,
+                rank=m.rank,
+                world_size=len(members),
+                transport=make_transport(m.rank),
+                placement=plan.placement,
+                keepalive=c.keepalive,
+                prefill_step=c.serving.prefill_chunk,
+                prompt_cache_bytes=c.serving.prompt_cache,
+                ship=ship.source if ship else None,
+                expert_cache=plan.expert_cache[m.rank],
+                max_batch=c.serving.max_batch,
+                prefill_budget=c.serving.prefill_budget,
+                kv_budget_bytes=kv_reserve,
+                heat=heat,
+                route=c.route,
+                speculative=c.serving.speculative,
+                draft_tokens=c.serving.draft_tokens,
+                draft_model=_draft_model(c) if m.rank == 0 else "",
+            )
             # what weights may use: memory × memory_fraction less the KV reserve and prompt cache
             m.budget_bytes = plan.available[m.rank] - kv_reserve
         for note in plan.notes:
@@ -259,25 +338,52 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
             if launcher is not None:
                 launcher.respawn(m.name)
 
-        cluster = Cluster(members, model=c.model, transport=c.transport, heartbeat_s=c.timeouts.heartbeat,
-                          load_timeout_s=c.timeouts.load, request_timeout_s=c.timeouts.request,
-                          queue_limit=c.serving.queue, max_batch=c.serving.max_batch,
-                          recovery_wait_s=c.serving.recovery_wait, max_resumes=c.serving.max_resumes,
-                          respawn=respawn if launcher else None,
-                          pid_of=launcher.pid if launcher else None)
+        cluster = Cluster(
+            members,
+            model=c.model,
+            transport=c.transport,
+            heartbeat_s=c.timeouts.heartbeat,
+            load_timeout_s=c.timeouts.load,
+            request_timeout_s=c.timeouts.request,
+            queue_limit=c.serving.queue,
+            max_batch=c.serving.max_batch,
+            recovery_wait_s=c.serving.recovery_wait,
+            max_resumes=c.serving.max_resumes,
+            respawn=respawn if launcher else None,
+            pid_of=launcher.pid if launcher else None,
+        )
         progress = Progress([m.name for m in members])
         t0 = time.monotonic()
         await cluster.load(progress.update)
         if ship is not None:
             sent = ship.shipper.bytes_sent()
-            print("shipped: " + ", ".join(f"{m.name} {sent.get(m.name, 0)} bytes" for m in members)
-                  + f" (total {sum(sent.values())} bytes)", file=sys.stderr, flush=True)
+            print(
+                "shipped: "
+                + ", ".join(f"{m.name} {sent.get(m.name, 0)} bytes" for m in members)
+                + f" (total {sum(sent.values())} bytes)",
+                file=sys.stderr,
+                flush=True,
+            )
             d = ship.shipper.digests
-            print(f"digests: hashed {d.hashed_bytes} bytes of the checkpoint this run; {d.known()} blobs known"
-                  + (f" (kept in {d.path})" if d.path else " (kept in memory only)"), file=sys.stderr, flush=True)
-        routes = [f"{m.name} {m.route}" + (f" ({', '.join(f'{r} {us:.1f} µs' for r, us in m.route_us.items())})"
-                                           if m.route_us else "") for m in members if m.route]
-        if routes:  # each node's decode route, timed at load on its own hardware (node/moe/route.py)
+            print(
+                f"digests: hashed {d.hashed_bytes} bytes of the checkpoint this run; {d.known()} blobs known"
+                + (f" (kept in {d.path})" if d.path else " (kept in memory only)"),
+                file=sys.stderr,
+                flush=True,
+            )
+        routes = [
+            f"{m.name} {m.route}"
+            + (
+                f" ({', '.join(f'{r} {us:.1f} µs' for r, us in m.route_us.items())})"
+                if m.route_us
+                else ""
+            )
+            for m in members
+            if m.route
+        ]
+        if (
+            routes
+        ):  # each node's decode route, timed at load on its own hardware (node/moe/route.py)
             print("decode route: " + "; ".join(routes), file=sys.stderr, flush=True)
         if c.verify and len(members) > 1:
             from .verify import check_load
@@ -285,22 +391,37 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
             checks = await check_load(members, model_path, timeout_s=c.timeouts.load)
             if checks:
                 worst = max(checks, key=lambda k: k.max_abs_diff / k.tolerance)
-                print(f"load check: MoE layers {', '.join(str(k.layer) for k in checks)} match the checkpoint "
-                      f"(largest |Δ| {worst.max_abs_diff:.2g} at layer {worst.layer}, tolerance {worst.tolerance:.2g})",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"load check: MoE layers {', '.join(str(k.layer) for k in checks)} match the checkpoint "
+                    f"(largest |Δ| {worst.max_abs_diff:.2g} at layer {worst.layer}, tolerance {worst.tolerance:.2g})",
+                    file=sys.stderr,
+                    flush=True,
+                )
         cluster.start_monitor()
 
         from aiohttp import web
 
         context = int(getattr(tokenizer, "model_max_length", 0) or 0)
         cfg = Checkpoint.open(model_path).config
-        context = int(cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or context or 4096)
-        api = Api(cluster, tokenizer, ServingOptions(model_id=c.model, context_length=context,
-                                                     default_max_tokens=c.serving.max_tokens, api_key=api_key,
-                                                     on_shutdown=stop.set, vocab_size=vocab,
-                                                     max_body=c.api.max_body, metrics_auth=c.api.metrics_auth,
-                                                     speculative=c.serving.speculative,
-                                                     draft_tokens=c.serving.draft_tokens))
+        context = int(
+            cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or context or 4096
+        )
+        api = Api(
+            cluster,
+            tokenizer,
+            ServingOptions(
+                model_id=c.model,
+                context_length=context,
+                default_max_tokens=c.serving.max_tokens,
+                api_key=api_key,
+                on_shutdown=stop.set,
+                vocab_size=vocab,
+                max_body=c.api.max_body,
+                metrics_auth=c.api.metrics_auth,
+                speculative=c.serving.speculative,
+                draft_tokens=c.serving.draft_tokens,
+            ),
+        )
         runner = ApiRunner(api.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, c.api.host, c.api.port)
@@ -310,9 +431,16 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         sf = state_file()
         sf.parent.mkdir(parents=True, exist_ok=True)
         sf.write_text(json.dumps({"url": url, "pid": os.getpid(), "config": c.source}))
-        how = f"{len(members)} nodes, transport {c.transport}" if len(members) > 1 else "1 node (stock mlx-lm, nothing to exchange)"
-        print(f"moe-cluster ready: {url} — model {c.model}, {how}, "
-              f"loaded in {time.monotonic() - t0:.1f}s (Ctrl-C or `moe-cluster down` to stop)", flush=True)
+        how = (
+            f"{len(members)} nodes, transport {c.transport}"
+            if len(members) > 1
+            else "1 node (stock mlx-lm, nothing to exchange)"
+        )
+        print(
+            f"moe-cluster ready: {url} — model {c.model}, {how}, "
+            f"loaded in {time.monotonic() - t0:.1f}s (Ctrl-C or `moe-cluster down` to stop)",
+            flush=True,
+        )
         await stop.wait()
         print("stopping...", file=sys.stderr, flush=True)
         return 0
@@ -358,11 +486,19 @@ async def _start_ship(c: ClusterConfig, model_path: str, secret: str) -> _Ship:
     # on a terminal the per-node bars carry bytes, rate and ETA; lines from the Ship service would
     # break them, so they go to the log there
     report = (lambda line: logger.info("%s", line)) if sys.stderr.isatty() else None
-    shipper = Shipper(Checkpoint.open(model_path), chunk_bytes=c.ship.chunk, max_rate=c.ship.max_rate, report=report,
-                      digest_dir=default_digest_dir())
+    shipper = Shipper(
+        Checkpoint.open(model_path),
+        chunk_bytes=c.ship.chunk,
+        max_rate=c.ship.max_rate,
+        report=report,
+        digest_dir=default_digest_dir(),
+    )
     server, port = start_server(shipper, c.ship.host, c.ship.port, secret, tls_files(c))
-    print(f"shipping shards of {model_path} (model {shipper.fingerprint[:16]}) on port {port}",
-          file=sys.stderr, flush=True)
+    print(
+        f"shipping shards of {model_path} (model {shipper.fingerprint[:16]}) on port {port}",
+        file=sys.stderr,
+        flush=True,
+    )
     return _Ship(shipper, server, ShipSource(shipper.fingerprint, f":{port}"))
 
 
@@ -371,7 +507,9 @@ def _check_port_free(c: ClusterConfig) -> None:
     from ...common.ports import check_port_free
 
     try:
-        check_port_free(c.api.host, c.api.port, "is another cluster running? --api-port P picks another")
+        check_port_free(
+            c.api.host, c.api.port, "is another cluster running? --api-port P picks another"
+        )
     except OSError as exc:
         raise ConfigError(f"{c.source}: api: {exc}") from None
 
@@ -383,7 +521,9 @@ def main(args) -> int:
         Checkpoint.open(c.model)  # a bad --model is refused before anything starts
     if args.api_port is not None:
         c = replace(c, api=replace(c.api, port=args.api_port))
-    log_dir = Path(args.log_dir).expanduser() if args.log_dir else state_file().parent / "logs" / c.name
+    log_dir = (
+        Path(args.log_dir).expanduser() if args.log_dir else state_file().parent / "logs" / c.name
+    )
     try:
         from ...common.process import run_grpc_loop
 

@@ -55,25 +55,32 @@ async def check_load(members, model_path: str, timeout_s: float = 60.0) -> list[
     ref = Reference(Checkpoint.open(model_path))
     layers = pick_layers(ref.layers())
     if not layers:
-        logger.warning("load check: no MoE layer of this family can be probed (its blocks get their routing "
-                       "from outside); skipped")
+        logger.warning(
+            "load check: no MoE layer of this family can be probed (its blocks get their routing "
+            "from outside); skipped"
+        )
         return []
     x = np.random.default_rng(0).standard_normal((PROBE_TOKENS, ref.hidden())).astype(np.float32)
     expected = ref.outputs(layers, x)
     ordered = sorted(members, key=lambda m: m.rank)
     checks = []
     for layer in layers:
-        shares = await asyncio.gather(*(m.client.probe(layer, x, timeout=timeout_s) for m in ordered))
+        shares = await asyncio.gather(
+            *(m.client.probe(layer, x, timeout=timeout_s) for m in ordered)
+        )
         total = shares[0].astype(np.float32)
         for s in shares[1:]:
             total = total + s
         want = expected[layer]
         diff = float(np.max(np.abs(total - want)))
-        tol = TOLERANCE.get(ref.dtype(layer), TOLERANCE["bfloat16"]) * max(1.0, float(np.max(np.abs(want))))
+        tol = TOLERANCE.get(ref.dtype(layer), TOLERANCE["bfloat16"]) * max(
+            1.0, float(np.max(np.abs(want)))
+        )
         checks.append(LayerCheck(layer, diff, tol))
         if not diff <= tol:  # NaN fails too
             raise LoadCheckError(
                 f"load check failed at layer {layer} ({ref.blocks[layer].path}): the cluster's output differs "
                 f"from the checkpoint's by {diff:.3g} (tolerance {tol:.3g}); a node's weights do not match "
-                f"{model_path}, or this family's MoE block is not what the structure rule saw")
+                f"{model_path}, or this family's MoE block is not what the structure rule saw"
+            )
     return checks

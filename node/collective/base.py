@@ -28,7 +28,11 @@ from ...proto.errors import ErrorKind, MoeClusterError
 TOKEN_LAYER = -1
 
 _MX_WIRE = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
-_NP_RAW = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}  # numpy dtype of the raw bytes
+_NP_RAW = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,
+}  # numpy dtype of the raw bytes
 
 
 class CollectiveError(MoeClusterError):
@@ -61,8 +65,10 @@ class Agreement:
         column = [v[index] - offset for v in self.values]
         for rank, token in enumerate(column):
             if token != column[0]:
-                raise TokenMismatch(f"{what}: rank {rank} sampled token {token}, rank 0 sampled "
-                                    f"{column[0]} (the nodes' logits differ)")
+                raise TokenMismatch(
+                    f"{what}: rank {rank} sampled token {token}, rank 0 sampled "
+                    f"{column[0]} (the nodes' logits differ)"
+                )
         return column[0]
 
 
@@ -89,7 +95,12 @@ def read_slots(summed, world_size: int) -> Agreement:
     values = []
     for r in range(world_size):
         mine = d[r * per_rank : (r + 1) * per_rank]
-        values.append(tuple(mine[i] + 256 * mine[i + 1] + 65536 * mine[i + 2] for i in range(0, per_rank, RIDE_DIGITS)))
+        values.append(
+            tuple(
+                mine[i] + 256 * mine[i + 1] + 65536 * mine[i + 2]
+                for i in range(0, per_rank, RIDE_DIGITS)
+            )
+        )
     return Agreement(tuple(values))
 
 

@@ -18,7 +18,17 @@ import mlx.core as mx
 import numpy as np
 
 from ...envoy import trace
-from ...envoy.link import BEGUN, DONE, FAIL, READY, LinkError, NodeLink, fail_message, unpack_ready, unpack_step
+from ...envoy.link import (
+    BEGUN,
+    DONE,
+    FAIL,
+    READY,
+    LinkError,
+    NodeLink,
+    fail_message,
+    unpack_ready,
+    unpack_step,
+)
 from .base import Agreement, CollectiveError, Rider, from_wire, to_wire
 from .specs import EnvoySpec
 
@@ -55,11 +65,32 @@ class EnvoyProcess:
     def _spawn(self) -> subprocess.Popen:
         spec, rank = self.spec, self.rank
         child_fd = self.link.child_sock.fileno()
-        cmd = [sys.executable, "-m", "moe_cluster.envoy", "--rank", str(rank),
-               "--addresses", ",".join(spec.addresses), "--listen", spec.listen or spec.addresses[rank],
-               "--timeout", repr(spec.timeout_s), "--connect-timeout", repr(spec.connect_timeout_s),
-               "--secret-stdin", "--link-fd", str(child_fd), "--shm", self.link.shm_name,
-               "--max-bytes", str(spec.max_bytes), "--parent-pid", str(os.getpid()), "--log-level", spec.log_level]
+        cmd = [
+            sys.executable,
+            "-m",
+            "moe_cluster.envoy",
+            "--rank",
+            str(rank),
+            "--addresses",
+            ",".join(spec.addresses),
+            "--listen",
+            spec.listen or spec.addresses[rank],
+            "--timeout",
+            repr(spec.timeout_s),
+            "--connect-timeout",
+            repr(spec.connect_timeout_s),
+            "--secret-stdin",
+            "--link-fd",
+            str(child_fd),
+            "--shm",
+            self.link.shm_name,
+            "--max-bytes",
+            str(spec.max_bytes),
+            "--parent-pid",
+            str(os.getpid()),
+            "--log-level",
+            spec.log_level,
+        ]
         if spec.tls is not None:
             cmd += ["--tls-cert", spec.tls.cert, "--tls-key", spec.tls.key, "--tls-ca", spec.tls.ca]
         if spec.data_port:
@@ -73,12 +104,19 @@ class EnvoyProcess:
         except BrokenPipeError:
             pass  # it exited already; _answer reports how
         self.link.child_started()
-        logger.info("rank %s started envoy pid %s listening on %s", rank, proc.pid, spec.listen or spec.addresses[rank])
+        logger.info(
+            "rank %s started envoy pid %s listening on %s",
+            rank,
+            proc.pid,
+            spec.listen or spec.addresses[rank],
+        )
         return proc
 
     def _gone(self) -> str:
         code = self.proc.poll()
-        return f"envoy of rank {self.rank} (pid {self.proc.pid}" + (")" if code is None else f", exit code {code})")
+        return f"envoy of rank {self.rank} (pid {self.proc.pid}" + (
+            ")" if code is None else f", exit code {code})"
+        )
 
     def _answer(self, timeout: float, what: str, reduce: bool = False) -> tuple[int, bytes]:
         try:
@@ -95,13 +133,17 @@ class EnvoyProcess:
         self.link.begin(request_id)
         self._request = request_id
         self._step = 0
-        kind, body = self._answer(self.spec.connect_timeout_s + _ANSWER_GRACE_S, f"begin of request {request_id}")
+        kind, body = self._answer(
+            self.spec.connect_timeout_s + _ANSWER_GRACE_S, f"begin of request {request_id}"
+        )
         if kind == FAIL:
             raise CollectiveError(fail_message(body))
         if kind != BEGUN:
             raise CollectiveError(f"envoy of rank {self.rank} answered begin with {kind!r}")
 
-    def all_reduce(self, raw: np.ndarray, dtype: str, shape: tuple[int, ...], layer: int) -> np.ndarray:
+    def all_reduce(
+        self, raw: np.ndarray, dtype: str, shape: tuple[int, ...], layer: int
+    ) -> np.ndarray:
         """Sum a raw 1-D payload over all ranks; returns a view valid until the next call: float32
         values where the envoy widened a float16/bfloat16 sum (envoy/link.py `widened`), else raw."""
         if self._request is None:
@@ -114,15 +156,19 @@ class EnvoyProcess:
             raise CollectiveError(f"{self._gone()}: {exc}") from exc
         if self.spec.trace:
             self.handed = round(self.link.sent_at * 1e9)  # perf_counter's clock, in ns
-        kind, body = self._answer(self.spec.timeout_s + _ANSWER_GRACE_S, f"step {step} (layer {layer})", reduce=True)
+        kind, body = self._answer(
+            self.spec.timeout_s + _ANSWER_GRACE_S, f"step {step} (layer {layer})", reduce=True
+        )
         if self.spec.trace:
             self.answered = time.perf_counter_ns()
         if kind == DONE and unpack_step(body) == step:
             return self.link.result(dtype, raw.nbytes)
         if kind == FAIL:
             raise CollectiveError(fail_message(body))
-        raise CollectiveError(f"envoy of rank {self.rank} answered step {step} with {kind!r} "
-                              f"(step {unpack_step(body) if kind == DONE else '?'})")
+        raise CollectiveError(
+            f"envoy of rank {self.rank} answered step {step} with {kind!r} "
+            f"(step {unpack_step(body) if kind == DONE else '?'})"
+        )
 
     @property
     def next_step(self) -> int:
@@ -178,13 +224,23 @@ class EnvoyCollective:
             return self._traced(partial, layer)
         payload, extra = self._rider.attach(partial, layer)
         raw, dtype = to_wire(payload)
-        return self._result(self._envoy.all_reduce(raw.reshape(-1), dtype, tuple(payload.shape), layer),
-                            dtype, extra, partial)
+        return self._result(
+            self._envoy.all_reduce(raw.reshape(-1), dtype, tuple(payload.shape), layer),
+            dtype,
+            extra,
+            partial,
+        )
 
     def _result(self, out: np.ndarray, dtype: str, extra: int, partial: mx.array) -> mx.array:
-        if out.dtype == np.float32 and dtype != "float32":  # widened (envoy/link.py): MLX rounds it, in the graph
-            return from_wire(self._rider.detach(out, "float32", extra), "float32", partial.shape).astype(partial.dtype)
-        return from_wire(self._rider.detach(out, dtype, extra), dtype, partial.shape)  # mx.array copies out of the shared area
+        if (
+            out.dtype == np.float32 and dtype != "float32"
+        ):  # widened (envoy/link.py): MLX rounds it, in the graph
+            return from_wire(
+                self._rider.detach(out, "float32", extra), "float32", partial.shape
+            ).astype(partial.dtype)
+        return from_wire(
+            self._rider.detach(out, dtype, extra), dtype, partial.shape
+        )  # mx.array copies out of the shared area
 
     def _traced(self, partial: mx.array, layer: int) -> mx.array:
         """all_reduce with the node's stamps, kept with the envoy's (envoy/trace.py)."""
@@ -194,9 +250,19 @@ class EnvoyCollective:
         on_host = time.perf_counter_ns()
         envoy = self._envoy
         step = envoy.next_step
-        out = self._result(envoy.all_reduce(raw.reshape(-1), dtype, tuple(payload.shape), layer), dtype, extra, partial)
-        self.trace.append(trace.record(step, (entered, on_host, envoy.handed, envoy.answered, time.perf_counter_ns()),
-                                       envoy.link.trace_words()))
+        out = self._result(
+            envoy.all_reduce(raw.reshape(-1), dtype, tuple(payload.shape), layer),
+            dtype,
+            extra,
+            partial,
+        )
+        self.trace.append(
+            trace.record(
+                step,
+                (entered, on_host, envoy.handed, envoy.answered, time.perf_counter_ns()),
+                envoy.link.trace_words(),
+            )
+        )
         return out
 
     def ride(self, values: mx.array) -> None:

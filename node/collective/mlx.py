@@ -45,7 +45,9 @@ logger = logging.getLogger(__name__)
 EXIT_STALLED = 75  # exit status of a node whose all-reduce outlasted the timeout
 
 
-BACKEND_ENV = "MOE_CLUSTER_MLX_BACKEND"  # "ring": the ring even where NCCL would be picked (to compare)
+BACKEND_ENV = (
+    "MOE_CLUSTER_MLX_BACKEND"  # "ring": the ring even where NCCL would be picked (to compare)
+)
 
 
 def mlx_backend(gpus: bool) -> str:
@@ -55,11 +57,16 @@ def mlx_backend(gpus: bool) -> str:
     forced = os.environ.get(BACKEND_ENV, "").strip()
     if forced:
         if forced != "ring":
-            raise UserError(f"${BACKEND_ENV} may only be 'ring' (got {forced!r}); unset, the backend is chosen")
+            raise UserError(
+                f"${BACKEND_ENV} may only be 'ring' (got {forced!r}); unset, the backend is chosen"
+            )
         return forced
     cuda = getattr(mx, "cuda", None)
-    return "nccl" if gpus and cuda is not None and cuda.is_available() and mx.distributed.is_available("nccl") \
+    return (
+        "nccl"
+        if gpus and cuda is not None and cuda.is_available() and mx.distributed.is_available("nccl")
         else "ring"
+    )
 
 
 def write_hostfile(spec: MlxSpec, folder: str | Path) -> dict[str, str]:
@@ -87,7 +94,9 @@ class _Watchdog:
         self._since: float | None = None
         self._what = ""
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mlx-collective-watchdog", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="mlx-collective-watchdog", daemon=True
+        )
         self._thread.start()
 
     def enter(self, what: str) -> None:
@@ -102,8 +111,10 @@ class _Watchdog:
         while not self._stop.wait(period):
             since = self._since
             if since is not None and time.monotonic() - since > self._timeout:
-                msg = (f"rank {self._rank}: {self._what} did not complete within {self._timeout:g} s "
-                       f"(a peer stalled or the network is down); the MLX group cannot recover, exiting")
+                msg = (
+                    f"rank {self._rank}: {self._what} did not complete within {self._timeout:g} s "
+                    f"(a peer stalled or the network is down); the MLX group cannot recover, exiting"
+                )
                 logger.critical("%s", msg)
                 print(f"moe-cluster node: {msg}", file=sys.stderr, flush=True)
                 os._exit(EXIT_STALLED)
@@ -119,14 +130,18 @@ class MlxCollective:
 
     def __init__(self, spec: MlxSpec, rank: int):
         if not mx.distributed.is_available(spec.backend):
-            raise CollectiveError(f"mx.distributed backend {spec.backend!r} is not available in this MLX build "
-                                  f"(jaccl needs macOS 26.2+ with Thunderbolt 5 RDMA, nccl MLX's CUDA build)")
+            raise CollectiveError(
+                f"mx.distributed backend {spec.backend!r} is not available in this MLX build "
+                f"(jaccl needs macOS 26.2+ with Thunderbolt 5 RDMA, nccl MLX's CUDA build)"
+            )
         self.rank = rank
         self.world_size = spec.world_size
         self._tmp = None
         self._watchdog = None
         self._rider = Rider(rank, spec.world_size)
-        if spec.world_size == 1:  # a ring of one cannot form (it dials itself); the sum is the partial
+        if (
+            spec.world_size == 1
+        ):  # a ring of one cannot form (it dials itself); the sum is the partial
             self.group = None
             return
         folder = spec.hostfile_dir
@@ -139,12 +154,18 @@ class MlxCollective:
         try:
             self.group = mx.distributed.init(strict=True, backend=spec.backend)
         except RuntimeError as exc:
-            raise CollectiveError(f"rank {rank}: mx.distributed {spec.backend} init failed: {exc}") from exc
+            raise CollectiveError(
+                f"rank {rank}: mx.distributed {spec.backend} init failed: {exc}"
+            ) from exc
         if self.group.size() != spec.world_size or self.group.rank() != rank:
-            raise CollectiveError(f"mx.distributed made rank {self.group.rank()} of {self.group.size()}, "
-                                  f"expected rank {rank} of {spec.world_size}")
+            raise CollectiveError(
+                f"mx.distributed made rank {self.group.rank()} of {self.group.size()}, "
+                f"expected rank {rank} of {spec.world_size}"
+            )
         self._watchdog = _Watchdog(rank, spec.timeout_s)
-        logger.info("rank %s joined mx.distributed %s group of %s", rank, spec.backend, spec.world_size)
+        logger.info(
+            "rank %s joined mx.distributed %s group of %s", rank, spec.backend, spec.world_size
+        )
 
     def begin(self, request_id: str) -> None:
         self._rider.clear()  # the ring has no per-request state; a failed request leaves the group unusable anyway

@@ -31,7 +31,8 @@ class ShmCollective:
         shm = shared_memory.SharedMemory(create=True, size=size)
         shm.buf[:size] = bytes(size)
         sems = tuple(
-            tuple(None if s == d else ctx.Semaphore(0) for d in range(world_size)) for s in range(world_size)
+            tuple(None if s == d else ctx.Semaphore(0) for d in range(world_size))
+            for s in range(world_size)
         )
         return ShmSpec(shm.name, world_size, slot_bytes, sems, timeout_s), shm
 
@@ -51,7 +52,9 @@ class ShmCollective:
 
     def _slot(self, rank: int, parity: int) -> tuple[memoryview, memoryview]:
         off = (rank * 2 + parity) * (_HDR + self._spec.slot_bytes)
-        return self._shm.buf[off : off + _HDR], self._shm.buf[off + _HDR : off + _HDR + self._spec.slot_bytes]
+        return self._shm.buf[off : off + _HDR], self._shm.buf[
+            off + _HDR : off + _HDR + self._spec.slot_bytes
+        ]
 
     def begin(self, request_id: str) -> None:
         self.request_id = request_id
@@ -71,7 +74,9 @@ class ShmCollective:
         raw, dtype = to_wire(payload)
         data = raw.tobytes()
         if len(data) > self._spec.slot_bytes:
-            raise CollectiveError(f"partial of {len(data)} bytes exceeds the shared slot ({self._spec.slot_bytes} bytes)")
+            raise CollectiveError(
+                f"partial of {len(data)} bytes exceeds the shared slot ({self._spec.slot_bytes} bytes)"
+            )
         self._seq += 1
         parity = self._seq & 1
         hdr, body = self._slot(self.rank, parity)
@@ -92,9 +97,13 @@ class ShmCollective:
             shdr, sbody = self._slot(src, parity)
             seq, nbytes = np.frombuffer(shdr, dtype=np.int64)
             if seq != self._seq or nbytes != len(data):
-                raise CollectiveError(f"rank {src} is out of step at layer {layer} (step {seq}, expected {self._seq})")
+                raise CollectiveError(
+                    f"rank {src} is out of step at layer {layer} (step {seq}, expected {self._seq})"
+                )
             parts.append(np.frombuffer(sbody[:nbytes], dtype=DTYPES[dtype]))
-        out = from_wire(self._rider.detach(self._reduce(parts, dtype), dtype, extra), dtype, partial.shape)
+        out = from_wire(
+            self._rider.detach(self._reduce(parts, dtype), dtype, extra), dtype, partial.shape
+        )
         if self._named:  # every rank has the segment mapped (each wrote its slot): its name can go,
             self._named = False  # the memory stays until the last rank unmaps it
             unlink_segment(self._shm)

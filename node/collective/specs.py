@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 
 from ...proto.errors import UserError
+
 # The specs are records the coordinator sends and the node builds from: they live in proto, and
 # this module is where a node turns one into its Collective.
 from ...proto.transport import MLX_BACKENDS, EnvoySpec, MlxSpec, ShmSpec  # noqa: F401 - re-exported
@@ -32,7 +33,9 @@ def make_collective(spec, rank: int):
     """The Collective for `spec` as seen from `rank`."""
     target = _IMPLEMENTATIONS.get(type(spec))
     if target is None:
-        raise TypeError(f"no transport for spec {type(spec).__name__} (known: {', '.join(t.__name__ for t in _IMPLEMENTATIONS)})")
+        raise TypeError(
+            f"no transport for spec {type(spec).__name__} (known: {', '.join(t.__name__ for t in _IMPLEMENTATIONS)})"
+        )
     if not 0 <= rank < spec.world_size:
         raise UserError(f"rank {rank} is outside world size {spec.world_size}")
     if spec.world_size == 1:  # alone: the sum of one share is itself, no transport to start

@@ -26,7 +26,9 @@ class Shape:
     hidden: int
     attention_heads: int | None = None  # default 4
     kv_heads: int | None = None  # default: the family's small-model choice (2 for most)
-    expert_ffn: int | None = None  # width of one routed expert; default: the family's ratio to hidden
+    expert_ffn: int | None = (
+        None  # width of one routed expert; default: the family's ratio to hidden
+    )
 
     @property
     def heads(self) -> int:
@@ -59,10 +61,14 @@ class Arch:
     note: str = ""
 
 
-_BANK = re.compile(r"^(?P<prefix>.+)\.(?P<bank>switch_mlp|experts)\.(?P<proj>\w+)\.(?P<param>weight|scales|biases|bias)$")
+_BANK = re.compile(
+    r"^(?P<prefix>.+)\.(?P<bank>switch_mlp|experts)\.(?P<proj>\w+)\.(?P<param>weight|scales|biases|bias)$"
+)
 
 
-def unstack_experts(weights: Weights, names: dict[str, str] | None = None, bank: str = "switch_mlp") -> Weights:
+def unstack_experts(
+    weights: Weights, names: dict[str, str] | None = None, bank: str = "switch_mlp"
+) -> Weights:
     """`<p>.switch_mlp.<proj>.<param>` (E, ...) -> `<p>.experts.<e>.<name>.<param>` per expert."""
     names = names or {}
     out: Weights = {}
@@ -247,8 +253,13 @@ def _deepseek_hf(weights: Weights, config: dict) -> Weights:
 
 def _qwen3_next_hf(weights: Weights, config: dict) -> Weights:
     out = unstack_experts(weights)
-    norm_suffixes = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
-                     ".q_norm.weight", ".k_norm.weight")
+    norm_suffixes = (
+        ".input_layernorm.weight",
+        ".post_attention_layernorm.weight",
+        "model.norm.weight",
+        ".q_norm.weight",
+        ".k_norm.weight",
+    )
     for k, v in list(out.items()):
         if "conv1d.weight" in k and v.shape[-1] == 1 and v.shape[1] != 1:
             out[k] = v.swapaxes(1, 2)  # mlx (C, K, 1) -> HF (C, 1, K)
@@ -300,16 +311,38 @@ def _gpt_oss_hf(weights: Weights, config: dict) -> Weights:
 ARCHS: dict[str, Arch] = {
     a.name: a
     for a in [
-        Arch("mixtral", _mixtral, _generic_hf({"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"})),
+        Arch(
+            "mixtral",
+            _mixtral,
+            _generic_hf({"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}),
+        ),
         Arch("qwen2_moe", _qwen2_moe, _generic_hf()),
         Arch("qwen3_moe", _qwen3_moe, _generic_hf(), hf_quantized=False),
         Arch("olmoe", _olmoe, _generic_hf()),
-        Arch("deepseek_v3", _deepseek_v3, _deepseek_hf, min_layers=2, experts_multiple=4,
-             note="layer 0 is dense (first_k_dense_replace=1)"),
+        Arch(
+            "deepseek_v3",
+            _deepseek_v3,
+            _deepseek_hf,
+            min_layers=2,
+            experts_multiple=4,
+            note="layer 0 is dense (first_k_dense_replace=1)",
+        ),
         Arch("dbrx", _dbrx, _dbrx_hf, hf_quantized=False),
-        Arch("gpt_oss", _gpt_oss, _gpt_oss_hf, min_layers=2, hf_quantized=False,
-             note="the HF layout stores experts in mxfp4, as the release does"),
-        Arch("qwen3_next", _qwen3_next, _qwen3_next_hf, min_layers=4, hf_quantized=False,
-             note="layers 4k+3 use full attention, the others Gated DeltaNet; needs 4 layers or more"),
+        Arch(
+            "gpt_oss",
+            _gpt_oss,
+            _gpt_oss_hf,
+            min_layers=2,
+            hf_quantized=False,
+            note="the HF layout stores experts in mxfp4, as the release does",
+        ),
+        Arch(
+            "qwen3_next",
+            _qwen3_next,
+            _qwen3_next_hf,
+            min_layers=4,
+            hf_quantized=False,
+            note="layers 4k+3 use full attention, the others Gated DeltaNet; needs 4 layers or more",
+        ),
     ]
 }

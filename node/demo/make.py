@@ -36,25 +36,37 @@ class DemoSpec:
 
     def check(self) -> None:
         if self.arch not in ARCHS:
-            raise CheckpointError(f"unknown architecture {self.arch!r}; choose from {', '.join(ARCHS)}")
+            raise CheckpointError(
+                f"unknown architecture {self.arch!r}; choose from {', '.join(ARCHS)}"
+            )
         arch = ARCHS[self.arch]
         if self.layers < arch.min_layers:
-            raise CheckpointError(f"{self.arch} needs --layers >= {arch.min_layers} (got {self.layers})")
+            raise CheckpointError(
+                f"{self.arch} needs --layers >= {arch.min_layers} (got {self.layers})"
+            )
         if self.experts < 2:
             raise CheckpointError(f"--experts must be at least 2 (got {self.experts})")
         if self.experts % arch.experts_multiple:
-            raise CheckpointError(f"{self.arch} needs --experts divisible by {arch.experts_multiple} (got {self.experts})")
+            raise CheckpointError(
+                f"{self.arch} needs --experts divisible by {arch.experts_multiple} (got {self.experts})"
+            )
         if not 1 <= self.top_k <= self.experts:
-            raise CheckpointError(f"--top-k must be between 1 and --experts ({self.experts}); got {self.top_k}")
+            raise CheckpointError(
+                f"--top-k must be between 1 and --experts ({self.experts}); got {self.top_k}"
+            )
         if self.hidden < 32 or self.hidden % 32:
             raise CheckpointError(f"--hidden must be a positive multiple of 32 (got {self.hidden})")
         heads = self.heads or 4
         if self.hidden % heads or (self.hidden // heads) % 8:
-            raise CheckpointError(f"--heads ({heads}) must divide --hidden ({self.hidden}) into heads of a multiple of 8")
+            raise CheckpointError(
+                f"--heads ({heads}) must divide --hidden ({self.hidden}) into heads of a multiple of 8"
+            )
         if self.kv_heads is not None and (self.kv_heads < 1 or heads % self.kv_heads):
             raise CheckpointError(f"--kv-heads ({self.kv_heads}) must divide --heads ({heads})")
         if self.expert_ffn is not None and (self.expert_ffn < 32 or self.expert_ffn % 32):
-            raise CheckpointError(f"--ffn must be a positive multiple of 32 (got {self.expert_ffn})")
+            raise CheckpointError(
+                f"--ffn must be a positive multiple of 32 (got {self.expert_ffn})"
+            )
         if self.dtype not in DTYPES:
             raise CheckpointError(f"--dtype must be one of {', '.join(DTYPES)} (got {self.dtype})")
         if self.quantize not in (None, 4, 8):
@@ -73,8 +85,18 @@ class DemoSpec:
 def build_model(spec: DemoSpec, vocab: int) -> tuple[nn.Module, dict]:
     """A randomly initialised model of the spec and its config (mlx layout, unquantized)."""
     arch = ARCHS[spec.arch]
-    config = arch.make_config(Shape(vocab, spec.layers, spec.experts, spec.top_k, spec.hidden, spec.heads,
-                                    spec.kv_heads, spec.expert_ffn))
+    config = arch.make_config(
+        Shape(
+            vocab,
+            spec.layers,
+            spec.experts,
+            spec.top_k,
+            spec.hidden,
+            spec.heads,
+            spec.kv_heads,
+            spec.expert_ffn,
+        )
+    )
     model_cls, args_cls = model_classes(config)
     mx.random.seed(spec.seed)
     model = model_cls(args_cls.from_dict(config))
@@ -98,7 +120,11 @@ def quantize(model: nn.Module, config: dict, bits: int, mixed_bits: bool) -> dic
     first_bank: list[str] = []
 
     def predicate(path: str, module: nn.Module):
-        if mixed_bits and hasattr(module, "num_experts") and (not first_bank or path.startswith(first_bank[0])):
+        if (
+            mixed_bits
+            and hasattr(module, "num_experts")
+            and (not first_bank or path.startswith(first_bank[0]))
+        ):
             bank = path.rsplit(".", 1)[0]
             if not first_bank:
                 first_bank.append(bank)
@@ -110,7 +136,9 @@ def quantize(model: nn.Module, config: dict, bits: int, mixed_bits: bool) -> dic
     import io
 
     with contextlib.redirect_stdout(io.StringIO()):
-        _, config = quantize_model(model, config, group_size=64, bits=bits, quant_predicate=predicate)
+        _, config = quantize_model(
+            model, config, group_size=64, bits=bits, quant_predicate=predicate
+        )
     return config
 
 
@@ -127,8 +155,13 @@ def make_checkpoint(spec: DemoSpec, out: Path) -> dict:
         if spec.arch == "gpt_oss":
             config["quantization_config"] = {"quant_method": "mxfp4"}
     mx.eval(weights)
-    files = write_checkpoint(out, weights, config, max_shard_bytes=spec.shard_bytes,
-                             metadata={"moe_cluster_layout": spec.layout})
+    files = write_checkpoint(
+        out,
+        weights,
+        config,
+        max_shard_bytes=spec.shard_bytes,
+        metadata={"moe_cluster_layout": spec.layout},
+    )
     tokenizer.copy_tokenizer(out)
     return {
         "path": str(out),

@@ -46,7 +46,8 @@ def demo_config(tc: TrainConfig) -> dict:
     from .archs import ARCHS, Shape
 
     config = ARCHS["qwen3_moe"].make_config(
-        Shape(tc.vocab, tc.layers, tc.experts, tc.top_k, tc.hidden, expert_ffn=tc.expert_ffn))
+        Shape(tc.vocab, tc.layers, tc.experts, tc.top_k, tc.hidden, expert_ffn=tc.expert_ffn)
+    )
     # tied embeddings keep the shipped model small; <|endoftext|> ends documents and <|end|> a chat
     # turn (see tokenizer.CHAT_TEMPLATE)
     config.update(tie_word_embeddings=True, eos_token_id=[0, 4])
@@ -103,13 +104,18 @@ def train_demo(out: Path, tc: TrainConfig = TrainConfig(), corpus_dir: Path = CO
         aux = 0.0
         for g in router_logits:
             probs = mx.softmax(g.astype(mx.float32), axis=-1).reshape(-1, tc.experts)
-            top = mx.stop_gradient(mx.argpartition(-probs, kth=tc.top_k - 1, axis=-1)[:, : tc.top_k])
+            top = mx.stop_gradient(
+                mx.argpartition(-probs, kth=tc.top_k - 1, axis=-1)[:, : tc.top_k]
+            )
             frac = mx.stop_gradient(mx.zeros((tc.experts,)).at[top.reshape(-1)].add(1.0) / top.size)
             aux = aux + tc.experts * (frac * probs.mean(axis=0)).sum()
         return ce + tc.aux_loss * aux / len(model.layers), ce
 
     schedule = optim.join_schedules(
-        [optim.linear_schedule(1e-5, tc.lr, tc.warmup), optim.cosine_decay(tc.lr, tc.steps - tc.warmup, tc.lr * 0.05)],
+        [
+            optim.linear_schedule(1e-5, tc.lr, tc.warmup),
+            optim.cosine_decay(tc.lr, tc.steps - tc.warmup, tc.lr * 0.05),
+        ],
         [tc.warmup],
     )
     opt = optim.AdamW(learning_rate=schedule, weight_decay=tc.weight_decay)
@@ -139,10 +145,20 @@ def train_demo(out: Path, tc: TrainConfig = TrainConfig(), corpus_dir: Path = CO
         if step % 100 == 0 or step == tc.steps:
             vx, vy = batch(val_ids)
             _, vce = loss_fn(model, vx, vy)
-            rec = {"step": step, "train_ce": round(ce.item(), 4), "val_ce": round(vce.item(), 4),
-                   "seconds": round(time.time() - t0, 1)}
+            rec = {
+                "step": step,
+                "train_ce": round(ce.item(), 4),
+                "val_ce": round(vce.item(), 4),
+                "seconds": round(time.time() - t0, 1),
+            }
             history.append(rec)
-            logger.info("step %d  train %.3f  val %.3f  (%.0fs)", step, rec["train_ce"], rec["val_ce"], rec["seconds"])
+            logger.info(
+                "step %d  train %.3f  val %.3f  (%.0fs)",
+                step,
+                rec["train_ce"],
+                rec["val_ce"],
+                rec["seconds"],
+            )
 
     for layer in model.layers:
         layer.mlp.gate = layer.mlp.gate.gate

@@ -14,7 +14,9 @@ MLP_PROJ = ("fc1", "fc2")
 class Bank:
     """An expert bank as found in the module tree."""
 
-    attr: str  # attribute path from the block to the bank, e.g. "switch_mlp" or "experts.switch_mlp"
+    attr: (
+        str  # attribute path from the block to the bank, e.g. "switch_mlp" or "experts.switch_mlp"
+    )
     module: object
     kind: str  # "glu" (gate/up/down) or "mlp" (fc1/fc2)
     activation: Callable

@@ -54,7 +54,9 @@ class CacheStats:
     bytes_read: int = 0  # bytes of the misses (what entered a slot)
     read_seconds: float = 0.0  # the step waiting on misses: reads not done yet, and slot writes
     rounds: int = 0  # calls whose experts did not fit the slots at once
-    prefetched: int = 0  # reads started ahead of the layer's routing (profile's hottest non-resident)
+    prefetched: int = (
+        0  # reads started ahead of the layer's routing (profile's hottest non-resident)
+    )
     prefetch_hits: int = 0  # misses whose bytes a prefetch had already staged
     prefetch_bytes: int = 0  # bytes read by prefetches, used or not
 
@@ -103,13 +105,17 @@ def read_parts(parts: Sequence[Part]) -> bytearray:
                     fd = fds[p.file] = os.open(p.file, os.O_RDONLY)
                 got = 0
                 while got < p.nbytes:
-                    n = os.preadv(fd, [view[at + got: at + p.nbytes]], p.offset + got)
+                    n = os.preadv(fd, [view[at + got : at + p.nbytes]], p.offset + got)
                     if n <= 0:
-                        raise ExpertReadError(f"short read of expert weights from {p.file}: {got} of {p.nbytes} "
-                                              f"bytes at offset {p.offset}")
+                        raise ExpertReadError(
+                            f"short read of expert weights from {p.file}: {got} of {p.nbytes} "
+                            f"bytes at offset {p.offset}"
+                        )
                     got += n
             except OSError as exc:
-                raise ExpertReadError(f"cannot read expert weights from {p.file}: {exc.strerror}") from exc
+                raise ExpertReadError(
+                    f"cannot read expert weights from {p.file}: {exc.strerror}"
+                ) from exc
             at += p.nbytes
     finally:
         for fd in fds.values():
@@ -130,9 +136,18 @@ class LayerCache:
         staging: the node's count of bytes read and not yet in a slot (shared by its layers).
     """
 
-    def __init__(self, layer: int, n_local: int, slots: list[np.ndarray], parts_of: Callable[[int], list[Part]],
-                 resident: Sequence[int], pinned: Sequence[int], stats: CacheStats,
-                 pool: ThreadPoolExecutor | None = None, staging: Staging | None = None):
+    def __init__(
+        self,
+        layer: int,
+        n_local: int,
+        slots: list[np.ndarray],
+        parts_of: Callable[[int], list[Part]],
+        resident: Sequence[int],
+        pinned: Sequence[int],
+        stats: CacheStats,
+        pool: ThreadPoolExecutor | None = None,
+        staging: Staging | None = None,
+    ):
         self.layer = layer
         self._views = slots
         self._parts_of = parts_of
@@ -150,7 +165,9 @@ class LayerCache:
         self.stats = stats
         stats.capacity, stats.local = self.capacity, n_local
         self._pool = pool
-        self._reader: mx.array | None = None  # the last output computed from the slots, maybe unevaluated
+        self._reader: mx.array | None = (
+            None  # the last output computed from the slots, maybe unevaluated
+        )
         self.expert_nbytes = sum(v.shape[1] for v in slots)  # one expert's bytes, all its tensors
         # reads started and not yet copied into a slot: local index -> its bytes (a Future), and which
         # of them a prefetch started
@@ -212,7 +229,9 @@ class LayerCache:
         for e, slot in zip(missing, victims):
             fut = self._staged.pop(e)
             self.staging.now -= self.expert_nbytes
-            if fut.cancel():  # no reader has taken it up yet: reading it here is sooner than a hand-off
+            if (
+                fut.cancel()
+            ):  # no reader has taken it up yet: reading it here is sooner than a hand-off
                 blob = self._read(e)
             else:
                 blob = fut.result()  # raises the read's ExpertReadError
@@ -249,8 +268,10 @@ class LayerCache:
         want = self._crc.get(e)
         if want is not None and zlib.crc32(blob) != want:
             files = sorted({p.file for p in parts})
-            raise ExpertReadError(f"expert weights changed on disk since the load (checksum mismatch) in "
-                                  f"{', '.join(files)} (layer {self.layer})")
+            raise ExpertReadError(
+                f"expert weights changed on disk since the load (checksum mismatch) in "
+                f"{', '.join(files)} (layer {self.layer})"
+            )
         return blob
 
     def _victims(self, n: int, protect: set[int]) -> list[int]:
@@ -259,12 +280,16 @@ class LayerCache:
         owners = self.owner
         age = self._clock - self._last[owners]
         score = self._freq[owners] * _DECAY ** (age / _HALF)
-        order = np.lexsort((np.arange(self.capacity), score, self._pinned[owners]))  # unpinned, coldest first
+        order = np.lexsort(
+            (np.arange(self.capacity), score, self._pinned[owners])
+        )  # unpinned, coldest first
         out = [int(s) for s in order if int(owners[s]) not in protect]
         return out[:n]
 
 
-def choose_resident(capacity: int, heat: np.ndarray | None, tokens: int = 0) -> tuple[list[int], list[int]]:
+def choose_resident(
+    capacity: int, heat: np.ndarray | None, tokens: int = 0
+) -> tuple[list[int], list[int]]:
     """(local experts resident at load, pinned ones) from `heat`, the profile's selections per local
     expert over `tokens` tokens: the hottest resident, pinned when selected by more than half of the
     tokens (seed 000), at most half the slots; without a profile the first C, none pinned."""

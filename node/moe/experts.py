@@ -20,13 +20,31 @@ import numpy as np
 
 from ...proto.errors import UserError
 from .expert_cache import LayerCache
-from .kernels import (SORTED_FROM, ExpertMLP, Gather, HostRows, ShardLinear, Skip, act_dtype,
-                      groups, out_dim, skip_fits)
+from .kernels import (
+    SORTED_FROM,
+    ExpertMLP,
+    Gather,
+    HostRows,
+    ShardLinear,
+    Skip,
+    act_dtype,
+    groups,
+    out_dim,
+    skip_fits,
+)
 from .plan import HostPlan, Recency, ShardConfig, device_plan
 from .telemetry import ALLREDUCE_BUCKETS, LayerCounters, NodeConfig, ShardState, Timers
 
-__all__ = ["ALLREDUCE_BUCKETS", "ROUTES", "ExpertShard", "LayerCounters", "NodeConfig",
-           "ShardLinear", "ShardState", "Timers"]
+__all__ = [
+    "ALLREDUCE_BUCKETS",
+    "ROUTES",
+    "ExpertShard",
+    "LayerCounters",
+    "NodeConfig",
+    "ShardLinear",
+    "ShardState",
+    "Timers",
+]
 
 # How a decode step's routed experts are computed (ExpertShard.routes), in the order preferred where
 # nothing is measured: on the device reading only this node's experts (a skip kernel), on the
@@ -69,8 +87,9 @@ class ExpertShard(nn.Module):
             setattr(self, name, proj)
         node = state.config
         frozen = MappingProxyType({e: tuple(rs) for e, rs in holders.items()})
-        self.config = ShardConfig(layer, tuple(global_ids), frozen, kind, node.rank,
-                                  node.world_size, node.keepalive)
+        self.config = ShardConfig(
+            layer, tuple(global_ids), frozen, kind, node.rank, node.world_size, node.keepalive
+        )
         self._state = state
         state.add_layer(layer, self.config.global_ids, len(holders))
         names = ("gate_proj", "up_proj", "down_proj") if kind == "glu" else ("fc1", "fc2")
@@ -102,8 +121,10 @@ class ExpertShard(nn.Module):
     def set_route(self, route: str) -> None:
         """Compute decode steps by `route` from now on (one of routes())."""
         if route not in self.routes():
-            raise UserError(f"MoE layer {self.layer} cannot take the {route!r} route here "
-                            f"(it can take: {', '.join(self.routes())})")
+            raise UserError(
+                f"MoE layer {self.layer} cannot take the {route!r} route here "
+                f"(it can take: {', '.join(self.routes())})"
+            )
         self._route = route
         host = (self.host_plan, self.host_rows)
         if route == "host":
@@ -142,8 +163,9 @@ class ExpertShard(nn.Module):
         self._state.cache[self.layer] = cache.stats
         self.host_only()
 
-    def prefetch_into(self, cache: LayerCache | None, candidates: Sequence[int],
-                      depth: int) -> None:
+    def prefetch_into(
+        self, cache: LayerCache | None, candidates: Sequence[int], depth: int
+    ) -> None:
         """When this layer begins, start reading the first `depth` non-resident `candidates` (local
         indices, likeliest first) of `cache`, the next layer's: its routing is not known before this
         layer's output."""
@@ -217,8 +239,9 @@ class ExpertShard(nn.Module):
             self._next.prefetch(self._next_candidates, self._depth)
         return self._step(x, inds)
 
-    def decode_sample(self, top_k: int, count: int,
-                      seed: int = 0) -> tuple[mx.array, list[mx.array]]:
+    def decode_sample(
+        self, top_k: int, count: int, seed: int = 0
+    ) -> tuple[mx.array, list[mx.array]]:
         """A decode call's input for timing: one token (1, 1, hidden) in the experts' dtype, and
         `count` routings of it, each `top_k` distinct experts drawn from the router's count."""
         last = self.mlp.last

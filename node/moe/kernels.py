@@ -46,8 +46,9 @@ class ShardLinear(nn.Module):
     """One projection of the local experts: weight (E_local, out, in), maybe quantized, maybe
     biased."""
 
-    def __init__(self, weight: mx.array, *, scales=None, biases=None, bias=None,
-                 quant: Mapping | None = None):
+    def __init__(
+        self, weight: mx.array, *, scales=None, biases=None, bias=None, quant: Mapping | None = None
+    ):
         super().__init__()
         self.weight = weight
         if scales is not None:
@@ -60,8 +61,13 @@ class ShardLinear(nn.Module):
         # chosen once: this runs three times per MoE layer per token, on the step's critical path
         self.per_expert = _per_expert(weight.dtype, quant is not None)
         self._biased = bias is not None
-        self._matmul = (self._by_expert if self.per_expert else
-                        self._gather_qmm if self.quant is not None else self._gather_mm)
+        self._matmul = (
+            self._by_expert
+            if self.per_expert
+            else self._gather_qmm
+            if self.quant is not None
+            else self._gather_mm
+        )
 
     @property
     def biased(self) -> bool:
@@ -80,25 +86,41 @@ class ShardLinear(nn.Module):
 
     def _gather_qmm(self, x: mx.array, slots: mx.array, groups) -> mx.array:
         return mx.gather_qmm(
-            x, self["weight"], self["scales"], self.get("biases"), rhs_indices=slots,
-            transpose=True, group_size=self.quant["group_size"], bits=self.quant["bits"],
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            rhs_indices=slots,
+            transpose=True,
+            group_size=self.quant["group_size"],
+            bits=self.quant["bits"],
             mode=self.quant["mode"],
             sorted_indices=x.shape[0] >= SORTED_FROM,
         )
 
     def _gather_mm(self, x: mx.array, slots: mx.array, groups) -> mx.array:
-        return mx.gather_mm(x, self["weight"].swapaxes(-1, -2), rhs_indices=slots,
-                            sorted_indices=x.shape[0] >= SORTED_FROM)
+        return mx.gather_mm(
+            x,
+            self["weight"].swapaxes(-1, -2),
+            rhs_indices=slots,
+            sorted_indices=x.shape[0] >= SORTED_FROM,
+        )
 
     def _one(self, x: mx.array, slot: int) -> mx.array:
         """Rows of one expert through its (maybe quantized) matrix."""
         if self.quant is None:
             return x @ self["weight"][slot].T
         biases = self.get("biases")
-        return mx.quantized_matmul(x, self["weight"][slot], self["scales"][slot],
-                                   biases[slot] if biases is not None else None, transpose=True,
-                                   group_size=self.quant["group_size"], bits=self.quant["bits"],
-                                   mode=self.quant["mode"])
+        return mx.quantized_matmul(
+            x,
+            self["weight"][slot],
+            self["scales"][slot],
+            biases[slot] if biases is not None else None,
+            transpose=True,
+            group_size=self.quant["group_size"],
+            bits=self.quant["bits"],
+            mode=self.quant["mode"],
+        )
 
 
 class ExpertMLP:
@@ -213,8 +235,11 @@ def skip_fits(mlp: ExpertMLP) -> tuple[str | None, mx.Dtype | None]:
     kernel's check at the weight's shape passed (on CUDA)."""
     projs = mlp.projections
     for p in projs:
-        fits = (qskip.fits(p.weight, p.scales, p.get("biases"), p.quant) if p.quant is not None
-                else skip_gemv.fits(p.weight))
+        fits = (
+            qskip.fits(p.weight, p.scales, p.get("biases"), p.quant)
+            if p.quant is not None
+            else skip_gemv.fits(p.weight)
+        )
         if p.biased or not fits:
             return "biased, float32, odd-sized or unsupported quantized expert weights", None
     dtypes = {act_dtype(p) for p in projs}
@@ -223,8 +248,11 @@ def skip_fits(mlp: ExpertMLP) -> tuple[str | None, mx.Dtype | None]:
     if len(dtypes) != 1 or not dtypes <= {mx.bfloat16, mx.float16}:
         return "expert projections of different dtypes", None
     for p in projs:
-        why = (qskip.check(p.weight, p.scales, p.get("biases"), p.quant) if p.quant is not None
-               else skip_gemv.check(p.weight))
+        why = (
+            qskip.check(p.weight, p.scales, p.get("biases"), p.quant)
+            if p.quant is not None
+            else skip_gemv.check(p.weight)
+        )
         if why:
             return why, None
     return None, dtypes.pop()

@@ -41,7 +41,14 @@ class _SilentBank(nn.Module):
 class ClusterMoE(nn.Module):
     """A MoE block whose output is this node's share, all-reduced once per call."""
 
-    def __init__(self, moe: MoEBlock, shard: ExpertShard, collective: Collective, state: ShardState, owner: bool):
+    def __init__(
+        self,
+        moe: MoEBlock,
+        shard: ExpertShard,
+        collective: Collective,
+        state: ShardState,
+        owner: bool,
+    ):
         super().__init__()
         self.block = moe.block
         self._moe = moe

@@ -24,15 +24,31 @@ from mlx.utils import tree_flatten
 from ...proto.errors import UserError
 from ...proto.placement import Placement
 from ..cache import Catalog, Group, fingerprint
-from ..checkpoint import (Checkpoint, CheckpointError, TensorInfo, _physical_rows, check_runnable, model_args,
-                          model_classes, read_tensor)
+from ..checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    TensorInfo,
+    _physical_rows,
+    check_runnable,
+    model_args,
+    model_classes,
+    read_tensor,
+)
 from ..collective.base import Collective, LocalCollective
 from . import families, skip_gemv
 from . import route as decode_route
 from ...proto.expert_cache import ExpertCacheSpec, auto_budget
 from ...proto.records import DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE
 from ..device import ieee_float32, metal_info
-from .expert_cache import CacheStats, LayerCache, Part, Staging, choose_resident, read_parts, read_pool
+from .expert_cache import (
+    CacheStats,
+    LayerCache,
+    Part,
+    Staging,
+    choose_resident,
+    read_parts,
+    read_pool,
+)
 from .experts import ExpertShard, NodeConfig, ShardLinear, ShardState
 from .layer import ClusterMoE, InProcessCluster, install, owns_dense_terms
 from .structure import MoEBlock, StructureError, find_moe_blocks, find_moe_blocks_loaded, set_bank
@@ -81,10 +97,14 @@ class ShardedModel:
         what it would hand the all-reduce (the load-time check sums the shares)."""
         moe = next((m for m in self.layers if m.layer == layer), None)
         if moe is None:
-            raise UserError(f"layer {layer} is not a MoE layer this node shards "
-                            f"(MoE layers: {sorted(m.layer for m in self.layers)})")
+            raise UserError(
+                f"layer {layer} is not a MoE layer this node shards "
+                f"(MoE layers: {sorted(m.layer for m in self.layers)})"
+            )
         if moe.description.routed_call:
-            raise UserError(f"layer {layer}'s MoE block is called with its routing from outside; it cannot be probed")
+            raise UserError(
+                f"layer {layer}'s MoE block is called with its routing from outside; it cannot be probed"
+            )
         dtype = activation_dtype(moe.block, moe.description.bank_attr)
         with ieee_float32(dtype):  # as the reference is computed: the check holds float32 to 1e-4
             y = moe.partial(mx.array(x)[None].astype(dtype))
@@ -107,7 +127,9 @@ def _blocks(model: nn.Module, ckpt: Checkpoint, loaded: bool = False) -> list[Mo
     try:
         return find_moe_blocks_loaded(model) if loaded else find_moe_blocks(model)
     except StructureError as exc:
-        raise ShardError(f"{ckpt.path} (model_type {ckpt.config.get('model_type')!r}): {exc}") from None
+        raise ShardError(
+            f"{ckpt.path} (model_type {ckpt.config.get('model_type')!r}): {exc}"
+        ) from None
 
 
 def moe_layers_of(ckpt: Checkpoint) -> dict[int, int]:
@@ -116,8 +138,10 @@ def moe_layers_of(ckpt: Checkpoint) -> dict[int, int]:
     model = model_cls(model_args(ckpt.config, ckpt.path / "config.json"))
     blocks = _blocks(model, ckpt)
     if not blocks:
-        raise ShardError(f"{ckpt.path} has no MoE layers (model_type {ckpt.config.get('model_type')!r}); "
-                         "there are no experts to spread")
+        raise ShardError(
+            f"{ckpt.path} has no MoE layers (model_type {ckpt.config.get('model_type')!r}); "
+            "there are no experts to spread"
+        )
     return {b.layer: b.num_experts for b in blocks}
 
 
@@ -138,15 +162,19 @@ def expert_bytes(ckpt: Checkpoint, blocks: Sequence[MoEBlock] | None = None) -> 
         model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
         blocks = _blocks(model_cls(model_args(ckpt.config, ckpt.path / "config.json")), ckpt)
     if not blocks:
-        raise ShardError(f"{ckpt.path} has no MoE layers (model_type {ckpt.config.get('model_type')!r}); "
-                         "there are no experts to spread")
+        raise ShardError(
+            f"{ckpt.path} has no MoE layers (model_type {ckpt.config.get('model_type')!r}); "
+            "there are no experts to spread"
+        )
     per_layer = {b.layer: 0 for b in blocks}
     for key, b in _expert_keys(ckpt, blocks).items():
         per_layer[b.layer] += ckpt.tensors[key].nbytes
-    return ExpertBytes(replicated=ckpt.total_bytes() - sum(per_layer.values()),
-                       per_expert={b.layer: per_layer[b.layer] // b.num_experts for b in blocks},
-                       num_experts={b.layer: b.num_experts for b in blocks},
-                       top_k={b.layer: b.top_k for b in blocks})
+    return ExpertBytes(
+        replicated=ckpt.total_bytes() - sum(per_layer.values()),
+        per_expert={b.layer: per_layer[b.layer] // b.num_experts for b in blocks},
+        num_experts={b.layer: b.num_experts for b in blocks},
+        top_k={b.layer: b.top_k for b in blocks},
+    )
 
 
 class _Selection(nn.Module):
@@ -197,13 +225,25 @@ class Reference:
         wanted = tuple(self.blocks[l].path + "." for l in layers)
         weights = {}
         for key, info in ckpt.tensors.items():
-            own = key.startswith(wanted) and key not in expert_keys and not key.startswith(bank_prefixes)
-            weights[key] = read_tensor(info) if own else mx.zeros(info.shape, info.mx_dtype)  # lazy, never evaluated
+            own = (
+                key.startswith(wanted)
+                and key not in expert_keys
+                and not key.startswith(bank_prefixes)
+            )
+            weights[key] = (
+                read_tensor(info) if own else mx.zeros(info.shape, info.mx_dtype)
+            )  # lazy, never evaluated
         if hasattr(self.model, "sanitize"):
             weights = self.model.sanitize(weights)
         _quantize_replicated(self.model, config, weights, bank_prefixes)
-        self.model.load_weights([(k, v) for k, v in weights.items()
-                                 if k.startswith(wanted) and not k.startswith(bank_prefixes)], strict=False)
+        self.model.load_weights(
+            [
+                (k, v)
+                for k, v in weights.items()
+                if k.startswith(wanted) and not k.startswith(bank_prefixes)
+            ],
+            strict=False,
+        )
         out = {}
         for layer in layers:
             b = self.blocks[layer]
@@ -213,8 +253,12 @@ class Reference:
                 selection = _Selection(b.bank.out_dims)
                 set_bank(b.block, b.bank_attr, selection)
                 b.forward(b.block, xa)
-                holders = {e: (0,) if e in selection.selected else (1,) for e in range(b.num_experts)}
-                shard = _make_shard(ckpt, b, sorted(selection.selected), holders, ShardState(0, 2, "none"))
+                holders = {
+                    e: (0,) if e in selection.selected else (1,) for e in range(b.num_experts)
+                }
+                shard = _make_shard(
+                    ckpt, b, sorted(selection.selected), holders, ShardState(0, 2, "none")
+                )
                 set_bank(b.block, b.bank_attr, shard)
                 out[layer] = np.array(b.forward(b.block, xa)[0].astype(mx.float32))
         return out
@@ -227,7 +271,9 @@ def hidden_width(ckpt: Checkpoint) -> int:
     model = model_cls(model_args(ckpt.config, ckpt.path / "config.json"))
     widths = [m.weight.shape[1] for _, m in model.named_modules() if isinstance(m, nn.Embedding)]
     if not widths:
-        raise ShardError(f"{ckpt.path}: the model has no token embedding to read its hidden width from")
+        raise ShardError(
+            f"{ckpt.path}: the model has no token embedding to read its hidden width from"
+        )
     return max(widths)
 
 
@@ -254,7 +300,9 @@ def catalog_of(ckpt: Checkpoint) -> Catalog:
         layers[layer] = (n, tuple(groups))
         for g in groups:
             grouped.update({g.key} if g.stacked else {g.key.format(e=e) for e in range(n)})
-    replicated = tuple((k, t.dtype, t.shape) for k, t in sorted(ckpt.tensors.items()) if k not in grouped)
+    replicated = tuple(
+        (k, t.dtype, t.shape) for k, t in sorted(ckpt.tensors.items()) if k not in grouped
+    )
     return Catalog(fingerprint(ckpt), (ckpt.path / "config.json").read_text(), replicated, layers)
 
 
@@ -264,13 +312,19 @@ def expert_groups(ckpt: Checkpoint) -> dict[int, tuple[int, list]]:
     model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
     blocks = _blocks(model_cls(model_args(ckpt.config, ckpt.path / "config.json")), ckpt)
     if not blocks:
-        raise ShardError(f"{ckpt.path} has no MoE layers (model_type {ckpt.config.get('model_type')!r}); "
-                         "there are no experts to spread")
+        raise ShardError(
+            f"{ckpt.path} has no MoE layers (model_type {ckpt.config.get('model_type')!r}); "
+            "there are no experts to spread"
+        )
     out: dict[int, tuple[int, list]] = {b.layer: (b.num_experts, []) for b in blocks}
     seen: set[str] = set()
     for key, b in sorted(_expert_keys(ckpt, blocks).items()):
         info, n = ckpt.tensors[key], b.num_experts
-        head = key[len(b.path) + len(".experts."):].split(".", 1) if key.startswith(b.path + ".experts.") else [""]
+        head = (
+            key[len(b.path) + len(".experts.") :].split(".", 1)
+            if key.startswith(b.path + ".experts.")
+            else [""]
+        )
         if head[0].isdigit() and len(head) == 2:  # one tensor per expert
             template = f"{b.path}.experts.{{e}}.{head[1]}"
             if template in seen:
@@ -281,21 +335,31 @@ def expert_groups(ckpt: Checkpoint) -> dict[int, tuple[int, list]]:
                 raise ShardError(f"layer {b.layer}: no tensor {template} for experts {missing[:5]}")
             out[b.layer][1].append(Group(template, info.dtype, info.shape, stacked=False))
         elif info.shape and info.shape[0] % n == 0:
-            out[b.layer][1].append(Group(key, info.dtype, info.shape, stacked=True, per=info.shape[0] // n))
+            out[b.layer][1].append(
+                Group(key, info.dtype, info.shape, stacked=True, per=info.shape[0] // n)
+            )
         else:
-            raise ShardError(f"{key}: leading dimension {info.shape[:1]} is not a multiple of the {n} experts; "
-                             "it cannot be split per expert")
+            raise ShardError(
+                f"{key}: leading dimension {info.shape[:1]} is not a multiple of the {n} experts; "
+                "it cannot be split per expert"
+            )
     return out
 
 
-def _local_expert_bytes(ckpt: Checkpoint, blocks: Sequence[MoEBlock], placement: Placement, rank: int) -> int:
+def _local_expert_bytes(
+    ckpt: Checkpoint, blocks: Sequence[MoEBlock], placement: Placement, rank: int
+) -> int:
     """Bytes this rank reads for its experts (from the headers: stacked rows or per-expert tensors)."""
     total = 0
     for b in blocks:
         local = placement.layers[b.layer][rank]
         for key, info in ckpt.tensors.items():
             if key.startswith(b.bank_path + ".") or key.startswith(b.path + ".experts."):
-                rest = key[len(b.path) + len(".experts."):] if key.startswith(b.path + ".experts.") else ""
+                rest = (
+                    key[len(b.path) + len(".experts.") :]
+                    if key.startswith(b.path + ".experts.")
+                    else ""
+                )
                 head = rest.split(".", 1)[0]
                 if head.isdigit():  # one tensor per expert
                     total += info.nbytes if int(head) in local else 0
@@ -304,11 +368,15 @@ def _local_expert_bytes(ckpt: Checkpoint, blocks: Sequence[MoEBlock], placement:
     return total
 
 
-def _expert_tensors(ckpt: Checkpoint, b: MoEBlock) -> dict[str, dict[str, TensorInfo | dict[int, TensorInfo]]]:
+def _expert_tensors(
+    ckpt: Checkpoint, b: MoEBlock
+) -> dict[str, dict[str, TensorInfo | dict[int, TensorInfo]]]:
     """{projection: {param: the stacked (E, ...) tensor, or {expert: its own tensor}}} of block `b`
     (the generic layouts; a family that stores its experts otherwise reads them itself)."""
     t = ckpt.tensors
-    per_expert = re.compile(re.escape(b.path) + r"\.experts\.(\d+)\.(\w+)\.(weight|scales|biases|bias)$")
+    per_expert = re.compile(
+        re.escape(b.path) + r"\.experts\.(\d+)\.(\w+)\.(weight|scales|biases|bias)$"
+    )
     by_expert: dict[tuple[str, str], dict[int, TensorInfo]] = {}
     for key, info in t.items():
         m = per_expert.match(key)
@@ -321,18 +389,24 @@ def _expert_tensors(ckpt: Checkpoint, b: MoEBlock) -> dict[str, dict[str, Tensor
             stacked = t.get(f"{b.bank_path}.{proj}.{param}")
             if stacked is not None:
                 if stacked.shape[0] != b.num_experts:
-                    raise ShardError(f"{stacked.key}: leading dimension {stacked.shape[0]} is not the expert "
-                                     f"count {b.num_experts}")
+                    raise ShardError(
+                        f"{stacked.key}: leading dimension {stacked.shape[0]} is not the expert "
+                        f"count {b.num_experts}"
+                    )
                 out.setdefault(proj, {})[param] = stacked
             elif (proj, param) in by_expert:
                 out.setdefault(proj, {})[param] = by_expert[(proj, param)]
         if "weight" not in out.get(proj, {}):
-            raise ShardError(f"layer {b.layer}: cannot find the expert weights of {proj} in {ckpt.path} "
-                             f"(looked for {b.bank_path}.{proj}.weight and {b.path}.experts.<e>.{proj}.weight)")
+            raise ShardError(
+                f"layer {b.layer}: cannot find the expert weights of {proj} in {ckpt.path} "
+                f"(looked for {b.bank_path}.{proj}.weight and {b.path}.experts.<e>.{proj}.weight)"
+            )
     return out
 
 
-def _read_local(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int]) -> dict[str, dict[str, mx.array]]:
+def _read_local(
+    ckpt: Checkpoint, b: MoEBlock, local: Sequence[int]
+) -> dict[str, dict[str, mx.array]]:
     """{projection: {param: (E_local, ...)}} for the local experts of block `b`, by byte range."""
     special = families.read_experts(ckpt, b, local)
     if special is not None:
@@ -345,8 +419,10 @@ def _read_local(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int]) -> dict[str
                 continue
             missing = [e for e in local if e not in src]
             if missing:
-                raise ShardError(f"layer {b.layer}: no tensor for experts {missing} of {proj}.{param} "
-                                 f"under {b.path}.experts.*")
+                raise ShardError(
+                    f"layer {b.layer}: no tensor for experts {missing} of {proj}.{param} "
+                    f"under {b.path}.experts.*"
+                )
             stacked = mx.stack([read_tensor(src[e]) for e in local]) if local else None
             if stacked is not None:
                 mx.eval(stacked)  # frees the per-expert reads now, not at the end of the layer
@@ -358,8 +434,10 @@ def _expert_parts(ckpt: Checkpoint, b: MoEBlock, shard: ExpertShard) -> Callable
     """local index -> the byte ranges of that expert, one per tensor of the shard's slots (in
     `_slot_tensors` order): what an expert cache reads on a miss."""
     if families.read_experts(ckpt, b, []) is not None:
-        raise ShardError(f"layer {b.layer}: the expert cache reads experts by byte range, and this checkpoint "
-                         f"stores them fused ({ckpt.path}); convert it with mlx_lm.convert or set expert_cache: off")
+        raise ShardError(
+            f"layer {b.layer}: the expert cache reads experts by byte range, and this checkpoint "
+            f"stores them fused ({ckpt.path}); convert it with mlx_lm.convert or set expert_cache: off"
+        )
     tensors = _expert_tensors(ckpt, b)
     order = [tensors[proj][param] for proj, param in _slot_keys(shard)]
     ids = shard.global_ids
@@ -380,27 +458,49 @@ def _expert_parts(ckpt: Checkpoint, b: MoEBlock, shard: ExpertShard) -> Callable
 
 def _slot_keys(shard: ExpertShard) -> list[tuple[str, str]]:
     """(projection, param) of every tensor an expert slot spans, in a fixed order."""
-    return [(proj, param) for proj in sorted(shard.children()) if isinstance(shard[proj], ShardLinear)
-            for param in PARAMS if param in shard[proj]]
+    return [
+        (proj, param)
+        for proj in sorted(shard.children())
+        if isinstance(shard[proj], ShardLinear)
+        for param in PARAMS
+        if param in shard[proj]
+    ]
 
 
-def _attach_cache(ckpt: Checkpoint, b: MoEBlock, shard: ExpertShard, resident: Sequence[int],
-                  pinned: Sequence[int], staging: Staging) -> LayerCache:
+def _attach_cache(
+    ckpt: Checkpoint,
+    b: MoEBlock,
+    shard: ExpertShard,
+    resident: Sequence[int],
+    pinned: Sequence[int],
+    staging: Staging,
+) -> LayerCache:
     """Give `shard` (whose projections hold the experts `resident`, by local index) its cache; take
     every local expert's checksum on the way (each is read once, then dropped)."""
     parts_of = _expert_parts(ckpt, b, shard)
     views = []
     for proj, param in _slot_keys(shard):
         arr = shard[proj][param]
-        views.append(np.frombuffer(memoryview(arr).cast("B"), dtype=np.uint8).reshape(arr.shape[0], -1))
+        views.append(
+            np.frombuffer(memoryview(arr).cast("B"), dtype=np.uint8).reshape(arr.shape[0], -1)
+        )
     n_local = len(shard.global_ids)
     sizes = [p.nbytes for p in parts_of(0)]
     if sizes != [v.shape[1] for v in views]:
-        raise ShardError(f"layer {b.layer}: an expert's bytes on disk {sizes} do not match its slots "
-                         f"{[v.shape[1] for v in views]}; the expert cache cannot read it by byte range")
-    cache = LayerCache(b.layer, n_local, views, parts_of, resident, pinned, CacheStats(), read_pool(), staging)
-    cache.fingerprint(dict(enumerate(read_pool().map(lambda i: zlib.crc32(read_parts(parts_of(i))),
-                                                     range(n_local)))))
+        raise ShardError(
+            f"layer {b.layer}: an expert's bytes on disk {sizes} do not match its slots "
+            f"{[v.shape[1] for v in views]}; the expert cache cannot read it by byte range"
+        )
+    cache = LayerCache(
+        b.layer, n_local, views, parts_of, resident, pinned, CacheStats(), read_pool(), staging
+    )
+    cache.fingerprint(
+        dict(
+            enumerate(
+                read_pool().map(lambda i: zlib.crc32(read_parts(parts_of(i))), range(n_local))
+            )
+        )
+    )
     shard.attach_cache(cache, ahead=b.top_k)
     return cache
 
@@ -419,12 +519,16 @@ def _quant_config(config: dict) -> dict | None:
         if method == "mxfp4":
             return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
         if method is not None:
-            raise ShardError(f"quantization method {method!r} is not supported for sharded loading "
-                             "(convert the checkpoint with mlx_lm.convert first)")
+            raise ShardError(
+                f"quantization method {method!r} is not supported for sharded loading "
+                "(convert the checkpoint with mlx_lm.convert first)"
+            )
     return None
 
 
-def _quantize_replicated(model: nn.Module, config: dict, weights: dict, shard_prefixes: tuple[str, ...]) -> None:
+def _quantize_replicated(
+    model: nn.Module, config: dict, weights: dict, shard_prefixes: tuple[str, ...]
+) -> None:
     q = _quant_config(config)
     if q is None:
         return
@@ -439,8 +543,13 @@ def _quantize_replicated(model: nn.Module, config: dict, weights: dict, shard_pr
             return False
         return infer_quant_config(path, m, weights)
 
-    nn.quantize(model, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"),
-                class_predicate=predicate)
+    nn.quantize(
+        model,
+        group_size=q["group_size"],
+        bits=q["bits"],
+        mode=q.get("mode", "affine"),
+        class_predicate=predicate,
+    )
 
 
 def _shard_quant(config: dict, b: MoEBlock, proj: str, params: dict) -> dict | None:
@@ -457,13 +566,22 @@ def _shard_quant(config: dict, b: MoEBlock, proj: str, params: dict) -> dict | N
     in_dims = s.shape[-1] * group
     bits = w.shape[-1] * 32 // in_dims
     if bits not in (2, 3, 4, 5, 6, 8):
-        raise ShardError(f"layer {b.layer} {proj}: cannot infer quantization bits from shapes "
-                         f"weight {w.shape}, scales {s.shape}")
+        raise ShardError(
+            f"layer {b.layer} {proj}: cannot infer quantization bits from shapes "
+            f"weight {w.shape}, scales {s.shape}"
+        )
     return {"group_size": group, "bits": bits, "mode": mode}
 
 
-def _make_shard(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int], holders, state: ShardState,
-                capacity: int | None = None, heat: tuple[Sequence[float], int] | None = None) -> ExpertShard:
+def _make_shard(
+    ckpt: Checkpoint,
+    b: MoEBlock,
+    local: Sequence[int],
+    holders,
+    state: ShardState,
+    capacity: int | None = None,
+    heat: tuple[Sequence[float], int] | None = None,
+) -> ExpertShard:
     """The ExpertShard of block `b` holding experts `local`, read by byte range and evaluated; with
     `capacity` below len(local), only that many resident (the hottest by `heat`, the profile's
     (selections per expert, tokens)), the rest read on a miss."""
@@ -480,8 +598,13 @@ def _make_shard(ckpt: Checkpoint, b: MoEBlock, local: Sequence[int], holders, st
         if not local:
             projections[proj] = ShardLinear(mx.zeros((0, 1, 1)))
             continue
-        projections[proj] = ShardLinear(p["weight"], scales=p.get("scales"), biases=p.get("biases"),
-                                        bias=p.get("bias"), quant=_shard_quant(ckpt.config, b, proj, p))
+        projections[proj] = ShardLinear(
+            p["weight"],
+            scales=p.get("scales"),
+            biases=p.get("biases"),
+            bias=p.get("bias"),
+            quant=_shard_quant(ckpt.config, b, proj, p),
+        )
     shard = ExpertShard(b.layer, local, holders, projections, b.kind, b.activation, state)
     mx.eval(shard.parameters())
     if cached:
@@ -540,37 +663,57 @@ def load_shard(
     model = model_cls(model_args(config, where))  # parameters are lazy: nothing is allocated yet
     blocks = _blocks(model, ckpt)
     if not blocks:
-        raise ShardError(f"{ckpt.path} has no MoE layers (model_type {config.get('model_type')!r}); "
-                         "there are no experts to spread")
+        raise ShardError(
+            f"{ckpt.path} has no MoE layers (model_type {config.get('model_type')!r}); "
+            "there are no experts to spread"
+        )
     moe_layers = {b.layer: b.num_experts for b in blocks}
     world = collective.world_size
     placement = placement or Placement.even(moe_layers, world)
     if placement.world_size != world:
-        raise ShardError(f"placement is for {placement.world_size} nodes but the cluster has {world}")
+        raise ShardError(
+            f"placement is for {placement.world_size} nodes but the cluster has {world}"
+        )
     placement.check(moe_layers)
     if not 0 <= rank < world:
         raise ShardError(f"rank {rank} is out of range 0..{world - 1}")
     NodeConfig(rank, world, keepalive)  # a bad keepalive is named before a bad expert_cache
-    spec = expert_cache if isinstance(expert_cache, ExpertCacheSpec) else ExpertCacheSpec.parse(expert_cache)
+    spec = (
+        expert_cache
+        if isinstance(expert_cache, ExpertCacheSpec)
+        else ExpertCacheSpec.parse(expert_cache)
+    )
     state = ShardState(rank, world, keepalive, str(spec) if spec.active else "off")
     capacity: dict[int, int] = {}
     if spec.active:
         sizes = expert_bytes(ckpt, blocks)
         budget = cache_budget_bytes
         if spec.mode == "auto":
-            budget = auto_budget(sizes.replicated, cache_reserve_bytes, metal=metal_info(), given_bytes=cache_budget_bytes)
-        capacity = spec.capacities({b.layer: len(placement.layers[b.layer][rank]) for b in blocks}, sizes.per_expert,
-                                   budget)
+            budget = auto_budget(
+                sizes.replicated,
+                cache_reserve_bytes,
+                metal=metal_info(),
+                given_bytes=cache_budget_bytes,
+            )
+        capacity = spec.capacities(
+            {b.layer: len(placement.layers[b.layer][rank]) for b in blocks},
+            sizes.per_expert,
+            budget,
+        )
 
     # 1. Replicated weights, through the family's own sanitize. Expert tensors (and shared experts
     #    another node owns) enter it as lazy placeholders, never evaluated, never read from disk,
     #    so sanitize sees the checkpoint it expects.
     bank_prefixes = tuple(b.bank_path + "." for b in blocks)
     owner = {b.layer: owns_dense_terms(b.layer, rank, world) for b in blocks}
-    skipped = bank_prefixes + tuple(p + "." for b in blocks if not owner[b.layer] for p in b.dense_paths())
+    skipped = bank_prefixes + tuple(
+        p + "." for b in blocks if not owner[b.layer] for p in b.dense_paths()
+    )
     expert_keys = _expert_keys(ckpt, blocks)
     to_read = {k for k in ckpt.tensors if k not in expert_keys and not k.startswith(skipped)}
-    total = sum(ckpt.tensors[k].nbytes for k in to_read) + _local_expert_bytes(ckpt, blocks, placement, rank)
+    total = sum(ckpt.tensors[k].nbytes for k in to_read) + _local_expert_bytes(
+        ckpt, blocks, placement, rank
+    )
     report = progress or (lambda done, total, phase: None)
     done = 0
     weights = {}
@@ -591,8 +734,15 @@ def load_shard(
     resident_experts = 0
     layers: list[ClusterMoE] = []
     for b in blocks:
-        shard = _make_shard(ckpt, b, placement.layers[b.layer][rank], placement.holders(b.layer, b.num_experts),
-                            state, capacity.get(b.layer), (profile or {}).get(b.layer))
+        shard = _make_shard(
+            ckpt,
+            b,
+            placement.layers[b.layer][rank],
+            placement.holders(b.layer, b.num_experts),
+            state,
+            capacity.get(b.layer),
+            (profile or {}).get(b.layer),
+        )
         resident_experts += shard.resident_bytes()
         report(min(done + resident_experts, total), total, "experts")
         layers.append(ClusterMoE(b, shard, collective, state, owner[b.layer]))
@@ -606,8 +756,10 @@ def load_shard(
     missing = sorted(set(params) - set(shard_params) - set(weights))
     extra = sorted(set(weights) - set(params))
     if missing or extra:
-        raise ShardError(f"{ckpt.path}: weights do not match the model: missing {missing[:5]}"
-                         f"{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+        raise ShardError(
+            f"{ckpt.path}: weights do not match the model: missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}"
+        )
     model.load_weights(list(weights.items()) + list(shard_params.items()), strict=True)
     del weights
     mx.eval(model.parameters())
@@ -625,9 +777,15 @@ def load_shard(
         logger.info("expert warm-up: not on Metal, nothing to do")
     if skip_gemv.available():
         why = {layer.shard.enable_skip_gemv() for layer in layers}
-        logger.info("decode at N > 1: %s", "a skip kernel in every MoE layer (reads only this node's experts)"
-                    if why == {None} else f"no skip kernel where it does not apply: {sorted(w for w in why if w)}")
-    state.route = decode_route.choose([layer.shard for layer in layers], [b.top_k or 1 for b in blocks], how)
+        logger.info(
+            "decode at N > 1: %s",
+            "a skip kernel in every MoE layer (reads only this node's experts)"
+            if why == {None}
+            else f"no skip kernel where it does not apply: {sorted(w for w in why if w)}",
+        )
+    state.route = decode_route.choose(
+        [layer.shard for layer in layers], [b.top_k or 1 for b in blocks], how
+    )
     logger.info("rank %d decode route: %s", rank, state.route.describe())
     _wire(resident)
     # The loader's temporaries (byte-range reads, stacks) would stay in MLX's buffer cache: on CUDA
@@ -644,13 +802,23 @@ def load_shard(
         load_seconds=time.perf_counter() - t_start,
         peak_memory_bytes=int(mx.get_peak_memory()),
     )
-    logger.info("rank %d loaded %d MoE layers, %.1f MB resident (%.1f MB experts) in %.1fs", rank, len(blocks),
-                resident / 1e6, resident_experts / 1e6, info.load_seconds)
+    logger.info(
+        "rank %d loaded %d MoE layers, %.1f MB resident (%.1f MB experts) in %.1fs",
+        rank,
+        len(blocks),
+        resident / 1e6,
+        resident_experts / 1e6,
+        info.load_seconds,
+    )
     return ShardedModel(model, config, blocks, placement, state, info, collective, layers)
 
 
-def _wire_prefetch(blocks: Sequence[MoEBlock], shards: Sequence[ExpertShard],
-                   profile: dict[int, tuple[Sequence[float], int]] | None, depth: int | None) -> None:
+def _wire_prefetch(
+    blocks: Sequence[MoEBlock],
+    shards: Sequence[ExpertShard],
+    profile: dict[int, tuple[Sequence[float], int]] | None,
+    depth: int | None,
+) -> None:
     """Each MoE layer prefetches for the next one (the last for the first: the next token's), from
     the profile's selections of the next layer's local experts, hottest first. `depth` None (auto):
     only those the profile saw selected by at least half of the tokens, at most top-k of them, so a
@@ -662,9 +830,15 @@ def _wire_prefetch(blocks: Sequence[MoEBlock], shards: Sequence[ExpertShard],
         if target.cache is None or not profile or nxt.layer not in profile:
             continue
         counts, tokens = profile[nxt.layer]
-        share = {j: counts[e] / tokens if tokens else 0.0 for j, e in enumerate(target.global_ids)}  # local j
+        share = {
+            j: counts[e] / tokens if tokens else 0.0 for j, e in enumerate(target.global_ids)
+        }  # local j
         floor = 0.5 if depth is None else 0.0
-        candidates = [j for j in sorted(share, key=lambda j: (-share[j], j)) if share[j] > 0 and share[j] >= floor]
+        candidates = [
+            j
+            for j in sorted(share, key=lambda j: (-share[j], j))
+            if share[j] > 0 and share[j] >= floor
+        ]
         shard.prefetch_into(target.cache, candidates, nxt.top_k if depth is None else depth)
 
 
@@ -682,20 +856,40 @@ class _Seat:
     world_size: int
 
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
-        raise AssertionError("an in-process rank's blocks are summed by InProcessCluster, not all-reduced")
+        raise AssertionError(
+            "an in-process rank's blocks are summed by InProcessCluster, not all-reduced"
+        )
 
 
-def load_in_process(model_spec: str, world_size: int, placement: Placement | None = None, *,
-                    keepalive: str = "lru", expert_cache: ExpertCacheSpec | str | None = None,
-                    profile: dict[int, tuple[Sequence[float], int]] | None = None,
-                    prefetch: int | None = None, route: str = "preferred") -> ShardedModel:
+def load_in_process(
+    model_spec: str,
+    world_size: int,
+    placement: Placement | None = None,
+    *,
+    keepalive: str = "lru",
+    expert_cache: ExpertCacheSpec | str | None = None,
+    profile: dict[int, tuple[Sequence[float], int]] | None = None,
+    prefetch: int | None = None,
+    route: str = "preferred",
+) -> ShardedModel:
     """All `world_size` ranks' shards in this process, behind one model: rank 0's, with each MoE
     block replaced by every rank's share summed in rank order (`InProcessCluster`). `route`: as
     load_shard's, each layer's preferred one unless told (tests choose it, not a measurement)."""
-    ranks = [load_shard(model_spec, placement, r, keepalive=keepalive, collective=_Seat(r, world_size),
-                        warm_up=False, expert_cache=expert_cache, profile=profile, prefetch=prefetch,
-                        route=route)
-             for r in range(world_size)]
+    ranks = [
+        load_shard(
+            model_spec,
+            placement,
+            r,
+            keepalive=keepalive,
+            collective=_Seat(r, world_size),
+            warm_up=False,
+            expert_cache=expert_cache,
+            profile=profile,
+            prefetch=prefetch,
+            route=route,
+        )
+        for r in range(world_size)
+    ]
     first = ranks[0]
     for i, b in enumerate(first.blocks):
         install(first.model, b.path, InProcessCluster([sm.layers[i] for sm in ranks]))
@@ -718,12 +912,25 @@ def load_unsharded(model_spec: str) -> ShardedModel:
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     _wire(resident)
     experts = sum(v.nbytes for b in blocks for _, v in tree_flatten(_params(b.bank.module)))
-    info = ShardInfo(rank=0, experts_per_layer=dict(moe_layers), resident_weight_bytes=resident,
-                     active_memory_bytes=int(mx.get_active_memory()), replicated_bytes=resident - experts,
-                     expert_bytes=experts, load_seconds=time.perf_counter() - t0,
-                     peak_memory_bytes=int(mx.get_peak_memory()))
-    return ShardedModel(model, config, blocks, Placement.even(moe_layers, 1), ShardState(0, 1, "none"), info,
-                        LocalCollective())
+    info = ShardInfo(
+        rank=0,
+        experts_per_layer=dict(moe_layers),
+        resident_weight_bytes=resident,
+        active_memory_bytes=int(mx.get_active_memory()),
+        replicated_bytes=resident - experts,
+        expert_bytes=experts,
+        load_seconds=time.perf_counter() - t0,
+        peak_memory_bytes=int(mx.get_peak_memory()),
+    )
+    return ShardedModel(
+        model,
+        config,
+        blocks,
+        Placement.even(moe_layers, 1),
+        ShardState(0, 1, "none"),
+        info,
+        LocalCollective(),
+    )
 
 
 def _params(bank) -> dict | list:
@@ -745,19 +952,28 @@ def _check_memory_limit() -> None:
     limit = int(get()) if get is not None else 0
     active = int(mx.get_active_memory())
     if limit and active > 0.9 * limit:
-        logger.warning("loaded, MLX holds %.1f GB, within 10%% of its memory limit (%.1f GB): past the limit MLX "
-                       "waits for the device after every operation and decoding slows down; give this node a "
-                       "smaller share (placement.memory_fraction, or its memory in cluster.yaml)",
-                       active / 1e9, limit / 1e9)
+        logger.warning(
+            "loaded, MLX holds %.1f GB, within 10%% of its memory limit (%.1f GB): past the limit MLX "
+            "waits for the device after every operation and decoding slows down; give this node a "
+            "smaller share (placement.memory_fraction, or its memory in cluster.yaml)",
+            active / 1e9,
+            limit / 1e9,
+        )
 
 
 def _wire(resident_bytes: int) -> None:
     """On Metal, wire the resident set so the driver does not page idle experts out (paper §3.2)."""
     if not _on_metal() or not hasattr(mx, "set_wired_limit"):
-        logger.info("wired memory limit: not on Metal, nothing to do (%d bytes resident)", resident_bytes)
+        logger.info(
+            "wired memory limit: not on Metal, nothing to do (%d bytes resident)", resident_bytes
+        )
         return
     limit = int(metal_info().get("max_recommended_working_set_size") or 0)
     if limit and resident_bytes > limit:
-        logger.warning("resident weights (%.1f GB) exceed the recommended working set (%.1f GB); "
-                       "the GPU may page experts out", resident_bytes / 1e9, limit / 1e9)
+        logger.warning(
+            "resident weights (%.1f GB) exceed the recommended working set (%.1f GB); "
+            "the GPU may page experts out",
+            resident_bytes / 1e9,
+            limit / 1e9,
+        )
     mx.set_wired_limit(min(resident_bytes, limit) if limit else resident_bytes)

@@ -99,8 +99,9 @@ class Recency:
         self.calls += 1
         self.stamp = mx.where(computed, self.calls, self.stamp)
 
-    def fill(self, mine: mx.array, ranks: mx.array, present: mx.array, rank: int,
-             local_ids: mx.array) -> mx.array:
+    def fill(
+        self, mine: mx.array, ranks: mx.array, present: mx.array, rank: int, local_ids: mx.array
+    ) -> mx.array:
         """Keepalive lru on the device (`ranks`: expert x rank, who computes it; `present`: the
         experts this call selects): the slot each position another node computes takes here, so
         that this node computes as many distinct experts as the busiest node (min(cluster max, its
@@ -190,14 +191,18 @@ class Replicas:
         return r
 
 
-def device_plan(cfg: ShardConfig, state: ShardState,
-                recency: Recency) -> Alone | Table | Replicas | None:
+def device_plan(
+    cfg: ShardConfig, state: ShardState, recency: Recency
+) -> Alone | Table | Replicas | None:
     """The plan that routes this shard's calls on the device, or None where the host must decide:
     the work must be a fixed function of the indices and of device state (every expert has one
     holder, or one holder or all of them; keepalive none, or lru with its fillers chosen on the
     device from the recency stamps, or the node alone, where the cluster maximum is its own)."""
-    if not cfg.global_ids or not everywhere_or_once(cfg.holders, cfg.world_size) or not (
-            cfg.keepalive in ("none", "lru") or cfg.world_size == 1):
+    if (
+        not cfg.global_ids
+        or not everywhere_or_once(cfg.holders, cfg.world_size)
+        or not (cfg.keepalive in ("none", "lru") or cfg.world_size == 1)
+    ):
         return None
     if cfg.world_size == 1:
         return Alone(cfg, state)
@@ -222,9 +227,17 @@ class Hosted:
     rounds of at most the cache's slots (one round without a cache); `rounds()` fills the slots
     as it goes, and `reading(y)` holds each round's output until then."""
 
-    def __init__(self, inds: mx.array, positions: np.ndarray = None, local: np.ndarray = None,
-                 mine: list[int] = (), fillers: list[int] = (), cache: LayerCache | None = None,
-                 ahead: int = 1, k: int = 1):
+    def __init__(
+        self,
+        inds: mx.array,
+        positions: np.ndarray = None,
+        local: np.ndarray = None,
+        mine: list[int] = (),
+        fillers: list[int] = (),
+        cache: LayerCache | None = None,
+        ahead: int = 1,
+        k: int = 1,
+    ):
         self.inds = inds
         self.positions_total = int(np.prod(inds.shape))
         self.empty = not mine and not fillers
@@ -242,7 +255,7 @@ class Hosted:
         # With a cache, the experts go through the slots C at a time (one round, unless this call
         # selects more than C); without, the local index is the slot.
         size = cache.capacity if cache is not None else max(len(mine), 1)
-        rounds = [mine[i: i + size] for i in range(0, len(mine), size)] or [[]]
+        rounds = [mine[i : i + size] for i in range(0, len(mine), size)] or [[]]
         if cache is not None and len(rounds) > 1:
             cache.stats.rounds += 1
         for r, chunk in enumerate(rounds):
@@ -271,8 +284,14 @@ class HostPlan:
     (routing.assign), counts the call, and picks keepalive's fillers from the recency stamps; with
     an expert cache, the misses start reading as soon as they are known."""
 
-    def __init__(self, cfg: ShardConfig, state: ShardState, recency: Recency,
-                 cache: LayerCache | None = None, ahead: int = 1):
+    def __init__(
+        self,
+        cfg: ShardConfig,
+        state: ShardState,
+        recency: Recency,
+        cache: LayerCache | None = None,
+        ahead: int = 1,
+    ):
         self.cfg, self._state, self.recency = cfg, state, recency
         self._slot = cfg.slot_table()
         self.cache = cache
@@ -306,8 +325,16 @@ class HostPlan:
         flat1 = flat.reshape(-1)
         here = np.array([e for e, r in chosen.items() if r == cfg.rank], dtype=flat1.dtype)
         positions = np.flatnonzero(np.isin(flat1, here))
-        return Hosted(inds, positions, self._slot[flat1[positions]], mine, fillers, cache,
-                      self._ahead, flat.shape[1])
+        return Hosted(
+            inds,
+            positions,
+            self._slot[flat1[positions]],
+            mine,
+            fillers,
+            cache,
+            self._ahead,
+            flat.shape[1],
+        )
 
     def _fillers(self, mine: list[int], cluster_max: int) -> list[int]:
         policy = self.cfg.keepalive

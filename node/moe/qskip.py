@@ -34,7 +34,9 @@ _WARPS = skip_gemv._WARPS
 AFFINE_BITS = (4, 8)
 AFFINE_GROUPS = (32, 64, 128)
 
-_HEADER = skip_gemv._HEADER + r"""
+_HEADER = (
+    skip_gemv._HEADER
+    + r"""
 __device__ __forceinline__ float fp4_e2m1(unsigned int q) {
   const float v[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
   return (q & 8u) ? -v[q & 7u] : v[q & 7u];
@@ -50,17 +52,21 @@ __device__ __forceinline__ float mx_scale(unsigned char s) {
 __device__ __forceinline__ float mx_scale(__nv_bfloat16) { return 0.0f; }
 __device__ __forceinline__ float mx_scale(__half) { return 0.0f; }
 """
+)
 
 # x: (rows, D_IN) T; w: (experts, D_OUT, D_IN * BITS / 32) uint32; scales, biases: (experts, D_OUT,
 # D_IN / GROUP) (mxfp4: uint8 scales, biases unused); slots: (positions,) int32, -1: computed elsewhere;
 # y: (positions, D_OUT) T. Position r reads input row r / PER_X, as skip_gemv.
-_SOURCE = r"""
+_SOURCE = (
+    r"""
   constexpr int PER_WORD = 32 / BITS;
   constexpr int CHUNK = 4 * PER_WORD;  // values in one 16-byte load
   constexpr int WORDS = D_IN / PER_WORD;
   constexpr int GROUPS = D_IN / GROUP;
   constexpr unsigned int MASK = (1u << BITS) - 1u;
-""" + skip_gemv.POSITION + r"""
+"""
+    + skip_gemv.POSITION
+    + r"""
   if (s >= 0) {
     const size_t row = (size_t)s * D_OUT + o;
     const unsigned int* wr = w + row * WORDS;
@@ -94,6 +100,7 @@ _SOURCE = r"""
   }
   if (lane == 0) y[(size_t)r * D_OUT + o] = static_cast<T>(acc);
 """
+)
 
 _kernel = None
 _checked: dict[tuple, str | None] = {}  # (mode, bits, group, dtype, shape) -> check()'s answer
@@ -104,40 +111,77 @@ def available() -> bool:
     return skip_gemv.available()
 
 
-def fits(weight: mx.array, scales: mx.array, biases: mx.array | None, quant: Mapping | None) -> bool:
+def fits(
+    weight: mx.array, scales: mx.array, biases: mx.array | None, quant: Mapping | None
+) -> bool:
     """Whether a quantized (experts, out, in·bits/32) weight can take this kernel: affine 4/8-bit
     with groups of 32/64/128 and bfloat16/float16 scales and biases, or mxfp4 (uint8 scales)."""
     if not quant or weight.ndim != 3 or weight.dtype != mx.uint32:
         return False
     mode, bits, group = quant.get("mode", "affine"), quant.get("bits"), quant.get("group_size")
     if mode == "affine":
-        return (bits in AFFINE_BITS and group in AFFINE_GROUPS and biases is not None
-                and scales.dtype in (mx.bfloat16, mx.float16) and biases.dtype == scales.dtype)
+        return (
+            bits in AFFINE_BITS
+            and group in AFFINE_GROUPS
+            and biases is not None
+            and scales.dtype in (mx.bfloat16, mx.float16)
+            and biases.dtype == scales.dtype
+        )
     return mode == "mxfp4" and bits == 4 and group == 32 and scales.dtype == mx.uint8
 
 
-def qskip(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | None, slots: mx.array,
-          per_x: int, quant: Mapping) -> mx.array:
+def qskip(
+    x: mx.array,
+    weight: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    slots: mx.array,
+    per_x: int,
+    quant: Mapping,
+) -> mx.array:
     """(positions, out): position r is x[r // per_x] through expert slots[r]'s quantized matrix
     (transposed, as gather_qmm's transpose=True), zeros where slots[r] < 0 (nothing read for it).
     x (rows, in) bfloat16/float16; slots (positions,) int32."""
     global _kernel
     if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="moe_cluster_qskip", input_names=["x", "w", "scales", "biases", "slots"],
-                                      output_names=["y"], source=_SOURCE, header=_HEADER)
+        _kernel = mx.fast.cuda_kernel(
+            name="moe_cluster_qskip",
+            input_names=["x", "w", "scales", "biases", "slots"],
+            output_names=["y"],
+            source=_SOURCE,
+            header=_HEADER,
+        )
     mode, bits, group = quant.get("mode", "affine"), quant["bits"], quant["group_size"]
     positions, d_out, d_in = slots.shape[0], weight.shape[1], x.shape[-1]
     blocks = -(-d_out // _WARPS)
-    (y,) = _kernel(inputs=[x, weight, scales, biases if biases is not None else scales, slots],
-                   template=[("T", x.dtype), ("D_IN", d_in), ("D_OUT", d_out), ("PER_X", per_x), ("BITS", bits),
-                             ("GROUP", group), ("MX", int(mode == "mxfp4"))],
-                   grid=(blocks * 32 * _WARPS, positions, 1), threadgroup=(32 * _WARPS, 1, 1),
-                   output_shapes=[(positions, d_out)], output_dtypes=[x.dtype])
+    (y,) = _kernel(
+        inputs=[x, weight, scales, biases if biases is not None else scales, slots],
+        template=[
+            ("T", x.dtype),
+            ("D_IN", d_in),
+            ("D_OUT", d_out),
+            ("PER_X", per_x),
+            ("BITS", bits),
+            ("GROUP", group),
+            ("MX", int(mode == "mxfp4")),
+        ],
+        grid=(blocks * 32 * _WARPS, positions, 1),
+        threadgroup=(32 * _WARPS, 1, 1),
+        output_shapes=[(positions, d_out)],
+        output_dtypes=[x.dtype],
+    )
     return y
 
 
-def reference(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array | None, slots: mx.array,
-              per_x: int, quant: Mapping) -> mx.array:
+def reference(
+    x: mx.array,
+    weight: mx.array,
+    scales: mx.array,
+    biases: mx.array | None,
+    slots: mx.array,
+    per_x: int,
+    quant: Mapping,
+) -> mx.array:
     """qskip's contract in plain MLX ops, unpacking the words as the kernel does (tests run it on
     the CPU against gather_qmm: the packing, the groups and mxfp4's scales as the kernel reads them)."""
     mode, bits, group = quant.get("mode", "affine"), quant["bits"], quant["group_size"]
@@ -145,26 +189,39 @@ def reference(x: mx.array, weight: mx.array, scales: mx.array, biases: mx.array 
     src = mx.maximum(slots, 0)
     words = weight[src]  # (positions, out, in / per_word)
     shifts = mx.arange(per_word, dtype=mx.uint32) * bits
-    q = ((words[..., None] >> shifts) & ((1 << bits) - 1)).reshape(*words.shape[:2], -1)  # (positions, out, in)
+    q = ((words[..., None] >> shifts) & ((1 << bits) - 1)).reshape(
+        *words.shape[:2], -1
+    )  # (positions, out, in)
     if mode == "mxfp4":
         table = mx.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
         vals = mx.where((q & 8) > 0, -table[q & 7], table[q & 7])
         s = scales[src].astype(mx.uint32)
-        scale = mx.where(s == 0, 2.0 ** -127, mx.power(2.0, s.astype(mx.float32) - 127))
+        scale = mx.where(s == 0, 2.0**-127, mx.power(2.0, s.astype(mx.float32) - 127))
         w = vals.reshape(*q.shape[:2], -1, group) * scale[..., None]
     else:
-        w = (scales[src].astype(mx.float32)[..., None] * q.reshape(*q.shape[:2], -1, group).astype(mx.float32)
-             + biases[src].astype(mx.float32)[..., None])
+        w = (
+            scales[src].astype(mx.float32)[..., None]
+            * q.reshape(*q.shape[:2], -1, group).astype(mx.float32)
+            + biases[src].astype(mx.float32)[..., None]
+        )
     w = w.reshape(q.shape)
     rows = x[mx.arange(slots.shape[0]) // per_x].astype(mx.float32)
     y = (w @ rows[:, :, None])[:, :, 0]
     return mx.where((slots >= 0)[:, None], y, mx.zeros_like(y)).astype(x.dtype)
 
 
-def check(weight: mx.array, scales: mx.array, biases: mx.array | None, quant: Mapping) -> str | None:
+def check(
+    weight: mx.array, scales: mx.array, biases: mx.array | None, quant: Mapping
+) -> str | None:
     """Why the kernel cannot stand in for gather_qmm on this weight here (None: it can), as
     skip_gemv.check: compiled and compared at the weight's own shape, once per format and shape."""
-    key = (quant.get("mode", "affine"), quant["bits"], quant["group_size"], scales.dtype, *weight.shape)
+    key = (
+        quant.get("mode", "affine"),
+        quant["bits"],
+        quant["group_size"],
+        scales.dtype,
+        *weight.shape,
+    )
     if key not in _checked:
         _checked[key] = _check(weight, scales, biases, quant)
     return _checked[key]
@@ -174,21 +231,39 @@ def _check(weight, scales, biases, quant) -> str | None:
     """Against gather_qmm in float32 on the same quantized weights: what both roundings approximate
     (MLX's CPU gather_qmm, summing bfloat16 in bfloat16, is itself ~5% off that on 1280-wide rows)."""
     dtype = scales.dtype if scales.dtype != mx.uint8 else mx.bfloat16  # mxfp4: bfloat16 activations
-    return skip_gemv.compare(lambda rows, slots, per_x: qskip(rows, weight, scales, biases, slots, per_x, quant),
-                             lambda rows, slots, per_x: gather_qmm(rows, weight, scales, biases, slots, per_x, quant,
-                                                                   float32=True),
-                             weight.shape[0], weight.shape[-1] * 32 // quant["bits"], dtype, "gather_qmm")
+    return skip_gemv.compare(
+        lambda rows, slots, per_x: qskip(rows, weight, scales, biases, slots, per_x, quant),
+        lambda rows, slots, per_x: gather_qmm(
+            rows, weight, scales, biases, slots, per_x, quant, float32=True
+        ),
+        weight.shape[0],
+        weight.shape[-1] * 32 // quant["bits"],
+        dtype,
+        "gather_qmm",
+    )
 
 
-def gather_qmm(x, weight, scales, biases, slots, per_x: int, quant: Mapping, float32: bool = False) -> mx.array:
+def gather_qmm(
+    x, weight, scales, biases, slots, per_x: int, quant: Mapping, float32: bool = False
+) -> mx.array:
     """What the device route computes for the same positions: gather_qmm, one expert read per
     position (slot 0 for a skipped one), zeros where slots < 0; `float32`: with the activations,
     scales and biases in float32 (the sum the kernel's float32 accumulation approximates)."""
     if float32:
-        x, scales, biases = (a if a is None or a.dtype == mx.uint8 else a.astype(mx.float32)
-                             for a in (x, scales, biases))
+        x, scales, biases = (
+            a if a is None or a.dtype == mx.uint8 else a.astype(mx.float32)
+            for a in (x, scales, biases)
+        )
     src = x[mx.arange(slots.shape[0]) // per_x][:, None, :]
-    y = mx.gather_qmm(src, weight, scales, biases, rhs_indices=mx.maximum(slots, 0).astype(mx.uint32),
-                      transpose=True, group_size=quant["group_size"], bits=quant["bits"],
-                      mode=quant.get("mode", "affine"))[:, 0, :]
+    y = mx.gather_qmm(
+        src,
+        weight,
+        scales,
+        biases,
+        rhs_indices=mx.maximum(slots, 0).astype(mx.uint32),
+        transpose=True,
+        group_size=quant["group_size"],
+        bits=quant["bits"],
+        mode=quant.get("mode", "affine"),
+    )[:, 0, :]
     return mx.where((slots >= 0)[:, None], y, mx.zeros_like(y))

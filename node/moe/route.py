@@ -31,7 +31,9 @@ ENV = "MOE_CLUSTER_ROUTE"
 # How a loader picks: a route by name (forced), "measure", or "preferred" (each layer's first route,
 # nothing timed: in-process clusters in tests, where the route is a parameter of the test)
 CHOICES = ROUTES + ("measure", "preferred")
-REPEATS = 7  # timed calls per route, after one untimed (compilation, first touch); the median counts
+REPEATS = (
+    7  # timed calls per route, after one untimed (compilation, first touch); the median counts
+)
 
 
 @dataclass(frozen=True)
@@ -77,8 +79,12 @@ def time_route(shard: ExpertShard, route: str, top_k: int) -> float:
     return float(np.median(times[1:]))
 
 
-def choose(shards: Sequence[ExpertShard], top_k: Sequence[int], how: str = "measure",
-           timer: TimeRoute | None = None) -> RouteChoice:
+def choose(
+    shards: Sequence[ExpertShard],
+    top_k: Sequence[int],
+    how: str = "measure",
+    timer: TimeRoute | None = None,
+) -> RouteChoice:
     """Set every shard's route (`how`: a route, forced where a layer can take it; measure; or
     preferred) and say what was chosen. A forced route no layer can take is an error. `timer`:
     seconds per call of a shard on a route (time_route). The timing calls count nothing: the
@@ -89,12 +95,16 @@ def choose(shards: Sequence[ExpertShard], top_k: Sequence[int], how: str = "meas
     if how in ROUTES:
         able = [s for s in shards if how in s.routes()]
         if not able:
-            raise UserError(f"route {how} (cluster.yaml's route or {ENV}): no MoE layer of this node can take "
-                            f"it here (they can take: {', '.join(sorted({r for s in shards for r in s.routes()}))})")
+            raise UserError(
+                f"route {how} (cluster.yaml's route or {ENV}): no MoE layer of this node can take "
+                f"it here (they can take: {', '.join(sorted({r for s in shards for r in s.routes()}))})"
+            )
         for s in able:
             s.set_route(how)
         return RouteChoice(how, "forced")
-    i = max(range(len(shards)), key=lambda j: (len(shards[j].routes()), -j))  # the first with the most routes
+    i = max(
+        range(len(shards)), key=lambda j: (len(shards[j].routes()), -j)
+    )  # the first with the most routes
     timed = shards[i]
     routes = timed.routes()
     times = {}
@@ -105,4 +115,9 @@ def choose(shards: Sequence[ExpertShard], top_k: Sequence[int], how: str = "meas
     for s in shards:
         s.set_route(next((r for r in order if r in s.routes()), s.routes()[0]))
     kind = "measured" if times else ("only" if len(routes) == 1 else "preferred")
-    return RouteChoice(order[0], kind, {r: round(t * 1e6, 1) for r, t in times.items()}, timed.layer if times else None)
+    return RouteChoice(
+        order[0],
+        kind,
+        {r: round(t * 1e6, 1) for r, t in times.items()},
+        timed.layer if times else None,
+    )

@@ -88,19 +88,27 @@ class ArrayRule:
         self._n, self._world, self._replicated = n, world_size, int((~single).sum())
         self._single = mx.array(single)
         self._owner = mx.array(owner.astype(np.int32))
-        self._load = mx.array(((owner[:, None] == np.arange(world_size)) & single[:, None]).astype(np.int32))
-        self._grids: dict[int, tuple[mx.array, mx.array]] = {}  # P -> levels above min(L) (P, 1), places (P, world)
+        self._load = mx.array(
+            ((owner[:, None] == np.arange(world_size)) & single[:, None]).astype(np.int32)
+        )
+        self._grids: dict[
+            int, tuple[mx.array, mx.array]
+        ] = {}  # P -> levels above min(L) (P, 1), places (P, world)
 
     def __call__(self, inds: mx.array, present: mx.array) -> mx.array:
         """(num_experts,) int32: the rank computing each expert that `inds` select (`present`: the
         experts they select, `selected_experts`); any rank for the others."""
         P = max(min(inds.size, self._replicated), 1)  # replicated experts one call can select
         if P not in self._grids:
-            self._grids[P] = (mx.arange(P, dtype=mx.int32)[:, None],
-                              mx.arange(P * self._world, dtype=mx.int32).reshape(P, self._world))
+            self._grids[P] = (
+                mx.arange(P, dtype=mx.int32)[:, None],
+                mx.arange(P * self._world, dtype=mx.int32).reshape(P, self._world),
+            )
         levels, places = self._grids[P]
         load = (self._load * present[:, None]).sum(axis=0)  # (world,): single-held experts per rank
-        nth = mx.cumsum((present & ~self._single).astype(mx.int32)) - 1  # each replica's turn, by id
+        nth = (
+            mx.cumsum((present & ~self._single).astype(mx.int32)) - 1
+        )  # each replica's turn, by id
         free = levels + load.min() >= load  # (P, world): place (level, rank) is above rank's load
         turn = mx.sort(mx.where(free, places, P * self._world).reshape(-1))[:P] % self._world
         return mx.where(self._single, self._owner, turn[mx.clip(nth, 0, P - 1)])

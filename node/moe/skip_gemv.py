@@ -71,7 +71,9 @@ POSITION = r"""
   const int s = slots[r];
   float acc = 0.0f;
 """
-_SOURCE = POSITION + r"""
+_SOURCE = (
+    POSITION
+    + r"""
   if (s >= 0) {
     const T* wr = w + ((size_t)s * D_OUT + o) * D_IN;
     const T* xr = x + (size_t)(r / PER_X) * D_IN;
@@ -88,9 +90,12 @@ _SOURCE = POSITION + r"""
   }
   if (lane == 0) y[(size_t)r * D_OUT + o] = static_cast<T>(acc);
 """
+)
 
 _kernel = None
-_checked: dict[tuple, str | None] = {}  # (dtype, experts, out, in) -> check()'s answer: one per shape
+_checked: dict[
+    tuple, str | None
+] = {}  # (dtype, experts, out, in) -> check()'s answer: one per shape
 
 
 def available() -> bool:
@@ -105,8 +110,9 @@ def available() -> bool:
 
 def fits(weight: mx.array) -> bool:
     """Whether a (experts, out, in) weight can take this kernel."""
-    return (weight.ndim == 3 and weight.dtype in (mx.bfloat16, mx.float16)
-            and weight.shape[-1] % 8 == 0)
+    return (
+        weight.ndim == 3 and weight.dtype in (mx.bfloat16, mx.float16) and weight.shape[-1] % 8 == 0
+    )
 
 
 def skip_gemv(x: mx.array, w: mx.array, slots: mx.array, per_x: int) -> mx.array:
@@ -114,14 +120,23 @@ def skip_gemv(x: mx.array, w: mx.array, slots: mx.array, per_x: int) -> mx.array
     (nothing of w read for it). x (rows, in) in w's dtype; slots (positions,) int32."""
     global _kernel
     if _kernel is None:
-        _kernel = mx.fast.cuda_kernel(name="moe_cluster_skip_gemv", input_names=["x", "w", "slots"],
-                                      output_names=["y"], source=_SOURCE, header=_HEADER)
+        _kernel = mx.fast.cuda_kernel(
+            name="moe_cluster_skip_gemv",
+            input_names=["x", "w", "slots"],
+            output_names=["y"],
+            source=_SOURCE,
+            header=_HEADER,
+        )
     positions, (_, d_out, d_in) = slots.shape[0], w.shape
     blocks = -(-d_out // _WARPS)
-    (y,) = _kernel(inputs=[x, w, slots],
-                   template=[("T", w.dtype), ("D_IN", d_in), ("D_OUT", d_out), ("PER_X", per_x)],
-                   grid=(blocks * 32 * _WARPS, positions, 1), threadgroup=(32 * _WARPS, 1, 1),
-                   output_shapes=[(positions, d_out)], output_dtypes=[w.dtype])
+    (y,) = _kernel(
+        inputs=[x, w, slots],
+        template=[("T", w.dtype), ("D_IN", d_in), ("D_OUT", d_out), ("PER_X", per_x)],
+        grid=(blocks * 32 * _WARPS, positions, 1),
+        threadgroup=(32 * _WARPS, 1, 1),
+        output_shapes=[(positions, d_out)],
+        output_dtypes=[w.dtype],
+    )
     return y
 
 
@@ -143,8 +158,14 @@ def _check(w: mx.array) -> str | None:
         src = rows[mx.arange(slots.shape[0]) // per_x][:, None, :]
         return mx.gather_mm(src, wt, rhs_indices=mx.maximum(slots, 0).astype(mx.uint32))[:, 0, :]
 
-    return compare(lambda rows, slots, per_x: skip_gemv(rows, w, slots, per_x), gather, w.shape[0], w.shape[-1],
-                   w.dtype, "gather_mm")
+    return compare(
+        lambda rows, slots, per_x: skip_gemv(rows, w, slots, per_x),
+        gather,
+        w.shape[0],
+        w.shape[-1],
+        w.dtype,
+        "gather_mm",
+    )
 
 
 def compare(kernel, reference, experts: int, d_in: int, dtype: mx.Dtype, name: str) -> str | None:

@@ -54,7 +54,7 @@ _RESIDUAL_TOKENS = 2048
 # would refuse. The bound is that, with a margin: `_ULPS` float32 epsilons per operand, times the
 # largest |value| of any operand of the comparison. A structural mismatch (a term counted twice, a
 # norm or a square after the routed sum) is of the order of the values themselves, 10^4 times more.
-_EPS32 = 2.0 ** -23
+_EPS32 = 2.0**-23
 _ULPS = 64
 
 
@@ -116,12 +116,28 @@ def find_bank(model: nn.Module, path: str, module: nn.Module) -> Bank | None:
     for attr, child in module.children().items():
         if isinstance(child, SwitchGLU):
             p = child.gate_proj
-            return Bank(attr, child, "glu", child.activation, p.num_experts, p.input_dims, child.down_proj.output_dims,
-                        "stacked")
+            return Bank(
+                attr,
+                child,
+                "glu",
+                child.activation,
+                p.num_experts,
+                p.input_dims,
+                child.down_proj.output_dims,
+                "stacked",
+            )
         if isinstance(child, SwitchMLP):
             p = child.fc1
-            return Bank(attr, child, "mlp", child.activation, p.num_experts, p.input_dims, child.fc2.output_dims,
-                        "stacked")
+            return Bank(
+                attr,
+                child,
+                "mlp",
+                child.activation,
+                p.num_experts,
+                p.input_dims,
+                child.fc2.output_dims,
+                "stacked",
+            )
     return None
 
 
@@ -139,7 +155,11 @@ def set_bank(block: nn.Module, attr: str, module) -> None:
 def _arity(module: nn.Module) -> int:
     """Required positional arguments of the module's call, besides the module."""
     params = list(inspect.signature(type(module).__call__).parameters.values())[1:]
-    return sum(1 for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+    return sum(
+        1
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    )
 
 
 def find_moe_blocks_loaded(model: nn.Module) -> list[MoEBlock]:
@@ -170,7 +190,10 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
         bank = find_bank(model, path, m)
         if bank is None:
             continue
-        layer = max((i for p, i in layer_paths.items() if path == p or path.startswith(p + ".")), default=None)
+        layer = max(
+            (i for p, i in layer_paths.items() if path == p or path.startswith(p + ".")),
+            default=None,
+        )
         if layer is None:
             raise StructureError(f"MoE block {path} is not inside any of the model's layers")
         routed_call = families.forward(m) is None and _arity(m) > 1
@@ -185,14 +208,28 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
     probed: dict[tuple, tuple] = {}
     blocks = []
     for layer, path, m, bank, routed_call in found:
-        key = (type(m), bank.attr, bank.num_experts,
-               tuple(sorted((n, type(c).__name__) for n, c in m.children().items() if isinstance(c, nn.Module))))
+        key = (
+            type(m),
+            bank.attr,
+            bank.num_experts,
+            tuple(
+                sorted(
+                    (n, type(c).__name__)
+                    for n, c in m.children().items()
+                    if isinstance(c, nn.Module)
+                )
+            ),
+        )
         if key not in probed:
             top_k = _sibling_top_k(modules, path, bank) if routed_call else None
             with ieee_float32():  # TF32's rounding (~1e-3 relative) would fail the linearity check
                 probed[key] = probe_block(path, m, bank, top_k)
         top_k, routers, dense, residual, forward, width = probed[key]
-        blocks.append(MoEBlock(layer, path, m, bank, top_k, routers, dense, residual, forward, routed_call, width))
+        blocks.append(
+            MoEBlock(
+                layer, path, m, bank, top_k, routers, dense, residual, forward, routed_call, width
+            )
+        )
     return blocks
 
 
@@ -209,11 +246,17 @@ def _sibling_top_k(modules: dict, path: str, bank: Bank) -> int:
             out = child(x)
         except Exception:  # noqa: BLE001 - not a module of x alone: not the router
             continue
-        if (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], mx.array)
-                and mx.issubdtype(out[0].dtype, mx.integer)):
+        if (
+            isinstance(out, tuple)
+            and len(out) == 2
+            and isinstance(out[0], mx.array)
+            and mx.issubdtype(out[0].dtype, mx.integer)
+        ):
             return int(out[0].shape[-1])
-    raise StructureError(f"MoE block {path} is called with its routing from outside, and no sibling of it "
-                         f"under {parent_path} returns (indices, weights)")
+    raise StructureError(
+        f"MoE block {path} is called with its routing from outside, and no sibling of it "
+        f"under {parent_path} returns (indices, weights)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,7 +268,9 @@ class _ProbeBank(nn.Module):
     and the call is recorded. Its answer depends on its input, so a child that feeds the bank (a
     latent projection) is never mistaken for a dense term."""
 
-    def __init__(self, table: mx.array, u: mx.array, keep: mx.array | None = None, scale: float = 1.0):
+    def __init__(
+        self, table: mx.array, u: mx.array, keep: mx.array | None = None, scale: float = 1.0
+    ):
         super().__init__()
         self._table, self._u, self._keep, self._scale = table, u, keep, scale
         self.calls: list[mx.array] = []
@@ -268,8 +313,16 @@ def _children(block: nn.Module, bank_attr: str) -> list[str]:
 class _Run:
     """Runs the block on the probe with a chosen bank stand-in and chosen children zeroed."""
 
-    def __init__(self, path: str, block: nn.Module, bank: Bank, forward: Callable, in_dims: int,
-                 top_k: int | None, tokens: int = _PROBE_TOKENS):
+    def __init__(
+        self,
+        path: str,
+        block: nn.Module,
+        bank: Bank,
+        forward: Callable,
+        in_dims: int,
+        top_k: int | None,
+        tokens: int = _PROBE_TOKENS,
+    ):
         self.path, self.block, self.bank, self.forward = path, block, bank, forward
         kx, kt, ki, kw = mx.random.split(mx.random.key(0), 4)
         self.x = mx.random.normal((1, tokens, in_dims), key=kx)
@@ -279,11 +332,17 @@ class _Run:
         self.keep_a, self.keep_b = half.astype(mx.float32), (1 - half).astype(mx.float32)
         self.args: tuple = ()
         if top_k is not None:  # called as block(x, indices, weights): distinct experts per token
-            order = mx.argsort(mx.random.uniform(shape=(1, tokens, bank.num_experts), key=ki), axis=-1)
+            order = mx.argsort(
+                mx.random.uniform(shape=(1, tokens, bank.num_experts), key=ki), axis=-1
+            )
             self.args = (order[..., :top_k], mx.random.uniform(shape=(1, tokens, top_k), key=kw))
 
-    def __call__(self, *, table: bool = True, keep=None, scale: float = 1.0, zero: Sequence[str] = ()):
-        stand_in = _ProbeBank(self.table if table else mx.zeros_like(self.table), self.u, keep, scale)
+    def __call__(
+        self, *, table: bool = True, keep=None, scale: float = 1.0, zero: Sequence[str] = ()
+    ):
+        stand_in = _ProbeBank(
+            self.table if table else mx.zeros_like(self.table), self.u, keep, scale
+        )
         saved = {name: getattr(self.block, name) for name in zero}
         original = get_bank(self.block, self.bank.attr)
         set_bank(self.block, self.bank.attr, stand_in)
@@ -292,15 +351,19 @@ class _Run:
         try:
             y = self.forward(self.block, self.x, *self.args)
             if not isinstance(y, mx.array):
-                raise StructureError(f"MoE block {self.path} returns {type(y).__name__}, not one array: "
-                                     "its output cannot be all-reduced")
+                raise StructureError(
+                    f"MoE block {self.path} returns {type(y).__name__}, not one array: "
+                    "its output cannot be all-reduced"
+                )
             mx.eval(y, stand_in.calls)
         finally:
             set_bank(self.block, self.bank.attr, original)
             for name, child in saved.items():
                 setattr(self.block, name, child)
         if not stand_in.calls:
-            raise StructureError(f"MoE block {self.path} never calls its expert bank {self.bank.attr!r}")
+            raise StructureError(
+                f"MoE block {self.path} never calls its expert bank {self.bank.attr!r}"
+            )
         return y.astype(mx.float32), stand_in.calls
 
 
@@ -319,12 +382,16 @@ class Mismatch:
         return self.error <= self.bound
 
     def __str__(self) -> str:
-        return (f"{self.what}: max |difference| {self.error:.3g} against a float32 rounding bound of "
-                f"{self.bound:.3g} ({_ULPS} ulps x {self.operands} operands of magnitude up to "
-                f"{self.scale:.3g})")
+        return (
+            f"{self.what}: max |difference| {self.error:.3g} against a float32 rounding bound of "
+            f"{self.bound:.3g} ({_ULPS} ulps x {self.operands} operands of magnitude up to "
+            f"{self.scale:.3g})"
+        )
 
 
-def compare(what: str, lhs: Sequence[tuple[float, mx.array]], rhs: Sequence[tuple[float, mx.array]]) -> Mismatch:
+def compare(
+    what: str, lhs: Sequence[tuple[float, mx.array]], rhs: Sequence[tuple[float, mx.array]]
+) -> Mismatch:
     """Check sum(c * a for c, a in lhs) == sum(c * b for c, b in rhs) up to float32 rounding.
 
     Operands are whole block outputs; each weighs in with _ULPS epsilons of the largest |operand|.
@@ -342,15 +409,21 @@ def compare(what: str, lhs: Sequence[tuple[float, mx.array]], rhs: Sequence[tupl
     return Mismatch(what, error, _ULPS * _EPS32 * scale * len(terms), scale, len(terms))
 
 
-def _same_routed(with_t: mx.array, without_t: mx.array, full: mx.array, silent: mx.array,
-                 zeroed: str) -> Mismatch:
+def _same_routed(
+    with_t: mx.array, without_t: mx.array, full: mx.array, silent: mx.array, zeroed: str
+) -> Mismatch:
     """Whether zeroing a child leaves the routed part of the output (full - silent) as it was."""
-    return compare(f"the routed part with {zeroed} zeroed == the routed part",
-                   [(1, with_t), (-1, without_t)], [(1, full), (-1, silent)])
+    return compare(
+        f"the routed part with {zeroed} zeroed == the routed part",
+        [(1, with_t), (-1, without_t)],
+        [(1, full), (-1, silent)],
+    )
 
 
 def _same_routing(a: list[mx.array], b: list[mx.array]) -> bool:
-    return len(a) == len(b) and all(x.shape == y.shape and bool(mx.array_equal(x, y)) for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x.shape == y.shape and bool(mx.array_equal(x, y)) for x, y in zip(a, b)
+    )
 
 
 def _keyed_parameters(block: nn.Module, bank_attr: str) -> None:
@@ -360,11 +433,17 @@ def _keyed_parameters(block: nn.Module, bank_attr: str) -> None:
     not be evaluated off the main thread (the node loads in a gRPC worker thread: it aborts). The
     values do not matter (the checkpoint's replace them at load), only that they are not degenerate.
     """
-    own = [(k, v) for k, v in tree_flatten(block.parameters()) if k.split(".")[0] != bank_attr.split(".")[0]]
+    own = [
+        (k, v)
+        for k, v in tree_flatten(block.parameters())
+        if k.split(".")[0] != bank_attr.split(".")[0]
+    ]
     if not own:
         return
     keys = mx.random.split(mx.random.key(2), len(own))
-    block.update(tree_unflatten([(k, _keyed(k, v, keys[i]).astype(v.dtype)) for i, (k, v) in enumerate(own)]))
+    block.update(
+        tree_unflatten([(k, _keyed(k, v, keys[i]).astype(v.dtype)) for i, (k, v) in enumerate(own)])
+    )
 
 
 def _keyed(name: str, v: mx.array, key: mx.array) -> mx.array:
@@ -408,21 +487,33 @@ def probe_block(path: str, block: nn.Module, bank: Bank, top_k: int | None = Non
         except Exception as exc:  # noqa: BLE001 - the wrong input width: try the next
             errors.append(f"{dims}: {type(exc).__name__}: {exc}")
     else:
-        raise StructureError(f"MoE block {path} ({type(block).__name__}) cannot be run on a probe: "
-                             + "; ".join(errors))
+        raise StructureError(
+            f"MoE block {path} ({type(block).__name__}) cannot be run on a probe: "
+            + "; ".join(errors)
+        )
     silent, _ = run(table=False)
     top_k = int(calls[0].shape[-1])
 
     half_a, _ = run(keep=run.keep_a)
     half_b, _ = run(keep=run.keep_b)
     double, _ = run(scale=2.0)
-    for check in (compare("half_a + half_b - silent == full (the experts split in two halves)",
-                          [(1, half_a), (1, half_b), (-1, silent)], [(1, full)]),
-                  compare("double - silent == 2 (full - silent) (every expert's output doubled)",
-                          [(1, double), (-1, silent)], [(2, full), (-2, silent)])):
+    for check in (
+        compare(
+            "half_a + half_b - silent == full (the experts split in two halves)",
+            [(1, half_a), (1, half_b), (-1, silent)],
+            [(1, full)],
+        ),
+        compare(
+            "double - silent == 2 (full - silent) (every expert's output doubled)",
+            [(1, double), (-1, silent)],
+            [(2, full), (-2, silent)],
+        ),
+    ):
         if not check.holds:
-            raise StructureError(f"the output of MoE block {path} ({type(block).__name__}) is not linear in its "
-                                 f"routed experts' outputs, so it cannot be summed across nodes: {check}")
+            raise StructureError(
+                f"the output of MoE block {path} ({type(block).__name__}) is not linear in its "
+                f"routed experts' outputs, so it cannot be summed across nodes: {check}"
+            )
 
     routers, dense = [], []
     for name in _children(block, bank.attr):
@@ -441,8 +532,12 @@ def probe_block(path: str, block: nn.Module, bank: Bank, top_k: int | None = Non
         without_t, _ = run(table=False, zero=dense)
         check = _same_routed(with_t, without_t, full, silent, " and ".join(dense))
         if not check.holds:
-            raise StructureError(f"MoE block {path}: zeroing its dense children {dense} together changes the "
-                                 f"routed part of its output: {check}")
-    many = _Run(path, block, bank, forward, dims, top_k if run.args else None, tokens=_RESIDUAL_TOKENS)
+            raise StructureError(
+                f"MoE block {path}: zeroing its dense children {dense} together changes the "
+                f"routed part of its output: {check}"
+            )
+    many = _Run(
+        path, block, bank, forward, dims, top_k if run.args else None, tokens=_RESIDUAL_TOKENS
+    )
     residual = bool(mx.any(many(table=False, zero=dense)[0] != 0))
     return top_k, tuple(routers), tuple(dense), residual, forward, dims

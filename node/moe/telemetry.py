@@ -21,8 +21,20 @@ from .expert_cache import CacheStats, Staging
 
 # Upper bounds (seconds) of the all-reduce latency histogram every node keeps (the coordinator's
 # /metrics shows it per node).
-ALLREDUCE_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 50e-3, 0.25,
-                     1.0)
+ALLREDUCE_BUCKETS = (
+    25e-6,
+    50e-6,
+    100e-6,
+    200e-6,
+    500e-6,
+    1e-3,
+    2e-3,
+    5e-3,
+    10e-3,
+    50e-3,
+    0.25,
+    1.0,
+)
 
 
 @dataclass
@@ -61,8 +73,9 @@ class NodeConfig:
 
     def __post_init__(self):
         if self.keepalive not in KEEPALIVES:
-            raise UserError(f"keepalive must be one of {', '.join(KEEPALIVES)} "
-                            f"(got {self.keepalive!r})")
+            raise UserError(
+                f"keepalive must be one of {', '.join(KEEPALIVES)} (got {self.keepalive!r})"
+            )
 
 
 class ShardState:
@@ -115,7 +128,9 @@ class ShardState:
         self.held[layer] = held
         self.routed.setdefault(layer, np.zeros(num_experts, dtype=np.int64))
 
-    def count_call(self, layer: int, selected: int, fillers: int, cluster_max: int, positions: int) -> None:
+    def count_call(
+        self, layer: int, selected: int, fillers: int, cluster_max: int, positions: int
+    ) -> None:
         """A call counted on the host: experts selected here, fillers, the busiest node's count, and
         the routed positions of the call."""
         c = self.counters[layer]
@@ -150,8 +165,17 @@ class ShardState:
         if self.cache_spec == "off":
             return None
         self.settle()
-        summed = ("capacity", "local", "hits", "misses", "bytes_read", "read_seconds", "prefetched",
-                  "prefetch_hits", "prefetch_bytes")
+        summed = (
+            "capacity",
+            "local",
+            "hits",
+            "misses",
+            "bytes_read",
+            "read_seconds",
+            "prefetched",
+            "prefetch_hits",
+            "prefetch_bytes",
+        )
         out = dict.fromkeys(summed, 0) | {"read_seconds": 0.0, "staged_peak_bytes": 0}
         for layer, c in self.counters.items():
             stats = self.cache.get(layer)
@@ -178,8 +202,10 @@ class ShardState:
         if fold:
             self.settle()
         with self._lock:
-            return {layer: (self.held.get(layer, ()), tuple(int(n) for n in r))
-                    for layer, r in sorted(self.routed.items())}
+            return {
+                layer: (self.held.get(layer, ()), tuple(int(n) for n in r))
+                for layer, r in sorted(self.routed.items())
+            }
 
     def note(self, layer: int, inds: mx.array, rank_of: np.ndarray | mx.array) -> None:
         """A call routed on the device: its indices (evaluated with the step anyway) are counted
@@ -218,8 +244,9 @@ class ShardState:
         call = np.repeat(np.arange(len(done)), [f.size for f in flat])
         layers = sorted({layer for layer, _, _ in done})
         index = {layer: i for i, layer in enumerate(layers)}
-        layer_of_call = np.fromiter((index[layer] for layer, _, _ in done), dtype=np.int64,
-                                    count=len(done))
+        layer_of_call = np.fromiter(
+            (index[layer] for layer, _, _ in done), dtype=np.int64, count=len(done)
+        )
         layer_of = layer_of_call[call]  # per id: its layer's index in `layers`
         # per call, the rank computing each expert: its layer's table, or the call's own where
         # replicas were assigned on the device (ArrayRule's ranks, evaluated with the step)
@@ -246,7 +273,9 @@ class ShardState:
         calls = np.bincount(layer_of_call, minlength=len(layers))
         mine = np.bincount(layer_of_call, weights=counts[:, self.rank], minlength=len(layers))
         biggest = np.bincount(layer_of_call, weights=counts.max(axis=1), minlength=len(layers))
-        positions = np.bincount(layer_of_call, weights=[f.size for f in flat], minlength=len(layers))
+        positions = np.bincount(
+            layer_of_call, weights=[f.size for f in flat], minlength=len(layers)
+        )
         fill = np.zeros(len(done))
         # Recency.fill's count: up to the busiest node
         if self.keepalive == "lru" and self.world_size > 1:
@@ -272,9 +301,10 @@ class ShardState:
         calls = sum(c.calls for c in counters)
         if not calls:
             return {"selected": 0.0, "computed": 0.0, "filler": 0.0}
-        return {k: sum(getattr(c, k) for c in counters) / calls
-                for k in ("selected", "computed", "filler")}
-
+        return {
+            k: sum(getattr(c, k) for c in counters) / calls
+            for k in ("selected", "computed", "filler")
+        }
 
 
 # Device-routed calls fold their counts into the counters every so many calls, leaving the newest

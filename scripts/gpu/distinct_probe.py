@@ -40,13 +40,30 @@ def main() -> int:
         for distinct in range(1, k + 1):
             slots = mx.array([i % distinct for i in range(k)], dtype=mx.uint32).reshape(1, k)
             for sort in (False, True):
+
                 def step():
-                    return [mx.gather_mm(x, wi.swapaxes(-1, -2), rhs_indices=slots, sorted_indices=sort) for wi in w]
+                    return [
+                        mx.gather_mm(x, wi.swapaxes(-1, -2), rhs_indices=slots, sorted_indices=sort)
+                        for wi in w
+                    ]
 
                 t = timed(step)
-                print(json.dumps({"shape": name, "k": k, "distinct": distinct, "sorted": sort, "ms": round(1e3 * t, 4),
-                                  "GB_per_s_if_distinct_read": round(3 * distinct * F * D * dtype.size / t / 1e9, 1),
-                                  "GB_per_s_if_k_read": round(3 * k * F * D * dtype.size / t / 1e9, 1)}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "shape": name,
+                            "k": k,
+                            "distinct": distinct,
+                            "sorted": sort,
+                            "ms": round(1e3 * t, 4),
+                            "GB_per_s_if_distinct_read": round(
+                                3 * distinct * F * D * dtype.size / t / 1e9, 1
+                            ),
+                            "GB_per_s_if_k_read": round(3 * k * F * D * dtype.size / t / 1e9, 1),
+                        }
+                    ),
+                    flush=True,
+                )
     return 0
 
 

@@ -29,19 +29,37 @@ def main() -> int:
         slots = mx.arange(rows, dtype=mx.uint32)
 
         def gather():
-            return [mx.gather_mm(x, wi.swapaxes(-1, -2), rhs_indices=slots, sorted_indices=True) for wi in w]
+            return [
+                mx.gather_mm(x, wi.swapaxes(-1, -2), rhs_indices=slots, sorted_indices=True)
+                for wi in w
+            ]
 
         def gather_unsorted():
             return [mx.gather_mm(x, wi.swapaxes(-1, -2), rhs_indices=slots) for wi in w]
 
         def per_expert():
-            return [mx.concatenate([x[i:i + 1] @ wi[i].T for i in range(rows)], axis=0) for wi in w]
+            return [
+                mx.concatenate([x[i : i + 1] @ wi[i].T for i in range(rows)], axis=0) for wi in w
+            ]
 
-        for name, fn in (("gather", gather), ("gather_unsorted", gather_unsorted), ("per_expert", per_expert)):
+        for name, fn in (
+            ("gather", gather),
+            ("gather_unsorted", gather_unsorted),
+            ("per_expert", per_expert),
+        ):
             t = timed(fn)
             gbs = 3 * rows * F * D * 2 / t / 1e9
             results[(rows, name)] = t
-            print(json.dumps({"rows": rows, "variant": name, "ms": round(1e3 * t, 3), "GB_per_s": round(gbs, 1)}))
+            print(
+                json.dumps(
+                    {
+                        "rows": rows,
+                        "variant": name,
+                        "ms": round(1e3 * t, 3),
+                        "GB_per_s": round(gbs, 1),
+                    }
+                )
+            )
     empty = mx.zeros((1,))
     t = timed(lambda: empty + 1, 200)
     print(json.dumps({"variant": "eval of one tiny op", "ms": round(1e3 * t, 3)}))

@@ -34,10 +34,42 @@ import time
 from pathlib import Path
 
 MODELS = {
-    "dbrx": ["--arch", "dbrx", "--hidden", "6144", "--heads", "48", "--kv-heads", "8", "--ffn", "10752",
-             "--experts", "16", "--top-k", "4", "--layers", "8"],
-    "qwen3-30b-a3b": ["--arch", "qwen3_moe", "--hidden", "2048", "--heads", "16", "--kv-heads", "4", "--ffn", "768",
-                      "--experts", "128", "--top-k", "8", "--layers", "48"],
+    "dbrx": [
+        "--arch",
+        "dbrx",
+        "--hidden",
+        "6144",
+        "--heads",
+        "48",
+        "--kv-heads",
+        "8",
+        "--ffn",
+        "10752",
+        "--experts",
+        "16",
+        "--top-k",
+        "4",
+        "--layers",
+        "8",
+    ],
+    "qwen3-30b-a3b": [
+        "--arch",
+        "qwen3_moe",
+        "--hidden",
+        "2048",
+        "--heads",
+        "16",
+        "--kv-heads",
+        "4",
+        "--ffn",
+        "768",
+        "--experts",
+        "128",
+        "--top-k",
+        "8",
+        "--layers",
+        "48",
+    ],
 }
 
 # bytes on disk of each model as built (bf16), and a margin
@@ -70,13 +102,30 @@ def build(args) -> None:
         print(f"{out} exists")
         return
     need = SIZES[args.model] * (args.layers / _layers(args.model) if args.layers else 1)
-    for other in MODELS:  # the others go only where this one would not fit beside them (a 64 GiB disk)
-        if other != args.model and model_dir(other).exists() and shutil.disk_usage(out.parent).free < need:
+    for (
+        other
+    ) in MODELS:  # the others go only where this one would not fit beside them (a 64 GiB disk)
+        if (
+            other != args.model
+            and model_dir(other).exists()
+            and shutil.disk_usage(out.parent).free < need
+        ):
             print(f"removing {model_dir(other)}: no room for {args.model} beside it", flush=True)
             shutil.rmtree(model_dir(other))
     extra = ["--layers", str(args.layers)] if args.layers else []
-    print(cli("demo-model", *MODELS[args.model], *extra, "--out", str(out), "--dtype", "bfloat16",
-              "--shard-size", "5GB"))
+    print(
+        cli(
+            "demo-model",
+            *MODELS[args.model],
+            *extra,
+            "--out",
+            str(out),
+            "--dtype",
+            "bfloat16",
+            "--shard-size",
+            "5GB",
+        )
+    )
 
 
 def gpu_count() -> int:
@@ -88,32 +137,69 @@ def bench(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     # one GPU per node where the host has enough; else the node processes share the GPU
     # (sharing one GPU, mlx-lm's tensor parallel processes hold a copy each and page: not measured)
-    gpus = ["--gpus"] if gpu_count() >= max(int(n) for n in args.nodes.split(",")) else ["--no-peers"]
-    text = cli("bench", "decode", "--model", str(model_dir(args.model)), "--nodes", args.nodes, "--keepalive", "none",
-               "--transport", args.transport, *gpus, "--max-tokens", str(args.max_tokens), "--rounds",
-               str(args.rounds), "--calibrate", "--json")
+    gpus = (
+        ["--gpus"] if gpu_count() >= max(int(n) for n in args.nodes.split(",")) else ["--no-peers"]
+    )
+    text = cli(
+        "bench",
+        "decode",
+        "--model",
+        str(model_dir(args.model)),
+        "--nodes",
+        args.nodes,
+        "--keepalive",
+        "none",
+        "--transport",
+        args.transport,
+        *gpus,
+        "--max-tokens",
+        str(args.max_tokens),
+        "--rounds",
+        str(args.rounds),
+        "--calibrate",
+        "--json",
+    )
     (out / f"{args.model}.json").write_text(text)
-    (model_dir(args.model) / "config.json").exists() and shutil.copy(model_dir(args.model) / "config.json",
-                                                                     out / f"{args.model}-config.json")
+    (model_dir(args.model) / "config.json").exists() and shutil.copy(
+        model_dir(args.model) / "config.json", out / f"{args.model}-config.json"
+    )
     summary(json.loads(text), args.model)
 
 
 def summary(b: dict, what: str) -> None:
-    print(f"{what}: stock {b['mlx_lm_tps']:.1f} tok/s, cluster_ratio {b['cluster_ratio']:.3f}, "
-          f"same tokens {b['same_tokens']} / {b['cluster_path']['same_tokens']}")
+    print(
+        f"{what}: stock {b['mlx_lm_tps']:.1f} tok/s, cluster_ratio {b['cluster_ratio']:.3f}, "
+        f"same tokens {b['same_tokens']} / {b['cluster_path']['same_tokens']}"
+    )
     for c in b["clusters"]:
-        print(f"  N={c['nodes']} {c['transport']}: {c['generation_tps']:.1f} tok/s, fixed cost "
-              f"{c['fixed_cost_per_moe_layer_us']:.0f} us/MoE layer, E[n] {c['expected_experts']:.2f}, "
-              f"same tokens {c['same_tokens']}")
+        print(
+            f"  N={c['nodes']} {c['transport']}: {c['generation_tps']:.1f} tok/s, fixed cost "
+            f"{c['fixed_cost_per_moe_layer_us']:.0f} us/MoE layer, E[n] {c['expected_experts']:.2f}, "
+            f"same tokens {c['same_tokens']}"
+        )
     for p in b["peers"]:
-        print(f"  peer {p['name']} N={p['nodes']}: " + (f"{p['tps']:.1f} tok/s" if "tps" in p else p["error"]))
+        print(
+            f"  peer {p['name']} N={p['nodes']}: "
+            + (f"{p['tps']:.1f} tok/s" if "tps" in p else p["error"])
+        )
     for transport, cal in b.get("calibration", {}).items():
         print(f"  calibration over {transport}: max |error| {100 * cal['max_abs_error']:.1f}%")
 
 
 def allreduce(args) -> None:
-    text = cli("bench", "allreduce", "--nodes", "2,4", "--hidden", "6144", "--tokens", "1,32", "--dtype",
-               "bfloat16", "--json")
+    text = cli(
+        "bench",
+        "allreduce",
+        "--nodes",
+        "2,4",
+        "--hidden",
+        "6144",
+        "--tokens",
+        "1,32",
+        "--dtype",
+        "bfloat16",
+        "--json",
+    )
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "allreduce.json").write_text(text)
     print(text[:3000])
@@ -142,10 +228,14 @@ def probe(args) -> None:
 
     from moe_cluster.common.ports import free_ports
 
-    found = {"mlx": mx.__version__, "device": str(mx.default_device()),
-             "cuda": bool(getattr(mx, "cuda", None) and mx.cuda.is_available()),
-             "backends": {b: mx.distributed.is_available(b) for b in ("ring", "nccl", "mpi", "jaccl")},
-             "gpus": os.popen("nvidia-smi -L").read().strip().splitlines(), "runs": []}
+    found = {
+        "mlx": mx.__version__,
+        "device": str(mx.default_device()),
+        "cuda": bool(getattr(mx, "cuda", None) and mx.cuda.is_available()),
+        "backends": {b: mx.distributed.is_available(b) for b in ("ring", "nccl", "mpi", "jaccl")},
+        "gpus": os.popen("nvidia-smi -L").read().strip().splitlines(),
+        "runs": [],
+    }
     for backend in ("ring", "nccl"):
         if not found["backends"][backend]:
             continue
@@ -154,11 +244,24 @@ def probe(args) -> None:
         hostfile.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in port]))
         procs = []
         for rank in range(2):
-            env = dict(os.environ, MLX_RANK=str(rank), MLX_WORLD_SIZE="2", MLX_HOSTFILE=str(hostfile),
-                       NCCL_HOST_IP="127.0.0.1", NCCL_PORT=str(port[0]),
-                       CUDA_VISIBLE_DEVICES=str(rank % max(1, gpu_count())))
-            procs.append(subprocess.Popen([sys.executable, "-c", _PROBE, backend, str(rank)], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            env = dict(
+                os.environ,
+                MLX_RANK=str(rank),
+                MLX_WORLD_SIZE="2",
+                MLX_HOSTFILE=str(hostfile),
+                NCCL_HOST_IP="127.0.0.1",
+                NCCL_PORT=str(port[0]),
+                CUDA_VISIBLE_DEVICES=str(rank % max(1, gpu_count())),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _PROBE, backend, str(rank)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         for p in procs:
             try:
                 o, e = p.communicate(timeout=120)
@@ -213,7 +316,8 @@ def _calibrated(bench: dict, alone: list[dict], path: list[dict], c: dict) -> st
     p = next(p for p in fitted["points"] if p["nodes"] == c["nodes"])
     held = p["held_out_error"]  # fitted without this point: a prediction (with two points, none)
     return f"{p['predicted_tps']:.1f} (fit {100 * p['error']:+.0f}%" + (
-        f", held out {100 * held:+.0f}%)" if held is not None else "; nothing left to hold out)")
+        f", held out {100 * held:+.0f}%)" if held is not None else "; nothing left to hold out)"
+    )
 
 
 def report(args) -> None:
@@ -221,8 +325,10 @@ def report(args) -> None:
     from moe_cluster.coordinator.bench.decode import fixed_cost_us
 
     runs = Path(args.runs)
-    lines = ["| model | N | path | tok/s | × stock | tokens | fixed cost per MoE layer (µs) | plan calibrated |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | N | path | tok/s | × stock | tokens | fixed cost per MoE layer (µs) | plan calibrated |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     curves: dict[str, dict[str, list]] = {}
     for model in MODELS:
         benches = _runs_of(runs, model)
@@ -241,38 +347,68 @@ def report(args) -> None:
                 seen.add((c["nodes"], name))
                 pred = _calibrated(b, alone, [x for x in b["clusters"] if _path_name(x) == name], c)
                 mismatch = c.get("first_mismatch")
-                tokens = "stock's" if c["same_tokens"] else f"differ from token {mismatch}" if mismatch is not None \
+                tokens = (
+                    "stock's"
+                    if c["same_tokens"]
+                    else f"differ from token {mismatch}"
+                    if mismatch is not None
                     else "differ"
+                )
                 # against the stock run of the same call (each call measures its own), recomputed as
                 # intervals (runs up to 8 stored stock's n-over-(n - 1)-intervals rate against them)
-                fixed = fixed_cost_us(c["time_per_token_s"], b["mlx_lm_tps"], b["generated_tokens"],
-                                      b["model_bytes"]["moe_layers"])
-                lines.append(f"| {model} | {c['nodes']} | {name} | {c['generation_tps']:.1f} | "
-                             f"{c['generation_tps'] / b['mlx_lm_tps']:.2f} | {tokens} | "
-                             + (f"{fixed:.0f}" if fixed >= 0 else "— (faster than stock)") + " | " + pred + " |")
+                fixed = fixed_cost_us(
+                    c["time_per_token_s"],
+                    b["mlx_lm_tps"],
+                    b["generated_tokens"],
+                    b["model_bytes"]["moe_layers"],
+                )
+                lines.append(
+                    f"| {model} | {c['nodes']} | {name} | {c['generation_tps']:.1f} | "
+                    f"{c['generation_tps'] / b['mlx_lm_tps']:.2f} | {tokens} | "
+                    + (f"{fixed:.0f}" if fixed >= 0 else "— (faster than stock)")
+                    + " | "
+                    + pred
+                    + " |"
+                )
                 per.setdefault(name if c["nodes"] > 1 else "ours, cluster path", []).append(
-                    (c["nodes"], c["generation_tps"]))
+                    (c["nodes"], c["generation_tps"])
+                )
         for peer in _peers_of(runs, model, benches):
             name = _peer_name(peer)
             if (peer["nodes"], name) in seen:
                 continue
             seen.add((peer["nodes"], name))
-            cell = f"{peer['tps']:.1f} | {peer['tps'] / stock:.2f}" if "tps" in peer else f"— | {peer['error']}"
+            cell = (
+                f"{peer['tps']:.1f} | {peer['tps'] / stock:.2f}"
+                if "tps" in peer
+                else f"— | {peer['error']}"
+            )
             lines.append(f"| {model} | {peer['nodes']} | {name} | {cell} | | | |")
             if "tps" in peer:
                 per.setdefault(name, []).append((peer["nodes"], peer["tps"]))
-    serving = [(m, json.loads((runs / f"{m}-serve.json").read_text())) for m in MODELS
-               if (runs / f"{m}-serve.json").exists()]
+    serving = [
+        (m, json.loads((runs / f"{m}-serve.json").read_text()))
+        for m in MODELS
+        if (runs / f"{m}-serve.json").exists()
+    ]
     if serving:
-        lines += ["", "Aggregate decode tok/s of streamed requests (`bench serve --gpus`), one GPU per node:", "",
-                  "| model | server | concurrent streams | aggregate tok/s | time to first token p50 (s) | "
-                  "inter-token p50 / p99 (s) |", "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Aggregate decode tok/s of streamed requests (`bench serve --gpus`), one GPU per node:",
+            "",
+            "| model | server | concurrent streams | aggregate tok/s | time to first token p50 (s) | "
+            "inter-token p50 / p99 (s) |",
+            "|---|---|---|---|---|---|",
+        ]
         for model, out in serving:
-            rows = [(f"ours, N = {r['nodes']}", r) for r in out["rows"]] + [("mlx_lm.server, one GPU", r)
-                                                                               for r in out["mlx_lm_server"]]
+            rows = [(f"ours, N = {r['nodes']}", r) for r in out["rows"]] + [
+                ("mlx_lm.server, one GPU", r) for r in out["mlx_lm_server"]
+            ]
             for name, r in rows:
-                lines.append(f"| {model} | {name} | {r['concurrency']} | {r['aggregate_tps']:.1f} | "
-                             f"{r['ttft_p50_s']:.2f} | {r['itl_p50_s']:.3f} / {r['itl_p99_s']:.3f} |")
+                lines.append(
+                    f"| {model} | {name} | {r['concurrency']} | {r['aggregate_tps']:.1f} | "
+                    f"{r['ttft_p50_s']:.2f} | {r['itl_p50_s']:.3f} / {r['itl_p99_s']:.3f} |"
+                )
     (runs / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
@@ -292,8 +428,17 @@ def report(args) -> None:
             elif name == "ours, cluster path":
                 ax.plot(*zip(*pts), "D", color="tab:gray", label="ours, N = 1")
             else:
-                ax.plot(*zip(*([(1, per["ours, cluster path"][0][1])] + pts if "ours, cluster path" in per
-                               and name.startswith("ours") else pts)), "o-", label=name)
+                ax.plot(
+                    *zip(
+                        *(
+                            [(1, per["ours, cluster path"][0][1])] + pts
+                            if "ours, cluster path" in per and name.startswith("ours")
+                            else pts
+                        )
+                    ),
+                    "o-",
+                    label=name,
+                )
         ax.set_xticks(sorted({n for pts in per.values() for n, _ in pts}))
         ax.set_xlabel("GPUs (one node process each)")
         ax.set_ylabel("decode tok/s, batch 1")
@@ -306,7 +451,9 @@ def report(args) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("step", choices=("probe", "build", "bench", "allreduce", "report"))
     p.add_argument("--model", choices=tuple(MODELS), default="qwen3-30b-a3b")
     p.add_argument("--layers", type=int, help="override the model's layer count")
@@ -317,7 +464,9 @@ def main() -> int:
     p.add_argument("--out", default="out")
     p.add_argument("--runs", help="with report: the folder of a run's JSON")
     args = p.parse_args()
-    {"probe": probe, "build": build, "bench": bench, "allreduce": allreduce, "report": report}[args.step](args)
+    {"probe": probe, "build": build, "bench": bench, "allreduce": allreduce, "report": report}[
+        args.step
+    ](args)
     return 0
 
 

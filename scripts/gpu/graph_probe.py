@@ -31,7 +31,13 @@ SETTINGS = {
     "graph_cache_4000": {"MLX_CUDA_GRAPH_CACHE_SIZE": "4000"},
     "no_cuda_graphs": {"MLX_USE_CUDA_GRAPHS": "0"},
 }
-E, F, D, K, LOCAL = 128, 768, 2048, 8, 64  # Qwen3-30B-A3B: experts, width, hidden, top-k; node 0 of 2 holds 64
+E, F, D, K, LOCAL = (
+    128,
+    768,
+    2048,
+    8,
+    64,
+)  # Qwen3-30B-A3B: experts, width, hidden, top-k; node 0 of 2 holds 64
 
 
 def one(layers: int, method: str, tokens: int) -> dict:
@@ -47,9 +53,21 @@ def one(layers: int, method: str, tokens: int) -> dict:
         mx.eval(a)
         return a
 
-    lut = mx.array([e // 2 if e % 2 == 0 else -1 for e in range(E)], dtype=mx.int32)  # even experts here
-    ls = [dict(attn=rand(D, D), out=rand(D, D), router=rand(E, D), gate=rand(LOCAL, F, D), up=rand(LOCAL, F, D),
-               down=rand(LOCAL, D, F), norm=mx.ones((D,), dtype=dt)) for _ in range(layers)]
+    lut = mx.array(
+        [e // 2 if e % 2 == 0 else -1 for e in range(E)], dtype=mx.int32
+    )  # even experts here
+    ls = [
+        dict(
+            attn=rand(D, D),
+            out=rand(D, D),
+            router=rand(E, D),
+            gate=rand(LOCAL, F, D),
+            up=rand(LOCAL, F, D),
+            down=rand(LOCAL, D, F),
+            norm=mx.ones((D,), dtype=dt),
+        )
+        for _ in range(layers)
+    ]
 
     def experts(p, h, inds):
         slots = lut[inds]  # (1, K)
@@ -63,7 +81,9 @@ def one(layers: int, method: str, tokens: int) -> dict:
         rows = mx.expand_dims(h, (-2, -3))  # (1, 1, 1, D)
         a = mx.gather_mm(rows, p["up"].swapaxes(-1, -2), rhs_indices=s)
         g = mx.gather_mm(rows, p["gate"].swapaxes(-1, -2), rhs_indices=s)
-        y = mx.gather_mm(mx.sigmoid(g) * g * a, p["down"].swapaxes(-1, -2), rhs_indices=s).squeeze(-2)
+        y = mx.gather_mm(mx.sigmoid(g) * g * a, p["down"].swapaxes(-1, -2), rhs_indices=s).squeeze(
+            -2
+        )
         return mx.where(mine[..., None], y, mx.zeros_like(y))
 
     def step(x):
@@ -73,7 +93,9 @@ def one(layers: int, method: str, tokens: int) -> dict:
             h = mx.fast.rms_norm(x, p["norm"], 1e-6)
             logits = h @ p["router"].T
             inds = mx.stop_gradient(mx.argpartition(-logits, kth=K - 1, axis=-1)[..., :K])
-            scores = mx.softmax(mx.take_along_axis(logits, inds, axis=-1).astype(mx.float32), axis=-1).astype(dt)
+            scores = mx.softmax(
+                mx.take_along_axis(logits, inds, axis=-1).astype(mx.float32), axis=-1
+            ).astype(dt)
             y = experts(p, h, inds)
             x = x + (y * scores[..., None]).sum(axis=-2)
         return mx.fast.rms_norm(x, ls[0]["norm"], 1e-6)
@@ -92,9 +114,14 @@ def one(layers: int, method: str, tokens: int) -> dict:
         last, y = now, nxt
     mx.eval(y)
     t = statistics.median(times)
-    return {"layers": layers, "method": method, "ms_per_token": round(1e3 * t, 3),
-            "us_per_layer": round(1e6 * t / layers, 1), "tok_s": round(1 / t, 1),
-            "p90_ms": round(1e3 * sorted(times)[int(0.9 * len(times))], 3)}
+    return {
+        "layers": layers,
+        "method": method,
+        "ms_per_token": round(1e3 * t, 3),
+        "us_per_layer": round(1e6 * t / layers, 1),
+        "tok_s": round(1 / t, 1),
+        "p90_ms": round(1e3 * sorted(times)[int(0.9 * len(times))], 3),
+    }
 
 
 def main() -> int:
@@ -106,11 +133,26 @@ def main() -> int:
         for layers in (12, 48):
             for method in ("gather_mm", "skip_gemv"):
                 t0 = time.perf_counter()
-                r = subprocess.run([sys.executable, __file__, str(layers), method, str(tokens)],
-                                   env={**os.environ, **env}, capture_output=True, text=True, timeout=240)
-                line = r.stdout.strip().splitlines()[-1:] or [json.dumps({"error": r.stderr.strip()[-400:]})]
-                print(json.dumps({"setting": name, **json.loads(line[0]), "wall_s": round(time.perf_counter() - t0, 1)}),
-                      flush=True)
+                r = subprocess.run(
+                    [sys.executable, __file__, str(layers), method, str(tokens)],
+                    env={**os.environ, **env},
+                    capture_output=True,
+                    text=True,
+                    timeout=240,
+                )
+                line = r.stdout.strip().splitlines()[-1:] or [
+                    json.dumps({"error": r.stderr.strip()[-400:]})
+                ]
+                print(
+                    json.dumps(
+                        {
+                            "setting": name,
+                            **json.loads(line[0]),
+                            "wall_s": round(time.perf_counter() - t0, 1),
+                        }
+                    ),
+                    flush=True,
+                )
     return 0
 
 

@@ -29,20 +29,33 @@ async def _check(shards):
     async def probe(sm, layer, x, timeout=None):
         return sm.probe(layer, x)
 
-    members = [SimpleNamespace(rank=r, client=SimpleNamespace(probe=lambda l, x, timeout=None, sm=sm: probe(sm, l, x)))
-               for r, sm in enumerate(shards)]
+    members = [
+        SimpleNamespace(
+            rank=r, client=SimpleNamespace(probe=lambda l, x, timeout=None, sm=sm: probe(sm, l, x))
+        )
+        for r, sm in enumerate(shards)
+    ]
     return await verify.check_load(members, str(MODEL_DIR))
 
 
 def main() -> int:
-    shards = [load.load_shard(str(MODEL_DIR), None, r, keepalive="none", collective=AloneCollective(r, 2)) for r in range(2)]
-    base = {"device": str(mx.default_device()), "MLX_ENABLE_TF32": os.environ.get("MLX_ENABLE_TF32", "(default: 1)")}
+    shards = [
+        load.load_shard(str(MODEL_DIR), None, r, keepalive="none", collective=AloneCollective(r, 2))
+        for r in range(2)
+    ]
+    base = {
+        "device": str(mx.default_device()),
+        "MLX_ENABLE_TF32": os.environ.get("MLX_ENABLE_TF32", "(default: 1)"),
+    }
     for variant in ("as shipped", "without ieee_float32"):
         if variant != "as shipped":
             load.ieee_float32 = structure.ieee_float32 = lambda dtype=None: contextlib.nullcontext()
         try:
             checks = asyncio.run(_check(shards))
-            row = {"passed": True, "layers": [[c.layer, c.max_abs_diff, c.tolerance] for c in checks]}
+            row = {
+                "passed": True,
+                "layers": [[c.layer, c.max_abs_diff, c.tolerance] for c in checks],
+            }
         except verify.LoadCheckError as e:
             row = {"passed": False, "error": str(e)}
         print(json.dumps({**base, "variant": variant, **row}), flush=True)

@@ -18,8 +18,12 @@ import mlx.core as mx
 
 
 def memory() -> dict:
-    return {"active": mx.get_active_memory(), "cache": mx.get_cache_memory(), "peak": mx.get_peak_memory(),
-            "limit": mx.get_memory_limit() if hasattr(mx, "get_memory_limit") else None}
+    return {
+        "active": mx.get_active_memory(),
+        "cache": mx.get_cache_memory(),
+        "peak": mx.get_peak_memory(),
+        "limit": mx.get_memory_limit() if hasattr(mx, "get_memory_limit") else None,
+    }
 
 
 def decode_tps(model, tokenizer, ids, tokens: int) -> float:
@@ -39,7 +43,11 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("model")
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--no-stock", action="store_true", help="only ours (stock's speed is bench decode's to measure)")
+    p.add_argument(
+        "--no-stock",
+        action="store_true",
+        help="only ours (stock's speed is bench decode's to measure)",
+    )
     args = p.parse_args()
 
     from moe_cluster.coordinator.dev.run_local import load_stock
@@ -57,7 +65,11 @@ def main() -> None:
     if not args.no_stock:
         _, stock, _ = load_stock(args.model)
         emit("stock loaded", **memory())
-        emit("stock decoded", tps=[decode_tps(stock, tokenizer, ids, args.tokens) for _ in range(3)], **memory())
+        emit(
+            "stock decoded",
+            tps=[decode_tps(stock, tokenizer, ids, args.tokens) for _ in range(3)],
+            **memory(),
+        )
         del stock
         gc.collect()
         mx.clear_cache()
@@ -65,16 +77,27 @@ def main() -> None:
     ours = load_shard(args.model, None, 0, keepalive="none", warm_up=False).model
     gc.collect()
     emit("ours loaded", **memory())
-    emit("ours decoded", tps=[decode_tps(ours, tokenizer, ids, args.tokens) for _ in range(3)], **memory())
+    emit(
+        "ours decoded",
+        tps=[decode_tps(ours, tokenizer, ids, args.tokens) for _ in range(3)],
+        **memory(),
+    )
     mx.clear_cache()
-    emit("ours decoded, cache cleared first", tps=[decode_tps(ours, tokenizer, ids, args.tokens) for _ in range(2)],
-         **memory())
+    emit(
+        "ours decoded, cache cleared first",
+        tps=[decode_tps(ours, tokenizer, ids, args.tokens) for _ in range(2)],
+        **memory(),
+    )
     # the suspect itself: with MLX's limit raised to 95% of the card, does ours decode at stock's speed?
     total = info.get("total_memory") or info.get("memory_size") if isinstance(info, dict) else None
     if total and hasattr(mx, "set_memory_limit"):
         mx.set_memory_limit(int(0.95 * total))
-        emit("ours decoded, memory limit at 95% of the device",
-             tps=[decode_tps(ours, tokenizer, ids, args.tokens) for _ in range(2)], **memory())
+        emit(
+            "ours decoded, memory limit at 95% of the device",
+            tps=[decode_tps(ours, tokenizer, ids, args.tokens) for _ in range(2)],
+            **memory(),
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -77,13 +77,20 @@ def main() -> None:
     out: dict = {"device": str(mx.default_device()), "mlx": mx.__version__}
 
     sp = dict(tree_flatten(stock.parameters()))
-    op = {k.replace(".block.", "."): v for k, v in tree_flatten(ours.parameters())}  # ClusterMoE wraps the block
-    out["param_dtype_diffs"] = [(k, str(sp[k].dtype), str(op[k].dtype)) for k in sp
-                                if k in op and sp[k].dtype != op[k].dtype][:20]
+    op = {
+        k.replace(".block.", "."): v for k, v in tree_flatten(ours.parameters())
+    }  # ClusterMoE wraps the block
+    out["param_dtype_diffs"] = [
+        (k, str(sp[k].dtype), str(op[k].dtype))
+        for k in sp
+        if k in op and sp[k].dtype != op[k].dtype
+    ][:20]
     out["params_missing"] = sorted(set(sp) ^ set(op))[:20]
     same_values = [k for k in sp if k in op and sp[k].shape == op[k].shape]
-    out["param_max_abs_diff"] = max(float(mx.abs(sp[k].astype(mx.float32) - op[k].astype(mx.float32)).max())
-                                    for k in same_values[:400])
+    out["param_max_abs_diff"] = max(
+        float(mx.abs(sp[k].astype(mx.float32) - op[k].astype(mx.float32)).max())
+        for k in same_values[:400]
+    )
 
     real_note = experts_mod.ShardState.note
     rows = []
@@ -97,7 +104,9 @@ def main() -> None:
             experts_mod.ShardState.note = real_note
         rows.append({"stock": s, "ours": o, "ours_without_note": q})
         out["same_tokens"] = s_tokens == o_tokens
-        out["first_mismatch"] = next((i for i, (a, b) in enumerate(zip(s_tokens, o_tokens)) if a != b), None)
+        out["first_mismatch"] = next(
+            (i for i, (a, b) in enumerate(zip(s_tokens, o_tokens)) if a != b), None
+        )
     out["decode_tps"] = rows
 
     from moe_cluster.node.moe.layer import ClusterMoE
@@ -112,8 +121,10 @@ def main() -> None:
     to, yo = blocks_time([o for _, o in pairs], x, 20)
     one_s, one_o = pairs[0][0](x), pairs[0][1](x)
     out["block_us"] = {"stock": ts * 1e6, "ours": to * 1e6}
-    out["build_us"] = {"stock": build_time([s for s, _ in pairs], x) * 1e6,
-                       "ours": build_time([o for _, o in pairs], x) * 1e6}
+    out["build_us"] = {
+        "stock": build_time([s for s, _ in pairs], x) * 1e6,
+        "ours": build_time([o for _, o in pairs], x) * 1e6,
+    }
     # suspects one at a time, per block: our wrapper around stock's bank; stock's block on our
     # prestacked weights; ours without the routing note
     attr = pairs[0][1].description.bank.attr
@@ -140,8 +151,12 @@ def main() -> None:
     finally:
         experts_mod.ShardState.note = real_note
     out["block_out_dtype"] = {"stock": str(one_s.dtype), "ours": str(one_o.dtype)}
-    out["block_max_abs_diff_one_layer"] = float(mx.abs(one_s.astype(mx.float32) - one_o.astype(mx.float32)).max())
-    out["block_max_abs_diff_chain"] = float(mx.abs(ys.astype(mx.float32) - yo.astype(mx.float32)).max())
+    out["block_max_abs_diff_one_layer"] = float(
+        mx.abs(one_s.astype(mx.float32) - one_o.astype(mx.float32)).max()
+    )
+    out["block_max_abs_diff_chain"] = float(
+        mx.abs(ys.astype(mx.float32) - yo.astype(mx.float32)).max()
+    )
     out["moe_blocks"] = len(pairs)
     print(json.dumps(out, indent=1), flush=True)
 

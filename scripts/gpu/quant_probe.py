@@ -24,7 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "families
 import sweep  # noqa: E402
 import tiny  # noqa: E402
 
-MODES = {"4bit": ("affine", 32, 4), "8bit": ("affine", 32, 8), "mxfp4": ("mxfp4", 32, 4), "mxfp8": ("mxfp8", 32, 8)}
+MODES = {
+    "4bit": ("affine", 32, 4),
+    "8bit": ("affine", 32, 8),
+    "mxfp4": ("mxfp4", 32, 4),
+    "mxfp8": ("mxfp8", 32, 8),
+}
 
 
 def ops() -> None:
@@ -37,17 +42,50 @@ def ops() -> None:
             dense = mx.dequantize(wq, scales, biases, group_size=group, bits=bits, mode=mode)
             for batch in (1, 8):
                 x = mx.random.normal((batch, d_in))
-                got = mx.quantized_matmul(x, wq[1], scales[1], None if biases is None else biases[1],
-                                          transpose=True, group_size=group, bits=bits, mode=mode)
+                got = mx.quantized_matmul(
+                    x,
+                    wq[1],
+                    scales[1],
+                    None if biases is None else biases[1],
+                    transpose=True,
+                    group_size=group,
+                    bits=bits,
+                    mode=mode,
+                )
                 inds = mx.array([2] * batch, dtype=mx.uint32)
-                gathered = mx.gather_qmm(x[:, None, :], wq, scales, biases, rhs_indices=inds, transpose=True,
-                                         group_size=group, bits=bits, mode=mode)[:, 0, :]
-                for op, y, ref in (("quantized_matmul", got, x @ dense[1].T), ("gather_qmm", gathered, x @ dense[2].T)):
+                gathered = mx.gather_qmm(
+                    x[:, None, :],
+                    wq,
+                    scales,
+                    biases,
+                    rhs_indices=inds,
+                    transpose=True,
+                    group_size=group,
+                    bits=bits,
+                    mode=mode,
+                )[:, 0, :]
+                for op, y, ref in (
+                    ("quantized_matmul", got, x @ dense[1].T),
+                    ("gather_qmm", gathered, x @ dense[2].T),
+                ):
                     y32, r32 = np.array(y.astype(mx.float32)), np.array(ref.astype(mx.float32))
-                    print(json.dumps({"part": "op", "op": op, "mode": name, "in": d_in, "out": d_out, "batch": batch,
-                                      "finite": bool(np.isfinite(y32).all()),
-                                      "max_abs_diff": float(np.nanmax(np.abs(y32 - r32))) if np.isfinite(y32).any() else None}),
-                          flush=True)
+                    print(
+                        json.dumps(
+                            {
+                                "part": "op",
+                                "op": op,
+                                "mode": name,
+                                "in": d_in,
+                                "out": d_out,
+                                "batch": batch,
+                                "finite": bool(np.isfinite(y32).all()),
+                                "max_abs_diff": float(np.nanmax(np.abs(y32 - r32)))
+                                if np.isfinite(y32).any()
+                                else None,
+                            }
+                        ),
+                        flush=True,
+                    )
 
 
 MODULE_FAMILIES = ("qwen3_moe", "gpt_oss", "mixtral")
@@ -64,7 +102,10 @@ def modules(tmp: Path) -> None:
             kind = type(m).__name__
             if isinstance(m, nn.QuantizedEmbedding):
                 x = mx.array([[1, 5, 9, 200 % m.num_embeddings]])
-                run = (lambda m=m, x=x: m(x)), (lambda m=m, x=x: m.as_linear(mx.ones((1, 4, m.dims))))
+                run = (
+                    (lambda m=m, x=x: m(x)),
+                    (lambda m=m, x=x: m.as_linear(mx.ones((1, 4, m.dims)))),
+                )
             elif isinstance(m, nn.QuantizedLinear):
                 d_in = m.scales.shape[-1] * m.group_size
                 x = mx.random.normal((1, 8, d_in), key=mx.random.key(1))
@@ -72,7 +113,10 @@ def modules(tmp: Path) -> None:
             elif isinstance(m, QuantizedSwitchLinear):
                 d_in = m.scales.shape[-1] * m.group_size
                 x = mx.random.normal((1, 8, 1, 1, d_in), key=mx.random.key(1))
-                inds = mx.array([[[i % m.num_experts, (i + 1) % m.num_experts] for i in range(8)]], dtype=mx.uint32)
+                inds = mx.array(
+                    [[[i % m.num_experts, (i + 1) % m.num_experts] for i in range(8)]],
+                    dtype=mx.uint32,
+                )
                 run = (lambda m=m, x=x, inds=inds: m(x, inds),)
             else:
                 continue
@@ -80,9 +124,20 @@ def modules(tmp: Path) -> None:
                 gpu, again = np.array(f().astype(mx.float32)), np.array(f().astype(mx.float32))
                 with mx.stream(mx.cpu):
                     cpu = np.array(f().astype(mx.float32))
-                print(json.dumps({"part": "module", "family": family, "module": name, "kind": kind, "call": i,
-                                  "gpu_vs_cpu": float(np.max(np.abs(gpu - cpu))),
-                                  "gpu_vs_gpu": float(np.max(np.abs(gpu - again)))}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "part": "module",
+                            "family": family,
+                            "module": name,
+                            "kind": kind,
+                            "call": i,
+                            "gpu_vs_cpu": float(np.max(np.abs(gpu - cpu))),
+                            "gpu_vs_gpu": float(np.max(np.abs(gpu - again))),
+                        }
+                    ),
+                    flush=True,
+                )
 
 
 def families(tmp: Path) -> None:
@@ -101,20 +156,31 @@ def families(tmp: Path) -> None:
                 cpu_tokens, cpu_logits = tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)
             sm = load_in_process(str(path), 2, keepalive="lru")
             ours_tokens, ours_logits = tiny.decode(sm.model, sweep.PROMPT, sweep.STEPS)
-            finite = {k: bool(np.isfinite(v).all()) for k, v in (("stock_gpu", gpu_logits), ("stock_cpu", cpu_logits),
-                                                                  ("ours_gpu", ours_logits))}
-            row.update(finite=finite,
-                       stock_gpu_vs_cpu=float(np.max(np.abs(gpu_logits - cpu_logits))),
-                       ours_vs_stock_gpu=float(np.max(np.abs(ours_logits - gpu_logits))),
-                       ours_vs_stock_cpu=float(np.max(np.abs(ours_logits - cpu_logits))),
-                       tokens={"stock_gpu": gpu_tokens, "stock_cpu": cpu_tokens, "ours_gpu": ours_tokens})
+            finite = {
+                k: bool(np.isfinite(v).all())
+                for k, v in (
+                    ("stock_gpu", gpu_logits),
+                    ("stock_cpu", cpu_logits),
+                    ("ours_gpu", ours_logits),
+                )
+            }
+            row.update(
+                finite=finite,
+                stock_gpu_vs_cpu=float(np.max(np.abs(gpu_logits - cpu_logits))),
+                ours_vs_stock_gpu=float(np.max(np.abs(ours_logits - gpu_logits))),
+                ours_vs_stock_cpu=float(np.max(np.abs(ours_logits - cpu_logits))),
+                tokens={"stock_gpu": gpu_tokens, "stock_cpu": cpu_tokens, "ours_gpu": ours_tokens},
+            )
         except Exception as e:  # one family's failure is a finding, not the end of the probe
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
-    print(json.dumps({"part": "device", "device": str(mx.default_device()), "mlx": mx.__version__}), flush=True)
+    print(
+        json.dumps({"part": "device", "device": str(mx.default_device()), "mlx": mx.__version__}),
+        flush=True,
+    )
     ops()
     with tempfile.TemporaryDirectory() as d:
         modules(Path(d))

@@ -126,7 +126,10 @@ def main() -> int:
             index.update({k: name for k in tensors})
             print(f"layer {i + 1}/{args.layers}", flush=True)
         config["num_hidden_layers"] = args.layers
-        for key in ("quantization", "quantization_config"):  # per-module bits (the router's 8) per layer
+        for key in (
+            "quantization",
+            "quantization_config",
+        ):  # per-module bits (the router's 8) per layer
             q = config.get(key) or {}
             for path, v in [(p, v) for p, v in q.items() if ".layers.0." in p]:
                 for i in range(1, args.layers):

@@ -27,8 +27,10 @@ def _load(path: Path) -> tuple[dict | None, str]:
 
 def part_a(d: Path) -> None:
     print("A: bench decode at N = 2 over transport mlx, route forced (MOE_CLUSTER_ROUTE)")
-    print(f"{'model':<12} {'route':<7} {'tok/s':>7} {'stock':>7} {'gen':>4} {'=stock':>6} {'=other':>6} "
-          f"{'E[n]':>5} {'mat/layer n0,n1':>16} {'MB/token n0,n1':>18}  chosen (node 0)")
+    print(
+        f"{'model':<12} {'route':<7} {'tok/s':>7} {'stock':>7} {'gen':>4} {'=stock':>6} {'=other':>6} "
+        f"{'E[n]':>5} {'mat/layer n0,n1':>16} {'MB/token n0,n1':>18}  chosen (node 0)"
+    )
     tokens: dict[str, dict[str, list]] = {}
     rows = []
     for f in sorted(d.glob("A-*.json")):
@@ -42,20 +44,30 @@ def part_a(d: Path) -> None:
         rows.append((model, route, b, c))
     for model, route, b, c in rows:
         others = [t for r, t in tokens[model].items() if r != route]
-        same_other = "-" if not others or others[0] is None else ("yes" if others[0] == c.get("tokens") else "NO")
+        same_other = (
+            "-"
+            if not others or others[0] is None
+            else ("yes" if others[0] == c.get("tokens") else "NO")
+        )
         reads = c.get("expert_reads") or {}
         nodes = reads.get("nodes", [])
         mats = ",".join(f"{n['matrices_per_layer']:.2f}" for n in nodes) or "-"
         mb = ",".join(f"{n['bytes_per_token'] / 1e6:.1f}" for n in nodes) or "-"
         chosen = nodes[0]["route"] if nodes else "-"
-        stock = "yes" if c["same_tokens"] else f"@{c['first_mismatch']}"  # where it first parts from stock
-        print(f"{model:<12} {route:<7} {c['generation_tps']:>7.1f} {b['mlx_lm_tps']:>7.1f} {c['generated']:>4} "
-              f"{stock:>6} {same_other:>6} {c['expected_experts']:>5.2f} {mats:>16} "
-              f"{mb:>18}  {chosen}")
+        stock = (
+            "yes" if c["same_tokens"] else f"@{c['first_mismatch']}"
+        )  # where it first parts from stock
+        print(
+            f"{model:<12} {route:<7} {c['generation_tps']:>7.1f} {b['mlx_lm_tps']:>7.1f} {c['generated']:>4} "
+            f"{stock:>6} {same_other:>6} {c['expected_experts']:>5.2f} {mats:>16} "
+            f"{mb:>18}  {chosen}"
+        )
     for model, by in tokens.items():
         if len(by) == 2 and None not in by.values():
             a, b = by.values()
-            print(f"{model}: tokens of the two routes {'equal' if a == b else 'DIFFER'} ({len(a)} tokens)")
+            print(
+                f"{model}: tokens of the two routes {'equal' if a == b else 'DIFFER'} ({len(a)} tokens)"
+            )
 
 
 def part_b(d: Path) -> None:
@@ -66,14 +78,20 @@ def part_b(d: Path) -> None:
             print(f"{f.stem}: failed: {why}")
             continue
         for r in b.get("runs", []):
-            print(f"{f.stem}: N = {r['nodes']} over {r['transport']}, {b['moe_layers']} MoE layers, tokens "
-                  f"{'equal' if r['tokens_equal_stock'] else 'DIFFER from'} stock's")
+            print(
+                f"{f.stem}: N = {r['nodes']} over {r['transport']}, {b['moe_layers']} MoE layers, tokens "
+                f"{'equal' if r['tokens_equal_stock'] else 'DIFFER from'} stock's"
+            )
             for t in r["rows"]:
                 acc = "-" if t["acceptance"] is None else f"{t['acceptance']:.0%}"
-                ar = "-" if t["allreduces_per_token"] is None else f"{t['allreduces_per_token']:.2f}"
+                ar = (
+                    "-" if t["allreduces_per_token"] is None else f"{t['allreduces_per_token']:.2f}"
+                )
                 ratio = "-" if t["ratio_vs_off"] is None else f"{t['ratio_vs_off']:.2f}"
-                print(f"  {t['scenario']:<48} {t['tps']:7.1f} tok/s x{ratio:<5} accepted {acc:>4} "
-                      f"{ar:>6} all-reduces/token, tokens {'same' if t['tokens_equal_off'] else 'DIFFER'}")
+                print(
+                    f"  {t['scenario']:<48} {t['tps']:7.1f} tok/s x{ratio:<5} accepted {acc:>4} "
+                    f"{ar:>6} all-reduces/token, tokens {'same' if t['tokens_equal_off'] else 'DIFFER'}"
+                )
 
 
 def main() -> int:

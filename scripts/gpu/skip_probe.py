@@ -28,22 +28,42 @@ SHAPES = {  # name: (local experts at N = 2, expert width, hidden, k)
 def main() -> int:
     dtype = mx.bfloat16
     for name, (E, F, D, k) in SHAPES.items():
-        gate, up = (mx.random.normal((E, F, D)) * 0.02).astype(dtype), (mx.random.normal((E, F, D)) * 0.02).astype(dtype)
+        gate, up = (
+            (mx.random.normal((E, F, D)) * 0.02).astype(dtype),
+            (mx.random.normal((E, F, D)) * 0.02).astype(dtype),
+        )
         down = (mx.random.normal((E, D, F)) * 0.02).astype(dtype)
         mx.eval(gate, up, down)
         x = mx.random.normal((1, D)).astype(dtype)
-        for proj, w, rows in (("gate", gate, x), ("down", down, mx.random.normal((k, F)).astype(dtype))):
+        for proj, w, rows in (
+            ("gate", gate, x),
+            ("down", down, mx.random.normal((k, F)).astype(dtype)),
+        ):
             per_x = k if proj == "gate" else 1
             slots = mx.random.randint(-1, E, (k,)).astype(mx.int32)
             got = skip_gemv.skip_gemv(rows, w, slots, per_x).astype(mx.float32)
             src = rows[mx.arange(k) // per_x][:, None, :]
-            want = mx.gather_mm(src, w.swapaxes(-1, -2), rhs_indices=mx.maximum(slots, 0).astype(mx.uint32))[:, 0, :]
+            want = mx.gather_mm(
+                src, w.swapaxes(-1, -2), rhs_indices=mx.maximum(slots, 0).astype(mx.uint32)
+            )[:, 0, :]
             want = mx.where((slots >= 0)[:, None], want.astype(mx.float32), 0.0)
             err = (mx.abs(got - want).max() / mx.maximum(mx.abs(want).max(), 1e-6)).item()
-            print(json.dumps({"shape": name, "projection": proj, "slots": slots.tolist(), "max_rel_diff": err,
-                              "check": skip_gemv.check(w)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "shape": name,
+                        "projection": proj,
+                        "slots": slots.tolist(),
+                        "max_rel_diff": err,
+                        "check": skip_gemv.check(w),
+                    }
+                ),
+                flush=True,
+            )
         for m in range(0, k + 1):
-            slots = mx.array([i if i < m else -1 for i in range(k)], dtype=mx.int32)  # m distinct local experts
+            slots = mx.array(
+                [i if i < m else -1 for i in range(k)], dtype=mx.int32
+            )  # m distinct local experts
             mine = (slots >= 0)[:, None]
 
             def by_gather():
@@ -51,7 +71,9 @@ def main() -> int:
                 rows = mx.broadcast_to(x, (k, D))[:, None, :]
                 g = mx.gather_mm(rows, gate.swapaxes(-1, -2), rhs_indices=s)
                 u = mx.gather_mm(rows, up.swapaxes(-1, -2), rhs_indices=s)
-                y = mx.gather_mm(mx.sigmoid(g) * g * u, down.swapaxes(-1, -2), rhs_indices=s)[:, 0, :]
+                y = mx.gather_mm(mx.sigmoid(g) * g * u, down.swapaxes(-1, -2), rhs_indices=s)[
+                    :, 0, :
+                ]
                 return mx.where(mine, y, mx.zeros_like(y))
 
             def by_skip():
@@ -59,13 +81,28 @@ def main() -> int:
                 h = mx.sigmoid(h) * h * skip_gemv.skip_gemv(x, up, slots, k)
                 return skip_gemv.skip_gemv(h, down, slots, 1)
 
-            diff = (mx.abs(by_skip().astype(mx.float32) - by_gather().astype(mx.float32)).max()).item()
+            diff = (
+                mx.abs(by_skip().astype(mx.float32) - by_gather().astype(mx.float32)).max()
+            ).item()
             tg, ts = timed(by_gather), timed(by_skip)
             bytes_m = 3 * m * F * D * dtype.size
-            print(json.dumps({"shape": name, "k": k, "mine": m, "gather_mm_ms": round(1e3 * tg, 4),
-                              "skip_gemv_ms": round(1e3 * ts, 4), "max_abs_diff": diff,
-                              "skip_GB_per_s_of_mine": round(bytes_m / ts / 1e9, 1) if m else None,
-                              "gather_GB_per_s_if_k_read": round(3 * k * F * D * dtype.size / tg / 1e9, 1)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "shape": name,
+                        "k": k,
+                        "mine": m,
+                        "gather_mm_ms": round(1e3 * tg, 4),
+                        "skip_gemv_ms": round(1e3 * ts, 4),
+                        "max_abs_diff": diff,
+                        "skip_GB_per_s_of_mine": round(bytes_m / ts / 1e9, 1) if m else None,
+                        "gather_GB_per_s_if_k_read": round(
+                            3 * k * F * D * dtype.size / tg / 1e9, 1
+                        ),
+                    }
+                ),
+                flush=True,
+            )
     return 0
 
 

@@ -29,8 +29,16 @@ def main() -> None:
             continue
         t0 = time.time()
         r = measure(path, 2, ids, 16, 1, timeout_s=120, gpus=gpus, backend=backend)
-        print(json.dumps({"gpus": gpus, "seconds": round(time.time() - t0, 1),
-                          **{k: v for k, v in r.items() if k != "tokens"}}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "gpus": gpus,
+                    "seconds": round(time.time() - t0, 1),
+                    **{k: v for k, v in r.items() if k != "tokens"},
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

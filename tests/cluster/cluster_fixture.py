@@ -17,11 +17,17 @@ from pathlib import Path
 READY = re.compile(r"moe-cluster ready: (http://\S+)")
 
 
-def http(url: str, path: str, body: dict | None = None, timeout: float = 120, headers: dict | None = None):
+def http(
+    url: str, path: str, body: dict | None = None, timeout: float = 120, headers: dict | None = None
+):
     """(status, parsed JSON) of one request; errors come back as their status and body."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url + path, data=data, method="POST" if body is not None else "GET",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url + path,
+        data=data,
+        method="POST" if body is not None else "GET",
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
@@ -33,7 +39,10 @@ def http(url: str, path: str, body: dict | None = None, timeout: float = 120, he
         except ValueError:
             return exc.code, raw.decode()
 
-def health_during(url: str, sender, limit_s: float, pause_s: float, join_s: float) -> tuple[list[float], float]:
+
+def health_during(
+    url: str, sender, limit_s: float, pause_s: float, join_s: float
+) -> tuple[list[float], float]:
     """Start thread `sender` and time GET /health on one warm connection until it ends (`limit_s` at
     most): (seconds of each /health, seconds until the sender ended). Every /health must be 200."""
     import urllib.parse
@@ -61,7 +70,6 @@ def health_during(url: str, sender, limit_s: float, pause_s: float, join_s: floa
     return latencies, time.monotonic() - t0
 
 
-
 def stock_tokens(path, prompt: str, max_tokens: int) -> list[int]:
     """Stock mlx-lm's greedy tokens as the cluster returns them: at most max_tokens, no EOS.
     Never empty, so a comparison with it cannot pass on an empty reply."""
@@ -70,7 +78,9 @@ def stock_tokens(path, prompt: str, max_tokens: int) -> list[int]:
     model, tok = load(str(path))
     out = list(stream_generate(model, tok, prompt, max_tokens=max_tokens))
     # the last response carries the last token when max_tokens ran out, the EOS token otherwise
-    tokens = [r.token for r in out[:-1]] + ([out[-1].token] if out[-1].finish_reason == "length" else [])
+    tokens = [r.token for r in out[:-1]] + (
+        [out[-1].token] if out[-1].finish_reason == "length" else []
+    )
     assert tokens, f"stock mlx-lm stops at once on {prompt!r}: pick a prompt it continues"
     return tokens
 
@@ -84,8 +94,15 @@ def _alive(pid: int) -> bool:
 
 
 @contextmanager
-def cluster(tmp_path: Path, yaml_text: str, *args: str, env: dict | None = None, timeout: float = 180,
-            netns: str | None = None, api_key: str | None = None):
+def cluster(
+    tmp_path: Path,
+    yaml_text: str,
+    *args: str,
+    env: dict | None = None,
+    timeout: float = 180,
+    netns: str | None = None,
+    api_key: str | None = None,
+):
     """Run `moe-cluster up` on a cluster.yaml; yields (url, process, output lines).
 
     `api_key`: the key the cluster.yaml configures, sent on the fixture's own calls (status, shutdown).
@@ -93,13 +110,29 @@ def cluster(tmp_path: Path, yaml_text: str, *args: str, env: dict | None = None,
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
     cfg = tmp_path / "cluster.yaml"
     cfg.write_text(yaml_text)
-    cmd = [sys.executable, "-m", "moe_cluster.coordinator.cli", "up", str(cfg), "--api-port", "0",
-           "--log-dir", str(tmp_path / "logs"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_cluster.coordinator.cli",
+        "up",
+        str(cfg),
+        "--api-port",
+        "0",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        *args,
+    ]
     if netns:
         cmd = ["ip", "netns", "exec", netns, *cmd]
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", XDG_RUNTIME_DIR=str(tmp_path), **(env or {}))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=full_env,
+        start_new_session=True,
+    )
     lines: list[str] = []
     url = None
     found = threading.Event()

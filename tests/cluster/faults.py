@@ -52,8 +52,10 @@ def bounds(kind: str, load: float = MEASURED_LOAD) -> Bounds:
     1.8-3.1 s, node stopped 7.2-11.2 s, link 3.0-5.7 s after it came back)."""
     detect, ready = MEASURED[kind]
     slower = max(1.0, load / MEASURED_LOAD)
-    return Bounds(max(MARGIN * statistics.median(detect), 2 * HEARTBEAT_S),
-                  MARGIN * statistics.median(ready) * slower)
+    return Bounds(
+        max(MARGIN * statistics.median(detect), 2 * HEARTBEAT_S),
+        MARGIN * statistics.median(ready) * slower,
+    )
 
 
 SENTENCE = "To be, or not to be, that is the question: Whether tis nobler in the mind to suffer. "
@@ -72,7 +74,11 @@ PROMPTS = [  # eight streams of different lengths of prompt
 ]
 DECODE_TOKENS = 40  # per stream: eight of them decode together for a few seconds
 RECOVERY_TOKENS = 8  # greedy tokens of SENTENCE compared before and after each fault
-SAMPLED = {"prompt": "All that glitters is not gold;", "temperature": 0.8, "seed": 7}  # a ninth stream
+SAMPLED = {
+    "prompt": "All that glitters is not gold;",
+    "temperature": 0.8,
+    "seed": 7,
+}  # a ninth stream
 # room for the ninth stream beside the eight greedy ones
 FAST_YAML = "serving:\n  prefill_chunk: 16\n  max_batch: 9\n"
 
@@ -132,7 +138,9 @@ class Answer:
         """A stream's last chunk (finish_reason, usage, moe_cluster) or a plain answer's body."""
         if self.events is None:
             return self.body or {}
-        return next((e for e in reversed(self.events) if isinstance(e, dict) and "moe_cluster" in e), {})
+        return next(
+            (e for e in reversed(self.events) if isinstance(e, dict) and "moe_cluster" in e), {}
+        )
 
     def tokens(self) -> list[int] | None:
         return self.final.get("moe_cluster", {}).get("tokens")
@@ -140,14 +148,23 @@ class Answer:
     def text(self) -> str:
         if self.events is None:
             return (self.body or {}).get("choices", [{}])[0].get("text", "")
-        return "".join(e["choices"][0].get("text", "") for e in self.events
-                       if isinstance(e, dict) and e.get("choices"))
+        return "".join(
+            e["choices"][0].get("text", "")
+            for e in self.events
+            if isinstance(e, dict) and e.get("choices")
+        )
 
 
-def post(url: str, body: dict, answer: Answer, on_event: Callable[[dict | str], None] | None = None) -> None:
+def post(
+    url: str, body: dict, answer: Answer, on_event: Callable[[dict | str], None] | None = None
+) -> None:
     """POST /v1/completions into `answer` (streams read event by event)."""
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             answer.status, answer.headers = r.status, dict(r.headers)
@@ -169,7 +186,11 @@ def post(url: str, body: dict, answer: Answer, on_event: Callable[[dict | str], 
                     if on_event is not None:
                         on_event(event)
     except urllib.error.HTTPError as exc:
-        answer.status, answer.headers, answer.body = exc.code, dict(exc.headers), json.loads(exc.read())
+        answer.status, answer.headers, answer.body = (
+            exc.code,
+            dict(exc.headers),
+            json.loads(exc.read()),
+        )
     answer.at = answer.at or time.monotonic()
 
 
@@ -178,7 +199,10 @@ def check_completed(a: Answer, want: list[int] | None = None, what: str = "") ->
     assert a.status == 200, (what, a.status, a.body)
     if a.events is not None:
         assert not a.errors and a.events[-1] == "[DONE]", (what, a.events[-3:])
-        assert a.final.get("choices", [{}])[0].get("finish_reason") in ("length", "stop"), (what, a.final)
+        assert a.final.get("choices", [{}])[0].get("finish_reason") in ("length", "stop"), (
+            what,
+            a.final,
+        )
     if want is not None:
         assert a.tokens() == want, (what, a.tokens(), want)
     usage = a.final.get("usage", {})
@@ -187,8 +211,12 @@ def check_completed(a: Answer, want: list[int] | None = None, what: str = "") ->
 
 def greedy_tokens(url: str) -> list[int]:
     """The cluster's greedy tokens for SENTENCE (RECOVERY_TOKENS of them: never empty)."""
-    status, out = http(url, "/v1/completions", {"prompt": SENTENCE, "max_tokens": RECOVERY_TOKENS,
-                                                "temperature": 0}, timeout=60)
+    status, out = http(
+        url,
+        "/v1/completions",
+        {"prompt": SENTENCE, "max_tokens": RECOVERY_TOKENS, "temperature": 0},
+        timeout=60,
+    )
     assert status == 200, out
     tokens = out["moe_cluster"]["tokens"]
     assert len(tokens) == RECOVERY_TOKENS, out
@@ -202,20 +230,33 @@ def recovered(url: str, want: list[int]) -> None:
     got = greedy_tokens(url)
     assert got == want, f"after the fault the cluster serves {got}, before it {want}"
     s = http(url, "/v1/cluster/status")[1]
-    assert s["state"] == "ready" and all(n["state"] == "ready" for n in s["nodes"]) and s["queue_depth"] == 0, s
+    assert (
+        s["state"] == "ready"
+        and all(n["state"] == "ready" for n in s["nodes"])
+        and s["queue_depth"] == 0
+    ), s
 
 
 def report(scenario: str, detect: float | None, answer: str, recovery: float | None) -> None:
     fmt = lambda v: "-" if v is None else f"{v:.2f} s"  # noqa: E731
-    print(f"\nRELIABILITY | {scenario} | detect {fmt(detect)} | client {answer} | recovery {fmt(recovery)}")
+    print(
+        f"\nRELIABILITY | {scenario} | detect {fmt(detect)} | client {answer} | recovery {fmt(recovery)}"
+    )
 
 
-def run_together(url: str, bodies: list[dict], on_event: Callable[[int, dict | str], None] | None = None
-                 ) -> tuple[list[Answer], list[threading.Thread]]:
+def run_together(
+    url: str, bodies: list[dict], on_event: Callable[[int, dict | str], None] | None = None
+) -> tuple[list[Answer], list[threading.Thread]]:
     """Start one client thread per body; returns their answers (filled in as they go) and threads."""
     answers = [Answer() for _ in bodies]
-    threads = [threading.Thread(target=post, args=(url, b, a, (lambda e, i=i: on_event(i, e)) if on_event else None),
-                                daemon=True) for i, (b, a) in enumerate(zip(bodies, answers))]
+    threads = [
+        threading.Thread(
+            target=post,
+            args=(url, b, a, (lambda e, i=i: on_event(i, e)) if on_event else None),
+            daemon=True,
+        )
+        for i, (b, a) in enumerate(zip(bodies, answers))
+    ]
     for t in threads:
         t.start()
     return answers, threads
@@ -239,24 +280,46 @@ class Phases:
     waited for before the restore.
     """
 
-    def __init__(self, url: str, name: str, victim: str, kind: str, inject: Callable[[], None],
-                 restore: Callable[[], None] = lambda: None, recover_from: str = "fault", restore_after: str = "detect",
-                 log: list[str] | None = None):
-        assert recover_from == "fault" or restore_after == "detect", "recovery from a restore needs the restore first"
+    def __init__(
+        self,
+        url: str,
+        name: str,
+        victim: str,
+        kind: str,
+        inject: Callable[[], None],
+        restore: Callable[[], None] = lambda: None,
+        recover_from: str = "fault",
+        restore_after: str = "detect",
+        log: list[str] | None = None,
+    ):
+        assert recover_from == "fault" or restore_after == "detect", (
+            "recovery from a restore needs the restore first"
+        )
         self.url, self.name, self.victim, self.kind = url, name, victim, kind
-        self.inject, self.restore, self.recover_from, self.restore_after = inject, restore, recover_from, restore_after
-        self.log = log if log is not None else []  # the coordinator's output lines, shown when recovery fails
+        self.inject, self.restore, self.recover_from, self.restore_after = (
+            inject,
+            restore,
+            recover_from,
+            restore_after,
+        )
+        self.log = (
+            log if log is not None else []
+        )  # the coordinator's output lines, shown when recovery fails
         self.want = greedy_tokens(url)  # before any fault: what every recovery must serve again
 
     def _log_tail(self) -> str:
-        return "\n".join([line for line in self.log if "serve.cluster" in line or "launcher" in line][-12:])
+        return "\n".join(
+            [line for line in self.log if "serve.cluster" in line or "launcher" in line][-12:]
+        )
 
     def _recover(self, phase: str, t0: float, watch: HealthWatch) -> tuple[float, float]:
         """(detect, ready again) in seconds after the fault, restoring on the way."""
         load = os.getloadavg()[0]  # the last minute's: the machine the recovery runs on
         b = bounds(self.kind, load)
         detect = watch.wait_down(b.detect + 1)
-        assert detect is not None and detect <= b.detect, f"{phase}: not detected within {b.detect:.2f} s: {detect}"
+        assert detect is not None and detect <= b.detect, (
+            f"{phase}: not detected within {b.detect:.2f} s: {detect}"
+        )
         if self.restore_after == "detect":
             self.restore()  # idempotent: run() calls it again at the end
         t_restore = time.monotonic() - t0
@@ -265,14 +328,19 @@ class Phases:
             self.restore()
         base = t_restore if self.recover_from == "restore" else 0.0
         if up is not None and self.recover_from == "restore":
-            print(f"RELIABILITY-RESTORE | {self.name}, {phase} | ready {up - t_restore:.2f} s after restore")
-        assert up is not None and up - base <= b.ready, \
+            print(
+                f"RELIABILITY-RESTORE | {self.name}, {phase} | ready {up - t_restore:.2f} s after restore"
+            )
+        assert up is not None and up - base <= b.ready, (
             f"{phase}: not ready again within {b.ready:.2f} s (load {load:.1f}): {up}\n{self._log_tail()}"
+        )
         return detect, up
 
     def _join(self, phase: str, threads: list[threading.Thread], t0: float) -> None:
         for t in threads:
-            t.join(max(0.1, t0 + bounds(self.kind, os.getloadavg()[0]).ready + 60 - time.monotonic()))
+            t.join(
+                max(0.1, t0 + bounds(self.kind, os.getloadavg()[0]).ready + 60 - time.monotonic())
+            )
         assert not any(t.is_alive() for t in threads), f"{phase}: a client is still waiting"
 
     def idle(self) -> None:
@@ -292,8 +360,13 @@ class Phases:
         plain, streamed = answers
         if streamed.first - t0 > 1.5:  # it waited past a keep-alive interval (1 s)
             assert streamed.keepalives >= 1, f"{phase}: a stream that waited got no keep-alive"
-        report(f"{self.name}, {phase}", detect, f"200 at {plain.at - t0:.2f} s, stream's first token at "
-               f"{streamed.first - t0:.2f} s ({streamed.keepalives} keep-alives)", up)
+        report(
+            f"{self.name}, {phase}",
+            detect,
+            f"200 at {plain.at - t0:.2f} s, stream's first token at "
+            f"{streamed.first - t0:.2f} s ({streamed.keepalives} keep-alives)",
+            up,
+        )
         recovered(self.url, self.want)
 
     def prefill(self) -> None:
@@ -306,7 +379,10 @@ class Phases:
         body = {"prompt": prompt, "max_tokens": 8, "stream": True}
         (a,), threads = run_together(self.url, [body])
         deadline = time.monotonic() + 10
-        while http(self.url, "/v1/cluster/status")[1]["queue_depth"] == 0 and time.monotonic() < deadline:
+        while (
+            http(self.url, "/v1/cluster/status")[1]["queue_depth"] == 0
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
         time.sleep(0.3)  # tokenized and sent, into its first chunks
         assert not a.first, "the prompt was prefilled before the fault"
@@ -317,8 +393,12 @@ class Phases:
         detect, up = self._recover(phase, t0, watch)
         self._join(phase, threads, t0)
         check_completed(a, stock_tokens(MODEL_DIR, prompt, 8), phase)
-        report(f"{self.name}, {phase}", detect, f"first token at {a.first - t0:.2f} s, stall "
-               f"{stalls([a])} s", up)
+        report(
+            f"{self.name}, {phase}",
+            detect,
+            f"first token at {a.first - t0:.2f} s, stall {stalls([a])} s",
+            up,
+        )
         recovered(self.url, self.want)
 
     def decode(self) -> None:
@@ -331,7 +411,7 @@ class Phases:
         status, whole = http(self.url, "/v1/completions", {**bodies[0], "stream": False})
         assert status == 200, whole
         text = whole["choices"][0]["text"]
-        stop = text[len(text) * 3 // 4:][:4]  # late in its answer: after the fault lands
+        stop = text[len(text) * 3 // 4 :][:4]  # late in its answer: after the fault lands
         assert stop.strip() and text.index(stop) > len(text) // 2, (text, stop)
         bodies[0] = {**bodies[0], "stop": [stop]}
         before, threads = run_together(self.url, bodies)
@@ -339,8 +419,10 @@ class Phases:
         for b, a in zip(bodies, before):
             check_completed(a, what=f"without the fault: {b['prompt']}")
             if "stop" not in b:
-                assert len(a.tokens()) == DECODE_TOKENS, f"{b['prompt']!r} ends early: pick another prompt"
-        assert before[0].text() == text[:text.index(stop)], (before[0].text(), stop)
+                assert len(a.tokens()) == DECODE_TOKENS, (
+                    f"{b['prompt']!r} ends early: pick another prompt"
+                )
+        assert before[0].text() == text[: text.index(stop)], (before[0].text(), stop)
         seen = [0] * len(bodies)
         going = threading.Event()
 
@@ -364,12 +446,21 @@ class Phases:
         assert answers[0].final["choices"][0]["finish_reason"] == "stop", answers[0].final
         cut = stalls(answers)
         resumed = [a for a in answers if stalls([a])]
-        assert len(resumed) == len(answers), f"{phase}: {len(answers) - len(resumed)} streams not resumed"
-        report(f"{self.name}, {phase}", detect, f"all {len(answers)} complete, tokens as without the "
-               f"fault, last at "
-               f"{max(a.at for a in answers) - t0:.2f} s", up)
-        print(f"RELIABILITY-STALLS | {self.name}, {phase} | {len(cut)} resumed | stalls "
-              f"{', '.join(f'{s:.2f}' for s in sorted(cut))} s")
+        assert len(resumed) == len(answers), (
+            f"{phase}: {len(answers) - len(resumed)} streams not resumed"
+        )
+        report(
+            f"{self.name}, {phase}",
+            detect,
+            f"all {len(answers)} complete, tokens as without the "
+            f"fault, last at "
+            f"{max(a.at for a in answers) - t0:.2f} s",
+            up,
+        )
+        print(
+            f"RELIABILITY-STALLS | {self.name}, {phase} | {len(cut)} resumed | stalls "
+            f"{', '.join(f'{s:.2f}' for s in sorted(cut))} s"
+        )
         recovered(self.url, self.want)
 
     def run(self) -> None:

@@ -48,7 +48,9 @@ def _alive(pid: int) -> bool:
 
 
 def _remove(ns: str) -> None:
-    pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+    pids = subprocess.run(
+        ["ip", "netns", "pids", ns], capture_output=True, text=True
+    ).stdout.split()
     for pid in pids:
         subprocess.run(["kill", "-9", pid], capture_output=True)
     subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -57,7 +59,9 @@ def _remove(ns: str) -> None:
 def _sweep_stale() -> None:
     """Remove the hosts of a test run that was killed before its clean-up: its host-side veth holds
     SUBNET.1 and its route, which would send this run's traffic into a dead bridge."""
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split(
+        "\n"
+    )
     stale = set()
     for line in listed:
         m = re.match(r"(mc(\d+))(br|\d+)\b", line)
@@ -93,7 +97,18 @@ def hosts(names: list[str]):
             ns = f"{tag}{i}"
             _ip("netns", "add", ns)
             made.append(ns)
-            _ip("link", "add", f"{tag}v{i}", "type", "veth", "peer", "name", f"p{i}", "netns", bridge)
+            _ip(
+                "link",
+                "add",
+                f"{tag}v{i}",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"p{i}",
+                "netns",
+                bridge,
+            )
             _ip("link", "set", f"{tag}v{i}", "netns", ns)
             _ip("link", "set", f"{tag}v{i}", "name", "eth0", ns=ns)
             ip = f"{SUBNET}.{10 + i}"

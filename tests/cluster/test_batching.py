@@ -17,12 +17,15 @@ import pytest
 from cluster_fixture import cluster, http, yaml_for
 
 CHUNK = 32  # prefill chunk and per-step prefill budget: the long prompt below takes ~40 steps
-YAML = yaml_for(2, extra=f"""serving:
+YAML = yaml_for(
+    2,
+    extra=f"""serving:
   prefill_chunk: {CHUNK}
   prefill_budget: {CHUNK}
   max_batch: 8
   queue: 64
-""")
+""",
+)
 PROMPTS = [
     "To be, or not to be, that is the question:",
     "Friends, Romans, countrymen, lend me your ears;",
@@ -41,7 +44,9 @@ def api(tmp_path_factory):
         yield url
 
 
-async def _run(session: aiohttp.ClientSession, url: str, body: dict, log: list | None = None) -> dict:
+async def _run(
+    session: aiohttp.ClientSession, url: str, body: dict, log: list | None = None
+) -> dict:
     """One completion; streamed ones note when each piece came. -> {"tokens", "text", "times", "status"}."""
     stream = body.get("stream", False)
     async with session.post(url + "/v1/completions", json=body) as r:
@@ -49,8 +54,12 @@ async def _run(session: aiohttp.ClientSession, url: str, body: dict, log: list |
             out = await r.json()
             if r.status != 200:
                 return {"status": r.status, "body": out}
-            return {"status": 200, "tokens": out["moe_cluster"]["tokens"], "text": out["choices"][0]["text"],
-                    "done": time.monotonic()}
+            return {
+                "status": 200,
+                "tokens": out["moe_cluster"]["tokens"],
+                "text": out["choices"][0]["text"],
+                "done": time.monotonic(),
+            }
         times, tokens, error = [], None, None
         async for line in r.content:
             if not line.startswith(b"data: {"):
@@ -64,7 +73,13 @@ async def _run(session: aiohttp.ClientSession, url: str, body: dict, log: list |
                 log.append(times[-1])
             if "moe_cluster" in event:
                 tokens = event["moe_cluster"]["tokens"]
-        return {"status": r.status, "tokens": tokens, "times": times, "error": error, "done": time.monotonic()}
+        return {
+            "status": r.status,
+            "tokens": tokens,
+            "times": times,
+            "error": error,
+            "done": time.monotonic(),
+        }
 
 
 def _together(url: str, bodies: list[dict]) -> list[dict]:
@@ -82,8 +97,10 @@ def _alone(url: str, body: dict) -> list[int]:
 
 
 def test_eight_concurrent_requests_get_the_tokens_they_get_alone(api):
-    bodies = [{"prompt": p, "max_tokens": 24 + 4 * i, "temperature": 0, "stream": i % 2 == 0}
-              for i, p in enumerate(PROMPTS)]
+    bodies = [
+        {"prompt": p, "max_tokens": 24 + 4 * i, "temperature": 0, "stream": i % 2 == 0}
+        for i, p in enumerate(PROMPTS)
+    ]
     greedy3 = bodies[3]
     bodies[3] = {**bodies[3], "temperature": 0.9, "top_p": 0.9, "seed": 11}  # seeded sampling too
     alone = [_alone(api, b) for b in bodies]
@@ -103,7 +120,9 @@ def test_requests_join_and_leave_mid_batch(api):
     runner = {"prompt": PROMPTS[0], "max_tokens": 64, "temperature": 0, "stream": True}
     joiner = {"prompt": PROMPTS[5], "max_tokens": 16, "temperature": 0}
     want_runner, want_joiner = _alone(api, runner), _alone(api, joiner)
-    status, full = http(api, "/v1/completions", {"prompt": PROMPTS[6], "max_tokens": 48, "temperature": 0})
+    status, full = http(
+        api, "/v1/completions", {"prompt": PROMPTS[6], "max_tokens": 48, "temperature": 0}
+    )
     assert status == 200, full
     text = full["choices"][0]["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 3]  # somewhere in the middle of its answer
@@ -114,7 +133,9 @@ def test_requests_join_and_leave_mid_batch(api):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
             first = asyncio.create_task(_run(session, api, runner))
             stopped = asyncio.create_task(session.post(api + "/v1/completions", json=stopper))
-            leaver = await session.post(api + "/v1/completions", json={**runner, "prompt": PROMPTS[1], "max_tokens": 2000})
+            leaver = await session.post(
+                api + "/v1/completions", json={**runner, "prompt": PROMPTS[1], "max_tokens": 2000}
+            )
             await leaver.content.readline()  # it streams...
             await asyncio.sleep(0.5)
             leaver.close()  # ...and its client goes away mid-batch
@@ -131,14 +152,20 @@ def test_requests_join_and_leave_mid_batch(api):
             return await first, joined, freed, cut
 
     first, joined, freed, cut = asyncio.run(main())
-    assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.index(stop)], (cut, stop, text)
+    assert cut["finish_reason"] == "stop" and cut["text"] == text[: text.index(stop)], (
+        cut,
+        stop,
+        text,
+    )
     assert first["tokens"] == want_runner
     assert joined["tokens"] == want_joiner
     # freed within a few dozen of the batch's steps (the runner's mean time per token, which a
     # loaded machine stretches alike; its events come in bursts, so not the gap between two),
     # where a slot never freed would run its 2,000 tokens
     step = (first["times"][-1] - first["times"][0]) / (len(first["times"]) - 1)
-    assert freed < 40 * step, f"the slot of a client that left was freed after {freed:.2f} s ({freed / step:.0f} steps)"
+    assert freed < 40 * step, (
+        f"the slot of a client that left was freed after {freed:.2f} s ({freed / step:.0f} steps)"
+    )
 
 
 def test_a_long_prompt_joins_while_others_stream_within_the_step_budget(api):
@@ -176,7 +203,10 @@ def test_a_node_killed_mid_batch_without_resumes_fails_every_request_with_503(tm
 
 def _kill_mid_batch(api: str) -> None:
     victim = http(api, "/v1/cluster/status")[1]["nodes"][1]
-    bodies = [{"prompt": p, "max_tokens": 3000, "temperature": 0, "stream": i % 2 == 1} for i, p in enumerate(PROMPTS[:4])]
+    bodies = [
+        {"prompt": p, "max_tokens": 3000, "temperature": 0, "stream": i % 2 == 1}
+        for i, p in enumerate(PROMPTS[:4])
+    ]
 
     async def main():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
@@ -192,6 +222,8 @@ def _kill_mid_batch(api: str) -> None:
     assert time.monotonic() - t0 < 60
     for b, r in zip(bodies, results):
         if b["stream"]:  # the stream had started (200): its last event is the error
-            assert r["error"] and r["error"]["type"] == "service_unavailable", r  # the 503 of a lost node
+            assert r["error"] and r["error"]["type"] == "service_unavailable", (
+                r
+            )  # the 503 of a lost node
         else:
             assert r["status"] == 503, r

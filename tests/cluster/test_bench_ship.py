@@ -30,9 +30,13 @@ def test_loopback_reports_every_field_and_a_small_coordinator():
     runs = out["rounds"]
     assert len(runs["ship_seconds"]) == 3 and len(runs["raw_tcp_seconds"]) == 4
     assert out["seconds"] == sorted(runs["ship_seconds"])[1]
-    assert out["raw_tcp_bytes_per_s"] == pytest.approx(out["bytes"] / statistics.median(runs["raw_tcp_seconds"]))
+    assert out["raw_tcp_bytes_per_s"] == pytest.approx(
+        out["bytes"] / statistics.median(runs["raw_tcp_seconds"])
+    )
     assert out["ratio"] == pytest.approx(out["rate_bytes_per_s"] / out["raw_tcp_bytes_per_s"])
-    assert out["first_ship_ratio"] == pytest.approx(out["bytes"] / out["first_ship_seconds"] / out["raw_tcp_bytes_per_s"])
+    assert out["first_ship_ratio"] == pytest.approx(
+        out["bytes"] / out["first_ship_seconds"] / out["raw_tcp_bytes_per_s"]
+    )
     # the first ship hashed every blob once; the second reused those digests
     assert out["coordinator_hashed_bytes"] == 64 * MB
     # the kernel sends the bytes, and hashing reads a piece at a time: the coordinator's Python
@@ -41,7 +45,9 @@ def test_loopback_reports_every_field_and_a_small_coordinator():
 
 
 def _namespaces() -> set[str]:
-    return set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split())
+    return set(
+        subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    )
 
 
 @pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
@@ -49,7 +55,9 @@ def test_a_shaped_link_bounds_raw_tcp_and_leaves_nothing_behind():
     before = _namespaces()
     out = _run("--link", "1gbit")
     assert out["link"] == "1gbit" and out["netns"].startswith("mcs")
-    assert 0 < out["raw_tcp_bytes_per_s"] <= 125 * MB * 1.15  # 1 Gbit/s, and the token bucket's burst
+    assert (
+        0 < out["raw_tcp_bytes_per_s"] <= 125 * MB * 1.15
+    )  # 1 Gbit/s, and the token bucket's burst
     assert 0 < out["ratio"] <= 1.3
     assert _namespaces() <= before  # its namespace (and veth) are gone
 

@@ -45,15 +45,33 @@ def agents(tmp_path_factory):
     logs = tmp_path_factory.mktemp("agents")
     ports = free_ports(2)
     env = dict(os.environ, MOE_CLUSTER_SECRET=SECRET, PYTHONUNBUFFERED="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "moe_cluster.coordinator.cli", "node", "--name", f"n{i}",
-                               "--host", "127.0.0.1", "--port", str(port), "--no-mdns"],
-                              stdout=open(logs / f"n{i}.log", "w"), stderr=subprocess.STDOUT, env=env)
-             for i, port in enumerate(ports)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "moe_cluster.coordinator.cli",
+                "node",
+                "--name",
+                f"n{i}",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--no-mdns",
+            ],
+            stdout=open(logs / f"n{i}.log", "w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+        for i, port in enumerate(ports)
+    ]
     try:
         deadline = time.monotonic() + 60
         while not all("ready on port" in (logs / f"n{i}.log").read_text() for i in range(2)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
-                [(logs / f"n{i}.log").read_text() for i in range(2)]
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), [
+                (logs / f"n{i}.log").read_text() for i in range(2)
+            ]
             time.sleep(0.2)
         yield ports
     finally:
@@ -62,25 +80,56 @@ def agents(tmp_path_factory):
             p.wait(timeout=10)
 
 
-STRUCTURES = ["mixtral", "qwen2_moe", "deepseek_v3", "dbrx", "nemotron_h", "gpt_oss", "gemma4", "jamba"]
+STRUCTURES = [
+    "mixtral",
+    "qwen2_moe",
+    "deepseek_v3",
+    "dbrx",
+    "nemotron_h",
+    "gpt_oss",
+    "gemma4",
+    "jamba",
+]
 FAMILIES = ["hunyuan", "longcat_flash", "kimi_linear", "llama4"] + STRUCTURES
 
 
 def test_the_families_exist_in_mlx_lm():
-    assert not set(FAMILIES) - set(tiny.families()), "a family named here is gone from mlx-lm: update the lists"
+    assert not set(FAMILIES) - set(tiny.families()), (
+        "a family named here is gone from mlx-lm: update the lists"
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_up_serves_stock_tokens(family, agents, tmp_path):
     if tiny.needs_metal(family):
-        pytest.skip(f"{family} calls mlx-lm's Metal-only kernels (refused off Metal: tests/families/test_commands.py)")
-    _serve_stock_tokens(tiny.make_checkpoint(family, tmp_path / family, tokenizer=True), agents, tmp_path)
+        pytest.skip(
+            f"{family} calls mlx-lm's Metal-only kernels (refused off Metal: tests/families/test_commands.py)"
+        )
+    _serve_stock_tokens(
+        tiny.make_checkpoint(family, tmp_path / family, tokenizer=True), agents, tmp_path
+    )
 
 
 # Families the structure probe refused on configs other than tiny.py's (float32 rounding judged
 # with an absolute tolerance): served here on a drawn config each (tests/families/drawn.py).
-DRAWN = [f for f in ("qwen2_moe", "deepseek", "deepseek_v41", "glm4_moe", "ernie4_5_moe", "hunyuan", "llama4",
-                     "afmoe", "step3p5", "nemotron_h", "Klear", "laguna") if f in tiny.families()]
+DRAWN = [
+    f
+    for f in (
+        "qwen2_moe",
+        "deepseek",
+        "deepseek_v41",
+        "glm4_moe",
+        "ernie4_5_moe",
+        "hunyuan",
+        "llama4",
+        "afmoe",
+        "step3p5",
+        "nemotron_h",
+        "Klear",
+        "laguna",
+    )
+    if f in tiny.families()
+]
 
 
 @pytest.mark.parametrize("family", DRAWN)
@@ -88,8 +137,9 @@ def test_up_serves_stock_tokens_on_a_drawn_config(family, agents, tmp_path):
     d = drawn.draw(family, 0)
     if tiny.needs_metal(family):
         pytest.skip(f"{family} calls mlx-lm's Metal-only kernels")
-    path = tiny.make_checkpoint(family, tmp_path / family, tokenizer=True, quantize=d.quantize,
-                                cfg=drawn.config(family, d))
+    path = tiny.make_checkpoint(
+        family, tmp_path / family, tokenizer=True, quantize=d.quantize, cfg=drawn.config(family, d)
+    )
     _serve_stock_tokens(path, agents, tmp_path)
 
 
@@ -99,8 +149,10 @@ def _serve_stock_tokens(path, agents, tmp_path):
     from moe_cluster.common.ports import free_ports
 
     envoys = free_ports(2)
-    nodes = "\n".join(f"  - name: n{i}\n    address: 127.0.0.1:{port}\n    envoy_port: {envoys[i]}"
-                      for i, port in enumerate(agents))
+    nodes = "\n".join(
+        f"  - name: n{i}\n    address: 127.0.0.1:{port}\n    envoy_port: {envoys[i]}"
+        for i, port in enumerate(agents)
+    )
     yaml_text = f"name: every-family\nmodel: {path}\nlaunch: remote\nnodes:\n{nodes}\ntimeouts:\n  collective: 5s\n"
     with cluster(tmp_path, yaml_text, env={"MOE_CLUSTER_SECRET": SECRET}) as (url, proc, lines):
         client = OpenAI(base_url=f"{url}/v1", api_key="none")

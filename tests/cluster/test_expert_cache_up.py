@@ -22,6 +22,7 @@ TOKENS = 10
 def _settled(url: str) -> dict:
     """The nodes' status once the request's counters have reached it (the coordinator refreshes a
     node's status in the background after each request): two reads 0.3 s apart that agree."""
+
     def read():
         return {n["name"]: n for n in http(url, "/v1/cluster/status")[1]["nodes"]}
 
@@ -30,7 +31,8 @@ def _settled(url: str) -> dict:
         time.sleep(0.3)
         now = read()
         if now["node-1"]["expert_cache"] == last["node-1"]["expert_cache"] and any(
-                c["hits"] + c["misses"] for c in now["node-1"]["expert_cache"]):
+            c["hits"] + c["misses"] for c in now["node-1"]["expert_cache"]
+        ):
             return now
         last = now
     raise AssertionError("node-1's expert cache counters did not settle")
@@ -42,19 +44,30 @@ def test_a_node_short_of_memory_is_served_with_stock_tokens(tmp_path):
 
     path = tiny.make_checkpoint("qwen3_moe", tmp_path / "model", tokenizer=True)
     fp = expert_bytes(Checkpoint.open(path))
-    share = sum(n // 2 * fp.per_expert[l] for l, n in fp.num_experts.items())  # an even split's half
+    share = sum(
+        n // 2 * fp.per_expert[l] for l, n in fp.num_experts.items()
+    )  # an even split's half
     small = fp.replicated + share // 4  # room for a quarter of its share
-    config = yaml_for(2, str(path), extra="""placement:
+    config = (
+        yaml_for(
+            2,
+            str(path),
+            extra="""placement:
   strategy: even
   memory_fraction: 1.0
   kv_reserve: 0
   expert_cache: auto
 serving:
   prompt_cache: 0
-""").replace("  - name: node-0", "  - name: node-0\n    memory: 1GB").replace(
-        "  - name: node-1", f"  - name: node-1\n    memory: {small}")
+""",
+        )
+        .replace("  - name: node-0", "  - name: node-0\n    memory: 1GB")
+        .replace("  - name: node-1", f"  - name: node-1\n    memory: {small}")
+    )
     with cluster(tmp_path, config) as (url, proc, lines):
-        status, body = http(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0})
+        status, body = http(
+            url, "/v1/completions", {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
+        )
         assert status == 200, body
         nodes = _settled(url)
         metrics = http(url, "/metrics")[1]
@@ -74,16 +87,32 @@ serving:
     from conftest import cli
 
     (tmp_path / "prompts.txt").write_text(PROMPT + "\n")
-    r = cli("profile", "--model", str(path), "--prompts", str(tmp_path / "prompts.txt"), "--out",
-            str(tmp_path / "profile.json"), "--max-tokens", str(TOKENS))
+    r = cli(
+        "profile",
+        "--model",
+        str(path),
+        "--prompts",
+        str(tmp_path / "prompts.txt"),
+        "--out",
+        str(tmp_path / "profile.json"),
+        "--max-tokens",
+        str(TOKENS),
+    )
     assert r.returncode == 0, r.stderr
-    profiled = config.replace("  expert_cache: auto", "  expert_cache: auto\n  profile: profile.json")
+    profiled = config.replace(
+        "  expert_cache: auto", "  expert_cache: auto\n  profile: profile.json"
+    )
     with cluster(tmp_path, profiled) as (url, proc, lines):
-        status, again = http(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0})
+        status, again = http(
+            url, "/v1/completions", {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
+        )
         pinned = _settled(url)["node-1"]["expert_cache"]
         metrics = http(url, "/metrics")[1]
     assert status == 200 and again["moe_cluster"]["tokens"] == body["moe_cluster"]["tokens"]
-    assert any(line.startswith("placement: node-1 holds") and "the routing profile" in line for line in lines), lines
+    assert any(
+        line.startswith("placement: node-1 holds") and "the routing profile" in line
+        for line in lines
+    ), lines
     assert sum(c["misses"] for c in pinned) < sum(c["misses"] for c in cache), (pinned, cache)
     # the prefetch reports what it read: auto reads only experts most profiled tokens select, none
     # on this tiny model's flat routing (tests/integration/test_expert_cache.py drives the reads)

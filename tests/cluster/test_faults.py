@@ -30,7 +30,9 @@ def _envoy_of(agent_pid: int) -> int:
     children = []
     for task in Path(f"/proc/{agent_pid}/task").iterdir():
         children += (task / "children").read_text().split()
-    envoys = [int(p) for p in children if b"moe_cluster.envoy" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    envoys = [
+        int(p) for p in children if b"moe_cluster.envoy" in Path(f"/proc/{p}/cmdline").read_bytes()
+    ]
     assert len(envoys) == 1, f"envoy children of {agent_pid}: {envoys}"
     return envoys[0]
 
@@ -63,25 +65,64 @@ def test_a_node_whose_link_goes_down_and_up_rejoins(tmp_path):
             for name in ("n1", "n2"):
                 ns, _ = h[name]
                 log = open(tmp_path / f"{name}.log", "w")
-                agents.append(subprocess.Popen(
-                    ["ip", "netns", "exec", ns, sys.executable, "-m", "moe_cluster.coordinator.cli", "node",
-                     "--name", name, "--host", "0.0.0.0", "--port", "7700", "--no-mdns"],
-                    stdout=log, stderr=subprocess.STDOUT, env=env))
+                agents.append(
+                    subprocess.Popen(
+                        [
+                            "ip",
+                            "netns",
+                            "exec",
+                            ns,
+                            sys.executable,
+                            "-m",
+                            "moe_cluster.coordinator.cli",
+                            "node",
+                            "--name",
+                            name,
+                            "--host",
+                            "0.0.0.0",
+                            "--port",
+                            "7700",
+                            "--no-mdns",
+                        ],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        env=env,
+                    )
+                )
             for name in ("n1", "n2"):  # as a user would: the agents run before `up` looks for them
                 deadline = time.monotonic() + 60
-                while "ready on port" not in (tmp_path / f"{name}.log").read_text() and time.monotonic() < deadline:
+                while (
+                    "ready on port" not in (tmp_path / f"{name}.log").read_text()
+                    and time.monotonic() < deadline
+                ):
                     time.sleep(0.1)
             nodes = "".join(f"  - name: {n}\n    address: {h[n][1]}:7700\n" for n in ("n1", "n2"))
-            yaml_text = (f"name: lab\nmodel: demo\nlaunch: remote\nnodes:\n{nodes}"
-                         f"timeouts:\n  collective: 3s\n  heartbeat: 0.5s\n  discovery: 30s\n{FAST_YAML}")
+            yaml_text = (
+                f"name: lab\nmodel: demo\nlaunch: remote\nnodes:\n{nodes}"
+                f"timeouts:\n  collective: 3s\n  heartbeat: 0.5s\n  discovery: 30s\n{FAST_YAML}"
+            )
             ns2 = h["n2"][0]
 
             def link(state: str):
-                subprocess.run(["ip", "netns", "exec", ns2, "ip", "link", "set", "eth0", state], check=True)
+                subprocess.run(
+                    ["ip", "netns", "exec", ns2, "ip", "link", "set", "eth0", state], check=True
+                )
 
-            with cluster(tmp_path, yaml_text, env={"MOE_CLUSTER_SECRET": secret}) as (url, _, lines):
-                Phases(url, "n2's link down (up once detected)", "n2", "link down", lambda: link("down"),
-                       lambda: link("up"), recover_from="restore", log=lines).run()
+            with cluster(tmp_path, yaml_text, env={"MOE_CLUSTER_SECRET": secret}) as (
+                url,
+                _,
+                lines,
+            ):
+                Phases(
+                    url,
+                    "n2's link down (up once detected)",
+                    "n2",
+                    "link down",
+                    lambda: link("down"),
+                    lambda: link("up"),
+                    recover_from="restore",
+                    log=lines,
+                ).run()
         finally:
             netns.stop(*agents)
 
@@ -93,7 +134,11 @@ def local(tmp_path_factory):
     2 vCPUs); yields (url, the coordinator's output lines so far)."""
     from moe_cluster.node.demo import MODEL_DIR
 
-    with cluster(tmp_path_factory.mktemp("faults"), yaml_for(2, extra=FAST_YAML)) as (url, proc, lines):
+    with cluster(tmp_path_factory.mktemp("faults"), yaml_for(2, extra=FAST_YAML)) as (
+        url,
+        proc,
+        lines,
+    ):
         want = greedy_tokens(url)
         assert want == stock_tokens(MODEL_DIR, SENTENCE, RECOVERY_TOKENS)
         yield url, lines, want
@@ -125,10 +170,18 @@ def test_a_killed_envoy_is_a_lost_node_then_the_cluster_rebuilds_itself(ready):
     url, lines = ready
     before = len(lines)  # the cause must be logged for this fault, not an earlier one
     agent = _victim(url)["pid"]
-    Phases(url, "node-1's envoy SIGKILLed", "node-1", "envoy killed", lambda: os.kill(_envoy_of(agent), signal.SIGKILL),
-           log=lines).run()
+    Phases(
+        url,
+        "node-1's envoy SIGKILLed",
+        "node-1",
+        "envoy killed",
+        lambda: os.kill(_envoy_of(agent), signal.SIGKILL),
+        log=lines,
+    ).run()
     assert _victim(url)["pid"] == agent, "an envoy's death needs no new node process"
-    assert any("node-1" in line and "envoy" in line for line in lines[before:]), "the coordinator logs the cause"
+    assert any("node-1" in line and "envoy" in line for line in lines[before:]), (
+        "the coordinator logs the cause"
+    )
 
 
 def test_a_stalled_node_is_restarted_and_its_late_continue_changes_nothing(ready):
@@ -149,8 +202,16 @@ def test_a_stalled_node_is_restarted_and_its_late_continue_changes_nothing(ready
             except ProcessLookupError:
                 pass
 
-    Phases(url, "node-1 SIGSTOPped (SIGCONT once ready again)", "node-1", "node stopped", inject, restore,
-           restore_after="ready", log=lines).run()
+    Phases(
+        url,
+        "node-1 SIGSTOPped (SIGCONT once ready again)",
+        "node-1",
+        "node stopped",
+        inject,
+        restore,
+        restore_after="ready",
+        log=lines,
+    ).run()
     assert not any(_alive(p) for p in stopped), f"stopped nodes left behind: {stopped}"
 
 
@@ -160,5 +221,11 @@ def test_a_node_killed_while_eight_streams_decode_on_three_nodes(tmp_path):
     every stream resumes with the tokens it gets without the fault."""
     with cluster(tmp_path, yaml_for(3, extra=FAST_YAML)) as (url, proc, lines):
         victim = _victim(url)
-        Phases(url, "node-1 of 3 SIGKILLed", victim["name"], "node killed",
-               lambda: os.kill(victim["pid"], signal.SIGKILL), log=lines).decode()
+        Phases(
+            url,
+            "node-1 of 3 SIGKILLed",
+            victim["name"],
+            "node killed",
+            lambda: os.kill(victim["pid"], signal.SIGKILL),
+            log=lines,
+        ).decode()

@@ -22,8 +22,10 @@ LAYER = 2
 SWAPPED = [(8, 9), (10, 11), (12, 13), (14, 15)]  # rank 1's experts under an even split of 16
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                    reason="needs root and unshare for a private mount namespace")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="needs root and unshare for a private mount namespace",
+)
 def test_a_node_with_swapped_experts_stops_up_naming_the_layer(tmp_path):
     import mlx.core as mx
 
@@ -45,18 +47,46 @@ def test_a_node_with_swapped_experts_stops_up_naming_the_layer(tmp_path):
     secret = "load-check-secret"
     env = dict(os.environ, MOE_CLUSTER_SECRET=secret, PYTHONUNBUFFERED="1")
     agent_ports, envoy_ports = free_ports(2), free_ports(2)
-    node = [sys.executable, "-m", "moe_cluster.coordinator.cli", "node", "--host", "127.0.0.1", "--no-mdns"]
+    node = [
+        sys.executable,
+        "-m",
+        "moe_cluster.coordinator.cli",
+        "node",
+        "--host",
+        "127.0.0.1",
+        "--no-mdns",
+    ]
     good = node + ["--name", "n0", "--port", str(agent_ports[0])]
-    wrong = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-             f'mount --bind "{bad}" "{ckpt}/model.safetensors" && exec "$@"', "sh",
-             *node, "--name", "n1", "--port", str(agent_ports[1])]
-    agents = [subprocess.Popen(cmd, stdout=open(tmp_path / f"n{i}.log", "w"), stderr=subprocess.STDOUT, env=env)
-              for i, cmd in enumerate((good, wrong))]
+    wrong = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        f'mount --bind "{bad}" "{ckpt}/model.safetensors" && exec "$@"',
+        "sh",
+        *node,
+        "--name",
+        "n1",
+        "--port",
+        str(agent_ports[1]),
+    ]
+    agents = [
+        subprocess.Popen(
+            cmd, stdout=open(tmp_path / f"n{i}.log", "w"), stderr=subprocess.STDOUT, env=env
+        )
+        for i, cmd in enumerate((good, wrong))
+    ]
     try:
         deadline = time.monotonic() + 60
         while not all("ready on port" in (tmp_path / f"n{i}.log").read_text() for i in range(2)):
-            assert time.monotonic() < deadline, [(tmp_path / f"n{i}.log").read_text() for i in range(2)]
-            assert all(a.poll() is None for a in agents), [(tmp_path / f"n{i}.log").read_text() for i in range(2)]
+            assert time.monotonic() < deadline, [
+                (tmp_path / f"n{i}.log").read_text() for i in range(2)
+            ]
+            assert all(a.poll() is None for a in agents), [
+                (tmp_path / f"n{i}.log").read_text() for i in range(2)
+            ]
             time.sleep(0.2)
         cfg = tmp_path / "cluster.yaml"
         cfg.write_text(f"""name: check
@@ -72,12 +102,28 @@ nodes:
 timeouts:
   collective: 3s
 """)
-        r = subprocess.run([sys.executable, "-m", "moe_cluster.coordinator.cli", "up", str(cfg), "--api-port", "0"],
-                           capture_output=True, text=True, timeout=180, env=env)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "moe_cluster.coordinator.cli",
+                "up",
+                str(cfg),
+                "--api-port",
+                "0",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+        )
     finally:
         for a in agents:
             a.kill()
             a.wait(timeout=10)
     assert r.returncode == 2, r.stderr
     errors = [line for line in r.stderr.splitlines() if "error" in line]
-    assert len(errors) == 1 and f"load check failed at layer {LAYER} (model.layers.{LAYER}.mlp)" in errors[0], r.stderr
+    assert (
+        len(errors) == 1
+        and f"load check failed at layer {LAYER} (model.layers.{LAYER}.mlp)" in errors[0]
+    ), r.stderr

@@ -34,11 +34,25 @@ def test_only_rank_0_streams_and_a_stop_sequence_ends_the_request_on_every_node(
             clients = [NodeClient(n["name"], n["address"], SECRET) for n in nodes]
 
             async def one(c, quiet):
-                return [e async for e in c.generate(GenerateRequest(req.request_id, req.prompt, req.sampling,
-                                                                    stop_sequences=req.stop_sequences,
-                                                                    seq=req.seq, quiet=quiet), timeout=60)]
+                return [
+                    e
+                    async for e in c.generate(
+                        GenerateRequest(
+                            req.request_id,
+                            req.prompt,
+                            req.sampling,
+                            stop_sequences=req.stop_sequences,
+                            seq=req.seq,
+                            quiet=quiet,
+                        ),
+                        timeout=60,
+                    )
+                ]
+
             try:
-                return await asyncio.gather(*(one(c, n["rank"] != 0) for c, n in zip(clients, nodes)))
+                return await asyncio.gather(
+                    *(one(c, n["rank"] != 0) for c, n in zip(clients, nodes))
+                )
             finally:
                 for c in clients:
                     await c.close()
@@ -50,13 +64,20 @@ def test_only_rank_0_streams_and_a_stop_sequence_ends_the_request_on_every_node(
             (d,) = [e for e in events if isinstance(e, GenerateDone)]
             return d
 
-        full = asyncio.run(run(GenerateRequest("direct-1", prompt, Sampling(max_tokens=12), seq=10_001)))
+        full = asyncio.run(
+            run(GenerateRequest("direct-1", prompt, Sampling(max_tokens=12), seq=10_001))
+        )
         assert tokens(full[0]) == greedy and tokens(full[1]) == []
         assert done(full[0]).generated_tokens == done(full[1]).generated_tokens == 12
         # a stop sequence: tokens 4 and 5 of the greedy output; both nodes end the request there
         stop = (greedy[4], greedy[5])
-        cut = asyncio.run(run(GenerateRequest("direct-2", prompt, Sampling(max_tokens=12), seq=10_002,
-                                              stop_sequences=(stop,))))
+        cut = asyncio.run(
+            run(
+                GenerateRequest(
+                    "direct-2", prompt, Sampling(max_tokens=12), seq=10_002, stop_sequences=(stop,)
+                )
+            )
+        )
         assert tokens(cut[0]) == greedy[:6] and tokens(cut[1]) == []
         assert [done(e).finish_reason for e in cut] == ["stop", "stop"]
         assert [done(e).generated_tokens for e in cut] == [6, 6]
@@ -64,6 +85,8 @@ def test_only_rank_0_streams_and_a_stop_sequence_ends_the_request_on_every_node(
         # through the API: the stop string's text is cut and the reason is stop
         text = tok.decode(greedy)
         stop_text = tok.decode(greedy[6:8])
-        status, out = http(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "stop": [stop_text]})
+        status, out = http(
+            url, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "stop": [stop_text]}
+        )
         assert status == 200 and out["choices"][0]["finish_reason"] == "stop", out
         assert out["choices"][0]["text"] == text[: text.index(stop_text)], out

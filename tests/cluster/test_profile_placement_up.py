@@ -19,13 +19,27 @@ def test_profile_placement_copies_hot_experts_to_every_node(tmp_path):
 
     path = Checkpoint.open("demo").path
     (tmp_path / "prompts.txt").write_text(PROMPT + "\nShall I compare thee to a summer's day?\n")
-    r = cli("profile", "--model", "demo", "--prompts", str(tmp_path / "prompts.txt"), "--out",
-            str(tmp_path / "profile.json"), "--max-tokens", "16")
+    r = cli(
+        "profile",
+        "--model",
+        "demo",
+        "--prompts",
+        str(tmp_path / "prompts.txt"),
+        "--out",
+        str(tmp_path / "profile.json"),
+        "--max-tokens",
+        "16",
+    )
     assert r.returncode == 0, r.stderr
     fp = expert_bytes(Checkpoint.open(path))
     per_set = sum(fp.per_expert.values())  # one expert of every MoE layer
-    memory = fp.replicated + 8 * per_set  # 16 experts over 3 nodes: 5-6 each, and room for 2-3 copies
-    config = yaml_for(3, "demo", extra="""placement:
+    memory = (
+        fp.replicated + 8 * per_set
+    )  # 16 experts over 3 nodes: 5-6 each, and room for 2-3 copies
+    config = yaml_for(
+        3,
+        "demo",
+        extra="""placement:
   strategy: profile
   profile: profile.json
   memory_fraction: 1.0
@@ -33,11 +47,16 @@ def test_profile_placement_copies_hot_experts_to_every_node(tmp_path):
   replicate: true
 serving:
   prompt_cache: 0
-""")
+""",
+    )
     for i in range(3):
-        config = config.replace(f"  - name: node-{i}\n", f"  - name: node-{i}\n    memory: {memory}\n")
+        config = config.replace(
+            f"  - name: node-{i}\n", f"  - name: node-{i}\n    memory: {memory}\n"
+        )
     with cluster(tmp_path, config) as (url, proc, lines):
-        status, body = http(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0})
+        status, body = http(
+            url, "/v1/completions", {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
+        )
         experts = http(url, "/v1/cluster/experts")[1]
     assert status == 200, body
     assert body["moe_cluster"]["tokens"] == stock_tokens(path, PROMPT, TOKENS)
@@ -48,4 +67,7 @@ serving:
     for layer in experts["layers"]:
         counts = profile[str(layer["layer"])]["counts"]
         hot = max(range(len(counts)), key=lambda e: (counts[e], -e))
-        assert len(layer["holders"][hot]) == 3, (layer, counts)  # the profile's hottest is everywhere
+        assert len(layer["holders"][hot]) == 3, (
+            layer,
+            counts,
+        )  # the profile's hottest is everywhere

@@ -21,7 +21,9 @@ TOKENS = 8
 def _serve(tmp_path, path, env, extra: str = "") -> tuple[list[str], dict, str, list[int]]:
     tmp_path.mkdir()
     with cluster(tmp_path, yaml_for(2, str(path), extra=extra), env=env) as (url, proc, lines):
-        status, body = http(url, "/v1/completions", {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0})
+        status, body = http(
+            url, "/v1/completions", {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
+        )
         assert status == 200, body
         nodes = {n["name"]: n for n in http(url, "/v1/cluster/status")[1]["nodes"]}
         metrics = http(url, "/metrics")[1]
@@ -29,7 +31,9 @@ def _serve(tmp_path, path, env, extra: str = "") -> tuple[list[str], dict, str, 
 
 
 def test_up_prints_each_nodes_measured_route_and_honours_a_forced_one(tmp_path):
-    path = tiny.make_checkpoint("qwen3_moe", tmp_path / "model", tokenizer=True)  # float32: device and host
+    path = tiny.make_checkpoint(
+        "qwen3_moe", tmp_path / "model", tokenizer=True
+    )  # float32: device and host
     want = stock_tokens(path, PROMPT, TOKENS)
 
     lines, nodes, metrics, tokens = _serve(tmp_path / "measured", path, {"MOE_CLUSTER_ROUTE": ""})
@@ -50,7 +54,9 @@ def test_up_prints_each_nodes_measured_route_and_honours_a_forced_one(tmp_path):
     assert {n["route"] for n in nodes.values()} == {"host"}
 
     # cluster.yaml's route forces it too, over what a node's environment says
-    lines, nodes, _, tokens = _serve(tmp_path / "yaml", path, {"MOE_CLUSTER_ROUTE": "host"}, extra="route: device\n")
+    lines, nodes, _, tokens = _serve(
+        tmp_path / "yaml", path, {"MOE_CLUSTER_ROUTE": "host"}, extra="route: device\n"
+    )
     assert tokens == want
     assert "decode route: node-0 device; node-1 device" in lines
     assert {n["route"] for n in nodes.values()} == {"device"}

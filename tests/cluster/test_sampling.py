@@ -25,7 +25,9 @@ PROMPT = "Once upon a time there was"  # the demo model's next token is spread: 
 DRAWS = 300
 ALPHA = 1e-3
 CASES = [(0.7, 1.0), (0.8, 0.6)]  # (temperature, top_p)
-MIN_EXPECTED = 5  # tokens expected fewer times than this are pooled into one bin (chi-square's rule)
+MIN_EXPECTED = (
+    5  # tokens expected fewer times than this are pooled into one bin (chi-square's rule)
+)
 CLIENTS = 32
 ALONE = 8  # seeds re-sent one at a time
 SERVING = f"serving:\n  max_batch: {CLIENTS}\n  queue: {2 * CLIENTS}\n"
@@ -109,8 +111,9 @@ def stock():
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["N=1", "N=2"])
 def served(request, tmp_path_factory):
-    with cluster(tmp_path_factory.mktemp(f"sampling{request.param}"), yaml_for(request.param, extra=SERVING)) \
-            as (url, _, _):
+    with cluster(
+        tmp_path_factory.mktemp(f"sampling{request.param}"), yaml_for(request.param, extra=SERVING)
+    ) as (url, _, _):
         yield url
 
 
@@ -122,6 +125,7 @@ def _tokens(url: str, ids: list[int], **sampling) -> list[int]:
 
 def _draws(url: str, ids: list[int], temperature: float, top_p: float, seeds) -> list[int]:
     """The first token of one seeded request per seed, CLIENTS requests in flight at a time."""
+
     def one(seed: int) -> int:
         got = _tokens(url, ids, max_tokens=1, temperature=temperature, top_p=top_p, seed=seed)
         return got[0] if got else 0  # nothing generated: the draw was EOS (the demo's id 0)
@@ -148,8 +152,10 @@ def test_next_token_frequencies_match_stock_softmax(temperature, top_p, served, 
     stat, df = chi_square(tokens, probs)
     bound = chi2_critical(ALPHA, df)
     top = Counter(tokens).most_common(4)
-    assert stat <= bound, (f"chi-square {stat:.1f} > {bound:.1f} (df {df}, alpha {ALPHA}): draws {top}, "
-                           f"expected {[(t, round(float(probs[t]) * DRAWS, 1)) for t, _ in top]}")
+    assert stat <= bound, (
+        f"chi-square {stat:.1f} > {bound:.1f} (df {df}, alpha {ALPHA}): draws {top}, "
+        f"expected {[(t, round(float(probs[t]) * DRAWS, 1)) for t, _ in top]}"
+    )
     # The same draws are far from the distribution at T = 1 with no filter: the test has the power
     # to catch a sampler that ignores the temperature or top_p.
     other, odf = chi_square(tokens, sampling_probs(logits, 1.0, 1.0))

@@ -39,10 +39,15 @@ def test_each_node_holds_only_its_share(layout, make_ckpt):
 def test_keepalive_counters_in_real_processes(make_ckpt):
     path = make_ckpt("olmoe", experts=8, top_k=2)
     nodes = 3
-    tasks = [SimTask(str(path), PROMPT, Sampling(max_tokens=24), keepalive=k) for k in ("none", "lru", "busy")]
+    tasks = [
+        SimTask(str(path), PROMPT, Sampling(max_tokens=24), keepalive=k)
+        for k in ("none", "lru", "busy")
+    ]
     none, lru, busy = run_nodes(tasks, nodes)
     for policy, reports in (("none", none), ("lru", lru), ("busy", busy)):
-        assert all(r["tokens"] == none[0]["tokens"] for r in reports), policy  # keepalive never changes tokens
+        assert all(r["tokens"] == none[0]["tokens"] for r in reports), (
+            policy
+        )  # keepalive never changes tokens
         for r in reports:
             local = r["experts_per_layer"]
             for layer, c in r["layer_counters"].items():
@@ -60,9 +65,17 @@ def _dense_checkpoint(path):
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-              "vocab_size": tokenizer.vocab_size(), "tie_word_embeddings": True}
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": tokenizer.vocab_size(),
+        "tie_word_embeddings": True,
+    }
     model = llama.Model(llama.ModelArgs.from_dict(config))
     write_checkpoint(path, dict(tree_flatten(model.parameters())), config)
     tokenizer.copy_tokenizer(path)
@@ -73,16 +86,25 @@ def test_errors(make_ckpt, tmp_path):
     path = make_ckpt("mixtral")
     base = ["simulate", "--model", str(path), "--nodes", "2", "--prompt", "hi", "--max-tokens", "2"]
     orphan = tmp_path / "orphan.json"
-    orphan.write_text(json.dumps({"layers": {"0": {"0": [0, 1, 2], "1": [3, 4, 5, 6]}, "1": {"0": list(range(8))}}}))
+    orphan.write_text(
+        json.dumps(
+            {"layers": {"0": {"0": [0, 1, 2], "1": [3, 4, 5, 6]}, "1": {"0": list(range(8))}}}
+        )
+    )
     assert_one_line_error(cli(*base, "--placement", str(orphan)), "layer 0", "[7]", "on no node")
     out_of_range = tmp_path / "range.json"
-    out_of_range.write_text(json.dumps({"layers": {"0": {"0": list(range(8)), "1": [8]}, "1": {"0": list(range(8))}}}))
-    assert_one_line_error(cli(*base, "--placement", str(out_of_range)), "expert id 8", "out of range")
+    out_of_range.write_text(
+        json.dumps({"layers": {"0": {"0": list(range(8)), "1": [8]}, "1": {"0": list(range(8))}}})
+    )
+    assert_one_line_error(
+        cli(*base, "--placement", str(out_of_range)), "expert id 8", "out of range"
+    )
 
     dense = tmp_path / "dense"
     _dense_checkpoint(dense)
-    assert_one_line_error(cli("simulate", "--model", str(dense), "--nodes", "2", "--prompt", "hi"),
-                          "no MoE layers")
+    assert_one_line_error(
+        cli("simulate", "--model", str(dense), "--nodes", "2", "--prompt", "hi"), "no MoE layers"
+    )
 
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -91,4 +113,6 @@ def test_errors(make_ckpt, tmp_path):
     victim = sorted(broken.glob("model-*.safetensors"))[0]
     data = bytearray(victim.read_bytes())
     victim.write_bytes(bytes(data[:-10]))  # the last tensor's byte range now runs past the end
-    assert_one_line_error(cli(*base[:2], str(broken), *base[3:]), victim.name, "past the end of the file")
+    assert_one_line_error(
+        cli(*base[:2], str(broken), *base[3:]), victim.name, "past the end of the file"
+    )

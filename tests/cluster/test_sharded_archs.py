@@ -37,7 +37,10 @@ def float32_models(make_ckpt):
 
 @pytest.fixture(scope="module")
 def bfloat16_models(make_ckpt):
-    models = [(a, make_ckpt(a, "mlx", "bfloat16")) for a in ("mixtral", "qwen3_moe", "deepseek_v3", "dbrx", "gpt_oss")]
+    models = [
+        (a, make_ckpt(a, "mlx", "bfloat16"))
+        for a in ("mixtral", "qwen3_moe", "deepseek_v3", "dbrx", "gpt_oss")
+    ]
     models.append(("qwen2_moe-hf", make_ckpt("qwen2_moe", "hf", "bfloat16")))
     return models
 
@@ -45,8 +48,12 @@ def bfloat16_models(make_ckpt):
 @pytest.fixture(scope="module")
 def q4_models(make_ckpt):
     models = [(a, make_ckpt(a, "mlx", "float32", 4)) for a in ARCHS]
-    models += [(f"{a}-hf", make_ckpt(a, "hf", "float32", 4)) for a in ("mixtral", "olmoe", "deepseek_v3")]
-    models.append(("mixtral-mixed-bits", make_ckpt("mixtral", "mlx", "float32", 4, mixed_bits=True)))
+    models += [
+        (f"{a}-hf", make_ckpt(a, "hf", "float32", 4)) for a in ("mixtral", "olmoe", "deepseek_v3")
+    ]
+    models.append(
+        ("mixtral-mixed-bits", make_ckpt("mixtral", "mlx", "float32", 4, mixed_bits=True))
+    )
     return models
 
 
@@ -57,8 +64,11 @@ def reports_at(request):
     One spawn of N node processes serves every suite selected at that N (float32, bfloat16, 4-bit:
     each node loads each model in turn), not one spawn per test: at N = 2 and 3 that is one spawn
     of the processes instead of three (~10 s on 2 vCPUs). Each test still checks its own models."""
-    tests = {"test_float32_every_family_both_layouts": "float32_models", "test_bfloat16": "bfloat16_models",
-             "test_4bit": "q4_models"}
+    tests = {
+        "test_float32_every_family_both_layouts": "float32_models",
+        "test_bfloat16": "bfloat16_models",
+        "test_4bit": "q4_models",
+    }
     wanted: dict[int, list[str]] = {}  # nodes -> the suites selected at that N, in test order
     for item in request.session.items:
         if item.module is request.module and item.originalname in tests:
@@ -75,7 +85,7 @@ def reports_at(request):
             reports = run_nodes([_task(p) for p in paths], nodes)
             cache[nodes], at = {}, 0
             for s in suites:
-                cache[nodes][s], at = reports[at:at + len(models[s])], at + len(models[s])
+                cache[nodes][s], at = reports[at : at + len(models[s])], at + len(models[s])
         return cache[nodes][suite]
 
     return get
@@ -88,12 +98,22 @@ def test_float32_every_family_both_layouts(nodes, float32_models, reports_at, re
     for (arch, layout, path), per_rank in zip(float32_models, reports, strict=True):
         ref_tokens, ref_logits = reference(path, PROMPT, TOKENS)
         got = per_rank[0]
-        assert all(r["tokens"] == got["tokens"] for r in per_rank), f"{arch}/{layout}: nodes disagree"
+        assert all(r["tokens"] == got["tokens"] for r in per_rank), (
+            f"{arch}/{layout}: nodes disagree"
+        )
         cmp = compare(got["tokens"], got["logits"], ref_tokens, ref_logits)
         assert cmp["tokens_match"], (arch, layout, nodes, cmp)
         assert len(got["tokens"]) == TOKENS
-        assert len(got["logits"]) == TOKENS and cmp["compared_steps"] == TOKENS, (arch, len(got["logits"]))
-        assert cmp["max_abs_logit_diff"] <= FLOAT32_TOL, (arch, layout, nodes, cmp["max_abs_logit_diff"])
+        assert len(got["logits"]) == TOKENS and cmp["compared_steps"] == TOKENS, (
+            arch,
+            len(got["logits"]),
+        )
+        assert cmp["max_abs_logit_diff"] <= FLOAT32_TOL, (
+            arch,
+            layout,
+            nodes,
+            cmp["max_abs_logit_diff"],
+        )
 
 
 def _near_tie_or_equal(cmp: dict, tokens: list[int], tol: float, what: str) -> None:

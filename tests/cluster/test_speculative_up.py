@@ -16,8 +16,12 @@ from moe_cluster.node.demo import MODEL_DIR
 
 pytestmark = pytest.mark.slow  # about 25 s
 
-PROMPTS = ["To be, or not to be, that is the question:", "Now is the winter of our discontent",
-           "All the world's a stage,", "Friends, Romans, countrymen, lend me your ears;"]
+PROMPTS = [
+    "To be, or not to be, that is the question:",
+    "Now is the winter of our discontent",
+    "All the world's a stage,",
+    "Friends, Romans, countrymen, lend me your ears;",
+]
 TOKENS = 32
 MOE_LAYERS = json.loads((MODEL_DIR / "config.json").read_text())["num_hidden_layers"]  # all MoE
 
@@ -47,15 +51,28 @@ def test_speculation_through_up_gives_stock_tokens_and_counts_its_drafts(tmp_pat
         fast = _complete(url, PROMPTS[0], prediction=predicted)["moe_cluster"]
         assert fast["tokens"] == stock[PROMPTS[0]]
         spec = fast["speculative"]
-        assert spec["accepted"] >= TOKENS // 2 and spec["allreduces_per_token"] <= 0.5 * MOE_LAYERS, spec
-        status, chat = http(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                                                         "max_tokens": 8, "prediction": predicted})
+        assert (
+            spec["accepted"] >= TOKENS // 2 and spec["allreduces_per_token"] <= 0.5 * MOE_LAYERS
+        ), spec
+        status, chat = http(
+            url,
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "Hi"}],
+                "max_tokens": 8,
+                "prediction": predicted,
+            },
+        )
         assert status == 200 and chat["moe_cluster"]["speculative"]["decode_steps"] > 0, chat
 
         # eight at once, half with a prediction of their own output, one with drafts off
         def one(i: int) -> tuple[int, dict]:
             p = PROMPTS[i % 4]
-            body = {"prediction": {"type": "content", "content": tok.decode(stock[p])}} if i >= 4 else {}
+            body = (
+                {"prediction": {"type": "content", "content": tok.decode(stock[p])}}
+                if i >= 4
+                else {}
+            )
             if i == 7:
                 body["draft_tokens"] = 0
             return i, _complete(url, p, **body)["moe_cluster"]
@@ -68,20 +85,31 @@ def test_speculation_through_up_gives_stock_tokens_and_counts_its_drafts(tmp_pat
 
         # a seeded draw: the same tokens with drafts as without (the same key per emitted token)
         sampled = {"temperature": 0.9, "top_p": 0.95, "seed": 11}
-        with_drafts = _complete(url, PROMPTS[1], prediction=predicted, **sampled)["moe_cluster"]["tokens"]
+        with_drafts = _complete(url, PROMPTS[1], prediction=predicted, **sampled)["moe_cluster"][
+            "tokens"
+        ]
         without = _complete(url, PROMPTS[1], draft_tokens=0, **sampled)["moe_cluster"]["tokens"]
         assert with_drafts == without and with_drafts != stock[PROMPTS[1]]
 
         metrics = http(url, "/metrics")[1]
-        counts = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
-                  if line.startswith("moe_cluster_") and " " in line and "{" not in line}
+        counts = {
+            line.split()[0]: float(line.split()[1])
+            for line in metrics.splitlines()
+            if line.startswith("moe_cluster_") and " " in line and "{" not in line
+        }
         assert counts["moe_cluster_speculative_accepted_total"] >= spec["accepted"]
-        assert counts["moe_cluster_speculative_drafted_total"] >= counts["moe_cluster_speculative_accepted_total"]
+        assert (
+            counts["moe_cluster_speculative_drafted_total"]
+            >= counts["moe_cluster_speculative_accepted_total"]
+        )
         assert counts["moe_cluster_decode_allreduces_total"] > 0
 
-        for body, param in (({"draft_tokens": 5}, "draft_tokens"), ({"draft_tokens": -1}, "draft_tokens"),
-                            ({"prediction": "text"}, "prediction"),
-                            ({"prediction": {"type": "content", "content": 3}}, "prediction.content")):
+        for body, param in (
+            ({"draft_tokens": 5}, "draft_tokens"),
+            ({"draft_tokens": -1}, "draft_tokens"),
+            ({"prediction": "text"}, "prediction"),
+            ({"prediction": {"type": "content", "content": 3}}, "prediction.content"),
+        ):
             status, err = http(url, "/v1/completions", {"prompt": "x", "max_tokens": 2, **body})
             assert status == 400 and err["error"]["param"] == param, (body, err)
 
@@ -96,4 +124,6 @@ def test_a_draft_model_through_up_guesses_on_the_first_node_only(tmp_path):
         got = _complete(url, PROMPTS[2])["moe_cluster"]
         assert got["tokens"] == stock_tokens(MODEL_DIR, PROMPTS[2], TOKENS)
         spec = got["speculative"]
-        assert spec["accepted"] == spec["drafted"] > 0 and spec["decode_steps"] <= TOKENS // 4 + 2, spec
+        assert (
+            spec["accepted"] == spec["drafted"] > 0 and spec["decode_steps"] <= TOKENS // 4 + 2
+        ), spec

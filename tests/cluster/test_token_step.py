@@ -46,14 +46,20 @@ def _scenario(scenario: str, spec, rank: int, model: str) -> dict:
 
     collective = make_collective(spec, rank)
     placement = _replicas_on_both(model) if scenario == "graph-replicas" else None
-    sharded = load_shard(model, placement, rank, keepalive="none", collective=collective,
-                         route="device")  # device-routed experts: no host read of the routing
+    sharded = load_shard(
+        model, placement, rank, keepalive="none", collective=collective, route="device"
+    )  # device-routed experts: no host read of the routing
     if scenario.startswith("graph"):
         return _one_step(sharded)
     explicit = []  # layers of the all-reduces outside the MoE layers (explicit agreements)
     reduce = collective.all_reduce
-    collective.all_reduce = lambda x, layer: (explicit.append(layer) if layer == TOKEN_LAYER else None) or reduce(x, layer)
-    sample, calls = batch.sample_tokens, [0]  # restored after the scenario: the next one samples as stock
+    collective.all_reduce = lambda x, layer: (
+        (explicit.append(layer) if layer == TOKEN_LAYER else None) or reduce(x, layer)
+    )
+    sample, calls = (
+        batch.sample_tokens,
+        [0],
+    )  # restored after the scenario: the next one samples as stock
     if rank == 1 and scenario in ("mismatch", "stall"):
 
         def faulty(decoding, logprobs):
@@ -67,7 +73,11 @@ def _scenario(scenario: str, spec, rank: int, model: str) -> dict:
 
         batch.sample_tokens = faulty
     result = GenerateResult()
-    cancel = (lambda: len(result.tokens) >= AT) if scenario == "cancel" and rank == 1 else (lambda: False)
+    cancel = (
+        (lambda: len(result.tokens) >= AT)
+        if scenario == "cancel" and rank == 1
+        else (lambda: False)
+    )
     req = GenerateRequest(f"{scenario}-1", PROMPT, Sampling(max_tokens=TOKENS))
     try:
         tokens = list(NodeRuntime(sharded).generate(req, should_cancel=cancel, result=result))
@@ -84,7 +94,9 @@ def _replicas_on_both(model: str):
     from moe_cluster.proto.placement import Placement
 
     layers = moe_layers_of(Checkpoint.open(model))
-    return Placement(2, {l: {0: tuple(range(3 * n // 4)), 1: tuple(range(n // 4, n))} for l, n in layers.items()})
+    return Placement(
+        2, {l: {0: tuple(range(3 * n // 4)), 1: tuple(range(n // 4, n))} for l, n in layers.items()}
+    )
 
 
 def _one_step(sharded) -> dict:
@@ -100,9 +112,14 @@ def _one_step(sharded) -> dict:
     mx.eval(model(mx.array([PROMPT]), cache=cache))
     syncs: list[str] = []
     gathers = [0]
-    saved = {(mx, "eval"): mx.eval, (mx, "async_eval"): mx.async_eval, (np, "array"): np.array,
-             (np, "asarray"): np.asarray, (base, "to_wire"): base.to_wire,
-             (mx.distributed, "all_gather"): mx.distributed.all_gather}
+    saved = {
+        (mx, "eval"): mx.eval,
+        (mx, "async_eval"): mx.async_eval,
+        (np, "array"): np.array,
+        (np, "asarray"): np.asarray,
+        (base, "to_wire"): base.to_wire,
+        (mx.distributed, "all_gather"): mx.distributed.all_gather,
+    }
 
     def counted(name, fn):
         return lambda *a, **k: (syncs.append(name), fn(*a, **k))[1]
@@ -119,25 +136,42 @@ def _one_step(sharded) -> dict:
         for (mod, name), fn in saved.items():
             setattr(mod, name, fn)
     mx.eval(logits)
-    return {"syncs": syncs, "gathers": gathers[0], "moe_layers": len(sharded.layers),
-            "logits": np.array(logits.astype(mx.float32)).tobytes()}
+    return {
+        "syncs": syncs,
+        "gathers": gathers[0],
+        "moe_layers": len(sharded.layers),
+        "logits": np.array(logits.astype(mx.float32)).tobytes(),
+    }
 
 
-def _run(scenarios: tuple[str, ...], transport: str, model, nodes: int = 2, timeout_s: float = 30.0,
-         wait_s: float = 120.0):
+def _run(
+    scenarios: tuple[str, ...],
+    transport: str,
+    model,
+    nodes: int = 2,
+    timeout_s: float = 30.0,
+    wait_s: float = 120.0,
+):
     """Run `scenarios` in turn on `nodes` processes;
     -> ({scenario: {rank: report}}, {rank: exit code}, seconds)."""
     ctx = mp.get_context("spawn")
-    specs, cleanups = zip(*(_transport_spec(transport, nodes, 1 << 20, ctx, timeout_s) for _ in scenarios))
+    specs, cleanups = zip(
+        *(_transport_spec(transport, nodes, 1 << 20, ctx, timeout_s) for _ in scenarios)
+    )
     results = ctx.Queue()
-    procs = [ctx.Process(target=_node, args=(scenarios, specs, r, str(model), results), daemon=True)
-             for r in range(nodes)]
+    procs = [
+        ctx.Process(target=_node, args=(scenarios, specs, r, str(model), results), daemon=True)
+        for r in range(nodes)
+    ]
     t0 = time.monotonic()
     try:
         for p in procs:
             p.start()
         reports: dict[str, dict[int, dict]] = {s: {} for s in scenarios}
-        while sum(map(len, reports.values())) < nodes * len(scenarios) and time.monotonic() - t0 < wait_s:
+        while (
+            sum(map(len, reports.values())) < nodes * len(scenarios)
+            and time.monotonic() - t0 < wait_s
+        ):
             try:
                 scenario, rank, rep = results.get(timeout=0.2)
                 reports[scenario][rank] = rep
@@ -160,9 +194,11 @@ def model(make_ckpt):
     return make_ckpt("mixtral")
 
 
-ENVOY_SCENARIOS = {"test_the_token_rides_on_the_next_all_reduce": "generate",
-                   "test_a_token_that_differs_on_one_node_fails_every_node_naming_both": "mismatch",
-                   "test_a_cancel_on_one_node_stops_every_node_at_the_same_step": "cancel"}
+ENVOY_SCENARIOS = {
+    "test_the_token_rides_on_the_next_all_reduce": "generate",
+    "test_a_token_that_differs_on_one_node_fails_every_node_naming_both": "mismatch",
+    "test_a_cancel_on_one_node_stops_every_node_at_the_same_step": "cancel",
+}
 
 
 @pytest.fixture(scope="module")
@@ -170,17 +206,26 @@ def reports_of(request, model):
     """reports_of(scenario, transport) -> {rank: report}. Over the envoy transport the scenarios
     selected in this module run in one spawn of the node processes (two spawns fewer, ~5 s); over
     MLX each scenario runs in processes of its own."""
-    selected = [ENVOY_SCENARIOS[item.originalname] for item in request.session.items
-                if item.module is request.module and item.originalname in ENVOY_SCENARIOS
-                and item.callspec.params.get("transport") == "envoy"]
+    selected = [
+        ENVOY_SCENARIOS[item.originalname]
+        for item in request.session.items
+        if item.module is request.module
+        and item.originalname in ENVOY_SCENARIOS
+        and item.callspec.params.get("transport") == "envoy"
+    ]
     envoy: dict[str, dict[int, dict]] = {}
 
     def get(scenario: str, transport: str) -> dict[int, dict]:
         if transport != "envoy":
             return _run((scenario,), transport, model)[0][scenario]
         if scenario not in envoy:
-            envoy.update(_run(tuple(dict.fromkeys(selected)) if scenario in selected else (scenario,),
-                              "envoy", model)[0])
+            envoy.update(
+                _run(
+                    tuple(dict.fromkeys(selected)) if scenario in selected else (scenario,),
+                    "envoy",
+                    model,
+                )[0]
+            )
         return envoy.pop(scenario)
 
     return get
@@ -196,10 +241,16 @@ def test_an_mlx_step_is_one_graph_with_the_all_gather_inside(model):
     for scenario, reports in both.items():
         assert all("error" not in r for r in reports.values()), (scenario, reports)
         for rank, r in reports.items():
-            assert r["syncs"] == [], f"{scenario}, rank {rank}: synced with the host while building the step: {r['syncs']}"
+            assert r["syncs"] == [], (
+                f"{scenario}, rank {rank}: synced with the host while building the step: {r['syncs']}"
+            )
             assert r["gathers"] == r["moe_layers"], (scenario, rank, r["gathers"], r["moe_layers"])
-        assert reports[0]["logits"] == reports[1]["logits"]  # rank-order float32 sum: the same bytes everywhere
-    even, replicas = (np.frombuffer(both[s][0]["logits"], dtype=np.float32) for s in ("graph", "graph-replicas"))
+        assert (
+            reports[0]["logits"] == reports[1]["logits"]
+        )  # rank-order float32 sum: the same bytes everywhere
+    even, replicas = (
+        np.frombuffer(both[s][0]["logits"], dtype=np.float32) for s in ("graph", "graph-replicas")
+    )
     assert np.abs(even - replicas).max() <= 1e-5
 
 
@@ -212,11 +263,15 @@ def test_the_token_rides_on_the_next_all_reduce(transport, model, reports_of, re
         assert r["tokens"] == list(ref_tokens[:TOKENS]), (rank, r)
         # the admission from idle only (no MoE layer runs before it): the prefill chunk and every
         # token ride on a step's first MoE all-reduce
-        assert r["explicit"] == 1, f"rank {rank}: {r['explicit']} explicit agreements for {TOKENS} tokens"
+        assert r["explicit"] == 1, (
+            f"rank {rank}: {r['explicit']} explicit agreements for {TOKENS} tokens"
+        )
 
 
 @pytest.mark.parametrize("transport", ["mlx", "envoy"])
-def test_a_token_that_differs_on_one_node_fails_every_node_naming_both(transport, model, reports_of, reference):
+def test_a_token_that_differs_on_one_node_fails_every_node_naming_both(
+    transport, model, reports_of, reference
+):
     reports = reports_of("mismatch", transport)
     ref_tokens, _ = reference(model, PROMPT, TOKENS)
     want = f"step {AT}: rank 1 sampled token {ref_tokens[AT] + 1}, rank 0 sampled {ref_tokens[AT]}"
@@ -226,7 +281,9 @@ def test_a_token_that_differs_on_one_node_fails_every_node_naming_both(transport
 
 
 @pytest.mark.parametrize("transport", ["mlx", "envoy"])
-def test_a_cancel_on_one_node_stops_every_node_at_the_same_step(transport, model, reports_of, reference):
+def test_a_cancel_on_one_node_stops_every_node_at_the_same_step(
+    transport, model, reports_of, reference
+):
     reports = reports_of("cancel", transport)
     ref_tokens, _ = reference(model, PROMPT, TOKENS)
     for rank in (0, 1):
@@ -242,4 +299,6 @@ def test_a_stalled_peer_ends_the_mlx_node_as_stalled_before_the_peer_wakes(model
     reports, codes, seconds = _run(("stall",), "mlx", model, timeout_s=STALL_S, wait_s=60)
     reports = reports["stall"]
     assert codes[0] == EXIT_STALLED, (codes, reports)
-    assert seconds < 40, seconds  # spawn and load (~10 s on 2 busy cores), then the timeout, not rank 1's 60 s sleep
+    assert seconds < 40, (
+        seconds
+    )  # spawn and load (~10 s on 2 busy cores), then the timeout, not rank 1's 60 s sleep

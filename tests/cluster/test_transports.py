@@ -20,16 +20,31 @@ def models(make_ckpt):
     return [(arch, make_ckpt(arch)) for arch in ARCHS]
 
 
-@pytest.mark.parametrize("nodes", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])  # 3 and 4 nodes: 20 s to 28 s each
+@pytest.mark.parametrize(
+    "nodes", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)]
+)  # 3 and 4 nodes: 20 s to 28 s each
 @pytest.mark.parametrize("transport", ["envoy", "mlx"])
 def test_tokens_equal_stock_mlx_lm(transport, nodes, models, reference):
-    tasks = [SimTask(str(path), PROMPT, Sampling(max_tokens=TOKENS), record_logits=True) for _, path in models]
-    reports = run_nodes(tasks, nodes, timeout_s=30, transport=transport)  # one spawn serves every model
+    tasks = [
+        SimTask(str(path), PROMPT, Sampling(max_tokens=TOKENS), record_logits=True)
+        for _, path in models
+    ]
+    reports = run_nodes(
+        tasks, nodes, timeout_s=30, transport=transport
+    )  # one spawn serves every model
     for (arch, path), per_rank in zip(models, reports):
         got = per_rank[0]
         assert all(r["tokens"] == got["tokens"] for r in per_rank), f"{arch}: nodes disagree"
         ref_tokens, ref_logits = reference(path, PROMPT, TOKENS)
         cmp = compare(got["tokens"], got["logits"], ref_tokens, ref_logits)
         assert cmp["tokens_match"] and len(got["tokens"]) == TOKENS, (arch, transport, nodes, cmp)
-        assert len(got["logits"]) == TOKENS and cmp["compared_steps"] == TOKENS, (arch, len(got["logits"]))
-        assert cmp["max_abs_logit_diff"] <= FLOAT32_TOL, (arch, transport, nodes, cmp["max_abs_logit_diff"])
+        assert len(got["logits"]) == TOKENS and cmp["compared_steps"] == TOKENS, (
+            arch,
+            len(got["logits"]),
+        )
+        assert cmp["max_abs_logit_diff"] <= FLOAT32_TOL, (
+            arch,
+            transport,
+            nodes,
+            cmp["max_abs_logit_diff"],
+        )

@@ -48,7 +48,11 @@ def check(model_type: str, quantize: str | None) -> tuple[str, str, float]:
             traceback.print_exc()
         last = traceback.extract_tb(exc.__traceback__)[-1]
         where = f"{Path(last.filename).name}:{last.lineno}"
-        status = f"error {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} ({where})"[:200]
+        status = (
+            f"error {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''} ({where})"[
+                :200
+            ]
+        )
     return status, hit, time.perf_counter() - t0
 
 
@@ -72,7 +76,9 @@ def main() -> int:
         failed += status.startswith("error")
         print(f"{name:22} {kind:16} {nmoe:>3} {hit:>4} {sec:5.2f}  {status}", flush=True)
     skipped = sum(tiny.needs_metal(n) for n in names)
-    print(f"{len(names) - failed - skipped}/{len(names)} ok, {skipped} skipped, total {time.perf_counter() - t0:.1f}s")
+    print(
+        f"{len(names) - failed - skipped}/{len(names)} ok, {skipped} skipped, total {time.perf_counter() - t0:.1f}s"
+    )
     return 1 if failed else 0
 
 

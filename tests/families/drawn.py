@@ -35,7 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tiny  # noqa: E402
 
 EXPERT_COUNTS = (4, 6, 8, 12, 16, 24, 32, 48, 64)
-WIDTHS = (64, 128)  # hidden: multiples of 64, the group size some families quantize their router with
+WIDTHS = (
+    64,
+    128,
+)  # hidden: multiples of 64, the group size some families quantize their router with
 EXPERT_WIDTHS = (32, 64, 96)
 QUANTIZE = (None, None, "4bit", "8bit", "mxfp4", "mxfp8")  # float32 half the time
 
@@ -44,14 +47,33 @@ KEYS = {
     "hidden": ("hidden_size", "d_model", "model_dim", "n_embd", "dim"),
     "layers": ("num_hidden_layers", "n_layers", "num_layers", "n_layer"),
     "experts": ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
-    "top_k": ("num_experts_per_tok", "moe_topk", "moe_k", "top_k_experts", "moe_top_k",
-              "num_experts_per_token"),
-    "expert_ffn": ("moe_intermediate_size", "expert_ffn_hidden_size", "expert_intermediate_size",
-                   "moe_hidden_size", "routed_expert_hidden_size"),
-    "shared_ffn": ("shared_expert_intermediate_size", "shared_intermediate_size",
-                   "moe_shared_expert_intermediate_size", "share_expert_dim"),
-    "shared": ("n_shared_experts", "num_shared_experts", "num_shared_expert",
-               "moe_num_shared_experts"),
+    "top_k": (
+        "num_experts_per_tok",
+        "moe_topk",
+        "moe_k",
+        "top_k_experts",
+        "moe_top_k",
+        "num_experts_per_token",
+    ),
+    "expert_ffn": (
+        "moe_intermediate_size",
+        "expert_ffn_hidden_size",
+        "expert_intermediate_size",
+        "moe_hidden_size",
+        "routed_expert_hidden_size",
+    ),
+    "shared_ffn": (
+        "shared_expert_intermediate_size",
+        "shared_intermediate_size",
+        "moe_shared_expert_intermediate_size",
+        "share_expert_dim",
+    ),
+    "shared": (
+        "n_shared_experts",
+        "num_shared_experts",
+        "num_shared_expert",
+        "moe_num_shared_experts",
+    ),
     "dense_layers": ("first_k_dense_replace", "num_dense_layers", "moe_layer_start_index"),
     "n_group": ("n_group", "num_expert_group"),
     "topk_group": ("topk_group",),
@@ -60,19 +82,36 @@ KEYS = {
 }
 # Where a family gives a generic name another meaning (llama4's `intermediate_size` is its expert
 # width, its dense MLP's is `intermediate_size_mlp`; dbrx's `ffn_config.ffn_hidden_size` is too).
-_FAMILY_KEYS = {"llama4": {"intermediate_size": "expert_ffn"}, "dbrx": {"ffn_hidden_size": "expert_ffn"}}
+_FAMILY_KEYS = {
+    "llama4": {"intermediate_size": "expert_ffn"},
+    "dbrx": {"ffn_hidden_size": "expert_ffn"},
+}
 # Families whose layer layout is written out per layer in tiny.py's overrides (1-based KDA layer
 # lists, hybrid patterns), or needs a full-attention layer every 4th (qwen3_next, qwen3_5 and llama4
 # index the cache of layer 3): their depth stays tiny.LAYERS.
-_FIXED_DEPTH = {"kimi_linear", "kimi_k3", "lfm2_moe", "nemotron_h", "granitemoehybrid", "jamba",
-                "qwen3_next", "qwen3_5", "qwen3_5_moe", "llama4"}
+_FIXED_DEPTH = {
+    "kimi_linear",
+    "kimi_k3",
+    "lfm2_moe",
+    "nemotron_h",
+    "granitemoehybrid",
+    "jamba",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "llama4",
+}
 # Families that accept only some values: llama4 asserts top-1; muse_spark rejects shared experts;
 _FIXED = {"llama4": {"top_k": 1}, "muse_spark": {"shared": 0}}
 # Lower bounds: stock mlx-lm (0.32) dies of a segmentation fault decoding a top-1 bailing_moe;
 # hunyuan's mixed MLP+MoE layer (its real shape, tiny.py), Klear and bailing_moe_v3 always have a
 # shared expert (0 builds a 0-wide MLP).
-_MIN = {"bailing_moe": {"top_k": 2}, "hunyuan": {"shared": 1}, "Klear": {"shared": 1},
-        "bailing_moe_v3": {"shared": 1}}
+_MIN = {
+    "bailing_moe": {"top_k": 2},
+    "hunyuan": {"shared": 1},
+    "Klear": {"shared": 1},
+    "bailing_moe_v3": {"shared": 1},
+}
 # So does the deepseek lineage, which counts them in `n_shared_experts`: mlx-lm builds a 0-wide MLP
 # from 0 (it tests `is not None`), and transformers' configs, read with the tokenizer, refuse null.
 _ALWAYS_SHARED = "n_shared_experts"
@@ -98,10 +137,12 @@ class Draw:
 
     def label(self) -> str:
         group = f" groups {self.topk_group}/{self.n_group}" if self.n_group > 1 else ""
-        return (f"{self.family}#{self.seed}: {self.experts} experts top-{self.top_k} hidden {self.hidden} "
-                f"ffn {self.expert_ffn} shared {self.shared}x{self.shared_ffn} layers {self.layers} "
-                f"(dense {self.dense_layers}) scale {self.routed_scaling} norm {self.norm_topk}{group} "
-                f"{self.quantize or 'float32'}")
+        return (
+            f"{self.family}#{self.seed}: {self.experts} experts top-{self.top_k} hidden {self.hidden} "
+            f"ffn {self.expert_ffn} shared {self.shared}x{self.shared_ffn} layers {self.layers} "
+            f"(dense {self.dense_layers}) scale {self.routed_scaling} norm {self.norm_topk}{group} "
+            f"{self.quantize or 'float32'}"
+        )
 
 
 def draw(family: str, seed: int) -> Draw:
@@ -117,23 +158,40 @@ def draw(family: str, seed: int) -> Draw:
     # scores a group by its top two), the chosen groups hold at least top-k experts, and some group
     # is dropped (mlx-lm masks n_group - topk_group groups; none is an empty mask it cannot take)
     per = lambda g: experts // g  # noqa: E731
-    groups = [g for g in (2, 4, 8) if experts % g == 0 and per(g) >= 2 and (g - 1) * per(g) >= top_k]
+    groups = [
+        g for g in (2, 4, 8) if experts % g == 0 and per(g) >= 2 and (g - 1) * per(g) >= top_k
+    ]
     n_group = rng.choice([1] + groups)
     topk_group = rng.choice([t for t in range(1, n_group) if t * per(n_group) >= top_k] or [1])
     layers = tiny.LAYERS if family in _FIXED_DEPTH else rng.choice((3, 4))
-    return Draw(family=family, seed=seed, hidden=rng.choice(WIDTHS), layers=layers, experts=experts,
-                top_k=top_k, expert_ffn=rng.choice(EXPERT_WIDTHS), shared_ffn=rng.choice(EXPERT_WIDTHS),
-                shared=fixed.get("shared", rng.randint(least.get("shared", 0), 2)), dense_layers=rng.randint(0, 1),
-                n_group=n_group, topk_group=topk_group, routed_scaling=rng.choice((1.0, 1.5, 2.5)),
-                norm_topk=rng.random() < 0.5, quantize=rng.choice(QUANTIZE))
+    return Draw(
+        family=family,
+        seed=seed,
+        hidden=rng.choice(WIDTHS),
+        layers=layers,
+        experts=experts,
+        top_k=top_k,
+        expert_ffn=rng.choice(EXPERT_WIDTHS),
+        shared_ffn=rng.choice(EXPERT_WIDTHS),
+        shared=fixed.get("shared", rng.randint(least.get("shared", 0), 2)),
+        dense_layers=rng.randint(0, 1),
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling=rng.choice((1.0, 1.5, 2.5)),
+        norm_topk=rng.random() < 0.5,
+        quantize=rng.choice(QUANTIZE),
+    )
 
 
 def _per_layer(name: str, old: list, d: Draw) -> list:
     """A per-layer list for the drawn depth and dense layers. Lists tiny.py's overrides spell out
     (hybrid layouts) keep their entries where the depth is theirs."""
     moe = lambda i: i >= d.dense_layers  # noqa: E731
-    by_dense = {"moe_layer_freq": lambda i: int(moe(i)), "is_moe_layer": moe,
-                "mlp_layer_types": lambda i: "sparse" if moe(i) else "dense"}
+    by_dense = {
+        "moe_layer_freq": lambda i: int(moe(i)),
+        "is_moe_layer": moe,
+        "mlp_layer_types": lambda i: "sparse" if moe(i) else "dense",
+    }
     if name in by_dense:
         return [by_dense[name](i) for i in range(d.layers)]
     if len(old) == d.layers:
@@ -164,7 +222,10 @@ def _apply(cfg: dict, d: Draw, meaning: dict[str, str], defaults: dict) -> None:
 
 
 def _defaults(cls) -> dict:
-    return {f.name: None if f.default is dataclasses.MISSING else f.default for f in dataclasses.fields(cls)}
+    return {
+        f.name: None if f.default is dataclasses.MISSING else f.default
+        for f in dataclasses.fields(cls)
+    }
 
 
 def config(family: str, d: Draw) -> dict:
@@ -194,13 +255,16 @@ def check(family: str, seed: int, tmp: Path) -> dict:
     import sweep
 
     d = draw(family, seed)
-    path = tiny.make_checkpoint(family, Path(tmp) / f"{family}-{seed}", quantize=d.quantize,
-                                cfg=config(family, d))
+    path = tiny.make_checkpoint(
+        family, Path(tmp) / f"{family}-{seed}", quantize=d.quantize, cfg=config(family, d)
+    )
     ref = tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)
     nodes = {n: sweep.check(path, n, ref) for n in (2, 3)}
     bound = sweep.QUANT_TOLERANCE if d.quantize else sweep.TOLERANCE
-    exact = all(len(r["tokens"]) == sweep.STEPS and r["tokens_match"] and r["max_abs_logit_diff"] <= bound
-                for r in nodes.values())
+    exact = all(
+        len(r["tokens"]) == sweep.STEPS and r["tokens_match"] and r["max_abs_logit_diff"] <= bound
+        for r in nodes.values()
+    )
     return {"draw": d, "path": path, "nodes": nodes, "exact": exact}
 
 
@@ -211,10 +275,15 @@ def passed(family: str, n_seeds: int, tmp: Path) -> tuple[int, list[str]]:
         try:
             got = check(family, seed, tmp)
         except Exception as exc:  # noqa: BLE001 - a refusal or a crash is a finding to print
-            failures.append(f"{draw(family, seed).label()}: {type(exc).__name__}: {exc}".splitlines()[0])
+            failures.append(
+                f"{draw(family, seed).label()}: {type(exc).__name__}: {exc}".splitlines()[0]
+            )
             continue
         if not got["exact"]:
-            diffs = {n: (r["tokens_match"], f"{r['max_abs_logit_diff']:.2g}") for n, r in got["nodes"].items()}
+            diffs = {
+                n: (r["tokens_match"], f"{r['max_abs_logit_diff']:.2g}")
+                for n, r in got["nodes"].items()
+            }
             failures.append(f"{got['draw'].label()}: (tokens equal, |Δlogit|) by N {diffs}")
     return n_seeds - len(failures), failures
 

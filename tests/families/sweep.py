@@ -28,10 +28,14 @@ def quant_mode(family: str) -> str:
 
 
 def checkpoint(family: str, tmp: Path, quantize: str | None = None) -> Path:
-    return tiny.make_checkpoint(family, Path(tmp) / f"{family}-{quantize or 'f32'}", quantize=quantize)
+    return tiny.make_checkpoint(
+        family, Path(tmp) / f"{family}-{quantize or 'f32'}", quantize=quantize
+    )
 
 
-def check(path: Path, nodes: int, reference=None, keepalive: str = "lru", route: str = "preferred") -> dict:
+def check(
+    path: Path, nodes: int, reference=None, keepalive: str = "lru", route: str = "preferred"
+) -> dict:
     """{"tokens", "reference_tokens", "max_abs_logit_diff", "tokens_match"} for one node count.
     keepalive "none" and "lru" route decode steps on the device ("busy" reads the indices on the host);
     `route`: load_shard's (node/moe/route.py), each layer's preferred one unless told."""
@@ -41,7 +45,15 @@ def check(path: Path, nodes: int, reference=None, keepalive: str = "lru", route:
     sm = load_in_process(str(path), nodes, keepalive=keepalive, route=route)
     tokens, logits = tiny.decode(sm.model, PROMPT, STEPS)
     assert len(tokens) == len(ref_tokens) == STEPS and logits.shape == ref_logits.shape, (
-        len(tokens), len(ref_tokens), logits.shape, ref_logits.shape)
+        len(tokens),
+        len(ref_tokens),
+        logits.shape,
+        ref_logits.shape,
+    )
     diff = float(np.max(np.abs(logits - ref_logits)))
-    return {"tokens": tokens, "reference_tokens": ref_tokens, "max_abs_logit_diff": diff,
-            "tokens_match": tokens == ref_tokens}
+    return {
+        "tokens": tokens,
+        "reference_tokens": ref_tokens,
+        "max_abs_logit_diff": diff,
+        "tokens_match": tokens == ref_tokens,
+    }

@@ -18,13 +18,24 @@ pytestmark = pytest.mark.integration
 WRONG, REFUSED = tiny.WRONG, tiny.REFUSED
 PROMPT = "To be, or not to be"
 # families whose caches hold a recurrent state or a window: no speculation (node/speculate.py)
-NO_ROLLBACK = {"kimi_linear", "kimi_k3", "qwen3_5_moe", "longcat_flash_ngram",  # ArraysCache
-               "gemma4_text", "step3p5", "llama4"}  # a rotating or chunked window
+NO_ROLLBACK = {
+    "kimi_linear",
+    "kimi_k3",
+    "qwen3_5_moe",
+    "longcat_flash_ngram",  # ArraysCache
+    "gemma4_text",
+    "step3p5",
+    "llama4",
+}  # a rotating or chunked window
 
 
 def moe_cluster(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moe_cluster.coordinator.cli", *args], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_cluster.coordinator.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +51,23 @@ def test_simulate_two_node_processes_equal_stock(family, checkpoints, capsys):
     With speculation on: its steps verify drafts, so the check also covers rolling them back."""
     from moe_cluster.coordinator.cli import main
 
-    code = main(["simulate", "--model", str(checkpoints[family]), "--nodes", "2", "--prompt", PROMPT,
-                 "--max-tokens", "8", "--check", "--json", "--speculative", "prompt-lookup"])
+    code = main(
+        [
+            "simulate",
+            "--model",
+            str(checkpoints[family]),
+            "--nodes",
+            "2",
+            "--prompt",
+            PROMPT,
+            "--max-tokens",
+            "8",
+            "--check",
+            "--json",
+            "--speculative",
+            "prompt-lookup",
+        ]
+    )
     r = capsys.readouterr()
     assert code == 0, r.err
     out = json.loads(r.out)  # stdout is the JSON alone
@@ -61,12 +87,17 @@ def test_simulate_two_node_processes_equal_stock(family, checkpoints, capsys):
 @pytest.mark.parametrize("family", [f for f in tiny.families() if tiny.needs_metal(f)])
 def test_a_metal_only_family_is_refused_in_one_line(family, tmp_path):
     path = tiny.make_checkpoint(family, tmp_path / family, tokenizer=True)
-    for args in (["simulate", "--model", str(path), "--nodes", "2", "--prompt", PROMPT],
-                 ["run", "--model", str(path), "--prompt", PROMPT]):
+    for args in (
+        ["simulate", "--model", str(path), "--nodes", "2", "--prompt", PROMPT],
+        ["run", "--model", str(path), "--prompt", PROMPT],
+    ):
         r = moe_cluster(*args)
         assert r.returncode == 2, r.stderr
         lines = r.stderr.strip().splitlines()
-        assert len(lines) == 1 and f"model_type={family!r} calls mlx-lm's Metal-only kernels" in lines[0], r.stderr
+        assert (
+            len(lines) == 1
+            and f"model_type={family!r} calls mlx-lm's Metal-only kernels" in lines[0]
+        ), r.stderr
 
 
 @pytest.mark.parametrize("family", tiny.families())
@@ -77,7 +108,9 @@ def test_plan_describes_every_family(family, tmp_path, capsys):
     from moe_cluster.coordinator.cli import main
 
     path = tiny.make_checkpoint(family, tmp_path / family)
-    code = main(["plan", "--model", str(path), "--hardware", "m2-ultra-192", "--nodes", "2", "--json"])
+    code = main(
+        ["plan", "--model", str(path), "--hardware", "m2-ultra-192", "--nodes", "2", "--json"]
+    )
     out = capsys.readouterr()
     if tiny.needs_metal(family):  # describing runs each MoE block once: not possible off Metal
         assert code == 2 and "Metal-only kernels" in out.err, out.err
@@ -85,7 +118,9 @@ def test_plan_describes_every_family(family, tmp_path, capsys):
     assert code == 0, out.err
     model = json.loads(out.out)["model"]
     assert model["num_experts"] == 8, model
-    assert model["top_k"] == (1 if family == "llama4" else 2), model  # tiny.py: top-2, llama4 asserts top-1
+    assert model["top_k"] == (1 if family == "llama4" else 2), (
+        model
+    )  # tiny.py: top-2, llama4 asserts top-1
     assert model["moe_layers"] >= 1 and model["expert_bytes"] > 0, model
     if family in ("hunyuan", "step3p5"):  # shared experts counted whatever their name
         assert model["shared_expert_bytes"] > 0, model
@@ -101,7 +136,9 @@ def test_a_family_never_checked_against_stock_is_refused_in_one_line(tmp_path):
     for family in UNVERIFIED:
         (tmp_path / family).mkdir()
         (tmp_path / family / "config.json").write_text(_json.dumps(tiny.tiny_config(family)))
-        r = moe_cluster("plan", "--model", str(tmp_path / family), "--hardware", "m2-ultra-192", "--nodes", "2")
+        r = moe_cluster(
+            "plan", "--model", str(tmp_path / family), "--hardware", "m2-ultra-192", "--nodes", "2"
+        )
         assert r.returncode == 2, r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and f"model_type={family!r} is not supported" in lines[0], r.stderr

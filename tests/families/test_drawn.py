@@ -34,8 +34,18 @@ def test_drawn_config_is_exact_at_2_and_3_nodes_and_planned(family, seed, tmp_pa
 
     from moe_cluster.coordinator.cli import main
 
-    code = main(["plan", "--model", str(got["path"]), "--hardware", "m2-ultra-192", "--nodes", "3",
-                 "--json"])
+    code = main(
+        [
+            "plan",
+            "--model",
+            str(got["path"]),
+            "--hardware",
+            "m2-ultra-192",
+            "--nodes",
+            "3",
+            "--json",
+        ]
+    )
     out = capsys.readouterr()
     assert code == 0, (d.label(), out.err)
     model = json.loads(out.out)["model"]
@@ -103,12 +113,28 @@ def test_simulate_three_node_processes_on_a_drawn_config(family, tmp_path, capsy
     from moe_cluster.coordinator.cli import main
 
     d = drawn.draw(family, 0)
-    path = tiny.make_checkpoint(family, tmp_path / family, tokenizer=True, quantize=d.quantize,
-                                cfg=drawn.config(family, d))
-    code = main(["simulate", "--model", str(path), "--nodes", "3", "--prompt", "To be, or not to be",
-                 "--max-tokens", "8", "--check", "--json"])
+    path = tiny.make_checkpoint(
+        family, tmp_path / family, tokenizer=True, quantize=d.quantize, cfg=drawn.config(family, d)
+    )
+    code = main(
+        [
+            "simulate",
+            "--model",
+            str(path),
+            "--nodes",
+            "3",
+            "--prompt",
+            "To be, or not to be",
+            "--max-tokens",
+            "8",
+            "--check",
+            "--json",
+        ]
+    )
     r = capsys.readouterr()
     assert code == 0, (d.label(), r.err)
     out = json.loads(r.out)
     assert len(out["tokens"]) == 8 and out["tokens_match"], (d.label(), out)
-    assert out["max_abs_logit_diff"] <= (sweep.QUANT_TOLERANCE if d.quantize else sweep.TOLERANCE), (d.label(), out)
+    assert out["max_abs_logit_diff"] <= (
+        sweep.QUANT_TOLERANCE if d.quantize else sweep.TOLERANCE
+    ), (d.label(), out)

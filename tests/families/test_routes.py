@@ -13,7 +13,9 @@ import tiny
 from moe_cluster.node.moe import route as decode_route
 from moe_cluster.node.moe.load import load_in_process
 from moe_cluster.proto.errors import UserError
-from test_sweep import _quantized_reference  # skips, with the reason, where a GPU gives no stable one
+from test_sweep import (
+    _quantized_reference,
+)  # skips, with the reason, where a GPU gives no stable one
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +43,12 @@ def test_every_route_gives_stocks_tokens(family, route, tmp_path):
     for keepalive in ("lru", "none"):
         got = sweep.check(path, 2, ref, keepalive, route=route)
         assert got["tokens_match"], (family, route, keepalive, got)
-        assert got["max_abs_logit_diff"] <= sweep.TOLERANCE, (family, route, keepalive, got["max_abs_logit_diff"])
+        assert got["max_abs_logit_diff"] <= sweep.TOLERANCE, (
+            family,
+            route,
+            keepalive,
+            got["max_abs_logit_diff"],
+        )
 
 
 @pytest.mark.parametrize("route", ["device", "host"])
@@ -50,7 +57,11 @@ def test_every_route_gives_stocks_tokens_quantized(family, route, tmp_path):
     path = sweep.checkpoint(family, tmp_path, sweep.quant_mode(family))
     got = sweep.check(path, 2, _quantized_reference(path), route=route)
     assert got["tokens_match"], (family, route, got)
-    assert got["max_abs_logit_diff"] <= sweep.QUANT_TOLERANCE, (family, route, got["max_abs_logit_diff"])
+    assert got["max_abs_logit_diff"] <= sweep.QUANT_TOLERANCE, (
+        family,
+        route,
+        got["max_abs_logit_diff"],
+    )
 
 
 @pytest.mark.parametrize("family", tiny.families())
@@ -58,10 +69,19 @@ def test_the_whole_sweep_on_the_host_route(family, tmp_path):
     """The sweep (test_sweep.py) runs each layer's preferred route, the device one where a layer has
     it; here every family at N = 2 with the routing read on the host, float32 and quantized."""
     if tiny.needs_metal(family):
-        pytest.skip(f"{family} calls mlx-lm's Metal-only kernels; stock mlx-lm cannot run it on this backend")
-    for quantize, bound in ((None, sweep.TOLERANCE), (sweep.quant_mode(family), sweep.QUANT_TOLERANCE)):
+        pytest.skip(
+            f"{family} calls mlx-lm's Metal-only kernels; stock mlx-lm cannot run it on this backend"
+        )
+    for quantize, bound in (
+        (None, sweep.TOLERANCE),
+        (sweep.quant_mode(family), sweep.QUANT_TOLERANCE),
+    ):
         path = sweep.checkpoint(family, tmp_path, quantize)
-        ref = _quantized_reference(path) if quantize else tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)
+        ref = (
+            _quantized_reference(path)
+            if quantize
+            else tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)
+        )
         got = sweep.check(path, 2, ref, route="host")
         assert got["tokens_match"], (family, quantize, got)
         assert got["max_abs_logit_diff"] <= bound, (family, quantize, got["max_abs_logit_diff"])
@@ -69,15 +89,21 @@ def test_the_whole_sweep_on_the_host_route(family, tmp_path):
 
 def test_the_route_is_forced_from_the_environment(tmp_path, monkeypatch, caplog):
     path = sweep.checkpoint("qwen3_moe", tmp_path)
-    monkeypatch.setattr(decode_route, "time_route", lambda *a: pytest.fail("a forced route is not timed"))
+    monkeypatch.setattr(
+        decode_route, "time_route", lambda *a: pytest.fail("a forced route is not timed")
+    )
     for forced in ("host", "device"):
         monkeypatch.setenv(decode_route.ENV, forced)
         with caplog.at_level(logging.INFO, logger="moe_cluster.node.moe.load"):
             sm = load_in_process(str(path), 2, keepalive="none", route=None)
         assert _routes(sm) == {forced}
         assert f"decode route: {forced}, forced" in caplog.text
-    monkeypatch.setenv(decode_route.ENV, "skip")  # float32 weights: no kernel takes them (gather_mm stays)
-    with pytest.raises(UserError, match="route skip .*MOE_CLUSTER_ROUTE.*: no MoE layer of this node can take it"):
+    monkeypatch.setenv(
+        decode_route.ENV, "skip"
+    )  # float32 weights: no kernel takes them (gather_mm stays)
+    with pytest.raises(
+        UserError, match="route skip .*MOE_CLUSTER_ROUTE.*: no MoE layer of this node can take it"
+    ):
         load_in_process(str(path), 2, route=None)
     monkeypatch.setenv(decode_route.ENV, "fastest")
     with pytest.raises(UserError, match="MOE_CLUSTER_ROUTE must be one of"):
@@ -85,7 +111,9 @@ def test_the_route_is_forced_from_the_environment(tmp_path, monkeypatch, caplog)
 
 
 @pytest.mark.parametrize("fast", ["host", "device"])
-def test_a_node_keeps_the_route_it_measured_fastest_and_logs_the_times(fast, tmp_path, monkeypatch, caplog):
+def test_a_node_keeps_the_route_it_measured_fastest_and_logs_the_times(
+    fast, tmp_path, monkeypatch, caplog
+):
     path = sweep.checkpoint("qwen3_moe", tmp_path)
     monkeypatch.delenv(decode_route.ENV, raising=False)
     timed = []
@@ -98,11 +126,15 @@ def test_a_node_keeps_the_route_it_measured_fastest_and_logs_the_times(fast, tmp
     with caplog.at_level(logging.INFO, logger="moe_cluster.node.moe.load"):
         sm = load_in_process(str(path), 2, keepalive="none", route=None)
     assert _routes(sm) == {fast}
-    assert sorted(timed) == sorted([("device", tiny.TOP_K), ("host", tiny.TOP_K)] * 2)  # one layer per rank, the router's top-k
+    assert sorted(timed) == sorted(
+        [("device", tiny.TOP_K), ("host", tiny.TOP_K)] * 2
+    )  # one layer per rank, the router's top-k
     other = "device" if fast == "host" else "host"
     assert f"decode route: {fast}, measured" in caplog.text and f"{fast} 100.0 µs" in caplog.text
     assert f"{other} 300.0 µs" in caplog.text
-    assert sm.state.route.times_us == {"device": 100.0 if fast == "device" else 300.0,
-                                       "host": 100.0 if fast == "host" else 300.0}
+    assert sm.state.route.times_us == {
+        "device": 100.0 if fast == "device" else 300.0,
+        "host": 100.0 if fast == "host" else 300.0,
+    }
     tokens, _ = tiny.decode(sm.model, sweep.PROMPT, sweep.STEPS)  # timing calls left nothing behind
     assert tokens == tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)[0]

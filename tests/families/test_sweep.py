@@ -22,7 +22,9 @@ FAMILIES = tiny.families()
 
 def _runnable(family: str) -> None:
     if tiny.needs_metal(family):
-        pytest.skip(f"{family} calls mlx-lm's Metal-only kernels; stock mlx-lm cannot run it on this backend")
+        pytest.skip(
+            f"{family} calls mlx-lm's Metal-only kernels; stock mlx-lm cannot run it on this backend"
+        )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -30,11 +32,20 @@ def test_float32_exact_at_2_and_3_nodes(family, tmp_path):
     _runnable(family)
     path = sweep.checkpoint(family, tmp_path)
     ref = tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)
-    for nodes, keepalive in ((2, "lru"), (3, "lru"), (2, "none")):  # none: decode routed on the device
+    for nodes, keepalive in (
+        (2, "lru"),
+        (3, "lru"),
+        (2, "none"),
+    ):  # none: decode routed on the device
         got = sweep.check(path, nodes, ref, keepalive)
         assert len(got["tokens"]) == sweep.STEPS
         assert got["tokens_match"], (family, nodes, keepalive, got)
-        assert got["max_abs_logit_diff"] <= sweep.TOLERANCE, (family, nodes, keepalive, got["max_abs_logit_diff"])
+        assert got["max_abs_logit_diff"] <= sweep.TOLERANCE, (
+            family,
+            nodes,
+            keepalive,
+            got["max_abs_logit_diff"],
+        )
 
 
 def _quantized_reference(path):
@@ -49,15 +60,19 @@ def _quantized_reference(path):
         ref = tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)
     except Exception as e:  # noqa: BLE001 - e.g. CUDA's "[quantized_matmul] No implementation for problem shape"
         if on_gpu:
-            pytest.skip(f"stock mlx-lm cannot run this checkpoint on this GPU: {type(e).__name__}: {e}")
+            pytest.skip(
+                f"stock mlx-lm cannot run this checkpoint on this GPU: {type(e).__name__}: {e}"
+            )
         raise
     if on_gpu:
         with mx.stream(mx.cpu):
             _, cpu_logits = tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)
         drift = float(np.nan_to_num(np.max(np.abs(ref[1] - cpu_logits)), nan=np.inf))
         if drift > sweep.QUANT_TOLERANCE:
-            pytest.skip(f"stock mlx-lm's own logits on this GPU and on the CPU differ by {drift:.3g} "
-                        f"(bound {sweep.QUANT_TOLERANCE}): no stable reference")
+            pytest.skip(
+                f"stock mlx-lm's own logits on this GPU and on the CPU differ by {drift:.3g} "
+                f"(bound {sweep.QUANT_TOLERANCE}): no stable reference"
+            )
     return ref
 
 

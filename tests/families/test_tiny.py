@@ -21,8 +21,18 @@ FAMILIES = tiny.families()
 
 def test_families_found():
     # mlx-lm 0.32.2 ships these among others; finding them checks the structural detection itself
-    for name in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_next", "llama4", "kimi_k25",
-                 "qwen3_5_moe", "dbrx", "phixtral"):
+    for name in (
+        "mixtral",
+        "qwen3_moe",
+        "deepseek_v3",
+        "gpt_oss",
+        "qwen3_next",
+        "llama4",
+        "kimi_k25",
+        "qwen3_5_moe",
+        "dbrx",
+        "phixtral",
+    ):
         assert name in FAMILIES, name
     assert "llama" not in FAMILIES and "qwen3" not in FAMILIES  # dense families stay out
     assert "dbrx" in tiny.per_expert_list_families()
@@ -52,7 +62,9 @@ def test_a_family_that_cannot_be_built_is_refused_by_the_product_or_fails(family
     except CheckpointError as exc:
         assert str(exc).strip(), family  # refused, with its reason
         return
-    pytest.fail(f"{family}: its tiny checkpoint cannot be made ({why}) and the product does not refuse it")
+    pytest.fail(
+        f"{family}: its tiny checkpoint cannot be made ({why}) and the product does not refuse it"
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -89,6 +101,8 @@ def test_quantized_checkpoint(family, quantize, tmp_path):
 
     model, _ = load_model(path)
     names = [k for k, _ in tree_flatten(model.parameters())]
-    assert any(".scales" in k and ("switch_mlp" in k or "experts" in k) for k in names), "experts not quantized"
+    assert any(".scales" in k and ("switch_mlp" in k or "experts" in k) for k in names), (
+        "experts not quantized"
+    )
     tokens, logits = tiny.stock_tokens(path, PROMPT, 3)
     assert len(tokens) == 3 and np.isfinite(logits).all()

@@ -31,7 +31,9 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 # Sizes of every tiny model. Small enough that a family builds and decodes in well under a second.
-VOCAB = 300  # not a multiple of any hidden width: the tied-head check looks for a (VOCAB, ...) Linear
+VOCAB = (
+    300  # not a multiple of any hidden width: the tied-head check looks for a (VOCAB, ...) Linear
+)
 HIDDEN = 64
 LAYERS = 4
 HEADS = 4
@@ -57,21 +59,61 @@ _rule(VOCAB, "vocab_size", "num_vocab", "vocab_size_per_layer_input")
 _rule(HIDDEN, "hidden_size", "d_model", "model_dim", "n_embd", "dim")
 _rule(LAYERS, "num_hidden_layers", "n_layers", "num_layers", "n_layer")
 _rule(FFN, "intermediate_size", "ffn_hidden_size", "ffn_dim")
-_rule(EXPERT_FFN, "moe_intermediate_size", "expert_ffn_hidden_size", "shared_expert_intermediate_size",
-      "shared_intermediate_size", "moe_shared_expert_intermediate_size", "share_expert_dim",
-      "expert_intermediate_size", "moe_latent_size")
-_rule(HEADS, "num_attention_heads", "n_heads", "num_heads", "n_head", "swa_num_attention_heads",
-      "index_n_heads")
-_rule(KV_HEADS, "num_key_value_heads", "num_attention_groups", "n_kv_heads", "num_kv_heads",
-      "swa_num_key_value_heads", "num_global_key_value_heads")
-_rule(HEAD_DIM, "head_dim", "v_head_dim", "qk_nope_head_dim", "swa_head_dim", "swa_v_head_dim",
-      "index_head_dim", "global_head_dim", "linear_key_head_dim", "linear_value_head_dim",
-      "mamba_head_dim", "mamba_d_head")
+_rule(
+    EXPERT_FFN,
+    "moe_intermediate_size",
+    "expert_ffn_hidden_size",
+    "shared_expert_intermediate_size",
+    "shared_intermediate_size",
+    "moe_shared_expert_intermediate_size",
+    "share_expert_dim",
+    "expert_intermediate_size",
+    "moe_latent_size",
+)
+_rule(
+    HEADS,
+    "num_attention_heads",
+    "n_heads",
+    "num_heads",
+    "n_head",
+    "swa_num_attention_heads",
+    "index_n_heads",
+)
+_rule(
+    KV_HEADS,
+    "num_key_value_heads",
+    "num_attention_groups",
+    "n_kv_heads",
+    "num_kv_heads",
+    "swa_num_key_value_heads",
+    "num_global_key_value_heads",
+)
+_rule(
+    HEAD_DIM,
+    "head_dim",
+    "v_head_dim",
+    "qk_nope_head_dim",
+    "swa_head_dim",
+    "swa_v_head_dim",
+    "index_head_dim",
+    "global_head_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "mamba_head_dim",
+    "mamba_d_head",
+)
 _rule(8, "qk_rope_head_dim", "rotary_dim")
 _rule(32, "kv_lora_rank", "q_lora_rank", "o_lora_rank")
 _rule(EXPERTS, "num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-_rule(TOP_K, "num_experts_per_tok", "moe_topk", "moe_k", "top_k_experts", "moe_top_k",
-      "num_experts_per_token")
+_rule(
+    TOP_K,
+    "num_experts_per_tok",
+    "moe_topk",
+    "moe_k",
+    "top_k_experts",
+    "moe_top_k",
+    "num_experts_per_token",
+)
 _rule(1, "n_shared_experts", "num_shared_experts", "num_shared_expert", "moe_num_shared_experts")
 _rule(1, "n_group", "num_expert_group", "topk_group")
 _rule(DENSE_LAYERS, "first_k_dense_replace", "num_dense_layers", "moe_layer_start_index")
@@ -83,8 +125,16 @@ _rule(512, "max_position_embeddings", "model_max_length", "original_max_position
 _rule(32, "sliding_window", "sliding_window_size")
 _rule(None, "rope_scaling")
 _rule(64, "index_topk")
-_rule(4, "linear_num_value_heads", "linear_num_key_heads", "linear_conv_kernel_dim", "mamba_d_conv",
-      "conv_kernel", "mamba_n_heads", "mamba_num_heads")
+_rule(
+    4,
+    "linear_num_value_heads",
+    "linear_num_key_heads",
+    "linear_conv_kernel_dim",
+    "mamba_d_conv",
+    "conv_kernel",
+    "mamba_n_heads",
+    "mamba_num_heads",
+)
 _rule(16, "mamba_d_state", "ssm_state_size")
 _rule(2, "mamba_expand")
 _rule(1, "mamba_n_groups", "n_groups")
@@ -95,11 +145,21 @@ _rule(16, "group_norm_size")
 _rule([0], "mlp_only_layers")  # the one dense layer of Qwen-style configs
 _rule(1, "dense_layers_count")
 _rule(EXPERT_FFN, "moe_hidden_size", "routed_expert_hidden_size")
-_rule(1.0, "output_multiplier", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
-      "logits_scaling")
+_rule(
+    1.0,
+    "output_multiplier",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_multiplier",
+    "logits_scaling",
+)
 # Both spellings of rope_parameters at once: flat ({"rope_theta": ...}) and per layer type.
-_ROPE = {"rope_theta": 10000.0, "rope_type": "default", "llama_4_scaling_beta": 0.1,
-         "original_max_position_embeddings": 512}
+_ROPE = {
+    "rope_theta": 10000.0,
+    "rope_type": "default",
+    "llama_4_scaling_beta": 0.1,
+    "original_max_position_embeddings": 512,
+}
 _rule({**_ROPE, "full_attention": dict(_ROPE), "sliding_attention": dict(_ROPE)}, "rope_parameters")
 
 # Fields that hold one entry per layer: layer 0 dense / sliding, the rest MoE, full attention last.
@@ -114,10 +174,20 @@ _PER_LAYER: dict[str, typing.Callable[[int], typing.Any]] = {
 }
 
 # Values for fields a family requires but others default: only used when the field is required.
-_REQUIRED = {"topk_method": "noaux_tc", "scoring_func": "sigmoid", "score_function": "sigmoid",
-             "tie_word_embeddings": False, "partial_rotary_factor": 0.5, "routed_scaling_factor": 1.0,
-             "zero_expert_type": "identity", "zero_expert_num": 1, "conv_L_cache": 3,
-             "use_qk_norm": True, "mla_scale_q_lora": True, "mla_scale_kv_lora": True}
+_REQUIRED = {
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "score_function": "sigmoid",
+    "tie_word_embeddings": False,
+    "partial_rotary_factor": 0.5,
+    "routed_scaling_factor": 1.0,
+    "zero_expert_type": "identity",
+    "zero_expert_num": 1,
+    "conv_L_cache": 3,
+    "use_qk_norm": True,
+    "mla_scale_q_lora": True,
+    "mla_scale_kv_lora": True,
+}
 
 # Fallbacks for required fields the rules do not name, by annotated type.
 _BY_TYPE = {int: 1, float: 1.0, bool: False, str: "", dict: {}, list: [], tuple: ()}
@@ -126,8 +196,12 @@ _BY_TYPE = {int: 1, float: 1.0, bool: False, str: "", dict: {}, list: [], tuple:
 def _is_args_class(obj) -> bool:
     from mlx_lm.models.base import BaseModelArgs
 
-    return (inspect.isclass(obj) and dataclasses.is_dataclass(obj) and issubclass(obj, BaseModelArgs)
-            and obj is not BaseModelArgs)
+    return (
+        inspect.isclass(obj)
+        and dataclasses.is_dataclass(obj)
+        and issubclass(obj, BaseModelArgs)
+        and obj is not BaseModelArgs
+    )
 
 
 def _module(model_type: str) -> types.ModuleType:
@@ -184,20 +258,35 @@ def _fill(cls, model_type: str, top: bool = True) -> dict:
 def _text_args_class(mod: types.ModuleType):
     """The dataclass of a family's nested `text_config`, found in the module the way its Model uses it."""
     seen = set()
-    todo = [mod] + [sys.modules[c.__module__] for c in mod.Model.__mro__[1:] if c.__module__.startswith("mlx_lm.")]
+    todo = [mod] + [
+        sys.modules[c.__module__]
+        for c in mod.Model.__mro__[1:]
+        if c.__module__.startswith("mlx_lm.")
+    ]
     for m in todo:
         if m.__name__ in seen:
             continue
         seen.add(m.__name__)
-        own = [(k, v) for k, v in vars(m).items() if _is_args_class(v) and v is not m.ModelArgs
-               and "vision" not in k.lower() and "audio" not in k.lower()]
+        own = [
+            (k, v)
+            for k, v in vars(m).items()
+            if _is_args_class(v)
+            and v is not m.ModelArgs
+            and "vision" not in k.lower()
+            and "audio" not in k.lower()
+        ]
         text = [v for k, v in own if "text" in k.lower() or "text" in v.__name__.lower()]
         if text:
             return text[0]
         if len(own) == 1:
             return own[0][1]
-    subs = [v for v in vars(mod).values() if isinstance(v, types.ModuleType)
-            and v.__name__.startswith("mlx_lm.models.") and hasattr(v, "ModelArgs")]
+    subs = [
+        v
+        for v in vars(mod).values()
+        if isinstance(v, types.ModuleType)
+        and v.__name__.startswith("mlx_lm.models.")
+        and hasattr(v, "ModelArgs")
+    ]
     if len(subs) == 1:
         return subs[0].ModelArgs
     raise LookupError(f"{mod.__name__}: cannot tell which dataclass its text_config is")
@@ -230,6 +319,7 @@ def tiny_config(model_type: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------- banks
+
 
 def _bank_kind(module: nn.Module) -> str | None:
     from mlx_lm.models import switch_layers as sl
@@ -269,12 +359,19 @@ def banks(model: nn.Module) -> list[tuple[str, str]]:
             kids = m.children()
             if any(isinstance(c, switch_linear) for c in kids.values()):
                 kind = "other: SwitchLinear"
-            elif any(isinstance(v, mx.array) and v.ndim == 3 and v.shape[0] == EXPERTS
-                     for k, v in kids.items() if not k.startswith("_")):
+            elif any(
+                isinstance(v, mx.array) and v.ndim == 3 and v.shape[0] == EXPERTS
+                for k, v in kids.items()
+                if not k.startswith("_")
+            ):
                 kind = "other: stacked"
             for name, child in kids.items():
-                if (isinstance(child, list) and len(child) >= 4 and "expert" in name.lower()
-                        and all(isinstance(c, nn.Module) and type(c) is type(child[0]) for c in child)):
+                if (
+                    isinstance(child, list)
+                    and len(child) >= 4
+                    and "expert" in name.lower()
+                    and all(isinstance(c, nn.Module) and type(c) is type(child[0]) for c in child)
+                ):
                     found.append((f"{path}.{name}" if path else name, "per-expert list"))
         if kind is not None:
             found.append((path, kind))
@@ -332,10 +429,14 @@ def reinit(model: nn.Module, seed: int = 0, experts: int = EXPERTS) -> None:
     """
     params = tree_flatten(model.parameters())
     keys = mx.random.split(mx.random.key(seed), max(2, len(params)))
-    embeddings = {p for p, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))}
+    embeddings = {
+        p for p, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))
+    }
     # With tied embeddings the residual stream holds the input token's own row, whose logit is its
     # squared norm: at std 1 that echo beats every block and the model repeats its last token.
-    tied = not any(isinstance(m, nn.Linear) and m.weight.shape[0] == VOCAB for _, m in model.named_modules())
+    tied = not any(
+        isinstance(m, nn.Linear) and m.weight.shape[0] == VOCAB for _, m in model.named_modules()
+    )
     embed_std = 0.1 if tied else 1.0
     new = []
     for i, (name, v) in enumerate(params):
@@ -346,8 +447,10 @@ def reinit(model: nn.Module, seed: int = 0, experts: int = EXPERTS) -> None:
         if owner in embeddings and leaf == "weight":
             w = z * embed_std
         elif v.ndim >= 2:
-            fan_in = v.shape[-1] if v.ndim == 2 or v.shape[0] == experts else int(np.prod(v.shape[1:]))
-            w = z * fan_in ** -0.5
+            fan_in = (
+                v.shape[-1] if v.ndim == 2 or v.shape[0] == experts else int(np.prod(v.shape[1:]))
+            )
+            w = z * fan_in**-0.5
         elif leaf in ("weight", "scale", "g", "gamma"):
             w = 1.0 + z * 0.02
         else:
@@ -389,9 +492,16 @@ def _mentions_experts(mod: types.ModuleType) -> bool:
     """Whether the family's source, or that of the mlx-lm modules it builds on, speaks of experts."""
     mods = {mod}
     for v in vars(mod).values():
-        m = v if isinstance(v, types.ModuleType) else sys.modules.get(getattr(v, "__module__", "") or "")
-        if m is not None and m.__name__.startswith("mlx_lm.models.") and not m.__name__.endswith(
-                (".switch_layers", ".base")):
+        m = (
+            v
+            if isinstance(v, types.ModuleType)
+            else sys.modules.get(getattr(v, "__module__", "") or "")
+        )
+        if (
+            m is not None
+            and m.__name__.startswith("mlx_lm.models.")
+            and not m.__name__.endswith((".switch_layers", ".base"))
+        ):
             mods.add(m)
     for m in mods:
         try:
@@ -413,8 +523,19 @@ def _instantiate(model_type: str):
 # Issue 13's families: silently wrong before (shared experts or an inline term counted N times)...
 WRONG = ["hunyuan", "step3p5", "longcat_flash", "longcat_flash_ngram"]
 # ...and refused before: config nested under text_config, `model_dim`, or a top-k key the planner did not know
-REFUSED = ["qwen3_5_moe", "qwen3_vl_moe", "kimi_k25", "kimi_vl", "kimi_k3", "minimax_m3_vl", "llama4", "phixtral",
-           "ernie4_5_moe", "kimi_linear", "gemma4_text"]
+REFUSED = [
+    "qwen3_5_moe",
+    "qwen3_vl_moe",
+    "kimi_k25",
+    "kimi_vl",
+    "kimi_k3",
+    "minimax_m3_vl",
+    "llama4",
+    "phixtral",
+    "ernie4_5_moe",
+    "kimi_linear",
+    "gemma4_text",
+]
 
 
 def families() -> list[str]:
@@ -488,8 +609,14 @@ def _tokenizer_dir() -> Path:
     return out
 
 
-def make_checkpoint(model_type: str, out_dir, seed: int = 0, quantize: str | None = None,
-                    tokenizer: bool = False, cfg: dict | None = None) -> Path:
+def make_checkpoint(
+    model_type: str,
+    out_dir,
+    seed: int = 0,
+    quantize: str | None = None,
+    tokenizer: bool = False,
+    cfg: dict | None = None,
+) -> Path:
     """Write config.json + model.safetensors of the tiny model, loadable by mlx_lm.utils.load_model;
     with `tokenizer`, also tokenizer files of VOCAB tokens, so the commands that read text run on it.
     `cfg` replaces the family's tiny config (drawn.py's configs)."""
@@ -505,8 +632,14 @@ def make_checkpoint(model_type: str, out_dir, seed: int = 0, quantize: str | Non
         q = QUANT_MODES[quantize]
         # group size 32 divides every tiny width (hidden 64, expert 32); quantize_model skips others
         with contextlib.redirect_stdout(io.StringIO()):  # it prints bits per weight
-            model, cfg = quantize_model(model, cfg, group_size=q["group_size"], bits=q["bits"], mode=q["mode"],
-                                        quant_predicate=_override_first_bank(model, q))
+            model, cfg = quantize_model(
+                model,
+                cfg,
+                group_size=q["group_size"],
+                bits=q["bits"],
+                mode=q["mode"],
+                quant_predicate=_override_first_bank(model, q),
+            )
     weights = dict(tree_flatten(model.parameters()))
     mx.eval(weights)
     for old in out.glob("model*.safetensors*"):
@@ -590,45 +723,104 @@ def record_routing(model: nn.Module):
 
 _OVERRIDES: dict[str, dict] = {}
 
-_KDA = {"kda_layers": [1, 3], "full_attn_layers": [2, 4], "num_heads": HEADS, "head_dim": HEAD_DIM,
-        "short_conv_kernel_size": 4}
-_OVERRIDES.update({
-    # dbrx nests its sizes in two dicts the generic rules cannot see into
-    "dbrx": {"top": {"ffn_config": {"ffn_hidden_size": EXPERT_FFN, "moe_num_experts": EXPERTS, "moe_top_k": TOP_K},
-                     "attn_config": {"kv_n_heads": KV_HEADS, "clip_qkv": 8.0, "rope_theta": 10000.0}}},
-    # MLA attention reads rope_scaling's yarn fields unconditionally
-    "deepseek_v2": {"top": {"rope_scaling": {"type": "yarn", "factor": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-                                             "original_max_position_embeddings": 512}}},
-    # hunyuan: cross-layer attention sharing needs a factor; mixed MLP+MoE is its real shape
-    "hunyuan": {"top": {"use_cla": True, "cla_share_factor": 2, "use_mixed_mlp_moe": True,
-                        "rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"}}},
-    # jamba: one attention layer in the period of 2, MoE every other layer as released
-    "jamba": {"top": {"attn_layer_offset": 1, "attn_layer_period": 2, "expert_layer_offset": 1,
-                      "expert_layer_period": 2}},
-    # linear-attention layout is a nested dict (1-based layer numbers)
-    "kimi_linear": {"top": {"linear_attn_config": _KDA}},
-    "kimi_k3": {"text": {"linear_attn_config": _KDA, "model_type": "kimi_linear"}},
-    # lfm2: short-conv and attention layers by name
-    "lfm2_moe": {"top": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]}},
-    # llama4 routes exactly one expert per token (asserted) and interleaves MoE every other layer
-    "llama4": {"text": {"num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "attention_chunk_size": 32,
-                        "intermediate_size_mlp": FFN, "intermediate_size": EXPERT_FFN}},
-    # muse_spark rejects dense or shared-expert layers
-    "muse_spark": {"text": {"num_shared_experts": 0, "mlp_layer_types": None}},
-    # nemotron_h describes its stack as a pattern of mamba / attention / MoE blocks
-    # (its routed_scaling_factor defaults to None, which the router multiplies by); layer_types in
-    # transformers' names, which its config (read when the tokenizer is loaded) checks; mlx-lm reads
-    # the pattern
-    "nemotron_h": {"top": {"hybrid_override_pattern": ["M", "E", "*", "E"], "routed_scaling_factor": 1.0,
-                           "layer_types": ["linear_attention", "moe", "full_attention", "moe"]}},
-    # granitemoehybrid: mamba / attention layers by name; transformers' config wants the mamba heads to
-    # span mamba_expand (2) x hidden
-    "granitemoehybrid": {"top": {"layer_types": ["mamba", "attention", "mamba", "attention"], "mamba_d_head": 32}},
-    # mistral3 wraps a text model picked by text_config.model_type; mistral4 is its MoE one
-    "mistral3": {"text_class": lambda m: m.mistral4.ModelArgs, "text_model_type": "mistral4",
-                 "text": {"model_type": "mistral4"}},
-    # gemma4: experts only with enable_moe_block; no KV-sharing layers at this depth
-    "gemma4_text": {"top": {"enable_moe_block": True, "num_kv_shared_layers": 0}},
-    "gemma4": {"text_class": lambda m: m.gemma4_text.ModelArgs,
-               "text": {"enable_moe_block": True, "num_kv_shared_layers": 0, "model_type": "gemma4_text"}},
-})
+_KDA = {
+    "kda_layers": [1, 3],
+    "full_attn_layers": [2, 4],
+    "num_heads": HEADS,
+    "head_dim": HEAD_DIM,
+    "short_conv_kernel_size": 4,
+}
+_OVERRIDES.update(
+    {
+        # dbrx nests its sizes in two dicts the generic rules cannot see into
+        "dbrx": {
+            "top": {
+                "ffn_config": {
+                    "ffn_hidden_size": EXPERT_FFN,
+                    "moe_num_experts": EXPERTS,
+                    "moe_top_k": TOP_K,
+                },
+                "attn_config": {"kv_n_heads": KV_HEADS, "clip_qkv": 8.0, "rope_theta": 10000.0},
+            }
+        },
+        # MLA attention reads rope_scaling's yarn fields unconditionally
+        "deepseek_v2": {
+            "top": {
+                "rope_scaling": {
+                    "type": "yarn",
+                    "factor": 1.0,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                    "original_max_position_embeddings": 512,
+                }
+            }
+        },
+        # hunyuan: cross-layer attention sharing needs a factor; mixed MLP+MoE is its real shape
+        "hunyuan": {
+            "top": {
+                "use_cla": True,
+                "cla_share_factor": 2,
+                "use_mixed_mlp_moe": True,
+                "rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"},
+            }
+        },
+        # jamba: one attention layer in the period of 2, MoE every other layer as released
+        "jamba": {
+            "top": {
+                "attn_layer_offset": 1,
+                "attn_layer_period": 2,
+                "expert_layer_offset": 1,
+                "expert_layer_period": 2,
+            }
+        },
+        # linear-attention layout is a nested dict (1-based layer numbers)
+        "kimi_linear": {"top": {"linear_attn_config": _KDA}},
+        "kimi_k3": {"text": {"linear_attn_config": _KDA, "model_type": "kimi_linear"}},
+        # lfm2: short-conv and attention layers by name
+        "lfm2_moe": {"top": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]}},
+        # llama4 routes exactly one expert per token (asserted) and interleaves MoE every other layer
+        "llama4": {
+            "text": {
+                "num_experts_per_tok": 1,
+                "interleave_moe_layer_step": 2,
+                "attention_chunk_size": 32,
+                "intermediate_size_mlp": FFN,
+                "intermediate_size": EXPERT_FFN,
+            }
+        },
+        # muse_spark rejects dense or shared-expert layers
+        "muse_spark": {"text": {"num_shared_experts": 0, "mlp_layer_types": None}},
+        # nemotron_h describes its stack as a pattern of mamba / attention / MoE blocks
+        # (its routed_scaling_factor defaults to None, which the router multiplies by); layer_types in
+        # transformers' names, which its config (read when the tokenizer is loaded) checks; mlx-lm reads
+        # the pattern
+        "nemotron_h": {
+            "top": {
+                "hybrid_override_pattern": ["M", "E", "*", "E"],
+                "routed_scaling_factor": 1.0,
+                "layer_types": ["linear_attention", "moe", "full_attention", "moe"],
+            }
+        },
+        # granitemoehybrid: mamba / attention layers by name; transformers' config wants the mamba heads to
+        # span mamba_expand (2) x hidden
+        "granitemoehybrid": {
+            "top": {"layer_types": ["mamba", "attention", "mamba", "attention"], "mamba_d_head": 32}
+        },
+        # mistral3 wraps a text model picked by text_config.model_type; mistral4 is its MoE one
+        "mistral3": {
+            "text_class": lambda m: m.mistral4.ModelArgs,
+            "text_model_type": "mistral4",
+            "text": {"model_type": "mistral4"},
+        },
+        # gemma4: experts only with enable_moe_block; no KV-sharing layers at this depth
+        "gemma4_text": {"top": {"enable_moe_block": True, "num_kv_shared_layers": 0}},
+        "gemma4": {
+            "text_class": lambda m: m.gemma4_text.ModelArgs,
+            "text": {
+                "enable_moe_block": True,
+                "num_kv_shared_layers": 0,
+                "model_type": "gemma4_text",
+            },
+        },
+    }
+)

@@ -12,11 +12,18 @@ import aiohttp
 
 # Chromium resolves no name and reaches no address but loopback (everything else goes to a proxy
 # that is not there, port 9 of this machine): a page must draw from the coordinator alone.
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                  "--disable-extensions", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync",
-                  "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
-                  "--proxy-server=127.0.0.1:9"]  # loopback bypasses a proxy by Chromium's own rule
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-extensions",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+    "--proxy-server=127.0.0.1:9",
+]  # loopback bypasses a proxy by Chromium's own rule
 
 
 class Page:
@@ -24,8 +31,14 @@ class Page:
 
     def __init__(self, profile: Path, downloads: Path):
         """A fresh Chromium on `profile` (its local storage), saving downloads into `downloads`."""
-        cmd = ["chromium", *CHROMIUM_FLAGS, "--window-size=1400,900", "--remote-debugging-port=0",
-               f"--user-data-dir={profile}", "about:blank"]
+        cmd = [
+            "chromium",
+            *CHROMIUM_FLAGS,
+            "--window-size=1400,900",
+            "--remote-debugging-port=0",
+            f"--user-data-dir={profile}",
+            "about:blank",
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         port_file = profile / "DevToolsActivePort"
         deadline = time.monotonic() + 60
@@ -40,9 +53,13 @@ class Page:
         self.events: list[dict] = []
         self.call("Browser.setDownloadBehavior", behavior="allow", downloadPath=str(downloads))
         # every Content-Security-Policy violation, from the first script on
-        self.call("Page.addScriptToEvaluateOnNewDocument", source=(
-            "window.__csp = []; document.addEventListener('securitypolicyviolation', "
-            "(e) => window.__csp.push(e.violatedDirective + ' ' + e.blockedURI));"))
+        self.call(
+            "Page.addScriptToEvaluateOnNewDocument",
+            source=(
+                "window.__csp = []; document.addEventListener('securitypolicyviolation', "
+                "(e) => window.__csp.push(e.violatedDirective + ' ' + e.blockedURI));"
+            ),
+        )
 
     async def _open(self, base: str) -> None:
         self.session = aiohttp.ClientSession()
@@ -79,8 +96,9 @@ class Page:
         return self.loop.run_until_complete(self._call(method, params))
 
     def js(self, expression: str):
-        r = self.call("Runtime.evaluate", expression=expression, returnByValue=True,
-                      awaitPromise=True)
+        r = self.call(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
         assert "exceptionDetails" not in r, r["exceptionDetails"]
         return r["result"].get("value")
 
@@ -96,14 +114,18 @@ class Page:
     def open(self, url: str) -> None:
         self.call("Page.enable")
         self.call("Page.navigate", url=url)
-        self.wait("document.readyState === 'complete' && !!document.getElementById('chat')",
-                  what="the page")
+        self.wait(
+            "document.readyState === 'complete' && !!document.getElementById('chat')",
+            what="the page",
+        )
 
     def click(self, element_id: str) -> None:
         """A mouse click at the element's centre, as a person's (a disabled button stays dead)."""
-        x, y = self.js(f"(() => {{ const e = document.getElementById('{element_id}'); "
-                       "e.scrollIntoView(); const r = e.getBoundingClientRect(); "
-                       "return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        x, y = self.js(
+            f"(() => {{ const e = document.getElementById('{element_id}'); "
+            "e.scrollIntoView(); const r = e.getBoundingClientRect(); "
+            "return [r.x + r.width / 2, r.y + r.height / 2]; })()"
+        )
         for kind in ("mousePressed", "mouseReleased"):
             self.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
 
@@ -112,19 +134,27 @@ class Page:
         self.call("Input.insertText", text=text)
         if enter:
             for kind in ("keyDown", "keyUp"):
-                self.call("Input.dispatchKeyEvent", type=kind, key="Enter", code="Enter",
-                          windowsVirtualKeyCode=13)
+                self.call(
+                    "Input.dispatchKeyEvent",
+                    type=kind,
+                    key="Enter",
+                    code="Enter",
+                    windowsVirtualKeyCode=13,
+                )
 
     def set_field(self, element_id: str, value: str) -> None:
-        self.js(f"(() => {{ const e = document.getElementById('{element_id}'); e.value = ''; "
-                "e.focus(); })()")
+        self.js(
+            f"(() => {{ const e = document.getElementById('{element_id}'); e.value = ''; "
+            "e.focus(); })()"
+        )
         self.call("Input.insertText", text=value)
         self.js(f"document.getElementById('{element_id}').dispatchEvent(new Event('change'))")
 
     def stored(self) -> list[dict]:
         """The conversation the page keeps in local storage."""
-        return self.js("(JSON.parse(localStorage.getItem('moe-cluster-chat')) || {messages: []})"
-                       ".messages")
+        return self.js(
+            "(JSON.parse(localStorage.getItem('moe-cluster-chat')) || {messages: []}).messages"
+        )
 
     def close(self) -> None:
         try:

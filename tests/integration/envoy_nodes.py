@@ -49,7 +49,9 @@ def partial(offset: int, rank: int, layout: tuple) -> np.ndarray:
 def expected(offset: int, world_size: int, layout: tuple) -> np.ndarray:
     _, dtype, shape = layout
     n = int(np.prod(shape))
-    total = sum(((offset + r * 7 + np.arange(n)) % 61).astype(np.float32) for r in range(world_size))
+    total = sum(
+        ((offset + r * 7 + np.arange(n)) % 61).astype(np.float32) for r in range(world_size)
+    )
     return _raw(total.astype(np.float32), dtype)
 
 
@@ -68,13 +70,17 @@ def run_request(envoy, request_id: str, steps: int) -> dict:
         layer, dtype, shape = layout
         offset = _offset(request_id, step)
         out = envoy.all_reduce(partial(offset, envoy.rank, layout), dtype, shape, layer)
-        if out.dtype == np.float32 and dtype != "float32":  # the envoy hands back the float32 sum (widened)
+        if (
+            out.dtype == np.float32 and dtype != "float32"
+        ):  # the envoy hands back the float32 sum (widened)
             out = from_float32(out, dtype)
         want = expected(offset, envoy.world_size, layout)
         if not np.array_equal(out, want):
             bad = int(np.flatnonzero(out != want)[0])
-            raise AssertionError(f"rank {envoy.rank}: request {request_id} step {step}: wrong sum at {bad} "
-                                 f"({out[bad]} != {want[bad]})")
+            raise AssertionError(
+                f"rank {envoy.rank}: request {request_id} step {step}: wrong sum at {bad} "
+                f"({out[bad]} != {want[bad]})"
+            )
     return {"steps": steps, "seconds": time.perf_counter() - t0, "spun": envoy.link.spun}
 
 
@@ -133,7 +139,9 @@ class Cluster:
 
     def start(self, rank: int, spec=None, wait: bool = True) -> Node:
         parent, child = self.ctx.Pipe()
-        p = self.ctx.Process(target=driver, args=(spec or self.spec, rank, child), name=f"node-{rank}", daemon=True)
+        p = self.ctx.Process(
+            target=driver, args=(spec or self.spec, rank, child), name=f"node-{rank}", daemon=True
+        )
         p.start()
         child.close()
         self.nodes[rank] = Node(rank, p, parent)
@@ -149,7 +157,9 @@ class Cluster:
         node.envoy_pid = rest[0]
         self.envoy_pids.add(node.envoy_pid)
 
-    def run(self, request_id: str, steps: int, ranks=None, timeout: float = 120.0) -> dict[int, tuple]:
+    def run(
+        self, request_id: str, steps: int, ranks=None, timeout: float = 120.0
+    ) -> dict[int, tuple]:
         ranks = list(self.nodes) if ranks is None else ranks
         for r in ranks:
             self.nodes[r].send("run", request_id, steps)

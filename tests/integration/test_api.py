@@ -29,13 +29,16 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 SECRET = "test-cluster-secret"  # so the test can ask the nodes themselves how they are
 CHUNK = 16  # prefill chunk: every prompt below is longer, so every request prefills in chunks
 QUEUE = 2
-YAML = yaml_for(2, extra=f"""api:
+YAML = yaml_for(
+    2,
+    extra=f"""api:
   api_key_env: MOE_TEST_API_KEY
 serving:
   prefill_chunk: {CHUNK}
   queue: {QUEUE}
   max_batch: 1  # one request runs at a time: the queue's order is what these tests see
-""")
+""",
+)
 PROMPT = "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him."
 LONG = 3000  # max_tokens of a request that runs for about a minute unless stopped
 
@@ -44,8 +47,9 @@ LONG = 3000  # max_tokens of a request that runs for about a minute unless stopp
 def api(tmp_path_factory):
     """One 2-node cluster with an API key for most of this module; yields its URL."""
     tmp = tmp_path_factory.mktemp("api")
-    with cluster(tmp, YAML, env={"MOE_TEST_API_KEY": KEY, "MOE_CLUSTER_SECRET": SECRET},
-                 api_key=KEY) as (url, proc, lines):
+    with cluster(
+        tmp, YAML, env={"MOE_TEST_API_KEY": KEY, "MOE_CLUSTER_SECRET": SECRET}, api_key=KEY
+    ) as (url, proc, lines):
         yield url
 
 
@@ -64,7 +68,9 @@ def stock():
     def run(ids: list[int], max_tokens: int) -> tuple[list[int], str, str]:
         out = list(stream_generate(model, tok, ids, max_tokens=max_tokens))
         # the last response carries the last token when max_tokens ran out, the EOS token otherwise
-        tokens = [r.token for r in out[:-1]] + ([out[-1].token] if out[-1].finish_reason == "length" else [])
+        tokens = [r.token for r in out[:-1]] + (
+            [out[-1].token] if out[-1].finish_reason == "length" else []
+        )
         return tokens, "".join(r.text for r in out), out[-1].finish_reason
 
     run.tokenizer = tok
@@ -72,7 +78,9 @@ def stock():
 
 
 def chat_ids(stock, messages: list[dict]) -> list[int]:
-    return list(stock.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    return list(
+        stock.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    )
 
 
 def prompt_ids(stock, text: str) -> list[int]:
@@ -91,11 +99,19 @@ def post(url: str, path: str, data: bytes, headers: dict | None = None) -> tuple
         conn.close()
 
 
-def assert_error(status: int, body, want_status: int, *needles: str, code: str | None = None,
-                 param: str | None = None) -> None:
+def assert_error(
+    status: int,
+    body,
+    want_status: int,
+    *needles: str,
+    code: str | None = None,
+    param: str | None = None,
+) -> None:
     """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}, naming what was wrong."""
     assert status == want_status, (status, body)
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, (
+        body
+    )
     err = body["error"]
     assert isinstance(err["message"], str) and isinstance(err["type"], str)
     for needle in needles:
@@ -184,9 +200,17 @@ def test_openai_client_completions_equal_stock_mlx_lm(client, stock):
     assert r.object == "text_completion" and r.model == "demo"
     assert r.choices[0].text == text and r.choices[0].finish_reason == finish == "length"
     assert r.model_extra["moe_cluster"]["tokens"] == tokens
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 40, len(ids) + 40)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(ids),
+        40,
+        len(ids) + 40,
+    )
 
-    chunks = list(client.completions.create(model="demo", prompt=PROMPT, max_tokens=40, temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(
+            model="demo", prompt=PROMPT, max_tokens=40, temperature=0, stream=True
+        )
+    )
     assert len(chunks) > 10  # streamed piece by piece
     assert "".join(c.choices[0].text for c in chunks) == text
     assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
@@ -194,35 +218,54 @@ def test_openai_client_completions_equal_stock_mlx_lm(client, stock):
 
 
 def test_openai_client_chat_equals_stock_mlx_lm_on_the_templated_prompt(client, stock):
-    messages = [{"role": "system", "content": "You speak as the players of the Globe do."},
-                {"role": "user", "content": "Who comes here, and what news from Rome?"}]
+    messages = [
+        {"role": "system", "content": "You speak as the players of the Globe do."},
+        {"role": "user", "content": "Who comes here, and what news from Rome?"},
+    ]
     ids = chat_ids(stock, messages)
-    assert stock.tokenizer.decode(ids).startswith("<|system|>\nYou speak")  # the template was applied
+    assert stock.tokenizer.decode(ids).startswith(
+        "<|system|>\nYou speak"
+    )  # the template was applied
     tokens, text, finish = stock(ids, 32)
-    r = client.chat.completions.create(model="demo", messages=messages, max_tokens=32, temperature=0)
+    r = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=32, temperature=0
+    )
     assert r.object == "chat.completion"
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == text
     assert r.choices[0].finish_reason == finish
     assert r.model_extra["moe_cluster"]["tokens"] == tokens
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), len(tokens))
 
-    chunks = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=32, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="demo", messages=messages, max_tokens=32, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text
-    assert chunks[-1].choices[0].finish_reason == finish and chunks[-1].usage.completion_tokens == len(tokens)
+    assert chunks[-1].choices[0].finish_reason == finish and chunks[
+        -1
+    ].usage.completion_tokens == len(tokens)
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
 
 
 def test_models_and_health(client, api):
     assert [m.id for m in client.models.list()] == ["demo"]
     status, body = http(api, "/health")
-    assert status == 200 and body == {"status": "ready", "reason": "", "nodes": {"node-0": "ready", "node-1": "ready"}}
+    assert status == 200 and body == {
+        "status": "ready",
+        "reason": "",
+        "nodes": {"node-0": "ready", "node-1": "ready"},
+    }
 
 
 def test_sampling_with_a_seed_repeats_and_differs_from_greedy_and_another_seed(client):
     def text(**sampling):
-        return client.completions.create(model="demo", prompt=PROMPT, max_tokens=16, **sampling).choices[0].text
+        return (
+            client.completions.create(model="demo", prompt=PROMPT, max_tokens=16, **sampling)
+            .choices[0]
+            .text
+        )
 
     texts = [text(temperature=0.9, top_p=0.9, seed=11) for _ in range(2)]
     assert texts[0] == texts[1]
@@ -245,8 +288,18 @@ def test_malformed_requests_are_400_naming_the_problem(api):
         ("/v1/completions", {"prompt": PROMPT, "stop": 7}, "stop", "'stop'"),
         ("/v1/completions", {"max_tokens": 4}, "prompt", "'prompt'"),
         ("/v1/chat/completions", {"messages": "hello"}, "messages", "'messages'"),
-        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "role"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "wizard", "content": "hi"}]},
+            "messages[0].role",
+            "role",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": 5}]},
+            "messages[0].content",
+            "string",
+        ),
     ]
     for path, body, param, needle in cases:
         status, out = http(api, path, body, headers=AUTH)
@@ -254,8 +307,12 @@ def test_malformed_requests_are_400_naming_the_problem(api):
 
 
 def test_unknown_model_is_404(api, client):
-    status, body = http(api, "/v1/chat/completions", {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}],
-                                                      "stream": True}, headers=AUTH)
+    status, body = http(
+        api,
+        "/v1/chat/completions",
+        {"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        headers=AUTH,
+    )
     assert_error(status, body, 404, "'gpt-5'", "'demo'", code="model_not_found", param="model")
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-5", prompt=PROMPT, max_tokens=4)
@@ -263,7 +320,9 @@ def test_unknown_model_is_404(api, client):
 
 def test_missing_or_wrong_api_key_is_401(api, client):
     for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}):
-        status, body = http(api, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}, headers=headers)
+        status, body = http(
+            api, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4}, headers=headers
+        )
         assert_error(status, body, 401, "API key", code="invalid_api_key")
     assert_error(*http(api, "/v1/models"), 401, "API key")
     with pytest.raises(openai.AuthenticationError):
@@ -275,11 +334,23 @@ def test_a_prompt_longer_than_the_context_is_400(api, client, stock):
     n = len(prompt_ids(stock, text))
     assert n > 4096
     status, body = http(api, "/v1/completions", {"prompt": text, "max_tokens": 8}, headers=AUTH)
-    assert_error(status, body, 400, "4096", f"{n} in the prompt", code="context_length_exceeded", param="prompt")
+    assert_error(
+        status,
+        body,
+        400,
+        "4096",
+        f"{n} in the prompt",
+        code="context_length_exceeded",
+        param="prompt",
+    )
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
-        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": text}], max_tokens=8)
+        client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": text}], max_tokens=8
+        )
     # room for the prompt but not for the completion: the same error, about max_tokens
-    status, body = http(api, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4090}, headers=AUTH)
+    status, body = http(
+        api, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4090}, headers=AUTH
+    )
     assert_error(status, body, 400, "4096", code="context_length_exceeded", param="max_tokens")
 
 
@@ -310,7 +381,9 @@ def test_a_full_queue_is_429_and_requests_are_served_in_order(api):
     before = cancelled(api)
 
     async def scenario():
-        async with aiohttp.ClientSession(headers=AUTH, timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async with aiohttp.ClientSession(
+            headers=AUTH, timeout=aiohttp.ClientTimeout(total=60)
+        ) as session:
             running = await first_line(session)
             second = asyncio.create_task(first_line(session))
             await until_depth(session, 2)
@@ -318,9 +391,12 @@ def test_a_full_queue_is_429_and_requests_are_served_in_order(api):
             await until_depth(session, 3)  # one running, QUEUE waiting
             assert metrics(api)["moe_cluster_queue_depth"] == 3
             async with session.post(api + "/v1/completions", json=body) as r:
-                assert_error(r.status, await r.json(), 429, f"({QUEUE} requests waiting)", code="queue_full")
-            async with session.post(api + "/v1/chat/completions",
-                                    json={"messages": [{"role": "user", "content": "hi"}]}) as r:
+                assert_error(
+                    r.status, await r.json(), 429, f"({QUEUE} requests waiting)", code="queue_full"
+                )
+            async with session.post(
+                api + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+            ) as r:
                 assert r.status == 429
             running.close()  # the client goes away: the first waiting request runs next, not the second
             resp2 = await asyncio.wait_for(second, 5)
@@ -373,7 +449,9 @@ def stream_events(api: str, path: str, body: dict) -> list[dict]:
 def _first_token_at(client, messages) -> tuple[float, str]:
     """(monotonic time of the first streamed text, the whole text) of a short chat turn."""
     first, text = None, []
-    for c in client.chat.completions.create(model="demo", messages=messages, max_tokens=8, stream=True):
+    for c in client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=8, stream=True
+    ):
         piece = c.choices[0].delta.content
         if piece:
             first = first or time.monotonic()
@@ -382,7 +460,9 @@ def _first_token_at(client, messages) -> tuple[float, str]:
 
 
 IDLE = {"node-0": ("ready", 0), "node-1": ("ready", 0)}
-NEXT_TURN = [{"role": "user", "content": "What news on the Rialto?"}]  # a short request after a cancel
+NEXT_TURN = [
+    {"role": "user", "content": "What news on the Rialto?"}
+]  # a short request after a cancel
 
 
 def test_a_client_that_disconnects_frees_the_cluster_at_once(api, client, stock):
@@ -390,8 +470,13 @@ def test_a_client_that_disconnects_frees_the_cluster_at_once(api, client, stock)
     to generate (its own pace times its remaining tokens: a minute here), not after it."""
     before = cancelled(api)
     want = stock(chat_ids(stock, NEXT_TURN), 8)[1]
-    for path, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": LONG}),
-                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": LONG})):
+    for path, body in (
+        ("/v1/completions", {"prompt": PROMPT, "max_tokens": LONG}),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": LONG},
+        ),
+    ):
         sent = time.monotonic()
         conn, resp = _open_stream(api, path, body)
         events = 0
@@ -405,7 +490,9 @@ def test_a_client_that_disconnects_frees_the_cluster_at_once(api, client, stock)
         gone = time.monotonic()
         first, text = _first_token_at(client, NEXT_TURN)  # sent at once: it waits for the cancel
         left = (LONG - events) * pace  # seconds of work the abandoned stream had left
-        print(f"next first token {first - gone:.2f} s after the hang-up; {left:.1f} s of work were left")
+        print(
+            f"next first token {first - gone:.2f} s after the hang-up; {left:.1f} s of work were left"
+        )
         assert first - gone < left / 50, (first - gone, left)
         assert text == want  # the next request starts cleanly
         assert node_reports(api) == IDLE  # and nothing is left running on any node
@@ -413,7 +500,9 @@ def test_a_client_that_disconnects_frees_the_cluster_at_once(api, client, stock)
     wait_cancelled(api, before + 2)
 
 
-def test_a_client_that_goes_during_a_long_prefill_frees_the_cluster_before_the_prefill_ends(api, client, stock):
+def test_a_client_that_goes_during_a_long_prefill_frees_the_cluster_before_the_prefill_ends(
+    api, client, stock
+):
     """The next request's first token comes within half of what the abandoned prefill had left (the
     whole prefill timed on a prompt of the same length that shares no prefix with it)."""
     before = cancelled(api)
@@ -427,8 +516,14 @@ def test_a_client_that_goes_during_a_long_prefill_frees_the_cluster_before_the_p
     _hang_up(conn)  # before the first token: in the middle of the prefill
     gone = time.monotonic()
     first, text = _first_token_at(client, NEXT_TURN)
-    print(f"disconnected {gone - t0:.2f} s into a {prefill_s:.2f} s prefill; the next request's first token {first - gone:.2f} s later")
-    assert first - gone < (prefill_s - (gone - t0)) / 2, (first - gone, prefill_s, gone - t0)  # not after the rest
+    print(
+        f"disconnected {gone - t0:.2f} s into a {prefill_s:.2f} s prefill; the next request's first token {first - gone:.2f} s later"
+    )
+    assert first - gone < (prefill_s - (gone - t0)) / 2, (
+        first - gone,
+        prefill_s,
+        gone - t0,
+    )  # not after the rest
     assert text == stock(chat_ids(stock, NEXT_TURN), 8)[1]
     assert node_reports(api) == IDLE
     wait_cancelled(api, before + 1)
@@ -439,7 +534,9 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_goes(api, client, s
     wait_for(lambda: cluster_status(api)["queue_depth"] == 1, 5, "the request running")
     wait_for(lambda: running_everywhere(api), 5, "running on every node")
     _hang_up(conn)
-    r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4)  # at once: waits for the cancel
+    r = client.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=4
+    )  # at once: waits for the cancel
     assert r.model_extra["moe_cluster"]["tokens"] == stock(prompt_ids(stock, PROMPT), 4)[0]
     assert node_reports(api) == IDLE
 
@@ -448,39 +545,57 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_goes(api, client, s
 
 
 def test_a_follow_up_turn_reuses_the_prompt_cache_and_gives_stock_tokens(api, stock):
-    messages = [{"role": "system", "content": "Thou art Horatio, a scholar. " * 12},
-                {"role": "user", "content": "What saw you upon the platform last night?"}]
-    first = http(api, "/v1/chat/completions", {"messages": messages, "max_tokens": 24}, headers=AUTH)[1]
-    assert first["moe_cluster"]["cached_tokens"] < len(chat_ids(stock, messages)) // 2  # a new conversation
+    messages = [
+        {"role": "system", "content": "Thou art Horatio, a scholar. " * 12},
+        {"role": "user", "content": "What saw you upon the platform last night?"},
+    ]
+    first = http(
+        api, "/v1/chat/completions", {"messages": messages, "max_tokens": 24}, headers=AUTH
+    )[1]
+    assert (
+        first["moe_cluster"]["cached_tokens"] < len(chat_ids(stock, messages)) // 2
+    )  # a new conversation
     hits = metrics(api)["moe_cluster_prompt_cache_hits_total"]
     reused = metrics(api)["moe_cluster_prompt_cache_reused_tokens_total"]
-    messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
-                 {"role": "user", "content": "And did it speak?"}]
+    messages += [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And did it speak?"},
+    ]
     ids = chat_ids(stock, messages)
     tokens, text, _ = stock(ids, 24)
     # the whole first turn, its answer included, comes from the cache: only the new turn is prefilled
     least = len(chat_ids(stock, messages[:2])) + first["usage"]["completion_tokens"]
-    out = http(api, "/v1/chat/completions", {"messages": messages, "max_tokens": 24}, headers=AUTH)[1]
+    out = http(api, "/v1/chat/completions", {"messages": messages, "max_tokens": 24}, headers=AUTH)[
+        1
+    ]
     assert least <= out["moe_cluster"]["cached_tokens"] < len(ids)
-    assert out["moe_cluster"]["tokens"] == tokens and out["choices"][0]["message"]["content"] == text
+    assert (
+        out["moe_cluster"]["tokens"] == tokens and out["choices"][0]["message"]["content"] == text
+    )
     events = stream_events(api, "/v1/chat/completions", {"messages": messages, "max_tokens": 24})
     assert least <= events[-1]["moe_cluster"]["cached_tokens"] < len(ids)
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == text
     m = metrics(api)
     assert m["moe_cluster_prompt_cache_hits_total"] == hits + 2
-    assert m["moe_cluster_prompt_cache_reused_tokens_total"] == \
-        reused + out["moe_cluster"]["cached_tokens"] + events[-1]["moe_cluster"]["cached_tokens"]
+    assert (
+        m["moe_cluster_prompt_cache_reused_tokens_total"]
+        == reused + out["moe_cluster"]["cached_tokens"] + events[-1]["moe_cluster"]["cached_tokens"]
+    )
 
 
 def test_stop_strings_end_the_text_before_them(api, client, stock):
     _, text, _ = stock(prompt_ids(stock, PROMPT), 40)
     cut = len(text) // 2
-    stop = text[cut:cut + 4]
+    stop = text[cut : cut + 4]
     cut = text.index(stop)  # where it first occurs
     assert 0 < cut and stop.strip()
-    r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=40, stop=["never-said", stop])
+    r = client.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=40, stop=["never-said", stop]
+    )
     assert r.choices[0].text == text[:cut] and r.choices[0].finish_reason == "stop"
-    events = stream_events(api, "/v1/completions", {"prompt": PROMPT, "max_tokens": 40, "stop": stop})
+    events = stream_events(
+        api, "/v1/completions", {"prompt": PROMPT, "max_tokens": 40, "stop": stop}
+    )
     assert "".join(e["choices"][0]["text"] for e in events) == text[:cut]
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
     r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=40, stop="never-said")
@@ -491,25 +606,50 @@ def test_stop_strings_end_the_text_before_them(api, client, stock):
 def test_metrics_count_what_was_served(api, client):
     before = metrics(api)
     r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=12)
+
     def refreshed():  # the nodes' all-reduce histograms are fetched after each request
         m, key = metrics(api), 'moe_cluster_allreduce_seconds_count{node="node-1"}'
         return m if m.get(key, 0) > before.get(key, 0) else None
 
     m = wait_for(refreshed, 5, "all-reduce histograms refreshed")
-    assert m['moe_cluster_requests_total{outcome="ok"}'] == before['moe_cluster_requests_total{outcome="ok"}'] + 1
-    assert m["moe_cluster_generated_tokens_total"] == before["moe_cluster_generated_tokens_total"] + 12
-    assert m["moe_cluster_prompt_tokens_total"] == before["moe_cluster_prompt_tokens_total"] + r.usage.prompt_tokens
-    assert m["moe_cluster_prompt_tokens_per_second"] > 0 and m["moe_cluster_generation_tokens_per_second"] > 0
-    assert m["moe_cluster_time_to_first_token_seconds_count"] == before["moe_cluster_time_to_first_token_seconds_count"] + 1
-    assert m['moe_cluster_time_to_first_token_seconds_bucket{le="+Inf"}'] == m["moe_cluster_time_to_first_token_seconds_count"]
+    assert (
+        m['moe_cluster_requests_total{outcome="ok"}']
+        == before['moe_cluster_requests_total{outcome="ok"}'] + 1
+    )
+    assert (
+        m["moe_cluster_generated_tokens_total"] == before["moe_cluster_generated_tokens_total"] + 12
+    )
+    assert (
+        m["moe_cluster_prompt_tokens_total"]
+        == before["moe_cluster_prompt_tokens_total"] + r.usage.prompt_tokens
+    )
+    assert (
+        m["moe_cluster_prompt_tokens_per_second"] > 0
+        and m["moe_cluster_generation_tokens_per_second"] > 0
+    )
+    assert (
+        m["moe_cluster_time_to_first_token_seconds_count"]
+        == before["moe_cluster_time_to_first_token_seconds_count"] + 1
+    )
+    assert (
+        m['moe_cluster_time_to_first_token_seconds_bucket{le="+Inf"}']
+        == m["moe_cluster_time_to_first_token_seconds_count"]
+    )
     for node in ("node-0", "node-1"):
         assert m[f'moe_cluster_node_up{{node="{node}"}}'] == 1
-        buckets = [v for k, v in m.items() if k.startswith(f'moe_cluster_allreduce_seconds_bucket{{node="{node}"')]
+        buckets = [
+            v
+            for k, v in m.items()
+            if k.startswith(f'moe_cluster_allreduce_seconds_bucket{{node="{node}"')
+        ]
         assert len(buckets) > 5 and buckets == sorted(buckets)  # cumulative
         assert buckets[-1] == m[f'moe_cluster_allreduce_seconds_count{{node="{node}"}}'] > 0
         assert m[f'moe_cluster_allreduce_seconds_sum{{node="{node}"}}'] > 0
     assert m["moe_cluster_queue_depth"] == 0 and m["moe_cluster_ready"] == 1
-    for name in ("moe_cluster_prompt_cache_hits_total", "moe_cluster_prompt_cache_reused_tokens_total"):
+    for name in (
+        "moe_cluster_prompt_cache_hits_total",
+        "moe_cluster_prompt_cache_reused_tokens_total",
+    ):
         assert name in m
 
 
@@ -543,11 +683,17 @@ class Terminal:
         while needle not in self.out:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self.fd], [], [], left)[0]:
-                raise AssertionError(f"no {needle!r} within {timeout} s; the terminal shows:\n{self.out}")
+                raise AssertionError(
+                    f"no {needle!r} within {timeout} s; the terminal shows:\n{self.out}"
+                )
             try:
-                self.out += ANSI.sub("", os.read(self.fd, 4096).decode(errors="replace").replace("\r\n", "\n"))
+                self.out += ANSI.sub(
+                    "", os.read(self.fd, 4096).decode(errors="replace").replace("\r\n", "\n")
+                )
             except OSError:  # the child is gone
-                raise AssertionError(f"exited before {needle!r}; the terminal shows:\n{self.out}") from None
+                raise AssertionError(
+                    f"exited before {needle!r}; the terminal shows:\n{self.out}"
+                ) from None
         i = self.out.index(needle) + len(needle)
         seen, self.out = self.out[:i], self.out[i:]
         return seen
@@ -576,7 +722,9 @@ def _answer(seen: str) -> str:
 
 def test_chat_streams_a_multi_turn_conversation_in_a_terminal(api):
     env = dict(os.environ, MOE_CLUSTER_API_KEY=KEY)  # the key comes from the environment
-    term = Terminal("-m", "moe_cluster.coordinator.cli", "chat", "--url", api, "--max-tokens", "24", env=env)
+    term = Terminal(
+        "-m", "moe_cluster.coordinator.cli", "chat", "--url", api, "--max-tokens", "24", env=env
+    )
     try:
         term.read_until("you> ")
         messages = []
@@ -584,7 +732,9 @@ def test_chat_streams_a_multi_turn_conversation_in_a_terminal(api):
             term.type(line + "\r")
             shown = _answer(term.read_until("\nyou> "))
             messages.append({"role": "user", "content": line})
-            want = http(api, "/v1/chat/completions", {"messages": messages, "max_tokens": 24}, headers=AUTH)[1]
+            want = http(
+                api, "/v1/chat/completions", {"messages": messages, "max_tokens": 24}, headers=AUTH
+            )[1]
             assert shown == want["choices"][0]["message"]["content"]  # the whole history was sent
             messages.append({"role": "assistant", "content": shown})
         assert want["moe_cluster"]["cached_tokens"] > 0
@@ -596,10 +746,23 @@ def test_chat_streams_a_multi_turn_conversation_in_a_terminal(api):
 
 def test_chat_shows_an_answer_as_it_streams_and_ctrl_c_stops_it(api):
     line = "Tell me a long tale."
-    start = http(api, "/v1/chat/completions", {"messages": [{"role": "user", "content": line}], "max_tokens": 16},
-                 headers=AUTH)[1]["choices"][0]["message"]["content"]  # how the (greedy) answer begins
+    start = http(
+        api,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": line}], "max_tokens": 16},
+        headers=AUTH,
+    )[1]["choices"][0]["message"]["content"]  # how the (greedy) answer begins
     env = dict(os.environ, MOE_CLUSTER_API_KEY=KEY)
-    term = Terminal("-m", "moe_cluster.coordinator.cli", "chat", "--url", api, "--max-tokens", str(LONG), env=env)
+    term = Terminal(
+        "-m",
+        "moe_cluster.coordinator.cli",
+        "chat",
+        "--url",
+        api,
+        "--max-tokens",
+        str(LONG),
+        env=env,
+    )
     try:
         term.read_until("you> ")
         term.type(line + "\r")
@@ -622,12 +785,29 @@ def test_chat_shows_an_answer_as_it_streams_and_ctrl_c_stops_it(api):
 def test_a_cluster_with_a_dead_node_answers_503_with_the_reason(tmp_path):
     """Past serving.recovery_wait (shorter here than the restarted node's rejoin) a request waiting
     for the cluster gets the 503 of the lost node."""
-    with cluster(tmp_path, yaml_for(2, extra="serving:\n  recovery_wait: 100ms\n")) as (url, proc, lines):
+    with cluster(tmp_path, yaml_for(2, extra="serving:\n  recovery_wait: 100ms\n")) as (
+        url,
+        proc,
+        lines,
+    ):
         victim = http(url, "/v1/cluster/status")[1]["nodes"][1]
         os.kill(victim["pid"], signal.SIGKILL)
         wait_for(lambda: http(url, "/health")[0] == 503, 10, "the cluster degraded")
-        for path, body in (("/v1/completions", {"prompt": PROMPT, "max_tokens": 4}),
-                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True})):
-            assert_error(*http(url, path, body), 503, "degraded", f"node {victim['name']}", code="cluster_degraded")
+        for path, body in (
+            ("/v1/completions", {"prompt": PROMPT, "max_tokens": 4}),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "stream": True},
+            ),
+        ):
+            assert_error(
+                *http(url, path, body),
+                503,
+                "degraded",
+                f"node {victim['name']}",
+                code="cluster_degraded",
+            )
         status, health = http(url, "/health")
-        assert status == 503 and health["status"] == "degraded" and victim["name"] in health["reason"]
+        assert (
+            status == 503 and health["status"] == "degraded" and victim["name"] in health["reason"]
+        )

@@ -22,17 +22,21 @@ KEY = "sk-test-bad-input"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SECRET = "test-bad-input-secret"  # so the test can call the nodes' gRPC service itself
 VOCAB = 1024  # the demo model's embedding rows
-YAML = yaml_for(2, extra="""api:
+YAML = yaml_for(
+    2,
+    extra="""api:
   api_key_env: MOE_TEST_API_KEY
   metrics_auth: true
-""")
+""",
+)
 
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad-input")
-    with cluster(tmp, YAML, env={"MOE_TEST_API_KEY": KEY, "MOE_CLUSTER_SECRET": SECRET},
-                 api_key=KEY) as (url, proc, lines):
+    with cluster(
+        tmp, YAML, env={"MOE_TEST_API_KEY": KEY, "MOE_CLUSTER_SECRET": SECRET}, api_key=KEY
+    ) as (url, proc, lines):
         yield url
 
 
@@ -82,8 +86,12 @@ BAD = [
 
 
 def test_chat_text_that_is_not_unicode_is_400(api):
-    code, reply = http(api, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x\udfff"}]},
-                       headers=AUTH)
+    code, reply = http(
+        api,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x\udfff"}]},
+        headers=AUTH,
+    )
     assert code == 400 and reply["error"]["param"] == "messages[0].content", reply
 
 
@@ -106,14 +114,20 @@ def test_nan_and_infinity_are_400(api):
 
 def test_seed_at_the_ends_of_its_range_runs_and_repeats(api):
     for seed in (0, 2**64 - 1):
-        a = complete(api, {"prompt": "Good night", "max_tokens": 3, "temperature": 1.0, "seed": seed})
-        b = complete(api, {"prompt": "Good night", "max_tokens": 3, "temperature": 1.0, "seed": seed})
+        a = complete(
+            api, {"prompt": "Good night", "max_tokens": 3, "temperature": 1.0, "seed": seed}
+        )
+        b = complete(
+            api, {"prompt": "Good night", "max_tokens": 3, "temperature": 1.0, "seed": seed}
+        )
         assert a[0] == b[0] == 200, (a, b)
         assert a[1]["moe_cluster"]["tokens"] == b[1]["moe_cluster"]["tokens"]
         assert len(a[1]["moe_cluster"]["tokens"]) == 3, a
     # the two ends are two seeds, not one clamped value: their draws differ (over 24 tokens)
-    ends = [complete(api, {"prompt": "Good night", "max_tokens": 24, "temperature": 1.0, "seed": seed})
-            for seed in (0, 2**64 - 1)]
+    ends = [
+        complete(api, {"prompt": "Good night", "max_tokens": 24, "temperature": 1.0, "seed": seed})
+        for seed in (0, 2**64 - 1)
+    ]
     assert ends[0][1]["moe_cluster"]["tokens"] != ends[1][1]["moe_cluster"]["tokens"], ends
 
 
@@ -139,7 +153,9 @@ def test_a_node_handed_bad_ids_directly_refuses_them_and_stays_up(api):
         for n in nodes:
             c = NodeClient(n["name"], n["address"], SECRET)
             try:
-                req = GenerateRequest(f"direct-{n['name']}-{prompt[-1]}", tuple(prompt), Sampling(max_tokens=2))
+                req = GenerateRequest(
+                    f"direct-{n['name']}-{prompt[-1]}", tuple(prompt), Sampling(max_tokens=2)
+                )
                 try:
                     async for _ in c.generate(req, timeout=10):
                         pass
@@ -158,11 +174,18 @@ def test_a_node_handed_bad_ids_directly_refuses_them_and_stays_up(api):
     assert_good_request(api)
 
 
-def post_raw(url: str, data: bytes, headers: dict | None = None, timeout: float = 30) -> tuple[int, dict]:
+def post_raw(
+    url: str, data: bytes, headers: dict | None = None, timeout: float = 30
+) -> tuple[int, dict]:
     u = urllib.parse.urlsplit(url)
     conn = HTTPConnection(u.hostname, u.port, timeout=timeout)
     try:
-        conn.request("POST", "/v1/completions", data, {"Content-Type": "application/json", **AUTH, **(headers or {})})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            data,
+            {"Content-Type": "application/json", **AUTH, **(headers or {})},
+        )
         r = conn.getresponse()
         return r.status, json.loads(r.read())
     finally:
@@ -179,24 +202,34 @@ FUZZ_TIMEOUT_S = 15.0  # per request: nothing malformed may hang
 def _bad_field(rng: random.Random) -> tuple[str, object]:
     """One field with a value the API must refuse."""
     huge = rng.choice([2**32, 2**63, 2**64, 2**70, 10**30, -(2**63), -1])
-    return rng.choice([
-        ("prompt", [rng.randrange(VOCAB, 2**32) for _ in range(rng.randint(1, 4))]),
-        ("prompt", [rng.randrange(VOCAB), -rng.randrange(1, 2**31)]),
-        ("prompt", [huge]),
-        ("prompt", [rng.random()]),
-        ("prompt", [True]),
-        ("prompt", [[1, 2], [3]]),
-        ("prompt", rng.choice([[], "", {}, 7, 1.5, None, False, ["a", "b"], [{"x": 1}]])),
-        ("seed", rng.choice([2**64, 2**70, -(2**63), -rng.randrange(1, 100), 1.5, "7", True, [1], {}])),
-        ("temperature", rng.choice([-rng.random() - 1e-9, 2 + rng.random() * 1e6, "0.5", True, [0.5], {}])),
-        ("top_p", rng.choice([0, -0.1, 1.0001, 5, "1", False, [1]])),
-        ("max_tokens", rng.choice([0, -1, huge, 10**6, 1.5, "4", True, [4]])),
-        ("max_completion_tokens", rng.choice([0, -5, 2**64, "x"])),
-        ("n", rng.choice([0, 2, 3, "1", True])),
-        ("stream", rng.choice([1, 0, "yes", [True], {}])),
-        ("stop", rng.choice([1, [1], ["a"] * 5, {"a": 1}, [None]])),
-        ("model", rng.choice(["gpt-4", 7, ["demo"], {}])),
-    ])
+    return rng.choice(
+        [
+            ("prompt", [rng.randrange(VOCAB, 2**32) for _ in range(rng.randint(1, 4))]),
+            ("prompt", [rng.randrange(VOCAB), -rng.randrange(1, 2**31)]),
+            ("prompt", [huge]),
+            ("prompt", [rng.random()]),
+            ("prompt", [True]),
+            ("prompt", [[1, 2], [3]]),
+            ("prompt", rng.choice([[], "", {}, 7, 1.5, None, False, ["a", "b"], [{"x": 1}]])),
+            (
+                "seed",
+                rng.choice(
+                    [2**64, 2**70, -(2**63), -rng.randrange(1, 100), 1.5, "7", True, [1], {}]
+                ),
+            ),
+            (
+                "temperature",
+                rng.choice([-rng.random() - 1e-9, 2 + rng.random() * 1e6, "0.5", True, [0.5], {}]),
+            ),
+            ("top_p", rng.choice([0, -0.1, 1.0001, 5, "1", False, [1]])),
+            ("max_tokens", rng.choice([0, -1, huge, 10**6, 1.5, "4", True, [4]])),
+            ("max_completion_tokens", rng.choice([0, -5, 2**64, "x"])),
+            ("n", rng.choice([0, 2, 3, "1", True])),
+            ("stream", rng.choice([1, 0, "yes", [True], {}])),
+            ("stop", rng.choice([1, [1], ["a"] * 5, {"a": 1}, [None]])),
+            ("model", rng.choice(["gpt-4", 7, ["demo"], {}])),
+        ]
+    )
 
 
 def _fuzz_case(rng: random.Random, url: str) -> tuple[str, bytes, dict]:
@@ -206,18 +239,46 @@ def _fuzz_case(rng: random.Random, url: str) -> tuple[str, bytes, dict]:
     headers = {"Content-Type": "application/json", **AUTH}
     kind = rng.randrange(10)
     if kind == 0:  # not JSON, or not a JSON object
-        body = rng.choice([b"", b"{", b"}", b"[1, 2]", b"null", b"42", b'"prompt"', b"{'prompt': 'x'}",
-                           b'{"prompt": "x",}', bytes(rng.randrange(256) for _ in range(rng.randint(1, 64))),
-                           b"\xff\xfe\x00{", b'{"prompt": "\xc3\x28"}', b"[" * 5000 + b"]" * 5000,
-                           b'{"max_tokens": ' + b"9" * 5000 + b"}", b'{"prompt": "a\\ud800b"}',
-                           b'{"messages": [{"role": "user", "content": "\\udfff"}]}', b'{"a": ' * 3000 + b"1" + b"}" * 3000])
+        body = rng.choice(
+            [
+                b"",
+                b"{",
+                b"}",
+                b"[1, 2]",
+                b"null",
+                b"42",
+                b'"prompt"',
+                b"{'prompt': 'x'}",
+                b'{"prompt": "x",}',
+                bytes(rng.randrange(256) for _ in range(rng.randint(1, 64))),
+                b"\xff\xfe\x00{",
+                b'{"prompt": "\xc3\x28"}',
+                b"[" * 5000 + b"]" * 5000,
+                b'{"max_tokens": ' + b"9" * 5000 + b"}",
+                b'{"prompt": "a\\ud800b"}',
+                b'{"messages": [{"role": "user", "content": "\\udfff"}]}',
+                b'{"a": ' * 3000 + b"1" + b"}" * 3000,
+            ]
+        )
         return path, body, headers
     if kind == 1:  # wrong content types, with a body that is not a usable request either
-        headers["Content-Type"] = rng.choice(["text/plain", "application/x-www-form-urlencoded",
-                                              "multipart/form-data; boundary=x", "application/json; charset=nope",
-                                              "application/octet-stream"])
-        body = rng.choice([b"prompt=hello&max_tokens=4", b"--x\r\nContent-Disposition: form-data\r\n\r\nhi\r\n--x--",
-                           json.dumps({"prompt": [VOCAB + 1]}).encode(), b"\x00\x01\x02"])
+        headers["Content-Type"] = rng.choice(
+            [
+                "text/plain",
+                "application/x-www-form-urlencoded",
+                "multipart/form-data; boundary=x",
+                "application/json; charset=nope",
+                "application/octet-stream",
+            ]
+        )
+        body = rng.choice(
+            [
+                b"prompt=hello&max_tokens=4",
+                b"--x\r\nContent-Disposition: form-data\r\n\r\nhi\r\n--x--",
+                json.dumps({"prompt": [VOCAB + 1]}).encode(),
+                b"\x00\x01\x02",
+            ]
+        )
         return path, body, headers
     if kind == 2:  # no key, or a wrong one
         headers["Authorization"] = rng.choice(["", "Bearer nope", "Basic abc", KEY])
@@ -225,9 +286,19 @@ def _fuzz_case(rng: random.Random, url: str) -> tuple[str, bytes, dict]:
     if chat:
         body: dict = {"messages": [{"role": "user", "content": "hi"}]}
         if rng.random() < 0.4:
-            body["messages"] = rng.choice([[], "hi", [{"role": "king", "content": "x"}], [{"content": "x"}],
-                                           [{"role": "user", "content": 5}], [{"role": "user", "content": [{"t": 1}]}],
-                                           [{"role": "user", "content": [{"type": "text", "text": 5}]}], [None], [[]]])
+            body["messages"] = rng.choice(
+                [
+                    [],
+                    "hi",
+                    [{"role": "king", "content": "x"}],
+                    [{"content": "x"}],
+                    [{"role": "user", "content": 5}],
+                    [{"role": "user", "content": [{"t": 1}]}],
+                    [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+                    [None],
+                    [[]],
+                ]
+            )
             if rng.random() < 0.5:
                 return path, json.dumps(body).encode(), headers
     else:
@@ -237,8 +308,12 @@ def _fuzz_case(rng: random.Random, url: str) -> tuple[str, bytes, dict]:
         if chat and name == "prompt":
             name = "messages"
         body[name] = value
-    for _ in range(rng.randint(0, 2)):  # unknown fields ride along; the defect above must still be found
-        body[rng.choice(["foo", "logit_bias", "user", "x" * 300, ""])] = rng.choice([1, "x", None, [], {}])
+    for _ in range(
+        rng.randint(0, 2)
+    ):  # unknown fields ride along; the defect above must still be found
+        body[rng.choice(["foo", "logit_bias", "user", "x" * 300, ""])] = rng.choice(
+            [1, "x", None, [], {}]
+        )
     text = json.dumps(body, allow_nan=True)
     if rng.random() < 0.1:
         text = text.replace("}", ', "temperature": NaN}', 1)
@@ -254,6 +329,7 @@ def test_a_seeded_fuzz_of_malformed_requests_gets_only_4xx_and_the_nodes_stay_up
         sem = asyncio.Semaphore(8)
         timeout = aiohttp.ClientTimeout(total=FUZZ_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout) as session:
+
             async def one(path, body, headers):
                 async with sem:
                     try:
@@ -262,6 +338,7 @@ def test_a_seeded_fuzz_of_malformed_requests_gets_only_4xx_and_the_nodes_stay_up
                             return r.status, text, body
                     except asyncio.TimeoutError:
                         return 0, "timed out", body
+
             return await asyncio.gather(*(one(*c) for c in cases))
 
     t0 = time.monotonic()
@@ -281,7 +358,9 @@ def test_a_seeded_fuzz_of_malformed_requests_gets_only_4xx_and_the_nodes_stay_up
 
 # -- big bodies --------------------------------------------------------------------------------------
 
-HEALTH_P90_S = 0.100  # /health's own latency (90th percentile) while a 13 MB request is being prepared
+HEALTH_P90_S = (
+    0.100  # /health's own latency (90th percentile) while a 13 MB request is being prepared
+)
 
 
 def test_health_answers_promptly_while_13mb_requests_are_prepared(api):
@@ -295,25 +374,37 @@ def test_health_answers_promptly_while_13mb_requests_are_prepared(api):
     from moe_cluster.node.demo import MODEL_DIR
 
     text = (MODEL_DIR.parent / "corpus" / "hamlet.txt").read_text()
-    bodies = [json.dumps({"prompt": (text * (13_000_000 // len(text) + 1))[:13_000_000], "max_tokens": 4}).encode(),
-              json.dumps({"prompt": [7] * 4_400_000}).encode()]
+    bodies = [
+        json.dumps(
+            {"prompt": (text * (13_000_000 // len(text) + 1))[:13_000_000], "max_tokens": 4}
+        ).encode(),
+        json.dumps({"prompt": [7] * 4_400_000}).encode(),
+    ]
     assert all(len(b) > 13_000_000 for b in bodies)
     results: list = []
-    sender = threading.Thread(target=lambda: results.extend(post_raw(api, b, timeout=180) for b in bodies))
+    sender = threading.Thread(
+        target=lambda: results.extend(post_raw(api, b, timeout=180) for b in bodies)
+    )
     latencies, took = health_during(api, sender, limit_s=120, pause_s=0.02, join_s=180)
     for code, reply in results:  # refused for their length: really read and parsed meanwhile
         assert code == 400 and reply["error"]["code"] == "context_length_exceeded", reply
     assert len(results) == 2 and len(latencies) >= 10, (took, len(latencies))
     ordered = sorted(latencies)
     p90 = ordered[int(0.9 * (len(ordered) - 1))]
-    assert p90 < HEALTH_P90_S, f"/health p90 {p90 * 1000:.0f} ms of {len(latencies)} during {took:.1f} s"
-    assert ordered[-1] < took / 4, f"slowest /health {ordered[-1] * 1000:.0f} ms of {took:.1f} s of preparation"
+    assert p90 < HEALTH_P90_S, (
+        f"/health p90 {p90 * 1000:.0f} ms of {len(latencies)} during {took:.1f} s"
+    )
+    assert ordered[-1] < took / 4, (
+        f"slowest /health {ordered[-1] * 1000:.0f} ms of {took:.1f} s of preparation"
+    )
 
 
 def test_a_body_over_max_body_is_413_naming_the_limit(api):
     code, reply = post_raw(api, b'{"prompt": "' + b"a" * (16 * 2**20) + b'"}')
     assert code == 413, reply
-    assert str(16 * 2**20) in reply["error"]["message"] and "api.max_body" in reply["error"]["message"]
+    assert (
+        str(16 * 2**20) in reply["error"]["message"] and "api.max_body" in reply["error"]["message"]
+    )
 
 
 # -- status and metrics -----------------------------------------------------------------------------
@@ -349,7 +440,9 @@ def test_status_budget_is_memory_after_fraction_and_kv_reserve(api):
 def metric(url: str, name: str) -> float:
     code, text = http(url, "/metrics", headers=AUTH)
     assert code == 200, text
-    return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines() if line.rsplit(" ", 1)[0] == name))
+    return float(
+        next(line.rsplit(" ", 1)[1] for line in text.splitlines() if line.rsplit(" ", 1)[0] == name)
+    )
 
 
 def test_requests_completed_counts_only_requests_that_ended_well(api):
@@ -361,8 +454,12 @@ def test_requests_completed_counts_only_requests_that_ended_well(api):
     c0 = metric(api, cancelled)
     u = urllib.parse.urlsplit(api)
     conn = HTTPConnection(u.hostname, u.port, timeout=30)
-    conn.request("POST", "/v1/completions", json.dumps({"prompt": "Now is the winter", "max_tokens": 2000,
-                                                        "stream": True}), {"Content-Type": "application/json", **AUTH})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps({"prompt": "Now is the winter", "max_tokens": 2000, "stream": True}),
+        {"Content-Type": "application/json", **AUTH},
+    )
     r = conn.getresponse()
     assert r.status == 200 and r.readline().startswith(b"data: ")
     conn.close()

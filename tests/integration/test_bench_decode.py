@@ -10,12 +10,28 @@ from conftest import cli
 
 
 def test_bench_decode_reports_every_path_with_stock_tokens():
-    r = cli("bench", "decode", "--model", "demo", "--nodes", "1,2", "--keepalive", "none", "--max-tokens", "16",
-            "--rounds", "1", "--json", timeout=300)
+    r = cli(
+        "bench",
+        "decode",
+        "--model",
+        "demo",
+        "--nodes",
+        "1,2",
+        "--keepalive",
+        "none",
+        "--max-tokens",
+        "16",
+        "--rounds",
+        "1",
+        "--json",
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["same_tokens"] and out["mlx_lm_tps"] > 0
-    assert out["generated_tokens"] == 16  # the demo model says no EOS within 16 tokens of this prompt
+    assert (
+        out["generated_tokens"] == 16
+    )  # the demo model says no EOS within 16 tokens of this prompt
     assert out["cluster_ratio"] > 0
     assert out["skip_gemv"] is False  # CUDA only: this CPU build keeps gather_mm
     assert [(c["nodes"], c["keepalive"]) for c in out["clusters"]] == [(1, "none"), (2, "none")]
@@ -25,7 +41,9 @@ def test_bench_decode_reports_every_path_with_stock_tokens():
     (peer,) = out["peers"]
     assert peer["name"] == "mlx_lm_tensor_parallel" and peer["nodes"] == 2, peer
     assert peer["tps"] > 0 and peer["same_tokens"] and peer["generated"] == 16, peer
-    assert out["cluster_path"]["same_tokens"] and out["cluster_path"]["generated"] == 16, out["cluster_path"]
+    assert out["cluster_path"]["same_tokens"] and out["cluster_path"]["generated"] == 16, out[
+        "cluster_path"
+    ]
 
 
 def test_without_room_for_two_copies_the_cluster_path_runs_after_stock(monkeypatch):
@@ -35,11 +53,17 @@ def test_without_room_for_two_copies_the_cluster_path_runs_after_stock(monkeypat
     from moe_cluster.coordinator.bench import decode
 
     monkeypatch.setattr(decode, "_fits_twice", lambda model: False)
-    out = decode.run(decode.DecodeBench("demo", nodes=(1, 2), keepalive=("none",), max_tokens=8, rounds=1,
-                                        peers=False))
+    out = decode.run(
+        decode.DecodeBench(
+            "demo", nodes=(1, 2), keepalive=("none",), max_tokens=8, rounds=1, peers=False
+        )
+    )
     alone = out["cluster_path"]
     assert alone["interleaved"] is False and alone["same_tokens"] and alone["generated"] == 8, alone
-    assert alone["mlx_lm_tps"] == out["mlx_lm_tps"] and out["cluster_ratio"] == alone["tps"] / out["mlx_lm_tps"]
+    assert (
+        alone["mlx_lm_tps"] == out["mlx_lm_tps"]
+        and out["cluster_ratio"] == alone["tps"] / out["mlx_lm_tps"]
+    )
     assert out["peers"] == [] and [c["nodes"] for c in out["clusters"]] == [1, 2]
     assert all(c["same_tokens"] and c["generated"] == 8 for c in out["clusters"])
     assert 0 < out["bench_process_bytes"]

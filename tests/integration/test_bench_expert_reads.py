@@ -14,8 +14,26 @@ from conftest import cli
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     out = tmp_path_factory.mktemp("q4") / "model"
-    r = cli("demo-model", "--arch", "qwen3_moe", "--hidden", "64", "--experts", "8", "--top-k", "2",
-            "--layers", "2", "--quantize", "4", "--dtype", "bfloat16", "--out", str(out), timeout=120)
+    r = cli(
+        "demo-model",
+        "--arch",
+        "qwen3_moe",
+        "--hidden",
+        "64",
+        "--experts",
+        "8",
+        "--top-k",
+        "2",
+        "--layers",
+        "2",
+        "--quantize",
+        "4",
+        "--dtype",
+        "bfloat16",
+        "--out",
+        str(out),
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     return str(out)
 
@@ -24,7 +42,9 @@ def _row(model: str, route: str, monkeypatch) -> dict:
     from moe_cluster.coordinator.bench import decode
 
     monkeypatch.setenv("MOE_CLUSTER_ROUTE", route)
-    spec = decode.DecodeBench(model, nodes=(2,), keepalive=("none",), max_tokens=8, rounds=1, peers=False)
+    spec = decode.DecodeBench(
+        model, nodes=(2,), keepalive=("none",), max_tokens=8, rounds=1, peers=False
+    )
     (row,) = decode._cluster(spec, list(range(3, 14)), 2, "shm")
     return row
 
@@ -33,7 +53,11 @@ def test_expert_bytes_follow_the_route(quantized, monkeypatch):
     from moe_cluster.coordinator.bench.decode import model_bytes
 
     size = model_bytes(quantized)
-    k, layers, one_expert = size["top_k"], size["moe_layers"], size["expert"]  # expert: summed over layers
+    k, layers, one_expert = (
+        size["top_k"],
+        size["moe_layers"],
+        size["expert"],
+    )  # expert: summed over layers
     device = _row(quantized, "device", monkeypatch)
     host = _row(quantized, "host", monkeypatch)
     assert device["tokens"] == host["tokens"] and len(device["tokens"]) == 8
@@ -49,5 +73,9 @@ def test_expert_bytes_follow_the_route(quantized, monkeypatch):
     # each selected expert is read once, by the node that holds it; keepalive none reads no filler
     assert sum(n["matrices_per_layer"] for n in nodes) == pytest.approx(k), nodes
     assert sum(n["bytes_per_token"] for n in nodes) == pytest.approx(k * one_expert), nodes
-    assert all(n["matrices_per_layer"] == pytest.approx(n["computed_per_layer"]) for n in nodes), nodes
-    assert host["expert_reads"]["max_bytes_per_token"] < device["expert_reads"]["max_bytes_per_token"]
+    assert all(n["matrices_per_layer"] == pytest.approx(n["computed_per_layer"]) for n in nodes), (
+        nodes
+    )
+    assert (
+        host["expert_reads"]["max_bytes_per_token"] < device["expert_reads"]["max_bytes_per_token"]
+    )

@@ -7,17 +7,40 @@ import json
 import subprocess
 import sys
 
-REPORT = ("concurrency", "aggregate_tps", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "failed")
+REPORT = (
+    "concurrency",
+    "aggregate_tps",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p99_s",
+    "failed",
+)
 
 
 def bench(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moe_cluster.coordinator.cli", "bench", "serve", *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_cluster.coordinator.cli", "bench", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_bench_serve_measures_our_cluster_and_mlx_lm_server_alike():
-    r = bench("--model", "demo", "--nodes", "1", "--concurrency", "1,2", "--requests", "1", "--max-tokens", "8",
-              "--json")
+    r = bench(
+        "--model",
+        "demo",
+        "--nodes",
+        "1",
+        "--concurrency",
+        "1,2",
+        "--requests",
+        "1",
+        "--max-tokens",
+        "8",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
     assert [(row["nodes"], row["concurrency"]) for row in out["rows"]] == [(1, 1), (1, 2)]
@@ -31,7 +54,12 @@ def test_bench_serve_measures_our_cluster_and_mlx_lm_server_alike():
 
 
 def test_bad_counts_are_one_line():
-    for args, why in ((("--concurrency", "0"), "--concurrency"), (("--nodes", "two"), "--nodes"),
-                      (("--model", "/nonexistent/model"), "nonexistent")):
+    for args, why in (
+        (("--concurrency", "0"), "--concurrency"),
+        (("--nodes", "two"), "--nodes"),
+        (("--model", "/nonexistent/model"), "nonexistent"),
+    ):
         r = bench(*args, timeout=60)
-        assert r.returncode == 2 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert r.returncode == 2 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, (
+            r.stderr
+        )

@@ -12,19 +12,47 @@ from conftest import assert_one_line_error, cli
 
 
 def test_bench_speculative_sweeps_acceptance_with_the_tokens_of_decoding_without_drafts():
-    r = cli("bench", "decode", "--model", "demo", "--nodes", "2", "--speculative", "prompt-lookup",
-            "--draft-tokens", "3", "--spoil", "0,1", "--max-tokens", "16", "--rounds", "1", "--json", timeout=300)
+    r = cli(
+        "bench",
+        "decode",
+        "--model",
+        "demo",
+        "--nodes",
+        "2",
+        "--speculative",
+        "prompt-lookup",
+        "--draft-tokens",
+        "3",
+        "--spoil",
+        "0,1",
+        "--max-tokens",
+        "16",
+        "--rounds",
+        "1",
+        "--json",
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     (run,) = out["runs"]
     assert run["nodes"] == 2 and run["tokens_equal_stock"], run
     rows = {t["scenario"]: t for t in run["rows"]}
-    assert list(rows) == ["off", "prompt lookup", "prompt lookup, the continuation in the prompt",
-                          "off, the continuation in the prompt", "prediction, 0% spoiled", "prediction, 100% spoiled"]
+    assert list(rows) == [
+        "off",
+        "prompt lookup",
+        "prompt lookup, the continuation in the prompt",
+        "off, the continuation in the prompt",
+        "prediction, 0% spoiled",
+        "prediction, 100% spoiled",
+    ]
     for t in rows.values():
         assert t["tokens_equal_off"] and t["same_tokens_every_round"] and len(t["tokens"]) == 16, t
         assert t["tps"] > 0 and t["ratio_vs_off"] > 0, t
-    off, right, wrong = rows["off"], rows["prediction, 0% spoiled"], rows["prediction, 100% spoiled"]
+    off, right, wrong = (
+        rows["off"],
+        rows["prediction, 0% spoiled"],
+        rows["prediction, 100% spoiled"],
+    )
     assert off["drafted"] == 0 and off["speculative"] == "off" and off["decode_steps"] == 17
     assert right["acceptance"] == 1.0 and right["decode_steps"] <= 6, right  # 16 tokens, 4 a step
     assert right["allreduces_per_token"] <= 0.5 * out["moe_layers"], right
@@ -32,11 +60,26 @@ def test_bench_speculative_sweeps_acceptance_with_the_tokens_of_decoding_without
 
 
 def test_bench_speculative_refuses_bad_options():
-    assert_one_line_error(cli("bench", "decode", "--model", "demo", "--spoil", "0.5"),
-                          "--spoil and --draft-model need --speculative")
-    assert_one_line_error(cli("bench", "decode", "--model", "demo", "--speculative", "draft"),
-                          "--speculative draft and --draft-model go together")
-    assert_one_line_error(cli("bench", "decode", "--model", "demo", "--speculative", "prompt-lookup", "--spoil", "2"),
-                          "--spoil must list shares from 0 to 1")
-    r = cli("bench", "decode", "--model", "demo", "--speculative", "prompt-lookup", "--draft-tokens", "17")
+    assert_one_line_error(
+        cli("bench", "decode", "--model", "demo", "--spoil", "0.5"),
+        "--spoil and --draft-model need --speculative",
+    )
+    assert_one_line_error(
+        cli("bench", "decode", "--model", "demo", "--speculative", "draft"),
+        "--speculative draft and --draft-model go together",
+    )
+    assert_one_line_error(
+        cli("bench", "decode", "--model", "demo", "--speculative", "prompt-lookup", "--spoil", "2"),
+        "--spoil must list shares from 0 to 1",
+    )
+    r = cli(
+        "bench",
+        "decode",
+        "--model",
+        "demo",
+        "--speculative",
+        "prompt-lookup",
+        "--draft-tokens",
+        "17",
+    )
     assert r.returncode == 2 and "must be 1 to 16" in r.stderr, r.stderr

@@ -21,13 +21,17 @@ from cluster.cluster_fixture import cluster, http, keyed_yaml
 KEY = "sk-test-chat"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SYSTEM = "You are a player in a Shakespeare play."
-HOSTILE = ("Here it is:\n<script>window.__pwned = 1</script>\n"
-           "<img src=x onerror=\"window.__pwned = 2\">\n**bold** and `<b>code</b>`\n"
-           "```html\n<script>window.__pwned = 3</script>\n```\n## Steps\n- one <u>\n- two\n")
+HOSTILE = (
+    "Here it is:\n<script>window.__pwned = 1</script>\n"
+    '<img src=x onerror="window.__pwned = 2">\n**bold** and `<b>code</b>`\n'
+    "```html\n<script>window.__pwned = 3</script>\n```\n## Steps\n- one <u>\n- two\n"
+)
 
-pytestmark = pytest.mark.skipif(shutil.which("chromium") is None,
-                                reason="Debian's chromium is not installed here (apt-get install "
-                                       "chromium): no browser to load the chat in")
+pytestmark = pytest.mark.skipif(
+    shutil.which("chromium") is None,
+    reason="Debian's chromium is not installed here (apt-get install "
+    "chromium): no browser to load the chat in",
+)
 
 
 LAST = "document.querySelector('#messages .msg.assistant:last-child')"  # the newest answer's node
@@ -84,8 +88,11 @@ def ask(page, text: str) -> dict:
     """Type a message, press Enter, wait for the whole answer; the answer's node's data."""
     n = page.js(ANSWERS)
     page.type("prompt", text, enter=True)
-    page.wait(f"{ANSWERS} === {n + 1} && {LAST}.dataset.state !== 'streaming'", timeout=120,
-              what="the answer")
+    page.wait(
+        f"{ANSWERS} === {n + 1} && {LAST}.dataset.state !== 'streaming'",
+        timeout=120,
+        what="the answer",
+    )
     return page.js(f"({{...{LAST}.dataset, meta: {LAST}.querySelector('.meta').textContent}})")
 
 
@@ -125,8 +132,10 @@ def test_the_streamed_answer_is_the_openai_client_s(page, oai):
     page.set_field("max-tokens", "40")
     first = ask(page, "To be, or not to be")
     assert first["state"] == "done", first
-    messages = [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": "To be, or not to be"}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "To be, or not to be"},
+    ]
     ref = oai.chat.completions.create(model="demo", messages=messages, temperature=0, max_tokens=40)
     stored = page.stored()
     assert [m["role"] for m in stored] == ["user", "assistant"]
@@ -144,8 +153,9 @@ def test_the_streamed_answer_is_the_openai_client_s(page, oai):
     # the second turn carries the first: the same as the client sending the whole history
     second = ask(page, "Speak again")
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Speak again"}]
-    ref2 = oai.chat.completions.create(model="demo", messages=messages, temperature=0,
-                                       max_tokens=40)
+    ref2 = oai.chat.completions.create(
+        model="demo", messages=messages, temperature=0, max_tokens=40
+    )
     assert second["state"] == "done"
     assert page.stored()[3]["content"] == ref2.choices[0].message.content
     assert ref2.usage.prompt_tokens > ref.usage.prompt_tokens + tokens  # it saw the history
@@ -155,11 +165,17 @@ def test_stop_cancels_the_answer_on_the_cluster(api, page):
     page.set_field("max-tokens", "3000")  # about 90 s of this model on 2 cores
     before = cancelled(api)
     page.type("prompt", "Tell me a long tale of kings", enter=True)
-    page.wait(f"{ANSWERS} === 1 && Number({LAST}.dataset.pieces) >= 5", timeout=120,
-              what="the answer to start")
+    page.wait(
+        f"{ANSWERS} === 1 && Number({LAST}.dataset.pieces) >= 5",
+        timeout=120,
+        what="the answer to start",
+    )
     # the dashboard beside the chat sees the request running
-    page.wait("document.getElementById('running').textContent === '1'", timeout=10,
-              what="the dashboard's running count")
+    page.wait(
+        "document.getElementById('running').textContent === '1'",
+        timeout=10,
+        what="the dashboard's running count",
+    )
     assert running(api) == 1
     page.click("stop")
     page.wait(f"{LAST}.dataset.state === 'stopped'", timeout=10, what="the answer to stop")
@@ -171,8 +187,11 @@ def test_stop_cancels_the_answer_on_the_cluster(api, page):
     while cancelled(api) != before + 1:
         assert time.monotonic() < deadline + 10, (cancelled(api), before)
         time.sleep(0.1)
-    page.wait("document.getElementById('running').textContent === '0'", timeout=10,
-              what="the dashboard's running count")
+    page.wait(
+        "document.getElementById('running').textContent === '0'",
+        timeout=10,
+        what="the dashboard's running count",
+    )
     stopped = page.stored()[-1]
     assert stopped["stopped"] and stopped["content"] and stopped["stats"]["tokens"] < 3000
     assert not page.js(SEND_OFF) and page.js("document.getElementById('stop').disabled")
@@ -219,8 +238,10 @@ def shown_as_text(page) -> None:
     code = page.js(f"{LAST}.querySelector('pre code').textContent")
     assert code == "<script>window.__pwned = 3</script>"
     assert page.js(f"{LAST}.querySelector('h3').textContent") == "Steps"
-    assert page.js(f"[...{LAST}.querySelectorAll('ul > li')].map((e) => e.textContent)") == \
-        ["one <u>", "two"]
+    assert page.js(f"[...{LAST}.querySelectorAll('ul > li')].map((e) => e.textContent)") == [
+        "one <u>",
+        "two",
+    ]
     assert page.js("window.__csp") == []
 
 
@@ -233,16 +254,30 @@ def test_a_streamed_answer_with_html_is_shown_as_text(api, page):
         paused = page.event("Fetch.requestPaused")
         assert json.loads(paused["request"]["postData"])["stream"] is True
         chunk = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "demo"}
-        pieces = [HOSTILE[i:i + 7] for i in range(0, len(HOSTILE), 7)]
-        events = [{**chunk, "choices": [{"index": 0, "delta": {"content": p},
-                                         "finish_reason": None}]} for p in pieces]
-        events.append({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-                       "usage": {"prompt_tokens": 9, "completion_tokens": len(pieces),
-                                 "total_tokens": 9 + len(pieces)}})
+        pieces = [HOSTILE[i : i + 7] for i in range(0, len(HOSTILE), 7)]
+        events = [
+            {**chunk, "choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}]}
+            for p in pieces
+        ]
+        events.append(
+            {
+                **chunk,
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                "usage": {
+                    "prompt_tokens": 9,
+                    "completion_tokens": len(pieces),
+                    "total_tokens": 9 + len(pieces),
+                },
+            }
+        )
         sse = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-        page.call("Fetch.fulfillRequest", requestId=paused["requestId"], responseCode=200,
-                  responseHeaders=[{"name": "Content-Type", "value": "text/event-stream"}],
-                  body=base64.b64encode(sse.encode()).decode())
+        page.call(
+            "Fetch.fulfillRequest",
+            requestId=paused["requestId"],
+            responseCode=200,
+            responseHeaders=[{"name": "Content-Type", "value": "text/event-stream"}],
+            body=base64.b64encode(sse.encode()).decode(),
+        )
     finally:
         page.call("Fetch.disable")
     page.wait(f"{LAST}.dataset.state === 'done'", what="the answer")
@@ -252,9 +287,15 @@ def test_a_streamed_answer_with_html_is_shown_as_text(api, page):
 
 def test_a_restored_answer_with_html_is_shown_as_text(api, page):
     # with entries no page wrote (a store edited by hand): left out, the rest still drawn
-    convo = {"messages": [None, {"role": "user", "content": "<i>hi</i>"}, {"role": "system"},
-                          {"role": "assistant", "content": {"html": "<b>x</b>"}},
-                          {"role": "assistant", "content": HOSTILE, "stats": {"tps": "fast"}}]}
+    convo = {
+        "messages": [
+            None,
+            {"role": "user", "content": "<i>hi</i>"},
+            {"role": "system"},
+            {"role": "assistant", "content": {"html": "<b>x</b>"}},
+            {"role": "assistant", "content": HOSTILE, "stats": {"tps": "fast"}},
+        ]
+    }
     page.js(f"localStorage.setItem('moe-cluster-chat', {json.dumps(json.dumps(convo))})")
     page.open(api + "/")
     page.wait(f"!!{LAST}", what="the restored answer")

@@ -24,14 +24,25 @@ def _bin(tmp_path: Path, apt_get: str) -> Path:
     return bin_
 
 
-@pytest.mark.parametrize("apt_get, needle", [
-    ("echo 'E: Unable to locate package chromium' >&2; exit 100", "chromium could not be installed"),
-    ("exit 0", "no 'chromium' is on PATH"),
-])
+@pytest.mark.parametrize(
+    "apt_get, needle",
+    [
+        (
+            "echo 'E: Unable to locate package chromium' >&2; exit 100",
+            "chromium could not be installed",
+        ),
+        ("exit 0", "no 'chromium' is on PATH"),
+    ],
+)
 def test_ci_fails_with_a_clear_message_when_chromium_cannot_be_had(tmp_path, apt_get, needle):
     bin_ = _bin(tmp_path, apt_get)
-    r = subprocess.run([str(bin_ / "bash"), str(CI_RUN)], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PATH": str(bin_)})
+    r = subprocess.run(
+        [str(bin_ / "bash"), str(CI_RUN)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": str(bin_)},
+    )
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert "ci: FAILED: " in r.stderr and needle in r.stderr, r.stderr
     if "exit 100" in apt_get:

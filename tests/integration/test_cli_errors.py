@@ -9,7 +9,15 @@ from moe_cluster.coordinator import cli as cli_module
 
 
 def test_a_missing_prompts_file_is_a_user_error(tmp_path):
-    r = cli("profile", "--model", "demo", "--prompts", str(tmp_path / "none.txt"), "--out", str(tmp_path / "p.json"))
+    r = cli(
+        "profile",
+        "--model",
+        "demo",
+        "--prompts",
+        str(tmp_path / "none.txt"),
+        "--out",
+        str(tmp_path / "p.json"),
+    )
     assert_one_line_error(r, "moe-cluster profile: error: cannot read prompts file", "none.txt")
 
 
@@ -45,7 +53,9 @@ def buggy_run(monkeypatch):
 def test_a_bug_is_one_internal_error_line_and_exit_1(buggy_run, capsys):
     assert cli_module.main(["run", "--model", "demo", "--prompt", "hi"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["moe-cluster run: internal error: KeyError: 'missing' (run with -v for the traceback)"]
+    assert err == [
+        "moe-cluster run: internal error: KeyError: 'missing' (run with -v for the traceback)"
+    ]
 
 
 def test_a_bug_with_v_shows_the_traceback(buggy_run, capsys):
@@ -76,4 +86,5 @@ def test_a_failed_cluster_is_one_error_line_and_exit_1(monkeypatch, capsys):
     monkeypatch.setattr(remote, "status", down)
     assert cli_module.main(["status", "--url", "http://127.0.0.1:9"]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
-        "moe-cluster status: error: cannot reach http://127.0.0.1:9: connection refused"]
+        "moe-cluster status: error: cannot reach http://127.0.0.1:9: connection refused"
+    ]

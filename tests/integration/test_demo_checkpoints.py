@@ -43,7 +43,11 @@ def test_float32_both_layouts_load_to_the_same_weights(arch, make_ckpt):
 def test_bfloat16_and_4bit_load_with_stock_mlx_lm(arch, make_ckpt):
     for layout in ("mlx", "hf"):
         model, _ = _stock_load(make_ckpt(arch, layout, "bfloat16"))
-        dtypes = {v.dtype for _, v in tree_flatten(model.parameters()) if v.dtype in (mx.float32, mx.bfloat16)}
+        dtypes = {
+            v.dtype
+            for _, v in tree_flatten(model.parameters())
+            if v.dtype in (mx.float32, mx.bfloat16)
+        }
         assert dtypes == {mx.bfloat16}, (layout, dtypes)
     path = make_ckpt(arch, "mlx", "float32", 4)
     config = json.loads((path / "config.json").read_text())
@@ -68,30 +72,64 @@ def test_tokenizer_round_trips_text():
     from moe_cluster.node.demo import MODEL_DIR
 
     tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
-    samples = [t[:4000] for t in tokenizer.corpus_texts()[:3]] + ["naïve café — 日本語 🙂\n\ttabs  and  spaces"]
+    samples = [t[:4000] for t in tokenizer.corpus_texts()[:3]] + [
+        "naïve café — 日本語 🙂\n\ttabs  and  spaces"
+    ]
     for s in samples:
         assert tok.decode(tok.encode(s)) == s
 
 
 def test_cli_writes_a_checkpoint(tmp_path):
     out = tmp_path / "olmoe"
-    r = cli("demo-model", "--arch", "olmoe", "--out", str(out), "--layout", "hf", "--dtype", "bfloat16",
-            "--experts", "16", "--top-k", "4", "--hidden", "96", "--layers", "3", "--shard-size", "100KB", "--seed", "7")
+    r = cli(
+        "demo-model",
+        "--arch",
+        "olmoe",
+        "--out",
+        str(out),
+        "--layout",
+        "hf",
+        "--dtype",
+        "bfloat16",
+        "--experts",
+        "16",
+        "--top-k",
+        "4",
+        "--hidden",
+        "96",
+        "--layers",
+        "3",
+        "--shard-size",
+        "100KB",
+        "--seed",
+        "7",
+    )
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert len(info["files"]) > 1 and info["arch"] == "olmoe"
     config = json.loads((out / "config.json").read_text())
-    assert (config["num_experts"], config["num_experts_per_tok"], config["hidden_size"], config["num_hidden_layers"]) == (16, 4, 96, 3)
+    assert (
+        config["num_experts"],
+        config["num_experts_per_tok"],
+        config["hidden_size"],
+        config["num_hidden_layers"],
+    ) == (16, 4, 96, 3)
     assert all((out / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--arch", "llama"], "unknown architecture 'llama'"),
-    (["--arch", "qwen3_next", "--layers", "2"], "needs --layers >= 4"),
-    (["--arch", "mixtral", "--top-k", "9"], "--top-k"),
-    (["--arch", "mixtral", "--dtype", "float64"], "--dtype"),
-    (["--arch", "qwen3_moe", "--layout", "hf", "--quantize", "4"], "cannot read quantized experts"),
-    (["--arch", "mixtral", "--shard-size", "lots"], "size 'lots'"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--arch", "llama"], "unknown architecture 'llama'"),
+        (["--arch", "qwen3_next", "--layers", "2"], "needs --layers >= 4"),
+        (["--arch", "mixtral", "--top-k", "9"], "--top-k"),
+        (["--arch", "mixtral", "--dtype", "float64"], "--dtype"),
+        (
+            ["--arch", "qwen3_moe", "--layout", "hf", "--quantize", "4"],
+            "cannot read quantized experts",
+        ),
+        (["--arch", "mixtral", "--shard-size", "lots"], "size 'lots'"),
+    ],
+)
 def test_cli_errors(args, needle, tmp_path):
     assert_one_line_error(cli("demo-model", "--out", str(tmp_path / "x"), *args), needle)

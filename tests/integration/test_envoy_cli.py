@@ -23,20 +23,35 @@ def test_envoy_by_hand_serves_health_and_stops_on_sigterm():
     (port,) = free_ports(1)
     address = f"127.0.0.1:{port}"
     env = dict(os.environ, MOE_CLUSTER_SECRET="hand-secret-123")
-    proc = subprocess.Popen([*CLI, "-v", "envoy", "--rank", "0", "--addresses", f"{address},127.0.0.1:9"],
-                            env=env, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*CLI, "-v", "envoy", "--rank", "0", "--addresses", f"{address},127.0.0.1:9"],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         health = None
         deadline = time.monotonic() + 30
         while health is None and time.monotonic() < deadline:
             with grpc.insecure_channel(address) as channel:
-                call = channel.unary_unary(convert.ENVOY_HEALTH, request_serializer=convert.envoy_health_request_to_wire,
-                                           response_deserializer=convert.envoy_health_from_wire)
+                call = channel.unary_unary(
+                    convert.ENVOY_HEALTH,
+                    request_serializer=convert.envoy_health_request_to_wire,
+                    response_deserializer=convert.envoy_health_from_wire,
+                )
                 try:
-                    health = call(None, metadata=(("x-moe-cluster-secret", "hand-secret-123"),), timeout=2)
+                    health = call(
+                        None, metadata=(("x-moe-cluster-secret", "hand-secret-123"),), timeout=2
+                    )
                 except grpc.RpcError:
                     time.sleep(0.1)
-        assert health == {"rank": 0, "world_size": 2, "connected": [], "whole": False, "data_channel": []}
+        assert health == {
+            "rank": 0,
+            "world_size": 2,
+            "connected": [],
+            "whole": False,
+            "data_channel": [],
+        }
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=10)
         assert proc.returncode == 0, err
@@ -49,33 +64,88 @@ def test_envoy_by_hand_serves_health_and_stops_on_sigterm():
 
 def test_envoy_without_a_secret_is_a_one_line_error():
     env = {k: v for k, v in os.environ.items() if k != "MOE_CLUSTER_SECRET"}
-    r = subprocess.run([*CLI, "envoy", "--rank", "0", "--addresses", "127.0.0.1:1"], env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [*CLI, "envoy", "--rank", "0", "--addresses", "127.0.0.1:1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "moe-cluster envoy: error: no cluster secret on $MOE_CLUSTER_SECRET"], r.stderr
+        "moe-cluster envoy: error: no cluster secret on $MOE_CLUSTER_SECRET"
+    ], r.stderr
 
 
 def test_bench_allreduce_reports_every_path():
-    r = subprocess.run([*CLI, "bench", "allreduce", "--nodes", "2", "--hidden", "256", "--tokens", "1,4",
-                        "--iters", "30", "--warmup", "5", "--json"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            *CLI,
+            "bench",
+            "allreduce",
+            "--nodes",
+            "2",
+            "--hidden",
+            "256",
+            "--tokens",
+            "1,4",
+            "--iters",
+            "30",
+            "--warmup",
+            "5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     cases = json.loads(r.stdout)["cases"]
     assert [(c["nodes"], c["tokens"]) for c in cases] == [(2, 1), (2, 4)]
     for c in cases:
-        for key in ("hidden", "envoy_p50_us", "envoy_p99_us", "floor_p50_us", "relay_p50_us", "grpc_p50_us",
-                    "mlx_ring_p50_us"):
+        for key in (
+            "hidden",
+            "envoy_p50_us",
+            "envoy_p99_us",
+            "floor_p50_us",
+            "relay_p50_us",
+            "grpc_p50_us",
+            "mlx_ring_p50_us",
+        ):
             assert key in c, (key, c)
         assert 0 < c["floor_p50_us"] and 0 < c["envoy_p50_us"] <= c["envoy_p99_us"]
-        assert 0 < c["relay_p50_us"] <= c["relay_p99_us"]  # its sum is checked against every rank's payload
+        assert (
+            0 < c["relay_p50_us"] <= c["relay_p99_us"]
+        )  # its sum is checked against every rank's payload
         assert 0 < c["grpc_p50_us"] <= c["grpc_p99_us"]  # every message checked for its length
         assert c["grpc_over_floor"] == round(c["grpc_p50_us"] / c["floor_p50_us"], 2)
 
 
 def test_bench_allreduce_trace_stamps_every_hop_on_one_clock():
     iters, warmup = 40, 5
-    r = subprocess.run([*CLI, "bench", "allreduce", "--nodes", "2", "--hidden", "256", "--tokens", "1", "--paths",
-                        "envoy", "--trace", "--iters", str(iters), "--warmup", str(warmup), "--json"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            *CLI,
+            "bench",
+            "allreduce",
+            "--nodes",
+            "2",
+            "--hidden",
+            "256",
+            "--tokens",
+            "1",
+            "--paths",
+            "envoy",
+            "--trace",
+            "--iters",
+            str(iters),
+            "--warmup",
+            str(warmup),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     (case,) = json.loads(r.stdout)["cases"]
     t = case["trace"]
@@ -92,7 +162,9 @@ def test_bench_allreduce_trace_stamps_every_hop_on_one_clock():
 
 def test_the_trace_table_prints_one_line_per_hop(capsys):
     hops = trace.table({"total": [10.0, 12.0]})
-    allreduce._print_trace({"nodes": 2, "tokens": 1, "trace": {"p50_us": 11.0, "p99_us": 12.0, "hops": hops}})
+    allreduce._print_trace(
+        {"nodes": 2, "tokens": 1, "trace": {"p50_us": 11.0, "p99_us": 12.0, "hops": hops}}
+    )
     lines = capsys.readouterr().out.splitlines()
     assert "traced envoy p50 11.0 us" in lines[0] and len(lines) == 1 + len(trace.HOPS)
     assert lines[-1].split()[:4] == ["total", "p50", "11.0", "p90"]

@@ -42,8 +42,11 @@ def spin(request, monkeypatch):
 # first thousands of steps as in the last; 3 nodes added nothing 2 and 4 do not. The
 # spinning hand-off soaks at 2 nodes only: forced to spin, 4 nodes and 4 envoys on 2 cores took 39 s,
 # and the dead- and stalled-peer tests below spin at 3 nodes.
-@pytest.mark.parametrize("nodes,spin", [(2, "auto"), (2, "spin"), (2, "stream"), pytest.param(4, "auto", marks=pytest.mark.slow)],
-                         indirect=["spin"])
+@pytest.mark.parametrize(
+    "nodes,spin",
+    [(2, "auto"), (2, "spin"), (2, "stream"), pytest.param(4, "auto", marks=pytest.mark.slow)],
+    indirect=["spin"],
+)
 def test_soak_loses_duplicates_and_reorders_nothing(nodes, spin):
     """5,000 all-reduces at 2 nodes (2,500 at 4), in several requests in a row, every sum checked."""
     total = SOAK_STEPS if nodes <= 2 else SOAK_STEPS // 2
@@ -55,10 +58,14 @@ def test_soak_loses_duplicates_and_reorders_nothing(nodes, spin):
             all_ok(replies)
             assert {rep[1]["steps"] for rep in replies.values()} == {steps}
             if spin == "spin" and shared_memory_ordered() and steps > 1:
-                assert all(rep[1]["spun"] > 0 for rep in replies.values()), replies  # the word answered some
+                assert all(rep[1]["spun"] > 0 for rep in replies.values()), (
+                    replies
+                )  # the word answered some
             done += steps
         assert done == total
-        health = _health(cluster.spec.addresses[0], (("x-moe-cluster-secret", cluster.spec.secret),))
+        health = _health(
+            cluster.spec.addresses[0], (("x-moe-cluster-secret", cluster.spec.secret),)
+        )
         assert health["data_channel"] == ([] if spin == "stream" else list(range(1, nodes))), health
     finally:
         cluster.close()
@@ -70,7 +77,9 @@ def _fails_naming(cluster: Cluster, ranks, peer: int, since: float, within: floa
         kind, message, when = cluster.nodes[r].reply(within + 30)
         assert kind == "error", f"node {r} did not fail: {message}"
         assert f"rank {peer} ({address})" in message, message
-        assert when - since < within, f"node {r} failed {when - since:.1f} s after the fault: {message}"
+        assert when - since < within, (
+            f"node {r} failed {when - since:.1f} s after the fault: {message}"
+        )
 
 
 def test_a_dead_then_a_stalled_peer_fail_the_step_everywhere_then_the_mesh_heals(spin):
@@ -94,7 +103,9 @@ def _mid_run(cluster: Cluster, request_id: str) -> float:
     return time.monotonic()
 
 
-def _dead_peer_fails_the_step_everywhere_then_the_mesh_heals(cluster: Cluster, timeout: float) -> None:
+def _dead_peer_fails_the_step_everywhere_then_the_mesh_heals(
+    cluster: Cluster, timeout: float
+) -> None:
     all_ok(cluster.run("before", 300))
 
     # the node process dies (kill -9): its envoy must exit by itself, the others fail at once
@@ -139,10 +150,15 @@ def _stalled_peer_times_out_naming_it(cluster: Cluster, timeout: float) -> None:
 
 
 def _health(address: str, metadata=(), credentials=None) -> dict:
-    channel = (grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address))
+    channel = (
+        grpc.secure_channel(address, credentials) if credentials else grpc.insecure_channel(address)
+    )
     try:
-        call = channel.unary_unary(convert.ENVOY_HEALTH, request_serializer=convert.envoy_health_request_to_wire,
-                                   response_deserializer=convert.envoy_health_from_wire)
+        call = channel.unary_unary(
+            convert.ENVOY_HEALTH,
+            request_serializer=convert.envoy_health_request_to_wire,
+            response_deserializer=convert.envoy_health_from_wire,
+        )
         return call(None, metadata=metadata, timeout=5)
     finally:
         channel.close()
@@ -161,12 +177,17 @@ def test_callers_without_the_secret_get_unauthenticated_and_no_data(capfd):
         # a stream opened with the wrong secret gets no frame, only the refusal
         channel = grpc.insecure_channel(address)
         try:
-            exchange = channel.stream_stream(convert.ENVOY_EXCHANGE, request_serializer=None,
-                                             response_deserializer=convert.frame_from_wire)
+            exchange = channel.stream_stream(
+                convert.ENVOY_EXCHANGE,
+                request_serializer=None,
+                response_deserializer=convert.frame_from_wire,
+            )
             hello = convert.frame_to_wire(Hello(0, 2))
             received = []
             with pytest.raises(grpc.RpcError) as err:
-                for frame in exchange(iter([hello]), metadata=(("x-moe-cluster-secret", "nope"),), timeout=5):
+                for frame in exchange(
+                    iter([hello]), metadata=(("x-moe-cluster-secret", "nope"),), timeout=5
+                ):
                     received.append(frame)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and received == []
         finally:
@@ -174,14 +195,23 @@ def test_callers_without_the_secret_get_unauthenticated_and_no_data(capfd):
 
         all_ok(cluster.run("with-secret", 50))  # begin waits for the mesh to be whole
         health = _health(address, (("x-moe-cluster-secret", spec.secret),))
-        assert health["rank"] == 0 and health["whole"] and health["connected"] == [1] and health["data_channel"] == [1]
+        assert (
+            health["rank"] == 0
+            and health["whole"]
+            and health["connected"] == [1]
+            and health["data_channel"] == [1]
+        )
 
         # a node configured with another secret never joins; the request fails naming it
         cluster.kill(1)
         cluster.start(1, spec=dataclasses.replace(spec, secret="some-other-secret"))
         replies = cluster.run("mixed-secrets", 10)
         kind, message, _ = replies[0]
-        assert kind == "error" and f"rank 1 ({spec.addresses[1]})" in message and "UNAUTHENTICATED" in message, message
+        assert (
+            kind == "error"
+            and f"rank 1 ({spec.addresses[1]})" in message
+            and "UNAUTHENTICATED" in message
+        ), message
         assert replies[1][0] == "error"
     finally:
         cluster.close()
@@ -213,26 +243,45 @@ def test_the_data_channel_takes_only_the_token_its_stream_gave():
     hold = threading.Event()
     channel = grpc.insecure_channel(spec.addresses[1])
     try:
+
         def frames():
             yield convert.frame_to_wire(Hello(0, 2))
             hold.wait(30)
 
-        exchange = channel.stream_stream(convert.ENVOY_EXCHANGE, request_serializer=None,
-                                         response_deserializer=convert.frame_from_wire)
+        exchange = channel.stream_stream(
+            convert.ENVOY_EXCHANGE,
+            request_serializer=None,
+            response_deserializer=convert.frame_from_wire,
+        )
         answers = exchange(frames(), metadata=(("x-moe-cluster-secret", spec.secret),), timeout=30)
         offer = next(answers)
-        assert isinstance(offer, Hello) and offer.rank == 1 and offer.data_port > 0 and len(offer.data_token) == 32
+        assert (
+            isinstance(offer, Hello)
+            and offer.rank == 1
+            and offer.data_port > 0
+            and len(offer.data_token) == 32
+        )
         assert "data_token" not in repr(offer)  # kept out of logs
 
-        assert _data_answer(offer.data_port, b"GET / HTTP/1.1\r\n\r\n" + bytes(20)).startswith(b"-not the envoy data protocol")
+        assert _data_answer(offer.data_port, b"GET / HTTP/1.1\r\n\r\n" + bytes(20)).startswith(
+            b"-not the envoy data protocol"
+        )
         wrong = "0" * 32 if offer.data_token != "0" * 32 else "1" * 32
-        assert _data_answer(offer.data_port, data.handshake(0, wrong)).startswith(b"-wrong or stale data token")
-        assert _data_answer(offer.data_port, data.handshake(1, offer.data_token)).startswith(b"-wrong or stale")  # not rank 1's
+        assert _data_answer(offer.data_port, data.handshake(0, wrong)).startswith(
+            b"-wrong or stale data token"
+        )
+        assert _data_answer(offer.data_port, data.handshake(1, offer.data_token)).startswith(
+            b"-wrong or stale"
+        )  # not rank 1's
         assert _data_answer(offer.data_port, data.handshake(0, offer.data_token)) == b"+"
-        assert _data_answer(offer.data_port, data.handshake(0, offer.data_token)).startswith(b"-wrong or stale")  # once
+        assert _data_answer(offer.data_port, data.handshake(0, offer.data_token)).startswith(
+            b"-wrong or stale"
+        )  # once
         import socket
 
-        with socket.create_connection(("127.0.0.1", offer.data_port), timeout=data.HANDSHAKE_TIMEOUT_S + 5) as idle:
+        with socket.create_connection(
+            ("127.0.0.1", offer.data_port), timeout=data.HANDSHAKE_TIMEOUT_S + 5
+        ) as idle:
             t0 = time.monotonic()  # says nothing: closed after the handshake timeout, with why
             assert idle.makefile("rb").readline() == b"-no handshake within 5 s\n"
             assert time.monotonic() - t0 < data.HANDSHAKE_TIMEOUT_S + 2
@@ -243,7 +292,9 @@ def test_the_data_channel_takes_only_the_token_its_stream_gave():
         cluster.start(0)  # the real rank 0 dials, gets its own token, and the mesh works
         all_ok(cluster.run("after-refusals", 200))
         health = _health(spec.addresses[1], (("x-moe-cluster-secret", spec.secret),))
-        assert health["data_channel"] == [0], health  # on its data channel, not fallen back to the stream
+        assert health["data_channel"] == [0], (
+            health
+        )  # on its data channel, not fallen back to the stream
     finally:
         cluster.close()
 
@@ -252,7 +303,9 @@ def test_the_data_channel_takes_only_the_token_its_stream_gave():
 
 
 def test_tls_mesh_and_refusals(tmp_path):
-    pytest.importorskip("cryptography", reason="the test extra makes its certificate with cryptography")
+    pytest.importorskip(
+        "cryptography", reason="the test extra makes its certificate with cryptography"
+    )
     tls = make_tls(tmp_path)
     spec = envoy_spec(2, tls=tls)
     cluster = Cluster(spec)
@@ -270,7 +323,9 @@ def test_tls_mesh_and_refusals(tmp_path):
             _health(address, (), grpc.ssl_channel_credentials(ca, key, cert))
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         health = _health(address, secret, grpc.ssl_channel_credentials(ca, key, cert))
-        assert health["whole"] and health["data_channel"] == [0], health  # the frames took the TLS data channel
+        assert health["whole"] and health["data_channel"] == [0], (
+            health
+        )  # the frames took the TLS data channel
     finally:
         cluster.close()
 
@@ -308,14 +363,19 @@ def test_abort_fails_a_waiting_step_and_a_later_begin_at_once_then_the_next_requ
 
         t = threading.Thread(target=reduce_alone)
         t.start()
-        assert begun.wait(20), "the mesh did not come up"  # on a busy machine it can take over a second
+        assert begun.wait(20), (
+            "the mesh did not come up"
+        )  # on a busy machine it can take over a second
         time.sleep(1.0)
         assert not caught, caught
         aborted = time.monotonic()
         envoys[0].abort("doomed")
         t.join(5)
         other.join(5)
-        assert caught and caught[0][0] - aborted < at_once_s and "aborted" in caught[0][1], (caught, aborted)
+        assert caught and caught[0][0] - aborted < at_once_s and "aborted" in caught[0][1], (
+            caught,
+            aborted,
+        )
 
         envoys[0].abort("never-begun")
         t0 = time.monotonic()
@@ -329,7 +389,9 @@ def test_abort_fails_a_waiting_step_and_a_later_begin_at_once_then_the_next_requ
         from pathlib import Path
 
         names = [e.link.shm_name.lstrip("/") for e in envoys]
-        assert Path("/dev/shm").is_dir() and not [n for n in names if (Path("/dev/shm") / n).exists()], names
+        assert Path("/dev/shm").is_dir() and not [
+            n for n in names if (Path("/dev/shm") / n).exists()
+        ], names
     finally:
         for e in envoys:
             e.close()
@@ -366,8 +428,14 @@ def test_an_unreachable_data_channel_leaves_the_frames_on_the_stream(caplog):
         addresses = tuple(f"127.0.0.1:{p}" for p in free_ports(2))
         secret = secrets.token_hex(8)
         got: list[list] = [[], []]
-        meshes = [Mesh(MeshConfig(r, addresses, addresses[r], secret), on_frame=got[r].append,
-                       on_peer=lambda rank, up, why: None) for r in (1, 0)][::-1]
+        meshes = [
+            Mesh(
+                MeshConfig(r, addresses, addresses[r], secret),
+                on_frame=got[r].append,
+                on_peer=lambda rank, up, why: None,
+            )
+            for r in (1, 0)
+        ][::-1]
         await meshes[1].start()
         meshes[1]._data_server.close()  # noqa: SLF001 - the port stays announced, but nothing listens
         await meshes[1]._data_server.wait_closed()  # noqa: SLF001
@@ -386,7 +454,10 @@ def test_an_unreachable_data_channel_leaves_the_frames_on_the_stream(caplog):
                 await m.close()
 
     to0, to1 = asyncio.run(run())
-    assert "data channel 127.0.0.1:" in caplog.text and "redialing with the frames on the gRPC stream" in caplog.text
+    assert (
+        "data channel 127.0.0.1:" in caplog.text
+        and "redialing with the frames on the gRPC stream" in caplog.text
+    )
     assert [f.rank for f in to0] == [1] and [f.rank for f in to1] == [0]
     assert to0[0].checksum is not None  # it came on the stream, which carries a CRC-32
 
@@ -406,7 +477,10 @@ def test_a_fixed_data_port_is_the_one_the_channel_takes_and_a_taken_one_is_one_l
     with socket.create_server(("127.0.0.1", port)):
         with pytest.raises(CollectiveError):
             EnvoyProcess(fixed, 1)
-    assert f"cannot open its data channel on 127.0.0.1:{port}: Address already in use" in capfd.readouterr().err
+    assert (
+        f"cannot open its data channel on 127.0.0.1:{port}: Address already in use"
+        in capfd.readouterr().err
+    )
     envoys = [EnvoyProcess(spec, 0), EnvoyProcess(fixed, 1)]  # only ranks above 0 open a channel
     try:
         _run_together(envoys, "fixed", 40)
@@ -426,10 +500,16 @@ def _run_together(envoys, request_id: str, steps: int) -> None:
     from envoy_nodes import run_request
 
     replies: dict = {}
-    threads = [threading.Thread(target=lambda e=e: replies.__setitem__(e.rank, run_request(e, request_id, steps)))
-               for e in envoys]
+    threads = [
+        threading.Thread(
+            target=lambda e=e: replies.__setitem__(e.rank, run_request(e, request_id, steps))
+        )
+        for e in envoys
+    ]
     for th in threads:
         th.start()
     for th in threads:
         th.join(30)
-    assert {r: rep["steps"] for r, rep in replies.items()} == {e.rank: steps for e in envoys}, replies
+    assert {r: rep["steps"] for r, rep in replies.items()} == {e.rank: steps for e in envoys}, (
+        replies
+    )

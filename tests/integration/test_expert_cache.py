@@ -68,7 +68,11 @@ def _moes(model):
 def _bank_file(path):
     """The file holding layer 0's stacked experts, and their byte range in it."""
     ckpt = Checkpoint.open(path)
-    info = next(i for k, i in sorted(ckpt.tensors.items()) if "switch_mlp" in k and k.endswith("up_proj.weight"))
+    info = next(
+        i
+        for k, i in sorted(ckpt.tensors.items())
+        if "switch_mlp" in k and k.endswith("up_proj.weight")
+    )
     return info.file, info.start, info.end
 
 
@@ -94,13 +98,28 @@ def test_read_error_fails_the_request_naming_the_file(make_ckpt, tmp_path, damag
     with pytest.raises(ExpertReadError) as err:
         _decode(sm.model)
     assert str(file) in str(err.value)
-    assert {"flipped": "checksum", "truncated": "short read", "gone": "No such file"}[damage] in str(err.value)
+    assert {"flipped": "checksum", "truncated": "short read", "gone": "No such file"}[
+        damage
+    ] in str(err.value)
 
 
 def test_simulate_json_sums_the_nodes_caches(make_ckpt):
     path = make_ckpt("mixtral", experts=16)
-    r = cli("simulate", "--model", str(path), "--nodes", "2", "--expert-cache", "50%", "--prompt", "hi",
-            "--max-tokens", "8", "--check", "--json")
+    r = cli(
+        "simulate",
+        "--model",
+        str(path),
+        "--nodes",
+        "2",
+        "--expert-cache",
+        "50%",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "8",
+        "--check",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["tokens_match"] and out["max_abs_logit_diff"] <= 1e-4
@@ -109,13 +128,17 @@ def test_simulate_json_sums_the_nodes_caches(make_ckpt):
     assert set(cache) == {"capacity", "hits", "misses", "bytes_read"}
     assert cache["capacity"] == 2 * 2 * 4  # nodes x layers x half of 8 local experts
     assert cache["hits"] + cache["misses"] > 0
-    bad = cli("simulate", "--model", str(path), "--nodes", "2", "--expert-cache", "150%", "--prompt", "hi")
+    bad = cli(
+        "simulate", "--model", str(path), "--nodes", "2", "--expert-cache", "150%", "--prompt", "hi"
+    )
     assert bad.returncode == 2 and "expert_cache percent" in bad.stderr
 
 
 def test_more_experts_than_slots_run_in_rounds(make_ckpt, reference):
     path = make_ckpt("mixtral", experts=16)
-    sm = load_in_process(str(path), 2, expert_cache="1%")  # one slot per layer: every prefill call takes rounds
+    sm = load_in_process(
+        str(path), 2, expert_cache="1%"
+    )  # one slot per layer: every prefill call takes rounds
     tokens, logits = _decode(sm.model)
     ref_tokens, ref_logits = reference(path, PROMPT, STEPS)
     assert tokens == ref_tokens
@@ -127,7 +150,9 @@ def _decode_counted(sm, steps=STEPS):
     """Tokens and logits, with the cache's counters over the decode steps only (as `simulate`)."""
     logits: list = []
     tokens = []
-    for n, t in enumerate(generate_tokens(sm.model, PROMPT, Sampling(max_tokens=steps), logits_sink=logits)):
+    for n, t in enumerate(
+        generate_tokens(sm.model, PROMPT, Sampling(max_tokens=steps), logits_sink=logits)
+    ):
         if n == 0:
             sm.state.reset_counters()
         tokens.append(t)
@@ -156,8 +181,13 @@ def test_prefetch_serves_the_next_layers_misses_and_keeps_stock_tokens(make_ckpt
     runs = {}
     # off; one expert; every non-resident expert of the next layer; auto (none selected by half)
     for depth, prof in ((0, heat), (1, heat), (local, heat), (None, heat), ("auto", skewed)):
-        sm = load_in_process(str(path), nodes, expert_cache="25%", profile=prof,
-                             prefetch=None if depth == "auto" else depth)
+        sm = load_in_process(
+            str(path),
+            nodes,
+            expert_cache="25%",
+            profile=prof,
+            prefetch=None if depth == "auto" else depth,
+        )
         tokens, logits = _decode_counted(sm)
         diff = max(float(np.max(np.abs(a - b))) for a, b in zip(logits, ref_logits))
         assert tokens == ref_tokens and diff <= 1e-4, (depth, diff)
@@ -175,7 +205,9 @@ def test_prefetch_serves_the_next_layers_misses_and_keeps_stock_tokens(make_ckpt
         sm = load_in_process(str(path), nodes, expert_cache="25%", profile=heat, prefetch=local)
         tokens, _ = _decode_counted(sm)
     full = sm.state.cache_totals()
-    assert tokens == ref_tokens and full["misses"] > 0 and full["prefetch_hits"] == full["misses"], full
+    assert (
+        tokens == ref_tokens and full["misses"] > 0 and full["prefetch_hits"] == full["misses"]
+    ), full
 
 
 class _InlinePool:
@@ -201,7 +233,9 @@ def test_a_prefetched_expert_whose_bytes_changed_fails_when_selected(make_ckpt, 
     src = make_ckpt("mixtral", experts=16)
     path = tmp_path / "ckpt"
     shutil.copytree(src, path)
-    sm = load_in_process(str(path), 1, expert_cache="25%", profile=_heat(path, list(range(16))), prefetch=16)
+    sm = load_in_process(
+        str(path), 1, expert_cache="25%", profile=_heat(path, list(range(16))), prefetch=16
+    )
     file, start, end = _bank_file(path)
     with open(file, "r+b") as f:  # every layer-0 expert's bytes change after the load
         f.seek(start)
@@ -225,35 +259,77 @@ def test_auto_sizes_the_cache_from_the_metal_working_set(make_ckpt, reference, m
     sm = load_in_process(str(path), 1, expert_cache="auto")
     assert sm.state.cache == {}  # no Metal and no budget given: every expert resident
     ws = fp.replicated + DEFAULT_KV_RESERVE + DEFAULT_PROMPT_CACHE + 5 * sum(fp.per_expert.values())
-    monkeypatch.setattr(load, "metal_info", lambda: {"device_name": "Apple M2 Ultra", "memory_size": 2 * ws,
-                                                     "max_recommended_working_set_size": ws})
+    monkeypatch.setattr(
+        load,
+        "metal_info",
+        lambda: {
+            "device_name": "Apple M2 Ultra",
+            "memory_size": 2 * ws,
+            "max_recommended_working_set_size": ws,
+        },
+    )
     sm = load_in_process(str(path), 1, expert_cache="auto")
-    assert [c.capacity for c in sm.state.cache.values()] == [5, 5]  # 5 of the 16 experts per layer fit
+    assert [c.capacity for c in sm.state.cache.values()] == [
+        5,
+        5,
+    ]  # 5 of the 16 experts per layer fit
     assert _decode(sm.model)[0] == reference(path, PROMPT, STEPS)[0]
-    sm = load.load_shard(str(path), None, 0, warm_up=False, expert_cache="auto", cache_reserve_bytes=0)
-    assert sm.state.cache == {}  # the same working set without the caches' reserve holds every expert
+    sm = load.load_shard(
+        str(path), None, 0, warm_up=False, expert_cache="auto", cache_reserve_bytes=0
+    )
+    assert (
+        sm.state.cache == {}
+    )  # the same working set without the caches' reserve holds every expert
 
 
 def test_bench_decode_measures_the_cache_within_its_budget():
     """`bench decode --expert-cache` rows carry the decode's peak memory (MLX's, per node): the slots
     are the budget, and what the decode holds above the resident weights does not grow with misses."""
-    r = cli("bench", "decode", "--model", "demo", "--nodes", "2", "--keepalive", "none", "--expert-cache", "100%,25%",
-            "--max-tokens", "12", "--rounds", "1", "--json", timeout=300)
+    r = cli(
+        "bench",
+        "decode",
+        "--model",
+        "demo",
+        "--nodes",
+        "2",
+        "--keepalive",
+        "none",
+        "--expert-cache",
+        "100%,25%",
+        "--max-tokens",
+        "12",
+        "--rounds",
+        "1",
+        "--json",
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     rows = {(c["expert_cache"], c["profile"]): c for c in json.loads(r.stdout)["expert_cache"]}
     assert set(rows) == {("100%", False), ("100%", True), ("25%", False), ("25%", True)}
     assert all(c["same_tokens"] and c["peak_memory_decode_bytes"] > 0 for c in rows.values()), rows
     full = rows[("100%", False)]
-    one_expert = full["resident_expert_bytes"] // full["local"] * 2  # one expert of one layer (per node: local / 2)
+    one_expert = (
+        full["resident_expert_bytes"] // full["local"] * 2
+    )  # one expert of one layer (per node: local / 2)
     for profile in (False, True):
         quarter = rows[("25%", profile)]
         assert quarter["misses_per_token"] > 0
-        assert quarter["resident_expert_bytes"] == full["resident_expert_bytes"] // 4  # the slots: the budget
+        assert (
+            quarter["resident_expert_bytes"] == full["resident_expert_bytes"] // 4
+        )  # the slots: the budget
 
         def above(c):
-            return c["peak_memory_decode_bytes"] - c["resident_weight_bytes"]  # KV cache and activations
+            return (
+                c["peak_memory_decode_bytes"] - c["resident_weight_bytes"]
+            )  # KV cache and activations
 
         assert above(quarter) <= above(full) + one_expert, (quarter, full)
-        assert quarter["peak_memory_decode_bytes"] < full["peak_memory_decode_bytes"] - full["resident_expert_bytes"] // 2
-    assert rows[("25%", True)]["prefetched_per_token"] > 0 and rows[("25%", False)]["prefetched_per_token"] == 0
+        assert (
+            quarter["peak_memory_decode_bytes"]
+            < full["peak_memory_decode_bytes"] - full["resident_expert_bytes"] // 2
+        )
+    assert (
+        rows[("25%", True)]["prefetched_per_token"] > 0
+        and rows[("25%", False)]["prefetched_per_token"] == 0
+    )
     assert full["staged_peak_bytes"] == 0 and rows[("25%", False)]["staged_peak_bytes"] > 0

@@ -50,12 +50,45 @@ def api(tmp_path_factory):
 # -- the generated bodies ------------------------------------------------------------------------------
 
 NAN, INF = math.nan, math.inf
-EDGES = [5e-324, 1e-320, 1e-300, 1e-50, 1e-45, 1e-40, 1e-39, 1e-38, 1e-7, 1e-6, 0.0, -0.0, 0.5, 1.0, 2.0, 2.5,
-         1e308, -1e-300, NAN, INF, -INF, 2**64, 2**64 - 1, -1, 10**30]
-numbers = st.one_of(st.sampled_from(EDGES), st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True),
-                    st.integers(-2**70, 2**70))
-wrong = st.one_of(st.none(), st.booleans(), st.text(max_size=4), st.lists(st.integers(0, 3), max_size=2),
-                  st.dictionaries(st.text(max_size=2), st.integers(0, 3), max_size=1))
+EDGES = [
+    5e-324,
+    1e-320,
+    1e-300,
+    1e-50,
+    1e-45,
+    1e-40,
+    1e-39,
+    1e-38,
+    1e-7,
+    1e-6,
+    0.0,
+    -0.0,
+    0.5,
+    1.0,
+    2.0,
+    2.5,
+    1e308,
+    -1e-300,
+    NAN,
+    INF,
+    -INF,
+    2**64,
+    2**64 - 1,
+    -1,
+    10**30,
+]
+numbers = st.one_of(
+    st.sampled_from(EDGES),
+    st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True),
+    st.integers(-(2**70), 2**70),
+)
+wrong = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.text(max_size=4),
+    st.lists(st.integers(0, 3), max_size=2),
+    st.dictionaries(st.text(max_size=2), st.integers(0, 3), max_size=1),
+)
 wild = st.one_of(numbers, wrong)
 TEXTS = ["To be, or not to be", "Friends, Romans", "hi", "", "x\udfff", "é😀\n"]
 text = st.one_of(st.sampled_from(TEXTS), st.text(max_size=12))
@@ -72,64 +105,123 @@ def maybe(good) -> st.SearchStrategy:
 # well-formed values, the numeric edges among them (each under the greedy floor is greedy)
 GOOD = {
     # sampled two times in three; half of top_p's values are 0.0 in float32
-    "temperature": st.one_of(st.sampled_from([0.7, 1.0]), st.sampled_from([0.5, 1.0]),
-                             st.sampled_from([0.0, 1e-7, 1e-39, 1e-300, 5e-324])),
-    "top_p": st.one_of(st.sampled_from([1.0, 0.5, 1e-7, 1e-40]), st.sampled_from([1e-50, 1e-300, 5e-324])),
+    "temperature": st.one_of(
+        st.sampled_from([0.7, 1.0]),
+        st.sampled_from([0.5, 1.0]),
+        st.sampled_from([0.0, 1e-7, 1e-39, 1e-300, 5e-324]),
+    ),
+    "top_p": st.one_of(
+        st.sampled_from([1.0, 0.5, 1e-7, 1e-40]), st.sampled_from([1e-50, 1e-300, 5e-324])
+    ),
     "seed": st.integers(0, 2**64 - 1),
     "stream": st.booleans(),
     "max_tokens": st.integers(1, 6),  # a valid 3000 would decode for a minute
     "stop": st.lists(st.sampled_from(["\n", "the", "!"]), max_size=2),
-    "n": st.just(1), "echo": st.booleans(), "logprobs": st.none(), "best_of": st.just(1),
+    "n": st.just(1),
+    "echo": st.booleans(),
+    "logprobs": st.none(),
+    "best_of": st.just(1),
     "response_format": st.just({"type": "text"}),
     "stop_sequences": st.lists(st.sampled_from(["\n", "the"]), max_size=2),
 }
-OPENAI_FIELDS = ("temperature", "top_p", "seed", "stream", "max_tokens", "stop", "n", "echo", "logprobs", "best_of",
-                 "response_format")
+OPENAI_FIELDS = (
+    "temperature",
+    "top_p",
+    "seed",
+    "stream",
+    "max_tokens",
+    "stop",
+    "n",
+    "echo",
+    "logprobs",
+    "best_of",
+    "response_format",
+)
 CLAUDE_FIELDS = ("temperature", "top_p", "seed", "stream", "stop_sequences")
 WILD_MAX_TOKENS = st.sampled_from([0, -1, 10**6, 2**64, 1.5, "4", True, None, NAN, INF])
-prompt = st.one_of(text, st.lists(st.integers(0, 1023), min_size=1, max_size=4), wild,
-                   st.lists(wild, min_size=1, max_size=3))
-chat_message = st.one_of(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
-                                                "content": text}),
-                         st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "tool", "king"]), wild),
-                                                "content": st.one_of(text, wild)}),
-                         wild)
-block = st.one_of(st.fixed_dictionaries({"type": st.just("text"), "text": text}),
-                  st.fixed_dictionaries({"type": st.sampled_from(["text", "image", "tool_result"]),
-                                         "text": st.one_of(text, wild)}), wild)
-claude_message = st.one_of(st.fixed_dictionaries({"role": st.just("user"), "content": text}),
-                           st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
-                                                  "content": st.one_of(text, st.lists(block, max_size=3), wild)}),
-                           wild)
+prompt = st.one_of(
+    text,
+    st.lists(st.integers(0, 1023), min_size=1, max_size=4),
+    wild,
+    st.lists(wild, min_size=1, max_size=3),
+)
+chat_message = st.one_of(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant"]), "content": text}
+    ),
+    st.fixed_dictionaries(
+        {
+            "role": st.one_of(st.sampled_from(["user", "tool", "king"]), wild),
+            "content": st.one_of(text, wild),
+        }
+    ),
+    wild,
+)
+block = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": text}),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image", "tool_result"]), "text": st.one_of(text, wild)}
+    ),
+    wild,
+)
+claude_message = st.one_of(
+    st.fixed_dictionaries({"role": st.just("user"), "content": text}),
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["user", "assistant", "system"]),
+            "content": st.one_of(text, st.lists(block, max_size=3), wild),
+        }
+    ),
+    wild,
+)
 GOOD_INPUT = {
-    "/v1/completions": {"prompt": st.one_of(st.sampled_from(TEXTS[:3]), st.lists(st.integers(0, 1023), min_size=1,
-                                                                                  max_size=4))},
-    "/v1/chat/completions": {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"),
-                                                                         "content": st.sampled_from(TEXTS[:3])}),
-                                                  min_size=1, max_size=2)},
-    "/v1/messages": {"messages": st.lists(st.fixed_dictionaries({"role": st.just("user"),
-                                                                 "content": st.sampled_from(TEXTS[:3])}),
-                                          min_size=1, max_size=1),
-                     "system": maybe(st.sampled_from(["be brief", ""]))},
+    "/v1/completions": {
+        "prompt": st.one_of(
+            st.sampled_from(TEXTS[:3]), st.lists(st.integers(0, 1023), min_size=1, max_size=4)
+        )
+    },
+    "/v1/chat/completions": {
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.just("user"), "content": st.sampled_from(TEXTS[:3])}),
+            min_size=1,
+            max_size=2,
+        )
+    },
+    "/v1/messages": {
+        "messages": st.lists(
+            st.fixed_dictionaries({"role": st.just("user"), "content": st.sampled_from(TEXTS[:3])}),
+            min_size=1,
+            max_size=1,
+        ),
+        "system": maybe(st.sampled_from(["be brief", ""])),
+    },
 }
 WILD_INPUT = {
     "/v1/completions": {"prompt": prompt},
-    "/v1/chat/completions": {"messages": st.one_of(st.lists(chat_message, min_size=1, max_size=3), wild)},
-    "/v1/messages": {"messages": st.one_of(st.lists(claude_message, min_size=1, max_size=3), wild),
-                     "system": field(st.one_of(text, st.lists(block, max_size=2)))},
+    "/v1/chat/completions": {
+        "messages": st.one_of(st.lists(chat_message, min_size=1, max_size=3), wild)
+    },
+    "/v1/messages": {
+        "messages": st.one_of(st.lists(claude_message, min_size=1, max_size=3), wild),
+        "system": field(st.one_of(text, st.lists(block, max_size=2))),
+    },
 }
 
 
 def body_for(path: str) -> st.SearchStrategy:
     """Two bodies in three are well formed (edges included), the others carry wild values anywhere."""
     names = CLAUDE_FIELDS if path == "/v1/messages" else OPENAI_FIELDS
-    good = {**{k: GOOD[k] if k in ("temperature", "top_p") else maybe(GOOD[k]) for k in names}, **GOOD_INPUT[path]}
+    good = {
+        **{k: GOOD[k] if k in ("temperature", "top_p") else maybe(GOOD[k]) for k in names},
+        **GOOD_INPUT[path],
+    }
     bad = {**{k: field(GOOD[k]) for k in names}, **WILD_INPUT[path]}
     bad["max_tokens"] = st.one_of(GOOD["max_tokens"], WILD_MAX_TOKENS)
     good["max_tokens"] = GOOD["max_tokens"]  # never absent: the default (256 tokens) takes seconds
     well_formed = st.fixed_dictionaries(good)
     return st.one_of(well_formed, well_formed, st.fixed_dictionaries(bad)).map(
-        lambda d: {k: v for k, v in d.items() if v is not ABSENT})
+        lambda d: {k: v for k, v in d.items() if v is not ABSENT}
+    )
 
 
 requests = st.sampled_from(PATHS).flatmap(lambda p: st.tuples(st.just(p), body_for(p)))
@@ -159,10 +251,13 @@ def answer(path: str, ctype: str, raw: bytes) -> tuple[list | str, list[dict]]:
         if path == "/v1/messages":
             return "".join(b.get("text", "") for b in reply["content"]), []
         return reply["moe_cluster"]["tokens"], []
-    events = [json.loads(line[6:]) for line in raw.decode().splitlines()
-              if line.startswith("data: {")]
+    events = [
+        json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")
+    ]
     if path == "/v1/messages":
-        return "".join(e["delta"].get("text", "") for e in events if e.get("type") == "content_block_delta"), events
+        return "".join(
+            e["delta"].get("text", "") for e in events if e.get("type") == "content_block_delta"
+        ), events
     final = [e for e in events if "moe_cluster" in e]
     return (final[-1]["moe_cluster"]["tokens"] if final else None), events
 
@@ -171,8 +266,13 @@ def assert_error_shape(path: str, status: int, raw: bytes) -> None:
     reply = json.loads(raw)
     if path == "/v1/messages":
         assert reply["type"] == "error" and set(reply["error"]) == {"type", "message"}, reply
-        assert reply["error"]["type"] in ("invalid_request_error", "not_found_error", "request_too_large",
-                                          "rate_limit_error", "overloaded_error"), reply
+        assert reply["error"]["type"] in (
+            "invalid_request_error",
+            "not_found_error",
+            "request_too_large",
+            "rate_limit_error",
+            "overloaded_error",
+        ), reply
     else:
         assert set(reply["error"]) == {"message", "type", "param", "code"}, reply
         assert isinstance(reply["error"]["message"], str), reply
@@ -181,9 +281,11 @@ def assert_error_shape(path: str, status: int, raw: bytes) -> None:
 
 def greedy_floor(body: dict) -> bool:
     """Whether the body asks for sampling at a value under the documented greedy floor."""
+
     def tiny(name):
         v = body.get(name)
         return not isinstance(v, bool) and isinstance(v, (int, float)) and 0 < v < GREEDY_FLOOR
+
     return tiny("temperature") or tiny("top_p")
 
 
@@ -198,13 +300,20 @@ class Witness:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _tokens(self, prompt: str):
-        code, reply = http(self.url, "/v1/completions", {"prompt": prompt, "max_tokens": WITNESS_TOKENS}, timeout=60)
+        code, reply = http(
+            self.url,
+            "/v1/completions",
+            {"prompt": prompt, "max_tokens": WITNESS_TOKENS},
+            timeout=60,
+        )
         return reply["moe_cluster"]["tokens"] if code == 200 else (code, reply)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             for p in WITNESSES:
-                self._stop.wait(0.1)  # one witness at a time, with pauses: the fuzz's requests go first
+                self._stop.wait(
+                    0.1
+                )  # one witness at a time, with pauses: the fuzz's requests go first
                 got = self._tokens(p)
                 self.runs += 1
                 if got != self.solo[p]:
@@ -234,9 +343,15 @@ def test_generated_requests_never_fail_the_cluster_or_each_other(api):
             assert_error_shape(path, status, raw)
             return
         out, events = answer(path, ctype, raw)
-        assert not any("error" in e or e.get("type") == "error" for e in events), (path, body, events[-2:])
+        assert not any("error" in e or e.get("type") == "error" for e in events), (
+            path,
+            body,
+            events[-2:],
+        )
         if greedy_floor(body):  # the same answer as at temperature 0
-            plain = {k: v for k, v in body.items() if k not in ("temperature", "top_p", "stream", "seed")}
+            plain = {
+                k: v for k, v in body.items() if k not in ("temperature", "top_p", "stream", "seed")
+            }
             key = json.dumps([path, plain], allow_nan=True)
             if key not in reference:
                 code, ctype0, raw0 = send(api, path, {**plain, "temperature": 0})
@@ -246,20 +361,40 @@ def test_generated_requests_never_fail_the_cluster_or_each_other(api):
             floors[0] += 1
 
     # no shrinking: each example costs a request or two, and the failing one is reported as it came
-    fuzz = settings(max_examples=EXAMPLES, database=None, deadline=None,
-                    phases=(Phase.explicit, Phase.generate), report_multiple_bugs=False,
-                    suppress_health_check=list(HealthCheck))(given(requests)(lambda r: check(*r)))
-    for path in PATHS:  # the issue's own cases come first, on every endpoint, then the generated ones
-        for edge in ({"temperature": 0.7, "top_p": 1e-300}, {"temperature": 1e-39}, {"temperature": NAN}):
-            body = {"max_tokens": 4, "stream": path == "/v1/messages", **edge,
-                    **({"prompt": TEXTS[0]} if path == "/v1/completions" else {"messages": [
-                        {"role": "user", "content": TEXTS[1]}]})}
+    fuzz = settings(
+        max_examples=EXAMPLES,
+        database=None,
+        deadline=None,
+        phases=(Phase.explicit, Phase.generate),
+        report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck),
+    )(given(requests)(lambda r: check(*r)))
+    for (
+        path
+    ) in PATHS:  # the issue's own cases come first, on every endpoint, then the generated ones
+        for edge in (
+            {"temperature": 0.7, "top_p": 1e-300},
+            {"temperature": 1e-39},
+            {"temperature": NAN},
+        ):
+            body = {
+                "max_tokens": 4,
+                "stream": path == "/v1/messages",
+                **edge,
+                **(
+                    {"prompt": TEXTS[0]}
+                    if path == "/v1/completions"
+                    else {"messages": [{"role": "user", "content": TEXTS[1]}]}
+                ),
+            }
             fuzz = example((path, body))(fuzz)
     fuzz = seed(FUZZ_SEED)(fuzz)
     with Witness(api) as witness:
         fuzz()
-    print(f"FUZZ | {EXAMPLES} examples: statuses {dict(sorted(seen.items()))}, {floors[0]} under the greedy floor "
-          f"answered greedily, {witness.runs} witness requests beside them")
+    print(
+        f"FUZZ | {EXAMPLES} examples: statuses {dict(sorted(seen.items()))}, {floors[0]} under the greedy floor "
+        f"answered greedily, {witness.runs} witness requests beside them"
+    )
     assert not witness.wrong, witness.wrong[:3]
     assert witness.runs >= 2, witness.runs
     assert {n["name"]: n["pid"] for n in http(api, "/v1/cluster/status")[1]["nodes"]} == before

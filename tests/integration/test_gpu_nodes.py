@@ -18,7 +18,11 @@ def _agents() -> dict[str, dict[str, str]]:
             if b"node" not in argv or b"--name" not in argv:
                 continue
             name = argv[argv.index(b"--name") + 1].decode()
-            env = dict(item.decode().partition("=")[::2] for item in (proc / "environ").read_bytes().split(b"\0") if item)
+            env = dict(
+                item.decode().partition("=")[::2]
+                for item in (proc / "environ").read_bytes().split(b"\0")
+                if item
+            )
         except (OSError, ValueError, IndexError):
             continue
         if name.startswith("bench-"):
@@ -29,7 +33,10 @@ def _agents() -> dict[str, dict[str, str]]:
 def test_each_local_node_sees_only_its_gpu():
     with local_cluster(2, "demo", "0", gpus=True):
         agents = _agents()
-    assert {n: env.get("CUDA_VISIBLE_DEVICES") for n, env in agents.items()} == {"bench-0": "0", "bench-1": "1"}
+    assert {n: env.get("CUDA_VISIBLE_DEVICES") for n, env in agents.items()} == {
+        "bench-0": "0",
+        "bench-1": "1",
+    }
 
 
 def test_without_gpu_a_node_inherits_the_environment():

@@ -25,14 +25,23 @@ import pytest
 from cluster.cluster_fixture import cluster, health_during, http, yaml_for
 
 MAX_BATCH, QUEUE = 4, 2
-YAML = yaml_for(2, extra=f"""serving:
+YAML = yaml_for(
+    2,
+    extra=f"""serving:
   max_batch: {MAX_BATCH}
   queue: {QUEUE}
-""")
-POISON_SEED = 987654321  # the injected fault's: that sequence's sampler raises after POISON_AFTER tokens
+""",
+)
+POISON_SEED = (
+    987654321  # the injected fault's: that sequence's sampler raises after POISON_AFTER tokens
+)
 POISON_AFTER = 4
-PROMPTS = ["To be, or not to be, that is the question:", "Friends, Romans, countrymen, lend me your ears;",
-           "Now is the winter of our discontent", "All the world's a stage,"]
+PROMPTS = [
+    "To be, or not to be, that is the question:",
+    "Friends, Romans, countrymen, lend me your ears;",
+    "Now is the winter of our discontent",
+    "All the world's a stage,",
+]
 LONG = 3000  # max_tokens of a stream that runs for about a minute unless stopped
 CHAT = [{"role": "user", "content": "Speak the speech, I pray you"}]
 
@@ -40,8 +49,11 @@ CHAT = [{"role": "user", "content": "Speak the speech, I pray you"}]
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
     poison = str(Path(__file__).resolve().parent / "poison")
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (poison, os.environ.get("PYTHONPATH")) if p),
-           "MOE_TEST_POISON_SEED": str(POISON_SEED), "MOE_TEST_POISON_AFTER": str(POISON_AFTER)}
+    env = {
+        "PYTHONPATH": os.pathsep.join(p for p in (poison, os.environ.get("PYTHONPATH")) if p),
+        "MOE_TEST_POISON_SEED": str(POISON_SEED),
+        "MOE_TEST_POISON_AFTER": str(POISON_AFTER),
+    }
     with cluster(tmp_path_factory.mktemp("isolation"), YAML, env=env) as (url, proc, lines):
         yield url
 
@@ -72,14 +84,23 @@ def assert_serves(url: str) -> None:
 # -- sampling at its edges ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("edge", [{"temperature": 0.7, "top_p": 1e-300}, {"temperature": 0.7, "top_p": 1e-50},
-                                  {"temperature": 1.0, "top_p": 5e-324}, {"temperature": 1e-39},
-                                  {"temperature": 1e-300, "top_p": 0.9}])
+@pytest.mark.parametrize(
+    "edge",
+    [
+        {"temperature": 0.7, "top_p": 1e-300},
+        {"temperature": 0.7, "top_p": 1e-50},
+        {"temperature": 1.0, "top_p": 5e-324},
+        {"temperature": 1e-39},
+        {"temperature": 1e-300, "top_p": 0.9},
+    ],
+)
 def test_edge_sampling_values_are_greedy_on_every_endpoint(api, edge):
     before = pids(api)
-    for path, body in (("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 12}),
-                       ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 12}),
-                       ("/v1/messages", {"messages": CHAT, "max_tokens": 12})):
+    for path, body in (
+        ("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 12}),
+        ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 12}),
+        ("/v1/messages", {"messages": CHAT, "max_tokens": 12}),
+    ):
         greedy = tokens(api, path, body)
         assert greedy, path
         for _ in range(3):  # not greedy by luck: the same every time
@@ -111,7 +132,9 @@ def test_a_poisoned_request_fails_alone_in_a_batch_of_four(api):
     solo = [tokens(api, "/v1/completions", {**b, "stream": False}) for b in bodies]
     assert all(len(s) == n for s in solo)
 
-    async def stream(session, body, started: asyncio.Event | None = None) -> tuple[list[int], float]:
+    async def stream(
+        session, body, started: asyncio.Event | None = None
+    ) -> tuple[list[int], float]:
         async with session.post(api + "/v1/completions", json=body) as r:
             assert r.status == 200, await r.text()
             final = None
@@ -130,7 +153,12 @@ def test_a_poisoned_request_fails_alone_in_a_batch_of_four(api):
             runs = [asyncio.create_task(stream(session, b, e)) for b, e in zip(bodies, started)]
             for e in started:
                 await asyncio.wait_for(e.wait(), 60)
-            poisoned = {"prompt": PROMPTS[3], "max_tokens": n, "temperature": 0.5, "seed": POISON_SEED}
+            poisoned = {
+                "prompt": PROMPTS[3],
+                "max_tokens": n,
+                "temperature": 0.5,
+                "seed": POISON_SEED,
+            }
             async with session.post(api + "/v1/completions", json=poisoned) as r:
                 failed = (r.status, await r.json(), time.monotonic())
             return failed, await asyncio.gather(*runs)
@@ -138,7 +166,9 @@ def test_a_poisoned_request_fails_alone_in_a_batch_of_four(api):
     (code, reply, failed_at), others = asyncio.run(scenario())
     assert code == 500 and reply["error"]["type"] == "server_error", reply
     assert "poisoned" not in reply["error"]["message"]  # a fault's text stays in the log
-    assert any(done > failed_at for _, done in others), "the batch had ended before the fault: no test"
+    assert any(done > failed_at for _, done in others), (
+        "the batch had ended before the fault: no test"
+    )
     assert [t for t, _ in others] == solo
     assert pids(api) == before
     assert_serves(api)
@@ -176,7 +206,14 @@ def raw_exchange(url: str, request: bytes) -> tuple[int, str, bytes]:
             data += piece
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
-    ctype = next((line.split(":", 1)[1].strip() for line in lines[1:] if line.lower().startswith("content-type:")), "")
+    ctype = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in lines[1:]
+            if line.lower().startswith("content-type:")
+        ),
+        "",
+    )
     return int(lines[0].split()[1]), ctype, body
 
 
@@ -192,7 +229,11 @@ def test_gzip_and_deflate_bodies_are_decoded(api):
     body = {"prompt": PROMPTS[2], "max_tokens": 6}
     want = tokens(api, "/v1/completions", body)
     raw = json.dumps(body).encode()
-    for encoding, data in (("gzip", gzip.compress(raw)), ("deflate", zlib.compress(raw)), ("GZIP", gzip.compress(raw))):
+    for encoding, data in (
+        ("gzip", gzip.compress(raw)),
+        ("deflate", zlib.compress(raw)),
+        ("GZIP", gzip.compress(raw)),
+    ):
         code, reply = raw_post(api, "/v1/completions", data, {"Content-Encoding": encoding})
         assert code == 200 and reply["moe_cluster"]["tokens"] == want, (encoding, reply)
 
@@ -211,7 +252,9 @@ def test_bodies_that_do_not_decode_are_4xx_json(api, path):
 
 
 def test_a_zip_bomb_stops_at_the_body_limit(api):
-    bomb = zlib.compress(b'{"prompt": "' + b"a" * (64 * 2**20) + b'"}', 9)  # 64 MB decoded, ~64 KB sent
+    bomb = zlib.compress(
+        b'{"prompt": "' + b"a" * (64 * 2**20) + b'"}', 9
+    )  # 64 MB decoded, ~64 KB sent
     assert len(bomb) < 2**20
     t0 = time.monotonic()
     code, reply = raw_post(api, "/v1/completions", bomb, {"Content-Encoding": "deflate"})
@@ -232,7 +275,10 @@ MALFORMED = {
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
 @pytest.mark.parametrize("what", list(MALFORMED))
 def test_malformed_http_is_400_in_the_endpoint_s_shape(api, path, what):
-    request = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode() + MALFORMED[what]
+    request = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+        + MALFORMED[what]
+    )
     code, ctype, body = raw_exchange(api, request)
     assert code == 400 and ctype.startswith("application/json"), (code, ctype, body[:200])
     assert_shape(path, json.loads(body), code)
@@ -251,14 +297,20 @@ def test_clients_that_hang_up_while_queued_free_their_slots_at_once(api):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             running = []
             for p in PROMPTS[:MAX_BATCH]:
-                r = await session.post(api + "/v1/completions", json={"prompt": p, "max_tokens": LONG, "stream": True})
+                r = await session.post(
+                    api + "/v1/completions", json={"prompt": p, "max_tokens": LONG, "stream": True}
+                )
                 assert r.status == 200 and (await r.content.readline()).startswith(b"data: {")
                 running.append(r)
             waiting = []
             for _ in range(QUEUE):  # their headers come with their first token: they wait, then go
                 conn = HTTPConnection(u.hostname, u.port, timeout=30)
-                conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 4}),
-                             {"Content-Type": "application/json"})
+                conn.request(
+                    "POST",
+                    "/v1/completions",
+                    json.dumps({"prompt": "hi", "max_tokens": 4}),
+                    {"Content-Type": "application/json"},
+                )
                 waiting.append(conn)
             for _ in range(200):
                 if status(api)["queue_depth"] == MAX_BATCH + QUEUE:
@@ -272,12 +324,18 @@ def test_clients_that_hang_up_while_queued_free_their_slots_at_once(api):
             while status(api)["queue_depth"] > MAX_BATCH and time.monotonic() - t0 < 5:
                 await asyncio.sleep(0.05)  # well under the 10 s the nodes may take to end them
 
-            late = [asyncio.create_task(session.post(api + path, json=body)) for path, body in (
-                ("/v1/messages", {"messages": CHAT, "max_tokens": 2}),
-                ("/v1/completions", {"prompt": "hi", "max_tokens": 2}))]
+            late = [
+                asyncio.create_task(session.post(api + path, json=body))
+                for path, body in (
+                    ("/v1/messages", {"messages": CHAT, "max_tokens": 2}),
+                    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                )
+            ]
             await asyncio.sleep(0.5)
             refused = [t.result().status for t in late if t.done()]
-            assert 429 not in refused, f"refused with 429 {time.monotonic() - t0:.1f} s after the hang-ups"
+            assert 429 not in refused, (
+                f"refused with 429 {time.monotonic() - t0:.1f} s after the hang-ups"
+            )
             for r in running:
                 r.close()
             answers = await asyncio.gather(*late)
@@ -299,10 +357,17 @@ def test_completions_echo_the_prompt_and_refuse_what_they_cannot_honour(api):
     assert code == code2 == 200
     assert echoed["choices"][0]["text"] == PROMPTS[0] + plain["choices"][0]["text"]
     ids = plain["moe_cluster"]["tokens"][:3]
-    code, by_ids = http(api, "/v1/completions", {"prompt": [72, 16, 297], "max_tokens": 2, "echo": True})
+    code, by_ids = http(
+        api, "/v1/completions", {"prompt": [72, 16, 297], "max_tokens": 2, "echo": True}
+    )
     assert code == 200 and len(by_ids["choices"][0]["text"]) > 0 and ids
-    for name, value in (("best_of", 3), ("suffix", "."), ("logprobs", 2), ("response_format", {"type": "json_object"}),
-                        ("echo", "yes")):
+    for name, value in (
+        ("best_of", 3),
+        ("suffix", "."),
+        ("logprobs", 2),
+        ("response_format", {"type": "json_object"}),
+        ("echo", "yes"),
+    ):
         code, reply = http(api, "/v1/completions", {**body, name: value})
         assert code == 400 and reply["error"]["param"] == name, (name, reply)
 
@@ -318,13 +383,29 @@ def test_messages_errors_name_the_request_s_fields(api):
 
     user = {"role": "user", "content": "hi"}
     assert "'system'" in error({"system": "x\udfff", "messages": [user]})
-    message = error({"system": "be brief", "messages": [user, {"role": "assistant", "content": "ok"},
-                                                        {"role": "user", "content": "y\udfff"}]})
+    message = error(
+        {
+            "system": "be brief",
+            "messages": [
+                user,
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "y\udfff"},
+            ],
+        }
+    )
     assert "messages[2].content" in message, message
-    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t\udfff", "content": "r"}]}
-    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}
+    result = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": "t\udfff", "content": "r"}],
+    }
+    call = {
+        "role": "assistant",
+        "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+    }
     message = error({"messages": [user, call, result]})
-    assert "messages[2].content[0].tool_use_id" in message and "tool_call_id" not in message, message
+    assert "messages[2].content[0].tool_use_id" in message and "tool_call_id" not in message, (
+        message
+    )
     message = error({"messages": [user], "tools": [{"name": "f", "input_schema": "x"}]})
     assert "tools[0].input_schema" in message and "parameters" not in message, message
     message = error({"messages": [user, None]})
@@ -343,10 +424,16 @@ def test_a_request_of_400k_blocks_fails_fast_while_health_answers(api):
     latencies, took = health_during(api, sender, limit_s=60, pause_s=0.01, join_s=60)
     if latencies:
         q = statistics.quantiles(latencies, n=20) if len(latencies) > 1 else latencies * 19
-        print(f"BLOCKS | refused after {took:.2f} s; /health x{len(latencies)}: median "
-              f"{statistics.median(latencies) * 1000:.1f} ms, p95 {q[18] * 1000:.1f} ms, max {max(latencies) * 1000:.1f} ms")
+        print(
+            f"BLOCKS | refused after {took:.2f} s; /health x{len(latencies)}: median "
+            f"{statistics.median(latencies) * 1000:.1f} ms, p95 {q[18] * 1000:.1f} ms, max {max(latencies) * 1000:.1f} ms"
+        )
     code, reply = result[0]
-    assert code == 400 and "at most" in reply["error"]["message"] and "blocks" in reply["error"]["message"], reply
+    assert (
+        code == 400
+        and "at most" in reply["error"]["message"]
+        and "blocks" in reply["error"]["message"]
+    ), reply
     assert took < 20, f"refused after {took:.1f} s"
     if len(latencies) >= 5:  # generous: the machine is shared; a stalled loop shows as 100s of ms
         assert statistics.median(latencies) < 0.05, sorted(latencies)[-5:]

@@ -45,7 +45,7 @@ async def _serve(gen: FakeGeneration) -> tuple[int, bytes]:
             return web.json_response({"error": "refused"}, status=503)
         try:
             if gen.outcome.error:
-                await resp.write(f"data: {{\"error\": \"{gen.outcome.error}\"}}\n\n".encode())
+                await resp.write(f'data: {{"error": "{gen.outcome.error}"}}\n\n'.encode())
             else:
                 await resp.write(b"data: token\n\n")
             await resp.write(b"data: [DONE]\n\n")
@@ -77,7 +77,9 @@ def test_a_stream_that_waits_gets_comments_then_its_tokens():
 def test_a_wait_that_runs_out_after_comments_ends_the_stream_with_the_error_event():
     status, body = asyncio.run(_serve(FakeGeneration(wait_s=8 * BEAT_S, fail=True)))
     assert status == 200 and body.startswith(KEEPALIVE), body
-    assert body.endswith(b'data: {"error": "cluster is degraded: node node-1 is down"}\n\ndata: [DONE]\n\n'), body
+    assert body.endswith(
+        b'data: {"error": "cluster is degraded: node node-1 is down"}\n\ndata: [DONE]\n\n'
+    ), body
 
 
 def test_an_error_before_any_comment_is_still_an_http_status():

@@ -37,8 +37,7 @@ def test_the_readme_examples_get_the_same_greedy_answer(url):
     curl = _use_it_block("")
     assert curl.startswith("curl ") and SHOWN in curl
     curl = curl.replace(SHOWN, url).replace("curl ", "curl --silent --show-error ", 1)
-    done = subprocess.run(["bash", "-c", curl],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     body = json.loads(done.stdout)
     answer = body["choices"][0]["message"]["content"]

@@ -11,9 +11,28 @@ from conftest import cli
 
 
 def test_a_draft_on_rank_0_guesses_for_three_envoy_nodes_with_stock_tokens():
-    r = cli("simulate", "--model", "demo", "--nodes", "3", "--transport", "envoy", "--prompt", "To be, or not to be",
-            "--max-tokens", "24", "--check", "--speculative", "draft", "--draft-model", "demo", "--draft-tokens", "3",
-            "--json", timeout=300)
+    r = cli(
+        "simulate",
+        "--model",
+        "demo",
+        "--nodes",
+        "3",
+        "--transport",
+        "envoy",
+        "--prompt",
+        "To be, or not to be",
+        "--max-tokens",
+        "24",
+        "--check",
+        "--speculative",
+        "draft",
+        "--draft-model",
+        "demo",
+        "--draft-tokens",
+        "3",
+        "--json",
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["tokens_match"] and out["compared_steps"] == 24, out

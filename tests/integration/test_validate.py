@@ -13,12 +13,21 @@ def test_validate_reads_the_secret_file_and_the_api_key_variable_as_up_does(tmp_
     f = tmp_path / "cluster.yaml"
     env = {k: v for k, v in os.environ.items() if k != "MOE_TEST_VALIDATE_KEY"}
     f.write_text(base)
-    assert_one_line_error(cli("validate", str(f), env=env), f"{f}: api.api_key_env", "MOE_TEST_VALIDATE_KEY")
+    assert_one_line_error(
+        cli("validate", str(f), env=env), f"{f}: api.api_key_env", "MOE_TEST_VALIDATE_KEY"
+    )
     assert cli("validate", str(f), env={**env, "MOE_TEST_VALIDATE_KEY": "k"}).returncode == 0
     f.write_text(GOOD + "secret:\n  file: nowhere/secret.txt\n")
-    assert_one_line_error(cli("validate", str(f), env=env), f"{f}: secret.file", "nowhere/secret.txt")
-    f.write_text(GOOD.replace("launch: local", "launch: remote") + "secret:\n  env: MOE_TEST_NO_SUCH_SECRET\n")
-    assert_one_line_error(cli("validate", str(f), env=env), f"{f}: secret", "MOE_TEST_NO_SUCH_SECRET")
+    assert_one_line_error(
+        cli("validate", str(f), env=env), f"{f}: secret.file", "nowhere/secret.txt"
+    )
+    f.write_text(
+        GOOD.replace("launch: local", "launch: remote")
+        + "secret:\n  env: MOE_TEST_NO_SUCH_SECRET\n"
+    )
+    assert_one_line_error(
+        cli("validate", str(f), env=env), f"{f}: secret", "MOE_TEST_NO_SUCH_SECRET"
+    )
 
 
 def test_up_refuses_a_checkpoint_whose_tokenizer_cannot_load(tmp_path):

@@ -70,24 +70,42 @@ READS
 """
 
 
-def run(header: str, source: str, inputs: dict[str, tuple[str, np.ndarray]], template: dict[str, int | bool],
-        positions: int, d_out: int, tmp: Path) -> np.ndarray:
+def run(
+    header: str,
+    source: str,
+    inputs: dict[str, tuple[str, np.ndarray]],
+    template: dict[str, int | bool],
+    positions: int,
+    d_out: int,
+    tmp: Path,
+) -> np.ndarray:
     """(positions, d_out) float32: the kernel `source` (one output feature per warp, 4 warps a block,
     grid (blocks, positions)) over `inputs` {name: (C type, array)}, in order, with integer or bool
     `template` values; its output `y` is bfloat16, as T."""
     kinds = {k: ("bool" if isinstance(v, bool) else "int") for k, v in template.items()}
-    main = (_MAIN.replace("TEMPLATE", ", ".join(f"{kinds[k]} {k}" for k in template))
-            .replace("SIGNATURE", ", ".join(f"const {c}* {n}" for n, (c, _) in inputs.items()) + ", __nv_bfloat16* y")
-            .replace("SOURCE", source)
-            .replace("READS", "\n".join(f"  auto {n}_ = read<{c}>(f);" for n, (c, _) in inputs.items()))
-            .replace("ARGS", ", ".join(str(v).lower() for v in template.values()))
-            .replace("CALL", ", ".join(f"{n}_.data()" for n in inputs)))
+    main = (
+        _MAIN.replace("TEMPLATE", ", ".join(f"{kinds[k]} {k}" for k in template))
+        .replace(
+            "SIGNATURE",
+            ", ".join(f"const {c}* {n}" for n, (c, _) in inputs.items()) + ", __nv_bfloat16* y",
+        )
+        .replace("SOURCE", source)
+        .replace("READS", "\n".join(f"  auto {n}_ = read<{c}>(f);" for n, (c, _) in inputs.items()))
+        .replace("ARGS", ", ".join(str(v).lower() for v in template.values()))
+        .replace("CALL", ", ".join(f"{n}_.data()" for n in inputs))
+    )
     (tmp / "k.cpp").write_text(_SHIM + header + main)
-    subprocess.run(["g++", "-O1", "-std=c++17", "-w", str(tmp / "k.cpp"), "-o", str(tmp / "k")], check=True)
+    subprocess.run(
+        ["g++", "-O1", "-std=c++17", "-w", str(tmp / "k.cpp"), "-o", str(tmp / "k")], check=True
+    )
     with open(tmp / "in.bin", "wb") as f:
         f.write(np.array([positions, d_out], dtype=np.int32).tobytes())
         for _, a in inputs.values():
-            f.write(np.array([a.size], dtype=np.uint64).tobytes() + np.ascontiguousarray(a).tobytes())
-    out = subprocess.run([str(tmp / "k"), str(tmp / "in.bin")], capture_output=True, check=True).stdout
+            f.write(
+                np.array([a.size], dtype=np.uint64).tobytes() + np.ascontiguousarray(a).tobytes()
+            )
+    out = subprocess.run(
+        [str(tmp / "k"), str(tmp / "in.bin")], capture_output=True, check=True
+    ).stdout
     bits = np.frombuffer(out, dtype=np.uint16).astype(np.uint32) << 16
     return bits.view(np.float32).reshape(positions, d_out)

@@ -17,8 +17,12 @@ from moe_cluster.node.moe.load import load_shard
 from moe_cluster.node.runtime import GenerateResult, NodeRuntime
 from moe_cluster.proto.records import GenerateRequest, Sampling
 
-PROMPTS = ("To be, or not to be, that is the question:", "Now is the winter of our discontent",
-           "All the world's a stage,", "Friends, Romans, countrymen, lend me your ears;")
+PROMPTS = (
+    "To be, or not to be, that is the question:",
+    "Now is the winter of our discontent",
+    "All the world's a stage,",
+    "Friends, Romans, countrymen, lend me your ears;",
+)
 
 
 @pytest.fixture(scope="module", params=["cluster path", "single-node fallback"])
@@ -73,8 +77,12 @@ def drive(rt: NodeRuntime, reqs: list[GenerateRequest]) -> tuple[list[GenerateRe
 
 def test_sequences_stepped_together_give_stock_tokens_and_logits(sharded, encode, reference):
     rt = NodeRuntime(sharded, limits=BatchLimits(max_batch=4, prefill_budget=8))
-    reqs = [GenerateRequest(f"r{i}", encode(p), Sampling(max_tokens=10 + 3 * i), prefill_step=8, record_logits=True)
-            for i, p in enumerate(PROMPTS)]
+    reqs = [
+        GenerateRequest(
+            f"r{i}", encode(p), Sampling(max_tokens=10 + 3 * i), prefill_step=8, record_logits=True
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
     results, logs = drive(rt, reqs)
     for req, r in zip(reqs, results):
         tokens, logits = reference(MODEL_DIR, req.prompt, len(r.tokens))
@@ -85,10 +93,14 @@ def test_sequences_stepped_together_give_stock_tokens_and_logits(sharded, encode
 
 
 def test_a_spent_kv_budget_makes_requests_wait_in_order(sharded, encode):
-    per_request = kv_bytes_per_token(sharded.model) * 256  # one KV step: each request below fits in it
+    per_request = (
+        kv_bytes_per_token(sharded.model) * 256
+    )  # one KV step: each request below fits in it
     assert per_request > 0
     rt = NodeRuntime(sharded, limits=BatchLimits(max_batch=8, kv_budget_bytes=2 * per_request))
-    reqs = [GenerateRequest(f"k{i}", encode(p), Sampling(max_tokens=6)) for i, p in enumerate(PROMPTS)]
+    reqs = [
+        GenerateRequest(f"k{i}", encode(p), Sampling(max_tokens=6)) for i, p in enumerate(PROMPTS)
+    ]
     _, logs = drive(rt, reqs)
     # two at a time, in arrival order: the third starts only once one of the first two has ended
     assert logs[2].first > min(logs[0].ended, logs[1].ended)
@@ -97,21 +109,35 @@ def test_a_spent_kv_budget_makes_requests_wait_in_order(sharded, encode):
 
 
 def test_a_seeded_sampled_request_draws_the_same_tokens_beside_others(sharded, encode):
-    sampled = GenerateRequest("s", encode(PROMPTS[0]), Sampling(max_tokens=16, temperature=0.9, top_p=0.9, seed=5))
+    sampled = GenerateRequest(
+        "s", encode(PROMPTS[0]), Sampling(max_tokens=16, temperature=0.9, top_p=0.9, seed=5)
+    )
     alone, _ = drive(NodeRuntime(sharded), [sampled])
-    others = [GenerateRequest(f"o{i}", encode(p), Sampling(max_tokens=12, temperature=1.0, seed=i))
-              for i, p in enumerate(PROMPTS[1:])]
+    others = [
+        GenerateRequest(f"o{i}", encode(p), Sampling(max_tokens=12, temperature=1.0, seed=i))
+        for i, p in enumerate(PROMPTS[1:])
+    ]
     together, _ = drive(NodeRuntime(sharded), [others[0], sampled, *others[1:]])
     assert together[1].tokens == alone[0].tokens and len(alone[0].tokens) == 16
     # what it drew is its seed's draw, not the greedy answer nor another seed's
-    greedy, _ = drive(NodeRuntime(sharded), [GenerateRequest("g", sampled.prompt, Sampling(max_tokens=16))])
-    other, _ = drive(NodeRuntime(sharded), [GenerateRequest("s6", sampled.prompt, replace(sampled.sampling, seed=6))])
+    greedy, _ = drive(
+        NodeRuntime(sharded), [GenerateRequest("g", sampled.prompt, Sampling(max_tokens=16))]
+    )
+    other, _ = drive(
+        NodeRuntime(sharded),
+        [GenerateRequest("s6", sampled.prompt, replace(sampled.sampling, seed=6))],
+    )
     assert alone[0].tokens != greedy[0].tokens and alone[0].tokens != other[0].tokens
 
 
-@pytest.mark.parametrize("sampling", [Sampling(max_tokens=16), Sampling(max_tokens=16, temperature=0.9, seed=5)],
-                         ids=["greedy", "sampled"])
-def test_a_request_resumed_at_step_k_goes_on_with_the_tokens_of_the_whole_run(sharded, encode, sampling):
+@pytest.mark.parametrize(
+    "sampling",
+    [Sampling(max_tokens=16), Sampling(max_tokens=16, temperature=0.9, seed=5)],
+    ids=["greedy", "sampled"],
+)
+def test_a_request_resumed_at_step_k_goes_on_with_the_tokens_of_the_whole_run(
+    sharded, encode, sampling
+):
     """What the coordinator sends after a lost node (prompt + the k streamed tokens, the sampler
     advanced k draws) gives the tokens the uncut run gave from step k on."""
     from moe_cluster.coordinator.serve.resume import continuation
@@ -127,7 +153,9 @@ def test_a_request_resumed_at_step_k_goes_on_with_the_tokens_of_the_whole_run(sh
 
 
 @pytest.mark.parametrize("dtype, quantize, tol", [("float32", 4, 1e-3), ("bfloat16", None, 0.25)])
-def test_bf16_and_4bit_batches_give_each_sequence_its_alone_tokens_or_a_near_tie(make_ckpt, dtype, quantize, tol):
+def test_bf16_and_4bit_batches_give_each_sequence_its_alone_tokens_or_a_near_tie(
+    make_ckpt, dtype, quantize, tol
+):
     """The tolerance policy of docs/families.md: tokens equal, or the first difference is a
     near-tie (the lone run's top-2 logits within 1e-3 for 4-bit, 0.25 for bfloat16); every token
     counted, and the logits within the dtype's bound up to the first difference (float32's 1e-4 for
@@ -136,16 +164,28 @@ def test_bf16_and_4bit_batches_give_each_sequence_its_alone_tokens_or_a_near_tie
     # the cluster path (MLX's CPU backend has no bfloat16 gather_mm for the stock model)
     sharded = load_shard(str(path), None, 0, collective=LocalCollective())
     prompts = [tuple(range(3 + i, 40 + 7 * i, 3)) for i in range(4)]
-    reqs = [GenerateRequest(f"q{i}", p, Sampling(max_tokens=12), record_logits=True) for i, p in enumerate(prompts)]
+    reqs = [
+        GenerateRequest(f"q{i}", p, Sampling(max_tokens=12), record_logits=True)
+        for i, p in enumerate(prompts)
+    ]
     together, _ = drive(NodeRuntime(sharded, limits=BatchLimits(max_batch=4)), reqs)
     for req, got in zip(reqs, together):
         (alone,), _ = drive(NodeRuntime(sharded), [req])
-        assert len(got.tokens) == len(alone.tokens) == 12, (req.request_id, got.tokens, alone.tokens)
-        assert len(got.logits) >= 12 and len(alone.logits) >= 12, (len(got.logits), len(alone.logits))
+        assert len(got.tokens) == len(alone.tokens) == 12, (
+            req.request_id,
+            got.tokens,
+            alone.tokens,
+        )
+        assert len(got.logits) >= 12 and len(alone.logits) >= 12, (
+            len(got.logits),
+            len(alone.logits),
+        )
         n = next((i for i, (a, b) in enumerate(zip(got.tokens, alone.tokens)) if a != b), None)
         shared = 12 if n is None else n + 1  # the prefix both ran, and the step that differs
-        diff = max(float(np.max(np.abs(np.asarray(got.logits[i]) - np.asarray(alone.logits[i]))))
-                   for i in range(shared))
+        diff = max(
+            float(np.max(np.abs(np.asarray(got.logits[i]) - np.asarray(alone.logits[i]))))
+            for i in range(shared)
+        )
         bound = bf16_logit_bound(alone.logits[:shared]) if dtype == "bfloat16" else 1e-4
         assert diff <= bound, (req.request_id, diff, bound)
         if n is None:
@@ -170,20 +210,34 @@ def _spoil(tokens: list[int], every: int) -> tuple[int, ...]:
     return tuple((t + 1) % 300 if i % every == every - 1 else t for i, t in enumerate(tokens))
 
 
-@pytest.mark.parametrize("sampling", [Sampling(max_tokens=24), Sampling(max_tokens=24, temperature=0.9, top_p=0.95, seed=3)],
-                         ids=["greedy", "sampled"])
+@pytest.mark.parametrize(
+    "sampling",
+    [Sampling(max_tokens=24), Sampling(max_tokens=24, temperature=0.9, top_p=0.95, seed=3)],
+    ids=["greedy", "sampled"],
+)
 @pytest.mark.parametrize("together", [1, 8], ids=["alone", "batch of 8"])
-def test_speculation_gives_the_tokens_and_logits_of_one_token_steps(cluster_path, encode, sampling, together):
+def test_speculation_gives_the_tokens_and_logits_of_one_token_steps(
+    cluster_path, encode, sampling, together
+):
     """Drafts from a right prediction (most accepted), a spoiled one (rejections mid-draft), a
     wrong one (every draft rejected) and the prompt alone: each sequence's tokens are those of
     decoding one token per step, and so are its logits, so a rejected draft left no trace in the
     KV cache of the steps after it (a left-over position changes every logit after it)."""
-    prompts = [encode(p) for p in (PROMPTS * 2)[:max(together, 4)]]
-    plain = [GenerateRequest(f"p{i}", p, sampling, record_logits=True) for i, p in enumerate(prompts)]
+    prompts = [encode(p) for p in (PROMPTS * 2)[: max(together, 4)]]
+    plain = [
+        GenerateRequest(f"p{i}", p, sampling, record_logits=True) for i, p in enumerate(prompts)
+    ]
     base, _ = drive(NodeRuntime(cluster_path, limits=BatchLimits(max_batch=8)), plain)
-    kinds = [lambda t: t, lambda t: _spoil(t, 3), lambda t: tuple((x + 1) % 300 for x in t), lambda t: ()]
-    reqs = [replace(q, request_id=f"s{i}", prediction=kinds[i % 4](tuple(b.tokens)))
-            for i, (q, b) in enumerate(zip(plain, base))]
+    kinds = [
+        lambda t: t,
+        lambda t: _spoil(t, 3),
+        lambda t: tuple((x + 1) % 300 for x in t),
+        lambda t: (),
+    ]
+    reqs = [
+        replace(q, request_id=f"s{i}", prediction=kinds[i % 4](tuple(b.tokens)))
+        for i, (q, b) in enumerate(zip(plain, base))
+    ]
     if together > 1:
         spec, _ = drive(NodeRuntime(cluster_path, limits=SPEC), reqs)
     else:
@@ -216,7 +270,9 @@ def test_a_speculated_sequence_leaves_a_prompt_cache_entry_of_its_own_tokens(clu
     (r1,), _ = drive(rt, [replace(first, prediction=tuple(range(40, 60)))])
     (plain1,), _ = drive(NodeRuntime(cluster_path), [first])
     assert r1.tokens == plain1.tokens
-    follow = GenerateRequest("c2", first.prompt + tuple(r1.tokens) + encode(" and"), Sampling(max_tokens=10))
+    follow = GenerateRequest(
+        "c2", first.prompt + tuple(r1.tokens) + encode(" and"), Sampling(max_tokens=10)
+    )
     (r2,), _ = drive(rt, [follow])
     assert r2.cached_tokens >= len(first.prompt) + len(r1.tokens) - 1
     (plain2,), _ = drive(NodeRuntime(cluster_path), [follow])
@@ -227,8 +283,13 @@ def test_a_family_whose_caches_cannot_roll_back_says_so_and_decodes_one_token_a_
     path = make_ckpt("qwen3_next")
     sharded = load_shard(str(path), None, 0, collective=LocalCollective())
     rt = NodeRuntime(sharded, limits=SPEC)
-    assert rt.batch.speculation().startswith("off: its caches (ArraysCache") and rt.batch.draft_max == 0
-    req = GenerateRequest("q", tuple(range(3, 30)), Sampling(max_tokens=6), prediction=tuple(range(5, 15)))
+    assert (
+        rt.batch.speculation().startswith("off: its caches (ArraysCache")
+        and rt.batch.draft_max == 0
+    )
+    req = GenerateRequest(
+        "q", tuple(range(3, 30)), Sampling(max_tokens=6), prediction=tuple(range(5, 15))
+    )
     (r,), _ = drive(rt, [req])
     assert len(r.tokens) == 6 and r.figures.drafted == 0
 
@@ -243,9 +304,17 @@ def _tiny_draft(folder, vocab: int = 1024) -> str:
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
-    config = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 1, "intermediate_size": 64,
-              "num_attention_heads": 2, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": vocab,
-              "tie_word_embeddings": True}
+    config = {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "intermediate_size": 64,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "tie_word_embeddings": True,
+    }
     folder.mkdir(parents=True, exist_ok=True)
     mx.random.seed(3)
     model = llama.Model(llama.ModelArgs.from_dict(config))
@@ -257,11 +326,15 @@ def _tiny_draft(folder, vocab: int = 1024) -> str:
 
 
 @pytest.mark.parametrize("draft", ["the model itself", "a random one-layer model"])
-def test_a_draft_models_guesses_keep_the_tokens_and_logits_of_one_token_steps(cluster_path, encode, draft, tmp_path):
+def test_a_draft_models_guesses_keep_the_tokens_and_logits_of_one_token_steps(
+    cluster_path, encode, draft, tmp_path
+):
     path = str(MODEL_DIR) if draft == "the model itself" else _tiny_draft(tmp_path / "draft")
     limits = BatchLimits(max_batch=4, speculative="draft", draft_tokens=3, draft_model=path)
-    reqs = [GenerateRequest(f"d{i}", encode(p), Sampling(max_tokens=20), record_logits=True)
-            for i, p in enumerate(PROMPTS)]
+    reqs = [
+        GenerateRequest(f"d{i}", encode(p), Sampling(max_tokens=20), record_logits=True)
+        for i, p in enumerate(PROMPTS)
+    ]
     reqs[3] = replace(reqs[3], sampling=Sampling(max_tokens=20, temperature=0.8, seed=9))
     base, _ = drive(NodeRuntime(cluster_path, limits=BatchLimits(max_batch=4)), reqs)
     spec, _ = drive(NodeRuntime(cluster_path, limits=limits), reqs)
@@ -272,7 +345,10 @@ def test_a_draft_models_guesses_keep_the_tokens_and_logits_of_one_token_steps(cl
     if draft == "the model itself":  # it guesses what the model says: every guess holds
         assert all(f.accepted == f.drafted > 0 and f.steps <= 7 for f in greedy), greedy
     else:
-        assert all(f.drafted > 0 for f in greedy) and sum(f.accepted for f in greedy) < sum(f.drafted for f in greedy) / 2
+        assert (
+            all(f.drafted > 0 for f in greedy)
+            and sum(f.accepted for f in greedy) < sum(f.drafted for f in greedy) / 2
+        )
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(cluster_path, tmp_path):
@@ -296,13 +372,18 @@ def test_each_request_counts_the_all_reduce_waits_of_the_steps_it_ran_in():
             return partial
 
     sharded = load_shard("demo", None, 0, collective=Slow())
-    reqs = [GenerateRequest("short", (5, 6, 7), Sampling(max_tokens=3)),
-            GenerateRequest("long", (8, 9, 10), Sampling(max_tokens=18))]
+    reqs = [
+        GenerateRequest("short", (5, 6, 7), Sampling(max_tokens=3)),
+        GenerateRequest("long", (8, 9, 10), Sampling(max_tokens=18)),
+    ]
     (short, long), _ = drive(NodeRuntime(sharded, limits=BatchLimits(max_batch=2)), reqs)
     layers = len(sharded.moe_layers())
     # the long one waited alone in the 14 steps after the short one ended (a stall in a shared step
     # counts for both: only the difference is bounded below)
-    assert long.figures.collective_s - short.figures.collective_s >= 14 * layers * 0.002, (short.figures, long.figures)
+    assert long.figures.collective_s - short.figures.collective_s >= 14 * layers * 0.002, (
+        short.figures,
+        long.figures,
+    )
     assert short.figures.collective_s >= 3 * layers * 0.002, short.figures
 
 
@@ -310,8 +391,10 @@ def test_each_step_reports_what_it_did(cluster_path, encode):
     """The step's report (StepReport): over a run, the prompt tokens prefilled, the tokens handed
     out, who joined and who ended, summed, are the run's; speculation's guesses are counted."""
     rt = NodeRuntime(cluster_path, limits=replace(SPEC, max_batch=2, prefill_budget=8))
-    reqs = [GenerateRequest(f"r{i}", encode(p), Sampling(max_tokens=6 + i), prefill_step=8)
-            for i, p in enumerate(PROMPTS[:3])]
+    reqs = [
+        GenerateRequest(f"r{i}", encode(p), Sampling(max_tokens=6 + i), prefill_step=8)
+        for i, p in enumerate(PROMPTS[:3])
+    ]
     results = [GenerateResult() for _ in reqs]
     for i, (req, r) in enumerate(zip(reqs, results)):
         rt.batch.submit(req, i + 1, Log([0]), r)
@@ -323,7 +406,11 @@ def test_each_step_reports_what_it_did(cluster_path, encode):
     assert sum(r.prefilled for r in reports) == sum(len(q.prompt) - 1 for q in reqs)
     assert sum(r.handed_out for r in reports) == sum(len(r.tokens) for r in results) == 6 + 7 + 8
     assert sorted(rid for r in reports for rid in r.admitted) == ["r0", "r1", "r2"]
-    assert sorted(f for r in reports for f in r.finished) == [("r0", "length"), ("r1", "length"), ("r2", "length")]
+    assert sorted(f for r in reports for f in r.finished) == [
+        ("r0", "length"),
+        ("r1", "length"),
+        ("r2", "length"),
+    ]
     assert max(r.decoded for r in reports) == 2  # max_batch
     assert all(r.positions >= r.decoded and r.seconds > 0 for r in reports)
     assert sum(r.drafted for r in reports) == sum(q.figures.drafted for q in results)

@@ -28,18 +28,40 @@ def bench(nodes=(1, 2, 3, 4), truth=TRUTH, noise=None) -> dict:
         if noise:
             compute += noise[i]
         t = compute + comm
-        clusters.append({
-            "nodes": n, "keepalive": "lru", "transport": "envoy" if n > 1 else "local",
-            "generation_tps": 1 / t, "time_per_token_s": t, "expected_experts": E[n],
-            "breakdown_s": {"attention_router": 0.2 * compute, "experts": 0.7 * compute, "collective_wait": comm,
-                            "other": 0.1 * compute},
-            "future_field": "ignored",
-        })
-    return {"model": "dbrx-instruct", "prompt_tokens": 128, "generated_tokens": 128, "ours_tps": 6.1,
-            "mlx_lm_tps": 7.0, "ratio": 0.87,
-            "model_bytes": {"replicated_read_per_token": R, "expert": X, "layers": LAYERS, "moe_layers": MOE,
-                            "hidden": 6144, "dtype_bytes": 2},
-            "clusters": clusters}
+        clusters.append(
+            {
+                "nodes": n,
+                "keepalive": "lru",
+                "transport": "envoy" if n > 1 else "local",
+                "generation_tps": 1 / t,
+                "time_per_token_s": t,
+                "expected_experts": E[n],
+                "breakdown_s": {
+                    "attention_router": 0.2 * compute,
+                    "experts": 0.7 * compute,
+                    "collective_wait": comm,
+                    "other": 0.1 * compute,
+                },
+                "future_field": "ignored",
+            }
+        )
+    return {
+        "model": "dbrx-instruct",
+        "prompt_tokens": 128,
+        "generated_tokens": 128,
+        "ours_tps": 6.1,
+        "mlx_lm_tps": 7.0,
+        "ratio": 0.87,
+        "model_bytes": {
+            "replicated_read_per_token": R,
+            "expert": X,
+            "layers": LAYERS,
+            "moe_layers": MOE,
+            "hidden": 6144,
+            "dtype_bytes": 2,
+        },
+        "clusters": clusters,
+    }
 
 
 def test_fit_recovers_known_parameters():
@@ -78,12 +100,16 @@ def test_calibrated_plan_reproduces_the_bench():
     cal = fit(parse_bench(bench()))
     b = parse_bench(bench())
     for c in b.clusters:
-        assert predict_time(cal, b, c.nodes, c.expected_experts) == pytest.approx(c.time_per_token_s, rel=1e-9)
+        assert predict_time(cal, b, c.nodes, c.expected_experts) == pytest.approx(
+            c.time_per_token_s, rel=1e-9
+        )
     # Eq. 1 with the fitted overheads on a model whose bytes are the bench's (the dbrx preset) agrees too.
     dbrx = presets.model_preset("dbrx")
     m2, net = presets.hardware_preset("m2-ultra-192"), presets.network_preset("10gbe")
     row = estimate(dbrx, m2, net, 3, [2.32], overheads=cal.overheads(apply_collective=True))
-    assert row.time_s == pytest.approx(b.clusters[2].time_per_token_s, rel=2e-3)  # FLOPs bound is not the max
+    assert row.time_s == pytest.approx(
+        b.clusters[2].time_per_token_s, rel=2e-3
+    )  # FLOPs bound is not the max
 
 
 def test_round_trip_and_strictness():
@@ -102,7 +128,9 @@ def test_round_trip_and_strictness():
 def test_bad_bench_names_the_field():
     b = bench()
     del b["clusters"][1]["breakdown_s"]["collective_wait"]
-    with pytest.raises(CalibrationError, match=r"clusters\[1\].breakdown_s: missing field 'collective_wait'"):
+    with pytest.raises(
+        CalibrationError, match=r"clusters\[1\].breakdown_s: missing field 'collective_wait'"
+    ):
         parse_bench(b, "b.json")
     b = bench()
     b["clusters"][0]["time_per_token_s"] = -1
@@ -143,8 +171,9 @@ def test_a_collective_inside_the_graph_is_fitted_on_whole_tokens():
     cal = fit(parse_bench(b))
     assert any("whole tokens" in n for n in cal.notes)
     for c in parse_bench(b).clusters:
-        assert predict_time(cal, parse_bench(b), c.nodes, c.expected_experts) == pytest.approx(c.time_per_token_s,
-                                                                                            rel=0.02)
+        assert predict_time(cal, parse_bench(b), c.nodes, c.expected_experts) == pytest.approx(
+            c.time_per_token_s, rel=0.02
+        )
     assert cal.collective_base_s > 0
 
 
@@ -163,9 +192,14 @@ def test_each_point_is_also_predicted_from_a_fit_without_it():
     off = bench(noise=[0.0, 0.0, 0.0, 0.02])  # the 4-node point 20 ms slower than the model says
     cal = calibrate(off)["envoy"]
     last = cal["points"][-1]
-    assert last["held_out_error"] == pytest.approx(off["clusters"][-1]["time_per_token_s"] / (
-        off["clusters"][-1]["time_per_token_s"] - 0.02) - 1, rel=1e-6)  # predicted from the three others
+    assert last["held_out_error"] == pytest.approx(
+        off["clusters"][-1]["time_per_token_s"] / (off["clusters"][-1]["time_per_token_s"] - 0.02)
+        - 1,
+        rel=1e-6,
+    )  # predicted from the three others
     assert abs(last["held_out_error"]) > abs(last["error"])
     assert cal["max_abs_held_out_error"] == max(abs(p["held_out_error"]) for p in cal["points"])
     two = calibrate(bench(nodes=(1, 2)))["envoy"]  # nothing left to fit once a point is out
-    assert [p["held_out_error"] for p in two["points"]] == [None, None] and two["max_abs_held_out_error"] is None
+    assert [p["held_out_error"] for p in two["points"]] == [None, None] and two[
+        "max_abs_held_out_error"
+    ] is None

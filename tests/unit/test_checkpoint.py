@@ -8,7 +8,13 @@ import struct
 import mlx.core as mx
 import pytest
 
-from moe_cluster.node.checkpoint import Checkpoint, CheckpointError, read_header, read_tensor, write_checkpoint
+from moe_cluster.node.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    read_header,
+    read_tensor,
+    write_checkpoint,
+)
 
 
 def _write_raw(path, header: dict, payload: bytes) -> None:
@@ -53,8 +59,10 @@ def test_byte_range_past_end_of_file(tmp_path):
 
 def test_overlapping_ranges(tmp_path):
     f = tmp_path / "model.safetensors"
-    hdr = {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
-           "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}
+    hdr = {
+        "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+        "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]},
+    }
     _write_raw(f, hdr, bytes(24))
     with pytest.raises(CheckpointError, match="overlap"):
         read_header(f)
@@ -83,6 +91,8 @@ def test_folder_that_is_not_a_checkpoint(tmp_path):
 
 def test_index_naming_missing_files(tmp_path):
     write_checkpoint(tmp_path, {"a": mx.zeros((3,))}, {"model_type": "x"})
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00009.safetensors"}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00009.safetensors"}})
+    )
     with pytest.raises(CheckpointError, match="missing: model-00009"):
         Checkpoint(tmp_path)

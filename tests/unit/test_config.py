@@ -39,7 +39,10 @@ def test_a_good_file():
     assert c.timeouts.collective == 2.0 and c.timeouts.discovery == 0.5
     assert c.source == "lab.yaml"
     assert c.nodes[0].gpu is None
-    assert parse_config(GOOD.replace("    port: 7702\n", "    port: 7702\n    gpu: 1\n")).nodes[1].gpu == 1
+    assert (
+        parse_config(GOOD.replace("    port: 7702\n", "    port: 7702\n    gpu: 1\n")).nodes[1].gpu
+        == 1
+    )
     assert c.serving.recovery_wait == 15.0 and c.serving.max_resumes == 2  # the defaults
     waits = parse_config(GOOD + "  recovery_wait: 2m\n  max_resumes: 0\n").serving
     assert waits.recovery_wait == 120.0 and waits.max_resumes == 0
@@ -69,10 +72,26 @@ BAD = [
     ("nodes:\n  - name: a\nroute: fastest", 3, ["route", "measure, skip, device, host"]),
     ("nodes:\n  - name: a\nmodel: /no/such/model", 3, ["model", "does not exist"]),
     ("nodes:\n  - name: a\nplacement: even", 3, ["placement", "mapping"]),
-    ("nodes:\n  - name: a\nplacement:\n  strategy: profile", 4, ["placement.profile", "needs a profile"]),
-    ("nodes:\n  - name: a\nplacement:\n  memory_fraction: 1.5", 4, ["placement.memory_fraction", "(0, 1]"]),
-    ("nodes:\n  - name: a\nplacement:\n  kv_reserve: lots", 4, ["placement.kv_reserve", "not a size"]),
-    ("nodes:\n  - name: a\ntimeouts:\n  collective: soon", 4, ["timeouts.collective", "not a duration"]),
+    (
+        "nodes:\n  - name: a\nplacement:\n  strategy: profile",
+        4,
+        ["placement.profile", "needs a profile"],
+    ),
+    (
+        "nodes:\n  - name: a\nplacement:\n  memory_fraction: 1.5",
+        4,
+        ["placement.memory_fraction", "(0, 1]"],
+    ),
+    (
+        "nodes:\n  - name: a\nplacement:\n  kv_reserve: lots",
+        4,
+        ["placement.kv_reserve", "not a size"],
+    ),
+    (
+        "nodes:\n  - name: a\ntimeouts:\n  collective: soon",
+        4,
+        ["timeouts.collective", "not a duration"],
+    ),
     ("nodes:\n  - name: a\ntimeouts:\n  collective: 0", 4, ["timeouts.collective", "positive"]),
     ("nodes:\n  - name: a\ntimeouts:\n  heartbeet: 1s", 4, ["timeouts.heartbeet", "'heartbeat'"]),
     ("nodes:\n  - name: a\napi:\n  port: 99999", 4, ["api.port", "not a port"]),
@@ -80,29 +99,74 @@ BAD = [
     ("nodes:\n  - name: a\nsecret:\n  env: X\n  file: y", 4, ["secret", "not both"]),
     ("nodes:\n  - name: a\ntls:\n  cert: c.pem", 4, ["tls.key", "is required"]),
     ("nodes:\n  - name: a\nserving:\n  queue: 0", 4, ["serving.queue", "at least 1"]),
-    ("nodes:\n  - name: a\nserving:\n  prefill_chunk: 4", 4, ["serving.prefill_chunk", "at least 16"]),
+    (
+        "nodes:\n  - name: a\nserving:\n  prefill_chunk: 4",
+        4,
+        ["serving.prefill_chunk", "at least 16"],
+    ),
     ("nodes:\n  - name: a\nserving:\n  recovery_wait: 0", 4, ["serving.recovery_wait", "positive"]),
-    ("nodes:\n  - name: a\nserving:\n  recovery_wait: a while", 4, ["serving.recovery_wait", "not a duration"]),
+    (
+        "nodes:\n  - name: a\nserving:\n  recovery_wait: a while",
+        4,
+        ["serving.recovery_wait", "not a duration"],
+    ),
     ("nodes:\n  - name: a\nserving:\n  max_resumes: -1", 4, ["serving.max_resumes", "at least 0"]),
-    ("nodes:\n  - name: a\nserving:\n  max_resumes: 1.5", 4, ["serving.max_resumes", "whole number"]),
+    (
+        "nodes:\n  - name: a\nserving:\n  max_resumes: 1.5",
+        4,
+        ["serving.max_resumes", "whole number"],
+    ),
     ("nodes:\n  - name: a\nserving:\n  max_resume: 1", 4, ["serving.max_resume", "'max_resumes'"]),
-    ("nodes:\n  - name: a\nserving:\n  speculative: guess", 4, ["serving.speculative", "off, prompt-lookup, draft"]),
+    (
+        "nodes:\n  - name: a\nserving:\n  speculative: guess",
+        4,
+        ["serving.speculative", "off, prompt-lookup, draft"],
+    ),
     ("nodes:\n  - name: a\nserving:\n  draft_tokens: 17", 4, ["serving.draft_tokens", "1 to 16"]),
-    ("nodes:\n  - name: a\nserving:\n  speculative: draft", 4, ["serving.speculative", "needs serving.draft_model"]),
-    ("nodes:\n  - name: a\nserving:\n  draft_model: demo", 4, ["serving.draft_model", "needs speculative: draft"]),
-    ("nodes:\n  - name: a\nserving:\n  speculative: draft\n  draft_model: /no/draft", 5,
-     ["serving.draft_model", "/no/draft does not exist"]),
-    ("nodes:\n  - name: a\ncheckpoint: coordinator\nserving:\n  speculative: draft\n  draft_model: demo", 6,
-     ["serving.draft_model", "checkpoint: coordinator ships only the model"]),
+    (
+        "nodes:\n  - name: a\nserving:\n  speculative: draft",
+        4,
+        ["serving.speculative", "needs serving.draft_model"],
+    ),
+    (
+        "nodes:\n  - name: a\nserving:\n  draft_model: demo",
+        4,
+        ["serving.draft_model", "needs speculative: draft"],
+    ),
+    (
+        "nodes:\n  - name: a\nserving:\n  speculative: draft\n  draft_model: /no/draft",
+        5,
+        ["serving.draft_model", "/no/draft does not exist"],
+    ),
+    (
+        "nodes:\n  - name: a\ncheckpoint: coordinator\nserving:\n  speculative: draft\n  draft_model: demo",
+        6,
+        ["serving.draft_model", "checkpoint: coordinator ships only the model"],
+    ),
     ("nodes:\n  - name: a\nnodes:\n  - name: b", 3, ["nodes", "given twice"]),
-    ("nodes:\n  - name: a\nplacement:\n  replicate: maybe", 4, ["placement.replicate", "true or false"]),
-    ("nodes:\n  - name: a\nplacement:\n  expert_cache: most", 4, ["placement.expert_cache", "a percent (50%)"]),
+    (
+        "nodes:\n  - name: a\nplacement:\n  replicate: maybe",
+        4,
+        ["placement.replicate", "true or false"],
+    ),
+    (
+        "nodes:\n  - name: a\nplacement:\n  expert_cache: most",
+        4,
+        ["placement.expert_cache", "a percent (50%)"],
+    ),
     ("nodes:\n  - name: a\n    expert_cache: 120%", 3, ["nodes[0].expert_cache", "(0, 100]"]),
     ("nodes:\n  - name: a\nfrobnicate: 1", 3, ["frobnicate", "unknown key"]),
     ("nodes:\n  - name: a\n    envoy_data_port: 0", 3, ["nodes[0].envoy_data_port", "not a port"]),
-    ("nodes:\n  - name: a\n    envoy_data_port: 7701\ntransport: mlx", 3, ["nodes[0].envoy_data_port", "transport: envoy"]),
-    ("nodes:\n  - name: a\n    envoy_port: 7701\n    envoy_data_port: 7701", 4,
-     ["nodes[0].envoy_data_port", "7701 is this node's envoy_port too"]),
+    (
+        "nodes:\n  - name: a\n    envoy_data_port: 7701\ntransport: mlx",
+        3,
+        ["nodes[0].envoy_data_port", "transport: envoy"],
+    ),
+    (
+        "nodes:\n  - name: a\n    envoy_port: 7701\n    envoy_data_port: 7701",
+        4,
+        ["nodes[0].envoy_data_port", "7701 is this node's envoy_port too"],
+    ),
 ]
 
 
@@ -140,13 +204,16 @@ def test_a_file_that_is_not_utf8_is_an_error_naming_the_file_and_line(tmp_path):
         load_config(f)
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("api:\n  metrics_auth: 'yes'\n", "api.metrics_auth"),
-    ("api:\n  metrics_auth: 1\n", "api.metrics_auth"),
-    ("api:\n  metrics_aut: true\n", "did you mean 'metrics_auth'"),
-    ("api:\n  max_body: 12\n", "api.max_body"),
-    ("api:\n  max_body: lots\n", "api.max_body"),
-])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("api:\n  metrics_auth: 'yes'\n", "api.metrics_auth"),
+        ("api:\n  metrics_auth: 1\n", "api.metrics_auth"),
+        ("api:\n  metrics_aut: true\n", "did you mean 'metrics_auth'"),
+        ("api:\n  max_body: 12\n", "api.max_body"),
+        ("api:\n  max_body: lots\n", "api.max_body"),
+    ],
+)
 def test_api_metrics_auth_and_max_body_are_validated_strictly(text, needle):
     with pytest.raises(ConfigError, match=needle):
         parse_config(GOOD.replace("api:\n  host: 127.0.0.1\n  port: 8080\n", text))
@@ -155,25 +222,41 @@ def test_api_metrics_auth_and_max_body_are_validated_strictly(text, needle):
 def test_api_metrics_auth_and_max_body_defaults_and_values():
     c = parse_config(GOOD)
     assert c.api.metrics_auth is False and c.api.max_body == 16 * 2**20
-    c = parse_config(GOOD.replace("  port: 8080\n", "  port: 8080\n  metrics_auth: true\n  max_body: 2MB\n"))
+    c = parse_config(
+        GOOD.replace("  port: 8080\n", "  port: 8080\n  metrics_auth: true\n  max_body: 2MB\n")
+    )
     assert c.api.metrics_auth is True and c.api.max_body == 2_000_000
 
 
-
 def test_checkpoint_on_the_coordinator_only():
-    c = parse_config(GOOD + "checkpoint: coordinator\nship:\n  port: 0\n  chunk: 256KiB\n  max_rate: 100MB\n", "lab.yaml")
+    c = parse_config(
+        GOOD + "checkpoint: coordinator\nship:\n  port: 0\n  chunk: 256KiB\n  max_rate: 100MB\n",
+        "lab.yaml",
+    )
     assert c.checkpoint == "coordinator" and c.ship.port == 0 and c.ship.chunk == 256 * 2**10
     assert c.ship.max_rate == 100_000_000
     assert parse_config(GOOD, "lab.yaml").checkpoint == "every-node"
 
 
-@pytest.mark.parametrize("extra, message", [
-    ("ship:\n  port: 7702\n", "lab.yaml:23: ship: applies only with checkpoint: coordinator"),
-    ("checkpoint: nodes\n", "lab.yaml:22: checkpoint: must be one of every-node, coordinator (got 'nodes')"),
-    ("checkpoint: coordinator\nship:\n  chunk: 16MB\n", "lab.yaml:24: ship.chunk: must be 64KiB to 4MiB (got 16000000 bytes)"),
-    ("checkpoint: coordinator\nship:\n  port: 70000\n", "lab.yaml:24: ship.port: 70000 is not a port (0..65535)"),
-    ("checkpoint: coordinator\nship:\n  rate: 1MB\n", "lab.yaml:24: ship.rate: unknown key"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ("ship:\n  port: 7702\n", "lab.yaml:23: ship: applies only with checkpoint: coordinator"),
+        (
+            "checkpoint: nodes\n",
+            "lab.yaml:22: checkpoint: must be one of every-node, coordinator (got 'nodes')",
+        ),
+        (
+            "checkpoint: coordinator\nship:\n  chunk: 16MB\n",
+            "lab.yaml:24: ship.chunk: must be 64KiB to 4MiB (got 16000000 bytes)",
+        ),
+        (
+            "checkpoint: coordinator\nship:\n  port: 70000\n",
+            "lab.yaml:24: ship.port: 70000 is not a port (0..65535)",
+        ),
+        ("checkpoint: coordinator\nship:\n  rate: 1MB\n", "lab.yaml:24: ship.rate: unknown key"),
+    ],
+)
 def test_bad_ship_settings(extra, message):
     with pytest.raises(ConfigError) as exc:
         parse_config(GOOD + extra, "lab.yaml")

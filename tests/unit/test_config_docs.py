@@ -93,8 +93,12 @@ def _config(key: str, value: str | object = _OMIT) -> ClusterConfig:
 def test_the_table_lists_exactly_the_validators_keys():
     docs = set(documented(DOC.read_text()))
     keys = set(validator_keys())
-    assert not keys - docs, f"validator keys missing from docs/configuration.md: {sorted(keys - docs)}"
-    assert not docs - keys, f"keys in docs/configuration.md unknown to the validator: {sorted(docs - keys)}"
+    assert not keys - docs, (
+        f"validator keys missing from docs/configuration.md: {sorted(keys - docs)}"
+    )
+    assert not docs - keys, (
+        f"keys in docs/configuration.md unknown to the validator: {sorted(docs - keys)}"
+    )
 
 
 @pytest.mark.parametrize("key", sorted(documented(DOC.read_text())))
@@ -116,8 +120,11 @@ def test_each_documented_default_is_the_validators(key):
 def test_a_wrong_default_or_a_missing_key_is_caught():
     """What the two tests above see when the table drifts from the validator."""
     text = DOC.read_text()
-    rows = documented(text.replace("| `serving.queue` | `16` |", "| `serving.queue` | `17` |")
-                      .replace("| `serving.max_tokens` |", "| `serving.max_tokenz` |"))
+    rows = documented(
+        text.replace("| `serving.queue` | `16` |", "| `serving.queue` | `17` |").replace(
+            "| `serving.max_tokens` |", "| `serving.max_tokenz` |"
+        )
+    )
     assert "serving.max_tokens" in set(validator_keys()) - set(rows)
     assert _config("serving.queue", rows["serving.queue"].strip("`")) != _config("serving.queue")
 

@@ -17,8 +17,10 @@ INLINE = re.compile(r"(`+)(.+?)\1", re.S)
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 # `moe-cluster` then a lower-case word ending at a space, a backtick, a pipe or the end: a command
-COMMAND = re.compile(r"(?<![\w-])moe-cluster\s+([a-z][a-z0-9-]*)(?=[\s`|]|$)"
-                     r"(?:\s+([a-z][a-z0-9-]*(?:\\?\|[a-z][a-z0-9-]*)*)(?=[\s`]|$))?")
+COMMAND = re.compile(
+    r"(?<![\w-])moe-cluster\s+([a-z][a-z0-9-]*)(?=[\s`|]|$)"
+    r"(?:\s+([a-z][a-z0-9-]*(?:\\?\|[a-z][a-z0-9-]*)*)(?=[\s`]|$))?"
+)
 SCRIPT = re.compile(r"(?<![\w/.-])scripts/(?:[a-z0-9_]+/)*[a-z0-9_]+\.(?:py|sh)\b")
 
 
@@ -103,8 +105,15 @@ def parser() -> argparse.ArgumentParser:
 
 def test_pages_are_found():
     names = {_rel(p) for p in PAGES}
-    assert {"README.md", "docs/configuration.md", "docs/performance.md", "docs/CONTRIBUTING.md",
-            "docs/architecture.md", "docs/reliability.md", "docs/shipping.md"} <= names
+    assert {
+        "README.md",
+        "docs/configuration.md",
+        "docs/performance.md",
+        "docs/CONTRIBUTING.md",
+        "docs/architecture.md",
+        "docs/reliability.md",
+        "docs/shipping.md",
+    } <= names
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
@@ -119,8 +128,9 @@ def test_every_named_command_is_a_subcommand(page, parser):
 
 @pytest.mark.parametrize("page", PAGES, ids=_rel)
 def test_every_named_script_exists(page):
-    missing = sorted({m.group(0) for m in SCRIPT.finditer(page.read_text())
-                      if not (ROOT / m.group(0)).exists()})
+    missing = sorted(
+        {m.group(0) for m in SCRIPT.finditer(page.read_text()) if not (ROOT / m.group(0)).exists()}
+    )
     assert missing == [], f"{_rel(page)} names scripts that do not exist"
 
 
@@ -129,23 +139,30 @@ def test_the_checks_catch_what_they_look_for(tmp_path, parser):
     a made-up bench, and pass on the same page mended."""
     (tmp_path / "other.md").write_text("# Other page\n\n## A `code` heading: yes\n")
     page = tmp_path / "page.md"
-    page.write_text("# Page\n[a](missing.md) [b](other.md#nope) [c](#page) "
-                    "[d](other.md#a-code-heading-yes) [e](https://example.com/x)\n"
-                    "```\nmoe-cluster fly\n```\n"
-                    "`moe-cluster bench fly`, `moe-cluster up cluster.yaml`\n"
-                    "`moe-cluster bench decode\\|serve`, `moe-cluster ready: http://x`\n")
+    page.write_text(
+        "# Page\n[a](missing.md) [b](other.md#nope) [c](#page) "
+        "[d](other.md#a-code-heading-yes) [e](https://example.com/x)\n"
+        "```\nmoe-cluster fly\n```\n"
+        "`moe-cluster bench fly`, `moe-cluster up cluster.yaml`\n"
+        "`moe-cluster bench decode\\|serve`, `moe-cluster ready: http://x`\n"
+    )
     assert len(broken_links(page)) == 2
     assert len(unknown_commands(page.read_text(), "page.md", parser)) == 2
-    page.write_text("# Page\n[c](#page) [d](other.md#a-code-heading-yes)\n"
-                    "`moe-cluster bench decode\\|serve`, `moe-cluster cache rm NAME`\n")
+    page.write_text(
+        "# Page\n[c](#page) [d](other.md#a-code-heading-yes)\n"
+        "`moe-cluster bench decode\\|serve`, `moe-cluster cache rm NAME`\n"
+    )
     assert broken_links(page) == [] and unknown_commands(page.read_text(), "page.md", parser) == []
 
 
 def test_readme_family_count_matches_the_generated_table():
     """The README's summary of families counts the rows of docs/families.md's generated table."""
     table = (ROOT / "docs" / "families.md").read_text().split("do not edit by hand -->", 1)[1]
-    rows = [r for r in table.split("<!-- end of table -->", 1)[0].splitlines()
-            if r.startswith("| ") and not r.startswith("| family |")]
+    rows = [
+        r
+        for r in table.split("<!-- end of table -->", 1)[0].splitlines()
+        if r.startswith("| ") and not r.startswith("| family |")
+    ]
     exact = [r for r in rows if r.split("|")[2].strip().startswith("exact")]
     m = re.search(r"(\d+) of its (\d+)", (ROOT / "README.md").read_text())
     assert m, "README.md: the supported-families summary lost its count"

@@ -12,7 +12,9 @@ from moe_cluster.proto import convert
 from moe_cluster.proto import envoy_pb2
 
 
-def make_frame(rank=1, step=0, layer=3, request="r1", payload=None, dtype="bfloat16", shape=None) -> Frame:
+def make_frame(
+    rank=1, step=0, layer=3, request="r1", payload=None, dtype="bfloat16", shape=None
+) -> Frame:
     payload = np.arange(8, dtype=np.uint16) + rank if payload is None else payload
     shape = shape or (1, 1, payload.size)
     return Frame(request, step, layer, rank, dtype, shape, checksum(payload), payload.tobytes())
@@ -21,14 +23,25 @@ def make_frame(rank=1, step=0, layer=3, request="r1", payload=None, dtype="bfloa
 # -- encode / decode ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,np_dtype", [("bfloat16", np.uint16), ("float16", np.float16), ("float32", np.float32)])
+@pytest.mark.parametrize(
+    "dtype,np_dtype", [("bfloat16", np.uint16), ("float16", np.float16), ("float32", np.float32)]
+)
 def test_frame_round_trip(dtype, np_dtype):
     payload = (np.arange(32 * 6, dtype=np.float32) - 7).astype(np_dtype)
-    frame = Frame("req-7", 41, -1, 3, dtype, (32, 6), checksum(payload), payload)  # payload: any buffer
+    frame = Frame(
+        "req-7", 41, -1, 3, dtype, (32, 6), checksum(payload), payload
+    )  # payload: any buffer
     wire = convert.frame_to_wire(frame)
     back = convert.frame_from_wire(wire)
     assert isinstance(back, Frame)
-    assert (back.request_id, back.step, back.layer, back.rank, back.dtype, back.shape) == ("req-7", 41, -1, 3, dtype, (32, 6))
+    assert (back.request_id, back.step, back.layer, back.rank, back.dtype, back.shape) == (
+        "req-7",
+        41,
+        -1,
+        3,
+        dtype,
+        (32, 6),
+    )
     assert back.checksum == checksum(payload)
     np.testing.assert_array_equal(np.frombuffer(back.payload, np_dtype), payload)
     back.verify()
@@ -38,8 +51,16 @@ def test_wire_is_plain_protobuf():
     """The hand-appended payload field parses (and serializes) as protobuf's own encoding."""
     payload = np.arange(300, dtype=np.uint16)
     frame = Frame("r", 2, 5, 1, "bfloat16", (1, 300), checksum(payload), payload)
-    ref = envoy_pb2.Frame(request_id="r", step=2, layer=5, rank=1, dtype=envoy_pb2.DTYPE_BFLOAT16, shape=[1, 300],
-                          checksum=checksum(payload), payload=payload.tobytes())
+    ref = envoy_pb2.Frame(
+        request_id="r",
+        step=2,
+        layer=5,
+        rank=1,
+        dtype=envoy_pb2.DTYPE_BFLOAT16,
+        shape=[1, 300],
+        checksum=checksum(payload),
+        payload=payload.tobytes(),
+    )
     assert convert.frame_to_wire(frame) == ref.SerializeToString()
 
 
@@ -55,8 +76,18 @@ def test_hello_offers_the_data_channel_and_keeps_its_token_out_of_repr():
 
 
 def test_data_channel_frames_round_trip_whole_split_and_several_at_once():
-    frames = [make_frame(rank=r, step=s, request=f"req-{s}", payload=(np.arange(6, dtype=np.float32) * (r + s)),
-                         dtype="float32", shape=(2, 3)) for s in range(2) for r in range(2)]
+    frames = [
+        make_frame(
+            rank=r,
+            step=s,
+            request=f"req-{s}",
+            payload=(np.arange(6, dtype=np.float32) * (r + s)),
+            dtype="float32",
+            shape=(2, 3),
+        )
+        for s in range(2)
+        for r in range(2)
+    ]
     wire = b"".join(data.encode(f) for f in frames)
     got, at = [], 0
     while True:
@@ -65,9 +96,12 @@ def test_data_channel_frames_round_trip_whole_split_and_several_at_once():
             break
         got.append(f)
     assert at == len(wire)
-    assert [(f.request_id, f.step, f.rank, f.dtype, f.shape, f.payload) for f in got] == \
-        [(f.request_id, f.step, f.rank, f.dtype, f.shape, f.payload) for f in frames]
-    assert all(f.checksum is None for f in got)  # TCP guards the data channel; verify() has nothing to check
+    assert [(f.request_id, f.step, f.rank, f.dtype, f.shape, f.payload) for f in got] == [
+        (f.request_id, f.step, f.rank, f.dtype, f.shape, f.payload) for f in frames
+    ]
+    assert all(
+        f.checksum is None for f in got
+    )  # TCP guards the data channel; verify() has nothing to check
     got[0].verify()
     one = data.encode(frames[0])
     for cut in (0, 5, data.HEADER.size, len(one) - 1):  # an incomplete frame waits for more bytes
@@ -91,13 +125,24 @@ def test_checksum_catches_corruption():
     frame.verify()
     corrupt = bytearray(frame.payload)
     corrupt[3] ^= 0x10
-    bad = Frame(frame.request_id, frame.step, frame.layer, frame.rank, frame.dtype, frame.shape, frame.checksum, bytes(corrupt))
+    bad = Frame(
+        frame.request_id,
+        frame.step,
+        frame.layer,
+        frame.rank,
+        frame.dtype,
+        frame.shape,
+        frame.checksum,
+        bytes(corrupt),
+    )
     with pytest.raises(FrameError, match="from rank 1 .*request r1, step 0, layer 3.* is corrupt"):
         bad.verify()
 
 
 def test_unknown_dtype_is_refused():
-    wire = envoy_pb2.Frame(request_id="r", rank=2, dtype=envoy_pb2.DTYPE_UNSPECIFIED).SerializeToString()
+    wire = envoy_pb2.Frame(
+        request_id="r", rank=2, dtype=envoy_pb2.DTYPE_UNSPECIFIED
+    ).SerializeToString()
     with pytest.raises(convert.ConvertError, match="rank 2 has unknown dtype 0"):
         convert.frame_from_wire(wire)
 
@@ -152,15 +197,21 @@ def test_duplicates_and_disagreements_fail_the_request():
     t.receive(make_frame(rank=1))
     with pytest.raises(StepError, match="rank 1 sent step 0 of request r1 twice"):
         t.receive(make_frame(rank=1))
-    with pytest.raises(StepError, match="rank 2 is out of step at step 0 .*layer 4 bfloat16.*layer 3 bfloat16"):
+    with pytest.raises(
+        StepError, match="rank 2 is out of step at step 0 .*layer 4 bfloat16.*layer 3 bfloat16"
+    ):
         t.receive(make_frame(rank=2, layer=4))
     with pytest.raises(StepError, match="rank 2 is ahead: it sent step 2"):
         t.receive(make_frame(rank=2, step=2))
     with pytest.raises(StepError, match="claims rank 5"):
         t.receive(make_frame(rank=5))
-    short = make_frame(rank=2)  # the shape agrees, the bytes do not (a data channel frame has no CRC)
+    short = make_frame(
+        rank=2
+    )  # the shape agrees, the bytes do not (a data channel frame has no CRC)
     short = Frame(short.request_id, 0, 3, 2, "bfloat16", (1, 1, 8), None, short.payload[:-2])
-    with pytest.raises(StepError, match="rank 2 sent 14 bytes for step 0 of request r1, this node has 16"):
+    with pytest.raises(
+        StepError, match="rank 2 sent 14 bytes for step 0 of request r1, this node has 16"
+    ):
         t.receive(short)
 
 
@@ -199,7 +250,8 @@ def test_a_frame_sent_on_a_lost_data_channel_is_dropped_not_raised():
         server = await loop.create_server(lambda: data.DataConnection(claim=claim), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         _, dialer = await loop.create_connection(
-            lambda: data.DataConnection(hello=data.handshake(0, "t" * 32)), "127.0.0.1", port)
+            lambda: data.DataConnection(hello=data.handshake(0, "t" * 32)), "127.0.0.1", port
+        )
         await asyncio.wait_for(dialer.ready, 5)
         accepted[0].transport.abort()  # the peer's end resets
         why = await asyncio.wait_for(dialer.lost, 5)
@@ -236,26 +288,32 @@ def test_the_data_channel_reassembles_reads_of_any_size(piece):
     whole, in order, the ones before attach() included; a 3 MiB frame among small ones too."""
     import asyncio
 
-    big = make_frame(step=1, payload=np.arange(3 << 19, dtype=np.float32), dtype="float32", shape=(3 << 19,))
+    big = make_frame(
+        step=1, payload=np.arange(3 << 19, dtype=np.float32), dtype="float32", shape=(3 << 19,)
+    )
     frames = [make_frame(step=0), big, make_frame(step=2, rank=1)]
     wire = data.handshake(0, "k" * 32) + b"".join(data.encode(f) for f in frames)
 
     async def run():
         got: list = []
-        conn = data.DataConnection(claim=lambda rank, token, c: "" if data.token_ok(token, "k" * 32) else "no")
+        conn = data.DataConnection(
+            claim=lambda rank, token, c: "" if data.token_ok(token, "k" * 32) else "no"
+        )
         transport = _Transport()
         conn.connection_made(transport)
         for at in range(0, len(wire), piece):
             if at >= len(wire) // 2 and conn._on_frame is None:  # noqa: SLF001 - attach half-way
                 conn.attach(got.append)
-            conn.data_received(wire[at:at + piece])
+            conn.data_received(wire[at : at + piece])
         if conn._on_frame is None:  # noqa: SLF001
             conn.attach(got.append)
         return got, bytes(transport.written), conn.rank
 
     got, answered, rank = asyncio.run(run())
     assert answered == b"+" and rank == 0
-    assert [(f.step, f.rank, f.shape, f.payload) for f in got] == [(f.step, f.rank, tuple(f.shape), f.payload) for f in frames]
+    assert [(f.step, f.rank, f.shape, f.payload) for f in got] == [
+        (f.step, f.rank, tuple(f.shape), f.payload) for f in frames
+    ]
 
 
 def test_a_data_channel_frame_whose_payload_disagrees_with_its_shape_is_refused():
@@ -287,16 +345,21 @@ def test_a_frame_sent_from_changing_memory_arrives_as_it_was_when_sent():
         server = await loop.create_server(lambda: data.DataConnection(claim=claim), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         _, dialer = await loop.create_connection(
-            lambda: data.DataConnection(hello=data.handshake(0, "t" * 32)), "127.0.0.1", port)
+            lambda: data.DataConnection(hello=data.handshake(0, "t" * 32)), "127.0.0.1", port
+        )
         await asyncio.wait_for(dialer.ready, 5)
         while not accepted or not accepted[0]._open:  # noqa: SLF001 - the handshake's answer is on its way
             await asyncio.sleep(0.01)
-        accepted[0].attach(lambda f: got.append((f.step, np.frombuffer(f.payload, np.float32).copy())))
+        accepted[0].attach(
+            lambda f: got.append((f.step, np.frombuffer(f.payload, np.float32).copy()))
+        )
         shared = np.empty(big, np.float32)  # one buffer, as the link's request area
         partial_sends = 0
         for step in range(3):
             shared[:] = step + 1
-            dialer.send_parts(*data.encode_parts(Frame("r", step, 0, 0, "float32", (big,), None, shared)))
+            dialer.send_parts(
+                *data.encode_parts(Frame("r", step, 0, 0, "float32", (big,), None, shared))
+            )
             partial_sends += dialer.transport.get_write_buffer_size() > 0
             shared[:] = -1  # the next step's partial lands at once
         while len(got) < 3:

@@ -7,15 +7,18 @@ import pytest
 from moe_cluster.envoy.spin import SPIN_ENV, SpinPolicy, spin_allowed
 
 
-@pytest.mark.parametrize("cores, load, allowed", [
-    (2, 0.0, False),  # this VM: a spinner takes the core its peer needs
-    (3, 0.0, False),
-    (16, 0.0, True),  # the GPU host, idle
-    (16, 4.0, True),  # with a node and an envoy per rank spinning, 2 ranks
-    (16, 14.5, False),  # the cores are busy with other work
-    (4, 2.0, True),
-    (4, 2.5, False),
-])
+@pytest.mark.parametrize(
+    "cores, load, allowed",
+    [
+        (2, 0.0, False),  # this VM: a spinner takes the core its peer needs
+        (3, 0.0, False),
+        (16, 0.0, True),  # the GPU host, idle
+        (16, 4.0, True),  # with a node and an envoy per rank spinning, 2 ranks
+        (16, 14.5, False),  # the cores are busy with other work
+        (4, 2.0, True),
+        (4, 2.5, False),
+    ],
+)
 def test_spin_only_where_cores_are_idle(cores, load, allowed):
     assert spin_allowed(cores, load) is allowed
 
@@ -44,6 +47,8 @@ def test_no_load_average_means_no_spin():
 def test_override_in_microseconds():
     few = SpinPolicy(1e-3, env={SPIN_ENV: "250"}, cores=lambda: 2, load=lambda: 5.0)
     assert few.budget_s() == pytest.approx(250e-6)  # forced on, even on 2 busy cores
-    assert SpinPolicy(1e-3, env={SPIN_ENV: "0"}, cores=lambda: 64, load=lambda: 0.0).budget_s() == 0.0
+    assert (
+        SpinPolicy(1e-3, env={SPIN_ENV: "0"}, cores=lambda: 64, load=lambda: 0.0).budget_s() == 0.0
+    )
     with pytest.raises(ValueError, match=SPIN_ENV):
         SpinPolicy(1e-3, env={SPIN_ENV: "fast"})

@@ -8,20 +8,41 @@ import pytest
 from moe_cluster.envoy import trace
 
 
-def _row(step: int, node: tuple[int, ...], link: int, sent: int, complete: int, summed: int,
-         arrived: tuple[int, ...]) -> tuple[int, ...]:
+def _row(
+    step: int,
+    node: tuple[int, ...],
+    link: int,
+    sent: int,
+    complete: int,
+    summed: int,
+    arrived: tuple[int, ...],
+) -> tuple[int, ...]:
     words = np.zeros(trace.WORDS, np.uint64)
     words[:4] = (link, sent, complete, summed)
-    words[4:4 + len(arrived)] = arrived
+    words[4 : 4 + len(arrived)] = arrived
     return trace.record(step, node, words)
 
 
 def test_hops_follow_one_all_reduce_across_both_ranks():
     # rank 1 hands its REDUCE 5 us after rank 0; stamps in ns on one clock
-    r0 = _row(7, (0, 2_000, 5_000, 90_000, 93_000), link=15_000, sent=20_000, complete=60_000, summed=70_000,
-              arrived=(0, 60_000))
-    r1 = _row(7, (1_000, 4_000, 10_000, 85_000, 86_000), link=30_000, sent=40_000, complete=50_000,
-              summed=80_000, arrived=(45_000, 0))
+    r0 = _row(
+        7,
+        (0, 2_000, 5_000, 90_000, 93_000),
+        link=15_000,
+        sent=20_000,
+        complete=60_000,
+        summed=70_000,
+        arrived=(0, 60_000),
+    )
+    r1 = _row(
+        7,
+        (1_000, 4_000, 10_000, 85_000, 86_000),
+        link=30_000,
+        sent=40_000,
+        complete=50_000,
+        summed=80_000,
+        arrived=(45_000, 0),
+    )
     warm = _row(0, (0, 1, 2, 3, 4), 1, 1, 1, 1, (1, 1))  # left out: a warm-up step
     d = trace.hops({0: [warm, r0], 1: [warm, r1]}, skip=1)
     assert d["node: partial to the host"] == [2.0, 3.0]
@@ -38,8 +59,13 @@ def test_hops_follow_one_all_reduce_across_both_ranks():
     assert d["total"] == [93.0, 85.0]
     rows = trace.table(d)
     assert [r["hop"] for r in rows] == [h for h, _ in trace.HOPS]
-    assert rows[-1] == {"hop": "total", "covers": trace.HOPS[-1][1], "p50_us": 89.0, "p90_us": pytest.approx(92.2),
-                        "samples": 2}
+    assert rows[-1] == {
+        "hop": "total",
+        "covers": trace.HOPS[-1][1],
+        "p50_us": 89.0,
+        "p90_us": pytest.approx(92.2),
+        "samples": 2,
+    }
 
 
 def test_a_step_missing_on_a_rank_or_unstamped_by_its_envoy_is_left_out():

@@ -65,7 +65,14 @@ def test_project_errors_have_the_kind_of_what_went_wrong():
     from moe_cluster.proto.convert import ConvertError
     from moe_cluster.proto.placement import PlacementError
 
-    for user in (CalibrationError, PlanError, ConfigError, PlacementError, ConvertError, DiscoveryError):
+    for user in (
+        CalibrationError,
+        PlanError,
+        ConfigError,
+        PlacementError,
+        ConvertError,
+        DiscoveryError,
+    ):
         assert issubclass(user, UserError) and issubclass(user, ValueError), user
     assert DiscoveryError.kind is ErrorKind.NOT_FOUND
     for down in (ClusterError, LinkError, StepError):

@@ -55,7 +55,9 @@ def test_dbrx_two_nodes_is_2_646():
     assert expected_experts(even_split(16, 4), 16, 4).value == pytest.approx(1.969, abs=5e-4)
 
 
-@pytest.mark.parametrize("sizes", [[8, 8], [6, 5, 5], [3, 5], [1, 2, 5], [4, 4, 4, 4], [7, 1], [2, 2, 2, 2, 2, 2]])
+@pytest.mark.parametrize(
+    "sizes", [[8, 8], [6, 5, 5], [3, 5], [1, 2, 5], [4, 4, 4, 4], [7, 1], [2, 2, 2, 2, 2, 2]]
+)
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_hypergeometric_matches_brute_force(sizes, k):
     assert expected_max_hypergeometric(sizes, k) == brute_force_disjoint(sizes, k)
@@ -71,12 +73,15 @@ def test_even_and_uneven_placements_via_routing_rule():
             assert expected_max_hypergeometric(sizes, k) == brute_force(placement, start, k)
 
 
-@pytest.mark.parametrize("placement, num_experts", [
-    ({0: [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], 1: [0, 1, 8, 9, 10, 11, 12, 13, 14, 15]}, 16),
-    ({0: [0, 1, 2, 3, 4], 1: [3, 4, 5, 6, 7], 2: [0, 6, 7, 8, 9], 3: [1, 2, 9, 10, 11]}, 12),
-    ({0: list(range(8)), 1: list(range(8))}, 8),  # full replication
-    ({0: [0, 1, 2, 3, 4, 5], 1: [5, 6, 7]}, 8),  # uneven with one shared expert
-])
+@pytest.mark.parametrize(
+    "placement, num_experts",
+    [
+        ({0: [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], 1: [0, 1, 8, 9, 10, 11, 12, 13, 14, 15]}, 16),
+        ({0: [0, 1, 2, 3, 4], 1: [3, 4, 5, 6, 7], 2: [0, 6, 7, 8, 9], 3: [1, 2, 9, 10, 11]}, 12),
+        ({0: list(range(8)), 1: list(range(8))}, 8),  # full replication
+        ({0: [0, 1, 2, 3, 4, 5], 1: [5, 6, 7]}, 8),  # uneven with one shared expert
+    ],
+)
 @pytest.mark.parametrize("k", [2, 4])
 def test_replicated_placements_match_brute_force(placement, num_experts, k):
     assert not is_disjoint(placement)
@@ -97,7 +102,8 @@ def test_monte_carlo_agrees_with_exact():
     mean, se = expected_max_sampled(placement, 16, 4, samples=4000, seed=1)
     assert se > 0 and abs(mean - exact) < 5 * se
     assert expected_max_sampled(placement, 16, 4, samples=500, seed=3) == expected_max_sampled(
-        placement, 16, 4, samples=500, seed=3)  # seeded
+        placement, 16, 4, samples=500, seed=3
+    )  # seeded
 
 
 def test_large_models_use_the_exact_formula_or_say_they_sample():
@@ -130,15 +136,18 @@ def test_profile_expectation_is_the_empirical_mean():
     assert e.value == 1.5 and "4 recorded tokens" in e.method
     # With expert 0 replicated on rank 1, [0, 1] splits 1/1 under the routing rule.
     replicated = {0: [0, 1], 1: [0, 2, 3]}
-    assert expected_max_from_sets(replicated, 4, sets) == pytest.approx(sum(
-        max(rank_counts(s, holders_of(replicated, 4), 2)) for s in sets) / 4)
+    assert expected_max_from_sets(replicated, 4, sets) == pytest.approx(
+        sum(max(rank_counts(s, holders_of(replicated, 4), 2)) for s in sets) / 4
+    )
     assert expected_max_from_sets(replicated, 4, sets) == 1.25
 
 
 def test_profile_over_every_selection_equals_uniform_enumeration():
     placement = placement_for(8, 2, replicas_per_node=1)
     sets = [list(c) for c in itertools.combinations(range(8), 3)]
-    assert expected_max_from_sets(placement, 8, sets) == pytest.approx(float(brute_force(placement, 8, 3)))
+    assert expected_max_from_sets(placement, 8, sets) == pytest.approx(
+        float(brute_force(placement, 8, 3))
+    )
 
 
 def test_placement_for():
@@ -150,13 +159,19 @@ def test_placement_for():
     # with 4 spare slots per node, 5 experts on all 4 nodes (15 slots), and E lower than the paper's
     p = placement_for(16, 4, replicas_per_node=4)
     holders = holders_of(p, 16)
-    assert all(len(h) in (1, 4) for h in holders.values()) and sum(len(h) == 4 for h in holders.values()) == 5
+    assert (
+        all(len(h) in (1, 4) for h in holders.values())
+        and sum(len(h) == 4 for h in holders.values()) == 5
+    )
     assert all(len(v) <= 8 for v in p.values())
     assert expected_experts(p, 16, 4).value == pytest.approx(1.459, abs=0.001)
     counts = [1] * 16
     counts[13], counts[2] = 100, 50
     hot = placement_for(16, 2, replicas_per_node=1, profile_counts=counts)
-    assert hot == {0: sorted(list(range(8)) + [13]), 1: [2] + list(range(8, 16))}  # the hottest, copied
+    assert hot == {
+        0: sorted(list(range(8)) + [13]),
+        1: [2] + list(range(8, 16)),
+    }  # the hottest, copied
     capped = placement_for(8, 2, replicas_per_node=100)
     assert capped == {0: list(range(8)), 1: list(range(8))}
     with pytest.raises(PlanError, match="16 experts cannot be split over 17"):
@@ -166,8 +181,12 @@ def test_placement_for():
 
 
 def test_parse_profile():
-    ok = {"model": "m", "num_experts": 4, "top_k": 2,
-          "layers": {"0": {"counts": [1, 1, 1, 1], "tokens": 2, "sets": [[0, 1], [2, 3]]}}}
+    ok = {
+        "model": "m",
+        "num_experts": 4,
+        "top_k": 2,
+        "layers": {"0": {"counts": [1, 1, 1, 1], "tokens": 2, "sets": [[0, 1], [2, 3]]}},
+    }
     prof = parse_profile(ok)
     assert prof.layers[0].sets == ((0, 1), (2, 3))
     bad = {**ok, "layers": {"0": {"counts": [1, 1, 1, 1], "tokens": 2, "sets": [[0, 7]]}}}
@@ -178,7 +197,9 @@ def test_parse_profile():
         parse_profile({"model": "m", "num_experts": 4, "top_k": 2})
     with pytest.raises(ProfileError, match="counts must be 4"):
         parse_profile({**ok, "layers": {"0": {"counts": [1], "tokens": 2, "sets": [[0]]}}})
-    assert math.isclose(expected_experts({0: [0, 1], 1: [2, 3]}, 4, 2, sets=prof.layers[0].sets).value, 2.0)
+    assert math.isclose(
+        expected_experts({0: [0, 1], 1: [2, 3]}, 4, 2, sets=prof.layers[0].sets).value, 2.0
+    )
 
 
 def test_a_batch_alone_is_the_closed_form_and_grows_to_every_expert():
@@ -203,10 +224,15 @@ def test_a_batch_across_nodes_matches_exhaustive_counting():
     placement = even_split(6, 2)
     holders = holders_of(placement, 6)
     subsets = list(itertools.combinations(range(6), 2))
-    exact = sum(max(rank_counts(sorted(set(a) | set(b)), holders, 2)) for a in subsets for b in subsets) / len(subsets) ** 2
+    exact = (
+        sum(max(rank_counts(sorted(set(a) | set(b)), holders, 2)) for a in subsets for b in subsets)
+        / len(subsets) ** 2
+    )
     got = expected_experts(placement, 6, 2, "none", batch=2)
     assert abs(got.value - exact) <= 4 * got.stderr + 1e-9, (got, exact)
     assert got.value > expected_experts(placement, 6, 2, "none").value
-    assert expected_experts(placement, 6, 2, "busy", batch=2).value == 3  # busy computes every local expert anyway
+    assert (
+        expected_experts(placement, 6, 2, "busy", batch=2).value == 3
+    )  # busy computes every local expert anyway
     with pytest.raises(PlanError, match="batch must be at least 1"):
         expected_experts(placement, 6, 2, "none", batch=0)

@@ -28,7 +28,10 @@ def _shards(bank, placement: Placement, keepalive: str, dtype=mx.float32, linear
     for rank in range(world):
         local = list(placement.layers[0][rank])
         idx = mx.array(local)
-        projs = {p: linear(getattr(bank, p).weight[idx].astype(dtype)) for p in ("gate_proj", "up_proj", "down_proj")}
+        projs = {
+            p: linear(getattr(bank, p).weight[idx].astype(dtype))
+            for p in ("gate_proj", "up_proj", "down_proj")
+        }
         state = ShardState(rank, world, keepalive)
         out.append(ExpertShard(0, local, holders, projs, "glu", bank.activation, state))
     return out
@@ -50,7 +53,9 @@ def _rank0_of_two(keepalive: str, monkeypatch):
     _Recording.seen.clear()
     p = Placement.from_json({"layers": {"0": {"0": [0, 1, 2, 3], "1": [4, 5, 6, 7]}}}, 2)
     shard0 = _shards(_bank(3), p, keepalive, linear=_Recording)[0]
-    monkeypatch.setattr(ShardState, "count_routed", lambda *a: pytest.fail("indices read on the host"))
+    monkeypatch.setattr(
+        ShardState, "count_routed", lambda *a: pytest.fail("indices read on the host")
+    )
     return shard0
 
 
@@ -82,7 +87,9 @@ def test_partials_sum_to_the_full_bank(world, keepalive):
     rng = np.random.default_rng(0)
     for tokens in (1, 5, 70):  # decode, small prefill, prefill past SwitchGLU's sort threshold
         x = mx.array(rng.standard_normal((1, tokens, D)).astype(np.float32))
-        inds = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(1, tokens, K))
+        inds = mx.array(
+            np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(1, tokens, K)
+        )
         ys, _ = _step(shards, x, inds)
         total = ys[0]
         for y in ys[1:]:
@@ -93,7 +100,9 @@ def test_partials_sum_to_the_full_bank(world, keepalive):
 
 def test_replicated_expert_is_computed_once():
     bank = _bank(1)
-    p = Placement.from_json({"layers": {"0": {"0": [0, 1, 2, 3, 4, 5], "1": [2, 3, 4, 5, 6, 7]}}}, 2)
+    p = Placement.from_json(
+        {"layers": {"0": {"0": [0, 1, 2, 3, 4, 5], "1": [2, 3, 4, 5, 6, 7]}}}, 2
+    )
     shards = _shards(bank, p, "none")
     x = mx.ones((1, 1, D))
     inds = mx.array([[[2, 3, 4]]])
@@ -112,7 +121,9 @@ def test_keepalive_counters_every_step(keepalive):
     rng = np.random.default_rng(1)
     for step in range(200):
         tokens = 1 if step % 10 else 4
-        inds = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(1, tokens, K))
+        inds = mx.array(
+            np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(1, tokens, K)
+        )
         _, delta = _step(shards, mx.zeros((1, tokens, D)), inds)
         cluster_max = max(d["selected"] for d in delta)
         for rank, d in enumerate(delta):
@@ -146,13 +157,22 @@ def test_lru_fillers_are_chosen_on_the_device(monkeypatch):
     seen = _Recording.seen
     shard0 = _rank0_of_two("lru", monkeypatch)
     computed = []
-    for _ in range(4):  # rank 1 selects experts 4 and 5, rank 0 expert 1 (its slot 1): one filler a call
+    for _ in range(
+        4
+    ):  # rank 1 selects experts 4 and 5, rank 0 expert 1 (its slot 1): one filler a call
         seen.clear()
         y = shard0(mx.zeros((1, 1, D)), mx.array([[[4, 5, 1]]]))
         computed.append(set(seen[0][1]))  # gate_proj's slots: the experts this call reads
-        assert mx.array_equal(y[..., :2, :], mx.zeros_like(y[..., :2, :])).item()  # fillers' outputs left out
+        assert mx.array_equal(
+            y[..., :2, :], mx.zeros_like(y[..., :2, :])
+        ).item()  # fillers' outputs left out
     monkeypatch.undo()
-    assert computed == [{1, 0}, {1, 2}, {1, 3}, {1, 0}]  # slot 1 selected; the filler rotates, LRU first
+    assert computed == [
+        {1, 0},
+        {1, 2},
+        {1, 3},
+        {1, 0},
+    ]  # slot 1 selected; the filler rotates, LRU first
     c = _counters(shard0)
     assert (c["selected"], c["filler"], c["computed"], c["cluster_max"]) == (4, 4, 8, 8)
 
@@ -176,10 +196,16 @@ def test_lru_order_survives_the_recency_count_restart(monkeypatch):
 def test_bfloat16_without_gather_mm_matches_float32():
     bank = _bank(4)
     shards = _shards(bank, Placement.even({0: E}, 2), "none", dtype=mx.bfloat16)
-    x = mx.array(np.random.default_rng(2).standard_normal((1, 6, D)).astype(np.float32)).astype(mx.bfloat16)
-    inds = mx.array(np.stack([np.random.default_rng(3).choice(E, K, replace=False) for _ in range(6)]).reshape(1, 6, K))
+    x = mx.array(np.random.default_rng(2).standard_normal((1, 6, D)).astype(np.float32)).astype(
+        mx.bfloat16
+    )
+    inds = mx.array(
+        np.stack([np.random.default_rng(3).choice(E, K, replace=False) for _ in range(6)]).reshape(
+            1, 6, K
+        )
+    )
     ys, _ = _step(shards, x, inds)
-    total = (ys[0].astype(mx.float32) + ys[1].astype(mx.float32))
+    total = ys[0].astype(mx.float32) + ys[1].astype(mx.float32)
     assert mx.allclose(total, bank(x.astype(mx.float32), inds), atol=0.05, rtol=0.05).item()
 
 
@@ -203,7 +229,11 @@ def test_without_keepalive_other_nodes_positions_read_no_other_expert(monkeypatc
     expert's bytes once), and slot 0 only where it selected none."""
     seen = _Recording.seen
     shard0 = _rank0_of_two("none", monkeypatch)
-    for inds, read in (([[[4, 2, 5]]], {2}), ([[[6, 3, 1], [7, 4, 5]]], {1, 3}), ([[[4, 5, 6]]], {0})):
+    for inds, read in (
+        ([[[4, 2, 5]]], {2}),
+        ([[[6, 3, 1], [7, 4, 5]]], {1, 3}),
+        ([[[4, 5, 6]]], {0}),
+    ):
         seen.clear()
         y = shard0(mx.ones((1, len(inds[0]), D)), mx.array(inds))
         assert set(seen[0][1]) == read  # gate_proj's slots: the experts this call reads
@@ -227,7 +257,9 @@ def _assert_steps_agree(shards, host, seed: int, atol: float) -> None:
     for step in range(6):
         tokens = 1 + step % 3
         x = mx.array(rng.standard_normal((1, tokens, D)).astype(np.float32))
-        inds = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(1, tokens, K))
+        inds = mx.array(
+            np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(1, tokens, K)
+        )
         ys_s, delta_s = _step(shards, x, inds)
         ys_h, delta_h = _step(host, x, inds)
         for a, b in zip(ys_s, ys_h):
@@ -235,14 +267,18 @@ def _assert_steps_agree(shards, host, seed: int, atol: float) -> None:
         assert delta_s == delta_h
 
 
-@pytest.mark.parametrize("tokens", [1, 30])  # decode, and past SwitchGLU's sort threshold (30 x 3 rows)
+@pytest.mark.parametrize(
+    "tokens", [1, 30]
+)  # decode, and past SwitchGLU's sort threshold (30 x 3 rows)
 def test_alone_every_call_is_stocks_op_for_op(tokens, monkeypatch):
     """A lone node runs prompts on the device too, through SwitchGLU's own sorted path: its output is
     stock's to the bit (on a GPU the sorted kernel rounds differently from the unsorted one, and bf16
     near-ties turned a lone node's tokens), with no host read of the indices, and counted alike."""
     bank = _bank(3)
     (shard,) = _shards(bank, Placement.even({0: E}, 1), "none")
-    monkeypatch.setattr(ShardState, "count_routed", lambda *a: pytest.fail("indices read on the host"))
+    monkeypatch.setattr(
+        ShardState, "count_routed", lambda *a: pytest.fail("indices read on the host")
+    )
     rng = np.random.default_rng(3)
     x = mx.array(rng.standard_normal((1, tokens, D)).astype(np.float32))
     sel = np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(1, tokens, K)
@@ -264,7 +300,10 @@ def test_replicas_held_everywhere_are_routed_on_the_device(placement, keepalive)
     """Every replica on every node: the replica rule runs as array operations (routing.ArrayRule),
     with no host read of the indices, and gives the host path's partial outputs and counters."""
     bank = _bank(5)
-    device, host = _shards(bank, placement, keepalive), _on_the_host(_shards(bank, placement, keepalive))
+    device, host = (
+        _shards(bank, placement, keepalive),
+        _on_the_host(_shards(bank, placement, keepalive)),
+    )
     assert all(isinstance(s.plan, Replicas) for s in device)
     _assert_steps_agree(device, host, seed=5, atol=1e-5)
     # the host path times its read of the indices; the device path has none to time
@@ -282,13 +321,18 @@ def test_with_replicas_a_node_reads_the_experts_it_computes(keepalive):
     rng = np.random.default_rng(6)
     for step in range(40):
         tokens = 1 + step % 2
-        inds = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(1, tokens, K))
+        inds = mx.array(
+            np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(1, tokens, K)
+        )
         for shard in shards:
             before = _counters(shard)
             seen.clear()
             mx.eval(shard(mx.ones((1, tokens, D)), inds))
             computed = _counters(shard)["computed"] - before["computed"]
-            assert len(set(seen[0][1])) == max(computed, 1), (step, seen[0][1])  # slot 0 where it computes none
+            assert len(set(seen[0][1])) == max(computed, 1), (
+                step,
+                seen[0][1],
+            )  # slot 0 where it computes none
 
 
 def test_replicas_on_some_nodes_keep_the_host_path():
@@ -300,13 +344,18 @@ def test_replicas_on_some_nodes_keep_the_host_path():
 def test_routing_counts_every_selection_on_both_paths(world):
     """Each (token, slot) selection counts once for its expert, on every node alike (the heat map)."""
     placement = Placement.even({0: E}, world)
-    device, host = _shards(_bank(), placement, "none"), _on_the_host(_shards(_bank(), placement, "lru"))
+    device, host = (
+        _shards(_bank(), placement, "none"),
+        _on_the_host(_shards(_bank(), placement, "lru")),
+    )
     assert device[0].device_routed
     rng = np.random.default_rng(2)
     want = np.zeros(E, dtype=np.int64)
     for tokens in (1, 4, 1):
         x = mx.array(rng.standard_normal((1, tokens, D)).astype(np.float32))
-        sel = np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(1, tokens, K)
+        sel = np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).reshape(
+            1, tokens, K
+        )
         want += np.bincount(sel.reshape(-1), minlength=E)
         for s in device + host:
             mx.eval(s(x, mx.array(sel)))
@@ -320,8 +369,13 @@ def test_folding_many_device_routed_calls_at_once_counts_as_one_at_a_time():
     folding each call alone, across layers with different placements and calls of several tokens."""
     rng = np.random.default_rng(4)
     tables = {layer: rng.integers(0, 3, 16) for layer in range(5)}
-    calls = [(int(rng.integers(0, 5)), mx.array(rng.integers(0, 16, (1, int(rng.integers(1, 4)), 4)).astype(np.uint32)))
-             for _ in range(300)]
+    calls = [
+        (
+            int(rng.integers(0, 5)),
+            mx.array(rng.integers(0, 16, (1, int(rng.integers(1, 4)), 4)).astype(np.uint32)),
+        )
+        for _ in range(300)
+    ]
     together, alone = ShardState(1, 3, "none"), ShardState(1, 3, "none")
     for state in (together, alone):
         state.routed = {layer: np.zeros(16, dtype=np.int64) for layer in tables}
@@ -330,7 +384,9 @@ def test_folding_many_device_routed_calls_at_once_counts_as_one_at_a_time():
         alone.pending.append((layer, inds, tables[layer]))
         alone.settle()
     together.settle()
-    assert together.counters == alone.counters and sum(c.calls for c in alone.counters.values()) == 300
+    assert (
+        together.counters == alone.counters and sum(c.calls for c in alone.counters.values()) == 300
+    )
     assert all((together.routed[layer] == alone.routed[layer]).all() for layer in tables)
 
 
@@ -352,7 +408,10 @@ def test_the_skipping_decode_step_equals_the_host_path(world, keepalive, monkeyp
     monkeypatch.setattr(skip_gemv, "skip_gemv", _reference_skip_gemv)
     bank = _bank()
     placement = Placement.even({0: E}, world)
-    skipping, host = _shards(bank, placement, keepalive), _on_the_host(_shards(bank, placement, keepalive))
+    skipping, host = (
+        _shards(bank, placement, keepalive),
+        _on_the_host(_shards(bank, placement, keepalive)),
+    )
     for s in skipping:
         s.use_skip(mx.float32)  # what enable_skip_gemv does where the kernel checks out (CUDA only)
         s.set_route("skip")

@@ -71,7 +71,11 @@ def test_rejoin_recovers_and_refuses_while_it_runs():
     s = h.apply(h.apply(s, h.NodeLoading("node-a")), h.NodeLoading("node-b"))
     assert h.apply(s, h.HeartbeatOk("node-a", "loading")) == s  # loading is not a loss
     err = h.refusal(s)
-    assert err.kind is ErrorKind.UNAVAILABLE and "recovering" in str(err) and "envoy exited" in str(err)
+    assert (
+        err.kind is ErrorKind.UNAVAILABLE
+        and "recovering" in str(err)
+        and "envoy exited" in str(err)
+    )
     assert not h.can_rejoin(s, 1e9)  # one rejoin at a time
     s = h.apply(h.apply(s, h.NodeLoaded("node-a")), h.NodeLoaded("node-b"))
     s = h.apply(s, h.RejoinSucceeded())
@@ -100,7 +104,10 @@ def test_a_node_lost_during_the_rejoin_keeps_it_degraded():
 
 def test_stopping_is_final():
     s = h.apply(_ready(), h.Stopping())
-    assert h.apply(s, h.RejoinSucceeded()).phase == "stopping" and h.refusal(s).kind is ErrorKind.UNAVAILABLE
+    assert (
+        h.apply(s, h.RejoinSucceeded()).phase == "stopping"
+        and h.refusal(s).kind is ErrorKind.UNAVAILABLE
+    )
 
 
 def test_the_lost_nodes_own_reason_replaces_unreachable():
@@ -113,9 +120,13 @@ def test_the_lost_nodes_own_reason_replaces_unreachable():
 
 def test_a_node_that_only_missed_a_heartbeat_while_the_rejoin_loaded_it_is_ready():
     s = h.apply(h.apply(_ready(), h.EnvoyDown("node-b", "envoy exited")), h.RejoinStarted())
-    s = h.apply(s, h.HeartbeatFailed("node-b", "not answering (deadline)"))  # busy importing, not dead
+    s = h.apply(
+        s, h.HeartbeatFailed("node-b", "not answering (deadline)")
+    )  # busy importing, not dead
     s = h.apply(s, h.HeartbeatOk("node-b", "loading"))
     s = h.apply(h.apply(s, h.NodeLoaded("node-a")), h.NodeLoaded("node-b"))
     assert s.phase == "degraded" and not s.ready
-    s = h.apply(s, h.RejoinSucceeded())  # every node loaded by this rejoin, the warm-up ran through all
+    s = h.apply(
+        s, h.RejoinSucceeded()
+    )  # every node loaded by this rejoin, the warm-up ran through all
     assert s.ready and s.reason == ""

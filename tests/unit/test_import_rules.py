@@ -21,7 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("common", "coordinator", "node", "envoy", "proto")  # folders installed as moe_cluster.<name>
+PACKAGES = (
+    "common",
+    "coordinator",
+    "node",
+    "envoy",
+    "proto",
+)  # folders installed as moe_cluster.<name>
 DIST = "moe_cluster"
 
 
@@ -33,19 +39,39 @@ class Rule:
 
 
 RULES = (
-    Rule("records import no mlx",
-         ("proto.records", "proto.placement", "proto.profile", "proto.transport", "proto.frame",
-          "node.collective.specs"), ("mlx", "mlx_lm")),
-    Rule("serve/ imports neither plan/ nor bench/", ("coordinator.serve",), ("coordinator.plan", "coordinator.bench")),
+    Rule(
+        "records import no mlx",
+        (
+            "proto.records",
+            "proto.placement",
+            "proto.profile",
+            "proto.transport",
+            "proto.frame",
+            "node.collective.specs",
+        ),
+        ("mlx", "mlx_lm"),
+    ),
+    Rule(
+        "serve/ imports neither plan/ nor bench/",
+        ("coordinator.serve",),
+        ("coordinator.plan", "coordinator.bench"),
+    ),
     Rule("node/ imports no coordinator/", ("node",), ("coordinator",)),
     # proto holds the contracts, records and wire constants every process shares: it is the bottom
-    Rule("proto/ imports no other package of the project", ("proto",), ("common", "coordinator", "node", "envoy")),
+    Rule(
+        "proto/ imports no other package of the project",
+        ("proto",),
+        ("common", "coordinator", "node", "envoy"),
+    ),
     # the shared plumbing (worker thread, gRPC loop and auth, ports, mDNS) stands on proto/ alone,
     # and every process takes it from there, not from another process's package
     Rule("common/ imports only proto/", ("common",), ("coordinator", "node", "envoy")),
     Rule("envoy/ imports neither node/ nor coordinator/", ("envoy",), ("node", "coordinator")),
-    Rule("serve/ takes no plumbing from the node's or the envoy's packages", ("coordinator.serve",),
-         ("envoy.auth", "envoy.main", "envoy.mesh", "node.worker", "node.mdns", "node.agent")),
+    Rule(
+        "serve/ takes no plumbing from the node's or the envoy's packages",
+        ("coordinator.serve",),
+        ("envoy.auth", "envoy.main", "envoy.mesh", "node.worker", "node.mdns", "node.agent"),
+    ),
 )
 
 # (importer, imported) edges allowed for now, each with the change that removes it. The test
@@ -71,7 +97,8 @@ def _modules(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _import_nodes(tree: ast.AST):
@@ -108,7 +135,9 @@ def import_graph(root: Path, packages: tuple[str, ...] = PACKAGES) -> dict[str, 
             else:
                 base = node.module or ""
             subs = [f"{base}.{a.name}" for a in node.names]
-            subs = [s for s in subs if s.removeprefix(DIST + ".") in modules]  # `from pkg import submodule`
+            subs = [
+                s for s in subs if s.removeprefix(DIST + ".") in modules
+            ]  # `from pkg import submodule`
             targets.update(subs)
             if len(subs) < len(node.names):  # some names are attributes of `base` itself
                 targets.add(base)
@@ -157,7 +186,9 @@ def unresolved_imports(root: Path, packages: tuple[str, ...] = PACKAGES) -> list
                 continue
             if node.level:
                 parts = [DIST, *package.split(".")]
-                base = ".".join(parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+                base = ".".join(
+                    parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else [])
+                )
             else:
                 base = node.module or ""
             base = base.removeprefix(DIST + ".")
@@ -167,13 +198,19 @@ def unresolved_imports(root: Path, packages: tuple[str, ...] = PACKAGES) -> list
                 bad.append(f"{name}:{node.lineno}: no module {base}")
                 continue
             for a in node.names:
-                if a.name != "*" and f"{base}.{a.name}" not in modules and bound[base] is not None \
-                        and a.name not in bound[base]:
+                if (
+                    a.name != "*"
+                    and f"{base}.{a.name}" not in modules
+                    and bound[base] is not None
+                    and a.name not in bound[base]
+                ):
                     bad.append(f"{name}:{node.lineno}: {base} has no {a.name!r}")
     return bad
 
 
-def violations(graph: dict[str, set[str]], rules=RULES, allowed=frozenset()) -> dict[tuple[str, str], str]:
+def violations(
+    graph: dict[str, set[str]], rules=RULES, allowed=frozenset()
+) -> dict[tuple[str, str], str]:
     """{(importer, forbidden module): "rule: chain"} for every forbidden module reachable from a
     rule's scope. The walk stops at forbidden modules and at `allowed` edges."""
     found: dict[tuple[str, str], str] = {}
@@ -217,9 +254,11 @@ def test_every_known_exception_is_still_needed():
 
 
 def test_records_import_no_mlx_when_imported():
-    code = ("import moe_cluster.proto.records, moe_cluster.proto.placement, moe_cluster.proto.profile, "
-            "moe_cluster.node.collective.specs; import sys; "
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')); assert not bad, bad")
+    code = (
+        "import moe_cluster.proto.records, moe_cluster.proto.placement, moe_cluster.proto.profile, "
+        "moe_cluster.node.collective.specs; import sys; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')); assert not bad, bad"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 
@@ -233,26 +272,32 @@ def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def test_the_checker_finds_violations(tmp_path):
-    root = _tree(tmp_path, {
-        "coordinator/__init__.py": "",
-        "coordinator/serve/__init__.py": "",
-        "coordinator/serve/api.py": "from .helper import x\n",
-        # indirect, inside a function, relative two levels up
-        "coordinator/serve/helper.py": "def x():\n    from ..plan import model\n",
-        "coordinator/plan/__init__.py": "",
-        "coordinator/plan/model.py": "",
-        "coordinator/bench/__init__.py": "",
-        "coordinator/bench/run.py": "",
-        "coordinator/serve/typed.py": ("from typing import TYPE_CHECKING\n"
-                                       "if TYPE_CHECKING:\n    from ..bench import run\n"),
-        "node/__init__.py": "",
-        "node/engine.py": ("import moe_cluster.coordinator.serve.api\n"
-                           "from moe_cluster.coordinator.serve.missing import z\n"),
-        "proto/__init__.py": "",
-        "proto/records.py": "from .convert import y\n",
-        "proto/convert.py": "import mlx.core as mx\n",
-        "proto/placement.py": "",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "coordinator/__init__.py": "",
+            "coordinator/serve/__init__.py": "",
+            "coordinator/serve/api.py": "from .helper import x\n",
+            # indirect, inside a function, relative two levels up
+            "coordinator/serve/helper.py": "def x():\n    from ..plan import model\n",
+            "coordinator/plan/__init__.py": "",
+            "coordinator/plan/model.py": "",
+            "coordinator/bench/__init__.py": "",
+            "coordinator/bench/run.py": "",
+            "coordinator/serve/typed.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..bench import run\n"
+            ),
+            "node/__init__.py": "",
+            "node/engine.py": (
+                "import moe_cluster.coordinator.serve.api\n"
+                "from moe_cluster.coordinator.serve.missing import z\n"
+            ),
+            "proto/__init__.py": "",
+            "proto/records.py": "from .convert import y\n",
+            "proto/convert.py": "import mlx.core as mx\n",
+            "proto/placement.py": "",
+        },
+    )
     bad = violations(import_graph(root))
     assert set(bad) == {
         ("coordinator.serve.helper", "coordinator.plan.model"),
@@ -261,19 +306,26 @@ def test_the_checker_finds_violations(tmp_path):
     }, bad
     assert bad[("proto.convert", "mlx.core")].endswith("proto.records -> proto.convert -> mlx.core")
     assert bad[("coordinator.serve.helper", "coordinator.plan.model")].endswith(
-        "coordinator.serve.helper -> coordinator.plan.model")
-    assert unresolved_imports(root) == ["node.engine:2: no module coordinator.serve.missing",
-                                        "proto.records:1: proto.convert has no 'y'"]
+        "coordinator.serve.helper -> coordinator.plan.model"
+    )
+    assert unresolved_imports(root) == [
+        "node.engine:2: no module coordinator.serve.missing",
+        "proto.records:1: proto.convert has no 'y'",
+    ]
     allowed = {("coordinator.serve.helper", "coordinator.plan.model")}
     assert set(violations(import_graph(root), allowed=allowed)) == {
-        ("node.engine", "coordinator.serve.api"), ("proto.convert", "mlx.core")}
+        ("node.engine", "coordinator.serve.api"),
+        ("proto.convert", "mlx.core"),
+    }
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Import circles among project modules (Tarjan's strongly connected components of more than
     one module), counting only the imports written in the source: a submodule's implicit import of
     its own package (which may import the submodule back, as any package does) is no circle."""
-    explicit = {m: {t for t in ts if t in graph and not m.startswith(t + ".")} for m, ts in graph.items()}
+    explicit = {
+        m: {t for t in ts if t in graph and not m.startswith(t + ".")} for m, ts in graph.items()
+    }
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -321,5 +373,10 @@ def test_the_project_has_no_import_circle():
 
 def test_a_circle_is_found():
     """The check can fail: two modules importing each other (through a function-level import too)."""
-    graph = {"node.a": {"node.b"}, "node.b": {"node.a", "node"}, "node": {"node.b"}, "node.c": {"node"}}
+    graph = {
+        "node.a": {"node.b"},
+        "node.b": {"node.a", "node"},
+        "node": {"node.b"},
+        "node.c": {"node"},
+    }
     assert cycles(graph) == [["node.a", "node.b"]]

@@ -8,8 +8,14 @@ import json
 import mlx.core as mx
 import pytest
 
-from moe_cluster.node.collective.base import (Agreement, CollectiveError, TokenMismatch, rank_order_sum, read_slots,
-                                             ride_slots)
+from moe_cluster.node.collective.base import (
+    Agreement,
+    CollectiveError,
+    TokenMismatch,
+    rank_order_sum,
+    read_slots,
+    ride_slots,
+)
 from moe_cluster.node.collective.mlx import MlxCollective, write_hostfile
 from moe_cluster.node.collective.specs import MlxSpec
 from moe_cluster.proto.errors import UserError
@@ -25,7 +31,9 @@ def test_nccl_meets_at_rank_0s_address(tmp_path):
     spec = MlxSpec((("10.0.0.1:29500",), ("10.0.0.2:29500",), ("10.0.0.3:29500",)), backend="nccl")
     env = write_hostfile(spec, tmp_path)
     assert env == {"MLX_WORLD_SIZE": "3", "NCCL_HOST_IP": "10.0.0.1", "NCCL_PORT": "29500"}
-    assert list(tmp_path.iterdir()) == []  # nothing to write: the GPU is the launcher's (CUDA_VISIBLE_DEVICES)
+    assert (
+        list(tmp_path.iterdir()) == []
+    )  # nothing to write: the GPU is the launcher's (CUDA_VISIBLE_DEVICES)
 
 
 def test_nccl_needs_rank_0s_host_and_port():
@@ -45,8 +53,12 @@ def test_a_backend_missing_from_this_build_is_a_clear_error():
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
 def test_summed_ride_slots_carry_every_ranks_token_exactly(dtype):
     tokens, cancel = (151_935, 0, 255, 16_777_215), (False, True, False, False)
-    total = rank_order_sum([ride_slots(r, 4, mx.array([t, c], dtype=mx.int32), dtype)
-                            for r, (t, c) in enumerate(zip(tokens, cancel))])
+    total = rank_order_sum(
+        [
+            ride_slots(r, 4, mx.array([t, c], dtype=mx.int32), dtype)
+            for r, (t, c) in enumerate(zip(tokens, cancel))
+        ]
+    )
     agreement = read_slots(total.astype(mx.float32).tolist(), 4)
     assert agreement.values == tuple((t, int(c)) for t, c in zip(tokens, cancel))
 
@@ -55,8 +67,12 @@ def test_summed_ride_slots_carry_every_ranks_token_exactly(dtype):
 def test_summed_ride_slots_carry_a_batchs_vector_exactly(dtype):
     """A running batch rides its queue, cancel flags and tokens: any length, every value exact."""
     rows = [[r * 1000 + i * 65_537 % (1 << 24) for i in range(19)] for r in range(3)]
-    total = rank_order_sum([ride_slots(r, 3, mx.array(v, dtype=mx.int32), dtype) for r, v in enumerate(rows)])
-    assert read_slots(total.astype(mx.float32).tolist(), 3) == Agreement(tuple(tuple(v) for v in rows))
+    total = rank_order_sum(
+        [ride_slots(r, 3, mx.array(v, dtype=mx.int32), dtype) for r, v in enumerate(rows)]
+    )
+    assert read_slots(total.astype(mx.float32).tolist(), 3) == Agreement(
+        tuple(tuple(v) for v in rows)
+    )
 
 
 def test_an_agreement_names_the_step_and_both_tokens():
@@ -80,7 +96,7 @@ def test_the_in_graph_sum_is_the_envoys_bytes(dtype, ranks):
     parts = []
     for r in range(ranks):
         x = rng.standard_normal(4096).astype(np.float32) * 10.0 ** rng.integers(-6, 6, 4096)
-        x[:8] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 65504.0, 3.4e38, -3.4e38][: 8]
+        x[:8] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 65504.0, 3.4e38, -3.4e38][:8]
         parts.append(mx.array(np.roll(x, r)).astype(getattr(mx, dtype)))
     got, _ = to_wire(rank_order_sum(parts))
     with np.errstate(invalid="ignore"):
@@ -104,8 +120,11 @@ def test_mlx_lms_tensor_parallel_falls_back_to_the_ring_where_nccl_fails(monkeyp
         tried.append(backend)
         entry = {"name": "mlx_lm_tensor_parallel", "nodes": nodes, "backend": backend}
         if backend == "nccl":
-            return {**entry, "error": "rank 0: RuntimeError: There is no Stream(gpu, 1) in current thread.",
-                    "where": "utils.py:812 sharded_load"}
+            return {
+                **entry,
+                "error": "rank 0: RuntimeError: There is no Stream(gpu, 1) in current thread.",
+                "where": "utils.py:812 sharded_load",
+            }
         return {**entry, "tps": 9.9, "tokens": [1, 2]}
 
     monkeypatch.setattr(tp, "supports", lambda path, mode="tensor": None)
@@ -138,7 +157,9 @@ def test_up_joins_local_gpu_nodes_over_nccl_where_mlx_has_it(monkeypatch):
     monkeypatch.setattr(mx.distributed, "is_available", lambda backend=None: True)
     s = spec(on_gpus)
     assert s.backend == "nccl" and s.hosts[0] == ("127.0.0.1:7001",)
-    assert spec("  - name: a\n    gpu: 0\n  - name: b\n").backend == "ring"  # one node without a GPU of its own
+    assert (
+        spec("  - name: a\n    gpu: 0\n  - name: b\n").backend == "ring"
+    )  # one node without a GPU of its own
 
 
 def test_the_ring_can_be_forced_where_nccl_would_be_picked(monkeypatch):
@@ -154,5 +175,7 @@ def test_the_ring_can_be_forced_where_nccl_would_be_picked(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "ring")
     assert mlx_backend(gpus=True) == "ring"
     monkeypatch.setenv(BACKEND_ENV, "mpi")
-    with pytest.raises(UserError, match="MOE_CLUSTER_MLX_BACKEND may only be 'ring' \\(got 'mpi'\\)"):
+    with pytest.raises(
+        UserError, match="MOE_CLUSTER_MLX_BACKEND may only be 'ring' \\(got 'mpi'\\)"
+    ):
         mlx_backend(gpus=True)

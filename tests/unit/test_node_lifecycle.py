@@ -4,21 +4,68 @@ from __future__ import annotations
 
 import pytest
 
-from moe_cluster.node.lifecycle import PHASES, Busy, Failed, Idle, Load, Loaded, NodeState, Stop, apply
+from moe_cluster.node.lifecycle import (
+    PHASES,
+    Busy,
+    Failed,
+    Idle,
+    Load,
+    Loaded,
+    NodeState,
+    Stop,
+    apply,
+)
 
-EVENTS = {"load": Load(), "loaded": Loaded(), "failed": Failed("envoy exited"), "busy": Busy(), "idle": Idle(),
-          "stop": Stop()}
+EVENTS = {
+    "load": Load(),
+    "loaded": Loaded(),
+    "failed": Failed("envoy exited"),
+    "busy": Busy(),
+    "idle": Idle(),
+    "stop": Stop(),
+}
 # the phase after each event, from each phase (phase -> event -> phase)
 TABLE = {
-    "idle": {"load": "loading", "loaded": "idle", "failed": "idle", "busy": "idle", "idle": "idle", "stop": "stopping"},
-    "loading": {"load": "loading", "loaded": "ready", "failed": "failed", "busy": "loading", "idle": "loading",
-                "stop": "stopping"},
-    "ready": {"load": "loading", "loaded": "ready", "failed": "failed", "busy": "busy", "idle": "ready",
-              "stop": "stopping"},
-    "busy": {"load": "loading", "loaded": "busy", "failed": "failed", "busy": "busy", "idle": "ready",
-             "stop": "stopping"},
-    "failed": {"load": "loading", "loaded": "failed", "failed": "failed", "busy": "failed", "idle": "failed",
-               "stop": "stopping"},
+    "idle": {
+        "load": "loading",
+        "loaded": "idle",
+        "failed": "idle",
+        "busy": "idle",
+        "idle": "idle",
+        "stop": "stopping",
+    },
+    "loading": {
+        "load": "loading",
+        "loaded": "ready",
+        "failed": "failed",
+        "busy": "loading",
+        "idle": "loading",
+        "stop": "stopping",
+    },
+    "ready": {
+        "load": "loading",
+        "loaded": "ready",
+        "failed": "failed",
+        "busy": "busy",
+        "idle": "ready",
+        "stop": "stopping",
+    },
+    "busy": {
+        "load": "loading",
+        "loaded": "busy",
+        "failed": "failed",
+        "busy": "busy",
+        "idle": "ready",
+        "stop": "stopping",
+    },
+    "failed": {
+        "load": "loading",
+        "loaded": "failed",
+        "failed": "failed",
+        "busy": "failed",
+        "idle": "failed",
+        "stop": "stopping",
+    },
     "stopping": {e: "stopping" for e in EVENTS},
 }
 

@@ -26,7 +26,13 @@ TABLE_6 = {
     6: (0.031, None, 0.040, 0.002, 0.072, 13.9),
     8: (0.029, None, 0.040, 0.002, 0.070, 14.2),
 }
-MEASURED_E = {2: 2.65, 3: 2.32, 4: 1.57, 6: 1.11, 8: 1.01}  # Table 1 (and the paper's 6, 8 node inputs)
+MEASURED_E = {
+    2: 2.65,
+    3: 2.32,
+    4: 1.57,
+    6: 1.11,
+    8: 1.01,
+}  # Table 1 (and the paper's 6, 8 node inputs)
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +87,18 @@ def test_rdma_two_node_bound(dbrx, m2, network):
 
 def test_rdma_nic_figures():
     roce, ib = presets.network_preset("rocev2"), presets.network_preset("infiniband")
-    assert (roce.wire_latency_s, roce.bandwidth_Bps, roce.stack_s, roce.price_per_node_usd) == (750e-9, 25e9 / 8, 0, 339)
-    assert (ib.wire_latency_s, ib.bandwidth_Bps, ib.stack_s, ib.price_per_node_usd) == (600e-9, 200e9 / 8, 0, 1267)
+    assert (roce.wire_latency_s, roce.bandwidth_Bps, roce.stack_s, roce.price_per_node_usd) == (
+        750e-9,
+        25e9 / 8,
+        0,
+        339,
+    )
+    assert (ib.wire_latency_s, ib.bandwidth_Bps, ib.stack_s, ib.price_per_node_usd) == (
+        600e-9,
+        200e9 / 8,
+        0,
+        1267,
+    )
 
 
 def test_cost_efficiency_as_table_5(dbrx, m2):
@@ -129,8 +145,14 @@ def test_memory_per_node_and_fit(dbrx, m2):
 
 
 def test_published_totals_match_presets():
-    published = {"dbrx": 132e9, "mixtral-8x7b": 46.7e9, "mixtral-8x22b": 141e9, "qwen3-235b-a22b": 235e9,
-                 "deepseek-v3": 671e9, "qwen3-coder-next": 80e9}
+    published = {
+        "dbrx": 132e9,
+        "mixtral-8x7b": 46.7e9,
+        "mixtral-8x22b": 141e9,
+        "qwen3-235b-a22b": 235e9,
+        "deepseek-v3": 671e9,
+        "qwen3-coder-next": 80e9,
+    }
     for name, params in published.items():
         m = presets.model_preset(name)
         assert m.total_bytes == pytest.approx(2 * params, rel=0.01), name
@@ -139,9 +161,20 @@ def test_published_totals_match_presets():
 
 
 def _toy(**kw) -> ModelSpec:
-    base = dict(name="toy", num_experts=8, top_k=2, layers=4, moe_layer_ids=(0, 1, 2, 3), hidden=64, act_bytes=2,
-                replicated_bytes=1000, replicated_read_bytes=800, replicated_flops=1600.0,
-                expert_layer_bytes=(100,) * 4, expert_layer_flops=(200.0,) * 4)
+    base = dict(
+        name="toy",
+        num_experts=8,
+        top_k=2,
+        layers=4,
+        moe_layer_ids=(0, 1, 2, 3),
+        hidden=64,
+        act_bytes=2,
+        replicated_bytes=1000,
+        replicated_read_bytes=800,
+        replicated_flops=1600.0,
+        expert_layer_bytes=(100,) * 4,
+        expert_layer_flops=(200.0,) * 4,
+    )
     base.update(kw)
     return ModelSpec(**base)
 
@@ -158,8 +191,10 @@ def test_shared_experts_are_computed_by_their_owner():
 
 
 def test_kv_cache_counts_in_memory_and_load():
-    caches = (CacheSpec(per_token_bytes=10),) * 2 + (CacheSpec(per_token_bytes=10, max_tokens=100),
-                                                      CacheSpec(per_token_bytes=0, fixed_bytes=500))
+    caches = (CacheSpec(per_token_bytes=10),) * 2 + (
+        CacheSpec(per_token_bytes=10, max_tokens=100),
+        CacheSpec(per_token_bytes=0, fixed_bytes=500),
+    )
     m = _toy(caches=caches)
     assert m.kv_cache_bytes(0) == 500
     assert m.kv_cache_bytes(1000) == 2 * 10_000 + 1000 + 500
@@ -181,7 +216,12 @@ def test_per_layer_expected_experts_weigh_per_layer_bytes():
 def test_calibrated_overheads():
     dbrx = presets.model_preset("dbrx")
     m2, net = presets.hardware_preset("m2-ultra-192"), presets.network_preset("10gbe")
-    ov = Overheads(bandwidth_Bps=600e9, layer_overhead_s=1e-4, collective_base_s=5e-4, collective_per_node_s=1e-4)
+    ov = Overheads(
+        bandwidth_Bps=600e9,
+        layer_overhead_s=1e-4,
+        collective_base_s=5e-4,
+        collective_per_node_s=1e-4,
+    )
     row = estimate(dbrx, m2, net, 4, [1.57], overheads=ov)
     assert row.load_s == pytest.approx((7e9 + 1.57 * dbrx.expert_bytes) / 600e9)
     assert row.overhead_s == pytest.approx(40 * 1e-4)
@@ -200,8 +240,14 @@ def test_requantized_bytes():
         requantized(base, 7)
 
 
-@pytest.mark.parametrize("kind, lookup", [("model", presets.model_preset), ("hardware", presets.hardware_preset),
-                                          ("network", presets.network_preset)])
+@pytest.mark.parametrize(
+    "kind, lookup",
+    [
+        ("model", presets.model_preset),
+        ("hardware", presets.hardware_preset),
+        ("network", presets.network_preset),
+    ],
+)
 def test_unknown_preset_names_the_value(kind, lookup):
     with pytest.raises(PlanError, match=f"unknown {kind} preset 'nope'"):
         lookup("nope")

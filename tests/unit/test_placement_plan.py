@@ -6,11 +6,18 @@ import itertools
 
 import pytest
 
-from moe_cluster.coordinator.serve.placement import (ModelFootprint, NodeBudget, PlacementError, plan_placement,
-                                               proportional_counts)
+from moe_cluster.coordinator.serve.placement import (
+    ModelFootprint,
+    NodeBudget,
+    PlacementError,
+    plan_placement,
+    proportional_counts,
+)
 from moe_cluster.node.moe.routing import everywhere_or_once, rank_counts
 
-MODEL = ModelFootprint(replicated_bytes=1000, expert_bytes={0: 100, 1: 100}, num_experts={0: 16, 1: 16})
+MODEL = ModelFootprint(
+    replicated_bytes=1000, expert_bytes={0: 100, 1: 100}, num_experts={0: 16, 1: 16}
+)
 
 
 def _nodes(*mems):
@@ -41,7 +48,9 @@ def test_refused_with_needed_and_available_per_node():
     with pytest.raises(PlacementError) as info:
         plan_placement(MODEL, _nodes(2_000, 2_500), memory_fraction=1.0, kv_reserve=100)
     msg = str(info.value)
-    assert "does not fit" in msg and "n0 needs" in msg and "has 2.00 KB" in msg and "n1 needs" in msg
+    assert (
+        "does not fit" in msg and "n0 needs" in msg and "has 2.00 KB" in msg and "n1 needs" in msg
+    )
 
 
 def _e_max(placement, layer, sets):
@@ -52,14 +61,24 @@ def _e_max(placement, layer, sets):
 def test_profile_balances_and_replication_lowers_the_maximum():
     skew = [400, 300, 200, 150, 100, 60, 40, 30, 20, 15, 10, 8, 6, 4, 2, 1]
     # token selections drawn in proportion to the skew: every 4-subset weighted by its product
-    sets = [s for s in itertools.combinations(range(16), 4) for _ in range(max(1, int(
-        skew[s[0]] * skew[s[1]] * skew[s[2]] * skew[s[3]] / 1e6)))]
+    sets = [
+        s
+        for s in itertools.combinations(range(16), 4)
+        for _ in range(max(1, int(skew[s[0]] * skew[s[1]] * skew[s[2]] * skew[s[3]] / 1e6)))
+    ]
     nodes = _nodes(3_600, 3_600)  # room for 13 experts per layer each: 5 spare slots
     even = plan_placement(MODEL, nodes, memory_fraction=1.0, strategy="even").placement
-    balanced = plan_placement(MODEL, nodes, memory_fraction=1.0, strategy="profile",
-                              profile_counts={0: skew, 1: skew}, replicate=False).placement
-    replicated = plan_placement(MODEL, nodes, memory_fraction=1.0, strategy="profile",
-                                profile_counts={0: skew, 1: skew}).placement
+    balanced = plan_placement(
+        MODEL,
+        nodes,
+        memory_fraction=1.0,
+        strategy="profile",
+        profile_counts={0: skew, 1: skew},
+        replicate=False,
+    ).placement
+    replicated = plan_placement(
+        MODEL, nodes, memory_fraction=1.0, strategy="profile", profile_counts={0: skew, 1: skew}
+    ).placement
     e_even, e_bal, e_rep = (_e_max(p, 0, sets) for p in (even, balanced, replicated))
     assert e_bal < e_even
     assert e_rep < e_bal
@@ -71,15 +90,25 @@ def test_replicas_are_full_copies_so_the_device_assigns_them():
     replicas are then assigned on the device (routing.ArrayRule); a copy on some nodes would send
     every decode step's routing through the host. The copies still lower the busiest node's load."""
     skew = [400, 300, 200, 150, 100, 60, 40, 30, 20, 15, 10, 8, 6, 4, 2, 1]
-    sets = [s for s in itertools.combinations(range(16), 4) for _ in range(max(1, int(
-        skew[s[0]] * skew[s[1]] * skew[s[2]] * skew[s[3]] / 1e6)))]
-    nodes = _nodes(*[1_000 + 200 * 7] * 4)  # 4 experts each (of 2 layers, 100 B each), and room for 3 more
+    sets = [
+        s
+        for s in itertools.combinations(range(16), 4)
+        for _ in range(max(1, int(skew[s[0]] * skew[s[1]] * skew[s[2]] * skew[s[3]] / 1e6)))
+    ]
+    nodes = _nodes(
+        *[1_000 + 200 * 7] * 4
+    )  # 4 experts each (of 2 layers, 100 B each), and room for 3 more
     common = dict(memory_fraction=1.0, strategy="profile", profile_counts={0: skew, 1: skew})
     balanced = plan_placement(MODEL, nodes, replicate=False, **common).placement
     replicated = plan_placement(MODEL, nodes, **common)
     holders = replicated.placement.holders(0, 16)
     assert everywhere_or_once(holders, 4)
-    assert sorted(e for e, h in holders.items() if len(h) == 4) == [0, 1, 2, 3]  # the 4 hottest: 3 copies each
+    assert sorted(e for e, h in holders.items() if len(h) == 4) == [
+        0,
+        1,
+        2,
+        3,
+    ]  # the 4 hottest: 3 copies each
     assert replicated.replicas == (3, 3, 3, 3)
     assert _e_max(replicated.placement, 0, sets) < _e_max(balanced, 0, sets)
 
@@ -105,7 +134,9 @@ def test_node_below_its_share_is_served_with_an_expert_cache():
     assert "25%" in note and "read from disk" in note
     # a node with no room for the replicated weights is still refused
     with pytest.raises(PlacementError):
-        plan_placement(MODEL, _nodes(10_000, 900), strategy="even", memory_fraction=1.0, expert_cache=auto)
+        plan_placement(
+            MODEL, _nodes(10_000, 900), strategy="even", memory_fraction=1.0, expert_cache=auto
+        )
 
 
 def test_a_cached_nodes_note_states_its_disk_reads_and_speed_ceiling():
@@ -118,7 +149,9 @@ def test_a_cached_nodes_note_states_its_disk_reads_and_speed_ceiling():
 
     model = replace(MODEL, top_k={0: 2, 1: 2})
     auto = [ExpertCacheSpec.parse("auto")] * 2
-    plan = plan_placement(model, _nodes(10_000, 1_400), strategy="even", memory_fraction=1.0, expert_cache=auto)
+    plan = plan_placement(
+        model, _nodes(10_000, 1_400), strategy="even", memory_fraction=1.0, expert_cache=auto
+    )
     (note,) = [n for n in plan.notes if n.startswith("n1")]
     # n1 holds 8 of 16 experts per layer and keeps 2 (25%): a token selects 2 x 8/16 = 1 of its experts
     # per layer, 3/4 of them misses: 1.5 misses, 150 B per token over the 2 layers
@@ -135,8 +168,17 @@ def test_a_cached_nodes_note_states_its_disk_reads_and_speed_ceiling():
     assert skewed.bytes < uniform.bytes / 10
 
 
-@pytest.mark.parametrize("text,layers", [("50%", {0: 4, 1: 2}), ("100%", {0: 8, 1: 3}), ("1%", {0: 1, 1: 1}),
-                                         ("off", {0: 8, 1: 3}), ("300B", {0: 2, 1: 1}), ("8GB", {0: 8, 1: 3})])
+@pytest.mark.parametrize(
+    "text,layers",
+    [
+        ("50%", {0: 4, 1: 2}),
+        ("100%", {0: 8, 1: 3}),
+        ("1%", {0: 1, 1: 1}),
+        ("off", {0: 8, 1: 3}),
+        ("300B", {0: 2, 1: 1}),
+        ("8GB", {0: 8, 1: 3}),
+    ],
+)
 def test_expert_cache_capacities(text, layers):
     from moe_cluster.proto.expert_cache import ExpertCacheSpec
 

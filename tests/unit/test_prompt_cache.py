@@ -28,17 +28,29 @@ def encode():
     return lambda text: tok.encode(text, add_special_tokens=False)
 
 
-def run(rt: NodeRuntime, prompt: list[int], n: int = N, cancel_after: int | None = None,
-        prefill_step: int = 512) -> GenerateResult:
+def run(
+    rt: NodeRuntime,
+    prompt: list[int],
+    n: int = N,
+    cancel_after: int | None = None,
+    prefill_step: int = 512,
+) -> GenerateResult:
     asked = [0]
 
-    def should_cancel() -> bool:  # asked before the prefill, after each of its chunks, and per token
+    def should_cancel() -> (
+        bool
+    ):  # asked before the prefill, after each of its chunks, and per token
         asked[0] += 1
         return cancel_after is not None and asked[0] > cancel_after
 
     result = GenerateResult()
-    req = GenerateRequest(f"r{id(result)}", tuple(prompt), Sampling(max_tokens=n), prefill_step=prefill_step,
-                          record_logits=True)
+    req = GenerateRequest(
+        f"r{id(result)}",
+        tuple(prompt),
+        Sampling(max_tokens=n),
+        prefill_step=prefill_step,
+        record_logits=True,
+    )
     for _ in rt.generate(req, should_cancel, result):
         pass
     return result
@@ -80,7 +92,9 @@ def test_a_continued_conversation_keeps_one_entry(sharded, encode):
         r = run(rt, prompt)
         assert r.cached_tokens == (len(prompt) - len(encode(" Speak.")) if turn else 0)
         prompt = prompt + r.tokens
-        assert entries(rt) == [len(prompt)]  # the parent was dropped when its continuation was stored
+        assert entries(rt) == [
+            len(prompt)
+        ]  # the parent was dropped when its continuation was stored
         prompt = prompt + encode(" Speak.")
     run(rt, encode("Friends, Romans, countrymen"))
     assert len(entries(rt)) == 2  # an unrelated conversation is a second entry
@@ -92,7 +106,11 @@ def test_entries_are_evicted_least_recently_used_within_the_byte_budget(sharded,
     entry = probe.prompt_cache.nbytes  # bytes of one short conversation (well under 256 tokens)
     budget = int(2.5 * entry)
     rt = NodeRuntime(sharded, prompt_cache_bytes=budget)
-    a, b, c = encode("A horse! a horse!"), encode("Out, damned spot!"), encode("Double, double toil")
+    a, b, c = (
+        encode("A horse! a horse!"),
+        encode("Out, damned spot!"),
+        encode("Double, double toil"),
+    )
     ra = run(rt, a)
     run(rt, b)
     a2 = a + ra.tokens + encode(" my kingdom")
@@ -115,9 +133,13 @@ def test_a_cancelled_request_leaves_an_entry_that_continues_correctly(sharded, e
     assert_stock(r2, follow, reference)
 
 
-def test_a_cancel_during_the_prefill_stops_it_within_a_chunk_and_keeps_what_it_did(sharded, encode, reference):
+def test_a_cancel_during_the_prefill_stops_it_within_a_chunk_and_keeps_what_it_did(
+    sharded, encode, reference
+):
     rt = NodeRuntime(sharded, prompt_cache_bytes=1 << 30)
-    prompt = encode("Is this a dagger which I see before me, the handle toward my hand? Come, let me clutch thee.")
+    prompt = encode(
+        "Is this a dagger which I see before me, the handle toward my hand? Come, let me clutch thee."
+    )
     chunk = 4
     assert len(prompt) > 5 * chunk
     # asked before the first chunk and after each: the third ask comes after two chunks
@@ -144,8 +166,10 @@ class RecordingCollective(LocalCollective):
 @pytest.mark.parametrize("chunk", [16, 24])
 def test_chunked_prefill_bounds_every_all_reduce(chunk, sharded, encode, reference):
     hidden = sharded.config["hidden_size"]
-    prompt = encode("Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise "
-                    "him. The evil that men do lives after them; the good is oft interred with their bones.")
+    prompt = encode(
+        "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise "
+        "him. The evil that men do lives after them; the good is oft interred with their bones."
+    )
     assert len(prompt) > 2 * chunk
     rec = RecordingCollective()
     set_collective(sharded, rec)

@@ -10,7 +10,9 @@ import pytest
 
 from moe_cluster.proto import generate
 
-grpc_tools = pytest.importorskip("grpc_tools", reason="grpcio-tools (the test extra) regenerates the stubs")
+grpc_tools = pytest.importorskip(
+    "grpc_tools", reason="grpcio-tools (the test extra) regenerates the stubs"
+)
 
 PROTO_DIR = Path(generate.__file__).parent
 VERSION = re.compile(r"^GRPC_GENERATED_VERSION = '([^']+)'$", re.MULTILINE)
@@ -23,13 +25,25 @@ def test_stubs_are_fresh(tmp_path):
     fresh_version = VERSION.search((tmp_path / "envoy_pb2_grpc.py").read_text()).group(1)
     stale = []
     for name in generate.generated_names():
-        if name.endswith("_pb2.py"):  # the descriptor: what the .proto says, whatever the tool version
+        if name.endswith(
+            "_pb2.py"
+        ):  # the descriptor: what the .proto says, whatever the tool version
             fresh = _descriptor_bytes(tmp_path / name)
-            if fresh != importlib.import_module(f"moe_cluster.proto.{name[:-3]}").DESCRIPTOR.serialized_pb:
+            if (
+                fresh
+                != importlib.import_module(
+                    f"moe_cluster.proto.{name[:-3]}"
+                ).DESCRIPTOR.serialized_pb
+            ):
                 stale.append(name)
-        if committed_version == fresh_version and (tmp_path / name).read_text() != (PROTO_DIR / name).read_text():
+        if (
+            committed_version == fresh_version
+            and (tmp_path / name).read_text() != (PROTO_DIR / name).read_text()
+        ):
             stale.append(name)
-    assert not stale, f"stale stubs {sorted(set(stale))}: run `python -m moe_cluster.proto.generate` and commit them"
+    assert not stale, (
+        f"stale stubs {sorted(set(stale))}: run `python -m moe_cluster.proto.generate` and commit them"
+    )
 
 
 def _descriptor_bytes(path: Path) -> bytes:
@@ -41,4 +55,6 @@ def _descriptor_bytes(path: Path) -> bytes:
 def test_generated_imports_are_package_relative():
     for name in generate.generated_names():
         text = (PROTO_DIR / name).read_text()
-        assert not re.search(r"^import \w+_pb2", text, re.MULTILINE), f"{name} has a top-level import of a stub"
+        assert not re.search(r"^import \w+_pb2", text, re.MULTILINE), (
+            f"{name} has a top-level import of a stub"
+        )

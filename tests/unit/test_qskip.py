@@ -16,14 +16,25 @@ from moe_cluster.proto.placement import Placement
 from mlx_lm.models.switch_layers import SwitchGLU
 from test_experts import D, E, _assert_steps_agree, _on_the_host
 
-FORMATS = [("affine", 4, 32), ("affine", 4, 64), ("affine", 4, 128), ("affine", 8, 32), ("affine", 8, 64),
-           ("affine", 8, 128), ("mxfp4", 4, 32)]
+FORMATS = [
+    ("affine", 4, 32),
+    ("affine", 4, 64),
+    ("affine", 4, 128),
+    ("affine", 8, 32),
+    ("affine", 8, 64),
+    ("affine", 8, 128),
+    ("mxfp4", 4, 32),
+]
 
 
 def _quantized(w: mx.array, mode: str, bits: int, group: int) -> dict:
     q = mx.quantize(w, group_size=group, bits=bits, mode=mode)
-    return {"weight": q[0], "scales": q[1], "biases": q[2] if len(q) > 2 else None,
-            "quant": {"group_size": group, "bits": bits, "mode": mode}}
+    return {
+        "weight": q[0],
+        "scales": q[1],
+        "biases": q[2] if len(q) > 2 else None,
+        "quant": {"group_size": group, "bits": bits, "mode": mode},
+    }
 
 
 @pytest.mark.parametrize("mode, bits, group", FORMATS)
@@ -34,7 +45,9 @@ def test_the_reference_unpacks_as_gather_qmm_reads(mode, bits, group):
     slots = mx.array([3, -1, 0, 2], dtype=mx.int32)
     for per_x, rows in ((2, x), (1, mx.concatenate([x, x[::-1]]))):
         got = qskip.reference(rows, q["weight"], q["scales"], q["biases"], slots, per_x, q["quant"])
-        want = qskip.gather_qmm(rows, q["weight"], q["scales"], q["biases"], slots, per_x, q["quant"])
+        want = qskip.gather_qmm(
+            rows, q["weight"], q["scales"], q["biases"], slots, per_x, q["quant"]
+        )
         np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4)
         assert not np.array(got[1]).any()  # the skipped position: zeros
 
@@ -73,21 +86,38 @@ def _quantized_shards(placement, keepalive, mode, bits, group, dtype=mx.float32)
         projs = {}
         for p in ("gate_proj", "up_proj", "down_proj"):
             q = _quantized(getattr(bank, p).weight[idx].astype(dtype), mode, bits, group)
-            projs[p] = ShardLinear(q["weight"], scales=q["scales"], biases=q["biases"], quant=q["quant"])
-        out.append(ExpertShard(0, local, placement.holders(0, E), projs, "glu", bank.activation,
-                               ShardState(rank, world, keepalive)))
+            projs[p] = ShardLinear(
+                q["weight"], scales=q["scales"], biases=q["biases"], quant=q["quant"]
+            )
+        out.append(
+            ExpertShard(
+                0,
+                local,
+                placement.holders(0, E),
+                projs,
+                "glu",
+                bank.activation,
+                ShardState(rank, world, keepalive),
+            )
+        )
     return out
 
 
-@pytest.mark.parametrize("mode, bits, group", [("affine", 4, 32), ("affine", 8, 32), ("mxfp4", 4, 32)])
+@pytest.mark.parametrize(
+    "mode, bits, group", [("affine", 4, 32), ("affine", 8, 32), ("mxfp4", 4, 32)]
+)
 @pytest.mark.parametrize("keepalive", ["none", "lru"])
-def test_the_quantized_skipping_step_equals_the_host_path(mode, bits, group, keepalive, monkeypatch):
+def test_the_quantized_skipping_step_equals_the_host_path(
+    mode, bits, group, keepalive, monkeypatch
+):
     monkeypatch.setattr(qskip, "qskip", qskip.reference)
     placement = Placement.even({0: E}, 2)
     skipping = _quantized_shards(placement, keepalive, mode, bits, group)
     host = _on_the_host(_quantized_shards(placement, keepalive, mode, bits, group))
     for s in skipping:
-        s.use_skip(mx.float32)  # what enable_skip_gemv does where the check passes (CUDA, bf16/f16 only)
+        s.use_skip(
+            mx.float32
+        )  # what enable_skip_gemv does where the check passes (CUDA, bf16/f16 only)
         s.set_route("skip")
     _assert_steps_agree(skipping, host, seed=3, atol=1e-4)
 
@@ -96,10 +126,15 @@ def test_enable_takes_quantized_bfloat16_experts_where_the_check_passes(monkeypa
     placement = Placement.even({0: E}, 2)
     monkeypatch.setattr(qskip, "check", lambda *a: None)  # as on a GPU where the kernel matches
     shard = _quantized_shards(placement, "none", "affine", 4, 32, dtype=mx.bfloat16)[0]
-    assert shard.enable_skip_gemv() is None and shard.route == "skip" and shard.routes()[0] == "skip"
+    assert (
+        shard.enable_skip_gemv() is None and shard.route == "skip" and shard.routes()[0] == "skip"
+    )
     monkeypatch.setattr(qskip, "check", lambda *a: "differs from gather_qmm (relative 0.5)")
     shard = _quantized_shards(placement, "none", "affine", 4, 32, dtype=mx.bfloat16)[0]
-    assert "differs from gather_qmm" in shard.enable_skip_gemv() and shard.routes() == ("device", "host")
+    assert "differs from gather_qmm" in shard.enable_skip_gemv() and shard.routes() == (
+        "device",
+        "host",
+    )
     shard = _quantized_shards(placement, "none", "affine", 4, 32)[0]  # float32 scales: gather_qmm
     assert "float32" in shard.enable_skip_gemv() and shard.route == "device"
 
@@ -110,28 +145,60 @@ def _bits(a: mx.array) -> np.ndarray:
 
 
 @pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="no g++ to build the emulated kernel")
-@pytest.mark.parametrize("mode, bits, group", [("affine", 4, 64), ("affine", 8, 128), ("mxfp4", 4, 32)])
+@pytest.mark.parametrize(
+    "mode, bits, group", [("affine", 4, 64), ("affine", 8, 128), ("mxfp4", 4, 32)]
+)
 @pytest.mark.parametrize("per_x", [4, 1])  # gate/up: k positions share a row; down: a row each
 def test_the_cuda_source_run_on_the_host_matches_gather_qmm(mode, bits, group, per_x, tmp_path):
     """The kernel's own source (compiled for the host, cuda_emulator.py) against gather_qmm in
     float32 on the same bfloat16 inputs: within a bfloat16 rounding of the output, zeros where skipped."""
     e, d_out, d_in, k = 4, 6, 1280, 4  # 1280: lanes that take one chunk and lanes that take two
-    q = _quantized((mx.random.normal((e, d_out, d_in), key=mx.random.key(1)) * 0.05).astype(mx.bfloat16),
-                   mode, bits, group)
+    q = _quantized(
+        (mx.random.normal((e, d_out, d_in), key=mx.random.key(1)) * 0.05).astype(mx.bfloat16),
+        mode,
+        bits,
+        group,
+    )
     x = mx.random.normal((k // per_x, d_in), key=mx.random.key(2)).astype(mx.bfloat16)
     slots = mx.array([e - 1, -1, 0, e // 2], dtype=mx.int32)
     scale_t = "uint8_t" if mode == "mxfp4" else "__nv_bfloat16"
     biases = q["biases"] if q["biases"] is not None else q["scales"]
-    got = cuda_emulator.run(qskip._HEADER, qskip._SOURCE,
-                            {"x": ("__nv_bfloat16", _bits(x)), "w": ("uint32_t", np.array(q["weight"])),
-                             "scales": (scale_t, _bits(q["scales"])), "biases": (scale_t, _bits(biases)),
-                             "slots": ("int32_t", np.array(slots))},
-                            {"D_IN": d_in, "D_OUT": d_out, "PER_X": per_x, "BITS": bits, "GROUP": group,
-                             "MX": int(mode == "mxfp4")}, k, d_out, tmp_path)
-    want = np.array(qskip.gather_qmm(x, q["weight"], q["scales"], q["biases"], slots, per_x, q["quant"],
-                                     float32=True))
+    got = cuda_emulator.run(
+        qskip._HEADER,
+        qskip._SOURCE,
+        {
+            "x": ("__nv_bfloat16", _bits(x)),
+            "w": ("uint32_t", np.array(q["weight"])),
+            "scales": (scale_t, _bits(q["scales"])),
+            "biases": (scale_t, _bits(biases)),
+            "slots": ("int32_t", np.array(slots)),
+        },
+        {
+            "D_IN": d_in,
+            "D_OUT": d_out,
+            "PER_X": per_x,
+            "BITS": bits,
+            "GROUP": group,
+            "MX": int(mode == "mxfp4"),
+        },
+        k,
+        d_out,
+        tmp_path,
+    )
+    want = np.array(
+        qskip.gather_qmm(
+            x, q["weight"], q["scales"], q["biases"], slots, per_x, q["quant"], float32=True
+        )
+    )
     assert not got[1].any()  # the skipped position: nothing read, zeros
-    assert np.abs(got - want).max() <= 2 ** -8 * np.abs(want).max()  # a bfloat16 rounding of the largest
-    ref = np.array(qskip.reference(x, q["weight"], q["scales"], q["biases"], slots, per_x, q["quant"])
-                   .astype(mx.float32))
-    np.testing.assert_array_equal(got, ref)  # the CPU tests' reference is the kernel, to the bit here
+    assert (
+        np.abs(got - want).max() <= 2**-8 * np.abs(want).max()
+    )  # a bfloat16 rounding of the largest
+    ref = np.array(
+        qskip.reference(x, q["weight"], q["scales"], q["biases"], slots, per_x, q["quant"]).astype(
+            mx.float32
+        )
+    )
+    np.testing.assert_array_equal(
+        got, ref
+    )  # the CPU tests' reference is the kernel, to the bit here

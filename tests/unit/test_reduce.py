@@ -79,7 +79,9 @@ def test_a_widened_sum_rounds_in_mlx_to_its_reduction(dtype, ranks):
 
 
 def test_overflow_to_infinity_and_then_nan():
-    big = np.array(mx.array([3e38, -3e38, 3e38], dtype=mx.float32).astype(mx.bfloat16).view(mx.uint16))
+    big = np.array(
+        mx.array([3e38, -3e38, 3e38], dtype=mx.float32).astype(mx.bfloat16).view(mx.uint16)
+    )
     infinities = np.array([0xFF80, 0x7F80, 0x0000], dtype=np.uint16)  # -inf, +inf, 0
     parts = [big, big, infinities]  # -> [inf - inf, -inf + inf, inf]: NaN, NaN, inf
     with np.errstate(all="ignore"):

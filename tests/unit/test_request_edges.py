@@ -28,7 +28,11 @@ def _anthropic(**extra) -> dict:
 
 @pytest.mark.parametrize("tiny", TINY)
 def test_tiny_top_p_and_temperature_are_greedy_on_every_endpoint(tiny):
-    for fields in ({"temperature": 0.7, "top_p": tiny}, {"temperature": tiny}, {"temperature": tiny, "top_p": 0.5}):
+    for fields in (
+        {"temperature": 0.7, "top_p": tiny},
+        {"temperature": tiny},
+        {"temperature": tiny, "top_p": 0.5},
+    ):
         openai, _, _ = parse_sampling({"prompt": "x", **fields}, 16)
         claude = anthropic.parse_request(_anthropic(**fields)).sampling
         for s in (openai, claude):
@@ -49,18 +53,32 @@ def test_nan_inf_and_out_of_range_are_refused_on_every_endpoint(name, value):
 
 
 def _seq(sampling: Sampling, key: int = 0):
-    return SimpleNamespace(req=GenerateRequest("r", (1,), sampling), key=mx.random.key(key), error=None)
+    return SimpleNamespace(
+        req=GenerateRequest("r", (1,), sampling), key=mx.random.key(key), error=None
+    )
 
 
-@pytest.mark.parametrize("sampling", [Sampling(8, 0.7, 1e-50), Sampling(8, 0.7, 1e-300), Sampling(8, 1e-39),
-                                      Sampling(8, 1e-300, 0.9)])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        Sampling(8, 0.7, 1e-50),
+        Sampling(8, 0.7, 1e-300),
+        Sampling(8, 1e-39),
+        Sampling(8, 1e-300, 0.9),
+    ],
+)
 def test_the_node_samples_edge_values_greedily(sampling):
     """Handed to the node directly (the coordinator maps them first): never past the vocabulary."""
     logprobs = mx.log(mx.softmax(mx.random.normal((4, 1024), key=mx.random.key(3)), axis=-1))
     want = mx.argmax(logprobs, axis=-1).tolist()
     beside = Sampling(8, 1.0, 0.9, 5)  # a sampled neighbour makes every row take the per-row path
     for k in range(10):
-        seqs = [_seq(sampling, k), _seq(beside, k), _seq(sampling, k + 100), _seq(sampling, k + 200)]
+        seqs = [
+            _seq(sampling, k),
+            _seq(beside, k),
+            _seq(sampling, k + 100),
+            _seq(sampling, k + 200),
+        ]
         got = sample_tokens(seqs, logprobs).tolist()
         assert [got[0], got[2], got[3]] == [want[0], want[2], want[3]], (k, got, want)
         assert all(s.error is None for s in seqs)
@@ -85,8 +103,18 @@ def test_a_sampler_that_raises_fails_its_own_sequence_only(monkeypatch):
     assert isinstance(seqs[1].error, RuntimeError)
 
 
-@pytest.mark.parametrize("field,value", [("echo", 1), ("best_of", 2), ("best_of", True), ("suffix", "end"),
-                                         ("logprobs", 0), ("logprobs", 5), ("response_format", {"type": "json_object"})])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("echo", 1),
+        ("best_of", 2),
+        ("best_of", True),
+        ("suffix", "end"),
+        ("logprobs", 0),
+        ("logprobs", 5),
+        ("response_format", {"type": "json_object"}),
+    ],
+)
 def test_completions_refuse_what_they_cannot_honour(field, value):
     with pytest.raises(ApiError) as info:
         api.check_unsupported_completion({"prompt": "x", field: value})
@@ -94,8 +122,19 @@ def test_completions_refuse_what_they_cannot_honour(field, value):
 
 
 def test_completions_take_the_options_they_honour():
-    assert api.check_unsupported_completion({"prompt": "x", "echo": True, "best_of": 1, "suffix": "", "logprobs": None,
-                                         "response_format": {"type": "text"}}) is True
+    assert (
+        api.check_unsupported_completion(
+            {
+                "prompt": "x",
+                "echo": True,
+                "best_of": 1,
+                "suffix": "",
+                "logprobs": None,
+                "response_format": {"type": "text"},
+            }
+        )
+        is True
+    )
     assert api.check_unsupported_completion({"prompt": "x"}) is False
 
 
@@ -110,16 +149,34 @@ def test_anthropic_errors_name_the_request_s_own_fields():
     p, text = param(messages=[{"role": "user", "content": "a"}, None])
     assert p == "messages[1].role" and "null" in text and "NoneType" not in text, text
     p, text = param(tools=[{"name": "f", "input_schema": [1]}])
-    assert p == "tools[0].input_schema" and "input_schema" in text and "parameters" not in text, text
+    assert p == "tools[0].input_schema" and "input_schema" in text and "parameters" not in text, (
+        text
+    )
     turn = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": 5}]}
     assert param(messages=[turn])[0] == "messages[0].content[0].tool_use_id"
     # the chat each field became, named by the request's own fields (the system prompt shifts nothing)
-    req = anthropic.parse_request(_anthropic(system="be brief", messages=[
-        {"role": "user", "content": "a"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}]}]))
-    assert [f.get("content") for f in req.fields] == ["system", "messages[0].content", "messages[1].content",
-                                                      "messages[2].content[0].content"]
+    req = anthropic.parse_request(
+        _anthropic(
+            system="be brief",
+            messages=[
+                {"role": "user", "content": "a"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "r"}],
+                },
+            ],
+        )
+    )
+    assert [f.get("content") for f in req.fields] == [
+        "system",
+        "messages[0].content",
+        "messages[1].content",
+        "messages[2].content[0].content",
+    ]
     assert req.fields[3]["tool_call_id"] == "messages[2].content[0].tool_use_id"
 
 
@@ -139,8 +196,13 @@ def test_too_many_content_blocks_are_refused_before_any_is_checked():
 def test_a_node_s_refusal_reaches_the_client_without_internal_text():
     gen = _Generation.__new__(_Generation)
     gen.req = GenerateRequest("msg_0123", (1,), Sampling())
-    gen.outcome = Outcome(error=error_for(ErrorKind.INVALID_INPUT, "node node-b: INVALID_ARGUMENT: GenerateRequest "
-                                                                   "msg_0123: top_p must be in (0, 1] (got nan)"))
+    gen.outcome = Outcome(
+        error=error_for(
+            ErrorKind.INVALID_INPUT,
+            "node node-b: INVALID_ARGUMENT: GenerateRequest "
+            "msg_0123: top_p must be in (0, 1] (got nan)",
+        )
+    )
     e = gen._failure()
     assert e.status == 400 and e.type == "invalid_request_error"
     for internal in ("node-b", "INVALID_ARGUMENT", "GenerateRequest", "msg_0123"):
@@ -150,7 +212,9 @@ def test_a_node_s_refusal_reaches_the_client_without_internal_text():
 def test_the_metrics_help_no_longer_says_one_request_at_a_time():
     from moe_cluster.coordinator.serve.metrics import Metrics
 
-    cluster = SimpleNamespace(status=lambda: {"state": "ready", "queue_depth": 0, "running": 0, "nodes": []},
-                              allreduce_histograms={})
+    cluster = SimpleNamespace(
+        status=lambda: {"state": "ready", "queue_depth": 0, "running": 0, "nodes": []},
+        allreduce_histograms={},
+    )
     text = Metrics().render(cluster)
     assert "moe_cluster_requests_running" in text and "one runs at a time" not in text

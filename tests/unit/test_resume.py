@@ -9,17 +9,26 @@ from moe_cluster.proto.records import GenerateRequest, Sampling
 
 
 def test_the_first_run_is_the_request_itself():
-    req = GenerateRequest("cmpl-1", (5, 6, 7), Sampling(max_tokens=8, temperature=0.7, seed=3), (2,))
+    req = GenerateRequest(
+        "cmpl-1", (5, 6, 7), Sampling(max_tokens=8, temperature=0.7, seed=3), (2,)
+    )
     assert continuation(req, [], 0) is req
 
 
 def test_a_resume_sends_prompt_and_tokens_with_the_rest_due_and_the_sampler_past_its_draws():
-    req = GenerateRequest("cmpl-1", (5, 6, 7), Sampling(max_tokens=8, temperature=0.7, top_p=0.9, seed=3), (2,),
-                          prefill_step=64)
+    req = GenerateRequest(
+        "cmpl-1",
+        (5, 6, 7),
+        Sampling(max_tokens=8, temperature=0.7, top_p=0.9, seed=3),
+        (2,),
+        prefill_step=64,
+    )
     first = continuation(req, [11, 12, 13], 1)
     assert first.prompt == (5, 6, 7, 11, 12, 13)
     assert first.sampling == Sampling(max_tokens=5, temperature=0.7, top_p=0.9, seed=3, step=3)
-    assert first.request_id == "cmpl-1.r1" and first.eos_token_ids == (2,) and first.prefill_step == 64
+    assert (
+        first.request_id == "cmpl-1.r1" and first.eos_token_ids == (2,) and first.prefill_step == 64
+    )
     # a second resume counts from the original request: every token so far, its own id
     second = continuation(req, [11, 12, 13, 14], 2)
     assert second.prompt == (5, 6, 7, 11, 12, 13, 14) and second.sampling.step == 4

@@ -23,11 +23,14 @@ def _timer(times, calls=None):
         if calls is not None:
             calls.append((r, top_k))
         return times[r]
+
     return timer
 
 
-@pytest.mark.parametrize("times, want", [({"device": 2e-4, "host": 1e-4}, "host"),
-                                         ({"device": 1e-4, "host": 2e-4}, "device")])
+@pytest.mark.parametrize(
+    "times, want",
+    [({"device": 2e-4, "host": 1e-4}, "host"), ({"device": 1e-4, "host": 2e-4}, "device")],
+)
 def test_the_choice_follows_the_measured_times(times, want):
     shards, calls = _two(layers=3), []
     choice = route.choose(shards, [3, 3, 3], "measure", timer=_timer(times, calls))
@@ -43,20 +46,30 @@ def test_a_skip_route_is_timed_where_the_kernel_applies_and_kept_when_fastest():
     for s in shards:
         s.use_skip(mx.float32)  # what enable_skip_gemv does where its check passes (CUDA only)
     assert shards[0].routes() == ("skip", "device", "host")
-    choice = route.choose(shards, [3], "measure", timer=_timer({"skip": 5e-5, "device": 2e-4, "host": 1e-4}))
+    choice = route.choose(
+        shards, [3], "measure", timer=_timer({"skip": 5e-5, "device": 2e-4, "host": 1e-4})
+    )
     assert choice.route == "skip" and shards[0].route == "skip"
 
 
 def test_a_forced_route_is_honoured_and_nothing_is_timed():
     shards = _two(layers=2)
-    choice = route.choose(shards, [3, 3], "host", timer=lambda *a: pytest.fail("timed a forced route"))
-    assert (choice.route, choice.how) == ("host", "forced") and [s.route for s in shards] == ["host", "host"]
+    choice = route.choose(
+        shards, [3, 3], "host", timer=lambda *a: pytest.fail("timed a forced route")
+    )
+    assert (choice.route, choice.how) == ("host", "forced") and [s.route for s in shards] == [
+        "host",
+        "host",
+    ]
     with pytest.raises(UserError, match="route skip .*: no MoE layer of this node can take it"):
         route.choose(shards, [3, 3], "skip")  # float32 weights, no kernel here
 
 
 def test_layers_without_the_fastest_route_take_their_next_fastest():
-    device, busy = _two()[0], _shards(_bank(), Placement.even({0: E}, 2), "busy")[0]  # busy: host only
+    device, busy = (
+        _two()[0],
+        _shards(_bank(), Placement.even({0: E}, 2), "busy")[0],
+    )  # busy: host only
     assert busy.routes() == ("host",)
     route.choose([busy, device], [3, 3], "measure", timer=_timer({"device": 1e-4, "host": 2e-4}))
     assert (busy.route, device.route) == ("host", "device")
@@ -65,14 +78,18 @@ def test_layers_without_the_fastest_route_take_their_next_fastest():
 def test_alone_the_device_route_is_the_only_one():
     alone = _shards(_bank(), Placement.even({0: E}, 1), "lru")[0]
     assert alone.routes() == ("device",)
-    assert route.choose([alone], [3], "measure", timer=lambda *a: pytest.fail("timed")).how == "only"
+    assert (
+        route.choose([alone], [3], "measure", timer=lambda *a: pytest.fail("timed")).how == "only"
+    )
 
 
 def test_timing_really_times_and_leaves_the_shard_as_it_was():
     shard = _two("lru")[0]
     stamp = np.array(shard.recency.stamp)
     choice = route.choose([shard], [3], "measure")
-    assert set(choice.times_us) == {"device", "host"} and all(t > 0 for t in choice.times_us.values())
+    assert set(choice.times_us) == {"device", "host"} and all(
+        t > 0 for t in choice.times_us.values()
+    )
     assert np.array_equal(np.array(shard.recency.stamp), stamp) and shard.recency.calls == 0
     shard.telemetry.settle()
     assert shard.telemetry.counters[0].calls == 0 and not shard.telemetry.routed[0].any()
@@ -96,7 +113,9 @@ def test_every_route_gives_the_same_partials():
 @pytest.mark.parametrize("value", ["fast", "Host", "skip,host"])
 def test_a_bad_route_in_the_environment_is_refused_by_name(value, monkeypatch):
     monkeypatch.setenv(route.ENV, value)
-    with pytest.raises(UserError, match=f"MOE_CLUSTER_ROUTE must be one of skip, device, host, measure"):
+    with pytest.raises(
+        UserError, match=f"MOE_CLUSTER_ROUTE must be one of skip, device, host, measure"
+    ):
         route.requested(None)
     monkeypatch.delenv(route.ENV)
     assert route.requested(None) == "measure"

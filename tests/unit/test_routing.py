@@ -8,7 +8,13 @@ import json
 import pytest
 
 from moe_cluster.proto.placement import Placement, PlacementError
-from moe_cluster.node.moe.routing import ArrayRule, assign, everywhere_or_once, rank_counts, selected_experts
+from moe_cluster.node.moe.routing import (
+    ArrayRule,
+    assign,
+    everywhere_or_once,
+    rank_counts,
+    selected_experts,
+)
 from moe_cluster.proto.placement import holders_of
 
 
@@ -44,10 +50,14 @@ def test_the_array_rule_is_assign(world):
     for share in (0.0, 0.3, 0.7, 1.0):  # the fraction of experts replicated everywhere
         for _ in range(40):
             n = int(rng.integers(world, 24))
-            holders = {e: tuple(range(world)) if rng.random() < share else (int(rng.integers(world)),)
-                       for e in range(n)}
+            holders = {
+                e: tuple(range(world)) if rng.random() < share else (int(rng.integers(world)),)
+                for e in range(n)
+            }
             k, tokens = int(rng.integers(1, min(n, 8) + 1)), int(rng.integers(1, 4))
-            sel = np.stack([rng.choice(n, k, replace=False) for _ in range(tokens)]).astype(np.uint32)
+            sel = np.stack([rng.choice(n, k, replace=False) for _ in range(tokens)]).astype(
+                np.uint32
+            )
             inds = mx.array(sel.reshape(1, tokens, k))
             got = np.array(ArrayRule(holders, world)(inds, selected_experts(inds, n)))
             want = assign(np.unique(sel).tolist(), holders)
@@ -79,15 +89,18 @@ def test_even_placement_and_json_round_trip():
     q.check({1: 7, 2: 7})
 
 
-@pytest.mark.parametrize("text, message", [
-    ('{"layers": {"0": {"0": [0, 1], "1": [2]}}}', r"experts \[3\] are on no node"),
-    ('{"layers": {"0": {"0": [0, 1, 2, 3, 4], "1": []}}}', "out of range"),
-    ('{"layers": {"0": {"5": [0, 1, 2, 3]}}}', "rank 5 is out of range"),
-    ('{"layers": {"x": {}}}', "not an integer"),
-    ('{"layers": {"0": {"0": "all"}}}', "list of integers"),
-    ('[1, 2]', "must be a JSON object"),
-    ('{"layers": {"0": {"0": [0, 1, 2, 3]}, "7": {"0": [0]}}}', "not MoE layers"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"layers": {"0": {"0": [0, 1], "1": [2]}}}', r"experts \[3\] are on no node"),
+        ('{"layers": {"0": {"0": [0, 1, 2, 3, 4], "1": []}}}', "out of range"),
+        ('{"layers": {"0": {"5": [0, 1, 2, 3]}}}', "rank 5 is out of range"),
+        ('{"layers": {"x": {}}}', "not an integer"),
+        ('{"layers": {"0": {"0": "all"}}}', "list of integers"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"layers": {"0": {"0": [0, 1, 2, 3]}, "7": {"0": [0]}}}', "not MoE layers"),
+    ],
+)
 def test_bad_placements(text, message):
     with pytest.raises(PlacementError, match=message):
         Placement.from_json(text, 2).check({0: 4})

@@ -19,15 +19,21 @@ from test_experts import _PARTLY, _TWO, D, E, K, _bank, _shards
 EVEN2 = Placement.even({0: E}, 2)
 
 
-@pytest.mark.parametrize("placement, keepalive, want_plan, want_kernel, lru", [
-    (Placement.even({0: E}, 1), "lru", Alone, Gather, False),
-    (EVEN2, "none", Table, Gather, False),
-    (EVEN2, "lru", Table, Gather, True),
-    (_TWO, "lru", Replicas, Gather, True),
-    (_PARTLY, "none", HostPlan, HostRows, False),  # replicas on 2 of 3: the host decides
-    (EVEN2, "busy", HostPlan, HostRows, False),  # busy's fillers are the host's
-], ids=["alone", "table", "table-lru", "replicas", "partly", "busy"])
-def test_the_load_chooses_the_plan_and_the_kernel(placement, keepalive, want_plan, want_kernel, lru):
+@pytest.mark.parametrize(
+    "placement, keepalive, want_plan, want_kernel, lru",
+    [
+        (Placement.even({0: E}, 1), "lru", Alone, Gather, False),
+        (EVEN2, "none", Table, Gather, False),
+        (EVEN2, "lru", Table, Gather, True),
+        (_TWO, "lru", Replicas, Gather, True),
+        (_PARTLY, "none", HostPlan, HostRows, False),  # replicas on 2 of 3: the host decides
+        (EVEN2, "busy", HostPlan, HostRows, False),  # busy's fillers are the host's
+    ],
+    ids=["alone", "table", "table-lru", "replicas", "partly", "busy"],
+)
+def test_the_load_chooses_the_plan_and_the_kernel(
+    placement, keepalive, want_plan, want_kernel, lru
+):
     shard = _shards(_bank(), placement, keepalive)[0]
     assert type(shard.plan) is want_plan and type(shard.kernel) is want_kernel
     if want_plan in (Table, Replicas):  # keepalive lru wraps the plan with the shard's recency
@@ -71,8 +77,14 @@ def test_a_call_is_the_kernel_of_the_plan_and_decides_nothing(route_name, keepal
     def fail(*a, **kw):
         pytest.fail("a call chose again what the load chose")
 
-    for module, name in ((plan, "device_plan"), (plan, "everywhere_or_once"), (kernels, "_per_expert"),
-                         (kernels, "skip_fits"), (kernels, "_gather_mm_ok"), (experts, "device_plan")):
+    for module, name in (
+        (plan, "device_plan"),
+        (plan, "everywhere_or_once"),
+        (kernels, "_per_expert"),
+        (kernels, "skip_fits"),
+        (kernels, "_gather_mm_ok"),
+        (experts, "device_plan"),
+    ):
         monkeypatch.setattr(module, name, fail)
     monkeypatch.setattr(type(shard), "routes", fail)
     seen = []
@@ -103,8 +115,15 @@ def test_an_expert_cache_wraps_the_host_plan():
 
     shard = _shards(_bank(), EVEN2, "lru")[0]
     views = [np.zeros((len(shard.global_ids), 4), dtype=np.uint8)]
-    cache = LayerCache(0, len(shard.global_ids), views, lambda i: [], range(len(shard.global_ids)), [],
-                       CacheStats())
+    cache = LayerCache(
+        0,
+        len(shard.global_ids),
+        views,
+        lambda i: [],
+        range(len(shard.global_ids)),
+        [],
+        CacheStats(),
+    )
     shard.attach_cache(cache)
     assert shard.routes() == ("host",) and not shard.device_routed
     assert type(shard.plan) is HostPlan and shard.plan.cache is cache is shard.cache

@@ -70,7 +70,9 @@ def test_rollback_leaves_each_row_as_if_only_its_kept_positions_were_fed(drop):
         kept = 7 - drop[row]
         start = 1 if row == 0 else 0
         assert got.offset == kept - start
-        assert mx.array_equal(got.keys[..., : got.offset, :], keys[row : row + 1, :, start:kept]).item()
+        assert mx.array_equal(
+            got.keys[..., : got.offset, :], keys[row : row + 1, :, start:kept]
+        ).item()
 
 
 def test_the_allowance_halves_on_failed_guesses_rests_then_probes_and_comes_back_whole():
@@ -81,6 +83,8 @@ def test_the_allowance_halves_on_failed_guesses_rests_then_probes_and_comes_back
     for _ in range(3 + COOL_STEPS):  # nothing ever holds
         state = adapt(*state, accepted=0, limit=4)
         seen.append(state[0])
-    assert seen[:3] == [2, 1, 0] and seen[3:-1] == [0] * (COOL_STEPS - 1) and seen[-1] == 1  # then a probe
+    assert (
+        seen[:3] == [2, 1, 0] and seen[3:-1] == [0] * (COOL_STEPS - 1) and seen[-1] == 1
+    )  # then a probe
     assert adapt(1, 0, accepted=1, limit=4) == (4, 0)  # a guess held: the whole allowance again
     assert adapt(4, 0, accepted=2, limit=4) == (4, 0)

@@ -28,7 +28,9 @@ def test_a_loaded_models_weights_survive_its_description():
     # the plain description (for a model built empty, whose weights the load replaces) draws over them
     find_moe_blocks(model)
     changed = [k for k, v in _weights(model).items() if not mx.array_equal(before[k], v).item()]
-    assert changed, "the probe no longer draws a block's weights: find_moe_blocks_loaded may be unneeded"
+    assert changed, (
+        "the probe no longer draws a block's weights: find_moe_blocks_loaded may be unneeded"
+    )
 
 
 def test_a_node_loaded_near_mlxs_memory_limit_is_told(monkeypatch, caplog):
@@ -46,7 +48,9 @@ def test_a_node_loaded_near_mlxs_memory_limit_is_told(monkeypatch, caplog):
     assert mx.get_cache_memory() < 0.002 * mx.get_active_memory()
     del sharded
     caplog.clear()
-    monkeypatch.setattr(mx, "get_memory_limit", lambda: 1_000_000)  # 1 MB: the demo's weights are past it
+    monkeypatch.setattr(
+        mx, "get_memory_limit", lambda: 1_000_000
+    )  # 1 MB: the demo's weights are past it
     with caplog.at_level(logging.WARNING, logger="moe_cluster.node.moe.load"):
         load_shard(MODEL_DIR, None, 0, keepalive="none", warm_up=False)
     assert "within 10% of its memory limit (0.0 GB)" in caplog.text
@@ -71,4 +75,6 @@ def test_on_a_gpu_the_structure_probe_computes_float32_on_the_cpu(monkeypatch):
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
     assert isinstance(ieee_float32(mx.bfloat16), contextlib.nullcontext)
     blocks = find_moe_blocks(model)
-    assert [b.layer for b in blocks] == [0, 1, 2, 3] and streams == [mx.cpu]  # one block type, probed once
+    assert [b.layer for b in blocks] == [0, 1, 2, 3] and streams == [
+        mx.cpu
+    ]  # one block type, probed once

@@ -30,7 +30,16 @@ def find_bank(model, path, module):
         return None
     from ..bank import Bank
 
-    return Bank("experts", module.experts, "glu", _swiglu, module.num_experts, module.d_model, module.d_model, "list")
+    return Bank(
+        "experts",
+        module.experts,
+        "glu",
+        _swiglu,
+        module.num_experts,
+        module.d_model,
+        module.d_model,
+        "list",
+    )
 
 
 def read_experts(ckpt, block, local):

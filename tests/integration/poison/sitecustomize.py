@@ -32,7 +32,9 @@ class _Poison(importlib.abc.MetaPathFinder):
 
             def _sample(s, logprobs):
                 if s.req.sampling.seed == int(SEED) and len(s.fed) >= AFTER:
-                    raise RuntimeError(f"poisoned sampler of request {s.req.request_id} (test fault)")
+                    raise RuntimeError(
+                        f"poisoned sampler of request {s.req.request_id} (test fault)"
+                    )
                 return real(s, logprobs)
 
             module._sample = _sample
