@@ -21,9 +21,16 @@ def models(make_ckpt):
 
 
 @pytest.mark.parametrize(
-    "nodes", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)]
-)  # 3 and 4 nodes: 20 s to 28 s each
-@pytest.mark.parametrize("transport", ["envoy", "mlx"])
+    "transport, nodes",
+    # 3 and 4 nodes: 20 s to 28 s each; the ring at 4 is left out for the suite's time budget
+    [
+        ("envoy", 2),
+        ("mlx", 2),
+        pytest.param("envoy", 3, marks=pytest.mark.slow),
+        pytest.param("mlx", 3, marks=pytest.mark.slow),
+        pytest.param("envoy", 4, marks=pytest.mark.slow),
+    ],
+)
 def test_tokens_equal_stock_mlx_lm(transport, nodes, models, reference):
     tasks = [
         SimTask(str(path), PROMPT, Sampling(max_tokens=TOKENS), record_logits=True)

@@ -106,7 +106,7 @@ def test_cancellation_near_zero_is_rounding_not_structure():
     assert not bad.holds and "max |difference| 0.065" in str(bad), bad
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "qwen2_moe", "deepseek", "Klear"])
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek"])
 def test_simulate_three_node_processes_on_a_drawn_config(family, tmp_path, capsys):
     """`simulate --check` (three real node processes over shared memory) on a family the probe
     refused on such configs: stock's tokens, |Δlogit| within the bound."""

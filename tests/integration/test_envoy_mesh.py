@@ -82,6 +82,7 @@ def _fails_naming(cluster: Cluster, ranks, peer: int, since: float, within: floa
         )
 
 
+@pytest.mark.parametrize("spin", ["auto"], indirect=True)  # the spinning hand-off: the soak above
 def test_a_dead_then_a_stalled_peer_fail_the_step_everywhere_then_the_mesh_heals(spin):
     """Both faults on one mesh of 3 (a start and a close of 3 nodes and 3 envoys cost ~2 s): a dead
     peer, then a stalled one, each failing the step on the others within the step timeout, naming
