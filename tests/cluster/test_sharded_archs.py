@@ -94,7 +94,7 @@ def reports_at(request):
 # 4 nodes: tests/cluster/test_transports.py (the suite's time budget took this one's 10 s)
 # 3 nodes: the drawn configs' simulate (tests/families/test_drawn.py) and test_up (the suite's time
 # budget took this one's 23 s); 4 nodes: tests/cluster/test_transports.py
-@pytest.mark.parametrize("nodes", [1, 2])
+@pytest.mark.parametrize("nodes", [2])  # 1 node: the in-process batch and sweep tests
 def test_float32_every_family_both_layouts(nodes, float32_models, reports_at, reference):
     reports = reports_at("float32_models", nodes)
     for (arch, layout, path), per_rank in zip(float32_models, reports, strict=True):

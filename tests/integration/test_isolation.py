@@ -94,18 +94,25 @@ def assert_serves(url: str) -> None:
         {"temperature": 1e-300, "top_p": 0.9},
     ],
 )
-def test_edge_sampling_values_are_greedy_on_every_endpoint(api, edge):
+def test_edge_sampling_values_are_greedy_on_every_endpoint(api, edge, greedy_answers):
     before = pids(api)
     for path, body in (
         ("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 12}),
         ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 12}),
         ("/v1/messages", {"messages": CHAT, "max_tokens": 12}),
     ):
-        greedy = tokens(api, path, body)
+        if path not in greedy_answers:  # asked once for the module: greedy is greedy
+            greedy_answers[path] = tokens(api, path, body)
+        greedy = greedy_answers[path]
         assert greedy, path
-        for _ in range(3):  # not greedy by luck: the same every time
+        for _ in range(2):  # not greedy by luck: the same every time
             assert tokens(api, path, {**body, **edge}) == greedy, (path, edge)
     assert pids(api) == before
+
+
+@pytest.fixture(scope="module")
+def greedy_answers() -> dict:
+    return {}
 
 
 def test_nan_on_messages_is_400_in_anthropic_shape_before_the_nodes(api):
