@@ -130,7 +130,7 @@ class StepReport:
     accepted: int = 0  # guesses accepted
     admitted: tuple[str, ...] = ()  # request ids that joined
     finished: tuple[tuple[str, str], ...] = ()  # (request id, finish reason) of those that ended
-    collective_s: float = 0.0  # waiting on all-reduces
+    collective_s: float = 0.0  # waiting on all-reduces (0 where the step failed)
     seconds: float = 0.0
 
 
@@ -146,6 +146,7 @@ class _Tally:
     accepted: int = 0
     admitted: list = field(default_factory=list)
     finished: list = field(default_factory=list)
+    collective_s: float = 0.0
 
 
 class RunningBatch:
@@ -254,8 +255,6 @@ class RunningBatch:
         fails every sequence (the report lists them as failed)."""
         t0 = time.perf_counter()
         self._tally = _Tally()
-        timers = self.runtime.sharded.state.timers
-        waited = timers.collective
         try:
             self._step()
         except BaseException as exc:  # noqa: BLE001 - every sequence gets it, the driver goes on
@@ -276,7 +275,7 @@ class RunningBatch:
             t.accepted,
             tuple(t.admitted),
             tuple(t.finished),
-            max(0.0, timers.collective - waited),
+            t.collective_s,
             time.perf_counter() - t0,
         )
 
@@ -368,6 +367,7 @@ class RunningBatch:
                 agreed.append(ts or None)
         self._steps += 1
         waited = max(0.0, timers.collective - collective_before)  # a benchmark may reset the timers
+        self._tally.collective_s = waited
         for s in active:
             s.figures.collective_s += waited
         self._settle(decoding, agreed, logits_before)
