@@ -186,6 +186,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             if self.sharded and self.sharded.state.route
             else {},
             speculative=self.runtime.batch.speculation() if self.runtime else "",
+            micro_batches=self.runtime.batch.micro_batches() if self.runtime else "",
             uptime_s=time.monotonic() - self.started,
             pid=os.getpid(),
             queue_depth=sum(self.runtime.batch.running()) if self.runtime else 0,
@@ -551,6 +552,7 @@ def _limits(spec):
         spec.speculative,
         spec.draft_tokens,
         spec.draft_model,
+        spec.overlap,
     )
 
 

@@ -55,6 +55,7 @@ class BatchLimits:
     speculative: str = "off"  # node.speculate.MODES
     draft_tokens: int = 4  # drafts a step verifies per sequence at most, where speculation is on
     draft_model: str = ""  # speculative "draft": the draft checkpoint (read on rank 0 only)
+    overlap: bool = False  # two micro-batches per decode step (node/overlap.py)
 
 
 class Sink(Protocol):
@@ -149,6 +150,46 @@ class _Tally:
     collective_s: float = 0.0
 
 
+class _Lane:
+    """Decoding sequences whose KV rows share one batched cache (mlx-lm's `merge`); a lone one
+    keeps its own. The batch has one lane, or two where a step runs two micro-batches."""
+
+    def __init__(self) -> None:
+        self.rows: list[Sequence] = []  # the order of the cache's rows
+        self.cache: list | None = None
+
+    def join(self, s: Sequence) -> None:
+        if not self.rows:
+            self.cache = s.cache
+        elif len(self.rows) == 1 and self.rows[0].cache is self.cache:
+            first = self.rows[0]
+            self.cache = [type(a).merge([a, b]) for a, b in zip(first.cache, s.cache)]
+        else:
+            for mine, theirs in zip(self.cache, s.cache):
+                mine.extend(type(theirs).merge([theirs]))
+        self.rows.append(s)
+
+    def leave(self, s: Sequence) -> list:
+        """`s` leaves; its own cache (its row, extracted) is the answer."""
+        i = self.rows.index(s)
+        cache = (
+            self.cache
+            if len(self.rows) == 1 and s.cache is self.cache
+            else [c.extract(i) for c in self.cache]
+        )
+        keep = [j for j in range(len(self.rows)) if j != i]
+        self.rows.pop(i)
+        if not keep:
+            self.cache = None
+        elif cache is not self.cache:
+            for c in self.cache:
+                c.filter(keep)
+        return cache
+
+    def forward(self, model, inputs: mx.array) -> mx.array:
+        return model(inputs, cache=self.cache)
+
+
 class RunningBatch:
     """The node's continuous batch (see the module docstring). `submit` and `cancel` are thread-safe;
     `step` runs on the one thread that drives MLX."""
@@ -187,11 +228,23 @@ class RunningBatch:
                 raise UserError("speculative: draft needs a draft model (serving.draft_model)")
             self.drafter = Drafter(limits.draft_model, runtime.vocab)
         self.slots = 1 + self.draft_max  # tokens a decoding sequence rides per step
+        self.overlap_off = None  # why a node asked to overlap micro-batches cannot, for its status
+        self._interleave = None  # node/overlap.py, where the collective is not a graph operation
+        lanes = 1
+        if limits.overlap:
+            self.overlap_off = _why_no_overlap(self.collective, self.draft_max, limits.max_batch)
+            if self.overlap_off:
+                logger.warning("two micro-batches per step are off: %s", self.overlap_off)
+            else:
+                lanes = 2
+                if not getattr(self.collective, "in_graph", False):
+                    from .overlap import Interleave
+
+                    self._interleave = Interleave(self.collective)
         self._lock = threading.Lock()
         self._queued: dict[int, Sequence] = {}
         self._active: list[Sequence] = []  # admission order
-        self._decoding: list[Sequence] = []  # the order of the batch's cache rows
-        self._batch_cache: list | None = None
+        self._lanes = [_Lane() for _ in range(lanes)]
         self._steps = 0
         self._recent_cancels: dict[str, None] = {}  # request ids cancelled before they arrived
         self._tally = _Tally()
@@ -243,6 +296,21 @@ class RunningBatch:
         with self._lock:
             return len(self._active), len(self._queued)
 
+    def micro_batches(self) -> str:
+        """What the node's status says of overlapped micro-batches."""
+        if len(self._lanes) > 1:
+            return "2 per step"
+        return f"off: {self.overlap_off}" if self.overlap_off else "off"
+
+    def overlapped(self) -> int:
+        """All-reduces that travelled while the other micro-batch computed, since the load."""
+        return self._interleave.overlapped if self._interleave is not None else 0
+
+    @property
+    def _decoding(self) -> list[Sequence]:
+        """The decoding sequences in the order their tokens ride: lane after lane."""
+        return [s for lane in self._lanes for s in lane.rows]
+
     @property
     def epoch_id(self) -> str:
         return f"batch-{_EPOCHS.get(self.collective, 0)}"
@@ -282,7 +350,8 @@ class RunningBatch:
     def fail_all(self, exc: BaseException) -> None:
         with self._lock:
             everyone = [*self._active, *self._queued.values()]
-            self._active, self._decoding, self._batch_cache = [], [], None
+            self._active = []
+            self._lanes = [_Lane() for _ in self._lanes]
             self._queued.clear()
         for s in everyone:
             s.sink.failed(exc)
@@ -403,15 +472,22 @@ class RunningBatch:
     def _decode(self, decoding: list[Sequence]) -> mx.array | None:
         if not decoding:
             return None
-        inputs = mx.concatenate(
-            [
-                s.token.reshape(-1)[:1].astype(mx.uint32)
-                if s.token is not None
-                else mx.array([s.first_input], mx.uint32)
-                for s in decoding
-            ]
-        )
-        logits = self.model(inputs[:, None], cache=self._batch_cache)[:, -1, :]
+
+        def inputs(rows: list[Sequence]) -> mx.array:
+            return mx.concatenate(
+                [
+                    s.token.reshape(-1)[:1].astype(mx.uint32)
+                    if s.token is not None
+                    else mx.array([s.first_input], mx.uint32)
+                    for s in rows
+                ]
+            )[:, None]
+
+        lanes = [lane for lane in self._lanes if lane.rows]
+        if len(lanes) == 1:
+            logits = lanes[0].forward(self.model, inputs(lanes[0].rows))[:, -1, :]
+        else:
+            logits = mx.concatenate([x[:, -1, :] for x in self._micro_batches(lanes, inputs)])
         self._tally.decoded = self._tally.positions = len(decoding)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled = sample_tokens(decoding, logprobs)
@@ -455,7 +531,8 @@ class RunningBatch:
         for s, mine in zip(decoding, drafts):
             first = s.pending[-1] if s.pending else s.first_input
             rows.append([first, *mine] + [first] * (width - 1 - len(mine)))
-        logits = self.model(mx.array(rows, dtype=mx.uint32), cache=self._batch_cache)
+        (lane,) = self._lanes  # speculation keeps one lane (_why_no_overlap)
+        logits = lane.forward(self.model, mx.array(rows, dtype=mx.uint32))
         self._tally.decoded, self._tally.positions = len(decoding), len(decoding) * width
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         chosen, keys = sample_positions(decoding, logprobs)
@@ -480,7 +557,7 @@ class RunningBatch:
             drop.append(width - len(v.tokens))
             if self.drafter is not None:
                 self.drafter.keep(s.seq, len(histories[i]) + v.accepted)
-        rollback(self._batch_cache, drop)
+        rollback(lane.cache, drop)
 
     def _guessed(
         self, decoding: list[Sequence], histories: list[list[int]], wanted: list[int]
@@ -558,21 +635,9 @@ class RunningBatch:
         s.result.stats.finish_reason = reason
         s.result.cancelled = reason == "cancelled"
         self._tally.finished.append((s.req.request_id, reason))
-        if s in self._decoding:
-            i = self._decoding.index(s)
-            cache = (
-                self._batch_cache
-                if len(self._decoding) == 1 and s.cache is self._batch_cache
-                else ([c.extract(i) for c in self._batch_cache])
-            )
-            keep = [j for j in range(len(self._decoding)) if j != i]
-            self._decoding.pop(i)
-            if not keep:
-                self._batch_cache = None
-            elif cache is not self._batch_cache:
-                for c in self._batch_cache:
-                    c.filter(keep)
-            s.cache = cache
+        for lane in self._lanes:
+            if s in lane.rows:
+                s.cache = lane.leave(s)
         with self._lock:
             self._active.remove(s)
             idle = not self._active and not self._queued
@@ -635,17 +700,26 @@ class RunningBatch:
                 self._join(s)
 
     def _join(self, s: Sequence) -> None:
-        """`s` (prefilled) joins the decode batch: its cache merges into the batch's (mlx-lm's
-        batched caches come from `merge`); a lone sequence keeps its own."""
-        if not self._decoding:
-            self._batch_cache = s.cache
-        elif len(self._decoding) == 1 and self._decoding[0].cache is self._batch_cache:
-            first = self._decoding[0]
-            self._batch_cache = [type(a).merge([a, b]) for a, b in zip(first.cache, s.cache)]
-        else:
-            for mine, theirs in zip(self._batch_cache, s.cache):
-                mine.extend(type(theirs).merge([theirs]))
-        self._decoding.append(s)
+        """`s` (prefilled) joins the decode batch, in the lane with fewer rows (the first on a tie:
+        every rank joins the same sequences in the same order, so the lanes match)."""
+        min(self._lanes, key=lambda lane: len(lane.rows)).join(s)
+
+    def _micro_batches(self, lanes: list[_Lane], inputs) -> list[mx.array]:
+        """One forward pass per lane, overlapped (node/overlap.py): each lane's all-reduce of a
+        MoE layer is in flight while the other lane computes."""
+        calls = [lambda lane=lane: lane.forward(self.model, inputs(lane.rows)) for lane in lanes]
+        if self._interleave is None:  # graph collectives: one lazy graph holds both passes
+            return [call() for call in calls]
+        # the MoE layers hand their partials to the interleave for this pass; the node's own
+        # collective (read by other threads: health, abort) stays what it is
+        layers = self.runtime.sharded.layers
+        for layer in layers:
+            layer.set_collective(self._interleave)
+        try:
+            return self._interleave.run(calls)
+        finally:
+            for layer in layers:
+                layer.set_collective(self.collective)
 
     def _reserve(self, req: GenerateRequest) -> int:
         if not self.kv_per_token:
@@ -656,6 +730,17 @@ class RunningBatch:
             * KV_STEP
         )
         return positions * self.kv_per_token
+
+
+def _why_no_overlap(collective, draft_max: int, max_batch: int) -> str | None:
+    """Why a node cannot run two micro-batches per step, or None where it can."""
+    if collective.world_size == 1:
+        return "one node has no all-reduce to hide"
+    if draft_max:
+        return "speculative decoding verifies the batch in one pass"
+    if max_batch < 2:
+        return "max_batch is 1"
+    return None
 
 
 def _ends_with(tokens: list[int], stop) -> bool:

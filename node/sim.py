@@ -37,6 +37,7 @@ class SimTask:
     draft_tokens: int = 4
     prediction: tuple[int, ...] = ()  # the output expected (drafts), for the request(s)
     draft_model: str = ""  # speculative "draft": its checkpoint
+    overlap: bool = False  # two micro-batches per decode step (node/overlap.py)
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
             speculative=task.speculative,
             draft_tokens=task.draft_tokens,
             draft_model=task.draft_model,
+            overlap=task.overlap,
         ),
     )
     result, wall = None, 0.0
@@ -219,6 +221,7 @@ def _run_streams(index: int, task: SimTask, sharded) -> dict:
             speculative=task.speculative,
             draft_tokens=task.draft_tokens,
             draft_model=task.draft_model,
+            overlap=task.overlap,
         ),
     )
     out: dict = {}
@@ -235,6 +238,7 @@ def _run_streams(index: int, task: SimTask, sharded) -> dict:
                 task.sampling,
                 task.eos_token_ids,
                 prediction=task.prediction,
+                record_logits=task.record_logits and sharded.state.rank == 0,
             )
             runtime.batch.submit(req, runtime.next_seq(), sink, result)
         steps, t_decode = 0, None
@@ -252,9 +256,13 @@ def _run_streams(index: int, task: SimTask, sharded) -> dict:
         out = {
             "t0": t0,
             "tokens": [r.tokens for r in results],
+            "logits": [r.logits for r in results] if task.record_logits else None,
             "times": [s.times for s in sinks],
             "figures": [vars(r.figures) for r in results],
             "decode_steps": steps,
             "decode_seconds": time.perf_counter() - (t_decode or t0),
+            "micro_batches": runtime.batch.micro_batches(),
+            # all-reduces that travelled while the other micro-batch computed (node/overlap.py)
+            "overlapped": runtime.batch.overlapped(),
         }
     return out

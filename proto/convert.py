@@ -275,6 +275,7 @@ def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
         speculative=spec.speculative,
         draft_tokens=spec.draft_tokens,
         draft_model=spec.draft_model,
+        overlap=spec.overlap,
     )
     if spec.placement is not None:
         msg.placement.CopyFrom(placement_to_proto(spec.placement))
@@ -335,6 +336,7 @@ def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any 
         speculative=_speculative(msg.speculative),
         draft_tokens=msg.draft_tokens or LoadSpec.draft_tokens,
         draft_model=msg.draft_model,
+        overlap=msg.overlap,
     )
 
 
@@ -581,6 +583,7 @@ def status_to_proto(s: NodeStatus) -> npb.NodeStatus:
         route=s.route,
         route_us=dict(s.route_us),
         speculative=s.speculative,
+        micro_batches=s.micro_batches,
     )
 
 
@@ -623,6 +626,7 @@ def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
         route=msg.route,
         route_us=dict(sorted(msg.route_us.items())),
         speculative=msg.speculative,
+        micro_batches=msg.micro_batches,
     )
 
 

@@ -183,6 +183,7 @@ class LoadSpec:
     draft_model: str = (
         ""  # speculative: draft: the draft checkpoint, on rank 0's machine (rank 0 only)
     )
+    overlap: bool = False  # two micro-batches per decode step (node/overlap.py)
 
     def __post_init__(self) -> None:
         _check(self.keepalive, KEEPALIVES, "keepalive")
@@ -330,6 +331,7 @@ class NodeStatus:
         default_factory=dict
     )  # µs per MoE layer call, per route timed
     speculative: str = ""  # "prompt-lookup, 4 drafts", "off", or "off: <why the model cannot>"
+    micro_batches: str = ""  # "2 per step", "off", or "off: <why the node cannot>"
 
     def __post_init__(self) -> None:
         _check(self.state, NODE_STATES, "state")

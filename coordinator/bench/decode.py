@@ -82,6 +82,24 @@ def _single_node(spec: DecodeBench, ids: list[int], tokenizer, model) -> dict:
         **_compare(tokens_ours, tokens_stock),
         "generated_tokens": len(tokens_ours or []),
         "stock_tokens": tokens_stock,
+        "stock_error": None,
+    }
+
+
+def _stock_failed(spec: DecodeBench, exc: BaseException) -> dict:
+    import traceback
+
+    where = traceback.extract_tb(exc.__traceback__)[-1]
+    return {
+        "ours_tps": None,
+        "mlx_lm_tps": None,
+        "ours_rounds_tps": [],
+        "mlx_lm_rounds_tps": [],
+        "same_tokens": None,
+        "generated_tokens": spec.max_tokens,
+        "stock_tokens": None,
+        "stock_error": f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno}, "
+        f"{where.line})",
     }
 
 
@@ -333,6 +351,13 @@ def _compare(tokens: list[int], stock: list[int]) -> dict:
     """same_tokens, and where a run that differs from stock mlx-lm first does (None: it does not),
     so a bfloat16 near-tie late in a run is told from a wrong first token. Counts must agree too:
     a run that stops early (or generated nothing) differs where it stopped."""
+    if stock is None:  # stock mlx-lm could not run this model here (bench decode's stock_error)
+        return {
+            "same_tokens": None,
+            "first_mismatch": None,
+            "generated": len(tokens),
+            "stock_generated": None,
+        }
     first = next(
         (i for i, (a, b) in enumerate(zip(tokens, stock)) if a != b),
         None if len(tokens) == len(stock) and stock else min(len(tokens), len(stock)),
@@ -351,13 +376,20 @@ def run(spec: DecodeBench) -> dict:
     ckpt, model, tokenizer = load_stock(spec.model)
     ids = encode_prompt(tokenizer, spec.prompt)
     t0 = time.perf_counter()
-    single = _single_node(spec, ids, tokenizer, model)
+    try:
+        single = _single_node(spec, ids, tokenizer, model)
+    except (RuntimeError, ValueError, IndexError) as exc:
+        # mlx-lm's own module failed on this device (an MLX error): the cluster rows still run,
+        # compared with each other instead of with stock
+        single = _stock_failed(spec, exc)
     alone = None
-    if 1 in spec.nodes and _fits_twice(model):
+    if single["stock_error"]:
+        pass
+    elif 1 in spec.nodes and _fits_twice(model):
         alone = _cluster_path_alone(spec, ids, tokenizer, model, single["mlx_lm_tps"])
     del model
     held = release_memory()  # the node processes need the memory (on a GPU: the same device)
-    if 1 in spec.nodes and alone is None:
+    if 1 in spec.nodes and alone is None and not single["stock_error"]:
         alone = _cluster_path_alone(spec, ids, None, None, single["mlx_lm_tps"])
         held = release_memory()
     clusters = []
@@ -369,29 +401,31 @@ def run(spec: DecodeBench) -> dict:
         for t in spec.transports if n > 1 else ():
             clusters += _cluster(spec, ids, n, t)
     bytes_ = model_bytes(str(ckpt.path))
+    stock_tokens = single["stock_tokens"]
+    stock_tokens = stock_tokens[: spec.max_tokens] if stock_tokens is not None else None
     for c in clusters:
-        c["fixed_cost_per_moe_layer_us"] = fixed_cost_us(
-            c["time_per_token_s"],
-            single["mlx_lm_tps"],
-            single["generated_tokens"],
-            bytes_["moe_layers"],
+        c["fixed_cost_per_moe_layer_us"] = (
+            fixed_cost_us(
+                c["time_per_token_s"],
+                single["mlx_lm_tps"],
+                single["generated_tokens"],
+                bytes_["moe_layers"],
+            )
+            if single["mlx_lm_tps"]
+            else None
         )
         # the tokens stay in the row: runs with another decode route are compared on them
-        c.update(_compare(c["tokens"], single["stock_tokens"][: spec.max_tokens]))
+        c.update(_compare(c["tokens"], stock_tokens))
     from .tensor_parallel import measure
 
     peers = []
     for n in (n for n in spec.nodes if n > 1 and spec.peers):
         peer = measure(str(ckpt.path), n, ids, spec.max_tokens, spec.rounds, gpus=spec.gpus)
         if "tokens" in peer:
-            peer.update(_compare(peer.pop("tokens"), single["stock_tokens"][: spec.max_tokens]))
+            peer.update(_compare(peer.pop("tokens"), stock_tokens))
         peers.append(peer)
     caches = (
-        [
-            row
-            for n in spec.nodes
-            for row in _expert_cache(spec, ids, n, single["stock_tokens"][: spec.max_tokens])
-        ]
+        [row for n in spec.nodes for row in _expert_cache(spec, ids, n, stock_tokens)]
         if spec.expert_cache
         else []
     )
@@ -401,7 +435,8 @@ def run(spec: DecodeBench) -> dict:
         "generated_tokens": single["generated_tokens"],
         "ours_tps": single["ours_tps"],
         "mlx_lm_tps": single["mlx_lm_tps"],
-        "ratio": single["ours_tps"] / single["mlx_lm_tps"],
+        "ratio": single["ours_tps"] / single["mlx_lm_tps"] if single["mlx_lm_tps"] else None,
+        "stock_error": single["stock_error"],
         # the cluster path (sharded model, cluster MoE layers) at N = 1 against stock mlx-lm,
         # measured in alternating rounds in this process
         "cluster_ratio": alone["cluster_tps"] / alone["mlx_lm_tps"] if alone else None,
@@ -409,7 +444,7 @@ def run(spec: DecodeBench) -> dict:
             "tps": alone["cluster_tps"],
             "mlx_lm_tps": alone["mlx_lm_tps"],
             "interleaved": alone["interleaved"],
-            **_compare(alone["tokens"], single["stock_tokens"][: spec.max_tokens]),
+            **_compare(alone["tokens"], stock_tokens),
         }
         if alone
         else None,
@@ -625,14 +660,16 @@ def main(args) -> int:
                 + ("-" if held is None else f"{100 * held:+.1f}%")
                 + ")"
             )
-    print(
-        f"single node: ours {out['ours_tps']:.1f} tok/s, stock mlx-lm {out['mlx_lm_tps']:.1f} tok/s, "
-        f"ratio {out['ratio']:.3f}"
-        + (
-            f"; cluster path at N = 1: ratio {out['cluster_ratio']:.3f}"
-            if out["cluster_ratio"] is not None
-            else ""
+    if out["stock_error"]:
+        print(f"single node: stock mlx-lm failed here: {out['stock_error']}")
+    else:
+        print(
+            f"single node: ours {out['ours_tps']:.1f} tok/s, stock mlx-lm "
+            f"{out['mlx_lm_tps']:.1f} tok/s, ratio {out['ratio']:.3f}"
         )
+    print(
+        "cluster path at N = 1:"
+        + (f" ratio {out['cluster_ratio']:.3f}" if out["cluster_ratio"] is not None else " -")
     )
     for p in out["peers"]:
         print(

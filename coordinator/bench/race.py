@@ -26,8 +26,15 @@ from ...proto.records import Sampling
 from .serve import PROMPTS, _ints, _pct
 
 ROWS = ("ours_mlx", "ours_envoy", "mlx_lm_pipeline", "mlx_lm_tensor")
+# ours with two micro-batches per decode step (node/overlap.py): asked for by name (--rows)
+OVERLAP_ROWS = ("ours_mlx_overlap", "ours_envoy_overlap")
 _PEER_MODE = {"mlx_lm_pipeline": "pipeline", "mlx_lm_tensor": "tensor"}
-_TRANSPORT = {"ours_mlx": "mlx", "ours_envoy": "envoy"}
+_TRANSPORT = {
+    "ours_mlx": "mlx",
+    "ours_envoy": "envoy",
+    "ours_mlx_overlap": "mlx",
+    "ours_envoy_overlap": "envoy",
+}
 
 
 @dataclass(frozen=True)
@@ -104,6 +111,7 @@ def _ours(
             eos_token_ids=eos,  # every row stops where stock's stream_generate does
             repeats=spec.rounds + 1,  # the first warms up, as the peers do
             streams=tuple(tuple(p) for p in prompts[:b]),
+            overlap=name in OVERLAP_ROWS,
         )
         for b in spec.streams
     ]
@@ -136,9 +144,43 @@ def _ours(
                     r0["timers"], max(r0["decode_steps"], 1), row["step_s"] or 0.0
                 ),
                 "moe_layers": moe_layers,
+                "micro_batches": r0.get("micro_batches", "off"),
             }
         )
     return rows
+
+
+def hidden(rows: list[dict]) -> None:
+    """Each overlap row beside its row without: per MoE layer, rank 0's wait on the collective
+    with and without, and the share of it the other micro-batch's work hid."""
+    for r in rows:
+        if r["name"] not in OVERLAP_ROWS or "breakdown_per_step_s" not in r:
+            continue
+        base = next(
+            (
+                b
+                for b in rows
+                if b["name"] == r["name"].removesuffix("_overlap")
+                and b["streams"] == r["streams"]
+                and "breakdown_per_step_s" in b
+            ),
+            None,
+        )
+        if base is None:
+            continue
+        per = r["moe_layers"] or 1
+        wait = r["breakdown_per_step_s"]["collective_wait"] / per
+        was = base["breakdown_per_step_s"]["collective_wait"] / per
+        r["overlap"] = {
+            "collective_wait_per_layer_s": wait,
+            "without_s": was,
+            "hidden": 1 - wait / was if was else None,
+            "speedup": r["decode_tps"] / base["decode_tps"]
+            if r.get("decode_tps") and base.get("decode_tps")
+            else None,
+            "note": "rank 0's timers; where the step is one lazy graph (transport mlx) the "
+            "collective runs inside it and its wait reads 0",
+        }
 
 
 def _peer(spec: RaceBench, path: str, name: str, prompts: list[list[int]]) -> list[dict]:
@@ -266,7 +308,7 @@ def collectives(spec: RaceBench, hidden: int, act_bytes: int, names: list[str]) 
     from .allreduce import Case, run_case
 
     dtype = {4: "float32", 2: "bfloat16"}.get(act_bytes, "float32")
-    paths = sorted({"envoy" if n == "ours_envoy" else "mlx_ring" for n in names})
+    paths = sorted({"envoy" if _TRANSPORT.get(n) == "envoy" else "mlx_ring" for n in names})
     out: dict = {
         "dtype": dtype,
         "iters": spec.collective_iters,
@@ -302,7 +344,7 @@ def bounds(spec: RaceBench, model, rows: list[dict], coll: dict) -> None:
     network = NetworkSpec("measured", 0.0, 1e30, 0.0)
     for r in rows:
         strategy = race_model.ROW_STRATEGY[r["name"]][0]
-        bare = coll.get("envoy" if r["name"] == "ours_envoy" else "mlx_ring", {}).get(
+        bare = coll.get("envoy" if _TRANSPORT.get(r["name"]) == "envoy" else "mlx_ring", {}).get(
             str(r["streams"])
         )
         measured = race_model.MeasuredRow(r["name"], spec.nodes, r["streams"], 1.0, bare)
@@ -383,6 +425,7 @@ def run(spec: RaceBench) -> dict:
     coll = collectives(spec, model.hidden, model.act_bytes, list(spec.rows))
     bounds(spec, model, rows, coll)
     losses(rows)
+    hidden(rows)
     agree = agreement(rows, stock)
     return {
         "model": path,
@@ -460,7 +503,11 @@ def add_arguments(p) -> None:
         "--rounds", type=int, default=1, help="timed rounds after one warm-up (the last is kept)"
     )
     p.add_argument(
-        "--rows", default=",".join(ROWS), help="which rows, comma list of " + ", ".join(ROWS)
+        "--rows",
+        default=",".join(ROWS),
+        help="which rows, comma list of "
+        + ", ".join(ROWS + OVERLAP_ROWS)
+        + " (the _overlap rows: two micro-batches per decode step)",
     )
     p.add_argument(
         "--gpus", action="store_true", help="process r on CUDA GPU r (NCCL where MLX has it)"
@@ -486,9 +533,9 @@ def add_arguments(p) -> None:
 
 def main(args) -> int:
     rows = tuple(r.strip() for r in args.rows.split(","))
-    bad = [r for r in rows if r not in ROWS]
+    bad = [r for r in rows if r not in ROWS + OVERLAP_ROWS]
     if bad:
-        raise UserError(f"--rows: unknown row {bad[0]!r} ({', '.join(ROWS)})")
+        raise UserError(f"--rows: unknown row {bad[0]!r} ({', '.join(ROWS + OVERLAP_ROWS)})")
     if args.nodes < 2:
         raise UserError(f"--nodes must be at least 2: a race splits the model (got {args.nodes})")
     if args.max_tokens < 2 or args.rounds < 1:

@@ -54,6 +54,12 @@ def add_arguments(p) -> None:
         help="our serving.max_batch (default: the largest --concurrency, "
         "so neither server queues a client)",
     )
+    p.add_argument(
+        "--overlap",
+        default="off",
+        help="our serving.overlap, a comma list of off and on: each a cluster of its own, "
+        "measured in this run (on: two micro-batches per decode step)",
+    )
     p.add_argument("--no-mlx-lm", action="store_true", help="measure only our cluster")
     p.add_argument(
         "--gpus",
@@ -232,6 +238,7 @@ def run(
     with_mlx_lm: bool = True,
     max_batch: int | None = None,
     gpus: bool = False,
+    overlap: tuple[bool, ...] = (False,),
 ) -> dict:
     from ...node.checkpoint import Checkpoint
 
@@ -245,13 +252,20 @@ def run(
         "rows": [],
         "mlx_lm_server": [],
     }
-    serving = {"max_batch": max_batch, "queue": max(16, max(concurrency))}
     for n in nodes:
-        with local_cluster(
-            n, path, "0", serving=serving, gpus=gpus
-        ) as url:  # no prompt cache: every request computes its prompt
-            for c in concurrency:
-                out["rows"].append({"nodes": n, **measure(url, c, requests, max_tokens)})
+        for ov in overlap:
+            serving = {
+                "max_batch": max_batch,
+                "queue": max(16, max(concurrency)),
+                "overlap": str(ov).lower(),
+            }
+            with local_cluster(
+                n, path, "0", serving=serving, gpus=gpus
+            ) as url:  # no prompt cache: every request computes its prompt
+                for c in concurrency:
+                    out["rows"].append(
+                        {"nodes": n, "overlap": ov, **measure(url, c, requests, max_tokens)}
+                    )
     if with_mlx_lm:
         with mlx_lm_server(path) as url:
             for c in concurrency:
@@ -272,8 +286,11 @@ def plot(out: dict, path: str) -> None:
     except ImportError:
         raise UserError("--plot needs matplotlib (pip install matplotlib)") from None
     series = [
-        (f"ours, N = {n}", [r for r in out["rows"] if r["nodes"] == n])
-        for n in sorted({r["nodes"] for r in out["rows"]})
+        (
+            f"ours, N = {n}" + (", overlap" if ov else ""),
+            [r for r in out["rows"] if r["nodes"] == n and r.get("overlap", False) == ov],
+        )
+        for n, ov in sorted({(r["nodes"], r.get("overlap", False)) for r in out["rows"]})
     ]
     if out["mlx_lm_server"]:
         series.append(("mlx_lm.server", out["mlx_lm_server"]))
@@ -296,6 +313,14 @@ def plot(out: dict, path: str) -> None:
     fig.savefig(path)
 
 
+def _overlap(text: str) -> tuple[bool, ...]:
+    words = [w.strip() for w in text.split(",")]
+    bad = [w for w in words if w not in ("off", "on")]
+    if bad or not words:
+        raise UserError(f"--overlap must list off and/or on (got {text!r})")
+    return tuple(dict.fromkeys(w == "on" for w in words))
+
+
 def main(args) -> int:
     if args.requests < 1 or args.max_tokens < 1:
         raise UserError("--requests and --max-tokens must be at least 1")
@@ -310,6 +335,7 @@ def main(args) -> int:
         not args.no_mlx_lm,
         args.max_batch,
         args.gpus,
+        _overlap(args.overlap),
     )
     if args.plot:
         plot(out, args.plot)
@@ -322,9 +348,9 @@ def main(args) -> int:
     print(
         f"{'server':>16} {'C':>4} {'agg tok/s':>10} {'ttft p50':>9} {'ttft p99':>9} {'itl p50':>8} {'itl p99':>8} {'failed':>6}"
     )
-    rows = [(f"ours, N={r['nodes']}", r) for r in out["rows"]] + [
-        ("mlx_lm.server", r) for r in out["mlx_lm_server"]
-    ]
+    rows = [
+        (f"ours, N={r['nodes']}" + (", overlap" if r["overlap"] else ""), r) for r in out["rows"]
+    ] + [("mlx_lm.server", r) for r in out["mlx_lm_server"]]
     for name, r in rows:
         print(
             f"{name:>16} {r['concurrency']:>4} {r['aggregate_tps']:>10.1f} {r['ttft_p50_s']:>9.3f} "

@@ -223,6 +223,9 @@ def race(
 ROW_STRATEGY = {
     "ours_mlx": ("ours", "mlx"),
     "ours_envoy": ("ours", "envoy"),
+    # two micro-batches per step (bench race --rows ..._overlap): the same reads and collectives
+    "ours_mlx_overlap": ("ours", "mlx"),
+    "ours_envoy_overlap": ("ours", "envoy"),
     "mlx_lm_pipeline": ("pipeline", "mlx"),
     "mlx_lm_tensor": ("tensor", "mlx"),
 }

@@ -75,6 +75,7 @@ class Member:
     )
     route_us: dict = field(default_factory=dict)
     speculative: str = ""  # what the node's batch does of serving.speculative (Status)
+    micro_batches: str = ""  # what the node's batch does of serving.overlap (Status)
 
     @property
     def address(self) -> str:
@@ -256,7 +257,7 @@ class Cluster:
         m.experts = sum(s.experts_per_layer.values())
         m.routing, m.expert_cache = s.routing, s.expert_cache
         m.route, m.route_us = s.route, dict(s.route_us)
-        m.speculative = s.speculative
+        m.speculative, m.micro_batches = s.speculative, s.micro_batches
         from .metrics import allreduce_histogram
 
         hist = allreduce_histogram(s.allreduce)
@@ -663,6 +664,7 @@ class Cluster:
                     "route": m.route,
                     "route_us": dict(m.route_us),
                     "speculative": m.speculative,
+                    "micro_batches": m.micro_batches,
                 }
                 for m in self.members
             ],

@@ -142,6 +142,9 @@ class ServingConfig:
     draft_model: str = (
         ""  # speculative: draft: a small checkpoint with the model's tokenizer, on rank 0
     )
+    # two micro-batches per decode step: one half's all-reduce travels while the other half
+    # computes its layer (node/overlap.py); off until measured on (docs/speculative.md)
+    overlap: bool = False
 
 
 @dataclass(frozen=True)

@@ -328,6 +328,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
                 speculative=c.serving.speculative,
                 draft_tokens=c.serving.draft_tokens,
                 draft_model=_draft_model(c) if m.rank == 0 else "",
+                overlap=c.serving.overlap,
             )
             # what weights may use: memory × memory_fraction less the KV reserve and prompt cache
             m.budget_bytes = plan.available[m.rank] - kv_reserve

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -47,6 +48,7 @@ class EnvoyProcess:
         self.world_size = spec.world_size
         self.link = NodeLink(spec.max_bytes)
         self._step = 0
+        self._layer = 0  # of the all-reduce in flight, for its error message
         self._request: str | None = None
         self.port = 0
         self.proc: subprocess.Popen | None = None
@@ -146,23 +148,35 @@ class EnvoyProcess:
     ) -> np.ndarray:
         """Sum a raw 1-D payload over all ranks; returns a view valid until the next call: float32
         values where the envoy widened a float16/bfloat16 sum (envoy/link.py `widened`), else raw."""
+        return self.collect(self.send(raw, dtype, shape, layer), dtype, raw.nbytes)
+
+    def send(self, raw: np.ndarray, dtype: str, shape: tuple[int, ...], layer: int) -> int:
+        """all_reduce's first half: hand the payload over and return at once (its step number).
+        One all-reduce is in flight at a time: `collect` it before the next `send`."""
         if self._request is None:
             self.begin("default")
         step = self._step
         self._step += 1
+        self._layer = layer
         try:
             self.link.reduce(raw, dtype, shape, layer, step)
         except LinkError as exc:
             raise CollectiveError(f"{self._gone()}: {exc}") from exc
         if self.spec.trace:
             self.handed = round(self.link.sent_at * 1e9)  # perf_counter's clock, in ns
+        return step
+
+    def collect(self, step: int, dtype: str, nbytes: int) -> np.ndarray:
+        """all_reduce's second half: wait for step `step`'s sum (a view, as all_reduce's)."""
         kind, body = self._answer(
-            self.spec.timeout_s + _ANSWER_GRACE_S, f"step {step} (layer {layer})", reduce=True
+            self.spec.timeout_s + _ANSWER_GRACE_S,
+            f"step {step} (layer {self._layer})",
+            reduce=True,
         )
         if self.spec.trace:
             self.answered = time.perf_counter_ns()
         if kind == DONE and unpack_step(body) == step:
-            return self.link.result(dtype, raw.nbytes)
+            return self.link.result(dtype, nbytes)
         if kind == FAIL:
             raise CollectiveError(fail_message(body))
         raise CollectiveError(
@@ -222,14 +236,19 @@ class EnvoyCollective:
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
         if self.trace is not None:
             return self._traced(partial, layer)
+        return self.start(partial, layer)()
+
+    def start(self, partial: mx.array, layer: int) -> Callable[[], mx.array]:
+        """all_reduce in two halves (node/overlap.py): hand `partial` over now; the returned call
+        waits for the sum. Call it before the next start or all_reduce."""
+        if self.trace is not None:
+            out = self._traced(partial, layer)
+            return lambda: out
         payload, extra = self._rider.attach(partial, layer)
         raw, dtype = to_wire(payload)
-        return self._result(
-            self._envoy.all_reduce(raw.reshape(-1), dtype, tuple(payload.shape), layer),
-            dtype,
-            extra,
-            partial,
-        )
+        envoy = self._envoy
+        step = envoy.send(raw.reshape(-1), dtype, tuple(payload.shape), layer)
+        return lambda: self._result(envoy.collect(step, dtype, raw.nbytes), dtype, extra, partial)
 
     def _result(self, out: np.ndarray, dtype: str, extra: int, partial: mx.array) -> mx.array:
         if (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from multiprocessing import shared_memory
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -70,6 +71,11 @@ class ShmCollective:
         pass  # every all-reduce times out by itself
 
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
+        return self.start(partial, layer)()
+
+    def start(self, partial: mx.array, layer: int) -> Callable[[], mx.array]:
+        """all_reduce in two halves (node/overlap.py): post `partial` now; the returned call
+        waits for the peers' and sums. Call it before the next start or all_reduce."""
         payload, extra = self._rider.attach(partial, layer)
         raw, dtype = to_wire(payload)
         data = raw.tobytes()
@@ -78,13 +84,16 @@ class ShmCollective:
                 f"partial of {len(data)} bytes exceeds the shared slot ({self._spec.slot_bytes} bytes)"
             )
         self._seq += 1
-        parity = self._seq & 1
-        hdr, body = self._slot(self.rank, parity)
+        seq = self._seq
+        hdr, body = self._slot(self.rank, seq & 1)
         body[: len(data)] = data
-        np.frombuffer(hdr, dtype=np.int64)[:] = (self._seq, len(data))
+        np.frombuffer(hdr, dtype=np.int64)[:] = (seq, len(data))
         for dst in range(self.world_size):
             if dst != self.rank:
                 self._spec.sems[self.rank][dst].release()
+        return lambda: self._finish(seq, raw, dtype, extra, partial, layer)
+
+    def _finish(self, seq, raw, dtype, extra, partial, layer) -> mx.array:
         parts = []
         for src in range(self.world_size):
             if src == self.rank:
@@ -94,11 +103,11 @@ class ShmCollective:
                 raise CollectiveError(
                     f"rank {src} did not answer layer {layer} within {self._spec.timeout_s:.0f} s (dead or stalled)"
                 )
-            shdr, sbody = self._slot(src, parity)
-            seq, nbytes = np.frombuffer(shdr, dtype=np.int64)
-            if seq != self._seq or nbytes != len(data):
+            shdr, sbody = self._slot(src, seq & 1)
+            got, nbytes = np.frombuffer(shdr, dtype=np.int64)
+            if got != seq or nbytes != raw.nbytes:
                 raise CollectiveError(
-                    f"rank {src} is out of step at layer {layer} (step {seq}, expected {self._seq})"
+                    f"rank {src} is out of step at layer {layer} (step {got}, expected {seq})"
                 )
             parts.append(np.frombuffer(sbody[:nbytes], dtype=DTYPES[dtype]))
         out = from_wire(

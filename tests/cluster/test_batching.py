@@ -1,7 +1,11 @@
 """Continuous batching through real HTTP on a 2-node cluster (`up`, envoys): many requests at once,
 each with the tokens it gets alone; joins, leaves and cancels mid-batch; a long prompt prefilled
 beside running streams within the step budget; a node killed mid-batch, with resuming turned off
-(serving.max_resumes: 0), fails every request with 503 (tests/cluster/test_faults.py resumes them)."""
+(serving.max_resumes: 0), fails every request with 503 (tests/cluster/test_faults.py resumes them).
+
+The cluster runs two micro-batches per step (serving.overlap, node/overlap.py): a request alone
+decodes in one lane, eight at once in two whose all-reduces interleave, and each gets the tokens
+it gets alone."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ YAML = yaml_for(
   prefill_budget: {CHUNK}
   max_batch: 8
   queue: 64
+  overlap: true
 """,
 )
 PROMPTS = [
@@ -97,6 +102,8 @@ def _alone(url: str, body: dict) -> list[int]:
 
 
 def test_eight_concurrent_requests_get_the_tokens_they_get_alone(api):
+    nodes = http(api, "/v1/cluster/status")[1]["nodes"]
+    assert [n["micro_batches"] for n in nodes] == ["2 per step"] * 2, nodes
     bodies = [
         {"prompt": p, "max_tokens": 24 + 4 * i, "temperature": 0, "stream": i % 2 == 0}
         for i, p in enumerate(PROMPTS)

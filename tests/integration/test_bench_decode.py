@@ -67,3 +67,24 @@ def test_without_room_for_two_copies_the_cluster_path_runs_after_stock(monkeypat
     assert out["peers"] == [] and [c["nodes"] for c in out["clusters"]] == [1, 2]
     assert all(c["same_tokens"] and c["generated"] == 8 for c in out["clusters"])
     assert 0 < out["bench_process_bytes"]
+
+
+def test_where_stock_mlx_lm_fails_on_the_device_the_cluster_rows_still_run(monkeypatch):
+    """mlx-lm's own module can fail where ours runs (its DBRX block feeds one token at a time to a
+    quantized matmul, which MLX's CUDA build refuses): the failure is reported in one line and
+    the rows are measured and compared with each other."""
+    from moe_cluster.coordinator.bench import decode
+
+    def broken(*args):
+        raise IndexError("SmallVector out of range.")
+
+    monkeypatch.setattr(decode, "_single_node", broken)
+    out = decode.run(
+        decode.DecodeBench(
+            "demo", nodes=(2,), keepalive=("none",), max_tokens=6, rounds=1, peers=False
+        )
+    )
+    assert out["stock_error"].startswith("IndexError: SmallVector out of range.")
+    assert out["ratio"] is None and out["cluster_path"] is None
+    (c,) = out["clusters"]
+    assert c["generated"] == 6 and c["same_tokens"] is None and c["generation_tps"] > 0, c

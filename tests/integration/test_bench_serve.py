@@ -57,6 +57,7 @@ def test_bad_counts_are_one_line():
     for args, why in (
         (("--concurrency", "0"), "--concurrency"),
         (("--nodes", "two"), "--nodes"),
+        (("--overlap", "sometimes"), "--overlap"),
         (("--model", "/nonexistent/model"), "nonexistent"),
     ):
         r = bench(*args, timeout=60)

@@ -1,11 +1,14 @@
-"""Tables of scripts/gpu/run14.sh's raw output (a folder of A-*.json and B-*.json), as text.
+"""Tables of scripts/gpu/issue_run.sh's raw output (a folder of A-*.json and B-*.json), as text.
 
 A: per model and forced decode route at N = 2, tok/s, tokens against stock and against the other
-route's run (=stock: yes, or @ the first token that differs), and the expert bytes each node reads per token (bench decode's `expert_reads`).
+route's run (=stock: yes, or @ the first token that differs), and the expert bytes each node reads
+per token (bench decode's `expert_reads`).
 B: per model and transport, each speculative scenario's tok/s, ratio to off, acceptance and
 all-reduces per generated token.
+D: bench race's rows without and with two micro-batches per step: decode tok/s, the wait on the
+collective per MoE layer and the share the overlap hid.
 
-    python3 scripts/gpu/run14_summary.py DIR [--part A|B]
+    python3 scripts/gpu/issue_summary.py DIR [--part A|B|D]
 """
 
 from __future__ import annotations
@@ -54,14 +57,23 @@ def part_a(d: Path) -> None:
         mats = ",".join(f"{n['matrices_per_layer']:.2f}" for n in nodes) or "-"
         mb = ",".join(f"{n['bytes_per_token'] / 1e6:.1f}" for n in nodes) or "-"
         chosen = nodes[0]["route"] if nodes else "-"
+        # where it first parts from stock; "-" where stock could not run (b["stock_error"])
         stock = (
-            "yes" if c["same_tokens"] else f"@{c['first_mismatch']}"
-        )  # where it first parts from stock
+            "-"
+            if c["same_tokens"] is None
+            else "yes"
+            if c["same_tokens"]
+            else f"@{c['first_mismatch']}"
+        )
+        stock_tps = f"{b['mlx_lm_tps']:>7.1f}" if b.get("mlx_lm_tps") else f"{'-':>7}"
         print(
-            f"{model:<12} {route:<7} {c['generation_tps']:>7.1f} {b['mlx_lm_tps']:>7.1f} {c['generated']:>4} "
+            f"{model:<12} {route:<7} {c['generation_tps']:>7.1f} {stock_tps} {c['generated']:>4} "
             f"{stock:>6} {same_other:>6} {c['expected_experts']:>5.2f} {mats:>16} "
             f"{mb:>18}  {chosen}"
         )
+    for model, route, b, c in rows:
+        if b.get("stock_error"):
+            print(f"{model} {route}: stock mlx-lm failed: {b['stock_error']}")
     for model, by in tokens.items():
         if len(by) == 2 and None not in by.values():
             a, b = by.values()
@@ -94,13 +106,38 @@ def part_b(d: Path) -> None:
                 )
 
 
+def part_d(d: Path) -> None:
+    print("D: bench race, two micro-batches per step (_overlap rows) beside the rows without")
+    b, why = _load(d / "D-race.json")
+    if b is None:
+        print(f"failed: {why}")
+        return
+    for r in b["rows"]:
+        if "error" in r:
+            print(f"  {r['name']:<20} {r['streams']:>3} streams: {r['error'][:200]}")
+            continue
+        ov = r.get("overlap") or {}
+        per = r.get("moe_layers") or 1
+        wait = r["breakdown_per_step_s"]["collective_wait"] / per
+        hid = ov.get("hidden")
+        print(
+            f"  {r['name']:<20} {r['streams']:>3} streams: {r['decode_tps']:8.1f} tok/s, "
+            f"collective wait {1e6 * wait:7.0f} us per MoE layer"
+            + (f", hidden {hid:.0%}" if hid is not None else "")
+            + (f", x{ov['speedup']:.2f}" if ov.get("speedup") else "")
+            + f" ({r.get('micro_batches', '')})"
+        )
+    agree = b.get("agreement") or {}
+    print(f"  agreement: {json.dumps(agree)[:400]}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("dir")
-    p.add_argument("--part", choices=("A", "B"), default=None)
+    p.add_argument("--part", choices=("A", "B", "D"), default=None)
     args = p.parse_args()
     d = Path(args.dir)
-    for name, fn in (("A", part_a), ("B", part_b)):
+    for name, fn in (("A", part_a), ("B", part_b), ("D", part_d)):
         if args.part in (None, name):
             try:
                 fn(d)

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# One device call (9 minutes at most) for issues 34 and 35, each part time-bounded so that one that
-# fails or runs long is logged and the next still runs; part A first, since it must complete.
+# One device call (9 minutes at most) for issues 34, 35 and 39, each part time-bounded so that one
+# that fails or runs long is logged and the next still runs; the parts run in the order of PARTS.
+#  P (issue 34): why a 4-bit DBRX shape fails inside MLX on CUDA: stock mlx-lm's DBRX block feeds
+#    one token at a time (1-D) to each expert's QuantizedLinear; the probe calls one with a 1-D and
+#    a 2-D input on the GPU and prints what each does.
 #  A (issue 34): 4-bit DBRX-shaped (4 layers) and Qwen3-30B-A3B-shaped (12 layers) random
 #    checkpoints built here, then per model `bench decode` at N = 2 over `transport: mlx`, one GPU
 #    per node, twice: the decode route forced to the quantized skip kernel and to redirected rows
@@ -9,16 +12,19 @@
 #  B (issue 35): `bench decode --speculative prompt-lookup` at N = 2 on the demo model and on A's
 #    Qwen3-shaped checkpoint, over the envoy and mlx, one call per (model, transport).
 #  C (issue 39): scripts/gpu/envoy_run.sh with what time is left.
-# Raw JSON and stderr go to OUT/run14/; at the end everything is packed into OUT/run14.tgz, with
-# OUT/run14-summary.txt beside it (scripts/gpu/run14_summary.py).
-# Usage, after scripts/gpu/setup.sh (PYTHONPATH=/tmp/site):  bash scripts/gpu/run14.sh $OUT
+#  D (issue 35): two micro-batches per step: `bench race` rows ours_envoy and ours_mlx without and
+#    with _overlap at 8 and 32 streams on A's Qwen3-shaped checkpoint, N = 2, one GPU per node.
+# Raw JSON and stderr go to OUT/$RUN/ (RUN: the run's name, default run14); at the end everything is
+# packed into OUT/$RUN.tgz, with OUT/$RUN-summary.txt beside it (scripts/gpu/issue_summary.py).
+# Usage, after scripts/gpu/setup.sh (PYTHONPATH=/tmp/site):  bash scripts/gpu/issue_run.sh $OUT
 # Env: BUDGET (seconds from the script's start to the packing, default 500: leave the call's other
 #      steps their time), PARTS ("A B C"), MODELS_ROOT (/tmp), ROUTES ("skip device"), MAX_TOKENS
 #      (32, part A), ROUNDS (2, part A), DBRX_LAYERS (4), QWEN_LAYERS (12), CPU=1: tiny shapes on this machine's CPU, no GPUs, routes
-#      "host device" (no skip kernel there):  CPU=1 BUDGET=900 bash scripts/gpu/run14.sh /tmp/r14
+#      "host device" (no skip kernel there):  CPU=1 BUDGET=900 bash scripts/gpu/issue_run.sh /tmp/r14
 set -u
-OUT=${1:-${OUT:-/tmp/run14-out}}
-R=$OUT/run14
+RUN=${RUN:-run14}
+OUT=${1:-${OUT:-/tmp/$RUN-out}}
+R=$OUT/$RUN
 mkdir -p "$R"
 START=$(date +%s)
 BUDGET=${BUDGET:-500}
@@ -28,7 +34,7 @@ export PYTHONUNBUFFERED=1
 unset MOE_CLUSTER_ROUTE
 MC="python3 -m moe_cluster.coordinator.cli"
 left() { echo $(( START + BUDGET - PACK - $(date +%s) )); }
-log() { echo "=== $(date +%T) +$(( $(date +%s) - START ))s $*" | tee -a "$R/run14.log"; }
+log() { echo "=== $(date +%T) +$(( $(date +%s) - START ))s $*" | tee -a "$R/$RUN.log"; }
 
 # step NAME CAP CMD...: CMD under `timeout` (CAP seconds, or what the budget leaves if less),
 # stdout to R/NAME.out, stderr to R/NAME.err, its command line to R/NAME.cmd; returns its status.
@@ -48,16 +54,16 @@ step() {
   local rc=0 t0=$(date +%s)
   timeout -k 10 "$t" "$@" > "$R/$name.out" 2> "$R/$name.err" || rc=$?
   log "$name: exit $rc after $(( $(date +%s) - t0 )) s$([ "$rc" = 124 ] && echo ' (timed out)')"
-  [ "$rc" -ne 0 ] && tail -c 800 "$R/$name.err" | tee -a "$R/run14.log"
+  [ "$rc" -ne 0 ] && tail -c 800 "$R/$name.err" | tee -a "$R/$RUN.log"
   return $rc
 }
 
 pack() {
   log "summary and packing"
-  timeout 10 python3 scripts/gpu/run14_summary.py "$R" > "$R/summary.txt" 2>> "$R/run14.log"
+  timeout 10 python3 scripts/gpu/issue_summary.py "$R" > "$R/summary.txt" 2>> "$R/$RUN.log"
   cat "$R/summary.txt"
-  cp "$R/summary.txt" "$OUT/run14-summary.txt" 2>/dev/null
-  if tar czf "$OUT/run14.tgz" -C "$OUT" run14; then
+  cp "$R/summary.txt" "$OUT/$RUN-summary.txt" 2>/dev/null
+  if tar czf "$OUT/$RUN.tgz" -C "$OUT" "$RUN"; then
     rm -rf "$R"  # the device brings back a few files: the archive holds them all
   fi
   ls -la "$OUT"
@@ -80,11 +86,10 @@ fi
   git log -1 --format='checkout: %H %s' 2>/dev/null
 } > "$R/host.txt" 2>&1
 cat "$R/host.txt"
-# the bench must count expert bytes (this checkout): reinstall it where the installed one does not
-if ! python3 -c "from moe_cluster.coordinator.bench.decode import expert_reads" 2>/dev/null; then
-  log "the installed moe_cluster has no expert_reads: installing this checkout into /tmp/site"
+# the code measured is this checkout's (a warm machine may hold an older install)
+if [ -z "${CPU:-}" ]; then
   timeout 120 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
-    --target /tmp/site . >> "$R/run14.log" 2>&1 || log "reinstall failed: part A's rows will lack expert_reads"
+    --target /tmp/site . >> "$R/$RUN.log" 2>&1 || log "reinstall of this checkout failed"
 fi
 
 build() {  # build NAME ARGS...: a 4-bit random checkpoint in ROOT/NAME, unless already there
@@ -93,11 +98,17 @@ build() {  # build NAME ARGS...: a 4-bit random checkpoint in ROOT/NAME, unless 
   if [ -f "$dir/config.json" ]; then log "$dir exists"; return 0; fi
   step "build-$name" 150 $MC demo-model "$@" --quantize 4 --dtype bfloat16 --shard-size 5GB --out "$dir" \
     || { rm -rf "$dir"; return 1; }
-  du -sb "$dir" | tee -a "$R/run14.log"
+  du -sb "$dir" | tee -a "$R/$RUN.log"
   cp "$dir/config.json" "$R/$name-config.json"
 }
 
-case " ${PARTS:-A B C} " in *" A "*)
+part_p() {
+  log "part P: a QuantizedLinear on a 1-D and a 2-D input (stock mlx-lm's DBRX block does the first)"
+  step P-probe 60 python3 scripts/gpu/qlinear_probe.py
+  cat "$R/P-probe.out" | tee -a "$R/$RUN.log"
+}
+
+part_a() {
   log "part A: issue 34, 4-bit DBRX and Qwen3 shapes at N = 2, routes: $ROUTES"
   built=()
   build dbrx-4bit "${DBRX[@]}" && built+=(dbrx-4bit)
@@ -110,10 +121,10 @@ case " ${PARTS:-A B C} " in *" A "*)
       mv "$R/A-$m-$route.out" "$R/A-$m-$route.json" 2>/dev/null
     done
   done
-  timeout 10 python3 scripts/gpu/run14_summary.py "$R" --part A 2>&1 | tee -a "$R/run14.log"
-;; esac
+  timeout 10 python3 scripts/gpu/issue_summary.py "$R" --part A 2>&1 | tee -a "$R/$RUN.log"
+}
 
-case " ${PARTS:-A B C} " in *" B "*)
+part_b() {
   log "part B: issue 35, speculative prompt lookup at N = 2 on the demo and the Qwen3 shape"
   spec() {  # spec NAME MODEL TRANSPORT ROUNDS SPOIL
     step "B-$1-$3" 180 $MC bench decode --speculative prompt-lookup --model "$2" $GPUS --nodes 2 \
@@ -131,14 +142,35 @@ case " ${PARTS:-A B C} " in *" B "*)
   fi
   spec demo demo envoy 3 ""
   spec demo demo mlx 3 ""
-;; esac
+}
 
-case " ${PARTS:-A B C} " in *" C "*)
+part_c() {
   if [ "$(left)" -gt 60 ] && [ -z "${CPU:-}" ]; then
     log "part C: issue 39, scripts/gpu/envoy_run.sh with $(left) s left"
     step C-envoy 600 bash scripts/gpu/envoy_run.sh "$R/envoy"
   else
     log "part C: not run ($(left) s left${CPU:+; CPU mode})"
   fi
-;; esac
+}
+
+part_d() {
+  log "part D: issue 35, two micro-batches per step (bench race, _overlap rows)"
+  local m=${D_MODEL:-$ROOT/qwen3-4bit}
+  [ -f "$m/config.json" ] || { log "part D: no checkpoint at $m (part A builds it)"; return; }
+  step D-race 400 $MC bench race --model "$m" $GPUS --nodes 2 --streams "${D_STREAMS:-8,32}" \
+    --rows "${D_ROWS:-ours_envoy,ours_envoy_overlap,ours_mlx,ours_mlx_overlap}" --no-stock \
+    --max-tokens "${D_TOKENS:-24}" --json
+  mv "$R/D-race.out" "$R/D-race.json" 2>/dev/null
+}
+
+for part in ${PARTS:-A B C}; do
+  case $part in
+    P) part_p ;;
+    A) part_a ;;
+    B) part_b ;;
+    C) part_c ;;
+    D) part_d ;;
+    *) log "unknown part $part" ;;
+  esac
+done
 log "done"

@@ -1,0 +1,103 @@
+"""Two micro-batches per decode step: while one half's all-reduce is in flight, the node computes
+the other half's layer, as DeepSeek's serving overlaps its dispatch and combine.
+
+The running batch (node/batch.py) keeps its decoding sequences in two lanes, each with its own
+batched KV cache, and runs the model once per lane. Where the collective is a graph operation
+(`transport: mlx`) both lanes go into one lazy graph and MLX orders the work; elsewhere (the envoy,
+shared memory) the MoE layer evaluates its partial and hands it over, and `Interleave` runs the
+two forward passes on the one thread that drives MLX, switching at each MoE all-reduce:
+
+    lane A: layer l ... partial ─ start ─┐                       ┌─ A's sum ─ layer l+1 ...
+    lane B:                  layer l ... partial ─ (A's sum) ─ start ─┐  ...
+
+One all-reduce is in flight at a time (the envoy's link and the shared slots hold one), so every
+node starts them in the same order: A's layer 0, B's layer 0, A's layer 1, ... A lane's sum is the
+same all-reduce of the same rows as in the unsplit step, so the tokens are too.
+
+The forward passes are greenlets (the `greenlet` package): mlx-lm's model code calls the MoE layer
+from inside its own loop, and a greenlet can leave and resume it there without a second thread.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import mlx.core as mx
+
+
+def start(collective, partial: mx.array, layer: int) -> Callable[[], mx.array]:
+    """`collective.start` where the transport has the two halves, else a whole all-reduce now."""
+    begin = getattr(collective, "start", None)
+    if begin is not None:
+        return begin(partial, layer)
+    out = collective.all_reduce(partial, layer)
+    return lambda: out
+
+
+class Interleave:
+    """Runs forward passes (lanes) on the calling thread, switching lanes at each all-reduce."""
+
+    def __init__(self, collective):
+        self.collective = collective
+        self._main = None
+        self._lanes: list = []
+        self._inflight: tuple | None = None  # (the lane whose all-reduce is in flight, its finish)
+        self._sums: dict = {}
+        self.waited_s = 0.0  # time spent waiting for sums (the collective not hidden)
+        # seconds the latest all_reduce spent in other lanes (ClusterMoE times its wait without)
+        self.away_s = 0.0
+        self.overlapped = 0  # all-reduces that travelled while another lane computed
+
+    @property
+    def running(self) -> bool:
+        """Whether the caller is inside `run` (the MoE layer then goes through `all_reduce`)."""
+        return self._main is not None
+
+    def run(self, lanes: list[Callable[[], object]]) -> list:
+        """Each lane's result, in order; a lane runs until its next all-reduce is in flight, then
+        the next lane runs. An error in any lane ends the run with it."""
+        from greenlet import getcurrent, greenlet
+
+        self._main = getcurrent()
+        self._lanes = [greenlet(fn) for fn in lanes]
+        out: list = [None] * len(lanes)
+        try:
+            while not all(g.dead for g in self._lanes):
+                for i, g in enumerate(self._lanes):
+                    if not g.dead:
+                        r = g.switch()
+                        if g.dead:
+                            out[i] = r
+            return out
+        finally:
+            self._main, self._lanes, self._inflight = None, [], None
+            self._sums.clear()
+
+    def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
+        """From a lane: hand `partial` over, let the other lanes compute while it travels, then
+        return its sum."""
+        from greenlet import getcurrent
+
+        me = getcurrent()
+        self._drain()  # the link holds one all-reduce: the one in flight is summed first
+        self._inflight = (me, start(self.collective, partial, layer))
+        away = 0.0
+        if any(not g.dead and g is not me for g in self._lanes):
+            t0 = time.perf_counter()
+            self._main.switch()
+            away = time.perf_counter() - t0
+            self.overlapped += 1
+        self.away_s = away
+        if self._inflight is not None and self._inflight[0] is me:
+            self._drain()
+        return self._sums.pop(me)
+
+    def _drain(self) -> None:
+        if self._inflight is None:
+            return
+        lane, finish = self._inflight
+        self._inflight = None
+        t0 = time.perf_counter()
+        self._sums[lane] = finish()
+        self.waited_s += time.perf_counter() - t0

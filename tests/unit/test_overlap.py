@@ -1,0 +1,81 @@
+"""Two micro-batches per step (node/overlap.py): the lanes' all-reduces interleave in one order on
+every node, one in flight at a time, each lane gets its own sums, and a lane's failure ends the
+step. Real processes: tests/integration/test_overlap.py; through `up`: tests/cluster/test_batching.py."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from moe_cluster.node.overlap import Interleave
+
+
+class Recorder:
+    """A collective with two halves that notes every start and finish; its sum doubles."""
+
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str, int]] = []
+        self.inflight = 0
+
+    def start(self, partial, layer):
+        assert self.inflight == 0, "two all-reduces in flight"
+        self.inflight += 1
+        lane = "A" if float(partial[0]) < 100 else "B"
+        self.log.append(("start", lane, layer))
+
+        def finish():
+            self.inflight -= 1
+            self.log.append(("finish", lane, layer))
+            return partial * 2
+
+        return finish
+
+
+def _lane(il: Interleave, base: float, layers: int, got: list):
+    def run():
+        x = mx.array([base])
+        for layer in range(layers):
+            x = il.all_reduce(x + 1, layer)
+            got.append((base, layer, float(x[0])))
+        return float(x[0])
+
+    return run
+
+
+def test_lanes_take_turns_one_all_reduce_in_flight_and_each_gets_its_own_sums():
+    c = Recorder()
+    il = Interleave(c)
+    got: list = []
+    a, b = il.run([_lane(il, 0.0, 3, got), _lane(il, 100.0, 2, got)])
+    assert a == ((0 + 1) * 2 + 1) * 2 * 2 + 2 and a == 14.0  # ((1*2+1)*2+1)*2
+    assert b == ((100 + 1) * 2 + 1) * 2
+    starts = [(lane, layer) for kind, lane, layer in c.log if kind == "start"]
+    # A's layer l goes out, B computes its layer l meanwhile, then A's comes back, and so on; B
+    # has fewer layers, and A's last all-reduce runs alone
+    assert starts == [("A", 0), ("B", 0), ("A", 1), ("B", 1), ("A", 2)]
+    assert c.log[:4] == [
+        ("start", "A", 0),
+        ("finish", "A", 0),
+        ("start", "B", 0),
+        ("finish", "B", 0),
+    ]
+    assert c.inflight == 0 and not il.running
+
+
+def test_a_failing_lane_ends_the_run_with_its_error():
+    c = Recorder()
+    il = Interleave(c)
+
+    def broken():
+        il.all_reduce(mx.array([1.0]), 0)
+        raise RuntimeError("lane B broke")
+
+    with pytest.raises(RuntimeError, match="lane B broke"):
+        il.run([_lane(il, 0.0, 3, []), broken])
+    assert not il.running
+    # the other lane's all-reduce was left in flight: the batch fails every sequence and its next
+    # step begins a new epoch on the transport; the interleave itself keeps nothing of the run
+    c.inflight = 0
+    assert il.run([_lane(il, 0.0, 1, [])]) == [2.0]
