@@ -27,6 +27,7 @@ What the rule cannot place is an error naming the module path.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -231,6 +232,22 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
             )
         )
     return blocks
+
+
+def rebind(blocks: Sequence[MoEBlock], model: nn.Module) -> list[MoEBlock]:
+    """`blocks`, found on another instance of `model`'s class and config, moved onto `model`: the
+    same description (top-k, routers, dense terms, forward), its own modules, no probe run."""
+    modules = dict(model.named_modules())
+    out = []
+    for b in blocks:
+        block = modules[b.path]
+        owner = f"{b.path}.{b.bank.attr}".rpartition(".")[0]
+        bank = find_bank(model, owner, modules[owner])
+        if bank is None:
+            raise StructureError(f"{type(model).__name__} has no expert bank under {owner}")
+        bank.attr = b.bank.attr
+        out.append(dataclasses.replace(b, block=block, bank=bank))
+    return out
 
 
 def _sibling_top_k(modules: dict, path: str, bank: Bank) -> int:
