@@ -199,7 +199,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
     from .api import Api, ApiRunner, ServingOptions
     from .launcher import Launcher, LocalNode
 
-    ckpt = Checkpoint.open(c.model)
+    ckpt = Checkpoint.open(c.model)  # a bad model is refused here, before anything starts
     model_path = str(ckpt.path)
     secret, api_key = read_credentials(c)  # the same checks as `validate`
     if not secret:
@@ -519,8 +519,7 @@ def _check_port_free(c: ClusterConfig) -> None:
 def main(args) -> int:
     c = load_config(args.file)
     if args.model:
-        c = replace(c, model=args.model)
-        Checkpoint.open(c.model)  # a bad --model is refused before anything starts
+        c = replace(c, model=args.model)  # run_up opens it before anything starts
     if args.api_port is not None:
         c = replace(c, api=replace(c.api, port=args.api_port))
     log_dir = (

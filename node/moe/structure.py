@@ -163,17 +163,6 @@ def _arity(module: nn.Module) -> int:
     )
 
 
-def find_moe_blocks_loaded(model: nn.Module) -> list[MoEBlock]:
-    """`find_moe_blocks` on a model whose checkpoint is loaded (the single-node fallback, `profile`):
-    the probe draws the blocks' own weights afresh, so they are put back afterwards. Without this,
-    layer 0's router kept the probe's random weights and a lone node answered wrong tokens."""
-    saved = tree_flatten(model.parameters())
-    try:
-        return find_moe_blocks(model)
-    finally:
-        model.update(tree_unflatten(saved))
-
-
 def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
     """Every MoE block of `model`, in layer order, each described from its structure.
 
