@@ -64,6 +64,13 @@ class Quantization:
     def label(self) -> str:
         return f"{self.bits}-bit {self.mode} g{self.group_size}"
 
+    def require_applied(self) -> None:
+        if not self.applied:
+            raise DescribeError(
+                f"quantization method {self.method!r} is not supported for sharded loading "
+                "(convert the checkpoint with mlx_lm.convert first)"
+            )
+
 
 def quantization(config: Mapping, where: Path | str = "config.json") -> Quantization | None:
     """The quantization of a config, the one reading of it (None: not quantized)."""
@@ -89,6 +96,30 @@ def quantization(config: Mapping, where: Path | str = "config.json") -> Quantiza
     if known is None:
         return Quantization(str(method))
     return Quantization(method, known["mode"], known["bits"], known["group_size"])
+
+
+def expert_quant(quant: Quantization | None, m, proj: str, params: Mapping) -> dict | None:
+    """Quantization of one projection of MoE layer `m`'s experts ({"weight", "scales", ...} as
+    read): its own entry in the config, else mode and group size from the config and the bits
+    from the shapes. None: not quantized."""
+    if "scales" not in params:
+        return None
+    if quant is not None:
+        quant.require_applied()
+    overrides = quant.overrides if quant else {}
+    for path in (f"{m.bank_path}.{proj}", f"{m.path}.experts.{proj}"):
+        if isinstance(overrides.get(path), dict):
+            return {"mode": "affine", **overrides[path]}
+    w, s = params["weight"], params["scales"]
+    mode = quant.mode if quant else "affine"
+    group = quant.group_size if quant else 64
+    bits = w.shape[-1] * 32 // (s.shape[-1] * group)
+    if bits not in (2, 3, 4, 5, 6, 8):
+        raise DescribeError(
+            f"layer {m.layer} {proj}: cannot infer quantization bits from shapes "
+            f"weight {w.shape}, scales {s.shape}"
+        )
+    return {"group_size": group, "bits": bits, "mode": mode}
 
 
 # ---------------------------------------------------------------------------------------------

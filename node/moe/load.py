@@ -30,7 +30,7 @@ from ..checkpoint import (
     check_runnable,
     read_tensor,
 )
-from ..describe import PARAMS, ModelDescription, MoELayer, Quantization, describe
+from ..describe import PARAMS, ModelDescription, MoELayer, Quantization, describe, expert_quant
 from ..collective.base import Collective, LocalCollective
 from . import families, skip_gemv
 from . import route as decode_route
@@ -345,20 +345,12 @@ def _attach_cache(
 # Quantization, as mlx-lm's load_model does it
 
 
-def _supported(quant: Quantization | None) -> None:
-    if quant is not None and not quant.applied:
-        raise ShardError(
-            f"quantization method {quant.method!r} is not supported for sharded loading "
-            "(convert the checkpoint with mlx_lm.convert first)"
-        )
-
-
 def _quantize_replicated(
     model: nn.Module, quant: Quantization | None, weights: dict, shard_prefixes: tuple[str, ...]
 ) -> None:
-    _supported(quant)
     if quant is None:
         return
+    quant.require_applied()
     from mlx_lm.utils import infer_quant_config
 
     def predicate(path, m):
@@ -377,28 +369,6 @@ def _quantize_replicated(
         mode=quant.mode,
         class_predicate=predicate,
     )
-
-
-def _shard_quant(quant: Quantization | None, b: MoEBlock, proj: str, params: dict) -> dict | None:
-    """Quantization parameters of one bank projection: per-layer override, else inferred."""
-    if "scales" not in params:
-        return None
-    _supported(quant)
-    overrides = quant.overrides if quant else {}
-    for path in (f"{b.bank_path}.{proj}", f"{b.path}.experts.{proj}"):
-        if isinstance(overrides.get(path), dict):
-            return {"mode": "affine", **overrides[path]}
-    w, s = params["weight"], params["scales"]
-    mode = quant.mode if quant else "affine"
-    group = quant.group_size if quant else 64
-    in_dims = s.shape[-1] * group
-    bits = w.shape[-1] * 32 // in_dims
-    if bits not in (2, 3, 4, 5, 6, 8):
-        raise ShardError(
-            f"layer {b.layer} {proj}: cannot infer quantization bits from shapes "
-            f"weight {w.shape}, scales {s.shape}"
-        )
-    return {"group_size": group, "bits": bits, "mode": mode}
 
 
 def _make_shard(
@@ -432,7 +402,7 @@ def _make_shard(
             scales=p.get("scales"),
             biases=p.get("biases"),
             bias=p.get("bias"),
-            quant=_shard_quant(desc.quant, b, proj, p),
+            quant=expert_quant(desc.quant, m, proj, p),
         )
     shard = ExpertShard(b.layer, local, holders, projections, b.kind, b.activation, state)
     mx.eval(shard.parameters())
@@ -494,7 +464,8 @@ def load_shard(
         desc = describe(ckpt)
     ckpt, config = desc.checkpoint, desc.config
     desc.require_moe()
-    _supported(desc.quant)
+    if desc.quant is not None:
+        desc.quant.require_applied()
     model, blocks = desc.new_model()  # parameters are lazy: nothing is allocated yet
     moe_layers = {b.layer: b.num_experts for b in blocks}
     world = collective.world_size

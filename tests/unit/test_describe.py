@@ -1,6 +1,7 @@
 """A checkpoint's quantization is read by one function (node.describe.quantization), and the
 planner and the loader agree on what it means: the planner quantizes a bank from it, and the
-loader infers the same mode, bits and group size from the weights that quantization produced."""
+loader (node.describe.expert_quant) infers the same mode, bits and group size from the weights
+that quantization produced."""
 
 from __future__ import annotations
 
@@ -11,8 +12,13 @@ import pytest
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from moe_cluster.coordinator.plan.describe import _quantize
-from moe_cluster.node.describe import MoELayer, Quantization, quantization
-from moe_cluster.node.moe.load import ShardError, _shard_quant
+from moe_cluster.node.describe import (
+    DescribeError,
+    MoELayer,
+    Quantization,
+    expert_quant,
+    quantization,
+)
 
 GATE = "block.switch_mlp.gate_proj"
 
@@ -51,8 +57,8 @@ def test_unquantized_and_unapplied_methods():
     assert quantization({"quantization_config": {"quant_method": None}}) is None
     awq = quantization({"quantization_config": {"quant_method": "awq"}})
     assert awq == Quantization("awq") and not awq.applied
-    with pytest.raises(ShardError, match="'awq' is not supported for sharded loading"):
-        _shard_quant(awq, SimpleNamespace(), "gate_proj", {"weight": None, "scales": None})
+    with pytest.raises(DescribeError, match="'awq' is not supported for sharded loading"):
+        expert_quant(awq, SimpleNamespace(), "gate_proj", {"weight": None, "scales": None})
     with pytest.raises(Exception, match="malformed quantization"):
         quantization({"quantization": {"bits": 4}})  # no group size
 
@@ -82,5 +88,5 @@ def test_the_planner_and_the_loader_agree(case):
     for proj in ("gate_proj", "up_proj", "down_proj"):
         m = getattr(model.block.switch_mlp, proj)
         planned = {"mode": m.mode, "bits": m.bits, "group_size": m.group_size}
-        loaded = _shard_quant(q, b, proj, {"weight": m.weight, "scales": m.scales})
+        loaded = expert_quant(q, b, proj, {"weight": m.weight, "scales": m.scales})
         assert loaded == planned, (case, proj)
