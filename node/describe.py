@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map
 
 from .checkpoint import _DTYPES, Checkpoint, CheckpointError, model_args, model_classes
 from .moe.structure import MoEBlock, StructureError, find_moe_blocks, rebind
@@ -339,6 +340,10 @@ def describe(source: Checkpoint | Mapping, where: Path | str | None = None) -> M
         blocks = find_moe_blocks(model)
     except StructureError as exc:
         raise DescribeError(f"{where} (model_type {config.get('model_type')!r}): {exc}") from None
+    # The probe evaluated the probed blocks' own weights (float32: a shared expert of a large
+    # model is hundreds of MB). The description keeps their structure, never those values, and
+    # lives as long as `up` serves: lazy zeros in their place allocate nothing.
+    model.update(tree_map(lambda v: mx.zeros(v.shape, v.dtype), model.parameters()))
     tensors = ckpt.tensors if ckpt is not None else {}
     return ModelDescription(
         where=where,

@@ -90,3 +90,37 @@ def test_the_planner_and_the_loader_agree(case):
         planned = {"mode": m.mode, "bits": m.bits, "group_size": m.group_size}
         loaded = expert_quant(q, b, proj, {"weight": m.weight, "scales": m.scales})
         assert loaded == planned, (case, proj)
+
+
+def test_the_description_keeps_none_of_the_probes_weights():
+    """The probe evaluates a block's own weights in float32 (here a 6 MB shared expert); `up`
+    keeps its description while it serves, so it must not keep them (before: 6.3 MB held)."""
+    import gc
+
+    import mlx.core as mx
+
+    from moe_cluster.node.describe import describe
+
+    hidden, shared = 256, 2048
+    config = {
+        "model_type": "qwen2_moe",
+        "hidden_size": hidden,
+        "num_hidden_layers": 1,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": shared,
+        "vocab_size": 128,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False,
+    }
+    gc.collect()
+    before = mx.get_active_memory()
+    desc = describe(config)
+    gc.collect()
+    assert desc.moe_layers() == {0: 4} and desc.moe[0].dense  # the shared expert was probed
+    held = mx.get_active_memory() - before
+    assert held < 3 * hidden * shared * 4 // 10, held  # a tenth of the shared expert's bytes
