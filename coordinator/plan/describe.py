@@ -1,11 +1,11 @@
 """Describe an mlx-lm MoE checkpoint for the performance model, from its config.json alone.
 
-The model is instantiated with mlx-lm from the config (parameters stay lazy: nothing is
-materialised, nothing is evaluated), the config's quantization is applied as mlx-lm's loader
-would, and `.nbytes` is summed per module. A routed-expert bank is a `SwitchGLU`/`SwitchMLP`
-(weights `(E, out, in)`), any other parent of `SwitchLinear`s, or a list of expert modules
-(`ffn.experts` in DBRX), found with the node's own rule (`node.moe.structure`), which also gives
-top-k and the block's dense terms. Everything else is replicated; dense terms (shared experts and
+The model's description (`node.describe`: the one the nodes load by) gives its MoE blocks, found
+with the node's own rule (`node.moe.structure`: a `SwitchGLU`/`SwitchMLP`, any other parent of
+`SwitchLinear`s, or a list of expert modules as in DBRX, with top-k and the block's dense terms),
+the weights' dtype and the quantization. A fresh model of the config (parameters stay lazy:
+nothing is materialised, nothing is evaluated) is quantized as mlx-lm's loader would, and
+`.nbytes` is summed per module. Everything else is replicated; dense terms (shared experts and
 their gates, whatever their names) are replicated but computed by one owner per layer. Per decoded token
 the embedding table is read one row, a separate head in full (a tied head reads the whole table).
 The KV cache per token comes from a lazy forward pass with the MoE blocks stubbed out, reading

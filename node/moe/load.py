@@ -3,8 +3,9 @@
 The model is built by mlx-lm (its config, `sanitize` and quantization) with every non-expert weight;
 each expert bank is replaced by an `ExpertShard` holding only this node's experts, read by byte
 range from the safetensors files, and each MoE block by a `ClusterMoE` (layer.py) that makes its
-non-routed terms count once and all-reduces its output once. What a block is made of comes from
-`structure.py`.
+non-routed terms count once and all-reduces its output once. What the model is made of (its
+blocks, found by `structure.py`, their expert tensors and the quantization) comes from the
+model's description, `node/describe.py`, read once.
 """
 
 from __future__ import annotations
