@@ -32,6 +32,7 @@ import xxhash
 
 from ..proto.errors import UserError
 from .checkpoint import _DTYPES, Checkpoint, TensorInfo, read_config
+from .describe import Group, ModelDescription
 
 logger = logging.getLogger(__name__)
 
@@ -76,40 +77,17 @@ def piece_hasher():
 def fingerprint(ckpt: Checkpoint) -> str:
     """sha256 of config.json and every safetensors header: changes when any weight's name, dtype,
     shape or place changes, costs no weight reads (a re-quantized or retrained checkpoint with the
-    same headers is caught by the per-blob sha256 instead, when a node next loads)."""
+    same headers is caught by the per-blob sha256 instead, when a node next loads). Taken from the
+    bytes the Checkpoint read when it opened: nothing is read again."""
     h = hashlib.sha256()
-    h.update((ckpt.path / "config.json").read_bytes())
-    for f in sorted({t.file for t in ckpt.tensors.values()}):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            h.update(f.name.encode() + b"\0" + fh.read(n))
+    h.update(ckpt.config_bytes)
+    for name in sorted({t.file.name for t in ckpt.tensors.values()}):
+        h.update(name.encode() + b"\0" + ckpt.headers[name])
     return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
 # The catalog: what a model is made of, as blobs
-
-
-@dataclass(frozen=True)
-class Group:
-    """One expert tensor of a MoE layer: stacked (`key` holds every expert, `per` leading rows each)
-    or one tensor per expert (`key` has `{e}` where the expert index goes)."""
-
-    key: str
-    dtype: str
-    shape: tuple[int, ...]  # the checkpoint tensor's shape (per expert when not stacked)
-    stacked: bool
-    per: int = 1  # leading rows per expert, when stacked
-
-    def blob(self, e: int) -> str:
-        return f"{self.key}[{e}]" if self.stacked else self.key.format(e=e)
-
-    def expert_nbytes(self) -> int:
-        n = math.prod(self.shape) * _DTYPES[self.dtype][2]
-        return n // (self.shape[0] // self.per) if self.stacked else n
-
-    def expert_shape(self) -> tuple[int, ...]:
-        return (self.per,) + self.shape[1:] if self.stacked else (1,) + self.shape
 
 
 @dataclass(frozen=True)
@@ -143,6 +121,24 @@ class Catalog:
                 for l, (n, groups) in sorted(self.layers.items())
             },
         }
+
+    @classmethod
+    def of(cls, desc: ModelDescription) -> "Catalog":
+        """The catalog of a described checkpoint (its headers and the node's own MoE rule)."""
+        desc.require_moe()
+        ckpt = desc.checkpoint
+        layers = {}
+        grouped: set[str] = set()
+        for m in desc.moe:
+            if m.layout_error:
+                raise CacheError(m.layout_error)
+            layers[m.layer] = (m.num_experts, m.groups)
+            for g in m.groups:
+                grouped.update({g.key} if g.stacked else {g.blob(e) for e in range(m.num_experts)})
+        replicated = tuple(
+            (k, t.dtype, t.shape) for k, t in sorted(ckpt.tensors.items()) if k not in grouped
+        )
+        return cls(fingerprint(ckpt), ckpt.config_bytes.decode(), replicated, layers)
 
     @classmethod
     def from_json(cls, d, where: str) -> "Catalog":

@@ -77,11 +77,20 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
 
 def read_config(path: Path) -> dict:
     """Read and check `config.json` of a checkpoint directory."""
+    return parse_config(path / "config.json", _config_bytes(path))
+
+
+def _config_bytes(path: Path) -> bytes:
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{path} is not a model checkpoint: no config.json")
+    return cfg_path.read_bytes()
+
+
+def parse_config(cfg_path: Path, raw: bytes) -> dict:
+    """Check the bytes of a `config.json`: a JSON object naming its model_type."""
     try:
-        config = json.loads(cfg_path.read_text())
+        config = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{cfg_path} is malformed: {exc}") from exc
     if not isinstance(config, dict):
@@ -200,6 +209,11 @@ class TensorInfo:
 
 def read_header(file: Path) -> dict[str, TensorInfo]:
     """Parse one safetensors header and check its byte ranges against the file."""
+    return _read_header(file)[1]
+
+
+def _read_header(file: Path) -> tuple[bytes, dict[str, TensorInfo]]:
+    """(the header's bytes, its tensors): the bytes are the checkpoint's fingerprint's input."""
     size = file.stat().st_size
     with open(file, "rb") as f:
         head = f.read(8)
@@ -208,8 +222,9 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
         (n,) = struct.unpack("<Q", head)
         if n > size - 8 or n > 100 << 20:
             raise CheckpointError(f"{file}: header length {n} does not fit a file of {size} bytes")
+        raw = f.read(n)
         try:
-            header = json.loads(f.read(n))
+            header = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise CheckpointError(f"{file}: header is not valid JSON ({exc})") from exc
     base = 8 + n
@@ -240,15 +255,17 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     for (lo1, hi1, k1), (lo2, _, k2) in zip(spans, spans[1:]):
         if lo2 < hi1:
             raise CheckpointError(f"{file}: byte ranges of {k1!r} and {k2!r} overlap")
-    return out
+    return raw, out
 
 
 class Checkpoint:
-    """A checkpoint directory: its config and the location of every tensor, nothing loaded."""
+    """A checkpoint directory: its config and the location of every tensor, nothing loaded.
+    Its config.json and safetensors headers are read here, once (`config_bytes`, `headers`)."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.config = read_config(path)
+        self.config_bytes = _config_bytes(path)
+        self.config = parse_config(path / "config.json", self.config_bytes)
         files = sorted(path.glob("model*.safetensors"))
         if not files:
             raise CheckpointError(f"{path} is not a model checkpoint: no model*.safetensors files")
@@ -262,8 +279,10 @@ class Checkpoint:
             if missing:
                 raise CheckpointError(f"{index} names files that are missing: {', '.join(missing)}")
         self.tensors: dict[str, TensorInfo] = {}
+        self.headers: dict[str, bytes] = {}  # file name -> its safetensors header
         for f in files:
-            for key, info in read_header(f).items():
+            self.headers[f.name], infos = _read_header(f)
+            for key, info in infos.items():
                 if key in self.tensors:
                     raise CheckpointError(
                         f"tensor {key!r} appears in both {self.tensors[key].file.name} and {f.name}"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mlx.nn as nn
 
 from ..proto.errors import UserError
@@ -19,14 +17,3 @@ def embedding_rows(model: nn.Module) -> int:
         if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding)):
             return int(m.weight.shape[0])
     raise UserError(f"{type(model).__name__} has no token embedding to take the vocabulary from")
-
-
-def checkpoint_vocab(path: str | Path) -> int:
-    """The vocabulary of a checkpoint folder without reading its weights: the config's model is
-    built (MLX allocates nothing until evaluated) and its embedding's rows counted."""
-    from .checkpoint import Checkpoint, model_args, model_classes
-
-    ckpt = Checkpoint.open(path)
-    where = ckpt.path / "config.json"
-    model_cls, _ = model_classes(ckpt.config, where)
-    return embedding_rows(model_cls(model_args(ckpt.config, where)))

@@ -32,6 +32,7 @@ def main() -> None:
     from moe_cluster.coordinator.dev.profile import profile
     from moe_cluster.coordinator.serve.placement import NodeBudget, plan_placement
     from moe_cluster.coordinator.serve.up import footprint
+    from moe_cluster.node.describe import describe
     from moe_cluster.node.checkpoint import Checkpoint
 
     path = str(Checkpoint.open(args.model).path)
@@ -42,7 +43,7 @@ def main() -> None:
         prof = profile(path, list(PROFILE_PROMPTS), 32)
         if saved is not None:
             saved.write_text(json.dumps(prof))
-    fp = footprint(path)
+    fp = footprint(describe(Checkpoint.open(path)))
     E = next(iter(fp.num_experts.values()))
     memory = fp.replicated_bytes + (-(-E // args.nodes) + args.spare_experts) * fp.expert_set_bytes
     counts = {int(l): v["counts"] for l, v in prof["layers"].items()}

@@ -64,11 +64,11 @@ def main() -> None:
     args = ap.parse_args()
 
     from moe_cluster.node.checkpoint import Checkpoint
-    from moe_cluster.node.moe.load import moe_layers_of
+    from moe_cluster.node.describe import describe
     from moe_cluster.proto.placement import Placement
 
     ckpt = Checkpoint.open(args.model)
-    layers = moe_layers_of(ckpt)
+    layers = describe(ckpt).moe_layers()
     placement = Placement(
         2, {l: {0: tuple(range(3 * n // 4)), 1: tuple(range(n // 4, n))} for l, n in layers.items()}
     )

@@ -40,11 +40,12 @@ def _measured_e(reports: list[dict]) -> float:
 def run(model: str, nodes: int, spare_experts: int, max_tokens: int) -> dict:
     from ..dev.profile import profile
     from ..dev.simulate import run_nodes
+    from ...node.describe import describe
     from ..serve.up import footprint
 
     path = str(Checkpoint.open(model).path)
     prof = profile(path, PROFILE_PROMPTS, max_tokens)
-    fp = footprint(path)
+    fp = footprint(describe(Checkpoint.open(path)))
     E = next(iter(fp.num_experts.values()))
     per_node = (
         -(-E // nodes) + spare_experts

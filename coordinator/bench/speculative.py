@@ -86,7 +86,7 @@ def run(spec: SpeculativeBench) -> dict:
     from ..dev.simulate import reference, run_nodes
     from ...node.checkpoint import load_tokenizer
     from ...node.sim import SimTask
-    from ...node.vocab import checkpoint_vocab
+    from ...node.describe import describe
 
     ckpt = Checkpoint.open(spec.model)
     if (spec.mode == "draft") != bool(spec.draft_model):
@@ -102,9 +102,10 @@ def run(spec: SpeculativeBench) -> dict:
         raise UserError(
             f"stock mlx-lm stops after {len(continuation)} tokens on this prompt; pick a longer one"
         )
-    vocab = checkpoint_vocab(ckpt.path)
-    rows = scenarios(spec, ids, continuation, vocab)
-    layers = _moe_layers(ckpt)
+    desc = describe(ckpt)
+    desc.require_moe()
+    rows = scenarios(spec, ids, continuation, desc.vocab)
+    layers = len(desc.moe)
     out = {
         "model": spec.model,
         "max_tokens": spec.max_tokens,
@@ -184,12 +185,6 @@ def _summary(
         "tokens_equal_stock": base["off"]["tokens"] == continuation,
         "rows": table,
     }
-
-
-def _moe_layers(ckpt: Checkpoint) -> int:
-    from ...node.moe.load import moe_layers_of
-
-    return len(moe_layers_of(ckpt))
 
 
 def main(args, nodes: tuple[int, ...], transports: tuple[str, ...], prompt: str) -> int:

@@ -61,17 +61,14 @@ def profile(model_spec: str, prompts: list[str], max_tokens: int) -> dict:
     from ...proto.records import Sampling
     from ...node.moe.layer import install
     from ...node.moe.load import ShardError
-    from ...node.moe.structure import StructureError, find_moe_blocks_loaded, set_bank
+    from ...node.describe import describe
+    from ...node.moe.structure import rebind, set_bank
     from .run_local import encode_prompt
 
     ckpt = Checkpoint.open(model_spec)
+    desc = describe(ckpt)  # probed on a model of its own: the loaded weights stay as they are
     model, tokenizer = load(str(ckpt.path))
-    try:
-        blocks = find_moe_blocks_loaded(model)
-    except (
-        StructureError
-    ) as exc:  # a block we cannot shard is the checkpoint's problem, as in load.py
-        raise ShardError(f"{ckpt.path}: {exc}") from None
+    blocks = rebind(desc.blocks, model)
     if not blocks:
         raise ShardError(f"{ckpt.path} has no MoE layers to profile")
     sinks: dict[int, list] = {}

@@ -98,9 +98,9 @@ def run_nodes(
     if nodes < 1:
         raise UserError(f"--nodes must be at least 1 (got {nodes})")
     ctx = mp.get_context("spawn")
-    from ...node.moe.load import hidden_width
+    from ...node.describe import describe
 
-    slot = _MAX_TOKENS_PER_CALL * max(hidden_width(Checkpoint.open(t.model)) for t in tasks) * 4
+    slot = _MAX_TOKENS_PER_CALL * max(describe(Checkpoint.open(t.model)).hidden for t in tasks) * 4
     spec, cleanup = _transport_spec(transport, nodes, slot, ctx, timeout_s, gpus)
     results = ctx.Queue()
     procs = []
@@ -257,7 +257,7 @@ def compare(tokens: list[int], logits: list, ref_tokens: list[int], ref_logits: 
 
 
 def simulate(req: SimRequest) -> dict:
-    from ...node.moe.load import moe_layers_of
+    from ...node.describe import describe
     from .run_local import encode_prompt
 
     ckpt = Checkpoint.open(req.model)
@@ -265,12 +265,12 @@ def simulate(req: SimRequest) -> dict:
         raise UserError(f"--nodes must be at least 1 (got {req.nodes})")
     check_runnable(ckpt.config, ckpt.path / "config.json")  # before any process starts
     placement_json = None
+    desc = describe(ckpt)
+    desc.require_moe()  # a checkpoint with no MoE layers is refused before any process starts
     if req.placement is not None:
         placement = Placement.from_json(Path(req.placement), req.nodes)
-        placement.check(moe_layers_of(ckpt))
+        placement.check(desc.moe_layers())
         placement_json = placement.to_json()
-    else:
-        moe_layers_of(ckpt)  # a checkpoint with no MoE layers is refused before any process starts
     tokenizer = _tokenizer(ckpt.path)
     ids = encode_prompt(tokenizer, req.prompt)
     eos = tuple(tokenizer.eos_token_ids)

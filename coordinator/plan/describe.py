@@ -1,11 +1,11 @@
 """Describe an mlx-lm MoE checkpoint for the performance model, from its config.json alone.
 
-The model is instantiated with mlx-lm from the config (parameters stay lazy: nothing is
-materialised, nothing is evaluated), the config's quantization is applied as mlx-lm's loader
-would, and `.nbytes` is summed per module. A routed-expert bank is a `SwitchGLU`/`SwitchMLP`
-(weights `(E, out, in)`), any other parent of `SwitchLinear`s, or a list of expert modules
-(`ffn.experts` in DBRX), found with the node's own rule (`node.moe.structure`), which also gives
-top-k and the block's dense terms. Everything else is replicated; dense terms (shared experts and
+The model's description (`node.describe`: the one the nodes load by) gives its MoE blocks, found
+with the node's own rule (`node.moe.structure`: a `SwitchGLU`/`SwitchMLP`, any other parent of
+`SwitchLinear`s, or a list of expert modules as in DBRX, with top-k and the block's dense terms),
+the weights' dtype and the quantization. A fresh model of the config (parameters stay lazy:
+nothing is materialised, nothing is evaluated) is quantized as mlx-lm's loader would, and
+`.nbytes` is summed per module. Everything else is replicated; dense terms (shared experts and
 their gates, whatever their names) are replicated but computed by one owner per layer. Per decoded token
 the embedding table is read one row, a separate head in full (a tied head reads the whole table).
 The KV cache per token comes from a lazy forward pass with the MoE blocks stubbed out, reading
@@ -23,32 +23,17 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ...node.checkpoint import Checkpoint, check_runnable, model_args, model_classes, read_config
+from ...node.checkpoint import Checkpoint, check_runnable, read_config
+from ...node.describe import ModelDescription, MoELayer, Quantization, describe
 from .perfmodel import CacheSpec, ModelSpec, PlanError
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-_ST_DTYPES = {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}
 _PROBE_TOKENS = (256, 512)  # multiples of KVCache.step, so cache buffers are exactly this long
-_LEGACY_QUANT = {
-    "mxfp4": {"group_size": 32, "bits": 4, "mode": "mxfp4"},
-    "mxfp8": {"group_size": 32, "bits": 8, "mode": "mxfp8"},
-}
 
 
 class NotMoEError(PlanError):
     """The config describes a model without routed experts."""
-
-
-@dataclass
-class _Bank:
-    path: str
-    block: str  # the MoE block holding the bank (its parent)
-    layer: int  # decoder layer index
-    num_experts: int
-    top_k: int
-    dense: tuple[str, ...]  # paths of the block's dense terms (shared experts and their gates)
 
 
 @dataclass
@@ -57,26 +42,6 @@ class _Tally:
     embedding: dict[str, int] = field(default_factory=dict)  # embedding module -> its parameters
     expert: dict[int, int] = field(default_factory=dict)  # layer -> all experts of the bank
     shared: dict[int, int] = field(default_factory=dict)  # layer -> shared experts
-
-
-def _layer_index(path: str) -> int | None:
-    for part in path.split("."):
-        if part.isdigit():
-            return int(part)
-    return None
-
-
-def _find_banks(model: nn.Module) -> list[_Bank]:
-    """The routed-expert banks, found by the same rule the node shards them by."""
-    from ...node.moe.structure import StructureError, find_moe_blocks
-
-    try:
-        blocks = find_moe_blocks(model)
-    except StructureError as exc:
-        raise PlanError(str(exc)) from None
-    return [
-        _Bank(b.bank_path, b.path, b.layer, b.num_experts, b.top_k, b.dense_paths()) for b in blocks
-    ]
 
 
 def _embeddings(model: nn.Module) -> dict[str, int]:
@@ -95,11 +60,13 @@ def _has_head(model: nn.Module, vocab: set[int]) -> bool:
     )
 
 
-def _tally(model: nn.Module, banks: list[_Bank], embeddings: dict[str, int], measure) -> _Tally:
+def _tally(
+    model: nn.Module, banks: tuple[MoELayer, ...], embeddings: dict[str, int], measure
+) -> _Tally:
     t = _Tally()
     for path, arr in tree_flatten(model.parameters()):
         value = measure(arr)
-        bank = next((b for b in banks if path.startswith(b.path + ".")), None)
+        bank = next((b for b in banks if path.startswith(b.bank_path + ".")), None)
         if bank is not None:
             t.expert[bank.layer] = t.expert.get(bank.layer, 0) + value
             continue
@@ -119,66 +86,50 @@ def _logical_elements(arr: mx.array) -> int:
     return arr.size
 
 
-def _dtype(config: dict, checkpoint: Checkpoint | None) -> mx.Dtype:
-    if checkpoint is not None:
-        sizes: dict[str, int] = {}
-        for t in checkpoint.tensors.values():
-            if t.dtype in _ST_DTYPES:
-                sizes[t.dtype] = sizes.get(t.dtype, 0) + t.nbytes
-        if sizes:
-            return _ST_DTYPES[max(sizes, key=sizes.get)]
-    name = config.get("torch_dtype") or config.get("dtype")
-    if isinstance(name, str) and name in _DTYPES:
-        return _DTYPES[name]
-    logger.info("config names no dtype and no weights are present; assuming bfloat16")
-    return mx.bfloat16
-
-
 def _quantize(
-    model: nn.Module, config: dict, banks: list[_Bank], bits: int | None, group_size: int
+    model: nn.Module,
+    quant: Quantization | None,
+    banks: tuple[MoELayer, ...],
+    bits: int | None,
+    group_size: int,
 ) -> str:
-    """Apply the config's quantization (or `bits`) lazily, as mlx-lm's loader would; returns a label."""
-    quant = config.get("quantization")
-    legacy = (config.get("quantization_config") or {}).get("quant_method")
-    if quant is not None and bits is not None:
-        raise PlanError(
-            f"the checkpoint is already quantized ({quant.get('bits')} bits); drop --bits"
-        )
+    """Apply the checkpoint's quantization (or `bits`) lazily, as mlx-lm's loader would; returns a
+    label. The configuration is read once, by node.describe.quantization, as the nodes read it."""
+    ours = quant is not None and quant.method == "mlx"
+    if ours and bits is not None:
+        raise PlanError(f"the checkpoint is already quantized ({quant.bits} bits); drop --bits")
     family = getattr(model, "quant_predicate", None)
-    if quant is not None:
-        gs = quant["group_size"]
+    if ours:
+        gs = quant.group_size
 
         def predicate(path, m):
-            if path in quant:
-                v = quant[path]
+            if path in quant.overrides:
+                v = quant.overrides[path]
                 return dict(v) if isinstance(v, dict) else bool(v)
             if not hasattr(m, "to_quantized") or m.weight.shape[-1] % gs:
                 return False
             return family(path, m) if family else True
 
         nn.quantize(
-            model,
-            group_size=gs,
-            bits=quant["bits"],
-            mode=quant.get("mode", "affine"),
-            class_predicate=predicate,
+            model, group_size=gs, bits=quant.bits, mode=quant.mode, class_predicate=predicate
         )
-        return f"{quant['bits']}-bit {quant.get('mode', 'affine')} g{gs}"
-    if legacy in _LEGACY_QUANT:
-        q = _LEGACY_QUANT[legacy]
+        return quant.label()
+    if quant is not None and quant.applied:
         # mlx-lm quantizes what the checkpoint stores quantized: the released experts only.
         nn.quantize(
             model,
+            group_size=quant.group_size,
+            bits=quant.bits,
+            mode=quant.mode,
             class_predicate=lambda p, m: (
-                any(p.startswith(b.path + ".") for b in banks) and hasattr(m, "to_quantized")
+                any(p.startswith(b.bank_path + ".") for b in banks) and hasattr(m, "to_quantized")
             ),
-            **q,
         )
-        return f"experts {legacy}"
-    if legacy:
+        return f"experts {quant.method}"
+    if quant is not None:
         logger.warning(
             "quantization_config quant_method=%r is not applied (mlx-lm dequantizes it at load)",
-            legacy,
+            quant.method,
         )
     if bits is not None:
 
@@ -192,7 +143,7 @@ def _quantize(
     return ""
 
 
-def _probe_caches(model_cls, args, banks: list[_Bank], dtype: mx.Dtype) -> tuple[CacheSpec, ...]:
+def _probe_caches(desc: ModelDescription, dtype: mx.Dtype) -> tuple[CacheSpec, ...]:
     """Cache bytes per token from a lazy forward pass (graph only: shapes, never evaluated).
 
     The MoE blocks are replaced by zeros first: some families evaluate the routing on the host
@@ -205,10 +156,10 @@ def _probe_caches(model_cls, args, banks: list[_Bank], dtype: mx.Dtype) -> tuple
 
     sizes = []
     for tokens in _PROBE_TOKENS:
-        model = model_cls(args)
+        model, _ = desc.new_model()
         model.set_dtype(dtype)
-        for b in banks:
-            install(model, b.block, Zero())
+        for b in desc.moe:
+            install(model, b.path, Zero())
         cache = make_prompt_cache(model)
         model(mx.zeros((1, tokens), dtype=mx.int32), cache=cache)
         sizes.append([(c.nbytes, getattr(c, "max_size", None)) for c in cache])
@@ -226,22 +177,13 @@ def _probe_caches(model_cls, args, banks: list[_Bank], dtype: mx.Dtype) -> tuple
 
 
 def describe_config(
-    config: dict,
-    name: str,
-    *,
-    checkpoint: Checkpoint | None = None,
-    bits: int | None = None,
-    group_size: int = 64,
-    where: str = "config.json",
+    desc: ModelDescription, name: str, *, bits: int | None = None, group_size: int = 64
 ) -> ModelSpec:
-    """A `ModelSpec` from an mlx-lm config (and, when present, the checkpoint's headers for the
-    dtype and a cross-check of the total size)."""
-    check_runnable(config, where)  # describing runs each MoE block once (node.moe.structure)
-    model_cls, _ = model_classes(config, where)
-    args = model_args(config, where)
-    dtype = _dtype(config, checkpoint)
-    model = model_cls(args)
-    banks = _find_banks(model)  # probes the blocks in float32, before the dtype is set
+    """A `ModelSpec` from a model's description (node.describe: its config and, when present, the
+    checkpoint's headers for the dtype and a cross-check of the total size)."""
+    config, where, checkpoint, dtype = desc.config, desc.where, desc.checkpoint, desc.dtype
+    model, _ = desc.new_model()  # the blocks were probed in float32 by `describe`
+    banks = desc.moe
     model.set_dtype(dtype)
     if not banks:
         raise NotMoEError(
@@ -254,7 +196,8 @@ def describe_config(
     num_experts = counts.pop()
     if len({b.layer for b in banks}) != len(banks):
         raise PlanError(
-            f"{where}: more than one expert bank in a decoder layer ({[b.path for b in banks]})"
+            f"{where}: more than one expert bank in a decoder layer "
+            f"({[b.bank_path for b in banks]})"
         )
     top_ks = {b.top_k for b in banks}
     if len(top_ks) != 1:
@@ -271,7 +214,7 @@ def describe_config(
     head = _has_head(model, set(embeddings.values()))
 
     weights = (
-        _quantize(model, config, banks, bits, group_size)
+        _quantize(model, desc.quant, banks, bits, group_size)
         or {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bf16"}[dtype]
     )
     nbytes = _tally(model, banks, embeddings, lambda a: a.nbytes)
@@ -281,13 +224,9 @@ def describe_config(
     # One row of each table per token; a tied head reads (and multiplies by) the whole table.
     emb_read = sum(b // embeddings[p] for p, b in nbytes.embedding.items()) if head else emb_bytes
     emb_flops = 0.0 if head else 2.0 * sum(elements.embedding.values())
-    layers = (
-        len(model.layers)
-        if hasattr(model, "layers")
-        else max((_layer_index(p) or 0) for p, _ in tree_flatten(model.parameters())) + 1
-    )
+    layers = desc.layers
     try:
-        caches = _probe_caches(model_cls, args, banks, dtype)
+        caches = _probe_caches(desc, dtype)
     except Exception as exc:  # noqa: BLE001 - a family the probe cannot run: plan without the KV cache
         logger.warning(
             "%s: could not size the KV cache (%s: %s); --context is not counted",
@@ -338,12 +277,19 @@ def describe_path(
         directory, cfg_file = path.parent, path
     else:
         directory, cfg_file = path, path / "config.json"
-    config = read_config(directory) if cfg_file.name == "config.json" else _read_json(cfg_file)
-    checkpoint = Checkpoint(directory) if any(directory.glob("model*.safetensors")) else None
-    name = re.sub(r"\s+", "-", directory.name or str(directory))
-    model = describe_config(
-        config, name, checkpoint=checkpoint, bits=bits, group_size=group_size, where=str(cfg_file)
+    checkpoint = (
+        Checkpoint(directory)
+        if cfg_file.name == "config.json" and any(directory.glob("model*.safetensors"))
+        else None
     )
+    if checkpoint is not None:
+        config = checkpoint.config
+    else:
+        config = read_config(directory) if cfg_file.name == "config.json" else _read_json(cfg_file)
+    check_runnable(config, cfg_file)  # describing runs each MoE block once (node.moe.structure)
+    desc = describe(checkpoint or config, cfg_file)
+    name = re.sub(r"\s+", "-", directory.name or str(directory))
+    model = describe_config(desc, name, bits=bits, group_size=group_size)
     return model, (checkpoint.total_bytes() if checkpoint else None)
 
 

@@ -42,8 +42,8 @@ import grpc
 from ...common.auth import authorized, server_credentials, ssl_server_context
 from ...node import cache as node_cache
 from ...node.cache import Catalog, source_ranges
-from ...node.moe.load import catalog_of
 from ...node.checkpoint import Checkpoint
+from ...node.describe import ModelDescription, describe
 from ...node.ship import BLOB_HEADER, DATA_ERROR
 from ...proto import CHANNEL_OPTIONS, convert
 from ...proto import ship_pb2_grpc as spb_grpc
@@ -81,7 +81,7 @@ class Shipper(spb_grpc.ShipServicer):
 
     def __init__(
         self,
-        ckpt: Checkpoint,
+        model: ModelDescription | Checkpoint,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_rate: float = 0.0,
@@ -90,7 +90,9 @@ class Shipper(spb_grpc.ShipServicer):
         data_channel: bool = True,
         digest_dir: Path | None = None,
     ):
-        self.catalog = catalog or catalog_of(ckpt)
+        desc = model if isinstance(model, ModelDescription) else None
+        ckpt = desc.checkpoint if desc else model
+        self.catalog = catalog or Catalog.of(desc or describe(ckpt))
         self.fingerprint = self.catalog.fingerprint
         self.ranges = source_ranges(ckpt, self.catalog)
         # each blob's sha256 and piece digests, kept in `digest_dir` across runs (None: this run only)

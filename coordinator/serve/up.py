@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ...node.checkpoint import Checkpoint
-from ...node.vocab import checkpoint_vocab
+from ...node.describe import ModelDescription, describe
 from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.profile import parse_profile
 from ...proto.records import LoadSpec, TlsFiles
@@ -106,11 +106,9 @@ class Progress:
         self.drawn = True
 
 
-def footprint(model_path: str) -> ModelFootprint:
+def footprint(desc: ModelDescription) -> ModelFootprint:
     """What each node must hold, from the checkpoint's headers (no weights are read)."""
-    from ...node.moe.load import expert_bytes
-
-    b = expert_bytes(Checkpoint.open(model_path))
+    b = desc.sizes()
     return ModelFootprint(
         replicated_bytes=b.replicated,
         expert_bytes=b.per_expert,
@@ -201,13 +199,17 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
     from .api import Api, ApiRunner, ServingOptions
     from .launcher import Launcher, LocalNode
 
-    model_path = str(Checkpoint.open(c.model).path)
+    ckpt = Checkpoint.open(c.model)  # a bad model is refused here, before anything starts
+    model_path = str(ckpt.path)
     secret, api_key = read_credentials(c)  # the same checks as `validate`
     if not secret:
         secret = secrets.token_urlsafe(24)  # local nodes get it from us
-    tokenizer = load_tokenizer(Path(model_path))
-    fp = footprint(model_path)
-    vocab = checkpoint_vocab(model_path)  # prompt ids at or past it are refused at the API
+    tokenizer = load_tokenizer(ckpt.path)
+    # the checkpoint's config and headers, read once: placement, shipping, the API's vocabulary
+    # and the load check all take this description
+    desc = describe(ckpt)
+    fp = footprint(desc)
+    vocab = desc.vocab  # prompt ids at or past it are refused at the API
     routing = (
         _read_profile(c.placement.profile, Path(c.source).parent) if c.placement.profile else None
     )
@@ -232,7 +234,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
     ship = None
     try:
         if c.checkpoint == "coordinator":
-            ship = await _start_ship(c, model_path, secret)
+            ship = await _start_ship(c, desc, secret)
         if c.launch == "local":
             ports = free_ports(2 * len(c.nodes))
             launcher = Launcher(
@@ -389,7 +391,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         if c.verify and len(members) > 1:
             from .verify import check_load
 
-            checks = await check_load(members, model_path, timeout_s=c.timeouts.load)
+            checks = await check_load(members, desc, timeout_s=c.timeouts.load)
             if checks:
                 worst = max(checks, key=lambda k: k.max_abs_diff / k.tolerance)
                 print(
@@ -403,7 +405,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         from aiohttp import web
 
         context = int(getattr(tokenizer, "model_max_length", 0) or 0)
-        cfg = Checkpoint.open(model_path).config
+        cfg = desc.config
         context = int(
             cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or context or 4096
         )
@@ -472,7 +474,7 @@ class _Ship:
         await asyncio.to_thread(lambda: self.server.stop(1.0).wait())
 
 
-async def _start_ship(c: ClusterConfig, model_path: str, secret: str) -> _Ship:
+async def _start_ship(c: ClusterConfig, desc: ModelDescription, secret: str) -> _Ship:
     """With `checkpoint: coordinator`: serve the nodes their shards from this machine's checkpoint."""
     from ...common.ports import check_port_free
     from ...proto.records import ShipSource
@@ -488,7 +490,7 @@ async def _start_ship(c: ClusterConfig, model_path: str, secret: str) -> _Ship:
     # break them, so they go to the log there
     report = (lambda line: logger.info("%s", line)) if sys.stderr.isatty() else None
     shipper = Shipper(
-        Checkpoint.open(model_path),
+        desc,
         chunk_bytes=c.ship.chunk,
         max_rate=c.ship.max_rate,
         report=report,
@@ -496,7 +498,7 @@ async def _start_ship(c: ClusterConfig, model_path: str, secret: str) -> _Ship:
     )
     server, port = start_server(shipper, c.ship.host, c.ship.port, secret, tls_files(c))
     print(
-        f"shipping shards of {model_path} (model {shipper.fingerprint[:16]}) on port {port}",
+        f"shipping shards of {desc.checkpoint.path} (model {shipper.fingerprint[:16]}) on port {port}",
         file=sys.stderr,
         flush=True,
     )
@@ -518,8 +520,7 @@ def _check_port_free(c: ClusterConfig) -> None:
 def main(args) -> int:
     c = load_config(args.file)
     if args.model:
-        c = replace(c, model=args.model)
-        Checkpoint.open(c.model)  # a bad --model is refused before anything starts
+        c = replace(c, model=args.model)  # run_up opens it before anything starts
     if args.api_port is not None:
         c = replace(c, api=replace(c.api, port=args.api_port))
     log_dir = (

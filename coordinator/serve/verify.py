@@ -47,12 +47,13 @@ def pick_layers(layers: Sequence[int], most: int = MAX_LAYERS) -> list[int]:
     return sorted({layers[round(i * step)] for i in range(most)})
 
 
-async def check_load(members, model_path: str, timeout_s: float = 60.0) -> list[LayerCheck]:
-    """Probe every member (in rank order) on a few MoE layers; raises LoadCheckError on a mismatch."""
-    from ...node.checkpoint import Checkpoint
+async def check_load(members, desc, timeout_s: float = 60.0) -> list[LayerCheck]:
+    """Probe every member (in rank order) on a few MoE layers of the described checkpoint
+    (node.describe.ModelDescription); raises LoadCheckError on a mismatch."""
     from ...node.moe.load import Reference
 
-    ref = Reference(Checkpoint.open(model_path))
+    ref = Reference(desc)
+    model_path = desc.checkpoint.path
     layers = pick_layers(ref.layers())
     if not layers:
         logger.warning(

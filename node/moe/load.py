@@ -3,14 +3,14 @@
 The model is built by mlx-lm (its config, `sanitize` and quantization) with every non-expert weight;
 each expert bank is replaced by an `ExpertShard` holding only this node's experts, read by byte
 range from the safetensors files, and each MoE block by a `ClusterMoE` (layer.py) that makes its
-non-routed terms count once and all-reduces its output once. What a block is made of comes from
-`structure.py`.
+non-routed terms count once and all-reduces its output once. What the model is made of (its
+blocks, found by `structure.py`, their expert tensors and the quantization) comes from the
+model's description, `node/describe.py`, read once.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -23,17 +23,15 @@ from mlx.utils import tree_flatten
 
 from ...proto.errors import UserError
 from ...proto.placement import Placement
-from ..cache import Catalog, Group, fingerprint
 from ..checkpoint import (
     Checkpoint,
     CheckpointError,
     TensorInfo,
     _physical_rows,
     check_runnable,
-    model_args,
-    model_classes,
     read_tensor,
 )
+from ..describe import PARAMS, ModelDescription, MoELayer, Quantization, describe, expert_quant
 from ..collective.base import Collective, LocalCollective
 from . import families, skip_gemv
 from . import route as decode_route
@@ -51,13 +49,9 @@ from .expert_cache import (
 )
 from .experts import ExpertShard, NodeConfig, ShardLinear, ShardState
 from .layer import ClusterMoE, InProcessCluster, install, owns_dense_terms
-from .structure import MoEBlock, StructureError, find_moe_blocks, find_moe_blocks_loaded, set_bank
+from .structure import MoEBlock, rebind, set_bank
 
 logger = logging.getLogger(__name__)
-
-# Names Hugging Face checkpoints use for the projections of one expert.
-PROJ_ALIASES = {"w1": "gate_proj", "v1": "up_proj", "w3": "up_proj", "w2": "down_proj"}
-PARAMS = ("weight", "scales", "biases", "bias")
 
 
 class ShardError(CheckpointError):
@@ -122,61 +116,6 @@ def activation_dtype(block: nn.Module, bank_attr: str) -> mx.Dtype:
     return mx.float32
 
 
-def _blocks(model: nn.Module, ckpt: Checkpoint, loaded: bool = False) -> list[MoEBlock]:
-    """The model's MoE blocks; `loaded`: its checkpoint's weights are in it already (kept)."""
-    try:
-        return find_moe_blocks_loaded(model) if loaded else find_moe_blocks(model)
-    except StructureError as exc:
-        raise ShardError(
-            f"{ckpt.path} (model_type {ckpt.config.get('model_type')!r}): {exc}"
-        ) from None
-
-
-def moe_layers_of(ckpt: Checkpoint) -> dict[int, int]:
-    """{decoder layer: number of routed experts} of a checkpoint, without loading weights."""
-    model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
-    model = model_cls(model_args(ckpt.config, ckpt.path / "config.json"))
-    blocks = _blocks(model, ckpt)
-    if not blocks:
-        raise ShardError(
-            f"{ckpt.path} has no MoE layers (model_type {ckpt.config.get('model_type')!r}); "
-            "there are no experts to spread"
-        )
-    return {b.layer: b.num_experts for b in blocks}
-
-
-@dataclass(frozen=True)
-class ExpertBytes:
-    """What a checkpoint's headers say a node will hold: the bytes it reads."""
-
-    replicated: int  # everything but the routed experts (shared experts included)
-    per_expert: dict[int, int]  # MoE layer -> bytes of one routed expert
-    num_experts: dict[int, int]  # MoE layer -> routed experts
-    top_k: dict[int, int] = field(default_factory=dict)  # MoE layer -> experts each token selects
-
-
-def expert_bytes(ckpt: Checkpoint, blocks: Sequence[MoEBlock] | None = None) -> ExpertBytes:
-    """Routed-expert and replicated bytes from the safetensors headers, with the blocks found by
-    the node's own rule (no weights are read); `blocks`: already found (a load has them)."""
-    if blocks is None:
-        model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
-        blocks = _blocks(model_cls(model_args(ckpt.config, ckpt.path / "config.json")), ckpt)
-    if not blocks:
-        raise ShardError(
-            f"{ckpt.path} has no MoE layers (model_type {ckpt.config.get('model_type')!r}); "
-            "there are no experts to spread"
-        )
-    per_layer = {b.layer: 0 for b in blocks}
-    for key, b in _expert_keys(ckpt, blocks).items():
-        per_layer[b.layer] += ckpt.tensors[key].nbytes
-    return ExpertBytes(
-        replicated=ckpt.total_bytes() - sum(per_layer.values()),
-        per_expert={b.layer: per_layer[b.layer] // b.num_experts for b in blocks},
-        num_experts={b.layer: b.num_experts for b in blocks},
-        top_k={b.layer: b.top_k for b in blocks},
-    )
-
-
 class _Selection(nn.Module):
     """Stands in for a bank to learn which experts a block selects: records them, answers zeros."""
 
@@ -198,11 +137,11 @@ class Reference:
     and quantization, and only the experts the input selects, by byte range.
     """
 
-    def __init__(self, ckpt: Checkpoint):
-        self.ckpt = ckpt
-        model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
-        self.model = model_cls(model_args(ckpt.config, ckpt.path / "config.json"))
-        self.blocks = {b.layer: b for b in _blocks(self.model, ckpt)}
+    def __init__(self, desc: ModelDescription):
+        self.desc = desc
+        self.ckpt = desc.checkpoint
+        self.model, blocks = desc.new_model()
+        self.blocks = {b.layer: b for b in blocks}
 
     def layers(self) -> list[int]:
         """MoE layers a probe can run (a block called with its routing from outside cannot)."""
@@ -218,10 +157,9 @@ class Reference:
 
     def outputs(self, layers: Sequence[int], x: np.ndarray) -> dict[int, np.ndarray]:
         """{layer: stock block output} for x (tokens, hidden) float32, as float32."""
-        ckpt, config = self.ckpt, self.ckpt.config
-        blocks = list(self.blocks.values())
-        expert_keys = _expert_keys(ckpt, blocks)
-        bank_prefixes = tuple(b.bank_path + "." for b in blocks)
+        ckpt, desc = self.ckpt, self.desc
+        expert_keys = desc.expert_keys()
+        bank_prefixes = tuple(b.bank_path + "." for b in self.blocks.values())
         wanted = tuple(self.blocks[l].path + "." for l in layers)
         weights = {}
         for key, info in ckpt.tensors.items():
@@ -235,7 +173,7 @@ class Reference:
             )  # lazy, never evaluated
         if hasattr(self.model, "sanitize"):
             weights = self.model.sanitize(weights)
-        _quantize_replicated(self.model, config, weights, bank_prefixes)
+        _quantize_replicated(self.model, desc.quant, weights, bank_prefixes)
         self.model.load_weights(
             [
                 (k, v)
@@ -257,145 +195,41 @@ class Reference:
                     e: (0,) if e in selection.selected else (1,) for e in range(b.num_experts)
                 }
                 shard = _make_shard(
-                    ckpt, b, sorted(selection.selected), holders, ShardState(0, 2, "none")
+                    desc, b, sorted(selection.selected), holders, ShardState(0, 2, "none")
                 )
                 set_bank(b.block, b.bank_attr, shard)
                 out[layer] = np.array(b.forward(b.block, xa)[0].astype(mx.float32))
         return out
 
 
-def hidden_width(ckpt: Checkpoint) -> int:
-    """Width of the model's hidden states (what each all-reduce carries per token), read from its
-    token embedding: configs name it differently, or nest it under `text_config`."""
-    model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
-    model = model_cls(model_args(ckpt.config, ckpt.path / "config.json"))
-    widths = [m.weight.shape[1] for _, m in model.named_modules() if isinstance(m, nn.Embedding)]
-    if not widths:
-        raise ShardError(
-            f"{ckpt.path}: the model has no token embedding to read its hidden width from"
-        )
-    return max(widths)
-
-
 # ---------------------------------------------------------------------------------------------
 # Expert tensors in the checkpoint
 
 
-def _expert_keys(ckpt: Checkpoint, blocks: Sequence[MoEBlock]) -> dict[str, MoEBlock]:
-    """Checkpoint keys that hold routed-expert weights, mapped to their block."""
-    out = {}
-    for b in blocks:
-        prefixes = (b.bank_path + ".", b.path + ".experts.")
-        for key in ckpt.tensors:
-            if key.startswith(prefixes):
-                out[key] = b
-    return out
-
-
-def catalog_of(ckpt: Checkpoint) -> Catalog:
-    """The catalog of a checkpoint, from its headers and the node's own MoE rule (no weights read)."""
-    layers = {}
-    grouped: set[str] = set()
-    for layer, (n, groups) in expert_groups(ckpt).items():
-        layers[layer] = (n, tuple(groups))
-        for g in groups:
-            grouped.update({g.key} if g.stacked else {g.key.format(e=e) for e in range(n)})
-    replicated = tuple(
-        (k, t.dtype, t.shape) for k, t in sorted(ckpt.tensors.items()) if k not in grouped
-    )
-    return Catalog(fingerprint(ckpt), (ckpt.path / "config.json").read_text(), replicated, layers)
-
-
-def expert_groups(ckpt: Checkpoint) -> dict[int, tuple[int, list]]:
-    """{MoE layer: (experts, [cache.Group])}: each routed-expert tensor of the checkpoint, stacked
-    (`per` leading rows per expert) or one per expert — what a node's cache stores per expert."""
-    model_cls, _ = model_classes(ckpt.config, ckpt.path / "config.json")
-    blocks = _blocks(model_cls(model_args(ckpt.config, ckpt.path / "config.json")), ckpt)
-    if not blocks:
-        raise ShardError(
-            f"{ckpt.path} has no MoE layers (model_type {ckpt.config.get('model_type')!r}); "
-            "there are no experts to spread"
-        )
-    out: dict[int, tuple[int, list]] = {b.layer: (b.num_experts, []) for b in blocks}
-    seen: set[str] = set()
-    for key, b in sorted(_expert_keys(ckpt, blocks).items()):
-        info, n = ckpt.tensors[key], b.num_experts
-        head = (
-            key[len(b.path) + len(".experts.") :].split(".", 1)
-            if key.startswith(b.path + ".experts.")
-            else [""]
-        )
-        if head[0].isdigit() and len(head) == 2:  # one tensor per expert
-            template = f"{b.path}.experts.{{e}}.{head[1]}"
-            if template in seen:
-                continue
-            seen.add(template)
-            missing = [e for e in range(n) if f"{b.path}.experts.{e}.{head[1]}" not in ckpt.tensors]
-            if missing:
-                raise ShardError(f"layer {b.layer}: no tensor {template} for experts {missing[:5]}")
-            out[b.layer][1].append(Group(template, info.dtype, info.shape, stacked=False))
-        elif info.shape and info.shape[0] % n == 0:
-            out[b.layer][1].append(
-                Group(key, info.dtype, info.shape, stacked=True, per=info.shape[0] // n)
-            )
-        else:
-            raise ShardError(
-                f"{key}: leading dimension {info.shape[:1]} is not a multiple of the {n} experts; "
-                "it cannot be split per expert"
-            )
-    return out
-
-
-def _local_expert_bytes(
-    ckpt: Checkpoint, blocks: Sequence[MoEBlock], placement: Placement, rank: int
-) -> int:
-    """Bytes this rank reads for its experts (from the headers: stacked rows or per-expert tensors)."""
-    total = 0
-    for b in blocks:
-        local = placement.layers[b.layer][rank]
-        for key, info in ckpt.tensors.items():
-            if key.startswith(b.bank_path + ".") or key.startswith(b.path + ".experts."):
-                rest = (
-                    key[len(b.path) + len(".experts.") :]
-                    if key.startswith(b.path + ".experts.")
-                    else ""
-                )
-                head = rest.split(".", 1)[0]
-                if head.isdigit():  # one tensor per expert
-                    total += info.nbytes if int(head) in local else 0
-                elif info.shape:  # stacked or fused: rows of the local experts
-                    total += info.nbytes * len(local) // b.num_experts
-    return total
-
-
 def _expert_tensors(
-    ckpt: Checkpoint, b: MoEBlock
+    ckpt: Checkpoint, b: MoEBlock, m: MoELayer
 ) -> dict[str, dict[str, TensorInfo | dict[int, TensorInfo]]]:
     """{projection: {param: the stacked (E, ...) tensor, or {expert: its own tensor}}} of block `b`
-    (the generic layouts; a family that stores its experts otherwise reads them itself)."""
+    (the generic layouts, as the description names them; a family that stores its experts
+    otherwise reads them itself)."""
     t = ckpt.tensors
-    per_expert = re.compile(
-        re.escape(b.path) + r"\.experts\.(\d+)\.(\w+)\.(weight|scales|biases|bias)$"
-    )
-    by_expert: dict[tuple[str, str], dict[int, TensorInfo]] = {}
-    for key, info in t.items():
-        m = per_expert.match(key)
-        if m:
-            proj = PROJ_ALIASES.get(m[2], m[2])
-            by_expert.setdefault((proj, m[3]), {})[int(m[1])] = info
     out: dict[str, dict] = {}
     for proj in b.projections:
         for param in PARAMS:
-            stacked = t.get(f"{b.bank_path}.{proj}.{param}")
-            if stacked is not None:
+            name = m.tensors.get((proj, param))
+            if name is None:
+                continue
+            if "{e}" not in name:
+                stacked = t[name]
                 if stacked.shape[0] != b.num_experts:
                     raise ShardError(
                         f"{stacked.key}: leading dimension {stacked.shape[0]} is not the expert "
                         f"count {b.num_experts}"
                     )
                 out.setdefault(proj, {})[param] = stacked
-            elif (proj, param) in by_expert:
-                out.setdefault(proj, {})[param] = by_expert[(proj, param)]
+                continue
+            found = {e: t[name.format(e=e)] for e in range(b.num_experts) if name.format(e=e) in t}
+            out.setdefault(proj, {})[param] = found
         if "weight" not in out.get(proj, {}):
             raise ShardError(
                 f"layer {b.layer}: cannot find the expert weights of {proj} in {ckpt.path} "
@@ -405,14 +239,14 @@ def _expert_tensors(
 
 
 def _read_local(
-    ckpt: Checkpoint, b: MoEBlock, local: Sequence[int]
+    ckpt: Checkpoint, b: MoEBlock, m: MoELayer, local: Sequence[int]
 ) -> dict[str, dict[str, mx.array]]:
     """{projection: {param: (E_local, ...)}} for the local experts of block `b`, by byte range."""
     special = families.read_experts(ckpt, b, local)
     if special is not None:
         return special
     out: dict[str, dict[str, mx.array]] = {}
-    for proj, params in _expert_tensors(ckpt, b).items():
+    for proj, params in _expert_tensors(ckpt, b, m).items():
         for param, src in params.items():
             if isinstance(src, TensorInfo):
                 out.setdefault(proj, {})[param] = read_tensor(src, local) if local else None
@@ -430,7 +264,9 @@ def _read_local(
     return out
 
 
-def _expert_parts(ckpt: Checkpoint, b: MoEBlock, shard: ExpertShard) -> Callable[[int], list[Part]]:
+def _expert_parts(
+    ckpt: Checkpoint, b: MoEBlock, m: MoELayer, shard: ExpertShard
+) -> Callable[[int], list[Part]]:
     """local index -> the byte ranges of that expert, one per tensor of the shard's slots (in
     `_slot_tensors` order): what an expert cache reads on a miss."""
     if families.read_experts(ckpt, b, []) is not None:
@@ -438,7 +274,7 @@ def _expert_parts(ckpt: Checkpoint, b: MoEBlock, shard: ExpertShard) -> Callable
             f"layer {b.layer}: the expert cache reads experts by byte range, and this checkpoint "
             f"stores them fused ({ckpt.path}); convert it with mlx_lm.convert or set expert_cache: off"
         )
-    tensors = _expert_tensors(ckpt, b)
+    tensors = _expert_tensors(ckpt, b, m)
     order = [tensors[proj][param] for proj, param in _slot_keys(shard)]
     ids = shard.global_ids
 
@@ -470,6 +306,7 @@ def _slot_keys(shard: ExpertShard) -> list[tuple[str, str]]:
 def _attach_cache(
     ckpt: Checkpoint,
     b: MoEBlock,
+    m: MoELayer,
     shard: ExpertShard,
     resident: Sequence[int],
     pinned: Sequence[int],
@@ -477,7 +314,7 @@ def _attach_cache(
 ) -> LayerCache:
     """Give `shard` (whose projections hold the experts `resident`, by local index) its cache; take
     every local expert's checksum on the way (each is read once, then dropped)."""
-    parts_of = _expert_parts(ckpt, b, shard)
+    parts_of = _expert_parts(ckpt, b, m, shard)
     views = []
     for proj, param in _slot_keys(shard):
         arr = shard[proj][param]
@@ -509,72 +346,34 @@ def _attach_cache(
 # Quantization, as mlx-lm's load_model does it
 
 
-def _quant_config(config: dict) -> dict | None:
-    q = config.get("quantization")
-    if q is not None:
-        return q
-    qc = config.get("quantization_config")
-    if isinstance(qc, dict):
-        method = qc.get("quant_method")
-        if method == "mxfp4":
-            return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
-        if method is not None:
-            raise ShardError(
-                f"quantization method {method!r} is not supported for sharded loading "
-                "(convert the checkpoint with mlx_lm.convert first)"
-            )
-    return None
-
-
 def _quantize_replicated(
-    model: nn.Module, config: dict, weights: dict, shard_prefixes: tuple[str, ...]
+    model: nn.Module, quant: Quantization | None, weights: dict, shard_prefixes: tuple[str, ...]
 ) -> None:
-    q = _quant_config(config)
-    if q is None:
+    if quant is None:
         return
+    quant.require_applied()
     from mlx_lm.utils import infer_quant_config
 
     def predicate(path, m):
         if path.startswith(shard_prefixes) or not hasattr(m, "to_quantized"):
             return False  # a bank, or a dense term another node runs (a Zero)
-        if path in q:
-            return q[path]
+        if path in quant.overrides:
+            return quant.overrides[path]
         if f"{path}.scales" not in weights:
             return False
         return infer_quant_config(path, m, weights)
 
     nn.quantize(
         model,
-        group_size=q["group_size"],
-        bits=q["bits"],
-        mode=q.get("mode", "affine"),
+        group_size=quant.group_size,
+        bits=quant.bits,
+        mode=quant.mode,
         class_predicate=predicate,
     )
 
 
-def _shard_quant(config: dict, b: MoEBlock, proj: str, params: dict) -> dict | None:
-    """Quantization parameters of one bank projection: per-layer override, else inferred."""
-    if "scales" not in params:
-        return None
-    q = _quant_config(config) or {}
-    for path in (f"{b.bank_path}.{proj}", f"{b.path}.experts.{proj}"):
-        if isinstance(q.get(path), dict):
-            return {"mode": "affine", **q[path]}
-    w, s = params["weight"], params["scales"]
-    mode = q.get("mode", "affine")
-    group = q.get("group_size", 64)
-    in_dims = s.shape[-1] * group
-    bits = w.shape[-1] * 32 // in_dims
-    if bits not in (2, 3, 4, 5, 6, 8):
-        raise ShardError(
-            f"layer {b.layer} {proj}: cannot infer quantization bits from shapes "
-            f"weight {w.shape}, scales {s.shape}"
-        )
-    return {"group_size": group, "bits": bits, "mode": mode}
-
-
 def _make_shard(
-    ckpt: Checkpoint,
+    desc: ModelDescription,
     b: MoEBlock,
     local: Sequence[int],
     holders,
@@ -585,13 +384,14 @@ def _make_shard(
     """The ExpertShard of block `b` holding experts `local`, read by byte range and evaluated; with
     `capacity` below len(local), only that many resident (the hottest by `heat`, the profile's
     (selections per expert, tokens)), the rest read on a miss."""
+    ckpt, m = desc.checkpoint, desc.layer(b.layer)
     cached = capacity is not None and capacity < len(local)
     if cached:
         local_heat = np.array([heat[0][e] for e in local], dtype=np.float64) if heat else None
         resident, pinned = choose_resident(capacity, local_heat, heat[1] if heat else 0)
-        params = _read_local(ckpt, b, [local[i] for i in resident])
+        params = _read_local(ckpt, b, m, [local[i] for i in resident])
     else:
-        params = _read_local(ckpt, b, local)
+        params = _read_local(ckpt, b, m, local)
     projections = {}
     for proj in b.projections:
         p = {k: v for k, v in params[proj].items() if v is not None}
@@ -603,12 +403,12 @@ def _make_shard(
             scales=p.get("scales"),
             biases=p.get("biases"),
             bias=p.get("bias"),
-            quant=_shard_quant(ckpt.config, b, proj, p),
+            quant=expert_quant(desc.quant, m, proj, p),
         )
     shard = ExpertShard(b.layer, local, holders, projections, b.kind, b.activation, state)
     mx.eval(shard.parameters())
     if cached:
-        _attach_cache(ckpt, b, shard, resident, pinned, state.staging)
+        _attach_cache(ckpt, b, m, shard, resident, pinned, state.staging)
     return shard
 
 
@@ -617,7 +417,7 @@ def _make_shard(
 
 
 def load_shard(
-    model_spec: str | Checkpoint,
+    model_spec: str | Checkpoint | ModelDescription,
     placement: Placement | None,
     rank: int,
     *,
@@ -633,7 +433,8 @@ def load_shard(
     route: str | None = None,
 ) -> ShardedModel:
     """Load this rank's shard. `placement=None` means an even split over `collective.world_size`.
-    `model_spec` is a checkpoint folder, or an open Checkpoint (a node's cached shard, node/cache.py).
+    `model_spec` is a checkpoint folder, an open Checkpoint (a node's cached shard, node/cache.py)
+    or its description (node/describe.py).
 
     Args:
         progress: called as progress(bytes_loaded, bytes_total, phase) while reading.
@@ -655,18 +456,18 @@ def load_shard(
     collective = collective or LocalCollective()
     t_start = time.perf_counter()
     mx.reset_peak_memory()
-    ckpt = model_spec if isinstance(model_spec, Checkpoint) else Checkpoint.open(model_spec)
-    config = ckpt.config
-    where = ckpt.path / "config.json"
-    check_runnable(config, where)
-    model_cls, _ = model_classes(config, where)
-    model = model_cls(model_args(config, where))  # parameters are lazy: nothing is allocated yet
-    blocks = _blocks(model, ckpt)
-    if not blocks:
-        raise ShardError(
-            f"{ckpt.path} has no MoE layers (model_type {config.get('model_type')!r}); "
-            "there are no experts to spread"
-        )
+    if isinstance(model_spec, ModelDescription):
+        desc = model_spec
+        check_runnable(desc.config, desc.where)
+    else:
+        ckpt = model_spec if isinstance(model_spec, Checkpoint) else Checkpoint.open(model_spec)
+        check_runnable(ckpt.config, ckpt.path / "config.json")  # before a block is probed
+        desc = describe(ckpt)
+    ckpt, config = desc.checkpoint, desc.config
+    desc.require_moe()
+    if desc.quant is not None:
+        desc.quant.require_applied()
+    model, blocks = desc.new_model()  # parameters are lazy: nothing is allocated yet
     moe_layers = {b.layer: b.num_experts for b in blocks}
     world = collective.world_size
     placement = placement or Placement.even(moe_layers, world)
@@ -686,7 +487,7 @@ def load_shard(
     state = ShardState(rank, world, keepalive, str(spec) if spec.active else "off")
     capacity: dict[int, int] = {}
     if spec.active:
-        sizes = expert_bytes(ckpt, blocks)
+        sizes = desc.sizes()
         budget = cache_budget_bytes
         if spec.mode == "auto":
             budget = auto_budget(
@@ -709,10 +510,10 @@ def load_shard(
     skipped = bank_prefixes + tuple(
         p + "." for b in blocks if not owner[b.layer] for p in b.dense_paths()
     )
-    expert_keys = _expert_keys(ckpt, blocks)
+    expert_keys = desc.expert_keys()
     to_read = {k for k in ckpt.tensors if k not in expert_keys and not k.startswith(skipped)}
-    total = sum(ckpt.tensors[k].nbytes for k in to_read) + _local_expert_bytes(
-        ckpt, blocks, placement, rank
+    total = sum(ckpt.tensors[k].nbytes for k in to_read) + sum(
+        m.local_bytes(placement.layers[m.layer][rank], ckpt.tensors) for m in desc.moe
     )
     report = progress or (lambda done, total, phase: None)
     done = 0
@@ -735,7 +536,7 @@ def load_shard(
     layers: list[ClusterMoE] = []
     for b in blocks:
         shard = _make_shard(
-            ckpt,
+            desc,
             b,
             placement.layers[b.layer][rank],
             placement.holders(b.layer, b.num_experts),
@@ -749,7 +550,7 @@ def load_shard(
     _wire_prefetch(blocks, [layer.shard for layer in layers], profile, prefetch)
 
     # 3. Quantize and load the replicated part, then check that nothing is missing or left over.
-    _quantize_replicated(model, config, weights, bank_prefixes)
+    _quantize_replicated(model, desc.quant, weights, bank_prefixes)
     model.eval()
     params = dict(tree_flatten(model.parameters()))
     shard_params = {k: v for k, v in params.items() if k.startswith(bank_prefixes)}
@@ -904,10 +705,10 @@ def load_unsharded(model_spec: str) -> ShardedModel:
     t0 = time.perf_counter()
     mx.reset_peak_memory()
     ckpt = Checkpoint.open(model_spec)
-    model_args(ckpt.config, ckpt.path / "config.json")
     check_runnable(ckpt.config, ckpt.path / "config.json")
+    desc = describe(ckpt)
     model, config = load_model(ckpt.path)
-    blocks = _blocks(model, ckpt, loaded=True)
+    blocks = rebind(desc.blocks, model)  # described on a model of its own: these weights stay
     moe_layers = {b.layer: b.num_experts for b in blocks}
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     _wire(resident)

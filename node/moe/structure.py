@@ -27,6 +27,7 @@ What the rule cannot place is an error naming the module path.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -162,17 +163,6 @@ def _arity(module: nn.Module) -> int:
     )
 
 
-def find_moe_blocks_loaded(model: nn.Module) -> list[MoEBlock]:
-    """`find_moe_blocks` on a model whose checkpoint is loaded (the single-node fallback, `profile`):
-    the probe draws the blocks' own weights afresh, so they are put back afterwards. Without this,
-    layer 0's router kept the probe's random weights and a lone node answered wrong tokens."""
-    saved = tree_flatten(model.parameters())
-    try:
-        return find_moe_blocks(model)
-    finally:
-        model.update(tree_unflatten(saved))
-
-
 def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
     """Every MoE block of `model`, in layer order, each described from its structure.
 
@@ -231,6 +221,22 @@ def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
             )
         )
     return blocks
+
+
+def rebind(blocks: Sequence[MoEBlock], model: nn.Module) -> list[MoEBlock]:
+    """`blocks`, found on another instance of `model`'s class and config, moved onto `model`: the
+    same description (top-k, routers, dense terms, forward), its own modules, no probe run."""
+    modules = dict(model.named_modules())
+    out = []
+    for b in blocks:
+        block = modules[b.path]
+        owner = f"{b.path}.{b.bank.attr}".rpartition(".")[0]
+        bank = find_bank(model, owner, modules[owner])
+        if bank is None:
+            raise StructureError(f"{type(model).__name__} has no expert bank under {owner}")
+        bank.attr = b.bank.attr
+        out.append(dataclasses.replace(b, block=block, bank=bank))
+    return out
 
 
 def _sibling_top_k(modules: dict, path: str, bank: Bank) -> int:

@@ -35,7 +35,10 @@ async def _check(shards):
         )
         for r, sm in enumerate(shards)
     ]
-    return await verify.check_load(members, str(MODEL_DIR))
+    from moe_cluster.node.checkpoint import Checkpoint
+    from moe_cluster.node.describe import describe
+
+    return await verify.check_load(members, describe(Checkpoint.open(MODEL_DIR)))
 
 
 def main() -> int:

@@ -163,6 +163,6 @@ def _serve_stock_tokens(path, agents, tmp_path):
 
 def _blocks(path):
     from moe_cluster.node.checkpoint import Checkpoint
-    from moe_cluster.node.moe.load import Reference
+    from moe_cluster.node.describe import describe
 
-    return Reference(Checkpoint.open(path)).blocks.values()
+    return describe(Checkpoint.open(path)).blocks

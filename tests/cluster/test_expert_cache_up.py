@@ -40,10 +40,10 @@ def _settled(url: str) -> dict:
 
 def test_a_node_short_of_memory_is_served_with_stock_tokens(tmp_path):
     from moe_cluster.node.checkpoint import Checkpoint
-    from moe_cluster.node.moe.load import expert_bytes
+    from moe_cluster.node.describe import describe
 
     path = tiny.make_checkpoint("qwen3_moe", tmp_path / "model", tokenizer=True)
-    fp = expert_bytes(Checkpoint.open(path))
+    fp = describe(Checkpoint.open(path)).sizes()
     share = sum(
         n // 2 * fp.per_expert[l] for l, n in fp.num_experts.items()
     )  # an even split's half

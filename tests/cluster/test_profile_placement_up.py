@@ -15,7 +15,7 @@ TOKENS = 12
 
 def test_profile_placement_copies_hot_experts_to_every_node(tmp_path):
     from moe_cluster.node.checkpoint import Checkpoint
-    from moe_cluster.node.moe.load import expert_bytes
+    from moe_cluster.node.describe import describe
 
     path = Checkpoint.open("demo").path
     (tmp_path / "prompts.txt").write_text(PROMPT + "\nShall I compare thee to a summer's day?\n")
@@ -31,7 +31,7 @@ def test_profile_placement_copies_hot_experts_to_every_node(tmp_path):
         "16",
     )
     assert r.returncode == 0, r.stderr
-    fp = expert_bytes(Checkpoint.open(path))
+    fp = describe(Checkpoint.open(path)).sizes()
     per_set = sum(fp.per_expert.values())  # one expert of every MoE layer
     memory = (
         fp.replicated + 8 * per_set

@@ -117,13 +117,14 @@ def wait_port(ns: str, ip: str, port: int, timeout: float = 60) -> None:
 
 
 def test_only_the_coordinator_has_the_checkpoint(tmp_path):
-    from moe_cluster.node.moe.load import catalog_of
+    from moe_cluster.node.cache import Catalog
+    from moe_cluster.node.describe import describe
     from moe_cluster.node.checkpoint import Checkpoint
     from moe_cluster.node.demo import MODEL_DIR
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(MODEL_DIR, ckpt)
-    sizes = catalog_of(Checkpoint(ckpt)).blob_nbytes()
+    sizes = Catalog.of(describe(Checkpoint(ckpt))).blob_nbytes()
     expert_blobs = {b: n for b, n in sizes.items() if "switch_mlp" in b}
     per_expert = sum(
         n for b, n in expert_blobs.items() if b.startswith("model.layers.0.") and b.endswith("[0]")

@@ -90,10 +90,10 @@ def _scenario(scenario: str, spec, rank: int, model: str) -> dict:
 def _replicas_on_both(model: str):
     """Two nodes, half of every layer's experts held by both: the replica rule decides per call."""
     from moe_cluster.node.checkpoint import Checkpoint
-    from moe_cluster.node.moe.load import moe_layers_of
+    from moe_cluster.node.describe import describe
     from moe_cluster.proto.placement import Placement
 
-    layers = moe_layers_of(Checkpoint.open(model))
+    layers = describe(Checkpoint.open(model)).moe_layers()
     return Placement(
         2, {l: {0: tuple(range(3 * n // 4)), 1: tuple(range(n // 4, n))} for l, n in layers.items()}
     )

@@ -94,3 +94,24 @@ def test_a_wrong_rule_is_caught(tmp_path, monkeypatch):
     path = sweep.checkpoint("hunyuan", tmp_path)
     got = sweep.check(path, 2)
     assert got["max_abs_logit_diff"] > sweep.TOLERANCE
+
+
+def test_a_legacy_mxfp8_config_loads_as_stock_does(tmp_path):
+    """A config that names only `quantization_config: {quant_method: mxfp8}` (a Hugging Face
+    release): stock mlx-lm quantizes it as mxfp8 in groups of 32, and so do the loader and the
+    planner, which read it with one function (node.describe.quantization). The loader used to
+    refuse it while the planner described it."""
+    import json
+
+    from moe_cluster.coordinator.plan.describe import describe_path
+
+    path = sweep.checkpoint("qwen3_moe", tmp_path, "mxfp8")
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg.pop("quantization")["mode"] == "mxfp8"
+    cfg["quantization_config"] = {"quant_method": "mxfp8"}
+    (path / "config.json").write_text(json.dumps(cfg))
+    got = sweep.check(path, 2, _quantized_reference(path))
+    assert got["tokens_match"], got
+    assert got["max_abs_logit_diff"] <= sweep.QUANT_TOLERANCE, got["max_abs_logit_diff"]
+    model, _ = describe_path(str(path))
+    assert model.weights == "experts mxfp8"

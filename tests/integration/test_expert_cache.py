@@ -13,7 +13,8 @@ from moe_cluster.node.checkpoint import Checkpoint
 from moe_cluster.node.engine import generate_tokens
 from moe_cluster.node.moe import expert_cache
 from moe_cluster.node.moe.expert_cache import ExpertReadError
-from moe_cluster.node.moe.load import expert_bytes, load_in_process
+from moe_cluster.node.describe import describe
+from moe_cluster.node.moe.load import load_in_process
 from moe_cluster.proto.records import Sampling
 
 from conftest import cli
@@ -50,7 +51,7 @@ def test_cache_sizes_give_stock_tokens(make_ckpt, reference, layout, quantize):
 
 def test_resident_experts_stay_within_a_byte_budget(make_ckpt, reference):
     path = make_ckpt("qwen3_moe", experts=16)
-    per = expert_bytes(Checkpoint.open(path)).per_expert
+    per = describe(Checkpoint.open(path)).sizes().per_expert
     budget = 5 * sum(per.values())  # 5 of the 16 experts per layer
     sm = load_in_process(str(path), 1, expert_cache=str(budget))
     shards = [moe.ranks[0].shard for moe in _moes(sm.model)]
@@ -162,7 +163,7 @@ def _decode_counted(sm, steps=STEPS):
 def _heat(path, order, selections=None):
     """A routing profile over 100 tokens whose selections rank every layer's experts in `order`,
     hottest first: `selections(rank)` each (default: 16 for the first, down to 1)."""
-    layers = expert_bytes(Checkpoint.open(path)).num_experts
+    layers = describe(Checkpoint.open(path)).moe_layers()
     count = selections or (lambda rank: len(order) - rank)
     return {l: ([float(count(order.index(e))) for e in range(n)], 100) for l, n in layers.items()}
 
@@ -254,7 +255,7 @@ def test_auto_sizes_the_cache_from_the_metal_working_set(make_ckpt, reference, m
     from moe_cluster.proto.records import DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE
 
     path = make_ckpt("qwen3_moe", experts=16)
-    fp = expert_bytes(Checkpoint.open(path))
+    fp = describe(Checkpoint.open(path)).sizes()
     assert load.metal_info() == {}  # feature-detected: nothing Metal-only runs here
     sm = load_in_process(str(path), 1, expert_cache="auto")
     assert sm.state.cache == {}  # no Metal and no budget given: every expert resident

@@ -1,14 +1,17 @@
-"""Describing the MoE blocks of a model whose checkpoint is loaded leaves its weights as they were
-(the probe draws a block's own weights afresh): the single-node fallback and `profile` run such a
-model, and a router left with the probe's weights routes wrongly."""
+"""A model whose checkpoint is loaded gets its MoE blocks from the description, rebound, and keeps
+its weights (the probe draws a block's own weights afresh, so it runs on the description's own
+model): the single-node fallback and `profile` run such a model, and a router left with the
+probe's weights routes wrongly."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from moe_cluster.node.checkpoint import Checkpoint
 from moe_cluster.node.demo import MODEL_DIR
-from moe_cluster.node.moe.structure import find_moe_blocks, find_moe_blocks_loaded
+from moe_cluster.node.describe import describe
+from moe_cluster.node.moe.structure import find_moe_blocks, rebind
 
 
 def _weights(model) -> dict:
@@ -20,17 +23,17 @@ def test_a_loaded_models_weights_survive_its_description():
 
     model, _ = load_model(MODEL_DIR)
     before = _weights(model)
-    blocks = find_moe_blocks_loaded(model)
+    blocks = rebind(describe(Checkpoint.open(MODEL_DIR)).blocks, model)
     assert [b.layer for b in blocks] == [0, 1, 2, 3]
+    modules = dict(model.named_modules())
+    assert all(b.block is modules[b.path] for b in blocks)  # this model's modules, not another's
     after = _weights(model)
     assert after.keys() == before.keys()
     assert all(mx.array_equal(before[k], after[k]).item() for k in before)
-    # the plain description (for a model built empty, whose weights the load replaces) draws over them
+    # the probe itself (on a model built empty, whose weights a load replaces) draws over them
     find_moe_blocks(model)
     changed = [k for k, v in _weights(model).items() if not mx.array_equal(before[k], v).item()]
-    assert changed, (
-        "the probe no longer draws a block's weights: find_moe_blocks_loaded may be unneeded"
-    )
+    assert changed, "the probe no longer draws a block's weights: rebinding may be unneeded"
 
 
 def test_a_node_loaded_near_mlxs_memory_limit_is_told(monkeypatch, caplog):
