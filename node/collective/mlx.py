@@ -139,6 +139,7 @@ class MlxCollective:
         self._tmp = None
         self._watchdog = None
         self._rider = Rider(rank, spec.world_size)
+        self._last: mx.array | None = None  # the latest all-gather: the next one goes after it
         if (
             spec.world_size == 1
         ):  # a ring of one cannot form (it dials itself); the sum is the partial
@@ -174,14 +175,21 @@ class MlxCollective:
         if self.group is None:
             return partial
         flat = partial.reshape(1, -1)
+        if self._last is not None:
+            # the ranks' collectives pair up in the order each rank runs them: where a graph holds
+            # independent ones (two micro-batches, node/overlap.py), MLX may run them in either
+            # order, so each waits for the one this rank asked for before it
+            flat = mx.depends(flat, self._last)
         ride = self._rider.take(layer)
         if ride is None:
             parts = mx.distributed.all_gather(flat, group=self.group)  # (N, numel)
+            self._last = parts
         else:
             nbytes = partial.nbytes
             extras = ride.reshape(-1).astype(mx.int32)
             payload = mx.concatenate([flat.reshape(-1).view(mx.uint8), extras.view(mx.uint8)])[None]
             gathered = mx.distributed.all_gather(payload, group=self.group)  # (N, nbytes + 8) uint8
+            self._last = gathered
             parts = gathered[:, :nbytes].view(partial.dtype)
             self._rider.carried(lambda: _agreement(gathered, nbytes))
         return rank_order_sum([parts[r] for r in range(self.world_size)]).reshape(partial.shape)
