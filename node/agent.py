@@ -387,9 +387,9 @@ class NodeAgent(npb_grpc.NodeServicer):
                             generation_s=s.generation_seconds,
                             collective_s=result.figures.collective_s,
                         ),
-                        # folded by the batch on its thread when it went idle; a snapshot while others run
+                        # the request's own figures: the node's running means (experts selected and
+                        # computed per layer) are the node's, in its status, not this request's
                         counters={
-                            **self.sharded.state.means(fold=False),
                             "peak_memory_bytes": float(_peak_memory()),
                             **_figures(result.figures, len(self.sharded.moe_layers())),
                         },

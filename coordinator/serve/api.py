@@ -265,9 +265,6 @@ def parse_sampling(body: dict, default_max_tokens: int) -> tuple[Sampling, list[
     return sampling, stops, stream
 
 
-_OWN_FIGURES = ("peak_memory_bytes", "decode_steps", "drafted", "accepted", "moe_layers")
-
-
 def speculation_figures(counters: dict, generated: int) -> dict:
     """A request's speculation as the client sees it: drafts verified and accepted, and the
     all-reduces its decoding paid per generated token (one per MoE layer per step)."""
@@ -1059,7 +1056,6 @@ class Api:
             else 0.0,
             "time_to_first_token_s": gen.ttft,
             "stalls_s": [round(s, 3) for s in outcome.stalls],  # one per resume after a lost node
-            "counters": {k: v for k, v in d.counters.items() if k not in _OWN_FIGURES} if d else {},
             "speculative": speculation_figures(d.counters if d else {}, len(outcome.tokens)),
             # rank 0's MLX peak since it started (the nodes of one cluster hold about the same)
             "peak_memory_bytes": int(d.counters.get("peak_memory_bytes", 0)) if d else 0,
