@@ -60,6 +60,15 @@ def add_arguments(p) -> None:
         help="our serving.overlap, a comma list of off and on: each a cluster of its own, "
         "measured in this run (on: two micro-batches per decode step)",
     )
+    p.add_argument(
+        "--speculative",
+        choices=("off", "prompt-lookup"),
+        default="off",
+        help="our serving.speculative (docs/speculative.md)",
+    )
+    p.add_argument(
+        "--draft-tokens", type=int, default=4, help="our serving.draft_tokens, with --speculative"
+    )
     p.add_argument("--no-mlx-lm", action="store_true", help="measure only our cluster")
     p.add_argument(
         "--gpus",
@@ -128,6 +137,40 @@ def _pct(xs: list[float], q: float) -> float:
         return 0.0
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+_COUNTED = (
+    "moe_cluster_generated_tokens_total",
+    "moe_cluster_speculative_drafted_total",
+    "moe_cluster_speculative_accepted_total",
+    "moe_cluster_decode_allreduces_total",
+)
+
+
+def _counted(url: str) -> dict[str, float]:
+    """Our cluster's /metrics counters of decoding (tokens, drafts, all-reduces)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _COUNTED:
+            out[name] = float(value)
+    return out
+
+
+def _decoding(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What our cluster's decoding did between two /metrics reads: drafts verified and accepted,
+    and all-reduces per generated token (per MoE layer per decode step)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _COUNTED}
+    tokens = d["moe_cluster_generated_tokens_total"]
+    return {
+        "drafted": int(d["moe_cluster_speculative_drafted_total"]),
+        "accepted": int(d["moe_cluster_speculative_accepted_total"]),
+        "allreduces_per_token": d["moe_cluster_decode_allreduces_total"] / tokens
+        if tokens
+        else None,
+    }
 
 
 def measure(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
@@ -239,6 +282,8 @@ def run(
     max_batch: int | None = None,
     gpus: bool = False,
     overlap: tuple[bool, ...] = (False,),
+    speculative: str = "off",
+    draft_tokens: int = 4,
 ) -> dict:
     from ...node.checkpoint import Checkpoint
 
@@ -249,6 +294,7 @@ def run(
         "max_tokens": max_tokens,
         "requests_per_client": requests,
         "max_batch": max_batch,
+        "speculative": speculative,
         "rows": [],
         "mlx_lm_server": [],
     }
@@ -258,14 +304,17 @@ def run(
                 "max_batch": max_batch,
                 "queue": max(16, max(concurrency)),
                 "overlap": str(ov).lower(),
+                "speculative": speculative,
+                "draft_tokens": draft_tokens,
             }
             with local_cluster(
                 n, path, "0", serving=serving, gpus=gpus
             ) as url:  # no prompt cache: every request computes its prompt
                 for c in concurrency:
-                    out["rows"].append(
-                        {"nodes": n, "overlap": ov, **measure(url, c, requests, max_tokens)}
-                    )
+                    before = _counted(url)
+                    row = measure(url, c, requests, max_tokens)
+                    row.update(_decoding(before, _counted(url)))
+                    out["rows"].append({"nodes": n, "overlap": ov, **row})
     if with_mlx_lm:
         with mlx_lm_server(path) as url:
             for c in concurrency:
@@ -326,6 +375,10 @@ def main(args) -> int:
         raise UserError("--requests and --max-tokens must be at least 1")
     if args.max_batch is not None and args.max_batch < 1:
         raise UserError(f"--max-batch must be at least 1 (got {args.max_batch})")
+    from ...proto.records import DRAFT_LIMIT
+
+    if not 1 <= args.draft_tokens <= DRAFT_LIMIT:
+        raise UserError(f"--draft-tokens must be 1 to {DRAFT_LIMIT} (got {args.draft_tokens})")
     out = run(
         args.model,
         _ints(args.nodes, "--nodes"),
@@ -336,6 +389,8 @@ def main(args) -> int:
         args.max_batch,
         args.gpus,
         _overlap(args.overlap),
+        args.speculative,
+        args.draft_tokens,
     )
     if args.plot:
         plot(out, args.plot)

@@ -39,6 +39,8 @@ def test_bench_serve_measures_our_cluster_and_mlx_lm_server_alike():
         "1",
         "--max-tokens",
         "8",
+        "--speculative",
+        "prompt-lookup",
         "--json",
     )
     assert r.returncode == 0, r.stderr[-2000:]
@@ -51,6 +53,11 @@ def test_bench_serve_measures_our_cluster_and_mlx_lm_server_alike():
         assert row["aggregate_tps"] > 0 and 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
         assert row["requests"] == row["concurrency"]
     assert all(row["vs_mlx_lm_server"] > 0 for row in out["rows"])
+    # our cluster speculated (prompt lookup): its /metrics counted the drafts of these requests
+    assert out["speculative"] == "prompt-lookup"
+    for row in out["rows"]:
+        assert row["drafted"] > 0 and 0 <= row["accepted"] <= row["drafted"], row
+        assert 0 < row["allreduces_per_token"] < 8, row
 
 
 def test_bad_counts_are_one_line():
@@ -58,6 +65,7 @@ def test_bad_counts_are_one_line():
         (("--concurrency", "0"), "--concurrency"),
         (("--nodes", "two"), "--nodes"),
         (("--overlap", "sometimes"), "--overlap"),
+        (("--speculative", "prompt-lookup", "--draft-tokens", "40"), "--draft-tokens"),
         (("--model", "/nonexistent/model"), "nonexistent"),
     ):
         r = bench(*args, timeout=60)
