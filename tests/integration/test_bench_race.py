@@ -10,7 +10,8 @@ import json
 import pytest
 from conftest import assert_one_line_error, cli
 
-ROWS = ("ours_mlx", "ours_envoy", "mlx_lm_pipeline", "mlx_lm_tensor")
+# with ours over the envoy in two micro-batches per step beside it (node/overlap.py)
+ROWS = ("ours_mlx", "ours_envoy", "ours_envoy_overlap", "mlx_lm_pipeline", "mlx_lm_tensor")
 
 
 @pytest.mark.slow  # ~2 minutes on 2 shared cores: 4 rows of 2 processes, stock, 2 bare collectives
@@ -28,6 +29,8 @@ def test_bench_race_runs_every_row_and_the_rows_agree(make_ckpt, tmp_path):
         "1,3",
         "--max-tokens",
         "6",
+        "--rows",
+        ",".join(ROWS),
         "--bandwidth",
         "20",
         "--plot",
@@ -72,6 +75,13 @@ def test_bench_race_runs_every_row_and_the_rows_agree(make_ckpt, tmp_path):
                 "collective_bare",
                 "waiting",
             }
+    # the overlap row: two lanes at 3 streams, its wait on the collective beside the unsplit row's
+    split = got[("ours_envoy_overlap", 3)]
+    assert (
+        split["micro_batches"] == "2 per step" and got[("ours_envoy", 3)]["micro_batches"] == "off"
+    )
+    ov = split["overlap"]
+    assert ov["without_s"] > 0 and ov["hidden"] < 1 and ov["speedup"] > 0, ov
     assert plot.stat().st_size > 0
 
 
