@@ -192,6 +192,13 @@ def add_arguments(p) -> None:
         help="compare the race model with `bench race --json` rows: fitted on the ours_mlx rows, the "
         "other rows held out; prints each relative miss",
     )
+    p.add_argument(
+        "--fit",
+        choices=("ours_mlx", "each"),
+        default="ours_mlx",
+        help="with --check-against: fit bandwidth and a cost per layer on the ours_mlx rows "
+        "(default), or a cost per layer for each row kind on its own smallest row",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 

@@ -330,3 +330,48 @@ def check(
         "rows": out,
         "max_abs_held_out_miss": max(held) if held else None,
     }
+
+
+def check_each(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    network: NetworkSpec,
+    rows: list[MeasuredRow],
+) -> dict:
+    """Fit each row kind (ours over a transport, the pipeline, tensor parallelism) on its own
+    smallest row (fewest nodes, then smallest batch): at the hardware's bandwidth, the fixed cost
+    per layer that makes that row's step what was measured (none where the row is faster than its
+    bytes and collectives). Then predict every row of the kind: the others are held out, and their
+    misses say whether a kind's cost per layer carries over to other batches and node counts."""
+    costs: dict[str, float] = {}
+    fitted: list[MeasuredRow] = []
+    for name in dict.fromkeys(r.name for r in rows):
+        first = min((r for r in rows if r.name == name), key=lambda r: (r.nodes, r.batch))
+        bare = predict_row(model, hardware, network, first, hardware.bandwidth_Bps)
+        costs[name] = max(first.step_s - bare.time_s, 0.0) / model.layers
+        fitted.append(first)
+    out = []
+    for r in rows:
+        p = predict_row(model, hardware, network, r, hardware.bandwidth_Bps, costs[r.name])
+        measured = r.batch / r.step_s
+        out.append(
+            {
+                "row": r.name,
+                "strategy": p.strategy,
+                "nodes": r.nodes,
+                "batch": r.batch,
+                "measured_tps": measured,
+                "predicted_tps": p.tokens_per_s,
+                "miss": p.tokens_per_s / measured - 1.0,
+                "held_out": r not in fitted,
+            }
+        )
+    held = [abs(x["miss"]) for x in out if x["held_out"]]
+    return {
+        "bandwidth_Bps": hardware.bandwidth_Bps,
+        "layer_overhead_s": costs,
+        "bandwidth_source": f"{hardware.name}'s bandwidth; a fixed cost per layer fitted per row kind "
+        "on its smallest row",
+        "rows": out,
+        "max_abs_held_out_miss": max(held) if held else None,
+    }

@@ -146,7 +146,10 @@ def _check(args, model, hardware: HardwareSpec) -> int:
         # the bench's own host: its bandwidth, and no FLOP figure (the fit absorbs compute)
         hardware = HardwareSpec("bench host", 1 << 60, float(raw["bandwidth_Bps"]), 1e30, 0.0)
     net = _network((args.link or "loopback").split(",")[0])
-    out = race_model.check(model, hardware, net, rows)
+    if getattr(args, "fit", "ours_mlx") == "each":
+        out = race_model.check_each(model, hardware, net, rows)
+    else:
+        out = race_model.check(model, hardware, net, rows)
     out["model"] = model.name
     out["race"] = str(Path(args.check_against))
     if args.json:
@@ -161,6 +164,11 @@ def _check(args, model, hardware: HardwareSpec) -> int:
         print(
             f"{r['row']:>16} {r['nodes']:>5} {r['batch']:>7} {r['measured_tps']:>9.1f} {r['predicted_tps']:>9.1f} "
             f"{100 * r['miss']:>+6.1f}%" + ("" if r["held_out"] else "  (fitted)")
+        )
+    if isinstance(out["layer_overhead_s"], dict):
+        print(
+            "fixed cost per layer fitted: "
+            + ", ".join(f"{k} {1e6 * v:.0f} us" for k, v in out["layer_overhead_s"].items())
         )
     worst = out["max_abs_held_out_miss"]
     print("largest held-out miss: " + ("-" if worst is None else f"{100 * worst:.1f}%"))

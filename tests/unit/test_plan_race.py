@@ -157,3 +157,28 @@ def test_check_with_two_batches_fits_bandwidth_and_a_cost_per_layer():
     ] == pytest.approx(1e-3)
     assert [r["held_out"] for r in out["rows"]] == [False, False, True, True]
     assert out["max_abs_held_out_miss"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_check_each_fits_a_cost_per_layer_per_row_kind_on_its_smallest_row():
+    """Each kind's cost per layer is found from its smallest row; a kind whose cost carries over to
+    other batches predicts them exactly, one whose cost does not shows the miss."""
+    m = _model()
+
+    def row(name, nodes, batch, per_layer, slower=1.0):
+        probe = race.MeasuredRow(name, nodes, batch, 1.0, 200e-6)
+        p = race.predict_row(m, HW, NET, probe, HW.bandwidth_Bps, layer_overhead_s=per_layer)
+        return race.MeasuredRow(name, nodes, batch, p.time_s * slower, 200e-6)
+
+    rows = [
+        row("ours_envoy", 2, 1, 2e-3),
+        row("ours_envoy", 2, 8, 2e-3),
+        row("ours_envoy", 4, 1, 2e-3),
+        row("mlx_lm_pipeline", 2, 1, 0.5e-3),
+        row("mlx_lm_pipeline", 2, 8, 0.5e-3, slower=2.0),  # its batch costs more than bytes say
+    ]
+    out = race.check_each(m, HW, NET, rows)
+    assert out["layer_overhead_s"] == pytest.approx({"ours_envoy": 2e-3, "mlx_lm_pipeline": 0.5e-3})
+    assert [r["held_out"] for r in out["rows"]] == [False, True, True, False, True]
+    misses = [r["miss"] for r in out["rows"]]
+    assert misses[:4] == pytest.approx([0.0] * 4, abs=1e-9)
+    assert misses[4] == pytest.approx(1.0) and out["max_abs_held_out_miss"] == pytest.approx(1.0)
