@@ -306,9 +306,17 @@ def check(
             f"{fit_on}'s collectives alone exceed its measured step: {hardware.name}'s bandwidth kept",
             [],
         )
+    return _misses(model, hardware, network, rows, fitted, bandwidth, lambda r: per_layer) | {
+        "layer_overhead_s": per_layer,
+        "bandwidth_source": note,
+    }
+
+
+def _misses(model, hardware, network, rows, fitted, bandwidth, per_layer) -> dict:
+    """Each row predicted (`per_layer(row)`: its fixed cost per layer) against what it measured."""
     out = []
     for r in rows:
-        p = predict_row(model, hardware, network, r, bandwidth, per_layer)
+        p = predict_row(model, hardware, network, r, bandwidth, per_layer(r))
         measured = r.batch / r.step_s
         out.append(
             {
@@ -325,8 +333,6 @@ def check(
     held = [abs(x["miss"]) for x in out if x["held_out"]]
     return {
         "bandwidth_Bps": bandwidth,
-        "layer_overhead_s": per_layer,
-        "bandwidth_source": note,
         "rows": out,
         "max_abs_held_out_miss": max(held) if held else None,
     }
@@ -350,28 +356,10 @@ def check_each(
         bare = predict_row(model, hardware, network, first, hardware.bandwidth_Bps)
         costs[name] = max(first.step_s - bare.time_s, 0.0) / model.layers
         fitted.append(first)
-    out = []
-    for r in rows:
-        p = predict_row(model, hardware, network, r, hardware.bandwidth_Bps, costs[r.name])
-        measured = r.batch / r.step_s
-        out.append(
-            {
-                "row": r.name,
-                "strategy": p.strategy,
-                "nodes": r.nodes,
-                "batch": r.batch,
-                "measured_tps": measured,
-                "predicted_tps": p.tokens_per_s,
-                "miss": p.tokens_per_s / measured - 1.0,
-                "held_out": r not in fitted,
-            }
-        )
-    held = [abs(x["miss"]) for x in out if x["held_out"]]
-    return {
-        "bandwidth_Bps": hardware.bandwidth_Bps,
+    return _misses(
+        model, hardware, network, rows, fitted, hardware.bandwidth_Bps, lambda r: costs[r.name]
+    ) | {
         "layer_overhead_s": costs,
-        "bandwidth_source": f"{hardware.name}'s bandwidth; a fixed cost per layer fitted per row kind "
-        "on its smallest row",
-        "rows": out,
-        "max_abs_held_out_miss": max(held) if held else None,
+        "bandwidth_source": f"{hardware.name}'s bandwidth; a fixed cost per layer fitted per row "
+        "kind on its smallest row",
     }
