@@ -12,7 +12,7 @@ from typing import Mapping
 
 from .errors import UserError
 
-_UNITS = {
+SIZE_UNITS = {  # also cluster.yaml's sizes (coordinator/serve/config.py)
     "": 1,
     "b": 1,
     "kb": 10**3,
@@ -53,11 +53,11 @@ class ExpertCacheSpec:
                 raise UserError(f"expert_cache percent must be in (0, 100] (got {text!r})")
             return cls("fraction", pct / 100)
         m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", s)
-        if not m or m[2] not in _UNITS or float(m[1]) <= 0:
+        if not m or m[2] not in SIZE_UNITS or float(m[1]) <= 0:
             raise UserError(
                 f"expert_cache must be off, auto, a size (8GB) or a percent (50%) (got {text!r})"
             )
-        return cls("bytes", float(m[1]) * _UNITS[m[2]])
+        return cls("bytes", float(m[1]) * SIZE_UNITS[m[2]])
 
     @property
     def active(self) -> bool:

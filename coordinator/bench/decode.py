@@ -383,13 +383,12 @@ def run(spec: DecodeBench) -> dict:
         # compared with each other instead of with stock
         single = _stock_failed(spec, exc)
     alone = None
-    if single["stock_error"]:
-        pass
-    elif 1 in spec.nodes and _fits_twice(model):
+    stock_ran = not single["stock_error"]  # the cluster path at N = 1 is compared with stock
+    if stock_ran and 1 in spec.nodes and _fits_twice(model):
         alone = _cluster_path_alone(spec, ids, tokenizer, model, single["mlx_lm_tps"])
     del model
     held = release_memory()  # the node processes need the memory (on a GPU: the same device)
-    if 1 in spec.nodes and alone is None and not single["stock_error"]:
+    if stock_ran and 1 in spec.nodes and alone is None:
         alone = _cluster_path_alone(spec, ids, None, None, single["mlx_lm_tps"])
         held = release_memory()
     clusters = []

@@ -18,7 +18,7 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from ...proto.errors import UserError
-from ...proto.expert_cache import ExpertCacheSpec
+from ...proto.expert_cache import SIZE_UNITS, ExpertCacheSpec
 from ...proto.records import (
     COLLECTIVE_TIMEOUT_S,
     DECODE_ROUTES,
@@ -44,18 +44,6 @@ class Duration(float):
     """Seconds, written with an optional unit."""
 
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 _TIME_UNITS = {"": 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 
 
@@ -241,7 +229,7 @@ class _Reader:
                 n = (
                     value
                     if isinstance(value, int) and not isinstance(value, bool)
-                    else _parse_units(str(value), _SIZE_UNITS, "size")
+                    else _parse_units(str(value), SIZE_UNITS, "size")
                 )
                 if n < 0:
                     raise ValueError("must not be negative")
