@@ -82,9 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _size(text: str) -> int:
-    from ..serve.config import _SIZE_UNITS, _parse_units
+    from ...proto.expert_cache import SIZE_UNITS
+    from ..serve.config import _parse_units
 
-    return int(_parse_units(text, _SIZE_UNITS, "size"))
+    return int(_parse_units(text, SIZE_UNITS, "size"))
 
 
 def _write_source(root: Path, size: int, blob: int) -> tuple[Path, object]:
