@@ -187,6 +187,9 @@ class NodeAgent(npb_grpc.NodeServicer):
             else {},
             speculative=self.runtime.batch.speculation() if self.runtime else "",
             micro_batches=self.runtime.batch.micro_batches() if self.runtime else "",
+            route_host_from=(self.sharded.state.route.host_from or 0)
+            if self.sharded and self.sharded.state.route
+            else 0,
             uptime_s=time.monotonic() - self.started,
             pid=os.getpid(),
             queue_depth=sum(self.runtime.batch.running()) if self.runtime else 0,

@@ -584,6 +584,7 @@ def status_to_proto(s: NodeStatus) -> npb.NodeStatus:
         route_us=dict(s.route_us),
         speculative=s.speculative,
         micro_batches=s.micro_batches,
+        route_host_from=s.route_host_from,
     )
 
 
@@ -627,6 +628,7 @@ def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
         route_us=dict(sorted(msg.route_us.items())),
         speculative=msg.speculative,
         micro_batches=msg.micro_batches,
+        route_host_from=msg.route_host_from,
     )
 
 

@@ -332,6 +332,8 @@ class NodeStatus:
     )  # µs per MoE layer call, per route timed
     speculative: str = ""  # "prompt-lookup, 4 drafts", "off", or "off: <why the model cannot>"
     micro_batches: str = ""  # "2 per step", "off", or "off: <why the node cannot>"
+    # positions from which a device route's call takes the host read (node/moe/route.py); 0: never
+    route_host_from: int = 0
 
     def __post_init__(self) -> None:
         _check(self.state, NODE_STATES, "state")

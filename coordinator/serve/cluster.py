@@ -76,6 +76,7 @@ class Member:
     route_us: dict = field(default_factory=dict)
     speculative: str = ""  # what the node's batch does of serving.speculative (Status)
     micro_batches: str = ""  # what the node's batch does of serving.overlap (Status)
+    route_host_from: int = 0  # positions from which its calls take the host read; 0: never
 
     @property
     def address(self) -> str:
@@ -258,6 +259,7 @@ class Cluster:
         m.routing, m.expert_cache = s.routing, s.expert_cache
         m.route, m.route_us = s.route, dict(s.route_us)
         m.speculative, m.micro_batches = s.speculative, s.micro_batches
+        m.route_host_from = s.route_host_from
         from .metrics import allreduce_histogram
 
         hist = allreduce_histogram(s.allreduce)
@@ -663,6 +665,8 @@ class Cluster:
                     "expert_cache": [vars(c) for c in m.expert_cache],
                     "route": m.route,
                     "route_us": dict(m.route_us),
+                    # a device route hands calls of this many positions on to the host read
+                    "route_host_from": m.route_host_from or None,
                     "speculative": m.speculative,
                     "micro_batches": m.micro_batches,
                 }

@@ -381,6 +381,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
                 if m.route_us
                 else ""
             )
+            + (f", the host read from {m.route_host_from} positions" if m.route_host_from else "")
             for m in members
             if m.route
         ]

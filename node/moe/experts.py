@@ -55,14 +55,16 @@ ROUTES = ("skip", "device", "host")
 
 class _Step:
     """A route's call, composed when the route is set: `kernel(x, plan(inds))`. A device route
-    at N > 1 hands calls of many positions (a prompt) to the host read, as a lone node does not."""
+    at N > 1 hands calls of `host_from` positions or more (a prompt, a wide batch) to the host
+    read, as a lone node does not; None: never."""
 
-    def __init__(self, plan, kernel, host: tuple | None = None):
+    def __init__(self, plan, kernel, host: tuple | None = None, host_from: int | None = None):
         self.plan, self.kernel = plan, kernel
         self._host_plan, self._host_kernel = host or (None, None)
+        self.host_from = host_from if self._host_plan is not None else None
 
     def __call__(self, x: mx.array, inds: mx.array) -> mx.array:
-        if self._host_plan is not None and inds.size >= SORTED_FROM:
+        if self.host_from is not None and inds.size >= self.host_from:
             return self._host_kernel(x, self._host_plan(inds))
         return self.kernel(x, self.plan(inds))
 
@@ -118,8 +120,9 @@ class ExpertShard(nn.Module):
         skip = self.skip is not None and device
         return (("skip",) if skip else ()) + (("device",) if device else ()) + ("host",)
 
-    def set_route(self, route: str) -> None:
-        """Compute decode steps by `route` from now on (one of routes())."""
+    def set_route(self, route: str, host_from: int | None = SORTED_FROM) -> None:
+        """Compute decode steps by `route` from now on (one of routes()); a device route hands
+        calls of `host_from` positions or more to the host read (None: none)."""
         if route not in self.routes():
             raise UserError(
                 f"MoE layer {self.layer} cannot take the {route!r} route here "
@@ -132,11 +135,17 @@ class ExpertShard(nn.Module):
         else:
             kernel = self.skip if route == "skip" else self.gather
             alone = self.config.world_size == 1
-            self._step = _Step(self.device_plan, kernel, None if alone else host)
+            self._step = _Step(self.device_plan, kernel, None if alone else host, host_from)
 
     @property
     def route(self) -> str:
         return self._route
+
+    @property
+    def host_from(self) -> int | None:
+        """Positions from which a call takes the host read instead (None: never; the host route
+        takes every call)."""
+        return self._step.host_from
 
     @property
     def plan(self):
@@ -194,13 +203,13 @@ class ExpertShard(nn.Module):
     def trying(self, route: str):
         """Calls on `route` that leave the layer as it was: its route, keepalive's recency, and no
         prefetch of the next layer's cache (the node's counters are the caller's to reset)."""
-        saved = self._route, self.recency.saved(), self._next
-        self.set_route(route)
+        saved = self._route, self.recency.saved(), self._next, self.host_from
+        self.set_route(route, None)  # the route's own kernel at every size
         self._next = None
         try:
             yield self
         finally:
-            self.set_route(saved[0])
+            self.set_route(saved[0], saved[3])
             self.recency.restore(saved[1])
             self._next = saved[2]
 
@@ -240,17 +249,22 @@ class ExpertShard(nn.Module):
         return self._step(x, inds)
 
     def decode_sample(
-        self, top_k: int, count: int, seed: int = 0
+        self, top_k: int, count: int, seed: int = 0, tokens: int = 1
     ) -> tuple[mx.array, list[mx.array]]:
-        """A decode call's input for timing: one token (1, 1, hidden) in the experts' dtype, and
-        `count` routings of it, each `top_k` distinct experts drawn from the router's count."""
+        """A decode call's input for timing: `tokens` rows of a batch (tokens, 1, hidden) in the
+        experts' dtype, and `count` routings of it, each row `top_k` distinct experts drawn from the
+        router's count."""
         last = self.mlp.last
         n = self.config.num_experts
         rng = np.random.default_rng(seed)
-        x = mx.random.normal((1, 1, out_dim(last)), key=mx.random.key(seed)) * 0.1
+        x = mx.random.normal((tokens, 1, out_dim(last)), key=mx.random.key(seed)) * 0.1
         x = x.astype(act_dtype(last))
-        draws = [rng.choice(n, size=min(top_k, n), replace=False) for _ in range(count)]
-        inds = [mx.array(d[None, None].astype(np.int32)) for d in draws]
+        k = min(top_k, n)
+        draws = [
+            np.stack([rng.choice(n, size=k, replace=False) for _ in range(tokens)])
+            for _ in range(count)
+        ]
+        inds = [mx.array(d[:, None].astype(np.int32)) for d in draws]
         mx.eval(x, *inds)
         return x, inds
 

@@ -6,7 +6,11 @@ per layer, what one device reads alone), or a host read of the routing (only the
 for one host sync per layer). Which is fastest depends on the chip, the expert size, the weight
 format and the sync's cost, none of which can be known ahead: so at load the node times one MoE
 layer of its own shard on each route it has (a one-token decode input, k experts drawn from the
-router's count, a few repetitions) and keeps the fastest for every layer.
+router's count, a few repetitions) and keeps the fastest for every layer. Wide calls (a prompt, a
+batch of many streams) may go another way: where the fastest is a device route, the node times it
+against the host read on batches of HANDOFF_TOKENS rows and hands calls from the first size where
+the host read wins to it (`host_from` positions; never where it does not win). A GPU pays a host
+sync per layer dearly and a CPU the rows another node computes, so the crossover is measured too.
 cluster.yaml's `route: skip|device|host` forces one (benchmarks), and where it says `measure` (the
 default) `MOE_CLUSTER_ROUTE=skip|device|host` in a node's environment does.
 """
@@ -24,6 +28,7 @@ import numpy as np
 
 from ...proto.errors import UserError
 from .experts import ROUTES, ExpertShard
+from .kernels import SORTED_FROM
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +39,8 @@ CHOICES = ROUTES + ("measure", "preferred")
 REPEATS = (
     7  # timed calls per route, after one untimed (compilation, first touch); the median counts
 )
+HANDOFF_TOKENS = (8, 32, 128, 512)  # batch rows at which a device route is timed against the host
+HANDOFF_REPEATS = 3
 
 
 @dataclass(frozen=True)
@@ -45,11 +52,28 @@ class RouteChoice:
     how: str  # measured | forced | preferred | only (one route to take)
     times_us: dict[str, float] = field(default_factory=dict)
     layer: int | None = None  # the MoE layer timed
+    # positions from which a device route's call takes the host read (None: never, or no host
+    # read to hand to), and the times that set it: {batch rows: {route: µs}}
+    host_from: int | None = None
+    handoff_us: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def describe(self) -> str:
         times = ", ".join(f"{r} {t:.1f} µs" for r, t in self.times_us.items())
         where = f" (one MoE layer {self.layer}: {times})" if self.times_us else ""
-        return f"{self.route}, {self.how}{where}"
+        return f"{self.route}, {self.how}{where}{self.handoff()}"
+
+    def handoff(self) -> str:
+        """Where wide calls go, as a clause of describe() ("" on the host route)."""
+        if self.route == "host":
+            return ""
+        at = ", ".join(
+            f"{t} rows: " + " / ".join(f"{r} {us:.0f}" for r, us in by.items())
+            for t, by in self.handoff_us.items()
+        )
+        timed = f" (µs at {at})" if at else ""
+        if self.host_from is None:
+            return f"; wide calls stay on {self.route}{timed}" if timed else ""
+        return f"; the host read from {self.host_from} positions{timed}"
 
 
 def requested(route: str | None) -> str:
@@ -62,14 +86,16 @@ def requested(route: str | None) -> str:
     return route
 
 
-TimeRoute = Callable[[ExpertShard, str, int], float]
+TimeRoute = Callable[[ExpertShard, str, int, int], float]
 
 
-def time_route(shard: ExpertShard, route: str, top_k: int) -> float:
-    """Seconds one decode call (one token, `top_k` experts drawn at random from the router's count)
-    of `shard` takes on `route`: the median of REPEATS calls after an untimed one, the same draws
-    for every route. The shard is as it was afterwards (ExpertShard.trying)."""
-    x, draws = shard.decode_sample(top_k, REPEATS + 1)
+def time_route(shard: ExpertShard, route: str, top_k: int, tokens: int = 1) -> float:
+    """Seconds one decode call (`tokens` rows, each `top_k` experts drawn at random from the
+    router's count) of `shard` takes on `route`: the median of the timed calls (REPEATS for one
+    row, HANDOFF_REPEATS for a batch) after an untimed one, the same draws for every route. The
+    shard is as it was afterwards (ExpertShard.trying)."""
+    repeats = REPEATS if tokens == 1 else HANDOFF_REPEATS
+    x, draws = shard.decode_sample(top_k, repeats + 1, tokens=tokens)
     times = []
     with shard.trying(route):
         for inds in draws:
@@ -107,17 +133,36 @@ def choose(
     )  # the first with the most routes
     timed = shards[i]
     routes = timed.routes()
-    times = {}
+    times, handoff, host_from = {}, {}, SORTED_FROM
     if how == "measure" and len(routes) > 1:
-        times = {r: timer(timed, r, top_k[i]) for r in routes}
+        times = {r: timer(timed, r, top_k[i], 1) for r in routes}
+        first = min(times, key=times.get)
+        if first != "host" and "host" in routes:
+            host_from, handoff = _crossover(timed, first, top_k[i], timer)
         timed.telemetry.reset_counters()
     order = sorted(times, key=times.get) or list(routes)
     for s in shards:
-        s.set_route(next((r for r in order if r in s.routes()), s.routes()[0]))
+        s.set_route(next((r for r in order if r in s.routes()), s.routes()[0]), host_from)
     kind = "measured" if times else ("only" if len(routes) == 1 else "preferred")
     return RouteChoice(
         order[0],
         kind,
         {r: round(t * 1e6, 1) for r, t in times.items()},
         timed.layer if times else None,
+        timed.host_from,
+        handoff,
     )
+
+
+def _crossover(
+    shard: ExpertShard, route: str, top_k: int, timer: TimeRoute
+) -> tuple[int | None, dict[int, dict[str, float]]]:
+    """(positions from which the host read beats `route`, or None; the times, µs by batch rows):
+    the first of HANDOFF_TOKENS where it does, the sizes above it not timed."""
+    times: dict[int, dict[str, float]] = {}
+    for tokens in HANDOFF_TOKENS:
+        t = {r: timer(shard, r, top_k, tokens) for r in (route, "host")}
+        times[tokens] = {r: round(s * 1e6, 1) for r, s in t.items()}
+        if t["host"] < t[route]:
+            return tokens * top_k, times
+    return None, times

@@ -45,6 +45,12 @@ def test_up_prints_each_nodes_measured_route_and_honours_a_forced_one(tmp_path):
         times = {"device": float(m.group(2)), "host": float(m.group(3))}
         assert m.group(1) == min(times, key=times.get)  # the fastest it measured
         assert nodes[name]["route"] == m.group(1) and nodes[name]["route_us"] == times
+        # a device route was timed on batches against the host read too: where the host read won,
+        # wide calls go to it, and `up` and status say from how many positions
+        host_from = nodes[name]["route_host_from"]
+        said = re.search(rf"{name} [^;]*the host read from (\d+) positions", line)
+        assert (host_from, said and int(said.group(1))) in ((None, None), (host_from, host_from))
+        assert host_from is None or m.group(1) != "host"
         assert f'moe_cluster_node_route{{node="{name}",route="{m.group(1)}"}} 1' in metrics
         assert f'moe_cluster_node_route_seconds{{node="{name}",route="host"}}' in metrics
 

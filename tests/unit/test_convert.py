@@ -199,7 +199,9 @@ def test_status_health_cancel_shutdown():
     assert convert.status_from_proto(wire(convert.status_to_proto(status))) == status
     cached = NodeStatus("ready", expert_cache=(ExpertCacheLayer(1, 4, 8, 30, 6, 6 << 20, 0.012),))
     assert convert.status_from_proto(wire(convert.status_to_proto(cached))) == cached
-    routed = NodeStatus("ready", route="host", route_us={"device": 250.0, "host": 120.5})
+    routed = NodeStatus(
+        "ready", route="device", route_us={"device": 120.5, "host": 250.0}, route_host_from=96
+    )
     assert convert.status_from_proto(wire(convert.status_to_proto(routed))) == routed
     idle = NodeStatus("idle")
     assert (

@@ -18,11 +18,16 @@ def _two(keepalive="none", layers=1):
     return [_shards(_bank(), Placement.even({0: E}, 2), keepalive)[0] for _ in range(layers)]
 
 
-def _timer(times, calls=None):
-    def timer(shard, r, top_k):
+def _timer(times, calls=None, wide=None):
+    """Seconds by route for one row; `wide`: {rows: {route: seconds}} for batches (else the
+    host read loses at every size)."""
+
+    def timer(shard, r, top_k, tokens):
         if calls is not None:
-            calls.append((r, top_k))
-        return times[r]
+            calls.append((r, top_k) if tokens == 1 else (r, top_k, tokens))
+        if tokens == 1:
+            return times[r]
+        return (wide or {}).get(tokens, {}).get(r, 1.0 if r == "host" else 1e-3)
 
     return timer
 
@@ -37,8 +42,51 @@ def test_the_choice_follows_the_measured_times(times, want):
     assert choice.route == want and choice.how == "measured"
     assert choice.times_us == {r: t * 1e6 for r, t in times.items()}
     assert [s.route for s in shards] == [want] * 3  # one layer timed, every layer takes its choice
-    assert sorted(calls) == [("device", 3), ("host", 3)]
+    assert [c for c in calls if len(c) == 2] == [("device", 3), ("host", 3)]
     assert f"{want}, measured" in choice.describe() and "µs" in choice.describe()
+    if want == "host":  # nothing to hand over
+        assert len(calls) == 2 and choice.host_from is None and not choice.handoff_us
+    else:  # the host read never won a batch: wide calls stay on the device
+        assert [c[2] for c in calls[2::2]] == list(route.HANDOFF_TOKENS)
+        assert choice.host_from is None and [s.host_from for s in shards] == [None] * 3
+        assert "wide calls stay on device" in choice.describe()
+
+
+def test_wide_calls_go_to_the_host_read_from_the_size_where_it_measured_faster():
+    shards, calls = _two(layers=2), []
+    wide = {8: {"device": 1e-3, "host": 2e-3}, 32: {"device": 3e-3, "host": 2e-3}}
+    choice = route.choose(
+        shards, [3, 3], "measure", timer=_timer({"device": 1e-4, "host": 2e-4}, calls, wide)
+    )
+    assert choice.route == "device" and choice.host_from == 32 * 3  # rows x top-k positions
+    assert [s.host_from for s in shards] == [96, 96]
+    assert [c for c in calls if len(c) == 3] == [
+        ("device", 3, 8),
+        ("host", 3, 8),
+        ("device", 3, 32),
+        ("host", 3, 32),
+    ]  # the sizes above the crossover are not timed
+    assert choice.handoff_us == {
+        8: {"device": 1000.0, "host": 2000.0},
+        32: {"device": 3000.0, "host": 2000.0},
+    }
+    assert "the host read from 96 positions" in choice.describe()
+
+
+def test_a_call_takes_the_host_read_from_host_from_positions_with_the_same_partials():
+    bank = _bank()
+    rng = np.random.default_rng(5)
+    x = mx.array(rng.standard_normal((8, 1, bank.gate_proj.weight.shape[-1])).astype(np.float32))
+    inds = mx.array(np.stack([rng.choice(E, 3, replace=False) for _ in range(8)])[:, None])
+    shard = _two()[0]
+    want = np.array(shard(x, inds))  # 24 positions: under the default hand-off (64)
+    seen, real = [], shard.host_rows
+    shard.host_rows = lambda *a: seen.append(1) or real(*a)  # taken when the route is set
+    for host_from, host_calls in ((None, 0), (24, 1), (25, 0), (64, 0)):
+        seen.clear()
+        shard.set_route("device", host_from)
+        np.testing.assert_allclose(np.array(shard(x, inds)), want, atol=1e-6)
+        assert len(seen) == host_calls, host_from
 
 
 def test_a_skip_route_is_timed_where_the_kernel_applies_and_kept_when_fastest():
@@ -90,6 +138,12 @@ def test_timing_really_times_and_leaves_the_shard_as_it_was():
     assert set(choice.times_us) == {"device", "host"} and all(
         t > 0 for t in choice.times_us.values()
     )
+    if choice.route == "device":  # then timed on batches too, each size on both
+        assert choice.handoff_us and all(
+            set(by) == {"device", "host"} and min(by.values()) > 0
+            for by in choice.handoff_us.values()
+        )
+        assert shard.host_from == choice.host_from
     assert np.array_equal(np.array(shard.recency.stamp), stamp) and shard.recency.calls == 0
     shard.telemetry.settle()
     assert shard.telemetry.counters[0].calls == 0 and not shard.telemetry.routed[0].any()
