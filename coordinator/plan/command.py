@@ -197,7 +197,8 @@ def add_arguments(p) -> None:
         choices=("ours_mlx", "each"),
         default="ours_mlx",
         help="with --check-against: fit bandwidth and a cost per layer on the ours_mlx rows "
-        "(default), or a cost per layer for each row kind on its own smallest row",
+        "(default), or for each row kind a fixed cost per layer and one per token per layer on "
+        "its rows at its fewest nodes (the other node counts held out)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

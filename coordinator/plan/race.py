@@ -344,22 +344,54 @@ def check_each(
     network: NetworkSpec,
     rows: list[MeasuredRow],
 ) -> dict:
-    """Fit each row kind (ours over a transport, the pipeline, tensor parallelism) on its own
-    smallest row (fewest nodes, then smallest batch): at the hardware's bandwidth, the fixed cost
-    per layer that makes that row's step what was measured (none where the row is faster than its
-    bytes and collectives). Then predict every row of the kind: the others are held out, and their
-    misses say whether a kind's cost per layer carries over to other batches and node counts."""
-    costs: dict[str, float] = {}
+    """Fit each row kind (ours over a transport, the pipeline, tensor parallelism) on its rows at
+    its fewest nodes: at the hardware's bandwidth, what a step measured beyond its bytes and
+    collectives is L × (f + c × B), a fixed cost per layer f and a cost per token per layer c
+    (launches, attention over each stream's cache, the batch's compute), both fitted where that
+    node count has two batches or more, f alone where it has one. Then predict every row of the
+    kind: the other node counts are held out, and their misses say whether a kind's costs carry
+    over to them."""
+    fixed: dict[str, float] = {}
+    per_token: dict[str, float] = {}
     fitted: list[MeasuredRow] = []
     for name in dict.fromkeys(r.name for r in rows):
-        first = min((r for r in rows if r.name == name), key=lambda r: (r.nodes, r.batch))
-        bare = predict_row(model, hardware, network, first, hardware.bandwidth_Bps)
-        costs[name] = max(first.step_s - bare.time_s, 0.0) / model.layers
-        fitted.append(first)
+        kind = [r for r in rows if r.name == name]
+        fewest = min(r.nodes for r in kind)
+        base = sorted((r for r in kind if r.nodes == fewest), key=lambda r: r.batch)
+        points = []
+        for r in base:
+            bare = predict_row(model, hardware, network, r, hardware.bandwidth_Bps)
+            points.append((r.batch, max(r.step_s - bare.time_s, 0.0) / model.layers))
+        fixed[name], per_token[name] = _line(points)
+        fitted += base if len({b for b, _ in points}) >= 2 else base[:1]
     return _misses(
-        model, hardware, network, rows, fitted, hardware.bandwidth_Bps, lambda r: costs[r.name]
+        model,
+        hardware,
+        network,
+        rows,
+        fitted,
+        hardware.bandwidth_Bps,
+        lambda r: fixed[r.name] + per_token[r.name] * r.batch,
     ) | {
-        "layer_overhead_s": costs,
-        "bandwidth_source": f"{hardware.name}'s bandwidth; a fixed cost per layer fitted per row "
-        "kind on its smallest row",
+        "layer_overhead_s": fixed,
+        "token_overhead_s": per_token,
+        "bandwidth_source": f"{hardware.name}'s bandwidth; per row kind a fixed cost per layer and a "
+        "cost per token per layer, fitted on its rows at its fewest nodes",
     }
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(f, c) ≥ 0 of y = f + c × B through `points` [(B, y)] by least squares; f = the smallest
+    batch's y where there is one batch, or where the line would need a negative term."""
+    batches = {b for b, _ in points}
+    if len(batches) < 2:
+        return points[0][1], 0.0
+    n = len(points)
+    mb, my = sum(b for b, _ in points) / n, sum(y for _, y in points) / n
+    c = sum((b - mb) * (y - my) for b, y in points) / sum((b - mb) ** 2 for b, _ in points)
+    f = my - c * mb
+    if c < 0:
+        return points[0][1], 0.0
+    if f < 0:
+        return 0.0, sum(b * y for b, y in points) / sum(b * b for b, _ in points)
+    return f, c

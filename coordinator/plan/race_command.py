@@ -166,9 +166,13 @@ def _check(args, model, hardware: HardwareSpec) -> int:
             f"{100 * r['miss']:>+6.1f}%" + ("" if r["held_out"] else "  (fitted)")
         )
     if isinstance(out["layer_overhead_s"], dict):
+        tok = out.get("token_overhead_s", {})
         print(
-            "fixed cost per layer fitted: "
-            + ", ".join(f"{k} {1e6 * v:.0f} us" for k, v in out["layer_overhead_s"].items())
+            "costs per layer fitted (fixed + per token): "
+            + ", ".join(
+                f"{k} {1e6 * v:.0f} + {1e6 * tok.get(k, 0.0):.0f} us"
+                for k, v in out["layer_overhead_s"].items()
+            )
         )
     worst = out["max_abs_held_out_miss"]
     print("largest held-out miss: " + ("-" if worst is None else f"{100 * worst:.1f}%"))

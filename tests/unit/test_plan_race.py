@@ -159,26 +159,45 @@ def test_check_with_two_batches_fits_bandwidth_and_a_cost_per_layer():
     assert out["max_abs_held_out_miss"] == pytest.approx(0.0, abs=1e-9)
 
 
-def test_check_each_fits_a_cost_per_layer_per_row_kind_on_its_smallest_row():
-    """Each kind's cost per layer is found from its smallest row; a kind whose cost carries over to
-    other batches predicts them exactly, one whose cost does not shows the miss."""
+def test_check_each_fits_costs_per_layer_and_per_token_per_row_kind_at_its_fewest_nodes():
+    """Each kind's fixed cost per layer and cost per token per layer come from its rows at its
+    fewest nodes; the other node counts are held out: a kind whose costs carry over predicts them
+    exactly, one whose costs do not shows the miss."""
     m = _model()
 
-    def row(name, nodes, batch, per_layer, slower=1.0):
+    def row(name, nodes, batch, per_layer, per_token=0.0, slower=1.0):
         probe = race.MeasuredRow(name, nodes, batch, 1.0, 200e-6)
-        p = race.predict_row(m, HW, NET, probe, HW.bandwidth_Bps, layer_overhead_s=per_layer)
+        cost = per_layer + per_token * batch
+        p = race.predict_row(m, HW, NET, probe, HW.bandwidth_Bps, layer_overhead_s=cost)
         return race.MeasuredRow(name, nodes, batch, p.time_s * slower, 200e-6)
 
     rows = [
-        row("ours_envoy", 2, 1, 2e-3),
-        row("ours_envoy", 2, 8, 2e-3),
-        row("ours_envoy", 4, 1, 2e-3),
+        row("ours_envoy", 2, 1, 2e-3, 0.3e-3),
+        row("ours_envoy", 2, 8, 2e-3, 0.3e-3),
+        row("ours_envoy", 4, 1, 2e-3, 0.3e-3),
+        row("ours_envoy", 4, 8, 2e-3, 0.3e-3),
         row("mlx_lm_pipeline", 2, 1, 0.5e-3),
-        row("mlx_lm_pipeline", 2, 8, 0.5e-3, slower=2.0),  # its batch costs more than bytes say
+        row("mlx_lm_pipeline", 4, 1, 0.5e-3, slower=2.0),  # costs more than the fit carries
+        row("mlx_lm_tensor", 2, 8, 1e-3),  # one batch: the fixed cost alone
     ]
     out = race.check_each(m, HW, NET, rows)
-    assert out["layer_overhead_s"] == pytest.approx({"ours_envoy": 2e-3, "mlx_lm_pipeline": 0.5e-3})
-    assert [r["held_out"] for r in out["rows"]] == [False, True, True, False, True]
+    assert out["layer_overhead_s"] == pytest.approx(
+        {"ours_envoy": 2e-3, "mlx_lm_pipeline": 0.5e-3, "mlx_lm_tensor": 1e-3 + 0.0}
+    )
+    assert out["token_overhead_s"] == pytest.approx(
+        {"ours_envoy": 0.3e-3, "mlx_lm_pipeline": 0.0, "mlx_lm_tensor": 0.0}
+    )
+    held = [r["held_out"] for r in out["rows"]]
+    assert held == [False, False, True, True, False, True, False]
     misses = [r["miss"] for r in out["rows"]]
-    assert misses[:4] == pytest.approx([0.0] * 4, abs=1e-9)
-    assert misses[4] == pytest.approx(1.0) and out["max_abs_held_out_miss"] == pytest.approx(1.0)
+    assert misses[:5] == pytest.approx([0.0] * 5, abs=1e-9) and misses[6] == pytest.approx(0.0)
+    assert misses[5] == pytest.approx(1.0) and out["max_abs_held_out_miss"] == pytest.approx(1.0)
+
+
+def test_the_per_token_line_keeps_its_terms_physical():
+    assert race._line([(1, 2.0)]) == (2.0, 0.0)
+    assert race._line([(1, 1.0), (8, 8.0)]) == pytest.approx((0.0, 1.0))
+    assert race._line([(1, 3.0), (8, 1.0)]) == (3.0, 0.0)  # a falling cost: the smallest's f
+    assert race._line([(1, 0.1), (8, 8.0)]) == pytest.approx(
+        (0.0, (0.1 + 64.0) / 65)
+    )  # f < 0: through the origin
