@@ -10,7 +10,8 @@ For each (nodes, tokens) case, in one run on this machine, over loopback:
 - grpc: N processes exchanging the same bytes all-to-all over grpc.aio streams, one per pair,
   set up as the envoys' (uvloop, the same poller and channel options), and nothing else: no node
   hop, no reduction, no checksum. The least the envoy's gRPC hop alone can cost;
-- mlx_ring: N processes running `mx.distributed.all_sum` on the ring backend.
+- mlx_ring: N processes running `mx.distributed.all_sum` on the ring backend;
+- mlx_nccl: the same over NCCL, rank r on CUDA GPU r and its payload there (a host with N GPUs).
 Latencies are per call, pooled over ranks, after a warm-up.
 
 `--trace` adds one more envoy run per case with every hop of every all-reduce stamped on one
@@ -31,7 +32,8 @@ from dataclasses import dataclass
 from ...proto.errors import UserError
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-PATHS = ("envoy", "floor", "relay", "grpc", "mlx_ring")
+PATHS = ("envoy", "floor", "relay", "grpc", "mlx_ring", "mlx_nccl")
+DEFAULT_PATHS = PATHS[:-1]  # NCCL only where asked: it needs a GPU per rank
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(_ITEMSIZE), default="bfloat16")
     p.add_argument("--iters", type=int, default=1000, help="timed all-reduces per case and path")
     p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--paths", default=",".join(PATHS), help="which to measure (comma-separated)")
+    p.add_argument(
+        "--paths",
+        default=",".join(DEFAULT_PATHS),
+        help=f"which to measure, comma-separated, of {', '.join(PATHS)} (mlx_nccl: one CUDA GPU "
+        "per node)",
+    )
     p.add_argument(
         "--timeout", type=float, default=300.0, help="seconds one path of one case may take"
     )
@@ -418,7 +425,7 @@ async def _grpc_exchange(addresses: list[str], rank: int, case: Case) -> list[fl
         await server.stop(0.5)
 
 
-def _mlx_ring_worker(spec, rank: int, case: Case, results) -> None:
+def _mlx_worker(spec, rank: int, case: Case, results) -> None:
     try:
         import os
         import tempfile
@@ -428,9 +435,11 @@ def _mlx_ring_worker(spec, rank: int, case: Case, results) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             os.environ.update(write_hostfile(spec, tmp))
             os.environ["MLX_RANK"] = str(rank)
+            if spec.backend == "nccl":  # before MLX first touches CUDA: one GPU per rank
+                os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
             import mlx.core as mx
 
-            group = mx.distributed.init(strict=True, backend="ring")
+            group = mx.distributed.init(strict=True, backend=spec.backend)
             x = _payload(case, rank)
             mx.eval(x)
             results.put(
@@ -534,10 +543,12 @@ def run_case(case: Case, paths: list[str], timeout_s: float, traced: bool = Fals
         row["grpc_p50_us"], row["grpc_p99_us"] = _percentiles(
             _run_workers(_grpc_worker, lambda r: (addresses, r), case, timeout_s)
         )
-    if "mlx_ring" in paths:
-        spec = MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(case.nodes)))
-        row["mlx_ring_p50_us"], row["mlx_ring_p99_us"] = _percentiles(
-            _run_workers(_mlx_ring_worker, lambda r: (spec, r), case, timeout_s)
+    for backend in ("ring", "nccl"):
+        if f"mlx_{backend}" not in paths:
+            continue
+        spec = MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(case.nodes)), backend)
+        row[f"mlx_{backend}_p50_us"], row[f"mlx_{backend}_p99_us"] = _percentiles(
+            _run_workers(_mlx_worker, lambda r: (spec, r), case, timeout_s)
         )
     if traced:
         row["trace"] = _trace(case, timeout_s)
@@ -577,6 +588,14 @@ def main(args: argparse.Namespace) -> int:
     unknown = sorted(set(paths) - set(PATHS))
     if unknown:
         raise UserError(f"--paths: unknown {', '.join(unknown)} (expected {', '.join(PATHS)})")
+    if "mlx_nccl" in paths:
+        from ...node.collective.mlx import mlx_backend
+
+        if mlx_backend(True) != "nccl":
+            raise UserError(
+                "--paths mlx_nccl needs MLX's CUDA build with its NCCL backend and a GPU per node "
+                "(not here)"
+            )
     if args.iters < 1 or args.warmup < 0:
         raise UserError(f"--iters must be >= 1 and --warmup >= 0 (got {args.iters}, {args.warmup})")
     if min(args.nodes) < 2:
@@ -619,6 +638,7 @@ def _print_row(row: dict, header: bool) -> None:
         ("relay_p50_us", "relay p50"),
         ("grpc_p50_us", "grpc p50"),
         ("mlx_ring_p50_us", "mlx ring p50"),
+        ("mlx_nccl_p50_us", "mlx nccl p50"),
         ("envoy_over_floor", "envoy/floor"),
     ]
     if header:

@@ -145,6 +145,7 @@ def _ours(
                 ),
                 "moe_layers": moe_layers,
                 "micro_batches": r0.get("micro_batches", "off"),
+                "route": r0.get("route"),  # rank 0's decode route and where wide calls go
             }
         )
     return rows
@@ -307,14 +308,20 @@ def collectives(spec: RaceBench, hidden: int, act_bytes: int, names: list[str]) 
     payload (B hidden vectors): `bench allreduce`'s mlx ring and envoy workers."""
     from .allreduce import Case, run_case
 
+    from ...node.collective.mlx import mlx_backend
+
     dtype = {4: "float32", 2: "bfloat16"}.get(act_bytes, "float32")
-    paths = sorted({"envoy" if _TRANSPORT.get(n) == "envoy" else "mlx_ring" for n in names})
+    paths = {"envoy" if _TRANSPORT.get(n) == "envoy" else "mlx_ring" for n in names}
+    nccl = "mlx_ring" in paths and mlx_backend(spec.gpus) == "nccl"
+    if nccl:  # the NCCL rows' own collective beside the ring's
+        paths.add("mlx_nccl")
     out: dict = {
         "dtype": dtype,
         "iters": spec.collective_iters,
-        "note": "mlx_ring stands for every mx.distributed row (ring over TCP); a pipeline hop is counted as one",
+        "note": "each mx.distributed row pays its backend's (mlx_nccl: one GPU per rank; mlx_ring: "
+        "the ring over TCP); a pipeline hop is counted as one",
     }
-    for path in paths:
+    for path in sorted(paths):
         out[path] = {}
         for b in spec.streams:
             case = Case(
@@ -334,6 +341,13 @@ def collectives(spec: RaceBench, hidden: int, act_bytes: int, names: list[str]) 
     return out
 
 
+def _collective_path(row: dict) -> str:
+    """The bare collective (collectives()) that stands for `row`'s: its transport and backend."""
+    if _TRANSPORT.get(row["name"]) == "envoy":
+        return "envoy"
+    return "mlx_nccl" if row.get("backend") == "nccl" else "mlx_ring"
+
+
 def bounds(spec: RaceBench, model, rows: list[dict], coll: dict) -> None:
     """Per row: the weight bytes each node reads per step and the physical bound (plan/race.py);
     the share of that bound the row reached."""
@@ -344,9 +358,7 @@ def bounds(spec: RaceBench, model, rows: list[dict], coll: dict) -> None:
     network = NetworkSpec("measured", 0.0, 1e30, 0.0)
     for r in rows:
         strategy = race_model.ROW_STRATEGY[r["name"]][0]
-        bare = coll.get("envoy" if _TRANSPORT.get(r["name"]) == "envoy" else "mlx_ring", {}).get(
-            str(r["streams"])
-        )
+        bare = coll.get(_collective_path(r), {}).get(str(r["streams"]))
         measured = race_model.MeasuredRow(r["name"], spec.nodes, r["streams"], 1.0, bare)
         p = race_model.predict_row(model, hardware, network, measured, hardware.bandwidth_Bps)
         r["strategy"] = strategy

@@ -12,6 +12,8 @@
 #  B (issue 35): `bench decode --speculative prompt-lookup` at N = 2 on the demo model and on A's
 #    Qwen3-shaped checkpoint, over the envoy and mlx, one call per (model, transport).
 #  C (issue 39): scripts/gpu/envoy_run.sh with what time is left.
+#  X (issues 33, 35): `bench race` rows at N = 2 on A's Qwen3-shaped checkpoint, per installed tree
+#    (X_SITES) and decode route (X_ROUTES: forced, or measured with its wide-call crossover).
 #  D (issue 35): two micro-batches per step: `bench race` rows ours_envoy and ours_mlx without and
 #    with _overlap at 8 and 32 streams on A's Qwen3-shaped checkpoint, N = 2, one GPU per node.
 # Raw JSON and stderr go to OUT/$RUN/ (RUN: the run's name, default run14); at the end everything is
@@ -115,11 +117,17 @@ part_a() {
   build qwen3-4bit "${QWEN[@]}" && built+=(qwen3-4bit)
   for m in "${built[@]}"; do
     case " ${A_MODELS:-${built[*]}} " in *" $m "*) ;; *) continue ;; esac
-    for route in $ROUTES; do
-      MOE_CLUSTER_ROUTE=$route step "A-$m-$route" "${A_CAP:-150}" $MC -v bench decode --model "$ROOT/$m" --nodes 2 \
-        --keepalive none --transport mlx $GPUS --no-peers --max-tokens "${MAX_TOKENS:-32}" \
-        --rounds "${ROUNDS:-2}" --json
-      mv "$R/A-$m-$route.out" "$R/A-$m-$route.json" 2>/dev/null
+    # A_ALTERNATE > 1: the routes alternated that many times (A-model-route-i), so that a
+    # difference smaller than one call's noise can be told from it
+    for i in $(seq "${A_ALTERNATE:-1}"); do
+      for route in $ROUTES; do
+        local name="A-$m-$route"
+        [ "${A_ALTERNATE:-1}" -gt 1 ] && name="$name-$i"
+        MOE_CLUSTER_ROUTE=$route step "$name" "${A_CAP:-150}" $MC -v bench decode --model "$ROOT/$m" --nodes 2 \
+          --keepalive none --transport mlx $GPUS --no-peers --max-tokens "${MAX_TOKENS:-32}" \
+          --rounds "${ROUNDS:-2}" --json
+        mv "$R/$name.out" "$R/$name.json" 2>/dev/null
+      done
     done
   done
   timeout 10 python3 scripts/gpu/issue_summary.py "$R" --part A 2>&1 | tee -a "$R/$RUN.log"
@@ -166,6 +174,32 @@ part_d() {
   mv "$R/D-race.out" "$R/D-race.json" 2>/dev/null
 }
 
+part_x() {
+  # X_SITES: "label=PYTHONPATH-prefix ..." (e.g. "old=/tmp/site-old new="): each tree's rows;
+  # X_ROUTES: "skip measure": the route forced (wide calls to the host read from 64 positions, as
+  # before the crossover) or measured at load with its crossover
+  log "part X: bench race on the Qwen3 shape, per tree and route: ${X_SITES:-new=} / ${X_ROUTES:-skip measure}"
+  local m=${X_MODEL:-$ROOT/qwen3-4bit}
+  [ -f "$m/config.json" ] || build qwen3-4bit "${QWEN[@]}" || return
+  for site in ${X_SITES:-new=}; do
+    local label=${site%%=*} prefix=${site#*=}
+    for route in ${X_ROUTES:-skip measure}; do
+      local r=$route
+      [ "$r" = measure ] && r=""
+      PYTHONPATH="${prefix:+$prefix:}${PYTHONPATH:-}" MOE_CLUSTER_ROUTE=$r step "X-$label-$route" "${X_CAP:-200}" \
+        $MC bench race --model "$m" $GPUS --nodes 2 --streams "${X_STREAMS:-1,8}" \
+        --rows "${X_ROWS:-ours_mlx}" --no-stock --max-tokens "${X_TOKENS:-32}" --json
+      mv "$R/X-$label-$route.out" "$R/X-$label-$route.json" 2>/dev/null
+    done
+  done
+  if [ -n "${X_PEERS:-}" ]; then  # mlx-lm's rows on the same checkpoint, once
+    step X-peers "${X_CAP:-200}" $MC bench race --model "$m" $GPUS --nodes 2 --streams "${X_STREAMS:-1,8}" \
+      --rows "$X_PEERS" --no-stock --max-tokens "${X_TOKENS:-32}" --json
+    mv "$R/X-peers.out" "$R/X-peers.json" 2>/dev/null
+  fi
+  timeout 10 python3 scripts/gpu/issue_summary.py "$R" --part X 2>&1 | tee -a "$R/$RUN.log"
+}
+
 for part in ${PARTS:-A B C}; do
   case $part in
     P) part_p ;;
@@ -173,6 +207,7 @@ for part in ${PARTS:-A B C}; do
     B) part_b ;;
     C) part_c ;;
     D) part_d ;;
+    X) part_x ;;
     *) log "unknown part $part" ;;
   esac
 done

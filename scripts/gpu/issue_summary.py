@@ -38,15 +38,17 @@ def part_a(d: Path) -> None:
     rows = []
     for f in sorted(d.glob("A-*.json")):
         model, route = f.stem[2:].rsplit("-", 1)
+        if route.isdigit():  # A_ALTERNATE: A-model-route-i
+            model, route = model.rsplit("-", 1)[0], f"{model.rsplit('-', 1)[1]}-{route}"
         b, why = _load(f)
         if b is None or not b.get("clusters"):
             print(f"{model:<12} {route:<7} failed: {why or 'no cluster row'}")
             continue
         c = b["clusters"][0]
-        tokens.setdefault(model, {})[route] = c.get("tokens")
+        tokens.setdefault(model, {}).setdefault(route.split("-")[0], c.get("tokens"))
         rows.append((model, route, b, c))
     for model, route, b, c in rows:
-        others = [t for r, t in tokens[model].items() if r != route]
+        others = [t for r, t in tokens[model].items() if r != route.split("-")[0]]
         same_other = (
             "-"
             if not others or others[0] is None
@@ -131,13 +133,32 @@ def part_d(d: Path) -> None:
     print(f"  agreement: {json.dumps(agree)[:400]}")
 
 
+def part_x(d: Path) -> None:
+    print("X: bench race at N = 2 per tree and route (X-<tree>-<route>.json; X-peers.json: mlx-lm)")
+    for f in sorted(d.glob("X-*.json")):
+        b, why = _load(f)
+        if b is None:
+            print(f"{f.stem}: failed: {why}")
+            continue
+        for r in b["rows"]:
+            if "error" in r:
+                print(f"  {f.stem:<18} {r['name']:<16} {r['streams']:>3}: {r['error'][:200]}")
+                continue
+            p50 = r.get("itl_p50_s")
+            print(
+                f"  {f.stem:<18} {r['name']:<16} {r['streams']:>3} streams: "
+                f"{r['decode_tps']:8.1f} tok/s, ITL p50 {1e3 * p50 if p50 else float('nan'):6.2f} ms"
+                f"  {(r.get('route') or '')[:150]}"
+            )
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("dir")
-    p.add_argument("--part", choices=("A", "B", "D"), default=None)
+    p.add_argument("--part", choices=("A", "B", "D", "X"), default=None)
     args = p.parse_args()
     d = Path(args.dir)
-    for name, fn in (("A", part_a), ("B", part_b), ("D", part_d)):
+    for name, fn in (("A", part_a), ("B", part_b), ("D", part_d), ("X", part_x)):
         if args.part in (None, name):
             try:
                 fn(d)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+
+import pytest
 import os
 import signal
 import subprocess
@@ -73,6 +75,23 @@ def test_envoy_without_a_secret_is_a_one_line_error():
     )
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "moe-cluster envoy: error: no cluster secret on $MOE_CLUSTER_SECRET"
+    ], r.stderr
+
+
+def test_bench_allreduce_over_nccl_without_its_backend_is_a_one_line_error():
+    import mlx.core as mx
+
+    if mx.distributed.is_available("nccl") and mx.cuda.is_available():
+        pytest.skip("this MLX has NCCL and a GPU: the path runs")
+    r = subprocess.run(
+        [*CLI, "bench", "allreduce", "--nodes", "2", "--paths", "mlx_nccl,mlx_ring"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "moe-cluster bench: error: --paths mlx_nccl needs MLX's CUDA build with its NCCL backend "
+        "and a GPU per node (not here)"
     ], r.stderr
 
 
