@@ -8,12 +8,14 @@
 # Usage: scripts/gpu/race_run.sh [OUT]      (default: $OUT, else /tmp/race)
 # Env: PYTHONPATH=/tmp/site (scripts/gpu/setup.sh); SHAPE_NAME (qwen3-235b, or deepseek-v3);
 #      NODES ("2 4": those above the GPU count are skipped); ROWS (ours_mlx ours_envoy
-#      mlx_lm_pipeline mlx_lm_tensor); STREAMS (1,8,32); MAX_TOKENS (32); LAYERS (default, qwen3-235b:
-#      the most the disk and one layer's margin hold, at most 94; deepseek-v3: the fewest that one
-#      GPU cannot hold, its 3 dense layers and one MoE layer more than fit, at most what the disk
-#      holds and 61); MODELS_ROOT (/tmp); ROW_TIMEOUT (seconds per row, 1800); CPU=1: a small shape
-#      on this machine's CPU, no GPUs (to try the script: CPU=1 LAYERS=2 STREAMS=1,2 MAX_TOKENS=4
-#      NODES=2 scripts/gpu/race_run.sh /tmp/r; with SHAPE_NAME=deepseek-v3, LAYERS=5).
+#      mlx_lm_pipeline mlx_lm_tensor; empty: build the model only; rows of separate calls with
+#      the same OUT are merged together); STREAMS (1,8,32); MAX_TOKENS (32); LAYERS (default,
+#      qwen3-235b: the most the disk and one layer's margin hold, at most 94; deepseek-v3: the
+#      fewest that one GPU cannot hold, its 3 dense layers and one MoE layer more than fit, at most
+#      what the disk holds and 61); MODELS_ROOT (/tmp); ROW_TIMEOUT (seconds per row, 1800);
+#      CPU=1: a small shape on this machine's CPU, no GPUs (to try the script: CPU=1 LAYERS=2
+#      STREAMS=1,2 MAX_TOKENS=4 NODES=2 scripts/gpu/race_run.sh /tmp/r; with
+#      SHAPE_NAME=deepseek-v3, LAYERS=5).
 set -euo pipefail
 OUT=${1:-${OUT:-/tmp/race}}
 mkdir -p "$OUT"
@@ -21,7 +23,7 @@ ROOT=${MODELS_ROOT:-/tmp}
 SHAPE_NAME=${SHAPE_NAME:-qwen3-235b}
 STREAMS=${STREAMS:-1,8,32}
 MAX_TOKENS=${MAX_TOKENS:-32}
-ROWS=${ROWS:-ours_mlx ours_envoy mlx_lm_pipeline mlx_lm_tensor}
+ROWS=${ROWS-ours_mlx ours_envoy mlx_lm_pipeline mlx_lm_tensor}  # set and empty: build only
 case "$SHAPE_NAME" in
   qwen3-235b)
     MODEL=$ROOT/qwen3-235b-a22b-4bit FULL=94 DENSE=0
@@ -56,12 +58,16 @@ log "host: $gpus x $gpu_name ($gpu_bytes bytes each); bandwidth flag: ${BW:-none
 if [ -z "${LAYERS:-}" ]; then
   mkdir -p "$ROOT"
   free=$(df -B1 --output=avail "$ROOT" | tail -n1)
+  # a model built by an earlier call counts as free: the same call again keeps its depth
+  [ -d "$MODEL" ] && free=$(( free + $(du -sb "$MODEL" | cut -f1) ))
   disk=$(( free / LAYER_BYTES - 4 ))  # a few layers' margin for logs and the one-layer build
   [ "$disk" -gt "$FULL" ] && disk=$FULL
   need=$(( gpu_bytes / LAYER_BYTES + 1 + DENSE ))  # the fewest layers one GPU does not hold
   [ "$need" -lt 4 ] && need=4
-  if [ "$SHAPE_NAME" = qwen3-235b ]; then LAYERS=$disk; else LAYERS=$(( need < disk ? need : disk )); fi
-  log "the disk holds $disk layers; one GPU holds the model below $need layers ($LAYER_BYTES bytes a MoE layer)"
+  LAYERS=$disk
+  [ "$SHAPE_NAME" = deepseek-v3 ] && [ "$need" -lt "$disk" ] && LAYERS=$need
+  log "the disk holds $disk layers; one GPU holds the model below $need layers" \
+    "($LAYER_BYTES bytes a MoE layer)"
   if [ "$LAYERS" -lt "$need" ]; then
     log "building $LAYERS layers anyway: one GPU may hold them"
   fi
@@ -70,6 +76,7 @@ log "building $MODEL with $LAYERS of $FULL layers"
 python3 scripts/gpu/race_ckpt.py "$MODEL" --layers "$LAYERS" --shape "$SHAPE_NAME" $SHAPE >> "$OUT/race_run.log" 2>&1
 du -sb "$MODEL" | tee -a "$OUT/race_run.log"
 cp "$MODEL/config.json" "$OUT/config.json"
+if [ -z "$ROWS" ]; then log "built; no rows asked for"; exit 0; fi
 
 for n in ${NODES:-2 4}; do
   if [ "$n" -gt "$gpus" ]; then log "skip N = $n: $gpus GPUs"; continue; fi
