@@ -177,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="5GB",
         help="split the weights into files past this size (e.g. 200KB, 5GB)",
     )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="JSON object of config keys set over the family's, e.g. '{\"kv_lora_rank\": 512}'",
+    )
     p.set_defaults(handler="moe_cluster.coordinator.dev.demo:demo_model")
 
     p = sub.add_parser("train-demo", help="train the embedded demo model on the bundled corpus")

@@ -39,6 +39,10 @@ def demo_model(args) -> int:
     from ...node.demo.make import DemoSpec, make_checkpoint
 
     arch = ARCHS.get(args.arch)
+    try:
+        overrides = json.loads(args.config) if args.config else {}
+    except json.JSONDecodeError as exc:
+        raise UserError(f"--config is not valid JSON: {exc}") from exc
     layers = args.layers if args.layers is not None else max(2, arch.min_layers if arch else 2)
     spec = DemoSpec(
         arch=args.arch,
@@ -55,6 +59,7 @@ def demo_model(args) -> int:
         seed=args.seed,
         shard_bytes=parse_size(args.shard_size),
         mixed_bits=args.mixed_bits,
+        overrides=overrides,
     )
     info = make_checkpoint(spec, Path(args.out))
     print(json.dumps(info))

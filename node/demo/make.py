@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -33,6 +33,8 @@ class DemoSpec:
     shard_bytes: int = DEFAULT_SHARD_BYTES
     # With --quantize: the first MoE layer's experts get 8 bits, recorded as a per-layer override.
     mixed_bits: bool = False
+    # Config keys set over the family's (e.g. a released model's MLA ranks), as JSON values.
+    overrides: dict = field(default_factory=dict, hash=False)
 
     def check(self) -> None:
         if self.arch not in ARCHS:
@@ -80,6 +82,10 @@ class DemoSpec:
             )
         if self.mixed_bits and not self.quantize:
             raise CheckpointError("--mixed-bits needs --quantize")
+        if not isinstance(self.overrides, dict):
+            raise CheckpointError(
+                f"--config must be a JSON object of config keys (got {self.overrides!r})"
+            )
 
 
 def build_model(spec: DemoSpec, vocab: int) -> tuple[nn.Module, dict]:
@@ -97,20 +103,35 @@ def build_model(spec: DemoSpec, vocab: int) -> tuple[nn.Module, dict]:
             spec.expert_ffn,
         )
     )
+    config.update(spec.overrides)
     model_cls, args_cls = model_classes(config)
     mx.random.seed(spec.seed)
-    model = model_cls(args_cls.from_dict(config))
+    try:
+        model = model_cls(args_cls.from_dict(config))
+    except (TypeError, ValueError, KeyError, AssertionError) as exc:
+        raise CheckpointError(f"{spec.arch}: mlx-lm cannot build this config: {exc}") from exc
     _scale_init(model)
     model.set_dtype(DTYPES[spec.dtype])
-    mx.eval(model.parameters())
+    # One tensor at a time: a float32 initialisation never waits in memory beside the others
+    # (one MoE layer of a large model is tens of GB before it is cast and quantized).
+    for _, p in tree_flatten(model.parameters()):
+        mx.eval(p)
     return model, config
 
 
 def _scale_init(model: nn.Module) -> None:
-    """Give embeddings a unit-ish scale so random models have spread-out logits (no near-ties)."""
+    """Give embeddings a unit-ish scale so random models have spread-out logits (no near-ties).
+
+    mlx-lm initialises a score-corrected router (DeepSeek-V3's and GLM-4's gate) to zeros: every
+    expert would tie and every token pick the same ones. Those get random rows, and a correction
+    bias small beside the sigmoid scores, as a trained router has."""
     for path, m in model.named_modules():
         if isinstance(m, nn.Embedding):
             m.weight = m.weight * (m.weight.shape[-1] ** -0.5) * 4
+        if "e_score_correction_bias" in m and "weight" in m:
+            w, b = m["weight"], m["e_score_correction_bias"]
+            m.weight = mx.random.normal(w.shape) * w.shape[-1] ** -0.5
+            m.e_score_correction_bias = mx.random.normal(b.shape) * 0.02
 
 
 def quantize(model: nn.Module, config: dict, bits: int, mixed_bits: bool) -> dict:

@@ -1,23 +1,43 @@
 #!/usr/bin/env bash
-# bench race on a Qwen3-235B-A22B-shaped random 4-bit checkpoint, one GPU per node, at N = 2 and 4:
+# bench race on a Qwen3-235B-A22B- or DeepSeek-V3-shaped random 4-bit checkpoint (race_ckpt.py),
+# one GPU per node, at N = 2 and 4:
 # ours (transport mlx over NCCL; the envoy), mlx-lm pipeline and tensor parallelism, batch 1 and
 # STREAMS. Each row runs in its own `bench race` call, so one that crashes (out of memory, a
 # backend that refuses) is recorded as that row's error and the others still run; the rows of
 # each N are then merged into OUT/race-<N>.json with their token agreement.
 # Usage: scripts/gpu/race_run.sh [OUT]      (default: $OUT, else /tmp/race)
-# Env: PYTHONPATH=/tmp/site (scripts/gpu/setup.sh); NODES ("2 4": those above the GPU count are
-#      skipped); STREAMS (1,8,32); MAX_TOKENS (32); LAYERS (default: the most the disk and one
-#      layer's margin hold, at most 94, and no fewer than one GPU cannot hold); MODELS_ROOT (/tmp);
-#      ROW_TIMEOUT (seconds per row, 1800); CPU=1: a small shape on this machine's CPU, no GPUs (to try
-#      the script: CPU=1 LAYERS=2 STREAMS=1,2 MAX_TOKENS=4 NODES=2 scripts/gpu/race_run.sh /tmp/r).
+# Env: PYTHONPATH=/tmp/site (scripts/gpu/setup.sh); SHAPE_NAME (qwen3-235b, or deepseek-v3);
+#      NODES ("2 4": those above the GPU count are skipped); ROWS (ours_mlx ours_envoy
+#      mlx_lm_pipeline mlx_lm_tensor; empty: build the model only; rows of separate calls with
+#      the same OUT are merged together); STREAMS (1,8,32); MAX_TOKENS (32); LAYERS (default,
+#      qwen3-235b: the most the disk and one layer's margin hold, at most 94; deepseek-v3: the
+#      fewest that one GPU cannot hold, its 3 dense layers and one MoE layer more than fit, at most
+#      what the disk holds and 61); MODELS_ROOT (/tmp); ROW_TIMEOUT (seconds per row, 1800);
+#      CPU=1: a small shape on this machine's CPU, no GPUs (to try the script: CPU=1 LAYERS=2
+#      STREAMS=1,2 MAX_TOKENS=4 NODES=2 scripts/gpu/race_run.sh /tmp/r; with
+#      SHAPE_NAME=deepseek-v3, LAYERS=5).
 set -euo pipefail
 OUT=${1:-${OUT:-/tmp/race}}
 mkdir -p "$OUT"
 ROOT=${MODELS_ROOT:-/tmp}
-MODEL=$ROOT/qwen3-235b-a22b-4bit
+SHAPE_NAME=${SHAPE_NAME:-qwen3-235b}
 STREAMS=${STREAMS:-1,8,32}
 MAX_TOKENS=${MAX_TOKENS:-32}
-LAYER_BYTES=1450000000  # one layer at 4-bit g64: 128 experts x 3 x 4096 x 1536 x 4.5 bits + attention
+ROWS=${ROWS-ours_mlx ours_envoy mlx_lm_pipeline mlx_lm_tensor}  # set and empty: build only
+case "$SHAPE_NAME" in
+  qwen3-235b)
+    MODEL=$ROOT/qwen3-235b-a22b-4bit FULL=94 DENSE=0
+    # one layer at 4-bit g64: 128 experts x 3 x 4096 x 1536 x 4.5 bits + attention
+    LAYER_BYTES=1450000000 ;;
+  deepseek-v3)
+    MODEL=$ROOT/deepseek-v3-4bit FULL=61 DENSE=3
+    # one MoE layer at 4-bit g64 (4.5 bits a weight with the scales and biases): 256 experts x 3 x
+    # 7168 x 2048 (6.342 GB) + the shared expert (24.8 MB) + MLA attention (q_a, q_b, kv_a, the
+    # split kv_b, o: 187.1 M weights, 105.2 MB) + the bf16 router (3.7 MB). A dense layer
+    # (3 x 7168 x 18432 + attention) is 0.33 GB.
+    LAYER_BYTES=6475510272 ;;
+  *) echo "SHAPE_NAME must be qwen3-235b or deepseek-v3 (got $SHAPE_NAME)" >&2; exit 2 ;;
+esac
 log() { echo "=== $(date +%T) $*" | tee -a "$OUT/race_run.log"; }
 
 gpus=$( (nvidia-smi -L 2>/dev/null || true) | wc -l)
@@ -29,27 +49,38 @@ case "$gpu_name" in
   *) BW="" ;;
 esac
 SHAPE="" GPUS="--gpus"
-if [ -n "${CPU:-}" ]; then SHAPE="--test-shape" GPUS="" gpus=4 BW="--bandwidth 20" MODEL=$ROOT/race-test-shape; fi
-log "host: $gpus x $gpu_name ($gpu_bytes bytes each); bandwidth flag: ${BW:-none}"
+if [ -n "${CPU:-}" ]; then
+  SHAPE="--test-shape" GPUS="" gpus=4 BW="--bandwidth 20"
+  MODEL=$ROOT/race-test-shape$([ "$SHAPE_NAME" = qwen3-235b ] || echo "-$SHAPE_NAME")
+fi
+log "host: $gpus x $gpu_name ($gpu_bytes bytes each); bandwidth flag: ${BW:-none}; shape $SHAPE_NAME"
 
 if [ -z "${LAYERS:-}" ]; then
   mkdir -p "$ROOT"
   free=$(df -B1 --output=avail "$ROOT" | tail -n1)
-  LAYERS=$(( free / LAYER_BYTES - 4 ))  # a few layers' margin for logs and the one-layer build
-  [ "$LAYERS" -gt 94 ] && LAYERS=94
-  need=$(( gpu_bytes / LAYER_BYTES + 1 ))
+  # a model built by an earlier call counts as free: the same call again keeps its depth
+  [ -d "$MODEL" ] && free=$(( free + $(du -sb "$MODEL" | cut -f1) ))
+  disk=$(( free / LAYER_BYTES - 4 ))  # a few layers' margin for logs and the one-layer build
+  [ "$disk" -gt "$FULL" ] && disk=$FULL
+  need=$(( gpu_bytes / LAYER_BYTES + 1 + DENSE ))  # the fewest layers one GPU does not hold
+  [ "$need" -lt 4 ] && need=4
+  LAYERS=$disk
+  [ "$SHAPE_NAME" = deepseek-v3 ] && [ "$need" -lt "$disk" ] && LAYERS=$need
+  log "the disk holds $disk layers; one GPU holds the model below $need layers" \
+    "($LAYER_BYTES bytes a MoE layer)"
   if [ "$LAYERS" -lt "$need" ]; then
-    log "the disk holds $LAYERS layers; the model would fit one GPU below $need layers: building $LAYERS anyway"
+    log "building $LAYERS layers anyway: one GPU may hold them"
   fi
 fi
-log "building $MODEL with $LAYERS of 94 layers"
-python3 scripts/gpu/race_ckpt.py "$MODEL" --layers "$LAYERS" $SHAPE >> "$OUT/race_run.log" 2>&1
+log "building $MODEL with $LAYERS of $FULL layers"
+python3 scripts/gpu/race_ckpt.py "$MODEL" --layers "$LAYERS" --shape "$SHAPE_NAME" $SHAPE >> "$OUT/race_run.log" 2>&1
 du -sb "$MODEL" | tee -a "$OUT/race_run.log"
 cp "$MODEL/config.json" "$OUT/config.json"
+if [ -z "$ROWS" ]; then log "built; no rows asked for"; exit 0; fi
 
 for n in ${NODES:-2 4}; do
   if [ "$n" -gt "$gpus" ]; then log "skip N = $n: $gpus GPUs"; continue; fi
-  for row in ours_mlx ours_envoy mlx_lm_pipeline mlx_lm_tensor; do
+  for row in $ROWS; do
     f="$OUT/race-$n-$row"
     cmd="python3 -m moe_cluster.coordinator.cli bench race --model $MODEL --nodes $n $GPUS --streams $STREAMS \
 --max-tokens $MAX_TOKENS --rows $row --no-stock $BW --json"

@@ -133,3 +133,46 @@ def test_cli_writes_a_checkpoint(tmp_path):
 )
 def test_cli_errors(args, needle, tmp_path):
     assert_one_line_error(cli("demo-model", "--out", str(tmp_path / "x"), *args), needle)
+
+
+def test_config_overrides_and_a_routing_deepseek_gate(tmp_path):
+    """--config sets a released model's keys (MLA ranks, grouped routing) over the family's, and
+    the score-corrected gate mlx-lm leaves at zero routes tokens to different experts."""
+    out = tmp_path / "dsv3"
+    over = {"q_lora_rank": 64, "kv_lora_rank": 64, "qk_nope_head_dim": 64, "n_group": 8}
+    r = cli(
+        "demo-model",
+        "--arch",
+        "deepseek_v3",
+        "--out",
+        str(out),
+        "--experts",
+        "16",
+        "--top-k",
+        "4",
+        "--hidden",
+        "128",
+        "--config",
+        json.dumps(over | {"topk_group": 4}),
+    )
+    assert r.returncode == 0, r.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert {k: config[k] for k in over} == over and config["topk_group"] == 4
+    model, _ = _stock_load(out)
+    attn, moe = model.model.layers[1].self_attn, model.model.layers[1].mlp
+    assert attn.embed_q.weight.shape == (4, 64, 64)  # (heads, kv_lora_rank, qk_nope_head_dim)
+    assert float(mx.abs(moe.gate.e_score_correction_bias).max()) > 0
+    inds, _ = moe.gate(mx.random.normal((16, 128), key=mx.random.key(1)))
+    assert len({tuple(sorted(row)) for row in inds.tolist()}) > 1, "every token took one set"
+
+
+@pytest.mark.parametrize(
+    "config, needle",
+    [
+        ("{kv_lora_rank: 4}", "--config is not valid JSON"),
+        ("[1, 2]", "--config must be a JSON object"),
+    ],
+)
+def test_config_errors(config, needle, tmp_path):
+    args = ["--arch", "deepseek_v3", "--config", config]
+    assert_one_line_error(cli("demo-model", "--out", str(tmp_path / "x"), *args), needle)
