@@ -19,7 +19,8 @@ stalled one would block forever. The collective cannot time the all_gather itsel
 runs inside the graph), so the node arms a watchdog (`watch`) around every wait on a step's result
 (the token read, a prefill chunk, the agreement), and the watchdog ends the node process when
 one wait outlasts `timeout_s` (an MLX group cannot be rebuilt inside a process anyway). The bound
-therefore covers a step's compute too, which is far below any sensible collective timeout.
+therefore covers a step's compute too, which is far below any sensible collective timeout once
+MLX has built the step's kernels: the first waits, which build them, get COLD_S.
 """
 
 from __future__ import annotations
@@ -85,13 +86,23 @@ def write_hostfile(spec: MlxSpec, folder: str | Path) -> dict[str, str]:
     return {"MLX_IBV_DEVICES": str(path), "MLX_JACCL_COORDINATOR": spec.jaccl_coordinator}
 
 
+# MLX builds a kernel the first time a graph needs it (NVRTC on CUDA, a pipeline state on Metal),
+# so a large model's first steps can take minutes where later ones take milliseconds; a node's
+# first COLD_WAITS waits are bounded by COLD_S instead of the timeout, where that is longer.
+COLD_WAITS = 2  # the first step (a prefill) and the first decode step
+COLD_S = 600.0
+
+
 class _Watchdog:
     """Ends the process if one wait on the peers outlasts the timeout (no way to interrupt MLX)."""
 
-    def __init__(self, rank: int, timeout_s: float):
+    def __init__(self, rank: int, timeout_s: float, cold_s: float = COLD_S):
         self._rank = rank
         self._timeout = timeout_s
+        self._cold = max(cold_s, timeout_s)
+        self._done = 0  # waits completed
         self._since: float | None = None
+        self._limit = timeout_s
         self._what = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -101,18 +112,24 @@ class _Watchdog:
 
     def enter(self, what: str) -> None:
         self._what = what
+        self._limit = self._cold if self._done < COLD_WAITS else self._timeout
         self._since = time.monotonic()
 
     def leave(self) -> None:
+        if self._since is not None:
+            self._done += 1
         self._since = None
 
     def _run(self) -> None:
         period = min(max(self._timeout / 20, 0.05), 1.0)  # seconds
         while not self._stop.wait(period):
-            since = self._since
-            if since is not None and time.monotonic() - since > self._timeout:
+            since, limit = self._since, self._limit
+            if since is not None and time.monotonic() - since > limit:
+                first = (
+                    " (one of the first, which may build kernels)" if limit > self._timeout else ""
+                )
                 msg = (
-                    f"rank {self._rank}: {self._what} did not complete within {self._timeout:g} s "
+                    f"rank {self._rank}: {self._what}{first} did not complete within {limit:g} s "
                     f"(a peer stalled or the network is down); the MLX group cannot recover, exiting"
                 )
                 logger.critical("%s", msg)
