@@ -430,13 +430,13 @@ def _mlx_worker(spec, rank: int, case: Case, results) -> None:
         import os
         import tempfile
 
+        if spec.backend == "nccl":  # before anything imports MLX (it opens the GPUs): one per rank
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
         from ...node.collective.mlx import write_hostfile
 
         with tempfile.TemporaryDirectory() as tmp:
             os.environ.update(write_hostfile(spec, tmp))
             os.environ["MLX_RANK"] = str(rank)
-            if spec.backend == "nccl":  # before MLX first touches CUDA: one GPU per rank
-                os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
             import mlx.core as mx
 
             group = mx.distributed.init(strict=True, backend=spec.backend)
