@@ -2,7 +2,7 @@
 NCCL on CUDA GPUs).
 
 Each all-reduce is a graph operation: an `all_gather` of the partials, then the sum in rank order
-in float32 (`base.rank_order_sum`), so a token step stays one lazy graph with no host sync inside
+in float32 (`base.rank_order_sum_rows`), so a token step stays one lazy graph with no host sync inside
 it, and the sum is the same bytes as the envoy transport's on every node (a ring `all_sum` adds in
 a different order per chunk and in the payload dtype). The first all-reduce of a step also carries
 the token agreement (`base.Rider`): every rank's sampled token and cancel flag, as raw bytes beside
@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...proto.errors import UserError
-from .base import Agreement, CollectiveError, Rider, rank_order_sum
+from .base import Agreement, CollectiveError, Rider, rank_order_sum_rows
 from .specs import MlxSpec
 
 logger = logging.getLogger(__name__)
@@ -192,7 +192,7 @@ class MlxCollective:
             self._last = gathered
             parts = gathered[:, :nbytes].view(partial.dtype)
             self._rider.carried(lambda: _agreement(gathered, nbytes))
-        return rank_order_sum([parts[r] for r in range(self.world_size)]).reshape(partial.shape)
+        return rank_order_sum_rows(parts).reshape(partial.shape)
 
     def _all_gather(self, x: mx.array) -> mx.array:
         return mx.distributed.all_gather(x, group=self.group)
