@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 import mlx.core as mx
@@ -52,21 +53,61 @@ class ShardConfig:
         return slot
 
 
-@dataclass
+@dataclass(frozen=True)
+class SlotTables:
+    """Expert -> this node's slot, on the device, (num_experts,) each: made once at load (Table) or
+    per call (Replicas, from the replica rule's ranks). A kernel takes the form it reads, so that
+    one gather gives it what an index, a mask and a cast gave before."""
+
+    slot: mx.array  # int32: the local slot, -1 where another node computes the expert
+    safe: mx.array  # uint32: the local slot, 0 where another node computes it (any kernel reads)
+    here: mx.array  # bool: this node computes it
+
+    @classmethod
+    def fixed(cls, slot: np.ndarray) -> SlotTables:
+        """From a table fixed at load (numpy, -1 where another node computes the expert)."""
+        here = slot >= 0
+        return cls(
+            mx.array(slot.astype(np.int32)),
+            mx.array(np.where(here, slot, 0).astype(np.uint32)),
+            mx.array(here),
+        )
+
+
 class Routed:
-    """A device plan's answer for one call: `slots` (..., k) the local slot of each position, -1
-    where another node computes it; `mine` slots >= 0 (None when alone: every position is ours);
+    """A device plan's answer for one call: the routing indices `inds` (..., k) and, each made on
+    first use so that a kernel's graph holds only what it reads, `slots` the local slot of each
+    position (-1 where another node computes it), `safe` the same with 0 there (uint32), and
+    `mine` whether this node computes it (None when alone: every position is ours, `slots` given);
     `fill` (..., k) the slot such a position reads instead (keepalive lru), None where none was
     chosen."""
 
-    inds: mx.array
-    slots: mx.array
-    mine: mx.array | None = None
-    fill: mx.array | None = None
+    def __init__(
+        self,
+        inds: mx.array,
+        tables: SlotTables | None = None,
+        slots: mx.array | None = None,
+        fill: mx.array | None = None,
+    ):
+        self.inds, self.fill, self._tables = inds, fill, tables
+        if slots is not None:
+            self.slots = slots
 
     @property
     def alone(self) -> bool:
-        return self.mine is None
+        return self._tables is None
+
+    @cached_property
+    def slots(self) -> mx.array:
+        return self._tables.slot[self.inds]
+
+    @cached_property
+    def safe(self) -> mx.array:
+        return self._tables.safe[self.inds]
+
+    @cached_property
+    def mine(self) -> mx.array | None:
+        return None if self._tables is None else self._tables.here[self.inds]
 
 
 class Recency:
@@ -133,11 +174,12 @@ class Alone:
         self.rank_of = np.array([cfg.holders[e][0] for e in range(len(slot))], dtype=np.int64)
         lut = np.where(self.rank_of == cfg.rank, slot, -1)  # global -> slot
         self.identity = bool(np.array_equal(lut, np.arange(len(slot))))  # the indices are the slots
-        self.lut = mx.array(lut.astype(np.int32))
+        # every expert is here (world size 1): uint32 already, as gather_mm takes it
+        self.lut = mx.array(lut.astype(np.uint32))
 
     def __call__(self, inds: mx.array) -> Routed:
         self._state.note(self._layer, inds, self.rank_of)
-        return Routed(inds, inds if self.identity else self.lut[inds].astype(mx.uint32))
+        return Routed(inds, slots=inds if self.identity else self.lut[inds])
 
 
 class Table:
@@ -148,17 +190,16 @@ class Table:
         self._layer, self._state, self._rank, self.recency = cfg.layer, state, cfg.rank, recency
         slot = cfg.slot_table()
         self.rank_of = np.array([cfg.holders[e][0] for e in range(len(slot))], dtype=np.int64)
-        self.lut = mx.array(np.where(self.rank_of == cfg.rank, slot, -1).astype(np.int32))
+        self.tables = SlotTables.fixed(np.where(self.rank_of == cfg.rank, slot, -1))
         if recency is not None:
             self._local = mx.array(np.asarray(cfg.global_ids, dtype=np.int32))  # slot -> global id
             # expert -> its rank, one-hot (num_experts, world): distinct experts per rank in one sum
             self._ranks = mx.array(self.rank_of[:, None] == np.arange(cfg.world_size))
 
     def __call__(self, inds: mx.array) -> Routed:
-        present = selected_experts(inds, self.lut.shape[0]) if self.recency is not None else None
+        present = selected_experts(inds, len(self.rank_of)) if self.recency is not None else None
         self._state.note(self._layer, inds, self.rank_of)
-        slots = self.lut[inds]  # (..., k): local slot, or -1 where another node computes it
-        r = Routed(inds, slots, slots >= 0)
+        r = Routed(inds, self.tables)
         if self.recency is not None:
             r.fill = self.recency.fill(r.mine, self._ranks, present, self._rank, self._local)
         return r
@@ -174,6 +215,7 @@ class Replicas:
         self._n = len(slot)
         self.rule = ArrayRule(cfg.holders, cfg.world_size)
         self._held_slot = mx.array(slot.astype(np.int32))  # global -> slot here, -1: not held
+        self._held_safe = mx.array(np.maximum(slot, 0).astype(np.uint32))  # 0: not held
         if recency is not None:
             self._local = mx.array(np.asarray(cfg.global_ids, dtype=np.int32))
             self._world = mx.arange(cfg.world_size)  # each call's ranks, one-hot against the ranks
@@ -181,10 +223,12 @@ class Replicas:
     def __call__(self, inds: mx.array) -> Routed:
         present = selected_experts(inds, self._n)
         rank_of = self.rule(inds, present)
-        lut = mx.where(rank_of == self._rank, self._held_slot, -1)
+        here = rank_of == self._rank
         self._state.note(self._layer, inds, rank_of)
-        slots = lut[inds]
-        r = Routed(inds, slots, slots >= 0)
+        tables = SlotTables(
+            mx.where(here, self._held_slot, -1), mx.where(here, self._held_safe, 0), here
+        )
+        r = Routed(inds, tables)
         if self.recency is not None:
             ranks = rank_of[:, None] == self._world
             r.fill = self.recency.fill(r.mine, ranks, present, self._rank, self._local)
