@@ -62,6 +62,7 @@ class SlotTables:
     slot: mx.array  # int32: the local slot, -1 where another node computes the expert
     safe: mx.array  # uint32: the local slot, 0 where another node computes it (any kernel reads)
     here: mx.array  # bool: this node computes it
+    away: mx.array  # int32: 1 where another node computes it (keepalive lru counts them)
 
     @classmethod
     def fixed(cls, slot: np.ndarray) -> SlotTables:
@@ -71,6 +72,7 @@ class SlotTables:
             mx.array(slot.astype(np.int32)),
             mx.array(np.where(here, slot, 0).astype(np.uint32)),
             mx.array(here),
+            mx.array((~here).astype(np.int32)),
         )
 
 
@@ -106,6 +108,10 @@ class Routed:
         return self._tables.safe[self.inds]
 
     @cached_property
+    def away(self) -> mx.array:
+        return self._tables.away[self.inds]
+
+    @cached_property
     def mine(self) -> mx.array | None:
         return None if self._tables is None else self._tables.here[self.inds]
 
@@ -118,6 +124,7 @@ class Recency:
     def __init__(self, local: int):
         self.stamp = mx.zeros((local,), dtype=mx.int32)
         self.calls = 0
+        self._slots = mx.array(np.arange(local, dtype=np.int32))  # fill's tie-break, made once
 
     def order(self) -> list[int]:
         """Local slots, least recently computed first (reads the stamps on the host)."""
@@ -141,28 +148,33 @@ class Recency:
         self.stamp = mx.where(computed, self.calls, self.stamp)
 
     def fill(
-        self, mine: mx.array, ranks: mx.array, present: mx.array, rank: int, local_ids: mx.array
+        self,
+        away: mx.array,
+        present: mx.array,
+        ranks: mx.array,
+        selected: mx.array,
+        rank: int,
     ) -> mx.array:
-        """Keepalive lru on the device (`ranks`: expert x rank, who computes it; `present`: the
-        experts this call selects): the slot each position another node computes takes here, so
-        that this node computes as many distinct experts as the busiest node (min(cluster max, its
-        experts)), the extra ones its least recently used; the rest repeat an expert already read.
-        Another node's positions always suffice: the busiest node's experts all sit at positions
-        that are not ours. Its outputs are zeroed by the kernel; only the weights' reads matter."""
-        local = local_ids.shape[0]
-        # distinct experts per rank
-        per_rank = (present[:, None] & ranks).astype(mx.int32).sum(axis=0)
-        selected = (present & ranks[:, rank])[local_ids]  # (local,): computed here
-        n_mine = per_rank[rank]
+        """Keepalive lru on the device (`away` (..., k) int32: 1 at the positions another node
+        computes; `present`: the experts this call selects; `ranks`: expert x rank, who computes it;
+        `selected` (local,): the local slots computed here): the slot each position another node
+        computes takes here, so that this node computes as many distinct experts as the busiest
+        node (min(cluster max, its experts)), the extra ones its least recently used; the rest
+        repeat an expert already read. Another node's positions always suffice: the busiest node's
+        experts all sit at positions that are not ours. Its outputs are zeroed by the kernel; only
+        the weights' reads matter, and what it holds at this node's own positions is never read."""
+        local = self._slots.shape[0]
+        per_rank = (present[:, None] & ranks).sum(axis=0)  # distinct experts per rank (int32)
+        n_mine = per_rank[rank : rank + 1]  # a slice: a view, where an index would gather
         want = mx.minimum(per_rank.max(), local) - n_mine  # fillers this call
         # the free slots, least recently used first
-        order = mx.argsort(mx.where(selected, 2**31 - 1, self.stamp * local + mx.arange(local)))
-        # each position's index among the other nodes' positions
-        nth = mx.cumsum((~mine).reshape(-1).astype(mx.int32)) - 1
-        repeat = mx.where(n_mine > 0, mx.argmax(selected), order[0])  # a slot read anyway
-        fill = mx.where(nth < want, order[mx.clip(nth, 0, local - 1)], repeat).reshape(mine.shape)
+        order = mx.argsort(mx.where(selected, 2**31 - 1, self.stamp * local + self._slots))
+        # each of the other nodes' positions: its index among them (>= 0: clipped above only)
+        nth = mx.cumsum(away.reshape(-1), inclusive=False)
+        repeat = mx.where(n_mine > 0, mx.argmax(selected), order[:1])  # a slot read anyway
+        fill = mx.where(nth < want, order[mx.minimum(nth, local - 1)], repeat)
         self.touch(selected | (mx.argsort(order) < want))
-        return fill
+        return fill.reshape(away.shape)
 
 
 class Alone:
@@ -193,15 +205,19 @@ class Table:
         self.tables = SlotTables.fixed(np.where(self.rank_of == cfg.rank, slot, -1))
         if recency is not None:
             self._local = mx.array(np.asarray(cfg.global_ids, dtype=np.int32))  # slot -> global id
+            self._experts = _expert_ids(len(slot))
             # expert -> its rank, one-hot (num_experts, world): distinct experts per rank in one sum
             self._ranks = mx.array(self.rank_of[:, None] == np.arange(cfg.world_size))
 
     def __call__(self, inds: mx.array) -> Routed:
-        present = selected_experts(inds, len(self.rank_of)) if self.recency is not None else None
         self._state.note(self._layer, inds, self.rank_of)
         r = Routed(inds, self.tables)
         if self.recency is not None:
-            r.fill = self.recency.fill(r.mine, self._ranks, present, self._rank, self._local)
+            present = selected_experts(inds, self._experts)
+            # every local expert has this node as its one holder: selected here if present
+            r.fill = self.recency.fill(
+                r.away, present, self._ranks, present[self._local], self._rank
+            )
         return r
 
 
@@ -216,23 +232,35 @@ class Replicas:
         self.rule = ArrayRule(cfg.holders, cfg.world_size)
         self._held_slot = mx.array(slot.astype(np.int32))  # global -> slot here, -1: not held
         self._held_safe = mx.array(np.maximum(slot, 0).astype(np.uint32))  # 0: not held
+        self._experts = _expert_ids(self._n)
         if recency is not None:
             self._local = mx.array(np.asarray(cfg.global_ids, dtype=np.int32))
-            self._world = mx.arange(cfg.world_size)  # each call's ranks, one-hot against the ranks
+            # each call's ranks, one-hot against the ranks
+            self._world = mx.array(np.arange(cfg.world_size, dtype=np.int32))
 
     def __call__(self, inds: mx.array) -> Routed:
-        present = selected_experts(inds, self._n)
+        present = selected_experts(inds, self._experts)
         rank_of = self.rule(inds, present)
         here = rank_of == self._rank
         self._state.note(self._layer, inds, rank_of)
         tables = SlotTables(
-            mx.where(here, self._held_slot, -1), mx.where(here, self._held_safe, 0), here
+            mx.where(here, self._held_slot, -1),
+            mx.where(here, self._held_safe, 0),
+            here,
+            mx.where(here, 0, 1),
         )
         r = Routed(inds, tables)
         if self.recency is not None:
             ranks = rank_of[:, None] == self._world
-            r.fill = self.recency.fill(r.mine, ranks, present, self._rank, self._local)
+            selected = (present & here)[self._local]
+            r.fill = self.recency.fill(r.away, present, ranks, selected, self._rank)
         return r
+
+
+def _expert_ids(n: int) -> mx.array:
+    """selected_experts' ids, made once, in the routing indices' dtype (argpartition's uint32): a
+    comparison of other dtypes would cast both sides every call."""
+    return mx.array(np.arange(n, dtype=np.uint32))
 
 
 def device_plan(
