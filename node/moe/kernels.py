@@ -205,7 +205,7 @@ class Skip:
         if r.fill is None:  # nothing read for the positions another node computes
             return self._skipped(x, r.inds, r.slots)
         y = self._skipped(x, r.inds, mx.where(r.mine, r.slots, r.fill))  # fillers read, then zeroed
-        return mx.where(r.mine[..., None], y, mx.zeros_like(y))
+        return mx.where(r.mine[..., None], y, 0.0)
 
     def _skipped(self, x: mx.array, inds: mx.array, slots: mx.array) -> mx.array:
         """The MLP through the skip kernels: `slots` (..., k) local slot per position, -1 where none
