@@ -6,6 +6,8 @@ time to build it; plus the whole step's count (logits of one token, KV cache war
     python scripts/layer_ops_probe.py /tmp/q3-4bit --rows 8 --json
 
 Deterministic except the build times (medians of --repeats calls; alternate rounds on a busy host).
+`--route skip` counts the skip route without CUDA: each skip kernel (node/moe/kernels.py skip_proj)
+is a stand-in of the same inputs, reported as one CustomKernel primitive.
 """
 
 import argparse
@@ -30,8 +32,34 @@ def _step_counts(model, rows: int):
     return counts
 
 
+class _SkipStandIn:
+    """skip_proj's shape and inputs without CUDA: ErfInv of zeros, depending on x and the slots."""
+
+    calls = 0
+
+    def __call__(self, p, x, slots, per_x):
+        self.calls += 1
+        zeros = mx.zeros((slots.shape[0], p.weight.shape[1]), dtype=x.dtype)
+        mx.eval(zeros)
+        return mx.depends(mx.erfinv(zeros), [x, slots])
+
+
+def _relabel(counts, stand_in: _SkipStandIn | None, calls: int):
+    if stand_in is None or not counts.get("ErfInv"):
+        return counts
+    counts = dict(counts)
+    counts["CustomKernel"] = counts.pop("ErfInv")
+    counts["Depends"] -= calls
+    return {k: v for k, v in counts.items() if v}
+
+
 def measure(path: str, route: str, keepalive: str, rows: int, world: int, repeats: int) -> dict:
     stock = load_unsharded(path)
+    stand_in = None
+    if route == "skip":
+        from moe_cluster.node.moe import kernels as kernel_module
+
+        stand_in = kernel_module.skip_proj = _SkipStandIn()
     ours = load_shard(
         path,
         None,
@@ -39,15 +67,22 @@ def measure(path: str, route: str, keepalive: str, rows: int, world: int, repeat
         keepalive=keepalive,
         collective=GraphOnly(0, world),
         warm_up=False,
-        route=route,
+        route="device" if stand_in else route,
     )
+    if stand_in is not None:
+        for m in ours.layers:
+            m.shard.use_skip(activation_dtype(m.block, m.description.bank_attr))
+            m.shard.set_route("skip")
     b, layer = stock.blocks[0], ours.layers[0]
     dtype = activation_dtype(b.block, b.bank_attr)
     x = mx.random.normal((rows, 1, b.width or layer.description.width)).astype(dtype)
     mx.eval(x)
     out = {"route": layer.shard.route, "keepalive": keepalive, "rows": rows, "world": world}
     for name, module, model in (("stock", b.block, stock.model), ("ours", layer, ours.model)):
+        before = stand_in.calls if stand_in else 0
         counts = moe_layer(module, x)
+        if stand_in is not None:  # the counted call's kernels: half of the two calls' stand-ins
+            counts = _relabel(counts, stand_in, (stand_in.calls - before) // 2)
         call = lambda: module(x)  # noqa: E731
         step = _step_counts(model, rows)
         out[name] = {
