@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 import mlx.core as mx
@@ -163,18 +163,36 @@ class Recency:
         repeat an expert already read. Another node's positions always suffice: the busiest node's
         experts all sit at positions that are not ours. Its outputs are zeroed by the kernel; only
         the weights' reads matter, and what it holds at this node's own positions is never read."""
-        local = self._slots.shape[0]
-        per_rank = (present[:, None] & ranks).sum(axis=0)  # distinct experts per rank (int32)
-        n_mine = per_rank[rank : rank + 1]  # a slice: a view, where an index would gather
-        want = mx.minimum(per_rank.max(), local) - n_mine  # fillers this call
-        # the free slots, least recently used first
-        order = mx.argsort(mx.where(selected, 2**31 - 1, self.stamp * local + self._slots))
-        # each of the other nodes' positions: its index among them (>= 0: clipped above only)
-        nth = mx.cumsum(away.reshape(-1), inclusive=False)
-        repeat = mx.where(n_mine > 0, mx.argmax(selected), order[:1])  # a slot read anyway
-        fill = mx.where(nth < want, order[mx.minimum(nth, local - 1)], repeat)
-        self.touch(selected | (mx.argsort(order) < want))
-        return fill.reshape(away.shape)
+        if self.calls >= _STAMP_SPAN:  # as touch: the counts restart, older stamps shifted down
+            self.calls -= _STAMP_SPAN // 2
+            self.stamp = mx.maximum(self.stamp - _STAMP_SPAN // 2, 0)
+        self.calls += 1
+        if rank not in _LRU_FILL:
+            _LRU_FILL[rank] = mx.compile(partial(_lru_fill, rank=rank))
+        fill, self.stamp = _LRU_FILL[rank](
+            away, present, ranks, selected, self.stamp, mx.array(self.calls), self._slots
+        )
+        return fill
+
+
+_LRU_FILL: dict[int, Callable] = {}  # rank -> _lru_fill compiled, shared by every layer
+
+
+def _lru_fill(away, present, ranks, selected, stamp, calls, slots, rank: int):
+    """Recency.fill's arithmetic, a pure function compiled once per shape (its elementwise runs
+    fused): (the filler of each position, the stamps after this call)."""
+    local = slots.shape[0]
+    per_rank = (present[:, None] & ranks).sum(axis=0)  # distinct experts per rank (int32)
+    n_mine = per_rank[rank : rank + 1]  # a slice: a view, where an index would gather
+    want = mx.minimum(per_rank.max(), local) - n_mine  # fillers this call
+    # the free slots, least recently used first
+    order = mx.argsort(mx.where(selected, 2**31 - 1, stamp * local + slots))
+    # each of the other nodes' positions: its index among them (>= 0: clipped above only)
+    nth = mx.cumsum(away.reshape(-1), inclusive=False)
+    repeat = mx.where(n_mine > 0, mx.argmax(selected), order[:1])  # a slot read anyway
+    fill = mx.where(nth < want, order[mx.minimum(nth, local - 1)], repeat)
+    computed = selected | (mx.argsort(order) < want)
+    return fill.reshape(away.shape), mx.where(computed, calls, stamp)
 
 
 class Alone:
