@@ -90,6 +90,7 @@ def measure(path: str, route: str, keepalive: str, rows: int, world: int, repeat
             "layer_primitives": sum(counts.values()),
             "layer_kernels": kernels(counts),
             "layer_build_us": build_seconds(call, repeats) * 1e6,
+            "layer_build_p10_us": build_seconds(call, repeats, 0.1) * 1e6,
             "step_primitives": sum(step.values()),
             "step_kernels": kernels(step),
         }
