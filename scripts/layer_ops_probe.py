@@ -19,7 +19,13 @@ from mlx_lm.models.cache import make_prompt_cache
 from moe_cluster.coordinator.dev.run_local import load_stock
 from moe_cluster.node.collective.mlx import GraphOnly
 from moe_cluster.node.moe.load import activation_dtype, load_shard, load_unsharded
-from moe_cluster.node.moe.opcount import build_seconds, kernels, moe_layer, primitives
+from moe_cluster.node.moe.opcount import (
+    SkipStandIn,
+    build_seconds,
+    kernels,
+    moe_layer,
+    primitives,
+)
 
 
 def _step_counts(model, rows: int):
@@ -32,34 +38,8 @@ def _step_counts(model, rows: int):
     return counts
 
 
-class _SkipStandIn:
-    """skip_proj's shape and inputs without CUDA: ErfInv of zeros, depending on x and the slots."""
-
-    calls = 0
-
-    def __call__(self, p, x, slots, per_x):
-        self.calls += 1
-        zeros = mx.zeros((slots.shape[0], p.weight.shape[1]), dtype=x.dtype)
-        mx.eval(zeros)
-        return mx.depends(mx.erfinv(zeros), [x, slots])
-
-
-def _relabel(counts, stand_in: _SkipStandIn | None, calls: int):
-    if stand_in is None or not counts.get("ErfInv"):
-        return counts
-    counts = dict(counts)
-    counts["CustomKernel"] = counts.pop("ErfInv")
-    counts["Depends"] -= calls
-    return {k: v for k, v in counts.items() if v}
-
-
 def measure(path: str, route: str, keepalive: str, rows: int, world: int, repeats: int) -> dict:
     stock = load_unsharded(path)
-    stand_in = None
-    if route == "skip":
-        from moe_cluster.node.moe import kernels as kernel_module
-
-        stand_in = kernel_module.skip_proj = _SkipStandIn()
     ours = load_shard(
         path,
         None,
@@ -67,22 +47,17 @@ def measure(path: str, route: str, keepalive: str, rows: int, world: int, repeat
         keepalive=keepalive,
         collective=GraphOnly(0, world),
         warm_up=False,
-        route="device" if stand_in else route,
+        route="device" if route == "skip" else route,
     )
-    if stand_in is not None:
-        for m in ours.layers:
-            m.shard.use_skip(activation_dtype(m.block, m.description.bank_attr))
-            m.shard.set_route("skip")
+    if route == "skip":
+        SkipStandIn().install(ours)
     b, layer = stock.blocks[0], ours.layers[0]
     dtype = activation_dtype(b.block, b.bank_attr)
     x = mx.random.normal((rows, 1, b.width or layer.description.width)).astype(dtype)
     mx.eval(x)
     out = {"route": layer.shard.route, "keepalive": keepalive, "rows": rows, "world": world}
     for name, module, model in (("stock", b.block, stock.model), ("ours", layer, ours.model)):
-        before = stand_in.calls if stand_in else 0
-        counts = moe_layer(module, x)
-        if stand_in is not None:  # the counted call's kernels: half of the two calls' stand-ins
-            counts = _relabel(counts, stand_in, (stand_in.calls - before) // 2)
+        counts = SkipStandIn.relabel(moe_layer(module, x))
         call = lambda: module(x)  # noqa: E731
         step = _step_counts(model, rows)
         out[name] = {

@@ -134,3 +134,34 @@ def node_layer(sharded, rows: int = 1) -> Counter | None:
     finally:
         set_collective(sharded, saved)
         del state.pending[noted:]
+
+
+class SkipStandIn:
+    """The skip route's kernels (kernels.skip_proj, CUDA only) for counting on any machine: each
+    call one ErfInv of evaluated zeros shaped like the kernel's output, depending on its inputs;
+    `relabel` names it the one custom kernel it stands for. `install` puts it in place of
+    skip_proj and every MoE layer of `sharded` on the skip route (for a process that only
+    counts: nothing is put back)."""
+
+    def __call__(self, p, x: mx.array, slots: mx.array, per_x: int) -> mx.array:
+        zeros = mx.zeros((slots.shape[0], p.weight.shape[1]), dtype=x.dtype)
+        mx.eval(zeros)
+        return mx.depends(mx.erfinv(zeros), [x, slots])
+
+    def install(self, sharded) -> None:
+        from . import kernels
+        from .load import activation_dtype
+
+        kernels.skip_proj = self
+        for m in sharded.layers:
+            m.shard.use_skip(activation_dtype(m.block, m.description.bank_attr))
+            m.shard.set_route("skip")
+
+    @staticmethod
+    def relabel(counts: Counter) -> Counter:
+        """Each stand-in's ErfInv and Depends as the one CustomKernel primitive it stands for."""
+        counts = Counter(counts)
+        n = counts.pop("ErfInv", 0)
+        counts["CustomKernel"] += n
+        counts["Depends"] -= n
+        return +counts  # drops the zero counts
