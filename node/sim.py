@@ -185,7 +185,16 @@ def _report(job: SimJob, index: int, sharded) -> dict:
         # read waiting for its slot is host memory outside MLX: expert_cache.staged_peak_bytes)
         "peak_memory_decode_bytes": int(mx.get_peak_memory()),
         "expert_cache": sharded.state.cache_totals(),  # decode steps only, like the counters
+        # what one MoE layer puts in a batch-1 decode step's graph (node/moe/opcount.py)
+        "primitives_per_moe_layer": _layer_ops(sharded),
     }
+
+
+def _layer_ops(sharded) -> dict | None:
+    from .moe.opcount import layer_summary, node_layer
+
+    counts = node_layer(sharded)
+    return layer_summary(counts) if counts is not None else None
 
 
 class _Timed:

@@ -186,6 +186,11 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> l
                 "breakdown_s": breakdown(r0["timers"], steps, per_token),
                 # simulated nodes share this machine's CPU cores, unless each has its own GPU
                 "nodes_per_host": 1 if spec.gpus else nodes,
+                # one MoE layer of a batch-1 decode step: rank 0's graph; stock's is set by run()
+                "primitives_per_moe_layer": {
+                    "ours": r0.get("primitives_per_moe_layer"),
+                    "stock": None,
+                },
             }
         )
     return out
@@ -376,6 +381,7 @@ def run(spec: DecodeBench) -> dict:
     ckpt, model, tokenizer = load_stock(spec.model)
     ids = encode_prompt(tokenizer, spec.prompt)
     t0 = time.perf_counter()
+    stock_ops = _stock_layer_ops(ckpt, model)
     try:
         single = _single_node(spec, ids, tokenizer, model)
     except (RuntimeError, ValueError, IndexError) as exc:
@@ -415,6 +421,7 @@ def run(spec: DecodeBench) -> dict:
         )
         # the tokens stay in the row: runs with another decode route are compared on them
         c.update(_compare(c["tokens"], stock_tokens))
+        c["primitives_per_moe_layer"]["stock"] = stock_ops
     from .tensor_parallel import measure
 
     peers = []
@@ -460,6 +467,17 @@ def run(spec: DecodeBench) -> dict:
         "seconds": time.perf_counter() - t0,
     }
     return out
+
+
+def _stock_layer_ops(ckpt, model) -> dict | None:
+    """What stock mlx-lm's first MoE layer puts in a batch-1 decode step's graph
+    (node/moe/opcount.py): beside each row's own, where a step is launch-bound (a GPU)."""
+    from ...node.describe import describe
+    from ...node.moe.opcount import layer_summary, stock_layer
+    from ...node.moe.structure import rebind
+
+    counts = stock_layer(rebind(describe(ckpt).blocks, model))
+    return layer_summary(counts) if counts is not None else None
 
 
 def fixed_cost_us(

@@ -146,6 +146,9 @@ def _ours(
                 "moe_layers": moe_layers,
                 "micro_batches": r0.get("micro_batches", "off"),
                 "route": r0.get("route"),  # rank 0's decode route and where wide calls go
+                # one MoE layer of a batch-1 step on rank 0's route (node/moe/opcount.py); None
+                # where that route reads the routing on the host
+                "primitives_per_moe_layer": r0.get("primitives_per_moe_layer"),
             }
         )
     return rows

@@ -254,6 +254,17 @@ def rank_order_sum(parts: list[mx.array]) -> mx.array:
     return total.astype(parts[0].dtype)
 
 
+def rank_order_sum_rows(parts: mx.array) -> mx.array:
+    """`rank_order_sum` of the rows of `parts` (N, ...), rank r's partial in row r (an all-gather's
+    output): the same bytes, cast to float32 once and split into views, where indexing each row and
+    casting it would launch 2N kernels; (1, ...)."""
+    rows = mx.split(parts.astype(mx.float32), parts.shape[0])
+    total = rows[0]
+    for p in rows[1:]:
+        total = total + p
+    return total.astype(parts.dtype)
+
+
 @contextmanager
 def waiting(collective: Collective, what: str) -> Iterator[None]:
     """The stall guard armed while the node waits on a result that needs the peers."""

@@ -2,7 +2,7 @@
 NCCL on CUDA GPUs).
 
 Each all-reduce is a graph operation: an `all_gather` of the partials, then the sum in rank order
-in float32 (`base.rank_order_sum`), so a token step stays one lazy graph with no host sync inside
+in float32 (`base.rank_order_sum_rows`), so a token step stays one lazy graph with no host sync inside
 it, and the sum is the same bytes as the envoy transport's on every node (a ring `all_sum` adds in
 a different order per chunk and in the payload dtype). The first all-reduce of a step also carries
 the token agreement (`base.Rider`): every rank's sampled token and cancel flag, as raw bytes beside
@@ -38,7 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...proto.errors import UserError
-from .base import Agreement, CollectiveError, Rider, rank_order_sum
+from .base import Agreement, CollectiveError, Rider, rank_order_sum_rows
 from .specs import MlxSpec
 
 logger = logging.getLogger(__name__)
@@ -199,17 +199,20 @@ class MlxCollective:
             flat = mx.depends(flat, self._last)
         ride = self._rider.take(layer)
         if ride is None:
-            parts = mx.distributed.all_gather(flat, group=self.group)  # (N, numel)
+            parts = self._all_gather(flat)  # (N, numel)
             self._last = parts
         else:
             nbytes = partial.nbytes
             extras = ride.reshape(-1).astype(mx.int32)
             payload = mx.concatenate([flat.reshape(-1).view(mx.uint8), extras.view(mx.uint8)])[None]
-            gathered = mx.distributed.all_gather(payload, group=self.group)  # (N, nbytes + 8) uint8
+            gathered = self._all_gather(payload)  # (N, nbytes + 8) uint8
             self._last = gathered
             parts = gathered[:, :nbytes].view(partial.dtype)
             self._rider.carried(lambda: _agreement(gathered, nbytes))
-        return rank_order_sum([parts[r] for r in range(self.world_size)]).reshape(partial.shape)
+        return rank_order_sum_rows(parts).reshape(partial.shape)
+
+    def _all_gather(self, x: mx.array) -> mx.array:
+        return mx.distributed.all_gather(x, group=self.group)
 
     def ride(self, values: mx.array) -> None:
         self._rider.ride(values)
@@ -237,6 +240,23 @@ class MlxCollective:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+class GraphOnly(MlxCollective):
+    """`transport: mlx`'s all-reduce graph for `world_size` ranks without a group: each all_gather
+    is one Concatenate of this rank's part, standing in for the collective's one primitive, the
+    rest is MlxCollective's own (node/moe/opcount.py counts it). Evaluated, it sums `world_size`
+    copies of this rank's partial: only its graph means anything."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size = rank, world_size
+        self._tmp = self._watchdog = None
+        self._rider = Rider(rank, world_size)
+        self._last = None
+        self.group = self  # all_reduce gathers: a group of one would return the partial
+
+    def _all_gather(self, x: mx.array) -> mx.array:
+        return mx.concatenate([x] * self.world_size)
 
 
 def _agreement(gathered: mx.array, nbytes: int) -> Agreement:

@@ -167,14 +167,14 @@ class Gather:
             if r.inds.size >= SORTED_FROM:
                 return self._sorted(rows, r.slots)
             return self.mlp(rows, r.slots, None).squeeze(-2)
-        mine = r.mine
+        mine, safe = r.mine, r.safe  # uint32, as gather_mm takes it: no cast
         # keepalive none: another node's positions repeat a slot read anyway (the highest selected
-        # here; slot 0 where none is): a repeated expert's weights come from cache, not memory
-        # (scripts/filler_probe.py), though a CPU still computes the row
-        other = r.fill if r.fill is not None else mx.maximum(r.slots.max(), 0)
-        slots = mx.where(mine, r.slots, other).astype(mx.uint32)
+        # here, safe's 0 at theirs; slot 0 where none is): a repeated expert's weights come from
+        # cache, not memory (scripts/filler_probe.py), though a CPU still computes the row
+        other = r.fill if r.fill is not None else safe.max()
+        slots = mx.where(mine, safe, other)
         y = self.mlp(rows, slots, None).squeeze(-2)  # (..., k, out)
-        return mx.where(mine[..., None], y, mx.zeros_like(y))
+        return mx.where(mine[..., None], y, 0.0)  # a scalar zero: no array of zeros to fill
 
     def _sorted(self, rows: mx.array, slots: mx.array) -> mx.array:
         """Many rows (a prompt, a wide batch) alone: mlx-lm's SwitchGLU sorted path op for op (rows
@@ -205,7 +205,7 @@ class Skip:
         if r.fill is None:  # nothing read for the positions another node computes
             return self._skipped(x, r.inds, r.slots)
         y = self._skipped(x, r.inds, mx.where(r.mine, r.slots, r.fill))  # fillers read, then zeroed
-        return mx.where(r.mine[..., None], y, mx.zeros_like(y))
+        return mx.where(r.mine[..., None], y, 0.0)
 
     def _skipped(self, x: mx.array, inds: mx.array, slots: mx.array) -> mx.array:
         """The MLP through the skip kernels: `slots` (..., k) local slot per position, -1 where none

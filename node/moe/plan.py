@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import cached_property, partial
 from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 import mlx.core as mx
@@ -52,21 +53,67 @@ class ShardConfig:
         return slot
 
 
-@dataclass
+@dataclass(frozen=True)
+class SlotTables:
+    """Expert -> this node's slot, on the device, (num_experts,) each: made once at load (Table) or
+    per call (Replicas, from the replica rule's ranks). A kernel takes the form it reads, so that
+    one gather gives it what an index, a mask and a cast gave before."""
+
+    slot: mx.array  # int32: the local slot, -1 where another node computes the expert
+    safe: mx.array  # uint32: the local slot, 0 where another node computes it (any kernel reads)
+    here: mx.array  # bool: this node computes it
+    away: mx.array  # int32: 1 where another node computes it (keepalive lru counts them)
+
+    @classmethod
+    def fixed(cls, slot: np.ndarray) -> SlotTables:
+        """From a table fixed at load (numpy, -1 where another node computes the expert)."""
+        here = slot >= 0
+        return cls(
+            mx.array(slot.astype(np.int32)),
+            mx.array(np.where(here, slot, 0).astype(np.uint32)),
+            mx.array(here),
+            mx.array((~here).astype(np.int32)),
+        )
+
+
 class Routed:
-    """A device plan's answer for one call: `slots` (..., k) the local slot of each position, -1
-    where another node computes it; `mine` slots >= 0 (None when alone: every position is ours);
+    """A device plan's answer for one call: the routing indices `inds` (..., k) and, each made on
+    first use so that a kernel's graph holds only what it reads, `slots` the local slot of each
+    position (-1 where another node computes it), `safe` the same with 0 there (uint32), and
+    `mine` whether this node computes it (None when alone: every position is ours, `slots` given);
     `fill` (..., k) the slot such a position reads instead (keepalive lru), None where none was
     chosen."""
 
-    inds: mx.array
-    slots: mx.array
-    mine: mx.array | None = None
-    fill: mx.array | None = None
+    def __init__(
+        self,
+        inds: mx.array,
+        tables: SlotTables | None = None,
+        slots: mx.array | None = None,
+        fill: mx.array | None = None,
+    ):
+        self.inds, self.fill, self._tables = inds, fill, tables
+        if slots is not None:
+            self.slots = slots
 
     @property
     def alone(self) -> bool:
-        return self.mine is None
+        return self._tables is None
+
+    @cached_property
+    def slots(self) -> mx.array:
+        return self._tables.slot[self.inds]
+
+    @cached_property
+    def safe(self) -> mx.array:
+        return self._tables.safe[self.inds]
+
+    @cached_property
+    def away(self) -> mx.array:
+        return self._tables.away[self.inds]
+
+    @cached_property
+    def mine(self) -> mx.array | None:
+        return None if self._tables is None else self._tables.here[self.inds]
 
 
 class Recency:
@@ -77,6 +124,7 @@ class Recency:
     def __init__(self, local: int):
         self.stamp = mx.zeros((local,), dtype=mx.int32)
         self.calls = 0
+        self._slots = mx.array(np.arange(local, dtype=np.int32))  # fill's tie-break, made once
 
     def order(self) -> list[int]:
         """Local slots, least recently computed first (reads the stamps on the host)."""
@@ -100,28 +148,51 @@ class Recency:
         self.stamp = mx.where(computed, self.calls, self.stamp)
 
     def fill(
-        self, mine: mx.array, ranks: mx.array, present: mx.array, rank: int, local_ids: mx.array
+        self,
+        away: mx.array,
+        present: mx.array,
+        ranks: mx.array,
+        selected: mx.array,
+        rank: int,
     ) -> mx.array:
-        """Keepalive lru on the device (`ranks`: expert x rank, who computes it; `present`: the
-        experts this call selects): the slot each position another node computes takes here, so
-        that this node computes as many distinct experts as the busiest node (min(cluster max, its
-        experts)), the extra ones its least recently used; the rest repeat an expert already read.
-        Another node's positions always suffice: the busiest node's experts all sit at positions
-        that are not ours. Its outputs are zeroed by the kernel; only the weights' reads matter."""
-        local = local_ids.shape[0]
-        # distinct experts per rank
-        per_rank = (present[:, None] & ranks).astype(mx.int32).sum(axis=0)
-        selected = (present & ranks[:, rank])[local_ids]  # (local,): computed here
-        n_mine = per_rank[rank]
-        want = mx.minimum(per_rank.max(), local) - n_mine  # fillers this call
-        # the free slots, least recently used first
-        order = mx.argsort(mx.where(selected, 2**31 - 1, self.stamp * local + mx.arange(local)))
-        # each position's index among the other nodes' positions
-        nth = mx.cumsum((~mine).reshape(-1).astype(mx.int32)) - 1
-        repeat = mx.where(n_mine > 0, mx.argmax(selected), order[0])  # a slot read anyway
-        fill = mx.where(nth < want, order[mx.clip(nth, 0, local - 1)], repeat).reshape(mine.shape)
-        self.touch(selected | (mx.argsort(order) < want))
+        """Keepalive lru on the device (`away` (..., k) int32: 1 at the positions another node
+        computes; `present`: the experts this call selects; `ranks`: expert x rank, who computes it;
+        `selected` (local,): the local slots computed here): the slot each position another node
+        computes takes here, so that this node computes as many distinct experts as the busiest
+        node (min(cluster max, its experts)), the extra ones its least recently used; the rest
+        repeat an expert already read. Another node's positions always suffice: the busiest node's
+        experts all sit at positions that are not ours. Its outputs are zeroed by the kernel; only
+        the weights' reads matter, and what it holds at this node's own positions is never read."""
+        if self.calls >= _STAMP_SPAN:  # as touch: the counts restart, older stamps shifted down
+            self.calls -= _STAMP_SPAN // 2
+            self.stamp = mx.maximum(self.stamp - _STAMP_SPAN // 2, 0)
+        self.calls += 1
+        if rank not in _LRU_FILL:
+            _LRU_FILL[rank] = mx.compile(partial(_lru_fill, rank=rank))
+        fill, self.stamp = _LRU_FILL[rank](
+            away, present, ranks, selected, self.stamp, mx.array(self.calls), self._slots
+        )
         return fill
+
+
+_LRU_FILL: dict[int, Callable] = {}  # rank -> _lru_fill compiled, shared by every layer
+
+
+def _lru_fill(away, present, ranks, selected, stamp, calls, slots, rank: int):
+    """Recency.fill's arithmetic, a pure function compiled once per shape (its elementwise runs
+    fused): (the filler of each position, the stamps after this call)."""
+    local = slots.shape[0]
+    per_rank = (present[:, None] & ranks).sum(axis=0)  # distinct experts per rank (int32)
+    n_mine = per_rank[rank : rank + 1]  # a slice: a view, where an index would gather
+    want = mx.minimum(per_rank.max(), local) - n_mine  # fillers this call
+    # the free slots, least recently used first
+    order = mx.argsort(mx.where(selected, 2**31 - 1, stamp * local + slots))
+    # each of the other nodes' positions: its index among them (>= 0: clipped above only)
+    nth = mx.cumsum(away.reshape(-1), inclusive=False)
+    repeat = mx.where(n_mine > 0, mx.argmax(selected), order[:1])  # a slot read anyway
+    fill = mx.where(nth < want, order[mx.minimum(nth, local - 1)], repeat)
+    computed = selected | (mx.argsort(order) < want)
+    return fill.reshape(away.shape), mx.where(computed, calls, stamp)
 
 
 class Alone:
@@ -133,11 +204,12 @@ class Alone:
         self.rank_of = np.array([cfg.holders[e][0] for e in range(len(slot))], dtype=np.int64)
         lut = np.where(self.rank_of == cfg.rank, slot, -1)  # global -> slot
         self.identity = bool(np.array_equal(lut, np.arange(len(slot))))  # the indices are the slots
-        self.lut = mx.array(lut.astype(np.int32))
+        # every expert is here (world size 1): uint32 already, as gather_mm takes it
+        self.lut = mx.array(lut.astype(np.uint32))
 
     def __call__(self, inds: mx.array) -> Routed:
         self._state.note(self._layer, inds, self.rank_of)
-        return Routed(inds, inds if self.identity else self.lut[inds].astype(mx.uint32))
+        return Routed(inds, slots=inds if self.identity else self.lut[inds])
 
 
 class Table:
@@ -148,19 +220,22 @@ class Table:
         self._layer, self._state, self._rank, self.recency = cfg.layer, state, cfg.rank, recency
         slot = cfg.slot_table()
         self.rank_of = np.array([cfg.holders[e][0] for e in range(len(slot))], dtype=np.int64)
-        self.lut = mx.array(np.where(self.rank_of == cfg.rank, slot, -1).astype(np.int32))
+        self.tables = SlotTables.fixed(np.where(self.rank_of == cfg.rank, slot, -1))
         if recency is not None:
             self._local = mx.array(np.asarray(cfg.global_ids, dtype=np.int32))  # slot -> global id
+            self._experts = _expert_ids(len(slot))
             # expert -> its rank, one-hot (num_experts, world): distinct experts per rank in one sum
             self._ranks = mx.array(self.rank_of[:, None] == np.arange(cfg.world_size))
 
     def __call__(self, inds: mx.array) -> Routed:
-        present = selected_experts(inds, self.lut.shape[0]) if self.recency is not None else None
         self._state.note(self._layer, inds, self.rank_of)
-        slots = self.lut[inds]  # (..., k): local slot, or -1 where another node computes it
-        r = Routed(inds, slots, slots >= 0)
+        r = Routed(inds, self.tables)
         if self.recency is not None:
-            r.fill = self.recency.fill(r.mine, self._ranks, present, self._rank, self._local)
+            present = selected_experts(inds, self._experts)
+            # every local expert has this node as its one holder: selected here if present
+            r.fill = self.recency.fill(
+                r.away, present, self._ranks, present[self._local], self._rank
+            )
         return r
 
 
@@ -174,21 +249,36 @@ class Replicas:
         self._n = len(slot)
         self.rule = ArrayRule(cfg.holders, cfg.world_size)
         self._held_slot = mx.array(slot.astype(np.int32))  # global -> slot here, -1: not held
+        self._held_safe = mx.array(np.maximum(slot, 0).astype(np.uint32))  # 0: not held
+        self._experts = _expert_ids(self._n)
         if recency is not None:
             self._local = mx.array(np.asarray(cfg.global_ids, dtype=np.int32))
-            self._world = mx.arange(cfg.world_size)  # each call's ranks, one-hot against the ranks
+            # each call's ranks, one-hot against the ranks
+            self._world = mx.array(np.arange(cfg.world_size, dtype=np.int32))
 
     def __call__(self, inds: mx.array) -> Routed:
-        present = selected_experts(inds, self._n)
+        present = selected_experts(inds, self._experts)
         rank_of = self.rule(inds, present)
-        lut = mx.where(rank_of == self._rank, self._held_slot, -1)
+        here = rank_of == self._rank
         self._state.note(self._layer, inds, rank_of)
-        slots = lut[inds]
-        r = Routed(inds, slots, slots >= 0)
+        tables = SlotTables(
+            mx.where(here, self._held_slot, -1),
+            mx.where(here, self._held_safe, 0),
+            here,
+            mx.where(here, 0, 1),
+        )
+        r = Routed(inds, tables)
         if self.recency is not None:
             ranks = rank_of[:, None] == self._world
-            r.fill = self.recency.fill(r.mine, ranks, present, self._rank, self._local)
+            selected = (present & here)[self._local]
+            r.fill = self.recency.fill(r.away, present, ranks, selected, self._rank)
         return r
+
+
+def _expert_ids(n: int) -> mx.array:
+    """selected_experts' ids, made once, in the routing indices' dtype (argpartition's uint32): a
+    comparison of other dtypes would cast both sides every call."""
+    return mx.array(np.arange(n, dtype=np.uint32))
 
 
 def device_plan(

@@ -55,9 +55,11 @@ def rank_counts(selected: Iterable[int], holders: Holders, world_size: int) -> l
     return per_rank(assign(selected, holders), world_size)
 
 
-def selected_experts(inds: mx.array, num_experts: int) -> mx.array:
-    """(num_experts,) bool: the experts a call's indices select, on the device."""
-    return mx.zeros((num_experts,), dtype=mx.int32).at[inds.reshape(-1)].add(1) > 0
+def selected_experts(inds: mx.array, experts: mx.array) -> mx.array:
+    """(num_experts,) bool: the experts a call's indices select, on the device (`experts`: the
+    ids, arange(num_experts), made once by the caller). A comparison and a reduction: two kernels
+    where a scatter into zeros is three."""
+    return (inds.reshape(-1, 1) == experts).any(axis=0)
 
 
 def everywhere_or_once(holders: Holders, world_size: int) -> bool:

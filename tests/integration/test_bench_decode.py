@@ -5,11 +5,14 @@ are speeds (not asserted); what is asserted is that every path ran and gave stoc
 from __future__ import annotations
 
 import json
+import os
 
 from conftest import cli
 
 
 def test_bench_decode_reports_every_path_with_stock_tokens():
+    # the device route at N = 2, so that the row's decode step is one graph to count
+    env = {**os.environ, "MOE_CLUSTER_ROUTE": "device"}
     r = cli(
         "bench",
         "decode",
@@ -25,6 +28,7 @@ def test_bench_decode_reports_every_path_with_stock_tokens():
         "1",
         "--json",
         timeout=300,
+        env=env,
     )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -38,6 +42,16 @@ def test_bench_decode_reports_every_path_with_stock_tokens():
     for c in out["clusters"]:
         assert c["same_tokens"] and c["generated"] == c["stock_generated"] == 16, c
         assert isinstance(c["fixed_cost_per_moe_layer_us"], float)
+        # one MoE layer's primitives, ours beside stock's: alone, the shard adds nothing; at N = 2
+        # (shm: the all-reduce outside the graph) the slot plan and the zeroed rows
+        ops = c["primitives_per_moe_layer"]
+        stock, ours = ops["stock"], ops["ours"]
+        assert stock["kernels"] > 0 and stock["primitives"] >= stock["kernels"], ops
+        assert sum(stock["by_type"].values()) == stock["primitives"], ops
+        if c["nodes"] == 1:
+            assert ours["kernels"] == stock["kernels"], ops
+        else:
+            assert stock["kernels"] < ours["kernels"] <= stock["kernels"] + 6, ops
     (peer,) = out["peers"]
     assert peer["name"] == "mlx_lm_tensor_parallel" and peer["nodes"] == 2, peer
     assert peer["tps"] > 0 and peer["same_tokens"] and peer["generated"] == 16, peer

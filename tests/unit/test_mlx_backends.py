@@ -13,6 +13,7 @@ from moe_cluster.node.collective.base import (
     CollectiveError,
     TokenMismatch,
     rank_order_sum,
+    rank_order_sum_rows,
     read_slots,
     ride_slots,
 )
@@ -99,6 +100,9 @@ def test_the_in_graph_sum_is_the_envoys_bytes(dtype, ranks):
         x[:8] = [np.nan, np.inf, -np.inf, 0.0, -0.0, 65504.0, 3.4e38, -3.4e38][:8]
         parts.append(mx.array(np.roll(x, r)).astype(getattr(mx, dtype)))
     got, _ = to_wire(rank_order_sum(parts))
+    # MlxCollective sums the all-gather's rows, cast once: the same bytes as the list's sum
+    rows, _ = to_wire(rank_order_sum_rows(mx.stack(parts))[0])
+    assert rows.tobytes() == got.tobytes()
     with np.errstate(invalid="ignore"):
         want = Reducer()([to_wire(p)[0] for p in parts], dtype)
     # inf + -inf in float32: numpy on x86 makes 0xFFC00000, MLX 0x7FC00000. Only such a NaN's sign
