@@ -76,7 +76,7 @@ class Member:
     route_us: dict = field(default_factory=dict)
     speculative: str = ""  # what the node's batch does of serving.speculative (Status)
     micro_batches: str = ""  # what the node's batch does of serving.overlap (Status)
-    route_host_from: int = 0  # positions from which its calls take the host read; 0: never
+    route_host_from: int = 0  # positions from which its calls take the host read; 0: none
 
     @property
     def address(self) -> str:

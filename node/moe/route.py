@@ -9,7 +9,7 @@ layer of its own shard on each route it has (a one-token decode input, k experts
 router's count, a few repetitions) and keeps the fastest for every layer. Wide calls (a prompt, a
 batch of many streams) may go another way: where the fastest is a device route, the node times it
 against the host read on batches of HANDOFF_TOKENS rows and hands calls from the first size where
-the host read wins to it (`host_from` positions; never where it does not win). A GPU pays a host
+the host read wins to it (`host_from` positions; past twice the widest size where it never wins). A GPU pays a host
 sync per layer dearly and a CPU the rows another node computes, so the crossover is measured too.
 cluster.yaml's `route: skip|device|host` forces one (benchmarks), and where it says `measure` (the
 default) `MOE_CLUSTER_ROUTE=skip|device|host` in a node's environment does.
@@ -52,8 +52,8 @@ class RouteChoice:
     how: str  # measured | forced | preferred | only (one route to take)
     times_us: dict[str, float] = field(default_factory=dict)
     layer: int | None = None  # the MoE layer timed
-    # positions from which a device route's call takes the host read (None: never, or no host
-    # read to hand to), and the times that set it: {batch rows: {route: µs}}
+    # positions from which a device route's call takes the host read (None: no host read to hand
+    # to), and the times that set it: {batch rows: {route: µs}}
     host_from: int | None = None
     handoff_us: dict[int, dict[str, float]] = field(default_factory=dict)
 
@@ -72,7 +72,7 @@ class RouteChoice:
         )
         timed = f" (µs at {at})" if at else ""
         if self.host_from is None:
-            return f"; wide calls stay on {self.route}{timed}" if timed else ""
+            return ""
         return f"; the host read from {self.host_from} positions{timed}"
 
 
@@ -157,12 +157,14 @@ def choose(
 def _crossover(
     shard: ExpertShard, route: str, top_k: int, timer: TimeRoute
 ) -> tuple[int | None, dict[int, dict[str, float]]]:
-    """(positions from which the host read beats `route`, or None; the times, µs by batch rows):
-    the first of HANDOFF_TOKENS where it does, the sizes above it not timed."""
+    """(positions from which the host read beats `route`; the times, µs by batch rows): the first
+    of HANDOFF_TOKENS where it does, the sizes above it not timed. Where it never does, calls past
+    twice the widest size timed still go to it: nothing measured says the device route wins
+    there, and a skip kernel's launch has a bound on its positions (65,535 on CUDA)."""
     times: dict[int, dict[str, float]] = {}
     for tokens in HANDOFF_TOKENS:
         t = {r: timer(shard, r, top_k, tokens) for r in (route, "host")}
         times[tokens] = {r: round(s * 1e6, 1) for r, s in t.items()}
         if t["host"] < t[route]:
             return tokens * top_k, times
-    return None, times
+    return 2 * HANDOFF_TOKENS[-1] * top_k, times

@@ -46,10 +46,11 @@ def test_the_choice_follows_the_measured_times(times, want):
     assert f"{want}, measured" in choice.describe() and "µs" in choice.describe()
     if want == "host":  # nothing to hand over
         assert len(calls) == 2 and choice.host_from is None and not choice.handoff_us
-    else:  # the host read never won a batch: wide calls stay on the device
+    else:  # the host read never won a batch: only calls past twice the widest size timed go to it
         assert [c[2] for c in calls[2::2]] == list(route.HANDOFF_TOKENS)
-        assert choice.host_from is None and [s.host_from for s in shards] == [None] * 3
-        assert "wide calls stay on device" in choice.describe()
+        widest = 2 * route.HANDOFF_TOKENS[-1] * 3
+        assert choice.host_from == widest and [s.host_from for s in shards] == [widest] * 3
+        assert f"the host read from {widest} positions" in choice.describe()
 
 
 def test_wide_calls_go_to_the_host_read_from_the_size_where_it_measured_faster():
