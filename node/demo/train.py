@@ -23,11 +23,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 2500
+    steps: int = 900
     batch: int = 16
     seq: int = 128
     lr: float = 3e-3
-    warmup: int = 100
+    warmup: int = 90
     weight_decay: float = 0.01
     # Switch-Transformer load-balancing loss weight: small, so routing stays skewed as in real
     # models but no expert dies.

@@ -3,6 +3,8 @@ context unlike the first copy's, at varied lengths and distances, so the model l
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 import numpy as np
 from conftest import cli
 
@@ -58,6 +60,18 @@ def test_batch_windows_repeat_share():
                 ]
             else:
                 assert _runs(row) == [(0, tc.seq + 1)], "a plain window is one corpus span"
+
+
+def test_shipped_default_is_recorded():
+    """train-demo writes its config, `repeat` included, into training.json; the defaults are the
+    shipped model's, so `train-demo --out node/demo/model` retrains it."""
+    import json
+
+    from moe_cluster.node.demo import MODEL_DIR
+
+    recorded = json.loads((MODEL_DIR / "training.json").read_text())["config"]
+    assert recorded == asdict(TrainConfig())
+    assert recorded["repeat"] > 0
 
 
 def test_train_demo_rejects_a_share_out_of_range():
