@@ -48,6 +48,16 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _share(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share from 0 to 1, got {text!r}") from None
+    if not 0 <= x <= 1:
+        raise argparse.ArgumentTypeError(f"expected a share from 0 to 1, got {text}")
+    return x
+
+
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int = 100) -> None:
     p.add_argument(
         "--max-tokens", type=_positive_int, default=max_tokens, help="tokens to generate at most"
@@ -190,6 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=_positive_int, default=None)
     p.add_argument("--batch", type=_positive_int, default=None)
+    p.add_argument(
+        "--repeat",
+        type=_share,
+        default=None,
+        metavar="SHARE",
+        help="share of training sequences that hold a passage twice, to teach copying "
+        "(default: the shipped model's)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler="moe_cluster.coordinator.dev.demo:train_demo")
 

@@ -77,6 +77,8 @@ def train_demo(args) -> int:
         tc = replace(tc, steps=args.steps, warmup=min(tc.warmup, max(1, args.steps // 10)))
     if args.batch:
         tc = replace(tc, batch=args.batch)
+    if args.repeat is not None:
+        tc = replace(tc, repeat=args.repeat)
     report = train(Path(args.out), tc)
     print(
         json.dumps(

@@ -23,11 +23,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 2500
+    steps: int = 900
     batch: int = 16
     seq: int = 128
     lr: float = 3e-3
-    warmup: int = 100
+    warmup: int = 90
     weight_decay: float = 0.01
     # Switch-Transformer load-balancing loss weight: small, so routing stays skewed as in real
     # models but no expert dies.
@@ -39,6 +39,9 @@ class TrainConfig:
     experts: int = 16
     top_k: int = 4
     expert_ffn: int = 80
+    # Share of each batch's sequences made of a passage written twice (see `repeat_window`), so the
+    # model learns to copy what it read, as real LLMs do: prompt lookup drafts then hold.
+    repeat: float = 0.25
 
 
 def demo_config(tc: TrainConfig) -> dict:
@@ -78,6 +81,41 @@ def encode_corpus(tok_dir: Path, corpus_dir: Path = CORPUS_DIR) -> np.ndarray:
         ids.extend(tok.encode(text).ids)
         ids.append(eos)
     return np.array(ids, dtype=np.int32)
+
+
+def repeat_window(ids: np.ndarray, rng: np.random.Generator, n: int) -> tuple[np.ndarray, int]:
+    """`n` tokens: natural text ending in a passage, another span of the corpus, and the passage
+    again; and where the second copy starts. The passage (8 to n/2 tokens) and the span between
+    (any length that fits) vary, so copies are learned at every distance the window holds and after
+    a context unlike the first copy's, as in a prompt that quotes text it read earlier."""
+    length = int(rng.integers(8, n // 2 + 1))
+    gap = int(rng.integers(0, n - 2 * length + 1))
+    head = n - 2 * length - gap + length  # the context before the passage, then the passage
+    s = int(rng.integers(0, len(ids) - head))
+    g = int(rng.integers(0, len(ids) - gap))
+    first = ids[s : s + head]
+    window = np.concatenate([first, ids[g : g + gap], first[head - length :]])
+    return window, n - length
+
+
+def batch_windows(
+    ids: np.ndarray, rng: np.random.Generator, batch: int, seq: int, repeat: float
+) -> tuple[np.ndarray, list[int]]:
+    """`batch` windows of `seq + 1` tokens (inputs and shifted targets); the first
+    round(repeat * batch) are `repeat_window`s, the rest plain corpus spans. Also, per window, the
+    position its second copy starts at (`seq + 1` where it has none)."""
+    n = seq + 1
+    k = round(repeat * batch)
+    rows, copies = [], []
+    for i in range(batch):
+        if i < k:
+            w, c = repeat_window(ids, rng, n)
+        else:
+            s = int(rng.integers(0, len(ids) - n))
+            w, c = ids[s : s + n], n
+        rows.append(w)
+        copies.append(c)
+    return np.stack(rows), copies
 
 
 def train_demo(out: Path, tc: TrainConfig = TrainConfig(), corpus_dir: Path = CORPUS_DIR) -> dict:
@@ -130,33 +168,43 @@ def train_demo(out: Path, tc: TrainConfig = TrainConfig(), corpus_dir: Path = CO
 
     rng = np.random.default_rng(tc.seed)
 
-    def batch(ids: np.ndarray):
-        starts = rng.integers(0, len(ids) - tc.seq - 1, tc.batch)
-        x = np.stack([ids[s : s + tc.seq] for s in starts])
-        y = np.stack([ids[s + 1 : s + tc.seq + 1] for s in starts])
-        return mx.array(x), mx.array(y)
+    def batch(ids: np.ndarray, repeat: float = tc.repeat):
+        rows, copies = batch_windows(ids, rng, tc.batch, tc.seq, repeat)
+        return mx.array(rows[:, :-1]), mx.array(rows[:, 1:]), copies
+
+    def copy_ce(vx, vy, copies):
+        # cross-entropy over the second copies only (the targets from each copy's second token)
+        logits = model(vx)
+        ce = nn.losses.cross_entropy(logits, vy, reduction="none")
+        mask = mx.array(np.arange(tc.seq)[None, :] >= np.array(copies)[:, None])
+        return (ce * mask).sum() / mask.sum()
 
     t0 = time.time()
     history = []
     for step in range(1, tc.steps + 1):
-        x, y = batch(train_ids)
+        x, y, _ = batch(train_ids)
         ce = train_step(x, y)
         mx.eval(state, ce)
         if step % 100 == 0 or step == tc.steps:
-            vx, vy = batch(val_ids)
+            # natural text only, so val_ce stays comparable across shares of repeats
+            vx, vy, _ = batch(val_ids, 0.0)
             _, vce = loss_fn(model, vx, vy)
+            cx, cy, copies = batch(val_ids, 1.0)
+            cce = copy_ce(cx, cy, copies)
             rec = {
                 "step": step,
                 "train_ce": round(ce.item(), 4),
                 "val_ce": round(vce.item(), 4),
+                "val_copy_ce": round(cce.item(), 4),
                 "seconds": round(time.time() - t0, 1),
             }
             history.append(rec)
             logger.info(
-                "step %d  train %.3f  val %.3f  (%.0fs)",
+                "step %d  train %.3f  val %.3f  copy %.3f  (%.0fs)",
                 step,
                 rec["train_ce"],
                 rec["val_ce"],
+                rec["val_copy_ce"],
                 rec["seconds"],
             )
 
