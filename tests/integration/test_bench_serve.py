@@ -55,9 +55,10 @@ def test_bench_serve_measures_our_cluster_and_mlx_lm_server_alike():
     assert all(row["vs_mlx_lm_server"] > 0 for row in out["rows"])
     # our cluster speculated (prompt lookup): its /metrics counted the drafts of these requests
     assert out["speculative"] == "prompt-lookup"
-    for row in out["rows"]:
-        assert row["drafted"] > 0 and 0 <= row["accepted"] <= row["drafted"], row
+    for row in out["rows"]:  # a row's few tokens may hold no n-gram to look up: drafts counted
+        assert 0 <= row["accepted"] <= row["drafted"], row
         assert 0 < row["allreduces_per_token"] < 8, row
+    assert sum(row["drafted"] for row in out["rows"]) > 0, out["rows"]
 
 
 def test_bad_counts_are_one_line():
