@@ -315,8 +315,7 @@ def collectives(spec: RaceBench, hidden: int, act_bytes: int, names: list[str]) 
 
     dtype = {4: "float32", 2: "bfloat16"}.get(act_bytes, "float32")
     paths = {"envoy" if _TRANSPORT.get(n) == "envoy" else "mlx_ring" for n in names}
-    nccl = "mlx_ring" in paths and mlx_backend(spec.gpus) == "nccl"
-    if nccl:  # the NCCL rows' own collective beside the ring's
+    if "mlx_ring" in paths and mlx_backend(spec.gpus) == "nccl":  # NCCL rows pay their own
         paths.add("mlx_nccl")
     out: dict = {
         "dtype": dtype,

@@ -289,13 +289,10 @@ def check(
         probe = predict_row(model, hardware, network, r, hardware.bandwidth_Bps)
         points.append((probe.bytes_per_node, r.step_s - probe.comm_s))
     if len({b for b, _ in points}) >= 2:
-        n = len(points)
-        mb, my = sum(b for b, _ in points) / n, sum(y for _, y in points) / n
-        slope = sum((b - mb) * (y - my) for b, y in points) / sum((b - mb) ** 2 for b, _ in points)
-        intercept = my - slope * mb
+        intercept, slope = _least_squares(points)
         if slope > 0 and intercept >= 0:
             bandwidth, per_layer = 1.0 / slope, intercept / model.layers
-            note = f"fitted to {fit_on}'s {n} rows: bandwidth and a fixed cost per layer"
+            note = f"fitted to {fit_on}'s {len(points)} rows: bandwidth and a fixed cost per layer"
             points = []
     if points and points[0][1] > 0:  # one row, or a two-term fit without physical meaning
         bandwidth, per_layer = points[0][0] / points[0][1], 0.0
@@ -383,15 +380,19 @@ def check_each(
 def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
     """(f, c) ≥ 0 of y = f + c × B through `points` [(B, y)] by least squares; f = the smallest
     batch's y where there is one batch, or where the line would need a negative term."""
-    batches = {b for b, _ in points}
-    if len(batches) < 2:
+    if len({b for b, _ in points}) < 2:
         return points[0][1], 0.0
-    n = len(points)
-    mb, my = sum(b for b, _ in points) / n, sum(y for _, y in points) / n
-    c = sum((b - mb) * (y - my) for b, y in points) / sum((b - mb) ** 2 for b, _ in points)
-    f = my - c * mb
+    f, c = _least_squares(points)
     if c < 0:
         return points[0][1], 0.0
     if f < 0:
         return 0.0, sum(b * y for b, y in points) / sum(b * b for b, _ in points)
     return f, c
+
+
+def _least_squares(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through `points` [(x, y)], two x's or more."""
+    n = len(points)
+    mx_, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx_) * (y - my) for x, y in points) / sum((x - mx_) ** 2 for x, _ in points)
+    return my - slope * mx_, slope

@@ -9,8 +9,9 @@ layer of its own shard on each route it has (a one-token decode input, k experts
 router's count, a few repetitions) and keeps the fastest for every layer. Wide calls (a prompt, a
 batch of many streams) may go another way: where the fastest is a device route, the node times it
 against the host read on batches of HANDOFF_TOKENS rows and hands calls from the first size where
-the host read wins to it (`host_from` positions; past twice the widest size where it never wins). A GPU pays a host
-sync per layer dearly and a CPU the rows another node computes, so the crossover is measured too.
+the host read wins to it (`host_from` positions; past twice the widest size where it never wins).
+A GPU pays a host sync per layer dearly and a CPU the rows another node computes, so the
+crossover is measured too.
 cluster.yaml's `route: skip|device|host` forces one (benchmarks), and where it says `measure` (the
 default) `MOE_CLUSTER_ROUTE=skip|device|host` in a node's environment does.
 """
@@ -63,16 +64,14 @@ class RouteChoice:
         return f"{self.route}, {self.how}{where}{self.handoff()}"
 
     def handoff(self) -> str:
-        """Where wide calls go, as a clause of describe() ("" on the host route)."""
-        if self.route == "host":
+        """Where wide calls go, as a clause of describe() ("" where none goes to the host read)."""
+        if self.host_from is None:
             return ""
         at = ", ".join(
             f"{t} rows: " + " / ".join(f"{r} {us:.0f}" for r, us in by.items())
             for t, by in self.handoff_us.items()
         )
         timed = f" (µs at {at})" if at else ""
-        if self.host_from is None:
-            return ""
         return f"; the host read from {self.host_from} positions{timed}"
 
 
@@ -156,7 +155,7 @@ def choose(
 
 def _crossover(
     shard: ExpertShard, route: str, top_k: int, timer: TimeRoute
-) -> tuple[int | None, dict[int, dict[str, float]]]:
+) -> tuple[int, dict[int, dict[str, float]]]:
     """(positions from which the host read beats `route`; the times, µs by batch rows): the first
     of HANDOFF_TOKENS where it does, the sizes above it not timed. Where it never does, calls past
     twice the widest size timed still go to it: nothing measured says the device route wins
