@@ -568,14 +568,17 @@ def load_shard(
         install(model, b.path, layer)
 
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    if warm_up and _on_metal():
+    if warm_up and (_on_metal() or _on_cuda()):
         # Metal's driver pages out buffers that sit idle; touch every local expert once, then wire
-        # the resident set (paper §3.2, Algorithm 2's warm-up)
+        # the resident set (paper §3.2, Algorithm 2's warm-up). On CUDA MLX's buffers are managed
+        # memory that the loader wrote from the host: the device's first read of each page
+        # migrates it, and a route timed on unread experts measures that migration (8 ms a MoE
+        # layer where the warm read takes 0.6 ms: docs/gpu/run17), and so would the first requests.
         report(total, total, "warmup")
         for layer in layers:
             layer.shard.warm_up()
     elif warm_up:
-        logger.info("expert warm-up: not on Metal, nothing to do")
+        logger.info("expert warm-up: on the CPU, nothing to do")
     if skip_gemv.available():
         why = {layer.shard.enable_skip_gemv() for layer in layers}
         logger.info(
@@ -742,6 +745,11 @@ def _params(bank) -> dict | list:
 def _on_metal() -> bool:
     metal = getattr(mx, "metal", None)
     return metal is not None and metal.is_available()
+
+
+def _on_cuda() -> bool:
+    cuda = getattr(mx, "cuda", None)
+    return cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
 
 
 def _check_memory_limit() -> None:

@@ -37,9 +37,10 @@ ENV = "MOE_CLUSTER_ROUTE"
 # How a loader picks: a route by name (forced), "measure", or "preferred" (each layer's first route,
 # nothing timed: in-process clusters in tests, where the route is a parameter of the test)
 CHOICES = ROUTES + ("measure", "preferred")
-REPEATS = (
-    7  # timed calls per route, after one untimed (compilation, first touch); the median counts
-)
+# timed calls per route, after an untimed pass over the same draws (compilation, and the first
+# touch of every expert they read: a route timed first must not pay for the ones timed after it);
+# the median counts
+REPEATS = 7
 HANDOFF_TOKENS = (8, 32, 128, 512)  # batch rows at which a device route is timed against the host
 HANDOFF_REPEATS = 3
 
@@ -91,17 +92,19 @@ TimeRoute = Callable[[ExpertShard, str, int, int], float]
 def time_route(shard: ExpertShard, route: str, top_k: int, tokens: int = 1) -> float:
     """Seconds one decode call (`tokens` rows, each `top_k` experts drawn at random from the
     router's count) of `shard` takes on `route`: the median of the timed calls (REPEATS for one
-    row, HANDOFF_REPEATS for a batch) after an untimed one, the same draws for every route. The
-    shard is as it was afterwards (ExpertShard.trying)."""
+    row, HANDOFF_REPEATS for a batch) after an untimed pass over the same draws, the same draws
+    for every route. The shard is as it was afterwards (ExpertShard.trying)."""
     repeats = REPEATS if tokens == 1 else HANDOFF_REPEATS
-    x, draws = shard.decode_sample(top_k, repeats + 1, tokens=tokens)
+    x, draws = shard.decode_sample(top_k, repeats, tokens=tokens)
     times = []
     with shard.trying(route):
+        for inds in draws:
+            mx.eval(shard(x, inds))
         for inds in draws:
             t0 = time.perf_counter()
             mx.eval(shard(x, inds))
             times.append(time.perf_counter() - t0)
-    return float(np.median(times[1:]))
+    return float(np.median(times))
 
 
 def choose(

@@ -3,6 +3,8 @@ or forced; every route computes the same partial outputs."""
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -181,3 +183,36 @@ def test_set_route_refuses_a_route_the_layer_cannot_take():
     shard = _two()[0]
     with pytest.raises(UserError, match="cannot take the 'skip' route"):
         shard.set_route("skip")
+
+
+class _FirstTouch:
+    """A shard stand-in whose call is slow where it reads an expert for the first time (a GPU's
+    managed memory migrating a page on its first read), fast after."""
+
+    COLD, WARM = 0.02, 0.0005
+
+    def __init__(self, experts: int = 64):
+        self.experts, self.read = experts, set()
+
+    def decode_sample(self, top_k, count, tokens=1):
+        rng = np.random.default_rng(0)
+        draws = [rng.choice(self.experts, (tokens, top_k), replace=False) for _ in range(count)]
+        return mx.zeros((tokens, 1, 4)), [mx.array(d[:, None]) for d in draws]
+
+    def trying(self, route_name):
+        import contextlib
+
+        return contextlib.nullcontext(self)
+
+    def __call__(self, x, inds):
+        new = set(np.array(inds).reshape(-1).tolist()) - self.read
+        self.read |= new
+        time.sleep(self.COLD if new else self.WARM)
+        return x
+
+
+def test_a_route_timed_first_does_not_pay_for_the_experts_it_reads_first():
+    shard = _FirstTouch()
+    first = route.time_route(shard, "device", 4)
+    second = route.time_route(shard, "host", 4)  # the same draws: nothing new to read
+    assert first < 10 * _FirstTouch.WARM and second < 10 * _FirstTouch.WARM, (first, second)

@@ -81,3 +81,24 @@ def test_on_a_gpu_the_structure_probe_computes_float32_on_the_cpu(monkeypatch):
     assert [b.layer for b in blocks] == [0, 1, 2, 3] and streams == [
         mx.cpu
     ]  # one block type, probed once
+
+
+def test_on_a_gpu_every_local_expert_is_read_once_before_the_route_is_timed(monkeypatch):
+    """Metal pages out idle buffers and CUDA's managed memory migrates each page on its first
+    device read: on either, the loader reads every local expert before it times the routes (a
+    route timed on unread experts measures the migration); on a CPU it reads nothing ahead."""
+    from moe_cluster.node.moe import load, route
+    from moe_cluster.node.moe.experts import ExpertShard
+
+    order = []
+    monkeypatch.setattr(ExpertShard, "warm_up", lambda self: order.append(("warm", self.layer)))
+    choose = route.choose
+    monkeypatch.setattr(
+        route, "choose", lambda *a, **k: (order.append(("timed", None)), choose(*a, **k))[1]
+    )
+    load.load_shard(MODEL_DIR, None, 0, keepalive="none")
+    assert order == [("timed", None)]  # the CPU: nothing to touch
+    order.clear()
+    monkeypatch.setattr(load, "_on_cuda", lambda: True)
+    load.load_shard(MODEL_DIR, None, 0, keepalive="none")
+    assert order == [("warm", layer) for layer in range(4)] + [("timed", None)], order
