@@ -8,7 +8,7 @@
 # Each model is removed after its rows (the disk does not hold both). OUT/DONE at the end.
 #   setsid bash scripts/gpu/race_session.sh /tmp/race-session > /tmp/race-session.log 2>&1 < /dev/null &
 # Env: PYTHONPATH=/tmp/site (scripts/gpu/setup.sh); STREAMS (1,8); MAX_TOKENS (16); DIAG_VARIANTS
-#      (default skip0 host; empty: none), DIAG_LAYERS (6); DSV3_ROWS,
+#      (default blocking skip0 host; empty: none), DIAG_LAYERS (6); DSV3_ROWS,
 #      Q4_ROWS, Q2_ROWS (the rows of each step; empty skips it); MODELS_ROOT (/tmp).
 set -u
 OUT=${1:-/tmp/race-session}
@@ -25,11 +25,14 @@ variant_env() {
     default) echo "" ;;
     skip0) echo "MOE_CLUSTER_SKIP_GEMV=0" ;;  # gather_qmm where the quantized skip kernel ran
     host | device | skip) echo "MOE_CLUSTER_ROUTE=$1" ;;
+    # every launch waits for its kernel: a fault that then goes away is a race between the host
+    # and the device; one that stays is reported at the launch that made it
+    blocking) echo "CUDA_LAUNCH_BLOCKING=1" ;;
     *) echo "unknown variant $1" >&2; return 1 ;;
   esac
 }
 ours_env=""
-variants=${DIAG_VARIANTS-default skip0 host}
+variants=${DIAG_VARIANTS-default blocking skip0 host}
 if [ -n "$variants" ]; then
   chosen=""
   for v in $variants; do
