@@ -41,7 +41,7 @@ if [ -n "$variants" ]; then
       MODELS_ROOT="$ROOT/diag" bash scripts/gpu/race_run.sh "$OUT/diag-$v" || stage "diag $v: exit $?"
     if [ -f "$OUT/diag-$v/race-4-ours_envoy.json" ] && ! grep -q '"error"' "$OUT/diag-$v/race-4-ours_envoy.json"; then
       stage "diag $v: passed"
-      [ -z "$chosen" ] && chosen=$v
+      [ -z "$chosen" ] && [ "$v" != blocking ] && chosen=$v  # blocking launches: a diagnosis only
     else
       stage "diag $v: failed"
     fi
