@@ -749,7 +749,9 @@ def _on_metal() -> bool:
 
 def _on_cuda() -> bool:
     cuda = getattr(mx, "cuda", None)
-    return cuda is not None and cuda.is_available() and mx.default_device() == mx.gpu
+    return (
+        cuda is not None and cuda.is_available() and mx.default_device().type == mx.DeviceType.gpu
+    )
 
 
 def _check_memory_limit() -> None:
