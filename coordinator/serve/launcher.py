@@ -2,6 +2,15 @@
 
 Each agent runs in its own process group (its envoy is its child) and is told to exit with its
 parent, so nothing outlives the coordinator, even after a SIGKILL.
+
+Agents are started with subprocess.Popen on a thread, never with the event loop's own
+subprocess_exec: uvloop's fork() runs every pthread_atfork handler and Python's at-fork hooks in the
+child, gRPC's among them (its prefork stops and awaits gRPC's threads; its postfork resets the
+poller in the child, where it can abort or hang), and libuv then blocks the loop thread until the
+child has exec'd. A child stuck there left the coordinator answering nothing, /health included.
+CPython's Popen (vfork, no preexec_fn) runs neither, and only that thread waits for the exec. It
+is one owned thread that lives as long as the launcher: an agent's parent-death signal is tied to
+the thread that started it.
 """
 
 from __future__ import annotations
@@ -13,10 +22,12 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...common.auth import SECRET_ENV
+from ...common.worker import Worker
 from .client import ClusterError
 
 logger = logging.getLogger(__name__)
@@ -33,7 +44,39 @@ class LocalNode:
     gpu: int | None = (
         None  # CUDA_VISIBLE_DEVICES of the agent (one GPU per node on a multi-GPU host)
     )
-    process: asyncio.subprocess.Process | None = None
+    process: AgentProcess | None = None
+
+
+class AgentProcess:
+    """A started agent as the launcher uses it: pid, returncode (None while it runs), its stdout as
+    an asyncio stream, and `wait()`. Its exit is awaited on a thread of its own, which ends with it."""
+
+    def __init__(self, popen: subprocess.Popen, stdout: asyncio.StreamReader):
+        self._popen = popen
+        self.pid = popen.pid
+        self.stdout = stdout
+        loop = asyncio.get_running_loop()
+        self._exited: asyncio.Future[int] = loop.create_future()
+
+        def reap() -> None:
+            code = popen.wait()
+            try:
+                loop.call_soon_threadsafe(self._set_exited, code)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
+        threading.Thread(target=reap, name=f"reap-{self.pid}", daemon=True).start()
+
+    def _set_exited(self, code: int) -> None:
+        if not self._exited.done():
+            self._exited.set_result(code)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._exited)
 
 
 class Launcher:
@@ -56,6 +99,7 @@ class Launcher:
         self.cache_root = (
             cache_root  # shipped shards: each local node its own cache folder under it
         )
+        self._spawner = Worker("launcher")  # starts every agent (see the module's docstring)
 
     def _command(self, node: LocalNode) -> list[str]:
         cmd = [
@@ -86,18 +130,10 @@ class Launcher:
         """Start one agent and wait for its ready line."""
         self.nodes[node.name] = node
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(node.log_path, "ab")
         env = dict(os.environ, **{SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1"})
         if node.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(node.gpu)
-        node.process = await asyncio.create_subprocess_exec(
-            *self._command(node),
-            stdout=subprocess.PIPE,
-            stderr=log,
-            env=env,
-            start_new_session=True,
-        )
-        log.close()
+        node.process = await self._spawn(self._command(node), env, node.log_path)
         try:
             line = await asyncio.wait_for(self._ready_line(node), self.start_timeout_s)
         except asyncio.TimeoutError:
@@ -119,6 +155,30 @@ class Launcher:
             )
         asyncio.create_task(self._drain(node), name=f"stdout-{node.name}")
         logger.info("started node %s (pid %d) on port %d", node.name, node.process.pid, node.port)
+
+    async def _spawn(self, cmd: list[str], env: dict[str, str], log_path: Path) -> AgentProcess:
+        """Start `cmd` in a new session, stdout piped, stderr appended to `log_path`, on the
+        launcher's thread."""
+        if self._closing:  # its thread is ending: a job handed to it now would never run
+            raise ClusterError("the launcher is closing: no agent is started")
+
+        def start() -> subprocess.Popen:
+            with open(log_path, "ab") as log:
+                return subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True
+                )
+
+        popen = await self._spawner.call(start)
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(loop=loop)
+        try:
+            await loop.connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(reader, loop=loop), popen.stdout
+            )
+        except BaseException:
+            popen.kill()
+            raise
+        return AgentProcess(popen, reader)
 
     async def _ready_line(self, node: LocalNode) -> bytes | None:
         assert node.process and node.process.stdout
@@ -201,6 +261,9 @@ class Launcher:
 
     async def close(self) -> None:
         self._closing = True
-        await asyncio.gather(
-            *(self.stop_one(n) for n in self.nodes.values()), return_exceptions=True
-        )
+        try:
+            await asyncio.gather(
+                *(self.stop_one(n) for n in self.nodes.values()), return_exceptions=True
+            )
+        finally:
+            self._spawner.close()
