@@ -194,6 +194,14 @@ def post(
     answer.at = answer.at or time.monotonic()
 
 
+IN_FLIGHT = 3  # chunks a stream may get after the kill without a resume: at most one step ahead
+
+
+def _chunks(a: Answer) -> int:
+    """The completion chunks a stream has read so far (its events with choices)."""
+    return sum(1 for e in list(a.events or []) if isinstance(e, dict) and e.get("choices"))
+
+
 def check_completed(a: Answer, want: list[int] | None = None, what: str = "") -> None:
     """A request that completed as without the fault: 200, no error, [DONE], and the tokens `want`."""
     assert a.status == 200, (what, a.status, a.body)
@@ -451,6 +459,7 @@ class Phases:
 
         answers, threads = run_together(self.url, bodies, on_event)
         assert going.wait(60), f"the streams did not all start: {seen}"
+        at_fault = [_chunks(a) for a in answers]  # each stream's chunks when the fault lands
         self.inject()
         t0 = time.monotonic()
         watch = HealthWatch(self.url, t0)
@@ -462,10 +471,16 @@ class Phases:
             assert a.text() == want.text(), (phase, b, a.text(), want.text())
         assert answers[k].final["choices"][0]["finish_reason"] == "stop", answers[k].final
         cut = stalls(answers)
-        resumed = [a for a in answers if stalls([a])]
-        assert len(resumed) == len(answers), (
-            f"{phase}: {len(answers) - len(resumed)} streams not resumed"
+        # A stream with tokens still to come when the node died waits for the recovery and resumes;
+        # one within IN_FLIGHT chunks of its end may have had them computed (or its stop string
+        # found by the coordinator) before the kill, and ends without a resume.
+        decoding = [i for i, a in enumerate(answers) if _chunks(a) - at_fault[i] > IN_FLIGHT]
+        assert len(decoding) >= len(answers) - 2, (
+            f"{phase}: the fault landed as {len(answers) - len(decoding)} streams were ending "
+            f"(chunks at the fault {at_fault}, at the end {[_chunks(a) for a in answers]})"
         )
+        not_resumed = [i for i in decoding if not stalls([answers[i]])]
+        assert not not_resumed, f"{phase}: streams {not_resumed} decoding at the fault not resumed"
         report(
             f"{self.name}, {phase}",
             detect,
