@@ -8,7 +8,7 @@
 # Each model is removed after its rows (the disk does not hold both). OUT/DONE at the end.
 #   setsid bash scripts/gpu/race_session.sh /tmp/race-session > /tmp/race-session.log 2>&1 < /dev/null &
 # Env: PYTHONPATH=/tmp/site (scripts/gpu/setup.sh); STREAMS (1,8); MAX_TOKENS (16); DIAG_VARIANTS
-#      (default blocking skip0 host; empty: none), DIAG_LAYERS (6); DSV3_ROWS,
+#      (default skip device blocking; empty: none; also skip0, host), DIAG_LAYERS (6); DSV3_ROWS,
 #      Q4_ROWS, Q2_ROWS (the rows of each step; empty skips it); MODELS_ROOT (/tmp).
 set -u
 OUT=${1:-/tmp/race-session}
@@ -32,7 +32,7 @@ variant_env() {
   esac
 }
 ours_env=""
-variants=${DIAG_VARIANTS-default blocking skip0 host}
+variants=${DIAG_VARIANTS-default skip device blocking}
 if [ -n "$variants" ]; then
   chosen=""
   for v in $variants; do
