@@ -83,7 +83,9 @@ class NodeRuntime:
         result: GenerateResult | None = None,
     ) -> Iterator[int]:
         """One request driven from the caller's thread through the running batch (simulate, tests);
-        the agent drives the batch from its worker for every request at once."""
+        the agent drives the batch from its worker for every request at once. Refused as the
+        agent refuses it (`check`) before any MLX work."""
+        self.check(req)
         result = result if result is not None else GenerateResult()
         out = _Collect()
         s = self.batch.submit(req, req.seq or self.next_seq(), out, result)

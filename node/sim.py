@@ -71,14 +71,19 @@ def run(job: SimJob, results) -> None:
 
 
 def _error(rank: int, task: int, exc: BaseException) -> dict:
-    """The failure as a value: its kind (an ErrorKind's value) decides how the parent re-raises it."""
+    """The failure as a value: its kind (an ErrorKind's value) decides how the parent re-raises it.
+    An internal failure after load says which decode route the node had chosen."""
     kind = kind_of(exc)
-    message = str(exc) if kind is not ErrorKind.INTERNAL else f"{type(exc).__name__}: {exc}"
+    route = getattr(exc, "moe_route", None)
+    message = str(exc)
+    if kind is ErrorKind.INTERNAL:
+        message = f"{type(exc).__name__}: {exc}" + (f" (decode route: {route})" if route else "")
     return {
         "rank": rank,
         "task": task,
         "kind": kind.value,
         "error": message,
+        "route": route,
         "traceback": traceback.format_exc(),
     }
 
@@ -90,12 +95,7 @@ def _collective(job: SimJob):
 
 
 def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
-    import mlx.core as mx
-
     from ..proto.placement import Placement
-    from .batch import BatchLimits
-    from .runtime import GenerateResult, NodeRuntime
-    from ..proto.records import GenerateRequest
     from .moe.load import load_shard
 
     placement = (
@@ -111,6 +111,24 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
         profile=task.profile,
         prefetch=task.prefetch,
     )
+    try:
+        return _serve(job, index, task, sharded)
+    except BaseException as exc:
+        # a failure after load names the decode route the node chose (a kernel fault on one route
+        # is otherwise a bare device error)
+        if sharded.state.route is not None:
+            exc.moe_route = sharded.state.route.describe()
+        raise
+
+
+def _serve(job: SimJob, index: int, task: SimTask, sharded) -> dict:
+    """A loaded node runs its task: the streams at once, or the request `repeats` times."""
+    import mlx.core as mx
+
+    from ..proto.records import GenerateRequest
+    from .batch import BatchLimits
+    from .runtime import GenerateResult, NodeRuntime
+
     if task.streams is not None:
         streams = _run_streams(index, task, sharded)
         return {**_report(job, index, sharded), **streams}
