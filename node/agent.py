@@ -331,24 +331,22 @@ class NodeAgent(npb_grpc.NodeServicer):
     async def Generate(self, request, context):
         """One request joins the running batch (node/batch.py); its tokens stream back as the batch
         hands them out. Many Generate calls run at once: the worker thread steps them together."""
+        from .runtime import GenerateResult
+
         self._watch_collective()
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        result = GenerateResult()
         try:
             self._ready()
             req = convert.generate_request_from_proto(
                 request, prefill_step=self.load_spec.prefill_step
             )
-            self.runtime.check(req)  # before MLX sees it: a bad id can crash the process
+            # refused before MLX sees it (a bad id can crash the process)
+            seq = self.runtime.batch.submit(req, None, _QueueSink(loop, events), result)
         except MoeClusterError as exc:
             await context.abort(grpc_code(exc.kind), str(exc))
-        from .runtime import GenerateResult
-
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
         rid = req.request_id
-        result = GenerateResult()
-        seq = self.runtime.batch.submit(
-            req, req.seq or self.runtime.next_seq(), _QueueSink(loop, events), result
-        )
         self._drive()
         ended = False
         backlog: deque = (

@@ -251,7 +251,12 @@ class RunningBatch:
 
     # -- from other threads --------------------------------------------------------------------
 
-    def submit(self, req: GenerateRequest, seq: int, sink: Sink, result) -> Sequence:
+    def submit(self, req: GenerateRequest, seq: int | None, sink: Sink, result) -> Sequence:
+        """`req` joins the queue as admission number `seq` (None: the request's own, else the
+        runtime's next). Refused first (UserError, `NodeRuntime.check`), before any MLX work: every
+        node refuses the same request, and an id past the embedding would end the process."""
+        self.runtime.check(req)
+        seq = seq or req.seq or self.runtime.next_seq()
         s = Sequence(req, seq, sink, result, reserve=self._reserve(req))
         with self._lock:
             if req.request_id in self._recent_cancels:

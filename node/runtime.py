@@ -83,12 +83,10 @@ class NodeRuntime:
         result: GenerateResult | None = None,
     ) -> Iterator[int]:
         """One request driven from the caller's thread through the running batch (simulate, tests);
-        the agent drives the batch from its worker for every request at once. Refused as the
-        agent refuses it (`check`) before any MLX work."""
-        self.check(req)
+        the agent drives the batch from its worker for every request at once."""
         result = result if result is not None else GenerateResult()
         out = _Collect()
-        s = self.batch.submit(req, req.seq or self.next_seq(), out, result)
+        s = self.batch.submit(req, None, out, result)
         try:
             while not out.ended:
                 if should_cancel():
