@@ -7,8 +7,9 @@ B: per model and transport, each speculative scenario's tok/s, ratio to off, acc
 all-reduces per generated token.
 D: bench race's rows without and with two micro-batches per step: decode tok/s, the wait on the
 collective per MoE layer and the share the overlap hid.
+X: bench race per installed tree and route (X-<tree>-<route>.json): tok/s and inter-token p50.
 
-    python3 scripts/gpu/issue_summary.py DIR [--part A|B|D]
+    python3 scripts/gpu/issue_summary.py DIR [--part A|B|D|X]
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ def _load(path: Path) -> tuple[dict | None, str]:
         err = path.with_suffix(".err")
         tail = err.read_text(errors="replace")[-300:].strip() if err.exists() else ""
         return None, f"no JSON ({type(exc).__name__}); stderr ends: {tail}"
+
+
+def _runs(d: Path, pattern: str):
+    """(file, its JSON) of each file matching `pattern` in `d`; a file that has none is said and
+    skipped."""
+    for f in sorted(d.glob(pattern)):
+        b, why = _load(f)
+        if b is None:
+            print(f"{f.stem}: failed: {why}")
+            continue
+        yield f, b
 
 
 def part_a(d: Path) -> None:
@@ -86,11 +98,7 @@ def part_a(d: Path) -> None:
 
 def part_b(d: Path) -> None:
     print("B: bench decode --speculative prompt-lookup at N = 2")
-    for f in sorted(d.glob("B-*.json")):
-        b, why = _load(f)
-        if b is None:
-            print(f"{f.stem}: failed: {why}")
-            continue
+    for f, b in _runs(d, "B-*.json"):
         for r in b.get("runs", []):
             print(
                 f"{f.stem}: N = {r['nodes']} over {r['transport']}, {b['moe_layers']} MoE layers, tokens "
@@ -135,11 +143,7 @@ def part_d(d: Path) -> None:
 
 def part_x(d: Path) -> None:
     print("X: bench race at N = 2 per tree and route (X-<tree>-<route>.json; X-peers.json: mlx-lm)")
-    for f in sorted(d.glob("X-*.json")):
-        b, why = _load(f)
-        if b is None:
-            print(f"{f.stem}: failed: {why}")
-            continue
+    for f, b in _runs(d, "X-*.json"):
         for r in b["rows"]:
             if "error" in r:
                 print(f"  {f.stem:<18} {r['name']:<16} {r['streams']:>3}: {r['error'][:200]}")
