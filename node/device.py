@@ -37,6 +37,19 @@ def metal_info() -> dict:
     return dict(query())
 
 
+def on_cuda() -> bool:
+    """MLX computes on a CUDA GPU here: its CUDA build with a device, and the GPU the default
+    device (False on Metal, on a CPU build, and with the CPU made the default)."""
+    import mlx.core as mx
+
+    cuda = getattr(mx, "cuda", None)
+    return (
+        cuda is not None
+        and bool(getattr(cuda, "is_available", lambda: False)())
+        and mx.default_device().type == mx.DeviceType.gpu
+    )
+
+
 def device_info() -> DeviceInfo:
     import mlx.core as mx
 

@@ -37,7 +37,7 @@ from . import families, skip_gemv
 from . import route as decode_route
 from ...proto.expert_cache import ExpertCacheSpec, auto_budget
 from ...proto.records import DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE
-from ..device import ieee_float32, metal_info
+from ..device import ieee_float32, metal_info, on_cuda
 from .expert_cache import (
     CacheStats,
     LayerCache,
@@ -568,7 +568,7 @@ def load_shard(
         install(model, b.path, layer)
 
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    if warm_up and (_on_metal() or _on_cuda()):
+    if warm_up and (_on_metal() or on_cuda()):
         # Metal's driver pages out buffers that sit idle; touch every local expert once, then wire
         # the resident set (paper §3.2, Algorithm 2's warm-up). On CUDA MLX's buffers are managed
         # memory that the loader wrote from the host: the device's first read of each page
@@ -745,13 +745,6 @@ def _params(bank) -> dict | list:
 def _on_metal() -> bool:
     metal = getattr(mx, "metal", None)
     return metal is not None and metal.is_available()
-
-
-def _on_cuda() -> bool:
-    cuda = getattr(mx, "cuda", None)
-    return (
-        cuda is not None and cuda.is_available() and mx.default_device().type == mx.DeviceType.gpu
-    )
 
 
 def _check_memory_limit() -> None:

@@ -34,6 +34,8 @@ import os
 
 import mlx.core as mx
 
+from ..device import on_cuda
+
 ENABLED = os.environ.get("MOE_CLUSTER_SKIP_GEMV", "1") != "0"
 _WARPS = 4  # per block: 128 threads, one output feature per warp
 
@@ -100,12 +102,7 @@ _checked: dict[
 
 def available() -> bool:
     """MLX has a CUDA device here and the kernel is not turned off (MOE_CLUSTER_SKIP_GEMV=0)."""
-    if not ENABLED:
-        return False
-    try:
-        return bool(mx.cuda.is_available()) and mx.default_device().type == mx.DeviceType.gpu
-    except AttributeError:  # an MLX without the cuda module (Metal, CPU builds)
-        return False
+    return ENABLED and on_cuda()
 
 
 def fits(weight: mx.array) -> bool:

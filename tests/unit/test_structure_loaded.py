@@ -99,6 +99,6 @@ def test_on_a_gpu_every_local_expert_is_read_once_before_the_route_is_timed(monk
     load.load_shard(MODEL_DIR, None, 0, keepalive="none")
     assert order == [("timed", None)]  # the CPU: nothing to touch
     order.clear()
-    monkeypatch.setattr(load, "_on_cuda", lambda: True)
+    monkeypatch.setattr(load, "on_cuda", lambda: True)
     load.load_shard(MODEL_DIR, None, 0, keepalive="none")
     assert order == [("warm", layer) for layer in range(4)] + [("timed", None)], order
