@@ -381,12 +381,13 @@ def run(spec: DecodeBench) -> dict:
     ckpt, model, tokenizer = load_stock(spec.model)
     ids = encode_prompt(tokenizer, spec.prompt)
     t0 = time.perf_counter()
-    stock_ops = _stock_layer_ops(ckpt, model)
     try:
+        stock_ops = _stock_layer_ops(ckpt, model)
         single = _single_node(spec, ids, tokenizer, model)
     except (RuntimeError, ValueError, IndexError) as exc:
         # mlx-lm's own module failed on this device (an MLX error): the cluster rows still run,
         # compared with each other instead of with stock
+        stock_ops = None
         single = _stock_failed(spec, exc)
     alone = None
     stock_ran = not single["stock_error"]  # the cluster path at N = 1 is compared with stock

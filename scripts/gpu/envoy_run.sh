@@ -7,7 +7,7 @@
 # In the background (device calls last 10 minutes at most; this outlives them):
 #   setsid bash scripts/gpu/envoy_run.sh /tmp/envoy > /tmp/envoy.log 2>&1 < /dev/null &
 # Env: PYTHONPATH=/tmp/site (scripts/gpu/setup.sh); MODELS (default "dbrx:4 qwen3-30b-a3b:12",
-# NAME:LAYERS), ROUNDS (2), MAX_TOKENS (32), NCCL=0 skips the NCCL reference, ALLREDUCE=0 the trace.
+# NAME:LAYERS, or the path of a checkpoint already built, used as it is and kept), ROUNDS (2), MAX_TOKENS (32), NCCL=0 skips the NCCL reference, ALLREDUCE=0 the trace.
 set -u
 OUT=${1:-/tmp/envoy}
 mkdir -p "$OUT"
@@ -31,11 +31,15 @@ if [ "${ALLREDUCE:-1}" != 0 ]; then
   cat "$OUT/allreduce-trace-h2048.txt"
 fi
 for spec in ${MODELS-dbrx:4 qwen3-30b-a3b:12}; do
-  m=${spec%%:*}
-  layers=$([ "$m" != "$spec" ] && echo "--layers ${spec#*:}")
-  stage "build $spec"
-  $F build --model "$m" $layers || continue
-  path=${MODELS_ROOT:-/tmp}/$m
+  if [ "${spec#/}" != "$spec" ]; then  # a checkpoint built before (issue_run.sh's part A)
+    path=$spec m=$(basename "$spec")
+  else
+    m=${spec%%:*}
+    layers=$([ "$m" != "$spec" ] && echo "--layers ${spec#*:}")
+    stage "build $spec"
+    $F build --model "$m" $layers || continue
+    path=${MODELS_ROOT:-/tmp}/$m
+  fi
   decode() {  # decode NAME TRANSPORTS [ENV...]
     local name=$1 transports=$2
     shift 2
@@ -55,7 +59,7 @@ EOF
   }
   decode envoy-ring envoy,mlx MOE_CLUSTER_MLX_BACKEND=ring
   [ "${NCCL:-1}" != 0 ] && decode nccl mlx
-  rm -rf "$path"  # room for the next model
+  [ "$path" != "$spec" ] && rm -rf "$path"  # room for the next model
 done
 stage done
 touch "$OUT/DONE"

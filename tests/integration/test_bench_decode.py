@@ -86,13 +86,22 @@ def test_without_room_for_two_copies_the_cluster_path_runs_after_stock(monkeypat
 def test_where_stock_mlx_lm_fails_on_the_device_the_cluster_rows_still_run(monkeypatch):
     """mlx-lm's own module can fail where ours runs (its DBRX block feeds one token at a time to a
     quantized matmul, which MLX's CUDA build refuses): the failure is reported in one line and
-    the rows are measured and compared with each other."""
+    the rows are measured and compared with each other. Stock's block is broken on one token at a
+    time, as DBRX's is there, in this process only: every decode use of it fails (the count of its
+    primitives as well as its generation); the nodes, processes of their own, run theirs."""
+    from mlx_lm.models import qwen3_moe
+
     from moe_cluster.coordinator.bench import decode
 
-    def broken(*args):
-        raise IndexError("SmallVector out of range.")
+    block = qwen3_moe.Qwen3MoeSparseMoeBlock
+    whole = block.__call__
 
-    monkeypatch.setattr(decode, "_single_node", broken)
+    def one_token_fails(self, x):
+        if x.size // x.shape[-1] == 1:
+            raise IndexError("SmallVector out of range.")
+        return whole(self, x)
+
+    monkeypatch.setattr(block, "__call__", one_token_fails)
     out = decode.run(
         decode.DecodeBench(
             "demo", nodes=(2,), keepalive=("none",), max_tokens=6, rounds=1, peers=False
