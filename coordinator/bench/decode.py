@@ -74,16 +74,33 @@ def _single_node(spec: DecodeBench, ids: list[int], tokenizer, model) -> dict:
         ours.append(stats.generation_tps)
         stock.append(last.generation_tps)
         tokens_ours, tokens_stock = toks, stock_toks
+    choices = stock_choices(model, ids, tokens_stock)
     return {
         "ours_tps": statistics.median(ours),
         "mlx_lm_tps": statistics.median(stock),
         "ours_rounds_tps": ours,
         "mlx_lm_rounds_tps": stock,
-        **_compare(tokens_ours, tokens_stock),
+        **_compare(tokens_ours, tokens_stock, choices),
         "generated_tokens": len(tokens_ours or []),
         "stock_tokens": tokens_stock,
+        "stock_choices": choices,
         "stock_error": None,
     }
+
+
+def stock_choices(model, ids: list[int], tokens: list[int], top: int = 8) -> list[list]:
+    """Stock mlx-lm's `top` best tokens and their float32 logits at each of its generated
+    `tokens`, from one pass over the prompt and them: [[(token, logit), ...] per token]. Where a run
+    parts from stock, they say whether it took a near-tie (stock's second choice, a hair below)
+    or something stock ranked far lower (`_compare`)."""
+    import mlx.core as mx
+
+    if not tokens:
+        return []
+    logits = model(mx.array([ids + tokens[:-1]]))[0, len(ids) - 1 :].astype(mx.float32)
+    order = mx.argsort(-logits, axis=-1)[:, :top]
+    values = mx.take_along_axis(logits, order, axis=-1)
+    return [list(zip(o, v)) for o, v in zip(order.tolist(), values.tolist())]
 
 
 def _stock_failed(spec: DecodeBench, exc: BaseException) -> dict:
@@ -352,10 +369,12 @@ def model_bytes(model: str) -> dict:
     }
 
 
-def _compare(tokens: list[int], stock: list[int]) -> dict:
+def _compare(tokens: list[int], stock: list[int], choices: list[list] | None = None) -> dict:
     """same_tokens, and where a run that differs from stock mlx-lm first does (None: it does not),
     so a bfloat16 near-tie late in a run is told from a wrong first token. Counts must agree too:
-    a run that stops early (or generated nothing) differs where it stopped."""
+    a run that stops early (or generated nothing) differs where it stopped. With stock's `choices`
+    there (`stock_choices`), `at_mismatch` says how stock ranked the run's token at that point
+    (rank 1 is stock's own; None: not among stock's best) and how far below stock's best it was."""
     if stock is None:  # stock mlx-lm could not run this model here (bench decode's stock_error)
         return {
             "same_tokens": None,
@@ -367,12 +386,22 @@ def _compare(tokens: list[int], stock: list[int]) -> dict:
         (i for i, (a, b) in enumerate(zip(tokens, stock)) if a != b),
         None if len(tokens) == len(stock) and stock else min(len(tokens), len(stock)),
     )
-    return {
+    out = {
         "same_tokens": first is None,
         "first_mismatch": first,
         "generated": len(tokens),
         "stock_generated": len(stock),
     }
+    if first is not None and choices and first < min(len(tokens), len(choices)):
+        best = choices[first]
+        rank = next((r for r, (t, _) in enumerate(best, 1) if t == tokens[first]), None)
+        out["at_mismatch"] = {
+            "token": tokens[first],
+            "stock_token": stock[first],
+            "rank": rank,
+            "gap": best[0][1] - best[rank - 1][1] if rank else None,
+        }
+    return out
 
 
 def run(spec: DecodeBench) -> dict:
@@ -421,7 +450,7 @@ def run(spec: DecodeBench) -> dict:
             else None
         )
         # the tokens stay in the row: runs with another decode route are compared on them
-        c.update(_compare(c["tokens"], stock_tokens))
+        c.update(_compare(c["tokens"], stock_tokens, single.get("stock_choices")))
         c["primitives_per_moe_layer"]["stock"] = stock_ops
     from .tensor_parallel import measure
 
@@ -429,7 +458,7 @@ def run(spec: DecodeBench) -> dict:
     for n in (n for n in spec.nodes if n > 1 and spec.peers):
         peer = measure(str(ckpt.path), n, ids, spec.max_tokens, spec.rounds, gpus=spec.gpus)
         if "tokens" in peer:
-            peer.update(_compare(peer.pop("tokens"), stock_tokens))
+            peer.update(_compare(peer.pop("tokens"), stock_tokens, single.get("stock_choices")))
         peers.append(peer)
     caches = (
         [row for n in spec.nodes for row in _expert_cache(spec, ids, n, stock_tokens)]
@@ -451,7 +480,7 @@ def run(spec: DecodeBench) -> dict:
             "tps": alone["cluster_tps"],
             "mlx_lm_tps": alone["mlx_lm_tps"],
             "interleaved": alone["interleaved"],
-            **_compare(alone["tokens"], stock_tokens),
+            **_compare(alone["tokens"], stock_tokens, single.get("stock_choices")),
         }
         if alone
         else None,

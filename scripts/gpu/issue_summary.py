@@ -86,6 +86,14 @@ def part_a(d: Path) -> None:
             f"{mb:>18}  {chosen}"
         )
     for model, route, b, c in rows:
+        m = c.get("at_mismatch")
+        if m:  # how stock ranked the token where this run parted from it (bench decode)
+            how = (
+                f"stock's #{m['rank']}, {m['gap']:.4g} below its best"
+                if m["rank"]
+                else "not among stock's best 8"
+            )
+            print(f"{model} {route}: parts from stock at token {c['first_mismatch']}: {how}")
         if b.get("stock_error"):
             print(f"{model} {route}: stock mlx-lm failed: {b['stock_error']}")
     for model, by in tokens.items():

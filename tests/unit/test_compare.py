@@ -48,3 +48,32 @@ def test_bench_compare_counts():
     assert bench_compare(TOKENS[:3], TOKENS)["first_mismatch"] == 3
     assert bench_compare(TOKENS + [9], TOKENS)["first_mismatch"] == 4
     assert bench_compare([3, 2, 4, 1], TOKENS)["first_mismatch"] == 1
+
+
+def test_a_run_that_parts_from_stock_says_how_stock_ranked_its_token():
+    # stock's best three at each step, best first: step 1's runner-up (2) is a hair below its 1
+    choices = [[(3, 9.0), (0, 1.0)], [(1, 4.0), (2, 3.99), (7, 1.0)], [(4, 5.0)], [(1, 5.0)]]
+    near = bench_compare([3, 2, 4, 1], TOKENS, choices)["at_mismatch"]
+    assert near["token"] == 2 and near["stock_token"] == 1 and near["rank"] == 2
+    assert abs(near["gap"] - 0.01) < 1e-9
+    far = bench_compare([3, 5, 4, 1], TOKENS, choices)["at_mismatch"]
+    assert far["rank"] is None and far["gap"] is None  # not among stock's best: no near-tie
+    assert "at_mismatch" not in bench_compare(TOKENS, TOKENS, choices)
+    assert "at_mismatch" not in bench_compare(TOKENS[:3], TOKENS, choices)  # stopped, no token
+
+
+def test_stock_choices_line_up_with_the_tokens_stock_generated():
+    """One pass over the prompt and stock's tokens gives, at each generated token, stock's own
+    choice first (float32 on this CPU: the pass and the decode agree), its logit the largest."""
+    from mlx_lm.generate import stream_generate
+
+    from moe_cluster.coordinator.bench.decode import stock_choices
+    from moe_cluster.coordinator.dev.run_local import encode_prompt, load_stock
+
+    _, model, tokenizer = load_stock("demo")
+    ids = encode_prompt(tokenizer, "The cluster")
+    tokens = [r.token for r in stream_generate(model, tokenizer, ids, max_tokens=8)]
+    choices = stock_choices(model, ids, tokens, top=3)
+    assert [c[0][0] for c in choices] == tokens
+    assert all(len(c) == 3 and c[0][1] >= c[1][1] >= c[2][1] for c in choices)
+    assert stock_choices(model, ids, []) == []
