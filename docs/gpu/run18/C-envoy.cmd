@@ -1,0 +1,1 @@
+bash scripts/gpu/envoy_run.sh /tmp/out/run18/envoy
