@@ -271,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
         "non-resident experts; auto (default): those the profile saw selected by at least half of "
         "its tokens, at most top-k; off",
     )
+    b.add_argument(
+        "--routes",
+        default=None,
+        help="comma list of decode routes (skip, device, host) to alternate round by round in each "
+        "cluster row at N > 1, within one load: per route tok/s, tokens and expert reads",
+    )
     add_speculation_args(b)
     b.add_argument(
         "--spoil",

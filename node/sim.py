@@ -38,6 +38,11 @@ class SimTask:
     prediction: tuple[int, ...] = ()  # the output expected (drafts), for the request(s)
     draft_model: str = ""  # speculative "draft": its checkpoint
     overlap: bool = False  # two micro-batches per decode step (node/overlap.py)
+    # decode routes (node/moe/route.py) to alternate: each repeat runs the request once per route,
+    # in this order, forced on every MoE layer first, so that routes are compared within one load
+    # and a drifting machine slows them alike (bench decode --routes), after one pass over them
+    # that warms each up; empty: the route of the load
+    routes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -142,27 +147,35 @@ def _serve(job: SimJob, index: int, task: SimTask, sharded) -> dict:
         ),
     )
     result, wall = None, 0.0
-    for i in range(task.repeats):
-        sharded.state.reset_counters()
-        sharded.state.timers.reset()
-        result = GenerateResult()
-        req = GenerateRequest(
-            f"sim-{index}-{i}",
-            task.prompt,
-            task.sampling,
-            task.eos_token_ids,
-            record_logits=task.record_logits and job.rank == 0,
-            prediction=task.prediction,
-        )
-        t0 = time.perf_counter()
-        for n, _ in enumerate(runtime.generate(req, result=result)):
-            if (
-                n == 0
-            ):  # from here on timers, counters and the peak cover decode steps only, like generation_seconds
-                sharded.state.timers.reset()
-                sharded.state.reset_counters()
-                mx.reset_peak_memory()
-        wall = time.perf_counter() - t0
+    by_route: dict[str, dict] = {}
+    # alternated routes: a first pass over them all warms each one up (its kernels compiled, its
+    # experts read once) and is not kept
+    for i in range(task.repeats + (1 if task.routes else 0)):
+        for route in task.routes or (None,):
+            if route is not None:
+                force_route(sharded, route)
+            sharded.state.reset_counters()
+            sharded.state.timers.reset()
+            result = GenerateResult()
+            req = GenerateRequest(
+                f"sim-{index}-{i}{'-' + route if route else ''}",
+                task.prompt,
+                task.sampling,
+                task.eos_token_ids,
+                record_logits=task.record_logits and job.rank == 0,
+                prediction=task.prediction,
+            )
+            t0 = time.perf_counter()
+            for n, _ in enumerate(runtime.generate(req, result=result)):
+                if (
+                    n == 0
+                ):  # from here on timers, counters and the peak cover decode steps only, like generation_seconds
+                    sharded.state.timers.reset()
+                    sharded.state.reset_counters()
+                    mx.reset_peak_memory()
+            wall = time.perf_counter() - t0
+            if route is not None and i > 0:
+                _route_run(by_route.setdefault(route, {}), sharded, result)
     return {
         **_report(job, index, sharded),
         "tokens": result.tokens,
@@ -174,7 +187,36 @@ def _serve(job: SimJob, index: int, task: SimTask, sharded) -> dict:
         "wall_seconds": wall,
         "figures": vars(result.figures),  # its decode steps, drafts and accepted drafts
         "speculative": runtime.batch.speculation(),
+        "routes": by_route,
     }
+
+
+def force_route(sharded, route: str) -> None:
+    """Every MoE layer of a loaded node computes decode steps by `route` from now on (a route no
+    layer here can take is a UserError naming the ones it can)."""
+    from .moe import route as decode_route
+
+    sharded.state.route = decode_route.choose(
+        [m.shard for m in sharded.layers],
+        [m.description.top_k or 1 for m in sharded.layers],
+        route,
+        source="bench decode --routes",
+    )
+
+
+def _route_run(into: dict, sharded, result) -> None:
+    """Keep one run of a route (SimTask.routes): its speed in every round, and the tokens, counters
+    and per-layer routes of the latest, which `bench decode` counts its expert reads from."""
+    into.setdefault("generation_tps", []).append(result.stats.generation_tps)
+    into.setdefault("generation_seconds", []).append(result.stats.generation_seconds)
+    into["generated"] = result.stats.generated
+    into["tokens"] = result.tokens
+    into["counters"] = sharded.state.means()  # folds the device-side counts first
+    into["layer_counters"] = {
+        str(layer): dict(vars(c)) for layer, c in sharded.state.counters.items()
+    }
+    into["layer_routes"] = {str(m.shard.layer): m.shard.route for m in sharded.layers}
+    into["route"] = sharded.state.route.describe()
 
 
 def _report(job: SimJob, index: int, sharded) -> dict:

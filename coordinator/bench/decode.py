@@ -46,6 +46,9 @@ class DecodeBench:
     )
     prefetch: int | None = None  # the cached runs' read-ahead per layer (load_shard's); None: auto
     peers: bool = True  # measure mlx-lm's tensor parallelism at each N > 1
+    # decode routes to alternate round by round in each cluster row at N > 1, within one load
+    # (node/sim.py SimTask.routes); empty: each node's own choice
+    routes: tuple[str, ...] = ()
 
 
 # Prompts a routing profile is made from when none is given: not the benchmark's own prompt, so the
@@ -175,8 +178,9 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> l
     from ...node.sim import SimTask
 
     sampling = Sampling(max_tokens=spec.max_tokens)
+    routes = spec.routes if nodes > 1 else ()
     tasks = [
-        SimTask(spec.model, tuple(ids), sampling, keepalive=k, repeats=spec.rounds)
+        SimTask(spec.model, tuple(ids), sampling, keepalive=k, repeats=spec.rounds, routes=routes)
         for k in spec.keepalive
     ]
     out = []
@@ -208,8 +212,30 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> l
                     "ours": r0.get("primitives_per_moe_layer"),
                     "stock": None,
                 },
+                **({"routes": by_route(reports)} if routes else {}),
             }
         )
+    return out
+
+
+def by_route(reports: list[dict]) -> dict:
+    """Per decode route alternated in a row (SimTask.routes): rank 0's tok/s in every round and
+    their median, each round's tok/s over the first route's in the same round (a pair run seconds
+    apart: what a drifting machine cannot move), its tokens, and its expert reads."""
+    runs = reports[0]["routes"]
+    first = next(iter(runs), None)
+    out = {}
+    for route, run in runs.items():
+        tps = run["generation_tps"]
+        out[route] = {
+            "generation_tps": statistics.median(tps),
+            "rounds_tps": tps,
+            "over_first_by_round": [a / b for a, b in zip(tps, runs[first]["generation_tps"])],
+            "route": run["route"],
+            "tokens": run["tokens"],
+            "generated": run["generated"],
+            "expert_reads": expert_reads([{**r, **r["routes"][route]} for r in reports]),
+        }
     return out
 
 
@@ -374,7 +400,9 @@ def _compare(tokens: list[int], stock: list[int], choices: list[list] | None = N
     so a bfloat16 near-tie late in a run is told from a wrong first token. Counts must agree too:
     a run that stops early (or generated nothing) differs where it stopped. With stock's `choices`
     there (`stock_choices`), `at_mismatch` says how stock ranked the run's token at that point
-    (rank 1 is stock's own; None: not among stock's best) and how far below stock's best it was."""
+    (None: not among stock's best) and how far below stock's best it was. In bfloat16 stock's one
+    pass can rank first another token than its decode took: rank 1 with gap 0 then says stock's
+    own two passes part there, a tie at that precision."""
     if stock is None:  # stock mlx-lm could not run this model here (bench decode's stock_error)
         return {
             "same_tokens": None,
@@ -451,6 +479,8 @@ def run(spec: DecodeBench) -> dict:
         )
         # the tokens stay in the row: runs with another decode route are compared on them
         c.update(_compare(c["tokens"], stock_tokens, single.get("stock_choices")))
+        for r in c.get("routes", {}).values():
+            r.update(_compare(r["tokens"], stock_tokens, single.get("stock_choices")))
         c["primitives_per_moe_layer"]["stock"] = stock_ops
     from .tensor_parallel import measure
 
@@ -635,6 +665,23 @@ def _prefetch(text: str | None) -> int | None:
     return int(text)
 
 
+def _routes(text: str | None, nodes: tuple[int, ...]) -> tuple[str, ...]:
+    """--routes: decode routes to alternate (node/moe/experts.py ROUTES), at N > 1 only."""
+    from ...node.moe.experts import ROUTES
+
+    if not text:
+        return ()
+    routes = tuple(r.strip() for r in text.split(","))
+    bad = [r for r in routes if r not in ROUTES]
+    if bad:
+        raise UserError(f"--routes: unknown route {bad[0]!r} ({', '.join(ROUTES)})")
+    if len(set(routes)) != len(routes):
+        raise UserError(f"--routes names a route twice: {text}")
+    if max(nodes) < 2:
+        raise UserError("--routes needs a node count above 1 (--nodes): one node has no routes")
+    return routes
+
+
 def main(args) -> int:
     try:
         nodes = tuple(int(n) for n in str(args.nodes).split(","))
@@ -672,6 +719,7 @@ def main(args) -> int:
         args.routing_profile,
         _prefetch(args.prefetch),
         not args.no_peers,
+        _routes(args.routes, nodes),
     )
     out = run(spec)
     if args.calibrate:
@@ -735,6 +783,23 @@ def main(args) -> int:
             f"{c['expected_experts'] or 0:>5.2f} {fmt('attention_router'):>11} {fmt('experts'):>8} "
             f"{fmt('collective_wait'):>10} {fmt('other'):>7}"
         )
+        for route, r in c.get("routes", {}).items():
+            ratios = ", ".join(f"{x:.3f}" for x in r["over_first_by_round"])
+            reads = r["expert_reads"]["nodes"]
+            print(
+                f"      route {route:<6} {r['generation_tps']:>7.1f} tok/s (rounds: "
+                + ", ".join(f"{x:.1f}" for x in r["rounds_tps"])
+                + f"; over the first route, round by round: {ratios}); matrices per layer "
+                + ", ".join(f"{n['matrices_per_layer']:.2f}" for n in reads)
+                + "; stock's tokens: "
+                + (
+                    "-"
+                    if r["same_tokens"] is None
+                    else "yes"
+                    if r["same_tokens"]
+                    else f"from {r['first_mismatch']} on, no"
+                )
+            )
     if out["expert_cache"]:
         print(
             f"{'nodes':>5} {'cache':>6} {'profile':>7} {'tok/s':>7} {'hit rate':>8} {'misses/tok':>10} "

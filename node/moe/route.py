@@ -112,9 +112,11 @@ def choose(
     top_k: Sequence[int],
     how: str = "measure",
     timer: TimeRoute | None = None,
+    source: str = f"cluster.yaml's route or {ENV}",
 ) -> RouteChoice:
     """Set every shard's route (`how`: a route, forced where a layer can take it; measure; or
-    preferred) and say what was chosen. A forced route no layer can take is an error. `timer`:
+    preferred) and say what was chosen. A forced route no layer can take is an error (`source`
+    says where it was asked for). `timer`:
     seconds per call of a shard on a route (time_route). The timing calls count nothing: the
     node's counters are reset after them."""
     timer = timer or time_route
@@ -124,7 +126,7 @@ def choose(
         able = [s for s in shards if how in s.routes()]
         if not able:
             raise UserError(
-                f"route {how} (cluster.yaml's route or {ENV}): no MoE layer of this node can take "
+                f"route {how} ({source}): no MoE layer of this node can take "
                 f"it here (they can take: {', '.join(sorted({r for s in shards for r in s.routes()}))})"
             )
         for s in able:

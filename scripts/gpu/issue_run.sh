@@ -21,7 +21,7 @@
 # Usage, after scripts/gpu/setup.sh (PYTHONPATH=/tmp/site):  bash scripts/gpu/issue_run.sh $OUT
 # Env: BUDGET (seconds from the script's start to the packing, default 500: leave the call's other
 #      steps their time), PARTS ("A B C"), MODELS_ROOT (/tmp), ROUTES ("skip device"), MAX_TOKENS
-#      (32, part A), ROUNDS (2, part A), DBRX_LAYERS (4), QWEN_LAYERS (12), CPU=1: tiny shapes on this machine's CPU, no GPUs, routes
+#      (32, part A), ROUNDS (2, part A), A_PAIRED=1 (part A: the routes alternated within one load), DBRX_LAYERS (4), QWEN_LAYERS (12), CPU=1: tiny shapes on this machine's CPU, no GPUs, routes
 #      "host device" (no skip kernel there):  CPU=1 BUDGET=900 bash scripts/gpu/issue_run.sh /tmp/r14
 set -u
 RUN=${RUN:-run14}
@@ -117,6 +117,15 @@ part_a() {
   build qwen3-4bit "${QWEN[@]}" && built+=(qwen3-4bit)
   for m in "${built[@]}"; do
     case " ${A_MODELS:-${built[*]}} " in *" $m "*) ;; *) continue ;; esac
+    # A_PAIRED=1: one call per model, the routes alternated round by round within one load
+    # (bench decode --routes: a pair of runs seconds apart, what a drifting host cannot move)
+    if [ "${A_PAIRED:-0}" = 1 ]; then
+      step "A-$m-paired" "${A_CAP:-150}" $MC -v bench decode --model "$ROOT/$m" --nodes 2 \
+        --keepalive none --transport mlx $GPUS --no-peers --max-tokens "${MAX_TOKENS:-32}" \
+        --rounds "${ROUNDS:-2}" --routes "${ROUTES// /,}" --json
+      mv "$R/A-$m-paired.out" "$R/A-$m-paired.json" 2>/dev/null
+      continue
+    fi
     # A_ALTERNATE > 1: the routes alternated that many times (A-model-route-i), so that a
     # difference smaller than one call's noise can be told from it
     for i in $(seq "${A_ALTERNATE:-1}"); do

@@ -48,7 +48,11 @@ def part_a(d: Path) -> None:
     )
     tokens: dict[str, dict[str, list]] = {}
     rows = []
+    for f in sorted(d.glob("A-*-paired.json")):
+        _paired(f)
     for f in sorted(d.glob("A-*.json")):
+        if f.stem.endswith("-paired"):
+            continue
         model, route = f.stem[2:].rsplit("-", 1)
         if route.isdigit():  # A_ALTERNATE: A-model-route-i
             model, route = model.rsplit("-", 1)[0], f"{model.rsplit('-', 1)[1]}-{route}"
@@ -102,6 +106,41 @@ def part_a(d: Path) -> None:
             print(
                 f"{model}: tokens of the two routes {'equal' if a == b else 'DIFFER'} ({len(a)} tokens)"
             )
+
+
+def _paired(f: Path) -> None:
+    """A_PAIRED: one load, the routes alternated round by round (bench decode --routes)."""
+    model = f.stem[2:].removesuffix("-paired")
+    b, why = _load(f)
+    if b is None or not b.get("clusters") or "routes" not in b["clusters"][0]:
+        print(f"{model:<12} paired   failed: {why or 'no routes in the row'}")
+        return
+    runs = b["clusters"][0]["routes"]
+    first = next(iter(runs))
+    print(f"{model}: routes alternated within one load, rounds after a warm-up pass")
+    for route, r in runs.items():
+        reads = r["expert_reads"]["nodes"]
+        m = r.get("at_mismatch")
+        stock = (
+            "-"
+            if r["same_tokens"] is None
+            else "yes"
+            if r["same_tokens"]
+            else f"@{r['first_mismatch']}"
+            + (f" (stock's #{m['rank']}, {m['gap']:.3g} below)" if m and m["rank"] else "")
+        )
+        print(
+            f"  {route:<7} {r['generation_tps']:>7.1f} tok/s  rounds "
+            + " ".join(f"{x:.1f}" for x in r["rounds_tps"])
+            + f"  / {first} by round "
+            + " ".join(f"{x:.3f}" for x in r["over_first_by_round"])
+            + "  matrices/layer "
+            + ",".join(f"{n['matrices_per_layer']:.2f}" for n in reads)
+            + "  MB/token "
+            + ",".join(f"{n['bytes_per_token'] / 1e6:.1f}" for n in reads)
+            + f"  stock {stock}  tokens = {first}'s: "
+            + ("yes" if r["tokens"] == runs[first]["tokens"] else "NO")
+        )
 
 
 def part_b(d: Path) -> None:

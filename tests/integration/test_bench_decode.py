@@ -111,3 +111,52 @@ def test_where_stock_mlx_lm_fails_on_the_device_the_cluster_rows_still_run(monke
     assert out["ratio"] is None and out["cluster_path"] is None
     (c,) = out["clusters"]
     assert c["generated"] == 6 and c["same_tokens"] is None and c["generation_tps"] > 0, c
+
+
+def test_bench_decode_alternates_routes_within_one_load():
+    """--routes runs each route once per round after a warm-up pass, the route forced on every
+    node before each run: every route gives stock's tokens, the expert reads follow the route (the
+    device route reads one matrix per routed position, k; the host read only the experts this node
+    computes), and each round's ratio is to the first route's run of the same round."""
+    r = cli(
+        *"bench decode --model demo --nodes 2 --keepalive none --routes host,device "
+        "--max-tokens 8 --rounds 2 --no-peers --json".split(),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    (c,) = out["clusters"]
+    assert list(c["routes"]) == ["host", "device"], c["routes"].keys()
+    top_k = out["model_bytes"]["top_k"]
+    for name, run in c["routes"].items():
+        assert run["same_tokens"] and run["generated"] == 8, (name, run)
+        assert len(run["rounds_tps"]) == 2 and all(t > 0 for t in run["rounds_tps"])
+        assert run["route"].startswith(f"{name}, forced"), run["route"]
+        nodes = run["expert_reads"]["nodes"]
+        assert [n["routes"] for n in nodes] == [[name], [name]], nodes
+    host, device = c["routes"]["host"], c["routes"]["device"]
+    assert host["over_first_by_round"] == [1.0, 1.0]
+    assert device["over_first_by_round"] == [
+        d / h for d, h in zip(device["rounds_tps"], host["rounds_tps"])
+    ]
+    assert all(n["matrices_per_layer"] == top_k for n in device["expert_reads"]["nodes"])
+    # split between two nodes, each computes fewer than k of a token's experts
+    assert all(0 < n["matrices_per_layer"] < top_k for n in host["expert_reads"]["nodes"])
+
+
+def test_bench_decode_refuses_routes_it_cannot_alternate():
+    from moe_cluster.node.device import on_cuda
+
+    cases = [
+        ("host,warp", "2", "unknown route 'warp'"),
+        ("host,host", "2", "names a route twice"),
+        ("host,device", "1", "needs a node count above 1"),
+    ]
+    if not on_cuda():  # the skip kernels are CUDA's: the nodes say so, naming what they can take
+        cases.append(("skip,device", "2", "route skip (bench decode --routes): no MoE layer"))
+    for routes, nodes, says in cases:
+        r = cli(
+            "bench", "decode", "--model", "demo", "--nodes", nodes, "--routes", routes, timeout=60
+        )
+        assert r.returncode != 0 and says in r.stderr, (routes, r.stderr)
+        assert "Traceback" not in r.stderr
