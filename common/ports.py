@@ -3,17 +3,56 @@
 from __future__ import annotations
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct TCP ports free on `host` right now (for clusters launched on one machine)."""
+# Where the kernel takes the local ports of outgoing connections, when it cannot say: IANA's
+# dynamic range (macOS and the BSDs use it)
+_EPHEMERAL_DEFAULT = (49152, 65535)
+_LOWEST = 20000  # below: the ports services are configured on
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The ports this machine gives outgoing connections (Linux: ip_local_port_range)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return _EPHEMERAL_DEFAULT
+
+
+def free_ports(
+    n: int, host: str = "127.0.0.1", ephemeral: tuple[int, int] | None = None
+) -> list[int]:
+    """`n` distinct TCP ports free on `host` right now (for clusters launched on one machine).
+
+    They are listened on later (a node's server, an envoy's, seconds after), so they are drawn
+    outside the range the kernel gives outgoing connections: any of the cluster's own connections
+    made meanwhile could otherwise take one as its local port, and its listener then fails to bind.
+    Where that range leaves no room, the kernel picks (port 0)."""
+    import random
     import socket
 
-    socks = []
+    lo, hi = ephemeral or ephemeral_range()
+    pool = [p for p in range(_LOWEST, 65536) if not lo <= p <= hi]
+    random.shuffle(pool)
+    socks, ports = [], []
     try:
-        for _ in range(n):
+        for port in pool:
+            if len(ports) == n:
+                break
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+            ports.append(port)
+        while len(ports) < n:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind((host, 0))
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+            ports.append(s.getsockname()[1])
+        return ports
     finally:
         for s in socks:
             s.close()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from ...common.ports import free_ports
 from ...proto.errors import UserError
 from .prompt_cache import local_cluster
 
@@ -214,19 +214,13 @@ def measure(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def mlx_lm_server(model_path: str):
     """Start `python -m mlx_lm server` on a loopback port; a context manager yielding its URL."""
     import contextlib
 
     @contextlib.contextmanager
     def run():
-        port = _free_port()
+        (port,) = free_ports(1)
         url = f"http://127.0.0.1:{port}"
         with tempfile.TemporaryFile("w+") as log:
             proc = subprocess.Popen(
