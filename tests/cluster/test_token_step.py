@@ -11,7 +11,9 @@ each MLX scenario has processes of its own."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
+import signal
 import time
 
 import pytest
@@ -67,7 +69,9 @@ def _scenario(scenario: str, spec, rank: int, model: str) -> dict:
             calls[0] += 1
             if calls[0] == AT + 1:
                 if scenario == "stall":
-                    time.sleep(60)
+                    # stopped whole, as a frozen process or a sleeping machine is: its own stall
+                    # guard (a thread) cannot fire first and end the group from this side
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 y = y + 1  # this node samples another token than the others
             return y
 
@@ -301,4 +305,4 @@ def test_a_stalled_peer_ends_the_mlx_node_as_stalled_before_the_peer_wakes(model
     assert codes[0] == EXIT_STALLED, (codes, reports)
     assert seconds < 40, (
         seconds
-    )  # spawn and load (~10 s on 2 busy cores), then the timeout, not rank 1's 60 s sleep
+    )  # spawn and load (~10 s on 2 busy cores), then the timeout: rank 1 stays stopped till killed
