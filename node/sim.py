@@ -209,14 +209,21 @@ def _route_run(into: dict, sharded, result) -> None:
     and per-layer routes of the latest, which `bench decode` counts its expert reads from."""
     into.setdefault("generation_tps", []).append(result.stats.generation_tps)
     into.setdefault("generation_seconds", []).append(result.stats.generation_seconds)
-    into["generated"] = result.stats.generated
-    into["tokens"] = result.tokens
-    into["counters"] = sharded.state.means()  # folds the device-side counts first
-    into["layer_counters"] = {
-        str(layer): dict(vars(c)) for layer, c in sharded.state.counters.items()
+    into.update(generated=result.stats.generated, tokens=result.tokens, **_routing(sharded))
+
+
+def _routing(sharded) -> dict:
+    """The node's counters since they were last reset and, per MoE layer, the decode route taken
+    and one local expert's bytes: what `bench decode` counts each node's expert reads from."""
+    return {
+        "counters": sharded.state.means(),  # folds the device-side counts first
+        "layer_counters": {
+            str(layer): dict(vars(c)) for layer, c in sharded.state.counters.items()
+        },
+        "layer_routes": {str(m.shard.layer): m.shard.route for m in sharded.layers},
+        "expert_matrix_bytes": {str(m.shard.layer): m.shard.matrix_bytes() for m in sharded.layers},
+        "route": sharded.state.route.describe() if sharded.state.route is not None else None,
     }
-    into["layer_routes"] = {str(m.shard.layer): m.shard.route for m in sharded.layers}
-    into["route"] = sharded.state.route.describe()
 
 
 def _report(job: SimJob, index: int, sharded) -> dict:
@@ -234,12 +241,7 @@ def _report(job: SimJob, index: int, sharded) -> dict:
         "peak_memory_bytes": info.peak_memory_bytes,
         "active_memory_bytes": info.active_memory_bytes,
         "load_seconds": info.load_seconds,
-        "counters": sharded.state.means(),  # folds the device-side counts first
-        "layer_counters": {str(layer): vars(c) for layer, c in sharded.state.counters.items()},
-        # per MoE layer: the decode route its experts take (route.py) and one local expert's bytes
-        "layer_routes": {str(m.shard.layer): m.shard.route for m in sharded.layers},
-        "expert_matrix_bytes": {str(m.shard.layer): m.shard.matrix_bytes() for m in sharded.layers},
-        "route": sharded.state.route.describe() if sharded.state.route is not None else None,
+        **_routing(sharded),
         "timers": vars(sharded.state.timers),
         # MLX's peak over the last run's decode steps: weights, KV cache and activations (an expert
         # read waiting for its slot is host memory outside MLX: expert_cache.staged_peak_bytes)
