@@ -118,6 +118,7 @@ def _stock_failed(spec: DecodeBench, exc: BaseException) -> dict:
         "same_tokens": None,
         "generated_tokens": spec.max_tokens,
         "stock_tokens": None,
+        "stock_choices": None,
         "stock_error": f"{type(exc).__name__}: {exc} (at {where.filename}:{where.lineno}, "
         f"{where.line})",
     }
@@ -466,6 +467,7 @@ def run(spec: DecodeBench) -> dict:
     bytes_ = model_bytes(str(ckpt.path))
     stock_tokens = single["stock_tokens"]
     stock_tokens = stock_tokens[: spec.max_tokens] if stock_tokens is not None else None
+    choices = single["stock_choices"]  # how stock ranked its tokens (None where it failed)
     for c in clusters:
         c["fixed_cost_per_moe_layer_us"] = (
             fixed_cost_us(
@@ -478,9 +480,9 @@ def run(spec: DecodeBench) -> dict:
             else None
         )
         # the tokens stay in the row: runs with another decode route are compared on them
-        c.update(_compare(c["tokens"], stock_tokens, single.get("stock_choices")))
+        c.update(_compare(c["tokens"], stock_tokens, choices))
         for r in c.get("routes", {}).values():
-            r.update(_compare(r["tokens"], stock_tokens, single.get("stock_choices")))
+            r.update(_compare(r["tokens"], stock_tokens, choices))
         c["primitives_per_moe_layer"]["stock"] = stock_ops
     from .tensor_parallel import measure
 
@@ -488,7 +490,7 @@ def run(spec: DecodeBench) -> dict:
     for n in (n for n in spec.nodes if n > 1 and spec.peers):
         peer = measure(str(ckpt.path), n, ids, spec.max_tokens, spec.rounds, gpus=spec.gpus)
         if "tokens" in peer:
-            peer.update(_compare(peer.pop("tokens"), stock_tokens, single.get("stock_choices")))
+            peer.update(_compare(peer.pop("tokens"), stock_tokens, choices))
         peers.append(peer)
     caches = (
         [row for n in spec.nodes for row in _expert_cache(spec, ids, n, stock_tokens)]
@@ -510,7 +512,7 @@ def run(spec: DecodeBench) -> dict:
             "tps": alone["cluster_tps"],
             "mlx_lm_tps": alone["mlx_lm_tps"],
             "interleaved": alone["interleaved"],
-            **_compare(alone["tokens"], stock_tokens, single.get("stock_choices")),
+            **_compare(alone["tokens"], stock_tokens, choices),
         }
         if alone
         else None,
