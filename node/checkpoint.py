@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import demo
+from .device import on_metal
 from ..proto.errors import UserError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -145,8 +146,7 @@ def check_runnable(config: dict, where: Path | str = "config.json") -> None:
             if (getattr(v, "__module__", "") or "").startswith("mlx_lm.kernels")
         }
     )
-    metal = getattr(mx, "metal", None)
-    if kernels and not (metal is not None and metal.is_available()):
+    if kernels and not on_metal():
         raise CheckpointError(
             f"{where}: model_type={config.get('model_type')!r} calls mlx-lm's Metal-only kernels "
             f"({', '.join(kernels)}); it runs only on Apple silicon with Metal"

@@ -28,13 +28,20 @@ def metal_info() -> dict:
     `device_name`); {} where there is no Metal GPU (Linux, CUDA, an MLX without Metal)."""
     import mlx.core as mx
 
-    metal = getattr(mx, "metal", None)
-    if metal is None or not metal.is_available():
+    if not on_metal():
         return {}
     query = (
-        getattr(mx, "device_info", None) or metal.device_info
+        getattr(mx, "device_info", None) or mx.metal.device_info
     )  # mx.metal.device_info is deprecated
     return dict(query())
+
+
+def on_metal() -> bool:
+    """MLX has a Metal GPU here (False on Linux, on CUDA, and in an MLX without Metal)."""
+    import mlx.core as mx
+
+    metal = getattr(mx, "metal", None)
+    return metal is not None and metal.is_available()
 
 
 def on_cuda() -> bool:

@@ -37,7 +37,7 @@ from . import families, skip_gemv
 from . import route as decode_route
 from ...proto.expert_cache import ExpertCacheSpec, auto_budget
 from ...proto.records import DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE
-from ..device import ieee_float32, metal_info, on_cuda
+from ..device import ieee_float32, metal_info, on_cuda, on_metal
 from .expert_cache import (
     CacheStats,
     LayerCache,
@@ -568,7 +568,7 @@ def load_shard(
         install(model, b.path, layer)
 
     resident = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    if warm_up and (_on_metal() or on_cuda()):
+    if warm_up and (on_metal() or on_cuda()):
         # Metal's driver pages out buffers that sit idle; touch every local expert once, then wire
         # the resident set (paper §3.2, Algorithm 2's warm-up). On CUDA MLX's buffers are managed
         # memory that the loader wrote from the host: the device's first read of each page
@@ -742,11 +742,6 @@ def _params(bank) -> dict | list:
     return [m.parameters() for m in bank] if isinstance(bank, list) else bank.parameters()
 
 
-def _on_metal() -> bool:
-    metal = getattr(mx, "metal", None)
-    return metal is not None and metal.is_available()
-
-
 def _check_memory_limit() -> None:
     """While its active memory is above its memory limit, MLX waits for the device after every array
     it evaluates (mlx/transforms.cpp), so a step that crosses the limit loses its pipelining. The
@@ -767,7 +762,7 @@ def _check_memory_limit() -> None:
 
 def _wire(resident_bytes: int) -> None:
     """On Metal, wire the resident set so the driver does not page idle experts out (paper §3.2)."""
-    if not _on_metal() or not hasattr(mx, "set_wired_limit"):
+    if not on_metal() or not hasattr(mx, "set_wired_limit"):
         logger.info(
             "wired memory limit: not on Metal, nothing to do (%d bytes resident)", resident_bytes
         )
