@@ -40,6 +40,13 @@ def _runs(d: Path, pattern: str):
         yield f, b
 
 
+def _against_stock(row: dict) -> str:
+    """yes, or @ the first token where a row parts from stock; "-" where stock could not run."""
+    if row["same_tokens"] is None:
+        return "-"
+    return "yes" if row["same_tokens"] else f"@{row['first_mismatch']}"
+
+
 def part_a(d: Path) -> None:
     print("A: bench decode at N = 2 over transport mlx, route forced (MOE_CLUSTER_ROUTE)")
     print(
@@ -75,14 +82,7 @@ def part_a(d: Path) -> None:
         mats = ",".join(f"{n['matrices_per_layer']:.2f}" for n in nodes) or "-"
         mb = ",".join(f"{n['bytes_per_token'] / 1e6:.1f}" for n in nodes) or "-"
         chosen = nodes[0]["route"] if nodes else "-"
-        # where it first parts from stock; "-" where stock could not run (b["stock_error"])
-        stock = (
-            "-"
-            if c["same_tokens"] is None
-            else "yes"
-            if c["same_tokens"]
-            else f"@{c['first_mismatch']}"
-        )
+        stock = _against_stock(c)
         stock_tps = f"{b['mlx_lm_tps']:>7.1f}" if b.get("mlx_lm_tps") else f"{'-':>7}"
         print(
             f"{model:<12} {route:<7} {c['generation_tps']:>7.1f} {stock_tps} {c['generated']:>4} "
@@ -121,13 +121,8 @@ def _paired(f: Path) -> None:
     for route, r in runs.items():
         reads = r["expert_reads"]["nodes"]
         m = r.get("at_mismatch")
-        stock = (
-            "-"
-            if r["same_tokens"] is None
-            else "yes"
-            if r["same_tokens"]
-            else f"@{r['first_mismatch']}"
-            + (f" (stock's #{m['rank']}, {m['gap']:.3g} below)" if m and m["rank"] else "")
+        stock = _against_stock(r) + (
+            f" (stock's #{m['rank']}, {m['gap']:.3g} below)" if m and m["rank"] else ""
         )
         print(
             f"  {route:<7} {r['generation_tps']:>7.1f} tok/s  rounds "
