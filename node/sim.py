@@ -196,11 +196,13 @@ def force_route(sharded, route: str) -> None:
     layer here can take is a UserError naming the ones it can)."""
     from .moe import route as decode_route
 
+    prior = sharded.state.route  # the load's choice: every route compared hands off where it did
     sharded.state.route = decode_route.choose(
         [m.shard for m in sharded.layers],
         [m.description.top_k or 1 for m in sharded.layers],
         route,
         source="bench decode --routes",
+        handoff=(prior.host_from or decode_route.SORTED_FROM, prior.handoff_us),
     )
 
 

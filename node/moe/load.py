@@ -11,6 +11,7 @@ model's description, `node/describe.py`, read once.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -591,6 +592,12 @@ def load_shard(
         [layer.shard for layer in layers], [b.top_k or 1 for b in blocks], how
     )
     logger.info("rank %d decode route: %s", rank, state.route.describe())
+    if world > 1:
+        # each rank chooses alone, so a cluster that stalls must show what each chose: on stderr,
+        # which a bench keeps where a node's log file goes with its temporary folder
+        print(
+            f"moe-cluster node: rank {rank} decode route: {state.route.describe()}", file=sys.stderr
+        )
     _wire(resident)
     # The loader's temporaries (byte-range reads, stacks) would stay in MLX's buffer cache: on CUDA
     # that is managed memory, and weights plus cache past the card's size page during decode.

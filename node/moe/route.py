@@ -113,28 +113,37 @@ def choose(
     how: str = "measure",
     timer: TimeRoute | None = None,
     source: str = f"cluster.yaml's route or {ENV}",
+    handoff: tuple[int, dict[int, dict[str, float]]] | None = None,
 ) -> RouteChoice:
     """Set every shard's route (`how`: a route, forced where a layer can take it; measure; or
     preferred) and say what was chosen. A forced route no layer can take is an error (`source`
     says where it was asked for). `timer`:
     seconds per call of a shard on a route (time_route). The timing calls count nothing: the
-    node's counters are reset after them."""
+    node's counters are reset after them. `handoff`: a forced route's (host_from, times) kept from
+    an earlier choice instead of timed again (routes compared in turn under one hand-off)."""
     timer = timer or time_route
     if not shards:
         return RouteChoice("host", "only")
     if how in ROUTES:
-        able = [s for s in shards if how in s.routes()]
+        able = [j for j, s in enumerate(shards) if how in s.routes()]
         if not able:
             raise UserError(
                 f"route {how} ({source}): no MoE layer of this node can take "
                 f"it here (they can take: {', '.join(sorted({r for s in shards for r in s.routes()}))})"
             )
-        for s in able:
-            s.set_route(how)
-        return RouteChoice(how, "forced")
-    i = max(
-        range(len(shards)), key=lambda j: (len(shards[j].routes()), -j)
-    )  # the first with the most routes
+        # forcing names the route of decode steps; where wide calls (a prompt, a wide batch) go
+        # is still measured, as for a chosen route: a fixed SORTED_FROM sends 8 streams of a top-8
+        # model (64 positions) to one host sync per MoE layer, however fast the forced route is
+        i = able[_most_routes([shards[j] for j in able])]
+        kept = handoff
+        host_from, handoff = kept or (SORTED_FROM, {})
+        if kept is None and how != "host" and "host" in shards[i].routes():
+            host_from, handoff = _crossover(shards[i], how, top_k[i], timer)
+            shards[i].telemetry.reset_counters()
+        for j in able:
+            shards[j].set_route(how, host_from)
+        return RouteChoice(how, "forced", host_from=shards[i].host_from, handoff_us=handoff)
+    i = _most_routes(shards)
     timed = shards[i]
     routes = timed.routes()
     times, handoff, host_from = {}, {}, SORTED_FROM
@@ -156,6 +165,11 @@ def choose(
         timed.host_from,
         handoff,
     )
+
+
+def _most_routes(shards: Sequence[ExpertShard]) -> int:
+    """The index of the first shard with the most routes: the one timed."""
+    return max(range(len(shards)), key=lambda j: (len(shards[j].routes()), -j))
 
 
 def _crossover(

@@ -103,15 +103,28 @@ def test_a_skip_route_is_timed_where_the_kernel_applies_and_kept_when_fastest():
     assert choice.route == "skip" and shards[0].route == "skip"
 
 
-def test_a_forced_route_is_honoured_and_nothing_is_timed():
+def test_a_forced_route_is_honoured_and_only_its_hand_off_is_timed():
     shards = _two(layers=2)
     choice = route.choose(
-        shards, [3, 3], "host", timer=lambda *a: pytest.fail("timed a forced route")
+        shards, [3, 3], "host", timer=lambda *a: pytest.fail("timed a forced host read")
     )
     assert (choice.route, choice.how) == ("host", "forced") and [s.route for s in shards] == [
         "host",
         "host",
     ]
+    # a forced device route is not timed at one row, but wide calls still go to the host read
+    # from the size where it measured faster
+    calls = []
+    wide = {8: {"device": 1e-3, "host": 2e-3}, 32: {"device": 3e-3, "host": 2e-3}}
+    timer = _timer({"device": 1e-4, "host": 2e-4}, calls, wide)
+    choice = route.choose(shards, [3, 3], "device", timer=timer)
+    assert (choice.route, choice.how, choice.host_from) == ("device", "forced", 96)
+    assert [s.route for s in shards] == ["device", "device"] and [s.host_from for s in shards] == [
+        96,
+        96,
+    ]
+    assert calls == [("device", 3, 8), ("host", 3, 8), ("device", 3, 32), ("host", 3, 32)]
+    assert "device, forced; the host read from 96 positions" in choice.describe()
     with pytest.raises(UserError, match="route skip .*: no MoE layer of this node can take it"):
         route.choose(shards, [3, 3], "skip")  # float32 weights, no kernel here
 
