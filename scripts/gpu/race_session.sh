@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The race rows still missing on a 4-GPU host (issue 33), in one background run that outlives the
 # device's 10-minute calls (poll it with short calls that copy OUT back):
+#   -. the bare collective inside a graph of 94 layers (collective_probe.py; PROBE=0 skips it);
 #   0. ours' DeepSeek-V3 row at a few layers under variants of the node's kernels (DIAG_*, below);
 #   1. the DeepSeek-V3 shape (MLA; the fewest layers one GPU does not hold) at N = 4, every row;
 #   2. the Qwen3-235B-A22B shape (94 layers) at N = 4: ours over NCCL, mlx-lm's pipeline and
@@ -17,6 +18,12 @@ export STREAMS=${STREAMS:-1,8} MAX_TOKENS=${MAX_TOKENS:-16} PYTHONUNBUFFERED=1
 ROOT=${MODELS_ROOT:-/tmp}
 stage() { echo "=== $(date +%T) $*" | tee -a "$OUT/session.log"; }
 stage "start: $(nproc) cores, $(nvidia-smi -L 2>/dev/null | wc -l) GPUs, disk free $(df -h --output=avail "$ROOT" | tail -n1)"
+if [ "${PROBE:-1}" != 0 ]; then
+  stage "collective probe: N = 2, 4, 94 layers, hidden 4096"
+  timeout 300 python3 scripts/gpu/collective_probe.py > "$OUT/collective.jsonl" 2> "$OUT/collective.err" \
+    || stage "collective probe: exit $?"
+  cat "$OUT/collective.jsonl"
+fi
 # ours' DeepSeek-V3 rows crashed once (an illegal memory access on one node): first the same row at
 # DIAG_LAYERS layers under each variant of the node's kernels, and the full rows then run under the
 # first variant that passed ("default" where it did). DIAG_VARIANTS empty: no bisection.
