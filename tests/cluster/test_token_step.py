@@ -115,7 +115,7 @@ def _one_step(sharded) -> dict:
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array([PROMPT]), cache=cache))
     syncs: list[str] = []
-    gathers = [0]
+    gathers = {"all_gather": 0, "all_sum": 0}
     saved = {
         (mx, "eval"): mx.eval,
         (mx, "async_eval"): mx.async_eval,
@@ -123,17 +123,18 @@ def _one_step(sharded) -> dict:
         (np, "asarray"): np.asarray,
         (base, "to_wire"): base.to_wire,
         (mx.distributed, "all_gather"): mx.distributed.all_gather,
+        (mx.distributed, "all_sum"): mx.distributed.all_sum,
     }
+    collectives = ("all_gather", "all_sum")  # all_sum at two ranks (MlxCollective._summed)
 
     def counted(name, fn):
         return lambda *a, **k: (syncs.append(name), fn(*a, **k))[1]
 
-    def gather(*a, **k):
-        gathers[0] += 1
-        return saved[(mx.distributed, "all_gather")](*a, **k)
+    def gather(name, fn):
+        return lambda *a, **k: (gathers.__setitem__(name, gathers[name] + 1), fn(*a, **k))[1]
 
     for (mod, name), fn in saved.items():
-        setattr(mod, name, gather if name == "all_gather" else counted(name, fn))
+        setattr(mod, name, gather(name, fn) if name in collectives else counted(name, fn))
     try:
         logits = model(mx.array([[PROMPT[-1]]]), cache=cache)  # the step's graph, built lazily
     finally:
@@ -142,7 +143,7 @@ def _one_step(sharded) -> dict:
     mx.eval(logits)
     return {
         "syncs": syncs,
-        "gathers": gathers[0],
+        "gathers": gathers,
         "moe_layers": len(sharded.layers),
         "logits": np.array(logits.astype(mx.float32)).tobytes(),
     }
@@ -235,27 +236,33 @@ def reports_of(request, model):
     return get
 
 
-def test_an_mlx_step_is_one_graph_with_the_all_gather_inside(model):
+@pytest.mark.parametrize("nodes", [2, 3])
+def test_an_mlx_step_is_one_graph_with_the_all_gather_inside(model, nodes):
     """With the even split, and with replicated experts (their holder chosen by the replica rule
-    on the device): no host sync while the step is built, the same logits on both nodes, and the
+    on the device): no host sync while the step is built, the same logits on every node, and the
     replicas change them by no more than float32 rounding."""
     import numpy as np
 
-    both = _run(("graph", "graph-replicas"), "mlx", model)[0]
+    scenarios = ("graph", "graph-replicas") if nodes == 2 else ("graph",)  # replicas: 2 nodes
+    both = _run(scenarios, "mlx", model, nodes=nodes)[0]
     for scenario, reports in both.items():
         assert all("error" not in r for r in reports.values()), (scenario, reports)
         for rank, r in reports.items():
             assert r["syncs"] == [], (
                 f"{scenario}, rank {rank}: synced with the host while building the step: {r['syncs']}"
             )
-            assert r["gathers"] == r["moe_layers"], (scenario, rank, r["gathers"], r["moe_layers"])
-        assert (
-            reports[0]["logits"] == reports[1]["logits"]
-        )  # rank-order float32 sum: the same bytes everywhere
-    even, replicas = (
-        np.frombuffer(both[s][0]["logits"], dtype=np.float32) for s in ("graph", "graph-replicas")
-    )
-    assert np.abs(even - replicas).max() <= 1e-5
+            # two ranks sum with the backend's all_sum (the same bytes as the rank-order sum)
+            one = "all_sum" if nodes == 2 else "all_gather"
+            want = {"all_gather": 0, "all_sum": 0, one: r["moe_layers"]}
+            assert r["gathers"] == want, (scenario, rank, r["gathers"], want)
+        # rank-order float32 sum: the same bytes everywhere
+        assert len({r["logits"] for r in reports.values()}) == 1, scenario
+    if nodes == 2:
+        even, replicas = (
+            np.frombuffer(both[s][0]["logits"], dtype=np.float32)
+            for s in ("graph", "graph-replicas")
+        )
+        assert np.abs(even - replicas).max() <= 1e-5
 
 
 @pytest.mark.parametrize("transport", ["mlx", "envoy"])
