@@ -119,6 +119,11 @@ for r in rows:
     print(r["name"], r["streams"], r.get("error", "")[:120] or f"{r['decode_tps']:.1f} tok/s, bound "
           + (f"{r['bound']['decode_tps']:.1f}" if r.get("bound") else "-"))
 print("agreement:", {b: a["same"] for b, a in merged["agreement"].items()})
+try:  # a GPU host may lack matplotlib: plot the merged file elsewhere (race.plot)
+    from moe_cluster.coordinator.bench.race import plot
+    plot(merged, f"{out}/race-{n}.png")
+except Exception as exc:  # noqa: BLE001 - the figure is optional, the JSON is the record
+    print(f"no plot: {exc}")
 EOF
 done
 log "plan's predictions against these runs"
