@@ -272,9 +272,10 @@ class MlxCollective:
 
 class GraphOnly(MlxCollective):
     """`transport: mlx`'s all-reduce graph for `world_size` ranks without a group: each all_gather
-    is one Concatenate of this rank's part, standing in for the collective's one primitive, the
-    rest is MlxCollective's own (node/moe/opcount.py counts it). Evaluated, it sums `world_size`
-    copies of this rank's partial: only its graph means anything."""
+    is one Concatenate of this rank's part, each all_sum (two ranks) one Multiply, standing in for
+    the collective's one primitive, the rest is MlxCollective's own (node/moe/opcount.py counts
+    it). Evaluated, it sums `world_size` copies of this rank's partial: only its graph means
+    anything."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
