@@ -246,6 +246,7 @@ class RunningBatch:
         self._active: list[Sequence] = []  # admission order
         self._lanes = [_Lane() for _ in range(lanes)]
         self._steps = 0
+        self._shapes: dict[tuple[int, int], int] = {}  # steps run per shape (_shape)
         self._recent_cancels: dict[str, None] = {}  # request ids cancelled before they arrived
         self._tally = _Tally()
 
@@ -399,9 +400,15 @@ class RunningBatch:
             values = mx.concatenate([host, *toks]) if toks else host
             c.ride(values)
 
-        # mx.distributed cannot time out: the whole step is watched (MLX may block in async_eval too)
-        with waiting(c, f"batch step {self._steps}"), mx.stream(_generation_stream()):
-            self._prefill([s for s in active if s.state == "prefill"], bool(decoding))
+        # mx.distributed cannot time out: the whole step is watched (MLX may block in async_eval
+        # too). The first two steps of a shape may build kernels, and the second waits for the
+        # first's graph: on a fresh GPU host the first decode steps of a 94-layer model build
+        # theirs for longer than a stall's bound
+        joining = [s for s in active if s.state == "prefill"]
+        shape = self._shape(joining, decoding)
+        cold = self._shapes.get(shape, 0) < 2
+        with waiting(c, f"batch step {self._steps}", cold), mx.stream(_generation_stream()):
+            self._prefill(joining, bool(decoding))
             logits_before = [
                 s.pending_logits if self.draft_max else [s.prev_logits] for s in decoding
             ]
@@ -440,6 +447,7 @@ class RunningBatch:
                 ts = [t for t in ts if t >= 0]
                 agreed.append(ts or None)
         self._steps += 1
+        self._shapes[shape] = self._shapes.get(shape, 0) + 1
         waited = max(0.0, timers.collective - collective_before)  # a benchmark may reset the timers
         self._tally.collective_s = waited
         for s in active:
@@ -470,6 +478,12 @@ class RunningBatch:
                 used += n
                 self._tally.prefilled += n
             s.state = "decode"  # its last prompt token goes in with the next decode step
+
+    def _shape(self, joining: list[Sequence], decoding: list[Sequence]) -> tuple[int, int]:
+        """What decides the kernels a step builds: its first prefill chunk's length (rounded up to a
+        power of two; 0: none) and the rows it decodes."""
+        first = min(self._chunk(joining[0]), len(joining[0].todo)) if joining else 0
+        return (1 << (first - 1).bit_length() if first else 0, len(decoding) * self.slots)
 
     def _chunk(self, s: Sequence) -> int:
         return max(1, min(s.req.prefill_step, self.limits.prefill_budget))

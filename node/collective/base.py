@@ -179,10 +179,11 @@ class Collective(Protocol):
     def settle(self) -> Agreement | None:
         """What the oldest ride came back with; None where no all-reduce carried it."""
 
-    def watch(self, what: str | None) -> None:
+    def watch(self, what: str | None, cold: bool = False) -> None:
         """Arm (a description of the wait) or disarm (None) the stall guard while the node waits on
-        a result that needs the peers; arming again restarts the clock. A no-op where the
-        transport times out by itself."""
+        a result that needs the peers; arming again restarts the clock. `cold`: the wait may build
+        kernels (a step of a shape this node has not run yet), so it gets the longer bound. A no-op
+        where the transport times out by itself."""
 
     def close(self) -> None: ...
 
@@ -232,7 +233,7 @@ class LocalCollective:
     def settle(self) -> Agreement | None:
         return None
 
-    def watch(self, what: str | None) -> None:
+    def watch(self, what: str | None, cold: bool = False) -> None:
         pass
 
     def failure(self) -> str | None:
@@ -263,9 +264,10 @@ def rank_order_sum_rows(parts: mx.array) -> mx.array:
 
 
 @contextmanager
-def waiting(collective: Collective, what: str) -> Iterator[None]:
-    """The stall guard armed while the node waits on a result that needs the peers."""
-    collective.watch(what)
+def waiting(collective: Collective, what: str, cold: bool = False) -> Iterator[None]:
+    """The stall guard armed while the node waits on a result that needs the peers (`cold`: one
+    that may build kernels, Collective.watch)."""
+    collective.watch(what, cold)
     try:
         yield
     finally:

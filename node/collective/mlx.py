@@ -89,9 +89,11 @@ def write_hostfile(spec: MlxSpec, folder: str | Path) -> dict[str, str]:
 
 
 # MLX builds a kernel the first time a graph needs it (NVRTC on CUDA, a pipeline state on Metal),
-# so a large model's first steps can take minutes where later ones take milliseconds; a node's
-# first COLD_WAITS waits are bounded by COLD_S instead of the timeout, where that is longer.
-COLD_WAITS = 2  # the first step (a prefill) and the first decode step
+# so a large model's first steps of each shape can take minutes where later ones take
+# milliseconds: a node's first COLD_WAITS waits, and every wait its caller marks cold (the batch
+# engine: the first step of each shape), are bounded by COLD_S instead of the timeout, where that
+# is longer.
+COLD_WAITS = 2
 COLD_S = 600.0
 
 
@@ -112,9 +114,9 @@ class _Watchdog:
         )
         self._thread.start()
 
-    def enter(self, what: str) -> None:
+    def enter(self, what: str, cold: bool = False) -> None:
         self._what = what
-        self._limit = self._cold if self._done < COLD_WAITS else self._timeout
+        self._limit = self._cold if cold or self._done < COLD_WAITS else self._timeout
         self._since = time.monotonic()
 
     def leave(self) -> None:
@@ -127,9 +129,7 @@ class _Watchdog:
         while not self._stop.wait(period):
             since, limit = self._since, self._limit
             if since is not None and time.monotonic() - since > limit:
-                first = (
-                    " (one of the first, which may build kernels)" if limit > self._timeout else ""
-                )
+                first = " (one that may build kernels)" if limit > self._timeout else ""
                 msg = (
                     f"rank {self._rank}: {self._what}{first} did not complete within {limit:g} s "
                     f"(a peer stalled or the network is down); the MLX group cannot recover, exiting"
@@ -248,13 +248,13 @@ class MlxCollective:
     def settle(self) -> Agreement | None:
         return self._rider.settle()
 
-    def watch(self, what: str | None) -> None:
+    def watch(self, what: str | None, cold: bool = False) -> None:
         if self._watchdog is None:
             return
         if what is None:
             self._watchdog.leave()
         else:
-            self._watchdog.enter(what)
+            self._watchdog.enter(what, cold)
 
     def failure(self) -> str | None:
         return None  # no child process to lose: a peer's loss fails the step itself

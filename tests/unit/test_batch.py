@@ -415,3 +415,38 @@ def test_each_step_reports_what_it_did(cluster_path, encode):
     assert all(r.positions >= r.decoded and r.seconds > 0 for r in reports)
     assert sum(r.drafted for r in reports) == sum(q.figures.drafted for q in results)
     assert sum(r.accepted for r in reports) == sum(q.figures.accepted for q in results)
+
+
+def test_the_first_two_steps_of_each_shape_get_the_cold_bound():
+    """A step that may build kernels is watched as cold (Collective.watch): the first two of each
+    shape (prefill chunk, rows decoded), the second because it waits for the first's graph. The
+    first decode step comes after the admission and the prefill steps, and on a fresh GPU host
+    it built its kernels past the warm bound."""
+
+    class Watched(LocalCollective):
+        def __init__(self):
+            super().__init__()
+            self.armed: list[bool] = []
+
+        def watch(self, what, cold=False):
+            if what is not None:
+                self.armed.append(cold)
+
+    c = Watched()
+    rt = NodeRuntime(load_shard("demo", None, 0, collective=c), limits=BatchLimits(max_batch=2))
+    first = GenerateRequest("first", (5, 6, 7), Sampling(max_tokens=8))
+    later = GenerateRequest("later", (8, 9, 10), Sampling(max_tokens=8))
+    rt.batch.submit(first, 1, Log([0]), GenerateResult())
+    shapes = []
+    while rt.batch.busy():
+        if len(shapes) == 6:  # a second sequence joins: prefill beside a decode, then two rows
+            rt.batch.submit(later, 2, Log([0]), GenerateResult())
+        r = rt.batch.step()
+        shapes.append((r.prefilled > 0, r.decoded))
+        assert len(shapes) < 100
+    assert len(c.armed) == len(shapes)
+    for i, (shape, cold) in enumerate(zip(shapes, c.armed)):
+        assert cold == (shapes[:i].count(shape) < 2), (i, shapes, c.armed)
+    first_decode = shapes.index((False, 1))
+    assert c.armed[first_decode] and not c.armed[first_decode + 2]
+    assert (False, 2) in shapes and c.armed[shapes.index((False, 2))]
