@@ -43,6 +43,10 @@ class SimTask:
     # and a drifting machine slows them alike (bench decode --routes), after one pass over them
     # that warms each up; empty: the route of the load
     routes: tuple[str, ...] = ()
+    # streams only: after the timed repeats, one more with a host sync at each MoE layer's
+    # boundaries where the step is one graph (ShardState.synced), its timers reported apart
+    # ("synced"): where an in-graph step's time goes, which its own timers cannot see
+    synced_pass: bool = False
 
 
 @dataclass(frozen=True)
@@ -283,9 +287,8 @@ class _Timed:
 def _run_streams(index: int, task: SimTask, sharded) -> dict:
     """Every prompt of `task.streams` at once through the running batch, `repeats` times (the last
     kept): each stream's tokens and token times from t0, and the decode steps the timers cover."""
-    from ..proto.records import GenerateRequest
     from .batch import BatchLimits
-    from .runtime import GenerateResult, NodeRuntime
+    from .runtime import NodeRuntime
 
     runtime = NodeRuntime(
         sharded,
@@ -299,43 +302,66 @@ def _run_streams(index: int, task: SimTask, sharded) -> dict:
     )
     out: dict = {}
     for i in range(task.repeats):
-        sharded.state.reset_counters()
-        sharded.state.timers.reset()
-        sinks = [_Timed() for _ in task.streams]
-        results = [GenerateResult() for _ in task.streams]
-        t0 = time.perf_counter()
-        for j, (prompt, sink, result) in enumerate(zip(task.streams, sinks, results)):
-            req = GenerateRequest(
-                f"sim-{index}-{i}-{j}",
-                prompt,
-                task.sampling,
-                task.eos_token_ids,
-                prediction=task.prediction,
-                record_logits=task.record_logits and sharded.state.rank == 0,
-            )
-            runtime.batch.submit(req, runtime.next_seq(), sink, result)
-        steps, t_decode = 0, None
-        while not all(s.ended for s in sinks):
-            runtime.batch.step()
-            steps += 1
-            if t_decode is None and all(s.times or s.ended for s in sinks):
-                # from here on timers and counters cover decode steps of the whole batch only
-                sharded.state.timers.reset()
-                sharded.state.reset_counters()
-                t_decode, steps = time.perf_counter(), 0
-        failed = next((s.error for s in sinks if s.error is not None), None)
-        if failed is not None:
-            raise failed
-        out = {
-            "t0": t0,
-            "tokens": [r.tokens for r in results],
-            "logits": [r.logits for r in results] if task.record_logits else None,
-            "times": [s.times for s in sinks],
-            "figures": [vars(r.figures) for r in results],
-            "decode_steps": steps,
-            "decode_seconds": time.perf_counter() - (t_decode or t0),
-            "micro_batches": runtime.batch.micro_batches(),
-            # all-reduces that travelled while the other micro-batch computed (node/overlap.py)
-            "overlapped": runtime.batch.overlapped(),
+        out = _streams_pass(index, i, task, sharded, runtime)
+    if task.synced_pass:
+        # the timed pass's timers and counters are what the report gives; the synced pass's go
+        # apart, with its own step time (slower than the graph's: every layer waits three times)
+        out.update(timers=dict(vars(sharded.state.timers)), **_routing(sharded))
+        sharded.state.synced = True
+        try:
+            synced = _streams_pass(index, task.repeats, task, sharded, runtime)
+        finally:
+            sharded.state.synced = False
+        out["synced"] = {
+            "timers": dict(vars(sharded.state.timers)),
+            "decode_steps": synced["decode_steps"],
+            "decode_seconds": synced["decode_seconds"],
+            "tokens": synced["tokens"],
         }
     return out
+
+
+def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime) -> dict:
+    """One run of every prompt of `task.streams` at once (see _run_streams)."""
+    from ..proto.records import GenerateRequest
+    from .runtime import GenerateResult
+
+    sharded.state.reset_counters()
+    sharded.state.timers.reset()
+    sinks = [_Timed() for _ in task.streams]
+    results = [GenerateResult() for _ in task.streams]
+    t0 = time.perf_counter()
+    for j, (prompt, sink, result) in enumerate(zip(task.streams, sinks, results)):
+        req = GenerateRequest(
+            f"sim-{index}-{i}-{j}",
+            prompt,
+            task.sampling,
+            task.eos_token_ids,
+            prediction=task.prediction,
+            record_logits=task.record_logits and sharded.state.rank == 0,
+        )
+        runtime.batch.submit(req, runtime.next_seq(), sink, result)
+    steps, t_decode = 0, None
+    while not all(s.ended for s in sinks):
+        runtime.batch.step()
+        steps += 1
+        if t_decode is None and all(s.times or s.ended for s in sinks):
+            # from here on timers and counters cover decode steps of the whole batch only
+            sharded.state.timers.reset()
+            sharded.state.reset_counters()
+            t_decode, steps = time.perf_counter(), 0
+    failed = next((s.error for s in sinks if s.error is not None), None)
+    if failed is not None:
+        raise failed
+    return {
+        "t0": t0,
+        "tokens": [r.tokens for r in results],
+        "logits": [r.logits for r in results] if task.record_logits else None,
+        "times": [s.times for s in sinks],
+        "figures": [vars(r.figures) for r in results],
+        "decode_steps": steps,
+        "decode_seconds": time.perf_counter() - (t_decode or t0),
+        "micro_batches": runtime.batch.micro_batches(),
+        # all-reduces that travelled while the other micro-batch computed (node/overlap.py)
+        "overlapped": runtime.batch.overlapped(),
+    }

@@ -112,6 +112,8 @@ def _ours(
             repeats=spec.rounds + 1,  # the first warms up, as the peers do
             streams=tuple(tuple(p) for p in prompts[:b]),
             overlap=name in OVERLAP_ROWS,
+            # transport mlx's step is one graph whose timers see nothing: a synced pass splits it
+            synced_pass=transport == "mlx",
         )
         for b in spec.streams
     ]
@@ -149,9 +151,27 @@ def _ours(
                 # one MoE layer of a batch-1 step on rank 0's route (node/moe/opcount.py); None
                 # where that route reads the routing on the host
                 "primitives_per_moe_layer": r0.get("primitives_per_moe_layer"),
+                **_synced(r0),
             }
         )
     return rows
+
+
+def _synced(r0: dict) -> dict:
+    """Rank 0's synced pass (SimTask.synced_pass), per decode step: its step time, its timers'
+    split of it (`breakdown`), and whether it gave the timed pass's tokens; {} where none ran."""
+    synced = r0.get("synced")
+    if not synced:
+        return {}
+    from .decode import breakdown
+
+    steps = max(synced["decode_steps"], 1)
+    step = synced["decode_seconds"] / steps
+    return {
+        "synced_step_s": step,
+        "synced_breakdown_per_step_s": breakdown(synced["timers"], steps, step),
+        "synced_same_tokens": synced["tokens"] == r0["tokens"],
+    }
 
 
 def hidden(rows: list[dict]) -> None:
@@ -400,7 +420,8 @@ def losses(rows: list[dict]) -> None:
         if not faster:
             continue
         per = r["moe_layers"] or 1
-        b = r["breakdown_per_step_s"]
+        synced = "synced_breakdown_per_step_s" in r
+        b = r["synced_breakdown_per_step_s" if synced else "breakdown_per_step_s"]
         bare = r.get("collective_s")
         wait = b["collective_wait"] / per
         r["loses_to"] = faster
@@ -410,8 +431,14 @@ def losses(rows: list[dict]) -> None:
             "collective_bare": bare,
             "waiting": max(wait - bare, 0.0) if bare is not None else wait,
             "other": b["other"] / per,
-            "note": "timers of rank 0; where the step is one lazy graph (transport mlx), its collective runs "
-            "inside the graph and shows under other",
+            "note": (
+                "timers of rank 0 in a pass with a host sync at each MoE layer's input, partial "
+                "and sum (the step is one lazy graph): attention_router is everything since the "
+                "last MoE layer, experts the router and the experts; the synced step took "
+                f"{r['synced_step_s'] * 1e3:.1f} ms against the graph's {r['step_s'] * 1e3:.1f} ms"
+                if synced
+                else "timers of rank 0"
+            ),
         }
 
 

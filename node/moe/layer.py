@@ -93,9 +93,12 @@ class ClusterMoE(nn.Module):
         return y
 
     def __call__(self, x, *args, **kwargs):
+        if getattr(self._collective, "in_graph", False):
+            if self._state.synced:
+                return self._synced(x, *args, **kwargs)
+            # the step stays one lazy graph
+            return self._collective.all_reduce(self.partial(x, *args, **kwargs), self._moe.layer)
         y = self.partial(x, *args, **kwargs)
-        if getattr(self._collective, "in_graph", False):  # the step stays one lazy graph
-            return self._collective.all_reduce(y, self._moe.layer)
         state = self._state
         t0 = time.perf_counter()
         mx.eval(y)
@@ -107,6 +110,25 @@ class ClusterMoE(nn.Module):
         state.timers.collective += waited
         state.record_allreduce(waited)
         return y
+
+    def _synced(self, x, *args, **kwargs) -> mx.array:
+        """An in-graph layer evaluated in three parts, each timed: what came before it (attention
+        and the rest since the last MoE layer: `attention_router`), the router and the experts
+        (`experts`), the all-reduce with its wait for the slowest node (`collective`)."""
+        timers = self._state.timers
+        t0 = time.perf_counter()
+        mx.eval(x)
+        t1 = time.perf_counter()
+        y = self.partial(x, *args, **kwargs)
+        mx.eval(y)
+        t2 = time.perf_counter()
+        out = self._collective.all_reduce(y, self._moe.layer)
+        mx.eval(out)
+        t3 = time.perf_counter()
+        timers.attention_router += t1 - t0
+        timers.experts += t2 - t1
+        timers.collective += t3 - t2
+        return out
 
 
 def install(model: nn.Module, path: str, module: nn.Module) -> None:

@@ -101,6 +101,10 @@ class ShardState:
         self.staging = Staging()  # expert reads held outside the slots
         # route.RouteChoice: how decode steps compute the routed experts, set at load
         self.route = None
+        # a benchmark's diagnostic pass: where the step is one lazy graph (an in-graph collective),
+        # each MoE layer syncs at its input, its partial and its sum, so that the timers can split
+        # the layer (ClusterMoE); the step itself is then slower than the graph's
+        self.synced = False
         # len(pending) when each of the last two steps began (step_begins): what came before the
         # older one belongs to steps already evaluated, so folding it never waits on the device
         self._marks = [0, 0]

@@ -55,6 +55,14 @@ def test_bench_race_runs_every_row_and_the_rows_agree(make_ckpt, tmp_path):
         if name.startswith("ours"):  # rank 0's MoE layer counted, unless its route is the host's
             ops = row["primitives_per_moe_layer"]
             assert ops is None or ops["primitives"] >= ops["kernels"] > 0, ops
+        # transport mlx's step is one graph: a pass synced at each MoE layer splits its time, with
+        # the same tokens; the envoy's own timers see its layers already
+        synced = row.get("synced_breakdown_per_step_s")
+        if name == "ours_mlx":
+            assert row["synced_same_tokens"] and row["synced_step_s"] > 0, row
+            assert all(synced[k] > 0 for k in ("attention_router", "experts", "collective_wait"))
+        else:
+            assert synced is None, name
     for b in ("1", "3"):
         assert out["agreement"][b]["same"] and sorted(out["agreement"][b]["rows"]) == sorted(
             ROWS
@@ -72,12 +80,12 @@ def test_bench_race_runs_every_row_and_the_rows_agree(make_ckpt, tmp_path):
     assert out["collective"]["mlx_ring"]["1"] > 0 and out["collective"]["envoy"]["1"] > 0
     for row in out["rows"]:
         if "loses_to" in row:  # where ours is slower, where its time per MoE layer goes
-            assert set(row["per_moe_layer_s"]) >= {
-                "attention_router",
-                "experts",
-                "collective_bare",
-                "waiting",
-            }
+            per = row["per_moe_layer_s"]
+            assert set(per) >= {"attention_router", "experts", "collective_bare", "waiting"}
+            # the ring's row from its synced pass: every part of the layer seen, not all "other"
+            if row["name"] == "ours_mlx":
+                assert per["attention_router"] > 0 and per["experts"] > 0, per
+                assert "synced step took" in per["note"], per
     # the overlap row: two lanes at 3 streams, its wait on the collective beside the unsplit row's
     split = got[("ours_envoy_overlap", 3)]
     assert (
