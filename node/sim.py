@@ -200,14 +200,20 @@ def force_route(sharded, route: str) -> None:
     layer here can take is a UserError naming the ones it can)."""
     from .moe import route as decode_route
 
-    prior = sharded.state.route  # the load's choice: every route compared hands off where it did
-    sharded.state.route = decode_route.choose(
+    state = sharded.state
+    # every route compared hands wide calls to the host read where the load's choice did, or, where
+    # that was the host read itself, where the first forced route measured it
+    if state.load_route is not None and state.load_route.host_from is not None:
+        state.forced_handoff = (state.load_route.host_from, state.load_route.handoff_us)
+    state.route = decode_route.choose(
         [m.shard for m in sharded.layers],
         [m.description.top_k or 1 for m in sharded.layers],
         route,
         source="bench decode --routes",
-        handoff=(prior.host_from or decode_route.SORTED_FROM, prior.handoff_us),
+        handoff=state.forced_handoff,
     )
+    if state.forced_handoff is None and state.route.host_from is not None:
+        state.forced_handoff = (state.route.host_from, state.route.handoff_us)
 
 
 def _route_run(into: dict, sharded, result) -> None:
@@ -287,6 +293,8 @@ class _Timed:
 def _run_streams(index: int, task: SimTask, sharded) -> dict:
     """Every prompt of `task.streams` at once through the running batch, `repeats` times (the last
     kept): each stream's tokens and token times from t0, and the decode steps the timers cover."""
+    import mlx.core as mx
+
     from .batch import BatchLimits
     from .runtime import NodeRuntime
 
@@ -306,7 +314,12 @@ def _run_streams(index: int, task: SimTask, sharded) -> dict:
     if task.synced_pass:
         # the timed pass's timers and counters are what the report gives; the synced pass's go
         # apart, with its own step time (slower than the graph's: every layer waits three times)
-        out.update(timers=dict(vars(sharded.state.timers)), **_routing(sharded))
+        out.update(
+            timers=dict(vars(sharded.state.timers)),
+            expert_cache=sharded.state.cache_totals(),
+            peak_memory_decode_bytes=int(mx.get_peak_memory()),
+            **_routing(sharded),
+        )
         sharded.state.synced = True
         try:
             synced = _streams_pass(index, task.repeats, task, sharded, runtime)

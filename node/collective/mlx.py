@@ -4,11 +4,11 @@ NCCL on CUDA GPUs).
 Each all-reduce is a graph operation: an `all_gather` of the partials, then the sum in rank order
 in float32 (`base.rank_order_sum_rows`), so a token step stays one lazy graph with no host sync inside
 it, and the sum is the same bytes as the envoy transport's on every node (a ring `all_sum` adds in
-a different order per chunk and in the payload dtype). At two ranks the backend's `all_sum` of the
-float32 partials is those bytes too (one addition, either order), and costs less. The first
-all-reduce of a step also carries the token agreement (`base.Rider`): every rank's sampled token
+a different order per chunk and in the payload dtype). At two ranks over NCCL the backend's
+`all_sum` of the float32 partials is those bytes too (one addition, either order), and costs
+less. The first all-reduce of a step also carries the token agreement (`base.Rider`): every rank's sampled token
 and cancel flag, as raw bytes beside the partial's, so all_gather shows every node what every other
-sampled (at two ranks, in slots of the summed payload: `base.ride_slots`).
+sampled (summed by NCCL at two ranks: in slots of the payload, `base.ride_slots`).
 
 Each backend reads its peers from the environment, set here before `mx.distributed.init`:
 ring reads the hostfile named by MLX_HOSTFILE (JSON: per rank, a list of "ip:port") and MLX_RANK;
@@ -91,8 +91,8 @@ def write_hostfile(spec: MlxSpec, folder: str | Path) -> dict[str, str]:
 # MLX builds a kernel the first time a graph needs it (NVRTC on CUDA, a pipeline state on Metal),
 # so a large model's first steps of each shape can take minutes where later ones take
 # milliseconds: a node's first COLD_WAITS waits, and every wait its caller marks cold (the batch
-# engine: the first step of each shape), are bounded by COLD_S instead of the timeout, where that
-# is longer.
+# engine: the first two steps of each shape), are bounded by COLD_S instead of the timeout, where
+# that is longer.
 COLD_WAITS = 2
 COLD_S = 600.0
 
@@ -146,6 +146,12 @@ class MlxCollective:
     """The Collective of `transport: mlx`."""
 
     in_graph = True  # all_reduce is a graph operation: the MoE layer hands it the lazy partial
+    # the world size at which the all-reduce is the backend's own all_sum (_summed): two ranks,
+    # where it is the rank-order sum's bytes, and over NCCL, where it costs less than the
+    # all_gather (in a graph, 42 against 77 µs a layer); the ring's all_sum took longer than its
+    # all_gather and the local sum on a 2-vCPU CPU (150-226 against 77-133 µs, hidden 1024), so
+    # the ring keeps the all_gather (collective_probe.py)
+    SUMMED_AT = 2
 
     def __init__(self, spec: MlxSpec, rank: int):
         if not mx.distributed.is_available(spec.backend):
@@ -155,6 +161,7 @@ class MlxCollective:
             )
         self.rank = rank
         self.world_size = spec.world_size
+        self.SUMMED_AT = 2 if spec.backend == "nccl" else 0
         self._tmp = None
         self._watchdog = None
         self._rider = Rider(rank, spec.world_size)
@@ -193,7 +200,7 @@ class MlxCollective:
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
         if self.group is None:
             return partial
-        if self.world_size == 2:
+        if self.world_size == self.SUMMED_AT:
             return self._summed(partial, layer)
         flat = self._after_last(partial.reshape(1, -1))
         ride = self._rider.take(layer)
@@ -221,7 +228,8 @@ class MlxCollective:
     def _summed(self, partial: mx.array, layer: int) -> mx.array:
         """Two ranks: the backend's own sum of the float32 partials. One addition per element is
         the same bytes in either order, so this is the rank-order sum of the other path, at about
-        half an all_gather's cost in a graph (NCCL: 42 against 77 µs a layer; collective_probe.py)."""
+        half an all_gather's cost in a graph (NCCL, bfloat16 payloads: 42 against 77 µs a layer;
+        scripts/gpu/collective_probe.py, whose all_sum_f32 times this float32 one)."""
         flat = self._after_last(partial.reshape(-1).astype(mx.float32))
         n = flat.size
         ride = self._rider.take(layer)
@@ -271,8 +279,8 @@ class MlxCollective:
 
 
 class GraphOnly(MlxCollective):
-    """`transport: mlx`'s all-reduce graph for `world_size` ranks without a group: each all_gather
-    is one Concatenate of this rank's part, each all_sum (two ranks) one Multiply, standing in for
+    """`transport: mlx`'s all-reduce graph for `world_size` ranks without a group, as NCCL builds
+    it: each all_gather is one Concatenate of this rank's part, each all_sum (two ranks) one Multiply, standing in for
     the collective's one primitive, the rest is MlxCollective's own (node/moe/opcount.py counts
     it). Evaluated, it sums `world_size` copies of this rank's partial: only its graph means
     anything."""

@@ -8,7 +8,9 @@ per layer a (1, hidden) @ (hidden, hidden) matmul, then one of
 
     none        nothing (the layer's compute alone)
     all_sum     mx.distributed.all_sum, as mlx-lm's tensor parallelism
-    gather_sum  all_gather and the float32 rank-order sum, as ours (node/collective/mlx.py)
+    all_sum_f32 the partial cast to float32, all_sum, cast back: ours at two ranks
+    gather_sum  all_gather and the float32 rank-order sum, ours at three ranks and more
+                (node/collective/mlx.py)
 
 The collective's cost per layer is (variant - none) / L, the median of ITERS tokens after a warm-up.
 One JSON line per (N, variant), printed by the parent:
@@ -26,7 +28,7 @@ import statistics
 import sys
 import time
 
-VARIANTS = ("none", "all_sum", "gather_sum")
+VARIANTS = ("none", "all_sum", "all_sum_f32", "gather_sum")
 
 
 def _worker(rank: int, nodes: int, env: dict, gpus: bool, args, out) -> None:
@@ -49,6 +51,8 @@ def _worker(rank: int, nodes: int, env: dict, gpus: bool, args, out) -> None:
             y = x @ w
             if variant == "all_sum":
                 y = mx.distributed.all_sum(y, group=group)
+            elif variant == "all_sum_f32":
+                y = mx.distributed.all_sum(y.astype(mx.float32), group=group).astype(y.dtype)
             elif variant == "gather_sum":
                 y = rank_order_sum_rows(mx.distributed.all_gather(y, group=group))
             x = y * (1.0 / nodes)  # keeps the values bounded whatever the variant

@@ -66,6 +66,6 @@ def test_up_prints_each_nodes_measured_route_and_honours_a_forced_one(tmp_path):
     assert tokens == want
     # forced: not timed at one row; where wide calls go is measured, as for a chosen route
     (line,) = [line for line in lines if line.startswith("decode route: ")]
-    hand = r"(, the host read from \d+ positions)?"
+    hand = r", the host read from \d+ positions"
     assert re.fullmatch(rf"decode route: node-0 device{hand}; node-1 device{hand}", line), line
     assert {n["route"] for n in nodes.values()} == {"device"}

@@ -47,6 +47,9 @@ def _scenario(scenario: str, spec, rank: int, model: str) -> dict:
     from moe_cluster.proto.records import GenerateRequest, Sampling
 
     collective = make_collective(spec, rank)
+    if scenario.endswith("-summed"):  # the ring's two ranks summed by all_sum, as NCCL's are
+        collective.SUMMED_AT = 2
+        scenario = scenario.removesuffix("-summed")
     placement = _replicas_on_both(model) if scenario == "graph-replicas" else None
     sharded = load_shard(
         model, placement, rank, keepalive="none", collective=collective, route="device"
@@ -221,6 +224,9 @@ def reports_of(request, model):
     envoy: dict[str, dict[int, dict]] = {}
 
     def get(scenario: str, transport: str) -> dict[int, dict]:
+        if transport == "mlx-summed":  # two ranks summed by all_sum (NCCL's way) over the ring
+            scenario += "-summed"
+            return _run((scenario,), "mlx", model)[0][scenario]
         if transport != "envoy":
             return _run((scenario,), transport, model)[0][scenario]
         if scenario not in envoy:
@@ -243,7 +249,8 @@ def test_an_mlx_step_is_one_graph_with_the_all_gather_inside(model, nodes):
     replicas change them by no more than float32 rounding."""
     import numpy as np
 
-    scenarios = ("graph", "graph-replicas") if nodes == 2 else ("graph",)  # replicas: 2 nodes
+    # replicas, and the all_gather path beside the all_sum: 2 nodes
+    scenarios = ("graph", "graph-replicas", "graph-summed") if nodes == 2 else ("graph",)
     both = _run(scenarios, "mlx", model, nodes=nodes)[0]
     for scenario, reports in both.items():
         assert all("error" not in r for r in reports.values()), (scenario, reports)
@@ -251,8 +258,8 @@ def test_an_mlx_step_is_one_graph_with_the_all_gather_inside(model, nodes):
             assert r["syncs"] == [], (
                 f"{scenario}, rank {rank}: synced with the host while building the step: {r['syncs']}"
             )
-            # two ranks sum with the backend's all_sum (the same bytes as the rank-order sum)
-            one = "all_sum" if nodes == 2 else "all_gather"
+            # the ring all_gathers; two ranks over NCCL sum with all_sum (forced here: "summed")
+            one = "all_sum" if scenario == "graph-summed" else "all_gather"
             want = {"all_gather": 0, "all_sum": 0, one: r["moe_layers"]}
             assert r["gathers"] == want, (scenario, rank, r["gathers"], want)
         # rank-order float32 sum: the same bytes everywhere
@@ -263,9 +270,11 @@ def test_an_mlx_step_is_one_graph_with_the_all_gather_inside(model, nodes):
             for s in ("graph", "graph-replicas")
         )
         assert np.abs(even - replicas).max() <= 1e-5
+        # the all_sum of the float32 partials is the all_gather's rank-order sum, to the byte
+        assert both["graph"][0]["logits"] == both["graph-summed"][0]["logits"]
 
 
-@pytest.mark.parametrize("transport", ["mlx", "envoy"])
+@pytest.mark.parametrize("transport", ["mlx", "mlx-summed", "envoy"])
 def test_the_token_rides_on_the_next_all_reduce(transport, model, reports_of, reference):
     reports = reports_of("generate", transport)
     ref_tokens, _ = reference(model, PROMPT, TOKENS)
@@ -279,7 +288,7 @@ def test_the_token_rides_on_the_next_all_reduce(transport, model, reports_of, re
         )
 
 
-@pytest.mark.parametrize("transport", ["mlx", "envoy"])
+@pytest.mark.parametrize("transport", ["mlx", "mlx-summed", "envoy"])
 def test_a_token_that_differs_on_one_node_fails_every_node_naming_both(
     transport, model, reports_of, reference
 ):

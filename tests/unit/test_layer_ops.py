@@ -14,8 +14,8 @@ from moe_cluster.node.moe import kernels as kernels_module
 from moe_cluster.node.moe.opcount import SkipStandIn, decode_input, kernels, moe_layer
 
 # (primitives, kernels) one MoE layer of rank 0 adds over stock's on its route at N = 2,
-# with `transport: mlx`'s all-reduce (at two ranks the backend's all_sum of the float32 partials,
-# one primitive). What is left: the slot and mask gathers, the filler's max, the two selects
+# with `transport: mlx`'s all-reduce as NCCL builds it (at two ranks the all_sum of the float32
+# partials, one primitive). What is left: the slot and mask gathers, the filler's max, the two selects
 # (slots, zeroed rows), the all_sum and its casts where the model is not float32; keepalive lru
 # adds the filler choice on the device (plan.Recency).
 EXTRA = {

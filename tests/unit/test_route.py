@@ -229,3 +229,46 @@ def test_a_route_timed_first_does_not_pay_for_the_experts_it_reads_first():
     first = route.time_route(shard, "device", 4)
     second = route.time_route(shard, "host", 4)  # the same draws: nothing new to read
     assert first < 10 * _FirstTouch.WARM and second < 10 * _FirstTouch.WARM, (first, second)
+
+
+def test_routes_forced_in_turn_share_the_loads_hand_off(monkeypatch):
+    """bench decode --routes forces routes round by round (sim.force_route): each hands wide calls
+    to the host read where the load's choice did, whatever was forced before it; where the load
+    chose the host read itself, the first forced route measures the hand-off and the others keep it."""
+    from moe_cluster.node.collective.mlx import GraphOnly
+    from moe_cluster.node.moe.load import load_shard
+    from moe_cluster.node.sim import force_route
+
+    calls = []
+
+    def timer(shard, r, top_k, tokens, host_at_one=False):
+        calls.append((r, tokens))
+        if tokens == 1:
+            return {"device": 2e-4 if host_at_one else 1e-4, "host": 1.5e-4}[r]
+        return {"device": 1e-3 * tokens / 8, "host": 2.5e-3}[r]  # the host read wins from 32 rows
+
+    def load(host_at_one):
+        monkeypatch.setattr(route, "time_route", lambda *a: timer(*a, host_at_one=host_at_one))
+        calls.clear()
+        return load_shard(
+            "demo", None, 0, collective=GraphOnly(0, 2), warm_up=False, route="measure"
+        )
+
+    sharded = load(host_at_one=False)
+    top_k = sharded.layers[0].description.top_k
+    assert (sharded.state.route.route, sharded.state.route.host_from) == ("device", 32 * top_k)
+    calls.clear()
+    for forced, host_from in (("device", 32 * top_k), ("host", None), ("device", 32 * top_k)):
+        force_route(sharded, forced)
+        assert (sharded.state.route.route, sharded.state.route.host_from) == (forced, host_from)
+    assert calls == []  # the load's hand-off, not timed again
+
+    sharded = load(host_at_one=True)
+    assert (sharded.state.route.route, sharded.state.route.host_from) == ("host", None)
+    calls.clear()
+    force_route(sharded, "device")  # measured once here ...
+    assert sharded.state.route.host_from == 32 * top_k and calls and all(t > 1 for _, t in calls)
+    calls.clear()
+    force_route(sharded, "host")
+    force_route(sharded, "device")  # ... and kept
+    assert sharded.state.route.host_from == 32 * top_k and calls == []
