@@ -201,10 +201,15 @@ def force_route(sharded, route: str) -> None:
     from .moe import route as decode_route
 
     state = sharded.state
-    # every route compared hands wide calls to the host read where the load's choice did, or, where
-    # that was the host read itself, where the first forced route measured it
-    if state.load_route is not None and state.load_route.host_from is not None:
-        state.forced_handoff = (state.load_route.host_from, state.load_route.handoff_us)
+
+    def keep_handoff() -> None:
+        # every route compared hands wide calls to the host read where the first choice that had
+        # a hand-off put it: the load's, or, where that was the host read itself, the first forced
+        # route's measured one
+        if state.forced_handoff is None and state.route is not None and state.route.host_from:
+            state.forced_handoff = (state.route.host_from, state.route.handoff_us)
+
+    keep_handoff()
     state.route = decode_route.choose(
         [m.shard for m in sharded.layers],
         [m.description.top_k or 1 for m in sharded.layers],
@@ -212,8 +217,7 @@ def force_route(sharded, route: str) -> None:
         source="bench decode --routes",
         handoff=state.forced_handoff,
     )
-    if state.forced_handoff is None and state.route.host_from is not None:
-        state.forced_handoff = (state.route.host_from, state.route.handoff_us)
+    keep_handoff()
 
 
 def _route_run(into: dict, sharded, result) -> None:

@@ -234,14 +234,14 @@ class MlxCollective:
         n = flat.size
         ride = self._rider.take(layer)
         if ride is not None:  # the agreement in slots of its own: the sum shows every rank's
-            flat = mx.concatenate([flat, ride_slots(self.rank, 2, ride, mx.float32)])
+            flat = mx.concatenate([flat, ride_slots(self.rank, self.world_size, ride, mx.float32)])
         summed = self._all_sum(flat)
         self._last = summed
         if ride is None:
             return summed.astype(partial.dtype).reshape(partial.shape)
         # `summed` itself is read, as _agreement reads the gathered bytes: it is in the running
         # step's graph already, where a slice of it would queue behind the whole step
-        self._rider.carried(lambda: read_slots(np.asarray(summed)[n:], 2))
+        self._rider.carried(lambda: read_slots(np.asarray(summed)[n:], self.world_size))
         return summed[:n].astype(partial.dtype).reshape(partial.shape)
 
     def _all_gather(self, x: mx.array) -> mx.array:
@@ -280,10 +280,10 @@ class MlxCollective:
 
 class GraphOnly(MlxCollective):
     """`transport: mlx`'s all-reduce graph for `world_size` ranks without a group, as NCCL builds
-    it: each all_gather is one Concatenate of this rank's part, each all_sum (two ranks) one Multiply, standing in for
-    the collective's one primitive, the rest is MlxCollective's own (node/moe/opcount.py counts
-    it). Evaluated, it sums `world_size` copies of this rank's partial: only its graph means
-    anything."""
+    it: each all_gather is one Concatenate of this rank's part, each all_sum (two ranks) one
+    Multiply, standing in for the collective's one primitive, the rest is MlxCollective's own
+    (node/moe/opcount.py counts it). Evaluated, it sums `world_size` copies of this rank's
+    partial: only its graph means anything."""
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size

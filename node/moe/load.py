@@ -588,7 +588,7 @@ def load_shard(
             if why == {None}
             else f"no skip kernel where it does not apply: {sorted(w for w in why if w)}",
         )
-    state.route = state.load_route = decode_route.choose(
+    state.route = decode_route.choose(
         [layer.shard for layer in layers], [b.top_k or 1 for b in blocks], how
     )
     logger.info("rank %d decode route: %s", rank, state.route.describe())

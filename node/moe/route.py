@@ -135,14 +135,13 @@ def choose(
         # is still measured, as for a chosen route: a fixed SORTED_FROM sends 8 streams of a top-8
         # model (64 positions) to one host sync per MoE layer, however fast the forced route is
         i = able[_most_routes([shards[j] for j in able])]
-        kept = handoff
-        host_from, handoff = kept or (SORTED_FROM, {})
-        if kept is None and how != "host" and "host" in shards[i].routes():
-            host_from, handoff = _crossover(shards[i], how, top_k[i], timer)
+        host_from, handoff_us = handoff or (SORTED_FROM, {})
+        if handoff is None and how != "host" and "host" in shards[i].routes():
+            host_from, handoff_us = _crossover(shards[i], how, top_k[i], timer)
             shards[i].telemetry.reset_counters()
         for j in able:
             shards[j].set_route(how, host_from)
-        return RouteChoice(how, "forced", host_from=shards[i].host_from, handoff_us=handoff)
+        return RouteChoice(how, "forced", host_from=shards[i].host_from, handoff_us=handoff_us)
     i = _most_routes(shards)
     timed = shards[i]
     routes = timed.routes()

@@ -99,10 +99,9 @@ class ShardState:
         # per MoE layer, where an expert cache keeps fewer experts resident than the node holds
         self.cache: dict[int, CacheStats] = {}
         self.staging = Staging()  # expert reads held outside the slots
-        # route.RouteChoice: how decode steps compute the routed experts, set at load (`load_route`
-        # keeps that choice where a benchmark forces others; `forced_handoff` the hand-off they share)
+        # route.RouteChoice: how decode steps compute the routed experts, set at load; where a
+        # benchmark forces others in turn, `forced_handoff` is the hand-off they share (sim.py)
         self.route = None
-        self.load_route = None
         self.forced_handoff: tuple | None = None
         # a benchmark's diagnostic pass: where the step is one lazy graph (an in-graph collective),
         # each MoE layer syncs at its input, its partial and its sum, so that the timers can split
