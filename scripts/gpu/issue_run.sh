@@ -21,7 +21,8 @@
 # Usage, after scripts/gpu/setup.sh (PYTHONPATH=/tmp/site):  bash scripts/gpu/issue_run.sh $OUT
 # Env: BUDGET (seconds from the script's start to the packing, default 500: leave the call's other
 #      steps their time), PARTS ("A B C"), MODELS_ROOT (/tmp), ROUTES ("skip device"), MAX_TOKENS
-#      (32, part A), ROUNDS (2, part A), A_PAIRED=1 (part A: the routes alternated within one load), DBRX_LAYERS (4), QWEN_LAYERS (12), CPU=1: tiny shapes on this machine's CPU, no GPUs, routes
+#      (32, part A), ROUNDS (2, part A), A_PAIRED=1 (part A: the routes alternated within one load), DBRX_LAYERS (4), QWEN_LAYERS (12), A_MODELS (the checkpoints part A builds
+#      and runs: dbrx-4bit qwen3-4bit), A_DTYPE (their dtype: bfloat16), CPU=1: tiny shapes on this machine's CPU, no GPUs, routes
 #      "host device" (no skip kernel there):  CPU=1 BUDGET=900 bash scripts/gpu/issue_run.sh /tmp/r14
 set -u
 RUN=${RUN:-run14}
@@ -98,7 +99,7 @@ build() {  # build NAME ARGS...: a 4-bit random checkpoint in ROOT/NAME, unless 
   local name=$1 dir=$ROOT/$1
   shift
   if [ -f "$dir/config.json" ]; then log "$dir exists"; return 0; fi
-  step "build-$name" 150 $MC demo-model "$@" --quantize 4 --dtype bfloat16 --shard-size 5GB --out "$dir" \
+  step "build-$name" 150 $MC demo-model "$@" --quantize 4 --dtype "${A_DTYPE:-bfloat16}" --shard-size 5GB --out "$dir" \
     || { rm -rf "$dir"; return 1; }
   du -sb "$dir" | tee -a "$R/$RUN.log"
   cp "$dir/config.json" "$R/$name-config.json"
@@ -113,10 +114,11 @@ part_p() {
 part_a() {
   log "part A: issue 34, 4-bit DBRX and Qwen3 shapes at N = 2, routes: $ROUTES"
   built=()
-  build dbrx-4bit "${DBRX[@]}" && built+=(dbrx-4bit)
-  build qwen3-4bit "${QWEN[@]}" && built+=(qwen3-4bit)
+  # A_MODELS: only those are built
+  wanted() { case " ${A_MODELS:-dbrx-4bit qwen3-4bit} " in *" $1 "*) return 0 ;; esac; return 1; }
+  wanted dbrx-4bit && build dbrx-4bit "${DBRX[@]}" && built+=(dbrx-4bit)
+  wanted qwen3-4bit && build qwen3-4bit "${QWEN[@]}" && built+=(qwen3-4bit)
   for m in "${built[@]}"; do
-    case " ${A_MODELS:-${built[*]}} " in *" $m "*) ;; *) continue ;; esac
     # A_PAIRED=1: one call per model, the routes alternated round by round within one load
     # (bench decode --routes: a pair of runs seconds apart, what a drifting host cannot move)
     if [ "${A_PAIRED:-0}" = 1 ]; then
