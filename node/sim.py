@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -59,8 +60,31 @@ class SimJob:
     tasks: tuple[SimTask, ...]
 
 
+class Beats:
+    """A node's progress through a task, told to the parent (one "beat" dict on `results` per phase
+    done: loaded, each pass) and on stderr with its time: the parent bounds each phase, not the
+    whole task, so a big model's load or a first run's kernel builds are not taken for a hang, and
+    a row that fails says where its time went."""
+
+    def __init__(self, results, rank: int, task: int):
+        self.results, self.rank, self.task = results, rank, task
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        now = time.perf_counter()
+        print(
+            f"moe-cluster node: rank {self.rank} task {self.task}: {what} in "
+            f"{now - self.last:.1f} s ({now - self.t0:.1f} s since the task began)",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.last = now
+        self.results.put({"beat": what, "rank": self.rank, "task": self.task})
+
+
 def run(job: SimJob, results) -> None:
-    """Process entry point: puts one dict per task on `results` ("error" and its "kind" set if one failed)."""
+    """Process entry point: puts one dict per task on `results` ("error" and its "kind" set if one
+    failed), and Beats while it works."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         collective = _collective(job)
@@ -71,7 +95,7 @@ def run(job: SimJob, results) -> None:
         for i, task in enumerate(job.tasks):
             try:
                 release_memory()  # the previous task's model, before this one loads and is measured
-                results.put(_run(job, i, task, collective))
+                results.put(_run(job, i, task, collective, Beats(results, job.rank, i)))
             except BaseException as exc:  # noqa: BLE001
                 results.put(_error(job.rank, i, exc))
                 return
@@ -103,7 +127,7 @@ def _collective(job: SimJob):
     return make_collective(job.collective, job.rank)
 
 
-def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
+def _run(job: SimJob, index: int, task: SimTask, collective, beat) -> dict:
     from ..proto.placement import Placement
     from .moe.load import load_shard
 
@@ -120,8 +144,9 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
         profile=task.profile,
         prefetch=task.prefetch,
     )
+    beat("loaded")
     try:
-        return _serve(job, index, task, sharded)
+        return _serve(job, index, task, sharded, beat)
     except BaseException as exc:
         # a failure after load names the decode route the node chose (a kernel fault on one route
         # is otherwise a bare device error)
@@ -130,7 +155,7 @@ def _run(job: SimJob, index: int, task: SimTask, collective) -> dict:
         raise
 
 
-def _serve(job: SimJob, index: int, task: SimTask, sharded) -> dict:
+def _serve(job: SimJob, index: int, task: SimTask, sharded, beat) -> dict:
     """A loaded node runs its task: the streams at once, or the request `repeats` times."""
     import mlx.core as mx
 
@@ -139,7 +164,7 @@ def _serve(job: SimJob, index: int, task: SimTask, sharded) -> dict:
     from .runtime import GenerateResult, NodeRuntime
 
     if task.streams is not None:
-        streams = _run_streams(index, task, sharded)
+        streams = _run_streams(index, task, sharded, beat)
         return {**_report(job, index, sharded), **streams}
     runtime = NodeRuntime(
         sharded,
@@ -178,6 +203,7 @@ def _serve(job: SimJob, index: int, task: SimTask, sharded) -> dict:
                     sharded.state.reset_counters()
                     mx.reset_peak_memory()
             wall = time.perf_counter() - t0
+            beat(f"run {i}{' on route ' + route if route else ''}")
             if route is not None and i > 0:
                 _route_run(by_route.setdefault(route, {}), sharded, result)
     return {
@@ -294,7 +320,7 @@ class _Timed:
         self.ended, self.error = True, exc
 
 
-def _run_streams(index: int, task: SimTask, sharded) -> dict:
+def _run_streams(index: int, task: SimTask, sharded, beat) -> dict:
     """Every prompt of `task.streams` at once through the running batch, `repeats` times (the last
     kept): each stream's tokens and token times from t0, and the decode steps the timers cover."""
     import mlx.core as mx
@@ -315,6 +341,7 @@ def _run_streams(index: int, task: SimTask, sharded) -> dict:
     out: dict = {}
     for i in range(task.repeats):
         out = _streams_pass(index, i, task, sharded, runtime)
+        beat(f"pass {i} of {len(task.streams)} streams")
     if task.synced_pass:
         # the timed pass's timers and counters are what the report gives; the synced pass's go
         # apart, with its own step time (slower than the graph's: every layer waits three times)
@@ -329,6 +356,7 @@ def _run_streams(index: int, task: SimTask, sharded) -> dict:
             synced = _streams_pass(index, task.repeats, task, sharded, runtime)
         finally:
             sharded.state.synced = False
+        beat("synced pass")
         out["synced"] = {
             "timers": dict(vars(sharded.state.timers)),
             "decode_steps": synced["decode_steps"],

@@ -285,7 +285,8 @@ def _first_mismatch(a: list[int], b: list[int]) -> int | None:
 
 
 def agreement(rows: list[dict], stock: dict) -> dict:
-    """Per batch: whether every row that ran gave the same greedy tokens on every stream, and each
+    """Per batch: whether every row that ran gave the same greedy tokens on every stream (None where
+    fewer than two ran), and each
     row's streams against stock's batch-1 tokens of the same prompts. Sets each row's same_as_stock."""
     out = {}
     for b in dict.fromkeys(r["streams"] for r in rows):
@@ -319,7 +320,7 @@ def agreement(rows: list[dict], stock: dict) -> dict:
                     }
         out[str(b)] = {
             "rows": [r["name"] for r in ran],
-            "same": not differ,
+            "same": not differ if len(ran) > 1 else None,  # None: fewer than two rows to compare
             "differences": differ,
             "missing": [r["name"] for r in rows if r["streams"] == b and "tokens" not in r],
         }
@@ -632,5 +633,10 @@ def main(args) -> int:
             f"{'-' if 'same_as_stock' not in r else ('yes' if r['same_as_stock'] else 'NO'):>5}"
         )
     for b, a in out["agreement"].items():
-        print(f"B = {b}: rows agree" if a["same"] else f"B = {b}: rows differ: {a['differences']}")
+        if a["same"] is None:
+            print(f"B = {b}: fewer than two rows ran, no tokens compared")
+        else:
+            print(
+                f"B = {b}: rows agree" if a["same"] else f"B = {b}: rows differ: {a['differences']}"
+            )
     return 0

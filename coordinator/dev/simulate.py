@@ -113,27 +113,52 @@ def run_nodes(
             with _visible_gpu(rank if gpus else None):
                 p.start()
             procs.append(p)
-        reports: dict[tuple[int, int], dict] = {}
-        deadline = time.monotonic() + (timeout_s + 120) * len(tasks)
-        while len(reports) < nodes * len(tasks):
-            try:
-                rep = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
-                if dead:
-                    raise CollectiveError(
-                        f"node process {dead[0].name} died (exit code {dead[0].exitcode})"
-                    )
-                if time.monotonic() > deadline:
-                    raise CollectiveError("simulated nodes did not finish in time")
-                continue
-            if "error" in rep:
-                raise _node_error(rep)
-            reports[(rep["task"], rep["rank"])] = rep
+        reports = collect(results, procs, nodes * len(tasks), _phase_s(timeout_s, transport))
         return [[reports[(t, r)] for r in range(nodes)] for t in range(len(tasks))]
     finally:
         stop_processes(procs)
         cleanup()
+
+
+def collect(results, procs, expected: int, phase_s: float) -> dict[tuple[int, int], dict]:
+    """The nodes' reports by (task, rank), `expected` of them: a node's error is raised at once, a
+    node process that died is named, and nodes that go `phase_s` without a beat (node.sim.Beats)
+    or a report are taken for stuck."""
+    reports: dict[tuple[int, int], dict] = {}
+    deadline = time.monotonic() + phase_s
+    last = "none yet"
+    while len(reports) < expected:
+        try:
+            rep = results.get(timeout=min(1.0, phase_s))
+        except queue.Empty:
+            dead = [p for p in procs if not p.is_alive() and p.exitcode not in (0, None)]
+            if dead:
+                raise CollectiveError(
+                    f"node process {dead[0].name} died (exit code {dead[0].exitcode})"
+                ) from None
+            if time.monotonic() > deadline:
+                raise CollectiveError(
+                    f"simulated nodes made no progress in {phase_s:g} s (the last: {last})"
+                ) from None
+            continue
+        deadline = time.monotonic() + phase_s  # a beat or a report: the next phase gets its bound
+        if "beat" in rep:
+            last = f"rank {rep['rank']} task {rep['task']} {rep['beat']}"
+            continue
+        if "error" in rep:
+            raise _node_error(rep)
+        reports[(rep["task"], rep["rank"])] = rep
+        last = f"rank {rep['rank']} task {rep['task']} reported"
+    return reports
+
+
+def _phase_s(timeout_s: float, transport: str) -> float:
+    """How long the nodes may go without a beat: a collective's timeout and two minutes (a load,
+    a pass); over `transport: mlx`, also the cold bound the nodes give steps that build kernels (a
+    first run on a CUDA host builds them for minutes, node/collective/mlx.py)."""
+    from ...node.collective.mlx import COLD_S
+
+    return timeout_s + 120 + (COLD_S if transport == "mlx" else 0)
 
 
 def stop_processes(procs, grace_s: float = 5.0) -> None:

@@ -8,11 +8,19 @@
 #  in separate calls: each call's copies are kept in /tmp/wheels while the machine stays warm.)
 # Installs once every part has arrived and the joined wheel matches its checksum; until then it
 # says which parts are missing and exits 3. Afterwards: export PYTHONPATH=/tmp/site
+# A WHEEL_DIR may also hold ptx.tgz, MLX's CUDA kernel cache from an earlier host
+# (scripts/gpu/ptx_save.sh): a first run then builds no kernel it already has. MLX's CUDA backend
+# builds each kernel with NVRTC the first time a graph needs it; the quantized matmuls' are CUTLASS
+# templates that take tens of seconds each, minutes in all on a fresh host.
 set -euo pipefail
 SITE=/tmp/site
 W=/tmp/wheels
 mkdir -p "$W" "$SITE"
 for d in "$@"; do cp -n "$d"/* "$W"/ 2>/dev/null || true; done
+if [ -f "$W/ptx.tgz" ]; then
+  mkdir -p /tmp/mlx && tar xzf "$W/ptx.tgz" -C /tmp/mlx && rm "$W/ptx.tgz" \
+    && echo "setup: MLX's kernel cache restored: $(find /tmp/mlx -name '*.ptx' | wc -l) kernels"
+fi
 if [ -f "$W/mlxcuda.parts" ]; then
   missing=""
   for p in $(cat "$W/mlxcuda.parts"); do [ -f "$W/$p" ] || missing="$missing $p"; done

@@ -118,4 +118,6 @@ def test_agreement_names_the_row_and_stream_that_differ():
         {"row": "mlx_lm_pipeline", "stream": 1, "first_mismatch": 1, "against": "ours_mlx"}
     ]
     assert rows[0]["same_as_stock"] and not rows[1]["same_as_stock"]
+    # one row left: nothing was compared, which is not agreement
+    assert agreement(rows[:1] + rows[2:], {})["2"]["same"] is None
     assert rows[1]["stock_mismatch"] == {"streams": 1, "first": {"stream": 1, "token": 1}}
