@@ -114,8 +114,9 @@ def _ours(
             overlap=name in OVERLAP_ROWS,
             # transport mlx's step is one graph whose timers see nothing: a synced pass splits it
             synced_pass=transport == "mlx",
+            reuse_load=i > 0,  # one load serves the row's every batch (no resident experts)
         )
-        for b in spec.streams
+        for i, b in enumerate(spec.streams)
     ]
     from ...node.collective.mlx import mlx_backend
 

@@ -41,6 +41,11 @@ def test_bench_race_runs_every_row_and_the_rows_agree(make_ckpt, tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert out["stock"]["ran"], out["stock"]
+    # each of ours' rows loads its model once, for both batches (node.sim reuse_load)
+    ours = sum(n.startswith("ours") for n in ROWS)
+    assert r.stderr.count("task 0: loaded in") == 2 * ours, r.stderr[-3000:]
+    assert r.stderr.count("task 1: the previous task's model taken in") == 2 * ours
+    assert "task 1: loaded in" not in r.stderr
     got = {(row["name"], row["streams"]): row for row in out["rows"]}
     assert set(got) == {(n, b) for n in ROWS for b in (1, 3)}, sorted(got)
     for (name, b), row in got.items():

@@ -28,7 +28,7 @@ def _task(prompt=(1, 2, 3)) -> sim.SimTask:
 def _failure(task: sim.SimTask) -> dict:
     job = sim.SimJob(0, 1, None, (task,))
     with pytest.raises(BaseException) as info:
-        sim._run(job, 0, task, None, lambda what: None)
+        sim._run(job, 0, task, sim._load(job, task, None), lambda what: None)
     return sim._error(0, 0, info.value)
 
 
