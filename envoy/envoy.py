@@ -22,7 +22,7 @@ from ..proto import convert
 from ..proto.errors import UserError
 from ..proto.frame import Frame, FrameError
 from .link import ABORT, BEGIN, CLOSE, NO_STEP, REDUCE, EnvoyLink, LinkError, widened
-from ..proto.records import COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
+from ..proto.records import COLD_STEP_S, COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
 from .mesh import Mesh, MeshConfig
 from .reduce import Reducer
 from .spin import SpinPolicy
@@ -46,6 +46,8 @@ class EnvoyConfig:
     connect_timeout_s: float = (
         MESH_CONNECT_TIMEOUT_S  # a begin fails after this long without a whole mesh
     )
+    # a step its node marked cold (it may build kernels there or on a peer) fails after this long
+    cold_timeout_s: float = COLD_STEP_S
     tls: TlsFiles | None = None
     link_fd: int | None = None  # the node's link; None: run the mesh alone (by hand)
     shm_name: str = ""
@@ -92,6 +94,7 @@ class Envoy:
             False  # the mesh has been whole once: a peer missing now is lost, not starting
         )
         self._aborted: str | None = None  # the last request the node aborted
+        self._limit = config.timeout_s  # seconds the pending step may wait (its REDUCE chose)
         self._spin = SpinPolicy(ENVOY_SPIN_MAX_S)
         self._hot_until = 0.0  # time.monotonic() until which the loop polls without sleeping
         self._polling = False
@@ -150,12 +153,12 @@ class Envoy:
             await asyncio.sleep(period)
             now = time.monotonic()
             p = self.steps.pending
-            if p is not None and now - p.started > cfg.timeout_s:
+            if p is not None and now - p.started > self._limit:
                 names = ", ".join(self.mesh.describe(r) for r in p.missing())
                 self._fail(
                     p.step,
                     f"no frame from {names} for step {p.step} (layer {p.layer}) of request "
-                    f"{p.request_id} within {cfg.timeout_s:g} s: stalled or unreachable",
+                    f"{p.request_id} within {self._limit:g} s: stalled or unreachable",
                 )
             if self._begin_deadline is not None and now > self._begin_deadline:
                 self._begin_deadline = None
@@ -251,6 +254,7 @@ class Envoy:
             r = link.reduce_of(body)
             payload = link.partial(r)
             self.steps.admit(r.step)
+            self._limit = max(cfg.cold_timeout_s, cfg.timeout_s) if r.cold else cfg.timeout_s
         except (StepError, LinkError) as exc:
             link.fail(_step_of(body), f"envoy rank {cfg.rank}: {exc}")
             return

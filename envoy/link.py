@@ -49,7 +49,9 @@ DONE = ord("D")  # _DONE: the sum is in the result area
 FAIL = ord("F")  # _STEP, then a utf-8 message
 
 _LEN = struct.Struct("<I")
-_REDUCE = struct.Struct("<BQiBBQQ")  # kind, step, layer, dtype code, ndim, payload bytes, ticket
+_REDUCE = struct.Struct(
+    "<BQiBBQQB"
+)  # kind, step, layer, dtype code, ndim, payload bytes, ticket, cold (1: may build kernels)
 _READY = struct.Struct("<BIH")  # kind, pid, port
 _STEP = struct.Struct("<BQ")  # kind, step
 _DONE = struct.Struct("<BQQ")  # kind, step, ticket
@@ -91,6 +93,7 @@ class Reduce:
     shape: tuple[int, ...]
     nbytes: int
     ticket: int
+    cold: bool = False  # the node may build kernels for it: the step gets the cold bound
 
 
 def _attach(name: str) -> shared_memory.SharedMemory:
@@ -262,9 +265,16 @@ class NodeLink:
         self._send(bytes([ABORT]) + request_id.encode())
 
     def reduce(
-        self, raw: np.ndarray, dtype: str, shape: tuple[int, ...], layer: int, step: int
+        self,
+        raw: np.ndarray,
+        dtype: str,
+        shape: tuple[int, ...],
+        layer: int,
+        step: int,
+        cold: bool = False,
     ) -> None:
-        """Put a raw 1-D payload into the request area and ask for its sum."""
+        """Put a raw 1-D payload into the request area and ask for its sum (`cold`: a step that may
+        build kernels, on this node or a peer; the envoy waits COLD_STEP_S for it)."""
         nbytes = raw.nbytes
         if nbytes > self.max_bytes:
             raise LinkError(
@@ -280,7 +290,7 @@ class NodeLink:
         self._spin_s = spin
         ctl[SLEEPING] = 0 if spin else 1  # before the envoy can answer
         body = _REDUCE.pack(
-            REDUCE, step, layer, DTYPE_CODES[dtype], len(shape), nbytes, self._ticket
+            REDUCE, step, layer, DTYPE_CODES[dtype], len(shape), nbytes, self._ticket, cold
         )
         self.sent_at = time.perf_counter()
         self._send(body + _dims(len(shape)).pack(*shape))
@@ -411,12 +421,12 @@ class EnvoyLink:
 
     @staticmethod
     def parse_reduce(body: bytes) -> Reduce:
-        _, step, layer, code, ndim, nbytes, ticket = _REDUCE.unpack_from(body)
+        _, step, layer, code, ndim, nbytes, ticket, cold = _REDUCE.unpack_from(body)
         shape = _dims(ndim).unpack_from(body, _REDUCE.size)
         dtype = DTYPE_NAMES.get(code)
         if dtype is None:
             raise LinkError(f"node sent unknown dtype code {code}")
-        return Reduce(step, layer, dtype, tuple(shape), nbytes, ticket)
+        return Reduce(step, layer, dtype, tuple(shape), nbytes, ticket, bool(cold))
 
     def reduce_of(self, body: bytes) -> Reduce:
         """Parse a REDUCE; its answer (done or fail) goes to its ticket."""

@@ -13,7 +13,7 @@ import sys
 
 from ..common.process import die_with_parent, run_grpc_loop
 from ..proto.errors import UserError
-from ..proto.records import COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
+from ..proto.records import COLD_STEP_S, COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
 
 logger = logging.getLogger("moe_cluster.envoy")
 
@@ -39,6 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=COLLECTIVE_TIMEOUT_S,
         help="seconds a step waits for a peer before failing",
+    )
+    p.add_argument(
+        "--cold-timeout",
+        type=float,
+        default=COLD_STEP_S,
+        help="seconds a step its node marks cold (one that may build kernels) waits for a peer",
     )
     p.add_argument(
         "--connect-timeout",
@@ -89,6 +95,7 @@ def config_from_args(args: argparse.Namespace):
         secret=read_secret(args.secret_stdin),
         timeout_s=args.timeout,
         connect_timeout_s=args.connect_timeout,
+        cold_timeout_s=args.cold_timeout,
         tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if all(tls_given) else None,
         link_fd=args.link_fd,
         shm_name=args.shm,

@@ -21,6 +21,13 @@ DEFAULT_PROMPT_CACHE = 256 * 2**20  # bytes for the KV prefix (prompt) cache
 # The all-reduce's time limits, the defaults of cluster.yaml's timeouts, the envoy and its spec.
 COLLECTIVE_TIMEOUT_S = 5.0  # seconds a step waits for a peer before it fails naming the peer
 MESH_CONNECT_TIMEOUT_S = 30.0  # seconds a request waits for the envoy mesh to be whole
+# MLX builds a kernel the first time a graph needs it (NVRTC on CUDA: ~30 s for each CUTLASS
+# quantized matmul; a pipeline state on Metal), so a node's first steps of each shape can take
+# minutes where later ones take milliseconds, and a peer whose kernels are built already waits that
+# long: such steps (a node's first COLD_WAITS waits, and the steps the batch engine marks cold, the
+# first two of each shape) are bounded by COLD_STEP_S instead of the collective timeout.
+COLD_STEP_S = 600.0
+COLD_WAITS = 2
 
 
 # Below these a sampled request is greedy: a temperature under GREEDY_TEMPERATURE scales log-probabilities

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import UserError
-from .records import COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
+from .records import COLD_STEP_S, COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class EnvoySpec:
     secret: str = field(default="", repr=False)  # the cluster secret; never logged
     listen: str = ""  # this rank's bind address; "" = addresses[rank]
     timeout_s: float = COLLECTIVE_TIMEOUT_S  # a step fails after this long without a peer's frame
+    cold_s: float = COLD_STEP_S  # ... and a step that may build kernels (proto/records.py)
     connect_timeout_s: float = (
         MESH_CONNECT_TIMEOUT_S  # begin() waits this long for the mesh to be whole
     )

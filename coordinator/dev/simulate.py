@@ -23,7 +23,7 @@ from ...node.checkpoint import Checkpoint, check_runnable
 from ...node.collective.base import CollectiveError
 from ...proto.errors import ErrorKind, MoeClusterError, UserError, error_for
 from ...proto.expert_cache import ExpertCacheSpec
-from ...proto.records import Sampling
+from ...proto.records import COLD_STEP_S, Sampling
 from ...proto.placement import Placement
 from ...node.sim import SimJob, SimTask, run as sim_run
 
@@ -113,7 +113,7 @@ def run_nodes(
             with _visible_gpu(rank if gpus else None):
                 p.start()
             procs.append(p)
-        reports = collect(results, procs, nodes * len(tasks), _phase_s(timeout_s, transport))
+        reports = collect(results, procs, nodes * len(tasks), _phase_s(timeout_s))
         return [[reports[(t, r)] for r in range(nodes)] for t in range(len(tasks))]
     finally:
         stop_processes(procs)
@@ -152,13 +152,11 @@ def collect(results, procs, expected: int, phase_s: float) -> dict[tuple[int, in
     return reports
 
 
-def _phase_s(timeout_s: float, transport: str) -> float:
-    """How long the nodes may go without a beat: a collective's timeout and two minutes (a load,
-    a pass); over `transport: mlx`, also the cold bound the nodes give steps that build kernels (a
-    first run on a CUDA host builds them for minutes, node/collective/mlx.py)."""
-    from ...node.collective.mlx import COLD_S
-
-    return timeout_s + 120 + (COLD_S if transport == "mlx" else 0)
+def _phase_s(timeout_s: float) -> float:
+    """How long the nodes may go without a beat: a collective's timeout and two minutes (a load, a
+    pass), and the cold bound the nodes give steps that build kernels (a first run on a CUDA host
+    builds them for minutes, at load and in the first steps of each shape: proto/records.py)."""
+    return timeout_s + 120 + COLD_STEP_S
 
 
 def stop_processes(procs, grace_s: float = 5.0) -> None:

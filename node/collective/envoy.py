@@ -30,6 +30,7 @@ from ...envoy.link import (
     unpack_ready,
     unpack_step,
 )
+from ...proto.records import COLD_WAITS
 from .base import Agreement, CollectiveError, Rider, from_wire, to_wire
 from .specs import EnvoySpec
 
@@ -49,6 +50,7 @@ class EnvoyProcess:
         self.link = NodeLink(spec.max_bytes)
         self._step = 0
         self._layer = 0  # of the all-reduce in flight, for its error message
+        self._cold = False  # the all-reduce in flight may build kernels: it waits spec.cold_s
         self._request: str | None = None
         self.port = 0
         self.proc: subprocess.Popen | None = None
@@ -81,6 +83,8 @@ class EnvoyProcess:
             repr(spec.timeout_s),
             "--connect-timeout",
             repr(spec.connect_timeout_s),
+            "--cold-timeout",
+            repr(spec.cold_s),
             "--secret-stdin",
             "--link-fd",
             str(child_fd),
@@ -144,13 +148,22 @@ class EnvoyProcess:
             raise CollectiveError(f"envoy of rank {self.rank} answered begin with {kind!r}")
 
     def all_reduce(
-        self, raw: np.ndarray, dtype: str, shape: tuple[int, ...], layer: int
+        self,
+        raw: np.ndarray,
+        dtype: str,
+        shape: tuple[int, ...],
+        layer: int,
+        cold: bool = False,
     ) -> np.ndarray:
         """Sum a raw 1-D payload over all ranks; returns a view valid until the next call: float32
-        values where the envoy widened a float16/bfloat16 sum (envoy/link.py `widened`), else raw."""
-        return self.collect(self.send(raw, dtype, shape, layer), dtype, raw.nbytes)
+        values where the envoy widened a float16/bfloat16 sum (envoy/link.py `widened`), else raw.
+        `cold`: this node or a peer may build kernels before it hands its partial over, so the
+        envoys wait spec.cold_s for it instead of the timeout."""
+        return self.collect(self.send(raw, dtype, shape, layer, cold), dtype, raw.nbytes)
 
-    def send(self, raw: np.ndarray, dtype: str, shape: tuple[int, ...], layer: int) -> int:
+    def send(
+        self, raw: np.ndarray, dtype: str, shape: tuple[int, ...], layer: int, cold: bool = False
+    ) -> int:
         """all_reduce's first half: hand the payload over and return at once (its step number).
         One all-reduce is in flight at a time: `collect` it before the next `send`."""
         if self._request is None:
@@ -158,8 +171,9 @@ class EnvoyProcess:
         step = self._step
         self._step += 1
         self._layer = layer
+        self._cold = cold
         try:
-            self.link.reduce(raw, dtype, shape, layer, step)
+            self.link.reduce(raw, dtype, shape, layer, step, cold)
         except LinkError as exc:
             raise CollectiveError(f"{self._gone()}: {exc}") from exc
         if self.spec.trace:
@@ -168,10 +182,9 @@ class EnvoyProcess:
 
     def collect(self, step: int, dtype: str, nbytes: int) -> np.ndarray:
         """all_reduce's second half: wait for step `step`'s sum (a view, as all_reduce's)."""
+        bound = max(self.spec.cold_s, self.spec.timeout_s) if self._cold else self.spec.timeout_s
         kind, body = self._answer(
-            self.spec.timeout_s + _ANSWER_GRACE_S,
-            f"step {step} (layer {self._layer})",
-            reduce=True,
+            bound + _ANSWER_GRACE_S, f"step {step} (layer {self._layer})", reduce=True
         )
         if self.spec.trace:
             self.answered = time.perf_counter_ns()
@@ -222,6 +235,8 @@ class EnvoyCollective:
         self.rank = rank
         self.world_size = spec.world_size
         self._rider = Rider(rank, spec.world_size)
+        self._cold = False  # the step being watched may build kernels (watch)
+        self._reduced = 0  # all-reduces completed: the first COLD_WAITS are cold
         # one envoy/trace.py record per all-reduce where the spec traces (chosen once; else None)
         self.trace: list[tuple[int, ...]] | None = [] if spec.trace else None
 
@@ -245,7 +260,9 @@ class EnvoyCollective:
         payload, extra = self._rider.attach(partial, layer)
         raw, dtype = to_wire(payload)
         envoy = self._envoy
-        step = envoy.send(raw.reshape(-1), dtype, tuple(payload.shape), layer)
+        cold = self._cold or self._reduced < COLD_WAITS
+        step = envoy.send(raw.reshape(-1), dtype, tuple(payload.shape), layer, cold)
+        self._reduced += 1
         return lambda: self._result(envoy.collect(step, dtype, raw.nbytes), dtype, extra, partial)
 
     def _result(self, out: np.ndarray, dtype: str, extra: int, partial: mx.array) -> mx.array:
@@ -289,7 +306,9 @@ class EnvoyCollective:
         return self._rider.settle()
 
     def watch(self, what: str | None, cold: bool = False) -> None:
-        pass  # the envoy times out every all-reduce itself
+        # the envoy times out every all-reduce itself; a step that may build kernels (on this node
+        # or a peer: the nodes run the same shapes) gets the cold bound there
+        self._cold = cold and what is not None
 
     def abort(self, request_id: str) -> None:
         self._envoy.abort(request_id)

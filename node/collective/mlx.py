@@ -40,6 +40,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...proto.errors import UserError
+from ...proto.records import COLD_STEP_S, COLD_WAITS
 from .base import Agreement, CollectiveError, Rider, rank_order_sum_rows, read_slots, ride_slots
 from .specs import MlxSpec
 
@@ -88,13 +89,9 @@ def write_hostfile(spec: MlxSpec, folder: str | Path) -> dict[str, str]:
     return {"MLX_IBV_DEVICES": str(path), "MLX_JACCL_COORDINATOR": spec.jaccl_coordinator}
 
 
-# MLX builds a kernel the first time a graph needs it (NVRTC on CUDA, a pipeline state on Metal),
-# so a large model's first steps of each shape can take minutes where later ones take
-# milliseconds: a node's first COLD_WAITS waits, and every wait its caller marks cold (the batch
-# engine: the first two steps of each shape), are bounded by COLD_S instead of the timeout, where
-# that is longer.
-COLD_WAITS = 2
-COLD_S = 600.0
+# A node's first COLD_WAITS waits, and every wait its caller marks cold (proto/records.py), are
+# bounded by COLD_S instead of the timeout, where that is longer.
+COLD_S = COLD_STEP_S
 
 
 class _Watchdog:

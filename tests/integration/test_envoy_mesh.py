@@ -514,3 +514,62 @@ def _run_together(envoys, request_id: str, steps: int) -> None:
     assert {r: rep["steps"] for r, rep in replies.items()} == {e.rank: steps for e in envoys}, (
         replies
     )
+
+
+def test_a_cold_step_waits_the_cold_bound_for_a_late_peer_and_a_warm_one_does_not():
+    """A step its nodes mark cold (it may build kernels: minutes on a fresh CUDA host) waits for a
+    peer past the step timeout; the steps after it fail at the timeout, naming the late peer."""
+    import threading
+
+    import numpy as np
+
+    from envoy_nodes import expected, partial, step_layout
+    from moe_cluster.node.collective.base import CollectiveError
+    from moe_cluster.envoy.reduce import to_float32
+    from moe_cluster.node.collective.envoy import EnvoyProcess
+
+    timeout_s, late_s = 1.0, 3.0
+    spec = envoy_spec(2, timeout_s=timeout_s, cold_s=30.0, connect_timeout_s=20.0)
+    envoys = [EnvoyProcess(spec, r) for r in range(2)]
+    try:
+        layer, dtype, shape = step_layout(0)
+        replies: dict = {}
+
+        def node(rank: int, cold: bool, delay_s: float) -> None:
+            time.sleep(delay_s)
+            try:
+                raw = partial(0, rank, (layer, dtype, shape))
+                out = envoys[rank].all_reduce(raw, dtype, shape, layer, cold=cold)
+                replies[rank] = out.copy()
+            except CollectiveError as exc:
+                replies[rank] = str(exc)
+
+        def step(cold: bool) -> dict:
+            replies.clear()
+            threads = [
+                threading.Thread(target=node, args=(r, cold, late_s if r == 1 else 0.0))
+                for r in range(2)
+            ]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(40)
+            return dict(replies)
+
+        begins = [threading.Thread(target=e.begin, args=("late",)) for e in envoys]
+        for th in begins:
+            th.start()
+        for th in begins:
+            th.join(20)
+        # the first two all-reduces of a node are cold by themselves (EnvoyCollective); marked here
+        done = step(cold=True)
+        want = to_float32(expected(0, 2, (layer, dtype, shape)), dtype)
+        for r in range(2):
+            assert not isinstance(done[r], str), done
+            assert np.array_equal(done[r], want), r  # widened: the float32 sum (envoy/link.py)
+        failed = step(cold=False)
+        assert isinstance(failed[0], str), failed
+        assert f"within {timeout_s:g} s" in failed[0] and "rank 1" in failed[0], failed[0]
+    finally:
+        for e in envoys:
+            e.close()
