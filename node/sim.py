@@ -49,9 +49,10 @@ class SimTask:
     # ("synced"): where an in-graph step's time goes, which its own timers cannot see
     synced_pass: bool = False
     # the previous task's loaded model serves this one where it loaded the same (model, placement,
-    # keepalive, expert cache, profile, read-ahead), its route as the load chose it: a big model's
-    # shard is loaded once for all the streams of a bench race row. Off where the previous task's
-    # resident experts would change what this one measures (keepalive lru, an expert cache).
+    # keepalive, expert cache, profile, read-ahead) and forced no route (`routes`: every layer's
+    # route stays forced), its route as the load chose it: a big model's shard is loaded once for
+    # all the streams of a bench race row. Off where the previous task's resident experts would
+    # change what this one measures (keepalive lru, an expert cache).
     reuse_load: bool = False
 
     def load_key(self) -> tuple:
@@ -75,6 +76,10 @@ class SimJob:
     tasks: tuple[SimTask, ...]
 
 
+TICK = "a step"  # Beats.tick's beat: a step done inside a phase
+REUSED = "the previous task's model taken"  # the beat of a task that loaded nothing (reuse_load)
+
+
 class Beats:
     """A node's progress through a task, told to the parent (one "beat" dict on `results` per phase
     done: loaded, each pass) and on stderr with its time: the parent bounds each phase, not the
@@ -83,7 +88,7 @@ class Beats:
 
     def __init__(self, results, rank: int, task: int):
         self.results, self.rank, self.task = results, rank, task
-        self.t0 = self.last = time.perf_counter()
+        self.t0 = self.last = self.ticked = time.perf_counter()
 
     def __call__(self, what: str) -> None:
         now = time.perf_counter()
@@ -93,8 +98,17 @@ class Beats:
             file=sys.stderr,
             flush=True,
         )
-        self.last = now
+        self.last = self.ticked = now
         self.results.put({"beat": what, "rank": self.rank, "task": self.task})
+
+    def tick(self) -> None:
+        """A step done inside a phase: told to the parent (at most once a second), not printed. A
+        pass holds several steps that may each build kernels for minutes (the first of each
+        shape): the parent's bound is one such step, not a whole pass of them."""
+        now = time.perf_counter()
+        if now - self.ticked >= 1.0:
+            self.ticked = now
+            self.results.put({"beat": TICK, "rank": self.rank, "task": self.task})
 
 
 def run(job: SimJob, results) -> None:
@@ -114,7 +128,7 @@ def run(job: SimJob, results) -> None:
                 if task.reuse_load and loaded and loaded[0].load_key() == task.load_key():
                     _, sharded, route = loaded
                     sharded.state.route, sharded.state.forced_handoff = route, None
-                    beat("the previous task's model taken")
+                    beat(REUSED)
                 else:
                     loaded = sharded = None
                     release_memory()  # the previous task's model, before this one loads and is measured
@@ -122,6 +136,8 @@ def run(job: SimJob, results) -> None:
                     loaded = (task, sharded, sharded.state.route)
                     beat("loaded")
                 results.put(_run(job, i, task, sharded, beat))
+                if task.routes:  # every layer's route stays forced: no later task takes it
+                    loaded = None
             except BaseException as exc:  # noqa: BLE001
                 results.put(_error(job.rank, i, exc))
                 return
@@ -224,6 +240,7 @@ def _serve(job: SimJob, index: int, task: SimTask, sharded, beat) -> dict:
             )
             t0 = time.perf_counter()
             for n, _ in enumerate(runtime.generate(req, result=result)):
+                beat.tick()
                 if (
                     n == 0
                 ):  # from here on timers, counters and the peak cover decode steps only, like generation_seconds
@@ -368,7 +385,7 @@ def _run_streams(index: int, task: SimTask, sharded, beat) -> dict:
     )
     out: dict = {}
     for i in range(task.repeats):
-        out = _streams_pass(index, i, task, sharded, runtime)
+        out = _streams_pass(index, i, task, sharded, runtime, beat)
         beat(f"pass {i} of {len(task.streams)} streams")
     if task.synced_pass:
         # the timed pass's timers and counters are what the report gives; the synced pass's go
@@ -381,7 +398,7 @@ def _run_streams(index: int, task: SimTask, sharded, beat) -> dict:
         )
         sharded.state.synced = True
         try:
-            synced = _streams_pass(index, task.repeats, task, sharded, runtime)
+            synced = _streams_pass(index, task.repeats, task, sharded, runtime, beat)
         finally:
             sharded.state.synced = False
         beat("synced pass")
@@ -394,7 +411,7 @@ def _run_streams(index: int, task: SimTask, sharded, beat) -> dict:
     return out
 
 
-def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime) -> dict:
+def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> dict:
     """One run of every prompt of `task.streams` at once (see _run_streams)."""
     from ..proto.records import GenerateRequest
     from .runtime import GenerateResult
@@ -417,6 +434,7 @@ def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime) -> dict:
     steps, t_decode = 0, None
     while not all(s.ended for s in sinks):
         runtime.batch.step()
+        beat.tick()
         steps += 1
         if t_decode is None and all(s.times or s.ended for s in sinks):
             # from here on timers and counters cover decode steps of the whole batch only

@@ -25,7 +25,7 @@ from ...proto.errors import ErrorKind, MoeClusterError, UserError, error_for
 from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.records import COLD_STEP_S, Sampling
 from ...proto.placement import Placement
-from ...node.sim import SimJob, SimTask, run as sim_run
+from ...node.sim import TICK, SimJob, SimTask, run as sim_run
 
 # Bytes one all-reduce may carry: a prefill chunk of this many tokens of float32 hidden states.
 _MAX_TOKENS_PER_CALL = 2048
@@ -143,7 +143,8 @@ def collect(results, procs, expected: int, phase_s: float) -> dict[tuple[int, in
             continue
         deadline = time.monotonic() + phase_s  # a beat or a report: the next phase gets its bound
         if "beat" in rep:
-            last = f"rank {rep['rank']} task {rep['task']} {rep['beat']}"
+            if rep["beat"] != TICK:  # a step inside a phase: the last phase named stays
+                last = f"rank {rep['rank']} task {rep['task']} {rep['beat']}"
             continue
         if "error" in rep:
             raise _node_error(rep)

@@ -260,10 +260,13 @@ class EnvoyCollective:
         payload, extra = self._rider.attach(partial, layer)
         raw, dtype = to_wire(payload)
         envoy = self._envoy
-        cold = self._cold or self._reduced < COLD_WAITS
-        step = envoy.send(raw.reshape(-1), dtype, tuple(payload.shape), layer, cold)
-        self._reduced += 1
+        step = envoy.send(raw.reshape(-1), dtype, tuple(payload.shape), layer, self._cold_now())
         return lambda: self._result(envoy.collect(step, dtype, raw.nbytes), dtype, extra, partial)
+
+    def _cold_now(self) -> bool:
+        """Whether the all-reduce about to start may wait on kernel builds (and counts it)."""
+        self._reduced += 1
+        return self._cold or self._reduced <= COLD_WAITS
 
     def _result(self, out: np.ndarray, dtype: str, extra: int, partial: mx.array) -> mx.array:
         if (
@@ -284,8 +287,9 @@ class EnvoyCollective:
         on_host = time.perf_counter_ns()
         envoy = self._envoy
         step = envoy.next_step
+        cold = self._cold_now()
         out = self._result(
-            envoy.all_reduce(raw.reshape(-1), dtype, tuple(payload.shape), layer),
+            envoy.all_reduce(raw.reshape(-1), dtype, tuple(payload.shape), layer, cold),
             dtype,
             extra,
             partial,

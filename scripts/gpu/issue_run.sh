@@ -95,12 +95,18 @@ if [ -z "${CPU:-}" ]; then
     --target /tmp/site . >> "$R/$RUN.log" 2>&1 || log "reinstall of this checkout failed"
 fi
 
-build() {  # build NAME ARGS...: a 4-bit random checkpoint in ROOT/NAME, unless already there
+build() {  # build NAME ARGS...: a 4-bit random checkpoint in ROOT/NAME, unless built with these args
   local name=$1 dir=$ROOT/$1
   shift
-  if [ -f "$dir/config.json" ]; then log "$dir exists"; return 0; fi
+  local args="$* --dtype ${A_DTYPE:-bfloat16}"  # the config does not say its dtype: .build does
+  if [ -f "$dir/config.json" ] && [ "$(cat "$dir/.build" 2>/dev/null)" = "$args" ]; then
+    log "$dir exists"
+    return 0
+  fi
+  rm -rf "$dir"
   step "build-$name" 150 $MC demo-model "$@" --quantize 4 --dtype "${A_DTYPE:-bfloat16}" --shard-size 5GB --out "$dir" \
     || { rm -rf "$dir"; return 1; }
+  echo "$args" > "$dir/.build"
   du -sb "$dir" | tee -a "$R/$RUN.log"
   cp "$dir/config.json" "$R/$name-config.json"
 }

@@ -528,7 +528,8 @@ def test_a_cold_step_waits_the_cold_bound_for_a_late_peer_and_a_warm_one_does_no
     from moe_cluster.envoy.reduce import to_float32
     from moe_cluster.node.collective.envoy import EnvoyProcess
 
-    timeout_s, late_s = 1.0, 3.0
+    # late past the node's own warm wait too (the timeout and its 5 s grace): both ends' bounds
+    timeout_s, late_s = 1.0, 7.0
     spec = envoy_spec(2, timeout_s=timeout_s, cold_s=30.0, connect_timeout_s=20.0)
     envoys = [EnvoyProcess(spec, r) for r in range(2)]
     try:
