@@ -413,6 +413,8 @@ def _run_streams(index: int, task: SimTask, sharded, beat) -> dict:
 
 def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> dict:
     """One run of every prompt of `task.streams` at once (see _run_streams)."""
+    import mlx.core as mx
+
     from ..proto.records import GenerateRequest
     from .runtime import GenerateResult
 
@@ -437,9 +439,10 @@ def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> 
         beat.tick()
         steps += 1
         if t_decode is None and all(s.times or s.ended for s in sinks):
-            # from here on timers and counters cover decode steps of the whole batch only
+            # from here on timers, counters and the peak cover decode steps of the whole batch only
             sharded.state.timers.reset()
             sharded.state.reset_counters()
+            mx.reset_peak_memory()
             t_decode, steps = time.perf_counter(), 0
     failed = next((s.error for s in sinks if s.error is not None), None)
     if failed is not None:
