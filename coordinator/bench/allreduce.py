@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from ...proto.errors import UserError
 
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-PATHS = ("envoy", "floor", "relay", "grpc", "mlx_ring", "mlx_nccl")
+PATHS = ("envoy", "direct", "floor", "relay", "grpc", "mlx_ring", "mlx_nccl")
 DEFAULT_PATHS = PATHS[:-1]  # NCCL only where asked: it needs a GPU per rank
 
 
@@ -233,6 +233,83 @@ def _floor_worker(ports: list[int], rank: int, case: Case, results) -> None:
         mesh = _Mesh(ports, rank, case.nbytes)
         data = bytes(case.nbytes)
         results.put((rank, _timed(lambda: mesh.exchange(data), case)))
+        mesh.close()
+    except Exception as exc:  # noqa: BLE001
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+
+
+def _direct_worker(ports: list[int], rank: int, case: Case, results) -> None:
+    """What a node would do with its peers' data channels in its own hands (an envoy keeping their
+    setup, the secret and the faults): the envoy's frame to every peer, every peer's frame read and
+    its step checked, the rank-order float32 sum the envoy hands its node, back in an mx.array, the
+    node-side work of `envoy` included (the ride's slots, the copies). One wake-up on the critical
+    path, where `envoy` has three: how far that design would close the gap to the ring."""
+    try:
+        import mlx.core as mx
+        import numpy as np
+
+        from ...envoy import data
+        from ...envoy.reduce import DTYPES, Reducer
+        from ...node.collective.base import Rider, from_wire, to_wire
+        from ...proto.frame import Frame
+
+        x = _payload(case, rank)
+        mx.eval(x)
+        rider, reducer = Rider(rank, case.nodes), Reducer()
+        mesh = _Mesh(ports, rank, 2 * case.nbytes + 4096)
+        bufs = {r: bytearray(data.HEADER.size + 256 + case.nbytes) for r in mesh.order}
+        # the sum's buffer 64 bytes into its allocation: a large numpy buffer starts 16 bytes into a
+        # page, where MLX's copy of it into a new array (whose data sit a few bytes further into
+        # theirs) ran 10x slower here (4K aliasing: 227 against 22 us for 786 KB); the envoy's
+        # result area starts 256 bytes into its pages
+        out = np.empty(case.values + 16, np.float32)[16:]
+        step = [0]
+
+        def send(sock, head: bytes, body: memoryview) -> None:  # no copy of the payload
+            sent = sock.sendmsg([head, body])
+            if sent < len(head):
+                sock.sendall(head[sent:])
+                sent = len(head)
+            if sent - len(head) < body.nbytes:
+                sock.sendall(body[sent - len(head) :])
+
+        def read(r: int, n: int, at: int = 0) -> memoryview:
+            view, got = memoryview(bufs[r]), 0
+            while got < n:
+                k = mesh.peers[r].recv_into(view[at + got : at + n])
+                if k == 0:
+                    raise ConnectionError(f"rank {r} closed its connection")
+                got += k
+            return view
+
+        def all_reduce() -> None:
+            payload, extra = rider.attach(x, 0)
+            raw, dtype = to_wire(payload)
+            frame = Frame("bench", step[0], 0, rank, dtype, tuple(payload.shape), None, raw)
+            head, body = data.encode_parts(frame)
+            for r in mesh.order:
+                send(mesh.peers[r], head, body)
+            parts = [None] * case.nodes
+            parts[rank] = raw.reshape(-1)
+            for r in mesh.order:
+                view = read(r, data.HEADER.size)
+                n, got_step, _, got_rank, _, ndim, nid = data._header(bufs[r], 0)
+                if got_step != step[0] or got_rank != r:
+                    raise RuntimeError(f"rank {r} sent step {got_step} as rank {got_rank}")
+                read(r, n, data.HEADER.size)
+                at = data.HEADER.size + nid + 4 * ndim
+                parts[r] = np.frombuffer(view[at : data.HEADER.size + n], DTYPES[dtype])
+            total = reducer.sum_float32(parts, dtype, out[: raw.size])
+            # as EnvoyCollective hands it back: copied into MLX, rounded lazily in the step's graph
+            y = from_wire(rider.detach(total, "float32", extra), "float32", x.shape)
+            step[0] += 1
+            return y
+
+        # the sum checked once: every rank's payload in rank order, summed in float32
+        want = sum(_payload(case, r).astype(mx.float32) for r in range(case.nodes))
+        if not mx.array_equal(all_reduce(), want).item():
+            raise RuntimeError("the direct exchange's sum differs from the rank-order float32 sum")
+        results.put((rank, _timed(lambda: all_reduce().astype(x.dtype), case)))
         mesh.close()
     except Exception as exc:  # noqa: BLE001
         results.put((rank, f"{type(exc).__name__}: {exc}"))
@@ -521,6 +598,11 @@ def run_case(case: Case, paths: list[str], timeout_s: float, traced: bool = Fals
         row["envoy_p50_us"], row["envoy_p99_us"] = _percentiles(
             _run_workers(_envoy_worker, lambda r: (spec, r), case, timeout_s)
         )
+    if "direct" in paths:
+        ports = free_ports(case.nodes)
+        row["direct_p50_us"], row["direct_p99_us"] = _percentiles(
+            _run_workers(_direct_worker, lambda r: (ports, r), case, timeout_s)
+        )
     if "floor" in paths:
         ports = free_ports(case.nodes)
         row["floor_p50_us"], row["floor_p99_us"] = _percentiles(
@@ -552,7 +634,7 @@ def run_case(case: Case, paths: list[str], timeout_s: float, traced: bool = Fals
         )
     if traced:
         row["trace"] = _trace(case, timeout_s)
-    for path in ("envoy", "relay", "grpc"):
+    for path in ("envoy", "direct", "relay", "grpc"):
         if row.get("floor_p50_us") and row.get(f"{path}_p50_us"):
             row[f"{path}_over_floor"] = round(row[f"{path}_p50_us"] / row["floor_p50_us"], 2)
     return row
@@ -634,6 +716,7 @@ def _print_row(row: dict, header: bool) -> None:
         ("tokens", "tokens"),
         ("envoy_p50_us", "envoy p50"),
         ("envoy_p99_us", "envoy p99"),
+        ("direct_p50_us", "direct p50"),
         ("floor_p50_us", "floor p50"),
         ("relay_p50_us", "relay p50"),
         ("grpc_p50_us", "grpc p50"),

@@ -125,6 +125,7 @@ def test_bench_allreduce_reports_every_path():
             "hidden",
             "envoy_p50_us",
             "envoy_p99_us",
+            "direct_p50_us",  # its sum checked against the rank-order one inside the bench
             "floor_p50_us",
             "relay_p50_us",
             "grpc_p50_us",
