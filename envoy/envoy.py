@@ -22,7 +22,13 @@ from ..proto import convert
 from ..proto.errors import UserError
 from ..proto.frame import Frame, FrameError
 from .link import ABORT, BEGIN, CLOSE, NO_STEP, REDUCE, EnvoyLink, LinkError, widened
-from ..proto.records import COLD_STEP_S, COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
+from ..proto.records import (
+    COLD_STEP_S,
+    COLLECTIVE_TIMEOUT_S,
+    MESH_CONNECT_TIMEOUT_S,
+    TlsFiles,
+    wait_bound,
+)
 from .mesh import Mesh, MeshConfig
 from .reduce import Reducer
 from .spin import SpinPolicy
@@ -254,7 +260,7 @@ class Envoy:
             r = link.reduce_of(body)
             payload = link.partial(r)
             self.steps.admit(r.step)
-            self._limit = max(cfg.cold_timeout_s, cfg.timeout_s) if r.cold else cfg.timeout_s
+            self._limit = wait_bound(cfg.timeout_s, r.cold, cfg.cold_timeout_s)
         except (StepError, LinkError) as exc:
             link.fail(_step_of(body), f"envoy rank {cfg.rank}: {exc}")
             return

@@ -120,12 +120,12 @@ def run(job: SimJob, results) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as a value
         results.put(_error(job.rank, 0, exc))
         return
-    loaded = sharded = None  # (the task that loaded it, the loaded model, the load's route)
+    loaded = sharded = None  # (the load's SimTask.load_key, the loaded model, the load's route)
     try:
         for i, task in enumerate(job.tasks):
             beat = Beats(results, job.rank, i)
             try:
-                if task.reuse_load and loaded and loaded[0].load_key() == task.load_key():
+                if task.reuse_load and loaded and loaded[0] == task.load_key():
                     _, sharded, route = loaded
                     sharded.state.route, sharded.state.forced_handoff = route, None
                     beat(REUSED)
@@ -133,7 +133,7 @@ def run(job: SimJob, results) -> None:
                     loaded = sharded = None
                     release_memory()  # the previous task's model, before this one loads and is measured
                     sharded = _load(job, task, collective)
-                    loaded = (task, sharded, sharded.state.route)
+                    loaded = (task.load_key(), sharded, sharded.state.route)
                     beat("loaded")
                 results.put(_run(job, i, task, sharded, beat))
                 if task.routes:  # every layer's route stays forced: no later task takes it

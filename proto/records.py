@@ -30,6 +30,12 @@ COLD_STEP_S = 600.0
 COLD_WAITS = 2
 
 
+def wait_bound(timeout_s: float, cold: bool, cold_s: float = COLD_STEP_S) -> float:
+    """Seconds a wait on the peers may take: the collective timeout, or where the wait may build
+    kernels the cold bound (never below the timeout)."""
+    return max(cold_s, timeout_s) if cold else timeout_s
+
+
 # Below these a sampled request is greedy: a temperature under GREEDY_TEMPERATURE scales log-probabilities
 # towards what float32 cannot hold (1/T is inf near 1e-39: every token equally likely), and a top_p
 # under GREEDY_TOP_P keeps the most likely token alone for any vocabulary up to 1e6 tokens (under

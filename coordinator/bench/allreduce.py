@@ -198,13 +198,18 @@ class _Mesh:
             r: bytearray(nbytes) for r in self.order
         }  # the latest payload of each peer
 
-    def _recv(self, r: int) -> None:
-        view, got = memoryview(self.received[r]), 0
-        while got < self.nbytes:
-            k = self.peers[r].recv_into(view[got:])
+    def read_into(self, r: int, buf, start: int, end: int) -> memoryview:
+        """Bytes start..end of `buf` from rank `r`'s connection; a view of `buf`."""
+        view, got = memoryview(buf), start
+        while got < end:
+            k = self.peers[r].recv_into(view[got:end])
             if k == 0:
                 raise ConnectionError(f"rank {r} closed its connection")
             got += k
+        return view
+
+    def _recv(self, r: int) -> None:
+        self.read_into(r, self.received[r], 0, self.nbytes)
 
     def exchange(self, data) -> None:
         """Send `data` (nbytes) to every peer and receive every peer's into `received`."""
@@ -273,15 +278,6 @@ def _direct_worker(ports: list[int], rank: int, case: Case, results) -> None:
             if sent - len(head) < body.nbytes:
                 sock.sendall(body[sent - len(head) :])
 
-        def read(r: int, n: int, at: int = 0) -> memoryview:
-            view, got = memoryview(bufs[r]), 0
-            while got < n:
-                k = mesh.peers[r].recv_into(view[at + got : at + n])
-                if k == 0:
-                    raise ConnectionError(f"rank {r} closed its connection")
-                got += k
-            return view
-
         def all_reduce() -> None:
             payload, extra = rider.attach(x, 0)
             raw, dtype = to_wire(payload)
@@ -292,11 +288,11 @@ def _direct_worker(ports: list[int], rank: int, case: Case, results) -> None:
             parts = [None] * case.nodes
             parts[rank] = raw.reshape(-1)
             for r in mesh.order:
-                view = read(r, data.HEADER.size)
+                view = mesh.read_into(r, bufs[r], 0, data.HEADER.size)
                 n, got_step, _, got_rank, _, ndim, nid = data._header(bufs[r], 0)
                 if got_step != step[0] or got_rank != r:
                     raise RuntimeError(f"rank {r} sent step {got_step} as rank {got_rank}")
-                read(r, n, data.HEADER.size)
+                mesh.read_into(r, bufs[r], data.HEADER.size, data.HEADER.size + n)
                 at = data.HEADER.size + nid + 4 * ndim
                 parts[r] = np.frombuffer(view[at : data.HEADER.size + n], DTYPES[dtype])
             total = reducer.sum_float32(parts, dtype, out[: raw.size])

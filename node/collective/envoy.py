@@ -30,7 +30,7 @@ from ...envoy.link import (
     unpack_ready,
     unpack_step,
 )
-from ...proto.records import COLD_WAITS
+from ...proto.records import COLD_WAITS, wait_bound
 from .base import Agreement, CollectiveError, Rider, from_wire, to_wire
 from .specs import EnvoySpec
 
@@ -182,7 +182,7 @@ class EnvoyProcess:
 
     def collect(self, step: int, dtype: str, nbytes: int) -> np.ndarray:
         """all_reduce's second half: wait for step `step`'s sum (a view, as all_reduce's)."""
-        bound = max(self.spec.cold_s, self.spec.timeout_s) if self._cold else self.spec.timeout_s
+        bound = wait_bound(self.spec.timeout_s, self._cold, self.spec.cold_s)
         kind, body = self._answer(
             bound + _ANSWER_GRACE_S, f"step {step} (layer {self._layer})", reduce=True
         )

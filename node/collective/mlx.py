@@ -22,7 +22,7 @@ runs inside the graph), so the node arms a watchdog (`watch`) around every wait 
 (the token read, a prefill chunk, the agreement), and the watchdog ends the node process when
 one wait outlasts `timeout_s` (an MLX group cannot be rebuilt inside a process anyway). The bound
 therefore covers a step's compute too, which is far below any sensible collective timeout once
-MLX has built the step's kernels: the first waits, which build them, get COLD_S.
+MLX has built the step's kernels: the waits that may build them get COLD_STEP_S (proto/records.py).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...proto.errors import UserError
-from ...proto.records import COLD_STEP_S, COLD_WAITS
+from ...proto.records import COLD_STEP_S, COLD_WAITS, wait_bound
 from .base import Agreement, CollectiveError, Rider, rank_order_sum_rows, read_slots, ride_slots
 from .specs import MlxSpec
 
@@ -89,18 +89,13 @@ def write_hostfile(spec: MlxSpec, folder: str | Path) -> dict[str, str]:
     return {"MLX_IBV_DEVICES": str(path), "MLX_JACCL_COORDINATOR": spec.jaccl_coordinator}
 
 
-# A node's first COLD_WAITS waits, and every wait its caller marks cold (proto/records.py), are
-# bounded by COLD_S instead of the timeout, where that is longer.
-COLD_S = COLD_STEP_S
-
-
 class _Watchdog:
     """Ends the process if one wait on the peers outlasts the timeout (no way to interrupt MLX)."""
 
-    def __init__(self, rank: int, timeout_s: float, cold_s: float = COLD_S):
+    def __init__(self, rank: int, timeout_s: float, cold_s: float = COLD_STEP_S):
         self._rank = rank
         self._timeout = timeout_s
-        self._cold = max(cold_s, timeout_s)
+        self._cold_s = cold_s
         self._done = 0  # waits completed
         self._since: float | None = None
         self._limit = timeout_s
@@ -113,7 +108,8 @@ class _Watchdog:
 
     def enter(self, what: str, cold: bool = False) -> None:
         self._what = what
-        self._limit = self._cold if cold or self._done < COLD_WAITS else self._timeout
+        # a node's first COLD_WAITS waits, and those its caller marks cold, may build kernels
+        self._limit = wait_bound(self._timeout, cold or self._done < COLD_WAITS, self._cold_s)
         self._since = time.monotonic()
 
     def leave(self) -> None:
