@@ -498,6 +498,31 @@ def run(spec: RaceBench) -> dict:
     }
 
 
+def merge(parts: list[dict]) -> dict:
+    """One race from the JSON of calls that each ran some of its rows on the same checkpoint (as
+    scripts/gpu/race_run.sh runs them, so that a row that crashes loses only itself): the rows
+    together, each call's other fields from the first call that has them, and what compares rows
+    with each other (agreement, losses, the overlap rows' hidden share) done again over all of
+    them, since no single call saw its row beside the others."""
+    if not parts:
+        raise UserError("nothing to merge: no race JSON given")
+    out: dict = {}
+    rows: list[dict] = []
+    for part in parts:
+        rows += part["rows"]
+        for k, v in part.items():
+            if k not in ("rows", "agreement", "failed"):
+                out.setdefault(k, v)
+    for r in rows:  # set again below from all the rows
+        for k in ("loses_to", "per_moe_layer_s", "overlap"):
+            r.pop(k, None)
+    losses(rows)
+    hidden(rows)
+    out["agreement"] = agreement(rows, {})
+    out["rows"] = rows
+    return out
+
+
 def plot(out: dict, path: str) -> None:
     try:
         import matplotlib

@@ -103,18 +103,11 @@ EOF
   done
   python3 - "$OUT" "$n" <<'EOF'
 import glob, json, sys
-from moe_cluster.coordinator.bench.race import agreement
+from moe_cluster.coordinator.bench.race import merge
 out, n = sys.argv[1], int(sys.argv[2])
-merged, rows = {}, []
-for f in sorted(glob.glob(f"{out}/race-{n}-*.json")):
-    part = json.load(open(f))
-    rows += part["rows"]
-    for k, v in part.items():
-        if k not in ("rows", "agreement", "failed"):
-            merged.setdefault(k, v)
-merged["rows"] = rows
-merged["agreement"] = agreement(rows, {})
+merged = merge([json.load(open(f)) for f in sorted(glob.glob(f"{out}/race-{n}-*.json"))])
 json.dump(merged, open(f"{out}/race-{n}.json", "w"))
+rows = merged["rows"]
 for r in rows:
     print(r["name"], r["streams"], r.get("error", "")[:120] or f"{r['decode_tps']:.1f} tok/s, bound "
           + (f"{r['bound']['decode_tps']:.1f}" if r.get("bound") else "-"))

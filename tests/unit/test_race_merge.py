@@ -1,0 +1,74 @@
+"""bench race's merge (coordinator/bench/race.py `merge`): rows of separate calls compared again,
+as scripts/gpu/race_run.sh runs each row in its own call."""
+
+from __future__ import annotations
+
+import pytest
+from moe_cluster.proto.errors import UserError
+from moe_cluster.coordinator.bench.race import merge
+
+
+def _ours(tps: float) -> dict:
+    step = 1 / tps
+    return {
+        "name": "ours_mlx",
+        "streams": 1,
+        "decode_tps": tps,
+        "step_s": step,
+        "moe_layers": 10,
+        "collective_s": 1e-4,
+        "tokens": [[1, 2, 3]],
+        "breakdown_per_step_s": {
+            "attention_router": 0.0,
+            "experts": 0.0,
+            "collective_wait": 0.0,
+            "other": step,
+        },
+        "synced_step_s": 0.05,
+        "synced_breakdown_per_step_s": {
+            "attention_router": 0.01,
+            "experts": 0.02,
+            "collective_wait": 0.015,
+            "other": 0.005,
+        },
+    }
+
+
+def _peer(tps: float, tokens: list[int]) -> dict:
+    return {
+        "name": "mlx_lm_pipeline",
+        "streams": 1,
+        "decode_tps": tps,
+        "step_s": 1 / tps,
+        "tokens": [tokens],
+    }
+
+
+def test_a_row_that_loses_to_a_peer_of_another_call_says_where_its_layers_go() -> None:
+    ours = {"model": "/m", "nodes": 2, "rows": [_ours(25.0)], "agreement": {}}
+    peer = {"model": "/m", "nodes": 2, "rows": [_peer(40.0, [1, 2, 4])], "agreement": {}}
+    out = merge([peer, ours])
+    r = next(r for r in out["rows"] if r["name"] == "ours_mlx")
+    assert r["loses_to"] == ["mlx_lm_pipeline"]
+    layer = r["per_moe_layer_s"]
+    assert layer["attention_router"] == pytest.approx(0.001)
+    assert layer["experts"] == pytest.approx(0.002)
+    assert layer["collective_bare"] == pytest.approx(1e-4)
+    assert layer["waiting"] == pytest.approx(0.0015 - 1e-4)
+    assert out["agreement"]["1"]["same"] is False
+    assert out["agreement"]["1"]["differences"][0]["first_mismatch"] == 2
+    assert out["model"] == "/m" and len(out["rows"]) == 2
+
+
+def test_a_row_ahead_of_every_peer_has_no_loss_and_a_stale_one_is_dropped() -> None:
+    ours = _ours(50.0)
+    ours["loses_to"] = ["something from an earlier merge"]
+    out = merge([{"rows": [ours]}, {"rows": [_peer(40.0, [1, 2, 3])]}])
+    r = out["rows"][0]
+    assert "loses_to" not in r and "per_moe_layer_s" not in r
+    assert out["agreement"]["1"]["same"] is True
+
+
+def test_nothing_to_merge_is_refused() -> None:
+    with pytest.raises(UserError, match="nothing to merge"):
+        merge([])
