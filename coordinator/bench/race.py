@@ -85,6 +85,31 @@ def timing(streams: int, t0: float, tokens: list[list[int]], times: list[list[fl
         else None,  # prefill included
         "itl_p50_s": _pct(gaps, 0.5) if gaps else None,
         "itl_p99_s": _pct(gaps, 0.99) if gaps else None,
+        "slow_gaps": slow_gaps(times),
+    }
+
+
+SLOW_GAP = 2.0  # a gap this many times the row's median gap is reported where it fell
+SLOW_GAPS_LISTED = 8
+
+
+def slow_gaps(times: list[list[float]]) -> dict | None:
+    """The gaps between a stream's tokens that took over SLOW_GAP times the median gap: how many,
+    what they added to the row's mean step, and the longest few with the stream and the token
+    they came before (1: the first decode step). A mean step over the median is then told apart:
+    a stall once a pass (a kernel built, a collective set up) against every step being slower."""
+    gaps = [
+        (s, i + 1, b - a) for s, ts in enumerate(times) for i, (a, b) in enumerate(zip(ts, ts[1:]))
+    ]
+    if not gaps:
+        return None
+    median = statistics.median(g for *_, g in gaps)
+    slow = sorted((g for g in gaps if g[2] > SLOW_GAP * median), key=lambda g: -g[2])
+    return {
+        "count": len(slow),
+        "of": len(gaps),
+        "added_to_mean_step_s": sum(g - median for *_, g in slow) / len(gaps),
+        "longest": [{"stream": s, "token": i, "s": g} for s, i, g in slow[:SLOW_GAPS_LISTED]],
     }
 
 

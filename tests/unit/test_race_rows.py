@@ -1,11 +1,11 @@
-"""bench race's merge (coordinator/bench/race.py `merge`): rows of separate calls compared again,
-as scripts/gpu/race_run.sh runs each row in its own call."""
+"""bench race's rows (coordinator/bench/race.py): the merge of rows from separate calls, compared
+again (scripts/gpu/race_run.sh runs each row in its own call), and the slow gaps a row reports."""
 
 from __future__ import annotations
 
 import pytest
 from moe_cluster.proto.errors import UserError
-from moe_cluster.coordinator.bench.race import merge
+from moe_cluster.coordinator.bench.race import merge, timing
 
 
 def _ours(tps: float) -> dict:
@@ -72,3 +72,22 @@ def test_a_row_ahead_of_every_peer_has_no_loss_and_a_stale_one_is_dropped() -> N
 def test_nothing_to_merge_is_refused() -> None:
     with pytest.raises(UserError, match="nothing to merge"):
         merge([])
+
+
+def test_a_stall_once_a_pass_is_reported_where_it_fell_and_what_it_cost() -> None:
+    # two streams, 50 ms a step, and one 300 ms stall before stream 1's fourth token
+    times = [[0.05 * i for i in range(10)], [0.05 * i for i in range(10)]]
+    times[1] = times[1][:3] + [t + 0.25 for t in times[1][3:]]
+    row = timing(2, -0.1, [[0] * 10, [0] * 10], times)
+    slow = row["slow_gaps"]
+    assert slow["count"] == 1 and slow["of"] == 18
+    assert slow["longest"] == [{"stream": 1, "token": 3, "s": pytest.approx(0.3)}]
+    assert slow["added_to_mean_step_s"] == pytest.approx(0.25 / 18)
+    assert row["step_s"] == pytest.approx(0.05 + 0.25 / 18)  # the mean the stall moved
+    assert row["itl_p50_s"] == pytest.approx(0.05)
+
+
+def test_steady_steps_report_no_slow_gap() -> None:
+    times = [[0.04 * i + 0.001 * (i % 3) for i in range(12)]]
+    assert timing(1, 0.0, [[0] * 12], times)["slow_gaps"]["count"] == 0
+    assert timing(1, 0.0, [[0]], [[0.1]])["slow_gaps"] is None
