@@ -6,7 +6,7 @@ Rows: ours over `transport: mlx` (NCCL with one GPU per node, else the ring) and
 parallelism (N processes, coordinator/bench/tensor_parallel.py). Each at batch 1 and at B concurrent
 streams (ours: the node's running batch; mlx-lm: its BatchGenerator), every token's time taken the
 same way: time to first token, the gaps between a stream's tokens (p50, p99; their mean is the
-step), decode tok/s = B / step and tok/s over the whole run including prefill. Greedy tokens of
+step; those over twice the median listed where they fell), decode tok/s = B / step and tok/s over the whole run including prefill. Greedy tokens of
 every row are compared with the others and with stock mlx-lm's at batch 1 on the same prompts
 where one device holds the model. Per row, the weight bytes each node reads per step and the
 physical bound (plan/race.py: those bytes over the memory bandwidth plus the bare collectives,
