@@ -49,9 +49,8 @@ DONE = ord("D")  # _DONE: the sum is in the result area
 FAIL = ord("F")  # _STEP, then a utf-8 message
 
 _LEN = struct.Struct("<I")
-_REDUCE = struct.Struct(
-    "<BQiBBQQB"
-)  # kind, step, layer, dtype code, ndim, payload bytes, ticket, cold (1: may build kernels)
+# kind, step, layer, dtype code, ndim, payload bytes, ticket, cold (1: the step may build kernels)
+_REDUCE = struct.Struct("<BQiBBQQB")
 _READY = struct.Struct("<BIH")  # kind, pid, port
 _STEP = struct.Struct("<BQ")  # kind, step
 _DONE = struct.Struct("<BQQ")  # kind, step, ticket

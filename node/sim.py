@@ -201,8 +201,6 @@ def _run(job: SimJob, index: int, task: SimTask, sharded, beat) -> dict:
 
 def _serve(job: SimJob, index: int, task: SimTask, sharded, beat) -> dict:
     """A loaded node runs its task: the streams at once, or the request `repeats` times."""
-    import mlx.core as mx
-
     from ..proto.records import GenerateRequest
     from .batch import BatchLimits
     from .runtime import GenerateResult, NodeRuntime
@@ -241,12 +239,8 @@ def _serve(job: SimJob, index: int, task: SimTask, sharded, beat) -> dict:
             t0 = time.perf_counter()
             for n, _ in enumerate(runtime.generate(req, result=result)):
                 beat.tick()
-                if (
-                    n == 0
-                ):  # from here on timers, counters and the peak cover decode steps only, like generation_seconds
-                    sharded.state.timers.reset()
-                    sharded.state.reset_counters()
-                    mx.reset_peak_memory()
+                if n == 0:  # like generation_seconds, the figures cover decode steps only
+                    _decode_begins(sharded)
             wall = time.perf_counter() - t0
             beat(f"run {i}{' on route ' + route if route else ''}")
             if route is not None and i > 0:
@@ -411,10 +405,17 @@ def _run_streams(index: int, task: SimTask, sharded, beat) -> dict:
     return out
 
 
-def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> dict:
-    """One run of every prompt of `task.streams` at once (see _run_streams)."""
+def _decode_begins(sharded) -> None:
+    """From here on the node's timers, counters and peak memory cover decode steps only."""
     import mlx.core as mx
 
+    sharded.state.timers.reset()
+    sharded.state.reset_counters()
+    mx.reset_peak_memory()
+
+
+def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> dict:
+    """One run of every prompt of `task.streams` at once (see _run_streams)."""
     from ..proto.records import GenerateRequest
     from .runtime import GenerateResult
 
@@ -439,10 +440,7 @@ def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> 
         beat.tick()
         steps += 1
         if t_decode is None and all(s.times or s.ended for s in sinks):
-            # from here on timers, counters and the peak cover decode steps of the whole batch only
-            sharded.state.timers.reset()
-            sharded.state.reset_counters()
-            mx.reset_peak_memory()
+            _decode_begins(sharded)  # the figures cover decode steps of the whole batch only
             t_decode, steps = time.perf_counter(), 0
     failed = next((s.error for s in sinks if s.error is not None), None)
     if failed is not None:

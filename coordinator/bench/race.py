@@ -6,9 +6,9 @@ Rows: ours over `transport: mlx` (NCCL with one GPU per node, else the ring) and
 parallelism (N processes, coordinator/bench/tensor_parallel.py). Each at batch 1 and at B concurrent
 streams (ours: the node's running batch; mlx-lm: its BatchGenerator), every token's time taken the
 same way: time to first token, the gaps between a stream's tokens (p50, p99; their mean is the
-step; those over twice the median listed where they fell), decode tok/s = B / step and tok/s over the whole run including prefill. Greedy tokens of
-every row are compared with the others and with stock mlx-lm's at batch 1 on the same prompts
-where one device holds the model. Per row, the weight bytes each node reads per step and the
+step; those over twice the median listed where they fell), decode tok/s = B / step and tok/s
+over the whole run including prefill. Greedy tokens of every row are compared with the others
+and with stock mlx-lm's at batch 1 on the same prompts where one device holds the model. Per row, the weight bytes each node reads per step and the
 physical bound (plan/race.py: those bytes over the memory bandwidth plus the bare collectives,
 measured here by `bench allreduce`'s workers). Where ours is slower than a peer, where its time
 per MoE layer goes (`bench decode`'s breakdown).
@@ -312,8 +312,8 @@ def _first_mismatch(a: list[int], b: list[int]) -> int | None:
 
 def agreement(rows: list[dict], stock: dict) -> dict:
     """Per batch: whether every row that ran gave the same greedy tokens on every stream (None where
-    fewer than two ran), and each
-    row's streams against stock's batch-1 tokens of the same prompts. Sets each row's same_as_stock."""
+    fewer than two ran), and each row's streams against stock's batch-1 tokens of the same
+    prompts. Sets each row's same_as_stock."""
     out = {}
     for b in dict.fromkeys(r["streams"] for r in rows):
         ran = [r for r in rows if r["streams"] == b and "tokens" in r]
