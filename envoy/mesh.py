@@ -138,6 +138,7 @@ class Mesh:
         self._on_peer = on_peer
         self._peers: dict[int, Peer] = {}
         self.last_error: dict[int, str] = {}  # rank -> why its stream is down (for error messages)
+        self._refused: dict[int, str] = {}  # rank -> its refusal of our dial, until we reach it
         self._server: grpc.aio.Server | None = None
         self._dialers: list[asyncio.Task] = []
         self._closing = False
@@ -287,6 +288,7 @@ class Mesh:
                 old.task.cancel()
         self._peers[rank] = peer
         self.last_error.pop(rank, None)
+        self._refused.pop(rank, None)
         self._on_peer(rank, True, "connected")
         writer = asyncio.get_running_loop().create_task(peer.write_loop(), name=f"write-{rank}")
         if channel is not None:
@@ -470,11 +472,12 @@ class Mesh:
                 )
                 call.cancel()
             except grpc.aio.AioRpcError as exc:
+                refused = exc.code() in (
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                )
                 self._note_failure(
-                    rank,
-                    f"{exc.code().name}: {exc.details()}",
-                    loud=exc.code()
-                    in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION),
+                    rank, f"{exc.code().name}: {exc.details()}", loud=refused, refused=refused
                 )
             except (asyncio.TimeoutError, ConnectionError) as exc:
                 self._note_failure(rank, str(exc) or "no Hello in time", loud=True)
@@ -514,7 +517,15 @@ class Mesh:
                 ) from None
             raise
 
-    def _note_failure(self, rank: int, reason: str, loud: bool) -> None:
+    def _note_failure(self, rank: int, reason: str, loud: bool, refused: bool = False) -> None:
+        """Keep why `rank` cannot be reached. A peer's refusal (a wrong secret, a bad Hello) stays
+        in it until the peer is reached: gRPC may report the same refusal, raced with the dialer's
+        first write, as "INTERNAL: Internal error from Core", and a later attempt that fails
+        otherwise is named beside it."""
+        if refused:
+            self._refused[rank] = reason
+        elif rank in self._refused:
+            reason = f"{self._refused[rank]}; the latest attempt: {reason}"
         if self.last_error.get(rank) != reason:
             log = logger.warning if loud else logger.info
             log("envoy rank %s: cannot reach %s: %s", self.config.rank, self.describe(rank), reason)
