@@ -36,8 +36,8 @@ HEADER = struct.Struct(
     "<IQiHBBH"
 )  # body bytes after the header, step, layer, rank, dtype, ndim, id bytes
 MAX_BODY = 1 << 31  # bytes; a header claiming more is a broken or hostile peer
-_DTYPE_CODES = {name: i for i, name in enumerate(sorted(DTYPES))}
-_DTYPE_NAMES = {i: name for name, i in _DTYPE_CODES.items()}
+DTYPE_CODES = {name: i for i, name in enumerate(sorted(DTYPES))}
+_DTYPE_NAMES = {i: name for name, i in DTYPE_CODES.items()}
 _ACK_OK, _ACK_NO = b"+", b"-"
 HANDSHAKE_TIMEOUT_S = 5.0  # a connection that has not presented its token by then is closed
 
@@ -59,7 +59,7 @@ def encode_parts(frame: Frame) -> tuple[bytes, memoryview]:
         frame.step,
         frame.layer,
         frame.rank,
-        _DTYPE_CODES[frame.dtype],
+        DTYPE_CODES[frame.dtype],
         len(frame.shape),
         len(rid),
     )
@@ -125,6 +125,8 @@ class DataConnection(asyncio.Protocol):
         *,
         hello: bytes | None = None,
         claim: Callable[[int, str, "DataConnection"], str] | None = None,
+        hand_off: bool = False,
+        opened: bool = False,
     ):
         loop = asyncio.get_running_loop()
         self._hello = hello
@@ -139,7 +141,10 @@ class DataConnection(asyncio.Protocol):
         self._need = 0  # bytes _parts must hold before their frame can be complete
         self._on_frame: Callable[[Frame], None] | None = None
         self._held: list[Frame] = []
-        self._open = False
+        self._open = opened  # a relay's end (envoy/envoy.py): no handshake
+        # the node takes a plain TCP connection over once it is through its handshake (`detach`):
+        # this end reads nothing past it
+        self.hand_off = hand_off
         self._direct: socket.socket | None = (
             None  # the connection's socket (a copy of its fd), plain TCP only
         )
@@ -159,6 +164,8 @@ class DataConnection(asyncio.Protocol):
                 self._direct.setblocking(False)
         if self._hello is not None:
             transport.write(self._hello)
+        elif self._open:
+            pass
         else:  # the listener: nobody holds a connection open without presenting a token
             asyncio.get_running_loop().call_later(HANDSHAKE_TIMEOUT_S, self._unpresented)
 
@@ -168,7 +175,7 @@ class DataConnection(asyncio.Protocol):
         last piece is in (nothing is re-parsed before)."""
         if not self._open:
             self._buf += data
-            if not self._handshake():
+            if not self._handshake() or self.hand_off:
                 return
             data, self._buf = bytes(self._buf), bytearray()  # what followed the handshake
         if self._have:
@@ -228,6 +235,15 @@ class DataConnection(asyncio.Protocol):
         elif sent < len(head) + len(payload):
             transport.write(bytes(payload[sent - len(head) :]))
 
+    def detach(self) -> tuple[socket.socket, bytes]:
+        """For the node (`hand_off`): a copy of the connection's socket and the bytes read past the
+        handshake. This end reads no more; it stays open until `close`, which leaves the copy's
+        connection up."""
+        assert self.hand_off and self._direct is not None
+        sock, self._direct = self._direct, None
+        extra, self._buf = bytes(self._buf), bytearray()
+        return sock, extra
+
     def close(self) -> None:
         self._close_direct()
         if self.transport is not None:
@@ -277,6 +293,10 @@ class DataConnection(asyncio.Protocol):
 
     def _opened(self) -> bool:
         self._open = True
+        if self.hand_off and self._direct is not None:  # what followed the handshake stays in _buf
+            self.transport.pause_reading()
+        else:
+            self.hand_off = False
         if not self.ready.done():
             self.ready.set_result(self)
         return True

@@ -1,12 +1,20 @@
-"""The envoy: joins its node's link to the mesh of peer envoys and reduces each step.
+"""The envoy: joins its node's link to the mesh of peer envoys.
 
-Per all-reduce: the node's REDUCE arrives on the link -> the partial (in shared memory) goes out
-to every peer as one serialized frame -> peers' frames arrive -> once all are in, they are summed
-in rank order into the link's result area -> the answer word (and DONE, if the node sleeps) wakes
-the node. All of it runs on one event loop thread, in callbacks and the mesh's stream tasks; there
-is no other work queue. Where cores are idle (envoy/spin.py) the loop keeps polling, without
-sleeping, for a bounded time after its last work, so neither the node's REDUCE nor a peer's frame
-waits for this process to wake up.
+Direct (the default, `--direct`; envoy/exchange.py): the envoy authenticates each peer (the
+cluster secret, TLS), keeps its gRPC stream and data channel up, redials it, and hands the data
+channel's socket to its node, which writes and reads the frames itself; a peer over TLS or over
+the stream alone is relayed to the node through a socket pair. The node learns over the link
+when a peer is lost (LOST) and tells the envoy when it gave up a channel (BROKEN). One wake-up is
+left on an all-reduce's critical path: a peer's frame arriving at the node.
+
+Otherwise (the node's MOE_CLUSTER_ENVOY_DIRECT=0), the envoy reduces each step: the node's REDUCE
+arrives on the link -> the partial (in shared memory) goes out to every peer as one serialized
+frame -> peers' frames arrive -> once all are in, they are summed in rank order into the link's
+result area -> the answer word (and DONE, if the node sleeps) wakes the node. All of it runs on
+one event loop thread, in callbacks and the mesh's stream tasks; there is no other work queue.
+Where cores are idle (envoy/spin.py) the loop keeps polling, without sleeping, for a bounded time
+after its last work, so neither the node's REDUCE nor a peer's frame waits for this process to
+wake up.
 """
 
 from __future__ import annotations
@@ -15,13 +23,26 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 
 from ..proto import convert
 from ..proto.errors import UserError
 from ..proto.frame import Frame, FrameError
-from .link import ABORT, BEGIN, CLOSE, NO_STEP, REDUCE, EnvoyLink, LinkError, widened
+from . import data
+from .link import (
+    ABORT,
+    BEGIN,
+    BROKEN,
+    CLOSE,
+    NO_STEP,
+    REDUCE,
+    EnvoyLink,
+    LinkError,
+    unpack_peer,
+    widened,
+)
 from ..proto.records import (
     COLD_STEP_S,
     COLLECTIVE_TIMEOUT_S,
@@ -61,6 +82,7 @@ class EnvoyConfig:
     parent_pid: int = 0  # exit when this process is gone (0: no watch)
     data_port: int = 0  # the data channel's port; 0: any free port
     trace: bool = False  # stamp every step for the node (envoy/trace.py)
+    direct: bool = False  # hand the data channels to the node (envoy/exchange.py)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < len(self.addresses):
@@ -73,6 +95,8 @@ class EnvoyConfig:
             )
         if not self.secret:
             raise UserError("the cluster secret is empty")
+        if self.direct and (self.link_fd is None or self.trace):
+            raise UserError("--direct needs a node's link (--link-fd) and no --trace")
 
 
 class Envoy:
@@ -87,11 +111,17 @@ class Envoy:
                 config.secret,
                 config.tls,
                 data_port=config.data_port,
+                hand_off=config.direct,
             ),
             on_frame=self._on_frame,
             on_peer=self._on_peer,
+            on_channel=self._on_channel if config.direct else None,
         )
         self.link: EnvoyLink | None = None
+        # direct: a peer whose frames this envoy carries (over TLS, or on the stream), relayed to
+        # the node through a socket pair, by rank
+        self._relays: dict[int, data.DataConnection] = {}
+        self._linked: asyncio.Event | None = None  # set once the node has READY: channels may go
         self._reduce = Reducer()
         self._stopped: asyncio.Event | None = None
         self._stop_reason = ""
@@ -113,6 +143,7 @@ class Envoy:
         """Serve until the node closes the link, the parent dies, or SIGTERM; returns why it stopped."""
         loop = self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
+        self._linked = asyncio.Event()
         cfg = self.config
         port = await self.mesh.start()
         try:
@@ -124,7 +155,8 @@ class Envoy:
                     self._trace = EnvoyStamps(self.link.trace_words(), len(cfg.addresses))
                 loop.add_reader(self.link.fileno(), self._on_link)
                 self.link.set_whole(self.mesh.whole)
-                self.link.ready(port)
+                self.link.ready(port, cfg.direct)
+                self._linked.set()
             watchdog = loop.create_task(self._watchdog(), name="watchdog")
             try:
                 await self._stopped.wait()
@@ -142,6 +174,8 @@ class Envoy:
             self._stopped.set()
 
     async def close(self) -> None:
+        for rank in list(self._relays):
+            self._relays.pop(rank).close()
         if self.link is not None:
             try:
                 asyncio.get_running_loop().remove_reader(self.link.fileno())
@@ -213,6 +247,11 @@ class Envoy:
                 self._on_begin(body[1:].decode())
             elif kind == ABORT:
                 self._on_abort(body[1:].decode())
+            elif kind == BROKEN:
+                rank, why = unpack_peer(body)
+                self.mesh.drop(
+                    rank, f"its node dropped the data channel: {why.decode(errors='replace')}"
+                )
             elif kind == CLOSE:
                 self.stop("node asked to close")
             else:
@@ -335,7 +374,61 @@ class Envoy:
 
     # -- mesh (peer) side --------------------------------------------------------------------
 
+    async def _on_channel(self, rank: int, channel: data.DataConnection | None) -> None:
+        """Direct: hand `rank`'s channel to the node, or a socket pair this envoy relays it over
+        (a TLS channel, or frames on the stream), before the peer counts as up."""
+        await self._linked.wait()
+        link = self.link
+        self._unrelay(rank)
+        if link is None:
+            return
+        if channel is not None and channel.hand_off:
+            sock, extra = channel.detach()
+            try:
+                link.channel(rank, sock, extra)
+            finally:
+                sock.close()  # the node has its copy; the connection stays up
+            return
+        mine, theirs = socket.socketpair()
+        try:
+            _, relay = await self._loop.connect_accepted_socket(
+                lambda: data.DataConnection(opened=True), sock=mine
+            )
+            relay.attach(lambda frame: self._from_node(rank, frame))
+            self._relays[rank] = relay
+            link.channel(rank, theirs, b"")
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+
+    def _from_node(self, rank: int, frame: Frame) -> None:
+        """A frame the node wrote to the relay of `rank`: on to that peer."""
+        if frame.rank != self.config.rank:
+            logger.error(
+                "envoy rank %s: its node sent a frame as rank %s", self.config.rank, frame.rank
+            )
+            return
+        self.mesh.send_to(rank, frame)
+
+    def _unrelay(self, rank: int) -> None:
+        relay = self._relays.pop(rank, None)
+        if relay is not None:
+            relay.close()
+
     def _on_frame(self, frame: Frame) -> None:
+        if self.config.direct:  # a relayed peer's frame: on to the node
+            relay = self._relays.get(frame.rank)
+            try:
+                frame.verify()
+            except FrameError as exc:
+                logger.error("envoy rank %s: %s", self.config.rank, exc)
+                self.mesh.drop(frame.rank, str(exc))
+                return
+            if relay is not None:
+                relay.send(data.encode(frame))
+            return
         if self._trace is not None:
             self._trace.arrived(frame.request_id, frame.step, frame.rank)
         try:
@@ -356,6 +449,9 @@ class Envoy:
     def _on_peer(self, rank: int, up: bool, reason: str) -> None:
         if self.link is not None:
             self.link.set_whole(self.mesh.whole)
+            if not up and self.config.direct:
+                self._unrelay(rank)
+                self.link.lost(rank, reason)
         if up:
             if self.mesh.whole:
                 self._was_whole = True

@@ -21,6 +21,7 @@ is the kind.
 
 from __future__ import annotations
 
+import array
 import functools
 import os
 import socket
@@ -47,11 +48,17 @@ READY = ord("Y")  # _READY: the envoy listens (pid, port)
 BEGUN = ord("G")  # the mesh is whole and the request started
 DONE = ord("D")  # _DONE: the sum is in the result area
 FAIL = ord("F")  # _STEP, then a utf-8 message
+# where the envoy runs direct (envoy/exchange.py): the node exchanges the frames itself
+CHANNEL = ord("H")  # _PEER, then bytes read past the handshake; the peer's socket rides along
+LOST = ord("L")  # _PEER, then why (utf-8): the peer's stream ended; the node closes its socket
+BROKEN = ord("K")  # node -> envoy: _PEER, then why: the node dropped that channel; redial the peer
 
 _LEN = struct.Struct("<I")
 # kind, step, layer, dtype code, ndim, payload bytes, ticket, cold (1: the step may build kernels)
 _REDUCE = struct.Struct("<BQiBBQQB")
-_READY = struct.Struct("<BIH")  # kind, pid, port
+_READY = struct.Struct("<BIHB")  # kind, pid, port, direct (1: CHANNEL messages will follow)
+_PEER = struct.Struct("<BH")  # kind, rank
+_FDS = socket.CMSG_SPACE(16 * 4)  # room for the descriptors a read may carry
 _STEP = struct.Struct("<BQ")  # kind, step
 _DONE = struct.Struct("<BQQ")  # kind, step, ticket
 NO_STEP = 2**64 - 1  # FAIL of a begin, not of a step
@@ -171,6 +178,7 @@ class NodeLink:
         self._sock, self.child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._buf = bytearray(1 << 16)
         self._pending = b""
+        self._fds: list[int] = []  # descriptors received (CHANNEL's), in order, not yet taken
         self._timeout: float | None = None
         self._send_lock = threading.Lock()  # abort() comes from another thread than begin/reduce
         self._spin = spin if spin is not None else SpinPolicy(NODE_SPIN_MAX_S)
@@ -237,17 +245,13 @@ class NodeLink:
 
     def _recv(self, timeout: float | None) -> tuple[int, bytes]:
         self._set_timeout(timeout)
-        data = self._pending
         while True:
-            if len(data) >= 4:
-                (n,) = _LEN.unpack_from(data)
-                if len(data) >= 4 + n:
-                    self._pending = data[4 + n :]
-                    return data[4], data[4 : 4 + n]
+            message = self._parsed()
+            if message is not None:
+                return message
             try:
-                got = self._sock.recv_into(self._buf)
+                got = self._read(0)
             except (BlockingIOError, socket.timeout):  # EAGAIN: SO_RCVTIMEO expired
-                self._pending = data
                 raise LinkError(f"envoy did not answer within {timeout:.1f} s") from None
             except InterruptedError:
                 continue
@@ -255,7 +259,59 @@ class NodeLink:
                 raise LinkError(f"envoy link failed ({exc})") from exc
             if got == 0:
                 raise LinkError("envoy closed the link (it exited)")
-            data = data + self._buf[:got] if data else bytes(self._buf[:got])
+
+    def _parsed(self) -> tuple[int, bytes] | None:
+        """The next whole message read so far, taken off the pending bytes."""
+        data = self._pending
+        if len(data) >= 4:
+            (n,) = _LEN.unpack_from(data)
+            if len(data) >= 4 + n:
+                self._pending = data[4 + n :]
+                return data[4], data[4 : 4 + n]
+        return None
+
+    def _read(self, flags: int) -> int:
+        """One read into the pending bytes, keeping any descriptors that came with it."""
+        got, ancillary, _, _ = self._sock.recvmsg_into([self._buf], _FDS, flags)
+        for level, kind, cdata in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
+                self._fds.extend(fds)
+        if got:
+            chunk = bytes(self._buf[:got])
+            self._pending = self._pending + chunk if self._pending else chunk
+        return got
+
+    def messages(self) -> list[tuple[int, bytes]]:
+        """Every whole message that has arrived, without waiting; LinkError on EOF."""
+        out = []
+        while True:
+            message = self._parsed()
+            if message is not None:
+                out.append(message)
+                continue
+            try:
+                got = self._read(socket.MSG_DONTWAIT)
+            except (BlockingIOError, InterruptedError):
+                return out
+            except OSError as exc:
+                raise LinkError(f"envoy link failed ({exc})") from exc
+            if got == 0:
+                raise LinkError("envoy closed the link (it exited)")
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def take_fd(self) -> int:
+        """The descriptor a CHANNEL message carried (they come in the messages' order)."""
+        if not self._fds:
+            raise LinkError("envoy sent a channel without its socket")
+        return self._fds.pop(0)
+
+    def broken(self, rank: int, why: str) -> None:
+        """This node dropped its channel to `rank`: the envoy ends that peer's stream and redials."""
+        self._send(_PEER.pack(BROKEN, rank) + why.encode())
 
     def begin(self, request_id: str) -> None:
         self._send(bytes([BEGIN]) + request_id.encode())
@@ -366,9 +422,16 @@ def unpack_step(body: bytes) -> int:
     return _STEP.unpack_from(body)[1]
 
 
-def unpack_ready(body: bytes) -> tuple[int, int]:
-    _, pid, port = _READY.unpack_from(body)
-    return pid, port
+def unpack_ready(body: bytes) -> tuple[int, int, bool]:
+    """(pid, port, direct) of a READY."""
+    _, pid, port, direct = _READY.unpack_from(body)
+    return pid, port, bool(direct)
+
+
+def unpack_peer(body: bytes) -> tuple[int, bytes]:
+    """(rank, the bytes after it) of a CHANNEL (those read past the handshake), LOST or BROKEN (why)."""
+    _, rank = _PEER.unpack_from(body)
+    return rank, body[_PEER.size :]
 
 
 def fail_message(body: bytes) -> str:
@@ -468,8 +531,25 @@ class EnvoyLink:
             finally:
                 self._sock.setblocking(False)
 
-    def ready(self, port: int) -> None:
-        self._send(_READY.pack(READY, os.getpid(), port))
+    def ready(self, port: int, direct: bool = False) -> None:
+        self._send(_READY.pack(READY, os.getpid(), port, direct))
+
+    def channel(self, rank: int, sock: socket.socket, extra: bytes) -> None:
+        """Hand `rank`'s data channel to the node: a copy of its descriptor rides with the message."""
+        msg = _LEN.pack(_PEER.size + len(extra)) + _PEER.pack(CHANNEL, rank) + extra
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [sock.fileno()]))]
+        self._sock.setblocking(True)  # rare and small: the node reads its link at every request
+        try:
+            sent = self._sock.sendmsg([msg], rights)
+            if sent < len(msg):
+                self._sock.sendall(msg[sent:])
+        except OSError:
+            pass  # the node is gone; the envoy notices on its next read
+        finally:
+            self._sock.setblocking(False)
+
+    def lost(self, rank: int, why: str) -> None:
+        self._send(_PEER.pack(LOST, rank) + why.encode())
 
     def begun(self) -> None:
         self._send(bytes([BEGUN]))

@@ -67,6 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trace", action="store_true", help=argparse.SUPPRESS
     )  # stamps for bench allreduce --trace
+    p.add_argument(
+        "--direct", action="store_true", help=argparse.SUPPRESS
+    )  # the node exchanges the frames itself (envoy/exchange.py)
     p.add_argument("--log-level", default=None, help="WARNING (default), INFO or DEBUG")
 
 
@@ -103,6 +106,7 @@ def config_from_args(args: argparse.Namespace):
         parent_pid=args.parent_pid,
         data_port=args.data_port,
         trace=args.trace,
+        direct=args.direct,
     )
 
 

@@ -60,6 +60,7 @@ class MeshConfig:
     tls: TlsFiles | None = None
     data_channel: bool = field(default_factory=lambda: os.environ.get(DATA_ENV, "1") != "0")
     data_port: int = 0  # the data channel's port on the listen host; 0: any free port
+    hand_off: bool = False  # plain data channels stop at their handshake: the node takes them
 
     @property
     def world_size(self) -> int:
@@ -98,6 +99,7 @@ class Peer:
         self.address = address
         self._write = write
         self.channel = channel
+        self.ended: asyncio.Future | None = None  # resolves to why, to end the stream from here
         self._outgoing: deque[bytes] = deque()
         self._idle: asyncio.Future | None = None
         self.task: asyncio.Task | None = None  # the task reading this stream
@@ -124,7 +126,9 @@ class Mesh:
     """The streams to all peers, and the server that accepts the lower ranks' streams.
 
     `on_frame(frame)` runs on the event loop for every frame a peer sends; `on_peer(rank, up,
-    reason)` whenever a peer's stream comes up or goes down.
+    reason)` whenever a peer's stream comes up or goes down. `on_channel(rank, channel)`, where
+    given, runs before a peer counts as up, with its data channel (None: its frames take the
+    stream): the envoy hands the channel to its node there (`config.hand_off`).
     """
 
     def __init__(
@@ -132,10 +136,12 @@ class Mesh:
         config: MeshConfig,
         on_frame: Callable[[Frame], None],
         on_peer: Callable[[int, bool, str], None],
+        on_channel: Callable[[int, data.DataConnection | None], Awaitable[None]] | None = None,
     ):
         self.config = config
         self._on_frame = on_frame
         self._on_peer = on_peer
+        self._on_channel = on_channel
         self._peers: dict[int, Peer] = {}
         self.last_error: dict[int, str] = {}  # rank -> why its stream is down (for error messages)
         self._refused: dict[int, str] = {}  # rank -> its refusal of our dial, until we reach it
@@ -164,6 +170,24 @@ class Mesh:
 
     def describe(self, rank: int) -> str:
         return f"rank {rank} ({self.config.addresses[rank]})"
+
+    def send_to(self, rank: int, frame: Frame) -> None:
+        """Send one frame to one peer (dropped if it is not connected: its loss fails the step)."""
+        peer = self._peers.get(rank)
+        if peer is None:
+            return
+        if peer.channel is not None:
+            peer.channel.send_parts(*data.encode_parts(frame))
+            return
+        if frame.checksum is None:
+            frame = dataclasses.replace(frame, checksum=checksum(frame.payload))
+        peer.send(convert.frame_to_wire(frame))
+
+    def drop(self, rank: int, why: str) -> None:
+        """End `rank`'s stream (its node gave up the channel); a dialer redials, as after any loss."""
+        peer = self._peers.get(rank)
+        if peer is not None and peer.ended is not None and not peer.ended.done():
+            peer.ended.set_result(why)
 
     def send_all(self, frame: Frame) -> None:
         """Send one frame to every connected peer, serialized once for each kind of link."""
@@ -226,7 +250,7 @@ class Mesh:
             try:
                 sock = _data_socket(host, cfg.data_port)
                 self._data_server = await loop.create_server(
-                    lambda: data.DataConnection(claim=self._claim),
+                    lambda: data.DataConnection(claim=self._claim, hand_off=cfg.hand_off),
                     sock=sock,
                     ssl=ssl_server_context(tls.cert, tls.key, tls.ca) if tls else None,
                     ssl_handshake_timeout=data.HANDSHAKE_TIMEOUT_S if tls else None,
@@ -286,17 +310,23 @@ class Mesh:
             )
             if old.task is not None:
                 old.task.cancel()
-        self._peers[rank] = peer
-        self.last_error.pop(rank, None)
-        self._refused.pop(rank, None)
-        self._on_peer(rank, True, "connected")
-        writer = asyncio.get_running_loop().create_task(peer.write_loop(), name=f"write-{rank}")
-        if channel is not None:
-            channel.attach(self._on_frame)
+        loop = asyncio.get_running_loop()
+        peer.ended = channel.lost if channel is not None else loop.create_future()
+        watch = channel is not None or self._on_channel is not None  # else nothing sets `ended`
         reason = "stream ended"
+        writer = None
         try:
+            if self._on_channel is not None:  # before the peer counts: a begin may follow at once
+                await self._on_channel(rank, channel)
+            self._peers[rank] = peer
+            self.last_error.pop(rank, None)
+            self._refused.pop(rank, None)
+            if channel is not None and not channel.hand_off:
+                channel.attach(self._on_frame)
+            self._on_peer(rank, True, "connected")
+            writer = loop.create_task(peer.write_loop(), name=f"write-{rank}")
             while True:
-                item = await (read() if channel is None else _first(read, channel.lost))
+                item = await (_first(read, peer.ended) if watch else read())
                 if isinstance(item, str):  # the data channel ended: why
                     reason = item
                     break
@@ -315,13 +345,14 @@ class Mesh:
         finally:
             if channel is not None:
                 channel.close()
-            writer.cancel()
-            try:
-                await writer
-            except (asyncio.CancelledError, grpc.aio.AioRpcError, grpc.aio.UsageError):
-                pass
-            except Exception as exc:  # noqa: BLE001 - a write on a dead stream; the read side said why
-                logger.debug("writer to rank %s ended: %r", rank, exc)
+            if writer is not None:
+                writer.cancel()
+                try:
+                    await writer
+                except (asyncio.CancelledError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+                    pass
+                except Exception as exc:  # noqa: BLE001 - a write on a dead stream; the read side said why
+                    logger.debug("writer to rank %s ended: %r", rank, exc)
             if self._peers.get(rank) is peer:
                 del self._peers[rank]
                 self.last_error[rank] = reason
@@ -497,7 +528,9 @@ class Mesh:
         try:
             _, channel = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: data.DataConnection(hello=data.handshake(cfg.rank, hello.data_token)),
+                    lambda: data.DataConnection(
+                        hello=data.handshake(cfg.rank, hello.data_token), hand_off=cfg.hand_off
+                    ),
                     host,
                     hello.data_port,
                     ssl=ssl,

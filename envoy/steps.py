@@ -154,6 +154,17 @@ class StepTable:
         self._keep_early(frame)
         return None
 
+    def take(self, rank: int, part: np.ndarray) -> Complete | None:
+        """`rank`'s partial for the pending step, from a frame its caller matched byte for byte
+        against this node's own header for it (request, step, layer, dtype, shape); returns the
+        complete step if it was the last one missing."""
+        p = self.pending
+        if p.parts[rank] is not None:
+            raise StepError(f"rank {rank} sent step {p.step} of request {p.request_id} twice")
+        p.parts[rank] = part
+        p.arrived += 1
+        return self._complete()
+
     def _keep_early(self, frame: Frame) -> None:
         slot = self._early.setdefault((frame.request_id, frame.step), {})
         if frame.rank in slot:

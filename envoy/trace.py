@@ -126,8 +126,9 @@ def hops(records: dict[int, list[tuple[int, ...]]], skip: int = 0) -> dict[str, 
                 for p in ranks
                 if p != rank and p < len(arrived) and arrived[p] and ranks[p][e0 + 1]
             ]
-            for name, value in zip(
-                [h for h, _ in HOPS],
+            _append(
+                out,
+                HOPS,
                 (
                     us(entered, on_host),
                     us(on_host, handed),
@@ -142,17 +143,81 @@ def hops(records: dict[int, list[tuple[int, ...]]], skip: int = 0) -> dict[str, 
                     us(last_handed, answered),
                     us(entered, on_device),
                 ),
-            ):
-                if value is not None:
-                    out[name].append(value)
+            )
             out["wire: peer's frame in"].extend(peer_in)
     return out
 
 
-def table(durations: dict[str, list[float]]) -> list[dict]:
+def _append(out: dict[str, list[float]], hops, values) -> None:
+    """Each hop's duration (None: one gathered apart) onto its list."""
+    for (name, _), value in zip(hops, values):
+        if value is not None:
+            out[name].append(value)
+
+
+# Where the node reads its frames itself (envoy/exchange.py): its record is DIRECT, its stamps
+# DIRECT_FIELDS, then when each rank's frame was read here
+DIRECT = -1
+DIRECT_FIELDS = ("entered", "on_host", "sent", "complete", "on_device")
+DIRECT_HOPS = (
+    ("node: partial to the host", "the partial evaluated and exported to numpy (to_wire)"),
+    ("node: frame out", "this rank's frame made and written to every peer's socket"),
+    ("wire: peer's frame in", "a peer's frame written -> read here (send, wake-up, read, checks)"),
+    ("node: wait for the last partial", "own frame out -> every peer's partial in"),
+    ("node: sum to the device", "every partial in -> their sum an evaluated mx.array"),
+    ("late peer", "this node's frame out -> the last node's (how long every node must wait)"),
+    ("after the last frame out", "the last node's frame out -> this node has the sum"),
+    ("total", "all_reduce called -> it returns"),
+)
+
+
+def direct_record(step: int, node: tuple[int, ...], on_device: int, arrived: list[int]):
+    """One all-reduce of a node that reads its frames itself: (DIRECT, step, stamps, arrivals)."""
+    return (DIRECT, step, *node, on_device, *arrived)
+
+
+def direct_hops(records: dict[int, list[tuple[int, ...]]], skip: int = 0) -> dict[str, list[float]]:
+    """`hops` for `direct_record`s."""
+    n = len(records)
+    by_step: dict[int, dict[int, tuple[int, ...]]] = {}
+    for rank, rows in records.items():
+        for row in rows:
+            if row[1] >= skip:
+                by_step.setdefault(row[1], {})[rank] = row[2:]
+    out: dict[str, list[float]] = {name: [] for name, _ in DIRECT_HOPS}
+    k = len(DIRECT_FIELDS)
+    for ranks in by_step.values():
+        if len(ranks) != n:
+            continue
+        last_sent = max(r[2] for r in ranks.values())
+        for rank, r in ranks.items():
+            entered, on_host, sent, complete, on_device = r[:k]
+            arrived = r[k:]
+            us = lambda a, b: (b - a) / 1e3  # noqa: E731
+            _append(
+                out,
+                DIRECT_HOPS,
+                (
+                    us(entered, on_host),
+                    us(on_host, sent),
+                    None,
+                    us(sent, complete),
+                    us(complete, on_device),
+                    us(sent, last_sent),
+                    us(last_sent, on_device),
+                    us(entered, on_device),
+                ),
+            )
+            out["wire: peer's frame in"].extend(
+                us(ranks[p][2], arrived[p]) for p in ranks if p != rank and arrived[p]
+            )
+    return out
+
+
+def table(durations: dict[str, list[float]], hops=HOPS) -> list[dict]:
     """Rows of the per-hop table: hop, what it covers, p50 and p90 (microseconds), samples."""
     rows = []
-    for name, what in HOPS:
+    for name, what in hops:
         values = durations.get(name) or []
         p50, p90 = np.percentile(values, [50, 90]) if values else (float("nan"), float("nan"))
         rows.append(

@@ -125,7 +125,8 @@ def _envoy_worker(spec, rank: int, case: Case, results) -> None:
             x = _payload(case, rank)
             mx.eval(x)
             collective.begin("bench")
-            latencies = _timed(lambda: collective.all_reduce(x, 0), case)
+            # evaluated, as the ring's is: a node may sum the partials lazily, in MLX
+            latencies = _timed(lambda: mx.eval(collective.all_reduce(x, 0)), case)
             results.put(
                 (rank, latencies if collective.trace is None else (latencies, collective.trace))
             )
@@ -305,7 +306,7 @@ def _direct_worker(ports: list[int], rank: int, case: Case, results) -> None:
         want = sum(_payload(case, r).astype(mx.float32) for r in range(case.nodes))
         if not mx.array_equal(all_reduce(), want).item():
             raise RuntimeError("the direct exchange's sum differs from the rank-order float32 sum")
-        results.put((rank, _timed(lambda: all_reduce().astype(x.dtype), case)))
+        results.put((rank, _timed(lambda: mx.eval(all_reduce().astype(x.dtype)), case)))
         mesh.close()
     except Exception as exc:  # noqa: BLE001
         results.put((rank, f"{type(exc).__name__}: {exc}"))
@@ -655,10 +656,18 @@ def _trace(case: Case, timeout_s: float) -> dict:
     return {
         "p50_us": p50,
         "p99_us": p99,
-        "hops": trace.table(
-            trace.hops({rank: rows for rank, (_, rows) in reports}, skip=case.warmup)
-        ),
+        "hops": _hops({rank: rows for rank, (_, rows) in reports}, case.warmup),
     }
+
+
+def _hops(records: dict, skip: int) -> list[dict]:
+    """The per-hop table of the traced run's records: the node's own exchange's hops where it
+    read its frames itself (the default), the envoy's where its envoy did."""
+    from ...envoy import trace
+
+    if any(rows and rows[0][0] == trace.DIRECT for rows in records.values()):
+        return trace.table(trace.direct_hops(records, skip), trace.DIRECT_HOPS)
+    return trace.table(trace.hops(records, skip))
 
 
 def main(args: argparse.Namespace) -> int:

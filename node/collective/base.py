@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
+import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
@@ -102,6 +103,9 @@ def read_slots(summed, world_size: int) -> Agreement:
             )
         )
     return Agreement(tuple(values))
+
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 class Rider:
@@ -210,8 +214,11 @@ def to_wire(x: mx.array) -> tuple[np.ndarray, str]:
 
 
 def from_wire(raw: np.ndarray, dtype: str, shape) -> mx.array:
-    out = mx.array(raw.reshape(shape))
-    return out.view(mx.bfloat16) if dtype == "bfloat16" else out
+    """A raw payload -> a new mx array (a copy), evaluated: bfloat16 bits go in as ml_dtypes'
+    bfloat16, which MLX copies as they are (a `view` op would cost an evaluation of its own)."""
+    if dtype == "bfloat16":
+        raw = raw.view(_BF16)
+    return mx.array(raw.reshape(shape))
 
 
 class LocalCollective:

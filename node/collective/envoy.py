@@ -2,8 +2,10 @@
 
 `EnvoyProcess` owns the child and the node end of the link (raw numpy payloads; the integration
 tests and the benchmark use it directly); `EnvoyCollective` is the Collective on top (mx arrays).
-The envoy exits by itself when its node dies: link EOF, a parent-pid watchdog, and on Linux
-PR_SET_PDEATHSIG.
+By default the envoy hands the node its peers' data channels and the node exchanges the frames
+itself (envoy/exchange.py), summing them in rank order: small partials on the host at once, larger
+ones in MLX inside the step's graph. The envoy exits by itself when its node dies: link EOF, a
+parent-pid watchdog, and on Linux PR_SET_PDEATHSIG.
 """
 
 from __future__ import annotations
@@ -19,17 +21,23 @@ import mlx.core as mx
 import numpy as np
 
 from ...envoy import trace
+from ...envoy.exchange import PeerExchange
 from ...envoy.link import (
     BEGUN,
+    CHANNEL,
     DONE,
     FAIL,
+    LOST,
     READY,
     LinkError,
     NodeLink,
     fail_message,
+    unpack_peer,
     unpack_ready,
     unpack_step,
 )
+from ...envoy.reduce import DTYPES, Reducer
+from ...envoy.steps import StepError
 from ...proto.records import COLD_WAITS, wait_bound
 from .base import Agreement, CollectiveError, Rider, from_wire, to_wire
 from .specs import EnvoySpec
@@ -37,6 +45,13 @@ from .specs import EnvoySpec
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 30.0  # seconds for the child to import grpc and bind
+# A partial up to this size is summed on the host at once and handed back evaluated: an MLX op
+# and its evaluation cost more than the numpy sum there (on 2 vCPUs: 42 against 60-90 us for a
+# 6,144-value bfloat16 decode vector; at 32 tokens, 360 against 210)
+EAGER_SUM_BYTES = 32 << 10
+# "0": the frames go through the envoy process (its REDUCE path) instead of the node's own
+# exchange over the channels the envoy hands it (envoy/exchange.py)
+DIRECT_ENV = "MOE_CLUSTER_ENVOY_DIRECT"
 _ANSWER_GRACE_S = 5.0  # seconds past the envoy's own timeout before the node gives up on it
 
 
@@ -55,13 +70,26 @@ class EnvoyProcess:
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.handed = self.answered = 0  # stamps of the latest all-reduce, where the spec traces
+        self.direct = os.environ.get(DIRECT_ENV, "1") != "0"
+        # the node's own exchange of the frames, over the channels its envoy hands it
+        self.exchange: PeerExchange | None = None
         try:
             self.proc = self._spawn()
             kind, body = self._answer(_START_TIMEOUT_S, "start")
             if kind != READY:
                 raise CollectiveError(f"envoy of rank {rank} sent {kind!r} instead of READY")
-            self.pid, self.port = unpack_ready(body)
+            self.pid, self.port, direct = unpack_ready(body)
             self.link.child_attached()
+            if direct:
+                self.exchange = PeerExchange(
+                    rank,
+                    tuple(spec.addresses),
+                    self.link.messages,
+                    self.link.fileno(),
+                    self._on_message,
+                    self._broken,
+                )
+                self.exchange.stamps = spec.trace
         except BaseException:
             self.close()
             raise
@@ -101,7 +129,9 @@ class EnvoyProcess:
             cmd += ["--tls-cert", spec.tls.cert, "--tls-key", spec.tls.key, "--tls-ca", spec.tls.ca]
         if spec.data_port:
             cmd += ["--data-port", str(spec.data_port)]
-        if spec.trace:
+        if self.direct:
+            cmd += ["--direct"]  # where the node traces, it stamps the hops itself
+        elif spec.trace:
             cmd += ["--trace"]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(child_fd,), close_fds=True)
         try:
@@ -134,18 +164,42 @@ class EnvoyProcess:
                 pass
             raise CollectiveError(f"{self._gone()} failed during {what}: {exc}") from exc
 
+    def _on_message(self, kind: int, body: bytes) -> None:
+        """A message about the peers' channels (direct): one handed over, or one lost."""
+        if kind == CHANNEL:
+            rank, extra = unpack_peer(body)
+            self.exchange.install(rank, self.link.take_fd(), extra)
+        elif kind == LOST:
+            rank, why = unpack_peer(body)
+            self.exchange.peer_lost(rank, why.decode(errors="replace"))
+        else:
+            raise CollectiveError(f"envoy of rank {self.rank} sent {kind!r} during a step")
+
+    def _broken(self, rank: int, why: str) -> None:
+        try:
+            self.link.broken(rank, why)
+        except LinkError:
+            pass  # the envoy is gone: the next step says so
+
     def begin(self, request_id: str) -> None:
         """Start a request; waits (up to connect_timeout_s) until every peer is connected."""
         self.link.begin(request_id)
         self._request = request_id
         self._step = 0
-        kind, body = self._answer(
-            self.spec.connect_timeout_s + _ANSWER_GRACE_S, f"begin of request {request_id}"
-        )
+        deadline = time.monotonic() + self.spec.connect_timeout_s + _ANSWER_GRACE_S
+        while True:
+            kind, body = self._answer(
+                max(deadline - time.monotonic(), 1e-3), f"begin of request {request_id}"
+            )
+            if kind not in (CHANNEL, LOST) or self.exchange is None:
+                break
+            self._on_message(kind, body)
         if kind == FAIL:
             raise CollectiveError(fail_message(body))
         if kind != BEGUN:
             raise CollectiveError(f"envoy of rank {self.rank} answered begin with {kind!r}")
+        if self.exchange is not None:
+            self.exchange.begin(request_id)
 
     def all_reduce(
         self,
@@ -172,6 +226,15 @@ class EnvoyProcess:
         self._step += 1
         self._layer = layer
         self._cold = cold
+        if self.exchange is not None:
+            bound = wait_bound(self.spec.timeout_s, cold, self.spec.cold_s)
+            try:
+                self.exchange.send(raw, dtype, shape, layer, step, bound)
+            except StepError as exc:
+                raise CollectiveError(str(exc)) from None
+            except LinkError as exc:
+                raise CollectiveError(f"{self._gone()}: {exc}") from exc
+            return step
         try:
             self.link.reduce(raw, dtype, shape, layer, step, cold)
         except LinkError as exc:
@@ -182,6 +245,8 @@ class EnvoyProcess:
 
     def collect(self, step: int, dtype: str, nbytes: int) -> np.ndarray:
         """all_reduce's second half: wait for step `step`'s sum (a view, as all_reduce's)."""
+        if self.exchange is not None:
+            return self._exchanged(step, self.exchange.collect)
         bound = wait_bound(self.spec.timeout_s, self._cold, self.spec.cold_s)
         kind, body = self._answer(
             bound + _ANSWER_GRACE_S, f"step {step} (layer {self._layer})", reduce=True
@@ -197,6 +262,19 @@ class EnvoyProcess:
             f"(step {unpack_step(body) if kind == DONE else '?'})"
         )
 
+    def collect_parts(self, step: int) -> list[np.ndarray]:
+        """`collect` for a node that sums the partials itself (direct only): every rank's raw
+        payload of step `step`, in rank order, views valid until the next `send`."""
+        return self._exchanged(step, self.exchange.collect_parts).parts
+
+    def _exchanged(self, step: int, collect: Callable):
+        try:
+            return collect()
+        except StepError as exc:
+            raise CollectiveError(str(exc)) from None
+        except LinkError as exc:
+            raise CollectiveError(f"{self._gone()} failed during step {step}: {exc}") from exc
+
     @property
     def next_step(self) -> int:
         """The step number the next all-reduce of this request takes."""
@@ -204,6 +282,8 @@ class EnvoyProcess:
 
     def abort(self, request_id: str) -> None:
         """Fail the request's pending begin or step now, and its later steps (see Collective.abort)."""
+        if self.exchange is not None:
+            self.exchange.abort(request_id)
         try:
             self.link.abort(request_id)
         except LinkError:
@@ -217,6 +297,8 @@ class EnvoyProcess:
 
     def close(self) -> None:
         """Ask the envoy to exit; kill it if it does not within a few seconds."""
+        if self.exchange is not None:
+            self.exchange.close()
         self.link.close()
         if self.proc is not None and self.proc.poll() is None:
             try:
@@ -235,6 +317,8 @@ class EnvoyCollective:
         self.rank = rank
         self.world_size = spec.world_size
         self._rider = Rider(rank, spec.world_size)
+        self._reduce = Reducer()  # where this node sums the partials: small ones, the ride's slots
+        self._eager_out: dict[str, np.ndarray] = {}
         self._cold = False  # the step being watched may build kernels (watch)
         self._reduced = 0  # all-reduces completed: the first COLD_WAITS are cold
         # one envoy/trace.py record per all-reduce where the spec traces (chosen once; else None)
@@ -261,7 +345,46 @@ class EnvoyCollective:
         raw, dtype = to_wire(payload)
         envoy = self._envoy
         step = envoy.send(raw.reshape(-1), dtype, tuple(payload.shape), layer, self._cold_now())
+        if envoy.exchange is not None:
+            return lambda: self._summed(envoy.collect_parts(step), dtype, extra, partial)
         return lambda: self._result(envoy.collect(step, dtype, raw.nbytes), dtype, extra, partial)
+
+    def _summed(
+        self, parts: list[np.ndarray], dtype: str, extra: int, partial: mx.array
+    ) -> mx.array:
+        """The rank-order float32 sum of every rank's partial, rounded once to the partial's dtype,
+        in MLX, inside the step's graph: the peers' raw partials are copied in (half the bytes of
+        a float32 sum) and this node's is used where it is; the ride's slots are summed here."""
+        if extra:
+            tails = [p[-extra:] for p in parts]
+            self._rider.detach(
+                self._reduce.sum_float32(tails, dtype, np.empty(extra, np.float32)),
+                "float32",
+                extra,
+            )
+        n = partial.size
+        if n * partial.itemsize <= EAGER_SUM_BYTES:
+            out = self._reduce([raw[:n] for raw in parts], dtype, self._eager(n, dtype))
+            return from_wire(out, dtype, partial.shape)  # a copy: nothing left to evaluate
+        xs = [
+            partial.reshape(-1) if r == self.rank else from_wire(raw[:n], dtype, (n,))
+            for r, raw in enumerate(parts)
+        ]
+        if len(xs) == 2:
+            # Two float16/bfloat16 values' float32 sum is exact, or off by less than half their
+            # ulp from the larger (whose rounding it then is): one add in their own dtype, rounded
+            # once, gives the same bits as the float32 sum rounded, in one pass instead of four.
+            return (xs[0] + xs[1]).reshape(partial.shape)
+        total = xs[0].astype(mx.float32)
+        for x in xs[1:]:
+            total = total + x.astype(mx.float32)
+        return total.astype(partial.dtype).reshape(partial.shape)
+
+    def _eager(self, n: int, dtype: str) -> np.ndarray:
+        buf = self._eager_out.get(dtype)
+        if buf is None or buf.size < n:
+            buf = self._eager_out[dtype] = np.empty(max(n, 4096), DTYPES[dtype])
+        return buf[:n]
 
     def _cold_now(self) -> bool:
         """Whether the all-reduce about to start may wait on kernel builds (and counts it)."""
@@ -280,7 +403,8 @@ class EnvoyCollective:
         )  # mx.array copies out of the shared area
 
     def _traced(self, partial: mx.array, layer: int) -> mx.array:
-        """all_reduce with the node's stamps, kept with the envoy's (envoy/trace.py)."""
+        """all_reduce with the node's stamps, kept with the envoy's, or with the exchange's where
+        the node reads its frames itself (envoy/trace.py)."""
         entered = time.perf_counter_ns()
         payload, extra = self._rider.attach(partial, layer)
         raw, dtype = to_wire(payload)
@@ -288,6 +412,20 @@ class EnvoyCollective:
         envoy = self._envoy
         step = envoy.next_step
         cold = self._cold_now()
+        exchange = envoy.exchange
+        if exchange is not None:
+            envoy.send(raw.reshape(-1), dtype, tuple(payload.shape), layer, cold)
+            out = self._summed(envoy.collect_parts(step), dtype, extra, partial)
+            mx.eval(out)
+            self.trace.append(
+                trace.direct_record(
+                    step,
+                    (entered, on_host, exchange.sent_ns, exchange.complete_ns),
+                    time.perf_counter_ns(),
+                    exchange.arrivals(step),
+                )
+            )
+            return out
         out = self._result(
             envoy.all_reduce(raw.reshape(-1), dtype, tuple(payload.shape), layer, cold),
             dtype,

@@ -81,7 +81,13 @@ def run_request(envoy, request_id: str, steps: int) -> dict:
                 f"rank {envoy.rank}: request {request_id} step {step}: wrong sum at {bad} "
                 f"({out[bad]} != {want[bad]})"
             )
-    return {"steps": steps, "seconds": time.perf_counter() - t0, "spun": envoy.link.spun}
+    return {
+        "steps": steps,
+        "seconds": time.perf_counter() - t0,
+        "spun": envoy.link.spun,
+        # frames the node read itself (envoy/exchange.py); None where they go through the envoy
+        "direct": None if envoy.exchange is None else envoy.exchange.frames_in,
+    }
 
 
 def driver(spec, rank: int, conn) -> None:

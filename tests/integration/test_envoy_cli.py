@@ -17,6 +17,7 @@ from moe_cluster.coordinator.bench import allreduce
 from moe_cluster.envoy import trace
 from moe_cluster.common.ports import free_ports
 from moe_cluster.proto import convert
+from moe_cluster.node.collective.envoy import DIRECT_ENV
 
 CLI = [sys.executable, "-m", "moe_cluster.coordinator.cli"]
 
@@ -140,8 +141,12 @@ def test_bench_allreduce_reports_every_path():
         assert c["grpc_over_floor"] == round(c["grpc_p50_us"] / c["floor_p50_us"], 2)
 
 
-def test_bench_allreduce_trace_stamps_every_hop_on_one_clock():
+@pytest.mark.parametrize("direct", [True, False])
+def test_bench_allreduce_trace_stamps_every_hop_on_one_clock(direct):
+    """Where each node reads its frames itself (the default), its own hops; where its envoy does
+    (MOE_CLUSTER_ENVOY_DIRECT=0), the node's and every envoy's."""
     iters, warmup = 40, 5
+    env = {**os.environ, DIRECT_ENV: "1" if direct else "0"}
     r = subprocess.run(
         [
             *CLI,
@@ -165,19 +170,21 @@ def test_bench_allreduce_trace_stamps_every_hop_on_one_clock():
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
     assert r.returncode == 0, r.stderr
     (case,) = json.loads(r.stdout)["cases"]
     t = case["trace"]
     assert 0 < t["p50_us"] <= t["p99_us"]
     hops = {h["hop"]: h for h in t["hops"]}
-    assert list(hops) == [name for name, _ in trace.HOPS]
+    assert list(hops) == [name for name, _ in (trace.DIRECT_HOPS if direct else trace.HOPS)]
     for h in hops.values():
         # every step of both ranks stamped (the warm-up left out), and no hop negative: the node's and
         # both envoys' stamps are on one clock and each is taken where the hop's cause precedes it
         assert h["samples"] == 2 * iters, h
         assert 0 <= h["p50_us"] <= h["p90_us"], h
-    assert hops["total"]["p50_us"] >= hops["after the last REDUCE"]["p50_us"]
+    last = "after the last frame out" if direct else "after the last REDUCE"
+    assert hops["total"]["p50_us"] >= hops[last]["p50_us"]
 
 
 def test_the_trace_table_prints_one_line_per_hop(capsys):

@@ -19,6 +19,7 @@ from envoy_nodes import Cluster, alive, all_ok, envoy_spec
 from moe_cluster.envoy import data
 from moe_cluster.proto.frame import Hello
 from moe_cluster.envoy.mesh import DATA_ENV
+from moe_cluster.node.collective.envoy import DIRECT_ENV
 from moe_cluster.envoy.spin import SPIN_ENV, shared_memory_ordered
 from moe_cluster.proto import convert
 
@@ -27,12 +28,15 @@ SOAK_STEPS = 5_000
 
 @pytest.fixture(params=["auto", "spin"])
 def spin(request, monkeypatch):
-    """auto: the link decides from idle cores (on a 2-core machine it sleeps); spin: the nodes and
-    envoys spin on the link whatever the cores (MOE_CLUSTER_ENVOY_SPIN_US, inherited by every
-    process), so the spinning hand-off is tested here too; stream: no data channel
-    (MOE_CLUSTER_ENVOY_DATA=0), the frames take the gRPC streams."""
+    """auto: each node exchanges the frames over the channels its envoy hands it (envoy/exchange.py);
+    spin: the frames go through the envoys (MOE_CLUSTER_ENVOY_DIRECT=0), and the nodes and envoys
+    spin on the link whatever the cores (MOE_CLUSTER_ENVOY_SPIN_US, inherited by every process), so
+    the envoy's own path and its spinning hand-off are tested here too; stream: no data channel
+    (MOE_CLUSTER_ENVOY_DATA=0), the frames take the gRPC streams, relayed to the nodes by their
+    envoys."""
     if request.param == "spin":
         monkeypatch.setenv(SPIN_ENV, "200")
+        monkeypatch.setenv(DIRECT_ENV, "0")
     if request.param == "stream":
         monkeypatch.setenv(DATA_ENV, "0")
     return request.param
@@ -133,15 +137,19 @@ def _dead_peer_fails_the_step_everywhere_then_the_mesh_heals(
 
 def _stalled_peer_times_out_naming_it(cluster: Cluster, timeout: float) -> None:
     all_ok(cluster.run("before-stall", 100))
-    stalled = cluster.nodes[1].envoy_pid
+    # the node and its envoy both: the node exchanges its frames itself where its envoy hands it
+    # the channels, and its envoy does where not
+    stalled = (cluster.nodes[1].process.pid, cluster.nodes[1].envoy_pid)
     t = _mid_run(cluster, "stalled")
     import os
 
-    os.kill(stalled, signal.SIGSTOP)
+    for pid in stalled:
+        os.kill(pid, signal.SIGSTOP)
     try:
         _fails_naming(cluster, [0, 2], peer=1, since=t, within=timeout + 1.5)
     finally:
-        os.kill(stalled, signal.SIGCONT)
+        for pid in stalled:
+            os.kill(pid, signal.SIGCONT)
     kind, message, _ = cluster.nodes[1].reply(timeout + 30)  # it fails too, once it runs again
     assert kind == "error" and "rank 1" in message, message
     all_ok(cluster.run("after", 300))  # frames of the aborted request are dropped, not mixed in
@@ -311,7 +319,10 @@ def test_tls_mesh_and_refusals(tmp_path):
     spec = envoy_spec(2, tls=tls)
     cluster = Cluster(spec)
     try:
-        all_ok(cluster.run("over-tls", 500))
+        replies = cluster.run("over-tls", 500)
+        all_ok(replies)
+        # each node reads its frames from the socket pair its envoy relays the TLS channel over
+        assert {rep[1]["direct"] for rep in replies.values()} == {500}, replies
         address, secret = spec.addresses[1], (("x-moe-cluster-secret", spec.secret),)
         ca, cert, key = (open(p, "rb").read() for p in (tls.ca, tls.cert, tls.key))
         with pytest.raises(grpc.RpcError) as err:  # plaintext to a TLS port
@@ -396,6 +407,22 @@ def test_abort_fails_a_waiting_step_and_a_later_begin_at_once_then_the_next_requ
     finally:
         for e in envoys:
             e.close()
+
+
+def test_a_node_reading_its_frames_and_one_whose_envoy_does_interoperate(monkeypatch):
+    """Rank 0's envoy carries its frames (MOE_CLUSTER_ENVOY_DIRECT=0), rank 1 reads its own: the
+    data channel's frames are the same either way."""
+    spec = envoy_spec(2)
+    monkeypatch.setenv(DIRECT_ENV, "0")
+    cluster = Cluster(spec, ranks=[0])
+    try:
+        monkeypatch.delenv(DIRECT_ENV)
+        cluster.start(1)
+        replies = cluster.run("mixed", 300)
+        all_ok(replies)
+        assert replies[0][1]["direct"] is None and replies[1][1]["direct"] == 300, replies
+    finally:
+        cluster.close()
 
 
 def test_mixed_data_channel_settings_fall_back_to_the_streams(monkeypatch):

@@ -15,6 +15,8 @@ from moe_cluster.proto.records import COLD_WAITS
 class _Envoy:
     """The node end of an envoy, answering at once with the partial as the sum."""
 
+    exchange = None  # the envoy's own path: collect hands back the sum
+
     def __init__(self):
         self.cold: list[bool] = []
 

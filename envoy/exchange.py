@@ -1,0 +1,542 @@
+"""The node's side of the data channels its envoy hands it: frames to and from the peers, in the node.
+
+Through the envoy, an all-reduce passes three sleeps on its critical path (the node's REDUCE
+wakes its envoy, a peer's frame wakes that peer's envoy, the answer wakes the node), and on a
+machine whose cores are all busy each costs more than the work between them (docs/envoy.md).
+Where the envoy runs `direct`, it keeps what it is there for (the gRPC streams, the cluster
+secret, TLS, the redials and the peers' liveness) and hands each authenticated data channel's
+socket to its node (envoy/link.py `CHANNEL`); the node writes its frame to every peer and reads
+theirs itself, so one wake-up is left: a peer's frame arriving. The frames and their checks are
+the envoy's own (envoy/data.py's wire format, envoy/steps.py's step table, envoy/reduce.py's
+rank-order float32 sum), so a node here and a peer whose envoy reads its own channels interoperate.
+A peer reached over TLS or over the gRPC stream is relayed by the envoy through a socket pair,
+which looks the same from here.
+
+The node is told over its link when a peer is lost (`LOST`: it closes its socket) and tells its
+envoy when it dropped a channel (`BROKEN`: a peer that closed it, spoke garbage or could not take a
+frame in time; the envoy then ends that peer's stream and redials). Sends and reads interleave, so
+two nodes sending each other a frame larger than the sockets' buffers do not block each other.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import time
+from typing import Callable
+
+import numpy as np
+
+from ..proto.frame import Frame, FrameError
+from . import data
+from .link import NODE_SPIN_MAX_S
+from .reduce import DTYPES, Reducer
+from .spin import SpinPolicy
+from .steps import Complete, StepError, StepTable
+
+_STAGE_BYTES = 1 << 16  # each channel reads into this much first: a small frame takes one recv
+_IN, _OUT = select.POLLIN, select.POLLOUT
+_GONE = select.POLLERR | select.POLLHUP | getattr(select, "POLLRDHUP", 0)
+# A frame still half-written when its step fails leaves the stream cut mid-frame: the channel is
+# dropped then, unless the rest goes within this long.
+_FLUSH_S = 1.0
+
+
+class _Channel:
+    """One peer's socket: what is read of its next frame, and what is left to write of ours."""
+
+    __slots__ = ("rank", "sock", "stage", "have", "body", "got", "out")
+
+    def __init__(self, rank: int, sock: socket.socket):
+        self.rank = rank
+        self.sock = sock
+        self.stage = bytearray(_STAGE_BYTES)
+        self.have = 0  # bytes of `stage` read and not yet parsed
+        self.body: np.ndarray | None = None  # a frame too large for the stage: read straight here
+        self.got = 0  # bytes of `body` in
+        self.out: list[memoryview] = []  # the rest of our latest frame to this peer
+
+
+class PeerExchange:
+    """All-reduces over the peers' sockets (`install`ed as the envoy hands them), in this thread.
+
+    `send` writes this node's frame to every peer and returns; `collect` waits for the step's sum
+    (a view, valid until the next step: the float32 sum for a float16 or bfloat16 partial, which
+    the node rounds, as the envoy's link hands it back). `abort` may come from any thread.
+    `messages` reads the link while a step waits, so a peer the envoy saw go fails the step at once.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        addresses: tuple[str, ...],
+        messages: Callable[[], list[tuple[int, bytes]]],
+        link_fd: int,
+        on_message: Callable[[int, bytes], None],
+        broken: Callable[[int, str], None],
+    ):
+        self.rank = rank
+        self.addresses = addresses
+        self.world_size = len(addresses)
+        self.table = StepTable(rank, self.world_size)
+        self._messages = messages
+        self._on_message = on_message
+        self._broken = broken
+        self._channels: dict[int, _Channel] = {}
+        self._by_fd: dict[int, _Channel] = {}
+        self._why: dict[int, str] = {}  # why a peer has no channel
+        self._poll = select.poll()
+        self._link_fd = link_fd
+        self._poll.register(link_fd, _IN)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poll.register(self._wake_r, _IN)
+        self._aborted: str | None = None
+        self._reduce = Reducer()
+        self._spin = SpinPolicy(NODE_SPIN_MAX_S)
+        self._free: list[np.ndarray] = []  # frame buffers to reuse
+        self._loans: dict[tuple[str, int, int], np.ndarray] = {}  # a kept frame's buffer
+        self._sum: np.ndarray | None = None
+        self._pending: tuple[int, int, float] | None = (
+            None  # (step, layer, limit s) being collected
+        )
+        self._done: Complete | None = None
+        self._sent_at = 0.0
+        self._rid = b""  # the current request's id, as frames carry it
+        self._tails: dict[tuple[int, ...], bytes] = {}  # shape -> a header's id and shape bytes
+        self._expect: dict[int, bytes] = {}  # rank -> how its frame for the pending step starts
+        self.frames_in = self.frames_out = 0  # for tests and benchmarks
+        # `bench allreduce --trace` (envoy/trace.py DIRECT_HOPS): perf_counter_ns stamps of the
+        # latest step (this node's frame out, the step's last partial in) and of each frame read
+        self.stamps = False
+        self.sent_ns = self.complete_ns = 0
+        self._arrived: dict[tuple[str, int, int], int] = {}
+
+    def describe(self, rank: int) -> str:
+        return f"rank {rank} ({self.addresses[rank]})"
+
+    # -- the channels --------------------------------------------------------------------------
+
+    def install(self, rank: int, fd: int, extra: bytes) -> None:
+        """The envoy handed over `rank`'s channel (`extra`: bytes it read past the handshake)."""
+        self.lost(rank, "replaced by a new channel")
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(False)
+        ch = _Channel(rank, sock)
+        self._channels[rank] = ch
+        self._by_fd[sock.fileno()] = ch
+        self._why.pop(rank, None)
+        self._poll.register(sock.fileno(), _IN)
+        if extra:
+            ch.stage[: len(extra)] = extra
+            if len(extra) > _STAGE_BYTES:
+                ch.stage = bytearray(extra)
+            ch.have = len(extra)
+            self._parse(ch)
+
+    def lost(self, rank: int, why: str) -> None:
+        """The peer is gone (its stream ended, or this node dropped it): close the socket."""
+        ch = self._channels.pop(rank, None)
+        self._why[rank] = why
+        if ch is None:
+            return
+        self._by_fd.pop(ch.sock.fileno(), None)
+        try:
+            self._poll.unregister(ch.sock.fileno())
+        except (KeyError, ValueError):
+            pass
+        ch.sock.close()
+
+    def _drop(self, ch: _Channel, why: str) -> None:
+        """This node gives up the channel: close it, and have the envoy redial the peer."""
+        self.lost(ch.rank, why)
+        self._broken(ch.rank, why)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def begin(self, request_id: str) -> None:
+        self.table.begin(request_id)
+        self._rid = request_id.encode()
+        self._tails.clear()
+        self._loans = {k: v for k, v in self._loans.items() if k[0] == request_id}
+        self._pending = self._done = None
+
+    def abort(self, request_id: str) -> None:
+        """Fail `request_id`'s step now if it waits, and its later steps (any thread)."""
+        self._aborted = request_id
+        try:
+            os.write(self._wake_w, b"!")
+        except (BlockingIOError, OSError):
+            pass  # a byte is waiting already, or the exchange is closed
+
+    def send(
+        self,
+        raw: np.ndarray,
+        dtype: str,
+        shape: tuple[int, ...],
+        layer: int,
+        step: int,
+        limit_s: float,
+    ) -> None:
+        """Write this node's partial for `step` to every peer (what a socket does not take now goes
+        in `collect`); `raw` must stay as it is until then."""
+        table = self.table
+        if self._aborted is not None and self._aborted == table.current:
+            table.fail(f"request {table.current} aborted: it failed on another node")
+        table.admit(step)
+        if len(self._channels) < self.world_size - 1:
+            missing = [
+                r for r in range(self.world_size) if r != self.rank and r not in self._channels
+            ]
+            names = "; ".join(
+                f"{self.describe(r)} is not connected ({self._why.get(r, 'never connected')})"
+                for r in missing
+            )
+            raise self._fail(f"{names} (step {step}, layer {layer} of request {table.current})")
+        payload = raw.reshape(-1)
+        body = memoryview(payload).cast("B")
+        shape = tuple(shape)
+        tail = self._tails.get(shape)
+        if tail is None:
+            if len(self._tails) > 64:
+                self._tails.clear()
+            tail = self._tails[shape] = self._rid + struct.pack(f"<{len(shape)}I", *shape)
+        fields = (len(tail) + body.nbytes, step, layer)
+        code, ndim, nid = data.DTYPE_CODES[dtype], len(shape), len(self._rid)
+        head = data.HEADER.pack(*fields, self.rank, code, ndim, nid) + tail
+        # what each peer's frame for this step starts with, byte for byte (envoy/data.py's header
+        # with its rank): a frame that does is taken without parsing it (`_expected`)
+        self._expect = {
+            r: data.HEADER.pack(*fields, r, code, ndim, nid) + tail for r in self._channels
+        }
+        self._sent_at = time.monotonic()
+        self._pending = (step, layer, limit_s)
+        total = len(head) + body.nbytes
+        for ch in list(self._channels.values()):
+            try:
+                sent = ch.sock.sendmsg((head, body))
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._drop(ch, f"data channel failed ({exc})")
+                raise self._fail(self._disconnected(ch.rank, f"data channel failed ({exc})"))
+            if sent < total:
+                ch.out = (
+                    [memoryview(head)[sent:], body]
+                    if sent < len(head)
+                    else [body[sent - len(head) :]]
+                )
+                self._poll.modify(ch.sock.fileno(), _IN | _OUT)
+            self.frames_out += 1
+        if self.stamps:
+            self.sent_ns = time.perf_counter_ns()
+        try:
+            self._done = table.submit(step, layer, dtype, tuple(shape), payload)
+        except (StepError, FrameError) as exc:
+            raise self._fail(str(exc)) from None
+
+    def collect(self) -> np.ndarray:
+        """Wait for the sum of the step `send` started (see the class); StepError naming the peer
+        if it fails."""
+        return self._sum_into(self.collect_parts())
+
+    def collect_parts(self) -> Complete:
+        """Wait for every peer's partial of the step `send` started: the raw payloads in rank order
+        (this node's is the one it sent), views valid until the next `send`, for the caller to sum
+        (node/collective/envoy.py sums them in MLX, inside the step's graph)."""
+        assert self._pending is not None, "collect without send"
+        step, layer, limit_s = self._pending
+        deadline = self._sent_at + limit_s
+        for ch in list(self._channels.values()):
+            if self._done is None:
+                self._read(ch)
+        if self._done is None and len(self._channels) == 1:
+            spin = self._spin.budget_s()
+            if spin:  # idle cores: poll the socket a while rather than sleep (envoy/spin.py)
+                ch = next(iter(self._channels.values()))
+                end = time.perf_counter() + spin
+                while self._done is None and self._channels.get(ch.rank) is ch:
+                    self._read(ch)
+                    if time.perf_counter() > end:
+                        break
+        while self._done is None or self._unsent():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._fail(self._stalled(step, layer, limit_s))
+            events = self._poll.poll(max(int(left * 1000) + 1, 1))
+            for fd, ev in events:
+                ch = self._by_fd.get(fd)
+                if ch is not None:
+                    if ev & _OUT and ch.out:
+                        self._write(ch)
+                    if self._channels.get(ch.rank) is ch and ev & (_IN | _GONE):
+                        self._read(ch)
+                elif fd == self._wake_r:
+                    self._woken()
+                elif fd == self._link_fd:
+                    self._from_link()
+        done, self._done, self._pending = self._done, None, None
+        if self.stamps:
+            self.complete_ns = time.perf_counter_ns()
+        # the buffers go back to the pool now: nothing reads into them before the next send
+        for r in range(self.world_size):
+            buf = self._loans.pop((self.table.current, done.step, r), None)
+            if buf is not None:
+                self._free.append(buf)
+        return done
+
+    def _unsent(self) -> bool:
+        for ch in self._channels.values():
+            if ch.out:
+                return True
+        return False
+
+    def _sum_into(self, done: Complete) -> np.ndarray:
+        n = done.nbytes // DTYPES[done.dtype].itemsize
+        if self._sum is None or self._sum.size < n:
+            # 64 bytes into the allocation: a large buffer from numpy starts 16 bytes into a page,
+            # where MLX's copy out of it ran 10x slower (4K aliasing; docs/envoy.md)
+            self._sum = np.empty(n + 16, np.float32)[16:]
+        out = self._sum[:n]
+        if done.dtype == "float32":
+            return self._reduce(done.parts, "float32", out)
+        return self._reduce.sum_float32(done.parts, done.dtype, out)
+
+    # -- inside --------------------------------------------------------------------------------
+
+    def _read(self, ch: _Channel) -> None:
+        """Everything `ch`'s socket has now, its frames handed to the step table."""
+        while self._channels.get(ch.rank) is ch:
+            try:
+                if ch.body is not None:
+                    k = ch.sock.recv_into(memoryview(ch.body)[ch.got :])
+                else:
+                    k = ch.sock.recv_into(memoryview(ch.stage)[ch.have :])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                self._gone(ch, f"data channel failed ({exc})")
+                return
+            if k == 0:
+                self._gone(ch, "data channel closed")
+                return
+            if ch.body is not None:
+                ch.got += k
+                if ch.got == len(ch.body):
+                    body, ch.body = ch.body, None
+                    self._frame(ch, body, len(body))
+            else:
+                ch.have += k
+                self._parse(ch)
+            if self._done is not None and self._pending is not None:
+                return  # what else is there waits for the next step
+
+    def _parse(self, ch: _Channel) -> None:
+        """Frames out of `ch.stage`; a frame larger than what is left continues into its own buffer."""
+        stage, at = ch.stage, 0
+        try:
+            while ch.have - at >= data.HEADER.size:
+                expect = self._expect.get(ch.rank)
+                if expect is not None and stage.startswith(expect, at):
+                    size = data.HEADER.size + data.HEADER.unpack_from(stage, at)[0]
+                    if ch.have - at >= size:
+                        buf = self._buffer(size)
+                        buf[:size] = np.frombuffer(stage, np.uint8, size, at)
+                        at += size
+                        self._expected(ch, buf, len(expect), size)
+                        continue
+                size = data.frame_size(stage, at)
+                if ch.have - at >= size:
+                    buf = self._buffer(size)
+                    buf[:size] = np.frombuffer(stage, np.uint8, size, at)
+                    at += size
+                    self._frame(ch, buf, size)
+                    if self._channels.get(ch.rank) is not ch:
+                        return
+                else:
+                    buf = self._buffer(size)
+                    part = ch.have - at
+                    buf[:part] = np.frombuffer(stage, np.uint8, part, at)
+                    ch.body, ch.got = buf[:size], part
+                    at = ch.have
+                    break
+        except FrameError as exc:
+            self._gone(ch, str(exc))
+            return
+        rest = ch.have - at
+        if rest and at:
+            stage[:rest] = stage[at : ch.have]
+        ch.have = rest
+
+    def _buffer(self, size: int) -> np.ndarray:
+        for i, buf in enumerate(self._free):
+            if size <= buf.size <= 4 * size + 4096:
+                return self._free.pop(i)
+        return np.empty(max(size, 4096), np.uint8)
+
+    def _expected(self, ch: _Channel, buf: np.ndarray, start: int, size: int) -> None:
+        """`ch`'s frame for the pending step, its header as `send` expected (no parsing)."""
+        self.frames_in += 1
+        del self._expect[ch.rank]
+        p = self.table.pending
+        if self.stamps:
+            self._stamp(p.request_id, p.step, ch.rank)
+        part = buf[start:size].view(DTYPES[p.dtype])
+        self._loans[(p.request_id, p.step, ch.rank)] = buf
+        done = self.table.take(ch.rank, part)
+        if done is not None:
+            self._done = done
+
+    def _frame(self, ch: _Channel, buf: np.ndarray, size: int) -> None:
+        expect = self._expect.get(ch.rank)
+        if expect is not None and buf[: len(expect)].tobytes() == expect:
+            self._expected(ch, buf, len(expect), size)
+            return
+        self.frames_in += 1
+        try:
+            frame, _ = data.decode(memoryview(buf)[:size].toreadonly(), 0)
+            if frame.rank != ch.rank:
+                raise FrameError(f"{self.describe(ch.rank)} sent a frame as rank {frame.rank}")
+        except FrameError as exc:
+            self._gone(ch, str(exc))
+            return
+        if self.stamps:
+            self._stamp(frame.request_id, frame.step, frame.rank)
+        dropped = self.table.dropped
+        try:
+            done = self.table.receive(frame)
+        except (StepError, FrameError) as exc:
+            self._free.append(buf)
+            if self._pending is not None:
+                raise self._fail(str(exc)) from None
+            self.table.fail(str(exc))
+            return
+        if self.table.dropped != dropped:
+            self._free.append(buf)
+            return
+        self._loans[(frame.request_id, frame.step, frame.rank)] = buf
+        if done is not None:
+            self._done = done
+
+    def _stamp(self, request_id: str, step: int, rank: int) -> None:
+        if len(self._arrived) > 256:  # frames of steps that never finished here
+            self._arrived.clear()
+        self._arrived[(request_id, step, rank)] = time.perf_counter_ns()
+
+    def arrivals(self, step: int) -> list[int]:
+        """When each rank's frame of `step` (of the current request) was read here (0: not stamped)."""
+        rid = self.table.current
+        return [self._arrived.pop((rid, step, r), 0) for r in range(self.world_size)]
+
+    def _write(self, ch: _Channel) -> None:
+        try:
+            sent = ch.sock.sendmsg(ch.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._gone(ch, f"data channel failed ({exc})")
+            return
+        while sent and ch.out:
+            first = ch.out[0]
+            if sent >= first.nbytes:
+                sent -= first.nbytes
+                ch.out.pop(0)
+            else:
+                ch.out[0] = first[sent:]
+                sent = 0
+        if not ch.out:
+            self._poll.modify(ch.sock.fileno(), _IN)
+
+    def _gone(self, ch: _Channel, why: str) -> None:
+        """`ch` closed or broke: drop it, and have the envoy redial the peer; the step fails if it
+        still needed the peer (its frame, or the rest of ours to it)."""
+        needed = self._needs(ch)
+        self._drop(ch, why)
+        if needed:
+            raise self._fail(self._disconnected(ch.rank, why))
+
+    def peer_lost(self, rank: int, why: str) -> None:
+        """The envoy saw the peer go (`LOST`): close its socket; the step fails if it needed it."""
+        ch = self._channels.get(rank)
+        needed = ch is not None and self._needs(ch)
+        self.lost(rank, why)
+        if needed:
+            raise self._fail(self._disconnected(rank, why))
+
+    def _needs(self, ch: _Channel) -> bool:
+        """Whether the step being collected still waits on `ch`'s peer."""
+        if self._pending is None:
+            return False
+        if ch.out:
+            return True
+        p = self.table.pending
+        return self._done is None and p is not None and p.parts[ch.rank] is None
+
+    def _disconnected(self, rank: int, why: str) -> str:
+        step, layer, _ = self._pending or (self.table.next_step, -1, 0.0)
+        return (
+            f"{self.describe(rank)} disconnected ({why}) during step {step} (layer {layer}) "
+            f"of request {self.table.current}"
+        )
+
+    def _stalled(self, step: int, layer: int, limit_s: float) -> str:
+        p = self.table.pending
+        waiting = [r for r in (p.missing() if p is not None else [])]
+        if waiting:
+            names = ", ".join(self.describe(r) for r in waiting)
+            return (
+                f"no frame from {names} for step {step} (layer {layer}) of request "
+                f"{self.table.current} within {limit_s:g} s: stalled or unreachable"
+            )
+        names = ", ".join(self.describe(ch.rank) for ch in self._channels.values() if ch.out)
+        return (
+            f"{names} took no frame for step {step} (layer {layer}) of request "
+            f"{self.table.current} within {limit_s:g} s: stalled or unreachable"
+        )
+
+    def _woken(self) -> None:
+        try:
+            while os.read(self._wake_r, 64):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        if self._aborted is not None and self._aborted == self.table.current:
+            raise self._fail(f"request {self.table.current} aborted: it failed on another node")
+
+    def _from_link(self) -> None:
+        for kind, body in self._messages():
+            self._on_message(kind, body)
+
+    def _fail(self, message: str) -> StepError:
+        """The step fails with `message` (as the envoy's would, its rank first); later steps of the
+        request fail at once. A frame left half-written is finished or its channel dropped."""
+        message = f"envoy rank {self.rank}: {message}"
+        self.table.fail(message)
+        self._pending = self._done = None
+        for ch in [ch for ch in self._channels.values() if ch.out]:
+            self._flush(ch)
+        return StepError(message)
+
+    def _flush(self, ch: _Channel) -> None:
+        end = time.monotonic() + _FLUSH_S
+        while ch.out and self._channels.get(ch.rank) is ch and time.monotonic() < end:
+            select.select([], [ch.sock], [], max(end - time.monotonic(), 0))
+            try:
+                self._write(ch)
+            except StepError:
+                return
+        if ch.out and self._channels.get(ch.rank) is ch:
+            ch.out = []
+            self._drop(ch, "a frame to it was cut off by a failed step")
+
+    def close(self) -> None:
+        for rank in list(self._channels):
+            self.lost(rank, "node closing")
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
