@@ -7,7 +7,9 @@
 # In the background (device calls last 10 minutes at most; this outlives them):
 #   setsid bash scripts/gpu/envoy_run.sh /tmp/envoy > /tmp/envoy.log 2>&1 < /dev/null &
 # Env: PYTHONPATH=/tmp/site (scripts/gpu/setup.sh); MODELS (default "dbrx:4 qwen3-30b-a3b:12",
-# NAME:LAYERS, or the path of a checkpoint already built, used as it is and kept), ROUNDS (2), MAX_TOKENS (32), NCCL=0 skips the NCCL reference, ALLREDUCE=0 the trace.
+# NAME:LAYERS, or the path of a checkpoint already built, used as it is and kept), ROUNDS (2), MAX_TOKENS (32), NCCL=0 skips the NCCL reference, ALLREDUCE=0 the trace,
+# OWN=0 the envoy's own path (MOE_CLUSTER_ENVOY_DIRECT=0: the envoy reduces, as before the node
+# read its frames itself).
 set -u
 OUT=${1:-/tmp/envoy}
 mkdir -p "$OUT"
@@ -58,6 +60,8 @@ for c in b["clusters"]:
 EOF
   }
   decode envoy-ring envoy,mlx MOE_CLUSTER_MLX_BACKEND=ring
+  # the envoy's own path (it reduces; the node hands it the partial), beside the default
+  [ "${OWN:-1}" != 0 ] && decode envoy-own envoy MOE_CLUSTER_ENVOY_DIRECT=0
   [ "${NCCL:-1}" != 0 ] && decode nccl mlx
   [ "$path" != "$spec" ] && rm -rf "$path"  # room for the next model
 done
