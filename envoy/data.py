@@ -50,20 +50,36 @@ def encode(frame: Frame) -> bytes:
 def encode_parts(frame: Frame) -> tuple[bytes, memoryview]:
     """One frame as it goes on the data channel, in two pieces: everything before the payload,
     and the payload itself (a view of the frame's, not copied)."""
-    rid = frame.request_id.encode()
     payload = memoryview(frame.payload).cast("B")
-    shape = struct.pack(f"<{len(frame.shape)}I", *frame.shape)
-    body = len(rid) + len(shape) + payload.nbytes
-    header = HEADER.pack(
-        body,
+    head = frame_head(
+        frame.request_id.encode(),
         frame.step,
         frame.layer,
         frame.rank,
-        DTYPE_CODES[frame.dtype],
-        len(frame.shape),
-        len(rid),
+        frame.dtype,
+        frame.shape,
+        payload.nbytes,
     )
-    return header + rid + shape, payload
+    return head, payload
+
+
+def frame_head(
+    rid: bytes, step: int, layer: int, rank: int, dtype: str, shape: tuple, nbytes: int
+) -> bytes:
+    """Everything of a frame before its payload of `nbytes` bytes (`rid`: the request id, UTF-8)."""
+    dims = struct.pack(f"<{len(shape)}I", *shape)
+    body = len(rid) + len(dims) + nbytes
+    header = HEADER.pack(body, step, layer, rank, DTYPE_CODES[dtype], len(shape), len(rid))
+    return header + rid + dims
+
+
+_RANK_AT = struct.calcsize("<IQi")  # the rank's offset in HEADER
+_RANK = struct.Struct("<H")
+
+
+def head_as(head: bytes, rank: int) -> bytes:
+    """`frame_head`'s bytes with another sender's rank: how that rank's frame of the same step starts."""
+    return head[:_RANK_AT] + _RANK.pack(rank) + head[_RANK_AT + _RANK.size :]
 
 
 def _header(buf, start: int) -> tuple | None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import select
 import socket
-import struct
 import time
 from typing import Callable
 
@@ -106,7 +105,6 @@ class PeerExchange:
         self._done: Complete | None = None
         self._sent_at = 0.0
         self._rid = b""  # the current request's id, as frames carry it
-        self._tails: dict[tuple[int, ...], bytes] = {}  # shape -> a header's id and shape bytes
         self._expect: dict[int, bytes] = {}  # rank -> how its frame for the pending step starts
         self.frames_in = self.frames_out = 0  # for tests and benchmarks
         # `bench allreduce --trace` (envoy/trace.py DIRECT_HOPS): perf_counter_ns stamps of the
@@ -160,7 +158,6 @@ class PeerExchange:
     def begin(self, request_id: str) -> None:
         self.table.begin(request_id)
         self._rid = request_id.encode()
-        self._tails.clear()
         self._loans = {k: v for k, v in self._loans.items() if k[0] == request_id}
         self._pending = self._done = None
 
@@ -199,19 +196,10 @@ class PeerExchange:
         payload = raw.reshape(-1)
         body = memoryview(payload).cast("B")
         shape = tuple(shape)
-        tail = self._tails.get(shape)
-        if tail is None:
-            if len(self._tails) > 64:
-                self._tails.clear()
-            tail = self._tails[shape] = self._rid + struct.pack(f"<{len(shape)}I", *shape)
-        fields = (len(tail) + body.nbytes, step, layer)
-        code, ndim, nid = data.DTYPE_CODES[dtype], len(shape), len(self._rid)
-        head = data.HEADER.pack(*fields, self.rank, code, ndim, nid) + tail
-        # what each peer's frame for this step starts with, byte for byte (envoy/data.py's header
-        # with its rank): a frame that does is taken without parsing it (`_expected`)
-        self._expect = {
-            r: data.HEADER.pack(*fields, r, code, ndim, nid) + tail for r in self._channels
-        }
+        head = data.frame_head(self._rid, step, layer, self.rank, dtype, shape, body.nbytes)
+        # what each peer's frame for this step starts with, byte for byte: a frame that does is
+        # taken without parsing it (`_expected`)
+        self._expect = {r: data.head_as(head, r) for r in self._channels}
         self._sent_at = time.monotonic()
         self._pending = (step, layer, limit_s)
         total = len(head) + body.nbytes
@@ -234,7 +222,7 @@ class PeerExchange:
         if self.stamps:
             self.sent_ns = time.perf_counter_ns()
         try:
-            self._done = table.submit(step, layer, dtype, tuple(shape), payload)
+            self._done = table.submit(step, layer, dtype, shape, payload)
         except (StepError, FrameError) as exc:
             raise self._fail(str(exc)) from None
 

@@ -178,10 +178,8 @@ class Mesh:
             return
         if peer.channel is not None:
             peer.channel.send_parts(*data.encode_parts(frame))
-            return
-        if frame.checksum is None:
-            frame = dataclasses.replace(frame, checksum=checksum(frame.payload))
-        peer.send(convert.frame_to_wire(frame))
+        else:
+            peer.send(_on_stream(frame))
 
     def drop(self, rank: int, why: str) -> None:
         """End `rank`'s stream (its node gave up the channel); a dialer redials, as after any loss."""
@@ -198,12 +196,8 @@ class Mesh:
                     on_channel = data.encode_parts(frame)
                 peer.channel.send_parts(*on_channel)
             else:
-                if (
-                    on_stream is None
-                ):  # the stream's frames carry a CRC-32 (the data channel's do not)
-                    if frame.checksum is None:
-                        frame = dataclasses.replace(frame, checksum=checksum(frame.payload))
-                    on_stream = convert.frame_to_wire(frame)
+                if on_stream is None:
+                    on_stream = _on_stream(frame)
                 peer.send(on_stream)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -563,6 +557,13 @@ class Mesh:
             log = logger.warning if loud else logger.info
             log("envoy rank %s: cannot reach %s: %s", self.config.rank, self.describe(rank), reason)
         self.last_error[rank] = reason
+
+
+def _on_stream(frame: Frame) -> bytes:
+    """A frame as the gRPC stream carries it: with a CRC-32, which the data channel's go without."""
+    if frame.checksum is None:
+        frame = dataclasses.replace(frame, checksum=checksum(frame.payload))
+    return convert.frame_to_wire(frame)
 
 
 async def _first(read: Callable[[], Awaitable], lost: asyncio.Future):

@@ -228,12 +228,7 @@ class EnvoyProcess:
         self._cold = cold
         if self.exchange is not None:
             bound = wait_bound(self.spec.timeout_s, cold, self.spec.cold_s)
-            try:
-                self.exchange.send(raw, dtype, shape, layer, step, bound)
-            except StepError as exc:
-                raise CollectiveError(str(exc)) from None
-            except LinkError as exc:
-                raise CollectiveError(f"{self._gone()}: {exc}") from exc
+            self._exchanged(step, lambda: self.exchange.send(raw, dtype, shape, layer, step, bound))
             return step
         try:
             self.link.reduce(raw, dtype, shape, layer, step, cold)
@@ -267,9 +262,10 @@ class EnvoyProcess:
         payload of step `step`, in rank order, views valid until the next `send`."""
         return self._exchanged(step, self.exchange.collect_parts).parts
 
-    def _exchanged(self, step: int, collect: Callable):
+    def _exchanged(self, step: int, call: Callable):
+        """`call()` on the exchange, its failures as the Collective's (the step's, or the envoy's)."""
         try:
-            return collect()
+            return call()
         except StepError as exc:
             raise CollectiveError(str(exc)) from None
         except LinkError as exc:
