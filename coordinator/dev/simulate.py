@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 import queue
 import sys
 import time
@@ -25,7 +24,9 @@ from ...proto.errors import ErrorKind, MoeClusterError, UserError, error_for
 from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.records import COLD_STEP_S, Sampling
 from ...proto.placement import Placement
-from ...node.sim import TICK, SimJob, SimTask, run as sim_run
+from ...node.sim import TICK, SimJob, SimTask
+
+SIM_RUN = f"{SimJob.__module__}:run"  # a node process's entry point (node/prefork.py)
 
 # Bytes one all-reduce may carry: a prefill chunk of this many tokens of float32 hidden states.
 _MAX_TOKENS_PER_CALL = 2048
@@ -97,9 +98,10 @@ def run_nodes(
     """
     if nodes < 1:
         raise UserError(f"--nodes must be at least 1 (got {nodes})")
-    ctx = mp.get_context("spawn")
+    from ...node import prefork
     from ...node.describe import describe
 
+    ctx = prefork.context()
     slot = _MAX_TOKENS_PER_CALL * max(describe(Checkpoint.open(t.model)).hidden for t in tasks) * 4
     spec, cleanup = _transport_spec(transport, nodes, slot, ctx, timeout_s, gpus)
     results = ctx.Queue()
@@ -107,17 +109,22 @@ def run_nodes(
     try:
         for rank in range(nodes):
             job = SimJob(rank, nodes, spec, tuple(tasks))
-            p = ctx.Process(
-                target=sim_run, args=(job, results), name=f"moe-node-{rank}", daemon=True
-            )
-            with _visible_gpu(rank if gpus else None):
-                p.start()
-            procs.append(p)
+            procs.append(start_node(ctx, rank, (job, results), rank if gpus else None))
         reports = collect(results, procs, nodes * len(tasks), _phase_s(timeout_s))
         return [[reports[(t, r)] for r in range(nodes)] for t in range(len(tasks))]
     finally:
         stop_processes(procs)
         cleanup()
+
+
+def start_node(ctx, rank: int, args: tuple, gpu: int | None, target: str = SIM_RUN):
+    """Start node `rank`'s process, `target(*args)`, seeing only GPU `gpu` where not None."""
+    from ...node import prefork
+
+    with _visible_gpu(gpu):  # the environment the process takes (node/prefork.py)
+        p = prefork.process(ctx, target, args, name=f"moe-node-{rank}", daemon=True)
+        p.start()
+    return p
 
 
 def collect(results, procs, expected: int, phase_s: float) -> dict[tuple[int, int], dict]:
