@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import time
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -633,6 +634,17 @@ def _default_ip() -> str:
         s.close()
 
 
+def _preimport() -> None:
+    """Import mlx-lm's heavy non-MLX dependencies (node/preimport.py: transformers, ~1.5 s of CPU
+    on 2 vCPUs) while the agent waits for its first load, not after the load came: the load's own
+    import then finds them there, or waits for this one to finish (Python's import locks). Not MLX:
+    MLX started on a thread other than the one that runs the model aborts the process at exit."""
+    try:
+        from . import preimport  # noqa: F401
+    except Exception:  # noqa: BLE001 - the load imports them again and names the error
+        logger.debug("importing mlx-lm's dependencies ahead of a load failed", exc_info=True)
+
+
 def main(args) -> int:
     """`moe-cluster node` entry point."""
     import sys
@@ -669,6 +681,7 @@ def main(args) -> int:
         cache_dir=args.cache_dir or "",
     )
     agent = NodeAgent(config)
+    threading.Thread(target=_preimport, name="preimport", daemon=True).start()
 
     def ready(port: int) -> None:
         # one machine-readable line for whoever launched us

@@ -12,7 +12,8 @@ For each (nodes, tokens) case, in one run on this machine, over loopback:
   hop, no reduction, no checksum. The least the envoy's gRPC hop alone can cost;
 - mlx_ring: N processes running `mx.distributed.all_sum` on the ring backend;
 - mlx_nccl: the same over NCCL, rank r on CUDA GPU r and its payload there (a host with N GPUs).
-Latencies are per call, pooled over ranks, after a warm-up.
+Latencies are per call, pooled over ranks, after a warm-up; `--rounds R` runs every path R times
+in turn and pools those too.
 
 `--trace` adds one more envoy run per case with every hop of every all-reduce stamped on one
 clock across the processes (envoy/trace.py), and prints the p50 of each hop.
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from ...proto.errors import UserError
 
@@ -73,6 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=sorted(_ITEMSIZE), default="bfloat16")
     p.add_argument("--iters", type=int, default=1000, help="timed all-reduces per case and path")
     p.add_argument("--warmup", type=int, default=100)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every path this many times in turn, fresh processes each time, and pool their "
+        "samples (a machine whose speed drifts over the run then weighs on every path alike)",
+    )
     p.add_argument(
         "--paths",
         default=",".join(DEFAULT_PATHS),
@@ -573,68 +582,94 @@ def _percentiles(samples: list[float]) -> tuple[float, float]:
     return round(float(p50), 1), round(float(p99), 1)
 
 
-def run_case(case: Case, paths: list[str], timeout_s: float, traced: bool = False) -> dict:
-    import secrets
-
-    from ...node.collective.specs import EnvoySpec, MlxSpec
-    from ...common.ports import free_ports
-
+def run_case(
+    case: Case, paths: list[str], timeout_s: float, traced: bool = False, rounds: int = 1
+) -> dict:
     row: dict = {
         "nodes": case.nodes,
         "tokens": case.tokens,
         "hidden": case.hidden,
         "dtype": case.dtype,
         "iters": case.iters,
+        "rounds": rounds,
     }
-    if "envoy" in paths:
-        spec = EnvoySpec(
-            tuple(f"127.0.0.1:{p}" for p in free_ports(case.nodes)),
-            secret=secrets.token_hex(16),
-            max_bytes=max(2 * case.nbytes, 1 << 16),
-        )  # room to widen, as a node's 64 MiB link has
-        row["envoy_p50_us"], row["envoy_p99_us"] = _percentiles(
-            _run_workers(_envoy_worker, lambda r: (spec, r), case, timeout_s)
-        )
-    if "direct" in paths:
-        ports = free_ports(case.nodes)
-        row["direct_p50_us"], row["direct_p99_us"] = _percentiles(
-            _run_workers(_direct_worker, lambda r: (ports, r), case, timeout_s)
-        )
-    if "floor" in paths:
-        ports = free_ports(case.nodes)
-        row["floor_p50_us"], row["floor_p99_us"] = _percentiles(
-            _run_workers(_floor_worker, lambda r: (ports, r), case, timeout_s)
-        )
-    if "relay" in paths:
-        ports = free_ports(case.nodes)
-        with tempfile.TemporaryDirectory(prefix="moe-relay-") as folder:
-            row["relay_p50_us"], row["relay_p99_us"] = _percentiles(
-                _run_workers(
-                    _relay_worker,
-                    lambda i: (ports, folder, i),
-                    case,
-                    timeout_s,
-                    processes=2 * case.nodes,
-                )
-            )
-    if "grpc" in paths:
-        addresses = [f"127.0.0.1:{p}" for p in free_ports(case.nodes)]
-        row["grpc_p50_us"], row["grpc_p99_us"] = _percentiles(
-            _run_workers(_grpc_worker, lambda r: (addresses, r), case, timeout_s)
-        )
-    for backend in ("ring", "nccl"):
-        if f"mlx_{backend}" not in paths:
-            continue
-        spec = MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(case.nodes)), backend)
-        row[f"mlx_{backend}_p50_us"], row[f"mlx_{backend}_p99_us"] = _percentiles(
-            _run_workers(_mlx_worker, lambda r: (spec, r), case, timeout_s)
-        )
+    samplers = _samplers(case, timeout_s)
+    chosen = [p for p in PATHS if p in paths]
+    pooled: dict[str, list[float]] = {p: [] for p in chosen}
+    for r in range(rounds):
+        # every round runs each path once, so a drift of the machine's speed over the run (other
+        # load, clocks) falls on every path alike: their samples are pooled over the rounds
+        for path in chosen:
+            got = samplers[path]()
+            pooled[path].extend(got)
+            if rounds > 1:
+                row.setdefault(f"{path}_p50_by_round_us", []).append(_percentiles(got)[0])
+    for path, samples in pooled.items():
+        row[f"{path}_p50_us"], row[f"{path}_p99_us"] = _percentiles(samples)
     if traced:
         row["trace"] = _trace(case, timeout_s)
     for path in ("envoy", "direct", "relay", "grpc"):
         if row.get("floor_p50_us") and row.get(f"{path}_p50_us"):
             row[f"{path}_over_floor"] = round(row[f"{path}_p50_us"] / row["floor_p50_us"], 2)
+    if row.get("envoy_p50_us") and row.get("mlx_ring_p50_us"):
+        row["envoy_over_ring"] = round(row["envoy_p50_us"] / row["mlx_ring_p50_us"], 2)
     return row
+
+
+def _samplers(case: Case, timeout_s: float) -> dict:
+    """Per path, a call that runs it once (fresh processes, ports and secret) and returns its
+    latencies in seconds, pooled over ranks."""
+    import secrets
+
+    from ...common.ports import free_ports
+    from ...node.collective.specs import EnvoySpec, MlxSpec
+
+    def envoy() -> list[float]:
+        spec = EnvoySpec(
+            tuple(f"127.0.0.1:{p}" for p in free_ports(case.nodes)),
+            secret=secrets.token_hex(16),
+            max_bytes=max(2 * case.nbytes, 1 << 16),
+        )  # room to widen, as a node's 64 MiB link has
+        return _run_workers(_envoy_worker, lambda r: (spec, r), case, timeout_s)
+
+    def sockets(worker) -> Callable[[], list[float]]:
+        def run() -> list[float]:
+            ports = free_ports(case.nodes)
+            return _run_workers(worker, lambda r: (ports, r), case, timeout_s)
+
+        return run
+
+    def relay() -> list[float]:
+        ports = free_ports(case.nodes)
+        with tempfile.TemporaryDirectory(prefix="moe-relay-") as folder:
+            return _run_workers(
+                _relay_worker,
+                lambda i: (ports, folder, i),
+                case,
+                timeout_s,
+                processes=2 * case.nodes,
+            )
+
+    def grpc() -> list[float]:
+        addresses = [f"127.0.0.1:{p}" for p in free_ports(case.nodes)]
+        return _run_workers(_grpc_worker, lambda r: (addresses, r), case, timeout_s)
+
+    def mlx(backend: str) -> Callable[[], list[float]]:
+        def run() -> list[float]:
+            spec = MlxSpec(tuple((f"127.0.0.1:{p}",) for p in free_ports(case.nodes)), backend)
+            return _run_workers(_mlx_worker, lambda r: (spec, r), case, timeout_s)
+
+        return run
+
+    return {
+        "envoy": envoy,
+        "direct": sockets(_direct_worker),
+        "floor": sockets(_floor_worker),
+        "relay": relay,
+        "grpc": grpc,
+        "mlx_ring": mlx("ring"),
+        "mlx_nccl": mlx("nccl"),
+    }
 
 
 def _trace(case: Case, timeout_s: float) -> dict:
@@ -683,8 +718,11 @@ def main(args: argparse.Namespace) -> int:
                 "--paths mlx_nccl needs MLX's CUDA build with its NCCL backend and a GPU per node "
                 "(not here)"
             )
-    if args.iters < 1 or args.warmup < 0:
-        raise UserError(f"--iters must be >= 1 and --warmup >= 0 (got {args.iters}, {args.warmup})")
+    if args.iters < 1 or args.warmup < 0 or args.rounds < 1:
+        raise UserError(
+            f"--iters and --rounds must be >= 1 and --warmup >= 0 (got {args.iters}, "
+            f"{args.rounds}, {args.warmup})"
+        )
     if min(args.nodes) < 2:
         raise UserError(f"--nodes: an all-reduce needs at least 2 nodes (got {args.nodes})")
     cases = [
@@ -694,7 +732,7 @@ def main(args: argparse.Namespace) -> int:
     ]
     rows = []
     for case in cases:
-        rows.append(run_case(case, paths, args.timeout, traced=args.trace))
+        rows.append(run_case(case, paths, args.timeout, traced=args.trace, rounds=args.rounds))
         if not args.json:
             _print_row(rows[-1], header=len(rows) == 1)
             if args.trace:
@@ -728,6 +766,7 @@ def _print_row(row: dict, header: bool) -> None:
         ("mlx_ring_p50_us", "mlx ring p50"),
         ("mlx_nccl_p50_us", "mlx nccl p50"),
         ("envoy_over_floor", "envoy/floor"),
+        ("envoy_over_ring", "envoy/ring"),
     ]
     if header:
         print("  ".join(f"{title:>12}" for _, title in cols) + "   (microseconds)")

@@ -128,12 +128,20 @@ class Launcher:
 
     async def start(self, node: LocalNode) -> None:
         """Start one agent and wait for its ready line."""
+        await self.spawn(node)
+        await self.ready(node)
+
+    async def spawn(self, node: LocalNode) -> None:
+        """Start one agent's process (`ready` waits for it to serve)."""
         self.nodes[node.name] = node
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ, **{SECRET_ENV: self.secret, "PYTHONUNBUFFERED": "1"})
         if node.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(node.gpu)
         node.process = await self._spawn(self._command(node), env, node.log_path)
+
+    async def ready(self, node: LocalNode) -> None:
+        """Wait for `spawn`'s agent to print its ready line; ClusterError if it exits or is late."""
         try:
             line = await asyncio.wait_for(self._ready_line(node), self.start_timeout_s)
         except asyncio.TimeoutError:

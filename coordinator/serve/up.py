@@ -204,12 +204,13 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
     secret, api_key = read_credentials(c)  # the same checks as `validate`
     if not secret:
         secret = secrets.token_urlsafe(24)  # local nodes get it from us
-    tokenizer = load_tokenizer(ckpt.path)
-    # the checkpoint's config and headers, read once: placement, shipping, the API's vocabulary
-    # and the load check all take this description
-    desc = describe(ckpt)
-    fp = footprint(desc)
-    vocab = desc.vocab  # prompt ids at or past it are refused at the API
+
+    def prepare():
+        # the tokenizer, and the checkpoint's config and headers, read once: placement, shipping,
+        # the API's vocabulary and the load check all take this description. Both import mlx-lm
+        # (and transformers: seconds), so local nodes start meanwhile (below)
+        return load_tokenizer(ckpt.path), describe(ckpt)
+
     routing = (
         _read_profile(c.placement.profile, Path(c.source).parent) if c.placement.profile else None
     )
@@ -233,8 +234,6 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
     runner = None
     ship = None
     try:
-        if c.checkpoint == "coordinator":
-            ship = await _start_ship(c, desc, secret)
         if c.launch == "local":
             ports = free_ports(2 * len(c.nodes))
             launcher = Launcher(
@@ -242,7 +241,11 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
                 log_dir,
                 c.name,
                 tls=tls_files(c),
-                cache_root=state_file().parent / "cache" / c.name if ship else None,
+                cache_root=(
+                    state_file().parent / "cache" / c.name
+                    if c.checkpoint == "coordinator"
+                    else None
+                ),
             )
             local = [
                 LocalNode(
@@ -255,7 +258,17 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            await asyncio.gather(*(launcher.start(n) for n in local))
+            # they boot while this reads the checkpoint, on this thread: MLX started on another
+            # aborts the process at exit
+            for n in local:
+                await launcher.spawn(n)
+        tokenizer, desc = prepare()
+        fp = footprint(desc)
+        vocab = desc.vocab  # prompt ids at or past it are refused at the API
+        if c.checkpoint == "coordinator":
+            ship = await _start_ship(c, desc, secret)
+        if launcher is not None:
+            await asyncio.gather(*(launcher.ready(n) for n in local))
             found = [(n.name, f"127.0.0.1:{n.port}", "127.0.0.1") for n in local]
             envoy_ports = [n.envoy_port or ports[2 * i + 1] for i, n in enumerate(c.nodes)]
         else:

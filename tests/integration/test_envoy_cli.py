@@ -141,6 +141,34 @@ def test_bench_allreduce_reports_every_path():
         assert c["grpc_over_floor"] == round(c["grpc_p50_us"] / c["floor_p50_us"], 2)
 
 
+def test_bench_allreduce_rounds_alternate_the_paths_and_pool_their_samples():
+    r = subprocess.run(
+        [*CLI, "bench", "allreduce", "--nodes", "2", "--hidden", "256", "--iters", "20"]
+        + ["--warmup", "5", "--paths", "mlx_ring,envoy", "--rounds", "2", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    (c,) = json.loads(r.stdout)["cases"]
+    assert c["rounds"] == 2
+    for path in ("envoy", "mlx_ring"):
+        by_round = c[f"{path}_p50_by_round_us"]
+        assert len(by_round) == 2 and min(by_round) > 0, c
+        # the pooled median lies between the rounds' own (equal-sized samples)
+        assert min(by_round) - 0.1 <= c[f"{path}_p50_us"] <= max(by_round) + 0.1, c
+    assert c["envoy_over_ring"] == round(c["envoy_p50_us"] / c["mlx_ring_p50_us"], 2)
+    assert "floor_p50_us" not in c  # only the paths asked for
+
+
+def test_bench_allreduce_refuses_zero_rounds_in_one_line():
+    r = subprocess.run(
+        [*CLI, "bench", "allreduce", "--rounds", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 2 and "--rounds" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 @pytest.mark.parametrize("direct", [True, False])
 def test_bench_allreduce_trace_stamps_every_hop_on_one_clock(direct):
     """Where each node reads its frames itself (the default), its own hops; where its envoy does
