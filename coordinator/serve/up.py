@@ -253,16 +253,17 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
                 )
                 for i, n in enumerate(c.nodes)
             ]
-            print(
-                f"starting {len(local)} nodes on this machine (logs in {log_dir})",
-                file=sys.stderr,
-                flush=True,
-            )
             # they boot while this reads the checkpoint, on this thread: MLX started on another
             # aborts the process at exit
             for n in local:
                 await launcher.spawn(n)
         tokenizer, desc = prepare()
+        if launcher is not None:  # said once the checkpoint is good: a bad one is the only line
+            print(
+                f"starting {len(local)} nodes on this machine (logs in {log_dir})",
+                file=sys.stderr,
+                flush=True,
+            )
         fp = footprint(desc)
         vocab = desc.vocab  # prompt ids at or past it are refused at the API
         if c.checkpoint == "coordinator":
