@@ -1,8 +1,8 @@
 """What the fork server of node/prefork.py imports once, for every node process it forks: the
 non-MLX part of mlx-lm's imports. mlx_lm.utils imports transformers for its tokenizer, and
-transformers' import scans its model folders (~1.5 s of a node process's ~2 s start on 2 vCPUs),
-though a node process never loads a tokenizer. MLX itself must not be imported here (see
-node/prefork.py); tests/unit/test_prefork.py checks that it is not."""
+transformers' import scans its model folders (~1.5 s of a node process's ~2 s start on 2 vCPUs).
+MLX itself must not be imported here (see node/prefork.py); tests/integration/test_prefork.py
+checks that it is not."""
 
 import os
 

@@ -24,6 +24,7 @@ from ...proto.errors import ErrorKind, MoeClusterError, UserError, error_for
 from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.records import COLD_STEP_S, Sampling
 from ...proto.placement import Placement
+from ...node import prefork
 from ...node.sim import TICK, SimJob, SimTask
 
 SIM_RUN = f"{SimJob.__module__}:run"  # a node process's entry point (node/prefork.py)
@@ -98,7 +99,6 @@ def run_nodes(
     """
     if nodes < 1:
         raise UserError(f"--nodes must be at least 1 (got {nodes})")
-    from ...node import prefork
     from ...node.describe import describe
 
     ctx = prefork.context()
@@ -119,8 +119,6 @@ def run_nodes(
 
 def start_node(ctx, rank: int, args: tuple, gpu: int | None, target: str = SIM_RUN):
     """Start node `rank`'s process, `target(*args)`, seeing only GPU `gpu` where not None."""
-    from ...node import prefork
-
     with _visible_gpu(gpu):  # the environment the process takes (node/prefork.py)
         p = prefork.process(ctx, target, args, name=f"moe-node-{rank}", daemon=True)
         p.start()

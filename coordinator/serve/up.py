@@ -205,12 +205,6 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
     if not secret:
         secret = secrets.token_urlsafe(24)  # local nodes get it from us
 
-    def prepare():
-        # the tokenizer, and the checkpoint's config and headers, read once: placement, shipping,
-        # the API's vocabulary and the load check all take this description. Both import mlx-lm
-        # (and transformers: seconds), so local nodes start meanwhile (below)
-        return load_tokenizer(ckpt.path), describe(ckpt)
-
     routing = (
         _read_profile(c.placement.profile, Path(c.source).parent) if c.placement.profile else None
     )
@@ -257,7 +251,11 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
             # aborts the process at exit
             for n in local:
                 await launcher.spawn(n)
-        tokenizer, desc = prepare()
+        # the tokenizer, and the checkpoint's config and headers, read once: placement, shipping,
+        # the API's vocabulary and the load check all take this description. Both import mlx-lm
+        # (and transformers: seconds), which is why local nodes were started first
+        tokenizer = load_tokenizer(ckpt.path)
+        desc = describe(ckpt)
         if launcher is not None:  # said once the checkpoint is good: a bad one is the only line
             print(
                 f"starting {len(local)} nodes on this machine (logs in {log_dir})",
