@@ -9,11 +9,12 @@ import os
 import sys
 import traceback
 
-from ..common import GRPC_EXPERIMENTS
+from ..common import GRPC_EXPERIMENTS, importcache
 
 os.environ.setdefault(
     "GRPC_EXPERIMENTS", GRPC_EXPERIMENTS
 )  # before anything imports grpc: every process we start inherits it
+importcache.install()  # before anything imports mlx_lm (and so transformers)
 
 from ..proto.errors import ErrorKind, MoeClusterError, UserError  # noqa: E402 - after the grpc setting
 from ..proto.records import DRAFT_LIMIT, KEEPALIVES, SPECULATIVE_MODES  # noqa: E402 - no mlx: cheap commands stay cheap

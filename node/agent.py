@@ -228,6 +228,7 @@ class NodeAgent(npb_grpc.NodeServicer):
         ship_address = _ship_address(spec, context.peer())
 
         def load():
+            _join_preimport()  # transformers imported on two threads at once fails on one of them
             from .runtime import NodeRuntime
             from .moe.load import load_shard, load_unsharded
             from .collective.specs import make_collective
@@ -634,6 +635,16 @@ def _default_ip() -> str:
         s.close()
 
 
+_preimporting: threading.Thread | None = None
+
+
+def _join_preimport() -> None:
+    """Wait for _preimport's thread: transformers' lazy module, imported by a second thread while
+    the first is still inside it, raises ImportError ("cannot import name 'AutoTokenizer'")."""
+    if _preimporting is not None:
+        _preimporting.join()
+
+
 def _preimport() -> None:
     """Import mlx-lm's heavy non-MLX dependencies (node/preimport.py: transformers, ~1.5 s of CPU
     on 2 vCPUs) while the agent waits for its first load, not after the load came: the load's own
@@ -681,7 +692,9 @@ def main(args) -> int:
         cache_dir=args.cache_dir or "",
     )
     agent = NodeAgent(config)
-    threading.Thread(target=_preimport, name="preimport", daemon=True).start()
+    global _preimporting
+    _preimporting = threading.Thread(target=_preimport, name="preimport", daemon=True)
+    _preimporting.start()
 
     def ready(port: int) -> None:
         # one machine-readable line for whoever launched us

@@ -9,6 +9,10 @@ import os
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" per server
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # as mlx_lm's own import sets
 
+from ..common import importcache  # noqa: E402
+
+importcache.install()
+
 import huggingface_hub  # noqa: E402, F401
 import transformers  # noqa: E402, F401
 from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: E402, F401 - mlx_lm's

@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from moe_cluster.common import importcache
+
+importcache.install()  # before any test module imports mlx_lm: see common/importcache.py
+
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # float32 is held to |Δlogit| <= 1e-4 against stock: a GPU must compute it in float32, not in the TF32
 # MLX uses by default on CUDA (and on M5's NAX), 10 bits of mantissa (GPU run 11). Node processes the

@@ -1,0 +1,61 @@
+"""common/importcache.py: transformers' import structure comes from the cache, equal to a fresh
+build, and a broken cache costs only the scan."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+CHILD = """
+import json, sys
+from moe_cluster.common import importcache
+assert importcache.install()
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+import transformers.utils.import_utils as iu
+from pathlib import Path
+import transformers
+models = Path(transformers.__file__).parent / "models"
+fresh = iu.define_import_structure.__wrapped__(models, prefix="models")
+cached = iu.define_import_structure(models, prefix="models")
+print(json.dumps({"stats": importcache.stats, "equal": fresh == cached,
+                  "entries": sum(len(v) for v in cached.values()),
+                  "tokenizer": AutoTokenizer.__name__}))
+"""
+
+
+def _child(cache_home) -> dict:
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache_home), TRANSFORMERS_VERBOSITY="error")
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_the_next_process_loads_what_the_first_built_equal_to_a_fresh_build_and_survives_a_bad_file(
+    tmp_path,
+):
+    first = _child(tmp_path)
+    assert first["stats"]["built"] >= 1 and first["equal"] and first["entries"] > 1000
+    (path,) = (tmp_path / "moe-cluster").glob("transformers-*.pkl")
+    second = _child(tmp_path)
+    # every structure transformers asked for came from the file, and matches what it would build
+    assert second["stats"]["built"] == 0 and second["stats"]["loaded"] >= 2, second
+    assert second["equal"] and second["entries"] == first["entries"]
+    assert second["tokenizer"] == "AutoTokenizer"
+    path.write_bytes(b"not a pickle")  # a torn or foreign file: the scan again, and a good file
+    third = _child(tmp_path)
+    assert third["stats"]["built"] >= 1 and third["equal"]
+    assert _child(tmp_path)["stats"]["built"] == 0
+
+
+def test_install_does_nothing_once_transformers_is_imported(tmp_path):
+    code = (
+        "import transformers\nfrom moe_cluster.common import importcache\n"
+        "print(importcache.install())"
+    )
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), TRANSFORMERS_VERBOSITY="error")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.stdout.strip() == "False", r.stderr[-2000:]
