@@ -64,29 +64,6 @@ def test_every_route_gives_stocks_tokens_quantized(family, route, tmp_path):
     )
 
 
-@pytest.mark.parametrize("family", tiny.families())
-def test_the_whole_sweep_on_the_host_route(family, tmp_path):
-    """The sweep (test_sweep.py) runs each layer's preferred route, the device one where a layer has
-    it; here every family at N = 2 with the routing read on the host, float32 and quantized."""
-    if tiny.needs_metal(family):
-        pytest.skip(
-            f"{family} calls mlx-lm's Metal-only kernels; stock mlx-lm cannot run it on this backend"
-        )
-    for quantize, bound in (
-        (None, sweep.TOLERANCE),
-        (sweep.quant_mode(family), sweep.QUANT_TOLERANCE),
-    ):
-        path = sweep.checkpoint(family, tmp_path, quantize)
-        ref = (
-            _quantized_reference(path)
-            if quantize
-            else tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)
-        )
-        got = sweep.check(path, 2, ref, route="host")
-        assert got["tokens_match"], (family, quantize, got)
-        assert got["max_abs_logit_diff"] <= bound, (family, quantize, got["max_abs_logit_diff"])
-
-
 def test_the_route_is_forced_from_the_environment(tmp_path, monkeypatch, caplog):
     path = sweep.checkpoint("qwen3_moe", tmp_path)
     timed = []

@@ -1,5 +1,6 @@
 """Every MoE family the installed mlx-lm ships, through the cluster's arithmetic at N = 2 and 3:
-stock mlx-lm's greedy tokens, |Δlogit| <= 1e-4 in float32; one quantization mode per family.
+stock mlx-lm's greedy tokens, |Δlogit| <= 1e-4 in float32; one quantization mode per family; each
+layer's preferred decode route, and at N = 2 the host route too (test_routes.py has the others).
 
 The families come from mlx-lm itself (tiny.families()), so a release with a new family is tested
 without a line written here. Families whose stock model cannot run on this backend are skipped
@@ -32,18 +33,20 @@ def test_float32_exact_at_2_and_3_nodes(family, tmp_path):
     _runnable(family)
     path = sweep.checkpoint(family, tmp_path)
     ref = tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)
-    for nodes, keepalive in (
-        (2, "lru"),
-        (3, "lru"),
-        (2, "none"),
-    ):  # none: decode routed on the device
-        got = sweep.check(path, nodes, ref, keepalive)
+    for nodes, keepalive, route in (
+        (2, "lru", "preferred"),
+        (3, "lru", "preferred"),
+        (2, "none", "preferred"),  # none: decode routed on the device
+        (2, "lru", "host"),  # every layer's routing read on the host (node/moe/route.py)
+    ):
+        got = sweep.check(path, nodes, ref, keepalive, route=route)
         assert len(got["tokens"]) == sweep.STEPS
-        assert got["tokens_match"], (family, nodes, keepalive, got)
+        assert got["tokens_match"], (family, nodes, keepalive, route, got)
         assert got["max_abs_logit_diff"] <= sweep.TOLERANCE, (
             family,
             nodes,
             keepalive,
+            route,
             got["max_abs_logit_diff"],
         )
 
@@ -80,9 +83,15 @@ def _quantized_reference(path):
 def test_quantized_at_2_nodes(family, tmp_path):
     _runnable(family)
     path = sweep.checkpoint(family, tmp_path, sweep.quant_mode(family))
-    got = sweep.check(path, 2, _quantized_reference(path))
-    assert got["tokens_match"], (family, sweep.quant_mode(family), got)
-    assert got["max_abs_logit_diff"] <= sweep.QUANT_TOLERANCE, (family, got["max_abs_logit_diff"])
+    ref = _quantized_reference(path)
+    for route in ("preferred", "host"):
+        got = sweep.check(path, 2, ref, route=route)
+        assert got["tokens_match"], (family, sweep.quant_mode(family), route, got)
+        assert got["max_abs_logit_diff"] <= sweep.QUANT_TOLERANCE, (
+            family,
+            route,
+            got["max_abs_logit_diff"],
+        )
 
 
 def test_a_wrong_rule_is_caught(tmp_path, monkeypatch):
