@@ -3,10 +3,11 @@
 mlx-lm imports transformers for its tokenizer (every node, the coordinator, every bench worker), and
 `import transformers` builds its lazy module's map by reading and parsing every file under
 transformers/models (1,667 files: ~1.1 s of the ~2 s a process spends importing mlx-lm on 2 vCPUs).
-The map is a pure function of those files, so it is cached per transformers version and install
-path: the first process builds and stores it, later ones load it (~10 ms). Any surprise (another
-transformers whose internals differ, an unreadable or corrupt cache, a read-only home) leaves the
-import as transformers wrote it; the cache only ever skips work, never changes a result.
+The map is a pure function of those files, so it is cached per transformers version, install path
+and the scanned folder's modification time: the first process builds and stores it, later ones
+load it (~10 ms). Any surprise (another transformers whose internals differ, an unreadable or
+corrupt cache, a read-only home) leaves the import as transformers wrote it; the cache only ever
+skips work, never changes a result.
 
 `install()` must run before transformers is imported: the `moe-cluster` entry point calls it at its
 import (node and coordinator processes, `spawn` children, which re-import it), as do the fork
@@ -60,7 +61,7 @@ class _Cache:
 
     def wrap(self, build):
         def define_import_structure(module_path, prefix=None):
-            key = (os.path.realpath(str(module_path)), prefix)
+            key = (os.path.realpath(str(module_path)), prefix, _stamp(module_path))
             blob = self._load().get(key)
             if blob is not None:
                 try:
@@ -113,6 +114,16 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         loader.exec_module = exec_module
         return spec
+
+
+def _stamp(module_path) -> int:
+    """The scanned folder's modification time: a model file added or removed in place (an editable
+    transformers, a partial upgrade that kept the version) changes it, and so the key."""
+    path = str(module_path)
+    try:
+        return os.stat(path if os.path.isdir(path) else os.path.dirname(path)).st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _remove(finder) -> None:
