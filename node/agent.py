@@ -333,14 +333,15 @@ class NodeAgent(npb_grpc.NodeServicer):
     async def Generate(self, request, context):
         """One request joins the running batch (node/batch.py); its tokens stream back as the batch
         hands them out. Many Generate calls run at once: the worker thread steps them together."""
-        from .runtime import GenerateResult
-
         self._watch_collective()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        result = GenerateResult()
         try:
+            # ready first: a node that loaded once has joined _preimport's thread (see load)
             self._ready()
+            from .runtime import GenerateResult
+
+            result = GenerateResult()
             req = convert.generate_request_from_proto(
                 request, prefill_step=self.load_spec.prefill_step
             )

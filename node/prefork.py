@@ -19,6 +19,8 @@ import multiprocessing as mp
 import os
 import sys
 
+from ..common import importcache
+
 PRELOAD = "moe_cluster.node.preimport"
 
 
@@ -40,5 +42,6 @@ def process(ctx, target: str, args: tuple, **kwargs):
 def _enter(env: dict[str, str], target: str, *args) -> None:
     os.environ.clear()
     os.environ.update(env)
+    importcache.install()  # a spawned child (macOS) imports transformers afresh; a forked one has it
     module, _, name = target.partition(":")
     getattr(importlib.import_module(module), name)(*args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ import transformers.utils.import_utils as iu
 from pathlib import Path
 import transformers
 models = Path(transformers.__file__).parent / "models"
-fresh = iu.define_import_structure.__wrapped__(models, prefix="models")
+fresh = iu.define_import_structure.__wrapped__(models, "models")  # the function under lru_cache
 cached = iu.define_import_structure(models, prefix="models")
 print(json.dumps({"stats": importcache.stats, "equal": fresh == cached,
                   "entries": sum(len(v) for v in cached.values()),
@@ -70,7 +71,7 @@ def test_a_folder_that_changed_is_scanned_again(tmp_path):
     models.mkdir()
     calls = []
 
-    def build(path, prefix=None):
+    def build(path, prefix=None, **extra):
         calls.append(path)
         return {frozenset(): {p.stem: {p.stem.title()} for p in sorted(models.iterdir())}}
 
@@ -83,3 +84,25 @@ def test_a_folder_that_changed_is_scanned_again(tmp_path):
     os.utime(models, ns=(0, models.stat().st_mtime_ns + 10**9))  # coarse clocks: move it on
     changed = again(models, "models")
     assert len(calls) == 2 and "newfamily" in changed[frozenset()]
+    stored = pickle.loads((tmp_path / "cache.pkl").read_bytes())
+    assert len(stored) == 1, stored.keys()  # the folder's stale entry went with the new one
+    # a call the cache does not know goes to transformers' own function, as it is
+    assert again(models, "models", extra=True) == changed and len(calls) == 3
+
+
+def test_a_cache_file_that_names_code_is_not_run(tmp_path):
+    """The cache loads plain data only: a file someone else wrote that names a function (here
+    os.getcwd, harmless) is read as no cache at all, and the structure is built."""
+    from moe_cluster.common.importcache import _Cache, _stamp
+
+    key = (os.path.realpath(tmp_path), None, _stamp(tmp_path))  # the entry define looks up
+    cache = tmp_path / "cache.pkl"
+    calls = []
+    for outer in (
+        {key: pickle.dumps(os.getcwd)},  # the entry names a function
+        {key: pickle.dumps({}), "x": os.getcwd},  # the file itself does
+    ):
+        cache.write_bytes(pickle.dumps(outer))
+        define = _Cache(cache).wrap(lambda path, prefix=None: calls.append(1) or {"built": 1})
+        assert define(tmp_path, None) == {"built": 1}
+    assert len(calls) == 2
