@@ -27,6 +27,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from . import cache_home
+
 _MODULE = "transformers.utils.import_utils"
 _FUNCTION = "define_import_structure"
 _PARAMETERS = ["module_path", "prefix"]  # transformers 5.x; any other signature is not wrapped
@@ -35,9 +37,13 @@ stats = {"loaded": 0, "built": 0}
 
 
 def cache_dir() -> Path | None:
-    """~/.cache/moe-cluster (or under $XDG_CACHE_HOME), or None where neither is an absolute path."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "moe-cluster" if os.path.isabs(base) else None
+    """The project's cache_home(), or None where it is not an absolute path (a relative
+    $XDG_CACHE_HOME) or there is no home to put it in."""
+    try:
+        home = cache_home()
+    except RuntimeError:  # Path.home(): no HOME and no passwd entry
+        return None
+    return home if home.is_absolute() else None
 
 
 class _Plain(pickle.Unpickler):

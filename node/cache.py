@@ -30,6 +30,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import xxhash
 
+from ..common import cache_home
 from ..proto.errors import UserError
 from .checkpoint import _DTYPES, Checkpoint, TensorInfo, read_config
 from .describe import Group, ModelDescription
@@ -54,12 +55,6 @@ _ALIGN = 64  # bytes: tensor data starts aligned, so mmap'd reads are too
 
 class CacheError(UserError):
     """A cache directory, manifest or catalog that cannot be used, with the reason."""
-
-
-def cache_home() -> Path:
-    """~/.cache/moe-cluster (or under $XDG_CACHE_HOME): a node's shards, the coordinator's digests."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "moe-cluster"
 
 
 def default_cache_dir() -> Path:

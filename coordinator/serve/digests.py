@@ -27,7 +27,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...node.cache import SHA256_HEX, cache_home, piece_hasher
+from ...common import cache_home
+from ...node.cache import SHA256_HEX, piece_hasher
 
 logger = logging.getLogger(__name__)
 

@@ -63,8 +63,8 @@ def test_install_does_nothing_once_transformers_is_imported(tmp_path):
 
 
 def test_a_folder_that_changed_is_scanned_again(tmp_path):
-    """The key holds the scanned folder's modification time: a model file added in place (an
-    editable transformers) is not served the old map."""
+    """The key holds the scanned folder's modification time: a model folder added or removed in
+    place is not served the old map (an editable transformers is never cached at all)."""
     from moe_cluster.common.importcache import _Cache
 
     models = tmp_path / "models"
