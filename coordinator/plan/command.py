@@ -194,11 +194,13 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--fit",
-        choices=("ours_mlx", "each"),
-        default="ours_mlx",
-        help="with --check-against: fit bandwidth and a cost per layer on the ours_mlx rows "
-        "(default), or for each row kind a fixed cost per layer and one per token per layer on "
-        "its rows at its fewest nodes (the other node counts held out)",
+        choices=("split", "bandwidth", "each"),
+        default="split",
+        help="with --check-against: on the ours_mlx rows, fit a fixed cost per layer and a cost per "
+        "token per layer split into attention, expert passes and ours' own by ours' synced pass "
+        "(split, the default); or fit the bandwidth and a fixed cost per layer (bandwidth); or, "
+        "for each row kind, a fixed cost per layer and one per token per layer on its rows at its "
+        "fewest nodes, the other node counts held out (each)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -187,6 +187,13 @@ class Overheads:
     # None: use the network record.
     collective_base_s: float | None = None
     collective_per_node_s: float = 0.0
+    # Per token per decoder layer (plan/race.py's race only; fitted by `plan --check-against`):
+    # attention and the router (every node under expert parallelism, 1/N under tensor
+    # parallelism), one token's pass through one expert, and ours' own work per token (batch
+    # bookkeeping, waiting for the busiest node), which mlx-lm's strategies do not pay.
+    token_attention_s: float = 0.0
+    token_expert_s: float = 0.0
+    token_ours_s: float = 0.0
 
     def collective_s(self, nodes: int) -> float | None:
         if self.collective_base_s is None:

@@ -14,6 +14,12 @@ Per decode step of B tokens (B = 1 at batch 1), on N nodes, each strategy pays w
 A collective or hop costs the link's latency (wire + software stack, or the calibrated collective)
 plus its bytes (B × hidden × activation bytes) over the link's bandwidth; it is paid once per step
 whatever B is, which is how batching spreads it until the step is bound by bandwidth or compute.
+
+Calibrated (`plan --check-against`), a layer also costs a fixed time (launches) and, per token of
+the batch, its attention and router (every node under expert parallelism and in the pipeline, 1/N of
+it under tensor parallelism), its passes through experts (k per token in the pipeline, k/N per node
+under the other two) and, under ours alone, ours' own per-token work. On GPUs these costs, not the
+bytes, decide the race (GPU runs 23-25).
 Everything here is pure arithmetic on the frozen records of perfmodel.py.
 """
 
@@ -38,7 +44,7 @@ class RacePoint:
     bytes_per_node: float  # weight bytes the busiest node reads per step
     read_s: float  # weight reads on the step's critical path, seconds
     compute_s: float  # FLOPs on the critical path, seconds
-    overhead_s: float  # calibrated fixed cost per decoder layer on the critical path
+    overhead_s: float  # calibrated costs per decoder layer (fixed and per token), critical path
     comm_s: float  # collectives or hops per step, seconds
     collectives: int  # collectives (or hops) per step
     time_s: float  # one step of `batch` tokens
@@ -117,6 +123,12 @@ def race_point(
     one = collective_s(network, overheads, nodes, payload) if nodes > 1 else 0.0
     every = active_bytes(model, distinct_experts)
     per_token_k = float(model.top_k)  # FLOPs: each token multiplies through its own k experts
+    # per token per layer: (attention's share, expert passes, ours' own work); see the docstring
+    token_terms = {
+        "pipeline": (1.0, per_token_k, 0.0),
+        "tensor": (1.0 / nodes, per_token_k / nodes, 0.0),
+        "ours": (1.0, per_token_k / nodes, 1.0),
+    }[strategy]
     if strategy == "pipeline":
         read = every  # one node after another: the step's critical path reads all of it
         per_node = every / nodes
@@ -141,7 +153,11 @@ def race_point(
         memory = model.replicated_bytes + -(-model.num_experts // nodes) * model.expert_bytes
     read_s = read / bandwidth
     compute_s = flops / hardware.flops
-    overhead_s = overheads.layer_overhead_s * model.layers
+    a, e, o = token_terms
+    per_token_s = (
+        a * overheads.token_attention_s + e * overheads.token_expert_s + o * overheads.token_ours_s
+    )
+    overhead_s = (overheads.layer_overhead_s + batch * per_token_s) * model.layers
     comm_s = collectives * one
     time_s = max(read_s, compute_s) + overhead_s + comm_s
     return RacePoint(
@@ -240,6 +256,8 @@ class MeasuredRow:
     batch: int
     step_s: float  # one decode step of all `batch` streams, seconds
     collective_s: float | None  # the bare collective (or hop) this row's transport pays, seconds
+    # ours' synced pass, seconds per step: attention_router, experts, collective_wait, other
+    breakdown: dict | None = None
 
 
 def predict_row(
@@ -249,13 +267,16 @@ def predict_row(
     row: MeasuredRow,
     bandwidth_Bps: float,
     layer_overhead_s: float = 0.0,
+    **token_costs: float,
 ) -> RacePoint:
+    """`row`'s step as the model has it; `token_costs`: Overheads' token_* fields."""
     strategy = ROW_STRATEGY[row.name][0]
     ours, distinct = expected_batch(model, row.nodes, row.batch)
     over = Overheads(
         bandwidth_Bps=bandwidth_Bps,
         layer_overhead_s=layer_overhead_s,
         collective_base_s=row.collective_s,
+        **token_costs,
     )
     return race_point(
         strategy,
@@ -303,17 +324,18 @@ def check(
             f"{fit_on}'s collectives alone exceed its measured step: {hardware.name}'s bandwidth kept",
             [],
         )
-    return _misses(model, hardware, network, rows, fitted, bandwidth, lambda r: per_layer) | {
+    costs = {"layer_overhead_s": per_layer}
+    return _misses(model, hardware, network, rows, fitted, bandwidth, lambda r: costs) | {
         "layer_overhead_s": per_layer,
         "bandwidth_source": note,
     }
 
 
-def _misses(model, hardware, network, rows, fitted, bandwidth, per_layer) -> dict:
-    """Each row predicted (`per_layer(row)`: its fixed cost per layer) against what it measured."""
+def _misses(model, hardware, network, rows, fitted, bandwidth, costs) -> dict:
+    """Each row predicted (`costs(row)`: predict_row's cost arguments) against what it measured."""
     out = []
     for r in rows:
-        p = predict_row(model, hardware, network, r, bandwidth, per_layer(r))
+        p = predict_row(model, hardware, network, r, bandwidth, **costs(r))
         measured = r.batch / r.step_s
         out.append(
             {
@@ -368,13 +390,104 @@ def check_each(
         rows,
         fitted,
         hardware.bandwidth_Bps,
-        lambda r: fixed[r.name] + per_token[r.name] * r.batch,
+        lambda r: {"layer_overhead_s": fixed[r.name] + per_token[r.name] * r.batch},
     ) | {
         "layer_overhead_s": fixed,
         "token_overhead_s": per_token,
         "bandwidth_source": f"{hardware.name}'s bandwidth; per row kind a fixed cost per layer and a "
         "cost per token per layer, fitted on its rows at its fewest nodes",
     }
+
+
+def check_split(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    network: NetworkSpec,
+    rows: list[MeasuredRow],
+    fit_on: str = "ours_mlx",
+) -> dict:
+    """Fit on `fit_on`'s rows at one node count (the one with the most batches) what a step
+    measured beyond its bytes and collectives (at the hardware's bandwidth): L × (f + c × B), a
+    fixed cost per layer f and a cost per token per layer c. Split c by where ours' synced pass
+    grew with the batch (its `breakdown`, smallest batch to largest): attention and the router,
+    the experts (c's share over the k/N passes a node makes per token), ours' own (the rest:
+    bookkeeping, waiting). Then predict every row with the strategy's share of each
+    (race_point): the pipeline and tensor parallelism pay f and the attention and expert costs,
+    not ours' own. Without a breakdown, c is split by FLOPs (no own share)."""
+    fitted_rows = [r for r in rows if r.name == fit_on]
+    if not fitted_rows:
+        out = _misses(model, hardware, network, rows, [], hardware.bandwidth_Bps, lambda r: {})
+        return out | {
+            "layer_overhead_s": 0.0,
+            "token_costs_s": {},
+            "bandwidth_source": f"{hardware.name}'s bandwidth, nothing fitted (no {fit_on} rows)",
+        }
+    by_nodes: dict[int, list[MeasuredRow]] = {}
+    for r in fitted_rows:
+        by_nodes.setdefault(r.nodes, []).append(r)
+    nodes = max(sorted(by_nodes), key=lambda n: len({r.batch for r in by_nodes[n]}))
+    base = sorted(by_nodes[nodes], key=lambda r: r.batch)
+    # a row faster than its bytes at the given bandwidth says the device is faster than that:
+    # the bandwidth rises until every fitted row's bytes and collectives fit its measured step
+    bandwidth, raised = hardware.bandwidth_Bps, ""
+    for r in base:
+        bare = predict_row(model, hardware, network, r, hardware.bandwidth_Bps)
+        room = r.step_s - bare.comm_s
+        if room > 0 and bare.read_s * hardware.bandwidth_Bps > room * bandwidth:
+            bandwidth = bare.read_s * hardware.bandwidth_Bps / room
+            raised = f" (bandwidth raised to {bandwidth / 1e9:.3g} GB/s: its bytes exceeded its step)"
+    points = []
+    for r in base:
+        bare = predict_row(model, hardware, network, r, bandwidth)
+        points.append((r.batch, max(r.step_s - bare.time_s, 0.0) / model.layers))
+    fixed, per_token = _line(points)
+    shares, how = _token_shares(model, base, nodes)
+    per_pass = model.top_k / nodes
+    costs = {
+        "layer_overhead_s": fixed,
+        "token_attention_s": per_token * shares[0],
+        "token_expert_s": per_token * shares[1] / per_pass,
+        "token_ours_s": per_token * shares[2],
+    }
+    if len({b for b, _ in points}) >= 2:
+        fitted = base
+        what = "a fixed cost per layer and a cost per token per layer, split " + how
+    else:
+        fitted = base[:1]
+        what = f"a fixed cost per layer alone (one batch, {base[0].batch})"
+    out = _misses(model, hardware, network, rows, fitted, bandwidth, lambda r: costs)
+    return out | {
+        "layer_overhead_s": fixed,
+        "token_costs_s": {k: v for k, v in costs.items() if k != "layer_overhead_s"},
+        "bandwidth_source": f"{hardware.name}'s bandwidth{raised}; fitted to {fit_on}'s "
+        f"{len(fitted)} row(s) at {nodes} nodes: " + what,
+    }
+
+
+def _token_shares(
+    model: ModelSpec, base: list[MeasuredRow], nodes: int
+) -> tuple[tuple[float, float, float], str]:
+    """(attention, experts, ours' own) shares of ours' cost per token, and how they were found."""
+    synced = [r for r in base if r.breakdown]
+    if len({r.batch for r in synced}) >= 2:
+        lo, hi = synced[0].breakdown, synced[-1].breakdown
+        grew = [max(0.0, hi.get(k, 0.0) - lo.get(k, 0.0)) for k in ("attention_router", "experts")]
+        grew.append(
+            max(0.0, sum(hi.get(k, 0.0) - lo.get(k, 0.0) for k in ("collective_wait", "other")))
+        )
+        if sum(grew) > 0:
+            total = sum(grew)
+            shares = (grew[0] / total, grew[1] / total, grew[2] / total)
+            return shares, (
+                f"by its synced pass from {synced[0].batch} to {synced[-1].batch} streams "
+                f"(attention {shares[0]:.0%}, experts {shares[1]:.0%}, own {shares[2]:.0%})"
+            )
+    attention = model.replicated_flops + sum(model.shared_layer_flops)
+    experts = sum(model.expert_layer_flops) * model.top_k / nodes
+    share = attention / (attention + experts) if attention + experts > 0 else 0.5
+    return (share, 1.0 - share, 0.0), (
+        f"by FLOPs (no synced pass at two batches): attention {share:.0%}"
+    )
 
 
 def _line(points: list[tuple[int, float]]) -> tuple[float, float]:

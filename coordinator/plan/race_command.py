@@ -129,9 +129,15 @@ def _measured_rows(raw: dict, where: str) -> list[race_model.MeasuredRow]:
         step = r.get("step_s")
         if not isinstance(step, (int, float)) or step <= 0:
             continue
+        synced = r.get("synced_breakdown_per_step_s")
         rows.append(
             race_model.MeasuredRow(
-                r["name"], int(r["nodes"]), int(r["streams"]), float(step), r.get("collective_s")
+                r["name"],
+                int(r["nodes"]),
+                int(r["streams"]),
+                float(step),
+                r.get("collective_s"),
+                synced if isinstance(synced, dict) else None,
             )
         )
     if not rows:
@@ -146,10 +152,13 @@ def _check(args, model, hardware: HardwareSpec) -> int:
         # the bench's own host: its bandwidth, and no FLOP figure (the fit absorbs compute)
         hardware = HardwareSpec("bench host", 1 << 60, float(raw["bandwidth_Bps"]), 1e30, 0.0)
     net = _network((args.link or "loopback").split(",")[0])
-    if getattr(args, "fit", "ours_mlx") == "each":
+    fit = getattr(args, "fit", "split")
+    if fit == "each":
         out = race_model.check_each(model, hardware, net, rows)
-    else:
+    elif fit == "bandwidth":
         out = race_model.check(model, hardware, net, rows)
+    else:
+        out = race_model.check_split(model, hardware, net, rows)
     out["model"] = model.name
     out["race"] = str(Path(args.check_against))
     if args.json:
@@ -173,6 +182,13 @@ def _check(args, model, hardware: HardwareSpec) -> int:
                 f"{k} {1e6 * v:.0f} + {1e6 * tok.get(k, 0.0):.0f} us"
                 for k, v in out["layer_overhead_s"].items()
             )
+        )
+    if out.get("token_costs_s"):
+        t = out["token_costs_s"]
+        print(
+            f"costs per layer fitted: {1e6 * out['layer_overhead_s']:.0f} us fixed; per token "
+            f"{1e6 * t['token_attention_s']:.1f} us attention, {1e6 * t['token_expert_s']:.2f} us "
+            f"an expert pass, {1e6 * t['token_ours_s']:.1f} us ours' own"
         )
     worst = out["max_abs_held_out_miss"]
     print("largest held-out miss: " + ("-" if worst is None else f"{100 * worst:.1f}%"))

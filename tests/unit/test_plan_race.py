@@ -201,3 +201,65 @@ def test_the_per_token_line_keeps_its_terms_physical():
     assert race._line([(1, 0.1), (8, 8.0)]) == pytest.approx(
         (0.0, (0.1 + 64.0) / 65)
     )  # f < 0: through the origin
+
+
+def test_check_split_recovers_costs_per_layer_and_per_token_and_carries_them_to_the_peers():
+    """Rows made with known costs (fixed, attention, an expert pass, ours' own per token, per
+    layer) and ours' synced pass growing by those shares: the fit on ours at one node count gives
+    the costs back, and every held-out row (the pipeline, tensor parallelism, ours at other node
+    counts) is predicted exactly; a peer slower than its share shows as a miss."""
+    m = _model()
+    costs = dict(
+        layer_overhead_s=0.5e-3,
+        token_attention_s=20e-6,
+        token_expert_s=5e-6,
+        token_ours_s=10e-6,
+    )
+
+    def row(name, nodes, batch, slower=1.0):
+        probe = race.MeasuredRow(name, nodes, batch, 1.0, 200e-6)
+        p = race.predict_row(m, HW, NET, probe, HW.bandwidth_Bps, **costs)
+        synced = None
+        if name == "ours_mlx":  # what the synced pass timed, per step: only the growth matters
+            per_layer = {
+                "attention_router": 1e-4 + batch * costs["token_attention_s"],
+                "experts": 2e-4 + batch * costs["token_expert_s"] * m.top_k / nodes,
+                "collective_wait": 1e-4 + batch * 4e-6,
+                "other": 1e-4 + batch * 6e-6,
+            }
+            synced = {k: v * m.layers for k, v in per_layer.items()}
+        return race.MeasuredRow(name, nodes, batch, p.time_s * slower, 200e-6, synced)
+
+    rows = [
+        row("ours_mlx", 2, 1),
+        row("ours_mlx", 2, 8),
+        row("ours_mlx", 4, 8),  # another node count: held out
+        row("mlx_lm_pipeline", 2, 4),
+        row("mlx_lm_tensor", 4, 8),
+        row("mlx_lm_tensor", 2, 8, slower=1.25),
+    ]
+    out = race.check_split(m, HW, NET, rows)
+    assert out["layer_overhead_s"] == pytest.approx(costs["layer_overhead_s"])
+    assert out["token_costs_s"] == pytest.approx(
+        {k: v for k, v in costs.items() if k != "layer_overhead_s"}
+    )
+    assert [r["held_out"] for r in out["rows"]] == [False, False, True, True, True, True]
+    misses = [r["miss"] for r in out["rows"]]
+    assert misses[:5] == pytest.approx([0.0] * 5, abs=1e-9)
+    assert misses[5] == pytest.approx(0.25) and out["max_abs_held_out_miss"] == pytest.approx(0.25)
+    assert "synced pass from 1 to 8 streams" in out["bandwidth_source"]
+
+    # without a synced pass the cost per token is split by FLOPs, and none of it is ours' own
+    bare = [race.MeasuredRow(r.name, r.nodes, r.batch, r.step_s, r.collective_s) for r in rows]
+    out = race.check_split(m, HW, NET, bare)
+    assert out["token_costs_s"]["token_ours_s"] == 0.0 and "FLOPs" in out["bandwidth_source"]
+    assert [r["miss"] for r in out["rows"][:2]] == pytest.approx([0.0, 0.0], abs=1e-9)
+    # rows faster than their bytes at the hardware's bandwidth: it is raised until they fit
+    slow = HardwareSpec("slow", 10**12, 0.1 * GB, 1e30, 0.0)
+    out = race.check_split(m, slow, NET, rows[:2])
+    assert "raised" in out["bandwidth_source"] and out["bandwidth_Bps"] > 0.1 * GB
+    # one batch: a fixed cost alone; no ours rows: nothing fitted
+    out = race.check_split(m, HW, NET, [rows[1], rows[3]])
+    assert "one batch" in out["bandwidth_source"] and out["rows"][0]["miss"] == pytest.approx(0.0)
+    out = race.check_split(m, HW, NET, rows[3:])
+    assert "nothing fitted" in out["bandwidth_source"] and all(r["held_out"] for r in out["rows"])
