@@ -109,14 +109,16 @@ def _attach(name: str) -> shared_memory.SharedMemory:
         return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13
     except TypeError:
         pass
-    shm = shared_memory.SharedMemory(name=name)
-    try:
-        from multiprocessing import resource_tracker
+    from multiprocessing import resource_tracker
 
-        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-    except (ImportError, AttributeError, KeyError):
-        pass
-    return shm
+    # Registering starts the tracker, a Python process of its own, only to be told to forget the
+    # segment at once: skip the registration (the envoy attaches on its start, on one thread).
+    register = resource_tracker.register
+    resource_tracker.register = lambda name, rtype: None
+    try:
+        return shared_memory.SharedMemory(name=name)
+    finally:
+        resource_tracker.register = register
 
 
 def unlink_segment(shm: shared_memory.SharedMemory) -> None:

@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ...common import importcache
 from ...common.ports import free_ports
 
 MODES = {"tensor": "mlx_lm_tensor_parallel", "pipeline": "mlx_lm_pipeline"}
@@ -128,6 +129,7 @@ def _worker(
     os.environ.update(env, MLX_HOSTFILE=hostfile, MLX_RANK=str(rank))
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    importcache.install()  # a spawned worker imports mlx-lm, and with it transformers, afresh
     try:
         import mlx.core as mx
         from mlx_lm.generate import stream_generate

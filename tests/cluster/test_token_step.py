@@ -10,7 +10,6 @@ each MLX scenario has processes of its own."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -19,6 +18,7 @@ import time
 import pytest
 
 from moe_cluster.coordinator.dev.simulate import _transport_spec, stop_processes
+from moe_cluster.node import prefork
 
 PROMPT = (345, 12, 88, 501, 7, 260, 19, 944, 3, 71)
 TOKENS = 8
@@ -162,13 +162,15 @@ def _run(
 ):
     """Run `scenarios` in turn on `nodes` processes;
     -> ({scenario: {rank: report}}, {rank: exit code}, seconds)."""
-    ctx = mp.get_context("spawn")
+    ctx = prefork.context()  # as simulate's nodes: forked with mlx-lm's imports done
     specs, cleanups = zip(
         *(_transport_spec(transport, nodes, 1 << 20, ctx, timeout_s) for _ in scenarios)
     )
     results = ctx.Queue()
     procs = [
-        ctx.Process(target=_node, args=(scenarios, specs, r, str(model), results), daemon=True)
+        prefork.process(
+            ctx, f"{__name__}:_node", (scenarios, specs, r, str(model), results), daemon=True
+        )
         for r in range(nodes)
     ]
     t0 = time.monotonic()
