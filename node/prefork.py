@@ -14,6 +14,7 @@ before the target's module is imported (CUDA_VISIBLE_DEVICES must be set before 
 
 from __future__ import annotations
 
+import gc
 import importlib
 import multiprocessing as mp
 import os
@@ -40,6 +41,10 @@ def process(ctx, target: str, args: tuple, **kwargs):
 
 
 def _enter(env: dict[str, str], target: str, *args) -> None:
+    # What the server imported lives as long as the child: its cycle collections (a full one at
+    # each model swap, node/device.py's release_memory) need not walk those objects, nor touch
+    # their pages, which a fork shares until they are written.
+    gc.freeze()
     os.environ.clear()
     os.environ.update(env)
     importcache.install()  # a spawned child (macOS) imports transformers afresh; a forked one has it

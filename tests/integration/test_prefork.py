@@ -21,6 +21,13 @@ def report(var: str, results) -> None:
             "probe": __import__("os").environ.get(var),
             "mlx": "mlx.core" in sys.modules,
             "transformers": "transformers" in sys.modules,
+            # objects the server made, which the child's cycle collections skip
+            "frozen": __import__("gc").get_freeze_count(),
+            "transformers_objects": sum(
+                1
+                for o in __import__("gc").get_objects()
+                if str(getattr(type(o), "__module__", "")).startswith("transformers")
+            ),
         }
     )
 
@@ -45,6 +52,8 @@ def test_a_forked_node_has_the_callers_environment_of_now_and_no_mlx_yet(monkeyp
     assert first["probe"] == "before" and second["probe"] == "after", (first, second)
     # the heavy import came with the fork; MLX is the child's to start, after its environment
     assert second["transformers"] and not second["mlx"], second
+    # what came with the fork is frozen: a collection (one per model swap) does not walk it
+    assert second["frozen"] > 10_000 and second["transformers_objects"] == 0, second
 
 
 @pytest.mark.parametrize("module", [prefork.PRELOAD, "moe_cluster.node.sim"])
