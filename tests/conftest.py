@@ -85,6 +85,24 @@ def cli(
     )
 
 
+def cli_in_process(*args: str) -> subprocess.CompletedProcess:
+    """`moe-cluster ARGS...` through the CLI's own parser and handler in this process (no
+    interpreter to start: for pure commands such as `plan`, called dozens of times): its exit
+    code, stdout and stderr as `cli` returns them."""
+    import contextlib
+    import io
+
+    from moe_cluster.coordinator import cli as entry
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = entry.main(list(args))
+        except SystemExit as exc:  # argparse's own errors and --help
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    return subprocess.CompletedProcess(["moe-cluster", *args], code, out.getvalue(), err.getvalue())
+
+
 def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None:
     """Exit code 2, one line on stderr that names the problem, no traceback."""
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)

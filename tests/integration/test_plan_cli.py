@@ -1,5 +1,6 @@
-"""`moe-cluster plan` end to end: the real command in a subprocess, and the model description on
-checkpoints written by `demo-model` for every supported family."""
+"""`moe-cluster plan` end to end: the real command (its parser and handler, in this process; with
+an environment of its own, in a subprocess), and the model description on checkpoints written by
+`demo-model` for every supported family."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from conftest import cli_in_process
 
 TABLE_6 = {  # nodes -> (load, compute or None for "<0.001", latency, transfer, time, tok/s)
     2: (0.061, 0.001, 0.040, 0.002, 0.103, 9.7),
@@ -53,6 +56,8 @@ ARCHS = [
 
 
 def plan(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    if env is None:
+        return cli_in_process("plan", *args)
     return subprocess.run(
         [sys.executable, "-m", "moe_cluster.coordinator.cli", "plan", *args],
         capture_output=True,

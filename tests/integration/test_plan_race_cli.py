@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import assert_one_line_error, cli
+from conftest import assert_one_line_error, cli_in_process as cli
 
 
 def test_plan_race_prints_every_strategy_per_link_nodes_and_streams():
