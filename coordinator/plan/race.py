@@ -435,7 +435,9 @@ def check_split(
         room = r.step_s - bare.comm_s
         if room > 0 and bare.read_s * hardware.bandwidth_Bps > room * bandwidth:
             bandwidth = bare.read_s * hardware.bandwidth_Bps / room
-            raised = f" (bandwidth raised to {bandwidth / 1e9:.3g} GB/s: its bytes exceeded its step)"
+            raised = (
+                f" (bandwidth raised to {bandwidth / 1e9:.3g} GB/s: its bytes exceeded its step)"
+            )
     points = []
     for r in base:
         bare = predict_row(model, hardware, network, r, bandwidth)
