@@ -377,10 +377,7 @@ def check_each(
         kind = [r for r in rows if r.name == name]
         fewest = min(r.nodes for r in kind)
         base = sorted((r for r in kind if r.nodes == fewest), key=lambda r: r.batch)
-        points = []
-        for r in base:
-            bare = predict_row(model, hardware, network, r, hardware.bandwidth_Bps)
-            points.append((r.batch, max(r.step_s - bare.time_s, 0.0) / model.layers))
+        points = _per_layer_excess(model, hardware, network, base, hardware.bandwidth_Bps)
         fixed[name], per_token[name] = _line(points)
         fitted += base if len({b for b, _ in points}) >= 2 else base[:1]
     return _misses(
@@ -438,10 +435,7 @@ def check_split(
             raised = (
                 f" (bandwidth raised to {bandwidth / 1e9:.3g} GB/s: its bytes exceeded its step)"
             )
-    points = []
-    for r in base:
-        bare = predict_row(model, hardware, network, r, bandwidth)
-        points.append((r.batch, max(r.step_s - bare.time_s, 0.0) / model.layers))
+    points = _per_layer_excess(model, hardware, network, base, bandwidth)
     fixed, per_token = _line(points)
     shares, how = _token_shares(model, base, nodes)
     per_pass = model.top_k / nodes
@@ -464,6 +458,22 @@ def check_split(
         "bandwidth_source": f"{hardware.name}'s bandwidth{raised}; fitted to {fit_on}'s "
         f"{len(fitted)} row(s) at {nodes} nodes: " + what,
     }
+
+
+def _per_layer_excess(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    network: NetworkSpec,
+    rows: list[MeasuredRow],
+    bandwidth_Bps: float,
+) -> list[tuple[int, float]]:
+    """[(batch, what each row's step took beyond its bytes and collectives, per layer)]: the points
+    the costs per layer are fitted to."""
+    out = []
+    for r in rows:
+        bare = predict_row(model, hardware, network, r, bandwidth_Bps)
+        out.append((r.batch, max(r.step_s - bare.time_s, 0.0) / model.layers))
+    return out
 
 
 def _token_shares(
