@@ -4,15 +4,20 @@ the other half's layer, as DeepSeek's serving overlaps its dispatch and combine.
 The running batch (node/batch.py) keeps its decoding sequences in two lanes, each with its own
 batched KV cache, and runs the model once per lane. Where the collective is a graph operation
 (`transport: mlx`) both lanes go into one lazy graph and MLX orders the work; elsewhere (the envoy,
-shared memory) the MoE layer evaluates its partial and hands it over, and `Interleave` runs the
-two forward passes on the one thread that drives MLX, switching at each MoE all-reduce:
+shared memory) the MoE layer hands its lazy partial to `Interleave`, which runs the two forward
+passes on the one thread that drives MLX, switching twice at each MoE all-reduce: once when a
+lane's layer is queued on the device (`mx.async_eval`), once when its partial is handed over.
 
-    lane A: layer l ... partial ─ start ─┐                       ┌─ A's sum ─ layer l+1 ...
-    lane B:                  layer l ... partial ─ (A's sum) ─ start ─┐  ...
+    thread: build A(l)  collect B(l-1)  build B(l)  start A(l)  collect A(l)  start B(l)  build A(l+1) ...
+    device:           [ A(l) computes ............ ][ B(l) computes ............. ]
 
-One all-reduce is in flight at a time (the envoy's link and the shared slots hold one), so every
-node starts them in the same order: A's layer 0, B's layer 0, A's layer 1, ... A lane's sum is the
-same all-reduce of the same rows as in the unsplit step, so the tokens are too.
+So the device computes one lane's layer while the thread collects and sums the other lane's
+all-reduce and builds the next graph: the host's share of a step (graph building, the exchange,
+the sums) runs beside the device's, where evaluating each partial before handing it over left the
+device idle for all of it. One all-reduce is in flight at a time (the envoy's link and the shared
+slots hold one), so every node starts them in the same order: A's layer 0, B's layer 0, A's
+layer 1, ... A lane's sum is the same all-reduce of the same rows as in the unsplit step, so the
+tokens are too.
 
 The forward passes are greenlets (the `greenlet` package): mlx-lm's model code calls the MoE layer
 from inside its own loop, and a greenlet can leave and resume it there without a second thread.
@@ -38,6 +43,9 @@ def start(collective, partial: mx.array, layer: int) -> Callable[[], mx.array]:
 class Interleave:
     """Runs forward passes (lanes) on the calling thread, switching lanes at each all-reduce."""
 
+    # ClusterMoE hands this collective its partial unevaluated: all_reduce queues it on the device
+    evaluates = True
+
     def __init__(self, collective):
         self.collective = collective
         self._main = None
@@ -47,6 +55,7 @@ class Interleave:
         self.waited_s = 0.0  # time spent waiting for sums (the collective not hidden)
         # seconds the latest all_reduce spent in other lanes (ClusterMoE times its wait without)
         self.away_s = 0.0
+        self.evaluated_s = 0.0  # ... and waiting for its own partial's evaluation (the experts)
         self.overlapped = 0  # all-reduces that travelled while another lane computed
 
     @property
@@ -75,20 +84,30 @@ class Interleave:
             self._sums.clear()
 
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
-        """From a lane: hand `partial` over, let the other lanes compute while it travels, then
+        """From a lane: queue `partial` (lazy) on the device and let the other lanes build and
+        queue theirs; then hand it over and let them collect and compute while it travels; then
         return its sum."""
         from greenlet import getcurrent
 
         me = getcurrent()
-        self._drain()  # the link holds one all-reduce: the one in flight is summed first
-        self._inflight = (me, start(self.collective, partial, layer))
+        others = any(not g.dead and g is not me for g in self._lanes)
         away = 0.0
-        if any(not g.dead and g is not me for g in self._lanes):
+        if others:
+            mx.async_eval(partial)
             t0 = time.perf_counter()
             self._main.switch()
             away = time.perf_counter() - t0
+        self._drain()  # the link holds one all-reduce: the one in flight is summed first
+        t0 = time.perf_counter()
+        mx.eval(partial)
+        evaluated = time.perf_counter() - t0
+        self._inflight = (me, start(self.collective, partial, layer))
+        if others:
+            t0 = time.perf_counter()
+            self._main.switch()
+            away += time.perf_counter() - t0
             self.overlapped += 1
-        self.away_s = away
+        self.away_s, self.evaluated_s = away, evaluated  # this lane's, read by its ClusterMoE
         if self._inflight is not None and self._inflight[0] is me:
             self._drain()
         return self._sums.pop(me)

@@ -100,13 +100,17 @@ class ClusterMoE(nn.Module):
             return self._collective.all_reduce(self.partial(x, *args, **kwargs), self._moe.layer)
         y = self.partial(x, *args, **kwargs)
         state = self._state
+        collective = self._collective
         t0 = time.perf_counter()
-        mx.eval(y)
+        if not getattr(collective, "evaluates", False):
+            mx.eval(y)
         t1 = time.perf_counter()
-        y = self._collective.all_reduce(y, self._moe.layer)
-        # two micro-batches (node/overlap.py): the other lane's layer ran meanwhile, timed there
-        waited = time.perf_counter() - t1 - getattr(self._collective, "away_s", 0.0)
-        state.timers.experts += t1 - t0
+        y = collective.all_reduce(y, self._moe.layer)
+        # two micro-batches (node/overlap.py): the other lane's layer ran meanwhile, timed there,
+        # and this one's partial was evaluated inside (its wait counts as the experts')
+        evaluated = getattr(collective, "evaluated_s", 0.0)
+        waited = time.perf_counter() - t1 - getattr(collective, "away_s", 0.0) - evaluated
+        state.timers.experts += t1 - t0 + evaluated
         state.timers.collective += waited
         state.record_allreduce(waited)
         return y
