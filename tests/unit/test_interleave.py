@@ -64,6 +64,44 @@ def test_lanes_take_turns_one_all_reduce_in_flight_and_each_gets_its_own_sums():
     assert c.inflight == 0 and not il.running
 
 
+def test_each_lane_builds_its_layer_before_the_other_lanes_is_handed_over():
+    """A lane's layer is queued on the device and the other lane builds and queues its own before
+    either is handed over: the device computes one while the thread works for the other."""
+    c = Recorder()
+    il = Interleave(c)
+    events: list = []
+
+    def lane(base: float, name: str):
+        def run():
+            x = mx.array([base])
+            for layer in range(2):
+                events.append(("built", name, layer))
+                x = il.all_reduce(x + 1, layer)
+            return float(x[0])
+
+        return run
+
+    real = c.start
+
+    def start(partial, layer):
+        events.append(("start", "A" if float(partial[0]) < 100 else "B", layer))
+        return real(partial, layer)
+
+    c.start = start
+    il.run([lane(0.0, "A"), lane(100.0, "B")])
+    assert events == [
+        ("built", "A", 0),
+        ("built", "B", 0),
+        ("start", "A", 0),
+        ("start", "B", 0),
+        ("built", "A", 1),
+        ("built", "B", 1),
+        ("start", "A", 1),
+        ("start", "B", 1),
+    ]
+    assert il.evaluates  # ClusterMoE hands it the lazy partial (node/moe/layer.py)
+
+
 def test_a_failing_lane_ends_the_run_with_its_error():
     c = Recorder()
     il = Interleave(c)
