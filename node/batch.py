@@ -312,6 +312,12 @@ class RunningBatch:
         """All-reduces that travelled while the other micro-batch computed, since the load."""
         return self._interleave.overlapped if self._interleave is not None else 0
 
+    def overlap_seconds(self) -> tuple[float, float]:
+        """(seconds the micro-batches' all-reduces were in flight, seconds of it the node waited
+        for them), since the load: the rest ran the other micro-batch (node/overlap.py)."""
+        il = self._interleave
+        return (il.in_flight_s, il.waited_s) if il is not None else (0.0, 0.0)
+
     @property
     def _decoding(self) -> list[Sequence]:
         """The decoding sequences in the order their tokens ride: lane after lane."""

@@ -50,9 +50,13 @@ class Interleave:
         self.collective = collective
         self._main = None
         self._lanes: list = []
-        self._inflight: tuple | None = None  # (the lane whose all-reduce is in flight, its finish)
+        # (the lane whose all-reduce is in flight, its finish, when it was handed over)
+        self._inflight: tuple | None = None
         self._sums: dict = {}
         self.waited_s = 0.0  # time spent waiting for sums (the collective not hidden)
+        # time the all-reduces spent in flight, from the hand-over to their sums: what the thread
+        # did not wait of it (in_flight_s - waited_s) ran the other lanes, hidden
+        self.in_flight_s = 0.0
         # seconds the latest all_reduce spent in other lanes (ClusterMoE times its wait without)
         self.away_s = 0.0
         self.evaluated_s = 0.0  # ... and waiting for its own partial's evaluation (the experts)
@@ -101,7 +105,7 @@ class Interleave:
         t0 = time.perf_counter()
         mx.eval(partial)
         evaluated = time.perf_counter() - t0
-        self._inflight = (me, start(self.collective, partial, layer))
+        self._inflight = (me, start(self.collective, partial, layer), time.perf_counter())
         if others:
             t0 = time.perf_counter()
             self._main.switch()
@@ -115,8 +119,10 @@ class Interleave:
     def _drain(self) -> None:
         if self._inflight is None:
             return
-        lane, finish = self._inflight
+        lane, finish, handed = self._inflight
         self._inflight = None
         t0 = time.perf_counter()
         self._sums[lane] = finish()
-        self.waited_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.waited_s += t1 - t0
+        self.in_flight_s += t1 - handed

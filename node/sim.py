@@ -421,6 +421,7 @@ def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> 
 
     sharded.state.reset_counters()
     sharded.state.timers.reset()
+    flight0 = runtime.batch.overlap_seconds()
     sinks = [_Timed() for _ in task.streams]
     results = [GenerateResult() for _ in task.streams]
     t0 = time.perf_counter()
@@ -456,4 +457,7 @@ def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> 
         "micro_batches": runtime.batch.micro_batches(),
         # all-reduces that travelled while the other micro-batch computed (node/overlap.py)
         "overlapped": runtime.batch.overlapped(),
+        # this pass's seconds of them in flight, and of those waited for
+        "overlap_in_flight_s": runtime.batch.overlap_seconds()[0] - flight0[0],
+        "overlap_waited_s": runtime.batch.overlap_seconds()[1] - flight0[1],
     }

@@ -173,6 +173,8 @@ def _ours(
                 ),
                 "moe_layers": moe_layers,
                 "micro_batches": r0.get("micro_batches", "off"),
+                # rank 0's micro-batch all-reduces: seconds in flight, seconds of it waited for
+                "overlap_s": (r0.get("overlap_in_flight_s", 0.0), r0.get("overlap_waited_s", 0.0)),
                 "route": r0.get("route"),  # rank 0's decode route and where wide calls go
                 # one MoE layer of a batch-1 step on rank 0's route (node/moe/opcount.py); None
                 # where that route reads the routing on the host
@@ -202,7 +204,8 @@ def _synced(r0: dict) -> dict:
 
 def hidden(rows: list[dict]) -> None:
     """Each overlap row beside its row without: per MoE layer, rank 0's wait on the collective
-    with and without, and the share of it the other micro-batch's work hid."""
+    with and without; and of the time its all-reduces were in flight (handed over -> summed), the
+    share the other micro-batch's work filled (`in_flight_hidden`: the rest the node waited)."""
     for r in rows:
         if r["name"] not in OVERLAP_ROWS or "breakdown_per_step_s" not in r:
             continue
@@ -221,15 +224,20 @@ def hidden(rows: list[dict]) -> None:
         per = r["moe_layers"] or 1
         wait = r["breakdown_per_step_s"]["collective_wait"] / per
         was = base["breakdown_per_step_s"]["collective_wait"] / per
+        flight, waited = r.get("overlap_s") or (0.0, 0.0)
         r["overlap"] = {
             "collective_wait_per_layer_s": wait,
             "without_s": was,
             "hidden": 1 - wait / was if was else None,
+            "in_flight_s": flight,
+            "in_flight_waited_s": waited,
+            "in_flight_hidden": 1 - waited / flight if flight else None,
             "speedup": r["decode_tps"] / base["decode_tps"]
             if r.get("decode_tps") and base.get("decode_tps")
             else None,
             "note": "rank 0's timers; where the step is one lazy graph (transport mlx) the "
-            "collective runs inside it and its wait reads 0",
+            "collective runs inside it and its wait reads 0 (and nothing is in flight); the "
+            "collective wait of pipelined lanes holds the peer's device time",
         }
 
 
