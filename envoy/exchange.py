@@ -46,12 +46,15 @@ _FLUSH_S = 1.0
 class _Channel:
     """One peer's socket: what is read of its next frame, and what is left to write of ours."""
 
-    __slots__ = ("rank", "sock", "stage", "have", "body", "got", "out")
+    __slots__ = ("rank", "sock", "stage", "spare", "have", "body", "got", "out")
 
     def __init__(self, rank: int, sock: socket.socket):
         self.rank = rank
         self.sock = sock
         self.stage = bytearray(_STAGE_BYTES)
+        # a frame that is all the stage holds is handed over where it lies, and the next reads go
+        # to the other stage: the two take turns, a step's parts being read before the next send
+        self.spare = bytearray(_STAGE_BYTES)
         self.have = 0  # bytes of `stage` read and not yet parsed
         self.body: np.ndarray | None = None  # a frame too large for the stage: read straight here
         self.got = 0  # bytes of `body` in
@@ -270,10 +273,11 @@ class PeerExchange:
         if self.stamps:
             self.complete_ns = time.perf_counter_ns()
         # the buffers go back to the pool now: nothing reads into them before the next send
-        for r in range(self.world_size):
-            buf = self._loans.pop((self.table.current, done.step, r), None)
-            if buf is not None:
-                self._free.append(buf)
+        if self._loans:
+            for r in range(self.world_size):
+                buf = self._loans.pop((self.table.current, done.step, r), None)
+                if buf is not None:
+                    self._free.append(buf)
         return done
 
     def _unsent(self) -> bool:
@@ -330,6 +334,11 @@ class PeerExchange:
                 expect = self._expect.get(ch.rank)
                 if expect is not None and stage.startswith(expect, at):
                     size = data.HEADER.size + data.HEADER.unpack_from(stage, at)[0]
+                    if at == 0 and size == ch.have:  # all the stage holds: no copy (_Channel)
+                        ch.stage, ch.spare, ch.have = ch.spare, stage, 0
+                        buf = np.frombuffer(stage, np.uint8, size)
+                        self._expected(ch, buf, len(expect), size, pooled=False)
+                        return
                     if ch.have - at >= size:
                         buf = self._buffer(size)
                         buf[:size] = np.frombuffer(stage, np.uint8, size, at)
@@ -365,15 +374,19 @@ class PeerExchange:
                 return self._free.pop(i)
         return np.empty(max(size, 4096), np.uint8)
 
-    def _expected(self, ch: _Channel, buf: np.ndarray, start: int, size: int) -> None:
-        """`ch`'s frame for the pending step, its header as `send` expected (no parsing)."""
+    def _expected(
+        self, ch: _Channel, buf: np.ndarray, start: int, size: int, pooled: bool = True
+    ) -> None:
+        """`ch`'s frame for the pending step, its header as `send` expected (no parsing); `buf`
+        a pooled buffer, or (`pooled` False) a view of the stage it was read into."""
         self.frames_in += 1
         del self._expect[ch.rank]
         p = self.table.pending
         if self.stamps:
             self._stamp(p.request_id, p.step, ch.rank)
         part = buf[start:size].view(DTYPES[p.dtype])
-        self._loans[(p.request_id, p.step, ch.rank)] = buf
+        if pooled:
+            self._loans[(p.request_id, p.step, ch.rank)] = buf
         done = self.table.take(ch.rank, part)
         if done is not None:
             self._done = done

@@ -97,7 +97,8 @@ class Reducer:
         # adds of the same rule in plain numpy took six)
         # only NaNs need fixing after the rounding (infinities round to themselves; MLX writes every
         # NaN as 0x7FC0, ml_dtypes keeps its sign), and maximum propagates NaN: one cheap pass
-        has_nan = np.isnan(np.maximum.reduce(acc))
+        peak = np.maximum.reduce(acc)
+        has_nan = peak != peak  # a scalar's own compare: np.isnan on it costs a ufunc call
         np.copyto(out.view(_BF16), acc, casting="unsafe")
         if has_nan:
             out[np.isnan(acc)] = _BF16_NAN

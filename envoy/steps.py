@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,9 +46,9 @@ class Pending:
         return [r for r, p in enumerate(self.parts) if p is None]
 
 
-@dataclass(frozen=True)
-class Complete:
-    """A step with every rank's partial, ready to reduce in rank order."""
+class Complete(NamedTuple):
+    """A step with every rank's partial, ready to reduce in rank order (a tuple: made once per
+    all-reduce, where a frozen dataclass's checked init costs more)."""
 
     step: int
     dtype: str

@@ -138,6 +138,28 @@ def test_frames_read_ahead_or_handed_with_the_channel_are_kept_for_their_step():
         node.close()
 
 
+def test_a_frame_taken_where_it_was_read_stays_intact_until_the_next_steps_are_read():
+    """A decode-sized frame that is all the stage holds is handed over as a view of the stage and
+    the channel reads on into its other stage: each step's parts keep their values while the next
+    step's frame arrives and is read (and the pooled frame buffers are not those stages)."""
+    node, theirs = _peer()
+    try:
+        kept = []
+        for step in range(4):
+            values = np.full(6144, step + 1, np.float32)
+            theirs.sendall(_frame("q", step, 1, values))
+            node.x.send(np.zeros(6144, np.float32), "float32", (6144,), 0, step, 5.0)
+            done = node.x.collect_parts()
+            assert done.parts[1].tolist() == values.tolist()
+            kept.append(done.parts[1])
+            if step:  # the previous step's part, read into the other stage, is as it was
+                assert kept[-2].tolist() == [float(step)] * 6144
+            assert not node.x._free and not node.x._loans  # nothing of a stage in the pool
+    finally:
+        theirs.close()
+        node.close()
+
+
 @pytest.mark.parametrize(
     "fault,expect",
     [
