@@ -446,6 +446,7 @@ def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> 
     failed = next((s.error for s in sinks if s.error is not None), None)
     if failed is not None:
         raise failed
+    flight = runtime.batch.overlap_seconds()
     return {
         "t0": t0,
         "tokens": [r.tokens for r in results],
@@ -458,6 +459,6 @@ def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> 
         # all-reduces that travelled while the other micro-batch computed (node/overlap.py)
         "overlapped": runtime.batch.overlapped(),
         # this pass's seconds of them in flight, and of those waited for
-        "overlap_in_flight_s": runtime.batch.overlap_seconds()[0] - flight0[0],
-        "overlap_waited_s": runtime.batch.overlap_seconds()[1] - flight0[1],
+        "overlap_in_flight_s": flight[0] - flight0[0],
+        "overlap_waited_s": flight[1] - flight0[1],
     }
