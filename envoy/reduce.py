@@ -1,15 +1,28 @@
 """The reduction every transport shares: sum partials in rank order in float32, cast back.
 
 Summing in a fixed order in float32 gives every node the same bytes whichever node does it.
-Only numpy (and ml_dtypes' bfloat16 casts) here, so the envoy process stays light.
+Only numpy (and ml_dtypes' bfloat16 casts) here, so the envoy process stays light, and for
+bfloat16, the common activation dtype, envoy/_sum.c where the install could build it: the same
+bytes, 8x faster at a decode step's 6,144 values on 2 vCPUs (docs/envoy.md).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import os
+
 import ml_dtypes
 import numpy as np
+
+# "0": sum in numpy as an install without a C compiler does (to compare the two, or rule one out)
+NATIVE_ENV = "MOE_CLUSTER_NATIVE"
+try:
+    from . import _sum as native  # envoy/_sum.c: built by `pip install` where there is a C compiler
+except ImportError:
+    native = None
+if os.environ.get(NATIVE_ENV, "1") == "0":
+    native = None
 
 # Wire dtype names -> numpy dtype holding the raw bytes. bfloat16 travels as uint16 bit patterns.
 DTYPES: dict[str, np.dtype] = {
@@ -21,6 +34,11 @@ DTYPES: dict[str, np.dtype] = {
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _BF16_NAN = 0x7FC0  # what MLX writes for any NaN cast to bfloat16
 _F16_NAN = 0x7D00  # what MLX writes for a NaN cast to float16, with the NaN's sign bit added
+
+
+def native_sums(dtype: str) -> bool:
+    """Whether `dtype`'s partials are summed by envoy/_sum.c here (else in numpy)."""
+    return dtype == "bfloat16" and native is not None
 
 
 def _fix_f16_nans(acc: np.ndarray, out: np.ndarray) -> None:
@@ -85,6 +103,9 @@ class Reducer:
         n = _check(partials, dtype)
         if out is None:
             out = np.empty(n, DTYPES[dtype])
+        if dtype == "bfloat16" and native is not None:
+            native.bfloat16(out, partials)
+            return out
         if dtype == "float32":
             return self._sum(partials, dtype, out)
         acc = self._sum(partials, dtype, self._scratch(n))

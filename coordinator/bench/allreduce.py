@@ -134,6 +134,10 @@ def _envoy_worker(spec, rank: int, case: Case, results) -> None:
             x = _payload(case, rank)
             mx.eval(x)
             collective.begin("bench")
+            # the sum checked once: every rank's payload in rank order, summed in float32, rounded
+            want = sum(_payload(case, r).astype(mx.float32) for r in range(case.nodes))
+            if not mx.array_equal(collective.all_reduce(x, 0), want.astype(x.dtype)).item():
+                raise RuntimeError("the envoy's sum differs from the rank-order float32 sum")
             # evaluated, as the ring's is: a node may sum the partials lazily, in MLX
             latencies = _timed(lambda: mx.eval(collective.all_reduce(x, 0)), case)
             results.put(
@@ -691,7 +695,8 @@ def _trace(case: Case, timeout_s: float) -> dict:
     return {
         "p50_us": p50,
         "p99_us": p99,
-        "hops": _hops({rank: rows for rank, (_, rows) in reports}, case.warmup),
+        # the sum's check (_envoy_worker) and the warmup are steps the table leaves out
+        "hops": _hops({rank: rows for rank, (_, rows) in reports}, 1 + case.warmup),
     }
 
 

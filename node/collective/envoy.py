@@ -3,8 +3,8 @@
 `EnvoyProcess` owns the child and the node end of the link (raw numpy payloads; the integration
 tests and the benchmark use it directly); `EnvoyCollective` is the Collective on top (mx arrays).
 By default the envoy hands the node its peers' data channels and the node exchanges the frames
-itself (envoy/exchange.py), summing them in rank order: small partials on the host at once, larger
-ones in MLX inside the step's graph. The envoy exits by itself when its node dies: link EOF, a
+itself (envoy/exchange.py), summing them in rank order: small partials (and bfloat16 ones of any
+size, where envoy/_sum.c is built) on the host at once, larger ones in MLX inside the step's graph. The envoy exits by itself when its node dies: link EOF, a
 parent-pid watchdog, and on Linux PR_SET_PDEATHSIG.
 """
 
@@ -36,7 +36,7 @@ from ...envoy.link import (
     unpack_ready,
     unpack_step,
 )
-from ...envoy.reduce import DTYPES, Reducer
+from ...envoy.reduce import DTYPES, Reducer, native_sums
 from ...envoy.steps import StepError
 from ...proto.records import COLD_WAITS, wait_bound
 from .base import Agreement, CollectiveError, Rider, from_wire, to_wire
@@ -47,7 +47,9 @@ logger = logging.getLogger(__name__)
 _START_TIMEOUT_S = 30.0  # seconds for the child to import grpc and bind
 # A partial up to this size is summed on the host at once and handed back evaluated: an MLX op
 # and its evaluation cost more than the numpy sum there (on 2 vCPUs: 42 against 60-90 us for a
-# 6,144-value bfloat16 decode vector; at 32 tokens, 360 against 210)
+# 6,144-value bfloat16 decode vector; at 32 tokens, 360 against 210). A bfloat16 partial of any
+# size is, where envoy/_sum.c is built: at 32 tokens its sum and the copy into MLX take 93 + 23 us
+# where the peer's copy and MLX's add took 212 (MLX's CPU backend widens a value at a time).
 EAGER_SUM_BYTES = 32 << 10
 # "0": the frames go through the envoy process (its REDUCE path) instead of the node's own
 # exchange over the channels the envoy hands it (envoy/exchange.py)
@@ -348,9 +350,10 @@ class EnvoyCollective:
     def _summed(
         self, parts: list[np.ndarray], dtype: str, extra: int, partial: mx.array
     ) -> mx.array:
-        """The rank-order float32 sum of every rank's partial, rounded once to the partial's dtype,
-        in MLX, inside the step's graph: the peers' raw partials are copied in (half the bytes of
-        a float32 sum) and this node's is used where it is; the ride's slots are summed here."""
+        """The rank-order float32 sum of every rank's partial, rounded once to the partial's dtype:
+        on the host at once where that is cheaper (EAGER_SUM_BYTES), else in MLX, inside the step's
+        graph, the peers' raw partials copied in (half the bytes of a float32 sum) and this node's
+        used where it is. The ride's slots are summed here."""
         if extra:
             tails = [p[-extra:] for p in parts]
             self._rider.detach(
@@ -359,7 +362,7 @@ class EnvoyCollective:
                 extra,
             )
         n = partial.size
-        if n * partial.itemsize <= EAGER_SUM_BYTES:
+        if n * partial.itemsize <= EAGER_SUM_BYTES or native_sums(dtype):
             out = self._reduce([raw[:n] for raw in parts], dtype, self._eager(n, dtype))
             return from_wire(out, dtype, partial.shape)  # a copy: nothing left to evaluate
         xs = [

@@ -17,7 +17,8 @@ from moe_cluster.coordinator.bench import allreduce
 from moe_cluster.envoy import trace
 from moe_cluster.common.ports import free_ports
 from moe_cluster.proto import convert
-from moe_cluster.node.collective.envoy import DIRECT_ENV
+from moe_cluster.envoy import reduce
+from moe_cluster.node.collective.envoy import DIRECT_ENV, EAGER_SUM_BYTES
 
 CLI = [sys.executable, "-m", "moe_cluster.coordinator.cli"]
 
@@ -143,22 +144,48 @@ def test_bench_allreduce_reports_every_path():
         assert "envoy_p50_by_round_us" not in c  # one round: nothing to list
 
 
-def test_bench_allreduce_rounds_alternate_the_paths_and_pool_their_samples():
+def _bench_allreduce(*args: str, env: dict | None = None) -> list[dict]:
+    """`bench allreduce ARGS --json`'s cases; it must succeed."""
     r = subprocess.run(
-        [*CLI, "bench", "allreduce", "--nodes", "2", "--hidden", "256", "--iters", "20"]
-        + ["--warmup", "5", "--paths", "envoy", "--rounds", "2", "--json"],
+        [*CLI, "bench", "allreduce", *args, "--json"],
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
     assert r.returncode == 0, r.stderr
-    (c,) = json.loads(r.stdout)["cases"]
+    return json.loads(r.stdout)["cases"]
+
+
+def test_bench_allreduce_rounds_alternate_the_paths_and_pool_their_samples():
+    (c,) = _bench_allreduce(
+        "--nodes", "2", "--hidden", "256", "--iters", "20", "--warmup", "5", "--paths", "envoy",
+        "--rounds", "2",
+    )  # fmt: skip
     assert c["rounds"] == 2
     by_round = c["envoy_p50_by_round_us"]
     assert len(by_round) == 2 and min(by_round) > 0, c
     # the pooled median lies between the rounds' own (equal-sized samples)
     assert min(by_round) - 0.1 <= c["envoy_p50_us"] <= max(by_round) + 0.1, c
     assert "floor_p50_us" not in c and "mlx_ring_p50_us" not in c  # only the paths asked for
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_bench_allreduce_checks_the_envoys_bfloat16_sum_on_either_path(native):
+    """A node sums bfloat16 partials in envoy/_sum.c where it was built, else a decode vector in
+    numpy and 32 tokens in MLX (MOE_CLUSTER_NATIVE=0): the bench checks the sum, so a wrong one
+    fails it."""
+    if native == "1" and reduce.native is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("envoy/_sum.c was not built by the install (no C compiler?)")
+        pytest.skip("envoy/_sum.c not built")
+    cases = _bench_allreduce(
+        "--nodes", "2", "--hidden", "1024", "--tokens", "1,32", "--iters", "20", "--warmup", "2",
+        "--paths", "envoy", env={**os.environ, reduce.NATIVE_ENV: native},
+    )  # fmt: skip
+    # 32 tokens: 64 KB of partial, past the size a node without the module sums on the host
+    assert 32 * 1024 * 2 > EAGER_SUM_BYTES
+    assert [(c["tokens"], c["envoy_p50_us"] > 0) for c in cases] == [(1, True), (32, True)]
 
 
 def test_bench_allreduce_refuses_zero_rounds_in_one_line():

@@ -1,12 +1,30 @@
-"""envoy.reduce gives the bytes MLX's own float32 sum-and-cast gives, for every dtype and rank count."""
+"""envoy.reduce gives the bytes MLX's own float32 sum-and-cast gives, for every dtype and rank count,
+with envoy/_sum.c's bfloat16 sum and with numpy's (an install without a C compiler)."""
 
 from __future__ import annotations
+
+import os
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from moe_cluster.envoy import reduce
 from moe_cluster.envoy.reduce import DTYPES, Reducer, from_float32, reduce_sum, to_float32
+
+BUILT = reduce.native
+
+
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def summer(request, monkeypatch):
+    """Every test here runs on both bfloat16 paths (the others have one)."""
+    if request.param == "native" and BUILT is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("envoy/_sum.c was not built by the install (no C compiler?)")
+        pytest.skip("envoy/_sum.c not built: the numpy path only")
+    monkeypatch.setattr(reduce, "native", BUILT if request.param == "native" else None)
+    return request.param
+
 
 MX = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
 
@@ -108,6 +126,22 @@ def test_helpers_agree_with_the_reducer():
             acc = to_float32(parts[0], dtype).copy()
             acc += to_float32(parts[1], dtype)
             assert_same_bytes(from_float32(acc, dtype), reduce_sum(parts, dtype), dtype)
+
+
+def test_native_sum_checks_its_buffers():
+    if BUILT is None:
+        pytest.skip("envoy/_sum.c not built")
+    a, out = np.zeros(8, np.uint16), np.zeros(8, np.uint16)
+    with pytest.raises(ValueError, match="part 1 overlaps out"):
+        BUILT.bfloat16(out, [a, out])
+    with pytest.raises(ValueError, match="part 1 holds 6 bytes, out 16"):
+        BUILT.bfloat16(out, [a, a[:3]])
+    with pytest.raises(ValueError, match="0 parts"):
+        BUILT.bfloat16(out, [])
+    with pytest.raises(TypeError, match="sequence of buffers"):
+        BUILT.bfloat16(out, 5)
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        BUILT.bfloat16(out, [a, np.zeros(16, np.uint16)[::2]])  # not contiguous
 
 
 def test_rejects_bad_input():
