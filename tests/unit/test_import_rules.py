@@ -180,10 +180,21 @@ def _bound_names(tree: ast.Module) -> set[str] | None:
     return names
 
 
+def _extensions(root: Path) -> set[str]:
+    """The C modules pyproject.toml has the install build (without the `moe_cluster.` prefix)."""
+    import tomllib
+
+    with open(root / "pyproject.toml", "rb") as f:
+        table = tomllib.load(f).get("tool", {}).get("setuptools", {})
+    return {e["name"].removeprefix(DIST + ".") for e in table.get("ext-modules", [])}
+
+
 def unresolved_imports(root: Path, packages: tuple[str, ...] = PACKAGES) -> list[str]:
-    """`from <project module> import name` where name is neither a submodule nor bound in the
-    module: an import that fails when it runs (a function-level one only when it is called)."""
+    """`from <project module> import name` where name is neither a submodule (a C module the
+    install builds counts) nor bound in the module: an import that fails when it runs (a
+    function-level one only when it is called)."""
     modules = _modules(root, packages)
+    built = _extensions(root) if (root / "pyproject.toml").exists() else set()
     trees = {name: ast.parse(path.read_text(), str(path)) for name, path in modules.items()}
     bound = {name: _bound_names(tree) for name, tree in trees.items()}
     bad = []
@@ -209,6 +220,7 @@ def unresolved_imports(root: Path, packages: tuple[str, ...] = PACKAGES) -> list
                 if (
                     a.name != "*"
                     and f"{base}.{a.name}" not in modules
+                    and f"{base}.{a.name}" not in built
                     and bound[base] is not None
                     and a.name not in bound[base]
                 ):
@@ -325,6 +337,22 @@ def test_the_checker_finds_violations(tmp_path):
         ("node.engine", "coordinator.serve.api"),
         ("proto.convert", "mlx.core"),
     }
+
+
+def test_a_c_module_the_install_builds_resolves_and_an_undeclared_one_does_not(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "pyproject.toml": """
+                [[tool.setuptools.ext-modules]]
+                name = "moe_cluster.envoy._sum"
+                sources = ["envoy/_sum.c"]
+            """,
+            "envoy/__init__.py": "",
+            "envoy/reduce.py": "from . import _sum\nfrom . import _other\n",
+        },
+    )
+    assert unresolved_imports(root) == ["envoy.reduce:2: envoy has no '_other'"]
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
