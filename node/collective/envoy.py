@@ -36,7 +36,7 @@ from ...envoy.link import (
     unpack_ready,
     unpack_step,
 )
-from ...envoy.reduce import DTYPES, Reducer, native_sums
+from ...envoy.reduce import DTYPES, Reducer, native_sums, unbuilt_note
 from ...envoy.steps import StepError
 from ...proto.records import COLD_WAITS, wait_bound
 from .base import Agreement, CollectiveError, Rider, from_wire, to_wire
@@ -312,6 +312,10 @@ class EnvoyCollective:
 
     def __init__(self, spec: EnvoySpec, rank: int):
         self._envoy = EnvoyProcess(spec, rank)
+        note = unbuilt_note()
+        if note is not None:
+            logger.warning("%s", note)
+            print(f"moe-cluster node: rank {rank}: {note}", file=sys.stderr)
         self.rank = rank
         self.world_size = spec.world_size
         self._rider = Rider(rank, spec.world_size)

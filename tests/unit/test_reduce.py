@@ -12,7 +12,7 @@ import pytest
 from moe_cluster.envoy import reduce
 from moe_cluster.envoy.reduce import DTYPES, Reducer, from_float32, reduce_sum, to_float32
 
-BUILT = reduce.native
+BUILT = reduce.BUILT
 
 
 @pytest.fixture(autouse=True, params=["native", "numpy"])
