@@ -14,6 +14,8 @@ on the socket too.
 A float16 or bfloat16 sum comes back *widened*: the float32 sum, before its rounding, where it fits
 the result area (`widened`). The node rounds it with MLX, lazily inside its step's graph, which is
 the reference rounding by definition and takes two casting passes off the envoy's critical path.
+A bfloat16 sum where envoy/_sum.c is built comes back rounded: the C sum rounds in the same pass,
+and the node then copies half the bytes.
 
 Every message on the socket: 4-byte little-endian body length, then the body, whose first byte
 is the kind.
@@ -34,7 +36,7 @@ from multiprocessing import shared_memory
 import numpy as np
 
 from . import trace
-from .reduce import DTYPES
+from .reduce import DTYPES, native_sums
 from .spin import SpinPolicy, shared_memory_ordered
 from ..proto.errors import ErrorKind, MoeClusterError
 
@@ -130,8 +132,9 @@ def unlink_segment(shm: shared_memory.SharedMemory) -> None:
 
 
 def widened(dtype: str, nbytes: int, max_bytes: int) -> bool:
-    """Whether the sum of a `dtype` partial of `nbytes` comes back as float32 (see the module's doc)."""
-    return dtype != "float32" and 2 * nbytes <= max_bytes
+    """Whether the sum of a `dtype` partial of `nbytes` comes back as float32 (see the module's doc).
+    The node and its envoy decide alike: one install, and the envoy inherits the node's environment."""
+    return dtype != "float32" and not native_sums(dtype) and 2 * nbytes <= max_bytes
 
 
 class _Areas:

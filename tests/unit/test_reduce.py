@@ -128,6 +128,16 @@ def test_helpers_agree_with_the_reducer():
             assert_same_bytes(from_float32(acc, dtype), reduce_sum(parts, dtype), dtype)
 
 
+def test_the_envoy_hands_back_a_sum_widened_only_where_the_node_must_round_it(summer):
+    """envoy/link.py: float16 (and bfloat16 without the C module) sums come back as float32 for the
+    node to round; a bfloat16 sum the C module made comes back rounded; float32 as it is."""
+    from moe_cluster.envoy.link import widened
+
+    assert widened("float16", 64, 1 << 20) and not widened("float32", 64, 1 << 20)
+    assert widened("bfloat16", 64, 1 << 20) == (summer == "numpy")
+    assert not widened("float16", 1 << 20, 1 << 20)  # twice the bytes would not fit the link
+
+
 def test_native_sum_checks_its_buffers():
     if BUILT is None:
         pytest.skip("envoy/_sum.c not built")
