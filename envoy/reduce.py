@@ -8,9 +8,8 @@ bytes, 8x faster at a decode step's 6,144 values on 2 vCPUs (docs/envoy.md).
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import os
+from typing import Sequence
 
 import ml_dtypes
 import numpy as np

@@ -113,6 +113,18 @@ def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None
         assert needle in lines[0], (needle, lines[0])
 
 
+def native_sum():
+    """envoy/_sum.c's module, for a test that needs it: a skip where the install could not build
+    it (no C compiler), a failure under CI=true, whose install must have."""
+    from moe_cluster.envoy import reduce
+
+    if reduce.BUILT is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("envoy/_sum.c was not built by the install (no C compiler?)")
+        pytest.skip("envoy/_sum.c not built: the numpy path only")
+    return reduce.BUILT
+
+
 @pytest.fixture(scope="session")
 def make_ckpt(tmp_path_factory):
     """make_ckpt(arch, layout="mlx", dtype="float32", quantize=None, **spec) -> checkpoint folder (cached)."""

@@ -112,6 +112,14 @@ def _payload(case: Case, rank: int):
     )
 
 
+def _rank_order_sum(case: Case):
+    """What every path's all-reduce must give: every rank's payload in rank order, summed in
+    float32 (a path that rounds to the payload's dtype compares with this rounded)."""
+    import mlx.core as mx
+
+    return sum(_payload(case, r).astype(mx.float32) for r in range(case.nodes))
+
+
 def _timed(fn, case: Case) -> list[float]:
     for _ in range(case.warmup):
         fn()
@@ -134,9 +142,9 @@ def _envoy_worker(spec, rank: int, case: Case, results) -> None:
             x = _payload(case, rank)
             mx.eval(x)
             collective.begin("bench")
-            # the sum checked once: every rank's payload in rank order, summed in float32, rounded
-            want = sum(_payload(case, r).astype(mx.float32) for r in range(case.nodes))
-            if not mx.array_equal(collective.all_reduce(x, 0), want.astype(x.dtype)).item():
+            # the sum checked once, rounded to the payload's dtype as the collective hands it back
+            want = _rank_order_sum(case).astype(x.dtype)
+            if not mx.array_equal(collective.all_reduce(x, 0), want).item():
                 raise RuntimeError("the envoy's sum differs from the rank-order float32 sum")
             # evaluated, as the ring's is: a node may sum the partials lazily, in MLX
             latencies = _timed(lambda: mx.eval(collective.all_reduce(x, 0)), case)
@@ -316,7 +324,7 @@ def _direct_worker(ports: list[int], rank: int, case: Case, results) -> None:
             return y
 
         # the sum checked once: every rank's payload in rank order, summed in float32
-        want = sum(_payload(case, r).astype(mx.float32) for r in range(case.nodes))
+        want = _rank_order_sum(case)
         if not mx.array_equal(all_reduce(), want).item():
             raise RuntimeError("the direct exchange's sum differs from the rank-order float32 sum")
         results.put((rank, _timed(lambda: mx.eval(all_reduce().astype(x.dtype)), case)))

@@ -26,18 +26,8 @@ def test_without_a_c_compiler_the_install_goes_on_and_numpy_sums(tmp_path):
     env.pop(NATIVE_ENV, None)
     r = subprocess.run(
         # -v: pip shows the build's own output only when asked
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-v",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            "dist",
-        ]
-        + ["."],
+        [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation"]
+        + ["-w", "dist", "."],
         cwd=src,
         env=env,
         capture_output=True,

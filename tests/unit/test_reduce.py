@@ -3,26 +3,19 @@ with envoy/_sum.c's bfloat16 sum and with numpy's (an install without a C compil
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from conftest import native_sum
 from moe_cluster.envoy import reduce
 from moe_cluster.envoy.reduce import DTYPES, Reducer, from_float32, reduce_sum, to_float32
-
-BUILT = reduce.BUILT
 
 
 @pytest.fixture(autouse=True, params=["native", "numpy"])
 def summer(request, monkeypatch):
     """Every test here runs on both bfloat16 paths (the others have one)."""
-    if request.param == "native" and BUILT is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("envoy/_sum.c was not built by the install (no C compiler?)")
-        pytest.skip("envoy/_sum.c not built: the numpy path only")
-    monkeypatch.setattr(reduce, "native", BUILT if request.param == "native" else None)
+    monkeypatch.setattr(reduce, "native", native_sum() if request.param == "native" else None)
     return request.param
 
 
@@ -139,19 +132,18 @@ def test_the_envoy_hands_back_a_sum_widened_only_where_the_node_must_round_it(su
 
 
 def test_native_sum_checks_its_buffers():
-    if BUILT is None:
-        pytest.skip("envoy/_sum.c not built")
+    built = native_sum()
     a, out = np.zeros(8, np.uint16), np.zeros(8, np.uint16)
     with pytest.raises(ValueError, match="part 1 overlaps out"):
-        BUILT.bfloat16(out, [a, out])
+        built.bfloat16(out, [a, out])
     with pytest.raises(ValueError, match="part 1 holds 6 bytes, out 16"):
-        BUILT.bfloat16(out, [a, a[:3]])
+        built.bfloat16(out, [a, a[:3]])
     with pytest.raises(ValueError, match="0 parts"):
-        BUILT.bfloat16(out, [])
+        built.bfloat16(out, [])
     with pytest.raises(TypeError, match="sequence of buffers"):
-        BUILT.bfloat16(out, 5)
+        built.bfloat16(out, 5)
     with pytest.raises(ValueError, match="not C-contiguous"):
-        BUILT.bfloat16(out, [a, np.zeros(16, np.uint16)[::2]])  # not contiguous
+        built.bfloat16(out, [a, np.zeros(16, np.uint16)[::2]])  # not contiguous
 
 
 def test_rejects_bad_input():
