@@ -37,6 +37,7 @@ import mlx.core as mx
 
 from ..proto.errors import MoeClusterError, UserError
 from ..proto.records import GenerateRequest
+from . import sampling
 from .collective.base import RIDE_MAX_TOKEN, TokenMismatch, agree, waiting
 
 logger = logging.getLogger(__name__)
@@ -515,7 +516,7 @@ class RunningBatch:
             logits = mx.concatenate([x[:, -1, :] for x in self._micro_batches(lanes, inputs)])
         self._tally.decoded = self._tally.positions = len(decoding)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        sampled = sample_tokens(decoding, logprobs)
+        sampled = sampling.sample_tokens(decoding, logprobs)
         for i, s in enumerate(decoding):
             s.token = sampled[i : i + 1] if len(decoding) > 1 else sampled
             s.figures.steps += 1
@@ -560,7 +561,7 @@ class RunningBatch:
         logits = lane.forward(self.model, mx.array(rows, dtype=mx.uint32))
         self._tally.decoded, self._tally.positions = len(decoding), len(decoding) * width
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        chosen, keys = sample_positions(decoding, logprobs)
+        chosen, keys = sampling.sample_positions(decoding, logprobs)
         chosen = np.array(chosen).tolist()
         drop = []
         for i, s in enumerate(decoding):
@@ -718,7 +719,9 @@ class RunningBatch:
                 key = mx.random.key(
                     seed if seed is not None else zlib.crc32(s.req.request_id.encode())
                 )
-                s.key = advance_key(key, s.req.sampling.step)  # a resumed request: past its draws
+                s.key = sampling.advance_key(
+                    key, s.req.sampling.step
+                )  # a resumed request: past its draws
             if budget and pc is not None:
                 pc.make_room(budget - held - s.reserve)
             if s.state == "decode":
@@ -779,80 +782,6 @@ def _generation_stream():
     from mlx_lm.generate import generation_stream
 
     return generation_stream
-
-
-def sample_tokens(decoding: list[Sequence], logprobs: mx.array) -> mx.array:
-    """Each decoding sequence's next token (lazy, (B,)) from the step's (B, vocab) log-probabilities.
-    A sequence whose sampler raises gets `error` set and the greedy token in its row: it leaves the
-    batch after the step, alone (every rank raises alike: the same inputs, the same code)."""
-    if all(s.req.sampling.greedy for s in decoding):
-        return mx.argmax(logprobs, axis=-1)
-    rows = []
-    for i, s in enumerate(decoding):
-        row = logprobs[i : i + 1]
-        try:
-            rows.append(_sample(s, row))
-        except Exception as exc:  # noqa: BLE001 - this sequence's failure, not the batch's
-            s.error = exc
-            rows.append(mx.argmax(row, axis=-1))
-    return mx.concatenate(rows)
-
-
-def sample_positions(decoding: list[Sequence], logprobs: mx.array) -> tuple[mx.array, list]:
-    """The model's token at every verified position ((B, width), lazy) from (B, width, vocab)
-    log-probabilities, and per sequence the key after each number of draws (None where greedy).
-    Position j of a sampling sequence draws with the subkey its j-th next token would use without
-    speculation (node.speculate.key_chain), so an accepted prefix keeps the tokens and the keys."""
-    from .speculate import key_chain
-
-    if all(s.req.sampling.greedy for s in decoding):
-        return mx.argmax(logprobs, axis=-1), [None] * len(decoding)
-    rows, keys = [], []
-    for i, s in enumerate(decoding):
-        row = logprobs[i]
-        if s.req.sampling.greedy:
-            rows.append(mx.argmax(row, axis=-1))
-            keys.append(None)
-            continue
-        after, subs = key_chain(s.key, row.shape[0])
-        try:
-            rows.append(
-                mx.concatenate([_draw(s, row[j : j + 1], sub) for j, sub in enumerate(subs)])
-            )
-            keys.append(after)
-        except Exception as exc:  # noqa: BLE001 - this sequence's failure, not the batch's
-            s.error = exc
-            rows.append(mx.argmax(row, axis=-1))
-            keys.append(None)
-    return mx.stack(rows), keys
-
-
-def advance_key(key: mx.array, steps: int) -> mx.array:
-    """The key a sequence's sampler holds after `steps` draws (`_sample` splits it once per draw): a
-    resumed request samples its step k as the run that was cut would have, on every rank alike."""
-    for _ in range(steps):
-        key = mx.random.split(key)[0]
-    return key
-
-
-def _sample(s: Sequence, logprobs: mx.array) -> mx.array:
-    """One sequence's token from its (1, vocab) log-probabilities, with its own key."""
-    sampling = s.req.sampling
-    if sampling.greedy:  # the edge values too (proto.records.GREEDY_*): never handed to the kernels
-        return mx.argmax(logprobs, axis=-1)
-    keys = mx.random.split(s.key)
-    s.key = keys[0]
-    return _draw(s, logprobs, keys[1])
-
-
-def _draw(s: Sequence, logprobs: mx.array, key: mx.array) -> mx.array:
-    """A draw from a (1, vocab) row with the sequence's temperature and top-p, with `key`."""
-    from mlx_lm.sample_utils import apply_top_p
-
-    sampling = s.req.sampling
-    if sampling.top_p < 1:
-        logprobs = apply_top_p(logprobs, sampling.top_p)
-    return mx.random.categorical(logprobs * (1.0 / sampling.temperature), key=key)
 
 
 def kv_bytes_per_token(model) -> int:

@@ -146,7 +146,7 @@ def accept(drafts: Sequence[int], model_tokens: Sequence[int]) -> Verified:
 
 def key_chain(key: mx.array, n: int) -> tuple[list[mx.array], list[mx.array]]:
     """(keys, subkeys): the key after each of n draws and the subkey each draw uses, as
-    node.batch._sample splits them one draw at a time."""
+    node.sampling.sample_one splits them one draw at a time."""
     keys, subs = [], []
     for _ in range(n):
         key, sub = mx.random.split(key)

@@ -39,7 +39,7 @@ def _node(scenarios: tuple[str, ...], specs: tuple, rank: int, model: str, resul
 def _scenario(scenario: str, spec, rank: int, model: str) -> dict:
     import mlx.core as mx
 
-    from moe_cluster.node import batch
+    from moe_cluster.node import sampling
     from moe_cluster.node.collective.base import TOKEN_LAYER
     from moe_cluster.node.collective.specs import make_collective
     from moe_cluster.node.moe.load import load_shard
@@ -62,7 +62,7 @@ def _scenario(scenario: str, spec, rank: int, model: str) -> dict:
         (explicit.append(layer) if layer == TOKEN_LAYER else None) or reduce(x, layer)
     )
     sample, calls = (
-        batch.sample_tokens,
+        sampling.sample_tokens,
         [0],
     )  # restored after the scenario: the next one samples as stock
     if rank == 1 and scenario in ("mismatch", "stall"):
@@ -78,7 +78,7 @@ def _scenario(scenario: str, spec, rank: int, model: str) -> dict:
                 y = y + 1  # this node samples another token than the others
             return y
 
-        batch.sample_tokens = faulty
+        sampling.sample_tokens = faulty
     result = GenerateResult()
     cancel = (
         (lambda: len(result.tokens) >= AT)
@@ -89,7 +89,7 @@ def _scenario(scenario: str, spec, rank: int, model: str) -> dict:
     try:
         tokens = list(NodeRuntime(sharded).generate(req, should_cancel=cancel, result=result))
     finally:
-        batch.sample_tokens = sample
+        sampling.sample_tokens = sample
         collective.close()
     return {"tokens": tokens, "cancelled": result.cancelled, "explicit": len(explicit)}
 

@@ -15,7 +15,7 @@ from moe_cluster.coordinator.serve import api
 from moe_cluster.coordinator.serve.api import ApiError, _Generation, parse_sampling
 from moe_cluster.coordinator.serve.cluster import Outcome
 from moe_cluster.coordinator.serve.tools import FieldError
-from moe_cluster.node.batch import sample_tokens
+from moe_cluster.node.sampling import sample_tokens
 from moe_cluster.proto.errors import error_for, ErrorKind
 from moe_cluster.proto.records import GenerateRequest, Sampling
 
@@ -85,16 +85,16 @@ def test_the_node_samples_edge_values_greedily(sampling):
 
 
 def test_a_sampler_that_raises_fails_its_own_sequence_only(monkeypatch):
-    from moe_cluster.node import batch
+    from moe_cluster.node import sampling
 
-    real = batch._sample
+    real = sampling.sample_one
 
     def poisoned(s, logprobs):
         if s.req.sampling.seed == 666:
             raise RuntimeError("poisoned")
         return real(s, logprobs)
 
-    monkeypatch.setattr(batch, "_sample", poisoned)
+    monkeypatch.setattr(sampling, "sample_one", poisoned)
     logprobs = mx.log(mx.softmax(mx.random.normal((3, 64), key=mx.random.key(1)), axis=-1))
     seqs = [_seq(Sampling(8)), _seq(Sampling(8, 0.5, 1.0, 666)), _seq(Sampling(8))]
     got = sample_tokens(seqs, logprobs).tolist()
