@@ -194,98 +194,150 @@ def _transport(c: ClusterConfig, hosts: list[str], envoy_ports: list[int], rank_
 
 
 async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
-    from ...node.checkpoint import load_tokenizer
-
-    from .api import Api, ApiRunner, ServingOptions
-    from .launcher import Launcher, LocalNode
-
-    ckpt = Checkpoint.open(c.model)  # a bad model is refused here, before anything starts
-    model_path = str(ckpt.path)
-    secret, api_key = read_credentials(c)  # the same checks as `validate`
-    if not secret:
-        secret = secrets.token_urlsafe(24)  # local nodes get it from us
-
-    routing = (
-        _read_profile(c.placement.profile, Path(c.source).parent) if c.placement.profile else None
-    )
-    profile = {int(l): list(v.counts) for l, v in routing.layers.items()} if routing else None
-    # the nodes get it too: an expert cache pins the hottest experts and prefetches from it
-    heat = (
-        tuple(
-            (int(l), tuple(float(n) for n in v.counts), v.tokens) for l, v in routing.layers.items()
-        )
-        if routing
-        else ()
-    )
-
-    _check_port_free(c)
-    launcher = None
+    """Start the cluster `c` describes and serve it until Ctrl-C, SIGTERM or `down`."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    cluster = None
-    runner = None
-    ship = None
+    up = Up(c, log_dir, stop)
     try:
-        if c.launch == "local":
-            ports = free_ports(2 * len(c.nodes))
-            launcher = Launcher(
-                secret,
-                log_dir,
-                c.name,
-                tls=tls_files(c),
-                cache_root=(
-                    state_file().parent / "cache" / c.name
-                    if c.checkpoint == "coordinator"
-                    else None
-                ),
-            )
-            local = [
-                LocalNode(
-                    n.name, n.port or ports[2 * i], log_dir / f"{n.name}.log", n.memory, n.gpu
-                )
-                for i, n in enumerate(c.nodes)
-            ]
-            # they boot while this reads the checkpoint, on this thread: MLX started on another
-            # aborts the process at exit
-            for n in local:
-                await launcher.spawn(n)
+        await up.start()
+        await stop.wait()
+        print("stopping...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        await up.close()
+
+
+class Up:
+    """One `up`, phase by phase: each phase a method, what it made kept for the next and for
+    `close` (which undoes whatever ran, in reverse)."""
+
+    def __init__(self, c: ClusterConfig, log_dir: Path, stop: asyncio.Event):
+        self.c = c
+        self.log_dir = log_dir
+        self.stop = stop
+        self.launcher = None  # local nodes, where `launch: local`
+        self.local: list = []  # their LocalNode records
+        self.ports: list[int] = []  # free ports for the local nodes (agent, envoy)
+        self.ship: _Ship | None = None
+        self.cluster: Cluster | None = None
+        self.runner = None  # the API's aiohttp runner
+        self.url = ""
+
+    async def start(self) -> None:
+        """Every phase up to a cluster serving its API."""
+        from ...node.checkpoint import load_tokenizer
+
+        c = self.c
+        self.open_model()
+        _check_port_free(c)
+        await self.start_local_nodes()
         # the tokenizer, and the checkpoint's config and headers, read once: placement, shipping,
         # the API's vocabulary and the load check all take this description. Both import mlx-lm
         # (and transformers: seconds), which is why local nodes were started first
-        tokenizer = load_tokenizer(ckpt.path)
-        desc = describe(ckpt)
-        if launcher is not None:  # said once the checkpoint is good: a bad one is the only line
+        self.tokenizer = load_tokenizer(self.ckpt.path)
+        self.desc = describe(self.ckpt)
+        if (
+            self.launcher is not None
+        ):  # said once the checkpoint is good: a bad one is the only line
             print(
-                f"starting {len(local)} nodes on this machine (logs in {log_dir})",
+                f"starting {len(self.local)} nodes on this machine (logs in {self.log_dir})",
                 file=sys.stderr,
                 flush=True,
             )
-        fp = footprint(desc)
-        vocab = desc.vocab  # prompt ids at or past it are refused at the API
         if c.checkpoint == "coordinator":
-            ship = await _start_ship(c, desc, secret)
-        if launcher is not None:
-            await asyncio.gather(*(launcher.ready(n) for n in local))
-            found = [(n.name, f"127.0.0.1:{n.port}", "127.0.0.1") for n in local]
-            envoy_ports = [n.envoy_port or ports[2 * i + 1] for i, n in enumerate(c.nodes)]
-        else:
-            print(
-                f"looking for {len(c.nodes)} nodes of cluster {c.name!r}...",
-                file=sys.stderr,
-                flush=True,
+            self.ship = await _start_ship(c, self.desc, self.secret)
+        found, envoy_ports = await self.find_nodes()
+        members = await self.meet(found)
+        self.place(members, found, envoy_ports)
+        await self.load(members)
+        if c.verify and len(members) > 1:
+            await self.verify(members)
+        self.cluster.start_monitor()
+        await self.serve_api(members)
+
+    def open_model(self) -> None:
+        """The checkpoint, the credentials and the routing profile, checked before anything starts."""
+        c = self.c
+        self.ckpt = Checkpoint.open(c.model)  # a bad model is refused here
+        self.secret, self.api_key = read_credentials(c)  # the same checks as `validate`
+        if not self.secret:
+            self.secret = secrets.token_urlsafe(24)  # local nodes get it from us
+        routing = (
+            _read_profile(c.placement.profile, Path(c.source).parent)
+            if c.placement.profile
+            else None
+        )
+        self.profile = (
+            {int(l): list(v.counts) for l, v in routing.layers.items()} if routing else None
+        )
+        # the nodes get it too: an expert cache pins the hottest experts and prefetches from it
+        self.heat = (
+            tuple(
+                (int(l), tuple(float(n) for n in v.counts), v.tokens)
+                for l, v in routing.layers.items()
             )
-            found = await _remote_members(c)
-            envoy_ports = [n.envoy_port or DEFAULT_ENVOY_PORT for n in c.nodes]
-        tls = tls_files(c)
+            if routing
+            else ()
+        )
+
+    async def start_local_nodes(self) -> None:
+        """`launch: local`: spawn the listed nodes on this machine (they boot while `up` reads the
+        checkpoint, on this thread: MLX started on another aborts the process at exit)."""
+        from .launcher import Launcher, LocalNode
+
+        c = self.c
+        if c.launch != "local":
+            return
+        self.ports = free_ports(2 * len(c.nodes))
+        self.launcher = Launcher(
+            self.secret,
+            self.log_dir,
+            c.name,
+            tls=tls_files(c),
+            cache_root=(
+                state_file().parent / "cache" / c.name if c.checkpoint == "coordinator" else None
+            ),
+        )
+        self.local = [
+            LocalNode(
+                n.name,
+                n.port or self.ports[2 * i],
+                self.log_dir / f"{n.name}.log",
+                n.memory,
+                n.gpu,
+            )
+            for i, n in enumerate(c.nodes)
+        ]
+        for n in self.local:
+            await self.launcher.spawn(n)
+
+    async def find_nodes(self) -> tuple[list[tuple[str, str, str]], list[int]]:
+        """(name, agent address, host) of every node in rank order, and their envoy ports."""
+        c = self.c
+        if self.launcher is not None:
+            await asyncio.gather(*(self.launcher.ready(n) for n in self.local))
+            found = [(n.name, f"127.0.0.1:{n.port}", "127.0.0.1") for n in self.local]
+            return found, [n.envoy_port or self.ports[2 * i + 1] for i, n in enumerate(c.nodes)]
+        print(
+            f"looking for {len(c.nodes)} nodes of cluster {c.name!r}...",
+            file=sys.stderr,
+            flush=True,
+        )
+        found = await _remote_members(c)
+        return found, [n.envoy_port or DEFAULT_ENVOY_PORT for n in c.nodes]
+
+    async def meet(self, found: list[tuple[str, str, str]]) -> list[Member]:
+        """A client per node, and each node's memory and device from its status."""
+        tls = tls_files(self.c)
         members = [
             Member(
                 name,
                 NodeClient(
                     name,
                     addr,
-                    secret,
+                    self.secret,
                     tls_ca=tls.ca if tls else None,
                     tls_cert=tls.cert if tls else None,
                     tls_key=tls.key if tls else None,
@@ -302,9 +354,16 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
 
                 why = describe_rpc_error(exc) if hasattr(exc, "code") else str(exc)
                 raise ClusterError(f"node {m.name} at {m.address}: {why}") from None
-            override = next(n.memory for n in c.nodes if n.name == m.name)
+            override = next(n.memory for n in self.c.nodes if n.name == m.name)
             m.memory_bytes = int(override or s.memory.budget_bytes or s.memory.device_bytes)
             m.device = s.device
+        return members
+
+    def place(
+        self, members: list[Member], found: list[tuple[str, str, str]], envoy_ports: list[int]
+    ) -> None:
+        """Placement of the experts, and each node's LoadSpec and weight budget."""
+        c = self.c
         kv_reserve = c.placement.kv_reserve + c.serving.prompt_cache  # bytes per node
         node_config = {n.name: n for n in c.nodes}
         caches = [
@@ -312,19 +371,20 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
             for m in members
         ]
         plan = plan_placement(
-            fp,
+            footprint(self.desc),
             [NodeBudget(m.name, m.memory_bytes) for m in members],
             strategy=c.placement.strategy,
             memory_fraction=c.placement.memory_fraction,
             kv_reserve=kv_reserve,
-            profile_counts=profile,
+            profile_counts=self.profile,
             replicate=c.placement.replicate,
             expert_cache=caches,
         )
         make_transport = _transport(c, [h for _, _, h in found], envoy_ports, c.launch == "remote")
+        ship = self.ship
         for m in members:
             m.spec = LoadSpec(
-                model=model_path,
+                model=str(self.ckpt.path),
                 rank=m.rank,
                 world_size=len(members),
                 transport=make_transport(m.rank),
@@ -337,7 +397,7 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
                 max_batch=c.serving.max_batch,
                 prefill_budget=c.serving.prefill_budget,
                 kv_budget_bytes=kv_reserve,
-                heat=heat,
+                heat=self.heat,
                 route=c.route,
                 speculative=c.serving.speculative,
                 draft_tokens=c.serving.draft_tokens,
@@ -349,11 +409,15 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         for note in plan.notes:
             print(f"placement: {note}", file=sys.stderr)
 
-        def respawn(m: Member):
-            if launcher is not None:
-                launcher.respawn(m.name)
+    async def load(self, members: list[Member]) -> None:
+        """Every node loads (and receives) its shard; what was shipped and each decode route said."""
+        c = self.c
+        launcher = self.launcher
 
-        cluster = Cluster(
+        def respawn(m: Member):
+            launcher.respawn(m.name)
+
+        self.cluster = Cluster(
             members,
             model=c.model,
             transport=c.transport,
@@ -368,24 +432,10 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
             pid_of=launcher.pid if launcher else None,
         )
         progress = Progress([m.name for m in members])
-        t0 = time.monotonic()
-        await cluster.load(progress.update)
-        if ship is not None:
-            sent = ship.shipper.bytes_sent()
-            print(
-                "shipped: "
-                + ", ".join(f"{m.name} {sent.get(m.name, 0)} bytes" for m in members)
-                + f" (total {sum(sent.values())} bytes)",
-                file=sys.stderr,
-                flush=True,
-            )
-            d = ship.shipper.digests
-            print(
-                f"digests: hashed {d.hashed_bytes} bytes of the checkpoint this run; {d.known()} blobs known"
-                + (f" (kept in {d.path})" if d.path else " (kept in memory only)"),
-                file=sys.stderr,
-                flush=True,
-            )
+        self.t_load = time.monotonic()
+        await self.cluster.load(progress.update)
+        if self.ship is not None:
+            _say_shipped(self.ship, members)
         routes = [
             f"{m.name} {m.route}"
             + (
@@ -401,80 +451,105 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
             routes
         ):  # each node's decode route, timed at load on its own hardware (node/moe/route.py)
             print("decode route: " + "; ".join(routes), file=sys.stderr, flush=True)
-        if c.verify and len(members) > 1:
-            from .verify import check_load
 
-            checks = await check_load(members, desc, timeout_s=c.timeouts.load)
-            if checks:
-                worst = max(checks, key=lambda k: k.max_abs_diff / k.tolerance)
-                print(
-                    f"load check: MoE layers {', '.join(str(k.layer) for k in checks)} match the checkpoint "
-                    f"(largest |Δ| {worst.max_abs_diff:.2g} at layer {worst.layer}, tolerance {worst.tolerance:.2g})",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        cluster.start_monitor()
+    async def verify(self, members: list[Member]) -> None:
+        """The load check: each MoE layer of the cluster against the checkpoint's own."""
+        from .verify import check_load
 
+        checks = await check_load(members, self.desc, timeout_s=self.c.timeouts.load)
+        if checks:
+            worst = max(checks, key=lambda k: k.max_abs_diff / k.tolerance)
+            print(
+                f"load check: MoE layers {', '.join(str(k.layer) for k in checks)} match the "
+                f"checkpoint (largest |Δ| {worst.max_abs_diff:.2g} at layer {worst.layer}, "
+                f"tolerance {worst.tolerance:.2g})",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    async def serve_api(self, members: list[Member]) -> None:
+        """The HTTP API on cluster.yaml's `api`, its URL recorded for `down` and `status`."""
         from aiohttp import web
 
-        context = int(getattr(tokenizer, "model_max_length", 0) or 0)
-        cfg = desc.config
+        from .api import Api, ApiRunner, ServingOptions
+
+        c = self.c
+        cfg = self.desc.config
+        context = int(getattr(self.tokenizer, "model_max_length", 0) or 0)
         context = int(
             cfg.get("max_position_embeddings") or cfg.get("max_seq_len") or context or 4096
         )
         api = Api(
-            cluster,
-            tokenizer,
+            self.cluster,
+            self.tokenizer,
             ServingOptions(
                 model_id=c.model,
                 context_length=context,
                 default_max_tokens=c.serving.max_tokens,
-                api_key=api_key,
-                on_shutdown=stop.set,
-                vocab_size=vocab,
+                api_key=self.api_key,
+                on_shutdown=self.stop.set,
+                vocab_size=self.desc.vocab,  # prompt ids at or past it are refused
                 max_body=c.api.max_body,
                 metrics_auth=c.api.metrics_auth,
                 speculative=c.serving.speculative,
                 draft_tokens=c.serving.draft_tokens,
             ),
         )
-        runner = ApiRunner(api.app(), handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, c.api.host, c.api.port)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1] if c.api.port == 0 else c.api.port
-        url = f"http://{c.api.host}:{port}"
+        self.runner = ApiRunner(api.app(), handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, c.api.host, c.api.port).start()
+        port = self.runner.addresses[0][1] if c.api.port == 0 else c.api.port
+        self.url = f"http://{c.api.host}:{port}"
         sf = state_file()
         sf.parent.mkdir(parents=True, exist_ok=True)
-        sf.write_text(json.dumps({"url": url, "pid": os.getpid(), "config": c.source}))
+        sf.write_text(json.dumps({"url": self.url, "pid": os.getpid(), "config": c.source}))
         how = (
             f"{len(members)} nodes, transport {c.transport}"
             if len(members) > 1
             else "1 node (stock mlx-lm, nothing to exchange)"
         )
         print(
-            f"moe-cluster ready: {url} — model {c.model}, {how}, "
-            f"loaded in {time.monotonic() - t0:.1f}s (Ctrl-C or `moe-cluster down` to stop)",
+            f"moe-cluster ready: {self.url} — model {c.model}, {how}, "
+            f"loaded in {time.monotonic() - self.t_load:.1f}s "
+            "(Ctrl-C or `moe-cluster down` to stop)",
             flush=True,
         )
-        await stop.wait()
-        print("stopping...", file=sys.stderr, flush=True)
-        return 0
-    finally:
-        if runner is not None:
-            await runner.cleanup()
-        if ship is not None:
-            await ship.close()
-        if cluster is not None:
-            await cluster.close(shutdown_nodes=launcher is not None)
-        if launcher is not None:
-            await launcher.close()
+
+    async def close(self) -> None:
+        """Undo what the phases did, the last first; shuts local nodes down, leaves remote ones."""
+        if self.runner is not None:
+            await self.runner.cleanup()
+        if self.ship is not None:
+            await self.ship.close()
+        if self.cluster is not None:
+            await self.cluster.close(shutdown_nodes=self.launcher is not None)
+        if self.launcher is not None:
+            await self.launcher.close()
         try:
             sf = state_file()
             if sf.exists() and json.loads(sf.read_text()).get("pid") == os.getpid():
                 sf.unlink()
         except (OSError, json.JSONDecodeError):
             pass
+
+
+def _say_shipped(ship: "_Ship", members: list[Member]) -> None:
+    """What the Ship service sent each node, and what it hashed of the checkpoint."""
+    sent = ship.shipper.bytes_sent()
+    print(
+        "shipped: "
+        + ", ".join(f"{m.name} {sent.get(m.name, 0)} bytes" for m in members)
+        + f" (total {sum(sent.values())} bytes)",
+        file=sys.stderr,
+        flush=True,
+    )
+    d = ship.shipper.digests
+    print(
+        f"digests: hashed {d.hashed_bytes} bytes of the checkpoint this run; {d.known()} blobs known"
+        + (f" (kept in {d.path})" if d.path else " (kept in memory only)"),
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 class _Ship:
