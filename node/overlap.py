@@ -6,7 +6,8 @@ batched KV cache, and runs the model once per lane. Where the collective is a gr
 (`transport: mlx`) both lanes go into one lazy graph and MLX orders the work; elsewhere (the envoy,
 shared memory) the MoE layer hands its lazy partial to `Interleave`, which runs the two forward
 passes on the one thread that drives MLX, switching twice at each MoE all-reduce: once when a
-lane's layer is queued on the device (`mx.async_eval`), once when its partial is handed over.
+lane's layer is queued on the device (`mx.async_eval`), once when its partial is handed over
+(`Interleave` is then every MoE layer's hand-over, set once when the runtime starts).
 
     thread: build A(l)  collect B(l-1)  build B(l)  start A(l)  collect A(l)  start B(l)  build A(l+1) ...
     device:           [ A(l) computes ............ ][ B(l) computes ............. ]
@@ -30,24 +31,26 @@ from typing import Callable
 
 import mlx.core as mx
 
+from .moe.combine import HostCombine
+
 
 def start(collective, partial: mx.array, layer: int) -> Callable[[], mx.array]:
     """`collective.start` where the transport has the two halves, else a whole all-reduce now."""
-    begin = getattr(collective, "start", None)
-    if begin is not None:
-        return begin(partial, layer)
+    if collective.caps.halves:
+        return collective.start(partial, layer)
     out = collective.all_reduce(partial, layer)
     return lambda: out
 
 
 class Interleave:
-    """Runs forward passes (lanes) on the calling thread, switching lanes at each all-reduce."""
+    """Runs forward passes (lanes) on the calling thread, switching lanes at each all-reduce: the
+    MoE layers' `Combine` (node/moe/combine.py) where the node runs two micro-batches. Outside
+    `run` (a prefill, a lone lane) it hands a partial over as `HostCombine` does."""
 
-    # ClusterMoE hands this collective its partial unevaluated: all_reduce queues it on the device
-    evaluates = True
-
-    def __init__(self, collective):
+    def __init__(self, collective, timers):
         self.collective = collective
+        self._timers = timers
+        self._host = HostCombine(collective, timers)
         self._main = None
         self._lanes: list = []
         # (the lane whose all-reduce is in flight, its finish, when it was handed over)
@@ -57,14 +60,11 @@ class Interleave:
         # time the all-reduces spent in flight, from the hand-over to their sums: what the thread
         # did not wait of it (in_flight_s - waited_s) ran the other lanes, hidden
         self.in_flight_s = 0.0
-        # seconds the latest all_reduce spent in other lanes (ClusterMoE times its wait without)
-        self.away_s = 0.0
-        self.evaluated_s = 0.0  # ... and waiting for its own partial's evaluation (the experts)
         self.overlapped = 0  # all-reduces that travelled while another lane computed
 
     @property
     def running(self) -> bool:
-        """Whether the caller is inside `run` (the MoE layer then goes through `all_reduce`)."""
+        """Whether the caller is inside `run`."""
         return self._main is not None
 
     def run(self, lanes: list[Callable[[], object]]) -> list:
@@ -87,10 +87,22 @@ class Interleave:
             self._main, self._lanes, self._inflight = None, [], None
             self._sums.clear()
 
-    def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
+    def __call__(self, layer, x, *args, **kwargs) -> mx.array:
+        if self._main is None:
+            return self._host(layer, x, *args, **kwargs)
+        partial = layer.partial(x, *args, **kwargs)
+        t0 = time.perf_counter()
+        out, away, evaluated = self._all_reduce(partial, layer.layer)
+        # the other lanes' work meanwhile is timed there; this lane's own partial was evaluated
+        # inside (its wait counts as the experts')
+        self._timers.experts += evaluated
+        self._timers.wait(time.perf_counter() - t0 - away - evaluated)
+        return out
+
+    def _all_reduce(self, partial: mx.array, layer: int) -> tuple[mx.array, float, float]:
         """From a lane: queue `partial` (lazy) on the device and let the other lanes build and
         queue theirs; then hand it over and let them collect and compute while it travels; then
-        return its sum."""
+        (its sum, seconds spent in other lanes, seconds waiting for its own evaluation)."""
         from greenlet import getcurrent
 
         me = getcurrent()
@@ -111,10 +123,9 @@ class Interleave:
             self._main.switch()
             away += time.perf_counter() - t0
             self.overlapped += 1
-        self.away_s, self.evaluated_s = away, evaluated  # this lane's, read by its ClusterMoE
         if self._inflight is not None and self._inflight[0] is me:
             self._drain()
-        return self._sums.pop(me)
+        return self._sums.pop(me), away, evaluated
 
     def _drain(self) -> None:
         if self._inflight is None:

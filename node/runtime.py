@@ -9,7 +9,8 @@ from typing import Callable, Iterator
 import mlx.core as mx
 
 from ..proto.errors import UserError
-from .batch import BatchLimits, RunningBatch, SequenceFigures
+from .batch import BatchLimits, RunningBatch
+from .figures import SequenceFigures
 from .prompt_cache import PromptCache
 from ..proto.records import GenerateRequest, check_token_ids
 from .engine import Stats
@@ -47,8 +48,13 @@ class NodeRuntime:
         self.prompt_cache = (
             PromptCache(prompt_cache_bytes, sharded.collective) if prompt_cache_bytes > 0 else None
         )
-        self._auto_seq = 0
-        self.batch = RunningBatch(self, limits or BatchLimits())
+        self.batch = RunningBatch(
+            sharded,
+            limits or BatchLimits(),
+            check=self.check,
+            prompt_cache=self.prompt_cache,
+            vocab=self.vocab,
+        )
 
     def check(self, req: GenerateRequest) -> None:
         """Refuse (UserError) a request this model cannot run, before any MLX work: every node
@@ -71,10 +77,8 @@ class NodeRuntime:
         return self.sharded.collective
 
     def next_seq(self) -> int:
-        """The admission order of a request that came without one (run from this process alone, as
-        simulate does: every node numbers the same requests the same way)."""
-        self._auto_seq += 1
-        return self._auto_seq
+        """The admission order of a request that came without one (RunningBatch.next_seq)."""
+        return self.batch.next_seq()
 
     def generate(
         self,

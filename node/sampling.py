@@ -32,9 +32,7 @@ def sample_positions(decoding: list, logprobs: mx.array) -> tuple[mx.array, list
     """The model's token at every verified position ((B, width), lazy) from (B, width, vocab)
     log-probabilities, and per sequence the key after each number of draws (None where greedy).
     Position j of a sampling sequence draws with the subkey its j-th next token would use without
-    speculation (node.speculate.key_chain), so an accepted prefix keeps the tokens and the keys."""
-    from .speculate import key_chain
-
+    speculation (`key_chain`), so an accepted prefix keeps the tokens and the keys."""
     if all(s.req.sampling.greedy for s in decoding):
         return mx.argmax(logprobs, axis=-1), [None] * len(decoding)
     rows, keys = [], []
@@ -83,3 +81,14 @@ def draw(s, logprobs: mx.array, key: mx.array) -> mx.array:
     if sampling.top_p < 1:
         logprobs = apply_top_p(logprobs, sampling.top_p)
     return mx.random.categorical(logprobs * (1.0 / sampling.temperature), key=key)
+
+
+def key_chain(key: mx.array, n: int) -> tuple[list[mx.array], list[mx.array]]:
+    """(keys, subkeys): the key after each of n draws and the subkey each draw uses, as
+    `sample_one` splits them one draw at a time."""
+    keys, subs = [], []
+    for _ in range(n):
+        key, sub = mx.random.split(key)
+        keys.append(key)
+        subs.append(sub)
+    return keys, subs

@@ -45,7 +45,7 @@ class SimTask:
     # that warms each up; empty: the route of the load
     routes: tuple[str, ...] = ()
     # streams only: after the timed repeats, one more with a host sync at each MoE layer's
-    # boundaries where the step is one graph (ShardState.synced), its timers reported apart
+    # boundaries where the step is one graph (moe/combine.py SyncedCombine), its timers reported apart
     # ("synced"): where an in-graph step's time goes, which its own timers cannot see
     synced_pass: bool = False
     # the previous task's loaded model serves this one where it loaded the same (model, placement,
@@ -226,7 +226,7 @@ def _serve(job: SimJob, index: int, task: SimTask, sharded, beat) -> dict:
             if route is not None:
                 force_route(sharded, route)
             sharded.state.reset_counters()
-            sharded.state.timers.reset()
+            sharded.state.totals.reset()
             result = GenerateResult()
             req = GenerateRequest(
                 f"sim-{index}-{i}{'-' + route if route else ''}",
@@ -323,7 +323,7 @@ def _report(job: SimJob, index: int, sharded) -> dict:
         "active_memory_bytes": info.active_memory_bytes,
         "load_seconds": info.load_seconds,
         **_routing(sharded),
-        "timers": vars(sharded.state.timers),
+        "timers": sharded.state.totals.figures(),
         # MLX's peak over the last run's decode steps: weights, KV cache and activations (an expert
         # read waiting for its slot is host memory outside MLX: expert_cache.staged_peak_bytes)
         "peak_memory_decode_bytes": int(mx.get_peak_memory()),
@@ -385,19 +385,23 @@ def _run_streams(index: int, task: SimTask, sharded, beat) -> dict:
         # the timed pass's timers and counters are what the report gives; the synced pass's go
         # apart, with its own step time (slower than the graph's: every layer waits three times)
         out.update(
-            timers=dict(vars(sharded.state.timers)),
+            timers=sharded.state.totals.figures(),
             expert_cache=sharded.state.cache_totals(),
             peak_memory_decode_bytes=int(mx.get_peak_memory()),
             **_routing(sharded),
         )
-        sharded.state.synced = True
+        from .moe.combine import SyncedCombine
+        from .moe.load import set_combine
+
+        combine = sharded.layers[0].combine if sharded.layers else None
+        set_combine(sharded, SyncedCombine(sharded.collective, sharded.state.timers))
         try:
             synced = _streams_pass(index, task.repeats, task, sharded, runtime, beat)
         finally:
-            sharded.state.synced = False
+            set_combine(sharded, combine)
         beat("synced pass")
         out["synced"] = {
-            "timers": dict(vars(sharded.state.timers)),
+            "timers": sharded.state.totals.figures(),
             "decode_steps": synced["decode_steps"],
             "decode_seconds": synced["decode_seconds"],
             "tokens": synced["tokens"],
@@ -409,7 +413,7 @@ def _decode_begins(sharded) -> None:
     """From here on the node's timers, counters and peak memory cover decode steps only."""
     import mlx.core as mx
 
-    sharded.state.timers.reset()
+    sharded.state.totals.reset()
     sharded.state.reset_counters()
     mx.reset_peak_memory()
 
@@ -420,7 +424,7 @@ def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> 
     from .runtime import GenerateResult
 
     sharded.state.reset_counters()
-    sharded.state.timers.reset()
+    sharded.state.totals.reset()
     flight0 = runtime.batch.overlap_seconds()
     sinks = [_Timed() for _ in task.streams]
     results = [GenerateResult() for _ in task.streams]

@@ -109,6 +109,100 @@ def rollback(cache: list, drop: Sequence[int]) -> None:
             c.finalize()
 
 
+class Speculator:
+    """A running batch's speculative steps (`serving.speculative`): each decoding sequence feeds its
+    next input and up to its own allowance of guesses; what the model agrees with is emitted, the
+    rest rolled back. Guesses come from the request's `prediction` or prompt lookup, or from a
+    draft model on rank 0 (`Drafter`), whose guesses every rank reads from one explicit agreement.
+    """
+
+    def __init__(self, mode: str, draft_max: int, collective, drafter: "Drafter | None"):
+        self.mode = mode
+        self.draft_max = draft_max
+        self.collective = collective
+        self.drafter = drafter  # rank 0's, in mode "draft"
+
+    def step(self, lane, model, decoding: list, tally) -> None:
+        """One verifying forward pass of `decoding` (the rows of `lane`). Every row is as wide as
+        the widest allowance, whatever each sequence found to guess: the step's shape then depends
+        only on what the ranks agreed, never on a token not yet agreed."""
+        from . import sampling
+
+        width = 1 + max(s.allowance for s in decoding)
+        histories = [[*s.req.prompt, *s.fed, *s.pending] for s in decoding]
+        # no guess past max_tokens: the step's own token is the last one a sequence may still need
+        wanted = [
+            min(s.allowance, max(0, s.req.sampling.max_tokens - len(h) + len(s.req.prompt) - 1))
+            for s, h in zip(decoding, histories)
+        ]
+        drafts = self._drafts(decoding, histories, wanted)
+        rows = []
+        for s, mine in zip(decoding, drafts):
+            first = s.pending[-1] if s.pending else s.first_input
+            rows.append([first, *mine] + [first] * (width - 1 - len(mine)))
+        logits = lane.forward(model, mx.array(rows, dtype=mx.uint32))
+        tally.decoded, tally.positions = len(decoding), len(decoding) * width
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        chosen, keys = sampling.sample_positions(decoding, logprobs)
+        chosen = np.array(chosen).tolist()
+        drop = []
+        for i, s in enumerate(decoding):
+            v = accept(drafts[i], chosen[i])
+            if keys[i] is not None:
+                s.key = keys[i][len(v.tokens) - 1]
+            s.pending = v.tokens
+            s.pending_logits = (
+                [logits[i, j] for j in range(len(v.tokens))] if s.req.record_logits else []
+            )
+            f = s.figures
+            f.steps, f.drafted, f.accepted = (
+                f.steps + 1,
+                f.drafted + len(drafts[i]),
+                f.accepted + v.accepted,
+            )
+            tally.drafted += len(drafts[i])
+            tally.accepted += v.accepted
+            drop.append(width - len(v.tokens))
+            if self.drafter is not None:
+                self.drafter.keep(s.seq, len(histories[i]) + v.accepted)
+        rollback(lane.cache, drop)
+
+    def _drafts(self, decoding: list, histories: list[list[int]], wanted: list[int]) -> list:
+        if self.mode == "draft":
+            return self._guessed(decoding, histories, wanted)
+        out = []
+        for s, history, k in zip(decoding, histories, wanted):
+            done = len(history) - len(s.req.prompt)
+            out.append(
+                (predicted(s.req.prediction, history, done, k) or lookup(history, k)) if k else []
+            )
+        return out
+
+    def _guessed(
+        self, decoding: list, histories: list[list[int]], wanted: list[int]
+    ) -> list[list[int]]:
+        """The draft model's guesses, `wanted[i]` for sequence i at most: rank 0 makes them, and
+        every rank reads rank 0's from one explicit agreement (the others put zeros)."""
+        from .collective.base import agree
+
+        guesses = [
+            self.drafter.guess(s.seq, h, k) if self.drafter is not None and k else []
+            for s, h, k in zip(decoding, histories, wanted)
+        ]
+        c = self.collective
+        if c.world_size == 1:
+            return guesses
+        k = self.draft_max
+        values = [g + 1 for mine in guesses for g in (mine + [-1] * (k - len(mine)))]
+        row = agree(c, values).values[0]
+        return [[t - 1 for t in row[i * k : (i + 1) * k] if t > 0] for i in range(len(decoding))]
+
+    def drop(self, seq: int) -> None:
+        """Sequence `seq` ended: the draft forgets it."""
+        if self.drafter is not None:
+            self.drafter.drop(seq)
+
+
 COOL_STEPS = 8  # steps without guesses after they kept failing, before one is tried again
 
 
@@ -142,17 +236,6 @@ def accept(drafts: Sequence[int], model_tokens: Sequence[int]) -> Verified:
     while a < len(drafts) and drafts[a] == model_tokens[a]:
         a += 1
     return Verified([*drafts[:a], int(model_tokens[a])], a)
-
-
-def key_chain(key: mx.array, n: int) -> tuple[list[mx.array], list[mx.array]]:
-    """(keys, subkeys): the key after each of n draws and the subkey each draw uses, as
-    node.sampling.sample_one splits them one draw at a time."""
-    keys, subs = [], []
-    for _ in range(n):
-        key, sub = mx.random.split(key)
-        keys.append(key)
-        subs.append(sub)
-    return keys, subs
 
 
 class Drafter:

@@ -163,15 +163,49 @@ class Rider:
         self._carried.clear()
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a transport's all-reduce is, declared once by its class: the MoE layer's hand-over
+    (node/moe/combine.py) is chosen from it when the node loads, never probed per call."""
+
+    # all_reduce is itself a graph operation (one node; mx.distributed): the layer hands it the
+    # lazy partial and the step stays one graph. Otherwise the partial is evaluated and handed over.
+    in_graph: bool
+    # start(partial, layer) hands the partial over and returns the wait for its sum: the two halves
+    # apart, so another micro-batch computes while it travels (node/overlap.py)
+    halves: bool = False
+
+
+class Epochs:
+    """A collective's numbering of the running batch's epochs (from idle to idle): numbered per
+    collective, not per batch, since one transport may serve the batches of several models in turn
+    (simulate), and an epoch id it has seen before is not a new epoch."""
+
+    epoch = 0
+
+    def begin_epoch(self) -> str:
+        """Begin the next epoch (`begin` with its id) and return its id, the same on every rank."""
+        self.epoch += 1
+        self.begin(self.epoch_id)
+        return self.epoch_id
+
+    @property
+    def epoch_id(self) -> str:
+        return f"batch-{self.epoch}"
+
+
 class Collective(Protocol):
     rank: int
     world_size: int
-    # True where all_reduce is itself a graph operation (one node; mx.distributed): the MoE layer
-    # then hands it the lazy partial. Otherwise the partial is evaluated first and handed over.
-    in_graph: bool
+    caps: Capabilities
 
     def begin(self, request_id: str) -> None:
         """Start a request: frames of any earlier request are dropped from here on."""
+
+    def begin_epoch(self) -> str:
+        """Begin the running batch's next epoch (Epochs); its id."""
+
+    epoch_id: str
 
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
         """Sum `partial` over all ranks (rank order, float32) and return it in its dtype."""
@@ -221,12 +255,12 @@ def from_wire(raw: np.ndarray, dtype: str, shape) -> mx.array:
     return mx.array(raw.reshape(shape))
 
 
-class LocalCollective:
+class LocalCollective(Epochs):
     """One node alone: the sum of one partial is itself."""
 
     rank = 0
     world_size = 1
-    in_graph = True  # all_reduce is a graph operation: nothing to evaluate before it
+    caps = Capabilities(in_graph=True)  # nothing to evaluate before the "sum"
 
     def begin(self, request_id: str) -> None:
         pass

@@ -39,7 +39,7 @@ from ...envoy.link import (
 from ...envoy.reduce import DTYPES, Reducer, native_sums, unbuilt_note
 from ...envoy.steps import StepError
 from ...proto.records import COLD_WAITS, wait_bound
-from .base import Agreement, CollectiveError, Rider, from_wire, to_wire
+from .base import Agreement, Capabilities, CollectiveError, Epochs, Rider, from_wire, to_wire
 from .specs import EnvoySpec
 
 logger = logging.getLogger(__name__)
@@ -307,8 +307,10 @@ class EnvoyProcess:
                 self.proc.wait(timeout=5)
 
 
-class EnvoyCollective:
+class EnvoyCollective(Epochs):
     """The Collective of `transport: envoy`."""
+
+    caps = Capabilities(in_graph=False, halves=True)
 
     def __init__(self, spec: EnvoySpec, rank: int):
         self._envoy = EnvoyProcess(spec, rank)

@@ -41,7 +41,16 @@ import numpy as np
 
 from ...proto.errors import UserError
 from ...proto.records import COLD_STEP_S, COLD_WAITS, wait_bound
-from .base import Agreement, CollectiveError, Rider, rank_order_sum_rows, read_slots, ride_slots
+from .base import (
+    Agreement,
+    Capabilities,
+    CollectiveError,
+    Epochs,
+    Rider,
+    rank_order_sum_rows,
+    read_slots,
+    ride_slots,
+)
 from .specs import MlxSpec
 
 logger = logging.getLogger(__name__)
@@ -135,10 +144,10 @@ class _Watchdog:
         self._stop.set()
 
 
-class MlxCollective:
+class MlxCollective(Epochs):
     """The Collective of `transport: mlx`."""
 
-    in_graph = True  # all_reduce is a graph operation: the MoE layer hands it the lazy partial
+    caps = Capabilities(in_graph=True)  # the MoE layer hands all_reduce the lazy partial
     # the world size at which the all-reduce is the backend's own all_sum (_summed): two ranks,
     # where it is the rank-order sum's bytes, and over NCCL, where it costs less than the
     # all_gather (in a graph, 42 against 77 µs a layer); the ring's all_sum took longer than its

@@ -10,18 +10,20 @@ import numpy as np
 
 from ...envoy.link import unlink_segment
 from ...envoy.reduce import DTYPES, Reducer
-from .base import Agreement, CollectiveError, Rider, from_wire, to_wire
+from .base import Agreement, Capabilities, CollectiveError, Epochs, Rider, from_wire, to_wire
 
 _HDR = 16  # per slot: int64 sequence number, int64 payload bytes
 
 
-class ShmCollective:
+class ShmCollective(Epochs):
     """All-reduce among processes of one machine through shared memory.
 
     Each rank writes its partial into its own slot (two per rank, alternating by step, so a fast
     rank never overwrites what a slow one still reads), then posts one semaphore per peer; a rank
     reads all slots once every peer has posted to it. Nothing is pickled per layer.
     """
+
+    caps = Capabilities(in_graph=False, halves=True)
 
     @staticmethod
     def create(world_size: int, slot_bytes: int, ctx, timeout_s: float = 30.0):

@@ -2,7 +2,8 @@
 
 `ClusterMoE` takes the block's place in its parent. It runs the block (whose bank is now this
 node's `ExpertShard`, answering zeros for experts other nodes compute), makes every term that is not
-a routed expert's count once in the cluster, and all-reduces the result once:
+a routed expert's count once in the cluster, and hands the result to its `Combine` (combine.py),
+which all-reduces it once:
 
 - on the layer's owner (rank = layer index mod N, so the extra work rotates) the block runs whole;
 - elsewhere its dense children (shared experts and their gates, found by `structure`) are `Zero`
@@ -12,13 +13,12 @@ a routed expert's count once in the cluster, and all-reduces the result once:
 
 from __future__ import annotations
 
-import time
-
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..collective.base import Collective, rank_order_sum
-from .experts import ExpertShard, ShardState
+from ..collective.base import rank_order_sum
+from .combine import Combine
+from .experts import ExpertShard
 from .structure import MoEBlock, Zero, get_bank, set_bank
 
 
@@ -41,19 +41,11 @@ class _SilentBank(nn.Module):
 class ClusterMoE(nn.Module):
     """A MoE block whose output is this node's share, all-reduced once per call."""
 
-    def __init__(
-        self,
-        moe: MoEBlock,
-        shard: ExpertShard,
-        collective: Collective,
-        state: ShardState,
-        owner: bool,
-    ):
+    def __init__(self, moe: MoEBlock, shard: ExpertShard, combine: Combine, owner: bool):
         super().__init__()
         self.block = moe.block
         self._moe = moe
-        self._collective = collective
-        self._state = state
+        self.combine = combine  # the hand-over of its partial (combine.py), chosen at load
         self._owner = owner  # runs the dense terms this layer (owns_dense_terms)
         self._silent = _SilentBank(moe.bank.out_dims)
         set_bank(self.block, moe.bank.attr, shard)
@@ -73,9 +65,6 @@ class ClusterMoE(nn.Module):
     def description(self) -> MoEBlock:
         return self._moe
 
-    def set_collective(self, collective: Collective) -> None:
-        self._collective = collective
-
     def _residual(self, x, *args, **kwargs) -> mx.array:
         """The block's output with the bank silenced: its inline non-routed term."""
         bank = self.shard
@@ -93,48 +82,7 @@ class ClusterMoE(nn.Module):
         return y
 
     def __call__(self, x, *args, **kwargs):
-        if getattr(self._collective, "in_graph", False):
-            if self._state.synced:
-                return self._synced(x, *args, **kwargs)
-            # the step stays one lazy graph
-            return self._collective.all_reduce(self.partial(x, *args, **kwargs), self._moe.layer)
-        y = self.partial(x, *args, **kwargs)
-        state = self._state
-        collective = self._collective
-        t0 = time.perf_counter()
-        if not getattr(collective, "evaluates", False):
-            mx.eval(y)
-        t1 = time.perf_counter()
-        y = collective.all_reduce(y, self._moe.layer)
-        # two micro-batches (node/overlap.py): the other lane's layer ran meanwhile, timed there,
-        # and this one's partial was evaluated inside (its wait counts as the experts')
-        evaluated = getattr(collective, "evaluated_s", 0.0)
-        waited = time.perf_counter() - t1 - getattr(collective, "away_s", 0.0) - evaluated
-        state.timers.experts += t1 - t0 + evaluated
-        state.timers.collective += waited
-        state.record_allreduce(waited)
-        return y
-
-    def _synced(self, x, *args, **kwargs) -> mx.array:
-        """An in-graph layer evaluated in three parts, each timed: what came before it (attention
-        and the rest since the last MoE layer: `attention_router`), the router and the experts
-        (`experts`), the all-reduce with its wait for the slowest node (`collective`)."""
-        timers = self._state.timers
-        t0 = time.perf_counter()
-        mx.eval(x)
-        t1 = time.perf_counter()
-        routed = timers.attention_router  # a host read times its own routing wait (HostPlan)
-        y = self.partial(x, *args, **kwargs)
-        mx.eval(y)
-        t2 = time.perf_counter()
-        out = self._collective.all_reduce(y, self._moe.layer)
-        mx.eval(out)
-        t3 = time.perf_counter()
-        inner = timers.attention_router - routed  # counted there already, inside t1..t2
-        timers.attention_router += t1 - t0
-        timers.experts += (t2 - t1) - inner
-        timers.collective += t3 - t2
-        return out
+        return self.combine(self, x, *args, **kwargs)
 
 
 def install(model: nn.Module, path: str, module: nn.Module) -> None:

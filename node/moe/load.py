@@ -33,7 +33,7 @@ from ..checkpoint import (
     read_tensor,
 )
 from ..describe import PARAMS, ModelDescription, MoELayer, Quantization, describe, expert_quant
-from ..collective.base import Collective, LocalCollective
+from ..collective.base import Capabilities, Collective, LocalCollective
 from . import families, skip_gemv
 from . import route as decode_route
 from ...proto.expert_cache import ExpertCacheSpec, auto_budget
@@ -49,6 +49,7 @@ from .expert_cache import (
     read_pool,
 )
 from .experts import ExpertShard, NodeConfig, ShardLinear, ShardState
+from .combine import Combine, combine_for
 from .layer import ClusterMoE, InProcessCluster, install, owns_dense_terms
 from .structure import MoEBlock, rebind, set_bank
 
@@ -486,6 +487,7 @@ def load_shard(
         else ExpertCacheSpec.parse(expert_cache)
     )
     state = ShardState(rank, world, keepalive, str(spec) if spec.active else "off")
+    combine = combine_for(collective, state.timers)  # every MoE layer's hand-over, one for all
     capacity: dict[int, int] = {}
     if spec.active:
         sizes = desc.sizes()
@@ -547,7 +549,7 @@ def load_shard(
         )
         resident_experts += shard.resident_bytes()
         report(min(done + resident_experts, total), total, "experts")
-        layers.append(ClusterMoE(b, shard, collective, state, owner[b.layer]))
+        layers.append(ClusterMoE(b, shard, combine, owner[b.layer]))
     _wire_prefetch(blocks, [layer.shard for layer in layers], profile, prefetch)
 
     # 3. Quantize and load the replicated part, then check that nothing is missing or left over.
@@ -653,10 +655,18 @@ def _wire_prefetch(
         shard.prefetch_into(target.cache, candidates, nxt.top_k if depth is None else depth)
 
 
-def set_collective(sm: ShardedModel, collective: Collective) -> None:
-    sm.collective = collective
+def set_combine(sm: ShardedModel, combine: Combine) -> None:
+    """Every MoE layer hands its partial to `combine` from now on (chosen once: at load, where
+    the runtime runs two micro-batches, or by a benchmark's diagnostic pass)."""
     for layer in sm.layers:
-        layer.set_collective(collective)
+        layer.combine = combine
+
+
+def set_collective(sm: ShardedModel, collective: Collective) -> None:
+    """`collective` in place of the node's, with the hand-over its capabilities call for (tests
+    and the op counter, which count what one transport puts in the graph)."""
+    sm.collective = collective
+    set_combine(sm, combine_for(collective, sm.state.timers))
 
 
 @dataclass(frozen=True)
@@ -665,6 +675,7 @@ class _Seat:
 
     rank: int
     world_size: int
+    caps = Capabilities(in_graph=True)
 
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
         raise AssertionError(

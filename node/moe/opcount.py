@@ -125,7 +125,7 @@ def node_layer(sharded, rows: int = 1) -> Counter | None:
     b, state = layer.description, sharded.state
     x = decode_input(layer.block, b.bank_attr, b.width, rows)
     saved, noted = sharded.collective, len(state.pending)
-    in_graph = getattr(saved, "in_graph", False)
+    in_graph = saved.caps.in_graph
     if in_graph and state.world_size > 1:
         set_collective(sharded, GraphOnly(state.rank, state.world_size))
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -49,16 +49,55 @@ class LayerCounters:
     positions: int = 0  # routed (token, j) positions of every node, summed over calls
 
 
-@dataclass
-class Timers:
-    """Seconds per phase, summed over the forward passes of a request (the paper's Table 3)."""
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds one step of the running batch spent per phase of its MoE layers (the paper's Table 3),
+    and each all-reduce's wait: what the step's report carries (node/figures.py StepReport)."""
 
     attention_router: float = 0.0  # up to the router's decision (host sync on the indices)
     experts: float = 0.0  # the MoE block's own compute (routed + shared experts)
-    collective: float = 0.0  # waiting on the all-reduce
+    collective: float = 0.0  # waiting on the all-reduces
+    waits: tuple[float, ...] = ()  # each all-reduce's wait, in order
+
+
+@dataclass
+class Timers:
+    """Seconds per phase, summed: the step being run (ShardState.timers, which the MoE layers and
+    the host routing add to and the running batch takes at the end of each step), or a node's
+    totals over the steps since a reset (ShardState.totals)."""
+
+    attention_router: float = 0.0
+    experts: float = 0.0
+    collective: float = 0.0
+    waits: list = field(default_factory=list)
 
     def reset(self) -> None:
         self.attention_router = self.experts = self.collective = 0.0
+        self.waits = []
+
+    def wait(self, seconds: float) -> None:
+        """One all-reduce waited `seconds` (for its sum, beyond this node's own work)."""
+        self.collective += seconds
+        self.waits.append(seconds)
+
+    def take(self) -> StepTimes:
+        """What was summed so far, as a record; the sums start over."""
+        out = StepTimes(self.attention_router, self.experts, self.collective, tuple(self.waits))
+        self.reset()
+        return out
+
+    def add(self, t: StepTimes) -> None:
+        self.attention_router += t.attention_router
+        self.experts += t.experts
+        self.collective += t.collective
+
+    def figures(self) -> dict[str, float]:
+        """The three sums (what benchmarks report)."""
+        return {
+            "attention_router": self.attention_router,
+            "experts": self.experts,
+            "collective": self.collective,
+        }
 
 
 @dataclass(frozen=True)
@@ -86,7 +125,8 @@ class ShardState:
     def __init__(self, rank: int, world_size: int, keepalive: str = "lru", cache_spec: str = "off"):
         self.config = NodeConfig(rank, world_size, keepalive, cache_spec)
         self.counters: dict[int, LayerCounters] = {}
-        self.timers = Timers()
+        self.timers = Timers()  # the step being run: taken by the running batch at its end
+        self.totals = Timers()  # the steps' since the last reset (benchmarks reset it)
         self.allreduce_counts = [0] * (len(ALLREDUCE_BUCKETS) + 1)
         self.allreduce_seconds = 0.0  # lifetime sum
         # (layer, indices, rank of each expert) of calls routed on the device, lazy: folded into
@@ -103,10 +143,6 @@ class ShardState:
         # benchmark forces others in turn, `forced_handoff` is the hand-off they share (sim.py)
         self.route = None
         self.forced_handoff: tuple | None = None
-        # a benchmark's diagnostic pass: where the step is one lazy graph (an in-graph collective),
-        # each MoE layer syncs at its input, its partial and its sum, so that the timers can split
-        # the layer (ClusterMoE); the step itself is then slower than the graph's
-        self.synced = False
         # len(pending) when each of the last two steps began (step_begins): what came before the
         # older one belongs to steps already evaluated, so folding it never waits on the device
         self._marks = [0, 0]
@@ -147,9 +183,12 @@ class ShardState:
         c.cluster_max += cluster_max
         c.positions += positions
 
-    def record_allreduce(self, seconds: float) -> None:
-        self.allreduce_counts[bisect.bisect_left(ALLREDUCE_BUCKETS, seconds)] += 1
-        self.allreduce_seconds += seconds
+    def record_step(self, times: StepTimes) -> None:
+        """A step's timings into the totals and its all-reduces into the latency histogram."""
+        self.totals.add(times)
+        for seconds in times.waits:
+            self.allreduce_counts[bisect.bisect_left(ALLREDUCE_BUCKETS, seconds)] += 1
+            self.allreduce_seconds += seconds
 
     def report(self) -> dict[str, float]:
         """Counters for the node's Status: keepalive means (the all-reduce histogram travels as its

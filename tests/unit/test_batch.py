@@ -11,7 +11,7 @@ import pytest
 from conftest import bf16_logit_bound
 
 from moe_cluster.node.batch import BatchLimits, kv_bytes_per_token
-from moe_cluster.node.collective.base import LocalCollective
+from moe_cluster.node.collective.base import Capabilities, LocalCollective
 from moe_cluster.node.demo import MODEL_DIR
 from moe_cluster.node.moe.load import load_shard
 from moe_cluster.node.runtime import GenerateResult, NodeRuntime
@@ -365,7 +365,7 @@ def test_each_request_counts_the_all_reduce_waits_of_the_steps_it_ran_in():
     import time
 
     class Slow(LocalCollective):
-        in_graph = False
+        caps = Capabilities(in_graph=False)
 
         def all_reduce(self, partial, layer):
             time.sleep(0.002)

@@ -7,13 +7,26 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from moe_cluster.node.collective.base import Capabilities
+from moe_cluster.node.moe.telemetry import Timers
 from moe_cluster.node.overlap import Interleave
+
+
+class Layer:
+    """A MoE layer's stand-in: its partial is its input."""
+
+    def __init__(self, layer: int):
+        self.layer = layer
+
+    def partial(self, x):
+        return x
 
 
 class Recorder:
     """A collective with two halves that notes every start and finish; its sum doubles."""
 
     world_size = 2
+    caps = Capabilities(in_graph=False, halves=True)
 
     def __init__(self) -> None:
         self.log: list[tuple[str, str, int]] = []
@@ -37,7 +50,7 @@ def _lane(il: Interleave, base: float, layers: int, got: list):
     def run():
         x = mx.array([base])
         for layer in range(layers):
-            x = il.all_reduce(x + 1, layer)
+            x = il(Layer(layer), x + 1)
             got.append((base, layer, float(x[0])))
         return float(x[0])
 
@@ -46,7 +59,7 @@ def _lane(il: Interleave, base: float, layers: int, got: list):
 
 def test_lanes_take_turns_one_all_reduce_in_flight_and_each_gets_its_own_sums():
     c = Recorder()
-    il = Interleave(c)
+    il = Interleave(c, Timers())
     got: list = []
     a, b = il.run([_lane(il, 0.0, 3, got), _lane(il, 100.0, 2, got)])
     assert a == ((0 + 1) * 2 + 1) * 2 * 2 + 2 and a == 14.0  # ((1*2+1)*2+1)*2
@@ -68,7 +81,8 @@ def test_each_lane_builds_its_layer_before_the_other_lanes_is_handed_over():
     """A lane's layer is queued on the device and the other lane builds and queues its own before
     either is handed over: the device computes one while the thread works for the other."""
     c = Recorder()
-    il = Interleave(c)
+    timers = Timers()
+    il = Interleave(c, timers)
     events: list = []
 
     def lane(base: float, name: str):
@@ -76,7 +90,7 @@ def test_each_lane_builds_its_layer_before_the_other_lanes_is_handed_over():
             x = mx.array([base])
             for layer in range(2):
                 events.append(("built", name, layer))
-                x = il.all_reduce(x + 1, layer)
+                x = il(Layer(layer), x + 1)
             return float(x[0])
 
         return run
@@ -99,15 +113,16 @@ def test_each_lane_builds_its_layer_before_the_other_lanes_is_handed_over():
         ("start", "A", 1),
         ("start", "B", 1),
     ]
-    assert il.evaluates  # ClusterMoE hands it the lazy partial (node/moe/layer.py)
+    # every all-reduce travelled while the other lane was alive, and each wait was timed once
+    assert il.overlapped == 4 and len(timers.waits) == 4
 
 
 def test_a_failing_lane_ends_the_run_with_its_error():
     c = Recorder()
-    il = Interleave(c)
+    il = Interleave(c, Timers())
 
     def broken():
-        il.all_reduce(mx.array([1.0]), 0)
+        il(Layer(0), mx.array([1.0]))
         raise RuntimeError("lane B broke")
 
     with pytest.raises(RuntimeError, match="lane B broke"):

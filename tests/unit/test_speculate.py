@@ -6,7 +6,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from moe_cluster.node.speculate import accept, can_roll_back, key_chain, lookup, predicted, rollback
+from moe_cluster.node.sampling import key_chain
+from moe_cluster.node.speculate import accept, can_roll_back, lookup, predicted, rollback
 
 
 def test_lookup_takes_what_followed_the_latest_longest_suffix():
