@@ -1,0 +1,92 @@
+"""The step's agreement (node/agreement.py): a vote encodes and reads back by part, on a summing
+transport's slots too, and the scheduler's pure decisions (node/scheduler.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from moe_cluster.node.agreement import Agreed, Layout
+from moe_cluster.node.collective.base import (
+    Agreement,
+    TokenMismatch,
+    read_slots,
+    ride_slots,
+)
+from moe_cluster.node.scheduler import admissions, emit, prefill_chunks
+
+
+def _votes(layout: Layout, *votes) -> Agreement:
+    """Every rank's vote as a summing transport carries it: each in its own slots, summed."""
+    n = len(votes)
+    total = sum(ride_slots(r, n, layout.encode(*v), mx.float32) for r, v in enumerate(votes))
+    return read_slots(total.tolist(), n)
+
+
+def test_a_vote_reads_back_by_part_through_the_summed_slots():
+    layout = Layout(queue=4, active=3, decoding=2, slots=3)
+    held_a, held_b = [2, 5, 9], [5, 9, 11]
+    tokens = [[7, 0, 123456], None]
+    agreement = _votes(
+        layout,
+        (held_a, [False, True, False], tokens),
+        (held_b, [False, False, True], tokens),
+    )
+    got = layout.read(agreement, ["r1", "r2"], [4, 0])
+    assert got.admit == (5, 9)  # held by every rank, in order
+    assert got.cancel == (False, True, True)  # cancelled on any rank
+    assert got.tokens == ((7, 0, 123456), None)
+    assert not got.mismatches
+    assert layout.size == 4 + 3 + 2 * 3 == len(layout.encode(held_a, [0, 0, 0], tokens))
+
+
+def test_a_lazy_token_rides_as_itself():
+    layout = Layout(queue=2, active=1, decoding=1, slots=1)
+    vote = layout.encode([3], [False], [mx.array([41])])
+    assert vote.tolist() == [3, 0, 0, 42]  # queue (padded), cancel flag, token + 1
+    assert Agreed.alone([3], [False], [mx.array([41])]).tokens == ((41,),)
+
+
+def test_tokens_the_ranks_sampled_differently_fail_that_sequence_alone():
+    layout = Layout(queue=1, active=2, decoding=2, slots=1)
+    agreement = _votes(layout, ([], [False, False], [[5], [6]]), ([], [False, False], [[5], [7]]))
+    got = layout.read(agreement, ["same", "forked"], [0, 3])
+    assert got.tokens[0] == (5,)
+    assert isinstance(got.mismatches[1], TokenMismatch)
+    assert "request forked, step 3: rank 1 sampled token 7" in str(got.mismatches[1])
+
+
+def test_a_vote_that_does_not_fit_its_layout_is_refused():
+    with pytest.raises(ValueError, match="does not fit"):
+        Layout(queue=1, active=1, decoding=0, slots=1).encode([1, 2], [False], [])
+
+
+def test_prefill_chunks_are_whole_in_order_and_within_the_budget():
+    # 20 and 9 tokens left, chunks of 8: while others decode, at most 16 tokens a step
+    assert prefill_chunks([(20, 8), (9, 8)], 16, True) == [(0, 8), (0, 8)]
+    assert prefill_chunks([(4, 8), (9, 8)], 16, True) == [(0, 4), (1, 8), (1, 1)]
+    assert prefill_chunks([(4, 8), (9, 8)], 12, True) == [(0, 4), (1, 8)]
+    # nobody decoding: one chunk a step; the first chunk goes whatever its size
+    assert prefill_chunks([(20, 8), (9, 8)], 16, False) == [(0, 8)]
+    assert prefill_chunks([(40, 32)], 16, True) == [(0, 32)]
+
+
+def test_emit_ends_on_eos_a_stop_sequence_or_the_length():
+    kw = dict(eos={0}, stops=[(4, 5)], max_tokens=10)
+    assert emit([1, 2, 3], handed=[], **kw) == emit([1, 2, 3], handed=[9], **kw)
+    assert emit([1, 0, 3], handed=[], **kw).out == (1,)
+    e = emit([1, 0, 3], handed=[], **kw)
+    assert (e.fed, e.finish) == (2, "stop")  # the end-of-sequence token is fed, not handed out
+    e = emit([5, 6], handed=[1, 4], **kw)  # a stop completed across steps
+    assert (e.fed, e.out, e.finish) == (1, (5,), "stop")
+    e = emit([1, 2, 3], handed=list(range(1, 9)), **kw)
+    assert (e.fed, e.out, e.finish) == (2, (1, 2), "length")
+
+
+def test_admissions_are_first_come_first_served_within_the_limits():
+    reserve = {1: 30, 2: 80, 3: 10}
+    assert admissions([1, 2, 3], reserve, [], 8, 0) == [1, 2, 3]  # no KV limit
+    assert admissions([1, 2, 3], reserve, [50], 2, 0) == [1]  # max_batch
+    # 2 does not fit beside 50 + 30: it waits, and 3 does not overtake it
+    assert admissions([1, 2, 3], reserve, [50], 8, 100) == [1]
+    assert admissions([2], reserve, [], 8, 50) == [2]  # alone, a request always runs
