@@ -245,6 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpus", action="store_true", help="bind node r to GPU r (CUDA_VISIBLE_DEVICES)"
     )
     b.add_argument(
+        "--mlx-backend",
+        choices=("auto", "ring"),
+        default="auto",
+        help="transport mlx's backend: auto (NCCL with --gpus where MLX has it, else the ring) or "
+        "ring (to compare the host-mediated ring with the envoy)",
+    )
+    b.add_argument(
         "--no-peers",
         action="store_true",
         help="skip mlx-lm's tensor parallelism at N > 1 (e.g. where its processes would share one GPU)",
@@ -271,6 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="cached runs with a profile: when a layer begins, read this many of the next layer's hottest "
         "non-resident experts; auto (default): those the profile saw selected by at least half of "
         "its tokens, at most top-k; off",
+    )
+    b.add_argument(
+        "--route",
+        default=None,
+        help="the decode route every node takes at load, as cluster.yaml's `route:` (skip, device, "
+        "host, measure); default: measured at load",
     )
     b.add_argument(
         "--routes",

@@ -44,6 +44,7 @@ class SimTask:
     # and a drifting machine slows them alike (bench decode --routes), after one pass over them
     # that warms each up; empty: the route of the load
     routes: tuple[str, ...] = ()
+    route: str | None = None  # the load's decode route (cluster.yaml's `route:`); None: measure
     # streams only: after the timed repeats, one more with a host sync at each MoE layer's
     # boundaries where the step is one graph (moe/combine.py SyncedCombine), its timers reported apart
     # ("synced"): where an in-graph step's time goes, which its own timers cannot see
@@ -63,6 +64,7 @@ class SimTask:
             self.expert_cache,
             self.profile,
             self.prefetch,
+            self.route,
         )
 
 
@@ -185,6 +187,7 @@ def _load(job: SimJob, task: SimTask, collective):
         expert_cache=task.expert_cache,
         profile=task.profile,
         prefetch=task.prefetch,
+        route=task.route,
     )
 
 

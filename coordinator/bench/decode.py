@@ -49,6 +49,8 @@ class DecodeBench:
     # decode routes to alternate round by round in each cluster row at N > 1, within one load
     # (node/sim.py SimTask.routes); empty: each node's own choice
     routes: tuple[str, ...] = ()
+    route: str | None = None  # every node's decode route at load (`route:`); None: measured
+    mlx_backend: str = "auto"  # transport mlx: `ring` forces the ring where NCCL would be picked
 
 
 # Prompts a routing profile is made from when none is given: not the benchmark's own prompt, so the
@@ -181,12 +183,21 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> l
     sampling = Sampling(max_tokens=spec.max_tokens)
     routes = spec.routes if nodes > 1 else ()
     tasks = [
-        SimTask(spec.model, tuple(ids), sampling, keepalive=k, repeats=spec.rounds, routes=routes)
+        SimTask(
+            spec.model,
+            tuple(ids),
+            sampling,
+            keepalive=k,
+            repeats=spec.rounds,
+            routes=routes,
+            route=spec.route,
+        )
         for k in spec.keepalive
     ]
     out = []
     for keepalive, reports in zip(
-        spec.keepalive, run_nodes(tasks, nodes, transport=transport, gpus=spec.gpus)
+        spec.keepalive,
+        run_nodes(tasks, nodes, transport=transport, gpus=spec.gpus, mlx_backend=spec.mlx_backend),
     ):
         r0 = reports[0]
         steps = max(r0["generated"] - 1, 1)
@@ -196,7 +207,9 @@ def _cluster(spec: DecodeBench, ids: list[int], nodes: int, transport: str) -> l
                 "nodes": nodes,
                 "keepalive": keepalive,
                 "transport": transport,
-                "backend": mlx_backend(spec.gpus) if transport == "mlx" else transport,
+                "backend": mlx_backend(spec.gpus, spec.mlx_backend)
+                if transport == "mlx"
+                else transport,
                 "generation_tps": r0["generation_tps"],
                 "tokens": r0["tokens"],
                 "time_per_token_s": per_token,
@@ -325,7 +338,14 @@ def _expert_cache(spec: DecodeBench, ids: list[int], nodes: int, stock: list[int
     ]
     out = []
     for (cache, prof), reports in zip(
-        runs, run_nodes(tasks, nodes, transport=spec.transports[0], gpus=spec.gpus)
+        runs,
+        run_nodes(
+            tasks,
+            nodes,
+            transport=spec.transports[0],
+            gpus=spec.gpus,
+            mlx_backend=spec.mlx_backend,
+        ),
     ):
         r0 = reports[0]
         steps = max(r0["generated"] - 1, 1)
@@ -667,6 +687,17 @@ def _prefetch(text: str | None) -> int | None:
     return int(text)
 
 
+def _route(text: str | None) -> str | None:
+    """--route: the decode route every node takes at load (cluster.yaml's `route:`)."""
+    from ...node.moe.experts import ROUTES
+
+    if text is None:
+        return None
+    if text not in ROUTES + ("measure",):
+        raise UserError(f"--route must be one of {', '.join(ROUTES)}, measure (got {text!r})")
+    return text
+
+
 def _routes(text: str | None, nodes: tuple[int, ...]) -> tuple[str, ...]:
     """--routes: decode routes to alternate (node/moe/experts.py ROUTES), at N > 1 only."""
     from ...node.moe.experts import ROUTES
@@ -722,6 +753,8 @@ def main(args) -> int:
         _prefetch(args.prefetch),
         not args.no_peers,
         _routes(args.routes, nodes),
+        _route(args.route),
+        args.mlx_backend,
     )
     out = run(spec)
     if args.calibrate:

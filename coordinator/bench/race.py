@@ -53,6 +53,7 @@ class RaceBench:
     stock: bool | None = None  # compare with stock mlx-lm; None: where one device holds the model
     collective_iters: int = 200
     timeout_s: float = 900.0
+    mlx_backend: str = "auto"  # the mx.distributed rows: `ring` forces the ring over NCCL
 
 
 def prompt_ids(tokenizer, count: int) -> list[list[int]]:
@@ -149,10 +150,18 @@ def _ours(
         "name": name,
         "nodes": spec.nodes,
         "transport": transport,
-        "backend": mlx_backend(spec.gpus) if transport == "mlx" else "envoy (gRPC over TCP)",
+        "backend": mlx_backend(spec.gpus, spec.mlx_backend)
+        if transport == "mlx"
+        else "envoy (gRPC over TCP)",
     }
     try:
-        reports = run_nodes(tasks, spec.nodes, transport=transport, gpus=spec.gpus)
+        reports = run_nodes(
+            tasks,
+            spec.nodes,
+            transport=transport,
+            gpus=spec.gpus,
+            mlx_backend=spec.mlx_backend,
+        )
     except (MoeClusterError, UserError, OSError, RuntimeError) as exc:
         return [
             {**entry, "streams": b, "error": f"{type(exc).__name__}: {exc}"} for b in spec.streams
@@ -370,7 +379,9 @@ def collectives(spec: RaceBench, hidden: int, act_bytes: int, names: list[str]) 
 
     dtype = {4: "float32", 2: "bfloat16"}.get(act_bytes, "float32")
     paths = {"envoy" if _TRANSPORT.get(n) == "envoy" else "mlx_ring" for n in names}
-    if "mlx_ring" in paths and mlx_backend(spec.gpus) == "nccl":  # NCCL rows pay their own
+    if (
+        "mlx_ring" in paths and mlx_backend(spec.gpus, spec.mlx_backend) == "nccl"
+    ):  # NCCL rows pay their own
         paths.add("mlx_nccl")
     out: dict = {
         "dtype": dtype,
@@ -614,6 +625,13 @@ def add_arguments(p) -> None:
         "--gpus", action="store_true", help="process r on CUDA GPU r (NCCL where MLX has it)"
     )
     p.add_argument(
+        "--mlx-backend",
+        choices=("auto", "ring"),
+        default="auto",
+        help="the mx.distributed rows' backend: auto (NCCL with --gpus where MLX has it, else the "
+        "ring) or ring (to compare the host-mediated ring with the envoy)",
+    )
+    p.add_argument(
         "--bandwidth",
         type=float,
         default=None,
@@ -666,6 +684,7 @@ def main(args) -> int:
         bandwidth,
         source,
         False if args.no_stock else None,
+        mlx_backend=args.mlx_backend,
     )
     out = run(spec)
     if args.plot:

@@ -54,7 +54,13 @@ class SimRequest:
 
 
 def _transport_spec(
-    transport: str, nodes: int, slot: int, ctx, timeout_s: float, gpus: bool = False
+    transport: str,
+    nodes: int,
+    slot: int,
+    ctx,
+    timeout_s: float,
+    gpus: bool = False,
+    mlx_backend_choice: str = "auto",
 ):
     """-> (spec every node gets, cleanup to run once the nodes are gone); loopback only."""
     from ...node.collective.specs import EnvoySpec, MlxSpec
@@ -77,7 +83,7 @@ def _transport_spec(
 
         return MlxSpec(
             tuple((f"127.0.0.1:{p}",) for p in free_ports(nodes)),
-            backend=mlx_backend(gpus),
+            backend=mlx_backend(gpus, mlx_backend_choice),
             timeout_s=timeout_s,
         ), lambda: None
     raise UserError(f"--transport must be shm, envoy or mlx (got {transport!r})")
@@ -90,12 +96,14 @@ def run_nodes(
     timeout_s: float = 60.0,
     transport: str = "shm",
     gpus: bool = False,
+    mlx_backend: str = "auto",
 ) -> list[list[dict]]:
     """Spawn the node processes, run every task on all of them, return reports[task][rank].
 
     Each node process loads each task's model in turn, so one spawn serves many checks.
     `transport` is how the nodes all-reduce: shm, envoy (an envoy child per node) or mlx.
     `gpus`: bind node r to GPU r (CUDA_VISIBLE_DEVICES, inherited by the spawned process).
+    `mlx_backend`: with transport mlx, `ring` forces the ring where NCCL would be picked.
     """
     if nodes < 1:
         raise UserError(f"--nodes must be at least 1 (got {nodes})")
@@ -103,7 +111,7 @@ def run_nodes(
 
     ctx = prefork.context()
     slot = _MAX_TOKENS_PER_CALL * max(describe(Checkpoint.open(t.model)).hidden for t in tasks) * 4
-    spec, cleanup = _transport_spec(transport, nodes, slot, ctx, timeout_s, gpus)
+    spec, cleanup = _transport_spec(transport, nodes, slot, ctx, timeout_s, gpus, mlx_backend)
     results = ctx.Queue()
     procs = []
     try:

@@ -156,6 +156,9 @@ class ClusterConfig:
     name: str = "moe-cluster"
     launch: Literal["local", "remote"] = "local"
     transport: Literal["envoy", "mlx"] = "envoy"
+    # transport mlx: auto (NCCL for local nodes that each have a GPU, where MLX has it; else the
+    # ring) or ring (the host-mediated ring, to compare the envoy with)
+    mlx_backend: Literal["auto", "ring"] = "auto"
     keepalive: Literal[KEEPALIVES] = "lru"  # Literal[("a", "b")] is Literal["a", "b"]
     route: Literal[DECODE_ROUTES] = "measure"  # the nodes' decode route (node/moe/route.py)
     verify: bool = True  # the load-time check (serve/verify.py)
@@ -364,6 +367,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
     if not c.nodes:
         raise r.fail(_find(root, "nodes"), "nodes", "needs at least one node")
+    if c.mlx_backend != "auto" and c.transport != "mlx":
+        raise r.fail(_find(root, "mlx_backend"), "mlx_backend", "applies only with transport: mlx")
     names: dict[str, int] = {}
     for i, n in enumerate(c.nodes):
         where = f"nodes[{i}]"

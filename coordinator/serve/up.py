@@ -187,7 +187,9 @@ def _transport(c: ClusterConfig, hosts: list[str], envoy_ports: list[int], rank_
     # nodes on this machine, each on its own GPU (`gpu:`): NCCL where MLX's CUDA build has it
     from ...node.collective.mlx import mlx_backend
 
-    backend = mlx_backend(c.launch == "local" and all(n.gpu is not None for n in c.nodes))
+    backend = mlx_backend(
+        c.launch == "local" and all(n.gpu is not None for n in c.nodes), c.mlx_backend
+    )
     return lambda rank: MlxSpec(
         hosts_spec, backend=backend, timeout_s=max(c.timeouts.collective, 30.0)
     )

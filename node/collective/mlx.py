@@ -58,22 +58,20 @@ logger = logging.getLogger(__name__)
 EXIT_STALLED = 75  # exit status of a node whose all-reduce outlasted the timeout
 
 
-BACKEND_ENV = (
-    "MOE_CLUSTER_MLX_BACKEND"  # "ring": the ring even where NCCL would be picked (to compare)
-)
+MLX_BACKENDS_CHOSEN = ("auto", "ring")  # cluster.yaml's `mlx_backend`, bench --mlx-backend
 
 
-def mlx_backend(gpus: bool) -> str:
+def mlx_backend(gpus: bool, choice: str = "auto") -> str:
     """The `mx.distributed` backend for nodes on this machine: NCCL where each node has its own CUDA
-    GPU and MLX's CUDA build offers it (GPU to GPU, no host copy), else the ring over TCP; or
-    the ring where $MOE_CLUSTER_MLX_BACKEND says so (the host-mediated path the envoy compares to)."""
-    forced = os.environ.get(BACKEND_ENV, "").strip()
-    if forced:
-        if forced != "ring":
-            raise UserError(
-                f"${BACKEND_ENV} may only be 'ring' (got {forced!r}); unset, the backend is chosen"
-            )
-        return forced
+    GPU and MLX's CUDA build offers it (GPU to GPU, no host copy), else the ring over TCP; or the
+    ring where `choice` says so (cluster.yaml's `mlx_backend: ring`: the host-mediated path, to
+    compare the envoy with)."""
+    if choice not in MLX_BACKENDS_CHOSEN:
+        raise UserError(
+            f"mlx_backend must be one of {', '.join(MLX_BACKENDS_CHOSEN)} (got {choice!r})"
+        )
+    if choice == "ring":
+        return "ring"
     cuda = getattr(mx, "cuda", None)
     return (
         "nccl"

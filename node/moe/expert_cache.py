@@ -34,7 +34,7 @@ import numpy as np
 from ...proto.errors import UnavailableError
 
 # Parallel reads in flight per node: NVMe SSDs reach their bandwidth at queue depths of 8-32.
-READ_THREADS = int(os.environ.get("MOE_CLUSTER_READ_THREADS", "8"))
+READ_THREADS = 8  # expert reads in flight at once (an SSD serves several queues in parallel)
 _DECAY, _HALF = 0.25, 128.0  # score = freq * _DECAY ** (age / _HALF) (seed 000's LCP)
 
 

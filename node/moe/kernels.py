@@ -9,7 +9,6 @@ another node computes.
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Mapping, Sequence
 
 import mlx.core as mx
@@ -19,10 +18,8 @@ import numpy as np
 from . import qskip, skip_gemv
 from .plan import Hosted, Routed
 
-# How the local experts are multiplied: one gather_mm for all rows (the default, "auto"), or one
-# matmul per expert (MLX's CPU backend has no bfloat16/float16 gather_mm, so "auto" does that
-# there). MOE_CLUSTER_EXPERT_MATMUL=per-expert forces the latter everywhere.
-EXPERT_MATMUL = os.environ.get("MOE_CLUSTER_EXPERT_MATMUL", "auto")
+# How the local experts are multiplied: one gather_mm for all rows, or one matmul per expert
+# where MLX has no gather_mm for the dtype (its CPU backend, bfloat16/float16: _gather_mm_ok).
 # Rows are always grouped by expert, but gather_mm is told so only from this many rows on, as
 # mlx-lm's SwitchGLU does: on MLX's CUDA backend the sorted kernel is ~6x slower for decode-sized
 # batches (DBRX experts on an H200: 1.07 ms vs 0.17 ms per call;
@@ -37,8 +34,6 @@ def _gather_mm_ok(dtype: mx.Dtype) -> bool:
 
 
 def _per_expert(dtype: mx.Dtype, quantized: bool) -> bool:
-    if EXPERT_MATMUL == "per-expert":
-        return True
     return not quantized and not _gather_mm_ok(dtype)
 
 

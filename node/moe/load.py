@@ -452,7 +452,7 @@ def load_shard(
             profile's tokens (at most top-k); N: the N hottest; 0: off.
         route: how decode steps compute the routed experts (route.py): skip, device or host
             (forced where a layer can take it), measure (time each on one layer, keep the fastest),
-            preferred (each layer's first); None: MOE_CLUSTER_ROUTE from the environment, else measure.
+            preferred (each layer's first); None: measure.
     """
     how = decode_route.requested(route)  # a bad value fails before anything is read
     collective = collective or LocalCollective()

@@ -18,7 +18,7 @@ summed in another order, so within a rounding or two of the output dtype, not bi
 check's bound). bfloat16/float16 activations only, as skip_gemv: float32 keeps gather_qmm.
 
 Used where it applies (CUDA, the formats above, no expert bias) and where the check at load against
-gather_qmm at the weight's own shape passes; `MOE_CLUSTER_SKIP_GEMV=0` turns it off with skip_gemv.
+gather_qmm at the weight's own shape passes; `route: device` in cluster.yaml keeps it off.
 scripts/gpu/qskip_probe.py measures it against gather_qmm per format and per m.
 """
 

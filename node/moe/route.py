@@ -12,14 +12,12 @@ against the host read on batches of HANDOFF_TOKENS rows and hands calls from the
 the host read wins to it (`host_from` positions; past twice the widest size where it never wins).
 A GPU pays a host sync per layer dearly and a CPU the rows another node computes, so the
 crossover is measured too.
-cluster.yaml's `route: skip|device|host` forces one (benchmarks), and where it says `measure` (the
-default) `MOE_CLUSTER_ROUTE=skip|device|host` in a node's environment does.
+cluster.yaml's `route: skip|device|host` forces one (benchmarks); `measure` (the default) times.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -33,7 +31,6 @@ from .kernels import SORTED_FROM
 
 logger = logging.getLogger(__name__)
 
-ENV = "MOE_CLUSTER_ROUTE"
 # How a loader picks: a route by name (forced), "measure", or "preferred" (each layer's first route,
 # nothing timed: in-process clusters in tests, where the route is a parameter of the test)
 CHOICES = ROUTES + ("measure", "preferred")
@@ -77,12 +74,10 @@ class RouteChoice:
 
 
 def requested(route: str | None) -> str:
-    """The loader's `route` argument, or the node's environment (MOE_CLUSTER_ROUTE), else measure."""
-    source = "route"
-    if route is None:
-        route, source = os.environ.get(ENV, "").strip() or "measure", ENV
+    """The loader's `route` argument (None: measure), checked."""
+    route = route or "measure"
     if route not in CHOICES:
-        raise UserError(f"{source} must be one of {', '.join(CHOICES)} (got {route!r})")
+        raise UserError(f"route must be one of {', '.join(CHOICES)} (got {route!r})")
     return route
 
 
@@ -112,7 +107,7 @@ def choose(
     top_k: Sequence[int],
     how: str = "measure",
     timer: TimeRoute | None = None,
-    source: str = f"cluster.yaml's route or {ENV}",
+    source: str = "cluster.yaml's route",
     handoff: tuple[int, dict[int, dict[str, float]]] | None = None,
 ) -> RouteChoice:
     """Set every shard's route (`how`: a route, forced where a layer can take it; measure; or

@@ -14,7 +14,7 @@ output dtype — what `gather_mm` computes, summed in another order.
 
 Used by default where it applies (CUDA, unquantized bfloat16/float16 weights without bias, the
 input width a multiple of 8) and where a check at load time against `gather_mm` passes; elsewhere,
-or with `MOE_CLUSTER_SKIP_GEMV=0` in the node's environment, the step keeps `gather_mm`. Not for
+or where cluster.yaml's `route:` forces another route, the step keeps `gather_mm`. Not for
 float32, where a cluster must give stock mlx-lm's logits within 1e-4: summed in its own order, the
 kernel put longcat_flash's tiny float32 model 3.2e-4 away at N = 2 on an H100 (the family sweep,
 tests/families), where gather_mm stays within 1e-4. bfloat16 tokens part from stock's within a few
@@ -30,13 +30,10 @@ under every CUDA-graph setting.
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 
 from ..device import on_cuda
 
-ENABLED = os.environ.get("MOE_CLUSTER_SKIP_GEMV", "1") != "0"
 _WARPS = 4  # per block: 128 threads, one output feature per warp
 
 _HEADER = r"""
@@ -101,8 +98,8 @@ _checked: dict[
 
 
 def available() -> bool:
-    """MLX has a CUDA device here and the kernel is not turned off (MOE_CLUSTER_SKIP_GEMV=0)."""
-    return ENABLED and on_cuda()
+    """MLX has a CUDA device here."""
+    return on_cuda()
 
 
 def fits(weight: mx.array) -> bool:

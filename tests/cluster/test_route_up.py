@@ -1,7 +1,7 @@
 """`up` on two local nodes: each node times its decode routes at load and keeps the fastest, `up`
 prints every node's route with the times it measured, `status` and /metrics report them, and a
-route forced in the nodes' environment (MOE_CLUSTER_ROUTE) is the one they take; the tokens are
-stock mlx-lm's either way."""
+route forced by cluster.yaml's `route:` is the one they take; the tokens are stock mlx-lm's either
+way. (That a forced host read is not timed at all: tests/families/test_routes.py.)"""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ PROMPT = "To be, or not to be"
 TOKENS = 8
 
 
-def _serve(tmp_path, path, env, extra: str = "") -> tuple[list[str], dict, str, list[int]]:
+def _serve(tmp_path, path, extra: str = "") -> tuple[list[str], dict, str, list[int]]:
     tmp_path.mkdir()
-    with cluster(tmp_path, yaml_for(2, str(path), extra=extra), env=env) as (url, proc, lines):
+    with cluster(tmp_path, yaml_for(2, str(path), extra=extra)) as (url, proc, lines):
         status, body = http(
             url, "/v1/completions", {"prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}
         )
@@ -36,7 +36,7 @@ def test_up_prints_each_nodes_measured_route_and_honours_a_forced_one(tmp_path):
     )  # float32: device and host
     want = stock_tokens(path, PROMPT, TOKENS)
 
-    lines, nodes, metrics, tokens = _serve(tmp_path / "measured", path, {"MOE_CLUSTER_ROUTE": ""})
+    lines, nodes, metrics, tokens = _serve(tmp_path / "measured", path)
     assert tokens == want
     (line,) = [line for line in lines if line.startswith("decode route: ")]
     for name in ("node-0", "node-1"):
@@ -54,15 +54,8 @@ def test_up_prints_each_nodes_measured_route_and_honours_a_forced_one(tmp_path):
         assert f'moe_cluster_node_route{{node="{name}",route="{m.group(1)}"}} 1' in metrics
         assert f'moe_cluster_node_route_seconds{{node="{name}",route="host"}}' in metrics
 
-    lines, nodes, _, tokens = _serve(tmp_path / "forced", path, {"MOE_CLUSTER_ROUTE": "host"})
-    assert tokens == want
-    assert "decode route: node-0 host; node-1 host" in lines  # forced: nothing timed
-    assert {n["route"] for n in nodes.values()} == {"host"}
-
-    # cluster.yaml's route forces it too, over what a node's environment says
-    lines, nodes, _, tokens = _serve(
-        tmp_path / "yaml", path, {"MOE_CLUSTER_ROUTE": "host"}, extra="route: device\n"
-    )
+    # cluster.yaml's route forces one
+    lines, nodes, _, tokens = _serve(tmp_path / "yaml", path, extra="route: device\n")
     assert tokens == want
     # forced: not timed at one row; where wide calls go is measured, as for a chosen route
     (line,) = [line for line in lines if line.startswith("decode route: ")]

@@ -77,23 +77,20 @@ def test_the_route_is_forced_from_the_environment(tmp_path, monkeypatch, caplog)
 
     monkeypatch.setattr(decode_route, "time_route", timer)
     for forced in ("host", "device"):
-        monkeypatch.setenv(decode_route.ENV, forced)
         timed.clear()
         with caplog.at_level(logging.INFO, logger="moe_cluster.node.moe.load"):
-            sm = load_in_process(str(path), 2, keepalive="none", route=None)
+            sm = load_in_process(str(path), 2, keepalive="none", route=forced)
         assert _routes(sm) == {forced}
         assert f"decode route: {forced}, forced" in caplog.text
         assert set(timed) == (set() if forced == "host" else {"device", "host"}), timed
-    monkeypatch.setenv(
-        decode_route.ENV, "skip"
-    )  # float32 weights: no kernel takes them (gather_mm stays)
+    # float32 weights: no kernel takes them (gather_mm stays)
     with pytest.raises(
-        UserError, match="route skip .*MOE_CLUSTER_ROUTE.*: no MoE layer of this node can take it"
+        UserError,
+        match="route skip .*cluster.yaml's route.*: no MoE layer of this node can take it",
     ):
-        load_in_process(str(path), 2, route=None)
-    monkeypatch.setenv(decode_route.ENV, "fastest")
-    with pytest.raises(UserError, match="MOE_CLUSTER_ROUTE must be one of"):
-        load_in_process(str(path), 2, route=None)
+        load_in_process(str(path), 2, route="skip")
+    with pytest.raises(UserError, match="route must be one of"):
+        load_in_process(str(path), 2, route="fastest")
 
 
 @pytest.mark.parametrize("fast", ["host", "device"])
@@ -101,7 +98,6 @@ def test_a_node_keeps_the_route_it_measured_fastest_and_logs_the_times(
     fast, tmp_path, monkeypatch, caplog
 ):
     path = sweep.checkpoint("qwen3_moe", tmp_path)
-    monkeypatch.delenv(decode_route.ENV, raising=False)
     timed = []
 
     def fake(shard, r, top_k, tokens):

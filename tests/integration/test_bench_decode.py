@@ -5,17 +5,17 @@ are speeds (not asserted); what is asserted is that every path ran and gave stoc
 from __future__ import annotations
 
 import json
-import os
 
 from conftest import cli
 
 
 def test_bench_decode_reports_every_path_with_stock_tokens():
     # the device route at N = 2, so that the row's decode step is one graph to count
-    env = {**os.environ, "MOE_CLUSTER_ROUTE": "device"}
     r = cli(
         "bench",
         "decode",
+        "--route",
+        "device",
         "--model",
         "demo",
         "--nodes",
@@ -28,7 +28,6 @@ def test_bench_decode_reports_every_path_with_stock_tokens():
         "1",
         "--json",
         timeout=300,
-        env=env,
     )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)

@@ -1,5 +1,5 @@
 """`bench decode`'s expert bytes read per node per token, counted per decode route on a 4-bit
-checkpoint at N = 2 (MOE_CLUSTER_ROUTE forces the route in the node processes): the redirected-rows
+checkpoint at N = 2 (DecodeBench.route forces the route in the node processes): the redirected-rows
 route reads one expert matrix per routed position, k per MoE layer on every node; the host read
 reads only the experts a node computes, so the two nodes' reads add up to the k distinct experts a
 token selects. Both give the same tokens."""
@@ -41,9 +41,8 @@ def quantized(tmp_path_factory):
 def _row(model: str, route: str, monkeypatch) -> dict:
     from moe_cluster.coordinator.bench import decode
 
-    monkeypatch.setenv("MOE_CLUSTER_ROUTE", route)
     spec = decode.DecodeBench(
-        model, nodes=(2,), keepalive=("none",), max_tokens=8, rounds=1, peers=False
+        model, nodes=(2,), keepalive=("none",), max_tokens=8, rounds=1, peers=False, route=route
     )
     (row,) = decode._cluster(spec, list(range(3, 14)), 2, "shm")
     return row

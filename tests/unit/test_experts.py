@@ -418,23 +418,6 @@ def test_the_skipping_decode_step_equals_the_host_path(world, keepalive, monkeyp
     _assert_steps_agree(skipping, host, seed=2, atol=1e-5)
 
 
-@pytest.mark.parametrize("value, enabled", [(None, True), ("1", True), ("0", False)])
-def test_skip_gemv_is_on_unless_the_variable_turns_it_off(monkeypatch, value, enabled):
-    import importlib
-
-    from moe_cluster.node.moe import skip_gemv
-
-    if value is None:
-        monkeypatch.delenv("MOE_CLUSTER_SKIP_GEMV", raising=False)
-    else:
-        monkeypatch.setenv("MOE_CLUSTER_SKIP_GEMV", value)
-    try:
-        assert importlib.reload(skip_gemv).ENABLED is enabled
-    finally:
-        monkeypatch.undo()
-        importlib.reload(skip_gemv)  # as the rest of the session imported it
-
-
 def test_skip_gemv_stays_off_without_cuda_and_says_why_where_it_cannot_apply():
     from moe_cluster.node.moe import skip_gemv
 

@@ -167,19 +167,24 @@ def test_up_joins_local_gpu_nodes_over_nccl_where_mlx_has_it(monkeypatch):
 
 
 def test_the_ring_can_be_forced_where_nccl_would_be_picked(monkeypatch):
-    """$MOE_CLUSTER_MLX_BACKEND=ring: the host-mediated ring on GPU nodes, to compare the envoy with it."""
+    """cluster.yaml's `mlx_backend: ring`: the host-mediated ring on GPU nodes, to compare the envoy
+    with it; a bad value, or the key without `transport: mlx`, is refused by name."""
     from types import SimpleNamespace
 
-    from moe_cluster.node.collective.mlx import BACKEND_ENV, mlx_backend
+    from moe_cluster.coordinator.serve.config import ConfigError, parse_config
+    from moe_cluster.coordinator.serve.up import _transport
+    from moe_cluster.node.collective.mlx import mlx_backend
 
     monkeypatch.setattr(mx, "cuda", SimpleNamespace(is_available=lambda: True), raising=False)
     monkeypatch.setattr(mx.distributed, "is_available", lambda backend=None: True)
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert mlx_backend(gpus=True) == "nccl"
-    monkeypatch.setenv(BACKEND_ENV, "ring")
-    assert mlx_backend(gpus=True) == "ring"
-    monkeypatch.setenv(BACKEND_ENV, "mpi")
-    with pytest.raises(
-        UserError, match="MOE_CLUSTER_MLX_BACKEND may only be 'ring' \\(got 'mpi'\\)"
-    ):
-        mlx_backend(gpus=True)
+    assert mlx_backend(gpus=True, choice="ring") == "ring"
+    with pytest.raises(UserError, match="mlx_backend must be one of auto, ring \\(got 'mpi'\\)"):
+        mlx_backend(gpus=True, choice="mpi")
+    nodes = "nodes:\n  - name: a\n    gpu: 0\n  - name: b\n    gpu: 1\n"
+    c = parse_config("transport: mlx\nmlx_backend: ring\n" + nodes)
+    assert _transport(c, ["127.0.0.1"] * 2, [7001, 7002], False)(0).backend == "ring"
+    with pytest.raises(ConfigError, match="mlx_backend: must be one of"):
+        parse_config("transport: mlx\nmlx_backend: mpi\n" + nodes)
+    with pytest.raises(ConfigError, match="mlx_backend: applies only with transport: mlx"):
+        parse_config("mlx_backend: ring\n" + nodes)
