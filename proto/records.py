@@ -189,7 +189,7 @@ class LoadSpec:
     # the hottest experts and prefetches the next layer's from it
     heat: tuple = ()
     route: str = (
-        "measure"  # DECODE_ROUTES; measure: the node's MOE_CLUSTER_ROUTE if set, else timed
+        "measure"  # DECODE_ROUTES; measure: timed at load
     )
     speculative: str = "off"  # node/speculate.py MODES
     draft_tokens: int = 4  # drafts a step verifies per sequence at most, where speculation is on

@@ -540,7 +540,7 @@ def run(spec: DecodeBench) -> dict:
         "rounds": {"ours": single["ours_rounds_tps"], "mlx_lm": single["mlx_lm_rounds_tps"]},
         "model_bytes": bytes_,
         "host": {"cores": os.cpu_count() or 1},
-        # the node processes' decode kernel at N > 1 (node/moe/skip_gemv.py: CUDA only, MOE_CLUSTER_SKIP_GEMV=0 turns it off)
+        # the node processes' decode kernel at N > 1 (node/moe/skip_gemv.py: CUDA only, unless --route forces another)
         "skip_gemv": _skip_gemv_on(),
         "bench_process_bytes": held,  # what this process held while the node processes ran
         "clusters": clusters,
