@@ -188,9 +188,7 @@ class LoadSpec:
     # a routing profile, ((MoE layer, selections per expert, tokens), ...): the expert cache pins
     # the hottest experts and prefetches the next layer's from it
     heat: tuple = ()
-    route: str = (
-        "measure"  # DECODE_ROUTES; measure: timed at load
-    )
+    route: str = "measure"  # DECODE_ROUTES; measure: timed at load
     speculative: str = "off"  # node/speculate.py MODES
     draft_tokens: int = 4  # drafts a step verifies per sequence at most, where speculation is on
     draft_model: str = (
