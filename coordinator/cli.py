@@ -365,6 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(handler="moe_cluster.coordinator.bench.race:main")
 
     b = bench.add_parser(
+        "expert-step",
+        help="does a node read only its own experts? one decode token's expert step per kernel",
+    )
+    importlib.import_module("moe_cluster.coordinator.bench.expert_step").add_arguments(b)
+    b.set_defaults(handler="moe_cluster.coordinator.bench.expert_step:main")
+
+    b = bench.add_parser(
         "ship", help="shipping a shard to a node: throughput against raw TCP, coordinator memory"
     )
     importlib.import_module("moe_cluster.coordinator.bench.ship").add_arguments(b)

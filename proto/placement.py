@@ -157,7 +157,7 @@ def copy_everywhere(
     lacks it, wherever each of those ranks still has one of its `free[rank]` slots (one that does
     not fit everywhere is skipped for the next). A replica held by every rank is assigned on the
     device (node/moe/routing.py ArrayRule); one held by some ranks is assigned on the host at every
-    MoE layer, which decoded at a third of the speed on 2 GPUs (docs/gpu/run12). -> sorted ids per rank."""
+    MoE layer, a host sync per layer that cut decode to a third on 2 GPUs. -> sorted ids per rank."""
     out = {r: list(es) for r, es in held.items()}
     have = {r: set(es) for r, es in held.items()}
     room = {r: free[r] for r in out}

@@ -15,7 +15,7 @@ importcache.install()  # before any test module imports mlx_lm: see common/impor
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # float32 is held to |Δlogit| <= 1e-4 against stock: a GPU must compute it in float32, not in the TF32
-# MLX uses by default on CUDA (and on M5's NAX), 10 bits of mantissa (GPU run 11). Node processes the
+# MLX uses by default on CUDA (and on M5's NAX), 10 bits of mantissa. Node processes the
 # tests start inherit it.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 

@@ -543,11 +543,11 @@ def run(spec: RaceBench) -> dict:
 
 
 def merge(parts: list[dict]) -> dict:
-    """One race from the JSON of calls that each ran some of its rows on the same checkpoint (as
-    scripts/gpu/race_run.sh runs them, so that a row that crashes loses only itself): the rows
-    together, each call's other fields from the first call that has them, and what compares rows
-    with each other (agreement, losses, the overlap rows' hidden share) done again over all of
-    them, since no single call saw its row beside the others."""
+    """One race from the JSON of calls that each ran some of its rows on the same checkpoint
+    (`bench race --merge`: on a GPU host each row runs in its own call, so that a row that crashes
+    loses only itself): the rows together, each call's other fields from the first call that has
+    them, and what compares rows with each other (agreement, losses, the overlap rows' hidden
+    share) done again over all of them, since no single call saw its row beside the others."""
     if not parts:
         raise UserError("nothing to merge: no race JSON given")
     out: dict = {}
@@ -603,7 +603,14 @@ def _streams(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
+    p.add_argument("--model", default=None, help="checkpoint folder, or 'demo'")
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="RACE.json",
+        help="run nothing: merge the JSON of earlier calls that each ran some rows of one race "
+        "(their rows compared again) and report it as one race",
+    )
     p.add_argument(
         "--nodes", type=int, default=2, help="processes per row (ours: nodes; mlx-lm: ranks)"
     )
@@ -650,7 +657,18 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def main(args) -> int:
+def _read_race(path: str) -> dict:
+    try:
+        with open(path) as f:
+            part = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--merge: cannot read {path}: {exc}") from exc
+    if not isinstance(part, dict) or not isinstance(part.get("rows"), list):
+        raise UserError(f"--merge: {path} is not the JSON of a `bench race` call (no rows)")
+    return part
+
+
+def _spec(args) -> RaceBench:
     rows = tuple(r.strip() for r in args.rows.split(","))
     bad = [r for r in rows if r not in ROWS + OVERLAP_ROWS]
     if bad:
@@ -673,7 +691,7 @@ def main(args) -> int:
             hardware_preset(args.hardware).bandwidth_Bps,
             f"--hardware {args.hardware}",
         )
-    spec = RaceBench(
+    return RaceBench(
         args.model,
         args.nodes,
         _streams(args.streams),
@@ -686,7 +704,15 @@ def main(args) -> int:
         False if args.no_stock else None,
         mlx_backend=args.mlx_backend,
     )
-    out = run(spec)
+
+
+def main(args) -> int:
+    if args.merge:
+        out = merge([_read_race(path) for path in args.merge])
+    elif args.model is None:
+        raise UserError("bench race needs --model (to run a race) or --merge (to join calls)")
+    else:
+        out = run(_spec(args))
     if args.plot:
         plot(out, args.plot)
     if args.json:

@@ -19,7 +19,7 @@ Calibrated (`plan --check-against`), a layer also costs a fixed time (launches) 
 the batch, its attention and router (every node under expert parallelism and in the pipeline, 1/N of
 it under tensor parallelism), its passes through experts (k per token in the pipeline, k/N per node
 under the other two) and, under ours alone, ours' own per-token work. On GPUs these costs, not the
-bytes, decide the race (GPU runs 23-25).
+bytes, decide the race (docs/race.md).
 Everything here is pure arithmetic on the frozen records of perfmodel.py.
 """
 

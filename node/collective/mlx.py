@@ -150,7 +150,7 @@ class MlxCollective(Epochs):
     # where it is the rank-order sum's bytes, and over NCCL, where it costs less than the
     # all_gather (in a graph, 42 against 77 µs a layer); the ring's all_sum took longer than its
     # all_gather and the local sum on a 2-vCPU CPU (150-226 against 77-133 µs, hidden 1024), so
-    # the ring keeps the all_gather (collective_probe.py)
+    # the ring keeps the all_gather
     SUMMED_AT = 2
 
     def __init__(self, spec: MlxSpec, rank: int):
@@ -228,8 +228,8 @@ class MlxCollective(Epochs):
     def _summed(self, partial: mx.array, layer: int) -> mx.array:
         """Two ranks: the backend's own sum of the float32 partials. One addition per element is
         the same bytes in either order, so this is the rank-order sum of the other path, at about
-        half an all_gather's cost in a graph (NCCL, bfloat16 payloads: 42 against 77 µs a layer;
-        scripts/gpu/collective_probe.py, whose all_sum_f32 times this float32 one)."""
+        half an all_gather's cost in a graph (NCCL, bfloat16 payloads: 42 against 77 µs a layer,
+        the all_sum timed on float32 partials as here)."""
         flat = self._after_last(partial.reshape(-1).astype(mx.float32))
         n = flat.size
         ride = self._rider.take(layer)

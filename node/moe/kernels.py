@@ -22,8 +22,8 @@ from .plan import Hosted, Routed
 # where MLX has no gather_mm for the dtype (its CPU backend, bfloat16/float16: _gather_mm_ok).
 # Rows are always grouped by expert, but gather_mm is told so only from this many rows on, as
 # mlx-lm's SwitchGLU does: on MLX's CUDA backend the sorted kernel is ~6x slower for decode-sized
-# batches (DBRX experts on an H200: 1.07 ms vs 0.17 ms per call;
-# scripts/gpu/expert_matmul_probe.py).
+# batches (DBRX experts on an H200: 1.07 ms vs 0.17 ms per call; `bench expert-step`'s `sorted`
+# column times it).
 SORTED_FROM = 64
 
 Groups = Sequence[tuple[int, int, int]]  # [(slot, start, end)]: runs of equal slot in sorted rows
@@ -79,7 +79,14 @@ class ShardLinear(nn.Module):
     def _by_expert(self, x: mx.array, slots: mx.array, groups: Groups) -> mx.array:
         return mx.concatenate([self._one(x[a:b], s) for s, a, b in groups], axis=0)
 
-    def _gather_qmm(self, x: mx.array, slots: mx.array, groups) -> mx.array:
+    def gather(self, x: mx.array, slots: mx.array, sorted_indices: bool) -> mx.array:
+        """x (M, 1, in) rows through expert slots[i] each in one gather_mm / gather_qmm, told
+        whether the rows come grouped by slot (a node's calls tell it from SORTED_FROM rows on;
+        `bench expert-step` times both ways). -> (M, 1, out), without the bias."""
+        gather = self._gather_qmm if self.quant is not None else self._gather_mm
+        return gather(x, slots, None, sorted_indices)
+
+    def _gather_qmm(self, x: mx.array, slots: mx.array, groups, sorted_indices=None) -> mx.array:
         return mx.gather_qmm(
             x,
             self["weight"],
@@ -90,15 +97,15 @@ class ShardLinear(nn.Module):
             group_size=self.quant["group_size"],
             bits=self.quant["bits"],
             mode=self.quant["mode"],
-            sorted_indices=x.shape[0] >= SORTED_FROM,
+            sorted_indices=x.shape[0] >= SORTED_FROM if sorted_indices is None else sorted_indices,
         )
 
-    def _gather_mm(self, x: mx.array, slots: mx.array, groups) -> mx.array:
+    def _gather_mm(self, x: mx.array, slots: mx.array, groups, sorted_indices=None) -> mx.array:
         return mx.gather_mm(
             x,
             self["weight"].swapaxes(-1, -2),
             rhs_indices=slots,
-            sorted_indices=x.shape[0] >= SORTED_FROM,
+            sorted_indices=x.shape[0] >= SORTED_FROM if sorted_indices is None else sorted_indices,
         )
 
     def _one(self, x: mx.array, slot: int) -> mx.array:
@@ -165,7 +172,8 @@ class Gather:
         mine, safe = r.mine, r.safe  # uint32, as gather_mm takes it: no cast
         # keepalive none: another node's positions repeat a slot read anyway (the highest selected
         # here, safe's 0 at theirs; slot 0 where none is): a repeated expert's weights come from
-        # cache, not memory (scripts/filler_probe.py), though a CPU still computes the row
+        # cache, not memory (a layer of 16 local 12.6 MB experts ran 0.87x the time it took with
+        # slot 0 as the filler on a 2-vCPU CPU), though a CPU still computes the row
         other = r.fill if r.fill is not None else safe.max()
         slots = mx.where(mine, safe, other)
         y = self.mlp(rows, slots, None).squeeze(-2)  # (..., k, out)

@@ -576,7 +576,8 @@ def load_shard(
         # the resident set (paper §3.2, Algorithm 2's warm-up). On CUDA MLX's buffers are managed
         # memory that the loader wrote from the host: the device's first read of each page
         # migrates it, and a route timed on unread experts measures that migration (8 ms a MoE
-        # layer where the warm read takes 0.6 ms: docs/gpu/run17), and so would the first requests.
+        # layer of the DeepSeek-V3 shape where the warm read takes 0.6 ms), and so would the
+        # first requests.
         report(total, total, "warmup")
         for layer in layers:
             layer.shard.warm_up()

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import io
 import re
-import statistics
-import time
 from collections import Counter
 from typing import Callable
 
 import mlx.core as mx
-import numpy as np
 
 # Primitives that launch no kernel on a contiguous input: MLX shares the input's buffer (a view)
 # or orders the graph. They still cost a node in the graph and the Python that built it.
@@ -53,19 +50,6 @@ def primitives(*outputs: mx.array) -> Counter:
 def kernels(counts: Counter) -> int:
     """How many of `counts` launch a kernel (all but VIEWS)."""
     return sum(n for name, n in counts.items() if name not in VIEWS)
-
-
-def build_seconds(call: Callable[[], object], repeats: int = 200, q: float = 0.5) -> float:
-    """Seconds `call` takes to build its graph (nothing is evaluated), after one untimed call: the
-    median of `repeats` calls, or quantile `q` (a low one, 0.1, is steadier on a busy machine: the
-    work is the same every call, the noise only adds)."""
-    call()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    return float(np.quantile(times, q)) if q != 0.5 else statistics.median(times)
 
 
 def layer_summary(counts: Counter) -> dict:

@@ -19,7 +19,7 @@ check's bound). bfloat16/float16 activations only, as skip_gemv: float32 keeps g
 
 Used where it applies (CUDA, the formats above, no expert bias) and where the check at load against
 gather_qmm at the weight's own shape passes; `route: device` in cluster.yaml keeps it off.
-scripts/gpu/qskip_probe.py measures it against gather_qmm per format and per m.
+`moe-cluster bench expert-step` times it against gather_qmm per format and per m.
 """
 
 from __future__ import annotations

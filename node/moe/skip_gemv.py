@@ -4,7 +4,7 @@ At N > 1 the device-routed step (kernels.py `Gather`) keeps fixed shapes: each o
 token's k positions goes through some local slot and the positions another node computes are zeroed
 afterwards. MLX's `gather_mm` on CUDA then reads one expert matrix per position, duplicates included,
 so a node read k experts per layer — what one GPU holding every expert reads — and expert parallelism
-saved no bytes at batch 1 (docs/gpu/run8: DBRX at N = 2 ran at 0.72× N = 1).
+saved no bytes at batch 1 (DBRX at N = 2 over NCCL ran at 0.72× one GPU).
 
 This kernel takes each position's slot, or -1 for a position computed elsewhere, and returns zeros
 for the latter without reading anything: a node reads the experts its own positions select, about
@@ -21,11 +21,10 @@ tests/families), where gather_mm stays within 1e-4. bfloat16 tokens part from st
 steps on either path (each node's partial is rounded before the sum).
 
 Measured at N = 2, one GPU per node: 1.36x gather_mm's decode on the DBRX shape and 1.61x on 12
-layers of the Qwen3-30B-A3B shape (run 9, 2 x H100); on all 48 layers, run 9's one pair of runs
-gave 19.0 against 54.7 tok/s, which run 10 (2 x H200, docs/gpu/run10) did not reproduce: five
-runs with the kernel gave 37.3-69.3 tok/s (median 59.7), three interleaved without it 33.1-57.6
-(median 53.2), and a one-process 48-layer chain (scripts/gpu/graph_probe.py) ran 1.27x gather_mm
-under every CUDA-graph setting.
+layers of the Qwen3-30B-A3B shape; on all 48 layers runs of either swing 2x on one host, the
+kernel ahead by median (59.7 against 53.2 tok/s), and a one-process 48-layer chain ran it 1.27x
+gather_mm under every CUDA-graph setting (docs/performance.md; `moe-cluster bench expert-step`
+times the kernel alone against the experts a node computes).
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@
 #  in separate calls: each call's copies are kept in /tmp/wheels while the machine stays warm.)
 # Installs once every part has arrived and the joined wheel matches its checksum; until then it
 # says which parts are missing and exits 3. Afterwards: export PYTHONPATH=/tmp/site
-# A WHEEL_DIR may also hold ptx.tgz, MLX's CUDA kernel cache from an earlier host
-# (scripts/gpu/ptx_save.sh): a first run then builds no kernel it already has. MLX's CUDA backend
+# A WHEEL_DIR may also hold ptx.tgz, MLX's CUDA kernel cache from an earlier host (there, once no
+# process is building a kernel: tar czf ptx.tgz -C /tmp/mlx .): a first run then builds no kernel it
+# already has; the cache is per card architecture and MLX version. MLX's CUDA backend
 # builds each kernel with NVRTC the first time a graph needs it; the quantized matmuls' are CUTLASS
 # templates that take tens of seconds each, minutes in all on a fresh host.
 set -euo pipefail

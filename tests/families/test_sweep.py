@@ -55,8 +55,8 @@ def _quantized_reference(path):
     """Stock mlx-lm's tokens and logits for a quantized checkpoint. On a GPU, the checkpoint is
     skipped, with the reason, where stock itself gives no reference to hold the cluster to: it
     cannot run the checkpoint there, or its own GPU logits part from its CPU logits beyond the
-    bound (MLX's CUDA quantized matmul garbles a small 8-bit group-64 router: scripts/gpu/quant_probe.py,
-    GPU run 11).
+    bound (MLX's CUDA quantized matmul garbles a small 8-bit group-64 router: its GPU logits move
+    from run to run).
     On the CPU both are the same kernels, so nothing is skipped."""
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     try:

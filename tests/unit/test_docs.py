@@ -1,16 +1,23 @@
-"""README.md and docs/: every relative link resolves (file and anchor), every `moe-cluster COMMAND`
-named in code is a subcommand of the CLI's own parser, every scripts/ path exists."""
+"""The current docs (README.md and docs/*.md): every relative link resolves (file and anchor),
+every `moe-cluster COMMAND` named in code is a subcommand of the CLI's own parser, every command
+line of docs/performance.md (the commands that reproduce its figures) parses with that parser,
+every scripts/ path named exists, and every file under docs/bench/ is cited by a page (a figure's
+JSON goes with the doc that cites it)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+BENCH = ROOT / "docs" / "bench"
 
 FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 INLINE = re.compile(r"(`+)(.+?)\1", re.S)
@@ -21,6 +28,8 @@ COMMAND = re.compile(
     r"(?<![\w-])moe-cluster\s+([a-z][a-z0-9-]*)(?=[\s`|]|$)"
     r"(?:\s+([a-z][a-z0-9-]*(?:\\?\|[a-z][a-z0-9-]*)*)(?=[\s`]|$))?"
 )
+# a command line shown in code: `moe-cluster` (or .venv/bin/moe-cluster) to a shell operator or the end
+SHOWN = re.compile(r"(?:^|(?<=[\s(]))(?:\.venv/bin/)?moe-cluster\s+(.*?)(?=\s(?:>|\||&&|;|2>|#)|$)")
 SCRIPT = re.compile(r"(?<![\w/.-])scripts/(?:[a-z0-9_]+/)*[a-z0-9_]+\.(?:py|sh)\b")
 
 
@@ -96,6 +105,39 @@ def unknown_commands(text: str, where: str, parser: argparse.ArgumentParser) -> 
     return bad
 
 
+def shown_commands(text: str) -> list[str]:
+    """The argument strings of every command line in code: a fenced block's lines (a trailing
+    backslash continues one) and inline spans (a line break inside one is a space)."""
+    lines = [
+        line for m in FENCE.finditer(text) for line in m.group(0).replace("\\\n", " ").splitlines()
+    ]
+    lines += [m.group(2).replace("\n", " ") for m in INLINE.finditer(FENCE.sub(" ", text))]
+    return [m.group(1).strip() for line in lines for m in SHOWN.finditer(line)]
+
+
+def unparsed_commands(text: str, where: str, parser: argparse.ArgumentParser) -> list[str]:
+    bad = []
+    for args in shown_commands(text):
+        argv = shlex.split(args)
+        if not any(a.startswith("-") for a in argv):
+            continue  # a command named (`moe-cluster bench decode`): unknown_commands checks it
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                parser.parse_args(argv)
+        except SystemExit as exc:
+            if exc.code:
+                why = (err.getvalue().strip().splitlines() or ["?"])[-1]
+                bad.append(f"{where}: moe-cluster {args}: {why}")
+    return bad
+
+
+def uncited_bench_files(pages: list[Path], bench: Path) -> list[str]:
+    """Files under `bench` whose name no page mentions (a link, a command's output path)."""
+    text = "\n".join(p.read_text() for p in pages)
+    return sorted(f.name for f in bench.iterdir() if f.is_file() and f.name not in text)
+
+
 @pytest.fixture(scope="module")
 def parser() -> argparse.ArgumentParser:
     from moe_cluster.coordinator.cli import build_parser
@@ -134,6 +176,16 @@ def test_every_named_script_exists(page):
     assert missing == [], f"{_rel(page)} names scripts that do not exist"
 
 
+def test_every_command_of_the_performance_page_parses(parser):
+    page = ROOT / "docs" / "performance.md"
+    assert len(shown_commands(page.read_text())) >= 10
+    assert unparsed_commands(page.read_text(), _rel(page), parser) == []
+
+
+def test_every_figure_file_is_cited_by_a_page():
+    assert uncited_bench_files(PAGES, BENCH) == []
+
+
 def test_the_checks_catch_what_they_look_for(tmp_path, parser):
     """The three checks fail on a page with a broken link, a wrong anchor, a made-up command and
     a made-up bench, and pass on the same page mended."""
@@ -153,6 +205,24 @@ def test_the_checks_catch_what_they_look_for(tmp_path, parser):
         "`moe-cluster bench decode\\|serve`, `moe-cluster cache rm NAME`\n"
     )
     assert broken_links(page) == [] and unknown_commands(page.read_text(), "page.md", parser) == []
+
+
+def test_the_command_and_citation_checks_catch_what_they_look_for(tmp_path, parser):
+    """A misspelt option, a missing value and a bad type fail to parse (one each); names, shell
+    redirections and continued lines do not; an uncited figure file is found."""
+    text = (
+        "`moe-cluster bench decode --modle demo`, `moe-cluster plan --model`\n"
+        "```\nmoe-cluster bench race --model demo \\\n  --nodes x --json > out.json\n```\n"
+        "`moe-cluster bench decode`, `moe-cluster bench placement --nodes 3\n--json`\n"
+        "```\nmoe-cluster bench race --merge a.json b.json --json > race.json  # merged\n```\n"
+    )
+    assert len(unparsed_commands(text, "page.md", parser)) == 3
+    assert len(shown_commands(text)) == 6
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "cited.json").write_text("{}")
+    (tmp_path / "bench" / "orphan.json").write_text("{}")
+    (tmp_path / "page.md").write_text("[json](bench/cited.json)\n")
+    assert uncited_bench_files([tmp_path / "page.md"], tmp_path / "bench") == ["orphan.json"]
 
 
 def test_readme_family_count_matches_the_generated_table():

@@ -112,8 +112,8 @@ def test_the_in_graph_sum_is_the_envoys_bytes(dtype, ranks):
 
 
 def test_mlx_lms_tensor_parallel_falls_back_to_the_ring_where_nccl_fails(monkeypatch):
-    """GPU run 8: mlx-lm's sharded_load ends with an all_sum on the CPU stream that MLX's NCCL backend
-    refuses; the peer is then measured over the ring, and says so with NCCL's error."""
+    """mlx-lm's sharded_load ends with an all_sum on the CPU stream that MLX's NCCL backend refuses
+    (MLX 0.32.4 on CUDA); the peer is then measured over the ring, and says so with NCCL's error."""
     from types import SimpleNamespace
 
     from moe_cluster.coordinator.bench import tensor_parallel as tp

@@ -1,7 +1,7 @@
 """The quantized skip kernel's contract (node/moe/qskip.py) on the CPU: the kernel itself needs CUDA
-(scripts/gpu/qskip_probe.py checks it against gather_qmm there); here its reference, which unpacks
-the words as the kernel does, is held to gather_qmm, and the skipping decode step with quantized
-experts to the host path."""
+(`moe-cluster bench expert-step` checks and times it against gather_qmm there); here its
+reference, which unpacks the words as the kernel does, is held to gather_qmm, and the skipping
+decode step with quantized experts to the host path."""
 
 from __future__ import annotations
 

@@ -1,11 +1,16 @@
 """bench race's rows (coordinator/bench/race.py): the merge of rows from separate calls, compared
-again (scripts/gpu/race_run.sh runs each row in its own call), and the slow gaps a row reports."""
+again (`bench race --merge`: on a GPU host each row runs in its own call), and the slow gaps a row
+reports."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from moe_cluster.proto.errors import UserError
 from moe_cluster.coordinator.bench.race import merge, timing
+
+from conftest import assert_one_line_error, cli_in_process
 
 
 def _ours(tps: float) -> dict:
@@ -72,6 +77,25 @@ def test_a_row_ahead_of_every_peer_has_no_loss_and_a_stale_one_is_dropped() -> N
 def test_nothing_to_merge_is_refused() -> None:
     with pytest.raises(UserError, match="nothing to merge"):
         merge([])
+
+
+def test_merge_through_the_cli_joins_the_calls_and_compares_their_rows(tmp_path) -> None:
+    ours = tmp_path / "race-2-ours_mlx.json"
+    peer = tmp_path / "race-2-mlx_lm_pipeline.json"
+    ours.write_text(json.dumps({"model": "/m", "nodes": 2, "max_tokens": 3, "rows": [_ours(25.0)]}))
+    peer.write_text(json.dumps({"model": "/m", "nodes": 2, "rows": [_peer(40.0, [1, 2, 4])]}))
+    r = cli_in_process("bench", "race", "--merge", str(ours), str(peer), "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert [row["name"] for row in out["rows"]] == ["ours_mlx", "mlx_lm_pipeline"]
+    assert out["rows"][0]["loses_to"] == ["mlx_lm_pipeline"]
+    assert out["agreement"]["1"]["same"] is False
+    (tmp_path / "other.json").write_text("{}")
+    assert_one_line_error(
+        cli_in_process("bench", "race", "--merge", str(ours), str(tmp_path / "other.json")),
+        "other.json",
+    )
+    assert_one_line_error(cli_in_process("bench", "race", "--rows", "ours_mlx"), "--merge")
 
 
 def test_a_stall_once_a_pass_is_reported_where_it_fell_and_what_it_cost() -> None:

@@ -61,8 +61,9 @@ def test_a_node_loaded_near_mlxs_memory_limit_is_told(monkeypatch, caplog):
 
 def test_on_a_gpu_the_structure_probe_computes_float32_on_the_cpu(monkeypatch):
     """A GPU's float32 matmuls are TF32 unless MLX_ENABLE_TF32=0 (CUDA, M5), and TF32's rounding
-    failed the probe's linearity check (GPU run 11): where the default device is a GPU, the probe
-    runs on the CPU stream. Half precision, which has no TF32 path, is left where it is."""
+    fails the probe's linearity check on blocks that are linear: where the default device is a
+    GPU, the probe runs on the CPU stream. Half precision, which has no TF32 path, is left where
+    it is."""
     import contextlib
 
     from mlx_lm.utils import load_model

@@ -1,1 +1,0 @@
-MOE_CLUSTER_ROUTE=skip python3 -m moe_cluster.coordinator.cli bench decode --model /tmp/qwen3-4bit --nodes 2 --keepalive none --transport mlx --gpus --no-peers --max-tokens 24 --rounds 1 --json

@@ -1,1 +1,0 @@
-python3 scripts/gpu/qlinear_probe.py

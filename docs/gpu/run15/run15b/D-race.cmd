@@ -1,1 +1,0 @@
-python3 -m moe_cluster.coordinator.cli bench race --model /tmp/qwen3-4bit --gpus --nodes 2 --streams 8,32 --rows ours_envoy,ours_envoy_overlap,ours_mlx,ours_mlx_overlap --no-stock --max-tokens 24 --json

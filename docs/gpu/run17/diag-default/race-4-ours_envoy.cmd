@@ -1,1 +1,0 @@
-python3 -m moe_cluster.coordinator.cli bench race --model /tmp/diag/deepseek-v3-4bit --nodes 4 --gpus --streams 1,8 --max-tokens 16 --rows ours_envoy --no-stock --hardware h200 --json

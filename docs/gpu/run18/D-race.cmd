@@ -1,1 +1,0 @@
-python3 -m moe_cluster.coordinator.cli bench race --model /tmp/dbrx-4bit --gpus --nodes 2 --streams 8 --rows ours_envoy,ours_envoy_overlap --no-stock --max-tokens 24 --json

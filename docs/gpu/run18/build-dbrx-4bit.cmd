@@ -1,1 +1,0 @@
-python3 -m moe_cluster.coordinator.cli demo-model --arch dbrx --hidden 6144 --heads 48 --kv-heads 8 --ffn 10752 --experts 16 --top-k 4 --layers 12 --quantize 4 --dtype bfloat16 --shard-size 5GB --out /tmp/dbrx-4bit

@@ -1,1 +1,0 @@
-python3 -m moe_cluster.coordinator.cli demo-model --arch qwen3_moe --hidden 2048 --heads 16 --kv-heads 4 --ffn 768 --experts 128 --top-k 8 --layers 24 --quantize 4 --dtype float16 --shard-size 5GB --out /tmp/qwen3-4bit
