@@ -557,6 +557,7 @@ def _limits(spec):
         spec.draft_tokens,
         spec.draft_model,
         spec.overlap,
+        spec.attention,
     )
 
 

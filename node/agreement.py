@@ -59,10 +59,18 @@ class Layout:
                 parts.append(mx.array([v + 1 for v in t] + [0] * (self.slots - len(t)), mx.int32))
         return mx.concatenate(parts) if len(parts) > 1 else parts[0]
 
-    def read(self, agreement: Agreement, names: list[str], fed: list[int]) -> "Agreed":
+    def read(
+        self,
+        agreement: Agreement,
+        names: list[str],
+        fed: list[int],
+        owners: list[int] | None = None,
+    ) -> "Agreed":
         """What every rank voted, read by part. `names[i]`, `fed[i]`: decoding sequence i's request
         id and tokens fed so far (for a mismatch's message): a token that differs between ranks is
-        that sequence's failure (TokenMismatch), never a silent fork."""
+        that sequence's failure (TokenMismatch), never a silent fork. `owners[i]`: the rank that
+        alone samples sequence i (attention by stream), whose tokens are read; -1 (or no
+        `owners`): every rank samples it, and all must agree."""
         rows = agreement.values
         held = sorted(set.intersection(*(set(r[: self.queue]) for r in rows)) - {0})
         base = self.queue
@@ -71,11 +79,16 @@ class Layout:
         tokens, mismatches = [], {}
         for i in range(self.decoding):
             at = base + i * self.slots
+            owner = owners[i] if owners else -1
             try:
-                got = [
-                    agreement.token(at + j, f"request {names[i]}, step {fed[i] + j}", offset=1)
-                    for j in range(self.slots)
-                ]
+                if owner >= 0:
+                    row = rows[owner]
+                    got = [row[at + j] - 1 for j in range(self.slots)]
+                else:
+                    got = [
+                        agreement.token(at + j, f"request {names[i]}, step {fed[i] + j}", offset=1)
+                        for j in range(self.slots)
+                    ]
             except TokenMismatch as exc:  # every rank reads the same votes: all drop it alike
                 mismatches[i], got = exc, []
             got = tuple(t for t in got if t >= 0)

@@ -44,7 +44,8 @@ from .collective.base import RIDE_MAX_TOKEN, agree, waiting
 from .figures import SequenceFigures, StepReport, Tally
 from .lanes import Lane, shortest
 from .moe.telemetry import StepTimes
-from .scheduler import admissions, emit, prefill_chunks
+from .moe.load import activation_dtype
+from .scheduler import admissions, emit, prefill_passes
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class BatchLimits:
     draft_tokens: int = 4  # drafts a step verifies per sequence at most, where speculation is on
     draft_model: str = ""  # speculative "draft": the draft checkpoint (read on rank 0 only)
     overlap: bool = False  # two micro-batches per decode step (node/overlap.py)
+    # replicated: every node attends for every stream; by-stream: each stream's owner alone (the
+    # request's `owner`); auto: as the request says (the coordinator chooses per stream)
+    attention: str = "replicated"
 
 
 class Sink(Protocol):
@@ -98,6 +102,9 @@ class Sequence:
     cool: int = 0  # steps left without drafts after its guesses kept failing
     pending: list[int] = field(default_factory=list)  # emitted last step; the last: next input
     pending_logits: list = field(default_factory=list)  # their rows (record_logits)
+    # attention by stream: the rank that alone attends for it and holds its KV (-1: every rank)
+    owner: int = -1
+    local: bool = True  # this rank attends for it (its owner, or every rank)
 
     @property
     def figures(self) -> SequenceFigures:
@@ -151,7 +158,7 @@ class RunningBatch:
         self._interleave = None  # node/overlap.py, where the collective is not a graph operation
         lanes = 1
         if limits.overlap:
-            self.overlap_off = _why_no_overlap(self.collective, self.draft_max, limits.max_batch)
+            self.overlap_off = _why_no_overlap(self.collective, self.draft_max, limits)
             if self.overlap_off:
                 logger.warning("two micro-batches per step are off: %s", self.overlap_off)
             else:
@@ -162,10 +169,19 @@ class RunningBatch:
 
                     self._interleave = Interleave(self.collective, self._state.timers)
                     set_combine(sharded, self._interleave)  # every MoE layer's, once
+        self.rank, self._world = self.collective.rank, self.collective.world_size
+        self._streams = None  # moe/combine.py StreamCombine: where a stream may have one owner
+        if limits.attention != "replicated" and self._world > 1:
+            self._streams = _stream_combine(sharded, limits, self.draft_max, lanes)
+            self._idle_layers = [
+                (m, activation_dtype(m.block, m.description.bank_attr), m.description.width)
+                for m in sharded.layers
+            ]
         self._lock = threading.Lock()
         self._queued: dict[int, Sequence] = {}
         self._active: list[Sequence] = []  # admission order
-        self._lanes = [Lane() for _ in range(lanes)]
+        self._decoding: list[Sequence] = []  # joined the decode batch, in order (every rank's)
+        self._lanes = [Lane() for _ in range(lanes)]  # the rows this rank attends for
         self._steps = 0
         self._auto_seq = 0
         self._shapes: dict[tuple[int, int], int] = {}  # steps run per shape (_shape)
@@ -180,7 +196,13 @@ class RunningBatch:
         refuses the same request, and an id past the embedding would end the process."""
         self._check(req)
         seq = seq or req.seq or self.next_seq()
-        s = Sequence(req, seq, sink, result, reserve=self._reserve(req))
+        owner = req.owner if self._streams is not None else -1
+        if not -1 <= owner < self._world:
+            raise UserError(
+                f"request {req.request_id}: owner {owner} is not a rank (world size {self._world})"
+            )
+        s = Sequence(req, seq, sink, result, reserve=self._reserve(req), owner=owner)
+        s.local = owner < 0 or owner == self.rank
         with self._lock:
             if req.request_id in self._recent_cancels:
                 s.cancel = True
@@ -253,9 +275,15 @@ class RunningBatch:
         return self.collective.epoch_id
 
     @property
-    def _decoding(self) -> list[Sequence]:
-        """The decoding sequences in the order their tokens ride: lane after lane."""
+    def _rows(self) -> list[Sequence]:
+        """The decoding sequences this rank attends for, in its input's order: lane after lane."""
         return [s for lane in self._lanes for s in lane.rows]
+
+    def streams(self) -> tuple[int, int]:
+        """(sequences this node attends for, KV bytes reserved for them): what `status` shows."""
+        with self._lock:
+            mine = [s for s in self._active if s.local]
+        return len(mine), sum(s.reserve for s in mine)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -284,6 +312,7 @@ class RunningBatch:
         with self._lock:
             everyone = [*self._active, *self._queued.values()]
             self._active = []
+            self._decoding = []
             self._lanes = [Lane() for _ in self._lanes]
             self._queued.clear()
         for s in everyone:
@@ -295,17 +324,20 @@ class RunningBatch:
         self._state.step_begins()
         if not self._active:  # from idle: a new epoch, the same on every node
             c.begin_epoch()
+        queue = self.limits.max_batch * (self._world if self._streams is not None else 1)
         with self._lock:
-            held = sorted(self._queued)[: self.limits.max_batch]
+            held = sorted(self._queued)[:queue]
             active = list(self._active)
             cancels = [s.cancel for s in active]
         decoding = list(self._decoding)
         # what this step agrees on: each decoding sequence's tokens of last step (lazy: sampled,
-        # not read) or, speculating, those it emitted (read on the host already)
-        previous = (
-            [list(s.pending) for s in decoding] if self.draft_max else [s.token for s in decoding]
-        )
-        layout = Layout(self.limits.max_batch, len(active), len(decoding), self.slots)
+        # not read) or, speculating, those it emitted (read on the host already); a stream another
+        # rank owns has none here
+        previous = [
+            None if not s.local else list(s.pending) if self.draft_max else s.token
+            for s in decoding
+        ]
+        layout = Layout(queue, len(active), len(decoding), self.slots)
         vote = None if alone else layout.encode(held, cancels, previous)
         if vote is not None:
             c.ride(vote)
@@ -324,8 +356,7 @@ class RunningBatch:
             ]
             if self.draft_max:
                 if decoding:
-                    (lane,) = self._lanes  # speculation keeps one lane (_why_no_overlap)
-                    self._speculator.step(lane, self.model, decoding, self._tally)
+                    self._verify(decoding)
             else:
                 sampled = self._decode(decoding)
                 if sampled is not None:
@@ -336,7 +367,10 @@ class RunningBatch:
             agreed = Agreed.alone(held, cancels, previous)
         else:
             agreed = layout.read(
-                agreement, [s.req.request_id for s in decoding], [len(s.fed) for s in decoding]
+                agreement,
+                [s.req.request_id for s in decoding],
+                [len(s.fed) for s in decoding],
+                [s.owner for s in decoding],
             )
         for i, exc in agreed.mismatches.items():
             decoding[i].error = exc
@@ -359,20 +393,57 @@ class RunningBatch:
     # -- prefill and decode --------------------------------------------------------------------
 
     def _prefill(self, joining: list[Sequence], others_decode: bool) -> None:
-        """The step's prompt chunks (scheduler.prefill_chunks), each into its sequence's cache."""
-        chunks = prefill_chunks(
-            [(len(s.todo), self._chunk(s)) for s in joining],
+        """The step's prompt chunks (scheduler.prefill_passes), each into its sequence's cache:
+        a replicated stream's on every rank, an owned one's on its owner, where the other ranks'
+        experts take part in an idle pass."""
+        passes = prefill_passes(
+            [(s.owner, len(s.todo), self._chunk(s)) for s in joining],
             self.limits.prefill_budget,
             others_decode,
         )
-        for i, n in chunks:
-            s = joining[i]
-            self.model(mx.array(s.todo[:n], dtype=mx.uint32)[None], cache=s.cache)
-            mx.eval([x.state for x in s.cache])
-            s.todo = s.todo[n:]
-            self._tally.prefilled += n
-            if not s.todo:
-                s.state = "decode"  # its last prompt token goes in with the next decode step
+        for chunks in passes:
+            mine = next(((i, n) for i, n in chunks if joining[i].local), None)
+            if self._streams is not None:
+                counts = [0] * self._world
+                for i, n in chunks:
+                    if joining[i].owner >= 0:
+                        counts[joining[i].owner] = n
+                own = joining[mine[0]].owner >= 0 if mine else False
+                self._streams.arrange(counts, [], list(range(mine[1])) if own else [])
+            if mine is None:
+                self._idle_pass()
+            else:
+                s, n = joining[mine[0]], mine[1]
+                self.model(mx.array(s.todo[:n], dtype=mx.uint32)[None], cache=s.cache)
+                mx.eval([x.state for x in s.cache])
+            for i, n in chunks:  # every rank follows every stream's prompt
+                s = joining[i]
+                s.todo = s.todo[n:]
+                self._tally.prefilled += n
+                if not s.todo:
+                    s.state = "decode"  # its last prompt token goes in with the next decode step
+
+    def _arrange(self, decoding: list[Sequence], width: int) -> bool:
+        """Attention by stream: the decode pass's layout (StreamCombine.arrange) for `decoding`
+        (every rank's, in order) at `width` positions each; whether this rank brings rows."""
+        if self._streams is None:
+            return True
+        rows = self._rows
+        at = {id(s): i for i, s in enumerate(rows)}
+        counts = [0] * self._world
+        shared, own = [], []
+        for s in decoding:
+            if s.owner >= 0:
+                counts[s.owner] += width
+            if s.local:
+                (shared if s.owner < 0 else own).extend(at[id(s)] * width + j for j in range(width))
+        self._streams.arrange(counts, shared, own)
+        return bool(rows)
+
+    def _idle_pass(self) -> None:
+        """A forward pass this rank brings no rows to: its experts serve the others' rows, layer
+        by layer in the model's order, as their forward passes call them."""
+        mx.eval([self._streams.idle(m, dtype, width) for m, dtype, width in self._idle_layers])
 
     def _shape(self, joining: list[Sequence], decoding: list[Sequence]) -> tuple[int, int]:
         """What decides the kernels a step builds: its first prefill chunk's length (rounded up to a
@@ -385,6 +456,11 @@ class RunningBatch:
 
     def _decode(self, decoding: list[Sequence]) -> mx.array | None:
         if not decoding:
+            return None
+        for s in decoding:
+            s.figures.steps += 1
+        if not self._arrange(decoding, 1):
+            self._idle_pass()
             return None
 
         def inputs(rows: list[Sequence]) -> mx.array:
@@ -403,14 +479,30 @@ class RunningBatch:
         else:
             logits = mx.concatenate([x[:, -1, :] for x in self._micro_batches(lanes, inputs)])
         self._tally.decoded = self._tally.positions = len(decoding)
+        rows = self._rows
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        sampled = sampling.sample_tokens(decoding, logprobs)
-        for i, s in enumerate(decoding):
-            s.token = sampled[i : i + 1] if len(decoding) > 1 else sampled
-            s.figures.steps += 1
+        sampled = sampling.sample_tokens(rows, logprobs)
+        for i, s in enumerate(rows):
+            s.token = sampled[i : i + 1] if len(rows) > 1 else sampled
             if s.req.record_logits:
                 s.logits = logits[i]
         return sampled
+
+    def _verify(self, decoding: list[Sequence]) -> None:
+        """A speculative step (Speculator.step) over this rank's rows, every row as wide as the
+        widest allowance of every rank's decoding sequences (what the ranks agreed)."""
+        width = 1 + max(s.allowance for s in decoding)
+        self._tally.decoded, self._tally.positions = len(decoding), len(decoding) * width
+        if not self._arrange(decoding, width):
+            for s in decoding:
+                s.figures.steps += 1
+            self._idle_pass()
+            return
+        (lane,) = self._lanes  # speculation keeps one lane (_why_no_overlap)
+        self._speculator.step(lane, self.model, width, self._tally)
+        for s in decoding:
+            if not s.local:
+                s.figures.steps += 1
 
     def _micro_batches(self, lanes: list[Lane], inputs) -> list[mx.array]:
         """One forward pass per lane, overlapped (node/overlap.py): each lane's all-reduce of a
@@ -450,7 +542,7 @@ class RunningBatch:
                 max_tokens=s.req.sampling.max_tokens,
             )
             s.fed.extend(tokens[: e.fed])
-            if s.req.record_logits:
+            if s.req.record_logits and s.local:
                 r.logits.extend(
                     np.array(row.astype(mx.float32)).reshape(-1) for row in logits[: e.fed]
                 )
@@ -475,6 +567,8 @@ class RunningBatch:
         for lane in self._lanes:
             if s in lane.rows:
                 s.cache = lane.leave(s)
+        if s in self._decoding:
+            self._decoding.remove(s)
         with self._lock:
             self._active.remove(s)
             idle = not self._active and not self._queued
@@ -496,22 +590,29 @@ class RunningBatch:
         # prefilled sequences join the decode batch first (their caches merge into a lane's)
         for s in list(self._active):
             if s.state == "decode" and s not in self._decoding:
-                shortest(self._lanes).join(s)
+                self._join(s)
         budget = self.limits.kv_budget_bytes
         with self._lock:  # every rank held them when they rode, and queued ones stay queued
-            reserve = {n: self._queued[n].reserve for n in common}
-            running = [s.reserve for s in self._active]
-            joining = admissions(common, reserve, running, self.limits.max_batch, budget)
+            queued = {n: self._queued[n] for n in common}
+            joining = admissions(
+                common,
+                {n: q.reserve for n, q in queued.items()},
+                [(s.owner, s.reserve) for s in self._active],
+                self.limits.max_batch,
+                budget,
+                owner={n: q.owner for n, q in queued.items()},
+                world=self._world,
+            )
+            held = sum(s.reserve for s in self._active if s.local)  # KV this rank holds
             arrivals = [self._queued.pop(n) for n in joining]
             self._active.extend(arrivals)
-        held = sum(running)
         pc = self.prompt_cache
-        for s in arrivals:
+        for s, (cache, covered) in zip(arrivals, self._prefixes(arrivals)):
             s.t_start = time.perf_counter()
             self._tally.admitted.append(s.req.request_id)
-            cache, covered = pc.reuse(list(s.req.prompt)) if pc is not None else (None, 0)
             s.result.cached_tokens = covered
-            s.cache = cache if cache is not None else make_prompt_cache(self.model)
+            if s.local:
+                s.cache = cache if cache is not None else make_prompt_cache(self.model)
             wanted = s.req.draft_tokens
             s.drafts = self.draft_max if wanted is None else min(wanted, self.draft_max)
             s.allowance = s.drafts
@@ -525,11 +626,39 @@ class RunningBatch:
                     seed if seed is not None else zlib.crc32(s.req.request_id.encode())
                 )
                 s.key = sampling.advance_key(key, s.req.sampling.step)  # resumed: past its draws
-            if budget and pc is not None:
-                pc.make_room(budget - held - s.reserve)
-            held += s.reserve
+            if s.local:
+                if budget and pc is not None:
+                    pc.make_room(budget - held - s.reserve)
+                held += s.reserve
             if s.state == "decode":
-                shortest(self._lanes).join(s)
+                self._join(s)
+
+    def _join(self, s: Sequence) -> None:
+        """`s` (prefilled) joins the decode batch; its rows a lane's, where this rank attends."""
+        self._decoding.append(s)
+        if s.local:
+            shortest(self._lanes).join(s)
+
+    def _prefixes(self, arrivals: list[Sequence]) -> list[tuple[list | None, int]]:
+        """(prompt cache entry to continue from, prompt tokens it covers) per arrival. A replicated
+        stream's is agreed by every rank (PromptCache.reuse); an owned one's is its owner's
+        alone, whose covered count every rank then reads in one explicit agreement (the others
+        must know how much of its prompt is left to prefill)."""
+        pc = self.prompt_cache
+        out = []
+        for s in arrivals:
+            if pc is None or not s.local:
+                out.append((None, 0))
+            else:
+                out.append(pc.reuse(list(s.req.prompt), agreed=s.owner < 0))
+        owned = [i for i, s in enumerate(arrivals) if s.owner >= 0]
+        if owned and self._world > 1 and pc is not None:
+            votes = [out[i][1] if arrivals[i].local else 0 for i in owned]
+            with waiting(self.collective, "the owners' prompt cache hits"):
+                rows = agree(self.collective, votes).values
+            for k, i in enumerate(owned):
+                out[i] = (out[i][0], rows[arrivals[i].owner][k])
+        return out
 
     def _reserve(self, req: GenerateRequest) -> int:
         if not self.kv_per_token:
@@ -562,15 +691,40 @@ def _speculation(limits: BatchLimits, collective, cache: list, vocab: int):
     return draft_max, None, Speculator(limits.speculative, draft_max, collective, drafter)
 
 
-def _why_no_overlap(collective, draft_max: int, max_batch: int) -> str | None:
+def _why_no_overlap(collective, draft_max: int, limits: BatchLimits) -> str | None:
     """Why a node cannot run two micro-batches per step, or None where it can."""
     if collective.world_size == 1:
         return "one node has no all-reduce to hide"
     if draft_max:
         return "speculative decoding verifies the batch in one pass"
-    if max_batch < 2:
+    if limits.max_batch < 2:
         return "max_batch is 1"
+    if limits.attention != "replicated":
+        return f"attention {limits.attention} gathers every node's rows in one pass"
     return None
+
+
+def _stream_combine(sharded, limits: BatchLimits, draft_max: int, lanes: int):
+    """Attention by stream's hand-over for every MoE layer (moe/combine.py StreamCombine), set
+    once; a family or mode it cannot serve is refused in one line naming it."""
+    from .moe.combine import StreamCombine
+    from .moe.load import set_combine
+
+    if limits.speculative == "draft" and draft_max:
+        raise UserError(
+            f"speculative: draft drafts on the first node for every stream; it cannot run with "
+            f"attention: {limits.attention} (use prompt-lookup, or attention: replicated)"
+        )
+    routed = [m.layer for m in sharded.layers if m.description.routed_call]
+    if routed:
+        raise UserError(
+            f"attention: {limits.attention}: MoE layers {routed} take their routing from outside "
+            "the block, which cannot be gathered across nodes; use attention: replicated"
+        )
+    assert lanes == 1, "two micro-batches are refused with attention by stream (_why_no_overlap)"
+    combine = StreamCombine(sharded.collective, sharded.state.timers)
+    set_combine(sharded, combine)
+    return combine
 
 
 def _generation_stream():

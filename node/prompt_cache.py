@@ -30,9 +30,10 @@ class PromptCache:
     def nbytes(self) -> int:
         return self.entries.nbytes
 
-    def reuse(self, prompt: list[int]) -> tuple[list | None, int]:
-        """(cache to continue from, number of prompt tokens it covers), agreed by all nodes; at least
-        the prompt's last token is left to prefill."""
+    def reuse(self, prompt: list[int], agreed: bool = True) -> tuple[list | None, int]:
+        """(cache to continue from, number of prompt tokens it covers), agreed by all nodes (not
+        `agreed`: this node's alone, for a stream only it attends for); at least the prompt's last
+        token is left to prefill."""
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
         cache, rest = self.entries.fetch_nearest_cache(_KEY, prompt)
@@ -43,6 +44,8 @@ class PromptCache:
                 covered -= 1
             else:
                 cache, covered = None, 0
+        if not agreed:
+            return (cache, covered) if cache is not None and covered > 0 else (None, 0)
         agreed = int(min(self._every_rank(covered)))
         ok = True
         if cache is not None and agreed < covered:

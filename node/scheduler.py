@@ -72,26 +72,72 @@ def emit(
 def admissions(
     held: Sequence[int],
     reserve: dict[int, int],
-    running: Sequence[int],
+    running: Sequence[tuple[int, int]],
     max_batch: int,
     kv_budget: int,
+    *,
+    owner: dict[int, int] | None = None,
+    world: int = 1,
 ) -> list[int]:
     """Which of the requests every rank holds (`held`, admission numbers in order) join now.
 
-    First come, first served: they join in order while fewer than `max_batch` run and their KV
-    reserve (`reserve[n]`, bytes) fits the budget beside the running sequences' (`running`: their
-    reserves); the head of the queue is never overtaken, so no request starves. A request alone
-    always runs (`kv_budget` 0: no KV limit)."""
-    running = list(running)
+    First come, first served, on each node: a request joins while its nodes (its owner's, or
+    every node where it is replicated, `owner[n]` -1) run fewer than `max_batch` sequences and its
+    KV reserve (`reserve[n]`, bytes) fits `kv_budget` beside theirs (`running`: (owner, reserve)
+    of each running sequence). A request waiting for a node blocks every later one that needs
+    that node (the head of a node's queue is never overtaken, so no request starves); another
+    node's requests go on. A sequence alone on its nodes always runs (`kv_budget` 0: no limit)."""
+    owner = owner or {}
+    count, load = [0] * world, [0] * world
+    for o, r in running:
+        for node in _nodes(o, world):
+            count[node] += 1
+            load[node] += r
+    blocked: set[int] = set()
     out = []
     for n in held:
-        if len(running) >= max_batch or (
-            kv_budget and running and sum(running) + reserve[n] > kv_budget
+        nodes = _nodes(owner.get(n, -1), world)
+        if blocked.intersection(nodes) or any(
+            count[i] >= max_batch or (kv_budget and count[i] and load[i] + reserve[n] > kv_budget)
+            for i in nodes
         ):
-            break
+            blocked.update(nodes)
+            continue
         out.append(n)
-        running.append(reserve[n])
+        for i in nodes:
+            count[i] += 1
+            load[i] += reserve[n]
     return out
+
+
+def prefill_passes(
+    joining: Sequence[tuple[int, int, int]], budget: int, others_decode: bool
+) -> list[tuple[tuple[int, int], ...]]:
+    """The forward passes one step prefills, in order, each a tuple of (index into `joining`,
+    tokens): `joining[i]` = (its owner, -1 where every node attends for it; prompt tokens left;
+    its chunk size). Each node's (and the replicated streams') chunks are `prefill_chunks`' own;
+    a replicated chunk is a pass of its own (every node runs it), and owned chunks share passes,
+    at most one per node, in order (every node's rows gathered into one call per MoE layer)."""
+    groups: dict[int, list[int]] = {}
+    for i, (owner, _, _) in enumerate(joining):
+        groups.setdefault(owner, []).append(i)
+    passes: list[tuple[tuple[int, int], ...]] = []
+    for i, n in prefill_chunks([joining[i][1:] for i in groups.get(-1, [])], budget, others_decode):
+        passes.append(((groups[-1][i], n),))
+    owned: list[list[tuple[int, int]]] = []
+    for owner, members in sorted(groups.items()):
+        if owner < 0:
+            continue
+        chunks = prefill_chunks([joining[i][1:] for i in members], budget, others_decode)
+        for k, (i, n) in enumerate(chunks):
+            if k == len(owned):
+                owned.append([])
+            owned[k].append((members[i], n))
+    return passes + [tuple(p) for p in owned]
+
+
+def _nodes(owner: int, world: int) -> range | tuple[int]:
+    return range(world) if owner < 0 else (owner,)
 
 
 def _ends_with(tokens: Sequence[int], stop: Sequence[int]) -> bool:

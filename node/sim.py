@@ -45,6 +45,10 @@ class SimTask:
     # that warms each up; empty: the route of the load
     routes: tuple[str, ...] = ()
     route: str | None = None  # the load's decode route (cluster.yaml's `route:`); None: measure
+    # who attends for each stream (node/batch.py BatchLimits.attention): by-stream gives stream j
+    # to rank j mod N (what the coordinator's "most KV room" gives equal streams), whose own
+    # report then has its tokens' logits
+    attention: str = "replicated"
     # streams only: after the timed repeats, one more with a host sync at each MoE layer's
     # boundaries where the step is one graph (moe/combine.py SyncedCombine), its timers reported apart
     # ("synced"): where an in-graph step's time goes, which its own timers cannot see
@@ -218,6 +222,7 @@ def _serve(job: SimJob, index: int, task: SimTask, sharded, beat) -> dict:
             draft_tokens=task.draft_tokens,
             draft_model=task.draft_model,
             overlap=task.overlap,
+            attention=task.attention,
         ),
     )
     result, wall = None, 0.0
@@ -238,6 +243,8 @@ def _serve(job: SimJob, index: int, task: SimTask, sharded, beat) -> dict:
                 task.eos_token_ids,
                 record_logits=task.record_logits and job.rank == 0,
                 prediction=task.prediction,
+                # by stream, rank 0 owns the lone stream (its report has the logits)
+                owner=0 if task.attention == "by-stream" and job.world_size > 1 else -1,
             )
             t0 = time.perf_counter()
             for n, _ in enumerate(runtime.generate(req, result=result)):
@@ -378,6 +385,7 @@ def _run_streams(index: int, task: SimTask, sharded, beat) -> dict:
             draft_tokens=task.draft_tokens,
             draft_model=task.draft_model,
             overlap=task.overlap,
+            attention=task.attention,
         ),
     )
     out: dict = {}
@@ -432,14 +440,18 @@ def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> 
     sinks = [_Timed() for _ in task.streams]
     results = [GenerateResult() for _ in task.streams]
     t0 = time.perf_counter()
+    world = sharded.state.world_size
+    owned = task.attention != "replicated" and world > 1
     for j, (prompt, sink, result) in enumerate(zip(task.streams, sinks, results)):
+        owner = j % world if owned else -1
         req = GenerateRequest(
             f"sim-{index}-{i}-{j}",
             prompt,
             task.sampling,
             task.eos_token_ids,
             prediction=task.prediction,
-            record_logits=task.record_logits and sharded.state.rank == 0,
+            record_logits=task.record_logits and sharded.state.rank == max(owner, 0),
+            owner=owner,
         )
         runtime.batch.submit(req, runtime.next_seq(), sink, result)
     steps, t_decode = 0, None

@@ -122,13 +122,13 @@ class Speculator:
         self.collective = collective
         self.drafter = drafter  # rank 0's, in mode "draft"
 
-    def step(self, lane, model, decoding: list, tally) -> None:
-        """One verifying forward pass of `decoding` (the rows of `lane`). Every row is as wide as
-        the widest allowance, whatever each sequence found to guess: the step's shape then depends
-        only on what the ranks agreed, never on a token not yet agreed."""
+    def step(self, lane, model, width: int, tally) -> None:
+        """One verifying forward pass of the rows of `lane`, each `width` positions wide (1 + the
+        widest allowance, whatever each sequence found to guess: the step's shape then depends only
+        on what the ranks agreed, never on a token not yet agreed)."""
         from . import sampling
 
-        width = 1 + max(s.allowance for s in decoding)
+        decoding = lane.rows
         histories = [[*s.req.prompt, *s.fed, *s.pending] for s in decoding]
         # no guess past max_tokens: the step's own token is the last one a sequence may still need
         wanted = [
@@ -141,7 +141,6 @@ class Speculator:
             first = s.pending[-1] if s.pending else s.first_input
             rows.append([first, *mine] + [first] * (width - 1 - len(mine)))
         logits = lane.forward(model, mx.array(rows, dtype=mx.uint32))
-        tally.decoded, tally.positions = len(decoding), len(decoding) * width
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         chosen, keys = sampling.sample_positions(decoding, logprobs)
         chosen = np.array(chosen).tolist()

@@ -276,6 +276,7 @@ def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
         draft_tokens=spec.draft_tokens,
         draft_model=spec.draft_model,
         overlap=spec.overlap,
+        attention=spec.attention,
     )
     if spec.placement is not None:
         msg.placement.CopyFrom(placement_to_proto(spec.placement))
@@ -337,6 +338,7 @@ def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any 
         draft_tokens=msg.draft_tokens or LoadSpec.draft_tokens,
         draft_model=msg.draft_model,
         overlap=msg.overlap,
+        attention=msg.attention or "replicated",
     )
 
 
@@ -412,6 +414,8 @@ def generate_request_to_proto(req: GenerateRequest) -> npb.GenerateRequest:
             msg.seed = s.seed
         if req.draft_tokens is not None:
             msg.draft_tokens = req.draft_tokens
+        if req.owner >= 0:
+            msg.owner = req.owner
     except (ValueError, TypeError) as exc:
         raise ConvertError(
             f"GenerateRequest {req.request_id} does not fit the wire format: {exc}"
@@ -447,6 +451,7 @@ def generate_request_from_proto(
         prediction=tuple(msg.prediction),
         quiet=msg.quiet,
         stop_sequences=tuple(tuple(t.ids) for t in msg.stop_sequences if t.ids),
+        owner=msg.owner if msg.HasField("owner") else -1,
     )
 
 

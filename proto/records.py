@@ -107,6 +107,7 @@ class GenerateRequest:
         Sequence[int]
     ] = ()  # the output ends after any of these (finish reason stop)
     seq: int = 0  # the coordinator's admission order (a running batch admits in it); 0: the node numbers it
+    owner: int = -1  # attention by stream: the rank that alone attends for it; -1: every rank
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,7 @@ KEEPALIVES = ("none", "lru", "busy")
 # How a node picks its decode route (node/moe/route.py): timed at load, or forced (benchmarks)
 DECODE_ROUTES = ("measure", "skip", "device", "host")
 SPECULATIVE_MODES = ("off", "prompt-lookup", "draft")  # node/speculate.py
+ATTENTION_MODES = ("replicated", "by-stream", "auto")  # who attends for a stream (node/batch.py)
 DRAFT_LIMIT = 16  # the most drafts one step verifies per sequence
 NODE_STATES = ("idle", "loading", "ready", "busy", "failed", "stopping")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -195,6 +197,7 @@ class LoadSpec:
         ""  # speculative: draft: the draft checkpoint, on rank 0's machine (rank 0 only)
     )
     overlap: bool = False  # two micro-batches per decode step (node/overlap.py)
+    attention: str = "replicated"  # ATTENTION_MODES (node/batch.py BatchLimits.attention)
 
     def __post_init__(self) -> None:
         _check(self.keepalive, KEEPALIVES, "keepalive")

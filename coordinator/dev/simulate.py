@@ -110,7 +110,9 @@ def run_nodes(
     from ...node.describe import describe
 
     ctx = prefork.context()
-    slot = _MAX_TOKENS_PER_CALL * max(describe(Checkpoint.open(t.model)).hidden for t in tasks) * 4
+    # attention by stream gathers every node's rows into one call: up to `nodes` chunks
+    hidden = max(describe(Checkpoint.open(t.model)).hidden for t in tasks)
+    slot = _MAX_TOKENS_PER_CALL * hidden * 4 * nodes
     spec, cleanup = _transport_spec(transport, nodes, slot, ctx, timeout_s, gpus, mlx_backend)
     results = ctx.Queue()
     procs = []

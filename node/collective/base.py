@@ -21,7 +21,7 @@ import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
-from ...envoy.reduce import to_float32
+from ...envoy.reduce import DTYPES, to_float32
 from ...proto.errors import ErrorKind, MoeClusterError
 
 
@@ -210,6 +210,16 @@ class Collective(Protocol):
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
         """Sum `partial` over all ranks (rank order, float32) and return it in its dtype."""
 
+    def all_gather(self, rows: mx.array, counts: tuple[int, ...], layer: int) -> mx.array:
+        """Every rank's rows in rank order, (sum(counts), D): rank r brings counts[r] (attention
+        by stream: each node's own streams' rows, gathered for the experts)."""
+
+    def reduce_scatter(
+        self, partial: mx.array, counts: tuple[int, ...], layer: int, shared: int = 0
+    ) -> mx.array:
+        """The ranks' partials (shared + sum(counts), D) summed over the `shared` replicated rows
+        (every rank's) and this rank's own: (shared + counts[rank], D)."""
+
     def ride(self, values: mx.array) -> None:
         """Carry this node's values (int32 vector, lazy; the same length on every rank) on the next
         MoE all-reduce."""
@@ -268,6 +278,14 @@ class LocalCollective(Epochs):
     def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
         return partial
 
+    def all_gather(self, rows: mx.array, counts: tuple[int, ...], layer: int) -> mx.array:
+        return rows
+
+    def reduce_scatter(
+        self, partial: mx.array, counts: tuple[int, ...], layer: int, shared: int = 0
+    ) -> mx.array:
+        return partial
+
     def ride(self, values: mx.array) -> None:
         pass  # alone there is nobody to agree with
 
@@ -285,6 +303,54 @@ class LocalCollective(Epochs):
 
     def close(self) -> None:
         pass
+
+
+class HostRows:
+    """`all_gather` and `reduce_scatter` of rows (attention by stream) for a transport whose
+    exchange runs on the host (shared memory, the envoy): each is one exchange of every rank's raw
+    payload, `_parts(payload, layer)` -> (every rank's raw 1-D payload in rank order, wire dtype,
+    how many ride values follow each). Every rank's rows are padded to the largest count, so
+    every payload of one exchange has one size (what the transports check)."""
+
+    def all_gather(self, rows: mx.array, counts: tuple[int, ...], layer: int) -> mx.array:
+        """Every rank's rows, in rank order: (sum(counts), D), this rank's (counts[rank], D)."""
+        width = rows.shape[-1]
+        most = max(counts)
+        padded = rows if rows.shape[0] == most else _pad_rows(rows, most)
+        parts, dtype = self._parts(padded, layer)
+        out = np.concatenate([p[: n * width] for p, n in zip(parts, counts)])
+        return from_wire(out, dtype, (sum(counts), width))
+
+    def reduce_scatter(
+        self, partial: mx.array, counts: tuple[int, ...], layer: int, shared: int = 0
+    ) -> mx.array:
+        """The rank-order float32 sum of every rank's `partial` (shared + sum(counts), D) over the
+        `shared` replicated rows and this rank's own: (shared + counts[rank], D)."""
+        width = partial.shape[-1]
+        start = (shared + sum(counts[: self.rank])) * width
+        stop = start + counts[self.rank] * width
+        parts, dtype = self._parts(partial, layer)
+        mine = [np.concatenate([p[: shared * width], p[start:stop]]) for p in parts]
+        n = shared + counts[self.rank]
+        out = self._reduce(mine, dtype, np.empty(n * width, DTYPES[dtype]))
+        return from_wire(out, dtype, (n, width))
+
+    def _parts(self, payload: mx.array, layer: int) -> tuple[list[np.ndarray], str]:
+        """Every rank's raw payload of one exchange (the ride read off their tails)."""
+        payload, extra = self._rider.attach(payload, layer)
+        raw, dtype = to_wire(payload)
+        parts = self._exchange(raw.reshape(-1), dtype, tuple(payload.shape), layer)
+        if extra:
+            tails = [p[-extra:] for p in parts]
+            summed = self._reduce.sum_float32(tails, dtype, np.empty(extra, np.float32))
+            self._rider.detach(summed, "float32", extra)
+            parts = [p[:-extra] for p in parts]
+        return parts, dtype
+
+
+def _pad_rows(rows: mx.array, n: int) -> mx.array:
+    """`rows` (m, D) with zero rows after them up to n."""
+    return mx.concatenate([rows, mx.zeros((n - rows.shape[0], rows.shape[-1]), rows.dtype)])
 
 
 def rank_order_sum(parts: list[mx.array]) -> mx.array:

@@ -39,7 +39,16 @@ from ...envoy.link import (
 from ...envoy.reduce import DTYPES, Reducer, native_sums, unbuilt_note
 from ...envoy.steps import StepError
 from ...proto.records import COLD_WAITS, wait_bound
-from .base import Agreement, Capabilities, CollectiveError, Epochs, Rider, from_wire, to_wire
+from .base import (
+    Agreement,
+    Capabilities,
+    CollectiveError,
+    Epochs,
+    HostRows,
+    Rider,
+    from_wire,
+    to_wire,
+)
 from .specs import EnvoySpec
 
 logger = logging.getLogger(__name__)
@@ -307,7 +316,7 @@ class EnvoyProcess:
                 self.proc.wait(timeout=5)
 
 
-class EnvoyCollective(Epochs):
+class EnvoyCollective(Epochs, HostRows):
     """The Collective of `transport: envoy`."""
 
     caps = Capabilities(in_graph=False, halves=True)
@@ -352,6 +361,14 @@ class EnvoyCollective(Epochs):
         if envoy.exchange is not None:
             return lambda: self._summed(envoy.collect_parts(step), dtype, extra, partial)
         return lambda: self._result(envoy.collect(step, dtype, raw.nbytes), dtype, extra, partial)
+
+    def _exchange(self, raw: np.ndarray, dtype: str, shape, layer: int) -> list[np.ndarray]:
+        """Every rank's raw payload of one exchange (HostRows): copies, in rank order."""
+        envoy = self._envoy
+        if envoy.exchange is None:
+            raise CollectiveError("attention by stream needs the node's own exchange (direct)")
+        step = envoy.send(raw, dtype, shape, layer, self._cold_now())
+        return [p.copy() for p in envoy.collect_parts(step)]
 
     def _summed(
         self, parts: list[np.ndarray], dtype: str, extra: int, partial: mx.array

@@ -162,6 +162,7 @@ class MlxCollective(Epochs):
         self.rank = rank
         self.world_size = spec.world_size
         self.SUMMED_AT = 2 if spec.backend == "nccl" else 0
+        self._scatters = spec.backend == "nccl"  # the backend has a reduce-scatter (sum_scatter)
         self._tmp = None
         self._watchdog = None
         self._rider = Rider(rank, spec.world_size)
@@ -216,6 +217,59 @@ class MlxCollective(Epochs):
             parts = gathered[:, :nbytes].view(partial.dtype)
             self._rider.carried(lambda: _agreement(gathered, nbytes))
         return rank_order_sum_rows(parts).reshape(partial.shape)
+
+    def all_gather(self, rows: mx.array, counts: tuple[int, ...], layer: int) -> mx.array:
+        """Every rank's rows in rank order (attention by stream), as one graph operation: each
+        rank's padded to the largest count (the backend gathers equal shapes); the step's ride,
+        if it waits, travels beside them as raw bytes."""
+        if self.group is None:
+            return rows
+        width, most = rows.shape[-1], max(counts)
+        if rows.shape[0] != most:
+            rows = mx.concatenate([rows, mx.zeros((most - rows.shape[0], width), rows.dtype)])
+        flat = self._after_last(rows.reshape(1, -1))
+        ride = self._rider.take(layer)
+        if ride is None:
+            parts = self._last = self._all_gather(flat)  # (N, most * width)
+        else:
+            nbytes = flat.nbytes
+            extras = ride.reshape(-1).astype(mx.int32)
+            payload = mx.concatenate([flat.reshape(-1).view(mx.uint8), extras.view(mx.uint8)])
+            gathered = self._last = self._all_gather(payload[None])  # (N, nbytes + 4 n) uint8
+            parts = gathered[:, :nbytes].view(rows.dtype)
+            self._rider.carried(lambda: _agreement(gathered, nbytes))
+        parts = parts.reshape(self.world_size, most, width)
+        return mx.concatenate([parts[r, :n] for r, n in enumerate(counts)])
+
+    def reduce_scatter(
+        self, partial: mx.array, counts: tuple[int, ...], layer: int, shared: int = 0
+    ) -> mx.array:
+        """The replicated rows' and this rank's own rows' sums of every rank's `partial`, in
+        float32: NCCL's reduce-scatter over each rank's block of rows (padded to the largest
+        count) where no row is replicated, else an all_gather of the partials and the rank-order
+        sum of those rows here."""
+        if self.group is None:
+            return partial
+        width, n = partial.shape[-1], counts[self.rank]
+        start = shared + sum(counts[: self.rank])
+        if self._scatters and not shared:
+            most, blocks, at = max(counts), [], 0
+            for c in counts:
+                block = partial[at : at + c]
+                if c < most:
+                    block = mx.concatenate([block, mx.zeros((most - c, width), partial.dtype)])
+                blocks.append(block)
+                at += c
+            x = self._after_last(mx.concatenate(blocks).astype(mx.float32))
+            out = self._last = mx.distributed.sum_scatter(x, group=self.group)  # (most, width)
+            return out[:n].astype(partial.dtype)
+        rows = partial.shape[0]
+        gathered = self._last = self._all_gather(self._after_last(partial.reshape(1, -1)))
+        every = gathered.reshape(self.world_size, rows, width)
+        mine = every[:, start : start + n]
+        if shared:
+            mine = mx.concatenate([every[:, :shared], mine], axis=1)
+        return rank_order_sum_rows(mine).reshape(shared + n, width)
 
     def _after_last(self, x: mx.array) -> mx.array:
         if self._last is None:
@@ -287,6 +341,7 @@ class GraphOnly(MlxCollective):
 
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
+        self._scatters = False
         self._tmp = self._watchdog = None
         self._rider = Rider(rank, world_size)
         self._last = None

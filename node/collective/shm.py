@@ -10,12 +10,21 @@ import numpy as np
 
 from ...envoy.link import unlink_segment
 from ...envoy.reduce import DTYPES, Reducer
-from .base import Agreement, Capabilities, CollectiveError, Epochs, Rider, from_wire, to_wire
+from .base import (
+    Agreement,
+    Capabilities,
+    CollectiveError,
+    Epochs,
+    HostRows,
+    Rider,
+    from_wire,
+    to_wire,
+)
 
 _HDR = 16  # per slot: int64 sequence number, int64 payload bytes
 
 
-class ShmCollective(Epochs):
+class ShmCollective(Epochs, HostRows):
     """All-reduce among processes of one machine through shared memory.
 
     Each rank writes its partial into its own slot (two per rank, alternating by step, so a fast
@@ -80,6 +89,11 @@ class ShmCollective(Epochs):
         waits for the peers' and sums. Call it before the next start or all_reduce."""
         payload, extra = self._rider.attach(partial, layer)
         raw, dtype = to_wire(payload)
+        seq = self._post(raw)
+        return lambda: self._finish(seq, raw, dtype, extra, partial, layer)
+
+    def _post(self, raw: np.ndarray) -> int:
+        """Write this rank's payload into its slot and tell every peer; the exchange's number."""
         data = raw.tobytes()
         if len(data) > self._spec.slot_bytes:
             raise CollectiveError(
@@ -93,9 +107,22 @@ class ShmCollective(Epochs):
         for dst in range(self.world_size):
             if dst != self.rank:
                 self._spec.sems[self.rank][dst].release()
-        return lambda: self._finish(seq, raw, dtype, extra, partial, layer)
+        return seq
+
+    def _exchange(self, raw: np.ndarray, dtype: str, shape, layer: int) -> list[np.ndarray]:
+        """Every rank's raw payload of one exchange (HostRows): copies, in rank order."""
+        seq = self._post(raw)
+        return [p.copy() for p in self._collect(seq, raw, dtype, layer)]
 
     def _finish(self, seq, raw, dtype, extra, partial, layer) -> mx.array:
+        parts = self._collect(seq, raw, dtype, layer)
+        out = from_wire(
+            self._rider.detach(self._reduce(parts, dtype), dtype, extra), dtype, partial.shape
+        )
+        return out
+
+    def _collect(self, seq: int, raw: np.ndarray, dtype: str, layer: int) -> list[np.ndarray]:
+        """Every rank's payload of exchange `seq` (views of the slots), once every peer posted."""
         parts = []
         for src in range(self.world_size):
             if src == self.rank:
@@ -112,13 +139,10 @@ class ShmCollective(Epochs):
                     f"rank {src} is out of step at layer {layer} (step {got}, expected {seq})"
                 )
             parts.append(np.frombuffer(sbody[:nbytes], dtype=DTYPES[dtype]))
-        out = from_wire(
-            self._rider.detach(self._reduce(parts, dtype), dtype, extra), dtype, partial.shape
-        )
         if self._named:  # every rank has the segment mapped (each wrote its slot): its name can go,
             self._named = False  # the memory stays until the last rank unmaps it
             unlink_segment(self._shm)
-        return out
+        return parts
 
     def failure(self) -> str | None:
         return None  # no child process to lose: a peer's loss fails the step itself

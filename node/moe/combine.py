@@ -95,3 +95,86 @@ def combine_for(collective: Collective, timers: "Timers") -> Combine:
     """The hand-over a collective's capabilities call for."""
     kind = GraphCombine if collective.caps.in_graph else HostCombine
     return kind(collective, timers)
+
+
+class StreamCombine:
+    """Attention by stream (`serving.attention`): each stream is owned by one node, which alone
+    attends for it. A pass's input on this node is its rows: the replicated streams' first (every
+    node runs those alike), then its own streams'. The own rows of every node are gathered, the
+    block runs on the replicated rows and all of them (the router is replicated, the experts this
+    node's), and each row's sum goes back to its owner (a reduce-scatter); the replicated rows' sum
+    goes to every node. Where no node brings own rows the pass is an all-reduce, as replicated.
+
+    The running batch sets the pass's layout before each forward pass (`arrange`): every node's
+    own row count, and where this node's replicated and own rows sit in its input."""
+
+    def __init__(self, collective: Collective, timers: "Timers"):
+        self.collective = collective
+        self._timers = timers
+        self._plain = combine_for(collective, timers)
+        self._host = not collective.caps.in_graph
+        self.counts: tuple[int, ...] = ()  # own rows (tokens) each rank brings to the pass
+        self._shared = 0  # replicated rows at the front of the reordered input
+        self._order: mx.array | None = None  # input rows -> [replicated..., own...]; None: as is
+        self._back: mx.array | None = None  # the inverse
+
+    def arrange(self, counts: tuple[int, ...], shared: list[int], own: list[int]) -> None:
+        """The next passes' layout: `counts[r]`, rank r's own rows; `shared`, `own`: the positions
+        of this node's replicated and own rows in its flattened input, each in the cluster's
+        order of its streams (a replicated row's partial is summed with the same row's on every
+        node, an own row's gathered in its owner's order)."""
+        self.counts = tuple(counts)
+        self._shared = len(shared)
+        order = [*shared, *own]
+        if order == list(range(len(order))):
+            self._order = self._back = None
+        else:
+            back = [0] * len(order)
+            for i, j in enumerate(order):
+                back[j] = i
+            self._order, self._back = mx.array(order), mx.array(back)
+
+    def __call__(self, layer, x, *args, **kwargs):
+        if not any(self.counts):  # nobody's own rows: every row is replicated, one all-reduce
+            return self._plain(layer, x, *args, **kwargs)
+        if args or kwargs:
+            from ...proto.errors import UserError
+
+            raise UserError(
+                f"attention by stream: MoE layer {layer.layer} takes more than its input "
+                f"({type(layer.block).__name__}); serve this model with attention: replicated"
+            )
+        width = x.shape[-1]
+        rows = x.reshape(-1, width)
+        if self._order is not None:
+            rows = rows[self._order]
+        out = self._combined(layer, rows)
+        if self._back is not None:
+            out = out[self._back]
+        return out.reshape(x.shape)
+
+    def idle(self, layer, dtype: mx.Dtype, width: int) -> mx.array:
+        """A pass this node brings no rows to: its experts on the others' rows."""
+        return self._combined(layer, mx.zeros((0, width), dtype))
+
+    def _combined(self, layer, rows: mx.array) -> mx.array:
+        """(replicated + own rows, D) -> their sums, in that order."""
+        c, timers, shared = self.collective, self._timers, self._shared
+        t0 = time.perf_counter()
+        if self._host:
+            mx.eval(rows)  # attention and the rest since the last MoE layer
+        t1 = time.perf_counter()
+        every = c.all_gather(rows[shared:], self.counts, layer.layer)  # (S, D), rank order
+        t2 = time.perf_counter()
+        inputs = mx.concatenate([rows[:shared], every]) if shared else every
+        partial = layer.partial(inputs[None])[0]  # (shared + S, D)
+        if self._host:
+            mx.eval(partial)
+        t3 = time.perf_counter()
+        out = c.reduce_scatter(partial, self.counts, layer.layer, shared)
+        if self._host:
+            timers.attention_router += t1 - t0
+            timers.experts += t3 - t2
+            timers.wait(t2 - t1)
+            timers.wait(time.perf_counter() - t3)
+        return out

@@ -13,7 +13,7 @@ from moe_cluster.node.collective.base import (
     read_slots,
     ride_slots,
 )
-from moe_cluster.node.scheduler import admissions, emit, prefill_chunks
+from moe_cluster.node.scheduler import admissions, emit, prefill_chunks, prefill_passes
 
 
 def _votes(layout: Layout, *votes) -> Agreement:
@@ -86,7 +86,34 @@ def test_emit_ends_on_eos_a_stop_sequence_or_the_length():
 def test_admissions_are_first_come_first_served_within_the_limits():
     reserve = {1: 30, 2: 80, 3: 10}
     assert admissions([1, 2, 3], reserve, [], 8, 0) == [1, 2, 3]  # no KV limit
-    assert admissions([1, 2, 3], reserve, [50], 2, 0) == [1]  # max_batch
+    assert admissions([1, 2, 3], reserve, [(-1, 50)], 2, 0) == [1]  # max_batch
     # 2 does not fit beside 50 + 30: it waits, and 3 does not overtake it
-    assert admissions([1, 2, 3], reserve, [50], 8, 100) == [1]
+    assert admissions([1, 2, 3], reserve, [(-1, 50)], 8, 100) == [1]
     assert admissions([2], reserve, [], 8, 50) == [2]  # alone, a request always runs
+
+
+def test_by_stream_admissions_count_each_nodes_own_streams():
+    """Owned streams hold KV on their owner only: with the same per-node budget, twice the
+    streams run on two nodes; a node's full queue blocks only the requests that need that node."""
+    reserve = dict.fromkeys(range(1, 9), 40)
+    owner = {n: n % 2 for n in range(1, 9)}  # odd on node 1, even on node 0
+    running = []
+    joined = admissions(range(1, 9), reserve, running, 8, 100, owner=owner, world=2)
+    assert joined == [1, 2, 3, 4]  # two of 40 fit each node's 100
+    replicated = admissions(range(1, 9), reserve, running, 8, 100)
+    assert len(joined) == 2 * len(replicated)
+    # node 0 full: node 1's requests go on; a replicated one needs both and waits
+    busy = [(0, 90)]
+    got = admissions([2, 3, 5], reserve, busy, 8, 100, owner={2: 0, 3: 1, 5: 1}, world=2)
+    assert got == [3, 5]
+    got = admissions([7, 3], reserve, busy, 8, 100, owner={7: -1, 3: 1}, world=2)
+    assert got == []  # 7 waits for node 0, and 3 (node 1) may not overtake it there
+    assert admissions([3, 7], reserve, busy, 8, 100, owner={7: -1, 3: 1}, world=2) == [3]
+
+
+def test_prefill_passes_pack_one_chunk_per_owner_and_keep_replicated_ones_alone():
+    # (owner, tokens left, chunk): a replicated prompt, two owned by node 0, one by node 1
+    joining = [(-1, 8, 8), (0, 16, 8), (1, 8, 8), (0, 8, 8)]
+    passes = prefill_passes(joining, 16, True)
+    assert passes == [((0, 8),), ((1, 8), (2, 8)), ((1, 8),)]
+    assert prefill_passes([(1, 4, 8)], 16, False) == [((0, 4),)]
