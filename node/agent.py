@@ -194,6 +194,9 @@ class NodeAgent(npb_grpc.NodeServicer):
             uptime_s=time.monotonic() - self.started,
             pid=os.getpid(),
             queue_depth=sum(self.runtime.batch.running()) if self.runtime else 0,
+            streams=self.runtime.batch.streams()[0] if self.runtime else 0,
+            kv_bytes=self.runtime.batch.streams()[1] if self.runtime else 0,
+            attention=self.load_spec.attention if self.load_spec else "",
         )
         return convert.status_to_proto(s)
 

@@ -404,12 +404,20 @@ def _run_streams(index: int, task: SimTask, sharded, beat) -> dict:
         from .moe.combine import SyncedCombine
         from .moe.load import set_combine
 
+        from .moe.combine import StreamCombine
+
         combine = sharded.layers[0].combine if sharded.layers else None
-        set_combine(sharded, SyncedCombine(sharded.collective, sharded.state.timers))
+        if isinstance(combine, StreamCombine):  # by stream: its own passes, synced
+            combine.sync(True)
+        else:
+            set_combine(sharded, SyncedCombine(sharded.collective, sharded.state.timers))
         try:
             synced = _streams_pass(index, task.repeats, task, sharded, runtime, beat)
         finally:
-            set_combine(sharded, combine)
+            if isinstance(combine, StreamCombine):
+                combine.sync(False)
+            else:
+                set_combine(sharded, combine)
         beat("synced pass")
         out["synced"] = {
             "timers": sharded.state.totals.figures(),

@@ -590,6 +590,9 @@ def status_to_proto(s: NodeStatus) -> npb.NodeStatus:
         speculative=s.speculative,
         micro_batches=s.micro_batches,
         route_host_from=s.route_host_from,
+        streams=s.streams,
+        kv_bytes=s.kv_bytes,
+        attention=s.attention,
     )
 
 
@@ -634,6 +637,9 @@ def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
         speculative=msg.speculative,
         micro_batches=msg.micro_batches,
         route_host_from=msg.route_host_from,
+        streams=msg.streams,
+        kv_bytes=msg.kv_bytes,
+        attention=msg.attention,
     )
 
 

@@ -348,6 +348,9 @@ class NodeStatus:
     micro_batches: str = ""  # "2 per step", "off", or "off: <why the node cannot>"
     # positions from which a device route's call takes the host read (node/moe/route.py); 0: never
     route_host_from: int = 0
+    streams: int = 0  # running streams this node attends for (node/batch.py RunningBatch.streams)
+    kv_bytes: int = 0  # KV bytes reserved for them
+    attention: str = ""  # the load's serving.attention ("" before a load)
 
     def __post_init__(self) -> None:
         _check(self.state, NODE_STATES, "state")

@@ -25,7 +25,16 @@ from ...proto.errors import MoeClusterError, UserError
 from ...proto.records import Sampling
 from .serve import PROMPTS, _ints, _pct
 
-ROWS = ("ours_mlx", "ours_envoy", "mlx_lm_pipeline", "mlx_lm_tensor")
+ROWS = (
+    "ours_mlx",
+    "ours_envoy",
+    "ours_by_stream",
+    "ours_envoy_by_stream",
+    "mlx_lm_pipeline",
+    "mlx_lm_tensor",
+)
+# ours with attention by stream (serving.attention: by-stream): each stream's owner attends for it
+BY_STREAM_ROWS = ("ours_by_stream", "ours_envoy_by_stream")
 # ours with two micro-batches per decode step (node/overlap.py): asked for by name (--rows)
 OVERLAP_ROWS = ("ours_mlx_overlap", "ours_envoy_overlap")
 _PEER_MODE = {"mlx_lm_pipeline": "pipeline", "mlx_lm_tensor": "tensor"}
@@ -34,6 +43,8 @@ _TRANSPORT = {
     "ours_envoy": "envoy",
     "ours_mlx_overlap": "mlx",
     "ours_envoy_overlap": "envoy",
+    "ours_by_stream": "mlx",
+    "ours_envoy_by_stream": "envoy",
 }
 
 
@@ -54,18 +65,22 @@ class RaceBench:
     collective_iters: int = 200
     timeout_s: float = 900.0
     mlx_backend: str = "auto"  # the mx.distributed rows: `ring` forces the ring over NCCL
+    prompt_tokens: int | None = None  # each stream's prompt this long (its context); None: short
 
 
-def prompt_ids(tokenizer, count: int) -> list[list[int]]:
-    """`count` distinct prompts, the first one the batch-1 prompt."""
+def prompt_ids(tokenizer, count: int, tokens: int | None = None) -> list[list[int]]:
+    """`count` distinct prompts, the first one the batch-1 prompt; `tokens`: each that long, its
+    text repeated (the context attention reads grows with it; the streams' texts differ)."""
     from ..dev.run_local import encode_prompt
 
-    return [
-        encode_prompt(
-            tokenizer, PROMPTS[i % len(PROMPTS)] + (f" ({i})" if i >= len(PROMPTS) else "")
-        )
-        for i in range(count)
-    ]
+    out = []
+    for i in range(count):
+        text = PROMPTS[i % len(PROMPTS)] + (f" ({i})" if i >= len(PROMPTS) else "")
+        ids = encode_prompt(tokenizer, text)
+        if tokens:
+            ids = (ids * (tokens // max(len(ids), 1) + 1))[:tokens]
+        out.append(ids)
+    return out
 
 
 def timing(streams: int, t0: float, tokens: list[list[int]], times: list[list[float]]) -> dict:
@@ -138,6 +153,7 @@ def _ours(
             repeats=spec.rounds + 1,  # the first warms up, as the peers do
             streams=tuple(tuple(p) for p in prompts[:b]),
             overlap=name in OVERLAP_ROWS,
+            attention="by-stream" if name in BY_STREAM_ROWS else "replicated",
             # transport mlx's step is one graph whose timers see nothing: a synced pass splits it
             synced_pass=transport == "mlx",
             reuse_load=i > 0,  # one load serves the row's every batch (no resident experts)
@@ -499,7 +515,7 @@ def run(spec: RaceBench) -> dict:
     path = str(ckpt.path)
     model, _ = describe_path(path)
     tokenizer = load_tokenizer(ckpt.path, eos_token_ids=ckpt.config.get("eos_token_id"))
-    prompts = prompt_ids(tokenizer, max(spec.streams))
+    prompts = prompt_ids(tokenizer, max(spec.streams), spec.prompt_tokens)
     eos = tuple(sorted(tokenizer.eos_token_ids or ()))
     stock = _stock(spec, path, prompts)
     rows: list[dict] = []
@@ -619,6 +635,14 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="each stream's prompt N tokens long (its text repeated): attention's share of a step "
+        "grows with the context; default: the short prompts",
+    )
+    p.add_argument(
         "--rounds", type=int, default=1, help="timed rounds after one warm-up (the last is kept)"
     )
     p.add_argument(
@@ -703,6 +727,7 @@ def _spec(args) -> RaceBench:
         source,
         False if args.no_stock else None,
         mlx_backend=args.mlx_backend,
+        prompt_tokens=_prompt_tokens(args.prompt_tokens),
     )
 
 
@@ -744,3 +769,9 @@ def main(args) -> int:
                 f"B = {b}: rows agree" if a["same"] else f"B = {b}: rows differ: {a['differences']}"
             )
     return 0
+
+
+def _prompt_tokens(n: int | None) -> int | None:
+    if n is not None and n < 2:
+        raise UserError(f"--prompt-tokens must be at least 2 (got {n})")
+    return n

@@ -8,6 +8,9 @@ Per decode step of B tokens (B = 1 at batch 1), on N nodes, each strategy pays w
   hidden state per boundary (N - 1);
 - ours: every node reads the replicated attention and router plus E_B experts of its own (the
   busiest node's expectation, plan/expected.py) at the same time, plus one all-reduce per MoE layer;
+- by-stream (ours with attention by stream): the same reads, but each node attends for B/N of the
+  streams, and each MoE layer pays an all-gather and a reduce-scatter (two collectives of the
+  step's rows) where ours pays one all-reduce;
 - tensor: every node reads 1/N of every active byte at the same time, plus two all-reduces per
   decoder layer (after attention and after the MLP).
 
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 
 from .perfmodel import HardwareSpec, ModelSpec, NetworkSpec, Overheads, PlanError
 
-STRATEGIES = ("ours", "pipeline", "tensor")
+STRATEGIES = ("ours", "by-stream", "pipeline", "tensor")
 # `--link` names a Mac owner knows, onto the network presets
 LINKS = {"10gbe": "10gbe", "tb-ip": "tb5", "tb5-rdma": "tb5-rdma"}
 
@@ -128,6 +131,7 @@ def race_point(
         "pipeline": (1.0, per_token_k, 0.0),
         "tensor": (1.0 / nodes, per_token_k / nodes, 0.0),
         "ours": (1.0, per_token_k / nodes, 1.0),
+        "by-stream": (1.0 / nodes, per_token_k / nodes, 1.0),
     }[strategy]
     if strategy == "pipeline":
         read = every  # one node after another: the step's critical path reads all of it
@@ -149,7 +153,9 @@ def race_point(
             + sum(b * x for b, x in zip(model.expert_layer_bytes, e))
         )
         flops = _flops(model, [min(per_token_k, x) for x in e], batch)
-        collectives = model.moe_layers if nodes > 1 else 0
+        # by stream: a gather and a scatter per MoE layer; one stream alone stays replicated
+        twice = strategy == "by-stream" and batch > 1
+        collectives = (2 if twice else 1) * model.moe_layers if nodes > 1 else 0
         memory = model.replicated_bytes + -(-model.num_experts // nodes) * model.expert_bytes
     read_s = read / bandwidth
     compute_s = flops / hardware.flops
@@ -242,6 +248,9 @@ ROW_STRATEGY = {
     # two micro-batches per step (bench race --rows ..._overlap): the same reads and collectives
     "ours_mlx_overlap": ("ours", "mlx"),
     "ours_envoy_overlap": ("ours", "envoy"),
+    # attention by stream (serving.attention: by-stream)
+    "ours_by_stream": ("by-stream", "mlx"),
+    "ours_envoy_by_stream": ("by-stream", "envoy"),
     "mlx_lm_pipeline": ("pipeline", "mlx"),
     "mlx_lm_tensor": ("tensor", "mlx"),
 }

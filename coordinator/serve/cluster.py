@@ -37,6 +37,7 @@ from ...proto.records import GenerateRequest
 from . import health as H
 from .client import ClusterError, NodeClient, describe_rpc_error
 from .resume import MAX_RESUMES, RECOVERY_WAIT_S, continuation
+from .streams import Owners
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class Member:
     speculative: str = ""  # what the node's batch does of serving.speculative (Status)
     micro_batches: str = ""  # what the node's batch does of serving.overlap (Status)
     route_host_from: int = 0  # positions from which its calls take the host read; 0: none
+    kv_bytes: int = 0  # KV reserved for the streams it attends for (Status)
 
     @property
     def address(self) -> str:
@@ -112,8 +114,13 @@ class Cluster:
         max_resumes: int = MAX_RESUMES,
         respawn: Callable[[Member], None] | None = None,
         pid_of: Callable[[str], int | None] | None = None,
+        attention: str = "replicated",
     ):
         self.members = list(members)
+        # who attends for each stream (serve/streams.py): with attention by stream, each node
+        # runs max_batch streams of its own
+        self.owners = Owners(attention, len(self.members))
+        self.running_limit = max_batch * (len(self.members) if attention != "replicated" else 1)
         self.model = model
         self.transport = transport
         self.heartbeat_s = heartbeat_s
@@ -226,6 +233,7 @@ class Cluster:
         """Load every member's shard, then run one warm-up step through the whole mesh."""
         self._event(H.LoadStarted())
         self._seq = 0  # a load starts every node's running batch afresh
+        self.owners.clear()  # and every prompt cache
         results = await asyncio.gather(
             *(self._load_member(m, on_progress) for m in self.members), return_exceptions=True
         )
@@ -260,6 +268,7 @@ class Cluster:
         m.route, m.route_us = s.route, dict(s.route_us)
         m.speculative, m.micro_batches = s.speculative, s.micro_batches
         m.route_host_from = s.route_host_from
+        m.kv_bytes = s.kv_bytes
         from .metrics import allreduce_histogram
 
         hist = allreduce_histogram(s.allreduce)
@@ -312,9 +321,10 @@ class Cluster:
         degraded past the wait (ClusterError, also left in `outcome.error`) or the queue is full
         (QueueFull); afterwards failures end the stream and are reported in `outcome.error`.
         """
-        if self.queue_depth + self._waiting >= self.max_batch + self.queue_limit:
+        if self.queue_depth + self._waiting >= self.running_limit + self.queue_limit:
             raise QueueFull(
-                f"queue is full ({self.queue_limit} requests waiting) beside {self.max_batch} running"
+                f"queue is full ({self.queue_limit} requests waiting) beside "
+                f"{self.running_limit} running"
             )
         started = last = time.monotonic()
         if not self.health.ready:
@@ -413,9 +423,13 @@ class Cluster:
         self._running.add(req.request_id)
         self._drained.clear()
         self._seq += 1
-        return replace(self._seeded(req), seq=self._seq)
+        owner = self.owners.choose(req.request_id, req.prompt, req.sampling.max_tokens)
+        return replace(self._seeded(req), seq=self._seq, owner=owner)
 
-    def _leave(self, request_id: str) -> None:
+    def _leave(self, request_id: str, tokens: Sequence[int] = ()) -> None:
+        """Run `request_id` ended on the nodes; `tokens`: its prompt and what it generated, which
+        its owner's prompt cache now holds (empty where it failed)."""
+        self.owners.ended(request_id, tokens)
         self._running.discard(request_id)
         self._gone.discard(request_id)
         if not self._running:
@@ -437,6 +451,7 @@ class Cluster:
         failed_wait = asyncio.create_task(self._failed.wait())
         getter = None
         finished = 0
+        got: list[int] = []  # this run's tokens
         try:
             while finished < len(tasks):
                 getter = asyncio.create_task(queue.get())
@@ -489,6 +504,7 @@ class Cluster:
                 if isinstance(event, GeneratedTokens):
                     for t in event.ids:
                         outcome.tokens.append(t)
+                        got.append(t)
                         yield t
                 elif isinstance(event, GenerateDone):
                     outcome.done = event
@@ -506,9 +522,9 @@ class Cluster:
                     self._spawn(self._end(req, tasks, queue, None), f"end-{req.request_id}")
                 else:
                     self._gone.add(req.request_id)  # its queue slot is free at once
-                    await self._end(req, tasks, queue, outcome)
+                    await self._end(req, tasks, queue, outcome, [*req.prompt, *got])
             else:
-                self._leave(req.request_id)
+                self._leave(req.request_id, [] if outcome.error else [*req.prompt, *got])
 
     async def _end(
         self,
@@ -516,6 +532,7 @@ class Cluster:
         tasks: list[asyncio.Task],
         queue: asyncio.Queue,
         outcome: Outcome | None,
+        tokens: Sequence[int] = (),
     ) -> None:
         """End run `req` on every node; `outcome` (None: the run failed, and a resumed run may
         fill the request's outcome meanwhile) gets rank 0's report of it."""
@@ -532,7 +549,7 @@ class Cluster:
                 if m.rank == 0 and isinstance(event, GenerateDone) and outcome is not None:
                     outcome.done = event
         finally:
-            self._leave(req.request_id)
+            self._leave(req.request_id, tokens)
 
     async def refresh(self) -> None:
         """Update every live member's memory, experts and all-reduce histogram."""
@@ -631,6 +648,7 @@ class Cluster:
     # -- status and shutdown -------------------------------------------------------------------
 
     def status(self) -> dict:
+        load = self.owners.load()
         return {
             "state": self.state,
             "reason": self.reason,
@@ -639,8 +657,9 @@ class Cluster:
             "transport": self.transport,
             "uptime_s": round(time.monotonic() - self.started, 1),
             "queue_depth": self.queue_depth,
-            "running": min(self.queue_depth, self.max_batch),
-            "waiting": max(0, self.queue_depth - self.max_batch),
+            "running": min(self.queue_depth, self.running_limit),
+            "waiting": max(0, self.queue_depth - self.running_limit),
+            "attention": self.owners.mode,
             "waiting_for_recovery": self._waiting,  # arrived while a lost node is rebuilt
             "nodes": [
                 {
@@ -669,6 +688,11 @@ class Cluster:
                     "route_host_from": m.route_host_from or None,
                     "speculative": m.speculative,
                     "micro_batches": m.micro_batches,
+                    # the running streams it attends for (the coordinator's count, live) and the
+                    # KV its own batch reserved for them at its last status
+                    "streams": load[m.rank].streams,
+                    "kv_tokens": load[m.rank].tokens,
+                    "kv_bytes": m.kv_bytes,
                 }
                 for m in self.members
             ],

@@ -20,6 +20,7 @@ import yaml
 from ...proto.errors import UserError
 from ...proto.expert_cache import SIZE_UNITS, ExpertCacheSpec
 from ...proto.records import (
+    ATTENTION_MODES,
     COLLECTIVE_TIMEOUT_S,
     DECODE_ROUTES,
     DEFAULT_KV_RESERVE,
@@ -133,6 +134,9 @@ class ServingConfig:
     # two micro-batches per decode step: one half's all-reduce travels while the other half
     # computes its layer (node/overlap.py); off until measured on (docs/speculative.md)
     overlap: bool = False
+    # who attends for a stream (serve/streams.py): every node (replicated), its owner alone
+    # (by-stream), or auto: replicated for a stream that finds nothing else running
+    attention: Literal[ATTENTION_MODES] = "replicated"
 
 
 @dataclass(frozen=True)
@@ -369,6 +373,15 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
         raise r.fail(_find(root, "nodes"), "nodes", "needs at least one node")
     if c.mlx_backend != "auto" and c.transport != "mlx":
         raise r.fail(_find(root, "mlx_backend"), "mlx_backend", "applies only with transport: mlx")
+    s = c.serving
+    if s.attention != "replicated" and (s.overlap or s.speculative == "draft"):
+        what = "overlap: true" if s.overlap else "speculative: draft"
+        raise r.fail(
+            _find(root, "serving", "attention"),
+            "serving.attention",
+            f"{s.attention} cannot run with {what} (every node's rows go in one pass, and a draft "
+            "model drafts on one node for every stream); use attention: replicated",
+        )
     names: dict[str, int] = {}
     for i, n in enumerate(c.nodes):
         where = f"nodes[{i}]"

@@ -228,6 +228,18 @@ class Metrics:
                 f'moe_cluster_node_memory_budget_bytes{{node="{n["name"]}"}} {n["budget_bytes"]}'
                 for n in s["nodes"]
             ),
+            "# HELP moe_cluster_node_streams Running streams the node attends for (serving.attention).",
+            "# TYPE moe_cluster_node_streams gauge",
+            *(
+                f'moe_cluster_node_streams{{node="{n["name"]}"}} {n.get("streams", 0)}'
+                for n in s["nodes"]
+            ),
+            "# HELP moe_cluster_node_kv_bytes KV the node reserved for its streams (last status).",
+            "# TYPE moe_cluster_node_kv_bytes gauge",
+            *(
+                f'moe_cluster_node_kv_bytes{{node="{n["name"]}"}} {n.get("kv_bytes", 0)}'
+                for n in s["nodes"]
+            ),
             "# HELP moe_cluster_node_experts Routed experts the node holds, over all layers.",
             "# TYPE moe_cluster_node_experts gauge",
             *(f'moe_cluster_node_experts{{node="{n["name"]}"}} {n["experts"]}' for n in s["nodes"]),

@@ -405,6 +405,7 @@ class Up:
                 draft_tokens=c.serving.draft_tokens,
                 draft_model=_draft_model(c) if m.rank == 0 else "",
                 overlap=c.serving.overlap,
+                attention=c.serving.attention,
             )
             # what weights may use: memory × memory_fraction less the KV reserve and prompt cache
             m.budget_bytes = plan.available[m.rank] - kv_reserve
@@ -432,6 +433,7 @@ class Up:
             max_resumes=c.serving.max_resumes,
             respawn=respawn if launcher else None,
             pid_of=launcher.pid if launcher else None,
+            attention=c.serving.attention,
         )
         progress = Progress([m.name for m in members])
         self.t_load = time.monotonic()

@@ -111,12 +111,19 @@ class StreamCombine:
     def __init__(self, collective: Collective, timers: "Timers"):
         self.collective = collective
         self._timers = timers
-        self._plain = combine_for(collective, timers)
-        self._host = not collective.caps.in_graph
+        self._graph = combine_for(collective, timers)
+        self._plain = self._graph
+        self._host = self._syncs = not collective.caps.in_graph
         self.counts: tuple[int, ...] = ()  # own rows (tokens) each rank brings to the pass
         self._shared = 0  # replicated rows at the front of the reordered input
         self._order: mx.array | None = None  # input rows -> [replicated..., own...]; None: as is
         self._back: mx.array | None = None  # the inverse
+
+    def sync(self, on: bool) -> None:
+        """A benchmark's diagnostic pass (SyncedCombine): a graph collective's layers evaluated
+        and timed in parts, here too."""
+        self._syncs = on or self._host
+        self._plain = SyncedCombine(self.collective, self._timers) if on else self._graph
 
     def arrange(self, counts: tuple[int, ...], shared: list[int], own: list[int]) -> None:
         """The next passes' layout: `counts[r]`, rank r's own rows; `shared`, `own`: the positions
@@ -159,20 +166,23 @@ class StreamCombine:
 
     def _combined(self, layer, rows: mx.array) -> mx.array:
         """(replicated + own rows, D) -> their sums, in that order."""
-        c, timers, shared = self.collective, self._timers, self._shared
+        c, timers, shared, syncs = self.collective, self._timers, self._shared, self._syncs
         t0 = time.perf_counter()
-        if self._host:
+        if syncs:
             mx.eval(rows)  # attention and the rest since the last MoE layer
         t1 = time.perf_counter()
         every = c.all_gather(rows[shared:], self.counts, layer.layer)  # (S, D), rank order
+        if syncs:
+            mx.eval(every)
         t2 = time.perf_counter()
         inputs = mx.concatenate([rows[:shared], every]) if shared else every
         partial = layer.partial(inputs[None])[0]  # (shared + S, D)
-        if self._host:
+        if syncs:
             mx.eval(partial)
         t3 = time.perf_counter()
         out = c.reduce_scatter(partial, self.counts, layer.layer, shared)
-        if self._host:
+        if syncs:
+            mx.eval(out)
             timers.attention_router += t1 - t0
             timers.experts += t3 - t2
             timers.wait(t2 - t1)
