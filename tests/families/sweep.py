@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import mlx.nn as nn
 import numpy as np
 
 import tiny
@@ -57,3 +58,128 @@ def check(
         "max_abs_logit_diff": diff,
         "tokens_match": tokens == ref_tokens,
     }
+
+
+PROMPT_B = [5, 23, 64, 11, 130]  # a second stream, shorter: the two differ in rows every pass
+
+
+def check_by_stream(path: Path, nodes: int, keepalive: str = "lru") -> dict:
+    """Attention by stream's arithmetic at `nodes` ranks in this process: two streams (PROMPT and
+    PROMPT_B), each decoded through its own forward pass and KV cache (its owner's), meet at every
+    MoE layer, where their rows are gathered, every rank's share computed on all of them and summed
+    in rank order, and each stream gets its rows back (the step of node/moe/combine.py
+    StreamCombine, without the transport). -> per stream: tokens, the reference's, largest |Δlogit|.
+    """
+    from moe_cluster.node.moe.layer import install
+    from moe_cluster.node.moe.load import load_in_process
+
+    sm = load_in_process(str(path), nodes, keepalive=keepalive)
+    meet = _Meeting()
+    for b in sm.blocks:
+        merged = _parent_of(sm.model, b.path)
+        install(sm.model, b.path, _Gathered(merged, meet))
+    out = {}
+    prompts = {"a": PROMPT, "b": PROMPT_B}
+    got = meet.decode(sm.model, prompts, STEPS)
+    for name, prompt in prompts.items():
+        ref_tokens, ref_logits = tiny.stock_tokens(path, prompt, STEPS)
+        tokens, logits = got[name]
+        out[name] = {
+            "tokens": tokens,
+            "reference_tokens": ref_tokens,
+            "max_abs_logit_diff": float(np.max(np.abs(logits - ref_logits))),
+        }
+    return out
+
+
+def _parent_of(model, path: str):
+    """The module at `path` (an InProcessCluster after load_in_process)."""
+    node = model
+    for part in path.split("."):
+        node = node[int(part)] if isinstance(node, list) else getattr(node, part)
+    return node
+
+
+class _Meeting:
+    """Runs each stream's forward pass as a greenlet; at each MoE layer every stream hands in its
+    rows, and once all have, the layer runs on them all together."""
+
+    def __init__(self):
+        self._main = None
+
+    def decode(self, model, prompts: dict, steps: int) -> dict:
+        import mlx.core as mx
+        from greenlet import greenlet
+        from mlx_lm.models.cache import make_prompt_cache
+
+        caches = {n: make_prompt_cache(model) for n in prompts}
+        inputs = {n: mx.array([list(p)], dtype=mx.int32) for n, p in prompts.items()}
+        tokens = {n: [] for n in prompts}
+        logits = {n: [] for n in prompts}
+        for _ in range(steps):
+            lanes = {
+                n: greenlet(lambda n=n: model(inputs[n], cache=caches[n])[:, -1, :])
+                for n in prompts
+            }
+            done = self._run(lanes)
+            for n, row in done.items():
+                row = row.astype(mx.float32)
+                tok = int(mx.argmax(row, axis=-1).item())
+                tokens[n].append(tok)
+                logits[n].append(np.array(row[0]))
+                inputs[n] = mx.array([[tok]], dtype=mx.int32)
+        return {n: (tokens[n], np.stack(logits[n])) for n in prompts}
+
+    def _run(self, lanes: dict) -> dict:
+        """Each lane's result: every lane runs to its next MoE layer, the layer runs on all of
+        their rows, each goes on with its own, until every lane ended."""
+        from greenlet import getcurrent
+
+        self._main = getcurrent()
+        out, waiting = {}, {}
+        for n, g in lanes.items():
+            r = g.switch()
+            (out if g.dead else waiting)[n] = r
+        while waiting:
+            assert len({id(layer) for layer, _ in waiting.values()}) == 1, (
+                "the streams reached different MoE layers"
+            )
+            layer = next(iter(waiting.values()))[0]
+            names = list(waiting)
+            sums = layer.together([waiting[n][1] for n in names])
+            waiting = {}
+            for n, y in zip(names, sums):
+                r = lanes[n].switch(y)
+                (out if lanes[n].dead else waiting)[n] = r
+        return out
+
+    def hand_in(self, layer, x):
+        """From a stream's forward pass: wait for the others at `layer`; its rows' sums."""
+        return self._main.switch((layer, x))
+
+
+class _Gathered(nn.Module):
+    """An InProcessCluster (every rank's share of one MoE layer) met by every stream's rows."""
+
+    def __init__(self, ranks, meet: _Meeting):
+        super().__init__()
+        self.ranks, self.meet = ranks, meet
+
+    def __call__(self, x, *args, **kwargs):
+        assert not args and not kwargs, "the block takes more than its input"
+        return self.meet.hand_in(self, x)
+
+    def together(self, xs: list) -> list:
+        import mlx.core as mx
+
+        from moe_cluster.node.collective.base import rank_order_sum
+
+        width = xs[0].shape[-1]
+        rows = mx.concatenate([x.reshape(-1, width) for x in xs])  # every stream's, gathered
+        y = rank_order_sum([r.partial(rows[None]) for r in self.ranks.ranks])[0]
+        out, at = [], 0
+        for x in xs:  # each stream's rows back to it
+            n = x.size // width
+            out.append(y[at : at + n].reshape(x.shape))
+            at += n
+        return out

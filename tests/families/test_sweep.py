@@ -49,6 +49,34 @@ def test_float32_exact_at_2_and_3_nodes(family, tmp_path):
             route,
             got["max_abs_logit_diff"],
         )
+    if family in BY_STREAM_REFUSED:
+        return
+    # attention by stream: two streams, each its own owner's, gathered at every MoE layer
+    for stream, got in sweep.check_by_stream(path, 2).items():
+        assert got["tokens"] == got["reference_tokens"], (family, stream, got)
+        assert got["max_abs_logit_diff"] <= sweep.TOLERANCE, (family, stream, got)
+
+
+# families whose decoder layer routes and hands the experts their indices (a routed call): by
+# stream refuses them in one line (node/batch.py), as their router's outputs are not gathered
+BY_STREAM_REFUSED = {"gemma4", "gemma4_text"}
+
+
+def test_by_stream_refuses_routed_calls_by_name(tmp_path):
+    """A family whose MoE block takes its routing from outside is refused by stream, naming the
+    layers and what to use instead, when the node's batch starts."""
+    from moe_cluster.node.batch import BatchLimits, RunningBatch
+    from moe_cluster.node.moe.load import load_shard
+    from moe_cluster.node.collective.base import LocalCollective
+    from moe_cluster.proto.errors import UserError
+
+    class Two(LocalCollective):
+        world_size = 2
+
+    path = sweep.checkpoint("gemma4_text", tmp_path)
+    sharded = load_shard(str(path), None, 0, collective=Two(), route="preferred")
+    with pytest.raises(UserError, match=r"MoE layers \[.*\] take their routing from outside"):
+        RunningBatch(sharded, BatchLimits(attention="by-stream"))
 
 
 def _quantized_reference(path):
