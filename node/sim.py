@@ -270,6 +270,15 @@ def _serve(job: SimJob, index: int, task: SimTask, sharded, beat) -> dict:
     }
 
 
+def _owner(attention: str, j: int, world: int) -> int:
+    """Stream j's owner where the streams arrive together, as the coordinator's policy gives them
+    (coordinator/serve/streams.py): round the nodes by stream (the most KV room for equal
+    streams); auto keeps the first replicated (it found nothing running)."""
+    if world < 2 or attention == "replicated" or (attention == "auto" and j == 0):
+        return -1
+    return (j - (attention == "auto")) % world
+
+
 def force_route(sharded, route: str) -> None:
     """Every MoE layer of a loaded node computes decode steps by `route` from now on (a route no
     layer here can take is a UserError naming the ones it can)."""
@@ -449,9 +458,8 @@ def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> 
     results = [GenerateResult() for _ in task.streams]
     t0 = time.perf_counter()
     world = sharded.state.world_size
-    owned = task.attention != "replicated" and world > 1
     for j, (prompt, sink, result) in enumerate(zip(task.streams, sinks, results)):
-        owner = j % world if owned else -1
+        owner = _owner(task.attention, j, world)
         req = GenerateRequest(
             f"sim-{index}-{i}-{j}",
             prompt,

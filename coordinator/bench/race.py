@@ -35,6 +35,8 @@ ROWS = (
 )
 # ours with attention by stream (serving.attention: by-stream): each stream's owner attends for it
 BY_STREAM_ROWS = ("ours_by_stream", "ours_envoy_by_stream")
+# serving.attention: auto (replicated for a stream that finds nothing else running): by name
+AUTO_ROWS = ("ours_auto", "ours_envoy_auto")
 # ours with two micro-batches per decode step (node/overlap.py): asked for by name (--rows)
 OVERLAP_ROWS = ("ours_mlx_overlap", "ours_envoy_overlap")
 _PEER_MODE = {"mlx_lm_pipeline": "pipeline", "mlx_lm_tensor": "tensor"}
@@ -45,6 +47,8 @@ _TRANSPORT = {
     "ours_envoy_overlap": "envoy",
     "ours_by_stream": "mlx",
     "ours_envoy_by_stream": "envoy",
+    "ours_auto": "mlx",
+    "ours_envoy_auto": "envoy",
 }
 
 
@@ -153,7 +157,11 @@ def _ours(
             repeats=spec.rounds + 1,  # the first warms up, as the peers do
             streams=tuple(tuple(p) for p in prompts[:b]),
             overlap=name in OVERLAP_ROWS,
-            attention="by-stream" if name in BY_STREAM_ROWS else "replicated",
+            attention="by-stream"
+            if name in BY_STREAM_ROWS
+            else "auto"
+            if name in AUTO_ROWS
+            else "replicated",
             # transport mlx's step is one graph whose timers see nothing: a synced pass splits it
             synced_pass=transport == "mlx",
             reuse_load=i > 0,  # one load serves the row's every batch (no resident experts)
@@ -441,7 +449,7 @@ def bounds(spec: RaceBench, model, rows: list[dict], coll: dict) -> None:
     hardware = HardwareSpec("bench", 1 << 60, spec.bandwidth_Bps or 1.0, 1e30, 0.0)
     network = NetworkSpec("measured", 0.0, 1e30, 0.0)
     for r in rows:
-        strategy = race_model.ROW_STRATEGY[r["name"]][0]
+        strategy = race_model.row_strategy(r["name"], r["streams"])
         bare = coll.get(_collective_path(r), {}).get(str(r["streams"]))
         measured = race_model.MeasuredRow(r["name"], spec.nodes, r["streams"], 1.0, bare)
         p = race_model.predict_row(model, hardware, network, measured, hardware.bandwidth_Bps)
@@ -649,8 +657,9 @@ def add_arguments(p) -> None:
         "--rows",
         default=",".join(ROWS),
         help="which rows, comma list of "
-        + ", ".join(ROWS + OVERLAP_ROWS)
-        + " (the _overlap rows: two micro-batches per decode step)",
+        + ", ".join(ROWS + OVERLAP_ROWS + AUTO_ROWS)
+        + " (the _overlap rows: two micro-batches per decode step; the _auto rows: serving.attention "
+        "auto)",
     )
     p.add_argument(
         "--gpus", action="store_true", help="process r on CUDA GPU r (NCCL where MLX has it)"
@@ -694,9 +703,11 @@ def _read_race(path: str) -> dict:
 
 def _spec(args) -> RaceBench:
     rows = tuple(r.strip() for r in args.rows.split(","))
-    bad = [r for r in rows if r not in ROWS + OVERLAP_ROWS]
+    bad = [r for r in rows if r not in ROWS + OVERLAP_ROWS + AUTO_ROWS]
     if bad:
-        raise UserError(f"--rows: unknown row {bad[0]!r} ({', '.join(ROWS + OVERLAP_ROWS)})")
+        raise UserError(
+            f"--rows: unknown row {bad[0]!r} ({', '.join(ROWS + OVERLAP_ROWS + AUTO_ROWS)})"
+        )
     if args.nodes < 2:
         raise UserError(f"--nodes must be at least 2: a race splits the model (got {args.nodes})")
     if args.max_tokens < 2 or args.rounds < 1:

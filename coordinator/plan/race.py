@@ -131,7 +131,8 @@ def race_point(
         "pipeline": (1.0, per_token_k, 0.0),
         "tensor": (1.0 / nodes, per_token_k / nodes, 0.0),
         "ours": (1.0, per_token_k / nodes, 1.0),
-        "by-stream": (1.0 / nodes, per_token_k / nodes, 1.0),
+        # the busiest node attends for ceil(B / N) of the B streams
+        "by-stream": (-(-batch // nodes) / batch, per_token_k / nodes, 1.0),
     }[strategy]
     if strategy == "pipeline":
         read = every  # one node after another: the step's critical path reads all of it
@@ -153,9 +154,8 @@ def race_point(
             + sum(b * x for b, x in zip(model.expert_layer_bytes, e))
         )
         flops = _flops(model, [min(per_token_k, x) for x in e], batch)
-        # by stream: a gather and a scatter per MoE layer; one stream alone stays replicated
-        twice = strategy == "by-stream" and batch > 1
-        collectives = (2 if twice else 1) * model.moe_layers if nodes > 1 else 0
+        # by stream: a gather and a scatter per MoE layer where ours pays one all-reduce
+        collectives = (2 if strategy == "by-stream" else 1) * model.moe_layers if nodes > 1 else 0
         memory = model.replicated_bytes + -(-model.num_experts // nodes) * model.expert_bytes
     read_s = read / bandwidth
     compute_s = flops / hardware.flops
@@ -251,9 +251,18 @@ ROW_STRATEGY = {
     # attention by stream (serving.attention: by-stream)
     "ours_by_stream": ("by-stream", "mlx"),
     "ours_envoy_by_stream": ("by-stream", "envoy"),
+    # auto: one stream alone is replicated; under load the streams are owned
+    "ours_auto": ("by-stream", "mlx"),
+    "ours_envoy_auto": ("by-stream", "envoy"),
     "mlx_lm_pipeline": ("pipeline", "mlx"),
     "mlx_lm_tensor": ("tensor", "mlx"),
 }
+
+
+def row_strategy(name: str, batch: int) -> str:
+    """The strategy a bench race row runs at `batch` streams (auto: replicated when alone)."""
+    strategy = ROW_STRATEGY[name][0]
+    return "ours" if name in ("ours_auto", "ours_envoy_auto") and batch == 1 else strategy
 
 
 @dataclass(frozen=True)
@@ -279,7 +288,7 @@ def predict_row(
     **token_costs: float,
 ) -> RacePoint:
     """`row`'s step as the model has it; `token_costs`: Overheads' token_* fields."""
-    strategy = ROW_STRATEGY[row.name][0]
+    strategy = row_strategy(row.name, row.batch)
     ours, distinct = expected_batch(model, row.nodes, row.batch)
     over = Overheads(
         bandwidth_Bps=bandwidth_Bps,
