@@ -116,6 +116,9 @@ function drawNodes(status, metrics) {
       el("td", {}, n.address), el("td", {}, n.device || "–"),
       el("td", {}, bar, ` ${bytes(used)} / ${bytes(budget)}`),
       el("td", {}, String(one(metrics, "moe_cluster_node_experts", {node: n.name}) ?? n.experts)),
+      // the running streams it attends for (all of them with replicated attention), and their KV
+      el("td", {class: "streams"}, String(one(metrics, "moe_cluster_node_streams", {node: n.name}) ?? n.streams ?? 0)),
+      el("td", {}, bytes(one(metrics, "moe_cluster_node_kv_bytes", {node: n.name}) ?? n.kv_bytes ?? 0)),
       el("td", {}, seconds(p50(metrics, "moe_cluster_allreduce_seconds", n.name))),
       el("td", {}, count ? seconds(sum / count) : "–"),
       el("td", {}, n.last_seen_s === null ? "–" : n.last_seen_s + " s ago"));
