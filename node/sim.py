@@ -49,6 +49,9 @@ class SimTask:
     # to rank j mod N (what the coordinator's "most KV room" gives equal streams), whose own
     # report then has its tokens' logits
     attention: str = "replicated"
+    # streams only: each node's KV budget (BatchLimits.kv_budget_bytes; 0: none), so that how many
+    # streams run at once depends on where their KV lives
+    kv_budget: int = 0
     # streams only: after the timed repeats, one more with a host sync at each MoE layer's
     # boundaries where the step is one graph (moe/combine.py SyncedCombine), its timers reported apart
     # ("synced"): where an in-graph step's time goes, which its own timers cannot see
@@ -390,6 +393,7 @@ def _run_streams(index: int, task: SimTask, sharded, beat) -> dict:
         sharded,
         limits=BatchLimits(
             max_batch=len(task.streams),
+            kv_budget_bytes=task.kv_budget,
             speculative=task.speculative,
             draft_tokens=task.draft_tokens,
             draft_model=task.draft_model,
@@ -471,10 +475,14 @@ def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> 
         )
         runtime.batch.submit(req, runtime.next_seq(), sink, result)
     steps, t_decode = 0, None
+    peak_streams = peak_kv = peak_running = 0
     while not all(s.ended for s in sinks):
         runtime.batch.step()
         beat.tick()
         steps += 1
+        mine, kv = runtime.batch.streams()  # those this node attends for, and their KV
+        peak_streams, peak_kv = max(peak_streams, mine), max(peak_kv, kv)
+        peak_running = max(peak_running, runtime.batch.running()[0])
         if t_decode is None and all(s.times or s.ended for s in sinks):
             _decode_begins(sharded)  # the figures cover decode steps of the whole batch only
             t_decode, steps = time.perf_counter(), 0
@@ -490,6 +498,11 @@ def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> 
         "figures": [vars(r.figures) for r in results],
         "decode_steps": steps,
         "decode_seconds": time.perf_counter() - (t_decode or t0),
+        # the most streams running at once (every node's), and of them this node's own and
+        # their KV reserved, at their peaks
+        "peak_running": peak_running,
+        "peak_streams": peak_streams,
+        "peak_kv_bytes": peak_kv,
         "micro_batches": runtime.batch.micro_batches(),
         # all-reduces that travelled while the other micro-batch computed (node/overlap.py)
         "overlapped": runtime.batch.overlapped(),

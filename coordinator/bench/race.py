@@ -70,6 +70,7 @@ class RaceBench:
     timeout_s: float = 900.0
     mlx_backend: str = "auto"  # the mx.distributed rows: `ring` forces the ring over NCCL
     prompt_tokens: int | None = None  # each stream's prompt this long (its context); None: short
+    kv_budget: int = 0  # ours: each node's KV budget, bytes (0: none): streams then wait for room
 
 
 def prompt_ids(tokenizer, count: int, tokens: int | None = None) -> list[list[int]]:
@@ -157,6 +158,7 @@ def _ours(
             repeats=spec.rounds + 1,  # the first warms up, as the peers do
             streams=tuple(tuple(p) for p in prompts[:b]),
             overlap=name in OVERLAP_ROWS,
+            kv_budget=spec.kv_budget,
             attention="by-stream"
             if name in BY_STREAM_ROWS
             else "auto"
@@ -206,6 +208,11 @@ def _ours(
                 ),
                 "moe_layers": moe_layers,
                 "micro_batches": r0.get("micro_batches", "off"),
+                # the most streams running at once, and per node its own streams and their KV
+                # reserved at their peaks (by stream: each node holds only its own streams' KV)
+                "peak_running": r0.get("peak_running"),
+                "peak_streams_per_node": [r.get("peak_streams") for r in reps],
+                "peak_kv_bytes_per_node": [r.get("peak_kv_bytes") for r in reps],
                 # rank 0's micro-batch all-reduces: seconds in flight, seconds of it waited for
                 "overlap_s": (r0.get("overlap_in_flight_s", 0.0), r0.get("overlap_waited_s", 0.0)),
                 "route": r0.get("route"),  # rank 0's decode route and where wide calls go
@@ -643,6 +650,13 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument(
+        "--kv-budget",
+        default=None,
+        metavar="SIZE",
+        help="ours: each node's KV budget (e.g. 64MiB): how many streams run at once then depends "
+        "on where their KV lives; default: no limit",
+    )
+    p.add_argument(
         "--prompt-tokens",
         type=int,
         default=None,
@@ -739,6 +753,7 @@ def _spec(args) -> RaceBench:
         False if args.no_stock else None,
         mlx_backend=args.mlx_backend,
         prompt_tokens=_prompt_tokens(args.prompt_tokens),
+        kv_budget=_kv_budget(args.kv_budget),
     )
 
 
@@ -786,3 +801,16 @@ def _prompt_tokens(n: int | None) -> int | None:
     if n is not None and n < 2:
         raise UserError(f"--prompt-tokens must be at least 2 (got {n})")
     return n
+
+
+def _kv_budget(text: str | None) -> int:
+    if text is None:
+        return 0
+    import re
+
+    from ...proto.expert_cache import SIZE_UNITS
+
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]*)", text.strip())
+    if not m or m[2].lower() not in SIZE_UNITS or float(m[1]) <= 0:
+        raise UserError(f"--kv-budget must be a positive size, e.g. 64MiB (got {text!r})")
+    return int(float(m[1]) * SIZE_UNITS[m[2].lower()])
