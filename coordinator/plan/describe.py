@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ...node.checkpoint import Checkpoint, check_runnable, read_config
-from ...node.describe import ModelDescription, MoELayer, Quantization, describe
+from ...node.describe import ModelDescription, MoELayer, describe, quantize_lazily
 from .perfmodel import CacheSpec, ModelSpec, PlanError
 
 logger = logging.getLogger(__name__)
@@ -84,63 +84,6 @@ def _tally(
 
 def _logical_elements(arr: mx.array) -> int:
     return arr.size
-
-
-def _quantize(
-    model: nn.Module,
-    quant: Quantization | None,
-    banks: tuple[MoELayer, ...],
-    bits: int | None,
-    group_size: int,
-) -> str:
-    """Apply the checkpoint's quantization (or `bits`) lazily, as mlx-lm's loader would; returns a
-    label. The configuration is read once, by node.describe.quantization, as the nodes read it."""
-    ours = quant is not None and quant.method == "mlx"
-    if ours and bits is not None:
-        raise PlanError(f"the checkpoint is already quantized ({quant.bits} bits); drop --bits")
-    family = getattr(model, "quant_predicate", None)
-    if ours:
-        gs = quant.group_size
-
-        def predicate(path, m):
-            if path in quant.overrides:
-                v = quant.overrides[path]
-                return dict(v) if isinstance(v, dict) else bool(v)
-            if not hasattr(m, "to_quantized") or m.weight.shape[-1] % gs:
-                return False
-            return family(path, m) if family else True
-
-        nn.quantize(
-            model, group_size=gs, bits=quant.bits, mode=quant.mode, class_predicate=predicate
-        )
-        return quant.label()
-    if quant is not None and quant.applied:
-        # mlx-lm quantizes what the checkpoint stores quantized: the released experts only.
-        nn.quantize(
-            model,
-            group_size=quant.group_size,
-            bits=quant.bits,
-            mode=quant.mode,
-            class_predicate=lambda p, m: (
-                any(p.startswith(b.bank_path + ".") for b in banks) and hasattr(m, "to_quantized")
-            ),
-        )
-        return f"experts {quant.method}"
-    if quant is not None:
-        logger.warning(
-            "quantization_config quant_method=%r is not applied (mlx-lm dequantizes it at load)",
-            quant.method,
-        )
-    if bits is not None:
-
-        def predicate(path, m):
-            if not hasattr(m, "to_quantized") or m.weight.shape[-1] % group_size:
-                return False
-            return family(path, m) if family else True
-
-        nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
-        return f"{bits}-bit affine g{group_size}"
-    return ""
 
 
 def _probe_caches(desc: ModelDescription, dtype: mx.Dtype) -> tuple[CacheSpec, ...]:
@@ -214,7 +157,7 @@ def describe_config(
     head = _has_head(model, set(embeddings.values()))
 
     weights = (
-        _quantize(model, desc.quant, banks, bits, group_size)
+        quantize_lazily(model, desc.quant, banks, bits, group_size)
         or {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bf16"}[dtype]
     )
     nbytes = _tally(model, banks, embeddings, lambda a: a.nbytes)
