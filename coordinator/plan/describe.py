@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ...node.checkpoint import Checkpoint, check_runnable, read_config
+from ...node.checkpoint import Checkpoint, check_runnable, index_bytes, read_config
 from ...node.describe import ModelDescription, MoELayer, describe, quantize_lazily
 from .perfmodel import CacheSpec, ModelSpec, PlanError
 
@@ -212,9 +212,10 @@ def describe_config(
 
 
 def describe_path(
-    spec: str, *, bits: int | None = None, group_size: int = 64
+    spec: str, *, bits: int | None = None, group_size: int = 64, name: str | None = None
 ) -> tuple[ModelSpec, int | None]:
-    """Describe a checkpoint folder or a bare config.json; returns (model, checkpoint bytes or None)."""
+    """Describe a checkpoint folder or a bare config.json; returns (model, checkpoint bytes or None:
+    a folder without weights, such as a repo's config fetched alone, has them from its index)."""
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".json":
         directory, cfg_file = path.parent, path
@@ -231,9 +232,19 @@ def describe_path(
         config = read_config(directory) if cfg_file.name == "config.json" else _read_json(cfg_file)
     check_runnable(config, cfg_file)  # describing runs each MoE block once (node.moe.structure)
     desc = describe(checkpoint or config, cfg_file)
-    name = re.sub(r"\s+", "-", directory.name or str(directory))
+    name = name or re.sub(r"\s+", "-", directory.name or str(directory))
     model = describe_config(desc, name, bits=bits, group_size=group_size)
-    return model, (checkpoint.total_bytes() if checkpoint else None)
+    if checkpoint is not None:
+        return model, checkpoint.total_bytes()
+    indexed = index_bytes(directory) if cfg_file.name == "config.json" else None
+    if indexed and abs(indexed - model.total_bytes) > 0.01 * indexed:
+        logger.warning(
+            "%s: described %d bytes, its index states %d (a dtype the config does not name?)",
+            cfg_file,
+            model.total_bytes,
+            indexed,
+        )
+    return model, indexed
 
 
 def _read_json(file: Path) -> dict:
