@@ -25,6 +25,9 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 logger = logging.getLogger("moe_cluster")
 
+# what --model takes, everywhere (node/checkpoint.py resolve_model_path)
+MODEL_HELP = "a checkpoint folder, 'demo', or a Hugging Face repo id (org/name[@revision])"
+
 EXIT_USAGE = 2  # a UserError (bad input): one line naming the problem
 EXIT_FAILURE = 1  # the cluster failed (a node down, a timeout: a typed error), or a bug
 
@@ -102,14 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     p = sub.add_parser("run", help="generate text on this machine alone (stock mlx-lm)")
-    p.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--prompt", required=True)
     add_sampling_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler="moe_cluster.coordinator.dev.run_local:main")
 
     p = sub.add_parser("simulate", help="run N node processes of a sharded model on this machine")
-    p.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument("--nodes", type=_positive_int, required=True)
     p.add_argument("--keepalive", choices=KEEPALIVES, default="lru")
     p.add_argument(
@@ -225,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         "decode",
         help="decode tok/s of our path vs stock mlx-lm, and the per-token breakdown on N nodes",
     )
-    b.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
+    b.add_argument("--model", required=True, help=MODEL_HELP)
     b.add_argument("--nodes", default="1", help="comma list of node counts, e.g. 1,2,3,4")
     b.add_argument("--keepalive", default="none,lru", help="comma list of policies for N > 1")
     b.add_argument("--max-tokens", type=_positive_int, default=64)
@@ -388,9 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
         "up", help="start (or find) the nodes of a cluster.yaml, load the model, serve the API"
     )
     p.add_argument("file", help="cluster.yaml")
-    p.add_argument(
-        "--model", default=None, help="override the file's model (a checkpoint folder, or 'demo')"
-    )
+    p.add_argument("--model", default=None, help="override the file's model: " + MODEL_HELP)
     p.add_argument(
         "--api-port", type=int, default=None, help="override the file's API port (0: any free port)"
     )
@@ -434,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "profile", help="record which experts the routers pick on real prompts (for placement)"
     )
-    p.add_argument("--model", required=True, help="checkpoint folder, or 'demo'")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
     p.add_argument(
         "--prompts",
         required=True,

@@ -8,7 +8,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -62,11 +62,41 @@ _MX_TO_ST = {
 }
 
 
-def resolve_model_path(spec: str | os.PathLike) -> Path:
-    """Turn a `--model` argument into a checkpoint directory ("demo" names the embedded model)."""
+# What a checkpoint needs of a repo: its config, the safetensors and their index, the tokenizer's
+# files (sentencepiece, tiktoken, vocab and merges, chat templates). Anything else a repo holds
+# (other formats, images, READMEs, code, which load_tokenizer never runs) is not fetched.
+CHECKPOINT_FILES = (
+    "*.json",
+    "model*.safetensors",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "*.txt",
+    "*.jinja",
+)
+# What describing a model for planning needs: its config, and the index for the checkpoint's size.
+CONFIG_FILES = ("config.json", INDEX_FILE)
+
+
+def resolve_model_path(
+    spec: str | os.PathLike,
+    files: Sequence[str] = CHECKPOINT_FILES,
+    *,
+    download: bool = True,
+    **fetch,
+) -> Path:
+    """Turn a `--model` argument into a checkpoint directory: a folder, "demo" (the embedded model),
+    or a Hugging Face repo id (`org/name[@revision]`), whose `files` are fetched into the Hugging
+    Face cache first (`fetch`: node.hub.fetch's report and cancel). `download=False` (a node: only
+    the coordinator downloads) takes folders alone."""
+    from . import hub
+
     if str(spec) == "demo":
         return demo.MODEL_DIR
     path = Path(spec).expanduser()
+    repo = hub.parse_repo_id(str(spec)) if download and not path.exists() else None
+    if repo is not None:
+        return hub.fetch(repo, files, **fetch)
     if not path.exists():
         raise CheckpointError(f"model path {path} does not exist")
     if not path.is_dir():
@@ -74,6 +104,22 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
             f"model path {path} is not a directory (expected a checkpoint folder)"
         )
     return path
+
+
+def config_folder(spec: str | os.PathLike) -> Path:
+    """The folder holding a model's config.json (and its safetensors index, where it has one): a
+    repo's two files are fetched alone, and quietly (a few KB), never its weights."""
+    return resolve_model_path(spec, CONFIG_FILES, report=lambda transfer: None)
+
+
+def index_bytes(path: Path) -> int | None:
+    """The checkpoint's bytes as its safetensors index states them (metadata.total_size): known
+    before its weights are (a repo's config and index are fetched first)."""
+    try:
+        total = json.loads((path / INDEX_FILE).read_text())["metadata"]["total_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return int(total) if isinstance(total, (int, float)) and total > 0 else None
 
 
 def read_config(path: Path) -> dict:
@@ -290,8 +336,8 @@ class Checkpoint:
                 self.tensors[key] = info
 
     @classmethod
-    def open(cls, spec: str | os.PathLike) -> "Checkpoint":
-        return cls(resolve_model_path(spec))
+    def open(cls, spec: str | os.PathLike, download: bool = True) -> "Checkpoint":
+        return cls(resolve_model_path(spec, download=download))
 
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())

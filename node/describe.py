@@ -11,6 +11,7 @@ description for a fresh one (`new_model`): its blocks come rebound, not probed a
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -19,11 +20,13 @@ from typing import Any, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 
 from .checkpoint import _DTYPES, Checkpoint, CheckpointError, model_args, model_classes
 from .moe.structure import MoEBlock, StructureError, find_moe_blocks, rebind
 from .vocab import embedding_rows
+
+logger = logging.getLogger(__name__)
 
 # Names Hugging Face checkpoints use for the projections of one expert.
 PROJ_ALIASES = {"w1": "gate_proj", "v1": "up_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -289,14 +292,34 @@ class ModelDescription:
         """Checkpoint keys that hold routed-expert weights, mapped to their layer."""
         return {k: m for m in self.moe for k in m.keys}
 
-    def sizes(self) -> ExpertBytes:
-        """Routed-expert and replicated bytes from the safetensors headers."""
+    def sizes(self, total_bytes: int | None = None) -> ExpertBytes:
+        """Routed-expert and replicated bytes from the safetensors headers. Described from a bare
+        config (a repo whose weights are not here yet): from its model's parameters, quantized as
+        the config says (the planner's figures), scaled to the checkpoint's `total_bytes` where
+        they are known (a safetensors index states them; a config may not say the dtype)."""
         self.require_moe()
-        assert self.checkpoint is not None, "sizes need a checkpoint's headers"
-        experts = sum(m.expert_bytes * m.num_experts for m in self.moe)
+        if self.checkpoint is None:
+            model, _ = self.new_model()
+            model.set_dtype(self.dtype)
+            quantize_lazily(model, self.quant, self.moe)
+            per_expert, total = {}, 0
+            for path, v in tree_flatten(model.parameters()):
+                total += v.nbytes
+                bank = next((m for m in self.moe if path.startswith(m.bank_path + ".")), None)
+                if bank is not None:
+                    per_expert[bank.layer] = per_expert.get(bank.layer, 0) + v.nbytes
+            scale = total_bytes / total if total_bytes and total else 1.0
+            per_expert = {
+                m.layer: int(scale * per_expert.get(m.layer, 0)) // m.num_experts for m in self.moe
+            }
+            total_bytes = int(scale * total)
+        else:
+            per_expert = {m.layer: m.expert_bytes for m in self.moe}
+            total_bytes = self.checkpoint.total_bytes()
+        experts = sum(per_expert[m.layer] * m.num_experts for m in self.moe)
         return ExpertBytes(
-            replicated=self.checkpoint.total_bytes() - experts,
-            per_expert={m.layer: m.expert_bytes for m in self.moe},
+            replicated=total_bytes - experts,
+            per_expert=per_expert,
             num_experts=self.moe_layers(),
             top_k={m.layer: m.top_k for m in self.moe},
         )
@@ -306,6 +329,64 @@ class ModelDescription:
         model_cls, _ = model_classes(dict(self.config), self.where)
         model = model_cls(model_args(dict(self.config), self.where))
         return model, rebind(list(self.blocks), model)
+
+
+def quantize_lazily(
+    model: nn.Module,
+    quant: Quantization | None,
+    banks: tuple[MoELayer, ...],
+    bits: int | None = None,
+    group_size: int = 64,
+) -> str:
+    """Apply the checkpoint's quantization (or `bits`) to a lazy model, as mlx-lm's loader would;
+    returns a label. Sizing a model from its config alone needs it: the planner, and `up` before
+    a repo's weights are downloaded."""
+    ours = quant is not None and quant.method == "mlx"
+    if ours and bits is not None:
+        raise DescribeError(f"the checkpoint is already quantized ({quant.bits} bits); drop --bits")
+    family = getattr(model, "quant_predicate", None)
+    if ours:
+        gs = quant.group_size
+
+        def predicate(path, m):
+            if path in quant.overrides:
+                v = quant.overrides[path]
+                return dict(v) if isinstance(v, dict) else bool(v)
+            if not hasattr(m, "to_quantized") or m.weight.shape[-1] % gs:
+                return False
+            return family(path, m) if family else True
+
+        nn.quantize(
+            model, group_size=gs, bits=quant.bits, mode=quant.mode, class_predicate=predicate
+        )
+        return quant.label()
+    if quant is not None and quant.applied:
+        # mlx-lm quantizes what the checkpoint stores quantized: the released experts only.
+        nn.quantize(
+            model,
+            group_size=quant.group_size,
+            bits=quant.bits,
+            mode=quant.mode,
+            class_predicate=lambda p, m: (
+                any(p.startswith(b.bank_path + ".") for b in banks) and hasattr(m, "to_quantized")
+            ),
+        )
+        return f"experts {quant.method}"
+    if quant is not None:
+        logger.warning(
+            "quantization_config quant_method=%r is not applied (mlx-lm dequantizes it at load)",
+            quant.method,
+        )
+    if bits is not None:
+
+        def predicate(path, m):
+            if not hasattr(m, "to_quantized") or m.weight.shape[-1] % group_size:
+                return False
+            return family(path, m) if family else True
+
+        nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
+        return f"{bits}-bit affine g{group_size}"
+    return ""
 
 
 def _weights_dtype(config: Mapping, ckpt: Checkpoint | None) -> mx.Dtype:

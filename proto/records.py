@@ -30,6 +30,14 @@ COLD_STEP_S = 600.0
 COLD_WAITS = 2
 
 
+def fmt_bytes(n: float) -> str:
+    """A byte count for people: decimal units, as disks and downloads are sized."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 def wait_bound(timeout_s: float, cold: bool, cold_s: float = COLD_STEP_S) -> float:
     """Seconds a wait on the peers may take: the collective timeout, or where the wait may build
     kernels the cold bound (never below the timeout)."""

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-from ...node.checkpoint import Checkpoint
+from ...node.checkpoint import Checkpoint, resolve_model_path
 from ...node.device import release_memory
 from ...node.engine import Stats, generate_tokens
 from ...proto.errors import UserError
@@ -740,7 +740,7 @@ def main(args) -> int:
     for c in caches:
         ExpertCacheSpec.parse(c)
     spec = DecodeBench(
-        args.model,
+        str(resolve_model_path(args.model)),  # a repo is fetched here once; the nodes read folders
         nodes,
         keepalive,
         args.max_tokens,

@@ -634,7 +634,11 @@ def _streams(text: str) -> tuple[int, ...]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default=None, help="checkpoint folder, or 'demo'")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a checkpoint folder, 'demo', or a Hugging Face repo id (org/name)",
+    )
     p.add_argument(
         "--merge",
         nargs="+",

@@ -41,7 +41,11 @@ REQUEST_TIMEOUT_S = 300.0
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="demo", help="checkpoint folder, or 'demo'")
+    p.add_argument(
+        "--model",
+        default="demo",
+        help="a checkpoint folder, 'demo', or a Hugging Face repo id (org/name)",
+    )
     p.add_argument("--nodes", default="1,2", help="comma list of node counts")
     p.add_argument("--concurrency", default="1,4,8,16", help="comma list of concurrent clients")
     p.add_argument(

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...node.checkpoint import Checkpoint, check_runnable
+from ...node.checkpoint import Checkpoint, check_runnable, resolve_model_path
 from ...node.collective.base import CollectiveError
 from ...proto.errors import ErrorKind, MoeClusterError, UserError, error_for
 from ...proto.expert_cache import ExpertCacheSpec
@@ -415,7 +415,7 @@ def main(args) -> int:
     sampling = Sampling(args.max_tokens, args.temperature, args.top_p, args.seed)
     sampling.check()
     req = SimRequest(
-        args.model,
+        str(resolve_model_path(args.model)),  # a repo is fetched here, once
         args.nodes,
         args.prompt,
         sampling,

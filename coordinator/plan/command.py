@@ -58,7 +58,8 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--model",
         metavar="PATH|PRESET",
-        help="checkpoint folder or config.json of an mlx-lm MoE model, or a preset: "
+        help="checkpoint folder or config.json of an mlx-lm MoE model, 'demo', a Hugging Face repo "
+        "id (org/name[@revision]: its config alone is fetched) or a preset: "
         + ", ".join(presets.MODELS),
     )
     p.add_argument(
@@ -252,13 +253,21 @@ def load_model(
     if spec in presets.MODELS:
         model = presets.model_preset(spec)
         return (requantized(model, bits, group_size) if bits else model), None
-    if not Path(spec).expanduser().exists():
+    from ...node.checkpoint import config_folder
+    from ...node.hub import parse_repo_id
+
+    path, name = Path(spec).expanduser(), None
+    if spec == "demo" or (not path.exists() and parse_repo_id(spec) is not None):
+        # a Hugging Face repo: its config and index alone, never its weights
+        spec, name = str(config_folder(spec)), spec
+    elif not path.exists():
         raise PlanError(
-            f"--model {spec!r} is neither a preset ({', '.join(presets.MODELS)}) nor an existing path"
+            f"--model {spec!r} is neither a preset ({', '.join(presets.MODELS)}), an existing "
+            "path nor a Hugging Face repo id (org/name)"
         )
     from .describe import describe_path  # mlx and mlx-lm: only when a checkpoint is described
 
-    return describe_path(spec, bits=bits, group_size=group_size)
+    return describe_path(spec, bits=bits, group_size=group_size, name=name)
 
 
 def read_profile(path: str, model: ModelSpec) -> RoutingProfile:

@@ -23,8 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ...node.checkpoint import Checkpoint, check_runnable, read_config
-from ...node.describe import ModelDescription, MoELayer, Quantization, describe
+from ...node.checkpoint import Checkpoint, check_runnable, index_bytes, read_config
+from ...node.describe import ModelDescription, MoELayer, describe, quantize_lazily
 from .perfmodel import CacheSpec, ModelSpec, PlanError
 
 logger = logging.getLogger(__name__)
@@ -84,63 +84,6 @@ def _tally(
 
 def _logical_elements(arr: mx.array) -> int:
     return arr.size
-
-
-def _quantize(
-    model: nn.Module,
-    quant: Quantization | None,
-    banks: tuple[MoELayer, ...],
-    bits: int | None,
-    group_size: int,
-) -> str:
-    """Apply the checkpoint's quantization (or `bits`) lazily, as mlx-lm's loader would; returns a
-    label. The configuration is read once, by node.describe.quantization, as the nodes read it."""
-    ours = quant is not None and quant.method == "mlx"
-    if ours and bits is not None:
-        raise PlanError(f"the checkpoint is already quantized ({quant.bits} bits); drop --bits")
-    family = getattr(model, "quant_predicate", None)
-    if ours:
-        gs = quant.group_size
-
-        def predicate(path, m):
-            if path in quant.overrides:
-                v = quant.overrides[path]
-                return dict(v) if isinstance(v, dict) else bool(v)
-            if not hasattr(m, "to_quantized") or m.weight.shape[-1] % gs:
-                return False
-            return family(path, m) if family else True
-
-        nn.quantize(
-            model, group_size=gs, bits=quant.bits, mode=quant.mode, class_predicate=predicate
-        )
-        return quant.label()
-    if quant is not None and quant.applied:
-        # mlx-lm quantizes what the checkpoint stores quantized: the released experts only.
-        nn.quantize(
-            model,
-            group_size=quant.group_size,
-            bits=quant.bits,
-            mode=quant.mode,
-            class_predicate=lambda p, m: (
-                any(p.startswith(b.bank_path + ".") for b in banks) and hasattr(m, "to_quantized")
-            ),
-        )
-        return f"experts {quant.method}"
-    if quant is not None:
-        logger.warning(
-            "quantization_config quant_method=%r is not applied (mlx-lm dequantizes it at load)",
-            quant.method,
-        )
-    if bits is not None:
-
-        def predicate(path, m):
-            if not hasattr(m, "to_quantized") or m.weight.shape[-1] % group_size:
-                return False
-            return family(path, m) if family else True
-
-        nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
-        return f"{bits}-bit affine g{group_size}"
-    return ""
 
 
 def _probe_caches(desc: ModelDescription, dtype: mx.Dtype) -> tuple[CacheSpec, ...]:
@@ -214,7 +157,7 @@ def describe_config(
     head = _has_head(model, set(embeddings.values()))
 
     weights = (
-        _quantize(model, desc.quant, banks, bits, group_size)
+        quantize_lazily(model, desc.quant, banks, bits, group_size)
         or {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bf16"}[dtype]
     )
     nbytes = _tally(model, banks, embeddings, lambda a: a.nbytes)
@@ -269,9 +212,10 @@ def describe_config(
 
 
 def describe_path(
-    spec: str, *, bits: int | None = None, group_size: int = 64
+    spec: str, *, bits: int | None = None, group_size: int = 64, name: str | None = None
 ) -> tuple[ModelSpec, int | None]:
-    """Describe a checkpoint folder or a bare config.json; returns (model, checkpoint bytes or None)."""
+    """Describe a checkpoint folder or a bare config.json; returns (model, checkpoint bytes or None:
+    a folder without weights, such as a repo's config fetched alone, has them from its index)."""
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".json":
         directory, cfg_file = path.parent, path
@@ -288,9 +232,19 @@ def describe_path(
         config = read_config(directory) if cfg_file.name == "config.json" else _read_json(cfg_file)
     check_runnable(config, cfg_file)  # describing runs each MoE block once (node.moe.structure)
     desc = describe(checkpoint or config, cfg_file)
-    name = re.sub(r"\s+", "-", directory.name or str(directory))
+    name = name or re.sub(r"\s+", "-", directory.name or str(directory))
     model = describe_config(desc, name, bits=bits, group_size=group_size)
-    return model, (checkpoint.total_bytes() if checkpoint else None)
+    if checkpoint is not None:
+        return model, checkpoint.total_bytes()
+    indexed = index_bytes(directory) if cfg_file.name == "config.json" else None
+    if indexed and abs(indexed - model.total_bytes) > 0.01 * indexed:
+        logger.warning(
+            "%s: described %d bytes, its index states %d (a dtype the config does not name?)",
+            cfg_file,
+            model.total_bytes,
+            indexed,
+        )
+    return model, indexed
 
 
 def _read_json(file: Path) -> dict:

@@ -127,6 +127,34 @@ _SLOW_JSON.scan_once = json.scanner.py_make_scanner(
 )  # used only on the API's worker thread
 
 
+def dashboard_file(request: web.Request) -> web.StreamResponse:
+    """The dashboard's static files (its data comes from /v1/cluster/* and /metrics, with the key)."""
+    name = request.match_info.get("name", "index.html")
+    path = DASHBOARD / name
+    if "/" in name or name.startswith(".") or not path.is_file():
+        raise ApiError(ErrorKind.NOT_FOUND, f"no dashboard file {name!r}")
+    return web.FileResponse(path, headers=_DASHBOARD_HEADERS)
+
+
+def check_key(request: web.Request, key: str | None, metrics_auth: bool) -> None:
+    """Refuse a request without the API key, where the cluster has one: every /v1/ path, and
+    /metrics with api.metrics_auth (the dashboard's files and /health are open)."""
+    if key and (request.path.startswith("/v1/") or (metrics_auth and request.path == "/metrics")):
+        given = request.headers.get("Authorization", "")
+        # Anthropic's clients send the key as x-api-key, OpenAI's as a bearer token: either, anywhere
+        token = (
+            given[7:]
+            if given.lower().startswith("bearer ")
+            else request.headers.get("x-api-key", "")
+        )
+        if not token or not hmac.compare_digest(token.encode(), key.encode()):
+            raise ApiError(
+                ErrorKind.UNAUTHENTICATED,
+                "missing or wrong API key (send 'x-api-key: <key>' or "
+                "'Authorization: Bearer <key>')",
+            )
+
+
 class ApiError(Exception):
     """An HTTP error in OpenAI's shape; the status, type and default code come from the kind (proto.errors.KINDS)."""
 
@@ -762,24 +790,7 @@ class Api:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        key = self.options.api_key
-        if key and (
-            request.path.startswith("/v1/")
-            or (self.options.metrics_auth and request.path == "/metrics")
-        ):
-            given = request.headers.get("Authorization", "")
-            # Anthropic's clients send the key as x-api-key, OpenAI's as a bearer token: either, anywhere
-            token = (
-                given[7:]
-                if given.lower().startswith("bearer ")
-                else request.headers.get("x-api-key", "")
-            )
-            if not token or not hmac.compare_digest(token.encode(), key.encode()):
-                raise ApiError(
-                    ErrorKind.UNAUTHENTICATED,
-                    "missing or wrong API key (send 'x-api-key: <key>' or "
-                    "'Authorization: Bearer <key>')",
-                )
+        check_key(request, self.options.api_key, self.options.metrics_auth)
         return await handler(request)
 
     # -- simple endpoints ----------------------------------------------------------------------
@@ -819,12 +830,7 @@ class Api:
         return web.json_response(self.cluster.experts())
 
     async def dashboard(self, request: web.Request) -> web.StreamResponse:
-        """The dashboard's static files (its data comes from /v1/cluster/* and /metrics, with the key)."""
-        name = request.match_info.get("name", "index.html")
-        path = DASHBOARD / name
-        if "/" in name or name.startswith(".") or not path.is_file():
-            raise ApiError(ErrorKind.NOT_FOUND, f"no dashboard file {name!r}")
-        return web.FileResponse(path, headers=_DASHBOARD_HEADERS)
+        return dashboard_file(request)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         return web.Response(

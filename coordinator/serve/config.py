@@ -11,7 +11,7 @@ import difflib
 import os
 import re
 import types
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -152,9 +152,12 @@ class ShipConfig:
 @dataclass(frozen=True)
 class ClusterConfig:
     nodes: list[NodeConfig]
+    # a checkpoint folder, "demo", or a Hugging Face repo id (org/name[@revision]) that `up`
+    # downloads into this machine's Hugging Face cache
     model: str = "demo"
     # every-node: `model` is a folder on each node too; coordinator: only this machine has it, and
-    # it ships each node its shard (`ship:` says how)
+    # it ships each node its shard (`ship:` says how). Default: every-node for a folder,
+    # coordinator for a repo id
     checkpoint: Literal["every-node", "coordinator"] = "every-node"
     ship: ShipConfig = field(default_factory=ShipConfig)
     name: str = "moe-cluster"
@@ -303,8 +306,9 @@ class _Reader:
             raise self.fail(node, key, str(exc)) from None
 
 
-def load_config(path: str | os.PathLike) -> ClusterConfig:
-    """Read and validate a cluster.yaml; raises ConfigError with FILE:LINE: KEY: problem."""
+def load_config(path: str | os.PathLike, model: str | None = None) -> ClusterConfig:
+    """Read and validate a cluster.yaml; raises ConfigError with FILE:LINE: KEY: problem.
+    `model`: `up --model`, which takes the file's place (and sets checkpoint's default)."""
     path = Path(path)
     source = str(path)
     try:
@@ -321,10 +325,12 @@ def load_config(path: str | os.PathLike) -> ClusterConfig:
             f"{source}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
             "save the file as UTF-8"
         ) from None
-    return parse_config(text, source)
+    return parse_config(text, source, model)
 
 
-def parse_config(text: str, source: str = "cluster.yaml") -> ClusterConfig:
+def parse_config(
+    text: str, source: str = "cluster.yaml", model: str | None = None
+) -> ClusterConfig:
     try:
         root = yaml.compose(text)
     except yaml.YAMLError as exc:
@@ -337,14 +343,28 @@ def parse_config(text: str, source: str = "cluster.yaml") -> ClusterConfig:
         raise ConfigError(f"{source}:1: the file is empty; it needs at least `nodes:`")
     reader = _Reader(source)
     config = reader.dataclass(root, ClusterConfig, "")
-    _check(config, root, reader)
+    if model is not None:
+        config = replace(config, model=model)
+    if _find(root, "checkpoint") is root and names_repo(config.model):
+        config = replace(config, checkpoint="coordinator")  # only this machine downloads it
+    _check(config, root, reader, "--model" if model is not None else "model")
     return _with_source(config, source)
 
 
 def _with_source(config: ClusterConfig, source: str) -> ClusterConfig:
-    from dataclasses import replace
-
     return replace(config, source=source)
+
+
+def names_repo(model: str) -> bool:
+    """Whether `model` names a Hugging Face repo (org/name[@revision]) rather than a folder here:
+    a folder that exists wins, as in mlx-lm."""
+    from ...node.hub import parse_repo_id
+
+    return (
+        model != "demo"
+        and not Path(model).expanduser().exists()
+        and parse_repo_id(model) is not None
+    )
 
 
 def _find(root: yaml.Node, *path: str | int) -> yaml.Node:
@@ -368,7 +388,7 @@ def _find(root: yaml.Node, *path: str | int) -> yaml.Node:
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
-def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
+def _check(c: ClusterConfig, root: yaml.Node, r: _Reader, model_key: str = "model") -> None:
     if not c.nodes:
         raise r.fail(_find(root, "nodes"), "nodes", "needs at least one node")
     if c.mlx_backend != "auto" and c.transport != "mlx":
@@ -527,11 +547,19 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
         and c.launch == "local"
         and c.serving.draft_model != "demo"
         and not Path(c.serving.draft_model).expanduser().exists()
+        and not names_repo(c.serving.draft_model)
     ):
         raise r.fail(
             _find(root, "serving", "draft_model"),
             "serving.draft_model",
             f"{c.serving.draft_model} does not exist on this machine",
+        )
+    if draft and c.launch == "remote" and names_repo(c.serving.draft_model):
+        raise r.fail(
+            _find(root, "serving", "draft_model"),
+            "serving.draft_model",
+            f"{c.serving.draft_model} names a Hugging Face repo, which only this machine "
+            "downloads; with launch: remote the first node reads the draft: give its folder there",
         )
     if not 1 <= c.serving.draft_tokens <= DRAFT_LIMIT:
         raise r.fail(
@@ -576,8 +604,27 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader) -> None:
             "ship.chunk",
             f"must be 64KiB to 4MiB (got {int(c.ship.chunk)} bytes)",
         )
-    if c.model != "demo" and c.launch == "local" and not Path(c.model).expanduser().exists():
-        raise r.fail(_find(root, "model"), "model", f"{c.model} does not exist on this machine")
+    repo = names_repo(c.model)
+    if (
+        c.model != "demo"
+        and c.launch == "local"
+        and not repo
+        and not Path(c.model).expanduser().exists()
+    ):
+        raise r.fail(
+            _find(root, "model"),
+            model_key,
+            f"{c.model} does not exist on this machine (nor is it a Hugging Face repo id, "
+            "org/name)",
+        )
+    if repo and c.launch == "remote" and c.checkpoint == "every-node":
+        raise r.fail(
+            _find(root, "checkpoint"),
+            "checkpoint",
+            f"every-node needs {c.model} on every node, but only this machine downloads a "
+            "Hugging Face repo: use checkpoint: coordinator (the default for a repo id), or a "
+            "folder at the same path on every node",
+        )
 
 
 def read_secret(c: ClusterConfig) -> str:

@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 
 from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.placement import Placement, PlacementError, copy_everywhere, even_counts
+from ...proto.records import fmt_bytes
 
 __all__ = [
     "ModelFootprint",
@@ -105,13 +106,6 @@ def disk_reads(
         misses += miss
         nbytes += miss * model.expert_bytes[l]
     return DiskReads(misses, nbytes, 1 - misses / selected if selected else 1.0, profiled)
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def proportional_counts(total: int, weights: Sequence[float], caps: Sequence[int]) -> list[int]:

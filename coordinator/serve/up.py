@@ -16,7 +16,13 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ...node.checkpoint import Checkpoint
+from ...node.checkpoint import (
+    Checkpoint,
+    check_runnable,
+    config_folder,
+    index_bytes,
+    read_config,
+)
 from ...node.describe import ModelDescription, describe
 from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.profile import parse_profile
@@ -25,8 +31,8 @@ from ...node.collective.specs import EnvoySpec, MlxSpec
 from ...common.ports import free_ports
 from .client import ClusterError, NodeClient
 from .cluster import Cluster, Member
-from .config import ClusterConfig, ConfigError, load_config, read_credentials
-from .placement import ModelFootprint, NodeBudget, fmt_bytes, plan_placement
+from .config import ClusterConfig, ConfigError, load_config, names_repo, read_credentials
+from .placement import ModelFootprint, NodeBudget, PlacementError, fmt_bytes, plan_placement
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +112,10 @@ class Progress:
         self.drawn = True
 
 
-def footprint(desc: ModelDescription) -> ModelFootprint:
-    """What each node must hold, from the checkpoint's headers (no weights are read)."""
-    b = desc.sizes()
+def footprint(desc: ModelDescription, total_bytes: int | None = None) -> ModelFootprint:
+    """What each node must hold, from the checkpoint's headers (no weights are read); described
+    from a bare config, its figures scaled to `total_bytes` where known (a repo index's)."""
+    b = desc.sizes(total_bytes)
     return ModelFootprint(
         replicated_bytes=b.replicated,
         expert_bytes=b.per_expert,
@@ -229,29 +236,26 @@ class Up:
 
     async def start(self) -> None:
         """Every phase up to a cluster serving its API."""
-        from ...node.checkpoint import load_tokenizer
-
         c = self.c
         self.open_model()
         _check_port_free(c)
         await self.start_local_nodes()
-        # the tokenizer, and the checkpoint's config and headers, read once: placement, shipping,
-        # the API's vocabulary and the load check all take this description. Both import mlx-lm
-        # (and transformers: seconds), which is why local nodes were started first
-        self.tokenizer = load_tokenizer(self.ckpt.path)
-        self.desc = describe(self.ckpt)
-        if (
-            self.launcher is not None
-        ):  # said once the checkpoint is good: a bad one is the only line
+        self.describe_model()
+        found, envoy_ports = await self.find_nodes()
+        members = await self.meet(found)
+        if self.ckpt is None:  # a repo id: checked against the cluster before its weights come
+            self.check_fit(members)
+        if self.launcher is not None:  # said once the model is good: a bad one is the only line
             print(
-                f"starting {len(self.local)} nodes on this machine (logs in {self.log_dir})",
+                f"started {len(self.local)} nodes on this machine (logs in {self.log_dir})",
                 file=sys.stderr,
                 flush=True,
             )
+        if self.ckpt is None:
+            await self.download(members)
+            self.describe_model()
         if c.checkpoint == "coordinator":
             self.ship = await _start_ship(c, self.desc, self.secret)
-        found, envoy_ports = await self.find_nodes()
-        members = await self.meet(found)
         self.place(members, found, envoy_ports)
         await self.load(members)
         if c.verify and len(members) > 1:
@@ -260,9 +264,15 @@ class Up:
         await self.serve_api(members)
 
     def open_model(self) -> None:
-        """The checkpoint, the credentials and the routing profile, checked before anything starts."""
+        """The checkpoint (of a Hugging Face repo, its config and index alone: the weights come
+        once the cluster is known to hold them), the credentials and the routing profile, checked
+        before anything starts."""
         c = self.c
-        self.ckpt = Checkpoint.open(c.model)  # a bad model is refused here
+        if names_repo(c.model):
+            self.ckpt = None
+            self.config_dir = config_folder(c.model)
+        else:
+            self.ckpt = Checkpoint.open(c.model)  # a bad model is refused here
         self.secret, self.api_key = read_credentials(c)  # the same checks as `validate`
         if not self.secret:
             self.secret = secrets.token_urlsafe(24)  # local nodes get it from us
@@ -283,6 +293,40 @@ class Up:
             if routing
             else ()
         )
+
+    def describe_model(self) -> None:
+        """The tokenizer, and the checkpoint's config and headers, read once: placement, shipping,
+        the API's vocabulary and the load check take this description (a repo's, before its
+        weights are here, from its config alone). A model of no MoE family this machine runs is
+        refused here. Both import mlx-lm (and transformers: seconds), which is why local nodes
+        were started first."""
+        from ...node.checkpoint import load_tokenizer
+
+        if self.ckpt is None:  # messages name the repo, not a folder of the cache
+            config, where = read_config(self.config_dir), f"{self.c.model}/config.json"
+            check_runnable(config, where)
+            self.desc = describe(config, where)
+            self.desc.require_moe()
+            return
+        check_runnable(self.ckpt.config, self.ckpt.path / "config.json")
+        self.tokenizer = load_tokenizer(self.ckpt.path)
+        self.desc = describe(self.ckpt)
+
+    def check_fit(self, members: list[Member]) -> None:
+        """A repo's placement on the nodes from its config (its index's size where it has one),
+        before a byte of its weights: a cluster that cannot hold it is refused here."""
+        try:
+            self.plan(members, footprint(self.desc, index_bytes(self.config_dir)))
+        except PlacementError as exc:
+            raise PlacementError(f"{self.c.model}, not downloaded: {exc}") from None
+
+    async def download(self, members: list[Member]) -> None:
+        """A repo's weights into this machine's Hugging Face cache (only what is missing there),
+        with progress in the log and on the dashboard at the API's address."""
+        from .download import fetch_weights
+
+        path = await fetch_weights(self.c, members, self.api_key, self.stop)
+        self.ckpt = Checkpoint.open(path)
 
     async def start_local_nodes(self) -> None:
         """`launch: local`: spawn the listed nodes on this machine (they boot while `up` reads the
@@ -361,27 +405,32 @@ class Up:
             m.device = s.device
         return members
 
+    def plan(self, members: list[Member], model: ModelFootprint):
+        """The experts' placement on `members` (a model that does not fit is refused here)."""
+        c = self.c
+        node_config = {n.name: n for n in c.nodes}
+        caches = [
+            ExpertCacheSpec.parse(node_config[m.name].expert_cache or c.placement.expert_cache)
+            for m in members
+        ]
+        return plan_placement(
+            model,
+            [NodeBudget(m.name, m.memory_bytes) for m in members],
+            strategy=c.placement.strategy,
+            memory_fraction=c.placement.memory_fraction,
+            kv_reserve=c.placement.kv_reserve + c.serving.prompt_cache,
+            profile_counts=self.profile,
+            replicate=c.placement.replicate,
+            expert_cache=caches,
+        )
+
     def place(
         self, members: list[Member], found: list[tuple[str, str, str]], envoy_ports: list[int]
     ) -> None:
         """Placement of the experts, and each node's LoadSpec and weight budget."""
         c = self.c
         kv_reserve = c.placement.kv_reserve + c.serving.prompt_cache  # bytes per node
-        node_config = {n.name: n for n in c.nodes}
-        caches = [
-            ExpertCacheSpec.parse(node_config[m.name].expert_cache or c.placement.expert_cache)
-            for m in members
-        ]
-        plan = plan_placement(
-            footprint(self.desc),
-            [NodeBudget(m.name, m.memory_bytes) for m in members],
-            strategy=c.placement.strategy,
-            memory_fraction=c.placement.memory_fraction,
-            kv_reserve=kv_reserve,
-            profile_counts=self.profile,
-            replicate=c.placement.replicate,
-            expert_cache=caches,
-        )
+        plan = self.plan(members, footprint(self.desc))
         make_transport = _transport(c, [h for _, _, h in found], envoy_ports, c.launch == "remote")
         ship = self.ship
         for m in members:
@@ -610,9 +659,7 @@ def _check_port_free(c: ClusterConfig) -> None:
 
 
 def main(args) -> int:
-    c = load_config(args.file)
-    if args.model:
-        c = replace(c, model=args.model)  # run_up opens it before anything starts
+    c = load_config(args.file, model=args.model)  # --model takes the file's place
     if args.api_port is not None:
         c = replace(c, api=replace(c.api, port=args.api_port))
     log_dir = (

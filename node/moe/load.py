@@ -462,7 +462,12 @@ def load_shard(
         desc = model_spec
         check_runnable(desc.config, desc.where)
     else:
-        ckpt = model_spec if isinstance(model_spec, Checkpoint) else Checkpoint.open(model_spec)
+        # a node reads a folder: only the coordinator downloads a repo
+        ckpt = (
+            model_spec
+            if isinstance(model_spec, Checkpoint)
+            else Checkpoint.open(model_spec, download=False)
+        )
         check_runnable(ckpt.config, ckpt.path / "config.json")  # before a block is probed
         desc = describe(ckpt)
     ckpt, config = desc.checkpoint, desc.config
@@ -726,7 +731,7 @@ def load_unsharded(model_spec: str) -> ShardedModel:
 
     t0 = time.perf_counter()
     mx.reset_peak_memory()
-    ckpt = Checkpoint.open(model_spec)
+    ckpt = Checkpoint.open(model_spec, download=False)  # only the coordinator downloads
     check_runnable(ckpt.config, ckpt.path / "config.json")
     desc = describe(ckpt)
     model, config = load_model(ckpt.path)

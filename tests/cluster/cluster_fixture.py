@@ -102,10 +102,12 @@ def cluster(
     timeout: float = 180,
     netns: str | None = None,
     api_key: str | None = None,
+    on_line=None,
 ):
     """Run `moe-cluster up` on a cluster.yaml; yields (url, process, output lines).
 
     `api_key`: the key the cluster.yaml configures, sent on the fixture's own calls (status, shutdown).
+    `on_line`: called with each line of `up`'s output as it comes (on the reader's thread).
     """
     auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
     cfg = tmp_path / "cluster.yaml"
@@ -141,6 +143,8 @@ def cluster(
         nonlocal url
         for line in proc.stdout:
             lines.append(line.rstrip())
+            if on_line is not None:
+                on_line(line.rstrip())
             m = READY.search(line)
             if m and url is None:
                 url = m.group(1)

@@ -11,13 +11,13 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from moe_cluster.coordinator.plan.describe import _quantize
 from moe_cluster.node.describe import (
     DescribeError,
     MoELayer,
     Quantization,
     expert_quant,
     quantization,
+    quantize_lazily,
 )
 
 GATE = "block.switch_mlp.gate_proj"
@@ -83,7 +83,7 @@ def test_the_planner_and_the_loader_agree(case):
     q = quantization(config)
     model = _Model()
     bank = MoELayer(0, "block", "block.switch_mlp", 4, 2, (), False)
-    assert _quantize(model, q, (bank,), None, 64)
+    assert quantize_lazily(model, q, (bank,))
     b = SimpleNamespace(layer=0, path="block", bank_path="block.switch_mlp")
     for proj in ("gate_proj", "up_proj", "down_proj"):
         m = getattr(model.block.switch_mlp, proj)
