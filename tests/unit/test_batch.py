@@ -87,6 +87,7 @@ def test_sequences_stepped_together_give_stock_tokens_and_logits(sharded, encode
     for req, r in zip(reqs, results):
         tokens, logits = reference(MODEL_DIR, req.prompt, len(r.tokens))
         assert r.tokens == tokens and len(r.tokens) == req.sampling.max_tokens
+        assert len(r.logits) == len(logits) == len(r.tokens), (len(r.logits), len(logits))
         assert max(float(np.abs(a - b).max()) for a, b in zip(r.logits, logits)) < 1e-4
     # all four decoded at once: the last one's first token came before the first one ended
     assert max(log.first for log in logs) < min(log.ended for log in logs)
@@ -340,6 +341,7 @@ def test_a_draft_models_guesses_keep_the_tokens_and_logits_of_one_token_steps(
     spec, _ = drive(NodeRuntime(cluster_path, limits=limits), reqs)
     for b, s in zip(base, spec):
         assert s.tokens == b.tokens and len(s.tokens) == 20
+        assert len(s.logits) == len(b.logits) == 20, (len(s.logits), len(b.logits))
         assert max(float(np.abs(x - y).max()) for x, y in zip(s.logits, b.logits)) <= 1e-4
     greedy = [r.figures for r in spec[:3]]
     if draft == "the model itself":  # it guesses what the model says: every guess holds
