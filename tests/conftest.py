@@ -113,15 +113,35 @@ def assert_one_line_error(r: subprocess.CompletedProcess, *needles: str) -> None
         assert needle in lines[0], (needle, lines[0])
 
 
+def require(missing: str | None, install: str) -> None:
+    """Go on where what a test needs is here (`missing` None). Else skip, saying what is missing and
+    what to install; under CI=true fail with that one line instead: CI runs every test, and a skip
+    would leave it untested there. Every test that needs a tool (root, network namespaces, g++,
+    chromium, the C module) asks here, directly or through `pytest.mark.needs(missing, install)`."""
+    if missing is None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true and {missing}: {install}", pytrace=False)
+    pytest.skip(f"{missing}: {install}")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """`pytest.mark.needs(missing, install)`: `require` before the test's fixtures start anything."""
+    for mark in item.iter_markers("needs"):
+        require(*mark.args)
+
+
 def native_sum():
-    """envoy/_sum.c's module, for a test that needs it: a skip where the install could not build
-    it (no C compiler), a failure under CI=true, whose install must have."""
+    """envoy/_sum.c's module, for a test that needs it (the install builds it where it finds a C
+    compiler)."""
     from moe_cluster.envoy import reduce
 
     if reduce.BUILT is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("envoy/_sum.c was not built by the install (no C compiler?)")
-        pytest.skip("envoy/_sum.c not built: the numpy path only")
+        require(
+            "envoy/_sum.c was not built by the install",
+            "install a C compiler (apt-get install gcc) and run pip install -e . again",
+        )
     return reduce.BUILT
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import functools
 import os
 import re
 import signal
@@ -72,7 +73,13 @@ def health_during(
 
 def stock_tokens(path, prompt: str, max_tokens: int) -> list[int]:
     """Stock mlx-lm's greedy tokens as the cluster returns them: at most max_tokens, no EOS.
-    Never empty, so a comparison with it cannot pass on an empty reply."""
+    Never empty, so a comparison with it cannot pass on an empty reply. Asked again, the same
+    answer without loading the model again."""
+    return list(_stock_tokens(str(path), prompt, max_tokens))
+
+
+@functools.cache
+def _stock_tokens(path: str, prompt: str, max_tokens: int) -> tuple[int, ...]:
     from mlx_lm import load, stream_generate
 
     model, tok = load(str(path))
@@ -82,7 +89,7 @@ def stock_tokens(path, prompt: str, max_tokens: int) -> list[int]:
         [out[-1].token] if out[-1].finish_reason == "length" else []
     )
     assert tokens, f"stock mlx-lm stops at once on {prompt!r}: pick a prompt it continues"
-    return tokens
+    return tuple(tokens)
 
 
 def _alive(pid: int) -> bool:

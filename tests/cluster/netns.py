@@ -18,12 +18,16 @@ from contextlib import contextmanager
 SUBNET = f"10.213.{20 + os.getpid() % 200}"
 
 
+# what a machine needs for these hosts (tests/conftest.py `require` says it where they are missing)
+INSTALL = "run the tests as root on Linux, with iproute2 (apt-get install iproute2)"
+
+
 def available() -> str | None:
     """None if namespaces can be made here, else the reason they cannot."""
     if os.geteuid() != 0:
-        return "needs root to create network namespaces"
+        return "not root, which network namespaces need"
     if shutil.which("ip") is None:
-        return "needs iproute2's `ip`"
+        return "no iproute2 `ip` on PATH"
     probe = f"mcprobe{os.getpid()}"
     r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if r.returncode:

@@ -50,7 +50,7 @@ def _namespaces() -> set[str]:
     )
 
 
-@pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
+@pytest.mark.needs(netns.available(), netns.INSTALL)
 def test_a_shaped_link_bounds_raw_tcp_and_leaves_nothing_behind():
     before = _namespaces()
     out = _run("--link", "1gbit")
@@ -62,7 +62,7 @@ def test_a_shaped_link_bounds_raw_tcp_and_leaves_nothing_behind():
     assert _namespaces() <= before  # its namespace (and veth) are gone
 
 
-@pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))
+@pytest.mark.needs(netns.available(), netns.INSTALL)
 def test_an_unshaped_veth_is_another_host():
     before = _namespaces()
     out = _run("--link", "veth")

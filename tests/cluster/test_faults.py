@@ -49,10 +49,7 @@ def _victim(url: str) -> dict:
     return http(url, "/v1/cluster/status")[1]["nodes"][1]
 
 
-LINK_REASON = netns.available()
-
-
-@pytest.mark.skipif(LINK_REASON is not None, reason=LINK_REASON or "")
+@pytest.mark.needs(netns.available(), netns.INSTALL)
 def test_a_node_whose_link_goes_down_and_up_rejoins(tmp_path):
     """Two remote nodes, each in its own network namespace; node n2's link goes down, then up once
     the cluster saw it: the coordinator waits for it (it cannot restart a remote node), the requests

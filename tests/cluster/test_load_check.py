@@ -22,9 +22,10 @@ LAYER = 2
 SWAPPED = [(8, 9), (10, 11), (12, 13), (14, 15)]  # rank 1's experts under an even split of 16
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("unshare") is None,
-    reason="needs root and unshare for a private mount namespace",
+@pytest.mark.needs(
+    None if os.geteuid() == 0 and shutil.which("unshare") else "not root, or no `unshare` on PATH",
+    "run the tests as root, with util-linux's unshare for a private mount namespace "
+    "(apt-get install util-linux)",
 )
 def test_a_node_with_swapped_experts_stops_up_naming_the_layer(tmp_path):
     import mlx.core as mx

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from cluster_fixture import cluster, http, yaml_for
+from sampling_law import chi2_critical, sampling_probs
 
 PROMPT = "Once upon a time there was"  # the demo model's next token is spread: top 0.22 at T = 1
 DRAWS = 300
@@ -33,44 +34,9 @@ ALONE = 8  # seeds re-sent one at a time
 SERVING = f"serving:\n  max_batch: {CLIENTS}\n  queue: {2 * CLIENTS}\n"
 
 
-def chi2_sf(x: float, df: int) -> float:
-    """P(X > x) for X ~ chi-square(df): 1 - the regularized lower gamma P(df/2, x/2) (its series)."""
-    a, z = df / 2, x / 2
-    if z <= 0:
-        return 1.0
-    term = total = 1.0 / a
-    n = 1
-    while term > total * 1e-15:
-        term *= z / (a + n)
-        total += term
-        n += 1
-    return max(0.0, 1.0 - math.exp(a * math.log(z) - z - math.lgamma(a)) * total)
-
-
-def chi2_critical(alpha: float, df: int) -> float:
-    """The x with P(X > x) = alpha (bisection on chi2_sf)."""
-    lo, hi = 0.0, 10.0 * df + 100
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if chi2_sf(mid, df) > alpha else (lo, mid)
-    return hi
-
-
 def test_the_chi_square_critical_values_are_the_tables():
     for df, want in ((1, 10.828), (5, 20.515), (10, 29.588), (20, 45.315)):  # alpha = 0.001
         assert abs(chi2_critical(1e-3, df) - want) < 2e-3, (df, chi2_critical(1e-3, df))
-
-
-def sampling_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
-    """The next-token distribution mlx-lm's sampler draws from: log-probabilities (as
-    generate_step hands them over), mlx-lm's apply_top_p where top_p < 1, then softmax(· / T)."""
-    import mlx.core as mx
-    from mlx_lm.sample_utils import apply_top_p
-
-    logprobs = mx.array(logits)[None] - mx.logsumexp(mx.array(logits))
-    if 0 < top_p < 1:
-        logprobs = apply_top_p(logprobs, top_p)
-    return np.array(mx.softmax(logprobs / temperature, axis=-1)[0]).astype(np.float64)
 
 
 def chi_square(tokens: list[int], probs: np.ndarray) -> tuple[float, int]:

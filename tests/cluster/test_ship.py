@@ -20,8 +20,7 @@ import pytest
 import netns
 from cluster_fixture import cluster, http, stock_tokens
 
-REASON = netns.available()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = pytest.mark.needs(netns.available(), netns.INSTALL)
 
 PROMPT = "Friends, Romans, countrymen, lend me your ears;"
 SECRET = "ship-test-secret"

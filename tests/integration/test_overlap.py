@@ -45,6 +45,10 @@ def test_two_micro_batches_give_the_unsplit_steps_tokens_and_logits(transport):
     ]
     (off, _), (on, _) = run_nodes(tasks, 2, transport=transport)
     assert off["micro_batches"] == "off" and on["micro_batches"] == "2 per step"
+    # both lanes ran (over mlx nothing else shows it): every MoE layer once per lane and step
+    for report, lanes in ((off, 1), (on, 2)):
+        calls = {c["calls"] for c in report["layer_counters"].values()}
+        assert calls == {lanes * report["decode_steps"]}, (lanes, calls, report["decode_steps"])
     if transport == "envoy":  # most of 20 steps x 4 MoE layers travelled beside the other lane
         assert on["overlapped"] >= 40 and off["overlapped"] == 0, (on["overlapped"], off)
     assert on["tokens"] == off["tokens"] and all(len(t) == 20 for t in on["tokens"])

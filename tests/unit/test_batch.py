@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import bf16_logit_bound
+from sampling_law import chi2_critical, sampling_probs
 
 from moe_cluster.node.batch import BatchLimits, kv_bytes_per_token
 from moe_cluster.node.collective.base import Capabilities, LocalCollective
@@ -87,6 +88,8 @@ def test_sequences_stepped_together_give_stock_tokens_and_logits(sharded, encode
     for req, r in zip(reqs, results):
         tokens, logits = reference(MODEL_DIR, req.prompt, len(r.tokens))
         assert r.tokens == tokens and len(r.tokens) == req.sampling.max_tokens
+        # stock's sink holds the step after the last token too
+        assert len(r.logits) == len(r.tokens) <= len(logits), (len(r.logits), len(logits))
         assert max(float(np.abs(a - b).max()) for a, b in zip(r.logits, logits)) < 1e-4
     # all four decoded at once: the last one's first token came before the first one ended
     assert max(log.first for log in logs) < min(log.ended for log in logs)
@@ -128,6 +131,47 @@ def test_a_seeded_sampled_request_draws_the_same_tokens_beside_others(sharded, e
         [GenerateRequest("s6", sampled.prompt, replace(sampled.sampling, seed=6))],
     )
     assert alone[0].tokens != greedy[0].tokens and alone[0].tokens != other[0].tokens
+
+
+def test_every_step_of_sampled_requests_draws_from_mlx_lm_s_sampler_distribution(
+    cluster_path, encode
+):
+    """64 seeded requests of 12 tokens (a new key each step), each token held to the distribution
+    mlx-lm's sampler draws from on the logits it was drawn from (its top-p, then softmax(. / T)).
+    A draw's randomised PIT (tokens by falling probability: F(t-) + V p(t)) is uniform where the
+    draw follows it: 10 bins, chi-square at alpha 1e-3 (measured: 10.8 against 27.9; a temperature
+    lost after the first token gives 122, a top-p lost, a token outside it). Given the logits the
+    steps are independent: tokens repeat earlier ones of their sequence as often as their
+    probabilities say, |z| within 3.29 (measured: -1.6; one key for every step gives 8.2)."""
+    temperature, top_p, n, k = 0.8, 0.9, 64, 12
+    reqs = [
+        GenerateRequest(
+            f"d{i}",
+            encode(PROMPTS[i % 4]),
+            Sampling(k, temperature, top_p, 1000 + i),
+            record_logits=True,
+        )
+        for i in range(n)
+    ]
+    results, _ = drive(NodeRuntime(cluster_path, limits=BatchLimits(max_batch=n)), reqs)
+    noise = np.random.default_rng(0)
+    pit, repeats, expected, variance = [], 0, 0.0, 0.0
+    for r in results:
+        assert len(r.tokens) == len(r.logits) == k, (len(r.tokens), len(r.logits))
+        for step, (token, logits) in enumerate(zip(r.tokens, r.logits)):
+            p = sampling_probs(logits, temperature, top_p)
+            assert p[token] > 0, (r.tokens, step, "drawn outside the nucleus")
+            pit.append(p[p > p[token]].sum() + p[p == p[token]].sum() * noise.random())
+            seen = sorted(set(r.tokens[:step]))
+            q = float(p[seen].sum())
+            repeats += token in seen
+            expected += q
+            variance += q * (1 - q)
+    counts = np.histogram(pit, bins=10, range=(0, 1))[0]
+    stat = float(((counts - len(pit) / 10) ** 2 / (len(pit) / 10)).sum())
+    assert stat <= chi2_critical(1e-3, 9), (stat, counts.tolist())
+    z = (repeats - expected) / variance**0.5
+    assert abs(z) <= 3.29, (repeats, expected, z)
 
 
 @pytest.mark.parametrize(
@@ -340,6 +384,7 @@ def test_a_draft_models_guesses_keep_the_tokens_and_logits_of_one_token_steps(
     spec, _ = drive(NodeRuntime(cluster_path, limits=limits), reqs)
     for b, s in zip(base, spec):
         assert s.tokens == b.tokens and len(s.tokens) == 20
+        assert len(s.logits) == len(b.logits) == 20, (len(s.logits), len(b.logits))
         assert max(float(np.abs(x - y).max()) for x, y in zip(s.logits, b.logits)) <= 1e-4
     greedy = [r.figures for r in spec[:3]]
     if draft == "the model itself":  # it guesses what the model says: every guess holds

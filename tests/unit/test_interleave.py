@@ -132,3 +132,90 @@ def test_a_failing_lane_ends_the_run_with_its_error():
     # step begins a new epoch on the transport; the interleave itself keeps nothing of the run
     c.inflight = 0
     assert il.run([_lane(il, 0.0, 1, [])]) == [2.0]
+
+
+class Clock:
+    """perf_counter for node/overlap.py: time moves only when a lane builds or the link is waited
+    for, so what each all-reduce hid is known from the schedule, not from the Interleave's books."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class Link:
+    """A collective whose sums arrive TRAVEL seconds after the hand-over; it keeps its own books:
+    each all-reduce's seconds in flight (hand-over to sum) and waited for."""
+
+    world_size = 2
+    caps = Capabilities(in_graph=False, halves=True)
+
+    def __init__(self, clock: Clock, travel: float) -> None:
+        self.clock, self.travel = clock, travel
+        self.handed: float | None = None
+        self.flight = self.waited = 0.0
+
+    def start(self, partial, layer):
+        self.handed = handed = self.clock.now
+
+        def finish():
+            wait = max(0.0, handed + self.travel - self.clock.now)
+            self.clock.now += wait
+            self.flight += self.clock.now - handed
+            self.waited += wait
+            self.handed = None
+            return partial * 2
+
+        return finish
+
+
+def test_the_bench_s_in_flight_hidden_is_the_share_of_the_flights_the_other_lane_built_in(
+    monkeypatch,
+):
+    """bench race's `in_flight_hidden` (coordinator/bench/race.py `hidden`, from the Interleave's
+    in-flight and waited seconds) against what the schedule says: the seconds a lane spent building
+    its layer while the other lane's all-reduce travelled, over the seconds the link carried
+    all-reduces. Build 3 ms, travel 5 ms, 4 layers a lane: A builds layers 1-3 while B's layers 0-2
+    travel (3 ms of each 5 ms flight hidden, 2 ms waited); B builds each layer before A's is handed
+    over, so A's 4 flights and B's last hide nothing: 9 ms of 40."""
+    from types import SimpleNamespace
+
+    from moe_cluster.coordinator.bench.race import hidden
+    from moe_cluster.node import overlap
+
+    clock = Clock()
+    monkeypatch.setattr(overlap, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    link = Link(clock, travel=0.005)
+    il = Interleave(link, Timers())
+    behind = [0.0]  # build seconds spent while an all-reduce was in flight
+
+    def lane(base: float, layers: int):
+        def run():
+            x = mx.array([base])
+            for layer in range(layers):
+                if link.handed is not None:
+                    behind[0] += 0.003
+                clock.now += 0.003  # building the layer's graph on the thread
+                x = il(Layer(layer), x + 1)
+            return float(x[0])
+
+        return run
+
+    il.run([lane(0.0, 4), lane(100.0, 4)])
+    assert il.overlapped == 8
+    assert (behind[0], link.flight) == pytest.approx((0.009, 0.040))
+    base = {"name": "ours_envoy", "streams": 3, "breakdown_per_step_s": {"collective_wait": 1.0}}
+    split = {
+        **base,
+        "name": "ours_envoy_overlap",
+        "moe_layers": 4,
+        "overlap_s": (il.in_flight_s, il.waited_s),  # as the batch reports them
+    }
+    hidden([base, split])
+    assert split["overlap"]["in_flight_hidden"] == pytest.approx(behind[0] / link.flight), (
+        split["overlap"],
+        behind[0],
+        link.flight,
+    )

@@ -144,7 +144,10 @@ def _bits(a: mx.array) -> np.ndarray:
     return np.array(a.view(mx.uint16)) if a.dtype == mx.bfloat16 else np.array(a)
 
 
-@pytest.mark.skipif(not cuda_emulator.AVAILABLE, reason="no g++ to build the emulated kernel")
+@pytest.mark.needs(
+    None if cuda_emulator.AVAILABLE else "no g++ to build the emulated kernel",
+    "apt-get install g++",
+)
 @pytest.mark.parametrize(
     "mode, bits, group", [("affine", 4, 64), ("affine", 8, 128), ("mxfp4", 4, 32)]
 )

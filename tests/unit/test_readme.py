@@ -22,9 +22,12 @@ def test_exactly_two_setup_commands():
 
 
 def test_ci_runs_the_readme_test_command():
+    """Each step of it as a line of its own, in order (tests/integration/test_ci_run.py: why)."""
     _, tests = _blocks()
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
-    assert tests in ci
+    steps = tests.split(" && ")
+    assert all(step in ci for step in steps), (steps, ci)
+    assert sorted(steps, key=ci.index) == steps
 
 
 def test_root_cluster_yaml_is_a_valid_two_node_demo():

@@ -103,6 +103,32 @@ def test_a_sampler_that_raises_fails_its_own_sequence_only(monkeypatch):
     assert isinstance(seqs[1].error, RuntimeError)
 
 
+def test_a_draw_that_raises_in_a_verified_step_fails_its_own_sequence_only(monkeypatch):
+    """The speculative step's sampler (`sample_positions`, one `draw` per verified position): the
+    sampled neighbours keep the tokens and keys of a step without the fault."""
+    from moe_cluster.node import sampling
+
+    logprobs = mx.log(mx.softmax(mx.random.normal((3, 4, 64), key=mx.random.key(2)), axis=-1))
+    batch = [Sampling(8, 0.9, 1.0, 1), Sampling(8, 0.5, 1.0, 666), Sampling(8, 0.9, 0.8, 2)]
+    want, want_keys = sampling.sample_positions([_seq(s) for s in batch], logprobs)
+    real = sampling.draw
+
+    def poisoned(s, row, key):
+        if s.req.sampling.seed == 666:
+            raise RuntimeError("poisoned")
+        return real(s, row, key)
+
+    monkeypatch.setattr(sampling, "draw", poisoned)
+    seqs = [_seq(s) for s in batch]
+    got, keys = sampling.sample_positions(seqs, logprobs)
+    assert got[0].tolist() == want[0].tolist() and got[2].tolist() == want[2].tolist()
+    assert got[1].tolist() == mx.argmax(logprobs[1], axis=-1).tolist()  # greedy in its row
+    assert [s.error is None for s in seqs] == [True, False, True]
+    assert isinstance(seqs[1].error, RuntimeError) and keys[1] is None
+    for i in (0, 2):
+        assert [k.tolist() for k in keys[i]] == [k.tolist() for k in want_keys[i]]
+
+
 @pytest.mark.parametrize(
     "field,value",
     [

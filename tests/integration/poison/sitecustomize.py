@@ -12,7 +12,7 @@ import sys
 
 SEED = os.environ.get("MOE_TEST_POISON_SEED")
 AFTER = int(os.environ.get("MOE_TEST_POISON_AFTER", "0"))
-TARGET = "moe_cluster.node.batch"
+TARGET = "moe_cluster.node.sampling"
 
 
 class _Poison(importlib.abc.MetaPathFinder):
@@ -28,16 +28,16 @@ class _Poison(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             load(module)
-            real = module._sample
+            real = module.sample_one
 
-            def _sample(s, logprobs):
+            def sample_one(s, logprobs):
                 if s.req.sampling.seed == int(SEED) and len(s.fed) >= AFTER:
                     raise RuntimeError(
                         f"poisoned sampler of request {s.req.request_id} (test fault)"
                     )
                 return real(s, logprobs)
 
-            module._sample = _sample
+            module.sample_one = sample_one
 
         spec.loader.exec_module = exec_module
         return spec
