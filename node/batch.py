@@ -44,8 +44,8 @@ from .collective.base import RIDE_MAX_TOKEN, agree, waiting
 from .figures import SequenceFigures, StepReport, Tally
 from .lanes import Lane, shortest
 from .moe.telemetry import StepTimes
-from .moe.load import activation_dtype
 from .scheduler import admissions, emit, prefill_passes
+from .speculate import speculation
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class RunningBatch:
             )
         self.limits = limits
         self.kv_per_token = kv_bytes_per_token(self.model)
-        self.draft_max, self.speculation_off, self._speculator = _speculation(
+        self.draft_max, self.speculation_off, self._speculator = speculation(
             limits, self.collective, make_prompt_cache(self.model), vocab
         )
         self.slots = 1 + self.draft_max  # tokens a decoding sequence rides per step
@@ -170,13 +170,18 @@ class RunningBatch:
                     self._interleave = Interleave(self.collective, self._state.timers)
                     set_combine(sharded, self._interleave)  # every MoE layer's, once
         self.rank, self._world = self.collective.rank, self.collective.world_size
-        self._streams = None  # moe/combine.py StreamCombine: where a stream may have one owner
+        self._streams = None  # node/streams.py: where a stream may have one owner
         if limits.attention != "replicated" and self._world > 1:
-            self._streams = _stream_combine(sharded, limits, self.draft_max, lanes)
-            self._idle_layers = [
-                (m, activation_dtype(m.block, m.description.bank_attr), m.description.width)
-                for m in sharded.layers
-            ]
+            if limits.speculative == "draft" and self.draft_max:
+                raise UserError(
+                    f"speculative: draft drafts on the first node for every stream; it cannot run "
+                    f"with attention: {limits.attention} (prompt-lookup can, or attention: "
+                    "replicated)"
+                )
+            from .streams import StreamPasses
+
+            assert lanes == 1, "two micro-batches are off with attention by stream"
+            self._streams = StreamPasses(sharded, limits.attention)
         self._lock = threading.Lock()
         self._queued: dict[int, Sequence] = {}
         self._active: list[Sequence] = []  # admission order
@@ -402,18 +407,15 @@ class RunningBatch:
             others_decode,
         )
         for chunks in passes:
-            mine = next(((i, n) for i, n in chunks if joining[i].local), None)
+            at = next((k for k, (i, _) in enumerate(chunks) if joining[i].local), None)
             if self._streams is not None:
-                counts = [0] * self._world
-                for i, n in chunks:
-                    if joining[i].owner >= 0:
-                        counts[joining[i].owner] = n
-                own = joining[mine[0]].owner >= 0 if mine else False
-                self._streams.arrange(counts, [], list(range(mine[1])) if own else [])
-            if mine is None:
-                self._idle_pass()
+                owners = [joining[i].owner for i, _ in chunks]
+                self._streams.prefill(owners, [n for _, n in chunks], at)
+            if at is None:
+                self._streams.idle()
             else:
-                s, n = joining[mine[0]], mine[1]
+                (i, n) = chunks[at]
+                s = joining[i]
                 self.model(mx.array(s.todo[:n], dtype=mx.uint32)[None], cache=s.cache)
                 mx.eval([x.state for x in s.cache])
             for i, n in chunks:  # every rank follows every stream's prompt
@@ -422,28 +424,6 @@ class RunningBatch:
                 self._tally.prefilled += n
                 if not s.todo:
                     s.state = "decode"  # its last prompt token goes in with the next decode step
-
-    def _arrange(self, decoding: list[Sequence], width: int) -> bool:
-        """Attention by stream: the decode pass's layout (StreamCombine.arrange) for `decoding`
-        (every rank's, in order) at `width` positions each; whether this rank brings rows."""
-        if self._streams is None:
-            return True
-        rows = self._rows
-        at = {id(s): i for i, s in enumerate(rows)}
-        counts = [0] * self._world
-        shared, own = [], []
-        for s in decoding:
-            if s.owner >= 0:
-                counts[s.owner] += width
-            if s.local:
-                (shared if s.owner < 0 else own).extend(at[id(s)] * width + j for j in range(width))
-        self._streams.arrange(counts, shared, own)
-        return bool(rows)
-
-    def _idle_pass(self) -> None:
-        """A forward pass this rank brings no rows to: its experts serve the others' rows, layer
-        by layer in the model's order, as their forward passes call them."""
-        mx.eval([self._streams.idle(m, dtype, width) for m, dtype, width in self._idle_layers])
 
     def _shape(self, joining: list[Sequence], decoding: list[Sequence]) -> tuple[int, int]:
         """What decides the kernels a step builds: its first prefill chunk's length (rounded up to a
@@ -459,8 +439,8 @@ class RunningBatch:
             return None
         for s in decoding:
             s.figures.steps += 1
-        if not self._arrange(decoding, 1):
-            self._idle_pass()
+        if self._streams is not None and not self._streams.decode(decoding, self._rows, 1):
+            self._streams.idle()
             return None
 
         def inputs(rows: list[Sequence]) -> mx.array:
@@ -493,10 +473,10 @@ class RunningBatch:
         widest allowance of every rank's decoding sequences (what the ranks agreed)."""
         width = 1 + max(s.allowance for s in decoding)
         self._tally.decoded, self._tally.positions = len(decoding), len(decoding) * width
-        if not self._arrange(decoding, width):
+        if self._streams is not None and not self._streams.decode(decoding, self._rows, width):
             for s in decoding:
                 s.figures.steps += 1
-            self._idle_pass()
+            self._streams.idle()
             return
         (lane,) = self._lanes  # speculation keeps one lane (_why_no_overlap)
         self._speculator.step(lane, self.model, width, self._tally)
@@ -671,26 +651,6 @@ class RunningBatch:
         return positions * self.kv_per_token
 
 
-def _speculation(limits: BatchLimits, collective, cache: list, vocab: int):
-    """(drafts a step verifies at most, why speculation is off where it was asked for, the
-    Speculator or None)."""
-    from .speculate import Drafter, Speculator, can_roll_back
-
-    draft_max = limits.draft_tokens if limits.speculative != "off" else 0
-    if not draft_max:
-        return 0, None, None
-    why = can_roll_back(cache)
-    if why:
-        logger.warning("speculative decoding is off: %s", why)
-        return 0, why, None
-    drafter = None  # speculative "draft": the draft model, on rank 0
-    if limits.speculative == "draft" and collective.rank == 0:
-        if not limits.draft_model:
-            raise UserError("speculative: draft needs a draft model (serving.draft_model)")
-        drafter = Drafter(limits.draft_model, vocab)
-    return draft_max, None, Speculator(limits.speculative, draft_max, collective, drafter)
-
-
 def _why_no_overlap(collective, draft_max: int, limits: BatchLimits) -> str | None:
     """Why a node cannot run two micro-batches per step, or None where it can."""
     if collective.world_size == 1:
@@ -702,29 +662,6 @@ def _why_no_overlap(collective, draft_max: int, limits: BatchLimits) -> str | No
     if limits.attention != "replicated":
         return f"attention {limits.attention} gathers every node's rows in one pass"
     return None
-
-
-def _stream_combine(sharded, limits: BatchLimits, draft_max: int, lanes: int):
-    """Attention by stream's hand-over for every MoE layer (moe/combine.py StreamCombine), set
-    once; a family or mode it cannot serve is refused in one line naming it."""
-    from .moe.combine import StreamCombine
-    from .moe.load import set_combine
-
-    if limits.speculative == "draft" and draft_max:
-        raise UserError(
-            f"speculative: draft drafts on the first node for every stream; it cannot run with "
-            f"attention: {limits.attention} (use prompt-lookup, or attention: replicated)"
-        )
-    routed = [m.layer for m in sharded.layers if m.description.routed_call]
-    if routed:
-        raise UserError(
-            f"attention: {limits.attention}: MoE layers {routed} take their routing from outside "
-            "the block, which cannot be gathered across nodes; use attention: replicated"
-        )
-    assert lanes == 1, "two micro-batches are refused with attention by stream (_why_no_overlap)"
-    combine = StreamCombine(sharded.collective, sharded.state.timers)
-    set_combine(sharded, combine)
-    return combine
 
 
 def _generation_stream():

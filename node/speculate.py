@@ -202,6 +202,28 @@ class Speculator:
             self.drafter.drop(seq)
 
 
+def speculation(limits, collective, cache: list, vocab: int):
+    """A running batch's speculation (node/batch.py BatchLimits): (drafts a step verifies at most,
+    why speculation is off where it was asked for, the Speculator or None)."""
+    import logging
+
+    from ..proto.errors import UserError
+
+    draft_max = limits.draft_tokens if limits.speculative != "off" else 0
+    if not draft_max:
+        return 0, None, None
+    why = can_roll_back(cache)
+    if why:
+        logging.getLogger(__name__).warning("speculative decoding is off: %s", why)
+        return 0, why, None
+    drafter = None  # speculative "draft": the draft model, on rank 0
+    if limits.speculative == "draft" and collective.rank == 0:
+        if not limits.draft_model:
+            raise UserError("speculative: draft needs a draft model (serving.draft_model)")
+        drafter = Drafter(limits.draft_model, vocab)
+    return draft_max, None, Speculator(limits.speculative, draft_max, collective, drafter)
+
+
 COOL_STEPS = 8  # steps without guesses after they kept failing, before one is tried again
 
 
