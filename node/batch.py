@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 import zlib
@@ -42,14 +41,13 @@ from . import sampling
 from .agreement import Agreed, Layout
 from .collective.base import RIDE_MAX_TOKEN, agree, waiting
 from .figures import SequenceFigures, StepReport, Tally
+from .kv import kv_bytes_per_token, kv_reserve
 from .lanes import Lane, shortest
 from .moe.telemetry import StepTimes
 from .scheduler import admissions, emit, prefill_passes
 from .speculate import speculation
 
 logger = logging.getLogger(__name__)
-
-KV_STEP = 256  # mlx-lm's KVCache grows in steps of this many positions
 
 
 @dataclass(frozen=True)
@@ -187,6 +185,9 @@ class RunningBatch:
         self._active: list[Sequence] = []  # admission order
         self._decoding: list[Sequence] = []  # joined the decode batch, in order (every rank's)
         self._lanes = [Lane() for _ in range(lanes)]  # the rows this rank attends for
+        # by stream: the replicated streams' rows (auto's), a lane of their own, the same on every
+        # rank: their attention then runs in the same batch everywhere, so its bytes agree
+        self._shared = Lane()
         self._steps = 0
         self._auto_seq = 0
         self._shapes: dict[tuple[int, int], int] = {}  # steps run per shape (_shape)
@@ -206,7 +207,14 @@ class RunningBatch:
             raise UserError(
                 f"request {req.request_id}: owner {owner} is not a rank (world size {self._world})"
             )
-        s = Sequence(req, seq, sink, result, reserve=self._reserve(req), owner=owner)
+        s = Sequence(
+            req,
+            seq,
+            sink,
+            result,
+            reserve=kv_reserve(req, self.kv_per_token, self.draft_max),
+            owner=owner,
+        )
         s.local = owner < 0 or owner == self.rank
         with self._lock:
             if req.request_id in self._recent_cancels:
@@ -281,8 +289,9 @@ class RunningBatch:
 
     @property
     def _rows(self) -> list[Sequence]:
-        """The decoding sequences this rank attends for, in its input's order: lane after lane."""
-        return [s for lane in self._lanes for s in lane.rows]
+        """The decoding sequences this rank attends for, in the order of its passes' rows: the
+        replicated lane's (by stream), then lane after lane."""
+        return [s for lane in (self._shared, *self._lanes) for s in lane.rows]
 
     def streams(self) -> tuple[int, int]:
         """(sequences this node attends for, KV bytes reserved for them): what `status` shows."""
@@ -319,6 +328,7 @@ class RunningBatch:
             self._active = []
             self._decoding = []
             self._lanes = [Lane() for _ in self._lanes]
+            self._shared = Lane()
             self._queued.clear()
         for s in everyone:
             s.sink.failed(exc)
@@ -410,7 +420,10 @@ class RunningBatch:
             at = next((k for k, (i, _) in enumerate(chunks) if joining[i].local), None)
             if self._streams is not None:
                 owners = [joining[i].owner for i, _ in chunks]
-                self._streams.prefill(owners, [n for _, n in chunks], at)
+                if owners == [-1]:  # a replicated stream's chunk, alone in its pass
+                    self._streams.replicated()
+                else:
+                    self._streams.prefill(owners, [n for _, n in chunks])
             if at is None:
                 self._streams.idle()
             else:
@@ -439,9 +452,6 @@ class RunningBatch:
             return None
         for s in decoding:
             s.figures.steps += 1
-        if self._streams is not None and not self._streams.decode(decoding, self._rows, 1):
-            self._streams.idle()
-            return None
 
         def inputs(rows: list[Sequence]) -> mx.array:
             return mx.concatenate(
@@ -453,12 +463,19 @@ class RunningBatch:
                 ]
             )[:, None]
 
+        self._tally.decoded = self._tally.positions = len(decoding)
         lanes = [lane for lane in self._lanes if lane.rows]
-        if len(lanes) == 1:
+        if self._streams is not None:
+            outs = self._stream_passes(
+                decoding, 1, lambda lane: lane.forward(self.model, inputs(lane.rows))[:, -1, :]
+            )
+            if not outs:
+                return None  # this rank attends for none of them: its experts served the others
+            logits = mx.concatenate(outs) if len(outs) > 1 else outs[0]
+        elif len(lanes) == 1:
             logits = lanes[0].forward(self.model, inputs(lanes[0].rows))[:, -1, :]
         else:
             logits = mx.concatenate([x[:, -1, :] for x in self._micro_batches(lanes, inputs)])
-        self._tally.decoded = self._tally.positions = len(decoding)
         rows = self._rows
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         sampled = sampling.sample_tokens(rows, logprobs)
@@ -473,16 +490,34 @@ class RunningBatch:
         widest allowance of every rank's decoding sequences (what the ranks agreed)."""
         width = 1 + max(s.allowance for s in decoding)
         self._tally.decoded, self._tally.positions = len(decoding), len(decoding) * width
-        if self._streams is not None and not self._streams.decode(decoding, self._rows, width):
-            for s in decoding:
-                s.figures.steps += 1
-            self._streams.idle()
-            return
-        (lane,) = self._lanes  # speculation keeps one lane (_why_no_overlap)
-        self._speculator.step(lane, self.model, width, self._tally)
+
+        def verify(lane: Lane) -> None:
+            self._speculator.step(lane, self.model, width, self._tally)
+
+        if self._streams is not None:
+            self._stream_passes(decoding, width, verify)
+        else:
+            (lane,) = self._lanes  # speculation keeps one lane (_why_no_overlap)
+            verify(lane)
         for s in decoding:
             if not s.local:
                 s.figures.steps += 1
+
+    def _stream_passes(self, decoding: list[Sequence], width: int, run) -> list:
+        """Attention by stream's decode passes, `run(lane)` each: the replicated streams' (every
+        rank's alike, an all-reduce), then the owned streams' (every rank's own rows gathered,
+        an idle pass where this rank owns none). -> what `run` gave, in `_rows`' order."""
+        out = []
+        if self._shared.rows:
+            self._streams.replicated()
+            out.append(run(self._shared))
+        if any(s.owner >= 0 for s in decoding):
+            (lane,) = self._lanes  # two micro-batches are off by stream
+            if self._streams.decode(decoding, width):
+                out.append(run(lane))
+            else:
+                self._streams.idle()
+        return out
 
     def _micro_batches(self, lanes: list[Lane], inputs) -> list[mx.array]:
         """One forward pass per lane, overlapped (node/overlap.py): each lane's all-reduce of a
@@ -544,7 +579,7 @@ class RunningBatch:
         s.result.stats.finish_reason = reason
         s.result.cancelled = reason == "cancelled"
         self._tally.finished.append((s.req.request_id, reason))
-        for lane in self._lanes:
+        for lane in (self._shared, *self._lanes):
             if s in lane.rows:
                 s.cache = lane.leave(s)
         if s in self._decoding:
@@ -616,7 +651,9 @@ class RunningBatch:
     def _join(self, s: Sequence) -> None:
         """`s` (prefilled) joins the decode batch; its rows a lane's, where this rank attends."""
         self._decoding.append(s)
-        if s.local:
+        if self._streams is not None and s.owner < 0:
+            self._shared.join(s)
+        elif s.local:
             shortest(self._lanes).join(s)
 
     def _prefixes(self, arrivals: list[Sequence]) -> list[tuple[list | None, int]]:
@@ -640,16 +677,6 @@ class RunningBatch:
                 out[i] = (out[i][0], rows[arrivals[i].owner][k])
         return out
 
-    def _reserve(self, req: GenerateRequest) -> int:
-        if not self.kv_per_token:
-            return 0
-        # a verifying step holds its drafts before the rejected ones roll back
-        positions = (
-            math.ceil((len(req.prompt) + req.sampling.max_tokens + self.draft_max) / KV_STEP)
-            * KV_STEP
-        )
-        return positions * self.kv_per_token
-
 
 def _why_no_overlap(collective, draft_max: int, limits: BatchLimits) -> str | None:
     """Why a node cannot run two micro-batches per step, or None where it can."""
@@ -670,27 +697,3 @@ def _generation_stream():
     from mlx_lm.generate import generation_stream
 
     return generation_stream
-
-
-def kv_bytes_per_token(model) -> int:
-    """KV bytes one position takes over every layer (0 where the config does not say)."""
-    args = getattr(model, "args", None)
-    layers = getattr(model, "layers", None)
-    if args is None or layers is None:
-        return 0
-    heads = getattr(args, "num_attention_heads", None)
-    kv_heads = getattr(args, "num_key_value_heads", None) or heads
-    head_dim = getattr(args, "head_dim", None) or (args.hidden_size // heads if heads else None)
-    if not kv_heads or not head_dim:
-        return 0
-    from mlx.utils import tree_flatten
-
-    floats = (
-        mx.float32,
-        mx.float16,
-        mx.bfloat16,
-    )  # the activations' dtype, not a quantized weight's
-    dtype = next(
-        (p.dtype for _, p in tree_flatten(model.parameters()) if p.dtype in floats), mx.float32
-    )
-    return len(layers) * 2 * kv_heads * head_dim * dtype.size

@@ -2,8 +2,9 @@
 hand-over (moe/combine.py StreamCombine), and the idle pass of a node that brings no rows.
 
 Every rank follows every stream, so every rank computes the same layout: how many rows each rank
-brings to a pass (its own streams' positions), and where this rank's replicated and own rows sit
-in its input. docs/architecture.md#attention-by-stream has the step."""
+brings to a pass (its own streams' positions). Replicated streams (every rank attends for them:
+`auto`'s first) run in passes of their own, in a lane of their own, which is the same on every
+rank. docs/architecture.md#attention-by-stream has the step."""
 
 from __future__ import annotations
 
@@ -33,29 +34,26 @@ class StreamPasses:
             for m in sharded.layers
         ]
 
-    def prefill(self, owners: list[int], counts: list[int], mine: int | None) -> None:
-        """A prefill pass: chunk i of `counts[i]` tokens of a stream owned by `owners[i]` (-1:
-        replicated, alone in its pass); `mine`: the index of this rank's chunk, or None."""
+    def replicated(self) -> None:
+        """A pass every rank runs alike (replicated streams): an all-reduce per MoE layer."""
+        self.combine.arrange([0] * self.world)
+
+    def prefill(self, owners: list[int], counts: list[int]) -> None:
+        """A prefill pass of owned chunks: `counts[i]` tokens of a stream owned by `owners[i]`."""
         rows = [0] * self.world
         for owner, n in zip(owners, counts):
-            if owner >= 0:
-                rows[owner] = n
-        own = mine is not None and owners[mine] >= 0
-        self.combine.arrange(rows, [], list(range(counts[mine])) if own else [])
+            rows[owner] = n
+        self.combine.arrange(rows)
 
-    def decode(self, decoding: list, rows: list, width: int) -> bool:
-        """A decode pass of `decoding` (every rank's sequences, in order) at `width` positions
-        each, this rank's input rows being `rows`' (its lanes' order); whether it brings any."""
-        at = {id(s): i for i, s in enumerate(rows)}
+    def decode(self, decoding: list, width: int) -> bool:
+        """The decode pass of the owned streams among `decoding` (every rank's), `width` positions
+        each; whether this rank brings rows to it (else it runs an idle pass)."""
         counts = [0] * self.world
-        shared, own = [], []
         for s in decoding:
             if s.owner >= 0:
                 counts[s.owner] += width
-            if s.local:
-                (shared if s.owner < 0 else own).extend(at[id(s)] * width + j for j in range(width))
-        self.combine.arrange(counts, shared, own)
-        return bool(rows)
+        self.combine.arrange(counts)
+        return counts[self.rank] > 0
 
     def idle(self) -> None:
         """A forward pass this rank brings no rows to: its experts serve the others' rows, layer

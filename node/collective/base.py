@@ -214,11 +214,8 @@ class Collective(Protocol):
         """Every rank's rows in rank order, (sum(counts), D): rank r brings counts[r] (attention
         by stream: each node's own streams' rows, gathered for the experts)."""
 
-    def reduce_scatter(
-        self, partial: mx.array, counts: tuple[int, ...], layer: int, shared: int = 0
-    ) -> mx.array:
-        """The ranks' partials (shared + sum(counts), D) summed over the `shared` replicated rows
-        (every rank's) and this rank's own: (shared + counts[rank], D)."""
+    def reduce_scatter(self, partial: mx.array, counts: tuple[int, ...], layer: int) -> mx.array:
+        """The ranks' partials (sum(counts), D) summed over this rank's rows: (counts[rank], D)."""
 
     def ride(self, values: mx.array) -> None:
         """Carry this node's values (int32 vector, lazy; the same length on every rank) on the next
@@ -281,9 +278,7 @@ class LocalCollective(Epochs):
     def all_gather(self, rows: mx.array, counts: tuple[int, ...], layer: int) -> mx.array:
         return rows
 
-    def reduce_scatter(
-        self, partial: mx.array, counts: tuple[int, ...], layer: int, shared: int = 0
-    ) -> mx.array:
+    def reduce_scatter(self, partial: mx.array, counts: tuple[int, ...], layer: int) -> mx.array:
         return partial
 
     def ride(self, values: mx.array) -> None:
@@ -321,19 +316,17 @@ class HostRows:
         out = np.concatenate([p[: n * width] for p, n in zip(parts, counts)])
         return from_wire(out, dtype, (sum(counts), width))
 
-    def reduce_scatter(
-        self, partial: mx.array, counts: tuple[int, ...], layer: int, shared: int = 0
-    ) -> mx.array:
-        """The rank-order float32 sum of every rank's `partial` (shared + sum(counts), D) over the
-        `shared` replicated rows and this rank's own: (shared + counts[rank], D)."""
+    def reduce_scatter(self, partial: mx.array, counts: tuple[int, ...], layer: int) -> mx.array:
+        """The rank-order float32 sum of every rank's `partial` (sum(counts), D) over this rank's
+        rows: (counts[rank], D)."""
         width = partial.shape[-1]
-        start = (shared + sum(counts[: self.rank])) * width
+        start = sum(counts[: self.rank]) * width
         stop = start + counts[self.rank] * width
         parts, dtype = self._parts(partial, layer)
-        mine = [np.concatenate([p[: shared * width], p[start:stop]]) for p in parts]
-        n = shared + counts[self.rank]
-        out = self._reduce(mine, dtype, np.empty(n * width, DTYPES[dtype]))
-        return from_wire(out, dtype, (n, width))
+        out = self._reduce(
+            [p[start:stop] for p in parts], dtype, np.empty(stop - start, DTYPES[dtype])
+        )
+        return from_wire(out, dtype, (counts[self.rank], width))
 
     def _parts(self, payload: mx.array, layer: int) -> tuple[list[np.ndarray], str]:
         """Every rank's raw payload of one exchange (the ride read off their tails)."""

@@ -241,18 +241,15 @@ class MlxCollective(Epochs):
         parts = parts.reshape(self.world_size, most, width)
         return mx.concatenate([parts[r, :n] for r, n in enumerate(counts)])
 
-    def reduce_scatter(
-        self, partial: mx.array, counts: tuple[int, ...], layer: int, shared: int = 0
-    ) -> mx.array:
-        """The replicated rows' and this rank's own rows' sums of every rank's `partial`, in
-        float32: NCCL's reduce-scatter over each rank's block of rows (padded to the largest
-        count) where no row is replicated, else an all_gather of the partials and the rank-order
-        sum of those rows here."""
+    def reduce_scatter(self, partial: mx.array, counts: tuple[int, ...], layer: int) -> mx.array:
+        """This rank's rows of every rank's `partial`, summed in float32: NCCL's reduce-scatter
+        over each rank's block of rows (padded to the largest count), else an all_gather of the
+        partials and the rank-order sum of this rank's rows here."""
         if self.group is None:
             return partial
         width, n = partial.shape[-1], counts[self.rank]
-        start = shared + sum(counts[: self.rank])
-        if self._scatters and not shared:
+        start = sum(counts[: self.rank])
+        if self._scatters:
             most, blocks, at = max(counts), [], 0
             for c in counts:
                 block = partial[at : at + c]
@@ -265,11 +262,8 @@ class MlxCollective(Epochs):
             return out[:n].astype(partial.dtype)
         rows = partial.shape[0]
         gathered = self._last = self._all_gather(self._after_last(partial.reshape(1, -1)))
-        every = gathered.reshape(self.world_size, rows, width)
-        mine = every[:, start : start + n]
-        if shared:
-            mine = mx.concatenate([every[:, :shared], mine], axis=1)
-        return rank_order_sum_rows(mine).reshape(shared + n, width)
+        mine = gathered.reshape(self.world_size, rows, width)[:, start : start + n]
+        return rank_order_sum_rows(mine).reshape(n, width)
 
     def _after_last(self, x: mx.array) -> mx.array:
         if self._last is None:

@@ -99,14 +99,14 @@ def combine_for(collective: Collective, timers: "Timers") -> Combine:
 
 class StreamCombine:
     """Attention by stream (`serving.attention`): each stream is owned by one node, which alone
-    attends for it. A pass's input on this node is its rows: the replicated streams' first (every
-    node runs those alike), then its own streams'. The own rows of every node are gathered, the
-    block runs on the replicated rows and all of them (the router is replicated, the experts this
-    node's), and each row's sum goes back to its owner (a reduce-scatter); the replicated rows' sum
-    goes to every node. Where no node brings own rows the pass is an all-reduce, as replicated.
+    attends for it. In a pass of owned streams, a node's input is its own streams' rows; every
+    node's are gathered, the block runs on all of them (the router is replicated, the experts this
+    node's) and each row's sum goes back to its owner (a reduce-scatter). A pass of replicated
+    streams (every node runs the same rows: a stream started by `auto` with nothing else running)
+    is an all-reduce, as with replicated attention.
 
-    The running batch sets the pass's layout before each forward pass (`arrange`): every node's
-    own row count, and where this node's replicated and own rows sit in its input."""
+    The running batch sets each pass's layout before it runs (`arrange`): how many rows each rank
+    brings, all zeros for a replicated pass."""
 
     def __init__(self, collective: Collective, timers: "Timers"):
         self.collective = collective
@@ -115,9 +115,6 @@ class StreamCombine:
         self._plain = self._graph
         self._host = self._syncs = not collective.caps.in_graph
         self.counts: tuple[int, ...] = ()  # own rows (tokens) each rank brings to the pass
-        self._shared = 0  # replicated rows at the front of the reordered input
-        self._order: mx.array | None = None  # input rows -> [replicated..., own...]; None: as is
-        self._back: mx.array | None = None  # the inverse
 
     def sync(self, on: bool) -> None:
         """A benchmark's diagnostic pass (SyncedCombine): a graph collective's layers evaluated
@@ -125,24 +122,12 @@ class StreamCombine:
         self._syncs = on or self._host
         self._plain = SyncedCombine(self.collective, self._timers) if on else self._graph
 
-    def arrange(self, counts: tuple[int, ...], shared: list[int], own: list[int]) -> None:
-        """The next passes' layout: `counts[r]`, rank r's own rows; `shared`, `own`: the positions
-        of this node's replicated and own rows in its flattened input, each in the cluster's
-        order of its streams (a replicated row's partial is summed with the same row's on every
-        node, an own row's gathered in its owner's order)."""
+    def arrange(self, counts) -> None:
+        """The next passes' rows per rank (every rank computes the same); all zeros: replicated."""
         self.counts = tuple(counts)
-        self._shared = len(shared)
-        order = [*shared, *own]
-        if order == list(range(len(order))):
-            self._order = self._back = None
-        else:
-            back = [0] * len(order)
-            for i, j in enumerate(order):
-                back[j] = i
-            self._order, self._back = mx.array(order), mx.array(back)
 
     def __call__(self, layer, x, *args, **kwargs):
-        if not any(self.counts):  # nobody's own rows: every row is replicated, one all-reduce
+        if not any(self.counts):  # a replicated pass: one all-reduce
             return self._plain(layer, x, *args, **kwargs)
         if args or kwargs:
             from ...proto.errors import UserError
@@ -152,35 +137,28 @@ class StreamCombine:
                 f"({type(layer.block).__name__}); serve this model with attention: replicated"
             )
         width = x.shape[-1]
-        rows = x.reshape(-1, width)
-        if self._order is not None:
-            rows = rows[self._order]
-        out = self._combined(layer, rows)
-        if self._back is not None:
-            out = out[self._back]
-        return out.reshape(x.shape)
+        return self._combined(layer, x.reshape(-1, width)).reshape(x.shape)
 
     def idle(self, layer, dtype: mx.Dtype, width: int) -> mx.array:
         """A pass this node brings no rows to: its experts on the others' rows."""
         return self._combined(layer, mx.zeros((0, width), dtype))
 
     def _combined(self, layer, rows: mx.array) -> mx.array:
-        """(replicated + own rows, D) -> their sums, in that order."""
-        c, timers, shared, syncs = self.collective, self._timers, self._shared, self._syncs
+        """This node's rows (n, D) -> their sums, through every node's experts."""
+        c, timers, syncs = self.collective, self._timers, self._syncs
         t0 = time.perf_counter()
         if syncs:
             mx.eval(rows)  # attention and the rest since the last MoE layer
         t1 = time.perf_counter()
-        every = c.all_gather(rows[shared:], self.counts, layer.layer)  # (S, D), rank order
+        every = c.all_gather(rows, self.counts, layer.layer)  # (S, D), rank order
         if syncs:
             mx.eval(every)
         t2 = time.perf_counter()
-        inputs = mx.concatenate([rows[:shared], every]) if shared else every
-        partial = layer.partial(inputs[None])[0]  # (shared + S, D)
+        partial = layer.partial(every[None])[0]  # (S, D)
         if syncs:
             mx.eval(partial)
         t3 = time.perf_counter()
-        out = c.reduce_scatter(partial, self.counts, layer.layer, shared)
+        out = c.reduce_scatter(partial, self.counts, layer.layer)  # (n, D)
         if syncs:
             mx.eval(out)
             timers.attention_router += t1 - t0

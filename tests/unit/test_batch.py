@@ -11,7 +11,8 @@ import pytest
 from conftest import bf16_logit_bound
 from sampling_law import chi2_critical, sampling_probs
 
-from moe_cluster.node.batch import BatchLimits, kv_bytes_per_token
+from moe_cluster.node.batch import BatchLimits
+from moe_cluster.node.kv import kv_bytes_per_token
 from moe_cluster.node.collective.base import Capabilities, LocalCollective
 from moe_cluster.node.demo import MODEL_DIR
 from moe_cluster.node.moe.load import load_shard
