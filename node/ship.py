@@ -164,8 +164,16 @@ def fetcher(
     if port:
         host = address.rsplit(":", 1)[0].strip("[]")
         ctx = ssl_client_context(tls.ca, tls.cert, tls.key) if tls else None
-        return lambda blobs, first: _fetch_tcp(
-            host, port, token, fingerprint, node, blobs, sizes, first, ctx
+        # blobs[0] from `first` (rounded down to a piece), a piece at a time, each checked against
+        # the coordinator's digest of it (a piece that fails is asked for again); a dead
+        # coordinator is one line within RPC_TIMEOUT_S
+        return lambda blobs, first: _restarting(
+            lambda todo, at: _fetch_tcp_once(
+                host, port, token, fingerprint, node, todo, sizes, at, ctx
+            ),
+            blobs,
+            first - first % cache_mod.PIECE_BYTES,
+            f"the coordinator's data channel at {host}:{port}",
         )
     return lambda blobs, first: _fetch(stub, md, fingerprint, node, blobs, address, first)
 
@@ -269,31 +277,6 @@ def _restarting(
             todo, first = todo[todo.index(bad.blob) :], bad.offset
 
 
-def _fetch_tcp(
-    host: str,
-    port: int,
-    token: str,
-    fingerprint: str,
-    node: str,
-    blobs: Sequence[str],
-    sizes: dict[str, int],
-    first_offset: int = 0,
-    tls_context=None,
-) -> Iterator[tuple[str, int, bytes, str | None]]:
-    """Blobs over the data channel (coordinator/serve/ship.py DataChannel), blobs[0] from
-    `first_offset` (rounded down to a piece), a piece at a time, each checked against the
-    coordinator's digest of it (a piece that fails is asked for again); a dead coordinator is one
-    line within RPC_TIMEOUT_S."""
-    return _restarting(
-        lambda todo, first: _fetch_tcp_once(
-            host, port, token, fingerprint, node, todo, sizes, first, tls_context
-        ),
-        blobs,
-        first_offset - first_offset % cache_mod.PIECE_BYTES,
-        f"the coordinator's data channel at {host}:{port}",
-    )
-
-
 def _fetch_tcp_once(
     host: str,
     port: int,
@@ -367,7 +350,7 @@ def _fetch_tcp_once(
 def _fetch(
     stub, md, fingerprint: str, node: str, blobs: Sequence[str], address: str, first_offset: int = 0
 ) -> Iterator[tuple[str, int, bytes, str | None]]:
-    """Chunks of `blobs` in order, blobs[0] from `first_offset`, as `_fetch_tcp` yields them, over
+    """Chunks of `blobs` in order, blobs[0] from `first_offset`, as the data channel's fetcher yields them, over
     the gRPC Fetch stream; a corrupt chunk restarts the stream at that chunk."""
     return _restarting(
         lambda todo, first: _fetch_once(stub, md, fingerprint, node, todo, address, first),

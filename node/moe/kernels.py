@@ -229,7 +229,7 @@ def skip_proj(p: ShardLinear, x: mx.array, slots: mx.array, per_x: int) -> mx.ar
     """One projection of the skipping decode step, by the kernel for its weight format."""
     if p.quant is None:
         return skip_gemv.skip_gemv(x, p.weight, slots, per_x)
-    return qskip.qskip(x, p.weight, p.scales, p.get("biases"), slots, per_x, p.quant)
+    return qskip.qskip(x, qskip.QMatrix.of(p), slots, per_x)
 
 
 def skip_fits(mlp: ExpertMLP) -> tuple[str | None, mx.Dtype | None]:
@@ -238,11 +238,7 @@ def skip_fits(mlp: ExpertMLP) -> tuple[str | None, mx.Dtype | None]:
     kernel's check at the weight's shape passed (on CUDA)."""
     projs = mlp.projections
     for p in projs:
-        fits = (
-            qskip.fits(p.weight, p.scales, p.get("biases"), p.quant)
-            if p.quant is not None
-            else skip_gemv.fits(p.weight)
-        )
+        fits = qskip.fits(qskip.QMatrix.of(p)) if p.quant is not None else skip_gemv.fits(p.weight)
         if p.biased or not fits:
             return "biased, float32, odd-sized or unsupported quantized expert weights", None
     dtypes = {act_dtype(p) for p in projs}
@@ -251,11 +247,7 @@ def skip_fits(mlp: ExpertMLP) -> tuple[str | None, mx.Dtype | None]:
     if len(dtypes) != 1 or not dtypes <= {mx.bfloat16, mx.float16}:
         return "expert projections of different dtypes", None
     for p in projs:
-        why = (
-            qskip.check(p.weight, p.scales, p.get("biases"), p.quant)
-            if p.quant is not None
-            else skip_gemv.check(p.weight)
-        )
+        why = qskip.check(qskip.QMatrix.of(p)) if p.quant is not None else skip_gemv.check(p.weight)
         if why:
             return why, None
     return None, dtypes.pop()

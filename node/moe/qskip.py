@@ -24,6 +24,8 @@ gather_qmm at the weight's own shape passes; `route: device` in cluster.yaml kee
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Mapping
 
 import mlx.core as mx
@@ -111,11 +113,26 @@ def available() -> bool:
     return skip_gemv.available()
 
 
-def fits(
-    weight: mx.array, scales: mx.array, biases: mx.array | None, quant: Mapping | None
-) -> bool:
+@dataclass(frozen=True)
+class QMatrix:
+    """A quantized expert bank as gather_qmm takes it: (experts, out, in·bits/32) uint32 words,
+    their scales and biases (None for mxfp4), and the quantization (mode, bits, group_size)."""
+
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array | None
+    quant: Mapping
+
+    @classmethod
+    def of(cls, p) -> "QMatrix":
+        """A ShardLinear's (node/moe/kernels.py)."""
+        return cls(p.weight, p.scales, p.get("biases"), p.quant)
+
+
+def fits(m: QMatrix) -> bool:
     """Whether a quantized (experts, out, in·bits/32) weight can take this kernel: affine 4/8-bit
     with groups of 32/64/128 and bfloat16/float16 scales and biases, or mxfp4 (uint8 scales)."""
+    weight, scales, biases, quant = m.weight, m.scales, m.biases, m.quant
     if not quant or weight.ndim != 3 or weight.dtype != mx.uint32:
         return False
     mode, bits, group = quant.get("mode", "affine"), quant.get("bits"), quant.get("group_size")
@@ -130,15 +147,7 @@ def fits(
     return mode == "mxfp4" and bits == 4 and group == 32 and scales.dtype == mx.uint8
 
 
-def qskip(
-    x: mx.array,
-    weight: mx.array,
-    scales: mx.array,
-    biases: mx.array | None,
-    slots: mx.array,
-    per_x: int,
-    quant: Mapping,
-) -> mx.array:
+def qskip(x: mx.array, m: QMatrix, slots: mx.array, per_x: int) -> mx.array:
     """(positions, out): position r is x[r // per_x] through expert slots[r]'s quantized matrix
     (transposed, as gather_qmm's transpose=True), zeros where slots[r] < 0 (nothing read for it).
     x (rows, in) bfloat16/float16; slots (positions,) int32."""
@@ -151,6 +160,7 @@ def qskip(
             source=_SOURCE,
             header=_HEADER,
         )
+    weight, scales, biases, quant = m.weight, m.scales, m.biases, m.quant
     mode, bits, group = quant.get("mode", "affine"), quant["bits"], quant["group_size"]
     positions, d_out, d_in = slots.shape[0], weight.shape[1], x.shape[-1]
     blocks = -(-d_out // _WARPS)
@@ -173,17 +183,10 @@ def qskip(
     return y
 
 
-def reference(
-    x: mx.array,
-    weight: mx.array,
-    scales: mx.array,
-    biases: mx.array | None,
-    slots: mx.array,
-    per_x: int,
-    quant: Mapping,
-) -> mx.array:
+def reference(x: mx.array, m: QMatrix, slots: mx.array, per_x: int) -> mx.array:
     """qskip's contract in plain MLX ops, unpacking the words as the kernel does (tests run it on
     the CPU against gather_qmm: the packing, the groups and mxfp4's scales as the kernel reads them)."""
+    weight, scales, biases, quant = m.weight, m.scales, m.biases, m.quant
     mode, bits, group = quant.get("mode", "affine"), quant["bits"], quant["group_size"]
     per_word = 32 // bits
     src = mx.maximum(slots, 0)
@@ -210,11 +213,10 @@ def reference(
     return mx.where((slots >= 0)[:, None], y, mx.zeros_like(y)).astype(x.dtype)
 
 
-def check(
-    weight: mx.array, scales: mx.array, biases: mx.array | None, quant: Mapping
-) -> str | None:
+def check(m: QMatrix) -> str | None:
     """Why the kernel cannot stand in for gather_qmm on this weight here (None: it can), as
     skip_gemv.check: compiled and compared at the weight's own shape, once per format and shape."""
+    weight, scales, quant = m.weight, m.scales, m.quant
     key = (
         quant.get("mode", "affine"),
         quant["bits"],
@@ -223,32 +225,31 @@ def check(
         *weight.shape,
     )
     if key not in _checked:
-        _checked[key] = _check(weight, scales, biases, quant)
+        _checked[key] = _check(m)
     return _checked[key]
 
 
-def _check(weight, scales, biases, quant) -> str | None:
+def _check(m: QMatrix) -> str | None:
     """Against gather_qmm in float32 on the same quantized weights: what both roundings approximate
     (MLX's CPU gather_qmm, summing bfloat16 in bfloat16, is itself ~5% off that on 1280-wide rows)."""
-    dtype = scales.dtype if scales.dtype != mx.uint8 else mx.bfloat16  # mxfp4: bfloat16 activations
+    dtype = m.scales.dtype if m.scales.dtype != mx.uint8 else mx.bfloat16  # mxfp4: bfloat16 x
     return skip_gemv.compare(
-        lambda rows, slots, per_x: qskip(rows, weight, scales, biases, slots, per_x, quant),
-        lambda rows, slots, per_x: gather_qmm(
-            rows, weight, scales, biases, slots, per_x, quant, float32=True
-        ),
-        weight.shape[0],
-        weight.shape[-1] * 32 // quant["bits"],
+        lambda rows, slots, per_x: qskip(rows, m, slots, per_x),
+        lambda rows, slots, per_x: gather_qmm(rows, m, slots, per_x, float32=True),
+        m.weight.shape[0],
+        m.weight.shape[-1] * 32 // m.quant["bits"],
         dtype,
         "gather_qmm",
     )
 
 
 def gather_qmm(
-    x, weight, scales, biases, slots, per_x: int, quant: Mapping, float32: bool = False
+    x: mx.array, m: QMatrix, slots: mx.array, per_x: int, float32: bool = False
 ) -> mx.array:
     """What the device route computes for the same positions: gather_qmm, one expert read per
     position (slot 0 for a skipped one), zeros where slots < 0; `float32`: with the activations,
     scales and biases in float32 (the sum the kernel's float32 accumulation approximates)."""
+    weight, scales, biases, quant = m.weight, m.scales, m.biases, m.quant
     if float32:
         x, scales, biases = (
             a if a is None or a.dtype == mx.uint8 else a.astype(mx.float32)

@@ -38,7 +38,7 @@ def test_the_skip_route_reads_only_the_nodes_own_positions(monkeypatch):
     def stand_in(p, x, slots, per_x):
         read.append(slots.tolist())
         if p.quant is not None:
-            return qskip.reference(x, p.weight, p.scales, p.get("biases"), slots, per_x, p.quant)
+            return qskip.reference(x, qskip.QMatrix.of(p), slots, per_x)
         src = x[mx.arange(slots.shape[0]) // per_x][:, None, :]
         safe = mx.maximum(slots, 0).astype(mx.uint32)
         y = mx.gather_mm(src, p.weight.swapaxes(-1, -2), rhs_indices=safe)[:, 0, :]

@@ -5,6 +5,8 @@ decode step with quantized experts to the host path."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -27,14 +29,11 @@ FORMATS = [
 ]
 
 
-def _quantized(w: mx.array, mode: str, bits: int, group: int) -> dict:
+def _quantized(w: mx.array, mode: str, bits: int, group: int) -> qskip.QMatrix:
     q = mx.quantize(w, group_size=group, bits=bits, mode=mode)
-    return {
-        "weight": q[0],
-        "scales": q[1],
-        "biases": q[2] if len(q) > 2 else None,
-        "quant": {"group_size": group, "bits": bits, "mode": mode},
-    }
+    return qskip.QMatrix(
+        q[0], q[1], q[2] if len(q) > 2 else None, {"group_size": group, "bits": bits, "mode": mode}
+    )
 
 
 @pytest.mark.parametrize("mode, bits, group", FORMATS)
@@ -44,10 +43,8 @@ def test_the_reference_unpacks_as_gather_qmm_reads(mode, bits, group):
     x = mx.random.normal((2, 256), key=mx.random.key(2))
     slots = mx.array([3, -1, 0, 2], dtype=mx.int32)
     for per_x, rows in ((2, x), (1, mx.concatenate([x, x[::-1]]))):
-        got = qskip.reference(rows, q["weight"], q["scales"], q["biases"], slots, per_x, q["quant"])
-        want = qskip.gather_qmm(
-            rows, q["weight"], q["scales"], q["biases"], slots, per_x, q["quant"]
-        )
+        got = qskip.reference(rows, q, slots, per_x)
+        want = qskip.gather_qmm(rows, q, slots, per_x)
         np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-4)
         assert not np.array(got[1]).any()  # the skipped position: zeros
 
@@ -56,10 +53,10 @@ def test_a_wrong_unpacking_is_caught():
     """The check above can fail: values read high bits first give another matrix."""
     w = mx.random.normal((2, 8, 64), key=mx.random.key(1))
     q = _quantized(w, "affine", 4, 32)
-    flipped = mx.array(np.array(q["weight"]).byteswap())
+    flipped = replace(q, weight=mx.array(np.array(q.weight).byteswap()))
     x, slots = mx.random.normal((1, 64), key=mx.random.key(2)), mx.array([1], dtype=mx.int32)
-    got = qskip.reference(x, flipped, q["scales"], q["biases"], slots, 1, q["quant"])
-    want = qskip.gather_qmm(x, q["weight"], q["scales"], q["biases"], slots, 1, q["quant"])
+    got = qskip.reference(x, flipped, slots, 1)
+    want = qskip.gather_qmm(x, q, slots, 1)
     assert np.abs(np.array(got) - np.array(want)).max() > 1e-2
 
 
@@ -67,13 +64,13 @@ def test_fits_takes_the_mlx_community_formats_only():
     w = mx.random.normal((2, 8, 128), key=mx.random.key(1)).astype(mx.bfloat16)
     for mode, bits, group in FORMATS:
         q = _quantized(w, mode, bits, group)
-        assert qskip.fits(q["weight"], q["scales"], q["biases"], q["quant"]), (mode, bits, group)
+        assert qskip.fits(q), (mode, bits, group)
     q = _quantized(w.astype(mx.float32), "affine", 4, 64)  # float32 scales: gather_qmm keeps them
-    assert not qskip.fits(q["weight"], q["scales"], q["biases"], q["quant"])
+    assert not qskip.fits(q)
     q = _quantized(w, "affine", 3, 64)
-    assert not qskip.fits(q["weight"], q["scales"], q["biases"], q["quant"])
+    assert not qskip.fits(q)
     q = _quantized(w, "mxfp8", 8, 32)
-    assert not qskip.fits(q["weight"], q["scales"], q["biases"], q["quant"])
+    assert not qskip.fits(q)
 
 
 def _quantized_shards(placement, keepalive, mode, bits, group, dtype=mx.float32):
@@ -86,9 +83,7 @@ def _quantized_shards(placement, keepalive, mode, bits, group, dtype=mx.float32)
         projs = {}
         for p in ("gate_proj", "up_proj", "down_proj"):
             q = _quantized(getattr(bank, p).weight[idx].astype(dtype), mode, bits, group)
-            projs[p] = ShardLinear(
-                q["weight"], scales=q["scales"], biases=q["biases"], quant=q["quant"]
-            )
+            projs[p] = ShardLinear(q.weight, scales=q.scales, biases=q.biases, quant=q.quant)
         out.append(
             ExpertShard(
                 0,
@@ -165,14 +160,14 @@ def test_the_cuda_source_run_on_the_host_matches_gather_qmm(mode, bits, group, p
     x = mx.random.normal((k // per_x, d_in), key=mx.random.key(2)).astype(mx.bfloat16)
     slots = mx.array([e - 1, -1, 0, e // 2], dtype=mx.int32)
     scale_t = "uint8_t" if mode == "mxfp4" else "__nv_bfloat16"
-    biases = q["biases"] if q["biases"] is not None else q["scales"]
+    biases = q.biases if q.biases is not None else q.scales
     got = cuda_emulator.run(
         qskip._HEADER,
         qskip._SOURCE,
         {
             "x": ("__nv_bfloat16", _bits(x)),
-            "w": ("uint32_t", np.array(q["weight"])),
-            "scales": (scale_t, _bits(q["scales"])),
+            "w": ("uint32_t", np.array(q.weight)),
+            "scales": (scale_t, _bits(q.scales)),
             "biases": (scale_t, _bits(biases)),
             "slots": ("int32_t", np.array(slots)),
         },
@@ -188,20 +183,12 @@ def test_the_cuda_source_run_on_the_host_matches_gather_qmm(mode, bits, group, p
         d_out,
         tmp_path,
     )
-    want = np.array(
-        qskip.gather_qmm(
-            x, q["weight"], q["scales"], q["biases"], slots, per_x, q["quant"], float32=True
-        )
-    )
+    want = np.array(qskip.gather_qmm(x, q, slots, per_x, float32=True))
     assert not got[1].any()  # the skipped position: nothing read, zeros
     assert (
         np.abs(got - want).max() <= 2**-8 * np.abs(want).max()
     )  # a bfloat16 rounding of the largest
-    ref = np.array(
-        qskip.reference(x, q["weight"], q["scales"], q["biases"], slots, per_x, q["quant"]).astype(
-            mx.float32
-        )
-    )
+    ref = np.array(qskip.reference(x, q, slots, per_x).astype(mx.float32))
     np.testing.assert_array_equal(
         got, ref
     )  # the CPU tests' reference is the kernel, to the bit here
