@@ -17,8 +17,8 @@ Per decode step of B tokens (B = 1 at batch 1), on N nodes, each strategy pays w
 A collective or hop costs the link's latency (wire + the transport's software stack, or the
 calibrated collective) plus its bytes (B × hidden × activation bytes) over the link's bandwidth; it
 is paid once per step whatever B is, which is how batching spreads it until the step is bound by
-bandwidth or compute. mlx-lm's strategies run over mx.distributed (`mlx`); ours and by-stream over the envoy
-(`transport: envoy`, the default) or over mx.distributed (`transport: mlx`), as chosen.
+bandwidth or compute. mlx-lm's strategies run over mx.distributed (`mlx`); ours and by-stream over
+the envoy (`transport: envoy`, the default) or over mx.distributed (`transport: mlx`), as chosen.
 
 Calibrated (`plan --check-against`), a layer also costs a fixed time (launches) and, per token of
 the batch, its attention and router (every node under expert parallelism and in the pipeline, 1/N of

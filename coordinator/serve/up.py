@@ -136,7 +136,7 @@ def _read_profile(path: str, base: Path):
     return parse_profile(data, str(p))
 
 
-async def _remote_members(c: ClusterConfig) -> list[tuple[str, str, str]]:
+async def remote_members(c: ClusterConfig) -> list[tuple[str, str, str]]:
     """(name, agent address, node host) of every configured node: static or found by mDNS."""
     out, wanted = [], [n.name for n in c.nodes if not n.address]
     seen = {}
@@ -371,7 +371,7 @@ class Up:
             file=sys.stderr,
             flush=True,
         )
-        found = await _remote_members(c)
+        found = await remote_members(c)
         return found, [n.envoy_port or DEFAULT_ENVOY_PORT for n in c.nodes]
 
     async def meet(self, found: list[tuple[str, str, str]]) -> list[Member]:
