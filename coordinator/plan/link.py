@@ -1,12 +1,14 @@
-"""A link as `moe-cluster bench link` measured it between running nodes, and the network record
-(perfmodel.NetworkSpec) `plan` predicts with from it.
+"""A link as `moe-cluster bench link` measured it between running nodes, and what `plan`
+predicts with from it.
 
 The measurement, per direction of each pair of nodes: round trips at the payloads one MoE layer
 sends (1 and 32 tokens of the model's hidden size), a bulk transfer's bandwidth; and per
-transport, the all-reduce between all the nodes at 1 and 32 tokens. The network record: the
-slower direction's bandwidth, the wire's one-way latency (half the fastest 1-token round trip,
-less its bytes' time), and each transport's stack (its 1-token all-reduce less the wire and the
-bytes), so that `plan` charges a 1-token all-reduce exactly what was measured.
+transport, the all-reduce between all the nodes at 1 and 32 tokens. `plan`'s table charges a step
+of B tokens the all-reduce measured, linear in B between the two sizes (`collective_s`); the race
+takes the link as a network record (`network`): the wire's one-way latency (half the fastest
+1-token round trip), a bandwidth (the bulk transfer's, or the envoy's all-reduce's growth from 1
+to 32 tokens where that is slower: copies cost bytes too), and each transport's stack, so that a
+1-token all-reduce costs what was measured.
 """
 
 from __future__ import annotations
@@ -73,6 +75,27 @@ class LinkFit:
         got = [a.p50_s for a in self.allreduce if (a.transport, a.tokens) == (transport, tokens)]
         return got[0] if got else None
 
+    def collective_s(self, transport: str, tokens: int) -> float | None:
+        """One all-reduce of `tokens` tokens over `transport`: measured at 1 and 32, linear in the
+        tokens between (and past) them; None where `transport` was not measured."""
+        one = self.allreduce_s(transport, 1)
+        if one is None:
+            return None
+        many = self.allreduce_s(transport, 32)
+        per_token = (
+            (many - one) / 31 if many is not None and many > one else 0.0
+        ) or self.token_bytes / self.bandwidth_Bps
+        return one + per_token * (tokens - 1)
+
+    def collective_bandwidth_Bps(self) -> float:
+        """Bytes/s of an all-reduce's growth with its payload: the bulk transfer's, or the
+        envoy's 1-to-32-token growth where that is slower."""
+        one, many = self.allreduce_s("envoy", 1), self.allreduce_s("envoy", 32)
+        bulk = self.bandwidth_Bps
+        if one is None or many is None or many <= one:
+            return bulk
+        return min(bulk, 31 * self.token_bytes / (many - one))
+
     def wire_latency_s(self) -> float:
         """One way, seconds: half the fastest round trip of the smallest payload, less its bytes."""
         small = min(r.payload_bytes for r in self.round_trips)
@@ -82,7 +105,7 @@ class LinkFit:
     def network(self) -> NetworkSpec:
         """The measured link as `plan` predicts with it: a 1-token all-reduce over each transport
         costs what it measured (its stack is what is left of it past the wire and the bytes)."""
-        wire, bw = self.wire_latency_s(), self.bandwidth_Bps
+        wire, bw = self.wire_latency_s(), self.collective_bandwidth_Bps()
         stacks = {}
         for t in TRANSPORTS:
             a = self.allreduce_s(t, 1)

@@ -358,8 +358,10 @@ def estimate(
         if collective is None:
             latency_s = network.latency_s(transport) * model.moe_layers
         else:
-            # The measured collective includes the data transfer; keep the columns adding up.
-            latency_s = max(0.0, collective * model.moe_layers - transfer_s)
+            # The measured collective includes the data transfer; keep the columns adding up to it
+            # (Table 1's comm bytes count four payloads a layer: more than a measured one moves).
+            transfer_s = min(transfer_s, collective * model.moe_layers)
+            latency_s = collective * model.moe_layers - transfer_s
     time_s = max(load_s, compute_s) + overhead_s + latency_s + transfer_s
 
     if expert_slots is None:

@@ -130,6 +130,19 @@ def hosts(names: list[str]):
             _remove(ns)
 
 
+def shape(ns: str, rate_bps: int, burst_bytes: int = 4096, dev: str = "eth0") -> None:
+    """A token bucket (tc's tbf) on what `ns` sends through `dev`: `rate_bps` bits/s on average,
+    bursts of `burst_bytes`. It limits the rate, not each packet (netem, which delays packets, is
+    not in this kernel): a packet after a pause passes at once."""
+    subprocess.run(
+        ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf"]
+        + ["rate", f"{rate_bps}bit", "burst", str(burst_bytes), "latency", "500ms"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+
+
 def stop(*procs: subprocess.Popen) -> None:
     """End processes a test started (node agents in namespaces): SIGTERM, then SIGKILL after 10 s."""
     for p in procs:
