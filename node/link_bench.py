@@ -226,7 +226,7 @@ def _allreduce_child(spec: LinkAllReduceSpec, results) -> None:
             out = []
             for tokens in spec.tokens:
                 x = mx.random.normal((tokens, spec.hidden), key=mx.random.key(spec.rank))
-                x = (x * 0.01).astype(mx.bfloat16)
+                x = (x * 0.01).astype(getattr(mx, spec.dtype))
                 mx.eval(x)
                 for _ in range(spec.warmup):
                     mx.eval(collective.all_reduce(x, 0))

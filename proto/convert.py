@@ -809,14 +809,18 @@ def link_allreduce_request_to_proto(spec) -> npb.LinkAllReduceRequest:
         iters=spec.iters,
         warmup=spec.warmup,
         timeout_s=spec.timeout_s,
+        dtype=spec.dtype,
     )
 
 
 def link_allreduce_request_from_proto(
     msg: npb.LinkAllReduceRequest, *, secret: str = "", tls: Any = None
 ):
-    from .link import LinkAllReduceSpec
+    from .link import DTYPES, LinkAllReduceSpec
 
+    dtype = msg.dtype or "bfloat16"
+    if dtype not in DTYPES:
+        raise ConvertError(f"a link all-reduce of dtype {dtype!r}: choose from {', '.join(DTYPES)}")
     if not msg.tokens or msg.iters < 1 or msg.hidden < 1:
         raise ConvertError(
             f"a link all-reduce needs tokens, hidden >= 1 and iters >= 1 (got "
@@ -831,6 +835,7 @@ def link_allreduce_request_from_proto(
         msg.iters,
         msg.warmup,
         timeout_s,
+        dtype,
     )
 
 

@@ -36,7 +36,7 @@ class LinkProbeResult:
 
 @dataclass(frozen=True)
 class LinkAllReduceSpec:
-    """All-reduces of `tokens` x `hidden` bfloat16 values among the nodes, over `transport`
+    """All-reduces of `tokens` x `hidden` values of `dtype` among the nodes, over `transport`
     (an EnvoySpec or an MlxSpec, with this node's own secret and TLS files)."""
 
     transport: Any
@@ -46,6 +46,10 @@ class LinkAllReduceSpec:
     iters: int = 200
     warmup: int = 20
     timeout_s: float = 120.0
+    dtype: str = "bfloat16"
+
+
+DTYPES = {"bfloat16": 2, "float16": 2, "float32": 4}  # the activations' dtypes, bytes per value
 
 
 @dataclass(frozen=True)

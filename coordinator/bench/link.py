@@ -4,7 +4,8 @@ the nodes themselves over their own path, both ways, and what `plan` advises onc
 Run from the coordinator against the node agents (`moe-cluster node`, `launch: remote`, the
 cluster secret authenticating every call). For each ordered pair of nodes, the second listens
 and the first probes it: round trips at the payloads one MoE layer sends (1 and 32 tokens of
-the model's hidden size in bfloat16) and a bulk transfer. Then every node at once times the
+the model's hidden size, in its activations' dtype: bfloat16 for bfloat16 and quantized
+checkpoints) and a bulk transfer. Then every node at once times the
 all-reduce among them over the envoy and over mx.distributed's ring. The result is a calibration
 (plan/calibration.py, its `link`) that `plan --calibration` reads: the measured link becomes the
 network `measured`. With `--calibration BASE` (from `plan --calibrate`) the base's compute fit is
@@ -24,7 +25,7 @@ from pathlib import Path
 from ...proto.errors import UserError
 
 TOKENS = (1, 32)  # the payloads one MoE layer sends: one token, and a batch of 32
-ACT_BYTES = 2  # bfloat16
+DTYPE_OF = {2: "bfloat16", 4: "float32"}  # the activations' bytes per value -> the dtype sent
 DEFAULT_TRANSFER = 64 << 20  # bytes: a shard's worth of streaming, at most a second on 10GbE
 
 
@@ -67,7 +68,7 @@ def _p50(xs) -> float:
     return statistics.median(xs)
 
 
-async def measure(c, args, hidden: int, secret: str):
+async def measure(c, args, hidden: int, act_bytes: int, secret: str):
     """The LinkFit of the nodes of `c`, measured by them."""
     from ..plan.link import AllReduce, LinkFit, RoundTrip, Transfer
     from ..serve.client import NodeClient
@@ -90,7 +91,7 @@ async def measure(c, args, hidden: int, secret: str):
     ]
     names = [name for name, _, _ in found]
     hosts = [host for _, _, host in found]
-    sizes = tuple(t * hidden * ACT_BYTES for t in TOKENS)
+    sizes = tuple(t * hidden * act_bytes for t in TOKENS)
     trips, transfers, ports = [], [], {}
     try:
         for i, src in enumerate(clients):
@@ -127,7 +128,14 @@ async def measure(c, args, hidden: int, secret: str):
                 *(
                     cl.link_allreduce(
                         LinkAllReduceSpec(
-                            specs[rank], rank, hidden, TOKENS, args.iters, 20, args.timeout
+                            specs[rank],
+                            rank,
+                            hidden,
+                            TOKENS,
+                            args.iters,
+                            20,
+                            args.timeout,
+                            DTYPE_OF[act_bytes],
                         ),
                         timeout=args.timeout + 30,
                     )
@@ -155,7 +163,7 @@ async def measure(c, args, hidden: int, secret: str):
             await cl.close()
     date = datetime.date.today().isoformat()
     return LinkFit(
-        tuple(names), hidden, ACT_BYTES, date, tuple(trips), tuple(transfers), tuple(reduces)
+        tuple(names), hidden, act_bytes, date, tuple(trips), tuple(transfers), tuple(reduces)
     )
 
 
@@ -205,7 +213,8 @@ def main(args) -> int:
     base = read_calibration(args.calibration) if args.calibration else None
     hardware = presets.hardware_preset(args.hardware or DEFAULT_HARDWARE)
     model, _ = load_model(str(Checkpoint.open(c.model).path))
-    link = run_grpc_loop(lambda: measure(c, args, model.hidden, secret))
+    act_bytes = model.act_bytes if model.act_bytes in DTYPE_OF else 2
+    link = run_grpc_loop(lambda: measure(c, args, model.hidden, act_bytes, secret))
     cal = base.with_link(link) if base is not None else link_only(link)
     write_calibration(cal, args.out)
     net = link.network()

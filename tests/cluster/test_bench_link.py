@@ -17,7 +17,7 @@ REASON = netns.available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
 
 RATE = 16_000_000  # bits/s each node may send
-HIDDEN = 128  # the demo model's
+HIDDEN, ACT_BYTES = 128, 4  # the demo model's: float32 activations
 SECRET = "bench-link-test-secret"
 
 
@@ -88,7 +88,7 @@ def test_bench_link_measures_the_shaped_link_and_plan_reads_it(tmp_path):
     for t in link["transfers"]:
         assert 0.75 * rate < t["bytes"] / t["seconds"] < 1.1 * rate, t
     # a 32-token round trip waits for the bucket: about its bytes over the rate; 1 token does not
-    big, small = 32 * HIDDEN * 2, HIDDEN * 2
+    big, small = 32 * HIDDEN * ACT_BYTES, HIDDEN * ACT_BYTES
     trips = {(x["src"], x["payload_bytes"]): x["p50_s"] for x in link["round_trips"]}
     for src in ("n1", "n2"):
         assert 0.4 * big / rate < trips[(src, big)] < 3 * big / rate, trips
