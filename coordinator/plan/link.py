@@ -125,7 +125,8 @@ class LinkFit:
 
     def to_json(self) -> dict:
         d = asdict(self)
-        d["nodes"] = list(self.nodes)
+        for key in ("nodes", "round_trips", "transfers", "allreduce"):
+            d[key] = list(d[key])
         return d
 
 
