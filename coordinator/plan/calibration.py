@@ -120,16 +120,31 @@ class Calibration:
         return {"format": FORMAT, **d}
 
     def with_link(self, link: LinkFit) -> "Calibration":
-        """This calibration with a measured link, whose all-reduce replaces the collective a
-        bench decode fitted (over the bench's own link: loopback, or another network)."""
-        notes = self.notes
+        """This calibration with a measured link, for the network `measured`. The collective a
+        bench fitted is its nodes' wait per MoE layer: the all-reduce over the bench's own link
+        (loopback: the `loopback` preset's stack, measured by `bench allreduce`) and the nodes
+        waiting for each other (on one host sharing its cores, most of it). The all-reduce is
+        taken out and the wait kept (`collective_base_s`, added to the link's all-reduce)."""
+        from .link import MEASURED
+        from .presets import network_preset
+
+        notes, wait = self.notes, None
         if self.collective_base_s is not None:
+            transports = [t for t in self.transport.split(",") if t in ("envoy", "mlx")]
+            own = network_preset("loopback").latency_s(transports[0]) if transports else 0.0
+            wait = max(0.0, self.collective_base_s - own)
             notes += (
-                f"the collective fitted from the bench ({self.collective_base_s * 1e6:.0f} us per "
-                "MoE layer at 2 nodes) replaced by the link measured by `bench link`",
+                f"the bench's collective ({self.collective_base_s * 1e6:.0f} us per MoE layer at 2 "
+                f"nodes) less its own all-reduce over loopback ({own * 1e6:.0f} us): {wait * 1e6:.0f}"
+                " us of nodes waiting for each other, added to the measured link's all-reduce",
             )
         return replace(
-            self, link=link, collective_base_s=None, collective_per_node_s=0.0, notes=notes
+            self,
+            link=link,
+            network=MEASURED,
+            collective_base_s=wait,
+            collective_per_node_s=0.0,
+            notes=notes,
         )
 
 

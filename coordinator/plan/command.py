@@ -423,15 +423,17 @@ def make_plan(
                 apply = calibration.network in (None, net.name)
                 overheads = calibration.overheads(apply_collective=apply)
                 if net.name == MEASURED and calibration.link is not None:
-                    # the all-reduce measured for a step of this batch, its bytes included
+                    # the all-reduce measured for a step of this batch, its bytes included, and
+                    # the wait beyond it a bench fitted (Calibration.with_link)
                     measured = calibration.link.collective_s(settings.transport, settings.batch)
                     if measured is None:
                         raise PlanError(
                             f"the calibration's link has no {settings.transport} all-reduce "
                             "measured (bench link --transports)"
                         )
+                    wait = calibration.collective_base_s or 0.0  # the nodes waiting for each other
                     overheads = replace(
-                        overheads, collective_base_s=measured, collective_per_node_s=0.0
+                        overheads, collective_base_s=measured + wait, collective_per_node_s=0.0
                     )
             row = estimate(
                 model,

@@ -254,9 +254,11 @@ def test_a_measured_link_is_a_network_whose_one_token_all_reduce_is_what_was_mea
         parse_calibration(bad)
 
 
-def test_a_link_replaces_the_collective_a_bench_fitted():
+def test_a_link_replaces_the_all_reduce_in_the_collective_a_bench_fitted():
     cal = fit(parse_bench(bench()), network="10gbe")
     with_link = cal.with_link(_link())
-    assert with_link.collective_base_s is None and with_link.bandwidth_Bps == cal.bandwidth_Bps
-    assert any("replaced by the link" in n for n in with_link.notes)
+    loopback = presets.network_preset("loopback").latency_s("envoy")
+    assert with_link.collective_base_s == pytest.approx(TRUTH["a"] - loopback)
+    assert with_link.bandwidth_Bps == cal.bandwidth_Bps and with_link.network == "measured"
+    assert any("waiting for each other" in n for n in with_link.notes)
     assert parse_calibration(with_link.to_json()) == with_link
