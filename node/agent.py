@@ -1,7 +1,7 @@
 """`moe-cluster node`: the agent a user starts on each Mac.
 
 It advertises itself by mDNS, serves the Node gRPC service (Load, Generate, Cancel, Status,
-Health, Shutdown) behind the cluster secret, and runs all MLX work on one owned worker thread:
+Health, Shutdown, Probe, and `bench link`'s Link* in node/link_bench.py) behind the cluster secret, and runs all MLX work on one owned worker thread:
 loading a shard starts its envoy (or joins `mx.distributed`), and each Generate runs in lock-step
 with the other nodes. Results travel back to the event loop through a queue, errors as values.
 """
