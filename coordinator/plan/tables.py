@@ -9,7 +9,7 @@ from . import race as race_model
 from .perfmodel import HardwareSpec, requantized
 from .race_command import _network, race_points
 
-NAMES = {"ours": "this", "pipeline": "pipeline", "tensor": "tensor"}
+NAMES = {"ours": "this", "by-stream": "this by stream", "pipeline": "pipeline", "tensor": "tensor"}
 LINK_NAMES = {"10gbe": "10GbE", "tb-ip": "Thunderbolt IP", "tb5-rdma": "Thunderbolt 5 RDMA"}
 
 
