@@ -1,9 +1,9 @@
 """`moe-cluster node`: the agent a user starts on each Mac.
 
 It advertises itself by mDNS, serves the Node gRPC service (Load, Generate, Cancel, Status,
-Health, Shutdown, Probe, and `bench link`'s Link* in node/link_bench.py) behind the cluster secret, and runs all MLX work on one owned worker thread:
-loading a shard starts its envoy (or joins `mx.distributed`), and each Generate runs in lock-step
-with the other nodes. Results travel back to the event loop through a queue, errors as values.
+Health, Shutdown, Probe, and `bench link`'s Link* in node/link_bench.py) behind the cluster
+secret, and runs all MLX work on one owned worker thread: loading a shard starts its envoy (or
+joins `mx.distributed`), and each Generate runs in lock-step with the other nodes. Results travel back to the event loop through a queue, errors as values.
 """
 
 from __future__ import annotations

@@ -33,17 +33,12 @@ SECRET = "link-check-secret"
 PROMPT = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate."
 
 
-def _cli(*args: str, ns: str | None = None, log=None, json_out: bool = True):
-    cmd = (["ip", "netns", "exec", ns] if ns else []) + [
-        sys.executable,
-        "-m",
-        "moe_cluster.coordinator.cli",
-        *args,
-    ]
-    env = dict(os.environ, MOE_CLUSTER_SECRET=SECRET, PYTHONUNBUFFERED="1")
-    if log is not None:
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+ENV = dict(os.environ, MOE_CLUSTER_SECRET=SECRET, PYTHONUNBUFFERED="1")
+
+
+def _cli(*args: str, json_out: bool = True):
+    cmd = [sys.executable, "-m", "moe_cluster.coordinator.cli", *args]
+    r = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=900)
     if r.returncode:
         raise SystemExit(f"{' '.join(args[:2])} failed:\n{r.stderr}")
     return json.loads(r.stdout) if json_out else r.stdout
@@ -81,26 +76,14 @@ def main() -> int:
                 if args.rate:
                     netns.shape(ns, args.rate)
                 log = open(tmp / f"{name}.log", "w")
-                agents.append(
-                    _cli(
-                        "node",
-                        "--name",
-                        name,
-                        "--host",
-                        "0.0.0.0",
-                        "--port",
-                        "7700",
-                        "--no-mdns",
-                        ns=ns,
-                        log=log,
-                    )  # fmt: skip
-                )
+                agents.append(netns.agent(ns, name, log, ENV))
             yaml = "name: lab\nmodel: demo\nlaunch: remote\nkeepalive: none\nnodes:\n" + "".join(
                 f"  - name: {n}\n    address: {h[n][1]}:7700\n" for n in ("n1", "n2")
             )
             (tmp / "cluster.yaml").write_text(yaml)
             link_cal = tmp / "link.json"
             transfer = min(16 << 20, max(1 << 20, args.rate // 8)) if args.rate else 64 << 20
+            netns.wait_ready([tmp / f"{n}.log" for n in ("n1", "n2")])
             link = _cli("bench", "link", str(tmp / "cluster.yaml"), "--iters", str(args.iters),
                         "--transfer", str(transfer), "--out", str(link_cal), "--json")  # fmt: skip
             with cluster(tmp, yaml, env={"MOE_CLUSTER_SECRET": SECRET}) as (url, _, lines):

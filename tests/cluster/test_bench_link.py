@@ -21,17 +21,12 @@ HIDDEN, ACT_BYTES = 128, 4  # the demo model's: float32 activations
 SECRET = "bench-link-test-secret"
 
 
-def _cli(*args: str, ns: str | None = None, **kw) -> subprocess.Popen | subprocess.CompletedProcess:
-    cmd = (["ip", "netns", "exec", ns] if ns else []) + [
-        sys.executable,
-        "-m",
-        "moe_cluster.coordinator.cli",
-        *args,
-    ]
-    env = dict(os.environ, MOE_CLUSTER_SECRET=SECRET, PYTHONUNBUFFERED="1")
-    if "stdout" in kw:
-        return subprocess.Popen(cmd, env=env, stderr=subprocess.STDOUT, **kw)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+ENV = dict(os.environ, MOE_CLUSTER_SECRET=SECRET, PYTHONUNBUFFERED="1")
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "moe_cluster.coordinator.cli", *args]
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=240)
 
 
 def test_bench_link_measures_the_shaped_link_and_plan_reads_it(tmp_path):
@@ -44,27 +39,14 @@ def test_bench_link_measures_the_shaped_link_and_plan_reads_it(tmp_path):
                 ns, _ = h[name]
                 netns.shape(ns, RATE)
                 log = open(tmp_path / f"{name}.log", "w")
-                agents.append(
-                    _cli(
-                        "node",
-                        "--name",
-                        name,
-                        "--host",
-                        "0.0.0.0",
-                        "--port",
-                        "7700",
-                        "--no-mdns",
-                        ns=ns,
-                        stdout=log,
-                    )
-                )
+                agents.append(netns.agent(ns, name, log, ENV))
             cfg = tmp_path / "cluster.yaml"
             cfg.write_text(
                 "name: lab\nmodel: demo\nlaunch: remote\nnodes:\n"
                 + "".join(f"  - name: {n}\n    address: {h[n][1]}:7700\n" for n in ("n1", "n2"))
             )
             cal = tmp_path / "link.json"
-            # the agents boot meanwhile: bench link's first call waits for them (wait_for_ready)
+            netns.wait_ready([tmp_path / f"{n}.log" for n in ("n1", "n2")])
             r = _cli(
                 "bench",
                 "link",
