@@ -119,6 +119,7 @@ async def measure(c, args, hidden: int, act_bytes: int, secret: str):
                 EnvoySpec(
                     tuple(f"{h}:{ports[r][0]}" for r, h in enumerate(hosts)),
                     listen=f"0.0.0.0:{ports[rank][0]}",
+                    tls=tls,  # each node's own TLS files where the cluster has TLS
                 )
                 if transport == "envoy"
                 else MlxSpec(tuple((f"{h}:{ports[r][1]}",) for r, h in enumerate(hosts)))
@@ -165,6 +166,18 @@ async def measure(c, args, hidden: int, act_bytes: int, secret: str):
     return LinkFit(
         tuple(names), hidden, act_bytes, date, tuple(trips), tuple(transfers), tuple(reduces)
     )
+
+
+async def _measured(c, args, hidden: int, act_bytes: int, secret: str):
+    """`measure`, a failed call to a node one line naming the call (not a traceback)."""
+    import grpc
+
+    from ..serve.client import ClusterError, describe_rpc_error
+
+    try:
+        return await measure(c, args, hidden, act_bytes, secret)
+    except grpc.RpcError as exc:
+        raise ClusterError(f"bench link: a node's call failed: {describe_rpc_error(exc)}") from None
 
 
 def _transports(text: str) -> list[str]:
@@ -214,7 +227,7 @@ def main(args) -> int:
     hardware = presets.hardware_preset(args.hardware or DEFAULT_HARDWARE)
     model, _ = load_model(str(Checkpoint.open(c.model).path))
     act_bytes = model.act_bytes if model.act_bytes in DTYPE_OF else 2
-    link = run_grpc_loop(lambda: measure(c, args, model.hidden, act_bytes, secret))
+    link = run_grpc_loop(lambda: _measured(c, args, model.hidden, act_bytes, secret))
     cal = base.with_link(link) if base is not None else link_only(link)
     write_calibration(cal, args.out)
     net = link.network()
