@@ -30,6 +30,7 @@ Everything here is pure arithmetic on the frozen records of perfmodel.py.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from .perfmodel import TRANSPORTS, HardwareSpec, ModelSpec, NetworkSpec, Overheads, PlanError
@@ -263,6 +264,7 @@ def link_sensitivity(
     return out
 
 
+@functools.lru_cache(maxsize=256)  # pure, and a Monte-Carlo estimate at N > 1: the race asks again
 def expected_batch(model: ModelSpec, nodes: int, batch: int) -> tuple[float, float]:
     """(E_B of the busiest node under an even split, distinct experts of the batch on one device),
     per MoE layer, uniform routing."""
