@@ -225,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(handler="moe_cluster.coordinator.bench.allreduce:main")
 
     b = bench.add_parser(
+        "link",
+        help="the link between running nodes, measured by them both ways; writes a calibration",
+    )
+    importlib.import_module("moe_cluster.coordinator.bench.link").add_arguments(b)
+    b.set_defaults(handler="moe_cluster.coordinator.bench.link:main")
+
+    b = bench.add_parser(
         "decode",
         help="decode tok/s of our path vs stock mlx-lm, and the per-token breakdown on N nodes",
     )

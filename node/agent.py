@@ -1,9 +1,9 @@
 """`moe-cluster node`: the agent a user starts on each Mac.
 
 It advertises itself by mDNS, serves the Node gRPC service (Load, Generate, Cancel, Status,
-Health, Shutdown) behind the cluster secret, and runs all MLX work on one owned worker thread:
-loading a shard starts its envoy (or joins `mx.distributed`), and each Generate runs in lock-step
-with the other nodes. Results travel back to the event loop through a queue, errors as values.
+Health, Shutdown, Probe, and `bench link`'s Link* in node/link_bench.py) behind the cluster
+secret, and runs all MLX work on one owned worker thread: loading a shard starts its envoy (or
+joins `mx.distributed`), and each Generate runs in lock-step with the other nodes. Results travel back to the event loop through a queue, errors as values.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from ..proto.errors import (
 from . import lifecycle
 from .device import DeviceInfo, device_info, release_memory
 from .lifecycle import NodeState
+from .link_bench import LinkBench
 from ..common.worker import Worker
 from ..proto.records import (
     DEFAULT_KV_RESERVE,
@@ -86,6 +87,7 @@ class NodeAgent(npb_grpc.NodeServicer):
         self._worker = Worker("mlx-worker")  # the one thread that touches MLX
         self._driving: asyncio.Future | None = None  # the worker stepping the running batch
         self._stop: asyncio.Event | None = None
+        self.link = LinkBench(config.host)  # `bench link`'s measurements from this node
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -459,6 +461,30 @@ class NodeAgent(npb_grpc.NodeServicer):
             asyncio.get_running_loop().call_later(0.05, self._stop.set)
         return convert.shutdown_reply_to_proto()
 
+    # -- bench link: the path to the other nodes, measured from here (node/link_bench.py) ---------
+
+    async def LinkListen(self, request, context):
+        return convert.link_listen_to_proto(self.link.listen())
+
+    async def LinkProbe(self, request, context):
+        try:
+            spec = convert.link_probe_request_from_proto(request)
+            result = await self.link.probe(spec)
+        except MoeClusterError as exc:
+            await context.abort(grpc_code(exc.kind), str(exc))
+        return convert.link_probe_reply_to_proto(result)
+
+    async def LinkAllReduce(self, request, context):
+        try:
+            self._idle()  # a running batch would time its own steps, and slow these
+            spec = convert.link_allreduce_request_from_proto(
+                request, secret=self.config.secret, tls=self._tls_files()
+            )
+            result = await self.link.allreduce(spec)
+        except MoeClusterError as exc:
+            await context.abort(grpc_code(exc.kind), str(exc))
+        return convert.link_allreduce_reply_to_proto(result)
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     def _tls_files(self):
@@ -535,6 +561,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             if advertiser is not None:
                 await advertiser.close()
             await server.stop(1.0)
+            self.link.close()
             await self._worker.call(self._close_model)
             self._worker.close()
 

@@ -69,6 +69,21 @@ class NodeStub:
                 request_serializer=node__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=node__pb2.ProbeReply.FromString,
                 _registered_method=True)
+        self.LinkListen = channel.unary_unary(
+                '/moe_cluster.v1.Node/LinkListen',
+                request_serializer=node__pb2.LinkListenRequest.SerializeToString,
+                response_deserializer=node__pb2.LinkListenReply.FromString,
+                _registered_method=True)
+        self.LinkProbe = channel.unary_unary(
+                '/moe_cluster.v1.Node/LinkProbe',
+                request_serializer=node__pb2.LinkProbeRequest.SerializeToString,
+                response_deserializer=node__pb2.LinkProbeReply.FromString,
+                _registered_method=True)
+        self.LinkAllReduce = channel.unary_unary(
+                '/moe_cluster.v1.Node/LinkAllReduce',
+                request_serializer=node__pb2.LinkAllReduceRequest.SerializeToString,
+                response_deserializer=node__pb2.LinkAllReduceReply.FromString,
+                _registered_method=True)
 
 
 class NodeServicer:
@@ -116,6 +131,24 @@ class NodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LinkListen(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LinkProbe(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LinkAllReduce(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +186,21 @@ def add_NodeServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=node__pb2.ProbeRequest.FromString,
                     response_serializer=node__pb2.ProbeReply.SerializeToString,
+            ),
+            'LinkListen': grpc.unary_unary_rpc_method_handler(
+                    servicer.LinkListen,
+                    request_deserializer=node__pb2.LinkListenRequest.FromString,
+                    response_serializer=node__pb2.LinkListenReply.SerializeToString,
+            ),
+            'LinkProbe': grpc.unary_unary_rpc_method_handler(
+                    servicer.LinkProbe,
+                    request_deserializer=node__pb2.LinkProbeRequest.FromString,
+                    response_serializer=node__pb2.LinkProbeReply.SerializeToString,
+            ),
+            'LinkAllReduce': grpc.unary_unary_rpc_method_handler(
+                    servicer.LinkAllReduce,
+                    request_deserializer=node__pb2.LinkAllReduceRequest.FromString,
+                    response_serializer=node__pb2.LinkAllReduceReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +392,87 @@ class Node:
             '/moe_cluster.v1.Node/Probe',
             node__pb2.ProbeRequest.SerializeToString,
             node__pb2.ProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LinkListen(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_cluster.v1.Node/LinkListen',
+            node__pb2.LinkListenRequest.SerializeToString,
+            node__pb2.LinkListenReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LinkProbe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_cluster.v1.Node/LinkProbe',
+            node__pb2.LinkProbeRequest.SerializeToString,
+            node__pb2.LinkProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LinkAllReduce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/moe_cluster.v1.Node/LinkAllReduce',
+            node__pb2.LinkAllReduceRequest.SerializeToString,
+            node__pb2.LinkAllReduceReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,7 +26,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from .perfmodel import Overheads
+from .link import LinkFit, parse_link
+from .perfmodel import Overheads, PlanError
 from ...proto.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -85,8 +86,8 @@ class MeasuredPoint:
 
 @dataclass(frozen=True)
 class Calibration:
-    model: str
-    bandwidth_Bps: float
+    model: str  # "" where nothing of a model was fitted (a link alone)
+    bandwidth_Bps: float | None  # None: not fitted (a link alone): the hardware's
     layer_overhead_s: float
     collective_base_s: float | None  # None: the bench had no cluster of 2 nodes or more
     collective_per_node_s: float
@@ -100,6 +101,8 @@ class Calibration:
     cache_per_miss_s: float | None = None
     cache_per_layer_s: float = 0.0
     cache_skew: float | None = None
+    # the link `bench link` measured between the cluster's nodes (plan/link.py); None: not measured
+    link: LinkFit | None = None
 
     def overheads(self, apply_collective: bool) -> Overheads:
         return Overheads(
@@ -113,7 +116,54 @@ class Calibration:
         d = asdict(self)
         d["points"] = [asdict(p) for p in self.points]
         d["notes"] = list(self.notes)
+        d["link"] = self.link.to_json() if self.link is not None else None
         return {"format": FORMAT, **d}
+
+    def with_link(self, link: LinkFit) -> "Calibration":
+        """This calibration with a measured link, for the network `measured`. The collective a
+        bench fitted is its nodes' wait per MoE layer: the all-reduce over the bench's own link
+        (loopback: the `loopback` preset's stack, measured by `bench allreduce`) and the nodes
+        waiting for each other (on one host sharing its cores, most of it). The all-reduce is
+        taken out and the wait kept (`collective_base_s`, added to the link's all-reduce)."""
+        from .link import MEASURED
+        from .presets import network_preset
+
+        notes, wait = self.notes, None
+        if self.collective_base_s is not None:
+            transports = [t for t in self.transport.split(",") if t in ("envoy", "mlx")]
+            own = network_preset("loopback").latency_s(transports[0]) if transports else 0.0
+            wait = max(0.0, self.collective_base_s - own)
+            notes += (
+                f"the bench's collective ({self.collective_base_s * 1e6:.0f} us per MoE layer at 2 "
+                f"nodes) less its own all-reduce over loopback ({own * 1e6:.0f} us): {wait * 1e6:.0f}"
+                " us of nodes waiting for each other, added to the measured link's all-reduce",
+            )
+        return replace(
+            self,
+            link=link,
+            network=MEASURED,
+            collective_base_s=wait,
+            collective_per_node_s=0.0,
+            notes=notes,
+        )
+
+
+def link_only(link: LinkFit) -> Calibration:
+    """A calibration of a link alone: the compute side stays the hardware preset's."""
+    return Calibration(
+        model="",
+        bandwidth_Bps=None,
+        layer_overhead_s=0.0,
+        collective_base_s=None,
+        collective_per_node_s=0.0,
+        transport=",".join(sorted({a.transport for a in link.allreduce})),
+        network=None,
+        hardware=None,
+        residual_rms_s=0.0,
+        points=(),
+        notes=("a link alone: compute from the hardware preset",),
+        link=link,
+    )
 
 
 # --- reading --------------------------------------------------------------------------------
@@ -209,6 +259,7 @@ _CAL_FIELDS = {
     "cache_per_miss_s",
     "cache_per_layer_s",
     "cache_skew",
+    "link",
 }
 
 
@@ -236,9 +287,17 @@ def parse_calibration(obj: Any, where: str = "calibration") -> Calibration:
                 _get(p, "expected_experts", float, pw),
             )
         )
-    bw = _get(obj, "bandwidth_Bps", float, where)
-    if bw <= 0:
-        raise CalibrationError(f"{where}: bandwidth_Bps must be > 0, got {bw}")
+    bw = None
+    if obj.get("bandwidth_Bps") is not None or "bandwidth_Bps" not in obj:
+        bw = _get(obj, "bandwidth_Bps", float, where)
+        if bw <= 0:
+            raise CalibrationError(f"{where}: bandwidth_Bps must be > 0, got {bw}")
+    link = None
+    if obj.get("link") is not None:
+        try:
+            link = parse_link(obj["link"], f"{where}: link", _get)
+        except PlanError as exc:
+            raise CalibrationError(str(exc)) from None
     optional = {k: obj.get(k) for k in ("network", "hardware")}
     for k, v in optional.items():
         if v is not None and not isinstance(v, str):
@@ -264,6 +323,7 @@ def parse_calibration(obj: Any, where: str = "calibration") -> Calibration:
         cache_skew=_get(obj, "cache_skew", float, where)
         if obj.get("cache_skew") is not None
         else None,
+        link=link,
     )
 
 

@@ -15,6 +15,7 @@ from ...proto.records import KEEPALIVES
 from . import presets
 from . import expert_cache as cache_model
 from . import race as race_model
+from .link import MEASURED
 from .calibration import (
     Calibration,
     _load_json,
@@ -34,6 +35,7 @@ from .perfmodel import (
     HardwareSpec,
     ModelSpec,
     NetworkSpec,
+    TRANSPORTS,
     PlanError,
     estimate,
     requantized,
@@ -71,7 +73,9 @@ def add_arguments(p) -> None:
         "--network",
         metavar="PRESET[,PRESET]",
         help=f"network preset(s), comma-separated (default {DEFAULT_NETWORK}): "
-        + ", ".join(presets.NETWORKS),
+        + ", ".join(presets.NETWORKS)
+        + "; or measured: the link of a --calibration from `moe-cluster bench link` (the default "
+        "with one)",
     )
     p.add_argument(
         "--nodes", metavar="N[,N]", help=f"node counts, comma-separated (default {DEFAULT_NODES})"
@@ -180,6 +184,13 @@ def add_arguments(p) -> None:
         help="with --race: "
         + ", ".join(race_model.LINKS)
         + " or any network preset (default all three)",
+    )
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="envoy",
+        help="ours' collective: the envoy (transport: envoy, the default) or mx.distributed "
+        "(transport: mlx); with --race mlx-lm's strategies always run over mx.distributed",
     )
     p.add_argument(
         "--streams",
@@ -308,6 +319,7 @@ class Settings:
     memory_fraction: float = 0.75
     batch: int = 1
     price_per_node_usd: float | None = None
+    transport: str = "envoy"
 
 
 def replicas_per_node(model: ModelSpec, hardware: HardwareSpec, nodes: int, s: Settings) -> int:
@@ -410,6 +422,19 @@ def make_plan(
             if calibration is not None:
                 apply = calibration.network in (None, net.name)
                 overheads = calibration.overheads(apply_collective=apply)
+                if net.name == MEASURED and calibration.link is not None:
+                    # the all-reduce measured for a step of this batch, its bytes included, and
+                    # the wait beyond it a bench fitted (Calibration.with_link)
+                    measured = calibration.link.collective_s(settings.transport, settings.batch)
+                    if measured is None:
+                        raise PlanError(
+                            f"the calibration's link has no {settings.transport} all-reduce "
+                            "measured (bench link --transports)"
+                        )
+                    wait = calibration.collective_base_s or 0.0  # the nodes waiting for each other
+                    overheads = replace(
+                        overheads, collective_base_s=measured + wait, collective_per_node_s=0.0
+                    )
             row = estimate(
                 model,
                 hardware,
@@ -422,6 +447,7 @@ def make_plan(
                 price_per_node_usd=settings.price_per_node_usd,
                 batch=settings.batch,
                 token_experts_per_layer=per_token,
+                transport=settings.transport,
                 **({"overheads": overheads} if overheads is not None else {}),
             )
             rows.append(
@@ -452,8 +478,10 @@ def _s(x: float) -> str:
 
 def _describe_network(n: NetworkSpec) -> str:
     return (
-        f"{n.name}: wire {n.wire_latency_s * 1e6:g} us + stack {n.stack_s * 1e6:g} us per MoE layer, "
-        f"{n.bandwidth_Bps / 1e9:g} GB/s"
+        f"{n.name}: wire {n.wire_latency_s * 1e6:.3g} us + stack {n.stack_s * 1e6:.3g} us per "
+        "MoE layer (envoy"
+        + (f"; mx.distributed {n.mlx_stack_s * 1e6:.3g} us" if n.mlx_stack_s is not None else "")
+        + f"), {n.bandwidth_Bps / 1e9:.3g} GB/s"
         + (f", NIC {n.price_per_node_usd:g} USD/node" if n.price_per_node_usd else "")
     )
 
@@ -484,8 +512,12 @@ def render_table(
     ]
     if calibration is not None:
         lines.append(
-            f"calibrated from {calibration.model}: BW_eff {calibration.bandwidth_Bps / 1e9:.1f} GB/s, "
-            f"{calibration.layer_overhead_s * 1e6:.1f} us/layer fixed"
+            (
+                f"calibrated from {calibration.model}: BW_eff {calibration.bandwidth_Bps / 1e9:.1f} "
+                f"GB/s, {calibration.layer_overhead_s * 1e6:.1f} us/layer fixed"
+                if calibration.bandwidth_Bps is not None
+                else "calibrated: compute from the hardware preset"
+            )
             + (
                 f", collective {calibration.collective_base_s * 1e6:.0f} us/layer at 2 nodes "
                 f"+ {calibration.collective_per_node_s * 1e6:.0f} us per extra node"
@@ -659,12 +691,10 @@ def main(args) -> int:
     group_size = int(_number(args.group_size, "--group-size", positive=True))
     model, checkpoint_bytes = load_model(args.model, bits, group_size)
     hardware = presets.hardware_preset(args.hardware or DEFAULT_HARDWARE)
-    networks = [
-        presets.network_preset(n.strip()) for n in (args.network or DEFAULT_NETWORK).split(",")
-    ]
+    networks = _networks(args.network, calibration)
     stack = _number(args.stack_latency, "--stack-latency")
     if stack is not None:
-        networks = [replace(n, stack_s=stack) for n in networks]
+        networks = [n.with_stack(stack) for n in networks]
     if calibration is not None and calibration.hardware and calibration.hardware != hardware.name:
         logger.warning(
             "calibration was fitted on %s; planning for %s", calibration.hardware, hardware.name
@@ -683,6 +713,7 @@ def main(args) -> int:
         batch=int(batch),
         memory_fraction=_number(args.memory_fraction, "--memory-fraction", positive=True),
         price_per_node_usd=_number(args.price_per_node, "--price-per-node", positive=True),
+        transport=args.transport,
     )
     if settings.memory_fraction > 1:
         raise PlanError(f"--memory-fraction: {args.memory_fraction!r} must be at most 1")
@@ -747,6 +778,24 @@ def main(args) -> int:
         if args.plot:
             print(f"plot: {args.plot}")
     return 0
+
+
+def _networks(names: str | None, calibration: Calibration | None) -> list[NetworkSpec]:
+    """--network's presets; `measured` is the link of a calibration from `bench link`, and the
+    default where the calibration has one."""
+    measured = calibration.link.network() if calibration and calibration.link else None
+    out = []
+    for name in (names or (MEASURED if measured else DEFAULT_NETWORK)).split(","):
+        name = name.strip()
+        if name == MEASURED:
+            if measured is None:
+                raise PlanError(
+                    "--network measured needs --calibration FILE written by `moe-cluster bench link`"
+                )
+            out.append(measured)
+        else:
+            out.append(presets.network_preset(name))
+    return out
 
 
 def _race(args) -> int:

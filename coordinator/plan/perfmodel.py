@@ -23,6 +23,8 @@ logger = logging.getLogger(__name__)
 # Table 1 (a): comm data per token = D_embed × 4 × layers × precision. The paper's factor 4 covers
 # sending the partial sum and receiving the reduced one in both directions of the link.
 COMM_FACTOR = 4
+# the collectives a cluster can run over: the envoy, and mx.distributed
+TRANSPORTS = ("envoy", "mlx")
 
 
 class PlanError(UserError):
@@ -163,18 +165,46 @@ class HardwareSpec:
 @dataclass(frozen=True)
 class NetworkSpec:
     """The link between nodes: the wire (latency, bandwidth) apart from the software stack's
-    per-layer cost (the paper's 1 ms per layer on 10 GbE is mostly its gRPC/TCP stack)."""
+    per-layer cost (the paper's 1 ms per layer on 10 GbE is mostly its gRPC/TCP stack), which
+    depends on the transport: the envoy's (`transport: envoy`) or mx.distributed's (`transport:
+    mlx`, and mlx-lm's own pipeline and tensor parallelism)."""
 
     name: str
     wire_latency_s: float  # one all-reduce's time on the wire, seconds
     bandwidth_Bps: float  # bytes/s
-    stack_s: float  # software stack cost per MoE-layer all-reduce, seconds
+    stack_s: float  # the envoy's software stack cost per MoE-layer all-reduce, seconds
     price_per_node_usd: float = 0.0  # NIC per node
     note: str = ""
+    mlx_stack_s: float | None = None  # mx.distributed's stack cost; None: stack_s
+
+    def stack(self, transport: str = "envoy") -> float:
+        if transport not in TRANSPORTS:
+            raise PlanError(f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
+        return (
+            self.stack_s if transport == "envoy" or self.mlx_stack_s is None else self.mlx_stack_s
+        )
+
+    def latency_s(self, transport: str = "envoy") -> float:
+        """One collective's fixed cost over `transport`: the wire and that transport's stack."""
+        return self.wire_latency_s + self.stack(transport)
 
     @property
     def latency_per_layer_s(self) -> float:
-        return self.wire_latency_s + self.stack_s
+        return self.latency_s("envoy")
+
+    def scaled(self, factor: float) -> "NetworkSpec":
+        """The same link with every cost `factor` times higher: latencies times it, bandwidth over it."""
+        return replace(
+            self,
+            wire_latency_s=self.wire_latency_s * factor,
+            bandwidth_Bps=self.bandwidth_Bps / factor,
+            stack_s=self.stack_s * factor,
+            mlx_stack_s=None if self.mlx_stack_s is None else self.mlx_stack_s * factor,
+        )
+
+    def with_stack(self, seconds: float) -> "NetworkSpec":
+        """The same wire with every transport's stack replaced (`--stack-latency`)."""
+        return replace(self, stack_s=seconds, mlx_stack_s=None)
 
 
 @dataclass(frozen=True)
@@ -264,6 +294,7 @@ def estimate(
     overheads: Overheads = Overheads(),
     batch: int = 1,
     token_experts_per_layer: Sequence[float] | None = None,
+    transport: str = "envoy",
 ) -> Estimate:
     """Eq. 1 for one node count; with `batch` sequences decoded together, for one step of them all.
 
@@ -282,6 +313,7 @@ def estimate(
             tokens_per_s is the aggregate, B / step time.
         token_experts_per_layer: E at batch 1 (FLOPs: each token multiplies through its own
             experts); default `experts_per_layer`.
+        transport: the collective's (`envoy` or `mlx`): whose stack the network charges.
     """
     if nodes < 1:
         raise PlanError(f"node count must be at least 1 (got {nodes})")
@@ -324,10 +356,12 @@ def estimate(
         transfer_s = batch * model.comm_bytes / network.bandwidth_Bps
         collective = overheads.collective_s(nodes)
         if collective is None:
-            latency_s = network.latency_per_layer_s * model.moe_layers
+            latency_s = network.latency_s(transport) * model.moe_layers
         else:
-            # The measured collective includes the data transfer; keep the columns adding up.
-            latency_s = max(0.0, collective * model.moe_layers - transfer_s)
+            # The measured collective includes the data transfer; keep the columns adding up to it
+            # (Table 1's comm bytes count four payloads a layer: more than a measured one moves).
+            transfer_s = min(transfer_s, collective * model.moe_layers)
+            latency_s = collective * model.moe_layers - transfer_s
     time_s = max(load_s, compute_s) + overhead_s + latency_s + transfer_s
 
     if expert_slots is None:

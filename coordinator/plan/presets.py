@@ -8,6 +8,8 @@ is bound by memory bandwidth, so they rarely matter.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .perfmodel import CacheSpec, HardwareSpec, ModelSpec, NetworkSpec, PlanError
 
 GiB = 1 << 30
@@ -285,6 +287,44 @@ HARDWARE = {
 
 # --- networks -------------------------------------------------------------------------------
 
+
+@dataclass(frozen=True)
+class StackMeasurement:
+    """This product's own all-reduce as `moe-cluster bench allreduce` measured it over TCP loopback
+    (2 nodes, 1 token of hidden 6144 in bfloat16, p50): the software stack each link preset adds to
+    its wire, per transport. Loopback has no wire, so the figure is the stack alone: the node's and
+    the envoy's (or mx.distributed's) work and the kernel's TCP on both ends. `file` is under
+    docs/bench/; tests/unit/test_presets_measured.py fails when the newest measurement there
+    differs from these figures by more than 2x."""
+
+    file: str
+    host: str  # the host class it was measured on
+    date: str  # ISO date of the measurement
+    envoy_s: (
+        float  # seconds, `transport: envoy` (the node's own exchange over the envoy's channels)
+    )
+    mlx_s: float  # seconds, `transport: mlx` on its ring backend (mx.distributed over TCP)
+
+    def says(self) -> str:
+        return (
+            f"this product's all-reduce (2 nodes, 1 token) measured by `bench allreduce` on a "
+            f"{self.host}, {self.date}: envoy {self.envoy_s * 1e6:.0f} us, mx.distributed's ring "
+            f"{self.mlx_s * 1e6:.0f} us (docs/bench/{self.file})"
+        )
+
+
+STACK = StackMeasurement(
+    file="allreduce-2vcpu-2026-12-06.json",
+    host="2-vCPU x86-64 VM shared with other test runs",
+    date="2026-12-06",
+    envoy_s=86.2e-6,
+    mlx_s=165.3e-6,
+)
+
+# JACCL (mx.distributed's RDMA backend over Thunderbolt 5, macOS 26.2+): "under 50 us" an
+# all-reduce as reported with Apple TN3205; not measured here (no Mac).
+JACCL_S = 49e-6
+
 NETWORKS = {
     n.name: n
     for n in (
@@ -292,26 +332,40 @@ NETWORKS = {
             "10gbe",
             5e-6,
             10e9 / 8,
-            1e-3 - 5e-6,
+            STACK.envoy_s,
             0.0,
-            "built-in 10 Gigabit Ethernet; stack = the paper's measured 1 ms per layer (gRPC over TCP) "
-            "less the wire",
+            "built-in 10 Gigabit Ethernet through a switch: wire ~5 us (10GBASE-T PHYs and a "
+            "switch, published), 10 Gb/s; stack: " + STACK.says(),
+            mlx_stack_s=STACK.mlx_s,
         ),
         NetworkSpec(
             "tb5",
             1e-6,
             80e9 / 8,
-            300e-6,
+            STACK.envoy_s,
             0.0,
-            "TCP/IP over Thunderbolt 5 (80 Gb/s); stack ~300 us as reported for TCP with Apple TN3205",
+            "TCP/IP over a Thunderbolt 5 cable (80 Gb/s, ~1 us, published); stack: " + STACK.says(),
+            mlx_stack_s=STACK.mlx_s,
         ),
         NetworkSpec(
             "tb5-rdma",
             1e-6,
             80e9 / 8,
-            49e-6,
+            STACK.envoy_s,
             0.0,
-            "RDMA over Thunderbolt 5 (macOS 26.2+, MLX JACCL); under 50 us as reported with TN3205",
+            "Thunderbolt 5: mx.distributed's JACCL RDMA (macOS 26.2+) 49 us an all-reduce, wire "
+            "included, as reported with Apple TN3205 (not measured here); the envoy runs TCP over "
+            "the same cable: " + STACK.says(),
+            mlx_stack_s=JACCL_S - 1e-6,
+        ),
+        NetworkSpec(
+            "paper-10gbe",
+            5e-6,
+            10e9 / 8,
+            1e-3 - 5e-6,
+            0.0,
+            "10 Gigabit Ethernet as Chen et al. measured it: 1 ms per layer (their gRPC over TCP) "
+            "less the wire; Table 6 of the paper comes out of it",
         ),
         NetworkSpec(
             "rocev2",
@@ -331,12 +385,12 @@ NETWORKS = {
         ),
         NetworkSpec(
             "loopback",
-            1e-6,
-            10e9,
-            260e-6,
             0.0,
-            "nodes on one host over TCP loopback; stack = this project's envoy, 260 us per 2-node "
-            "all-reduce measured by `bench allreduce` on 16 idle cores",
+            10e9,
+            STACK.envoy_s,
+            0.0,
+            "nodes on one host over TCP loopback (no wire); stack: " + STACK.says(),
+            mlx_stack_s=STACK.mlx_s,
         ),
     )
 }

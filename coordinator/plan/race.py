@@ -14,9 +14,11 @@ Per decode step of B tokens (B = 1 at batch 1), on N nodes, each strategy pays w
 - tensor: every node reads 1/N of every active byte at the same time, plus two all-reduces per
   decoder layer (after attention and after the MLP).
 
-A collective or hop costs the link's latency (wire + software stack, or the calibrated collective)
-plus its bytes (B × hidden × activation bytes) over the link's bandwidth; it is paid once per step
-whatever B is, which is how batching spreads it until the step is bound by bandwidth or compute.
+A collective or hop costs the link's latency (wire + the transport's software stack, or the
+calibrated collective) plus its bytes (B × hidden × activation bytes) over the link's bandwidth; it
+is paid once per step whatever B is, which is how batching spreads it until the step is bound by
+bandwidth or compute. mlx-lm's strategies run over mx.distributed (`mlx`); ours and by-stream over
+the envoy (`transport: envoy`, the default) or over mx.distributed (`transport: mlx`), as chosen.
 
 Calibrated (`plan --check-against`), a layer also costs a fixed time (launches) and, per token of
 the batch, its attention and router (every node under expert parallelism and in the pipeline, 1/N of
@@ -28,9 +30,10 @@ Everything here is pure arithmetic on the frozen records of perfmodel.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
-from .perfmodel import HardwareSpec, ModelSpec, NetworkSpec, Overheads, PlanError
+from .perfmodel import TRANSPORTS, HardwareSpec, ModelSpec, NetworkSpec, Overheads, PlanError
 
 STRATEGIES = ("ours", "by-stream", "pipeline", "tensor")
 # `--link` names a Mac owner knows, onto the network presets
@@ -54,6 +57,7 @@ class RacePoint:
     tokens_per_s: float  # all `batch` streams together
     memory_per_node_bytes: int
     fits: bool
+    transport: str = "mlx"  # the collective it runs over: mlx-lm's is mx.distributed
 
     def to_json(self) -> dict:
         return dict(vars(self))
@@ -86,14 +90,19 @@ def _flops(model: ModelSpec, experts_per_token: float | list[float], batch: int)
 
 
 def collective_s(
-    network: NetworkSpec, overheads: Overheads, nodes: int, payload_bytes: float
+    network: NetworkSpec,
+    overheads: Overheads,
+    nodes: int,
+    payload_bytes: float,
+    transport: str = "envoy",
 ) -> float:
     """One all-reduce (or hop) of `payload_bytes`: the calibrated collective where there is one
-    (it includes its bytes), else the link's latency plus the bytes over its bandwidth."""
+    (it includes its bytes), else the link's latency over `transport` plus the bytes over its
+    bandwidth."""
     measured = overheads.collective_s(nodes)
     if measured is not None:
         return measured
-    return network.latency_per_layer_s + payload_bytes / network.bandwidth_Bps
+    return network.latency_s(transport) + payload_bytes / network.bandwidth_Bps
 
 
 def race_point(
@@ -108,10 +117,13 @@ def race_point(
     distinct_experts: float | list[float],
     overheads: Overheads = Overheads(),
     memory_fraction: float = 0.75,
+    transport: str = "envoy",
 ) -> RacePoint:
     """One strategy's step of `batch` tokens on `nodes` nodes.
 
     Args:
+        transport: the collective ours runs over (`envoy` or `mlx`); mlx-lm's strategies always
+            run over mx.distributed.
         ours_experts: E_B per MoE layer, the distinct experts the busiest node computes for the
             batch under expert parallelism (plan/expected.py).
         distinct_experts: the distinct experts the batch selects per MoE layer on one device
@@ -122,8 +134,12 @@ def race_point(
     if nodes < 1 or batch < 1:
         raise PlanError(f"nodes ({nodes}) and batch ({batch}) must be at least 1")
     bandwidth = overheads.bandwidth_Bps or hardware.bandwidth_Bps
+    if transport not in TRANSPORTS:
+        raise PlanError(f"unknown transport {transport!r}; choose from {', '.join(TRANSPORTS)}")
+    if strategy not in ("ours", "by-stream"):
+        transport = "mlx"
     payload = batch * model.hidden * model.act_bytes  # bytes, one hidden state per token
-    one = collective_s(network, overheads, nodes, payload) if nodes > 1 else 0.0
+    one = collective_s(network, overheads, nodes, payload, transport) if nodes > 1 else 0.0
     every = active_bytes(model, distinct_experts)
     per_token_k = float(model.top_k)  # FLOPs: each token multiplies through its own k experts
     # per token per layer: (attention's share, expert passes, ours' own work); see the docstring
@@ -180,6 +196,7 @@ def race_point(
         batch / time_s,
         int(memory),
         memory <= hardware.memory_bytes * memory_fraction,
+        transport,
     )
 
 
@@ -189,6 +206,65 @@ def winner(points: list[RacePoint]) -> RacePoint:
     return max(fitting, key=lambda p: p.tokens_per_s)
 
 
+def lead(points: list[RacePoint]) -> tuple[RacePoint, float]:
+    """The winner and how many times faster it is than the next strategy (inf: the only one that
+    fits)."""
+    best = winner(points)
+    rest = [p for p in points if p is not best and (p.fits or not best.fits)]
+    if not rest:
+        return best, float("inf")
+    return best, best.tokens_per_s / max(p.tokens_per_s for p in rest)
+
+
+LINK_FACTORS = (2.0, 0.5)  # how `plan --race` tests its advice: the link's cost 2x higher, 2x lower
+
+
+def link_sensitivity(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    network: NetworkSpec,
+    nodes: int,
+    batch: int,
+    *,
+    overheads: Overheads = Overheads(),
+    memory_fraction: float = 0.75,
+    transport: str = "envoy",
+) -> dict[float, tuple[RacePoint, float]]:
+    """{factor: (winner, its lead)} with every cost of the link (latencies, the inverse bandwidth,
+    a calibrated collective) `factor` times what it is: whether the advice holds if the link is
+    not what the plan assumed."""
+    ours, distinct = expected_batch(model, nodes, batch)
+    out = {}
+    for f in LINK_FACTORS:
+        net = network.scaled(f)
+        over = overheads
+        if overheads.collective_base_s is not None:
+            over = replace(
+                overheads,
+                collective_base_s=overheads.collective_base_s * f,
+                collective_per_node_s=overheads.collective_per_node_s * f,
+            )
+        pts = [
+            race_point(
+                s,
+                model,
+                hardware,
+                net,
+                nodes,
+                batch,
+                ours_experts=ours,
+                distinct_experts=distinct,
+                overheads=over,
+                memory_fraction=memory_fraction,
+                transport=transport,
+            )
+            for s in STRATEGIES
+        ]
+        out[f] = lead(pts)
+    return out
+
+
+@functools.lru_cache(maxsize=256)  # pure, and a Monte-Carlo estimate at N > 1: the race asks again
 def expected_batch(model: ModelSpec, nodes: int, batch: int) -> tuple[float, float]:
     """(E_B of the busiest node under an even split, distinct experts of the batch on one device),
     per MoE layer, uniform routing."""
@@ -217,8 +293,10 @@ def race(
     *,
     overheads: Overheads = Overheads(),
     memory_fraction: float = 0.75,
+    transport: str = "envoy",
 ) -> list[RacePoint]:
-    """Every strategy at every node count and batch (node counts > 1; one node races nobody)."""
+    """Every strategy at every node count and batch (node counts > 1; one node races nobody);
+    ours over `transport`."""
     out = []
     for n in nodes:
         for b in batches:
@@ -235,6 +313,7 @@ def race(
                     distinct_experts=distinct,
                     overheads=overheads,
                     memory_fraction=memory_fraction,
+                    transport=transport,
                 )
                 for s in STRATEGIES
             ]
@@ -288,7 +367,7 @@ def predict_row(
     **token_costs: float,
 ) -> RacePoint:
     """`row`'s step as the model has it; `token_costs`: Overheads' token_* fields."""
-    strategy = row_strategy(row.name, row.batch)
+    strategy, transport = row_strategy(row.name, row.batch), ROW_STRATEGY[row.name][1]
     ours, distinct = expected_batch(model, row.nodes, row.batch)
     over = Overheads(
         bandwidth_Bps=bandwidth_Bps,
@@ -306,6 +385,7 @@ def predict_row(
         ours_experts=ours,
         distinct_experts=distinct,
         overheads=over,
+        transport=transport,
     )
 
 

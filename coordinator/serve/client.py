@@ -98,6 +98,27 @@ class NodeClient:
         )
         return convert.probe_reply_from_proto(msg)
 
+    async def link_listen(self, timeout: float = RPC_TIMEOUT_S):
+        """A listener on this node for one link probe (proto/link.py LinkListen)."""
+        msg = await self._stub.LinkListen(
+            convert.link_listen_request_to_proto(), timeout=timeout, metadata=self._metadata
+        )
+        return convert.link_listen_from_proto(msg)
+
+    async def link_probe(self, spec, timeout: float):
+        """Round trips and a transfer from this node to a peer's listener (LinkProbeResult)."""
+        msg = await self._stub.LinkProbe(
+            convert.link_probe_request_to_proto(spec), timeout=timeout, metadata=self._metadata
+        )
+        return convert.link_probe_reply_from_proto(msg)
+
+    async def link_allreduce(self, spec, timeout: float):
+        """This node's all-reduce timings among the nodes over spec.transport."""
+        msg = await self._stub.LinkAllReduce(
+            convert.link_allreduce_request_to_proto(spec), timeout=timeout, metadata=self._metadata
+        )
+        return convert.link_allreduce_reply_from_proto(msg)
+
     async def shutdown(self, grace_s: float = 1.0, timeout: float = RPC_TIMEOUT_S) -> None:
         await self._stub.Shutdown(
             convert.shutdown_request_to_proto(grace_s), timeout=timeout, metadata=self._metadata

@@ -255,6 +255,27 @@ class Cluster:
         if outcome.error:
             raise error_for(outcome.error.kind, f"warm-up step failed: {outcome.error}")
 
+    async def time_allreduce(self, tokens: int = 16) -> tuple[float, float, int] | None:
+        """A short request through every node once loaded (as the warm-up's): (seconds its decode
+        steps waited per MoE-layer all-reduce on rank 0, its decode tok/s, MoE layers); None
+        where it had no decode step to time."""
+        from ...proto.records import Sampling
+
+        req = GenerateRequest(
+            f"allreduce-{uuid.uuid4().hex[:8]}", (0,), Sampling(max_tokens=tokens)
+        )
+        outcome = Outcome()
+        async for _ in self._run(req, outcome):
+            pass
+        d = outcome.done
+        if outcome.error or d is None:
+            return None
+        steps, layers = d.counters.get("decode_steps", 0.0), int(d.counters.get("moe_layers", 0))
+        if not steps or not layers or not d.timings.generation_s:
+            return None
+        tps = max(len(outcome.tokens) - 1, 1) / d.timings.generation_s
+        return d.timings.collective_s / (steps * layers), tps, layers
+
     async def _refresh(self, m: Member) -> None:
         try:
             s = await m.client.status()

@@ -136,7 +136,7 @@ def _read_profile(path: str, base: Path):
     return parse_profile(data, str(p))
 
 
-async def _remote_members(c: ClusterConfig) -> list[tuple[str, str, str]]:
+async def remote_members(c: ClusterConfig) -> list[tuple[str, str, str]]:
     """(name, agent address, node host) of every configured node: static or found by mDNS."""
     out, wanted = [], [n.name for n in c.nodes if not n.address]
     seen = {}
@@ -260,6 +260,7 @@ class Up:
         await self.load(members)
         if c.verify and len(members) > 1:
             await self.verify(members)
+        await self.say_allreduce(members)
         self.cluster.start_monitor()
         await self.serve_api(members)
 
@@ -371,7 +372,7 @@ class Up:
             file=sys.stderr,
             flush=True,
         )
-        found = await _remote_members(c)
+        found = await remote_members(c)
         return found, [n.envoy_port or DEFAULT_ENVOY_PORT for n in c.nodes]
 
     async def meet(self, found: list[tuple[str, str, str]]) -> list[Member]:
@@ -519,6 +520,33 @@ class Up:
                 file=sys.stderr,
                 flush=True,
             )
+
+    async def say_allreduce(self, members: list[Member]) -> None:
+        """Once loaded: the all-reduce per MoE layer a short decode paid over this cluster's own
+        link, and the tok/s it leaves room for (`moe-cluster bench link` measures the link alone)."""
+        if len(members) < 2:
+            return
+        got = await self.cluster.time_allreduce()
+        if got is None:
+            return
+        per_layer, tps, layers = got
+        if per_layer <= 0:  # mx.distributed's all-gather runs inside the step's graph, untimed
+            print(
+                f"all-reduce per MoE layer: not timed apart over transport {self.c.transport} "
+                f"(decode {tps:.1f} tok/s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        per_token = per_layer * layers
+        print(
+            f"all-reduce per MoE layer: {per_layer * 1e6:.0f} µs over transport "
+            f"{self.c.transport} ({layers} MoE layers: {per_token * 1e3:.2f} ms a token, "
+            f"{min(per_token * tps, 1.0):.0%} of a {tps:.1f} tok/s decode; the all-reduces alone "
+            f"allow {1 / per_token:.0f} tok/s at batch 1)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     async def serve_api(self, members: list[Member]) -> None:
         """The HTTP API on cluster.yaml's `api`, its URL recorded for `down` and `status`."""

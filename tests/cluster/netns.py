@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from contextlib import contextmanager
 
 # One /24 per test process: two runs at once on one machine (several worktrees, CI beside a developer)
@@ -128,6 +129,37 @@ def hosts(names: list[str]):
             subprocess.run(["ip", "link", "del", link], capture_output=True)
         for ns in reversed(made):
             _remove(ns)
+
+
+def agent(ns: str, name: str, log, env: dict, port: int = 7700) -> subprocess.Popen:
+    """`moe-cluster node NAME` in namespace `ns` on `port`, no mDNS, its output to `log`."""
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "moe_cluster.coordinator.cli", "node"]
+    cmd += ["--name", name, "--host", "0.0.0.0", "--port", str(port), "--no-mdns"]
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def wait_ready(logs: list, timeout: float = 90.0) -> None:
+    """Until every agent's log (a path) says it is ready, at most `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not all("ready on port" in open(p).read() for p in logs):
+        if time.monotonic() > deadline:
+            raise AssertionError("agents not ready:\n" + "".join(open(p).read() for p in logs))
+        time.sleep(0.2)
+
+
+def shape(ns: str, rate_bps: int, burst_bytes: int = 4096, dev: str = "eth0") -> None:
+    """A token bucket (tc's tbf) on what `ns` sends through `dev`: `rate_bps` bits/s on average,
+    bursts of `burst_bytes`. It limits the rate, not each packet (netem, which delays packets, is
+    not in this kernel): a packet after a pause passes at once."""
+    subprocess.run(
+        ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf"]
+        + ["rate", f"{rate_bps}bit", "burst", str(burst_bytes), "latency", "500ms"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
 
 
 def stop(*procs: subprocess.Popen) -> None:

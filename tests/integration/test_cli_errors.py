@@ -31,6 +31,15 @@ def test_a_soak_that_would_kill_nothing_is_a_user_error():
     assert_one_line_error(r, "moe-cluster bench: error: --kill-every 60 s is longer than the soak")
 
 
+def test_bench_link_on_nodes_it_would_start_itself_is_a_user_error():
+    """bench link measures running node agents: the README's local demo cluster.yaml has none."""
+    from pathlib import Path
+
+    demo = Path(__file__).resolve().parents[2] / "cluster.yaml"
+    r = cli("bench", "link", str(demo))
+    assert_one_line_error(r, "moe-cluster bench: error:", "needs launch: remote")
+
+
 def test_no_running_cluster_is_a_user_error(tmp_path):
     import os
 

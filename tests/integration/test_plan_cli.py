@@ -74,7 +74,7 @@ def plan_json(*args: str) -> dict:
 
 
 def test_table_6_reproduced():
-    rows = plan_json(*PAPER, "--network", "10gbe")["rows"]
+    rows = plan_json(*PAPER, "--network", "paper-10gbe")["rows"]
     assert [r["nodes"] for r in rows] == [2, 3, 4, 6, 8]
     for r in rows:
         assert ROW_KEYS <= set(r)
@@ -101,7 +101,7 @@ def test_rocev2_two_nodes_about_16():
 
 
 def test_table_text_output():
-    r = plan(*PAPER, "--network", "10gbe,rocev2")
+    r = plan(*PAPER, "--network", "paper-10gbe,rocev2")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     two = [l.split() for l in lines if l.strip().startswith("2 ")]
@@ -238,7 +238,7 @@ def test_calibrate_then_plan_with_it(tmp_path):
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "fig8.png"
-    r = plan(*PAPER, "--network", "10gbe,rocev2,infiniband", "--plot", str(png))
+    r = plan(*PAPER, "--network", "paper-10gbe,rocev2,infiniband", "--plot", str(png))
     assert r.returncode == 0, r.stderr
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000

@@ -34,8 +34,11 @@ def test_plan_race_prints_every_strategy_per_link_nodes_and_streams():
         for link in ("10gbe", "tb5-rdma")
         for n in (2, 4)
         for b in (1, 8)
-        for s in ("ours", "pipeline", "tensor")
+        for s in ("ours", "by-stream", "pipeline", "tensor")
     }
+    # beside each winner: who would win were the link's cost 2x or 0.5x
+    moved = {(m["link"], m["nodes"], m["batch"], m["link_cost_factor"]) for m in out["sensitivity"]}
+    assert moved == {(k[0], k[1], k[2], f) for k in keys for f in (2.0, 0.5)}
     table = cli(
         "plan",
         "--model",
@@ -53,6 +56,8 @@ def test_plan_race_prints_every_strategy_per_link_nodes_and_streams():
         "race (predicted)" in table.stdout
         and "link tb-ip" in table.stdout
         and "winner" in table.stdout
+        and "link x2" in table.stdout
+        and "link x0.5" in table.stdout
     )
 
 

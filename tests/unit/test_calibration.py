@@ -203,3 +203,62 @@ def test_each_point_is_also_predicted_from_a_fit_without_it():
     assert [p["held_out_error"] for p in two["points"]] == [None, None] and two[
         "max_abs_held_out_error"
     ] is None
+
+
+def _link():
+    from moe_cluster.coordinator.plan.link import AllReduce, LinkFit, RoundTrip, Transfer
+
+    return LinkFit(
+        ("a", "b"),
+        hidden=1000,
+        act_bytes=2,
+        date="2026-12-06",
+        round_trips=(
+            RoundTrip("a", "b", 2000, 60e-6, 50e-6),
+            RoundTrip("b", "a", 2000, 70e-6, 50e-6),
+            RoundTrip("a", "b", 64000, 200e-6, 150e-6),
+        ),
+        transfers=(Transfer("a", "b", 10**9, 1.0), Transfer("b", "a", 10**9, 2.0)),
+        allreduce=(
+            AllReduce("envoy", 1, 100e-6, 200e-6),
+            AllReduce("envoy", 32, 410e-6, 900e-6),
+            AllReduce("mlx", 1, 150e-6, 300e-6),
+        ),
+    )
+
+
+def test_a_measured_link_is_a_network_whose_one_token_all_reduce_is_what_was_measured():
+    from moe_cluster.coordinator.plan.calibration import link_only
+
+    link = _link()
+    net = link.network()
+    assert net.name == "measured" and net.bandwidth_Bps == pytest.approx(
+        0.2e9
+    )  # 31 x 2 KB / 310 us
+    assert net.wire_latency_s == pytest.approx(
+        30e-6 - 2000 / 0.5e9
+    )  # half the fastest, its bytes out
+    for transport, want in (("envoy", 100e-6), ("mlx", 150e-6)):
+        assert net.latency_s(transport) + 2000 / net.bandwidth_Bps == pytest.approx(want)
+    assert link.collective_s("envoy", 8) == pytest.approx(100e-6 + 7 * 10e-6)
+    assert link.collective_s("mlx", 8) == pytest.approx(150e-6 + 7 * 2000 / 0.5e9)
+    cal = link_only(link)
+    back = parse_calibration(cal.to_json())
+    assert back == cal and back.bandwidth_Bps is None
+    bad = cal.to_json()
+    bad["link"]["allreduce"][0]["transport"] = "carrier-pigeon"
+    with pytest.raises(CalibrationError, match="carrier-pigeon"):
+        parse_calibration(bad)
+    bad["link"]["allreduce"][0] = {"transport": "envoy", "tokens": 1, "p50_s": 1e-4, "p99": 2}
+    with pytest.raises(CalibrationError, match="unknown field.*p99"):
+        parse_calibration(bad)
+
+
+def test_a_link_replaces_the_all_reduce_in_the_collective_a_bench_fitted():
+    cal = fit(parse_bench(bench()), network="10gbe")
+    with_link = cal.with_link(_link())
+    loopback = presets.network_preset("loopback").latency_s("envoy")
+    assert with_link.collective_base_s == pytest.approx(TRUTH["a"] - loopback)
+    assert with_link.bandwidth_Bps == cal.bandwidth_Bps and with_link.network == "measured"
+    assert any("waiting for each other" in n for n in with_link.notes)
+    assert parse_calibration(with_link.to_json()) == with_link

@@ -237,3 +237,17 @@ def test_readme_family_count_matches_the_generated_table():
     m = re.search(r"(\d+) of its (\d+)", (ROOT / "README.md").read_text())
     assert m, "README.md: the supported-families summary lost its count"
     assert (int(m[1]), int(m[2])) == (len(exact), len(rows))
+
+
+def test_the_which_to_pick_tables_are_the_race_over_the_presets():
+    """The README's "Which to pick" and docs/plan.md's copy of it, and plan.md's networks table,
+    are what coordinator/plan/tables.py makes from the presets today."""
+    from moe_cluster.coordinator.plan.tables import network_table, readme_table
+
+    readme, plan = (ROOT / "README.md").read_text(), (ROOT / "docs" / "plan.md").read_text()
+    table = "\n".join(readme_table())
+    for page, text in (("README.md", readme), ("docs/plan.md", plan)):
+        assert table in text, (
+            f"{page}: regenerate with python -m moe_cluster.coordinator.plan.tables"
+        )
+    assert "\n".join(network_table()) in plan, "docs/plan.md: the networks table is stale"

@@ -47,7 +47,7 @@ def m2():
 
 @pytest.mark.parametrize("nodes", sorted(TABLE_6))
 def test_table_6_rows(dbrx, m2, nodes):
-    row = estimate(dbrx, m2, presets.network_preset("10gbe"), nodes, [MEASURED_E[nodes]])
+    row = estimate(dbrx, m2, presets.network_preset("paper-10gbe"), nodes, [MEASURED_E[nodes]])
     load, compute, latency, transfer, time, tps = TABLE_6[nodes]
     assert row.load_s == pytest.approx(load, abs=0.001)
     if compute is None:
@@ -70,7 +70,7 @@ def test_table_1_inputs(dbrx, m2):
     assert dbrx.comm_bytes == 6144 * 4 * 40 * 2 == pytest.approx(2e6, rel=0.02)
     assert (dbrx.num_experts, dbrx.top_k, dbrx.layers, dbrx.moe_layers) == (16, 4, 40, 40)
     assert (m2.bandwidth_Bps, m2.flops, m2.price_usd) == (800e9, 54e12, 6599)
-    ten = presets.network_preset("10gbe")
+    ten = presets.network_preset("paper-10gbe")
     assert ten.latency_per_layer_s == pytest.approx(1e-3)
     assert ten.bandwidth_Bps == 1.25e9
     assert ten.stack_s > 100 * ten.wire_latency_s  # the 1 ms is the software stack, not the wire
@@ -102,7 +102,7 @@ def test_rdma_nic_figures():
 
 
 def test_cost_efficiency_as_table_5(dbrx, m2):
-    row = estimate(dbrx, m2, presets.network_preset("10gbe"), 2, [2.65])
+    row = estimate(dbrx, m2, presets.network_preset("paper-10gbe"), 2, [2.65])
     assert row.price_per_node_usd == 6599
     assert row.tokens_per_s_per_usd == pytest.approx(row.tokens_per_s / (2 * 6599))
     # Table 5 divides the measured 5.9 tok/s by 2 x $6,599 (0.000447); the model's own figure is the
@@ -117,20 +117,20 @@ def test_cost_efficiency_as_table_5(dbrx, m2):
 
 
 def test_one_node_has_no_communication(dbrx, m2):
-    row = estimate(dbrx, m2, presets.network_preset("10gbe"), 1, [4])
+    row = estimate(dbrx, m2, presets.network_preset("paper-10gbe"), 1, [4])
     assert row.latency_s == row.transfer_s == 0
     assert row.time_s == pytest.approx((7e9 + 4 * dbrx.expert_bytes) / 800e9)
 
 
 def test_compute_bound_when_flops_are_scarce(dbrx, m2):
     slow = replace(m2, flops=0.5e12)
-    row = estimate(dbrx, slow, presets.network_preset("10gbe"), 2, [2.65])
+    row = estimate(dbrx, slow, presets.network_preset("paper-10gbe"), 2, [2.65])
     assert row.compute_s > row.load_s
     assert row.time_s == pytest.approx(row.compute_s + row.latency_s + row.transfer_s)
 
 
 def test_memory_per_node_and_fit(dbrx, m2):
-    net = presets.network_preset("10gbe")
+    net = presets.network_preset("paper-10gbe")
     row = estimate(dbrx, m2, net, 2, [2.65])
     assert row.memory_per_node_bytes == dbrx.replicated_bytes + 8 * dbrx.expert_bytes
     assert row.fits  # the paper ran DBRX on 2 nodes
@@ -215,7 +215,7 @@ def test_per_layer_expected_experts_weigh_per_layer_bytes():
 
 def test_calibrated_overheads():
     dbrx = presets.model_preset("dbrx")
-    m2, net = presets.hardware_preset("m2-ultra-192"), presets.network_preset("10gbe")
+    m2, net = presets.hardware_preset("m2-ultra-192"), presets.network_preset("paper-10gbe")
     ov = Overheads(
         bandwidth_Bps=600e9,
         layer_overhead_s=1e-4,
@@ -254,7 +254,7 @@ def test_unknown_preset_names_the_value(kind, lookup):
 
 
 def test_bad_inputs(dbrx, m2):
-    net = presets.network_preset("10gbe")
+    net = presets.network_preset("paper-10gbe")
     with pytest.raises(PlanError, match=r"at least 1 \(got 0\)"):
         estimate(dbrx, m2, net, 0, [1.0])
     with pytest.raises(PlanError, match="3 expected-expert values for 40"):

@@ -85,18 +85,22 @@ def test_a_batch_pays_the_collectives_once_per_step():
 
 
 def test_qwen3_235b_on_mac_studios_the_link_decides():
-    """At batch 1 over 10GbE (1 ms per collective) 94 all-reduces lose to the pipeline's one hop;
-    over TB5 RDMA with 32 streams expert parallelism wins, by more on 4 nodes than on 2."""
+    """At batch 1 over the paper's 10GbE (1 ms of gRPC per collective) 94 all-reduces lose to the
+    pipeline's one hop; with this envoy's measured stack ours comes within reach of it; over TB5
+    RDMA with 32 streams expert parallelism wins, by more on 4 nodes than on 2."""
     model = requantized(presets.model_preset("qwen3-235b-a22b"), 4)
     hw = presets.hardware_preset("m3-ultra-256")
 
-    def tps(link, nodes, batch):
-        pts = race.race(model, hw, presets.network_preset(race.LINKS[link]), [nodes], [batch])
+    def tps(link, nodes, batch, transport="envoy"):
+        net = presets.network_preset(race.LINKS.get(link, link))
+        pts = race.race(model, hw, net, [nodes], [batch], transport=transport)
         return {p.strategy: p.tokens_per_s for p in pts}
 
-    slow = tps("10gbe", 2, 1)
-    assert slow["pipeline"] > 3 * slow["ours"] > 3 * slow["tensor"]
-    fast2, fast4 = tps("tb5-rdma", 2, 32), tps("tb5-rdma", 4, 32)
+    paper = tps("paper-10gbe", 2, 1)
+    assert paper["pipeline"] > 3 * paper["ours"]
+    ours = tps("10gbe", 2, 1)
+    assert 0.7 * ours["pipeline"] < ours["ours"] and ours["ours"] > 3 * paper["ours"]
+    fast2, fast4 = tps("tb5-rdma", 2, 32, "mlx"), tps("tb5-rdma", 4, 32, "mlx")
     assert (
         fast2["ours"] > 1.3 * fast2["pipeline"]
         and fast4["ours"] / fast4["pipeline"] > fast2["ours"] / fast2["pipeline"]
@@ -263,3 +267,33 @@ def test_check_split_recovers_costs_per_layer_and_per_token_and_carries_them_to_
     assert "one batch" in out["bandwidth_source"] and out["rows"][0]["miss"] == pytest.approx(0.0)
     out = race.check_split(m, HW, NET, rows[3:])
     assert "nothing fitted" in out["bandwidth_source"] and all(r["held_out"] for r in out["rows"])
+
+
+def test_each_transport_pays_its_own_stack_and_mlx_lm_always_mx_distributed():
+    net = NetworkSpec("net", 10e-6, 1e30, 100e-6, mlx_stack_s=300e-6)
+    m, one = _model(), dict(ours_experts=2.0, distinct_experts=2.0)
+    envoy = race.race_point("ours", m, HW, net, 2, 1, **one)
+    mlx = race.race_point("ours", m, HW, net, 2, 1, transport="mlx", **one)
+    tensor = race.race_point("tensor", m, HW, net, 2, 1, transport="envoy", **one)
+    assert envoy.comm_s == pytest.approx(4 * 110e-6) and envoy.transport == "envoy"
+    assert mlx.comm_s == pytest.approx(4 * 310e-6) and mlx.transport == "mlx"
+    assert tensor.transport == "mlx" and tensor.comm_s == pytest.approx(2 * 4 * 310e-6)
+
+
+def test_the_advice_says_how_it_moves_with_the_link_cost():
+    """Qwen3-235B at batch 1 on 2 M4 Max over 10GbE is close: a link twice as dear hands it to the
+    pipeline (one hop a token), one twice as cheap to a strategy that all-reduces."""
+    model = requantized(presets.model_preset("qwen3-235b-a22b"), 4)
+    hw, net = presets.hardware_preset("m4-max-128"), presets.network_preset("10gbe")
+    moved = race.link_sensitivity(model, hw, net, 2, 1)
+    assert set(moved) == {2.0, 0.5}
+    dear, cheap = moved[2.0][0], moved[0.5][0]
+    assert dear.strategy == "pipeline" and cheap.strategy != "pipeline"
+    assert (
+        dear.time_s
+        > race.race_point(
+            "pipeline", model, hw, net, 2, 1, ours_experts=8.0, distinct_experts=8.0
+        ).time_s
+    )
+    best, lead = race.lead(race.race(model, hw, net, [2], [1]))
+    assert lead > 1.0 and best.strategy in race.STRATEGIES
