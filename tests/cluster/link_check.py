@@ -9,7 +9,7 @@ collective that bench fitted over loopback, --requests completions of --tokens t
 on the cluster at once after, and `plan --calibration` predicts them: a shared machine's drift
 falls on both alike. One JSON object out (docs/bench/link-check-*.json).
 
-    sudo .venv/bin/python scripts/link_check.py --rate 16000000
+    sudo .venv/bin/python tests/cluster/link_check.py --rate 16000000
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "cluster"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import netns  # noqa: E402
 from cluster_fixture import cluster, http  # noqa: E402
@@ -121,7 +120,7 @@ def main() -> int:
     print(
         json.dumps(
             {
-                "command": "scripts/link_check.py " + " ".join(sys.argv[1:]),
+                "command": "tests/cluster/link_check.py " + " ".join(sys.argv[1:]),
                 "rate_bps": args.rate,
                 "link": link["link"],
                 "rounds": rounds,
