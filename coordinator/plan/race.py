@@ -118,6 +118,7 @@ def race_point(
     overheads: Overheads = Overheads(),
     memory_fraction: float = 0.75,
     transport: str = "envoy",
+    context: int = 0,
 ) -> RacePoint:
     """One strategy's step of `batch` tokens on `nodes` nodes.
 
@@ -128,6 +129,8 @@ def race_point(
             batch under expert parallelism (plan/expected.py).
         distinct_experts: the distinct experts the batch selects per MoE layer on one device
             (k at batch 1): what pipeline and tensor parallelism read.
+        context: tokens in each stream's KV cache: a step reads them (and a node holds them)
+            for the streams it attends for, which is where attention by stream saves.
     """
     if strategy not in STRATEGIES:
         raise PlanError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}")
@@ -139,6 +142,8 @@ def race_point(
     if strategy not in ("ours", "by-stream"):
         transport = "mlx"
     payload = batch * model.hidden * model.act_bytes  # bytes, one hidden state per token
+    if strategy == "by-stream":  # a gather or a scatter moves each node's share of the rows
+        payload = -(-batch // nodes) * model.hidden * model.act_bytes
     one = collective_s(network, overheads, nodes, payload, transport) if nodes > 1 else 0.0
     every = active_bytes(model, distinct_experts)
     per_token_k = float(model.top_k)  # FLOPs: each token multiplies through its own k experts
@@ -150,29 +155,38 @@ def race_point(
         # the busiest node attends for ceil(B / N) of the B streams
         "by-stream": (-(-batch // nodes) / batch, per_token_k / nodes, 1.0),
     }[strategy]
+    kv = model.kv_cache_bytes(context) if context else 0  # one stream's, bytes
     if strategy == "pipeline":
-        read = every  # one node after another: the step's critical path reads all of it
-        per_node = every / nodes
+        # one node after another: the step's critical path reads all of it, every stream's KV
+        read = every + batch * kv
+        per_node = read / nodes
         flops = _flops(model, per_token_k, batch)
         collectives = nodes - 1
-        memory = model.total_bytes / nodes
-    elif strategy == "tensor":
-        read = per_node = every / nodes
+        memory = (model.total_bytes + batch * kv) / nodes
+    elif strategy == "tensor":  # heads, and so each stream's KV, split over the nodes
+        read = per_node = (every + batch * kv) / nodes
         flops = _flops(model, per_token_k, batch) / nodes
         collectives = 2 * model.layers if nodes > 1 else 0
-        memory = model.total_bytes / nodes
+        memory = (model.total_bytes + batch * kv) / nodes
     else:
         shared_b, _ = model.shared_max(nodes)
         e = _per_layer(model, ours_experts)
+        # the streams the busiest node attends for: all of them, or by stream its own
+        attended = -(-batch // nodes) if strategy == "by-stream" else batch
         read = per_node = (
             model.replicated_read_bytes
             + shared_b
             + sum(b * x for b, x in zip(model.expert_layer_bytes, e))
+            + attended * kv
         )
         flops = _flops(model, [min(per_token_k, x) for x in e], batch)
         # by stream: a gather and a scatter per MoE layer where ours pays one all-reduce
         collectives = (2 if strategy == "by-stream" else 1) * model.moe_layers if nodes > 1 else 0
-        memory = model.replicated_bytes + -(-model.num_experts // nodes) * model.expert_bytes
+        memory = (
+            model.replicated_bytes
+            + -(-model.num_experts // nodes) * model.expert_bytes
+            + attended * kv
+        )
     read_s = read / bandwidth
     compute_s = flops / hardware.flops
     a, e, o = token_terms
@@ -229,6 +243,7 @@ def link_sensitivity(
     overheads: Overheads = Overheads(),
     memory_fraction: float = 0.75,
     transport: str = "envoy",
+    context: int = 0,
 ) -> dict[float, tuple[RacePoint, float]]:
     """{factor: (winner, its lead)} with every cost of the link (latencies, the inverse bandwidth,
     a calibrated collective) `factor` times what it is: whether the advice holds if the link is
@@ -257,6 +272,7 @@ def link_sensitivity(
                 overheads=over,
                 memory_fraction=memory_fraction,
                 transport=transport,
+                context=context,
             )
             for s in STRATEGIES
         ]
@@ -294,6 +310,7 @@ def race(
     overheads: Overheads = Overheads(),
     memory_fraction: float = 0.75,
     transport: str = "envoy",
+    context: int = 0,
 ) -> list[RacePoint]:
     """Every strategy at every node count and batch (node counts > 1; one node races nobody);
     ours over `transport`."""
@@ -314,6 +331,7 @@ def race(
                     overheads=overheads,
                     memory_fraction=memory_fraction,
                     transport=transport,
+                    context=context,
                 )
                 for s in STRATEGIES
             ]

@@ -59,7 +59,10 @@ def main(
         else _network(link, measured)
         for link in links
     }
-    out = race_points(model, hardware, nets, nodes, batches, overheads, fraction, args.transport)
+    context = int(getattr(args, "context", 0) or 0)
+    out = race_points(
+        model, hardware, nets, nodes, batches, overheads, fraction, args.transport, context
+    )
     if args.json:
         print(
             json.dumps(
@@ -87,6 +90,7 @@ def race_points(
     overheads: Overheads = Overheads(),
     fraction: float = 0.75,
     transport: str = "envoy",
+    context: int = 0,
 ) -> dict:
     """{"points": every strategy per link, node count and batch; "sensitivity": per link, node
     count and batch, the winner and its lead over the next strategy with the link's cost times
@@ -102,6 +106,7 @@ def race_points(
             overheads=overheads,
             memory_fraction=fraction,
             transport=transport,
+            context=context,
         ):
             points.append({"link": link, **p.to_json()})
         for n in nodes:
@@ -115,6 +120,7 @@ def race_points(
                     overheads=overheads,
                     memory_fraction=fraction,
                     transport=transport,
+                    context=context,
                 ).items():
                     moves.append(
                         {

@@ -58,6 +58,29 @@ def test_each_strategy_reads_and_pays_what_the_arithmetic_says():
     assert ours.tokens_per_s == pytest.approx(1 / ours.time_s)
 
 
+def test_by_stream_reads_its_own_streams_kv_and_pays_two_collectives_of_its_rows():
+    """With a context, each strategy reads (and holds) the KV of the streams it attends for: every
+    stream on every node replicated, ceil(B/N) of them by stream; by stream pays a gather and a
+    scatter per MoE layer, each moving a node's share of the rows."""
+    from dataclasses import replace
+
+    from moe_cluster.coordinator.plan.perfmodel import CacheSpec
+
+    m = replace(_model(), caches=(CacheSpec(per_token_bytes=1000),) * 4)  # 4 KB a token
+    kv = 4 * 1000 * 2048  # one stream's cache at 2,048 tokens
+    slow = NetworkSpec("slow", 100e-6, 1e6, 0.0)
+    kw = dict(ours_experts=4.0, distinct_experts=6.0, context=2048)
+    ours = race.race_point("ours", m, HW, slow, 2, 8, **kw)
+    mine = race.race_point("by-stream", m, HW, slow, 2, 8, **kw)
+    bare = race.race_point("ours", m, HW, slow, 2, 8, ours_experts=4.0, distinct_experts=6.0)
+    assert ours.bytes_per_node - bare.bytes_per_node == pytest.approx(8 * kv)
+    assert mine.bytes_per_node - bare.bytes_per_node == pytest.approx(4 * kv)
+    assert ours.memory_per_node_bytes - mine.memory_per_node_bytes == pytest.approx(4 * kv, abs=1)
+    assert (ours.collectives, mine.collectives) == (4, 8)
+    assert ours.comm_s == pytest.approx(4 * (100e-6 + 8 * 1000 * 2 / 1e6))
+    assert mine.comm_s == pytest.approx(8 * (100e-6 + 4 * 1000 * 2 / 1e6))
+
+
 def test_a_batch_pays_the_collectives_once_per_step():
     m = _model()
     one = race.race_point("tensor", m, HW, NET, 2, 1, ours_experts=1.5, distinct_experts=2.0)
