@@ -282,7 +282,7 @@ def block(part: str | ToolCall) -> dict:
 
 
 def stop_reason(reason: str, stop_hit: str | None) -> str:
-    """An OpenAI finish reason (the _Generation's) as Anthropic's stop reason."""
+    """An OpenAI finish reason (the Generation's) as Anthropic's stop reason."""
     return "stop_sequence" if stop_hit is not None else STOP_REASONS.get(reason, "end_turn")
 
 

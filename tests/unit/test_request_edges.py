@@ -11,8 +11,10 @@ import mlx.core as mx
 import pytest
 
 from moe_cluster.coordinator.serve import anthropic
-from moe_cluster.coordinator.serve import api
-from moe_cluster.coordinator.serve.api import ApiError, _Generation, parse_sampling
+from moe_cluster.coordinator.serve import openai as openai_api
+from moe_cluster.coordinator.serve.api_error import ApiError
+from moe_cluster.coordinator.serve.generation import Generation
+from moe_cluster.coordinator.serve.openai import parse_sampling
 from moe_cluster.coordinator.serve.cluster import Outcome
 from moe_cluster.coordinator.serve.tools import FieldError
 from moe_cluster.node.sampling import sample_tokens
@@ -143,13 +145,13 @@ def test_a_draw_that_raises_in_a_verified_step_fails_its_own_sequence_only(monke
 )
 def test_completions_refuse_what_they_cannot_honour(field, value):
     with pytest.raises(ApiError) as info:
-        api.check_unsupported_completion({"prompt": "x", field: value})
+        openai_api.check_unsupported_completion({"prompt": "x", field: value})
     assert info.value.status == 400 and info.value.param == field, info.value.message
 
 
 def test_completions_take_the_options_they_honour():
     assert (
-        api.check_unsupported_completion(
+        openai_api.check_unsupported_completion(
             {
                 "prompt": "x",
                 "echo": True,
@@ -161,7 +163,7 @@ def test_completions_take_the_options_they_honour():
         )
         is True
     )
-    assert api.check_unsupported_completion({"prompt": "x"}) is False
+    assert openai_api.check_unsupported_completion({"prompt": "x"}) is False
 
 
 def test_anthropic_errors_name_the_request_s_own_fields():
@@ -220,7 +222,7 @@ def test_too_many_content_blocks_are_refused_before_any_is_checked():
 
 
 def test_a_node_s_refusal_reaches_the_client_without_internal_text():
-    gen = _Generation.__new__(_Generation)
+    gen = Generation.__new__(Generation)
     gen.req = GenerateRequest("msg_0123", (1,), Sampling())
     gen.outcome = Outcome(
         error=error_for(
@@ -229,7 +231,7 @@ def test_a_node_s_refusal_reaches_the_client_without_internal_text():
             "msg_0123: top_p must be in (0, 1] (got nan)",
         )
     )
-    e = gen._failure()
+    e = gen.failure()
     assert e.status == 400 and e.type == "invalid_request_error"
     for internal in ("node-b", "INVALID_ARGUMENT", "GenerateRequest", "msg_0123"):
         assert internal not in e.message, e.message
