@@ -21,28 +21,21 @@ from pathlib import Path
 from typing import Callable
 
 from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 
 from ...common.worker import Worker
 from ...proto.errors import ErrorKind, MoeClusterError, UserError, kind_from_http
 from ...proto.records import GenerateRequest, Sampling, check_token_ids
-from . import anthropic, responses
+from . import anthropic, openai, responses
 from .api_error import INTERNAL_MESSAGE, INVALID, ApiError
 from .cluster import Cluster
 from .generation import Generation
 from .json_body import parse_json
 from .metrics import Metrics
-from .openai import (
-    chat_message,
-    check_unsupported,
-    check_unsupported_completion,
-    parse_sampling,
-    parse_speculation,
-)
 from .prompts import Prompts
 from .resume import KeepAlive
-from .tools import FieldError, Tools, parse_tools, show
+from .tools import FieldError, Tools, show
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +73,7 @@ def dashboard_file(request: web.Request) -> web.StreamResponse:
     name = request.match_info.get("name", "index.html")
     path = DASHBOARD / name
     if "/" in name or name.startswith(".") or not path.is_file():
-        raise ApiError(ErrorKind.NOT_FOUND, f"no dashboard file {name!r}")
+        raise ApiError(ErrorKind.NOT_FOUND, f"no dashboard file {show(name)}")
     return web.FileResponse(path, headers=_DASHBOARD_HEADERS)
 
 
@@ -110,11 +103,14 @@ BODY_ENCODINGS = ("", "identity", "gzip", "deflate")
 _REQUEST_LINE = re.compile(
     rb"(?:GET|POST|PUT|DELETE|PATCH|HEAD|OPTIONS) (/[!-~]*) HTTP/1\.[01]\r?\n"
 )
+# the start of a request line, finished or not: its target's first bytes tell an over-long URL (414)
+# from an over-long header (431), which aiohttp's parser reports alike (LineTooLong, 400)
+_LINE_START = re.compile(rb"(?:^|\n)(?:GET|POST|PUT|DELETE|PATCH|HEAD|OPTIONS) ([!-~]{1,32})")
 
 
 def _unsupported_encoding(encoding: str | None = None) -> ApiError:
     what = (
-        f"Content-Encoding {encoding!r} is"
+        f"Content-Encoding {show(encoding)} is"
         if encoding is not None
         else "the body's Content-Encoding is"
     )
@@ -133,14 +129,37 @@ class _Connection(RequestHandler):
     the request line named; they never reach the app's middlewares."""
 
     _path = b""  # the path of the last request line seen on this connection
+    _target = b""  # the first bytes of the target of the last request line begun on it
 
     def data_received(self, data: bytes) -> None:
-        found = None
+        found = started = None
         for found in _REQUEST_LINE.finditer(data[:65536]):
             pass
         if found is not None:
             self._path = found.group(1)
+        for started in _LINE_START.finditer(data[:65536]):
+            pass
+        if started is not None:
+            self._target = started.group(1)
         super().data_received(data)
+
+    def _too_long(self, exc: LineTooLong) -> ApiError:
+        """414 for a request line past aiohttp's limit, 431 for a header field past it: the
+        offending bytes it quotes start with the target (or the request line) or not."""
+        line, limit = exc.args[:2]  # LineTooLong(line, limit, actual_size)
+        line = bytes(line) if isinstance(line, (bytes, bytearray)) else str(line).encode()
+        url = bool(self._target) and (
+            line.startswith(self._target) or line.partition(b" ")[2].startswith(self._target)
+        )
+        error = ApiError(
+            INVALID,
+            f"the request's URL is longer than {limit} bytes"
+            if url
+            else f"a header field of the request is longer than {limit} bytes",
+            code="uri_too_long" if url else "request_header_fields_too_large",
+        )
+        error.status = 414 if url else 431
+        return error
 
     def handle_error(
         self,
@@ -152,6 +171,8 @@ class _Connection(RequestHandler):
         plain = super().handle_error(request, status, exc, message)  # logs it; raises when too late
         if isinstance(exc, ContentEncodingError):  # br or zstd, which aiohttp cannot decode here
             error = _unsupported_encoding()
+        elif isinstance(exc, LineTooLong):
+            error = self._too_long(exc)
         elif status >= 500:
             error = ApiError(ErrorKind.INTERNAL, INTERNAL_MESSAGE)
         else:
@@ -351,7 +372,8 @@ class Api:
         if model and model != self.options.model_id:
             raise ApiError(
                 ErrorKind.NOT_FOUND,
-                f"The model '{model}' does not exist (this cluster serves '{self.options.model_id}')",
+                f"The model {show(model)} does not exist (this cluster serves "
+                f"{self.options.model_id!r})",
                 param="model",
                 code="model_not_found",
             )
@@ -371,63 +393,55 @@ class Api:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
         self._check_model(body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
-        echo = check_unsupported_completion(body)
-        speculation = await self._speculation(body)
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):
+        req = await self.worker.call(lambda: openai.parse_completion(body, self.options))
+        if isinstance(req.prompt, list):
             # the length first: it costs nothing, while a pass over 4 million ids stalls the loop 0.3 s
-            self._check_context(prompt, sampling, chat=False)
-            self._check_ids(prompt, "prompt")  # names the first id that is not an int in [0, vocab)
-            ids = list(prompt)
-        elif isinstance(prompt, str) and prompt:
-            ids = await self.worker.call(lambda: self.prompts.encode(prompt))
+            self._check_context(req.prompt, req.sampling, chat=False)
+            self._check_ids(
+                req.prompt, "prompt"
+            )  # names the first id that is not an int in [0, vocab)
+            ids, stop_ids, predicted = await self._tokens(lambda: list(req.prompt), req)
         else:
-            raise ApiError(
-                INVALID,
-                f"'prompt' must be a non-empty string (or a list of token ids), got {show(prompt)}",
-                param="prompt",
+            ids, stop_ids, predicted = await self._tokens(
+                lambda: self.prompts.encode(req.prompt), req
             )
-        if not echo:
+        if not req.echo:
             echoed = ""
-        elif isinstance(prompt, str):
-            echoed = prompt
+        elif isinstance(req.prompt, str):
+            echoed = req.prompt
         else:
             echoed = await self.worker.call(lambda: self.tokenizer.decode(ids))
-        return await self._serve(
-            request, ids, sampling, stops, stream, chat=False, echo=echoed, speculation=speculation
+        gen = self._generation(
+            ids, req.sampling, req.stops, stop_ids, chat=False, speculation=(req, predicted)
         )
+        return await self._serve(request, gen, req, chat=False, echo=echoed)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json_body(request)
         self._check_model(body)
-        sampling, stops, stream = parse_sampling(body, self.options.default_max_tokens)
-        check_unsupported(body)
-        speculation = await self._speculation(body)
-        tools = parse_tools(body)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(INVALID, "'messages' must be a non-empty list", param="messages")
-        clean = [chat_message(m, i) for i, m in enumerate(messages)]
-        rendered = tools.rendered if tools else None
-        ids = await self.worker.call(lambda: self.prompts.render(clean, rendered))
-        return await self._serve(
-            request, ids, sampling, stops, stream, chat=True, tools=tools, speculation=speculation
+        req = await self.worker.call(lambda: openai.parse_chat(body, self.options))
+        rendered = req.tools.rendered if req.tools else None
+        ids, stop_ids, predicted = await self._tokens(
+            lambda: self.prompts.render(list(req.messages), rendered, prefill=req.prefill), req
         )
+        gen = self._generation(
+            ids, req.sampling, req.stops, stop_ids, True, req.tools, speculation=(req, predicted)
+        )
+        return await self._serve(request, gen, req, chat=True)
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API: the same rendering, generation and tool parsing as chat."""
         body = await self._json_body(request)
         self._check_model(body)
-        req = await self.worker.call(lambda: anthropic.parse_request(body))  # a big body: seconds
+        vocab = self.options.vocab_size
+        # a big body takes seconds to check
+        req = await self.worker.call(lambda: anthropic.parse_request(body, vocab))
         rendered = req.tools.rendered if req.tools else None
-        ids = await self.worker.call(
-            lambda: self.prompts.render(req.messages, rendered, req.fields)
+        ids, stop_ids, _ = await self._tokens(
+            lambda: self.prompts.render(req.messages, rendered, req.fields, req.prefill), req
         )
         gen = self._generation(
-            ids, req.sampling, req.stops, chat=True, tools=req.tools, prefix="msg_"
+            ids, req.sampling, req.stops, stop_ids, True, req.tools, prefix="msg_"
         )
         model = self.options.model_id
         if not req.stream:
@@ -464,37 +478,33 @@ class Api:
             await alive.close()
         return resp
 
-    async def _speculation(self, body: dict) -> tuple[int | None, tuple[int, ...]]:
-        """(drafts per step, predicted token ids) of a request (parse_speculation)."""
-        drafts, text = parse_speculation(body, self.options)
-        if not text:
-            return drafts, ()
+    async def _tokens(self, prompt: Callable[[], list[int]], req) -> tuple:
+        """(prompt ids, each stop string's ids, the prediction's ids) of a request, made in one job
+        on the worker: tokenizing holds the GIL, and a long text takes seconds."""
 
-        def encode() -> tuple[int, ...]:
-            self.prompts.refuse_too_long([text], "prediction.content")
-            return tuple(self.tokenizer.encode(text, add_special_tokens=False))
-
-        ids = await self.worker.call(encode)
-        if len(ids) > self.options.context_length:
-            raise ApiError(
-                INVALID,
-                f"'prediction' has {len(ids)} tokens, past this model's context of "
-                f"{self.options.context_length}",
-                param="prediction",
+        def job() -> tuple:
+            ids = prompt()
+            return (
+                ids,
+                self.prompts.stop_ids(req.stops),
+                self.prompts.prediction(getattr(req, "prediction", "")),
             )
-        return drafts, ids
+
+        return await self.worker.call(job)
 
     def _generation(
         self,
         ids: list[int],
         sampling: Sampling,
-        stops: list[str],
+        stops: tuple[str, ...],
+        stop_ids: tuple[tuple[int, ...], ...],
         chat: bool,
         tools: Tools | None = None,
         prefix: str = "",
-        speculation: tuple[int | None, tuple[int, ...]] = (None, ()),
+        speculation: tuple[openai.Request | None, tuple[int, ...]] = (None, ()),
     ) -> Generation:
-        """A request checked against the context, the vocabulary and the cluster's state."""
+        """A request checked against the context, the vocabulary and the cluster's state.
+        `speculation`: the OpenAI request (its drafts per step) and its prediction's token ids."""
         self._check_context(ids, sampling, chat)
         self._check_ids(
             ids, "messages" if chat else "prompt"
@@ -505,41 +515,27 @@ class Api:
             raise ApiError.of(exc) from None
         rid = f"{prefix or ('chatcmpl-' if chat else 'cmpl-')}{uuid.uuid4().hex[:24]}"
         eos = tuple(self.tokenizer.eos_token_ids)
-        drafts, prediction = speculation
-        # the nodes end a sequence on a stop string's tokens at once (as mlx-lm's server does); one
-        # the model spells with other tokens is still found in the text here, and cancelled
-        stop_ids = tuple(
-            t
-            for t in (tuple(self.tokenizer.encode(s, add_special_tokens=False)) for s in stops)
-            if t
-        )
+        asked, prediction = speculation
         req = GenerateRequest(
             rid,
             tuple(ids),
             sampling,
             eos,
-            draft_tokens=drafts,
+            draft_tokens=asked.draft_tokens if asked is not None else None,
             prediction=prediction,
             stop_sequences=stop_ids,
         )
-        return Generation(self, req, stops, tools)
+        return Generation(self, req, list(stops), tools)
 
     async def _serve(
-        self,
-        request: web.Request,
-        ids: list[int],
-        sampling: Sampling,
-        stops: list[str],
-        stream: bool,
-        chat: bool,
-        tools: Tools | None = None,
-        echo: str = "",
-        speculation: tuple[int | None, tuple[int, ...]] = (None, ()),
+        self, request: web.Request, gen: Generation, req: openai.Request, chat: bool, echo: str = ""
     ) -> web.StreamResponse:
-        """`echo`: text put before a completion's own (the prompt, where the request asked for it)."""
-        gen = self._generation(ids, sampling, stops, chat, tools, speculation=speculation)
-        if stream:
-            return await responses.stream(request, gen, chat, self.options.model_id, echo)
+        """An OpenAI answer, streamed or whole. `echo`: text put before a completion's own (the
+        prompt, where the request asked for it)."""
+        if req.stream:
+            return await responses.stream(
+                request, gen, chat, self.options.model_id, echo, req.include_usage
+            )
         text, outcome = await gen.run()
         return web.json_response(
             responses.final(gen, echo + text, outcome, chat, self.options.model_id)

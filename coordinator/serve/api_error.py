@@ -18,7 +18,8 @@ INTERNAL_MESSAGE = "internal error in the cluster (the coordinator's log has the
 
 
 class ApiError(Exception):
-    """An HTTP error in OpenAI's shape; the status, type and default code come from the kind (proto.errors.KINDS)."""
+    """An HTTP error in OpenAI's shape; the status, type and default code come from the kind
+    (proto.errors.KINDS)."""
 
     def __init__(
         self, kind: ErrorKind, message: str, param: str | None = None, code: str | None = None
@@ -39,7 +40,8 @@ class ApiError(Exception):
 
     @classmethod
     def of(cls, exc: BaseException, what: str = "") -> "ApiError":
-        """A typed error as HTTP by its kind; a bug's text goes to the log only, never to the client."""
+        """A typed error as HTTP by its kind; a bug's text goes to the log only, never to the
+        client."""
         kind = exc.kind if isinstance(exc, MoeClusterError) else ErrorKind.INTERNAL
         if kind is ErrorKind.INTERNAL:
             logger.error(

@@ -66,14 +66,15 @@ class Generation:
 
     @property
     def reason(self) -> str:
-        """The finish reason the client sees: a generation that ended after calling tools called them."""
+        """The finish reason the client sees: a generation that ended after calling tools called
+        them."""
         if self.finish_reason == "stop" and any(isinstance(p, ToolCall) for p in self.parts):
             return "tool_calls"
         return self.finish_reason
 
     async def stream_parts(self):
-        """The output as it becomes final: text deltas and, where tools were offered, whole tool calls
-        (each also kept in `parts`)."""
+        """The output as it becomes final: text deltas and, where tools were offered, whole tool
+        calls (each also kept in `parts`)."""
         splitter = (
             ToolSplitter(self.api.tokenizer, self.tools.rendered)
             if self.tools and self.tools.parsed

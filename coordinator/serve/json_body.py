@@ -11,10 +11,11 @@ import re
 from .api_error import INVALID, ApiError
 from .sampling import json_kind
 
-# Bodies above this many bytes are read, decoded and parsed in pieces on the API's worker, so that no
-# step holds the GIL for more than a millisecond or so and the event loop gets it every switch interval
-# (5 ms). Done whole, 13 MB hold it for 60 ms on this VM (decode 9 ms, json's C string scanner 35 ms,
-# the body's copy 9 ms), twice that under load. Small bodies take the C parser whole (under 2 ms).
+# Bodies above this many bytes are read, decoded and parsed in pieces on the API's worker, so that
+# no step holds the GIL for more than a millisecond or so and the event loop gets it every switch
+# interval (5 ms). Done whole, 13 MB hold it for 60 ms on this VM (decode 9 ms, json's C string
+# scanner 35 ms, the body's copy 9 ms), twice that under load. Small bodies take the C parser whole
+# (under 2 ms).
 BIG_BODY = 256 * 2**10
 _PIECE = 2**16  # characters (or bytes) per step of a big body: ~0.1 ms each
 _PLAIN = re.compile(r'[^"\\\x00-\x1f]*')  # a JSON string's characters that need no escape

@@ -88,8 +88,15 @@ def final(gen: Generation, text: str, outcome: Outcome, chat: bool, model: str) 
 
 
 async def stream(
-    request: web.Request, gen: Generation, chat: bool, model: str, echo: str = ""
+    request: web.Request,
+    gen: Generation,
+    chat: bool,
+    model: str,
+    echo: str = "",
+    include_usage: bool = False,
 ) -> web.StreamResponse:
+    """The answer as server-sent events. The last chunk carries the usage (and this server's
+    figures) always; `include_usage` (stream_options) adds OpenAI's usage-only chunk after it."""
     resp = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
@@ -177,6 +184,10 @@ async def stream(
             final["usage"] = usage(gen, outcome)
             final["moe_cluster"] = extra(gen, outcome)
             await resp.write(sse(final))
+            if include_usage:
+                only = chunk(None, None)
+                only["choices"], only["usage"] = [], usage(gen, outcome)
+                await resp.write(sse(only))
         await resp.write(b"data: [DONE]\n\n")
     except (ConnectionResetError, asyncio.CancelledError):
         await gen.client_gone()
