@@ -477,8 +477,7 @@ class RunningBatch:
         else:
             logits = mx.concatenate([x[:, -1, :] for x in self._micro_batches(lanes, inputs)])
         rows = self._rows
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        sampled = sampling.sample_tokens(rows, logprobs)
+        sampled = sampling.sample_tokens(rows, logits)
         for i, s in enumerate(rows):
             s.token = sampled[i : i + 1] if len(rows) > 1 else sampled
             if s.req.record_logits:

@@ -141,8 +141,7 @@ class Speculator:
             first = s.pending[-1] if s.pending else s.first_input
             rows.append([first, *mine] + [first] * (width - 1 - len(mine)))
         logits = lane.forward(model, mx.array(rows, dtype=mx.uint32))
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        chosen, keys = sampling.sample_positions(decoding, logprobs)
+        chosen, keys = sampling.sample_positions(decoding, logits, drafts)
         chosen = np.array(chosen).tolist()
         drop = []
         for i, s in enumerate(decoding):

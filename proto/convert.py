@@ -409,6 +409,15 @@ def generate_request_to_proto(req: GenerateRequest) -> npb.GenerateRequest:
             prediction=list(req.prediction),
             quiet=req.quiet,
             stop_sequences=[npb.Tokens(ids=list(t)) for t in req.stop_sequences],
+            top_k=s.top_k,
+            min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty,
+            repetition_context_size=s.repetition_context_size,
+            presence_penalty=s.presence_penalty,
+            presence_context_size=s.presence_context_size,
+            frequency_penalty=s.frequency_penalty,
+            frequency_context_size=s.frequency_context_size,
+            logit_bias=dict(s.logit_bias),
         )
         if s.seed is not None:
             msg.seed = s.seed
@@ -435,7 +444,22 @@ def generate_request_from_proto(
     if not msg.prompt:
         raise ConvertError(f"GenerateRequest {msg.request_id} has an empty prompt")
     seed = msg.seed if msg.HasField("seed") else None
-    sampling = Sampling(msg.max_tokens, msg.temperature, msg.top_p, seed, msg.sampler_step)
+    sampling = Sampling(
+        msg.max_tokens,
+        msg.temperature,
+        msg.top_p,
+        seed,
+        msg.sampler_step,
+        top_k=msg.top_k,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty,
+        repetition_context_size=msg.repetition_context_size,
+        presence_penalty=msg.presence_penalty,
+        presence_context_size=msg.presence_context_size,
+        frequency_penalty=msg.frequency_penalty,
+        frequency_context_size=msg.frequency_context_size,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+    )
     try:
         sampling.check()
     except ValueError as exc:

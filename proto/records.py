@@ -50,11 +50,19 @@ def wait_bound(timeout_s: float, cold: bool, cold_s: float = COLD_STEP_S) -> flo
 # ~1e-45 it is 0.0 in float32, where a top-p filter reads past the vocabulary).
 GREEDY_TEMPERATURE = 1e-6
 GREEDY_TOP_P = 1e-6
+PENALTY_CONTEXT = 20  # tokens a penalty looks back over unless told: mlx-lm's default
+UINT32_MAX = 2**32 - 1  # the wire's token ids and counts
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """How to pick tokens; temperature 0 (or an edge value, see `greedy`) is greedy."""
+    """How to pick tokens; temperature 0 (or an edge value, see `greedy`) is greedy.
+
+    The filters and the logits processors are mlx-lm's (`mlx_lm.sample_utils`, node/sampling.py),
+    with its meanings: top_k 0, min_p 0 and a penalty of 0 are off; a penalty looks at the last
+    `*_context_size` tokens of the prompt and the output (0: all of them, as mlx-lm's slice reads
+    it); `logit_bias` adds to a token's logit before everything else.
+    """
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -63,10 +71,29 @@ class Sampling:
     # draws the seed's sampler made before this request: a request resumed after a lost node goes on
     # with the draw its step k would have made (node/batch.py advances the key as many times)
     step: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 0.0  # multiplies a seen token's negative logit, divides a positive
+    repetition_context_size: int = PENALTY_CONTEXT
+    presence_penalty: float = 0.0  # subtracted once from each seen token's logit
+    presence_context_size: int = PENALTY_CONTEXT
+    frequency_penalty: float = 0.0  # subtracted from a token's logit for each time it was seen
+    frequency_context_size: int = PENALTY_CONTEXT
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), by token id
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_p < GREEDY_TOP_P
+
+    @property
+    def processed(self) -> bool:
+        """Whether logits processors change the logits before the token is picked."""
+        return bool(
+            self.logit_bias
+            or self.repetition_penalty
+            or self.presence_penalty
+            or self.frequency_penalty
+        )
 
     def check(self) -> None:
         if self.max_tokens < 1:
@@ -83,6 +110,34 @@ class Sampling:
             raise UserError(f"seed must be an integer in [0, 2**64-1] (got {self.seed!r})")
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise UserError(f"the sampler's step must be an integer >= 0 (got {self.step!r})")
+        for name in (
+            "top_k",
+            "repetition_context_size",
+            "presence_context_size",
+            "frequency_context_size",
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= UINT32_MAX:
+                raise UserError(f"{name} must be an integer in [0, 2**32-1] (got {v!r})")
+        if not 0 <= self.min_p <= 1:
+            raise UserError(f"min_p must be in [0, 1] (got {self.min_p})")
+        if not 0 <= self.repetition_penalty < float("inf"):
+            raise UserError(
+                f"repetition_penalty must be a finite number >= 0 (got {self.repetition_penalty})"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -float("inf") < v < float("inf"):
+                raise UserError(f"{name} must be a finite number (got {v})")
+        for token, bias in self.logit_bias:
+            if (
+                isinstance(token, bool)
+                or not isinstance(token, int)
+                or not 0 <= token <= UINT32_MAX
+            ):
+                raise UserError(f"logit_bias: a token id must be an integer >= 0 (got {token!r})")
+            if not -float("inf") < bias < float("inf"):
+                raise UserError(f"logit_bias[{token}] must be a finite number (got {bias})")
 
 
 SEED_MAX = 2**64 - 1  # mx.random.seed takes 0 .. 2**64-1 (measured: 2**64 and -1 raise TypeError)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...proto.records import Sampling
-from .sampling import ANTHROPIC_TEMPERATURE, json_kind, parse as sampling_of
+from .sampling import ANTHROPIC_TEMPERATURE, json_kind, parse as sampling_of, stops as stop_strings
+from .openai import check_keys
 from .tools import FieldError, ToolCall, Tools, check_function, new_call_id, show as _show
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
@@ -30,6 +31,42 @@ ERROR_TYPES = {
 }
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 MAX_STOPS = 16
+# Every key a body may hold (docs/api.md's parameter table lists the same): Anthropic's, then this
+# server's own (a seed, and mlx-lm's sampler and processors as on the OpenAI routes). A key of
+# neither list is a 400 naming it, as Anthropic's API answers.
+KEYS = frozenset(
+    (
+        "model",
+        "messages",
+        "max_tokens",
+        "system",
+        "stop_sequences",
+        "stream",
+        "temperature",
+        "top_p",
+        "top_k",
+        "tools",
+        "tool_choice",
+        "metadata",
+        "seed",
+        "min_p",
+        "repetition_penalty",
+        "repetition_context_size",
+        "presence_penalty",
+        "presence_context_size",
+        "frequency_penalty",
+        "frequency_context_size",
+        "logit_bias",
+    )
+)
+# Anthropic's keys this server refuses whatever their value, with the reason
+REFUSED = {
+    "thinking": "nothing here sets how long a model reasons",
+    "service_tier": "this server has one tier",
+    "container": "this server runs no tools",
+    "mcp_servers": "this server calls no MCP server",
+    "context_management": "this server edits no context",
+}
 # Messages and content blocks of one request at most (system blocks included): far more than any
 # context holds as separate turns, and few enough to check in milliseconds.
 MAX_BLOCKS = 10_000
@@ -45,15 +82,18 @@ class MessagesRequest:
     messages: list[dict]  # the chat as the template reads it (OpenAI's roles)
     tools: Tools | None
     sampling: Sampling
-    stops: list[str]
+    stops: tuple[str, ...]
     stream: bool
     # per chat message, the request's own field of each of its keys ("content": "system",
     # "tool_call_id": "messages[1].content[0].tool_use_id"): errors name what the client sent
     fields: tuple[dict, ...] = ()
+    prefill: bool = False  # the last turn is the assistant's: its text is continued
 
 
-def parse_request(body: dict) -> MessagesRequest:
-    """A Messages API body, checked field by field (FieldError names the field)."""
+def parse_request(body: dict, vocab: int = 0) -> MessagesRequest:
+    """A Messages API body, checked field by field (FieldError names the field). `vocab`: the
+    model's token count (logit_bias ids below it; 0: unknown)."""
+    check_keys(body, KEYS, REFUSED, "/v1/messages")
     max_tokens = body.get("max_tokens")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise FieldError(
@@ -63,22 +103,19 @@ def parse_request(body: dict) -> MessagesRequest:
     # temperature at all (older ones and extra_body still may), and the same request should give the
     # same text on either API.
     # (a seed is not Anthropic's, but taken as on the OpenAI routes)
-    sampling = sampling_of(body, max_tokens, ANTHROPIC_TEMPERATURE)
-    if body.get("top_k") is not None:
-        raise FieldError("'top_k' is not supported by this server", "top_k")
-    stops = body.get("stop_sequences") or []
-    if (
-        not isinstance(stops, list)
-        or len(stops) > MAX_STOPS
-        or not all(isinstance(s, str) for s in stops)
-    ):
+    sampling = sampling_of(body, max_tokens, ANTHROPIC_TEMPERATURE, vocab)
+    stops = body.get("stop_sequences")
+    if stops is not None and not isinstance(stops, list):
         raise FieldError(
-            f"'stop_sequences' must be a list of up to {MAX_STOPS} strings (got {_show(stops)})",
+            f"'stop_sequences' must be a list of up to {MAX_STOPS} strings (got "
+            f"{json_kind(stops)}: {_show(stops)})",
             "stop_sequences",
         )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
+    stops = stop_strings(stops, "stop_sequences", MAX_STOPS)
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
         raise FieldError(f"'stream' must be a boolean (got {_show(stream)})", "stream")
+    _metadata(body.get("metadata"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise FieldError(f"'messages' must be a non-empty list (got {_show(messages)})", "messages")
@@ -92,7 +129,37 @@ def parse_request(body: dict) -> MessagesRequest:
             chat.append(msg)
             fields.append(names)
     tools = _tools(body)
-    return MessagesRequest(chat, tools, sampling, [s for s in stops if s], stream, tuple(fields))
+    prefill = messages[-1].get("role") == "assistant"
+    if prefill:
+        last = chat[-1]
+        if "tool_calls" in last:
+            raise FieldError(
+                f"messages[{len(messages) - 1}]: a last assistant turn is text to continue; one "
+                "with tool_use blocks needs a user turn with their tool_result blocks after it",
+                f"messages[{len(messages) - 1}].content",
+            )
+        if last["content"] != last["content"].rstrip():
+            raise FieldError(
+                "final assistant content cannot end with trailing whitespace",
+                f"messages[{len(messages) - 1}].content",
+            )
+    return MessagesRequest(
+        chat, tools, sampling, stops, bool(stream), tuple(fields), prefill=prefill
+    )
+
+
+def _metadata(value: Any) -> None:
+    """Anthropic's metadata ({"user_id": <string>}): taken, used for nothing (docs/api.md)."""
+    if value is None:
+        return
+    if (
+        not isinstance(value, dict)
+        or set(value) - {"user_id"}
+        or not isinstance(value.get("user_id", ""), (str, type(None)))
+    ):
+        raise FieldError(
+            f"'metadata' must be {{'user_id': <string>}} (got {_show(value)})", "metadata"
+        )
 
 
 def _check_block_count(system: Any, messages: list) -> None:
@@ -230,7 +297,7 @@ def _tools(body: dict) -> Tools | None:
         )
         if fn["name"] in names:
             raise FieldError(
-                f"tools[{i}]: the tool name {fn['name']!r} appears twice", f"tools[{i}].name"
+                f"tools[{i}]: the tool name {_show(fn['name'])} appears twice", f"tools[{i}].name"
             )
         names.add(fn["name"])
         specs.append({"type": "function", "function": fn})
@@ -244,7 +311,7 @@ def _tools(body: dict) -> Tools | None:
         if name not in names:
             raise FieldError(
                 f"'tool_choice' names the tool {_show(name)}, which is not among 'tools' "
-                f"({', '.join(sorted(names)) or 'none'})",
+                f"({_show(sorted(names)) if names else 'none'})",
                 "tool_choice",
             )
         return Tools(tuple(specs), "function", name)
@@ -282,7 +349,7 @@ def block(part: str | ToolCall) -> dict:
 
 
 def stop_reason(reason: str, stop_hit: str | None) -> str:
-    """An OpenAI finish reason (the _Generation's) as Anthropic's stop reason."""
+    """An OpenAI finish reason (the Generation's) as Anthropic's stop reason."""
     return "stop_sequence" if stop_hit is not None else STOP_REASONS.get(reason, "end_turn")
 
 

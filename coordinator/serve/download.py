@@ -16,7 +16,8 @@ from aiohttp import web
 from ...node.checkpoint import resolve_model_path
 from ...node.hub import LogLines, Transfer
 from ...proto.errors import ErrorKind
-from .api import ApiError, check_key, dashboard_file
+from .api import check_key, dashboard_file
+from .api_error import ApiError
 from .cluster import Member
 from .config import ClusterConfig
 

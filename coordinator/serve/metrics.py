@@ -140,7 +140,7 @@ class Metrics:
         self.decode_allreduces = 0  # MoE all-reduces the decode steps paid (steps x MoE layers)
 
     def finished(self, gen) -> None:
-        """Called once per request by the API with its _Generation."""
+        """Called once per request by the API with its Generation."""
         o = gen.outcome
         status = "error" if o.error else ("cancelled" if gen.finish_reason == "cancelled" else "ok")
         self.requests[status] = self.requests.get(status, 0) + 1

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import reprlib
 import uuid
 from dataclasses import dataclass
 from typing import Any, Union
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's rule for a function's name (plus '.')
 CHOICES = ("auto", "none", "required")
+SHOWN = 100  # characters of a client's value an error message quotes at most
 
 
 class FieldError(UserError):
@@ -33,9 +35,21 @@ class FieldError(UserError):
         self.param = param
 
 
-def show(value: Any, limit: int = 60) -> str:
-    """A value for an error message, cut short: the client sent it and may have sent megabytes."""
-    text = repr(value)
+def _short_repr() -> reprlib.Repr:
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = 80
+    r.maxlist = r.maxtuple = r.maxset = r.maxdict = 6
+    r.maxlevel = 3
+    return r
+
+
+_SHORT = _short_repr()
+
+
+def show(value: Any, limit: int = SHOWN) -> str:
+    """A value for an error message, cut short: the client sent it and may have sent megabytes,
+    so only a bounded part of it is ever turned into text (reprlib), never the whole."""
+    text = _SHORT.repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 
 
@@ -87,7 +101,8 @@ def parse_tools(body: dict) -> Tools | None:
         name = specs[-1]["function"]["name"]
         if name in names:
             raise FieldError(
-                f"tools[{i}]: the function name {name!r} appears twice", f"tools[{i}].function.name"
+                f"tools[{i}]: the function name {show(name)} appears twice",
+                f"tools[{i}].function.name",
             )
         names.add(name)
     if choice is None:
@@ -113,8 +128,8 @@ def parse_tools(body: dict) -> Tools | None:
         )
     if name not in names:
         raise FieldError(
-            f"'tool_choice' names the function {name!r}, which is not among 'tools' "
-            f"({', '.join(sorted(names)) or 'none'})",
+            f"'tool_choice' names the function {show(name)}, which is not among 'tools' "
+            f"({show(sorted(names)) if names else 'none'})",
             "tool_choice",
         )
     return Tools(tuple(specs), "function", name)

@@ -1,13 +1,16 @@
-"""Input that cannot hurt the nodes (issue 14), on a real 2-node cluster through real HTTP: bad ids,
-seeds and sampling values are 400 at the coordinator naming the field and the value; a node handed
-bad input directly over gRPC answers INVALID_ARGUMENT and stays up; a seeded fuzz of malformed
-requests gets only 4xx; a 13 MB request does not hold up /health; /metrics behind the key."""
+"""Input that cannot hurt the nodes, on a real 2-node cluster through real HTTP: bad ids, seeds,
+sampling values and stop strings are 400 at the coordinator naming the field and quoting at most
+100 characters of the value; unknown parameters and those the server cannot honour are 400 naming
+them; a node handed bad input directly over gRPC answers INVALID_ARGUMENT and stays up; a seeded
+fuzz of malformed requests gets only 4xx; 13 MB requests and 15 MB stop strings do not hold up
+/health; over-long URLs and headers are 414 and 431; /metrics behind the key."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import random
+import re
 import time
 import urllib.parse
 from http.client import HTTPConnection
@@ -178,14 +181,18 @@ def test_a_node_handed_bad_ids_directly_refuses_them_and_stays_up(api):
 
 
 def post_raw(
-    url: str, data: bytes, headers: dict | None = None, timeout: float = 30
+    url: str,
+    data: bytes,
+    headers: dict | None = None,
+    timeout: float = 30,
+    path: str = "/v1/completions",
 ) -> tuple[int, dict]:
     u = urllib.parse.urlsplit(url)
     conn = HTTPConnection(u.hostname, u.port, timeout=timeout)
     try:
         conn.request(
             "POST",
-            "/v1/completions",
+            path,
             data,
             {"Content-Type": "application/json", **AUTH, **(headers or {})},
         )
@@ -482,3 +489,192 @@ def test_metrics_need_the_key_when_metrics_auth_is_set(api):
     code, text = http(api, "/metrics", headers=AUTH)
     assert code == 200 and "moe_cluster_requests_total" in text
     assert http(api, "/health")[0] == 200  # health stays open, for load balancers
+
+
+# -- parameters: each taken and honoured, or refused naming it -----------------------------------
+
+PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+SHORT = {"max_tokens": 2}
+
+
+def body_for(path: str, **extra) -> dict:
+    """A small valid request of `path` with `extra` fields."""
+    if path == "/v1/completions":
+        return {"prompt": "To be, or not to be", **SHORT, **extra}
+    return {"messages": [{"role": "user", "content": "Friends, Romans"}], **SHORT, **extra}
+
+
+def send(url: str, path: str, body: dict | bytes) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8", "surrogatepass")
+    return post_raw(url, data, path=path)
+
+
+def error_of(path: str, reply: dict) -> tuple[str, str | None]:
+    """(message, param) of an error in the route's shape (Anthropic's names no param)."""
+    if path == "/v1/messages":
+        assert reply["type"] == "error", reply
+        return reply["error"]["message"], None
+    return reply["error"]["message"], reply["error"]["param"]
+
+
+HUGE_STOPS = [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop": "x" * 15_000_000}),
+    ("/v1/chat/completions", body_for("/v1/chat/completions", stop=["a", "y" * 15_000_000])),
+    ("/v1/messages", body_for("/v1/messages", stop_sequences=["z" * 375_000] * 16)),
+]
+
+
+def test_health_answers_within_half_a_second_while_15mb_stop_strings_are_refused(api):
+    """A 15 MB stop string (one per OpenAI route) and sixteen of 0.375 MB (Anthropic's): each is
+    refused for its length, and meanwhile no /health waits half a second (tokenized on the event
+    loop, the 15 MB one held it for 40 s)."""
+    import threading
+
+    bodies = [(path, json.dumps(body).encode()) for path, body in HUGE_STOPS]
+    assert all(len(b) > 6_000_000 for _, b in bodies)
+    results: list = []
+    sender = threading.Thread(
+        target=lambda: results.extend(
+            (path, post_raw(api, b, timeout=180, path=path)) for path, b in bodies
+        )
+    )
+    latencies, took = health_during(api, sender, limit_s=120, pause_s=0.02, join_s=180)
+    assert len(results) == 3 and len(latencies) >= 3, (took, len(latencies))
+    for path, (code, reply) in results:
+        message, param = error_of(path, reply)
+        assert code == 400 and "1024" in message and len(message) < 300, (path, code, message)
+        assert param in (None, "stop"), param
+    print(
+        f"HEALTH | {len(latencies)} /health during {took:.2f} s of huge stop strings: "
+        f"slowest {max(latencies) * 1000:.0f} ms"
+    )
+    assert max(latencies) < 0.5, f"slowest /health {max(latencies):.2f} s during {took:.1f} s"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_lone_surrogate_in_a_stop_string_is_400_naming_the_field(api, path):
+    name = "stop_sequences" if path == "/v1/messages" else "stop"
+    code, reply = send(api, path, body_for(path, **{name: ["ok", "a\ud800b"]}))
+    message, param = error_of(path, reply)
+    assert code == 400 and "surrogate" in message and name in message, (code, reply)
+    assert param in (None, name)
+
+
+UNHONOURED = [(path, {"foo_bar": 1}, "foo_bar") for path in PATHS] + [
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
+    ("/v1/chat/completions", {"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
+    ("/v1/chat/completions", {"best_of": 1}, "best_of"),
+    ("/v1/chat/completions", {"echo": True}, "echo"),
+    ("/v1/messages", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ("/v1/messages", {"draft_tokens": 0}, "draft_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,extra,name", UNHONOURED, ids=[f"{p}:{n}" for p, _, n in UNHONOURED])
+def test_parameters_not_honoured_are_400_naming_them(api, path, extra, name):
+    code, reply = send(api, path, body_for(path, **extra))
+    message, param = error_of(path, reply)
+    assert code == 400 and name in message, (code, reply)
+    assert param in (None, name), param
+
+
+BAD_SAMPLING = [
+    ("top_k", 2**64),
+    ("top_k", "5"),
+    ("top_k", 1.5),
+    ("top_k", -1),
+    ("min_p", 2),
+    ("repetition_penalty", -1),
+    ("presence_penalty", 3),
+    ("frequency_penalty", "NaN"),
+    ("repetition_context_size", -5),
+    ("logit_bias", {"abc": 1}),
+    ("logit_bias", {str(VOCAB): 1}),
+    ("logit_bias", {"5": 101}),
+    ("logit_bias", {"5": "NaN"}),
+    ("logit_bias", [1]),
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bad_sampling_values_are_400_naming_the_field(api, path):
+    for name, value in BAD_SAMPLING:
+        body = json.dumps(body_for(path, **{name: value}))
+        body = body.replace('"NaN"', "NaN")  # JSON's NaN literal, as a client may send it
+        code, reply = send(api, path, body.encode())
+        message, param = error_of(path, reply)
+        assert code == 400 and name in message, (name, value, code, reply)
+        assert param in (None, name), (name, param)
+
+
+@pytest.mark.parametrize("value", ["", 0, {}, False, "abc"])
+def test_stop_sequences_that_are_not_a_list_are_400(api, value):
+    code, reply = send(api, "/v1/messages", body_for("/v1/messages", stop_sequences=value))
+    assert code == 400 and "stop_sequences" in error_of("/v1/messages", reply)[0], (code, reply)
+
+
+def test_draft_tokens_of_the_wrong_type_is_refused_for_its_type(api):
+    code, reply = complete(api, body_for("/v1/completions", draft_tokens="x"))
+    message = reply["error"]["message"]
+    assert code == 400 and reply["error"]["param"] == "draft_tokens", reply
+    assert "integer" in message and "'x'" in message and "speculative" not in message, message
+
+
+@pytest.mark.parametrize(
+    "path,extra",
+    [
+        ("/v1/completions", {"model": "m" * 1_000_000}),
+        ("/v1/messages", {"model": "m" * 1_000_000}),
+        ("/v1/completions", {"temperature": "t" * 1_000_000}),
+        ("/v1/chat/completions", {"stop": ["s"] * 1_000_000}),
+        (
+            "/v1/chat/completions",
+            {"tool_choice": {"type": "function", "function": {"name": "n" * 10**6}}, "tools": []},
+        ),
+        ("/v1/messages", {"messages": [{"role": "r" * 1_000_000, "content": "x"}]}),
+        ("/v1/completions", {"k" * 1_000_000: 1}),
+    ],
+    ids=["model", "anthropic model", "temperature", "stop list", "tool_choice", "role", "key"],
+)
+def test_error_messages_quote_at_most_100_characters_of_the_value(api, path, extra):
+    code, reply = send(api, path, body_for(path, **extra))
+    assert code in (400, 404), (code, str(reply)[:300])
+    message, param = error_of(path, reply)
+    assert len(json.dumps(reply)) < 1000, len(json.dumps(reply))
+    assert max(len(m.group()) for m in re.finditer(r"(\w)\1*", message)) <= 100, message
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_stream_null_means_absent(api, path):
+    code, reply = send(api, path, body_for(path, stream=None))
+    assert code == 200, reply
+    assert (
+        reply.get("object") in ("text_completion", "chat.completion") or reply["type"] == "message"
+    )
+
+
+def test_an_over_long_url_is_414_and_an_over_long_header_431(api):
+    u = urllib.parse.urlsplit(api)
+
+    def ask(path: str, headers: dict) -> tuple[int, dict]:
+        conn = HTTPConnection(u.hostname, u.port, timeout=30)
+        try:
+            conn.request("POST", path, b"{}", {"Content-Type": "application/json", **headers})
+            r = conn.getresponse()
+            return r.status, json.loads(r.read())
+        finally:
+            conn.close()
+
+    for path in ("/v1/completions", "/v1/messages"):
+        code, reply = ask(path + "?" + "a" * 9000, AUTH)
+        assert code == 414 and "URL" in error_of(path, reply)[0], (code, reply)
+        code, reply = ask(path, {**AUTH, "X-Padding": "b" * 9000})
+        assert code == 431 and "header" in error_of(path, reply)[0], (code, reply)
+        if path == "/v1/messages":  # in the route's own shape
+            assert reply["error"]["type"] == "invalid_request_error", reply
+    assert http(api, "/health")[0] == 200

@@ -2,7 +2,9 @@
 
 Generated request bodies for /v1/completions, /v1/chat/completions and /v1/messages, streamed and not:
 well-formed values, numeric edges (subnormals, values under float32's range, NaN, ±inf, huge ints)
-and values of the wrong JSON type, in every sampling field and beside the prompt. Meanwhile a witness
+and values of the wrong JSON type, in every sampling field (mlx-lm's top-k, min-p, penalties and
+logit bias among them), in the stop strings (over their length bound, lone surrogates) and beside
+the prompt. Meanwhile a witness
 thread keeps greedy requests decoding in the nodes' batch. Properties:
 - no answer is a 5xx, and no stream carries an error event;
 - a 4xx is in the endpoint's own error shape (OpenAI's, or Anthropic's on /v1/messages);
@@ -116,14 +118,25 @@ GOOD = {
     "seed": st.integers(0, 2**64 - 1),
     "stream": st.booleans(),
     "max_tokens": st.integers(1, 6),  # a valid 3000 would decode for a minute
-    "stop": st.lists(st.sampled_from(["\n", "the", "!"]), max_size=2),
+    "stop": st.lists(st.sampled_from(["\n", "the", "!", "é" * 1024]), max_size=2),
     "n": st.just(1),
     "echo": st.booleans(),
     "logprobs": st.none(),
     "best_of": st.just(1),
     "response_format": st.just({"type": "text"}),
-    "stop_sequences": st.lists(st.sampled_from(["\n", "the"]), max_size=2),
+    "stop_sequences": st.lists(st.sampled_from(["\n", "the", "q" * 1024]), max_size=2),
+    "top_k": st.one_of(st.integers(0, 40), st.sampled_from([1, 2**32 - 1])),
+    "min_p": st.sampled_from([0.0, 0.05, 0.5, 1.0]),
+    "repetition_penalty": st.sampled_from([0, 1.0, 1.3, 100]),
+    "presence_penalty": st.sampled_from([-2, -0.5, 0, 1.5, 2]),
+    "frequency_penalty": st.sampled_from([-2, 0, 0.7, 2]),
+    "logit_bias": st.dictionaries(st.integers(0, 1023).map(str), st.floats(-100, 100), max_size=3),
 }
+SAMPLER = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+# stop strings past the length bound or with lone surrogates, as a string or in a list
+BAD_STOPS = st.sampled_from(
+    ["y" * 1025, "a\udfff", ["ok", "\ud800"], ["z" * 5000] * 2, [""] * 17, "", 0, {}, False]
+)
 OPENAI_FIELDS = (
     "temperature",
     "top_p",
@@ -136,8 +149,10 @@ OPENAI_FIELDS = (
     "logprobs",
     "best_of",
     "response_format",
+    *SAMPLER,
+    "logit_bias",
 )
-CLAUDE_FIELDS = ("temperature", "top_p", "seed", "stream", "stop_sequences")
+CLAUDE_FIELDS = ("temperature", "top_p", "seed", "stream", "stop_sequences", *SAMPLER, "logit_bias")
 WILD_MAX_TOKENS = st.sampled_from([0, -1, 10**6, 2**64, 1.5, "4", True, None, NAN, INF])
 prompt = st.one_of(
     text,
@@ -217,6 +232,8 @@ def body_for(path: str) -> st.SearchStrategy:
     }
     bad = {**{k: field(GOOD[k]) for k in names}, **WILD_INPUT[path]}
     bad["max_tokens"] = st.one_of(GOOD["max_tokens"], WILD_MAX_TOKENS)
+    stop = "stop_sequences" if path == "/v1/messages" else "stop"
+    bad[stop] = st.one_of(field(GOOD[stop]), BAD_STOPS)
     good["max_tokens"] = GOOD["max_tokens"]  # never absent: the default (256 tokens) takes seconds
     well_formed = st.fixed_dictionaries(good)
     return st.one_of(well_formed, well_formed, st.fixed_dictionaries(bad)).map(
@@ -374,10 +391,15 @@ def test_generated_requests_never_fail_the_cluster_or_each_other(api):
     for (
         path
     ) in PATHS:  # the issue's own cases come first, on every endpoint, then the generated ones
+        stop = "stop_sequences" if path == "/v1/messages" else "stop"
+        floor_edges = ({"temperature": 0.7, "top_p": 1e-300}, {"temperature": 1e-39})
         for edge in (
-            {"temperature": 0.7, "top_p": 1e-300},
-            {"temperature": 1e-39},
+            *floor_edges,
             {"temperature": NAN},
+            {stop: ["ok", "a\ud800"]},
+            {stop: ["x" * 5000]},
+            {"temperature": 1.0, "top_k": 1, "seed": 11, "logit_bias": {"5": -100}},
+            {"repetition_penalty": 1.3, "frequency_penalty": NAN},
         ):
             body = {
                 "max_tokens": 4,
@@ -390,7 +412,7 @@ def test_generated_requests_never_fail_the_cluster_or_each_other(api):
                 ),
             }
             fuzz = example((path, body))(fuzz)
-            if not math.isnan(edge["temperature"]):  # a value in its range, under the floor
+            if edge in floor_edges:  # a value in its range, under the floor
                 answered.append((path, body))
     fuzz = seed(FUZZ_SEED)(fuzz)
     with Witness(api) as witness:

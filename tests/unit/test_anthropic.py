@@ -73,7 +73,7 @@ def test_blocks_become_the_chat_the_template_reads():
         }
     ]
     assert (
-        r.stops == ["\n\n"]
+        r.stops == ("\n\n",)
         and r.sampling.max_tokens == 5
         and r.sampling.temperature == 0.0
         and not r.stream
@@ -134,7 +134,7 @@ def test_blocks_become_the_chat_the_template_reads():
             },
             "tool_choice",
         ),
-        ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "top_k": 5}, "top_k"),
+        ({"max_tokens": 4, "messages": [{"role": "user", "content": "x"}], "top_k": -1}, "top_k"),
         (
             {
                 "max_tokens": 4,

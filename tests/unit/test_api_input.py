@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from moe_cluster.coordinator.serve.api import BIG_BODY, INTERNAL_MESSAGE, ApiError, parse_json
+from moe_cluster.coordinator.serve.api_error import INTERNAL_MESSAGE, ApiError
+from moe_cluster.coordinator.serve.json_body import BIG_BODY, parse_json
 from moe_cluster.proto.errors import InternalError, UserError
 from moe_cluster.proto.records import SEED_MAX, Sampling, check_token_ids
 

@@ -11,13 +11,22 @@ import mlx.core as mx
 import pytest
 
 from moe_cluster.coordinator.serve import anthropic
-from moe_cluster.coordinator.serve import api
-from moe_cluster.coordinator.serve.api import ApiError, _Generation, parse_sampling
+from moe_cluster.coordinator.serve import openai as openai_api
+from moe_cluster.coordinator.serve.api_error import ApiError
+from moe_cluster.coordinator.serve.generation import Generation
+from moe_cluster.coordinator.serve.api import ServingOptions
 from moe_cluster.coordinator.serve.cluster import Outcome
 from moe_cluster.coordinator.serve.tools import FieldError
 from moe_cluster.node.sampling import sample_tokens
 from moe_cluster.proto.errors import error_for, ErrorKind
 from moe_cluster.proto.records import GenerateRequest, Sampling
+
+OPTIONS = ServingOptions(model_id="m", context_length=4096)
+
+
+def parse_sampling(body: dict, max_tokens: int) -> Sampling:
+    return openai_api.parse_completion({**body, "max_tokens": max_tokens}, OPTIONS).sampling
+
 
 TINY = [1e-300, 1e-50, 5e-324, 1e-39, 1e-7]  # each under float32's range or under the greedy floor
 
@@ -33,11 +42,11 @@ def test_tiny_top_p_and_temperature_are_greedy_on_every_endpoint(tiny):
         {"temperature": tiny},
         {"temperature": tiny, "top_p": 0.5},
     ):
-        openai, _, _ = parse_sampling({"prompt": "x", **fields}, 16)
+        openai = parse_sampling({"prompt": "x", **fields}, 16)
         claude = anthropic.parse_request(_anthropic(**fields)).sampling
         for s in (openai, claude):
             assert s.temperature == 0.0 and s.top_p == 1.0 and s.greedy, (fields, s)
-    sampled, _, _ = parse_sampling({"prompt": "x", "temperature": 0.7, "top_p": 0.5}, 16)
+    sampled = parse_sampling({"prompt": "x", "temperature": 0.7, "top_p": 0.5}, 16)
     assert (sampled.temperature, sampled.top_p) == (0.7, 0.5)  # values inside the range are kept
 
 
@@ -142,14 +151,14 @@ def test_a_draw_that_raises_in_a_verified_step_fails_its_own_sequence_only(monke
     ],
 )
 def test_completions_refuse_what_they_cannot_honour(field, value):
-    with pytest.raises(ApiError) as info:
-        api.check_unsupported_completion({"prompt": "x", field: value})
-    assert info.value.status == 400 and info.value.param == field, info.value.message
+    with pytest.raises(FieldError) as info:
+        openai_api.check_unsupported_completion({"prompt": "x", field: value})
+    assert info.value.param == field, str(info.value)
 
 
 def test_completions_take_the_options_they_honour():
     assert (
-        api.check_unsupported_completion(
+        openai_api.check_unsupported_completion(
             {
                 "prompt": "x",
                 "echo": True,
@@ -161,7 +170,7 @@ def test_completions_take_the_options_they_honour():
         )
         is True
     )
-    assert api.check_unsupported_completion({"prompt": "x"}) is False
+    assert openai_api.check_unsupported_completion({"prompt": "x"}) is False
 
 
 def test_anthropic_errors_name_the_request_s_own_fields():
@@ -220,7 +229,7 @@ def test_too_many_content_blocks_are_refused_before_any_is_checked():
 
 
 def test_a_node_s_refusal_reaches_the_client_without_internal_text():
-    gen = _Generation.__new__(_Generation)
+    gen = Generation.__new__(Generation)
     gen.req = GenerateRequest("msg_0123", (1,), Sampling())
     gen.outcome = Outcome(
         error=error_for(
@@ -229,7 +238,7 @@ def test_a_node_s_refusal_reaches_the_client_without_internal_text():
             "msg_0123: top_p must be in (0, 1] (got nan)",
         )
     )
-    e = gen._failure()
+    e = gen.failure()
     assert e.status == 400 and e.type == "invalid_request_error"
     for internal in ("node-b", "INVALID_ARGUMENT", "GenerateRequest", "msg_0123"):
         assert internal not in e.message, e.message
