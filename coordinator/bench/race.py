@@ -71,6 +71,9 @@ class RaceBench:
     mlx_backend: str = "auto"  # the mx.distributed rows: `ring` forces the ring over NCCL
     prompt_tokens: int | None = None  # each stream's prompt this long (its context); None: short
     kv_budget: int = 0  # ours: each node's KV budget, bytes (0: none): streams then wait for room
+    # every row this many times, the rows in turn each time: a drifting machine slows them alike;
+    # each row's decode_tps is then the median of its passes (all of them in decode_tps_passes)
+    alternate: int = 1
 
 
 def prompt_ids(tokenizer, count: int, tokens: int | None = None) -> list[list[int]]:
@@ -533,13 +536,17 @@ def run(spec: RaceBench) -> dict:
     prompts = prompt_ids(tokenizer, max(spec.streams), spec.prompt_tokens)
     eos = tuple(sorted(tokenizer.eos_token_ids or ()))
     stock = _stock(spec, path, prompts)
-    rows: list[dict] = []
-    for name in spec.rows:
-        rows += (
-            _ours(spec, path, name, prompts, model.moe_layers, eos)
-            if name in _TRANSPORT
-            else _peer(spec, path, name, prompts)
-        )
+    passes: list[list[dict]] = []
+    for _ in range(spec.alternate):
+        rows: list[dict] = []
+        for name in spec.rows:
+            rows += (
+                _ours(spec, path, name, prompts, model.moe_layers, eos)
+                if name in _TRANSPORT
+                else _peer(spec, path, name, prompts)
+            )
+        passes.append(rows)
+    rows = alternated(passes)
     coll = collectives(spec, model.hidden, model.act_bytes, list(spec.rows))
     bounds(spec, model, rows, coll)
     losses(rows)
@@ -654,6 +661,13 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument(
+        "--alternate",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run the rows N times in turn; each row's decode tok/s is the median of its passes",
+    )
+    p.add_argument(
         "--kv-budget",
         default=None,
         metavar="SIZE",
@@ -758,6 +772,7 @@ def _spec(args) -> RaceBench:
         mlx_backend=args.mlx_backend,
         prompt_tokens=_prompt_tokens(args.prompt_tokens),
         kv_budget=_kv_budget(args.kv_budget),
+        alternate=max(1, args.alternate),
     )
 
 
@@ -799,6 +814,21 @@ def main(args) -> int:
                 f"B = {b}: rows agree" if a["same"] else f"B = {b}: rows differ: {a['differences']}"
             )
     return 0
+
+
+def alternated(passes: list[list[dict]]) -> list[dict]:
+    """One row per (row, streams) from passes over the same rows: the last pass's figures, with
+    decode_tps the median of every pass's and each pass's in `decode_tps_passes`."""
+    if len(passes) == 1:
+        return passes[0]
+    out = []
+    for i, row in enumerate(passes[-1]):
+        tps = [p[i].get("decode_tps") for p in passes]
+        if any(t is None for t in tps):
+            out.append(row)
+            continue
+        out.append({**row, "decode_tps": statistics.median(tps), "decode_tps_passes": tps})
+    return out
 
 
 def _prompt_tokens(n: int | None) -> int | None:
