@@ -10,8 +10,16 @@ import json
 import pytest
 from conftest import assert_one_line_error, cli
 
-# with ours over the envoy in two micro-batches per step beside it (node/overlap.py)
-ROWS = ("ours_mlx", "ours_envoy", "ours_envoy_overlap", "mlx_lm_pipeline", "mlx_lm_tensor")
+# with ours over the envoy in two micro-batches per step beside it (node/overlap.py), and with
+# attention by stream over the envoy
+ROWS = (
+    "ours_mlx",
+    "ours_envoy",
+    "ours_envoy_overlap",
+    "ours_envoy_by_stream",
+    "mlx_lm_pipeline",
+    "mlx_lm_tensor",
+)
 
 
 @pytest.mark.slow  # ~2 minutes on 2 shared cores: 4 rows of 2 processes, stock, 2 bare collectives
@@ -29,6 +37,8 @@ def test_bench_race_runs_every_row_and_the_rows_agree(make_ckpt, tmp_path):
         "1,3",
         "--max-tokens",
         "6",
+        "--prompt-tokens",
+        "12",
         "--rows",
         ",".join(ROWS),
         "--bandwidth",
@@ -103,6 +113,13 @@ def test_bench_race_runs_every_row_and_the_rows_agree(make_ckpt, tmp_path):
     # the share itself is held to a schedule's own books in tests/unit/test_interleave.py
     assert 0 < ov["in_flight_hidden"] < 1, ov
     assert got[("ours_envoy", 3)]["overlap_s"] == [0.0, 0.0]  # one lane: nothing in flight
+    assert out["prompts"] == [12, 12, 12]  # --prompt-tokens
+    # by stream each node attends for its own of the 3 streams, and holds only their KV
+    replicated, mine = got[("ours_envoy", 3)], got[("ours_envoy_by_stream", 3)]
+    assert replicated["peak_streams_per_node"] == [3, 3], replicated
+    assert mine["peak_streams_per_node"] == [2, 1] and mine["peak_running"] == 3, mine
+    kv = replicated["peak_kv_bytes_per_node"]
+    assert mine["peak_kv_bytes_per_node"] == [kv[0] * 2 // 3, kv[1] // 3], (kv, mine)
     assert plot.stat().st_size > 0
 
 
