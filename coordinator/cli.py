@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--transport",
         choices=("shm", "envoy", "mlx"),
         default="shm",
-        help="how the nodes all-reduce: shared memory, envoy processes (gRPC) or mx.distributed ring",
+        help="how the nodes all-reduce: shared memory, the envoy transport (TCP) or mx.distributed",
     )
     add_speculation_args(p)
     p.add_argument(
@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = p.add_subparsers(dest="benchmark", metavar="BENCHMARK")
     bench.required = True
     b = bench.add_parser(
-        "allreduce", help="one all-reduce: envoy path vs plain sockets vs mx.distributed ring"
+        "allreduce", help="one all-reduce: the envoy transport vs mx.distributed (ring, NCCL)"
     )
     importlib.import_module("moe_cluster.coordinator.bench.allreduce").add_arguments(b)
     b.set_defaults(handler="moe_cluster.coordinator.bench.allreduce:main")

@@ -13,7 +13,7 @@ import sys
 
 from ..common.process import die_with_parent, run_grpc_loop
 from ..proto.errors import UserError
-from ..proto.records import COLD_STEP_S, COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
+from ..proto.records import COLLECTIVE_TIMEOUT_S, MESH_CONNECT_TIMEOUT_S, TlsFiles
 
 logger = logging.getLogger("moe_cluster.envoy")
 
@@ -32,25 +32,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--data-port",
         type=int,
         default=0,
-        help="port of the data channel, on the --listen host (default: any free port; rank 0 opens none)",
+        help="port of the data channel, on the --listen host (default: any free port; rank 0 "
+        "opens none)",
     )
     p.add_argument(
         "--timeout",
         type=float,
         default=COLLECTIVE_TIMEOUT_S,
-        help="seconds a step waits for a peer before failing",
-    )
-    p.add_argument(
-        "--cold-timeout",
-        type=float,
-        default=COLD_STEP_S,
-        help="seconds a step its node marks cold (one that may build kernels) waits for a peer",
+        help="seconds a request waits for a peer that was connected and is gone",
     )
     p.add_argument(
         "--connect-timeout",
         type=float,
         default=MESH_CONNECT_TIMEOUT_S,
-        help="seconds a request waits for the mesh",
+        help="seconds a request waits for the mesh to be whole the first time",
     )
     p.add_argument(
         "--secret-stdin",
@@ -61,15 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key")
     p.add_argument("--tls-ca", default=None, help="PEM root certificates of the cluster")
     p.add_argument("--link-fd", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--shm", default="", help=argparse.SUPPRESS)
-    p.add_argument("--max-bytes", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--parent-pid", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument(
-        "--trace", action="store_true", help=argparse.SUPPRESS
-    )  # stamps for bench allreduce --trace
-    p.add_argument(
-        "--direct", action="store_true", help=argparse.SUPPRESS
-    )  # the node exchanges the frames itself (envoy/exchange.py)
     p.add_argument("--log-level", default=None, help="WARNING (default), INFO or DEBUG")
 
 
@@ -89,8 +76,6 @@ def config_from_args(args: argparse.Namespace):
     tls_given = [args.tls_cert, args.tls_key, args.tls_ca]
     if any(tls_given) and not all(tls_given):
         raise UserError("TLS needs --tls-cert, --tls-key and --tls-ca together")
-    if args.link_fd is not None and not (args.shm and args.max_bytes > 0):
-        raise UserError("--link-fd needs --shm and --max-bytes")
     return EnvoyConfig(
         rank=args.rank,
         addresses=tuple(a.strip() for a in args.addresses.split(",") if a.strip()),
@@ -98,15 +83,10 @@ def config_from_args(args: argparse.Namespace):
         secret=read_secret(args.secret_stdin),
         timeout_s=args.timeout,
         connect_timeout_s=args.connect_timeout,
-        cold_timeout_s=args.cold_timeout,
         tls=TlsFiles(args.tls_cert, args.tls_key, args.tls_ca) if all(tls_given) else None,
         link_fd=args.link_fd,
-        shm_name=args.shm,
-        max_bytes=args.max_bytes,
         parent_pid=args.parent_pid,
         data_port=args.data_port,
-        trace=args.trace,
-        direct=args.direct,
     )
 
 

@@ -1,27 +1,23 @@
 """Persistent links from one envoy to every peer: a gRPC Exchange stream and a data channel per pair.
 
-The lower rank of each pair dials the higher one and keeps redialing while the envoy runs; the
-stream is then used both ways. Each side sends Hello first; the higher rank's Hello offers its data
-channel (envoy/data.py) and a token for it, and the dialer connects there presenting the token. A
-peer counts as connected once both are up, and is lost when either ends. Frames go out serialized
-once per step, whatever the number of peers, on the data channel. Frames take the stream instead,
-as they did before the data channel, where either end runs with `data_channel=False` (or
-`MOE_CLUSTER_ENVOY_DATA=0`), and for one session after a dialer could not reach its peer's channel
-(a firewall that admits only the envoy's port): it says so, redials with the frames on the
-stream, and tries the channel again the next time it has to redial. Stream reads and writes use
-explicit `read()`/`write()` (an async-generator handler costs about 3x the latency).
+The lower rank of each pair dials the higher one and keeps redialing while the envoy runs. Each
+side sends a Hello first; the higher rank's offers its data channel (envoy/data.py) and a token
+for it, and the dialer connects there presenting the token. A peer counts as connected once both
+are up and its channel is in its node's hands, and is lost when either ends. The stream carries
+nothing more: the frames take the channel, written and read by the nodes. A dialer that cannot
+reach its peer's channel (a firewall that admits only the envoy's port) fails with one line naming
+the address and port to open, and redials. Stream reads use explicit `read()` (an async-generator
+handler costs about 3x the latency).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import os
 import secrets
 import socket
+import ssl
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -40,15 +36,11 @@ from ..common.auth import (
     ssl_client_context,
     ssl_server_context,
 )
-from ..proto.frame import PROTOCOL, Frame, Hello, checksum
+from ..proto.frame import HANDSHAKE_TIMEOUT_S, PROTOCOL, Hello, handshake
 
 logger = logging.getLogger(__name__)
 
-_HELLO_TIMEOUT_S = (
-    5.0  # seconds the other end has to answer Hello (and a data connection its handshake)
-)
-DATA_ENV = "MOE_CLUSTER_ENVOY_DATA"  # "0": no data channel, frames take the gRPC stream
-STREAM_ONLY = "stream"  # a dialer's Hello.data_token: it will not open a data channel this time
+_HELLO_TIMEOUT_S = 5.0  # seconds the other end has to answer Hello (a data connection too)
 
 
 @dataclass(frozen=True)
@@ -58,9 +50,7 @@ class MeshConfig:
     listen: str  # this envoy's bind address (port 0: any free port)
     secret: str = field(repr=False)
     tls: TlsFiles | None = None
-    data_channel: bool = field(default_factory=lambda: os.environ.get(DATA_ENV, "1") != "0")
     data_port: int = 0  # the data channel's port on the listen host; 0: any free port
-    hand_off: bool = False  # plain data channels stop at their handshake: the node takes them
 
     @property
     def world_size(self) -> int:
@@ -81,65 +71,31 @@ def _data_socket(host: str, port: int = 0) -> socket.socket:
     return socket.create_server((host or "0.0.0.0", port), family=family)
 
 
+@dataclass
 class Peer:
-    """One live link to one peer: its data channel, or else its stream, where a writer task drains
-    the outgoing frames in order.
+    """One live link to one peer: its stream's task, and its data channel."""
 
-    (A deque and a future the writer waits on when idle: cheaper per frame than asyncio.Queue.)
-    """
-
-    def __init__(
-        self,
-        rank: int,
-        address: str,
-        write: Callable[[bytes], Awaitable[None]],
-        channel: data.DataConnection | None = None,
-    ):
-        self.rank = rank
-        self.address = address
-        self._write = write
-        self.channel = channel
-        self.ended: asyncio.Future | None = None  # resolves to why, to end the stream from here
-        self._outgoing: deque[bytes] = deque()
-        self._idle: asyncio.Future | None = None
-        self.task: asyncio.Task | None = None  # the task reading this stream
-
-    def send(self, data: bytes) -> None:
-        self._outgoing.append(data)
-        idle = self._idle
-        if idle is not None:
-            self._idle = None
-            if not idle.done():
-                idle.set_result(None)
-
-    async def write_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        outgoing = self._outgoing
-        while True:
-            while outgoing:
-                await self._write(outgoing.popleft())
-            self._idle = loop.create_future()
-            await self._idle
+    rank: int
+    channel: data.DataConnection
+    task: asyncio.Task | None  # the task serving this stream
 
 
 class Mesh:
-    """The streams to all peers, and the server that accepts the lower ranks' streams.
+    """The streams to all peers, and the servers that accept the lower ranks' streams and data
+    connections.
 
-    `on_frame(frame)` runs on the event loop for every frame a peer sends; `on_peer(rank, up,
-    reason)` whenever a peer's stream comes up or goes down. `on_channel(rank, channel)`, where
-    given, runs before a peer counts as up, with its data channel (None: its frames take the
-    stream): the envoy hands the channel to its node there (`config.hand_off`).
+    `on_channel(rank, channel)` runs once a peer's stream and data channel are both up, before
+    the peer counts as connected: the envoy hands the channel to its node there. `on_peer(rank,
+    up, reason)` runs whenever a peer comes up or goes down.
     """
 
     def __init__(
         self,
         config: MeshConfig,
-        on_frame: Callable[[Frame], None],
         on_peer: Callable[[int, bool, str], None],
-        on_channel: Callable[[int, data.DataConnection | None], Awaitable[None]] | None = None,
+        on_channel: Callable[[int, data.DataConnection], Awaitable[None]],
     ):
         self.config = config
-        self._on_frame = on_frame
         self._on_peer = on_peer
         self._on_channel = on_channel
         self._peers: dict[int, Peer] = {}
@@ -149,13 +105,10 @@ class Mesh:
         self._dialers: list[asyncio.Task] = []
         self._closing = False
         self.port = 0
-        self.data_port = 0  # 0: no data channel
+        self.data_port = 0  # 0: no data channel (rank 0: only lower ranks dial)
         self._data_server: asyncio.AbstractServer | None = None
         self._client_ssl = None  # the dialers' TLS context for data channels
-        self._stream_only: set[int] = (
-            set()
-        )  # higher ranks whose data channel this envoy could not reach last time
-        # lower rank -> (the token its data connection must present, the future that connection resolves)
+        # lower rank -> (the token its data connection must present, the future it resolves)
         self._arriving: dict[int, tuple[str, asyncio.Future]] = {}
 
     # -- state -------------------------------------------------------------------------------
@@ -171,39 +124,16 @@ class Mesh:
     def describe(self, rank: int) -> str:
         return f"rank {rank} ({self.config.addresses[rank]})"
 
-    def send_to(self, rank: int, frame: Frame) -> None:
-        """Send one frame to one peer (dropped if it is not connected: its loss fails the step)."""
-        peer = self._peers.get(rank)
-        if peer is None:
-            return
-        if peer.channel is not None:
-            peer.channel.send_parts(*data.encode_parts(frame))
-        else:
-            peer.send(_on_stream(frame))
-
     def drop(self, rank: int, why: str) -> None:
         """End `rank`'s stream (its node gave up the channel); a dialer redials, as after any loss."""
         peer = self._peers.get(rank)
-        if peer is not None and peer.ended is not None and not peer.ended.done():
-            peer.ended.set_result(why)
-
-    def send_all(self, frame: Frame) -> None:
-        """Send one frame to every connected peer, serialized once for each kind of link."""
-        on_stream = on_channel = None
-        for peer in self._peers.values():
-            if peer.channel is not None:
-                if on_channel is None:
-                    on_channel = data.encode_parts(frame)
-                peer.channel.send_parts(*on_channel)
-            else:
-                if on_stream is None:
-                    on_stream = _on_stream(frame)
-                peer.send(on_stream)
+        if peer is not None and not peer.channel.lost.done():
+            peer.channel.lost.set_result(why)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> int:
-        """Bind and start the server, start dialing the higher ranks; returns the bound port."""
+        """Bind and start the servers, start dialing the higher ranks; returns the bound port."""
         cfg = self.config
         server = grpc.aio.server(
             options=CHANNEL_OPTIONS, interceptors=[SecretInterceptor(cfg.secret)]
@@ -211,8 +141,8 @@ class Mesh:
         handlers = {
             "Exchange": grpc.stream_stream_rpc_method_handler(
                 self._exchange,
-                request_deserializer=convert.frame_from_wire,
-                response_serializer=None,
+                request_deserializer=convert.hello_from_wire,
+                response_serializer=convert.hello_to_wire,
             ),
             "Health": grpc.unary_unary_rpc_method_handler(
                 self._health,
@@ -234,24 +164,23 @@ class Mesh:
             raise UserError(f"envoy rank {cfg.rank} cannot listen on {cfg.listen}: {exc}") from exc
         loop = asyncio.get_running_loop()
         tls = cfg.tls
-        # the dialers' TLS context, once: a certificate that cannot be read fails the start, not a dial
-        self._client_ssl = (
-            ssl_client_context(tls.ca, tls.cert, tls.key) if tls and cfg.data_channel else None
-        )
-        if cfg.data_channel and cfg.rank > 0:  # only lower ranks dial, so rank 0 is never dialed
+        # the dialers' TLS context, once: a certificate that cannot be read fails the start
+        self._client_ssl = ssl_client_context(tls.ca, tls.cert, tls.key) if tls else None
+        if cfg.rank > 0:  # only lower ranks dial, so rank 0 is never dialed
             # open before the gRPC server takes Hellos, so every Hello can offer it
             host = _host(cfg.listen)
             try:
                 sock = _data_socket(host, cfg.data_port)
                 self._data_server = await loop.create_server(
-                    lambda: data.DataConnection(claim=self._claim, hand_off=cfg.hand_off),
+                    lambda: data.DataConnection(claim=self._claim),
                     sock=sock,
                     ssl=ssl_server_context(tls.cert, tls.key, tls.ca) if tls else None,
-                    ssl_handshake_timeout=data.HANDSHAKE_TIMEOUT_S if tls else None,
+                    ssl_handshake_timeout=HANDSHAKE_TIMEOUT_S if tls else None,
                 )
             except OSError as exc:
+                where = f"{host}:{cfg.data_port or 'any port'}"
                 raise UserError(
-                    f"envoy rank {cfg.rank} cannot open its data channel on {host}:{cfg.data_port or 'any port'}: "
+                    f"envoy rank {cfg.rank} cannot open its data channel on {where}: "
                     f"{exc.strerror or exc}"
                 ) from exc
             self.data_port = sock.getsockname()[1]
@@ -262,10 +191,11 @@ class Mesh:
             for r in range(cfg.rank + 1, cfg.world_size)
         ]
         logger.info(
-            "envoy rank %s listening on %s (port %s), dialing ranks %s",
+            "envoy rank %s listening on %s (port %s, data channel %s), dialing ranks %s",
             cfg.rank,
             cfg.listen,
             self.port,
+            self.data_port or "none",
             list(range(cfg.rank + 1, cfg.world_size)),
         )
         return self.port
@@ -286,15 +216,10 @@ class Mesh:
     # -- streams -----------------------------------------------------------------------------
 
     async def _serve_stream(
-        self,
-        rank: int,
-        read: Callable[[], Awaitable],
-        write: Callable[[bytes], Awaitable],
-        channel: data.DataConnection | None = None,
+        self, rank: int, read: Callable[[], Awaitable], channel: data.DataConnection
     ) -> str:
-        """Run one established stream (and its data channel) until either ends; returns why it ended."""
-        peer = Peer(rank, self.config.addresses[rank], write, channel)
-        peer.task = asyncio.current_task()
+        """Run one established stream and its data channel until either ends; returns why."""
+        peer = Peer(rank, channel, asyncio.current_task())
         old = self._peers.get(rank)
         if old is not None:  # the peer restarted before its old stream was seen to die
             logger.warning(
@@ -304,49 +229,31 @@ class Mesh:
             )
             if old.task is not None:
                 old.task.cancel()
-        loop = asyncio.get_running_loop()
-        peer.ended = channel.lost if channel is not None else loop.create_future()
-        watch = channel is not None or self._on_channel is not None  # else nothing sets `ended`
         reason = "stream ended"
-        writer = None
         try:
-            if self._on_channel is not None:  # before the peer counts: a begin may follow at once
+            try:  # before the peer counts: a begin may follow at once
                 await self._on_channel(rank, channel)
+            except OSError as exc:  # out of descriptors, say: this stream ends, a dialer redials
+                reason = self.last_error[rank] = f"its channel could not go to the node ({exc})"
+                return reason
             self._peers[rank] = peer
             self.last_error.pop(rank, None)
             self._refused.pop(rank, None)
-            if channel is not None and not channel.hand_off:
-                channel.attach(self._on_frame)
             self._on_peer(rank, True, "connected")
-            writer = loop.create_task(peer.write_loop(), name=f"write-{rank}")
-            while True:
-                item = await (_first(read, peer.ended) if watch else read())
-                if isinstance(item, str):  # the data channel ended: why
-                    reason = item
-                    break
-                if item is grpc.aio.EOF:
-                    reason = "closed its stream"
-                    break
-                if isinstance(item, Hello):
-                    reason = "sent a second Hello"
-                    break
-                self._on_frame(item)
+            item = await _first(read, channel.lost)
+            if isinstance(item, str):  # the data channel ended: why
+                reason = item
+            elif item is grpc.aio.EOF:
+                reason = "closed its stream"
+            else:
+                reason = "sent a second Hello"
         except grpc.aio.AioRpcError as exc:
             reason = f"stream failed: {exc.code().name}: {exc.details()}"
         except asyncio.CancelledError:
             reason = "envoy closing"
             raise
         finally:
-            if channel is not None:
-                channel.close()
-            if writer is not None:
-                writer.cancel()
-                try:
-                    await writer
-                except (asyncio.CancelledError, grpc.aio.AioRpcError, grpc.aio.UsageError):
-                    pass
-                except Exception as exc:  # noqa: BLE001 - a write on a dead stream; the read side said why
-                    logger.debug("writer to rank %s ended: %r", rank, exc)
+            channel.close()
             if self._peers.get(rank) is peer:
                 del self._peers[rank]
                 self.last_error[rank] = reason
@@ -368,54 +275,41 @@ class Mesh:
                 "envoy rank %s refused a stream from %s: %s", cfg.rank, context.peer(), problem
             )
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
-        token = (
-            secrets.token_hex(16)
-            if self._data_server is not None and hello.data_token != STREAM_ONLY
-            else ""
-        )
-        arriving = None
-        if token:  # ready for the data connection before the Hello goes: the dialer connects as soon as it reads it
-            arriving = asyncio.get_running_loop().create_future()
-            self._arriving[hello.rank] = (token, arriving)
+        # ready for the data connection before the Hello goes: the dialer connects as soon as it
+        # reads it
+        token = secrets.token_hex(16)
+        arriving = asyncio.get_running_loop().create_future()
+        self._arriving[hello.rank] = (token, arriving)
         await context.write(
-            convert.frame_to_wire(
-                Hello(cfg.rank, cfg.world_size, data_port=self.data_port, data_token=token)
-            )
+            Hello(cfg.rank, cfg.world_size, data_port=self.data_port, data_token=token)
         )
         channel = None
-        if arriving is not None:
-            try:
-                channel = await asyncio.wait_for(asyncio.shield(arriving), _HELLO_TIMEOUT_S)
-            except asyncio.TimeoutError:
-                await context.abort(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"no data connection from rank {hello.rank} within {_HELLO_TIMEOUT_S} s",
-                )
-            finally:
-                if self._arriving.get(hello.rank, (None, None))[1] is arriving:
-                    del self._arriving[hello.rank]
-                if channel is None and arriving.done() and not arriving.cancelled():
-                    arriving.result().close()  # claimed, but this stream ended before taking it
-        logger.info(
-            "envoy rank %s: stream from %s up%s",
-            cfg.rank,
-            self.describe(hello.rank),
-            " (data channel)" if channel else "",
-        )
         try:
-            reason = await self._serve_stream(hello.rank, context.read, context.write, channel)
-        except (
-            asyncio.CancelledError
-        ):  # close(), a newer stream from that peer, or grpc ending the RPC
-            # the handler returns and the RPC ends; a CancelledError raised out of a handler is logged
-            # by grpc as "Exception not handled" with a traceback (seen once, at a 4-node benchmark's end)
+            channel = await asyncio.wait_for(asyncio.shield(arriving), _HELLO_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no data connection from rank {hello.rank} within {_HELLO_TIMEOUT_S} s",
+            )
+        finally:
+            if self._arriving.get(hello.rank, (None, None))[1] is arriving:
+                del self._arriving[hello.rank]
+            if channel is None and arriving.done() and not arriving.cancelled():
+                arriving.result().close()  # claimed, but this stream ended before taking it
+        logger.info("envoy rank %s: stream from %s up", cfg.rank, self.describe(hello.rank))
+        try:
+            reason = await self._serve_stream(hello.rank, context.read, channel)
+        except asyncio.CancelledError:  # close(), a newer stream from that peer, or grpc ending it
+            # the handler returns and the RPC ends; a CancelledError raised out of a handler is
+            # logged by grpc as "Exception not handled" with a traceback
             reason = "cancelled"
         logger.info(
             "envoy rank %s: stream from %s down: %s", cfg.rank, self.describe(hello.rank), reason
         )
 
     def _claim(self, rank: int, token: str, channel: data.DataConnection) -> str:
-        """A data connection presents `token` as `rank`: "" takes it for that rank's stream, else why not."""
+        """A data connection presents `token` as `rank`: "" takes it for that rank's stream, else
+        why not."""
         expected, arriving = self._arriving.get(rank, ("", None))
         if arriving is None or arriving.done() or not data.token_ok(token, expected):
             logger.warning(
@@ -423,7 +317,10 @@ class Mesh:
                 self.config.rank,
                 rank,
             )
-            return "wrong or stale data token (a data connection follows its own authenticated stream's Hello)"
+            return (
+                "wrong or stale data token (a data connection follows its own authenticated "
+                "stream's Hello)"
+            )
         arriving.set_result(channel)  # done: one connection per token
         return ""
 
@@ -433,7 +330,6 @@ class Mesh:
             "world_size": self.config.world_size,
             "connected": self.connected,
             "whole": self.whole,
-            "data_channel": {r for r, p in self._peers.items() if p.channel is not None},
         }
 
     def _channel(self, address: str) -> grpc.aio.Channel:
@@ -455,43 +351,22 @@ class Mesh:
             try:
                 call = channel.stream_stream(
                     convert.ENVOY_EXCHANGE,
-                    request_serializer=None,
-                    response_deserializer=convert.frame_from_wire,
+                    request_serializer=convert.hello_to_wire,
+                    response_deserializer=convert.hello_from_wire,
                 )(metadata=call_metadata(cfg.secret), wait_for_ready=False)
-                # after a data channel it could not reach, one session on the stream alone; then try again
-                channel_ok = cfg.data_channel and rank not in self._stream_only
-                self._stream_only.discard(rank)
-                await call.write(
-                    convert.frame_to_wire(
-                        Hello(
-                            cfg.rank, cfg.world_size, data_token="" if channel_ok else STREAM_ONLY
-                        )
-                    )
-                )
+                await call.write(Hello(cfg.rank, cfg.world_size))
                 hello = await asyncio.wait_for(call.read(), _HELLO_TIMEOUT_S)
                 problem = _check_hello(hello, cfg, lower=False, expect=rank)
                 if problem:
                     call.cancel()
                     raise ConnectionError(problem)
-                link = None
-                if hello.data_port and channel_ok:
-                    try:
-                        link = await self._open_channel(rank, hello)
-                    except (
-                        ConnectionError
-                    ) as exc:  # e.g. a firewall that admits only the envoy's port
-                        self._stream_only.add(rank)
-                        call.cancel()
-                        raise ConnectionError(
-                            f"{exc}; redialing with the frames on the gRPC stream"
-                        ) from None
-                logger.info(
-                    "envoy rank %s: stream to %s up%s",
-                    cfg.rank,
-                    self.describe(rank),
-                    " (data channel)" if link else "",
-                )
-                reason = await self._serve_stream(rank, call.read, call.write, link)
+                try:
+                    link = await self._open_channel(rank, hello)
+                except ConnectionError:
+                    call.cancel()
+                    raise
+                logger.info("envoy rank %s: stream to %s up", cfg.rank, self.describe(rank))
+                reason = await self._serve_stream(rank, call.read, link)
                 logger.info(
                     "envoy rank %s: stream to %s down: %s", cfg.rank, self.describe(rank), reason
                 )
@@ -514,33 +389,44 @@ class Mesh:
             backoff = min(backoff * 2, 1.0)
 
     async def _open_channel(self, rank: int, hello: Hello) -> data.DataConnection:
-        """Connect to `rank`'s data channel and present the token its Hello gave (ConnectionError if not)."""
-        cfg, host = self.config, _host(self.config.addresses[rank])
+        """Connect to `rank`'s data channel and present the token its Hello gave; ConnectionError
+        naming the address and port where it cannot be reached."""
+        host = _host(self.config.addresses[rank])
         loop = asyncio.get_running_loop()
-        ssl = self._client_ssl
-        channel = None
+        tls = self._client_ssl
         try:
             _, channel = await asyncio.wait_for(
                 loop.create_connection(
                     lambda: data.DataConnection(
-                        hello=data.handshake(cfg.rank, hello.data_token), hand_off=cfg.hand_off
+                        hello=handshake(self.config.rank, hello.data_token)
                     ),
                     host,
                     hello.data_port,
-                    ssl=ssl,
-                    server_hostname=host if ssl else None,
+                    ssl=tls,
+                    server_hostname=host if tls else None,
                 ),
                 _HELLO_TIMEOUT_S,
             )
+        except ssl.SSLError as exc:
+            raise ConnectionError(
+                f"TLS with its data channel at {host}:{hello.data_port} failed ({exc})"
+            ) from None
+        except (OSError, asyncio.TimeoutError) as exc:  # refused, or dropped on the way
+            raise ConnectionError(
+                f"cannot reach its data channel at {host}:{hello.data_port} "
+                f"({exc or 'no answer in time'}): open TCP port {hello.data_port} on {host} "
+                "to this host (envoy_data_port in cluster.yaml fixes the port)"
+            ) from None
+        try:
             return await asyncio.wait_for(channel.ready, _HELLO_TIMEOUT_S)
         except BaseException as exc:
-            if channel is not None:
-                channel.close()
-                if channel.ready.done() and not channel.ready.cancelled():
-                    channel.ready.exception()  # retrieved: the reason is in the error below
-            if isinstance(exc, (OSError, asyncio.TimeoutError)):
+            channel.close()
+            if channel.ready.done() and not channel.ready.cancelled():
+                channel.ready.exception()  # retrieved: the reason is in the error below
+            if isinstance(exc, (OSError, asyncio.TimeoutError)):  # its refusal, or silence
                 raise ConnectionError(
-                    f"data channel {host}:{hello.data_port}: {exc or 'no answer in time'}"
+                    f"its data channel at {host}:{hello.data_port} did not take the connection "
+                    f"({exc or 'no answer to the handshake in time'})"
                 ) from None
             raise
 
@@ -557,13 +443,6 @@ class Mesh:
             log = logger.warning if loud else logger.info
             log("envoy rank %s: cannot reach %s: %s", self.config.rank, self.describe(rank), reason)
         self.last_error[rank] = reason
-
-
-def _on_stream(frame: Frame) -> bytes:
-    """A frame as the gRPC stream carries it: with a CRC-32, which the data channel's go without."""
-    if frame.checksum is None:
-        frame = dataclasses.replace(frame, checksum=checksum(frame.payload))
-    return convert.frame_to_wire(frame)
 
 
 async def _first(read: Callable[[], Awaitable], lost: asyncio.Future):
@@ -584,7 +463,7 @@ async def _first(read: Callable[[], Awaitable], lost: asyncio.Future):
 def _check_hello(hello, cfg: MeshConfig, *, lower: bool, expect: int | None = None) -> str:
     """Why a Hello is unacceptable, or "" if it is fine."""
     if hello is grpc.aio.EOF or not isinstance(hello, Hello):
-        return "the first frame was not a Hello"
+        return "the stream ended before its Hello"
     if hello.protocol != PROTOCOL:
         return f"protocol {hello.protocol!r}, expected {PROTOCOL!r}"
     if hello.world_size != cfg.world_size:
@@ -593,4 +472,6 @@ def _check_hello(hello, cfg: MeshConfig, *, lower: bool, expect: int | None = No
         return f"{cfg.addresses[expect]} answered as rank {hello.rank}, expected rank {expect}"
     if lower and not hello.rank < cfg.rank:
         return f"rank {hello.rank} dialed rank {cfg.rank}; only lower ranks dial higher ones"
+    if not lower and not hello.data_port:
+        return f"rank {hello.rank} offered no data channel"
     return ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
-from .frame import Frame, Hello
+from .frame import Hello
 from . import envoy_pb2 as epb
 from . import node_pb2 as npb
 from .errors import ErrorKind, UserError
@@ -27,80 +27,25 @@ ENVOY_EXCHANGE = f"/{_ENVOY.full_name}/Exchange"
 ENVOY_HEALTH = f"/{_ENVOY.full_name}/Health"
 ENVOY_SERVICE = _ENVOY.full_name
 
-_DTYPE_TO_PB = {
-    "float32": epb.DTYPE_FLOAT32,
-    "float16": epb.DTYPE_FLOAT16,
-    "bfloat16": epb.DTYPE_BFLOAT16,
-}
-_DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
-
 
 class ConvertError(UserError):
     """A message that does not make a valid domain record; names the field."""
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n >= 0x80:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-_PAYLOAD_TAG = bytes(
-    [(epb.Frame.DESCRIPTOR.fields_by_name["payload"].number << 3) | 2]
-)  # length-delimited
-
-
-def frame_to_wire(item: Frame | Hello) -> bytes:
-    """A Frame or Hello -> serialized moe_cluster.v1.Frame (what the Exchange stream carries).
-
-    The header fields go through protobuf; the payload (any buffer: bytes, memoryview, numpy) is
-    appended as its length-delimited field, so it is copied once, into the result.
-    """
-    if isinstance(item, Hello):
-        return epb.Frame(
-            hello=epb.Hello(
-                rank=item.rank,
-                world_size=item.world_size,
-                protocol=item.protocol,
-                data_port=item.data_port,
-                data_token=item.data_token,
-            )
-        ).SerializeToString()
-    header = epb.Frame(
-        request_id=item.request_id,
-        step=item.step,
-        layer=item.layer,
-        rank=item.rank,
-        dtype=_DTYPE_TO_PB[item.dtype],
-        shape=item.shape,
-        checksum=item.checksum,
+def hello_to_wire(hello: Hello) -> bytes:
+    """A Hello -> serialized moe_cluster.v1.Hello (all the Exchange stream carries)."""
+    return epb.Hello(
+        rank=hello.rank,
+        world_size=hello.world_size,
+        protocol=hello.protocol,
+        data_port=hello.data_port,
+        data_token=hello.data_token,
     ).SerializeToString()
-    payload = memoryview(item.payload).cast("B")
-    return b"".join((header, _PAYLOAD_TAG, _varint(payload.nbytes), payload))
 
 
-def frame_from_wire(data: bytes) -> Frame | Hello:
-    """Serialized moe_cluster.v1.Frame -> Frame, or Hello for a stream's first frame."""
-    msg = epb.Frame.FromString(data)
-    if msg.HasField("hello"):
-        h = msg.hello
-        return Hello(h.rank, h.world_size, h.protocol, h.data_port, h.data_token)
-    dtype = _DTYPE_FROM_PB.get(msg.dtype)
-    if dtype is None:
-        raise ConvertError(f"frame from rank {msg.rank} has unknown dtype {msg.dtype}")
-    return Frame(
-        msg.request_id,
-        msg.step,
-        msg.layer,
-        msg.rank,
-        dtype,
-        tuple(msg.shape),
-        msg.checksum,
-        msg.payload,
-    )
+def hello_from_wire(data: bytes) -> Hello:
+    h = epb.Hello.FromString(data)
+    return Hello(h.rank, h.world_size, h.protocol, h.data_port, h.data_token)
 
 
 def envoy_health_request_to_wire(_: Any = None) -> bytes:
@@ -112,13 +57,12 @@ def envoy_health_request_from_wire(data: bytes) -> None:
 
 
 def envoy_health_to_wire(health: dict) -> bytes:
-    """{"rank", "world_size", "connected", "whole", "data_channel"} -> serialized EnvoyHealth."""
+    """{"rank", "world_size", "connected", "whole"} -> serialized EnvoyHealth."""
     return epb.EnvoyHealth(
         rank=health["rank"],
         world_size=health["world_size"],
         connected=sorted(health["connected"]),
         whole=health["whole"],
-        data_channel=sorted(health.get("data_channel", ())),
     ).SerializeToString()
 
 
@@ -129,7 +73,6 @@ def envoy_health_from_wire(data: bytes) -> dict:
         "world_size": msg.world_size,
         "connected": list(msg.connected),
         "whole": msg.whole,
-        "data_channel": list(msg.data_channel),
     }
 
 

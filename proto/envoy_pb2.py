@@ -24,23 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x65nvoy.proto\x12\x0emoe_cluster.v1\"b\n\x05Hello\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12\x11\n\tdata_port\x18\x04 \x01(\r\x12\x12\n\ndata_token\x18\x05 \x01(\t\"\xc4\x01\n\x05\x46rame\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\r\n\x05layer\x18\x03 \x01(\x11\x12\x0c\n\x04rank\x18\x04 \x01(\r\x12$\n\x05\x64type\x18\x05 \x01(\x0e\x32\x15.moe_cluster.v1.DType\x12\r\n\x05shape\x18\x06 \x03(\r\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x07\x12\x0f\n\x07payload\x18\x08 \x01(\x0c\x12$\n\x05hello\x18\t \x01(\x0b\x32\x15.moe_cluster.v1.Hello\"\x14\n\x12\x45nvoyHealthRequest\"g\n\x0b\x45nvoyHealth\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x11\n\tconnected\x18\x03 \x03(\r\x12\r\n\x05whole\x18\x04 \x01(\x08\x12\x14\n\x0c\x64\x61ta_channel\x18\x05 \x03(\r*X\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x32\x90\x01\n\x05\x45nvoy\x12<\n\x08\x45xchange\x12\x15.moe_cluster.v1.Frame\x1a\x15.moe_cluster.v1.Frame(\x01\x30\x01\x12I\n\x06Health\x12\".moe_cluster.v1.EnvoyHealthRequest\x1a\x1b.moe_cluster.v1.EnvoyHealthb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0b\x65nvoy.proto\x12\x0emoe_cluster.v1\"b\n\x05Hello\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x10\n\x08protocol\x18\x03 \x01(\t\x12\x11\n\tdata_port\x18\x04 \x01(\r\x12\x12\n\ndata_token\x18\x05 \x01(\t\"\x14\n\x12\x45nvoyHealthRequest\"W\n\x0b\x45nvoyHealth\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x11\n\tconnected\x18\x03 \x03(\r\x12\r\n\x05whole\x18\x04 \x01(\x08J\x04\x08\x05\x10\x06\x32\x90\x01\n\x05\x45nvoy\x12<\n\x08\x45xchange\x12\x15.moe_cluster.v1.Hello\x1a\x15.moe_cluster.v1.Hello(\x01\x30\x01\x12I\n\x06Health\x12\".moe_cluster.v1.EnvoyHealthRequest\x1a\x1b.moe_cluster.v1.EnvoyHealthb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'envoy_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=457
-  _globals['_DTYPE']._serialized_end=545
   _globals['_HELLO']._serialized_start=31
   _globals['_HELLO']._serialized_end=129
-  _globals['_FRAME']._serialized_start=132
-  _globals['_FRAME']._serialized_end=328
-  _globals['_ENVOYHEALTHREQUEST']._serialized_start=330
-  _globals['_ENVOYHEALTHREQUEST']._serialized_end=350
-  _globals['_ENVOYHEALTH']._serialized_start=352
-  _globals['_ENVOYHEALTH']._serialized_end=455
-  _globals['_ENVOY']._serialized_start=548
-  _globals['_ENVOY']._serialized_end=692
+  _globals['_ENVOYHEALTHREQUEST']._serialized_start=131
+  _globals['_ENVOYHEALTHREQUEST']._serialized_end=151
+  _globals['_ENVOYHEALTH']._serialized_start=153
+  _globals['_ENVOYHEALTH']._serialized_end=240
+  _globals['_ENVOY']._serialized_start=243
+  _globals['_ENVOY']._serialized_end=387
 # @@protoc_insertion_point(module_scope)

@@ -36,8 +36,8 @@ class EnvoyStub:
         """
         self.Exchange = channel.stream_stream(
                 '/moe_cluster.v1.Envoy/Exchange',
-                request_serializer=envoy__pb2.Frame.SerializeToString,
-                response_deserializer=envoy__pb2.Frame.FromString,
+                request_serializer=envoy__pb2.Hello.SerializeToString,
+                response_deserializer=envoy__pb2.Hello.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/moe_cluster.v1.Envoy/Health',
@@ -66,8 +66,8 @@ def add_EnvoyServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Exchange': grpc.stream_stream_rpc_method_handler(
                     servicer.Exchange,
-                    request_deserializer=envoy__pb2.Frame.FromString,
-                    response_serializer=envoy__pb2.Frame.SerializeToString,
+                    request_deserializer=envoy__pb2.Hello.FromString,
+                    response_serializer=envoy__pb2.Hello.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
@@ -100,8 +100,8 @@ class Envoy:
             request_iterator,
             target,
             '/moe_cluster.v1.Envoy/Exchange',
-            envoy__pb2.Frame.SerializeToString,
-            envoy__pb2.Frame.FromString,
+            envoy__pb2.Hello.SerializeToString,
+            envoy__pb2.Hello.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,7 +4,7 @@ Specs are picklable (the simulator hands them to spawned processes) and carry no
 `node.collective.specs.make_collective(spec, rank)` builds the Collective from one.
 
 - `ShmSpec`: processes of one machine through shared memory (simulate, tests).
-- `EnvoySpec`: the envoy child process per node, gRPC between envoys (the product).
+- `EnvoySpec`: TCP between the nodes, an envoy child per node keeping the peers (the product).
 - `MlxSpec`: `mx.distributed` (ring over TCP; JACCL over Thunderbolt 5 RDMA on macOS 26.2+).
 """
 
@@ -30,7 +30,8 @@ class ShmSpec:
 
 @dataclass(frozen=True)
 class EnvoySpec:
-    """Every node runs an envoy child; envoys all-reduce over persistent gRPC streams."""
+    """Every node runs an envoy child, which keeps its peers (authenticated gRPC streams) and
+    hands the node a data channel to each; the nodes exchange the partials on those."""
 
     addresses: tuple[str, ...]  # every rank's envoy "host:port", indexed by rank
     secret: str = field(default="", repr=False)  # the cluster secret; never logged
@@ -40,11 +41,10 @@ class EnvoySpec:
     connect_timeout_s: float = (
         MESH_CONNECT_TIMEOUT_S  # begin() waits this long for the mesh to be whole
     )
-    max_bytes: int = 64 << 20  # largest partial (bytes): the size of the shared payload areas
     tls: TlsFiles | None = None  # this node's envoy's files, paths on the node
     log_level: str = "WARNING"  # of the envoy process (stderr)
     data_port: int = 0  # this rank's data channel port (a firewall's second port); 0: any free port
-    trace: bool = False  # stamp every all-reduce's hops (envoy/trace.py; bench allreduce --trace)
+    trace: bool = False  # stamp every all-reduce's hops (node/collective/trace.py; bench allreduce)
 
     def __post_init__(self) -> None:
         if len(self.addresses) < 1:

@@ -133,13 +133,13 @@ def pytest_runtest_setup(item):
 
 
 def native_sum():
-    """envoy/_sum.c's module, for a test that needs it (the install builds it where it finds a C
-    compiler)."""
-    from moe_cluster.envoy import reduce
+    """node/collective/_sum.c's module, for a test that needs it (the install builds it where it
+    finds a C compiler)."""
+    from moe_cluster.node.collective import reduce
 
     if reduce.BUILT is None:
         require(
-            "envoy/_sum.c was not built by the install",
+            "node/collective/_sum.c was not built by the install",
             "install a C compiler (apt-get install gcc) and run pip install -e . again",
         )
     return reduce.BUILT

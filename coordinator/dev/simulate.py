@@ -65,8 +65,7 @@ def _transport_spec(
     """-> (spec every node gets, cleanup to run once the nodes are gone); loopback only."""
     from ...node.collective.specs import EnvoySpec, MlxSpec
     from ...common.ports import free_ports
-    from ...envoy.link import unlink_segment
-    from ...node.collective.shm import ShmCollective
+    from ...node.collective.shm import ShmCollective, unlink_segment
 
     if transport == "shm":
         spec, shm = ShmCollective.create(nodes, slot, ctx, timeout_s=timeout_s)
@@ -75,9 +74,7 @@ def _transport_spec(
         import secrets
 
         addresses = tuple(f"127.0.0.1:{p}" for p in free_ports(nodes))
-        return EnvoySpec(
-            addresses, secret=secrets.token_hex(16), timeout_s=timeout_s, max_bytes=slot
-        ), lambda: None
+        return EnvoySpec(addresses, secret=secrets.token_hex(16), timeout_s=timeout_s), lambda: None
     if transport == "mlx":
         from ...node.collective.mlx import mlx_backend
 

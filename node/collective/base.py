@@ -21,8 +21,8 @@ import ml_dtypes
 import mlx.core as mx
 import numpy as np
 
-from ...envoy.reduce import DTYPES, to_float32
 from ...proto.errors import ErrorKind, MoeClusterError
+from .reduce import DTYPES, to_float32
 
 
 # The layer id of the per-step agreement on the next token and on cancellation.
@@ -348,7 +348,7 @@ def _pad_rows(rows: mx.array, n: int) -> mx.array:
 
 def rank_order_sum(parts: list[mx.array]) -> mx.array:
     """Partials added in rank order in float32, cast back: in-graph, the same bytes as
-    `envoy.reduce.Reducer` (which rounds as MLX casts), so every transport gives the same logits."""
+    `reduce.Reducer` (which rounds as MLX casts), so every transport gives the same logits."""
     total = parts[0].astype(mx.float32)
     for p in parts[1:]:
         total = total + p.astype(mx.float32)

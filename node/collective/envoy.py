@@ -1,11 +1,12 @@
-"""The envoy transport: the node starts its envoy child and all-reduces through it.
+"""The envoy transport: the node starts its envoy child and all-reduces over the channels it hands.
 
-`EnvoyProcess` owns the child and the node end of the link (raw numpy payloads; the integration
-tests and the benchmark use it directly); `EnvoyCollective` is the Collective on top (mx arrays).
-By default the envoy hands the node its peers' data channels and the node exchanges the frames
-itself (envoy/exchange.py), summing them in rank order: small partials (and bfloat16 ones of any
-size, where envoy/_sum.c is built) on the host at once, larger ones in MLX inside the step's graph. The envoy exits by itself when its node dies: link EOF, a
-parent-pid watchdog, and on Linux PR_SET_PDEATHSIG.
+`EnvoyProcess` owns the child, the node end of the link and the node's exchange of the frames
+(exchange.py; raw numpy payloads: the integration tests use it directly); `EnvoyCollective` is
+the Collective on top (mx arrays). The envoy dials and authenticates the peers and hands the node
+each peer's data channel; the node writes and reads the frames itself and sums them in rank
+order: a small partial (and a bfloat16 one of any size, where _sum.c is built) on the host at
+once, a larger one in MLX inside the step's graph. The envoy exits by itself when its node dies:
+link EOF, a parent-pid watchdog, and on Linux PR_SET_PDEATHSIG.
 """
 
 from __future__ import annotations
@@ -20,25 +21,9 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from ...envoy import trace
-from ...envoy.exchange import PeerExchange
-from ...envoy.link import (
-    BEGUN,
-    CHANNEL,
-    DONE,
-    FAIL,
-    LOST,
-    READY,
-    LinkError,
-    NodeLink,
-    fail_message,
-    unpack_peer,
-    unpack_ready,
-    unpack_step,
-)
-from ...envoy.reduce import DTYPES, Reducer, native_sums, unbuilt_note
-from ...envoy.steps import StepError
+from ...proto import envoy_link as messages
 from ...proto.records import COLD_WAITS, wait_bound
+from . import trace
 from .base import (
     Agreement,
     Capabilities,
@@ -49,7 +34,11 @@ from .base import (
     from_wire,
     to_wire,
 )
+from .exchange import PeerExchange
+from .link import LinkError, NodeLink
+from .reduce import DTYPES, Reducer, unbuilt_note
 from .specs import EnvoySpec
+from .steps import Complete, StepError
 
 logger = logging.getLogger(__name__)
 
@@ -57,50 +46,45 @@ _START_TIMEOUT_S = 30.0  # seconds for the child to import grpc and bind
 # A partial up to this size is summed on the host at once and handed back evaluated: an MLX op
 # and its evaluation cost more than the numpy sum there (on 2 vCPUs: 42 against 60-90 us for a
 # 6,144-value bfloat16 decode vector; at 32 tokens, 360 against 210). A bfloat16 partial of any
-# size is, where envoy/_sum.c is built: at 32 tokens its sum and the copy into MLX take 93 + 23 us
+# size is, where _sum.c is built: at 32 tokens its sum and the copy into MLX take 93 + 23 us
 # where the peer's copy and MLX's add took 212 (MLX's CPU backend widens a value at a time).
 EAGER_SUM_BYTES = 32 << 10
-# "0": the frames go through the envoy process (its REDUCE path) instead of the node's own
-# exchange over the channels the envoy hands it (envoy/exchange.py)
-DIRECT_ENV = "MOE_CLUSTER_ENVOY_DIRECT"
-_ANSWER_GRACE_S = 5.0  # seconds past the envoy's own timeout before the node gives up on it
+_ANSWER_GRACE_S = 5.0  # seconds past the envoy's own bound before the node gives up on it
 
 
 class EnvoyProcess:
-    """One node's envoy child process, driven over the shared-memory link."""
+    """One node's envoy child process and the node's exchange over the channels it hands over.
 
-    def __init__(self, spec: EnvoySpec, rank: int):
+    Args:
+        reduce: how `collect` sums (default: the C module where it was built).
+    """
+
+    def __init__(self, spec: EnvoySpec, rank: int, reduce: Reducer | None = None):
         self.spec = spec
         self.rank = rank
         self.world_size = spec.world_size
-        self.link = NodeLink(spec.max_bytes)
+        self.link = NodeLink()
         self._step = 0
-        self._layer = 0  # of the all-reduce in flight, for its error message
-        self._cold = False  # the all-reduce in flight may build kernels: it waits spec.cold_s
         self._request: str | None = None
         self.port = 0
         self.proc: subprocess.Popen | None = None
-        self.handed = self.answered = 0  # stamps of the latest all-reduce, where the spec traces
-        self.direct = os.environ.get(DIRECT_ENV, "1") != "0"
-        # the node's own exchange of the frames, over the channels its envoy hands it
         self.exchange: PeerExchange | None = None
         try:
             self.proc = self._spawn()
             kind, body = self._answer(_START_TIMEOUT_S, "start")
-            if kind != READY:
+            if kind != messages.READY:
                 raise CollectiveError(f"envoy of rank {rank} sent {kind!r} instead of READY")
-            self.pid, self.port, direct = unpack_ready(body)
-            self.link.child_attached()
-            if direct:
-                self.exchange = PeerExchange(
-                    rank,
-                    tuple(spec.addresses),
-                    self.link.messages,
-                    self.link.fileno(),
-                    self._on_message,
-                    self._broken,
-                )
-                self.exchange.stamps = spec.trace
+            self.pid, self.port = messages.unpack_ready(body)
+            self.exchange = PeerExchange(
+                rank,
+                tuple(spec.addresses),
+                self.link.messages,
+                self.link.fileno(),
+                self._on_message,
+                self._broken,
+                reduce,
+            )
+            self.exchange.stamps = spec.trace
         except BaseException:
             self.close()
             raise
@@ -122,15 +106,9 @@ class EnvoyProcess:
             repr(spec.timeout_s),
             "--connect-timeout",
             repr(spec.connect_timeout_s),
-            "--cold-timeout",
-            repr(spec.cold_s),
             "--secret-stdin",
             "--link-fd",
             str(child_fd),
-            "--shm",
-            self.link.shm_name,
-            "--max-bytes",
-            str(spec.max_bytes),
             "--parent-pid",
             str(os.getpid()),
             "--log-level",
@@ -140,10 +118,6 @@ class EnvoyProcess:
             cmd += ["--tls-cert", spec.tls.cert, "--tls-key", spec.tls.key, "--tls-ca", spec.tls.ca]
         if spec.data_port:
             cmd += ["--data-port", str(spec.data_port)]
-        if self.direct:
-            cmd += ["--direct"]  # where the node traces, it stamps the hops itself
-        elif spec.trace:
-            cmd += ["--trace"]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, pass_fds=(child_fd,), close_fds=True)
         try:
             proc.stdin.write(spec.secret.encode() + b"\n")
@@ -165,9 +139,9 @@ class EnvoyProcess:
             ")" if code is None else f", exit code {code})"
         )
 
-    def _answer(self, timeout: float, what: str, reduce: bool = False) -> tuple[int, bytes]:
+    def _answer(self, timeout: float, what: str) -> tuple[int, bytes]:
         try:
-            return self.link.wait(timeout) if reduce else self.link.recv(timeout)
+            return self.link.recv(timeout)
         except LinkError as exc:
             try:
                 self.proc.wait(timeout=0.5)
@@ -176,12 +150,12 @@ class EnvoyProcess:
             raise CollectiveError(f"{self._gone()} failed during {what}: {exc}") from exc
 
     def _on_message(self, kind: int, body: bytes) -> None:
-        """A message about the peers' channels (direct): one handed over, or one lost."""
-        if kind == CHANNEL:
-            rank, extra = unpack_peer(body)
+        """A message about the peers' channels: one handed over, or one lost."""
+        if kind == messages.CHANNEL:
+            rank, extra = messages.unpack_peer(body)
             self.exchange.install(rank, self.link.take_fd(), extra)
-        elif kind == LOST:
-            rank, why = unpack_peer(body)
+        elif kind == messages.LOST:
+            rank, why = messages.unpack_peer(body)
             self.exchange.peer_lost(rank, why.decode(errors="replace"))
         else:
             raise CollectiveError(f"envoy of rank {self.rank} sent {kind!r} during a step")
@@ -202,15 +176,14 @@ class EnvoyProcess:
             kind, body = self._answer(
                 max(deadline - time.monotonic(), 1e-3), f"begin of request {request_id}"
             )
-            if kind not in (CHANNEL, LOST) or self.exchange is None:
+            if kind not in (messages.CHANNEL, messages.LOST):
                 break
             self._on_message(kind, body)
-        if kind == FAIL:
-            raise CollectiveError(fail_message(body))
-        if kind != BEGUN:
+        if kind == messages.FAIL:
+            raise CollectiveError(messages.unpack_text(body))
+        if kind != messages.BEGUN:
             raise CollectiveError(f"envoy of rank {self.rank} answered begin with {kind!r}")
-        if self.exchange is not None:
-            self.exchange.begin(request_id)
+        self.exchange.begin(request_id)
 
     def all_reduce(
         self,
@@ -220,58 +193,30 @@ class EnvoyProcess:
         layer: int,
         cold: bool = False,
     ) -> np.ndarray:
-        """Sum a raw 1-D payload over all ranks; returns a view valid until the next call: float32
-        values where the envoy widened a float16/bfloat16 sum (envoy/link.py `widened`), else raw.
-        `cold`: this node or a peer may build kernels before it hands its partial over, so the
-        envoys wait spec.cold_s for it instead of the timeout."""
-        return self.collect(self.send(raw, dtype, shape, layer, cold), dtype, raw.nbytes)
+        """Sum a raw 1-D payload over all ranks; returns the raw sum (of `dtype`), a view valid
+        until the next call. `cold`: this node or a peer may build kernels before it hands its
+        partial over, so the wait is bounded by spec.cold_s instead of the timeout."""
+        step = self.send(raw, dtype, shape, layer, cold)
+        return self._exchanged(step, self.exchange.collect)
 
     def send(
         self, raw: np.ndarray, dtype: str, shape: tuple[int, ...], layer: int, cold: bool = False
     ) -> int:
-        """all_reduce's first half: hand the payload over and return at once (its step number).
-        One all-reduce is in flight at a time: `collect` it before the next `send`."""
+        """all_reduce's first half: write the payload to every peer and return at once (its step
+        number). One all-reduce is in flight at a time: `collect_parts` it before the next
+        `send`."""
         if self._request is None:
             self.begin("default")
         step = self._step
         self._step += 1
-        self._layer = layer
-        self._cold = cold
-        if self.exchange is not None:
-            bound = wait_bound(self.spec.timeout_s, cold, self.spec.cold_s)
-            self._exchanged(step, lambda: self.exchange.send(raw, dtype, shape, layer, step, bound))
-            return step
-        try:
-            self.link.reduce(raw, dtype, shape, layer, step, cold)
-        except LinkError as exc:
-            raise CollectiveError(f"{self._gone()}: {exc}") from exc
-        if self.spec.trace:
-            self.handed = round(self.link.sent_at * 1e9)  # perf_counter's clock, in ns
+        bound = wait_bound(self.spec.timeout_s, cold, self.spec.cold_s)
+        self._exchanged(step, lambda: self.exchange.send(raw, dtype, shape, layer, step, bound))
         return step
 
-    def collect(self, step: int, dtype: str, nbytes: int) -> np.ndarray:
-        """all_reduce's second half: wait for step `step`'s sum (a view, as all_reduce's)."""
-        if self.exchange is not None:
-            return self._exchanged(step, self.exchange.collect)
-        bound = wait_bound(self.spec.timeout_s, self._cold, self.spec.cold_s)
-        kind, body = self._answer(
-            bound + _ANSWER_GRACE_S, f"step {step} (layer {self._layer})", reduce=True
-        )
-        if self.spec.trace:
-            self.answered = time.perf_counter_ns()
-        if kind == DONE and unpack_step(body) == step:
-            return self.link.result(dtype, nbytes)
-        if kind == FAIL:
-            raise CollectiveError(fail_message(body))
-        raise CollectiveError(
-            f"envoy of rank {self.rank} answered step {step} with {kind!r} "
-            f"(step {unpack_step(body) if kind == DONE else '?'})"
-        )
-
-    def collect_parts(self, step: int) -> list[np.ndarray]:
-        """`collect` for a node that sums the partials itself (direct only): every rank's raw
+    def collect_parts(self, step: int) -> Complete:
+        """all_reduce's second half, for a node that sums the partials itself: every rank's raw
         payload of step `step`, in rank order, views valid until the next `send`."""
-        return self._exchanged(step, self.exchange.collect_parts).parts
+        return self._exchanged(step, self.exchange.collect_parts)
 
     def _exchanged(self, step: int, call: Callable):
         """`call()` on the exchange, its failures as the Collective's (the step's, or the envoy's)."""
@@ -317,12 +262,19 @@ class EnvoyProcess:
 
 
 class EnvoyCollective(Epochs, HostRows):
-    """The Collective of `transport: envoy`."""
+    """The Collective of `transport: envoy`.
+
+    Args:
+        reduce: how the partials are summed on the host (default: bfloat16 in the C module where
+            it was built; `bench allreduce --sum numpy` passes numpy's to compare the two).
+    """
 
     caps = Capabilities(in_graph=False, halves=True)
 
-    def __init__(self, spec: EnvoySpec, rank: int):
-        self._envoy = EnvoyProcess(spec, rank)
+    def __init__(self, spec: EnvoySpec, rank: int, reduce: Reducer | None = None):
+        # where this node sums the partials on the host: small ones, bfloat16, the ride's slots
+        self._reduce = reduce if reduce is not None else Reducer()
+        self._envoy = EnvoyProcess(spec, rank, self._reduce)
         note = unbuilt_note()
         if note is not None:
             logger.warning("%s", note)
@@ -330,11 +282,10 @@ class EnvoyCollective(Epochs, HostRows):
         self.rank = rank
         self.world_size = spec.world_size
         self._rider = Rider(rank, spec.world_size)
-        self._reduce = Reducer()  # where this node sums the partials: small ones, the ride's slots
         self._eager_out: dict[str, np.ndarray] = {}
         self._cold = False  # the step being watched may build kernels (watch)
         self._reduced = 0  # all-reduces completed: the first COLD_WAITS are cold
-        # one envoy/trace.py record per all-reduce where the spec traces (chosen once; else None)
+        # one trace.py record per all-reduce where the spec traces (chosen once; else None)
         self.trace: list[tuple[int, ...]] | None = [] if spec.trace else None
 
     @property
@@ -358,25 +309,21 @@ class EnvoyCollective(Epochs, HostRows):
         raw, dtype = to_wire(payload)
         envoy = self._envoy
         step = envoy.send(raw.reshape(-1), dtype, tuple(payload.shape), layer, self._cold_now())
-        if envoy.exchange is not None:
-            return lambda: self._summed(envoy.collect_parts(step), dtype, extra, partial)
-        return lambda: self._result(envoy.collect(step, dtype, raw.nbytes), dtype, extra, partial)
+        return lambda: self._summed(envoy.collect_parts(step).parts, dtype, extra, partial)
 
     def _exchange(self, raw: np.ndarray, dtype: str, shape, layer: int) -> list[np.ndarray]:
         """Every rank's raw payload of one exchange (HostRows): copies, in rank order."""
         envoy = self._envoy
-        if envoy.exchange is None:
-            raise CollectiveError("attention by stream needs the node's own exchange (direct)")
         step = envoy.send(raw, dtype, shape, layer, self._cold_now())
-        return [p.copy() for p in envoy.collect_parts(step)]
+        return [p.copy() for p in envoy.collect_parts(step).parts]
 
     def _summed(
         self, parts: list[np.ndarray], dtype: str, extra: int, partial: mx.array
     ) -> mx.array:
         """The rank-order float32 sum of every rank's partial, rounded once to the partial's dtype:
-        on the host at once where that is cheaper (EAGER_SUM_BYTES), else in MLX, inside the step's
-        graph, the peers' raw partials copied in (half the bytes of a float32 sum) and this node's
-        used where it is. The ride's slots are summed here."""
+        on the host at once where that is cheaper (EAGER_SUM_BYTES, or the C module's bfloat16
+        sum), else in MLX, inside the step's graph, the peers' raw partials copied in and this
+        node's used where it is. The ride's slots are summed here."""
         if extra:
             tails = [p[-extra:] for p in parts]
             self._rider.detach(
@@ -385,7 +332,7 @@ class EnvoyCollective(Epochs, HostRows):
                 extra,
             )
         n = partial.size
-        if n * partial.itemsize <= EAGER_SUM_BYTES or native_sums(dtype):
+        if n * partial.itemsize <= EAGER_SUM_BYTES or self._reduce.native_sums(dtype):
             out = self._reduce([raw[:n] for raw in parts], dtype, self._eager(n, dtype))
             return from_wire(out, dtype, partial.shape)  # a copy: nothing left to evaluate
         xs = [
@@ -413,54 +360,19 @@ class EnvoyCollective(Epochs, HostRows):
         self._reduced += 1
         return self._cold or self._reduced <= COLD_WAITS
 
-    def _result(self, out: np.ndarray, dtype: str, extra: int, partial: mx.array) -> mx.array:
-        if (
-            out.dtype == np.float32 and dtype != "float32"
-        ):  # widened (envoy/link.py): MLX rounds it, in the graph
-            return from_wire(
-                self._rider.detach(out, "float32", extra), "float32", partial.shape
-            ).astype(partial.dtype)
-        return from_wire(
-            self._rider.detach(out, dtype, extra), dtype, partial.shape
-        )  # mx.array copies out of the shared area
-
     def _traced(self, partial: mx.array, layer: int) -> mx.array:
-        """all_reduce with the node's stamps, kept with the envoy's, or with the exchange's where
-        the node reads its frames itself (envoy/trace.py)."""
+        """all_reduce with the node's stamps and the exchange's (trace.py)."""
         entered = time.perf_counter_ns()
         payload, extra = self._rider.attach(partial, layer)
         raw, dtype = to_wire(payload)
         on_host = time.perf_counter_ns()
         envoy = self._envoy
-        step = envoy.next_step
-        cold = self._cold_now()
         exchange = envoy.exchange
-        if exchange is not None:
-            envoy.send(raw.reshape(-1), dtype, tuple(payload.shape), layer, cold)
-            out = self._summed(envoy.collect_parts(step), dtype, extra, partial)
-            mx.eval(out)
-            self.trace.append(
-                trace.direct_record(
-                    step,
-                    (entered, on_host, exchange.sent_ns, exchange.complete_ns),
-                    time.perf_counter_ns(),
-                    exchange.arrivals(step),
-                )
-            )
-            return out
-        out = self._result(
-            envoy.all_reduce(raw.reshape(-1), dtype, tuple(payload.shape), layer, cold),
-            dtype,
-            extra,
-            partial,
-        )
-        self.trace.append(
-            trace.record(
-                step,
-                (entered, on_host, envoy.handed, envoy.answered, time.perf_counter_ns()),
-                envoy.link.trace_words(),
-            )
-        )
+        step = envoy.send(raw.reshape(-1), dtype, tuple(payload.shape), layer, self._cold_now())
+        out = self._summed(envoy.collect_parts(step).parts, dtype, extra, partial)
+        mx.eval(out)
+        stamps = (entered, on_host, exchange.sent_ns, exchange.complete_ns, time.perf_counter_ns())
+        self.trace.append(trace.record(step, stamps, exchange.arrivals(step)))
         return out
 
     def ride(self, values: mx.array) -> None:
@@ -470,8 +382,8 @@ class EnvoyCollective(Epochs, HostRows):
         return self._rider.settle()
 
     def watch(self, what: str | None, cold: bool = False) -> None:
-        # the envoy times out every all-reduce itself; a step that may build kernels (on this node
-        # or a peer: the nodes run the same shapes) gets the cold bound there
+        # the exchange times out every all-reduce itself; a step that may build kernels (on this
+        # node or a peer: the nodes run the same shapes) gets the cold bound there
         self._cold = cold and what is not None
 
     def abort(self, request_id: str) -> None:

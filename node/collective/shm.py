@@ -8,8 +8,6 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from ...envoy.link import unlink_segment
-from ...envoy.reduce import DTYPES, Reducer
 from .base import (
     Agreement,
     Capabilities,
@@ -20,8 +18,17 @@ from .base import (
     from_wire,
     to_wire,
 )
+from .reduce import DTYPES, Reducer
 
 _HDR = 16  # per slot: int64 sequence number, int64 payload bytes
+
+
+def unlink_segment(shm: shared_memory.SharedMemory) -> None:
+    """Remove a segment's name; one already removed (by another process) is no error."""
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
 
 
 class ShmCollective(Epochs, HostRows):

@@ -5,7 +5,7 @@ simulator hands them to spawned processes) and carry no live resources; each tra
 imports its heavy dependencies only when one is built.
 
 - `ShmSpec`: processes of one machine through shared memory (simulate, tests).
-- `EnvoySpec`: the envoy child process per node, gRPC between envoys (the product).
+- `EnvoySpec`: TCP between the nodes, an envoy child per node keeping the peers (the product).
 - `MlxSpec`: `mx.distributed` (ring over TCP; JACCL over Thunderbolt 5 RDMA on macOS 26.2+).
 """
 

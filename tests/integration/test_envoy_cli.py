@@ -14,12 +14,11 @@ import time
 import grpc
 
 from conftest import native_sum
-from moe_cluster.coordinator.bench import allreduce
-from moe_cluster.envoy import trace
 from moe_cluster.common.ports import free_ports
+from moe_cluster.coordinator.bench import allreduce
+from moe_cluster.node.collective import trace
+from moe_cluster.node.collective.envoy import EAGER_SUM_BYTES
 from moe_cluster.proto import convert
-from moe_cluster.envoy import reduce
-from moe_cluster.node.collective.envoy import DIRECT_ENV, EAGER_SUM_BYTES
 
 CLI = [sys.executable, "-m", "moe_cluster.coordinator.cli"]
 
@@ -50,13 +49,7 @@ def test_envoy_by_hand_serves_health_and_stops_on_sigterm():
                     )
                 except grpc.RpcError:
                     time.sleep(0.1)
-        assert health == {
-            "rank": 0,
-            "world_size": 2,
-            "connected": [],
-            "whole": False,
-            "data_channel": [],
-        }
+        assert health == {"rank": 0, "world_size": 2, "connected": [], "whole": False}
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=10)
         assert proc.returncode == 0, err
@@ -124,25 +117,12 @@ def test_bench_allreduce_reports_every_path():
     cases = json.loads(r.stdout)["cases"]
     assert [(c["nodes"], c["tokens"]) for c in cases] == [(2, 1), (2, 4)]
     for c in cases:
-        for key in (
-            "hidden",
-            "envoy_p50_us",
-            "envoy_p99_us",
-            "direct_p50_us",  # its sum checked against the rank-order one inside the bench
-            "floor_p50_us",
-            "relay_p50_us",
-            "grpc_p50_us",
-            "mlx_ring_p50_us",
-        ):
-            assert key in c, (key, c)
-        assert 0 < c["floor_p50_us"] and 0 < c["envoy_p50_us"] <= c["envoy_p99_us"]
-        assert (
-            0 < c["relay_p50_us"] <= c["relay_p99_us"]
-        )  # its sum is checked against every rank's payload
-        assert 0 < c["grpc_p50_us"] <= c["grpc_p99_us"]  # every message checked for its length
-        assert c["grpc_over_floor"] == round(c["grpc_p50_us"] / c["floor_p50_us"], 2)
+        assert c["hidden"] == 256 and "sum" not in c, c  # the product's own sum (no --sum)
+        assert 0 < c["envoy_p50_us"] <= c["envoy_p99_us"]  # its sum checked inside the bench
+        assert 0 < c["mlx_ring_p50_us"] <= c["mlx_ring_p99_us"]
         assert c["envoy_over_ring"] == round(c["envoy_p50_us"] / c["mlx_ring_p50_us"], 2)
         assert "envoy_p50_by_round_us" not in c  # one round: nothing to list
+        assert not [k for k in c if k.startswith(("floor", "relay", "grpc", "direct"))], c
 
 
 def _bench_allreduce(*args: str, env: dict | None = None) -> list[dict]:
@@ -168,23 +148,26 @@ def test_bench_allreduce_rounds_alternate_the_paths_and_pool_their_samples():
     assert len(by_round) == 2 and min(by_round) > 0, c
     # the pooled median lies between the rounds' own (equal-sized samples)
     assert min(by_round) - 0.1 <= c["envoy_p50_us"] <= max(by_round) + 0.1, c
-    assert "floor_p50_us" not in c and "mlx_ring_p50_us" not in c  # only the paths asked for
+    assert "mlx_ring_p50_us" not in c  # only the paths asked for
 
 
-@pytest.mark.parametrize("native", ["1", "0"])
-def test_bench_allreduce_checks_the_envoys_bfloat16_sum_on_either_path(native):
-    """A node sums bfloat16 partials in envoy/_sum.c where it was built, else a decode vector in
-    numpy and 32 tokens in MLX (MOE_CLUSTER_NATIVE=0): the bench checks the sum, so a wrong one
+@pytest.mark.parametrize("sums", ["native", "numpy"])
+def test_bench_allreduce_checks_the_envoys_bfloat16_sum_on_either_path(sums):
+    """A node sums bfloat16 partials in node/collective/_sum.c where it was built, else a decode
+    vector in numpy and 32 tokens in MLX (`--sum numpy`): the bench checks the sum, so a wrong one
     fails it."""
-    if native == "1":
+    if sums == "native":
         native_sum()
     cases = _bench_allreduce(
         "--nodes", "2", "--hidden", "1024", "--tokens", "1,32", "--iters", "20", "--warmup", "2",
-        "--paths", "envoy", env={**os.environ, reduce.NATIVE_ENV: native},
+        "--paths", "envoy", "--sum", sums,
     )  # fmt: skip
     # 32 tokens: 64 KB of partial, past the size a node without the module sums on the host
     assert 32 * 1024 * 2 > EAGER_SUM_BYTES
-    assert [(c["tokens"], c["envoy_p50_us"] > 0) for c in cases] == [(1, True), (32, True)]
+    assert [(c["tokens"], c["sum"], c["envoy_p50_us"] > 0) for c in cases] == [
+        (1, sums, True),
+        (32, sums, True),
+    ]
 
 
 def test_bench_allreduce_refuses_zero_rounds_in_one_line():
@@ -195,50 +178,23 @@ def test_bench_allreduce_refuses_zero_rounds_in_one_line():
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_bench_allreduce_trace_stamps_every_hop_on_one_clock(direct):
-    """Where each node reads its frames itself (the default), its own hops; where its envoy does
-    (MOE_CLUSTER_ENVOY_DIRECT=0), the node's and every envoy's."""
+def test_bench_allreduce_trace_stamps_every_hop_on_one_clock():
+    """Each node stamps its own hops; the table joins both ranks' by step."""
     iters, warmup = 40, 5
-    env = {**os.environ, DIRECT_ENV: "1" if direct else "0"}
-    r = subprocess.run(
-        [
-            *CLI,
-            "bench",
-            "allreduce",
-            "--nodes",
-            "2",
-            "--hidden",
-            "256",
-            "--tokens",
-            "1",
-            "--paths",
-            "envoy",
-            "--trace",
-            "--iters",
-            str(iters),
-            "--warmup",
-            str(warmup),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert r.returncode == 0, r.stderr
-    (case,) = json.loads(r.stdout)["cases"]
+    (case,) = _bench_allreduce(
+        "--nodes", "2", "--hidden", "256", "--tokens", "1", "--paths", "envoy", "--trace",
+        "--iters", str(iters), "--warmup", str(warmup),
+    )  # fmt: skip
     t = case["trace"]
     assert 0 < t["p50_us"] <= t["p99_us"]
     hops = {h["hop"]: h for h in t["hops"]}
-    assert list(hops) == [name for name, _ in (trace.DIRECT_HOPS if direct else trace.HOPS)]
+    assert list(hops) == [name for name, _ in trace.HOPS]
     for h in hops.values():
-        # every step of both ranks stamped (the warm-up left out), and no hop negative: the node's and
-        # both envoys' stamps are on one clock and each is taken where the hop's cause precedes it
+        # every step of both ranks stamped (the warm-up left out), and no hop negative: both
+        # nodes' stamps are on one clock and each is taken where the hop's cause precedes it
         assert h["samples"] == 2 * iters, h
         assert 0 <= h["p50_us"] <= h["p90_us"], h
-    last = "after the last frame out" if direct else "after the last REDUCE"
-    assert hops["total"]["p50_us"] >= hops[last]["p50_us"]
+    assert hops["total"]["p50_us"] >= hops["after the last frame out"]["p50_us"]
 
 
 def test_the_trace_table_prints_one_line_per_hop(capsys):

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moe_cluster.envoy.link import unlink_segment
+from moe_cluster.node.collective.shm import unlink_segment
 from moe_cluster.node.collective.shm import ShmCollective
 
 

@@ -9,13 +9,13 @@ import numpy as np
 
 from moe_cluster.node.collective.base import Rider, waiting
 from moe_cluster.node.collective.envoy import EnvoyCollective
+from moe_cluster.node.collective.reduce import Reducer
+from moe_cluster.node.collective.steps import Complete
 from moe_cluster.proto.records import COLD_WAITS
 
 
 class _Envoy:
-    """The node end of an envoy, answering at once with the partial as the sum."""
-
-    exchange = None  # the envoy's own path: collect hands back the sum
+    """The node end of an envoy, answering at once as a world of one: the partial is the sum."""
 
     def __init__(self):
         self.cold: list[bool] = []
@@ -25,15 +25,16 @@ class _Envoy:
         self._raw = np.array(raw)
         return len(self.cold) - 1
 
-    def collect(self, step, dtype, nbytes):
-        return self._raw
+    def collect_parts(self, step) -> Complete:
+        return Complete(step, "float32", self._raw.nbytes, [self._raw])
 
 
 def _collective() -> tuple[EnvoyCollective, _Envoy]:
     c = EnvoyCollective.__new__(EnvoyCollective)  # no child process: the marking is the subject
     envoy = _Envoy()
-    c._envoy, c.rank, c.world_size = envoy, 0, 2
-    c._rider, c._cold, c._reduced, c.trace = Rider(0, 2), False, 0, None
+    c._envoy, c.rank, c.world_size = envoy, 0, 1
+    c._rider, c._cold, c._reduced, c.trace = Rider(0, 1), False, 0, None
+    c._reduce, c._eager_out = Reducer(), {}
     return c, envoy
 
 

@@ -1,10 +1,11 @@
-"""When the node and the envoy may busy-wait on the link (envoy/spin.py): idle cores only, bounded."""
+"""When the node's exchange may busy-wait on a peer's socket (node/collective/spin.py): idle cores
+only, bounded."""
 
 from __future__ import annotations
 
 import pytest
 
-from moe_cluster.envoy.spin import SPIN_ENV, SpinPolicy, spin_allowed
+from moe_cluster.node.collective.spin import SpinPolicy, spin_allowed
 
 
 @pytest.mark.parametrize(
@@ -25,7 +26,7 @@ def test_spin_only_where_cores_are_idle(cores, load, allowed):
 
 def test_policy_rechecks_the_load_once_a_second():
     now, load = [0.0], [0.0]
-    policy = SpinPolicy(1e-3, env={}, cores=lambda: 16, load=lambda: load[0], clock=lambda: now[0])
+    policy = SpinPolicy(1e-3, cores=lambda: 16, load=lambda: load[0], clock=lambda: now[0])
     assert policy.budget_s() == 1e-3
     load[0] = 15.0
     now[0] = 0.5
@@ -41,14 +42,4 @@ def test_no_load_average_means_no_spin():
     def load() -> float:
         raise OSError("no /proc/loadavg")
 
-    assert SpinPolicy(1e-3, env={}, cores=lambda: 16, load=load).budget_s() == 0.0
-
-
-def test_override_in_microseconds():
-    few = SpinPolicy(1e-3, env={SPIN_ENV: "250"}, cores=lambda: 2, load=lambda: 5.0)
-    assert few.budget_s() == pytest.approx(250e-6)  # forced on, even on 2 busy cores
-    assert (
-        SpinPolicy(1e-3, env={SPIN_ENV: "0"}, cores=lambda: 64, load=lambda: 0.0).budget_s() == 0.0
-    )
-    with pytest.raises(ValueError, match=SPIN_ENV):
-        SpinPolicy(1e-3, env={SPIN_ENV: "fast"})
+    assert SpinPolicy(1e-3, cores=lambda: 16, load=load).budget_s() == 0.0

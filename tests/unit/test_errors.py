@@ -59,8 +59,8 @@ def test_project_errors_have_the_kind_of_what_went_wrong():
     from moe_cluster.coordinator.serve.cluster import QueueFull
     from moe_cluster.coordinator.serve.config import ConfigError
     from moe_cluster.proto.frame import FrameError
-    from moe_cluster.envoy.link import LinkError
-    from moe_cluster.envoy.steps import StepError
+    from moe_cluster.node.collective.link import LinkError
+    from moe_cluster.node.collective.steps import StepError
     from moe_cluster.common.mdns import DiscoveryError
     from moe_cluster.proto.convert import ConvertError
     from moe_cluster.proto.placement import PlacementError

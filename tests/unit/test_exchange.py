@@ -1,7 +1,7 @@
-"""The node's own exchange of the envoys' frames (envoy/exchange.py), over socket pairs in-process.
+"""The node's exchange of the frames (node/collective/exchange.py), over socket pairs in-process.
 
 Each test joins PeerExchanges by socket pairs as an envoy would hand them over, or plays the peer
-by hand with envoy/data.py's encoder, and checks the sums by content and the failures by message.
+by hand with proto/frame.py's encoder, and checks the sums by content and the failures by message.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import time
 import numpy as np
 import pytest
 
-from moe_cluster.envoy import data
-from moe_cluster.envoy.exchange import PeerExchange
-from moe_cluster.envoy.reduce import Reducer
-from moe_cluster.envoy.steps import StepError
-from moe_cluster.proto.frame import Frame
+from moe_cluster.node.collective.exchange import PeerExchange
+from moe_cluster.node.collective.reduce import Reducer
+from moe_cluster.node.collective.steps import StepError
+from moe_cluster.proto.frame import Frame, encode
 
 ADDRESSES = ("10.0.0.1:7000", "10.0.0.2:7000", "10.0.0.3:7000")
 
@@ -73,7 +72,7 @@ def _run(node: _Node, request: str, sizes: list[int], results: dict, limit_s: fl
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_rank_gets_the_rank_order_sum_and_large_frames_do_not_deadlock(world):
     """Decode-sized steps and 8 MB ones (far past a socket pair's buffers, sent both ways at once:
-    the sends and reads interleave), every result equal to the envoy's own rank-order sum."""
+    the sends and reads interleave), every result equal to the rank-order sum."""
     sizes = [6144, 6144, 2 << 20, 16, 6144, 2 << 20, 6144]
     nodes = _mesh(world)
     results: dict = {}
@@ -104,9 +103,7 @@ def _peer(rank: int = 1):
 
 
 def _frame(request: str, step: int, rank: int, values: np.ndarray, layer: int = 0) -> bytes:
-    return data.encode(
-        Frame(request, step, layer, rank, "float32", values.shape, None, values.tobytes())
-    )
+    return encode(Frame(request, step, layer, rank, "float32", values.shape, values.tobytes()))
 
 
 def test_frames_read_ahead_or_handed_with_the_channel_are_kept_for_their_step():

@@ -347,14 +347,15 @@ def test_a_c_module_the_install_builds_resolves_and_an_undeclared_one_does_not(t
         {
             "pyproject.toml": """
                 [[tool.setuptools.ext-modules]]
-                name = "moe_cluster.envoy._sum"
-                sources = ["envoy/_sum.c"]
+                name = "moe_cluster.node.collective._sum"
+                sources = ["node/collective/_sum.c"]
             """,
-            "envoy/__init__.py": "",
-            "envoy/reduce.py": "from . import _sum\nfrom . import _other\n",
+            "node/__init__.py": "",
+            "node/collective/__init__.py": "",
+            "node/collective/reduce.py": "from . import _sum\nfrom . import _other\n",
         },
     )
-    assert unresolved_imports(root) == ["envoy.reduce:2: envoy has no '_other'"]
+    assert unresolved_imports(root) == ["node.collective.reduce:2: node.collective has no '_other'"]
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -9,7 +9,7 @@ from moe_cluster.envoy.mesh import Mesh, MeshConfig
 
 def _mesh() -> Mesh:
     config = MeshConfig(0, ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"), "127.0.0.1:0", "s")
-    return Mesh(config, on_frame=lambda frame: None, on_peer=lambda *a: None)
+    return Mesh(config, on_peer=lambda *a: None, on_channel=lambda *a: None)
 
 
 def test_a_refusal_stays_the_reason_beside_a_later_garbled_attempt() -> None:

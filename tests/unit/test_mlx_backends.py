@@ -87,10 +87,11 @@ def test_an_agreement_names_the_step_and_both_tokens():
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("ranks", [2, 3, 4])
 def test_the_in_graph_sum_is_the_envoys_bytes(dtype, ranks):
-    """`transport: mlx` sums in the graph what the envoy's Reducer sums on the host: same bytes."""
+    """`transport: mlx` sums in the graph what the envoy transport's Reducer sums on the host: same
+    bytes."""
     import numpy as np
 
-    from moe_cluster.envoy.reduce import Reducer, to_float32
+    from moe_cluster.node.collective.reduce import Reducer, to_float32
     from moe_cluster.node.collective.base import to_wire
 
     rng = np.random.default_rng(ranks)

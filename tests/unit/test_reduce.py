@@ -1,5 +1,5 @@
-"""envoy.reduce gives the bytes MLX's own float32 sum-and-cast gives, for every dtype and rank count,
-with envoy/_sum.c's bfloat16 sum and with numpy's (an install without a C compiler)."""
+"""node/collective/reduce.py gives the bytes MLX's own float32 sum-and-cast gives, for every dtype
+and rank count, with _sum.c's bfloat16 sum and with numpy's (an install without a C compiler)."""
 
 from __future__ import annotations
 
@@ -8,15 +8,17 @@ import numpy as np
 import pytest
 
 from conftest import native_sum
-from moe_cluster.envoy import reduce
-from moe_cluster.envoy.reduce import DTYPES, Reducer, from_float32, reduce_sum, to_float32
+from moe_cluster.node.collective.reduce import DTYPES, Reducer, from_float32, to_float32
 
 
-@pytest.fixture(autouse=True, params=["native", "numpy"])
-def summer(request, monkeypatch):
+@pytest.fixture(params=["native", "numpy"])
+def reduce_sum(request) -> Reducer:
     """Every test here runs on both bfloat16 paths (the others have one)."""
-    monkeypatch.setattr(reduce, "native", native_sum() if request.param == "native" else None)
-    return request.param
+    if request.param == "native":
+        native_sum()  # skips where the install could not build it
+    reducer = Reducer(native=request.param == "native")
+    assert reducer.native_sums("bfloat16") == (request.param == "native")
+    return reducer
 
 
 MX = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -64,7 +66,7 @@ def assert_same_bytes(ours: np.ndarray, ref: np.ndarray, dtype: str, msg: str = 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 @pytest.mark.parametrize("special", [False, True])
-def test_bit_identical_to_mlx(dtype, ranks, special):
+def test_bit_identical_to_mlx(dtype, ranks, special, reduce_sum):
     rng = np.random.default_rng(ranks * 10 + special)
     for n in (1, 7, 6144, 3 * 6144 + 5):
         parts = [random_payload(rng, dtype, n, special) for _ in range(ranks)]
@@ -76,9 +78,9 @@ def test_bit_identical_to_mlx(dtype, ranks, special):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_a_widened_sum_rounds_in_mlx_to_its_reduction(dtype, ranks):
-    """The envoy hands a node the float32 sum (sum_float32) and MLX rounds it there: the same bytes
-    as the reduction rounded in the envoy, every bit pattern included."""
+def test_the_float32_sum_is_the_reduction_before_its_rounding(dtype, ranks):
+    """sum_float32 (the ride's slots are summed so) rounded by MLX gives the reduction's bytes,
+    every bit pattern included."""
     rng = np.random.default_rng(ranks)
     for special in (False, True):
         parts = [random_payload(rng, dtype, 3 * 6144 + 5, special) for _ in range(ranks)]
@@ -89,7 +91,7 @@ def test_a_widened_sum_rounds_in_mlx_to_its_reduction(dtype, ranks):
         assert_same_bytes(rounded, mlx_sum(parts, dtype), dtype, f"ranks {ranks} special {special}")
 
 
-def test_overflow_to_infinity_and_then_nan():
+def test_overflow_to_infinity_and_then_nan(reduce_sum):
     big = np.array(
         mx.array([3e38, -3e38, 3e38], dtype=mx.float32).astype(mx.bfloat16).view(mx.uint16)
     )
@@ -101,9 +103,9 @@ def test_overflow_to_infinity_and_then_nan():
     np.testing.assert_array_equal(ours, [0x7FC0, 0x7FC0, 0x7F80])
 
 
-def test_out_buffer_and_scratch_reuse():
+def test_out_buffer_and_scratch_reuse(reduce_sum):
     rng = np.random.default_rng(0)
-    r = Reducer()
+    r = reduce_sum
     for n in (6144, 10, 20000, 6144):  # shrink and grow the scratch
         parts = [random_payload(rng, "bfloat16", n, False) for _ in range(3)]
         out = np.empty(n, np.uint16)
@@ -111,7 +113,7 @@ def test_out_buffer_and_scratch_reuse():
         np.testing.assert_array_equal(out, mlx_sum(parts, "bfloat16"))
 
 
-def test_helpers_agree_with_the_reducer():
+def test_helpers_agree_with_the_reducer(reduce_sum):
     rng = np.random.default_rng(5)
     for dtype in DTYPES:
         parts = [random_payload(rng, dtype, 4096, True) for _ in range(2)]
@@ -119,16 +121,6 @@ def test_helpers_agree_with_the_reducer():
             acc = to_float32(parts[0], dtype).copy()
             acc += to_float32(parts[1], dtype)
             assert_same_bytes(from_float32(acc, dtype), reduce_sum(parts, dtype), dtype)
-
-
-def test_the_envoy_hands_back_a_sum_widened_only_where_the_node_must_round_it(summer):
-    """envoy/link.py: float16 (and bfloat16 without the C module) sums come back as float32 for the
-    node to round; a bfloat16 sum the C module made comes back rounded; float32 as it is."""
-    from moe_cluster.envoy.link import widened
-
-    assert widened("float16", 64, 1 << 20) and not widened("float32", 64, 1 << 20)
-    assert widened("bfloat16", 64, 1 << 20) == (summer == "numpy")
-    assert not widened("float16", 1 << 20, 1 << 20)  # twice the bytes would not fit the link
 
 
 def test_native_sum_checks_its_buffers():
@@ -146,7 +138,7 @@ def test_native_sum_checks_its_buffers():
         built.bfloat16(out, [a, np.zeros(16, np.uint16)[::2]])  # not contiguous
 
 
-def test_rejects_bad_input():
+def test_rejects_bad_input(reduce_sum):
     with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
         reduce_sum([np.zeros(3, np.int8)], "int8")
     with pytest.raises(ValueError, match="partial 1 has 2 values, partial 0 has 3"):

@@ -1,11 +1,11 @@
-/* The rank-order float32 sum of bfloat16 partials, rounded once: envoy/reduce.py's rule in C.
+/* The rank-order float32 sum of bfloat16 partials, rounded once: reduce.py's rule in C.
  *
  * numpy has no bfloat16 of its own: ml_dtypes' casts run a value at a time, and MLX's CPU backend
  * converts bfloat16 a value at a time too, so summing a decode step's partials cost more than the
  * frames' trip between the nodes (docs/envoy.md). Here each value is widened exactly (its bits in
  * the high half of a float32), the partials are added in rank order in float32, and the sum is
  * rounded to nearest even; a NaN is written 0x7FC0, as MLX writes it. The bytes are those of the
- * numpy path in envoy/reduce.py (tests/unit/test_reduce.py compares the two): nodes built with and
+ * numpy path in reduce.py (tests/unit/test_reduce.py compares the two): nodes built with and
  * without this module sum alike.
  *
  * On x86-64 the bulk goes eight values at a time in SSE2 (part of the architecture: no dispatch);
@@ -193,7 +193,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "_sum",
-    .m_doc = "Rank-order float32 sums of bfloat16 partials (envoy/reduce.py).",
+    .m_doc = "Rank-order float32 sums of bfloat16 partials (node/collective/reduce.py).",
     .m_size = -1,
     .m_methods = methods,
 };

@@ -1,26 +1,22 @@
 """The reduction every transport shares: sum partials in rank order in float32, cast back.
 
 Summing in a fixed order in float32 gives every node the same bytes whichever node does it.
-Only numpy (and ml_dtypes' bfloat16 casts) here, so the envoy process stays light, and for
-bfloat16, the common activation dtype, envoy/_sum.c where the install could build it: the same
-bytes, 8x faster at a decode step's 6,144 values on 2 vCPUs (docs/envoy.md).
+Only numpy (and ml_dtypes' bfloat16 casts) here, and for bfloat16, the common activation dtype,
+_sum.c where the install could build it: the same bytes, 8x faster at a decode step's 6,144 values
+on 2 vCPUs (docs/envoy.md).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import ml_dtypes
 import numpy as np
 
-# "0": sum in numpy as an install without a C compiler does (to compare the two, or rule one out)
-NATIVE_ENV = "MOE_CLUSTER_NATIVE"
 try:
-    from . import _sum as BUILT  # envoy/_sum.c: built by `pip install` where there is a C compiler
+    from . import _sum as BUILT  # _sum.c: built by `pip install` where there is a C compiler
 except ImportError:
     BUILT = None
-native = None if os.environ.get(NATIVE_ENV, "1") == "0" else BUILT
 
 # Wire dtype names -> numpy dtype holding the raw bytes. bfloat16 travels as uint16 bit patterns.
 DTYPES: dict[str, np.dtype] = {
@@ -34,19 +30,15 @@ _BF16_NAN = 0x7FC0  # what MLX writes for any NaN cast to bfloat16
 _F16_NAN = 0x7D00  # what MLX writes for a NaN cast to float16, with the NaN's sign bit added
 
 
-def native_sums(dtype: str) -> bool:
-    """Whether `dtype`'s partials are summed by envoy/_sum.c here (else in numpy)."""
-    return dtype == "bfloat16" and native is not None
-
-
 def unbuilt_note() -> str | None:
-    """One line for a node to print where the install could not build envoy/_sum.c (pip hides
-    the build's warning), else None."""
+    """One line for a node to print where the install could not build node/collective/_sum.c
+    (pip hides the build's warning), else None."""
     if BUILT is not None:
         return None
     return (
-        "envoy/_sum.c was not built (no C compiler at install?): bfloat16 all-reduces are summed "
-        "in numpy, 1.4-2x slower on small machines; install again with one (docs/CONTRIBUTING.md)"
+        "node/collective/_sum.c was not built (no C compiler at install?): bfloat16 all-reduces "
+        "are summed in numpy, 1.4-2x slower on small machines; install again with one "
+        "(docs/CONTRIBUTING.md)"
     )
 
 
@@ -87,11 +79,20 @@ class Reducer:
     this does the fewest ufunc calls that give the same bytes as `to_float32`/`from_float32`:
     every call writes into a preallocated buffer, and the NaN fix-up of the bfloat16 cast runs
     only when a cheap check (a float sum, which any NaN or infinity turns non-finite) says so.
+
+    Args:
+        native: sum bfloat16 in _sum.c where it was built (False: numpy's path, the same bytes,
+            as an install without a C compiler sums; to compare the two).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, native: bool = True) -> None:
+        self.native = BUILT if native else None
         self._size = 0
         self._acc = np.empty(0, np.float32)
+
+    def native_sums(self, dtype: str) -> bool:
+        """Whether this reducer sums `dtype`'s partials in _sum.c (else in numpy)."""
+        return dtype == "bfloat16" and self.native is not None
 
     def _scratch(self, n: int) -> np.ndarray:
         if n > self._size:
@@ -112,8 +113,8 @@ class Reducer:
         n = _check(partials, dtype)
         if out is None:
             out = np.empty(n, DTYPES[dtype])
-        if dtype == "bfloat16" and native is not None:
-            native.bfloat16(out, partials)
+        if dtype == "bfloat16" and self.native is not None:
+            self.native.bfloat16(out, partials)
             return out
         if dtype == "float32":
             return self._sum(partials, dtype, out)
@@ -138,7 +139,7 @@ class Reducer:
         self, partials: Sequence[np.ndarray], dtype: str, out: np.ndarray
     ) -> np.ndarray:
         """The rank-order float32 sum of raw `dtype` payloads into `out` (float32, `n` values), not
-        rounded back: the envoy hands float16/bfloat16 sums to its node this way (envoy/link.py)."""
+        rounded back (the ride's slots: node/collective/envoy.py)."""
         _check(partials, dtype)
         return self._sum(partials, dtype, out)
 

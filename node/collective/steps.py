@@ -1,4 +1,4 @@
-"""Bookkeeping of one envoy's all-reduce steps: which partials arrived, which are early, which are stale.
+"""Bookkeeping of a node's all-reduce steps: which partials arrived, which are early, which are old.
 
 Pure logic, no I/O. Nodes run in lock-step, so a peer is at most one step ahead of this node (it
 cannot finish a step without this node's partial): frames for the step this node has not submitted
@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..proto.frame import Frame
+from ...proto.errors import ErrorKind, MoeClusterError
+from ...proto.frame import Frame
 from .reduce import DTYPES
-from ..proto.errors import ErrorKind, MoeClusterError
 
 
 class StepError(MoeClusterError):
@@ -110,7 +110,8 @@ class StepTable:
         return self._complete()
 
     def admit(self, step: int) -> None:
-        """StepError unless this node may submit `step` now (the envoy sends its frame before it submits)."""
+        """StepError unless this node may submit `step` now (it sends its frame before it
+        submits)."""
         if self.current is None:
             raise StepError("no request begun: an all-reduce needs begin(request_id) first")
         if self.failed is not None:
@@ -187,7 +188,6 @@ class StepTable:
                 f"rank {frame.rank} is out of step at step {p.step} of request {p.request_id}: it sent layer "
                 f"{frame.layer} {frame.dtype}{list(frame.shape)}, this node has layer {p.layer} {p.dtype}{list(p.shape)}"
             )
-        frame.verify()
         if len(frame.payload) != p.nbytes:
             raise StepError(
                 f"rank {frame.rank} sent {len(frame.payload)} bytes for step {p.step} of request "

@@ -1,16 +1,12 @@
-"""The node's side of the data channels its envoy hands it: frames to and from the peers, in the node.
+"""The node's exchange of the frames with its peers, on the data channels its envoy hands it.
 
-Through the envoy, an all-reduce passes three sleeps on its critical path (the node's REDUCE
-wakes its envoy, a peer's frame wakes that peer's envoy, the answer wakes the node), and on a
-machine whose cores are all busy each costs more than the work between them (docs/envoy.md).
-Where the envoy runs `direct`, it keeps what it is there for (the gRPC streams, the cluster
-secret, TLS, the redials and the peers' liveness) and hands each authenticated data channel's
-socket to its node (envoy/link.py `CHANNEL`); the node writes its frame to every peer and reads
-theirs itself, so one wake-up is left: a peer's frame arriving. The frames and their checks are
-the envoy's own (envoy/data.py's wire format, envoy/steps.py's step table, envoy/reduce.py's
-rank-order float32 sum), so a node here and a peer whose envoy reads its own channels interoperate.
-A peer reached over TLS or over the gRPC stream is relayed by the envoy through a socket pair,
-which looks the same from here.
+The envoy keeps what it is there for (the gRPC streams, the cluster secret, TLS, the redials and
+the peers' liveness) and hands each authenticated data channel's socket to its node
+(proto/envoy_link.py `CHANNEL`); the node writes its frame to every peer and reads theirs
+itself, so the one wake-up on an all-reduce's critical path is a peer's frame arriving. A peer reached over TLS comes as one
+end of a socket pair, which its envoy relays to the TLS channel byte for byte: it looks the same
+from here. Frames are proto/frame.py's, checked by steps.py's table and summed in rank order in
+float32 (reduce.py).
 
 The node is told over its link when a peer is lost (`LOST`: it closes its socket) and tells its
 envoy when it dropped a channel (`BROKEN`: a peer that closed it, spoke garbage or could not take a
@@ -28,9 +24,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..proto.frame import Frame, FrameError
-from . import data
-from .link import NODE_SPIN_MAX_S
+from ...proto import frame as wire
+from ...proto.frame import FrameError
 from .reduce import DTYPES, Reducer
 from .spin import SpinPolicy
 from .steps import Complete, StepError, StepTable
@@ -65,8 +60,8 @@ class PeerExchange:
     """All-reduces over the peers' sockets (`install`ed as the envoy hands them), in this thread.
 
     `send` writes this node's frame to every peer and returns; `collect` waits for the step's sum
-    (a view, valid until the next step: the float32 sum for a float16 or bfloat16 partial, which
-    the node rounds, as the envoy's link hands it back). `abort` may come from any thread.
+    (raw values of the partial's dtype, a view valid until the next step) and `collect_parts` for
+    every rank's partial, for the caller to sum. `abort` may come from any thread.
     `messages` reads the link while a step waits, so a peer the envoy saw go fails the step at once.
     """
 
@@ -78,6 +73,7 @@ class PeerExchange:
         link_fd: int,
         on_message: Callable[[int, bytes], None],
         broken: Callable[[int, str], None],
+        reduce: Reducer | None = None,
     ):
         self.rank = rank
         self.addresses = addresses
@@ -97,11 +93,11 @@ class PeerExchange:
         os.set_blocking(self._wake_w, False)
         self._poll.register(self._wake_r, _IN)
         self._aborted: str | None = None
-        self._reduce = Reducer()
-        self._spin = SpinPolicy(NODE_SPIN_MAX_S)
+        self._reduce = reduce if reduce is not None else Reducer()
+        self._spin = SpinPolicy()
         self._free: list[np.ndarray] = []  # frame buffers to reuse
         self._loans: dict[tuple[str, int, int], np.ndarray] = {}  # a kept frame's buffer
-        self._sum: np.ndarray | None = None
+        self._sums: dict[str, np.ndarray] = {}  # by dtype: collect's result buffer
         self._pending: tuple[int, int, float] | None = (
             None  # (step, layer, limit s) being collected
         )
@@ -110,7 +106,7 @@ class PeerExchange:
         self._rid = b""  # the current request's id, as frames carry it
         self._expect: dict[int, bytes] = {}  # rank -> how its frame for the pending step starts
         self.frames_in = self.frames_out = 0  # for tests and benchmarks
-        # `bench allreduce --trace` (envoy/trace.py DIRECT_HOPS): perf_counter_ns stamps of the
+        # `bench allreduce --trace` (trace.py): perf_counter_ns stamps of the
         # latest step (this node's frame out, the step's last partial in) and of each frame read
         self.stamps = False
         self.sent_ns = self.complete_ns = 0
@@ -199,10 +195,10 @@ class PeerExchange:
         payload = raw.reshape(-1)
         body = memoryview(payload).cast("B")
         shape = tuple(shape)
-        head = data.frame_head(self._rid, step, layer, self.rank, dtype, shape, body.nbytes)
+        head = wire.frame_head(self._rid, step, layer, self.rank, dtype, shape, body.nbytes)
         # what each peer's frame for this step starts with, byte for byte: a frame that does is
         # taken without parsing it (`_expected`)
-        self._expect = {r: data.head_as(head, r) for r in self._channels}
+        self._expect = {r: wire.head_as(head, r) for r in self._channels}
         self._sent_at = time.monotonic()
         self._pending = (step, layer, limit_s)
         total = len(head) + body.nbytes
@@ -237,7 +233,7 @@ class PeerExchange:
     def collect_parts(self) -> Complete:
         """Wait for every peer's partial of the step `send` started: the raw payloads in rank order
         (this node's is the one it sent), views valid until the next `send`, for the caller to sum
-        (node/collective/envoy.py sums them in MLX, inside the step's graph)."""
+        (envoy.py sums them, on the host or in MLX inside the step's graph)."""
         assert self._pending is not None, "collect without send"
         step, layer, limit_s = self._pending
         deadline = self._sent_at + limit_s
@@ -246,7 +242,7 @@ class PeerExchange:
                 self._read(ch)
         if self._done is None and len(self._channels) == 1:
             spin = self._spin.budget_s()
-            if spin:  # idle cores: poll the socket a while rather than sleep (envoy/spin.py)
+            if spin:  # idle cores: poll the socket a while rather than sleep (spin.py)
                 ch = next(iter(self._channels.values()))
                 end = time.perf_counter() + spin
                 while self._done is None and self._channels.get(ch.rank) is ch:
@@ -288,14 +284,13 @@ class PeerExchange:
 
     def _sum_into(self, done: Complete) -> np.ndarray:
         n = done.nbytes // DTYPES[done.dtype].itemsize
-        if self._sum is None or self._sum.size < n:
+        out = self._sums.get(done.dtype)
+        if out is None or out.size < n:
             # 64 bytes into the allocation: a large buffer from numpy starts 16 bytes into a page,
             # where MLX's copy out of it ran 10x slower (4K aliasing; docs/envoy.md)
-            self._sum = np.empty(n + 16, np.float32)[16:]
-        out = self._sum[:n]
-        if done.dtype == "float32":
-            return self._reduce(done.parts, "float32", out)
-        return self._reduce.sum_float32(done.parts, done.dtype, out)
+            raw = np.empty(done.nbytes + 64, np.uint8)[64:]
+            out = self._sums[done.dtype] = raw.view(DTYPES[done.dtype])
+        return self._reduce(done.parts, done.dtype, out[:n])
 
     # -- inside --------------------------------------------------------------------------------
 
@@ -330,10 +325,10 @@ class PeerExchange:
         """Frames out of `ch.stage`; a frame larger than what is left continues into its own buffer."""
         stage, at = ch.stage, 0
         try:
-            while ch.have - at >= data.HEADER.size:
+            while ch.have - at >= wire.HEADER.size:
                 expect = self._expect.get(ch.rank)
                 if expect is not None and stage.startswith(expect, at):
-                    size = data.HEADER.size + data.HEADER.unpack_from(stage, at)[0]
+                    size = wire.HEADER.size + wire.HEADER.unpack_from(stage, at)[0]
                     if at == 0 and size == ch.have:  # all the stage holds: no copy (_Channel)
                         ch.stage, ch.spare, ch.have = ch.spare, stage, 0
                         buf = np.frombuffer(stage, np.uint8, size)
@@ -345,7 +340,7 @@ class PeerExchange:
                         at += size
                         self._expected(ch, buf, len(expect), size)
                         continue
-                size = data.frame_size(stage, at)
+                size = wire.frame_size(stage, at)
                 if ch.have - at >= size:
                     buf = self._buffer(size)
                     buf[:size] = np.frombuffer(stage, np.uint8, size, at)
@@ -398,7 +393,7 @@ class PeerExchange:
             return
         self.frames_in += 1
         try:
-            frame, _ = data.decode(memoryview(buf)[:size].toreadonly(), 0)
+            frame, _ = wire.decode(memoryview(buf)[:size].toreadonly(), 0)
             if frame.rank != ch.rank:
                 raise FrameError(f"{self.describe(ch.rank)} sent a frame as rank {frame.rank}")
         except FrameError as exc:
@@ -512,8 +507,8 @@ class PeerExchange:
             self._on_message(kind, body)
 
     def _fail(self, message: str) -> StepError:
-        """The step fails with `message` (as the envoy's would, its rank first); later steps of the
-        request fail at once. A frame left half-written is finished or its channel dropped."""
+        """The step fails with `message`, its rank first; later steps of the request fail at once.
+        A frame left half-written is finished or its channel dropped."""
         message = f"envoy rank {self.rank}: {message}"
         self.table.fail(message)
         self._pending = self._done = None
