@@ -200,17 +200,25 @@ class EnvoyProcess:
         return self._exchanged(step, self.exchange.collect)
 
     def send(
-        self, raw: np.ndarray, dtype: str, shape: tuple[int, ...], layer: int, cold: bool = False
+        self,
+        raw: np.ndarray,
+        dtype: str,
+        shape: tuple[int, ...],
+        layer: int,
+        cold: bool = False,
+        each: dict[int, np.ndarray] | None = None,
     ) -> int:
-        """all_reduce's first half: write the payload to every peer and return at once (its step
-        number). One all-reduce is in flight at a time: `collect_parts` it before the next
-        `send`."""
+        """all_reduce's first half: write the payload (or `each` peer its own, PeerExchange.send)
+        to every peer and return at once (its step number). One all-reduce is in flight at a
+        time: `collect_parts` it before the next `send`."""
         if self._request is None:
             self.begin("default")
         step = self._step
         self._step += 1
         bound = wait_bound(self.spec.timeout_s, cold, self.spec.cold_s)
-        self._exchanged(step, lambda: self.exchange.send(raw, dtype, shape, layer, step, bound))
+        self._exchanged(
+            step, lambda: self.exchange.send(raw, dtype, shape, layer, step, bound, each)
+        )
         return step
 
     def collect_parts(self, step: int) -> Complete:
@@ -316,6 +324,24 @@ class EnvoyCollective(Epochs, HostRows):
         envoy = self._envoy
         step = envoy.send(raw, dtype, shape, layer, self._cold_now())
         return [p.copy() for p in envoy.collect_parts(step).parts]
+
+    def reduce_scatter(self, partial: mx.array, counts: tuple[int, ...], layer: int) -> mx.array:
+        """This rank's rows of every rank's `partial` (sum(counts), D), summed in rank order: each
+        peer is sent only its own rows of this node's partial (a frame per peer), and sends this
+        node its rows of its own, so a node moves its share of the rows, not the whole partial."""
+        raw, dtype = to_wire(partial)
+        rows = raw.reshape(partial.shape[0], -1)
+        starts = [sum(counts[:r]) for r in range(len(counts))]
+        block = {r: rows[s : s + n] for r, (s, n) in enumerate(zip(starts, counts))}
+        mine = block[self.rank]
+        envoy = self._envoy
+        step = envoy.send(mine, dtype, mine.shape, layer, self._cold_now(), each=block)
+        parts = envoy.collect_parts(step).parts
+        width = partial.shape[-1]
+        out = self._reduce(
+            [p.reshape(-1) for p in parts], dtype, np.empty(mine.size, DTYPES[dtype])
+        )
+        return from_wire(out, dtype, (counts[self.rank], width))
 
     def _summed(
         self, parts: list[np.ndarray], dtype: str, extra: int, partial: mx.array

@@ -176,9 +176,12 @@ class PeerExchange:
         layer: int,
         step: int,
         limit_s: float,
+        each: dict[int, np.ndarray] | None = None,
     ) -> None:
         """Write this node's partial for `step` to every peer (what a socket does not take now goes
-        in `collect`); `raw` must stay as it is until then."""
+        in `collect`); `raw` must stay as it is until then. `each`: a payload per peer instead
+        (a reduce-scatter: each peer gets its own rows of this node's partial), shaped as `raw`
+        is, which is what each peer sends this node in turn (the step table checks it)."""
         table = self.table
         if self._aborted is not None and self._aborted == table.current:
             table.fail(f"request {table.current} aborted: it failed on another node")
@@ -203,6 +206,18 @@ class PeerExchange:
         self._pending = (step, layer, limit_s)
         total = len(head) + body.nbytes
         for ch in list(self._channels.values()):
+            if each is not None:
+                body = memoryview(each[ch.rank].reshape(-1)).cast("B")
+                head = wire.frame_head(
+                    self._rid,
+                    step,
+                    layer,
+                    self.rank,
+                    dtype,
+                    tuple(each[ch.rank].shape),
+                    body.nbytes,
+                )
+                total = len(head) + body.nbytes
             try:
                 sent = ch.sock.sendmsg((head, body))
             except (BlockingIOError, InterruptedError):
