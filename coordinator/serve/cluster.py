@@ -244,6 +244,46 @@ class Cluster:
         await self._warm_up()
         self._event(H.LoadDone())
 
+    async def adopt(self) -> bool:
+        """Keep what every node has loaded where its load is what its spec says (node/adopt.py
+        says what must match), then one warm-up step through the whole mesh: True, and the cluster
+        is ready. All or none: where one node cannot (it restarted, its model or the plan differ,
+        its transport failed) no node changed, and False says to load them all (`load`). Each
+        node first drops the sequences still running there: their coordinator is gone."""
+        self._event(H.LoadStarted())
+        self._seq = 0  # the running batches are idle: admission numbers start again
+        self.owners.clear()
+        results = await asyncio.gather(
+            *(self._adopt_one(m) for m in self.members), return_exceptions=True
+        )
+        refused = [(m, r) for m, r in zip(self.members, results) if isinstance(r, BaseException)]
+        for m, why in refused:
+            if not isinstance(why, (MoeClusterError, grpc.RpcError)):
+                raise why  # a bug stays one
+            text = describe_rpc_error(why) if isinstance(why, grpc.RpcError) else str(why)
+            logger.info("node %s not adopted: %s", m.name, text)
+        if refused:
+            return False
+        try:
+            await self._warm_up()
+        except MoeClusterError as exc:
+            logger.warning("adopted nodes failed their warm-up (%s): loading them afresh", exc)
+            return False
+        self._event(H.LoadDone())
+        return True
+
+    async def _adopt_one(self, m: Member) -> None:
+        self._event(H.NodeLoading(m.name))
+        async for p in m.client.load(replace(m.spec, adopt=True), timeout=self.load_timeout_s):
+            if p.error is not None:
+                raise error_for(p.error.kind, f"node {m.name}: {p.error.message}")
+            if p.done:
+                break
+        m.load_done, m.load_total = p.bytes_loaded, p.bytes_total
+        self._event(H.NodeLoaded(m.name))
+        m.last_seen = time.monotonic()
+        await self._refresh(m)
+
     async def _warm_up(self) -> None:
         """A one-token request through every node: the mesh is up and every expert path is warm."""
         from ...proto.records import Sampling
