@@ -362,6 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(handler="moe_cluster.coordinator.bench.soak:main")
 
     b = bench.add_parser(
+        "adopt",
+        help="kill -9 of the coordinator while streams decode: orphans dropped, a new up adopts",
+    )
+    importlib.import_module("moe_cluster.coordinator.bench.adopt").add_arguments(b)
+    b.set_defaults(handler="moe_cluster.coordinator.bench.adopt:main")
+
+    b = bench.add_parser(
         "serve",
         help="many users at once: aggregate tok/s, TTFT and ITL of our cluster and mlx_lm.server",
     )
@@ -404,6 +411,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-dir", default=None, help="where local nodes write their logs")
     p.set_defaults(handler="moe_cluster.coordinator.serve.up:main")
+
+    p = sub.add_parser(
+        "supervise",
+        help="run `up FILE` and start it again whenever it dies, holding the API's port meanwhile",
+    )
+    p.add_argument("file", help="cluster.yaml")
+    p.add_argument("--model", default=None, help="override the file's model: " + MODEL_HELP)
+    p.add_argument("--api-port", type=int, default=None, help="override the file's API port")
+    p.add_argument("--log-dir", default=None, help="where local nodes write their logs")
+    p.set_defaults(handler="moe_cluster.coordinator.service.supervise:main")
+
+    p = sub.add_parser(
+        "service",
+        help="run a node or the coordinator as a service: a launchd agent or a systemd unit",
+    )
+    importlib.import_module("moe_cluster.coordinator.service.command").add_arguments(p)
+    p.set_defaults(handler="moe_cluster.coordinator.service.command:main")
 
     p = sub.add_parser("down", help="stop the cluster that `up` started")
     p.add_argument(
