@@ -344,8 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default="demo")
     b.add_argument("--nodes", type=_positive_int, default=2)
     b.add_argument("--minutes", type=_positive_float, default=10.0, help="how long the soak runs")
+    b.add_argument("--kill-every", type=_positive_float, default=60.0, help="seconds between kills")
     b.add_argument(
-        "--kill-every", type=_positive_float, default=60.0, help="seconds between kills of a node"
+        "--kill",
+        choices=("node", "coordinator"),
+        default="node",
+        help="what dies: a node process, or `up` (run under `supervise`, adopting the nodes)",
     )
     b.add_argument(
         "--request-timeout",
