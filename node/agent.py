@@ -258,7 +258,8 @@ class NodeAgent(npb_grpc.NodeServicer):
             if spec.ship is not None:  # no checkpoint here: the coordinator fills the cache
                 model = self._fill_cache(spec, ship_address, progress)
             # as it stands before a byte is read: a file changed during the load fails an adopt
-            loaded_from = (str(model), adopt.identity(model))
+            folder = getattr(model, "path", model)  # a shipped shard: its cache folder
+            loaded_from = (str(folder), adopt.identity(folder))
             if (
                 spec.world_size == 1 and spec.ship is None and spec.expert_cache == "off"
             ):  # alone: stock mlx-lm
@@ -336,9 +337,9 @@ class NodeAgent(npb_grpc.NodeServicer):
         there is nothing to rebuild where the transport has not failed (the coordinator's warm-up
         step then runs through the whole mesh). Anything else is refused, changing nothing: the
         coordinator then loads every node afresh."""
-        why = ""
+        why, kind = "", ErrorKind.NOT_READY
         if self.sharded is None or not self.life.serving:
-            why = f"nothing loaded to adopt (node is {self.state})"
+            why, kind = f"nothing loaded to adopt (node is {self.state})", ErrorKind.NOT_FOUND
         elif self.sharded.collective.failure():
             why = f"its transport failed: {self.sharded.collective.failure()}"
         else:
@@ -347,7 +348,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             why = f"the model's files changed since it loaded them ({self._loaded_from[0]})"
         if why:
             logger.info("not adopted: %s", why)
-            error = NodeError(ErrorKind.NOT_READY, f"cannot adopt: {why}", spec.rank)
+            error = NodeError(kind, f"cannot adopt: {why}", spec.rank)
             return LoadProgress(0, 0, "refused", done=True, error=error)
         self.load_spec = spec  # the new coordinator's Ship address and orphan bound
         logger.info("adopted as rank %d of %d: %s kept", spec.rank, spec.world_size, spec.model)

@@ -209,12 +209,14 @@ def run(
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(streams)]
     extra = f"timeouts:\n  coordinator: {coordinator_timeout}\n"
     with loopback(workdir, nodes, model, extra) as lb:
+        pids = [a.proc.pid for a in lb.agents]
+        fresh = [read_bytes(p) for p in pids]
         first = Coordinator(lb, log_name="up-1.log")
         try:
             full_s = first.wait_ready(READY_WAIT_S)
+            full_read = _read_since(pids, fresh)
             loaded = _said(first.lines, "loaded in ")
             reference = _together(lb.url, prompts, tokens)
-            pids = [a.proc.pid for a in lb.agents]
             # the streams, cut once each has `cut` tokens
             live = [_Stream(lb.url, p, STREAM_TOKENS) for p in prompts]
             for s in live:
@@ -244,7 +246,7 @@ def run(
         poller.start()
         try:
             again_s = second.wait_ready(READY_WAIT_S)
-            after = [read_bytes(p) for p in pids]
+            read = _read_since(pids, before)
             poller.join(timeout=60)
             adopted = _said(second.lines, "adopted in ")
             repeat = _together(lb.url, prompts, tokens)
@@ -258,7 +260,11 @@ def run(
         "streams": streams,
         "fault": fault,
         "coordinator_timeout": coordinator_timeout,
-        "full_load": {"start_to_ready_s": round(full_s, 2), "load_s": loaded},
+        "full_load": {
+            "start_to_ready_s": round(full_s, 2),
+            "load_s": loaded,
+            "node_bytes_read": full_read,
+        },
         "streams_on_nodes_at_fault": on_nodes,
         "stream_tokens_at_fault": [s.events for s in live],
         "streams_ended": sorted({s.ended for s in live}),
@@ -269,9 +275,7 @@ def run(
             "adopt_s": adopted,
             "ready_vs_full": round(again_s / full_s, 3) if full_s else None,
             "node_pids_unchanged": sorted(still) == sorted(pids),
-            "node_bytes_read": [
-                (b - a) if a is not None and b is not None else None for a, b in zip(before, after)
-            ],
+            "node_bytes_read": read,
             "client_while_restarting": poller.summary(),
         },
         "same_tokens": reference == repeat,
@@ -279,6 +283,12 @@ def run(
         "after": repeat,
         "lines": {"first": _load_lines(first.lines), "second": _load_lines(second.lines)},
     }
+
+
+def _read_since(pids: list[int], before: list[int | None]) -> list[int | None]:
+    """Bytes each process read since `before` (read_bytes), None where unknown."""
+    now = [read_bytes(p) for p in pids]
+    return [b - a if a is not None and b is not None else None for a, b in zip(before, now)]
 
 
 def _said(lines: list[str], what: str) -> float | None:

@@ -265,6 +265,8 @@ class Up:
         self.cluster = self.make_cluster(members)
         if not await self.adopt(members):
             await self.load(members)
+        if self.ship is not None:
+            _say_shipped(self.ship, members)
         if c.verify and len(members) > 1:
             await self.verify(members)
         await self.say_allreduce(members)
@@ -522,9 +524,12 @@ class Up:
         are loaded afresh. Local nodes were started by this `up`: nothing to adopt."""
         if self.launcher is not None:
             return False
+        from ...proto.errors import ErrorKind
+
         self.page.say("loading", "adopting the loaded nodes")
         self.t_load = time.monotonic()
-        self.adopted = await self.cluster.adopt()
+        refused = await self.cluster.adopt()
+        self.adopted = not refused
         if self.adopted:
             print(
                 f"adopted {len(members)} loaded nodes in {time.monotonic() - self.t_load:.2f}s: "
@@ -532,8 +537,9 @@ class Up:
                 file=sys.stderr,
                 flush=True,
             )
-        else:
-            print("the nodes cannot be adopted: loading them", file=sys.stderr, flush=True)
+        elif any(e.kind is not ErrorKind.NOT_FOUND for e in refused.values()):  # not fresh nodes
+            why = "; ".join(str(e) for e in refused.values())
+            print(f"not adopting the loaded nodes ({why}): loading them", file=sys.stderr)
         return self.adopted
 
     async def load(self, members: list[Member]) -> None:
@@ -542,8 +548,6 @@ class Up:
         progress = Progress([m.name for m in members])
         self.t_load = time.monotonic()
         await self.cluster.load(progress.update)
-        if self.ship is not None:
-            _say_shipped(self.ship, members)
         routes = [
             f"{m.name} {m.route}"
             + (

@@ -70,6 +70,11 @@ BAD = [
     ("nodes:\n  - name: a\ntransport: smoke-signals", 3, ["transport", "envoy, mlx"]),
     ("nodes:\n  - name: a\nkeepalive: sometimes", 3, ["keepalive", "none, lru, busy"]),
     ("nodes:\n  - name: a\nroute: fastest", 3, ["route", "measure, skip, device, host"]),
+    (
+        "nodes:\n  - name: a\ntimeouts:\n  heartbeat: 2s\n  coordinator: 4s",
+        5,
+        ["timeouts.coordinator", "twice the heartbeat's 2 s", "between heartbeats"],
+    ),
     ("nodes:\n  - name: a\nmodel: /no/such/model", 3, ["model", "does not exist"]),
     ("nodes:\n  - name: a\nplacement: even", 3, ["placement", "mapping"]),
     (
