@@ -111,7 +111,8 @@ class Timeouts:
     heartbeat: Duration = Duration(1.0)  # between health checks
     request: Duration = Duration(600.0)  # one generation, end to end
     # a node drops its running sequences after this long without a call of the coordinator (it
-    # is hung or cut off; one that died closed their streams, which drops them at once)
+    # is hung or cut off; one that died closed their streams, which drops them at once); not
+    # given: at least three heartbeats
     coordinator: Duration = Duration(10.0)
 
 
@@ -350,6 +351,11 @@ def parse_config(
         config = replace(config, model=model)
     if _find(root, "checkpoint") is root and names_repo(config.model):
         config = replace(config, checkpoint="coordinator")  # only this machine downloads it
+    t = config.timeouts
+    if _find(root, "timeouts", "coordinator") is _find(root, "timeouts"):  # not given
+        # a slow heartbeat gets a bound of three: the nodes must not drop a live coordinator's work
+        bound = Duration(max(t.coordinator, 3 * max(t.heartbeat, 1.0)))
+        config = replace(config, timeouts=replace(t, coordinator=bound))
     _check(config, root, reader, "--model" if model is not None else "model")
     return _with_source(config, source)
 
