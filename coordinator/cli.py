@@ -344,8 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default="demo")
     b.add_argument("--nodes", type=_positive_int, default=2)
     b.add_argument("--minutes", type=_positive_float, default=10.0, help="how long the soak runs")
+    b.add_argument("--kill-every", type=_positive_float, default=60.0, help="seconds between kills")
     b.add_argument(
-        "--kill-every", type=_positive_float, default=60.0, help="seconds between kills of a node"
+        "--kill",
+        choices=("node", "coordinator"),
+        default="node",
+        help="what dies: a node process, or `up` (run under `supervise`, adopting the nodes)",
     )
     b.add_argument(
         "--request-timeout",
@@ -360,6 +364,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler="moe_cluster.coordinator.bench.soak:main")
+
+    b = bench.add_parser(
+        "adopt",
+        help="kill -9 of the coordinator while streams decode: orphans dropped, a new up adopts",
+    )
+    importlib.import_module("moe_cluster.coordinator.bench.adopt").add_arguments(b)
+    b.set_defaults(handler="moe_cluster.coordinator.bench.adopt:main")
 
     b = bench.add_parser(
         "serve",
@@ -404,6 +415,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-dir", default=None, help="where local nodes write their logs")
     p.set_defaults(handler="moe_cluster.coordinator.serve.up:main")
+
+    p = sub.add_parser(
+        "supervise",
+        help="run `up FILE` and start it again whenever it dies, holding the API's port meanwhile",
+    )
+    p.add_argument("file", help="cluster.yaml")
+    p.add_argument("--model", default=None, help="override the file's model: " + MODEL_HELP)
+    p.add_argument("--api-port", type=int, default=None, help="override the file's API port")
+    p.add_argument("--log-dir", default=None, help="where local nodes write their logs")
+    p.set_defaults(handler="moe_cluster.coordinator.service.supervise:main")
+
+    p = sub.add_parser(
+        "service",
+        help="run a node or the coordinator as a service: a launchd agent or a systemd unit",
+    )
+    importlib.import_module("moe_cluster.coordinator.service.command").add_arguments(p)
+    p.set_defaults(handler="moe_cluster.coordinator.service.command:main")
 
     p = sub.add_parser("down", help="stop the cluster that `up` started")
     p.add_argument(

@@ -32,7 +32,7 @@ from ..proto.errors import (
     grpc_code,
     kind_of,
 )
-from . import lifecycle
+from . import adopt, lifecycle
 from .device import DeviceInfo, device_info, release_memory
 from .lifecycle import NodeState
 from .link_bench import LinkBench
@@ -52,6 +52,10 @@ from ..proto.records import (
 )
 
 logger = logging.getLogger(__name__)
+
+# seconds an adopting Load waits for the sequences it dropped to leave the batch (each leaves at the
+# next step every rank agrees on: a step, or a prefill chunk)
+ADOPT_DRAIN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,8 @@ class NodeAgent(npb_grpc.NodeServicer):
         self.sharded = None
         self.runtime = None
         self.load_spec = None
+        self._loaded_from: tuple = ()  # (folder, node.adopt.identity) of the model loaded
+        self._last_call = time.monotonic()  # of the coordinator's last call (the orphan watch)
         self._worker = Worker("mlx-worker")  # the one thread that touches MLX
         self._driving: asyncio.Future | None = None  # the worker stepping the running batch
         self._stop: asyncio.Event | None = None
@@ -137,6 +143,7 @@ class NodeAgent(npb_grpc.NodeServicer):
     # -- RPCs ----------------------------------------------------------------------------------
 
     async def Health(self, request, context):
+        self._heard()
         self._watch_collective()
         return convert.health_to_proto(
             Health(
@@ -147,6 +154,7 @@ class NodeAgent(npb_grpc.NodeServicer):
         )
 
     async def Status(self, request, context):
+        # not a sign of the coordinator: anyone holding the secret may watch a node
         self._watch_collective()
         s = NodeStatus(
             state=self.state,
@@ -213,13 +221,19 @@ class NodeAgent(npb_grpc.NodeServicer):
             raise NotReadyError(f"node is {self.state}, not ready")
 
     async def Load(self, request, context):
+        self._heard()
         try:
             spec = convert.load_request_from_proto(
                 request, secret=self.config.secret, tls=self._tls_files()
             )
+            if spec.adopt:  # a coordinator that adopts runs nothing yet: what runs is orphaned
+                await self._drop_orphans(ADOPT_DRAIN_S)
             self._idle()
         except MoeClusterError as exc:
             await context.abort(grpc_code(exc.kind), str(exc))
+        if spec.adopt:
+            yield convert.load_progress_to_proto(self._adopt(spec))
+            return
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         last = [0.0]
@@ -239,9 +253,13 @@ class NodeAgent(npb_grpc.NodeServicer):
             from .collective.specs import make_collective
 
             self._close_model()
+            self._loaded_from = ()
             model = spec.model
             if spec.ship is not None:  # no checkpoint here: the coordinator fills the cache
                 model = self._fill_cache(spec, ship_address, progress)
+            # as it stands before a byte is read: a file changed during the load fails an adopt
+            folder = getattr(model, "path", model)  # a shipped shard: its cache folder
+            loaded_from = (str(folder), adopt.identity(folder))
             if (
                 spec.world_size == 1 and spec.ship is None and spec.expert_cache == "off"
             ):  # alone: stock mlx-lm
@@ -250,6 +268,7 @@ class NodeAgent(npb_grpc.NodeServicer):
                 self.runtime = NodeRuntime(
                     self.sharded, prompt_cache_bytes=spec.prompt_cache_bytes, limits=_limits(spec)
                 )
+                self._loaded_from = loaded_from
                 return self.sharded.info
             if spec.world_size == 1:  # a shipped shard alone: nothing to exchange
                 from .collective.base import LocalCollective
@@ -278,6 +297,7 @@ class NodeAgent(npb_grpc.NodeServicer):
             self.runtime = NodeRuntime(
                 sharded, prompt_cache_bytes=spec.prompt_cache_bytes, limits=_limits(spec)
             )
+            self._loaded_from = loaded_from
             return sharded.info
 
         self._on(lifecycle.Load())
@@ -307,8 +327,72 @@ class NodeAgent(npb_grpc.NodeServicer):
             )
             return
         self._on(lifecycle.Loaded())
+        self._heard()  # a long load is not the coordinator's silence
         total = info.resident_weight_bytes
         yield convert.load_progress_to_proto(LoadProgress(total, total, "ready", done=True))
+
+    def _adopt(self, spec) -> LoadProgress:
+        """Keep the loaded model for a coordinator whose Load describes it (node/adopt.py), and
+        re-join: the envoy's channels to its peers, or the mx.distributed group, never closed, so
+        there is nothing to rebuild where the transport has not failed (the coordinator's warm-up
+        step then runs through the whole mesh). Anything else is refused, changing nothing: the
+        coordinator then loads every node afresh."""
+        why, kind = "", ErrorKind.NOT_READY
+        if self.sharded is None or not self.life.serving:
+            why, kind = f"nothing loaded to adopt (node is {self.state})", ErrorKind.NOT_FOUND
+        elif self.sharded.collective.failure():
+            why = f"its transport failed: {self.sharded.collective.failure()}"
+        else:
+            why = adopt.mismatch(self.load_spec, spec)
+        if not why and adopt.identity(self._loaded_from[0]) != self._loaded_from[1]:
+            why = f"the model's files changed since it loaded them ({self._loaded_from[0]})"
+        if why:
+            logger.info("not adopted: %s", why)
+            error = NodeError(kind, f"cannot adopt: {why}", spec.rank)
+            return LoadProgress(0, 0, "refused", done=True, error=error)
+        self.load_spec = spec  # the new coordinator's Ship address and orphan bound
+        logger.info("adopted as rank %d of %d: %s kept", spec.rank, spec.world_size, spec.model)
+        total = self.sharded.info.resident_weight_bytes
+        return LoadProgress(0, total, "adopted", done=True)
+
+    async def _drop_orphans(self, wait_s: float) -> None:
+        """End every sequence of the running batch (a cancel on any rank ends a sequence on every
+        rank at the same step) and wait up to `wait_s` for the batch to go idle: their KV is freed
+        as they leave (a prefix may stay in the prompt cache, for the client's retry)."""
+        if self.runtime is None or not self.runtime.batch.busy():
+            return
+        self.runtime.batch.cancel_all()
+        deadline = time.monotonic() + wait_s
+        while self.runtime is not None and self.runtime.batch.busy():
+            if time.monotonic() > deadline:
+                return  # _idle says what still runs
+            await asyncio.sleep(0.02)
+
+    def _heard(self) -> None:
+        self._last_call = time.monotonic()
+
+    async def _watch_coordinator(self) -> None:
+        """Drop the running sequences when the coordinator has not called (a heartbeat, a
+        request) for the Load's `orphan_after_s`: it is hung or cut off, and nobody reads them.
+        (A coordinator that died closed their Generate streams: they left at once, `withdraw`.)"""
+        while True:
+            bound = self.load_spec.orphan_after_s if self.load_spec is not None else 0.0
+            await asyncio.sleep(min(max(bound / 4, 0.05), 0.5) if bound else 0.5)
+            silent = time.monotonic() - self._last_call
+            if not bound or silent <= bound or self.runtime is None:
+                continue
+            if self.runtime.batch.busy():
+                running, queued = self.runtime.batch.running()
+                logger.warning(
+                    "no call of the coordinator for %.1f s (timeouts.coordinator %.1f s): "
+                    "dropping its %d running and %d queued sequences",
+                    silent,
+                    bound,
+                    running,
+                    queued,
+                )
+                self.runtime.batch.cancel_all()
+                self._heard()  # once per silence of `bound`
 
     def _fill_cache(self, spec, address: str, progress):
         """This node's shard from its cache, fetching what is missing (runs on the worker)."""
@@ -338,6 +422,7 @@ class NodeAgent(npb_grpc.NodeServicer):
     async def Generate(self, request, context):
         """One request joins the running batch (node/batch.py); its tokens stream back as the batch
         hands them out. Many Generate calls run at once: the worker thread steps them together."""
+        self._heard()
         self._watch_collective()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -432,6 +517,7 @@ class NodeAgent(npb_grpc.NodeServicer):
         self._driving.add_done_callback(finished)
 
     async def Probe(self, request, context):
+        self._heard()
         try:
             self._ready()
             self._idle()
@@ -442,6 +528,7 @@ class NodeAgent(npb_grpc.NodeServicer):
         return convert.probe_reply_to_proto(y)
 
     async def Cancel(self, request, context):
+        self._heard()
         rid = convert.cancel_request_from_proto(request)
         if self.runtime is None:
             return convert.cancel_reply_to_proto(False)
@@ -527,6 +614,7 @@ class NodeAgent(npb_grpc.NodeServicer):
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop.set)
         advertiser = None
+        orphans = asyncio.create_task(self._watch_coordinator(), name="orphan-watch")
         try:
             if c.mdns:
                 from ..common.mdns import Advert, Advertiser, interface_addresses
@@ -558,6 +646,8 @@ class NodeAgent(npb_grpc.NodeServicer):
             await self._stop.wait()
         finally:
             self._on(lifecycle.Stop())
+            orphans.cancel()
+            await asyncio.gather(orphans, return_exceptions=True)
             if advertiser is not None:
                 await advertiser.close()
             await server.stop(1.0)

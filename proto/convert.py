@@ -220,6 +220,8 @@ def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
         draft_model=spec.draft_model,
         overlap=spec.overlap,
         attention=spec.attention,
+        orphan_after_s=spec.orphan_after_s,
+        adopt=spec.adopt,
     )
     if spec.placement is not None:
         msg.placement.CopyFrom(placement_to_proto(spec.placement))
@@ -282,6 +284,8 @@ def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any 
         draft_model=msg.draft_model,
         overlap=msg.overlap,
         attention=msg.attention or "replicated",
+        orphan_after_s=msg.orphan_after_s,
+        adopt=msg.adopt,
     )
 
 

@@ -261,9 +261,18 @@ class LoadSpec:
     )
     overlap: bool = False  # two micro-batches per decode step (node/overlap.py)
     attention: str = "replicated"  # ATTENTION_MODES (node/batch.py BatchLimits.attention)
+    # seconds without a call of the coordinator after which the node drops its running sequences
+    # (the coordinator is gone: nobody reads them); 0: never
+    orphan_after_s: float = 0.0
+    # keep the loaded model where this spec matches it (node/adopt.py), else refuse, changing nothing
+    adopt: bool = False
 
     def __post_init__(self) -> None:
         _check(self.keepalive, KEEPALIVES, "keepalive")
+        if not 0 <= self.orphan_after_s < float("inf"):
+            raise UserError(
+                f"orphan_after_s must be a finite number >= 0 (got {self.orphan_after_s})"
+            )
         _check(self.route, DECODE_ROUTES, "route")
         if self.max_batch < 1 or self.prefill_budget < 1:
             raise UserError(

@@ -9,10 +9,20 @@ for the recovery. At the end it waits for the cluster to be ready and sends one 
 Requests cut by a kill resume once the cluster is ready again and those sent meanwhile wait for it
 (serving.recovery_wait), so every answer should be whole: the report counts the failed ones (a 503,
 an error event, anything but a complete answer) and gives the stalls the resumed ones saw.
+
+With `--kill coordinator` the coordinator dies instead: node agents run on loopback on their own
+(bench/loopback.py, `launch: remote`, as under their services) and `up` runs under `moe-cluster
+supervise`, the product's restart loop, which holds the API's socket; every --kill-every seconds
+`up` is SIGKILLed, and the next one adopts the nodes. The requests are greedy and their tokens are
+checked against the first answer's. A request in flight when `up` dies is lost with it (its
+connection closes: `cut`), and the client sends it again, as a client of the API must; any other
+request must complete with the right tokens or get a 503 that carries Retry-After, and none may
+hang. The cluster must end ready with the node processes it started with.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -24,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ...proto.errors import UserError
+from .loopback import Coordinator, loopback
 from .prompt_cache import local_cluster
 
 PROMPT = "To be, or not to be, that is the question:"
@@ -37,7 +48,7 @@ RETRY_S = 1.0  # seconds the client waits after a 503 (a busy loop of 503s would
 @dataclass
 class Kill:
     at_s: float  # seconds since the soak started
-    node: str
+    node: str  # the node killed, or "coordinator"
     pid: int
     detect_s: float | None = None  # seconds after the kill; None: /health never said not ready
     recovery_s: float | None = (
@@ -53,6 +64,9 @@ class Tally:
         0  # any other answer (a 500, a stream that ended without an error event or its end)
     )
     hung: int = 0  # no answer within the request timeout
+    cut: int = 0  # in flight when the coordinator died: its connection closed (the client retries)
+    wrong: int = 0  # completed with tokens other than the first answer's (greedy requests)
+    no_retry_after: int = 0  # 503s without a Retry-After header
     max_latency_s: float = 0.0
     stalls: list[float] = field(default_factory=list)  # seconds without a token, per resume
     latencies: list[float] = field(default_factory=list)
@@ -77,10 +91,17 @@ def _get(url: str, path: str, timeout: float = 5.0) -> tuple[int, dict]:
         return 0, {}
 
 
-def _one_request(url: str, stream: bool, timeout_s: float) -> tuple[str, str, list[float]]:
-    """(outcome, detail, stalls) of one completion: ok | unavailable | other | hung, and the seconds
-    without a token at each of its resumes (the coordinator's moe_cluster.stalls_s)."""
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 32, "stream": stream}).encode()
+def _one_request(
+    url: str, stream: bool, timeout_s: float, expect: list | None = None, greedy: bool = False
+) -> tuple[str, str, list[float]]:
+    """(outcome, detail, stalls) of one completion: ok | unavailable | other | hung | cut | wrong,
+    and the seconds without a token at each of its resumes (the coordinator's
+    moe_cluster.stalls_s). `greedy`: temperature 0, and with `expect` its tokens must be those;
+    a connection that closes mid-answer is `cut` (only a dying coordinator closes one)."""
+    fields = {"prompt": PROMPT, "max_tokens": 32, "stream": stream}
+    if greedy:
+        fields["temperature"] = 0
+    body = json.dumps(fields).encode()
     req = urllib.request.Request(
         url + "/v1/completions",
         data=body,
@@ -94,15 +115,25 @@ def _one_request(url: str, stream: bool, timeout_s: float) -> tuple[str, str, li
                 stalls = out.get("moe_cluster", {}).get("stalls_s", [])
                 if not out.get("choices"):
                     return "other", f"no choices: {out}", stalls
-                return "ok", "", stalls
+                return _checked(out, expect, stalls)
             events = [
                 line[6:].strip()
                 for line in (raw.decode() for raw in r)
                 if line.startswith("data: ")
             ]
     except urllib.error.HTTPError as exc:
+        if exc.code == 503 and not exc.headers.get("Retry-After"):
+            return "no_retry_after", f"HTTP 503 without Retry-After: {exc.read()[:200]!r}", []
         outcome = "unavailable" if exc.code == 503 else "other"
         return outcome, f"HTTP {exc.code}: {exc.read()[:200]!r}", []
+    except (
+        http.client.IncompleteRead,
+        ConnectionResetError,
+        http.client.RemoteDisconnected,
+    ) as exc:
+        if expect is not None:  # a coordinator soak: only its death closes a connection
+            return "cut", f"{type(exc).__name__}: {exc}", []
+        return "other", f"{type(exc).__name__}: {exc}", []
     except TimeoutError:
         return "hung", f"no answer within {timeout_s:g} s", []
     except (OSError, ValueError) as exc:  # a connection dropped, a body that is not JSON
@@ -110,6 +141,8 @@ def _one_request(url: str, stream: bool, timeout_s: float) -> tuple[str, str, li
             return "hung", f"no answer within {timeout_s:g} s", []
         return "other", f"{type(exc).__name__}: {exc}", []
     if not events or events[-1] != "[DONE]":
+        if expect is not None:  # the coordinator died mid-stream: the connection just ended
+            return "cut", f"stream ended without [DONE]: {events[-2:]}", []
         return "other", f"stream ended without [DONE]: {events[-2:]}", []
     errors = [json.loads(e)["error"] for e in events[:-1] if e.startswith("{") and '"error"' in e]
     if errors:  # the cluster did not come back in time: an error event, then [DONE]
@@ -119,15 +152,27 @@ def _one_request(url: str, stream: bool, timeout_s: float) -> tuple[str, str, li
             [],
         )
     final = json.loads(events[-2]) if len(events) > 1 and events[-2].startswith("{") else {}
-    return "ok", "", final.get("moe_cluster", {}).get("stalls_s", [])
+    return _checked(final, expect, final.get("moe_cluster", {}).get("stalls_s", []))
 
 
-def _client(url: str, stop: threading.Event, timeout_s: float, tally: Tally) -> None:
+def _checked(out: dict, expect: list | None, stalls: list[float]) -> tuple[str, str, list[float]]:
+    """ok, or wrong where the answer's tokens are not `expect` (None: not checked)."""
+    got = out.get("moe_cluster", {}).get("tokens")
+    if expect is not None and got != expect:
+        return "wrong", f"tokens {got} are not {expect}", stalls
+    return "ok", "", stalls
+
+
+def _client(
+    url: str, stop: threading.Event, timeout_s: float, tally: Tally, expect: list | None = None
+) -> None:
     stream = False
     while not stop.is_set():
         t0 = time.monotonic()
-        outcome, detail, stalls = _one_request(url, stream, timeout_s)
+        outcome, detail, stalls = _one_request(url, stream, timeout_s, expect, expect is not None)
         tally.add(outcome, time.monotonic() - t0, detail, stalls)
+        if outcome == "cut":
+            continue  # sent again, as it was (a client retries what a dead coordinator lost)
         stream = not stream
         if outcome == "unavailable":
             stop.wait(
@@ -207,6 +252,108 @@ def run(
         ready = _wait_ready(url, FINAL_WAIT_S)
         last = _one_request(url, False, request_timeout_s)[0] if ready else "unavailable"
         state = _get(url, "/v1/cluster/status")[1]
+    out = _report(nodes, model, minutes, kill_every_s, request_timeout_s, tally, kills)
+    out["kill"] = "node"
+    out["final"] = {
+        "ready": ready,
+        "request": last,
+        "state": state.get("state"),
+        "nodes": {n["name"]: n["state"] for n in state.get("nodes", [])},
+    }
+    return out
+
+
+def run_coordinator(
+    nodes: int,
+    model: str,
+    minutes: float,
+    kill_every_s: float,
+    request_timeout_s: float,
+    log_dir: str | None = None,
+) -> dict:
+    """The soak with `up` SIGKILLed every `kill_every_s` under `supervise` (see the module)."""
+    import tempfile
+
+    duration = 60.0 * minutes
+    kills: list[Kill] = []
+    tally = Tally()
+    with tempfile.TemporaryDirectory(prefix="moe-soak-") as tmp:
+        workdir = Path(log_dir) if log_dir else Path(tmp)
+        with loopback(workdir, nodes, model) as lb:
+            sup = Coordinator(lb, command="supervise", log_name="supervise.log")
+            try:
+                sup.wait_ready(600)
+                pids = [a.proc.pid for a in lb.agents]
+                expect = _tokens(lb.url, request_timeout_s)
+                stop = threading.Event()
+                client = threading.Thread(
+                    target=_client,
+                    args=(lb.url, stop, request_timeout_s, tally, expect),
+                    daemon=True,
+                )
+                t0 = time.monotonic()
+                client.start()
+                try:
+                    next_kill = t0 + kill_every_s
+                    while next_kill < t0 + duration:
+                        time.sleep(max(0.0, next_kill - time.monotonic()))
+                        pid = lb.state().get("pid")
+                        if not pid:
+                            next_kill = time.monotonic() + kill_every_s
+                            continue
+                        kill = Kill(round(time.monotonic() - t0, 2), "coordinator", pid)
+                        t_kill = time.monotonic()
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:
+                            continue
+                        kills.append(kill)
+                        _watch_kill(lb.url, kill, t_kill)
+                        next_kill = max(t_kill + kill_every_s, time.monotonic())
+                    time.sleep(max(0.0, t0 + duration - time.monotonic()))
+                finally:
+                    stop.set()
+                    client.join(request_timeout_s + 5)
+                ready = _wait_ready(lb.url, FINAL_WAIT_S)
+                last = (
+                    _one_request(lb.url, False, request_timeout_s, expect, greedy=True)[0]
+                    if ready
+                    else "unavailable"
+                )
+                state = _get(lb.url, "/v1/cluster/status")[1]
+                same_nodes = [a.proc.pid for a in lb.agents if a.proc.poll() is None] == pids
+                restarts = sum("moe-cluster supervise: up died" in line for line in sup.lines)
+                adopted = sum("adopted" in line and "ready" in line for line in sup.lines)
+            finally:
+                sup.stop()
+    out = _report(nodes, model, minutes, kill_every_s, request_timeout_s, tally, kills)
+    out["kill"] = "coordinator"
+    out["requests"]["failed"] = (
+        tally.other + tally.hung + tally.wrong + tally.no_retry_after
+    )  # a 503 with Retry-After is an answer; a cut request was sent again
+    out["final"] = {
+        "ready": ready,
+        "request": last,
+        "state": state.get("state"),
+        "nodes": {n["name"]: n["state"] for n in state.get("nodes", [])},
+        "node_processes_unchanged": same_nodes,
+        "coordinator_restarts": restarts,
+        "ready_lines_adopted": adopted,
+    }
+    return out
+
+
+def _tokens(url: str, timeout_s: float) -> list | None:
+    """The greedy answer's tokens every later answer must repeat."""
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 32, "temperature": 0}).encode()
+    req = urllib.request.Request(
+        url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())["moe_cluster"]["tokens"]
+
+
+def _report(nodes, model, minutes, kill_every_s, request_timeout_s, tally, kills) -> dict:
     lat = sorted(tally.latencies)
     detects = [k.detect_s for k in kills if k.detect_s is not None]
     recoveries = [k.recovery_s for k in kills if k.recovery_s is not None]
@@ -223,6 +370,9 @@ def run(
             "503": tally.unavailable,
             "other": tally.other,
             "hung": tally.hung,
+            "cut": tally.cut,
+            "wrong": tally.wrong,
+            "503_without_retry_after": tally.no_retry_after,
             "failed": len(lat) - tally.ok,
             "resumed": len(stalls),
         },
@@ -245,12 +395,6 @@ def run(
         "undetected": sum(k.detect_s is None for k in kills),
         "unrecovered": sum(k.recovery_s is None for k in kills),
         "other_errors": tally.other_errors,
-        "final": {
-            "ready": ready,
-            "request": last,
-            "state": state.get("state"),
-            "nodes": {n["name"]: n["state"] for n in state.get("nodes", [])},
-        },
     }
 
 
@@ -267,6 +411,7 @@ def passed(out: dict) -> bool:
         and out["unrecovered"] == 0
         and out["final"]["ready"]
         and out["final"]["request"] == "ok"
+        and out["final"].get("node_processes_unchanged", True)
     )
 
 
@@ -276,7 +421,8 @@ def main(args) -> int:
             f"--kill-every {args.kill_every:g} s is longer than the soak (--minutes {args.minutes:g}): "
             "nothing would be killed"
         )
-    out = run(
+    soak = run_coordinator if args.kill == "coordinator" else run
+    out = soak(
         args.nodes, args.model, args.minutes, args.kill_every, args.request_timeout, args.log_dir
     )
     for k in out["kills"]:
@@ -287,9 +433,10 @@ def main(args) -> int:
         r = out["requests"]
         st = out["stall_s"]
         print(
-            f"{r['total']} requests in {out['minutes']:g} min, {len(out['kills'])} nodes killed: "
-            f"{r['ok']} ok, {r['failed']} failed ({r['503']} 503, {r['other']} other, "
-            f"{r['hung']} hung), {r['resumed']} resumes (stall p50 {st['p50']} s, "
+            f"{r['total']} requests in {out['minutes']:g} min, {len(out['kills'])} "
+            f"{out['kill']}s killed: {r['ok']} ok, {r['failed']} failed ({r['503']} 503, "
+            f"{r['other']} other, {r['hung']} hung, {r['wrong']} wrong tokens, {r['cut']} cut "
+            f"and sent again), {r['resumed']} resumes (stall p50 {st['p50']} s, "
             f"p90 {st['p90']} s, max {st['max']} s); "
             f"max latency {out['latency_s']['max']:.2f} s; detect ≤ {out['detect_s_max']} s, "
             f"recovery ≤ {out['recovery_s_max']} s; final: {out['final']['state']}"

@@ -244,6 +244,52 @@ class Cluster:
         await self._warm_up()
         self._event(H.LoadDone())
 
+    async def adopt(self) -> dict[str, MoeClusterError]:
+        """Keep what every node has loaded where its load is what its spec says (node/adopt.py
+        says what must match), then one warm-up step through the whole mesh: {} and the cluster
+        is ready. All or none: where one node cannot (nothing loaded: NOT_FOUND; it restarted, its
+        model or the plan differ, its transport failed) no node changed, and the refusals by node
+        say to load them all (`load`). Each node first drops the sequences still running there:
+        their coordinator is gone."""
+        self._event(H.LoadStarted())
+        self._seq = 0  # the running batches are idle: admission numbers start again
+        self.owners.clear()
+        results = await asyncio.gather(
+            *(self._adopt_one(m) for m in self.members), return_exceptions=True
+        )
+        refused = {}
+        for m, why in zip(self.members, results):
+            if isinstance(why, grpc.RpcError):
+                why = error_for(
+                    kind_from_grpc(why.code()), f"node {m.name}: {describe_rpc_error(why)}"
+                )
+            elif isinstance(why, BaseException) and not isinstance(why, MoeClusterError):
+                raise why  # a bug stays one
+            if why is not None:
+                logger.info("node %s not adopted: %s", m.name, why)
+                refused[m.name] = why
+        if refused:
+            return refused
+        try:
+            await self._warm_up()
+        except MoeClusterError as exc:
+            logger.warning("adopted nodes failed their warm-up (%s): loading them afresh", exc)
+            return {"warm-up": error_for(exc.kind, f"the warm-up step failed: {exc}")}
+        self._event(H.LoadDone())
+        return {}
+
+    async def _adopt_one(self, m: Member) -> None:
+        self._event(H.NodeLoading(m.name))
+        async for p in m.client.load(replace(m.spec, adopt=True), timeout=self.load_timeout_s):
+            if p.error is not None:
+                raise error_for(p.error.kind, f"node {m.name}: {p.error.message}")
+            if p.done:
+                break
+        m.load_done, m.load_total = p.bytes_loaded, p.bytes_total
+        self._event(H.NodeLoaded(m.name))
+        m.last_seen = time.monotonic()
+        await self._refresh(m)
+
     async def _warm_up(self) -> None:
         """A one-token request through every node: the mesh is up and every expert path is warm."""
         from ...proto.records import Sampling

@@ -110,6 +110,10 @@ class Timeouts:
     )  # a step fails after this long without a peer
     heartbeat: Duration = Duration(1.0)  # between health checks
     request: Duration = Duration(600.0)  # one generation, end to end
+    # a node drops its running sequences after this long without a call of the coordinator (it
+    # is hung or cut off; one that died closed their streams, which drops them at once); not
+    # given: at least three heartbeats
+    coordinator: Duration = Duration(10.0)
 
 
 @dataclass(frozen=True)
@@ -347,6 +351,11 @@ def parse_config(
         config = replace(config, model=model)
     if _find(root, "checkpoint") is root and names_repo(config.model):
         config = replace(config, checkpoint="coordinator")  # only this machine downloads it
+    t = config.timeouts
+    if _find(root, "timeouts", "coordinator") is _find(root, "timeouts"):  # not given
+        # a slow heartbeat gets a bound of three: the nodes must not drop a live coordinator's work
+        bound = Duration(max(t.coordinator, 3 * max(t.heartbeat, 1.0)))
+        config = replace(config, timeouts=replace(t, coordinator=bound))
     _check(config, root, reader, "--model" if model is not None else "model")
     return _with_source(config, source)
 
@@ -401,6 +410,14 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader, model_key: str = "mode
             "serving.attention",
             f"{s.attention} cannot run with {what} (every node's rows go in one pass, and a draft "
             "model drafts on one node for every stream); use attention: replicated",
+        )
+    if not c.timeouts.coordinator > 2 * max(c.timeouts.heartbeat, 1.0):
+        # a heartbeat waits up to max(heartbeat, 1 s) for its answer, then the next one comes
+        raise r.fail(
+            _find(root, "timeouts", "coordinator"),
+            "timeouts.coordinator",
+            f"must be more than twice the heartbeat's {max(c.timeouts.heartbeat, 1.0):g} s "
+            f"(got {c.timeouts.coordinator:g} s): a node would drop requests between heartbeats",
         )
     names: dict[str, int] = {}
     for i, n in enumerate(c.nodes):

@@ -231,18 +231,23 @@ class Up:
         self.ports: list[int] = []  # free ports for the local nodes (agent, envoy)
         self.ship: _Ship | None = None
         self.cluster: Cluster | None = None
+        self.sock = None  # the API's listening socket (a supervisor's, or bound here)
+        self.page = None  # holding.py's page on it until the API takes over
         self.runner = None  # the API's aiohttp runner
         self.url = ""
+        self.adopted = False  # the nodes kept what they had loaded (a restarted coordinator)
+        self.t_start = time.monotonic()
 
     async def start(self) -> None:
         """Every phase up to a cluster serving its API."""
         c = self.c
         self.open_model()
-        _check_port_free(c)
+        await self.hold_api()
         await self.start_local_nodes()
         self.describe_model()
         found, envoy_ports = await self.find_nodes()
         members = await self.meet(found)
+        self.page.members = members
         if self.ckpt is None:  # a repo id: checked against the cluster before its weights come
             self.check_fit(members)
         if self.launcher is not None:  # said once the model is good: a bad one is the only line
@@ -257,7 +262,11 @@ class Up:
         if c.checkpoint == "coordinator":
             self.ship = await _start_ship(c, self.desc, self.secret)
         self.place(members, found, envoy_ports)
-        await self.load(members)
+        self.cluster = self.make_cluster(members)
+        if not await self.adopt(members):
+            await self.load(members)
+        if self.ship is not None:
+            _say_shipped(self.ship, members)
         if c.verify and len(members) > 1:
             await self.verify(members)
         await self.say_allreduce(members)
@@ -295,6 +304,26 @@ class Up:
             else ()
         )
 
+    async def hold_api(self) -> None:
+        """The API's socket, bound (or a supervisor's, held across restarts: listen.py) before
+        anything starts, and a page on it that answers 503 with Retry-After and the phase until
+        the API takes the socket over (holding.py)."""
+        from .holding import HoldingPage
+        from .listen import api_socket
+
+        c = self.c
+        try:
+            self.sock, passed = api_socket(c.api.host, c.api.port)
+        except OSError as exc:
+            raise ConfigError(
+                f"{c.source}: api: cannot listen on {c.api.host}:{c.api.port} ({exc.strerror or exc}); "
+                "is another cluster running? --api-port P picks another"
+            ) from None
+        if passed:
+            logger.info("serving the API on the socket passed by the supervisor")
+        self.page = HoldingPage(c, self.api_key, self.stop, self.sock)
+        await self.page.start()
+
     def describe_model(self) -> None:
         """The tokenizer, and the checkpoint's config and headers, read once: placement, shipping,
         the API's vocabulary and the load check take this description (a repo's, before its
@@ -326,7 +355,7 @@ class Up:
         with progress in the log and on the dashboard at the API's address."""
         from .download import fetch_weights
 
-        path = await fetch_weights(self.c, members, self.api_key, self.stop)
+        path = await fetch_weights(self.c, self.page, self.stop)
         self.ckpt = Checkpoint.open(path)
 
     async def start_local_nodes(self) -> None:
@@ -363,6 +392,7 @@ class Up:
     async def find_nodes(self) -> tuple[list[tuple[str, str, str]], list[int]]:
         """(name, agent address, host) of every node in rank order, and their envoy ports."""
         c = self.c
+        self.page.say("starting", f"finding the {len(c.nodes)} nodes")
         if self.launcher is not None:
             await asyncio.gather(*(self.launcher.ready(n) for n in self.local))
             found = [(n.name, f"127.0.0.1:{n.port}", "127.0.0.1") for n in self.local]
@@ -456,21 +486,22 @@ class Up:
                 draft_model=_draft_model(c) if m.rank == 0 else "",
                 overlap=c.serving.overlap,
                 attention=c.serving.attention,
+                orphan_after_s=c.timeouts.coordinator,
             )
             # what weights may use: memory × memory_fraction less the KV reserve and prompt cache
             m.budget_bytes = plan.available[m.rank] - kv_reserve
         for note in plan.notes:
             print(f"placement: {note}", file=sys.stderr)
 
-    async def load(self, members: list[Member]) -> None:
-        """Every node loads (and receives) its shard; what was shipped and each decode route said."""
+    def make_cluster(self, members: list[Member]) -> Cluster:
+        """The running cluster: its members, health machine and requests (serve/cluster.py)."""
         c = self.c
         launcher = self.launcher
 
         def respawn(m: Member):
             launcher.respawn(m.name)
 
-        self.cluster = Cluster(
+        return Cluster(
             members,
             model=c.model,
             transport=c.transport,
@@ -485,11 +516,38 @@ class Up:
             pid_of=launcher.pid if launcher else None,
             attention=c.serving.attention,
         )
+
+    async def adopt(self, members: list[Member]) -> bool:
+        """Remote nodes that still hold what this `up` would load (its coordinator died, or was
+        stopped, and this one restarts it) keep it: no shard byte is read or shipped, and the
+        warm-up step runs through the mesh their envoys kept (cluster.py `adopt`). False: they
+        are loaded afresh. Local nodes were started by this `up`: nothing to adopt."""
+        if self.launcher is not None:
+            return False
+        from ...proto.errors import ErrorKind
+
+        self.page.say("loading", "adopting the loaded nodes")
+        self.t_load = time.monotonic()
+        refused = await self.cluster.adopt()
+        self.adopted = not refused
+        if self.adopted:
+            print(
+                f"adopted {len(members)} loaded nodes in {time.monotonic() - self.t_load:.2f}s: "
+                "nothing read or shipped",
+                file=sys.stderr,
+                flush=True,
+            )
+        elif any(e.kind is not ErrorKind.NOT_FOUND for e in refused.values()):  # not fresh nodes
+            why = "; ".join(str(e) for e in refused.values())
+            print(f"not adopting the loaded nodes ({why}): loading them", file=sys.stderr)
+        return self.adopted
+
+    async def load(self, members: list[Member]) -> None:
+        """Every node loads (and receives) its shard; what was shipped and each decode route said."""
+        self.page.say("loading", "loading the nodes' shards")
         progress = Progress([m.name for m in members])
         self.t_load = time.monotonic()
         await self.cluster.load(progress.update)
-        if self.ship is not None:
-            _say_shipped(self.ship, members)
         routes = [
             f"{m.name} {m.route}"
             + (
@@ -510,6 +568,7 @@ class Up:
         """The load check: each MoE layer of the cluster against the checkpoint's own."""
         from .verify import check_load
 
+        self.page.say("loading", "checking the load against the checkpoint")
         checks = await check_load(members, self.desc, timeout_s=self.c.timeouts.load)
         if checks:
             worst = max(checks, key=lambda k: k.max_abs_diff / k.tolerance)
@@ -578,9 +637,9 @@ class Up:
         )
         self.runner = ApiRunner(api.app(), handler_cancellation=True, access_log=None)
         await self.runner.setup()
-        await web.TCPSite(self.runner, c.api.host, c.api.port).start()
-        port = self.runner.addresses[0][1] if c.api.port == 0 else c.api.port
-        self.url = f"http://{c.api.host}:{port}"
+        await web.SockSite(self.runner, self.sock).start()
+        await self.page.close()  # the API answers on the socket from now on
+        self.url = self.page.url
         sf = state_file()
         sf.parent.mkdir(parents=True, exist_ok=True)
         sf.write_text(json.dumps({"url": self.url, "pid": os.getpid(), "config": c.source}))
@@ -591,7 +650,8 @@ class Up:
         )
         print(
             f"moe-cluster ready: {self.url} — model {c.model}, {how}, "
-            f"loaded in {time.monotonic() - self.t_load:.1f}s "
+            f"{'adopted' if self.adopted else 'loaded'} in {time.monotonic() - self.t_load:.1f}s, "
+            f"ready {time.monotonic() - self.t_start:.1f}s after start "
             "(Ctrl-C or `moe-cluster down` to stop)",
             flush=True,
         )
@@ -600,6 +660,10 @@ class Up:
         """Undo what the phases did, the last first; shuts local nodes down, leaves remote ones."""
         if self.runner is not None:
             await self.runner.cleanup()
+        if self.page is not None:
+            await self.page.close()
+        if self.sock is not None:
+            self.sock.close()
         if self.ship is not None:
             await self.ship.close()
         if self.cluster is not None:
@@ -672,18 +736,6 @@ async def _start_ship(c: ClusterConfig, desc: ModelDescription, secret: str) -> 
         flush=True,
     )
     return _Ship(shipper, server, ShipSource(shipper.fingerprint, f":{port}"))
-
-
-def _check_port_free(c: ClusterConfig) -> None:
-    """Refuse before any node starts if the API cannot listen where the file says."""
-    from ...common.ports import check_port_free
-
-    try:
-        check_port_free(
-            c.api.host, c.api.port, "is another cluster running? --api-port P picks another"
-        )
-    except OSError as exc:
-        raise ConfigError(f"{c.source}: api: {exc}") from None
 
 
 def main(args) -> int:

@@ -248,13 +248,15 @@ def test_only_the_coordinator_has_the_checkpoint(tmp_path):
             }, (held, after)
             assert "fails its sha256" in (tmp_path / "n1.log").read_text()
 
-            # 4. the same model and placement again: nothing is sent
+            # 4. the same model and placement again: the nodes, loaded still, are adopted (the
+            #    model's fingerprint matches; the new Ship service's port need not) and nothing is sent
             with cluster(tmp_path, yaml_text(coord_ip, uneven, ckpt), netns=coord_ns, env=env) as (
                 url,
                 _,
                 lines,
             ):
                 pass
+            assert any(l.startswith("adopted 2 loaded nodes") for l in lines), lines
             assert shipped(lines) == {"n1": 0, "n2": 0}
             assert any(l.startswith("digests: hashed 0 bytes") for l in lines), lines
             assert list((tmp_path / "coord-cache" / "moe-cluster" / "digests").glob("*.jsonl"))

@@ -46,6 +46,9 @@ def test_a_good_file():
     assert c.serving.recovery_wait == 15.0 and c.serving.max_resumes == 2  # the defaults
     waits = parse_config(GOOD + "  recovery_wait: 2m\n  max_resumes: 0\n").serving
     assert waits.recovery_wait == 120.0 and waits.max_resumes == 0
+    assert c.timeouts.coordinator == 10.0  # the nodes' bound on a silent coordinator
+    slow = parse_config("nodes:\n  - name: a\ntimeouts:\n  heartbeat: 5s\n").timeouts
+    assert slow.coordinator == 15.0  # not given: three heartbeats at least
 
 
 BAD = [
@@ -70,6 +73,11 @@ BAD = [
     ("nodes:\n  - name: a\ntransport: smoke-signals", 3, ["transport", "envoy, mlx"]),
     ("nodes:\n  - name: a\nkeepalive: sometimes", 3, ["keepalive", "none, lru, busy"]),
     ("nodes:\n  - name: a\nroute: fastest", 3, ["route", "measure, skip, device, host"]),
+    (
+        "nodes:\n  - name: a\ntimeouts:\n  heartbeat: 2s\n  coordinator: 4s",
+        5,
+        ["timeouts.coordinator", "twice the heartbeat's 2 s", "between heartbeats"],
+    ),
     ("nodes:\n  - name: a\nmodel: /no/such/model", 3, ["model", "does not exist"]),
     ("nodes:\n  - name: a\nplacement: even", 3, ["placement", "mapping"]),
     (

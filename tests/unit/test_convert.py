@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from moe_cluster.proto.records import Sampling
@@ -51,6 +53,15 @@ def test_load_request_envoy():
         wire(convert.load_request_to_proto(spec)), secret="s", tls=tls
     )
     assert back == spec
+    adopting = replace(spec, adopt=True, orphan_after_s=7.5)
+    assert (
+        convert.load_request_from_proto(
+            wire(convert.load_request_to_proto(adopting)), secret="s", tls=tls
+        )
+        == adopting
+    )
+    with pytest.raises(ValueError, match="orphan_after_s"):
+        replace(spec, orphan_after_s=float("nan"))
     cached = LoadSpec(
         "/models/dbrx",
         1,
