@@ -91,18 +91,20 @@ def status_table(s: dict) -> str:
     lines = [
         f"cluster {s['state']}{': ' + s['reason'] if s.get('reason') else ''} — model {s['model']}, "
         f"transport {s['transport']}, up {s['uptime_s']:.0f}s, running {s.get('running', 0)}, "
-        f"waiting {s.get('waiting', 0)}",
+        f"waiting {s.get('waiting', 0)}, attention {s.get('attention', 'replicated')}",
         f"{'node':<14} {'state':<8} {'address':<22} {'memory used / budget':<24} {'experts':>7} "
-        f"{'route':<6} {'all-reduce p50':>14} {'pid':>7}",
+        f"{'streams':>7} {'KV':>9} {'route':<6} {'all-reduce p50':>14} {'pid':>7}",
     ]
     for n in s["nodes"]:
         mem = f"{fmt_bytes(n['used_bytes'])} / {fmt_bytes(n['budget_bytes'])}"
         p50 = n.get("allreduce_p50_s")
         p50 = "-" if p50 is None else f"<= {p50 * 1e3:g} ms"
         route = n.get("route") or "-"  # the node's decode route (node/moe/route.py), chosen at load
+        # the running streams it attends for, and the KV its batch reserved for them
+        kv = fmt_bytes(n.get("kv_bytes") or 0)
         lines.append(
-            f"{n['name']:<14} {n['state']:<8} {n['address']:<22} {mem:<24} {n['experts']:>7} {route:<6} "
-            f"{p50:>14} {n['pid'] or '-':>7}"
+            f"{n['name']:<14} {n['state']:<8} {n['address']:<22} {mem:<24} {n['experts']:>7} "
+            f"{n.get('streams', 0):>7} {kv:>9} {route:<6} {p50:>14} {n['pid'] or '-':>7}"
         )
     return "\n".join(lines)
 

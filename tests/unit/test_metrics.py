@@ -76,8 +76,11 @@ def test_the_status_table_has_a_row_per_node_with_its_all_reduce():
             {**node, "name": "b", "allreduce_p50_s": None},
         ],
     }
+    s["nodes"][0] |= {"streams": 3, "kv_bytes": 96 << 20}  # attention by stream: its own
+    s["attention"] = "by-stream"
     lines = status_table(s).splitlines()
-    assert "running 1, waiting 2" in lines[0] and "all-reduce p50" in lines[1]
+    assert "running 1, waiting 2, attention by-stream" in lines[0] and "all-reduce p50" in lines[1]
+    assert "streams" in lines[1] and " 3 100.66 MB " in lines[2], lines
     assert lines[2].split()[0] == "a" and "<= 2.5 ms" in lines[2] and "64" in lines[2]
     assert lines[3].split()[0] == "b" and lines[3].split()[-2] == "-"
     assert "route" in lines[1] and lines[2].split()[-5] == "-"  # a node that has not said its route
