@@ -83,9 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _size(text: str) -> int:
     from ...proto.expert_cache import SIZE_UNITS
-    from ..serve.config import _parse_units
+    from ..serve.config_reader import parse_units
 
-    return int(_parse_units(text, SIZE_UNITS, "size"))
+    return int(parse_units(text, SIZE_UNITS, "size"))
 
 
 def _write_source(root: Path, size: int, blob: int) -> tuple[Path, object]:
