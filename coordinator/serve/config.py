@@ -535,6 +535,23 @@ def read_credentials(c: ClusterConfig) -> tuple[str, str | None]:
     return secret, read_api_key(c)
 
 
+def tls_files(c: ClusterConfig) -> TlsFiles | None:
+    """cluster.yaml's TLS files as absolute paths (relative ones are to the file's folder)."""
+    if c.tls is None:
+        return None
+    base = Path(c.source).parent
+
+    def absolute(p: str) -> str:
+        q = Path(p).expanduser()
+        return str(q if q.is_absolute() else (base / q).resolve())
+
+    files = TlsFiles(absolute(c.tls.cert), absolute(c.tls.key), absolute(c.tls.ca))
+    missing = [p for p in (files.cert, files.key, files.ca) if not Path(p).is_file()]
+    if missing:
+        raise ConfigError(f"{c.source}: tls: no such file {missing[0]}")
+    return files
+
+
 def validate_main(args) -> int:
     """`moe-cluster validate FILE`: check a cluster.yaml (and its secret and API key, as `up` reads
     them) and summarise it."""
