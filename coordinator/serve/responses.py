@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from .cluster import Outcome
+from .requests import Outcome
 from .generation import Generation
 from .metrics import prompt_tps
 from .resume import KeepAlive
