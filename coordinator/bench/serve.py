@@ -325,13 +325,9 @@ def run(
 
 
 def plot(out: dict, path: str) -> None:
-    try:
-        import matplotlib
+    from ..plan.plot import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--plot needs matplotlib (pip install matplotlib)") from None
+    plt = pyplot()
     series = [
         (
             f"ours, N = {n}" + (", overlap" if ov else ""),
