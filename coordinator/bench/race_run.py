@@ -75,7 +75,7 @@ def _ours(
 ) -> list[dict]:
     from ...node.sim import SimTask
     from ..dev.simulate import run_nodes
-    from .decode import _expected_experts, breakdown
+    from .decode_figures import breakdown, expected_experts
 
     transport = TRANSPORT[name]
     sampling = Sampling(max_tokens=spec.max_tokens)
@@ -133,7 +133,7 @@ def _ours(
                 **entry,
                 **row,
                 "tokens": r0["tokens"],
-                "expected_experts_measured": _expected_experts(reps, "none"),
+                "expected_experts_measured": expected_experts(reps, "none"),
                 "breakdown_per_step_s": breakdown(
                     r0["timers"], max(r0["decode_steps"], 1), row["step_s"] or 0.0
                 ),
@@ -162,7 +162,7 @@ def _synced(r0: dict) -> dict:
     synced = r0.get("synced")
     if not synced:
         return {}
-    from .decode import breakdown
+    from .decode_figures import breakdown
 
     steps = max(synced["decode_steps"], 1)
     step = synced["decode_seconds"] / steps
