@@ -204,7 +204,8 @@ def _say(args, line: str) -> None:
 
 def main(args) -> int:
     from ..plan.calibration import link_only, read_calibration, write_calibration
-    from ..plan.command import DEFAULT_HARDWARE, load_model
+    from ..plan.command import DEFAULT_HARDWARE
+    from ..plan.planner import load_model
     from ..plan.race_command import advice
     from ..plan import presets
     from ..serve.config import load_config, read_credentials
