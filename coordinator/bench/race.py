@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 
 from ...proto.errors import UserError
+from .output import emitted
 from .race_rows import AUTO_ROWS, OVERLAP_ROWS, ROWS, merge
 from .race_run import RaceBench, run
 from .serve import _ints
@@ -201,10 +202,7 @@ def main(args) -> int:
         raise UserError("bench race needs --model (to run a race) or --merge (to join calls)")
     else:
         out = run(_spec(args))
-    if args.plot:
-        plot(out, args.plot)
-    if args.json:
-        print(json.dumps(out))
+    if emitted(out, args, plot):
         return 0
     print(
         f"{out['model']}: {out['nodes']} processes per row, {out['max_tokens']} tokens per stream"

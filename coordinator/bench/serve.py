@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ...common.ports import free_ports
 from ...proto.errors import UserError
+from .output import emitted
 from .prompt_cache import local_cluster
 
 PROMPTS = (
@@ -386,10 +387,7 @@ def main(args) -> int:
         args.speculative,
         args.draft_tokens,
     )
-    if args.plot:
-        plot(out, args.plot)
-    if args.json:
-        print(json.dumps(out))
+    if emitted(out, args, plot):
         return 0
     print(
         f"{out['model']}: {args.requests} streamed requests of {args.max_tokens} tokens per client"
