@@ -562,7 +562,7 @@ def build_parser() -> argparse.ArgumentParser:
                 nargs="*",
                 help="shard names, as `cache ls` shows them (default: every complete one)",
             )
-    p.set_defaults(handler="moe_cluster.node.cache:cache_main")
+    p.set_defaults(handler="moe_cluster.node.cache_command:cache_main")
 
     p = sub.add_parser(
         "plan", help="capacity planning: predicted tok/s and memory per node count (paper Eq. 1)"

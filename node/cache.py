@@ -7,9 +7,11 @@ catalog, the placement, and the sha256 of every blob). A blob is the unit of shi
 one replicated tensor, or one expert's slice of one expert tensor — so a placement change fetches
 only the experts a node lacks, and a flipped byte costs one blob.
 
-The node opens a shard as a `Checkpoint` (`CachedCheckpoint`) whose tensors keep the checkpoint's
-names and shapes, so `node/moe/load.py` loads it exactly as it loads the checkpoint itself.
-File names come from this module, never from a manifest or the coordinator: a node writes only
+This module keeps a shard directory: its manifest, the verification of what is on disk, and the
+fill. The catalog is catalog.py's; the files, their names and the shard opened as a `Checkpoint`
+(`CachedCheckpoint`, whose tensors keep the checkpoint's names and shapes, so `node/moe/load.py`
+loads it exactly as it loads the checkpoint itself) are shard_layout.py's; `moe-cluster cache` is
+cache_command.py's. File names never come from a manifest or the coordinator: a node writes only
 inside its cache directory.
 """
 
@@ -19,21 +21,16 @@ import contextlib
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
-import xxhash
-
 from ..common import cache_home
-from ..proto.errors import UserError
-from .checkpoint import _DTYPES, Checkpoint, TensorInfo, read_config
-from .describe import Group, ModelDescription
+from .catalog import SHA256_HEX, CacheError, Catalog
+from .shard_layout import CachedCheckpoint, FileSet, layout
 
 logger = logging.getLogger(__name__)
 
@@ -43,271 +40,12 @@ STAMPS = (
     "verified.json"  # per file: its stat when its blobs last matched the manifest (verified_blobs)
 )
 PROGRESS_BYTES = 16 << 20  # an interrupted fill resumes a blob from its last multiple of this
-PIECE_BYTES = 4 << 20  # the unit of the source's piece digests (coordinator/serve/digests.py)
-REPLICATED = "replicated.safetensors"
 _FILE_NAME = re.compile(r"^(replicated|layer-\d{4}-[0-9a-f]{12})\.safetensors$")
-_SHARD_DIR = re.compile(r"^[0-9a-f]{16}$")
-SHA256_HEX = re.compile(
-    r"[0-9a-f]{64}"
-)  # a blob's sha256 as manifests and digests write it (fullmatch)
-_ALIGN = 64  # bytes: tensor data starts aligned, so mmap'd reads are too
-
-
-class CacheError(UserError):
-    """A cache directory, manifest or catalog that cannot be used, with the reason."""
 
 
 def default_cache_dir() -> Path:
     """Where a node keeps its shards: cache_home()/shards."""
     return cache_home() / "shards"
-
-
-def piece_hasher():
-    """The digest of one piece of a blob, as the coordinator computes it from its checkpoint and the
-    node checks it on arrival, a part at a time (`update`, then `intdigest`; the node hashes each
-    part as it lands, while it is in the CPU's cache): xxh3-64, ~30 GB/s on one core (sha256: ~2)."""
-    return xxhash.xxh3_64()
-
-
-def fingerprint(ckpt: Checkpoint) -> str:
-    """sha256 of config.json and every safetensors header: changes when any weight's name, dtype,
-    shape or place changes, costs no weight reads (a re-quantized or retrained checkpoint with the
-    same headers is caught by the per-blob sha256 instead, when a node next loads). Taken from the
-    bytes the Checkpoint read when it opened: nothing is read again."""
-    h = hashlib.sha256()
-    h.update(ckpt.config_bytes)
-    for name in sorted({t.file.name for t in ckpt.tensors.values()}):
-        h.update(name.encode() + b"\0" + ckpt.headers[name])
-    return h.hexdigest()
-
-
-# ---------------------------------------------------------------------------------------------
-# The catalog: what a model is made of, as blobs
-
-
-@dataclass(frozen=True)
-class Catalog:
-    """The model as the coordinator describes it to a node: fingerprint, config, tensors by role."""
-
-    fingerprint: str
-    config_text: str
-    replicated: tuple[tuple[str, str, tuple[int, ...]], ...]  # (key, dtype, shape)
-    layers: dict[int, tuple[int, tuple[Group, ...]]]  # MoE layer -> (experts, groups)
-
-    def to_json(self) -> dict:
-        return {
-            "fingerprint": self.fingerprint,
-            "config": self.config_text,
-            "replicated": [[k, d, list(s)] for k, d, s in self.replicated],
-            "layers": {
-                str(l): {
-                    "experts": n,
-                    "groups": [
-                        {
-                            "key": g.key,
-                            "dtype": g.dtype,
-                            "shape": list(g.shape),
-                            "stacked": g.stacked,
-                            "per": g.per,
-                        }
-                        for g in groups
-                    ],
-                }
-                for l, (n, groups) in sorted(self.layers.items())
-            },
-        }
-
-    @classmethod
-    def of(cls, desc: ModelDescription) -> "Catalog":
-        """The catalog of a described checkpoint (its headers and the node's own MoE rule)."""
-        desc.require_moe()
-        ckpt = desc.checkpoint
-        layers = {}
-        grouped: set[str] = set()
-        for m in desc.moe:
-            if m.layout_error:
-                raise CacheError(m.layout_error)
-            layers[m.layer] = (m.num_experts, m.groups)
-            for g in m.groups:
-                grouped.update({g.key} if g.stacked else {g.blob(e) for e in range(m.num_experts)})
-        replicated = tuple(
-            (k, t.dtype, t.shape) for k, t in sorted(ckpt.tensors.items()) if k not in grouped
-        )
-        return cls(fingerprint(ckpt), ckpt.config_bytes.decode(), replicated, layers)
-
-    @classmethod
-    def from_json(cls, d, where: str) -> "Catalog":
-        """Strict: a catalog decides file contents, so every field is checked and a bad one named."""
-        try:
-            fp, config = d["fingerprint"], d["config"]
-            if not (isinstance(fp, str) and re.fullmatch(r"[0-9a-f]{64}", fp)) or not isinstance(
-                config, str
-            ):
-                raise ValueError("fingerprint must be 64 hex digits and config a string")
-            replicated = tuple((_s(k), _dtype(dt), _shape(s)) for k, dt, s in d["replicated"])
-            layers = {}
-            for l, v in d["layers"].items():
-                n = int(v["experts"])
-                groups = tuple(
-                    Group(
-                        _s(g["key"]),
-                        _dtype(g["dtype"]),
-                        _shape(g["shape"]),
-                        bool(g["stacked"]),
-                        int(g["per"]),
-                    )
-                    for g in v["groups"]
-                )
-                if n < 1 or not groups:
-                    raise ValueError(f"layer {l} has {n} experts and {len(groups)} expert tensors")
-                for g in groups:
-                    if g.stacked and (g.per < 1 or not g.shape or g.shape[0] != n * g.per):
-                        raise ValueError(
-                            f"{g.key}: leading dimension {g.shape[:1]} is not {n} experts × {g.per}"
-                        )
-                    if not g.stacked and "{e}" not in g.key:
-                        raise ValueError(f"{g.key}: a per-expert tensor name needs {{e}}")
-                layers[int(l)] = (n, groups)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CacheError(f"{where}: malformed catalog ({type(exc).__name__}: {exc})") from None
-        return cls(fp, config, replicated, layers)
-
-    def blob_nbytes(self) -> dict[str, int]:
-        """{blob id: bytes} of every blob of the model."""
-        out = {k: math.prod(s) * _DTYPES[d][2] for k, d, s in self.replicated}
-        for n, groups in self.layers.values():
-            for g in groups:
-                out.update({g.blob(e): g.expert_nbytes() for e in range(n)})
-        return out
-
-
-def _s(x) -> str:
-    if not isinstance(x, str) or not x or len(x) > 1000:
-        raise ValueError(f"{x!r} is not a tensor name")
-    return x
-
-
-def _dtype(x) -> str:
-    if x not in _DTYPES:
-        raise ValueError(f"unknown dtype {x!r}")
-    return x
-
-
-def _shape(x) -> tuple[int, ...]:
-    if not isinstance(x, list) or not all(isinstance(i, int) and 0 <= i < 1 << 40 for i in x):
-        raise ValueError(f"{x!r} is not a shape")
-    return tuple(x)
-
-
-def source_ranges(ckpt: Checkpoint, catalog: Catalog) -> dict[str, tuple[Path, int, int]]:
-    """{blob id: (file, start, bytes)} in the checkpoint: where the coordinator reads each blob."""
-    out = {
-        k: (ckpt.tensors[k].file, ckpt.tensors[k].start, ckpt.tensors[k].nbytes)
-        for k, _, _ in catalog.replicated
-    }
-    for n, groups in catalog.layers.values():
-        for g in groups:
-            nb = g.expert_nbytes()
-            for e in range(n):
-                if g.stacked:
-                    t = ckpt.tensors[g.key]
-                    out[g.blob(e)] = (t.file, t.start + e * nb, nb)
-                else:
-                    t = ckpt.tensors[g.key.format(e=e)]
-                    out[g.blob(e)] = (t.file, t.start, t.nbytes)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# The file set of one shard
-
-
-@dataclass(frozen=True)
-class Slot:
-    """One tensor of a cached file: its bytes are `blobs` in order, from `offset`."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int  # absolute, bytes
-    blobs: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class FileSet:
-    """One cached file: its header bytes and where each tensor goes."""
-
-    name: str
-    header: bytes  # 8-byte length + JSON, padded
-    slots: tuple[Slot, ...]
-    size: int  # bytes, header included
-
-    def blob_offsets(self, sizes: dict[str, int]) -> dict[str, int]:
-        out = {}
-        for s in self.slots:
-            at = s.offset
-            for b in s.blobs:
-                out[b] = at
-                at += sizes[b]
-        return out
-
-
-def _fileset(
-    name: str, tensors: list[tuple[str, str, tuple[int, ...], tuple[str, ...]]], meta: dict
-) -> FileSet:
-    entries, at = {}, 0
-    for tname, dtype, shape, _ in tensors:
-        n = math.prod(shape) * _DTYPES[dtype][2]
-        entries[tname] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + n]}
-        at += -(-n // _ALIGN) * _ALIGN if n else 0
-        entries[tname]["data_offsets"][1] = entries[tname]["data_offsets"][0] + n
-    head = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
-    head += b" " * (-(len(head) + 8) % _ALIGN)
-    base = 8 + len(head)
-    slots = tuple(
-        Slot(tname, dtype, shape, base + entries[tname]["data_offsets"][0], blobs)
-        for tname, dtype, shape, blobs in tensors
-    )
-    return FileSet(name, struct.pack("<Q", len(head)) + head, slots, base + at)
-
-
-def _layer_name(layer: int, local: Sequence[int]) -> str:
-    digest = hashlib.sha256(",".join(map(str, local)).encode()).hexdigest()[:12]
-    return f"layer-{layer:04d}-{digest}.safetensors"
-
-
-def layout(catalog: Catalog, local: dict[int, Sequence[int]]) -> list[FileSet]:
-    """The files of a shard holding experts `local` ({MoE layer: experts}) of `catalog`."""
-    files = [
-        _fileset(
-            REPLICATED,
-            [(k, d, s, (k,)) for k, d, s in catalog.replicated],
-            {"format": "moe-cluster"},
-        )
-    ]
-    for layer, (n, groups) in sorted(catalog.layers.items()):
-        experts = sorted(local.get(layer, ()))
-        if any(not 0 <= e < n for e in experts):
-            raise CacheError(f"layer {layer}: experts {experts} out of range 0..{n - 1}")
-        if not experts:
-            continue
-        tensors = []
-        for g in groups:
-            shape = (len(experts) * g.expert_shape()[0],) + g.expert_shape()[1:]
-            tname = g.key if g.stacked else g.key.replace("{e}", "*")
-            tensors.append((tname, g.dtype, shape, tuple(g.blob(e) for e in experts)))
-        files.append(
-            _fileset(
-                _layer_name(layer, experts),
-                tensors,
-                {"format": "moe-cluster", "experts": ",".join(map(str, experts))},
-            )
-        )
-    return files
-
-
-# ---------------------------------------------------------------------------------------------
-# A shard directory: manifest, verification, filling
 
 
 @dataclass
@@ -492,7 +230,7 @@ class ShardCache:
         """Held while filling and opening: two agents given the same cache folder would write the
         same files; the second is refused in one line instead."""
         self.root.mkdir(parents=True, exist_ok=True)
-        with _exclusive(
+        with exclusive(
             self.root, "is in use by another node agent (give each agent its own --cache-dir)"
         ):
             yield
@@ -738,113 +476,8 @@ def _name_of(targets, blob, handles) -> str:
     return next(n for n, h in handles.items() if h is f)
 
 
-class CachedCheckpoint(Checkpoint):
-    """A shard directory seen as the checkpoint it came from: the same tensor names and shapes;
-    expert tensors hold only this node's experts (reading another one is an error)."""
-
-    def __init__(self, root: Path, catalog: Catalog, local: dict[int, tuple[int, ...]]):
-        self.path = root
-        self.config = read_config(root)
-        self.tensors = {}
-        sizes = catalog.blob_nbytes()
-        files = {fs.name: fs for fs in layout(catalog, local)}
-        rep = files[REPLICATED]
-        for s in rep.slots:
-            self.tensors[s.name] = TensorInfo(
-                s.name, root / REPLICATED, s.dtype, s.shape, s.offset, s.offset + sizes[s.blobs[0]]
-            )
-        for layer, (n, groups) in catalog.layers.items():
-            experts = local.get(layer, ())
-            fs = files.get(_layer_name(layer, experts)) if experts else None
-            offsets = fs.blob_offsets(sizes) if fs else {}
-            path = root / fs.name if fs else root / REPLICATED
-            for g in groups:
-                if g.stacked:
-                    start = offsets[g.blob(experts[0])] if experts else 0
-                    full = math.prod(g.shape) * _DTYPES[g.dtype][2]
-                    self.tensors[g.key] = TensorInfo(
-                        g.key,
-                        path,
-                        g.dtype,
-                        g.shape,
-                        start,
-                        start + full,
-                        held=tuple(experts),
-                        per=g.per,
-                    )
-                    continue
-                for e in range(n):
-                    key = g.key.format(e=e)
-                    if e in experts:
-                        at = offsets[g.blob(e)]
-                        self.tensors[key] = TensorInfo(
-                            key, path, g.dtype, g.shape, at, at + g.expert_nbytes()
-                        )
-                    else:
-                        self.tensors[key] = TensorInfo(
-                            key,
-                            path,
-                            g.dtype,
-                            g.shape,
-                            0,
-                            g.expert_nbytes(),
-                            held=(),
-                            per=g.shape[0] if g.shape else 1,
-                        )
-
-
-# ---------------------------------------------------------------------------------------------
-# `moe-cluster cache ls|rm`
-
-
-@dataclass(frozen=True)
-class CachedShard:
-    name: str  # the directory, = fingerprint[:16]
-    model_type: str
-    bytes: int
-    experts: int  # experts held, over all layers
-    state: str  # "complete", "partial" or the reason it is unusable
-
-
-def list_shards(cache_dir: Path) -> list[CachedShard]:
-    out = []
-    if not Path(cache_dir).is_dir():
-        return out
-    for d in sorted(Path(cache_dir).iterdir()):
-        if not (d.is_dir() and _SHARD_DIR.match(d.name)):
-            continue
-        size = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
-        try:
-            m = Manifest.read(d / MANIFEST)
-            state = "complete" if not (d / "journal").exists() else "partial"
-            mt = json.loads(m.catalog.config_text).get("model_type", "?")
-            experts = sum(len(v) for v in m.local.values())
-        except CacheError as exc:
-            state, mt, experts = (
-                ("partial" if (d / "journal").exists() else f"unusable: {exc}"),
-                "?",
-                0,
-            )
-        except json.JSONDecodeError:
-            state, mt, experts = "unusable: config is not JSON", "?", 0
-        out.append(CachedShard(d.name, mt, size, experts, state))
-    return out
-
-
-def remove_shard(cache_dir: Path, name: str) -> Path:
-    if not _SHARD_DIR.match(name):
-        raise CacheError(
-            f"{name!r} is not a cached shard name (16 hex digits, as `cache ls` shows)"
-        )
-    d = Path(cache_dir) / name
-    if not d.is_dir():
-        raise CacheError(f"no cached shard {name} in {cache_dir}")
-    shutil.rmtree(d)
-    return d
-
-
 @contextlib.contextmanager
-def _exclusive(root: Path, busy: str):
+def exclusive(root: Path, busy: str):
     """The shard's lock (`.lock`), held by whoever writes its files; CacheError "<root> <busy>" when
     another process holds it."""
     import fcntl
@@ -855,54 +488,3 @@ def _exclusive(root: Path, busy: str):
         except BlockingIOError:
             raise CacheError(f"{root} {busy}") from None
         yield
-
-
-def verify_shard(cache_dir: Path, name: str) -> tuple[int, list[str]]:
-    """Hash every blob of a cached shard against its manifest, whatever its files' stamps say (a
-    warm start trusts unchanged files): (blobs that match, blobs that do not). A file with a bad
-    blob loses its stamp, so the node's next load fetches that blob again."""
-    if not _SHARD_DIR.match(name):
-        raise CacheError(
-            f"{name!r} is not a cached shard name (16 hex digits, as `cache ls` shows)"
-        )
-    root = Path(cache_dir) / name
-    if not (root / MANIFEST).is_file():
-        raise CacheError(f"no complete cached shard {name} in {cache_dir}")
-    manifest = Manifest.read(root / MANIFEST)
-    with _exclusive(root, "is in use by a node agent; verify it while the node is stopped"):
-        good = verified_blobs(root, manifest, full=True)
-    return len(good), sorted(b for b in manifest.sha256 if b not in good)
-
-
-def cache_main(args) -> int:
-    """`moe-cluster cache ls|rm|verify`."""
-    cache_dir = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
-    if args.cache_command == "verify":
-        names = args.names or [s.name for s in list_shards(cache_dir) if s.state == "complete"]
-        if not names:
-            print(f"{cache_dir}: no complete cached shards")
-        failed = 0
-        for name in names:
-            ok, bad = verify_shard(cache_dir, name)
-            failed += bool(bad)
-            print(
-                f"{name}: {ok} blobs match their sha256"
-                + (
-                    f", {len(bad)} do not (first {bad[0]}); the node's next load fetches them again"
-                    if bad
-                    else ""
-                )
-            )
-        return 1 if failed else 0
-    if args.cache_command == "ls":
-        shards = list_shards(cache_dir)
-        if not shards:
-            print(f"{cache_dir}: no cached shards")
-        for s in shards:
-            print(
-                f"{s.name}  {s.model_type:<12} {s.bytes / 1e6:10.1f} MB  {s.experts:5d} experts  {s.state}"
-            )
-        return 0
-    for name in args.names:
-        print(f"removed {remove_shard(cache_dir, name)}")
-    return 0

@@ -29,8 +29,10 @@ from ..proto import ship_pb2_grpc as spb_grpc
 from ..proto.errors import UnavailableError
 from ..proto.placement import Placement
 from ..proto.records import FetchSpec, ShipSource
-from . import cache as cache_mod
-from .cache import CacheError, CachedCheckpoint, Catalog, ShardCache, piece_hasher
+from .cache import ShardCache
+from . import catalog as catalog_mod
+from .catalog import CacheError, Catalog, piece_hasher
+from .shard_layout import CachedCheckpoint
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +174,7 @@ def fetcher(
                 host, port, token, fingerprint, node, todo, sizes, at, ctx
             ),
             blobs,
-            first - first % cache_mod.PIECE_BYTES,
+            first - first % catalog_mod.PIECE_BYTES,
             f"the coordinator's data channel at {host}:{port}",
         )
     return lambda blobs, first: _fetch(stub, md, fingerprint, node, blobs, address, first)

@@ -1,7 +1,7 @@
 """Records the coordinator and the nodes exchange (their wire form is proto/node.proto).
 
 They import no mlx: the HTTP server and the planner use them without loading a model.
-proto/convert.py maps them to and from the generated messages; the placement is
+proto/convert/ maps them to and from the generated messages; the placement is
 proto.placement.Placement.
 """
 

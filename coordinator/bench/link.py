@@ -72,7 +72,8 @@ async def measure(c, args, hidden: int, act_bytes: int, secret: str):
     """The LinkFit of the nodes of `c`, measured by them."""
     from ..plan.link import AllReduce, LinkFit, RoundTrip, Transfer
     from ..serve.client import NodeClient
-    from ..serve.up import remote_members, tls_files
+    from ..serve.config import tls_files
+    from ..serve.discover import remote_members
     from ...proto.link import LinkAllReduceSpec, LinkProbeSpec
     from ...proto.transport import EnvoySpec, MlxSpec
 
@@ -203,7 +204,8 @@ def _say(args, line: str) -> None:
 
 def main(args) -> int:
     from ..plan.calibration import link_only, read_calibration, write_calibration
-    from ..plan.command import DEFAULT_HARDWARE, load_model
+    from ..plan.command import DEFAULT_HARDWARE
+    from ..plan.planner import load_model
     from ..plan.race_command import advice
     from ..plan import presets
     from ..serve.config import load_config, read_credentials

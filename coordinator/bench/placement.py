@@ -41,7 +41,7 @@ def run(model: str, nodes: int, spare_experts: int, max_tokens: int) -> dict:
     from ..dev.profile import profile
     from ..dev.simulate import run_nodes
     from ...node.describe import describe
-    from ..serve.up import footprint
+    from ..serve.placement import footprint
 
     path = str(Checkpoint.open(model).path)
     prof = profile(path, PROFILE_PROMPTS, max_tokens)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ...common.ports import free_ports
 from ...proto.errors import UserError
+from .output import emitted
 from .prompt_cache import local_cluster
 
 PROMPTS = (
@@ -325,13 +326,9 @@ def run(
 
 
 def plot(out: dict, path: str) -> None:
-    try:
-        import matplotlib
+    from ..plan.plot import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise UserError("--plot needs matplotlib (pip install matplotlib)") from None
+    plt = pyplot()
     series = [
         (
             f"ours, N = {n}" + (", overlap" if ov else ""),
@@ -390,10 +387,7 @@ def main(args) -> int:
         args.speculative,
         args.draft_tokens,
     )
-    if args.plot:
-        plot(out, args.plot)
-    if args.json:
-        print(json.dumps(out))
+    if emitted(out, args, plot):
         return 0
     print(
         f"{out['model']}: {args.requests} streamed requests of {args.max_tokens} tokens per client"

@@ -83,9 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _size(text: str) -> int:
     from ...proto.expert_cache import SIZE_UNITS
-    from ..serve.config import _parse_units
+    from ..serve.config_reader import parse_units
 
-    return int(_parse_units(text, SIZE_UNITS, "size"))
+    return int(parse_units(text, SIZE_UNITS, "size"))
 
 
 def _write_source(root: Path, size: int, blob: int) -> tuple[Path, object]:
@@ -93,7 +93,7 @@ def _write_source(root: Path, size: int, blob: int) -> tuple[Path, object]:
     (the catalog a real model would have, minus the MoE structure a byte count does not need)."""
     import struct
 
-    from ...node.cache import Catalog
+    from ...node.catalog import Catalog
 
     n = max(1, size // blob)
     names = [f"t{i:05d}" for i in range(n)]
@@ -113,7 +113,7 @@ def _write_source(root: Path, size: int, blob: int) -> tuple[Path, object]:
             f.write(block)
         f.write(block[: n * blob % len(block)])
     from ...node.checkpoint import Checkpoint
-    from ...node.cache import fingerprint
+    from ...node.catalog import fingerprint
 
     ckpt = Checkpoint(src)
     catalog = Catalog(
@@ -326,7 +326,8 @@ def _receive(job: dict) -> int:
     import grpc
 
     from ...common.auth import call_metadata
-    from ...node.cache import Catalog, ShardCache
+    from ...node.cache import ShardCache
+    from ...node.catalog import Catalog
     from ...node.ship import fetcher
     from ...proto import CHANNEL_OPTIONS, convert
     from ...proto import ship_pb2_grpc as spb_grpc

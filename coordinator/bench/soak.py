@@ -23,6 +23,7 @@ hang. The cluster must end ready with the node processes it started with.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import os
 import signal
@@ -32,6 +33,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ...proto.errors import UserError
 from .loopback import Coordinator, loopback
@@ -205,54 +207,74 @@ def _wait_ready(url: str, timeout_s: float) -> bool:
     return False
 
 
-def run(
-    nodes: int,
-    model: str,
-    minutes: float,
-    kill_every_s: float,
-    request_timeout_s: float,
-    log_dir: str | None = None,
-) -> dict:
-    duration = 60.0 * minutes
+@dataclass(frozen=True)
+class Soak:
+    """One soak: its cluster, how long it lasts, how often it kills, and each request's timeout."""
+
+    nodes: int
+    model: str
+    minutes: float
+    kill_every_s: float
+    request_timeout_s: float
+    log_dir: str | None = None  # the cluster's logs; None: a temporary folder
+
+
+def _kill_every(
+    url: str, soak: Soak, t0: float, victim: Callable[[], tuple[str, int] | None], kills: list
+) -> None:
+    """Until the soak's time is up, SIGKILL the process `victim()` names (name, pid; None: none
+    now) every kill_every_s; each kill's detection and recovery are timed before the next."""
+    duration = 60.0 * soak.minutes
+    next_kill = t0 + soak.kill_every_s
+    while next_kill < t0 + duration:
+        time.sleep(max(0.0, next_kill - time.monotonic()))
+        who = victim()
+        if who is None:
+            next_kill = time.monotonic() + soak.kill_every_s
+            continue
+        kill = Kill(round(time.monotonic() - t0, 2), *who)
+        t_kill = time.monotonic()
+        try:
+            os.kill(kill.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+        kills.append(kill)
+        _watch_kill(url, kill, t_kill)  # the next kill comes after the recovery
+        next_kill = max(t_kill + soak.kill_every_s, time.monotonic())
+    time.sleep(max(0.0, t0 + duration - time.monotonic()))
+
+
+def run(soak: Soak) -> dict:
+    """The soak with a node SIGKILLed every `kill_every_s`, the nodes in turn (see the module)."""
     kills: list[Kill] = []
     tally = Tally()
-    with local_cluster(nodes, model, "256MB", log_dir=Path(log_dir) if log_dir else None) as url:
+    log_dir = Path(soak.log_dir) if soak.log_dir else None
+    with local_cluster(soak.nodes, soak.model, "256MB", log_dir=log_dir) as url:
         stop = threading.Event()
         client = threading.Thread(
-            target=_client, args=(url, stop, request_timeout_s, tally), daemon=True
+            target=_client, args=(url, stop, soak.request_timeout_s, tally), daemon=True
         )
+        turn = itertools.count()
+
+        def node() -> tuple[str, int] | None:
+            members = _get(url, "/v1/cluster/status")[1].get("nodes", [])
+            i = next(turn)
+            victim = members[i % len(members)] if members else None
+            if not victim or not victim.get("pid"):
+                return None
+            return victim["name"], victim["pid"]
+
         t0 = time.monotonic()
         client.start()
         try:
-            next_kill, i = t0 + kill_every_s, 0
-            while True:
-                now = time.monotonic()
-                if next_kill >= t0 + duration:
-                    break
-                time.sleep(max(0.0, next_kill - now))
-                members = _get(url, "/v1/cluster/status")[1].get("nodes", [])
-                victim = members[i % len(members)] if members else None
-                i += 1
-                if not victim or not victim.get("pid"):
-                    next_kill = time.monotonic() + kill_every_s
-                    continue
-                kill = Kill(round(time.monotonic() - t0, 2), victim["name"], victim["pid"])
-                t_kill = time.monotonic()
-                try:
-                    os.kill(victim["pid"], signal.SIGKILL)
-                except ProcessLookupError:
-                    continue
-                kills.append(kill)
-                _watch_kill(url, kill, t_kill)  # the next kill comes after the recovery
-                next_kill = max(t_kill + kill_every_s, time.monotonic())
-            time.sleep(max(0.0, t0 + duration - time.monotonic()))
+            _kill_every(url, soak, t0, node, kills)
         finally:
             stop.set()
-            client.join(request_timeout_s + 5)
+            client.join(soak.request_timeout_s + 5)
         ready = _wait_ready(url, FINAL_WAIT_S)
-        last = _one_request(url, False, request_timeout_s)[0] if ready else "unavailable"
+        last = _one_request(url, False, soak.request_timeout_s)[0] if ready else "unavailable"
         state = _get(url, "/v1/cluster/status")[1]
-    out = _report(nodes, model, minutes, kill_every_s, request_timeout_s, tally, kills)
+    out = _report(soak, tally, kills)
     out["kill"] = "node"
     out["final"] = {
         "ready": ready,
@@ -263,60 +285,42 @@ def run(
     return out
 
 
-def run_coordinator(
-    nodes: int,
-    model: str,
-    minutes: float,
-    kill_every_s: float,
-    request_timeout_s: float,
-    log_dir: str | None = None,
-) -> dict:
+def run_coordinator(soak: Soak) -> dict:
     """The soak with `up` SIGKILLed every `kill_every_s` under `supervise` (see the module)."""
     import tempfile
 
-    duration = 60.0 * minutes
     kills: list[Kill] = []
     tally = Tally()
+    timeout_s = soak.request_timeout_s
     with tempfile.TemporaryDirectory(prefix="moe-soak-") as tmp:
-        workdir = Path(log_dir) if log_dir else Path(tmp)
-        with loopback(workdir, nodes, model) as lb:
+        workdir = Path(soak.log_dir) if soak.log_dir else Path(tmp)
+        with loopback(workdir, soak.nodes, soak.model) as lb:
             sup = Coordinator(lb, command="supervise", log_name="supervise.log")
             try:
                 sup.wait_ready(600)
                 pids = [a.proc.pid for a in lb.agents]
-                expect = _tokens(lb.url, request_timeout_s)
+                expect = _tokens(lb.url, timeout_s)
                 stop = threading.Event()
                 client = threading.Thread(
                     target=_client,
-                    args=(lb.url, stop, request_timeout_s, tally, expect),
+                    args=(lb.url, stop, timeout_s, tally, expect),
                     daemon=True,
                 )
+
+                def coordinator() -> tuple[str, int] | None:
+                    pid = lb.state().get("pid")
+                    return ("coordinator", pid) if pid else None
+
                 t0 = time.monotonic()
                 client.start()
                 try:
-                    next_kill = t0 + kill_every_s
-                    while next_kill < t0 + duration:
-                        time.sleep(max(0.0, next_kill - time.monotonic()))
-                        pid = lb.state().get("pid")
-                        if not pid:
-                            next_kill = time.monotonic() + kill_every_s
-                            continue
-                        kill = Kill(round(time.monotonic() - t0, 2), "coordinator", pid)
-                        t_kill = time.monotonic()
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            continue
-                        kills.append(kill)
-                        _watch_kill(lb.url, kill, t_kill)
-                        next_kill = max(t_kill + kill_every_s, time.monotonic())
-                    time.sleep(max(0.0, t0 + duration - time.monotonic()))
+                    _kill_every(lb.url, soak, t0, coordinator, kills)
                 finally:
                     stop.set()
-                    client.join(request_timeout_s + 5)
+                    client.join(timeout_s + 5)
                 ready = _wait_ready(lb.url, FINAL_WAIT_S)
                 last = (
-                    _one_request(lb.url, False, request_timeout_s, expect, greedy=True)[0]
+                    _one_request(lb.url, False, timeout_s, expect, greedy=True)[0]
                     if ready
                     else "unavailable"
                 )
@@ -326,7 +330,7 @@ def run_coordinator(
                 adopted = sum("adopted" in line and "ready" in line for line in sup.lines)
             finally:
                 sup.stop()
-    out = _report(nodes, model, minutes, kill_every_s, request_timeout_s, tally, kills)
+    out = _report(soak, tally, kills)
     out["kill"] = "coordinator"
     out["requests"]["failed"] = (
         tally.other + tally.hung + tally.wrong + tally.no_retry_after
@@ -353,17 +357,17 @@ def _tokens(url: str, timeout_s: float) -> list | None:
         return json.loads(r.read())["moe_cluster"]["tokens"]
 
 
-def _report(nodes, model, minutes, kill_every_s, request_timeout_s, tally, kills) -> dict:
+def _report(soak: Soak, tally: Tally, kills: list[Kill]) -> dict:
     lat = sorted(tally.latencies)
     detects = [k.detect_s for k in kills if k.detect_s is not None]
     recoveries = [k.recovery_s for k in kills if k.recovery_s is not None]
     stalls = sorted(tally.stalls)
     return {
-        "nodes": nodes,
-        "model": model,
-        "minutes": minutes,
-        "kill_every_s": kill_every_s,
-        "request_timeout_s": request_timeout_s,
+        "nodes": soak.nodes,
+        "model": soak.model,
+        "minutes": soak.minutes,
+        "kill_every_s": soak.kill_every_s,
+        "request_timeout_s": soak.request_timeout_s,
         "requests": {
             "total": len(lat),
             "ok": tally.ok,
@@ -421,10 +425,10 @@ def main(args) -> int:
             f"--kill-every {args.kill_every:g} s is longer than the soak (--minutes {args.minutes:g}): "
             "nothing would be killed"
         )
-    soak = run_coordinator if args.kill == "coordinator" else run
-    out = soak(
+    soak = Soak(
         args.nodes, args.model, args.minutes, args.kill_every, args.request_timeout, args.log_dir
     )
+    out = (run_coordinator if args.kill == "coordinator" else run)(soak)
     for k in out["kills"]:
         k.update({key: round(v, 3) for key, v in k.items() if isinstance(v, float)})
     if args.json:

@@ -26,6 +26,18 @@ class PlotError(PlanError):
     """The plot cannot be drawn (matplotlib missing, unwritable file)."""
 
 
+def pyplot():
+    """matplotlib's pyplot drawing to files (Agg), for every `--plot`; PlotError without it."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PlotError("--plot needs matplotlib: pip install 'moe-cluster[plot]'") from None
+    return plt
+
+
 def plot(
     rows: Sequence[Estimate],
     path: str | Path,
@@ -35,14 +47,7 @@ def plot(
     measured: Sequence[MeasuredPoint] = (),
     measured_label: str = "measured",
 ) -> Path:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise PlotError("--plot needs matplotlib: pip install 'moe-cluster[plot]'") from None
-
+    plt = pyplot()
     path = Path(path)
     fig, ax = plt.subplots(figsize=(8, 5), dpi=150)
     networks = list(dict.fromkeys(r.network for r in rows))

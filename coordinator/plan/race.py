@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 from .perfmodel import TRANSPORTS, HardwareSpec, ModelSpec, NetworkSpec, Overheads, PlanError
 
@@ -248,7 +249,6 @@ def link_sensitivity(
     """{factor: (winner, its lead)} with every cost of the link (latencies, the inverse bandwidth,
     a calibrated collective) `factor` times what it is: whether the advice holds if the link is
     not what the plan assumed."""
-    ours, distinct = expected_batch(model, nodes, batch)
     out = {}
     for f in LINK_FACTORS:
         net = network.scaled(f)
@@ -259,23 +259,17 @@ def link_sensitivity(
                 collective_base_s=overheads.collective_base_s * f,
                 collective_per_node_s=overheads.collective_per_node_s * f,
             )
-        pts = [
-            race_point(
-                s,
-                model,
-                hardware,
-                net,
-                nodes,
-                batch,
-                ours_experts=ours,
-                distinct_experts=distinct,
-                overheads=over,
-                memory_fraction=memory_fraction,
-                transport=transport,
-                context=context,
-            )
-            for s in STRATEGIES
-        ]
+        pts = every_strategy(
+            model,
+            hardware,
+            net,
+            nodes,
+            batch,
+            overheads=over,
+            memory_fraction=memory_fraction,
+            transport=transport,
+            context=context,
+        )
         out[f] = lead(pts)
     return out
 
@@ -317,25 +311,52 @@ def race(
     out = []
     for n in nodes:
         for b in batches:
-            ours, distinct = expected_batch(model, n, b)
-            out += [
-                race_point(
-                    s,
-                    model,
-                    hardware,
-                    network,
-                    n,
-                    b,
-                    ours_experts=ours,
-                    distinct_experts=distinct,
-                    overheads=overheads,
-                    memory_fraction=memory_fraction,
-                    transport=transport,
-                    context=context,
-                )
-                for s in STRATEGIES
-            ]
+            out += every_strategy(
+                model,
+                hardware,
+                network,
+                n,
+                b,
+                overheads=overheads,
+                memory_fraction=memory_fraction,
+                transport=transport,
+                context=context,
+            )
     return out
+
+
+def every_strategy(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    network: NetworkSpec,
+    nodes: int,
+    batch: int,
+    *,
+    overheads: Overheads,
+    memory_fraction: float,
+    transport: str,
+    context: int,
+) -> list[RacePoint]:
+    """Every strategy's step of `batch` tokens on `nodes` nodes, with the experts each reads under
+    uniform routing (`expected_batch`)."""
+    ours, distinct = expected_batch(model, nodes, batch)
+    return [
+        race_point(
+            s,
+            model,
+            hardware,
+            network,
+            nodes,
+            batch,
+            ours_experts=ours,
+            distinct_experts=distinct,
+            overheads=overheads,
+            memory_fraction=memory_fraction,
+            transport=transport,
+            context=context,
+        )
+        for s in STRATEGIES
+    ]
 
 
 # bench race's row names onto the strategies here, with the bare collective each one pays
@@ -407,23 +428,33 @@ def predict_row(
     )
 
 
-def check(
-    model: ModelSpec,
-    hardware: HardwareSpec,
-    network: NetworkSpec,
-    rows: list[MeasuredRow],
-    fit_on: str = "ours_mlx",
-) -> dict:
+@dataclass(frozen=True)
+class RaceRun:
+    """A `bench race` run as `plan --check-against` checks the model on it: the model, the device
+    and the link it ran on, and the rows it measured."""
+
+    model: ModelSpec
+    hardware: HardwareSpec
+    network: NetworkSpec
+    rows: Sequence[MeasuredRow]
+
+    def predict(self, row: MeasuredRow, bandwidth_Bps: float, **costs: float) -> RacePoint:
+        """`row`'s step as the model has it at `bandwidth_Bps` (`predict_row`)."""
+        return predict_row(self.model, self.hardware, self.network, row, bandwidth_Bps, **costs)
+
+
+def check(run: RaceRun, fit_on: str = "ours_mlx") -> dict:
     """Fit the model to `fit_on`'s rows, then predict every row: the fitted rows' misses are ~0
     by construction, the others are held out. With rows at two batches or more, the step less its
     collectives is fitted as bytes / bandwidth + layers × a fixed cost per layer (least squares);
     with one, the bandwidth alone. Without `fit_on` rows, the hardware's bandwidth is used."""
-    fitted = [r for r in rows if r.name == fit_on]
+    model, hardware = run.model, run.hardware
+    fitted = [r for r in run.rows if r.name == fit_on]
     bandwidth, per_layer = hardware.bandwidth_Bps, 0.0
     note = f"{hardware.name}'s bandwidth, not fitted (no {fit_on} rows)"
     points = []
     for r in fitted:
-        probe = predict_row(model, hardware, network, r, hardware.bandwidth_Bps)
+        probe = run.predict(r, hardware.bandwidth_Bps)
         points.append((probe.bytes_per_node, r.step_s - probe.comm_s))
     if len({b for b, _ in points}) >= 2:
         intercept, slope = _least_squares(points)
@@ -441,17 +472,17 @@ def check(
             [],
         )
     costs = {"layer_overhead_s": per_layer}
-    return _misses(model, hardware, network, rows, fitted, bandwidth, lambda r: costs) | {
+    return _misses(run, fitted, bandwidth, lambda r: costs) | {
         "layer_overhead_s": per_layer,
         "bandwidth_source": note,
     }
 
 
-def _misses(model, hardware, network, rows, fitted, bandwidth, costs) -> dict:
+def _misses(run: RaceRun, fitted, bandwidth, costs) -> dict:
     """Each row predicted (`costs(row)`: predict_row's cost arguments) against what it measured."""
     out = []
-    for r in rows:
-        p = predict_row(model, hardware, network, r, bandwidth, **costs(r))
+    for r in run.rows:
+        p = run.predict(r, bandwidth, **costs(r))
         measured = r.batch / r.step_s
         out.append(
             {
@@ -473,12 +504,7 @@ def _misses(model, hardware, network, rows, fitted, bandwidth, costs) -> dict:
     }
 
 
-def check_each(
-    model: ModelSpec,
-    hardware: HardwareSpec,
-    network: NetworkSpec,
-    rows: list[MeasuredRow],
-) -> dict:
+def check_each(run: RaceRun) -> dict:
     """Fit each row kind (ours over a transport, the pipeline, tensor parallelism) on its rows at
     its fewest nodes: at the hardware's bandwidth, what a step measured beyond its bytes and
     collectives is L × (f + c × B), a fixed cost per layer f and a cost per token per layer c
@@ -486,21 +512,19 @@ def check_each(
     node count has two batches or more, f alone where it has one. Then predict every row of the
     kind: the other node counts are held out, and their misses say whether a kind's costs carry
     over to them."""
+    hardware = run.hardware
     fixed: dict[str, float] = {}
     per_token: dict[str, float] = {}
     fitted: list[MeasuredRow] = []
-    for name in dict.fromkeys(r.name for r in rows):
-        kind = [r for r in rows if r.name == name]
+    for name in dict.fromkeys(r.name for r in run.rows):
+        kind = [r for r in run.rows if r.name == name]
         fewest = min(r.nodes for r in kind)
         base = sorted((r for r in kind if r.nodes == fewest), key=lambda r: r.batch)
-        points = _per_layer_excess(model, hardware, network, base, hardware.bandwidth_Bps)
+        points = _per_layer_excess(run, base, hardware.bandwidth_Bps)
         fixed[name], per_token[name] = _line(points)
         fitted += base if len({b for b, _ in points}) >= 2 else base[:1]
     return _misses(
-        model,
-        hardware,
-        network,
-        rows,
+        run,
         fitted,
         hardware.bandwidth_Bps,
         lambda r: {"layer_overhead_s": fixed[r.name] + per_token[r.name] * r.batch},
@@ -512,13 +536,7 @@ def check_each(
     }
 
 
-def check_split(
-    model: ModelSpec,
-    hardware: HardwareSpec,
-    network: NetworkSpec,
-    rows: list[MeasuredRow],
-    fit_on: str = "ours_mlx",
-) -> dict:
+def check_split(run: RaceRun, fit_on: str = "ours_mlx") -> dict:
     """Fit on `fit_on`'s rows at one node count (the one with the most batches) what a step
     measured beyond its bytes and collectives (at the hardware's bandwidth): L × (f + c × B), a
     fixed cost per layer f and a cost per token per layer c. Split c by where ours' synced pass
@@ -527,9 +545,10 @@ def check_split(
     bookkeeping, waiting). Then predict every row with the strategy's share of each
     (race_point): the pipeline and tensor parallelism pay f and the attention and expert costs,
     not ours' own. Without a breakdown, c is split by FLOPs (no own share)."""
-    fitted_rows = [r for r in rows if r.name == fit_on]
+    model, hardware = run.model, run.hardware
+    fitted_rows = [r for r in run.rows if r.name == fit_on]
     if not fitted_rows:
-        out = _misses(model, hardware, network, rows, [], hardware.bandwidth_Bps, lambda r: {})
+        out = _misses(run, [], hardware.bandwidth_Bps, lambda r: {})
         return out | {
             "layer_overhead_s": 0.0,
             "token_costs_s": {},
@@ -544,14 +563,14 @@ def check_split(
     # the bandwidth rises until every fitted row's bytes and collectives fit its measured step
     bandwidth, raised = hardware.bandwidth_Bps, ""
     for r in base:
-        bare = predict_row(model, hardware, network, r, hardware.bandwidth_Bps)
+        bare = run.predict(r, hardware.bandwidth_Bps)
         room = r.step_s - bare.comm_s
         if room > 0 and bare.read_s * hardware.bandwidth_Bps > room * bandwidth:
             bandwidth = bare.read_s * hardware.bandwidth_Bps / room
             raised = (
                 f" (bandwidth raised to {bandwidth / 1e9:.3g} GB/s: its bytes exceeded its step)"
             )
-    points = _per_layer_excess(model, hardware, network, base, bandwidth)
+    points = _per_layer_excess(run, base, bandwidth)
     fixed, per_token = _line(points)
     shares, how = _token_shares(model, base, nodes)
     per_pass = model.top_k / nodes
@@ -567,7 +586,7 @@ def check_split(
     else:
         fitted = base[:1]
         what = f"a fixed cost per layer alone (one batch, {base[0].batch})"
-    out = _misses(model, hardware, network, rows, fitted, bandwidth, lambda r: costs)
+    out = _misses(run, fitted, bandwidth, lambda r: costs)
     return out | {
         "layer_overhead_s": fixed,
         "token_costs_s": {k: v for k, v in costs.items() if k != "layer_overhead_s"},
@@ -577,18 +596,14 @@ def check_split(
 
 
 def _per_layer_excess(
-    model: ModelSpec,
-    hardware: HardwareSpec,
-    network: NetworkSpec,
-    rows: list[MeasuredRow],
-    bandwidth_Bps: float,
+    run: RaceRun, rows: list[MeasuredRow], bandwidth_Bps: float
 ) -> list[tuple[int, float]]:
-    """[(batch, what each row's step took beyond its bytes and collectives, per layer)]: the points
-    the costs per layer are fitted to."""
+    """[(batch, what each of `rows`' steps took beyond its bytes and collectives, per layer)]: the
+    points the costs per layer are fitted to."""
     out = []
     for r in rows:
-        bare = predict_row(model, hardware, network, r, bandwidth_Bps)
-        out.append((r.batch, max(r.step_s - bare.time_s, 0.0) / model.layers))
+        bare = run.predict(r, bandwidth_Bps)
+        out.append((r.batch, max(r.step_s - bare.time_s, 0.0) / run.model.layers))
     return out
 
 

@@ -241,13 +241,14 @@ def _check(args, model, hardware: HardwareSpec) -> int:
         # the bench's own host: its bandwidth, and no FLOP figure (the fit absorbs compute)
         hardware = HardwareSpec("bench host", 1 << 60, float(raw["bandwidth_Bps"]), 1e30, 0.0)
     net = _network((args.link or "loopback").split(",")[0])
+    run = race_model.RaceRun(model, hardware, net, rows)
     fit = getattr(args, "fit", "split")
     if fit == "each":
-        out = race_model.check_each(model, hardware, net, rows)
+        out = race_model.check_each(run)
     elif fit == "bandwidth":
-        out = race_model.check(model, hardware, net, rows)
+        out = race_model.check(run)
     else:
-        out = race_model.check_split(model, hardware, net, rows)
+        out = race_model.check_split(run)
     out["model"] = model.name
     out["race"] = str(Path(args.check_against))
     if args.json:

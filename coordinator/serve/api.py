@@ -34,7 +34,7 @@ from .generation import Generation
 from .json_body import parse_json
 from .metrics import Metrics
 from .prompts import Prompts
-from .resume import KeepAlive
+from .resume import event_stream
 from .tools import FieldError, Tools, show
 
 logger = logging.getLogger(__name__)
@@ -457,12 +457,7 @@ class Api:
                 )
             )
         events = anthropic.EventStream(gen.req.request_id, model, len(ids))
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        alive = KeepAlive(request, resp, gen.outcome)  # comments while the cluster recovers
-        await alive.start(gen)  # errors before the first byte are still proper HTTP errors
-        try:
+        async with event_stream(request, gen) as resp:
             await resp.write(events.start())
             async for part in gen.stream_parts():
                 await resp.write(events.part(part))
@@ -471,11 +466,6 @@ class Api:
                 await resp.write(events.error(e.status, e.message))
             else:
                 await resp.write(events.end(gen.reason, gen.stop_hit, len(gen.outcome.tokens)))
-        except (ConnectionResetError, asyncio.CancelledError):
-            await gen.client_gone()
-            raise
-        finally:
-            await alive.close()
         return resp
 
     async def _tokens(self, prompt: Callable[[], list[int]], req) -> tuple:

@@ -7,18 +7,16 @@ suggestion when one is close). Sizes take units ("1GB", "512MiB") and durations 
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
-import types
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Literal
 
 import yaml
 
 from ...proto.errors import UserError
-from ...proto.expert_cache import SIZE_UNITS, ExpertCacheSpec
+from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.records import (
     ATTENTION_MODES,
     COLLECTIVE_TIMEOUT_S,
@@ -30,22 +28,8 @@ from ...proto.records import (
     SPECULATIVE_MODES,
     TlsFiles,
 )
+from .config_reader import ConfigError, Duration, Reader, Size, find_node
 from .resume import MAX_RESUMES, RECOVERY_WAIT_S
-
-
-class ConfigError(UserError):
-    """An invalid cluster.yaml; the message is one line: FILE:LINE: KEY: problem."""
-
-
-class Size(int):
-    """Bytes, written with an optional unit."""
-
-
-class Duration(float):
-    """Seconds, written with an optional unit."""
-
-
-_TIME_UNITS = {"": 1.0, "ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 
 
 @dataclass(frozen=True)
@@ -183,133 +167,6 @@ class ClusterConfig:
     source: str = "cluster.yaml"  # where it was read from (not a key)
 
 
-def _parse_units(text: str, units: dict[str, float], what: str) -> float:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m[2].lower() not in units:
-        raise ValueError(
-            f"{text!r} is not a {what} (e.g. {'1GB, 512MiB' if what == 'size' else '500ms, 5s, 2m'})"
-        )
-    return float(m[1]) * units[m[2].lower()]
-
-
-class _Reader:
-    def __init__(self, source: str):
-        self.source = source
-
-    def fail(self, node: yaml.Node, key: str, problem: str) -> ConfigError:
-        line = node.start_mark.line + 1 if node is not None else 1
-        return ConfigError(
-            f"{self.source}:{line}: {key}: {problem}" if key else f"{self.source}:{line}: {problem}"
-        )
-
-    def read(self, node: yaml.Node, tp: Any, key: str) -> Any:
-        origin = get_origin(tp)
-        if origin is Union or origin is types.UnionType:
-            options = [a for a in get_args(tp) if a is not type(None)]
-            if isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null":
-                if type(None) in get_args(tp):
-                    return None
-            return self.read(node, options[0], key)
-        if origin is Literal:
-            value = self.scalar(node, key, str)
-            if value not in get_args(tp):
-                raise self.fail(
-                    node, key, f"must be one of {', '.join(get_args(tp))} (got {value!r})"
-                )
-            return value
-        if origin is list:
-            if not isinstance(node, yaml.SequenceNode):
-                raise self.fail(node, key, "must be a list")
-            (item,) = get_args(tp)
-            return [self.read(n, item, f"{key}[{i}]") for i, n in enumerate(node.value)]
-        if isinstance(tp, type) and hasattr(tp, "__dataclass_fields__"):
-            return self.dataclass(node, tp, key)
-        return self.scalar(node, key, tp)
-
-    def scalar(self, node: yaml.Node, key: str, tp: type) -> Any:
-        if not isinstance(node, yaml.ScalarNode):
-            raise self.fail(
-                node,
-                key,
-                f"must be a single value, not a {'list' if isinstance(node, yaml.SequenceNode) else 'mapping'}",
-            )
-        value = (
-            yaml.safe_load(yaml.serialize(node))
-            if node.tag != "tag:yaml.org,2002:str"
-            else node.value
-        )
-        try:
-            if tp is Size:
-                n = (
-                    value
-                    if isinstance(value, int) and not isinstance(value, bool)
-                    else _parse_units(str(value), SIZE_UNITS, "size")
-                )
-                if n < 0:
-                    raise ValueError("must not be negative")
-                return Size(int(n))
-            if tp is Duration:
-                t = (
-                    float(value)
-                    if isinstance(value, (int, float)) and not isinstance(value, bool)
-                    else _parse_units(str(value), _TIME_UNITS, "duration")
-                )
-                if t <= 0:
-                    raise ValueError("must be positive")
-                return Duration(t)
-        except ValueError as exc:
-            raise self.fail(node, key, str(exc)) from None
-        if tp is bool:
-            if not isinstance(value, bool):
-                raise self.fail(node, key, f"must be true or false (got {node.value!r})")
-            return value
-        if tp is int:
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise self.fail(node, key, f"must be a whole number (got {node.value!r})")
-            return value
-        if tp is float:
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise self.fail(node, key, f"must be a number (got {node.value!r})")
-            return float(value)
-        if tp is str:
-            if value is None or isinstance(value, (dict, list)):
-                raise self.fail(node, key, "must be a string")
-            return str(node.value)
-        raise AssertionError(f"unsupported config type {tp}")
-
-    def dataclass(self, node: yaml.Node, cls: type, key: str) -> Any:
-        if not isinstance(node, yaml.MappingNode):
-            raise self.fail(node, key, "must be a mapping of keys to values")
-        hints = get_type_hints(cls, include_extras=False)
-        known = {f.name: f for f in fields(cls) if f.name != "source"}
-        values: dict[str, Any] = {}
-        seen: dict[str, yaml.Node] = {}
-        for knode, vnode in node.value:
-            name = str(knode.value)
-            full = f"{key}.{name}" if key else name
-            if name not in known:
-                hint = difflib.get_close_matches(name, known, n=1)
-                raise self.fail(
-                    knode,
-                    full,
-                    "unknown key"
-                    + (
-                        f" (did you mean {hint[0]!r}?)" if hint else f" (known: {', '.join(known)})"
-                    ),
-                )
-            if name in seen:
-                raise self.fail(knode, full, "given twice")
-            seen[name] = knode
-            values[name] = self.read(vnode, hints[name], full)
-        for name, f in known.items():
-            if name not in values and f.default is MISSING and f.default_factory is MISSING:
-                raise self.fail(node, f"{key}.{name}" if key else name, "is required")
-        try:
-            return cls(**values)
-        except (TypeError, ValueError) as exc:
-            raise self.fail(node, key, str(exc)) from None
-
-
 def load_config(path: str | os.PathLike, model: str | None = None) -> ClusterConfig:
     """Read and validate a cluster.yaml; raises ConfigError with FILE:LINE: KEY: problem.
     `model`: `up --model`, which takes the file's place (and sets checkpoint's default)."""
@@ -345,14 +202,14 @@ def parse_config(
         ) from None
     if root is None:
         raise ConfigError(f"{source}:1: the file is empty; it needs at least `nodes:`")
-    reader = _Reader(source)
+    reader = Reader(source)
     config = reader.dataclass(root, ClusterConfig, "")
     if model is not None:
         config = replace(config, model=model)
-    if _find(root, "checkpoint") is root and names_repo(config.model):
+    if find_node(root, "checkpoint") is root and names_repo(config.model):
         config = replace(config, checkpoint="coordinator")  # only this machine downloads it
     t = config.timeouts
-    if _find(root, "timeouts", "coordinator") is _find(root, "timeouts"):  # not given
+    if find_node(root, "timeouts", "coordinator") is find_node(root, "timeouts"):  # not given
         # a slow heartbeat gets a bound of three: the nodes must not drop a live coordinator's work
         bound = Duration(max(t.coordinator, 3 * max(t.heartbeat, 1.0)))
         config = replace(config, timeouts=replace(t, coordinator=bound))
@@ -376,37 +233,21 @@ def names_repo(model: str) -> bool:
     )
 
 
-def _find(root: yaml.Node, *path: str | int) -> yaml.Node:
-    """The YAML node at a key path (for line numbers of cross-field errors)."""
-    node = root
-    for p in path:
-        if isinstance(p, int) and isinstance(node, yaml.SequenceNode) and p < len(node.value):
-            node = node.value[p]
-        elif isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                if k.value == p:
-                    node = v
-                    break
-            else:
-                return node
-        else:
-            return node
-    return node
-
-
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
-def _check(c: ClusterConfig, root: yaml.Node, r: _Reader, model_key: str = "model") -> None:
+def _check(c: ClusterConfig, root: yaml.Node, r: Reader, model_key: str = "model") -> None:
     if not c.nodes:
-        raise r.fail(_find(root, "nodes"), "nodes", "needs at least one node")
+        raise r.fail(find_node(root, "nodes"), "nodes", "needs at least one node")
     if c.mlx_backend != "auto" and c.transport != "mlx":
-        raise r.fail(_find(root, "mlx_backend"), "mlx_backend", "applies only with transport: mlx")
+        raise r.fail(
+            find_node(root, "mlx_backend"), "mlx_backend", "applies only with transport: mlx"
+        )
     s = c.serving
     if s.attention != "replicated" and (s.overlap or s.speculative == "draft"):
         what = "overlap: true" if s.overlap else "speculative: draft"
         raise r.fail(
-            _find(root, "serving", "attention"),
+            find_node(root, "serving", "attention"),
             "serving.attention",
             f"{s.attention} cannot run with {what} (every node's rows go in one pass, and a draft "
             "model drafts on one node for every stream); use attention: replicated",
@@ -414,7 +255,7 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader, model_key: str = "mode
     if not c.timeouts.coordinator > 2 * max(c.timeouts.heartbeat, 1.0):
         # a heartbeat waits up to max(heartbeat, 1 s) for its answer, then the next one comes
         raise r.fail(
-            _find(root, "timeouts", "coordinator"),
+            find_node(root, "timeouts", "coordinator"),
             "timeouts.coordinator",
             f"must be more than twice the heartbeat's {max(c.timeouts.heartbeat, 1.0):g} s "
             f"(got {c.timeouts.coordinator:g} s): a node would drop requests between heartbeats",
@@ -424,13 +265,13 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader, model_key: str = "mode
         where = f"nodes[{i}]"
         if not _NAME.match(n.name):
             raise r.fail(
-                _find(root, "nodes", i, "name"),
+                find_node(root, "nodes", i, "name"),
                 f"{where}.name",
                 f"{n.name!r} must be letters, digits, '.', '_' or '-' (up to 63)",
             )
         if n.name in names:
             raise r.fail(
-                _find(root, "nodes", i, "name"),
+                find_node(root, "nodes", i, "name"),
                 f"{where}.name",
                 f"{n.name!r} is used by nodes[{names[n.name]}] too",
             )
@@ -439,39 +280,39 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader, model_key: str = "mode
             port = getattr(n, attr)
             if port is not None and not 1 <= port <= 65535:
                 raise r.fail(
-                    _find(root, "nodes", i, attr),
+                    find_node(root, "nodes", i, attr),
                     f"{where}.{attr}",
                     f"{port} is not a port (1..65535)",
                 )
         if n.envoy_data_port is not None:
             if c.transport != "envoy":
                 raise r.fail(
-                    _find(root, "nodes", i, "envoy_data_port"),
+                    find_node(root, "nodes", i, "envoy_data_port"),
                     f"{where}.envoy_data_port",
                     "applies only with transport: envoy",
                 )
             if n.envoy_data_port in (n.port, n.envoy_port):
                 raise r.fail(
-                    _find(root, "nodes", i, "envoy_data_port"),
+                    find_node(root, "nodes", i, "envoy_data_port"),
                     f"{where}.envoy_data_port",
                     f"{n.envoy_data_port} is this node's {'port' if n.envoy_data_port == n.port else 'envoy_port'} too",
                 )
         if n.address is not None and not re.fullmatch(r"[A-Za-z0-9_.:\[\]-]+", n.address):
             raise r.fail(
-                _find(root, "nodes", i, "address"),
+                find_node(root, "nodes", i, "address"),
                 f"{where}.address",
                 f"{n.address!r} is not a host or host:port",
             )
         if n.gpu is not None:
             if c.launch != "local":
                 raise r.fail(
-                    _find(root, "nodes", i, "gpu"),
+                    find_node(root, "nodes", i, "gpu"),
                     f"{where}.gpu",
                     "is for launch: local (a remote node uses the GPUs its own environment gives it)",
                 )
             if n.gpu < 0:
                 raise r.fail(
-                    _find(root, "nodes", i, "gpu"),
+                    find_node(root, "nodes", i, "gpu"),
                     f"{where}.gpu",
                     f"must be a GPU index >= 0 (got {n.gpu})",
                 )
@@ -480,11 +321,11 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader, model_key: str = "mode
                 ExpertCacheSpec.parse(n.expert_cache)
             except UserError as exc:
                 raise r.fail(
-                    _find(root, "nodes", i, "expert_cache"), f"{where}.expert_cache", str(exc)
+                    find_node(root, "nodes", i, "expert_cache"), f"{where}.expert_cache", str(exc)
                 ) from None
     if not 0 < c.placement.memory_fraction <= 1:
         raise r.fail(
-            _find(root, "placement", "memory_fraction"),
+            find_node(root, "placement", "memory_fraction"),
             "placement.memory_fraction",
             f"must be in (0, 1] (got {c.placement.memory_fraction})",
         )
@@ -492,53 +333,53 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader, model_key: str = "mode
         ExpertCacheSpec.parse(c.placement.expert_cache)
     except UserError as exc:
         raise r.fail(
-            _find(root, "placement", "expert_cache"), "placement.expert_cache", str(exc)
+            find_node(root, "placement", "expert_cache"), "placement.expert_cache", str(exc)
         ) from None
     if c.placement.strategy == "profile" and not c.placement.profile:
         raise r.fail(
-            _find(root, "placement", "strategy"),
+            find_node(root, "placement", "strategy"),
             "placement.profile",
             "strategy 'profile' needs a profile file",
         )
     if not 1 <= c.api.port <= 65535 and c.api.port != 0:
         raise r.fail(
-            _find(root, "api", "port"), "api.port", f"{c.api.port} is not a port (1..65535)"
+            find_node(root, "api", "port"), "api.port", f"{c.api.port} is not a port (1..65535)"
         )
     if c.api.max_body < 1024:
         raise r.fail(
-            _find(root, "api", "max_body"),
+            find_node(root, "api", "max_body"),
             "api.max_body",
             f"must be at least 1KB (got {int(c.api.max_body)} bytes)",
         )
     if c.api.api_key_env and c.api.api_key_file:
-        raise r.fail(_find(root, "api"), "api", "give api_key_env or api_key_file, not both")
-    secret = _find(root, "secret")
+        raise r.fail(find_node(root, "api"), "api", "give api_key_env or api_key_file, not both")
+    secret = find_node(root, "secret")
     if isinstance(secret, yaml.MappingNode) and {"env", "file"} <= {
         k.value for k, _ in secret.value
     }:
         raise r.fail(secret, "secret", "give env or file, not both")
     if c.serving.prefill_chunk < 16:
         raise r.fail(
-            _find(root, "serving", "prefill_chunk"),
+            find_node(root, "serving", "prefill_chunk"),
             "serving.prefill_chunk",
             f"must be at least 16 tokens (got {c.serving.prefill_chunk})",
         )
     for key in ("max_batch", "prefill_budget"):
         if getattr(c.serving, key) < 1:
             raise r.fail(
-                _find(root, "serving", key),
+                find_node(root, "serving", key),
                 f"serving.{key}",
                 f"must be at least 1 (got {getattr(c.serving, key)})",
             )
     if c.serving.queue < 1:
         raise r.fail(
-            _find(root, "serving", "queue"),
+            find_node(root, "serving", "queue"),
             "serving.queue",
             f"must be at least 1 (got {c.serving.queue})",
         )
     if c.serving.max_tokens < 1:
         raise r.fail(
-            _find(root, "serving", "max_tokens"),
+            find_node(root, "serving", "max_tokens"),
             "serving.max_tokens",
             f"must be at least 1 (got {c.serving.max_tokens})",
         )
@@ -546,7 +387,7 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader, model_key: str = "mode
     if draft != bool(c.serving.draft_model):
         key = "speculative" if draft else "draft_model"
         raise r.fail(
-            _find(root, "serving", key),
+            find_node(root, "serving", key),
             f"serving.{key}",
             "speculative: draft needs serving.draft_model (a small checkpoint with the model's tokenizer)"
             if draft
@@ -554,7 +395,7 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader, model_key: str = "mode
         )
     if draft and c.checkpoint == "coordinator":
         raise r.fail(
-            _find(root, "serving", "draft_model"),
+            find_node(root, "serving", "draft_model"),
             "serving.draft_model",
             "the draft model is read on the first node's machine; checkpoint: coordinator ships only "
             "the model (copy the draft there and use checkpoint: every-node)",
@@ -567,26 +408,26 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader, model_key: str = "mode
         and not names_repo(c.serving.draft_model)
     ):
         raise r.fail(
-            _find(root, "serving", "draft_model"),
+            find_node(root, "serving", "draft_model"),
             "serving.draft_model",
             f"{c.serving.draft_model} does not exist on this machine",
         )
     if draft and c.launch == "remote" and names_repo(c.serving.draft_model):
         raise r.fail(
-            _find(root, "serving", "draft_model"),
+            find_node(root, "serving", "draft_model"),
             "serving.draft_model",
             f"{c.serving.draft_model} names a Hugging Face repo, which only this machine "
             "downloads; with launch: remote the first node reads the draft: give its folder there",
         )
     if not 1 <= c.serving.draft_tokens <= DRAFT_LIMIT:
         raise r.fail(
-            _find(root, "serving", "draft_tokens"),
+            find_node(root, "serving", "draft_tokens"),
             "serving.draft_tokens",
             f"must be 1 to {DRAFT_LIMIT} (got {c.serving.draft_tokens})",
         )
     if c.serving.max_resumes < 0:
         raise r.fail(
-            _find(root, "serving", "max_resumes"),
+            find_node(root, "serving", "max_resumes"),
             "serving.max_resumes",
             f"must be at least 0 (got {c.serving.max_resumes})",
         )
@@ -600,24 +441,24 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader, model_key: str = "mode
         if remote:
             i = names[remote[0]]
             raise r.fail(
-                _find(root, "nodes", i, "address"),
+                find_node(root, "nodes", i, "address"),
                 f"nodes[{i}].address",
                 "launch: local starts nodes on this machine; a remote address needs launch: remote",
             )
-    if _find(root, "ship") is not root and c.checkpoint != "coordinator":
+    if find_node(root, "ship") is not root and c.checkpoint != "coordinator":
         raise r.fail(
-            _find(root, "ship"),
+            find_node(root, "ship"),
             "ship",
             "applies only with checkpoint: coordinator (the nodes then "
             "receive their shards from this machine)",
         )
     if not 0 <= c.ship.port <= 65535:
         raise r.fail(
-            _find(root, "ship", "port"), "ship.port", f"{c.ship.port} is not a port (0..65535)"
+            find_node(root, "ship", "port"), "ship.port", f"{c.ship.port} is not a port (0..65535)"
         )
     if not 64 * 2**10 <= c.ship.chunk <= 4 * 2**20:
         raise r.fail(
-            _find(root, "ship", "chunk"),
+            find_node(root, "ship", "chunk"),
             "ship.chunk",
             f"must be 64KiB to 4MiB (got {int(c.ship.chunk)} bytes)",
         )
@@ -629,14 +470,14 @@ def _check(c: ClusterConfig, root: yaml.Node, r: _Reader, model_key: str = "mode
         and not Path(c.model).expanduser().exists()
     ):
         raise r.fail(
-            _find(root, "model"),
+            find_node(root, "model"),
             model_key,
             f"{c.model} does not exist on this machine (nor is it a Hugging Face repo id, "
             "org/name)",
         )
     if repo and c.launch == "remote" and c.checkpoint == "every-node":
         raise r.fail(
-            _find(root, "checkpoint"),
+            find_node(root, "checkpoint"),
             "checkpoint",
             f"every-node needs {c.model} on every node, but only this machine downloads a "
             "Hugging Face repo: use checkpoint: coordinator (the default for a repo id), or a "
@@ -692,6 +533,23 @@ def read_credentials(c: ClusterConfig) -> tuple[str, str | None]:
             "(the same on every node) or secret.file"
         )
     return secret, read_api_key(c)
+
+
+def tls_files(c: ClusterConfig) -> TlsFiles | None:
+    """cluster.yaml's TLS files as absolute paths (relative ones are to the file's folder)."""
+    if c.tls is None:
+        return None
+    base = Path(c.source).parent
+
+    def absolute(p: str) -> str:
+        q = Path(p).expanduser()
+        return str(q if q.is_absolute() else (base / q).resolve())
+
+    files = TlsFiles(absolute(c.tls.cert), absolute(c.tls.key), absolute(c.tls.ca))
+    missing = [p for p in (files.cert, files.key, files.ca) if not Path(p).is_file()]
+    if missing:
+        raise ConfigError(f"{c.source}: tls: no such file {missing[0]}")
+    return files
 
 
 def validate_main(args) -> int:

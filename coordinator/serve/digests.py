@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...common import cache_home
-from ...node.cache import SHA256_HEX, piece_hasher
+from ...node.catalog import SHA256_HEX, piece_hasher
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ...proto.errors import ErrorKind, MoeClusterError
 from ...proto.records import GenerateRequest
 from .api_error import INVALID, ApiError
-from .cluster import Outcome
+from .requests import Outcome
 from .tools import ToolCall, Tools, ToolSplitter
 
 if TYPE_CHECKING:

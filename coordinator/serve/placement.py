@@ -10,14 +10,18 @@ identically on every node, which copy computes a selection.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.placement import Placement, PlacementError, copy_everywhere, even_counts
 from ...proto.records import fmt_bytes
 
+if TYPE_CHECKING:
+    from ...node.describe import ModelDescription
+
 __all__ = [
     "ModelFootprint",
+    "footprint",
     "NodeBudget",
     "PlacementPlan",
     "PlacementError",
@@ -291,4 +295,16 @@ def plan_placement(
         tuple(replicas),
         tuple(notes),
         tuple(caches),
+    )
+
+
+def footprint(desc: ModelDescription, total_bytes: int | None = None) -> ModelFootprint:
+    """What each node must hold, from the checkpoint's headers (no weights are read); described
+    from a bare config, its figures scaled to `total_bytes` where known (a repo index's)."""
+    b = desc.sizes(total_bytes)
+    return ModelFootprint(
+        replicated_bytes=b.replicated,
+        expert_bytes=b.per_expert,
+        num_experts=b.num_experts,
+        top_k=b.top_k,
     )

@@ -3,17 +3,16 @@ events (a chunk per text delta, a tool call as its head then its arguments, usag
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any
 
 from aiohttp import web
 
-from .cluster import Outcome
+from .requests import Outcome
 from .generation import Generation
 from .metrics import prompt_tps
-from .resume import KeepAlive
+from .resume import event_stream
 from .tools import ToolCall
 
 
@@ -97,13 +96,8 @@ async def stream(
 ) -> web.StreamResponse:
     """The answer as server-sent events. The last chunk carries the usage (and this server's
     figures) always; `include_usage` (stream_options) adds OpenAI's usage-only chunk after it."""
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
-    alive = KeepAlive(request, resp, gen.outcome)  # comments while the cluster recovers
-    await alive.start(gen)  # errors before the first byte are still proper HTTP errors
-    created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
+    created = 0  # seconds, set once the generation has started (its first token is due)
 
     def chunk(
         delta_text: str | None,
@@ -138,7 +132,8 @@ async def stream(
     def sse(event: dict) -> bytes:
         return f"data: {json.dumps(event)}\n\n".encode()
 
-    try:
+    async with event_stream(request, gen) as resp:
+        created = int(time.time())
         if chat:
             await resp.write(sse(chunk(None, None, first=True)))
         elif echo:
@@ -189,9 +184,4 @@ async def stream(
                 only["choices"], only["usage"] = [], usage(gen, outcome)
                 await resp.write(sse(only))
         await resp.write(b"data: [DONE]\n\n")
-    except (ConnectionResetError, asyncio.CancelledError):
-        await gen.client_gone()
-        raise
-    finally:
-        await alive.close()
     return resp

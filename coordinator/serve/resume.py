@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import replace
-from typing import Sequence
+from typing import AsyncIterator, Sequence
+
+from aiohttp import web
 
 from ...proto.records import GenerateRequest
 
@@ -97,3 +99,22 @@ class KeepAlive:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+
+
+@contextlib.asynccontextmanager
+async def event_stream(request: web.Request, gen) -> AsyncIterator[web.StreamResponse]:
+    """The server-sent events response of generation `gen` (an API's stream writes its events to
+    it): its head goes out once `gen` starts, comments while the cluster recovers (`KeepAlive`),
+    and a client that leaves mid-stream stops the request."""
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    alive = KeepAlive(request, resp, gen.outcome)  # comments while the cluster recovers
+    await alive.start(gen)  # errors before the first byte are still proper HTTP errors
+    try:
+        yield resp
+    except (ConnectionResetError, asyncio.CancelledError):
+        await gen.client_gone()
+        raise
+    finally:
+        await alive.close()

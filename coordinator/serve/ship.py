@@ -40,8 +40,8 @@ from typing import Callable
 import grpc
 
 from ...common.auth import authorized, server_credentials, ssl_server_context
-from ...node import cache as node_cache
-from ...node.cache import Catalog, source_ranges
+from ...node import catalog as node_catalog
+from ...node.catalog import Catalog, source_ranges
 from ...node.checkpoint import Checkpoint
 from ...node.describe import ModelDescription, describe
 from ...node.ship import BLOB_HEADER, DATA_ERROR
@@ -97,7 +97,7 @@ class Shipper(spb_grpc.ShipServicer):
         self.ranges = source_ranges(ckpt, self.catalog)
         # each blob's sha256 and piece digests, kept in `digest_dir` across runs (None: this run only)
         self.digests = Digests(
-            self.ranges, self.fingerprint, digest_dir, piece_bytes=node_cache.PIECE_BYTES
+            self.ranges, self.fingerprint, digest_dir, piece_bytes=node_catalog.PIECE_BYTES
         )
         self.catalog_bytes = json.dumps(self.catalog.to_json()).encode()
         self.chunk_bytes = chunk_bytes

@@ -23,21 +23,28 @@ from ...node.checkpoint import (
     index_bytes,
     read_config,
 )
-from ...node.describe import ModelDescription, describe
+from ...node.describe import describe
 from ...proto.expert_cache import ExpertCacheSpec
 from ...proto.profile import parse_profile
-from ...proto.records import LoadSpec, TlsFiles
+from ...proto.records import LoadSpec
 from ...node.collective.specs import EnvoySpec, MlxSpec
 from ...common.ports import free_ports
 from .client import ClusterError, NodeClient
 from .cluster import Cluster, Member
-from .config import ClusterConfig, ConfigError, load_config, names_repo, read_credentials
-from .placement import ModelFootprint, NodeBudget, PlacementError, fmt_bytes, plan_placement
+from .config import (
+    ClusterConfig,
+    ConfigError,
+    load_config,
+    names_repo,
+    read_credentials,
+    tls_files,
+)
+from .discover import DEFAULT_ENVOY_PORT, remote_members
+from .placement import ModelFootprint, NodeBudget, PlacementError, footprint, plan_placement
+from .progress import Progress
+from .shipping import ShipService, say_shipped, start_ship
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_AGENT_PORT = 7700  # `moe-cluster node` listens here unless told otherwise
-DEFAULT_ENVOY_PORT = 7701
 
 
 def _draft_model(c: ClusterConfig) -> str:
@@ -52,78 +59,6 @@ def state_file() -> Path:
     return base / "moe-cluster" / "up.json"
 
 
-class Progress:
-    """Load progress per node: bars on a terminal, a line per quarter otherwise."""
-
-    def __init__(self, names: list[str], stream=sys.stderr):
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.names = names
-        self.state = {n: (0, 0) for n in names}
-        self.quarter = {n: -1 for n in names}
-        self.width = max(len(n) for n in names)
-        self.drawn = False
-        self.base = {
-            n: (time.monotonic(), 0) for n in names
-        }  # (time, bytes) a node's current phase counts from
-
-    def _rate(self, name: str) -> str:
-        """bytes/s and ETA of a node's current load phase (shipping, reading the shard)."""
-        done, total = self.state[name]
-        t0, done0 = self.base[name]
-        elapsed = time.monotonic() - t0
-        if done <= done0 or elapsed <= 0:
-            return ""
-        rate = (done - done0) / elapsed
-        return f", {fmt_bytes(rate)}/s, ETA {max(total - done, 0) / rate:.1f}s"
-
-    def update(self, m: Member) -> None:
-        if (
-            m.load_done < self.state[m.name][0]
-        ):  # a new phase (shipping, then reading the shard) starts over
-            self.base[m.name] = (time.monotonic(), m.load_done)
-        self.state[m.name] = (m.load_done, m.load_total)
-        if self.tty:
-            self._draw()
-            return
-        done, total = self.state[m.name]
-        q = int(4 * done / total) if total else 0
-        if q != self.quarter[m.name]:
-            self.quarter[m.name] = q
-            print(
-                f"loading {m.name}: {fmt_bytes(done)} of {fmt_bytes(total)} ({100 * done / max(total, 1):.0f}%)"
-                f"{self._rate(m.name)}",
-                file=self.stream,
-                flush=True,
-            )
-
-    def _draw(self) -> None:
-        if self.drawn:
-            self.stream.write(f"\x1b[{len(self.names)}A")
-        for n in self.names:
-            done, total = self.state[n]
-            frac = done / total if total else 0.0
-            bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-            self.stream.write(
-                f"\r{n:<{self.width}} [{bar}] {100 * frac:5.1f}%  {fmt_bytes(done)} / {fmt_bytes(total)}"
-                f"{self._rate(n)}\x1b[K\n"
-            )
-        self.stream.flush()
-        self.drawn = True
-
-
-def footprint(desc: ModelDescription, total_bytes: int | None = None) -> ModelFootprint:
-    """What each node must hold, from the checkpoint's headers (no weights are read); described
-    from a bare config, its figures scaled to `total_bytes` where known (a repo index's)."""
-    b = desc.sizes(total_bytes)
-    return ModelFootprint(
-        replicated_bytes=b.replicated,
-        expert_bytes=b.per_expert,
-        num_experts=b.num_experts,
-        top_k=b.top_k,
-    )
-
-
 def _read_profile(path: str, base: Path):
     """cluster.yaml's placement.profile, checked (a path relative to the file)."""
     p = Path(path).expanduser()
@@ -134,49 +69,6 @@ def _read_profile(path: str, base: Path):
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"placement.profile: cannot read {p}: {exc}") from None
     return parse_profile(data, str(p))
-
-
-async def remote_members(c: ClusterConfig) -> list[tuple[str, str, str]]:
-    """(name, agent address, node host) of every configured node: static or found by mDNS."""
-    out, wanted = [], [n.name for n in c.nodes if not n.address]
-    seen = {}
-    if wanted:
-        from ...common.mdns import DiscoveryError, browse
-
-        seen = await browse(c.name, wanted, c.timeouts.discovery, c.discovery.interfaces or None)
-        missing = [w for w in wanted if w not in seen]
-        if missing:
-            raise DiscoveryError(
-                f"nodes not found by mDNS within {c.timeouts.discovery:.0f} s: {', '.join(missing)}; "
-                f"seen: {', '.join(sorted(seen)) or 'none'} (cluster {c.name!r})"
-            )
-    for n in c.nodes:
-        if n.address:
-            host, _, port = n.address.rpartition(":") if ":" in n.address else (n.address, "", "")
-            host = host or n.address
-            port = int(port) if port else (n.port or DEFAULT_AGENT_PORT)
-            out.append((n.name, f"{host}:{port}", host))
-        else:
-            a = seen[n.name]
-            out.append((n.name, f"{a.address}:{a.port}", a.address))
-    return out
-
-
-def tls_files(c: ClusterConfig) -> TlsFiles | None:
-    """cluster.yaml's TLS files as absolute paths (relative ones are to the file's folder)."""
-    if c.tls is None:
-        return None
-    base = Path(c.source).parent
-
-    def absolute(p: str) -> str:
-        q = Path(p).expanduser()
-        return str(q if q.is_absolute() else (base / q).resolve())
-
-    files = TlsFiles(absolute(c.tls.cert), absolute(c.tls.key), absolute(c.tls.ca))
-    missing = [p for p in (files.cert, files.key, files.ca) if not Path(p).is_file()]
-    if missing:
-        raise ConfigError(f"{c.source}: tls: no such file {missing[0]}")
-    return files
 
 
 def _transport(c: ClusterConfig, hosts: list[str], envoy_ports: list[int], rank_listen_any: bool):
@@ -229,7 +121,7 @@ class Up:
         self.launcher = None  # local nodes, where `launch: local`
         self.local: list = []  # their LocalNode records
         self.ports: list[int] = []  # free ports for the local nodes (agent, envoy)
-        self.ship: _Ship | None = None
+        self.ship: ShipService | None = None
         self.cluster: Cluster | None = None
         self.sock = None  # the API's listening socket (a supervisor's, or bound here)
         self.page = None  # holding.py's page on it until the API takes over
@@ -260,13 +152,13 @@ class Up:
             await self.download(members)
             self.describe_model()
         if c.checkpoint == "coordinator":
-            self.ship = await _start_ship(c, self.desc, self.secret)
+            self.ship = await start_ship(c, self.desc, self.secret)
         self.place(members, found, envoy_ports)
         self.cluster = self.make_cluster(members)
         if not await self.adopt(members):
             await self.load(members)
         if self.ship is not None:
-            _say_shipped(self.ship, members)
+            say_shipped(self.ship, members)
         if c.verify and len(members) > 1:
             await self.verify(members)
         await self.say_allreduce(members)
@@ -676,66 +568,6 @@ class Up:
                 sf.unlink()
         except (OSError, json.JSONDecodeError):
             pass
-
-
-def _say_shipped(ship: "_Ship", members: list[Member]) -> None:
-    """What the Ship service sent each node, and what it hashed of the checkpoint."""
-    sent = ship.shipper.bytes_sent()
-    print(
-        "shipped: "
-        + ", ".join(f"{m.name} {sent.get(m.name, 0)} bytes" for m in members)
-        + f" (total {sum(sent.values())} bytes)",
-        file=sys.stderr,
-        flush=True,
-    )
-    d = ship.shipper.digests
-    print(
-        f"digests: hashed {d.hashed_bytes} bytes of the checkpoint this run; {d.known()} blobs known"
-        + (f" (kept in {d.path})" if d.path else " (kept in memory only)"),
-        file=sys.stderr,
-        flush=True,
-    )
-
-
-class _Ship:
-    """The Ship service `up` runs while nodes may (re)load: what they are told, and its server."""
-
-    def __init__(self, shipper, server, source):
-        self.shipper, self.server, self.source = shipper, server, source
-
-    async def close(self) -> None:
-        await asyncio.to_thread(lambda: self.server.stop(1.0).wait())
-
-
-async def _start_ship(c: ClusterConfig, desc: ModelDescription, secret: str) -> _Ship:
-    """With `checkpoint: coordinator`: serve the nodes their shards from this machine's checkpoint."""
-    from ...common.ports import check_port_free
-    from ...proto.records import ShipSource
-    from .digests import default_digest_dir
-    from .ship import Shipper, start_server
-
-    if c.ship.port:
-        try:
-            check_port_free(c.ship.host, c.ship.port, "ship.port picks another")
-        except OSError as exc:
-            raise ConfigError(f"{c.source}: ship: {exc}") from None
-    # on a terminal the per-node bars carry bytes, rate and ETA; lines from the Ship service would
-    # break them, so they go to the log there
-    report = (lambda line: logger.info("%s", line)) if sys.stderr.isatty() else None
-    shipper = Shipper(
-        desc,
-        chunk_bytes=c.ship.chunk,
-        max_rate=c.ship.max_rate,
-        report=report,
-        digest_dir=default_digest_dir(),
-    )
-    server, port = start_server(shipper, c.ship.host, c.ship.port, secret, tls_files(c))
-    print(
-        f"shipping shards of {desc.checkpoint.path} (model {shipper.fingerprint[:16]}) on port {port}",
-        file=sys.stderr,
-        flush=True,
-    )
-    return _Ship(shipper, server, ShipSource(shipper.fingerprint, f":{port}"))
 
 
 def main(args) -> int:

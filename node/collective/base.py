@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from ...proto.errors import ErrorKind, MoeClusterError
-from .reduce import DTYPES, to_float32
+from .reduce import DTYPES, Reducer, to_float32
 
 
 # The layer id of the per-step agreement on the next token and on cancellation.
@@ -300,12 +300,31 @@ class LocalCollective(Epochs):
         pass
 
 
-class HostRows:
-    """`all_gather` and `reduce_scatter` of rows (attention by stream) for a transport whose
-    exchange runs on the host (shared memory, the envoy): each is one exchange of every rank's raw
-    payload, `_parts(payload, layer)` -> (every rank's raw 1-D payload in rank order, wire dtype,
-    how many ride values follow each). Every rank's rows are padded to the largest count, so
-    every payload of one exchange has one size (what the transports check)."""
+class HostCollective(Epochs):
+    """What the transports whose exchange runs on the host (shared memory, the envoy) share: the
+    all-reduce in two halves (`start`, theirs) and whole, the agreement riding on a MoE
+    all-reduce (`Rider`), and `all_gather` and `reduce_scatter` of rows (attention by stream),
+    each one exchange of every rank's raw payload (`_exchange`, theirs) through `_parts`.
+
+    Every rank's rows are padded to the largest count, so every payload of one exchange has one
+    size (what the transports check)."""
+
+    caps = Capabilities(in_graph=False, halves=True)
+
+    def __init__(self, rank: int, world_size: int, reduce: Reducer) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self._reduce = reduce  # the rank-order sum on the host
+        self._rider = Rider(rank, world_size)
+
+    def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
+        return self.start(partial, layer)()
+
+    def ride(self, values: mx.array) -> None:
+        self._rider.ride(values)
+
+    def settle(self) -> Agreement | None:
+        return self._rider.settle()
 
     def all_gather(self, rows: mx.array, counts: tuple[int, ...], layer: int) -> mx.array:
         """Every rank's rows, in rank order: (sum(counts), D), this rank's (counts[rank], D)."""

@@ -24,17 +24,8 @@ import numpy as np
 from ...proto import envoy_link as messages
 from ...proto.records import COLD_WAITS, wait_bound
 from . import trace
-from .base import (
-    Agreement,
-    Capabilities,
-    CollectiveError,
-    Epochs,
-    HostRows,
-    Rider,
-    from_wire,
-    to_wire,
-)
-from .exchange import PeerExchange
+from .base import CollectiveError, HostCollective, from_wire, to_wire
+from .exchange import Outgoing, PeerExchange
 from .link import LinkError, NodeLink
 from .reduce import DTYPES, Reducer, unbuilt_note
 from .specs import EnvoySpec
@@ -185,28 +176,15 @@ class EnvoyProcess:
             raise CollectiveError(f"envoy of rank {self.rank} answered begin with {kind!r}")
         self.exchange.begin(request_id)
 
-    def all_reduce(
-        self,
-        raw: np.ndarray,
-        dtype: str,
-        shape: tuple[int, ...],
-        layer: int,
-        cold: bool = False,
-    ) -> np.ndarray:
-        """Sum a raw 1-D payload over all ranks; returns the raw sum (of `dtype`), a view valid
+    def all_reduce(self, out: Outgoing, cold: bool = False) -> np.ndarray:
+        """Sum a raw 1-D payload over all ranks; returns the raw sum (of its dtype), a view valid
         until the next call. `cold`: this node or a peer may build kernels before it hands its
         partial over, so the wait is bounded by spec.cold_s instead of the timeout."""
-        step = self.send(raw, dtype, shape, layer, cold)
+        step = self.send(out, cold)
         return self._exchanged(step, self.exchange.collect)
 
     def send(
-        self,
-        raw: np.ndarray,
-        dtype: str,
-        shape: tuple[int, ...],
-        layer: int,
-        cold: bool = False,
-        each: dict[int, np.ndarray] | None = None,
+        self, out: Outgoing, cold: bool = False, each: dict[int, np.ndarray] | None = None
     ) -> int:
         """all_reduce's first half: write the payload (or `each` peer its own, PeerExchange.send)
         to every peer and return at once (its step number). One all-reduce is in flight at a
@@ -216,9 +194,7 @@ class EnvoyProcess:
         step = self._step
         self._step += 1
         bound = wait_bound(self.spec.timeout_s, cold, self.spec.cold_s)
-        self._exchanged(
-            step, lambda: self.exchange.send(raw, dtype, shape, layer, step, bound, each)
-        )
+        self._exchanged(step, lambda: self.exchange.send(out, step, bound, each))
         return step
 
     def collect_parts(self, step: int) -> Complete:
@@ -269,7 +245,7 @@ class EnvoyProcess:
                 self.proc.wait(timeout=5)
 
 
-class EnvoyCollective(Epochs, HostRows):
+class EnvoyCollective(HostCollective):
     """The Collective of `transport: envoy`.
 
     Args:
@@ -277,19 +253,14 @@ class EnvoyCollective(Epochs, HostRows):
             it was built; `bench allreduce --sum numpy` passes numpy's to compare the two).
     """
 
-    caps = Capabilities(in_graph=False, halves=True)
-
     def __init__(self, spec: EnvoySpec, rank: int, reduce: Reducer | None = None):
         # where this node sums the partials on the host: small ones, bfloat16, the ride's slots
-        self._reduce = reduce if reduce is not None else Reducer()
+        super().__init__(rank, spec.world_size, reduce if reduce is not None else Reducer())
         self._envoy = EnvoyProcess(spec, rank, self._reduce)
         note = unbuilt_note()
         if note is not None:
             logger.warning("%s", note)
             print(f"moe-cluster node: rank {rank}: {note}", file=sys.stderr)
-        self.rank = rank
-        self.world_size = spec.world_size
-        self._rider = Rider(rank, spec.world_size)
         self._eager_out: dict[str, np.ndarray] = {}
         self._cold = False  # the step being watched may build kernels (watch)
         self._reduced = 0  # all-reduces completed: the first COLD_WAITS are cold
@@ -304,9 +275,6 @@ class EnvoyCollective(Epochs, HostRows):
         self._rider.clear()
         self._envoy.begin(request_id)
 
-    def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
-        return self.start(partial, layer)()
-
     def start(self, partial: mx.array, layer: int) -> Callable[[], mx.array]:
         """all_reduce in two halves (node/overlap.py): hand `partial` over now; the returned call
         waits for the sum. Call it before the next start or all_reduce."""
@@ -316,13 +284,14 @@ class EnvoyCollective(Epochs, HostRows):
         payload, extra = self._rider.attach(partial, layer)
         raw, dtype = to_wire(payload)
         envoy = self._envoy
-        step = envoy.send(raw.reshape(-1), dtype, tuple(payload.shape), layer, self._cold_now())
+        out = Outgoing(raw.reshape(-1), dtype, tuple(payload.shape), layer)
+        step = envoy.send(out, self._cold_now())
         return lambda: self._summed(envoy.collect_parts(step).parts, dtype, extra, partial)
 
     def _exchange(self, raw: np.ndarray, dtype: str, shape, layer: int) -> list[np.ndarray]:
-        """Every rank's raw payload of one exchange (HostRows): copies, in rank order."""
+        """Every rank's raw payload of one exchange (HostCollective): copies, in rank order."""
         envoy = self._envoy
-        step = envoy.send(raw, dtype, shape, layer, self._cold_now())
+        step = envoy.send(Outgoing(raw, dtype, shape, layer), self._cold_now())
         return [p.copy() for p in envoy.collect_parts(step).parts]
 
     def reduce_scatter(self, partial: mx.array, counts: tuple[int, ...], layer: int) -> mx.array:
@@ -335,7 +304,7 @@ class EnvoyCollective(Epochs, HostRows):
         block = {r: rows[s : s + n] for r, (s, n) in enumerate(zip(starts, counts))}
         mine = block[self.rank]
         envoy = self._envoy
-        step = envoy.send(mine, dtype, mine.shape, layer, self._cold_now(), each=block)
+        step = envoy.send(Outgoing(mine, dtype, mine.shape, layer), self._cold_now(), each=block)
         parts = envoy.collect_parts(step).parts
         width = partial.shape[-1]
         out = self._reduce(
@@ -394,18 +363,13 @@ class EnvoyCollective(Epochs, HostRows):
         on_host = time.perf_counter_ns()
         envoy = self._envoy
         exchange = envoy.exchange
-        step = envoy.send(raw.reshape(-1), dtype, tuple(payload.shape), layer, self._cold_now())
+        sent = Outgoing(raw.reshape(-1), dtype, tuple(payload.shape), layer)
+        step = envoy.send(sent, self._cold_now())
         out = self._summed(envoy.collect_parts(step).parts, dtype, extra, partial)
         mx.eval(out)
         stamps = (entered, on_host, exchange.sent_ns, exchange.complete_ns, time.perf_counter_ns())
         self.trace.append(trace.record(step, stamps, exchange.arrivals(step)))
         return out
-
-    def ride(self, values: mx.array) -> None:
-        self._rider.ride(values)
-
-    def settle(self) -> Agreement | None:
-        return self._rider.settle()
 
     def watch(self, what: str | None, cold: bool = False) -> None:
         # the exchange times out every all-reduce itself; a step that may build kernels (on this

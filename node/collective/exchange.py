@@ -20,7 +20,7 @@ import os
 import select
 import socket
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -36,6 +36,17 @@ _GONE = select.POLLERR | select.POLLHUP | getattr(select, "POLLRDHUP", 0)
 # A frame still half-written when its step fails leaves the stream cut mid-frame: the channel is
 # dropped then, unless the rest goes within this long.
 _FLUSH_S = 1.0
+
+
+class Outgoing(NamedTuple):
+    """This node's partial of one all-reduce as it goes to the peers (a tuple: made once per
+    all-reduce, as steps.Complete): its raw payload, the wire dtype, the shape it stands for, and
+    the MoE layer of the step (-1: the agreement). The step table checks each against the peers'."""
+
+    raw: np.ndarray
+    dtype: str
+    shape: tuple[int, ...]
+    layer: int
 
 
 class _Channel:
@@ -170,18 +181,17 @@ class PeerExchange:
 
     def send(
         self,
-        raw: np.ndarray,
-        dtype: str,
-        shape: tuple[int, ...],
-        layer: int,
+        out: Outgoing,
         step: int,
         limit_s: float,
         each: dict[int, np.ndarray] | None = None,
     ) -> None:
-        """Write this node's partial for `step` to every peer (what a socket does not take now goes
-        in `collect`); `raw` must stay as it is until then. `each`: a payload per peer instead
-        (a reduce-scatter: each peer gets its own rows of this node's partial), shaped as `raw`
-        is, which is what each peer sends this node in turn (the step table checks it)."""
+        """Write this node's partial `out` for `step` to every peer (what a socket does not take
+        now goes in `collect`); its raw payload must stay as it is until then. `each`: a payload per
+        peer instead (a reduce-scatter: each peer gets its own rows of this node's partial), shaped
+        as the raw payload is, which is what each peer sends this node in turn (the step table
+        checks it)."""
+        raw, dtype, shape, layer = out
         table = self.table
         if self._aborted is not None and self._aborted == table.current:
             table.fail(f"request {table.current} aborted: it failed on another node")

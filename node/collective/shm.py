@@ -8,16 +8,7 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-from .base import (
-    Agreement,
-    Capabilities,
-    CollectiveError,
-    Epochs,
-    HostRows,
-    Rider,
-    from_wire,
-    to_wire,
-)
+from .base import CollectiveError, HostCollective, from_wire, to_wire
 from .reduce import DTYPES, Reducer
 
 _HDR = 16  # per slot: int64 sequence number, int64 payload bytes
@@ -31,15 +22,13 @@ def unlink_segment(shm: shared_memory.SharedMemory) -> None:
         pass
 
 
-class ShmCollective(Epochs, HostRows):
+class ShmCollective(HostCollective):
     """All-reduce among processes of one machine through shared memory.
 
     Each rank writes its partial into its own slot (two per rank, alternating by step, so a fast
     rank never overwrites what a slow one still reads), then posts one semaphore per peer; a rank
     reads all slots once every peer has posted to it. Nothing is pickled per layer.
     """
-
-    caps = Capabilities(in_graph=False, halves=True)
 
     @staticmethod
     def create(world_size: int, slot_bytes: int, ctx, timeout_s: float = 30.0):
@@ -56,8 +45,7 @@ class ShmCollective(Epochs, HostRows):
         return ShmSpec(shm.name, world_size, slot_bytes, sems, timeout_s), shm
 
     def __init__(self, spec, rank: int):
-        self.rank = rank
-        self.world_size = spec.world_size
+        super().__init__(rank, spec.world_size, Reducer())
         self._spec = spec
         # Simulated nodes are spawned children sharing the creator's resource tracker. Rank 0
         # drops the segment's name after the first all-reduce, so a creator killed together with
@@ -65,8 +53,6 @@ class ShmCollective(Epochs, HostRows):
         self._shm = shared_memory.SharedMemory(name=spec.name)
         self._named = rank == 0  # the name is still to drop, by this rank
         self._seq = 0
-        self._reduce = Reducer()
-        self._rider = Rider(rank, spec.world_size)
         self.request_id = ""
 
     def _slot(self, rank: int, parity: int) -> tuple[memoryview, memoryview]:
@@ -79,17 +65,8 @@ class ShmCollective(Epochs, HostRows):
         self.request_id = request_id
         self._rider.clear()
 
-    def ride(self, values: mx.array) -> None:
-        self._rider.ride(values)
-
-    def settle(self) -> Agreement | None:
-        return self._rider.settle()
-
     def watch(self, what: str | None, cold: bool = False) -> None:
         pass  # every all-reduce times out by itself
-
-    def all_reduce(self, partial: mx.array, layer: int) -> mx.array:
-        return self.start(partial, layer)()
 
     def start(self, partial: mx.array, layer: int) -> Callable[[], mx.array]:
         """all_reduce in two halves (node/overlap.py): post `partial` now; the returned call
@@ -117,7 +94,7 @@ class ShmCollective(Epochs, HostRows):
         return seq
 
     def _exchange(self, raw: np.ndarray, dtype: str, shape, layer: int) -> list[np.ndarray]:
-        """Every rank's raw payload of one exchange (HostRows): copies, in rank order."""
+        """Every rank's raw payload of one exchange (HostCollective): copies, in rank order."""
         seq = self._post(raw)
         return [p.copy() for p in self._collect(seq, raw, dtype, layer)]
 

@@ -329,7 +329,11 @@ class Phases:
 
     def _log_tail(self) -> str:
         return "\n".join(
-            [line for line in self.log if "serve.cluster" in line or "launcher" in line][-12:]
+            [
+                line
+                for line in self.log
+                if "serve.cluster" in line or "serve.requests" in line or "launcher" in line
+            ][-12:]
         )
 
     def _recover(self, phase: str, t0: float, watch: HealthWatch) -> tuple[float, float]:

@@ -116,7 +116,7 @@ def wait_port(ns: str, ip: str, port: int, timeout: float = 60) -> None:
 
 
 def test_only_the_coordinator_has_the_checkpoint(tmp_path):
-    from moe_cluster.node.cache import Catalog
+    from moe_cluster.node.catalog import Catalog
     from moe_cluster.node.describe import describe
     from moe_cluster.node.checkpoint import Checkpoint
     from moe_cluster.node.demo import MODEL_DIR

@@ -61,13 +61,15 @@ def _raw(vals: np.ndarray, dtype: str) -> np.ndarray:
 
 def run_request(envoy, request_id: str, steps: int) -> dict:
     """begin + `steps` all-reduces, every result checked; returns counts and timing."""
+    from moe_cluster.node.collective.exchange import Outgoing
+
     t0 = time.perf_counter()
     envoy.begin(request_id)
     for step in range(steps):
         layout = step_layout(step)
         layer, dtype, shape = layout
         offset = _offset(request_id, step)
-        out = envoy.all_reduce(partial(offset, envoy.rank, layout), dtype, shape, layer)
+        out = envoy.all_reduce(Outgoing(partial(offset, envoy.rank, layout), dtype, shape, layer))
         want = expected(offset, envoy.world_size, layout)
         if not np.array_equal(out, want):
             bad = int(np.flatnonzero(out != want)[0])

@@ -63,7 +63,7 @@ def test_without_room_for_two_copies_the_cluster_path_runs_after_stock(monkeypat
     """Where stock and the sharded model do not both fit the device (a 59 GB checkpoint on an 80 GB
     GPU), the cluster path at N = 1 runs after the stock model is dropped and is compared with stock's
     earlier rounds, still on stock's tokens; --no-peers leaves mlx-lm's tensor parallelism out."""
-    from moe_cluster.coordinator.bench import decode
+    from moe_cluster.coordinator.bench import decode_run as decode
 
     monkeypatch.setattr(decode, "_fits_twice", lambda model: False)
     out = decode.run(
@@ -90,7 +90,7 @@ def test_where_stock_mlx_lm_fails_on_the_device_the_cluster_rows_still_run(monke
     primitives as well as its generation); the nodes, processes of their own, run theirs."""
     from mlx_lm.models import qwen3_moe
 
-    from moe_cluster.coordinator.bench import decode
+    from moe_cluster.coordinator.bench import decode_run as decode
 
     block = qwen3_moe.Qwen3MoeSparseMoeBlock
     whole = block.__call__

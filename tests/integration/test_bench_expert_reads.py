@@ -39,7 +39,7 @@ def quantized(tmp_path_factory):
 
 
 def _row(model: str, route: str, monkeypatch) -> dict:
-    from moe_cluster.coordinator.bench import decode
+    from moe_cluster.coordinator.bench import decode_run as decode
 
     spec = decode.DecodeBench(
         model, nodes=(2,), keepalive=("none",), max_tokens=8, rounds=1, peers=False, route=route
@@ -49,7 +49,7 @@ def _row(model: str, route: str, monkeypatch) -> dict:
 
 
 def test_expert_bytes_follow_the_route(quantized, monkeypatch):
-    from moe_cluster.coordinator.bench.decode import model_bytes
+    from moe_cluster.coordinator.bench.decode_run import model_bytes
 
     size = model_bytes(quantized)
     k, layers, one_expert = (

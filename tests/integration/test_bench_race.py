@@ -132,7 +132,7 @@ def test_bench_race_refuses_bad_input_in_one_line():
 
 
 def test_agreement_names_the_row_and_stream_that_differ():
-    from moe_cluster.coordinator.bench.race import agreement
+    from moe_cluster.coordinator.bench.race_rows import agreement
 
     rows = [
         {"name": "ours_mlx", "streams": 2, "tokens": [[1, 2, 3], [4, 5, 6]]},

@@ -14,9 +14,9 @@ from moe_cluster.node import describe as describe_mod
 def test_up_reads_the_checkpoint_once(monkeypatch, tmp_path):
     from moe_cluster.coordinator.serve.placement import NodeBudget, plan_placement
     from moe_cluster.coordinator.serve.ship import Shipper
-    from moe_cluster.coordinator.serve.up import footprint
+    from moe_cluster.coordinator.serve.placement import footprint
     from moe_cluster.coordinator.serve.verify import check_load
-    from moe_cluster.node.cache import Catalog
+    from moe_cluster.node.catalog import Catalog
     from moe_cluster.node.moe.load import _Seat, load_shard
 
     reads = {"config": 0, "headers": 0, "probes": 0}

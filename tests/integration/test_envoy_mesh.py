@@ -308,6 +308,7 @@ def test_abort_fails_a_waiting_step_and_a_later_begin_at_once_then_the_next_requ
     from envoy_nodes import partial, step_layout
     from moe_cluster.node.collective.base import CollectiveError
     from moe_cluster.node.collective.envoy import EnvoyProcess
+    from moe_cluster.node.collective.exchange import Outgoing
 
     step_timeout_s = 20.0
     # "at once" against "at the timeout": an abort with no effect ends the step only at the 20 s
@@ -327,7 +328,9 @@ def test_abort_fails_a_waiting_step_and_a_later_begin_at_once_then_the_next_requ
             envoys[0].begin("doomed")
             begun.set()
             try:
-                envoys[0].all_reduce(partial(0, 0, (layer, dtype, shape)), dtype, shape, layer)
+                envoys[0].all_reduce(
+                    Outgoing(partial(0, 0, (layer, dtype, shape)), dtype, shape, layer)
+                )
             except CollectiveError as exc:
                 caught.append((time.monotonic(), str(exc)))
 
@@ -475,6 +478,7 @@ def test_a_cold_step_waits_the_cold_bound_for_a_late_peer_and_a_warm_one_does_no
     from envoy_nodes import expected, partial, step_layout
     from moe_cluster.node.collective.base import CollectiveError
     from moe_cluster.node.collective.envoy import EnvoyProcess
+    from moe_cluster.node.collective.exchange import Outgoing
 
     # late past the node's own warm wait too (the timeout and its 5 s grace): both ends' bounds
     timeout_s, late_s = 1.0, 7.0
@@ -488,7 +492,7 @@ def test_a_cold_step_waits_the_cold_bound_for_a_late_peer_and_a_warm_one_does_no
             time.sleep(delay_s)
             try:
                 raw = partial(0, rank, (layer, dtype, shape))
-                out = envoys[rank].all_reduce(raw, dtype, shape, layer, cold=cold)
+                out = envoys[rank].all_reduce(Outgoing(raw, dtype, shape, layer), cold=cold)
                 replies[rank] = out.copy()
             except CollectiveError as exc:
                 replies[rank] = str(exc)

@@ -8,7 +8,7 @@ import asyncio
 
 from aiohttp import ClientSession, web
 
-from moe_cluster.coordinator.serve.cluster import Outcome
+from moe_cluster.coordinator.serve.requests import Outcome
 from moe_cluster.coordinator.serve.resume import KEEPALIVE, KeepAlive
 
 BEAT_S = 0.05

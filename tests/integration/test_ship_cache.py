@@ -17,7 +17,10 @@ import pytest
 
 from moe_cluster.coordinator.serve.ship import Shipper, blob_header, start_server
 from moe_cluster.node import cache as cache_mod
-from moe_cluster.node.cache import CacheError, _inside, list_shards, remove_shard
+from moe_cluster.node import catalog as catalog_mod
+from moe_cluster.node.cache import _inside
+from moe_cluster.node.cache_command import list_shards, remove_shard
+from moe_cluster.node.catalog import CacheError
 from moe_cluster.node.checkpoint import Checkpoint, CheckpointError, read_tensor
 from moe_cluster.node.ship import fill_cache
 from moe_cluster.proto.errors import UnavailableError
@@ -268,7 +271,8 @@ def test_an_unwritable_cache_and_a_shared_one_are_one_line(server, tmp_path):
     with pytest.raises(CacheError, match=r"^cache .*file/[0-9a-f]{16}: ") as exc:
         fill(address, shipper.fingerprint, blocked)
     assert "\n" not in str(exc.value)
-    from moe_cluster.node.cache import Catalog, ShardCache
+    from moe_cluster.node.cache import ShardCache
+    from moe_cluster.node.catalog import Catalog
 
     catalog = Catalog.from_json(json.loads(shipper.catalog_bytes), "test")
     first = ShardCache(tmp_path / "shared", catalog, {})
@@ -587,7 +591,7 @@ class CutData(FaultyData):
 
 def test_a_data_channel_cut_inside_a_blob_resumes_from_its_durable_bytes(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_mod, "PROGRESS_BYTES", 64 << 10)
-    monkeypatch.setattr(cache_mod, "PIECE_BYTES", 16 << 10)
+    monkeypatch.setattr(catalog_mod, "PIECE_BYTES", 16 << 10)
     ckpt = Checkpoint.open("demo")
     shipper = CutData(ckpt, report=lambda line: None)
     srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
@@ -614,7 +618,7 @@ class CorruptData(FaultyData):
     are the checkpoint's)."""
 
     def fault(self, data: bytearray) -> bytearray:
-        data[cache_mod.PIECE_BYTES + 5] ^= 0x10
+        data[catalog_mod.PIECE_BYTES + 5] ^= 0x10
         return data
 
 
@@ -623,7 +627,7 @@ def test_a_corrupt_piece_on_the_data_channel_is_fetched_again_from_that_piece(
 ):
     """Each piece is checked against the coordinator's digest of its checkpoint's bytes: a flipped bit
     on the way is caught, and the stream restarts at that piece, not at the blob or the shard."""
-    monkeypatch.setattr(cache_mod, "PIECE_BYTES", 64 << 10)
+    monkeypatch.setattr(catalog_mod, "PIECE_BYTES", 64 << 10)
     ckpt = Checkpoint.open("demo")
     shipper = CorruptData(ckpt, report=lambda line: None)
     srv, port = start_server(shipper, "127.0.0.1", 0, SECRET)
@@ -679,7 +683,7 @@ def test_a_digest_file_of_stale_lines_is_compacted_and_a_torn_line_skipped(tmp_p
     shipper = Shipper(ckpt, report=lambda line: None)
     blobs = sorted(shipper.ranges)[:3]
     first = Digests(
-        shipper.ranges, shipper.fingerprint, tmp_path, piece_bytes=cache_mod.PIECE_BYTES
+        shipper.ranges, shipper.fingerprint, tmp_path, piece_bytes=catalog_mod.PIECE_BYTES
     )
     truth = {b: first.get(b) for b in blobs}
     first.close()
@@ -688,7 +692,7 @@ def test_a_digest_file_of_stale_lines_is_compacted_and_a_torn_line_skipped(tmp_p
     stale = [json.dumps({**json.loads(line), "stat": [1, 2, 3]}) for line in good] * 20
     path.write_text("\n".join(stale + good) + "\n" + good[0][:40])  # and a torn last line
     again = Digests(
-        shipper.ranges, shipper.fingerprint, tmp_path, piece_bytes=cache_mod.PIECE_BYTES
+        shipper.ranges, shipper.fingerprint, tmp_path, piece_bytes=catalog_mod.PIECE_BYTES
     )
     assert {b: again.get(b) for b in blobs} == truth and again.hashed_bytes == 0
     assert sorted(path.read_text().splitlines()) == sorted(good)

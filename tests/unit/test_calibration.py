@@ -145,7 +145,7 @@ def test_bad_bench_names_the_field():
 def test_several_transports_are_fitted_one_at_a_time():
     """bench decode --transport mlx,envoy: the plan's fit refuses the mix; the bench fits each transport
     with the N = 1 points and recovers each one's collective cost."""
-    from moe_cluster.coordinator.bench.decode import calibrate
+    from moe_cluster.coordinator.bench.decode_calibrate import calibrate
 
     both = bench()
     fast = bench(truth=dict(TRUTH, a=100e-6, b=10e-6))["clusters"]
@@ -185,7 +185,7 @@ def test_timed_parts_that_fit_are_kept():
 def test_each_point_is_also_predicted_from_a_fit_without_it():
     """bench decode --calibrate: beside the in-sample error (a fit with about as many terms as points
     reproduces them by construction), each point's error when the fit leaves it out."""
-    from moe_cluster.coordinator.bench.decode import calibrate
+    from moe_cluster.coordinator.bench.decode_calibrate import calibrate
 
     exact = calibrate(bench())["envoy"]
     assert all(abs(p["held_out_error"]) < 1e-6 for p in exact["points"]), exact["points"]

@@ -20,9 +20,9 @@ class _Envoy:
     def __init__(self):
         self.cold: list[bool] = []
 
-    def send(self, raw, dtype, shape, layer, cold=False) -> int:
+    def send(self, out, cold=False) -> int:
         self.cold.append(cold)
-        self._raw = np.array(raw)
+        self._raw = np.array(out.raw)
         return len(self.cold) - 1
 
     def collect_parts(self, step) -> Complete:

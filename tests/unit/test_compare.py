@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from moe_cluster.coordinator.bench.decode import _compare as bench_compare
+from moe_cluster.coordinator.bench.decode_figures import compare as bench_compare
 from moe_cluster.coordinator.dev.simulate import compare
 
 TOKENS = [3, 1, 4, 1]
@@ -67,7 +67,7 @@ def test_stock_choices_line_up_with_the_tokens_stock_generated():
     choice first (float32 on this CPU: the pass and the decode agree), its logit the largest."""
     from mlx_lm.generate import stream_generate
 
-    from moe_cluster.coordinator.bench.decode import stock_choices
+    from moe_cluster.coordinator.bench.decode_run import stock_choices
     from moe_cluster.coordinator.dev.run_local import encode_prompt, load_stock
 
     _, model, tokenizer = load_stock("demo")

@@ -56,7 +56,7 @@ def test_project_errors_have_the_kind_of_what_went_wrong():
     from moe_cluster.coordinator.plan.calibration import CalibrationError
     from moe_cluster.coordinator.plan.perfmodel import PlanError
     from moe_cluster.coordinator.serve.client import ClusterError
-    from moe_cluster.coordinator.serve.cluster import QueueFull
+    from moe_cluster.coordinator.serve.requests import QueueFull
     from moe_cluster.coordinator.serve.config import ConfigError
     from moe_cluster.proto.frame import FrameError
     from moe_cluster.node.collective.link import LinkError

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from moe_cluster.node.collective.exchange import PeerExchange
+from moe_cluster.node.collective.exchange import Outgoing, PeerExchange
 from moe_cluster.node.collective.reduce import Reducer
 from moe_cluster.node.collective.steps import StepError
 from moe_cluster.proto.frame import Frame, encode
@@ -63,7 +63,9 @@ def _run(node: _Node, request: str, sizes: list[int], results: dict, limit_s: fl
     try:
         node.x.begin(request)
         for step, n in enumerate(sizes):
-            node.x.send(_partial(node.x.rank, step, n), "float32", (n,), step % 3, step, limit_s)
+            node.x.send(
+                Outgoing(_partial(node.x.rank, step, n), "float32", (n,), step % 3), step, limit_s
+            )
             results[(node.x.rank, step)] = node.x.collect().copy()
     except Exception as exc:  # noqa: BLE001 - reported to the test
         results[(node.x.rank, "error")] = exc
@@ -121,13 +123,13 @@ def test_frames_read_ahead_or_handed_with_the_channel_are_kept_for_their_step():
         node.x.begin("q")
         theirs.sendall(second[10:] + _frame("next", 0, 1, 5 * ones))
         for step, factor in ((0, 1), (1, 2)):
-            node.x.send(ones, "float32", (4,), 0, step, 5.0)
+            node.x.send(Outgoing(ones, "float32", (4,), 0), step, 5.0)
             assert node.x.collect().tolist() == [1 + factor] * 4
         node.x.begin("next")
-        node.x.send(ones, "float32", (4,), 0, 0, 5.0)
+        node.x.send(Outgoing(ones, "float32", (4,), 0), 0, 5.0)
         assert node.x.collect().tolist() == [6.0] * 4
         theirs.sendall(_frame("q", 2, 1, ones) + _frame("next", 1, 1, 3 * ones))  # "q" ended
-        node.x.send(ones, "float32", (4,), 0, 1, 5.0)
+        node.x.send(Outgoing(ones, "float32", (4,), 0), 1, 5.0)
         assert node.x.collect().tolist() == [4.0] * 4
         assert node.x.table.dropped == 1
     finally:
@@ -145,7 +147,7 @@ def test_a_frame_taken_where_it_was_read_stays_intact_until_the_next_steps_are_r
         for step in range(4):
             values = np.full(6144, step + 1, np.float32)
             theirs.sendall(_frame("q", step, 1, values))
-            node.x.send(np.zeros(6144, np.float32), "float32", (6144,), 0, step, 5.0)
+            node.x.send(Outgoing(np.zeros(6144, np.float32), "float32", (6144,), 0), step, 5.0)
             done = node.x.collect_parts()
             assert done.parts[1].tolist() == values.tolist()
             kept.append(done.parts[1])
@@ -170,7 +172,7 @@ def test_a_peer_that_breaks_the_protocol_fails_the_step_naming_it(fault, expect)
     node, theirs = _peer()
     ones = np.ones(4, np.float32)
     try:
-        node.x.send(ones, "float32", (4,), 0, 0, 5.0)
+        node.x.send(Outgoing(ones, "float32", (4,), 0), 0, 5.0)
         if fault == "garbage":
             theirs.sendall(b"\xff" * 64)
         elif fault == "close":
@@ -187,7 +189,7 @@ def test_a_peer_that_breaks_the_protocol_fails_the_step_naming_it(fault, expect)
             assert "rank 1 (10.0.0.2:7000)" in message, message
             assert [r for r, _ in node.broken] == [1], node.broken
         with pytest.raises(StepError, match="already failed"):  # the request's later steps
-            node.x.send(ones, "float32", (4,), 0, 1, 5.0)
+            node.x.send(Outgoing(ones, "float32", (4,), 0), 1, 5.0)
     finally:
         theirs.close()
         node.close()
@@ -198,7 +200,7 @@ def test_a_silent_peer_times_out_naming_it_and_abort_ends_a_wait_at_once():
     ones = np.ones(4, np.float32)
     try:
         t = time.monotonic()
-        node.x.send(ones, "float32", (4,), 7, 0, 0.3)
+        node.x.send(Outgoing(ones, "float32", (4,), 7), 0, 0.3)
         with pytest.raises(
             StepError,
             match=r"no frame from rank 1 \(10.0.0.2:7000\) for step 0 "
@@ -210,7 +212,7 @@ def test_a_silent_peer_times_out_naming_it_and_abort_ends_a_wait_at_once():
 
         node.x.begin("r")
         theirs.recv(1 << 16)  # step 0's frame of "q"
-        node.x.send(ones, "float32", (4,), 0, 0, 30.0)
+        node.x.send(Outgoing(ones, "float32", (4,), 0), 0, 30.0)
         threading.Timer(0.2, node.x.abort, args=("r",)).start()
         t = time.monotonic()
         with pytest.raises(StepError, match="request r aborted: it failed on another node"):
@@ -229,7 +231,7 @@ def test_a_peer_without_a_channel_fails_the_step_with_why():
     try:
         node.x.begin("q")
         with pytest.raises(StepError) as err:
-            node.x.send(np.ones(4, np.float32), "float32", (4,), 3, 0, 5.0)
+            node.x.send(Outgoing(np.ones(4, np.float32), "float32", (4,), 3), 0, 5.0)
         assert "rank 2 (10.0.0.3:7000) is not connected (stream failed: UNAVAILABLE)" in str(
             err.value
         ), err.value

@@ -73,7 +73,16 @@ RULES = (
     Rule(
         "the model description imports none of its users",
         ("node.describe",),
-        ("node.moe.load", "node.cache", "node.ship", "node.runtime", "node.agent", "coordinator"),
+        (
+            "node.moe.load",
+            "node.cache",
+            "node.catalog",
+            "node.shard_layout",
+            "node.ship",
+            "node.runtime",
+            "node.agent",
+            "coordinator",
+        ),
     ),
     Rule(
         "serve/ takes no plumbing from the node's or the envoy's packages",

@@ -174,15 +174,15 @@ class Link:
 def test_the_bench_s_in_flight_hidden_is_the_share_of_the_flights_the_other_lane_built_in(
     monkeypatch,
 ):
-    """bench race's `in_flight_hidden` (coordinator/bench/race.py `hidden`, from the Interleave's
-    in-flight and waited seconds) against what the schedule says: the seconds a lane spent building
-    its layer while the other lane's all-reduce travelled, over the seconds the link carried
-    all-reduces. Build 3 ms, travel 5 ms, 4 layers a lane: A builds layers 1-3 while B's layers 0-2
-    travel (3 ms of each 5 ms flight hidden, 2 ms waited); B builds each layer before A's is handed
-    over, so A's 4 flights and B's last hide nothing: 9 ms of 40."""
+    """bench race's `in_flight_hidden` (coordinator/bench/race_rows.py `hidden`, from the
+    Interleave's in-flight and waited seconds) against what the schedule says: the seconds a lane
+    spent building its layer while the other lane's all-reduce travelled, over the seconds the link
+    carried all-reduces. Build 3 ms, travel 5 ms, 4 layers a lane: A builds layers 1-3 while B's
+    layers 0-2 travel (3 ms of each 5 ms flight hidden, 2 ms waited); B builds each layer before
+    A's is handed over, so A's 4 flights and B's last hide nothing: 9 ms of 40."""
     from types import SimpleNamespace
 
-    from moe_cluster.coordinator.bench.race import hidden
+    from moe_cluster.coordinator.bench.race_rows import hidden
     from moe_cluster.node import overlap
 
     clock = Clock()

@@ -140,13 +140,13 @@ def test_check_recovers_the_bandwidth_and_reports_held_out_misses():
         probe = race.MeasuredRow(name, 2, batch, 1.0, 200e-6)
         p = race.predict_row(m, HW, NET, probe, 25 * GB)  # "measured" on a 25 GB/s device
         rows.append(race.MeasuredRow(name, 2, batch, p.time_s, 200e-6))
-    out = race.check(m, HW, NET, rows)
+    out = race.check(race.RaceRun(m, HW, NET, rows))
     assert out["bandwidth_Bps"] == pytest.approx(25 * GB) and "fitted" in out["bandwidth_source"]
     assert [r["held_out"] for r in out["rows"]] == [False, True, True]
     assert out["max_abs_held_out_miss"] == pytest.approx(0.0, abs=1e-9)
     # a row 1.5x slower than the model says is a -33% miss (the model predicts 1.5x its tok/s: +50%)
     slowed = rows[:2] + [race.MeasuredRow("mlx_lm_tensor", 2, 4, rows[2].step_s * 1.5, 200e-6)]
-    out = race.check(m, HW, NET, slowed)
+    out = race.check(race.RaceRun(m, HW, NET, slowed))
     assert out["rows"][2]["miss"] == pytest.approx(0.5) and out[
         "max_abs_held_out_miss"
     ] == pytest.approx(0.5)
@@ -178,7 +178,7 @@ def test_check_with_two_batches_fits_bandwidth_and_a_cost_per_layer():
         row("mlx_lm_pipeline", 4),
         row("mlx_lm_tensor", 1),
     ]
-    out = race.check(m, HW, NET, rows)
+    out = race.check(race.RaceRun(m, HW, NET, rows))
     assert out["bandwidth_Bps"] == pytest.approx(25 * GB) and out[
         "layer_overhead_s"
     ] == pytest.approx(1e-3)
@@ -207,7 +207,7 @@ def test_check_each_fits_costs_per_layer_and_per_token_per_row_kind_at_its_fewes
         row("mlx_lm_pipeline", 4, 1, 0.5e-3, slower=2.0),  # costs more than the fit carries
         row("mlx_lm_tensor", 2, 8, 1e-3),  # one batch: the fixed cost alone
     ]
-    out = race.check_each(m, HW, NET, rows)
+    out = race.check_each(race.RaceRun(m, HW, NET, rows))
     assert out["layer_overhead_s"] == pytest.approx(
         {"ours_envoy": 2e-3, "mlx_lm_pipeline": 0.5e-3, "mlx_lm_tensor": 1e-3 + 0.0}
     )
@@ -265,7 +265,7 @@ def test_check_split_recovers_costs_per_layer_and_per_token_and_carries_them_to_
         row("mlx_lm_tensor", 4, 8),
         row("mlx_lm_tensor", 2, 8, slower=1.25),
     ]
-    out = race.check_split(m, HW, NET, rows)
+    out = race.check_split(race.RaceRun(m, HW, NET, rows))
     assert out["layer_overhead_s"] == pytest.approx(costs["layer_overhead_s"])
     assert out["token_costs_s"] == pytest.approx(
         {k: v for k, v in costs.items() if k != "layer_overhead_s"}
@@ -278,17 +278,17 @@ def test_check_split_recovers_costs_per_layer_and_per_token_and_carries_them_to_
 
     # without a synced pass the cost per token is split by FLOPs, and none of it is ours' own
     bare = [race.MeasuredRow(r.name, r.nodes, r.batch, r.step_s, r.collective_s) for r in rows]
-    out = race.check_split(m, HW, NET, bare)
+    out = race.check_split(race.RaceRun(m, HW, NET, bare))
     assert out["token_costs_s"]["token_ours_s"] == 0.0 and "FLOPs" in out["bandwidth_source"]
     assert [r["miss"] for r in out["rows"][:2]] == pytest.approx([0.0, 0.0], abs=1e-9)
     # rows faster than their bytes at the hardware's bandwidth: it is raised until they fit
     slow = HardwareSpec("slow", 10**12, 0.1 * GB, 1e30, 0.0)
-    out = race.check_split(m, slow, NET, rows[:2])
+    out = race.check_split(race.RaceRun(m, slow, NET, rows[:2]))
     assert "raised" in out["bandwidth_source"] and out["bandwidth_Bps"] > 0.1 * GB
     # one batch: a fixed cost alone; no ours rows: nothing fitted
-    out = race.check_split(m, HW, NET, [rows[1], rows[3]])
+    out = race.check_split(race.RaceRun(m, HW, NET, [rows[1], rows[3]]))
     assert "one batch" in out["bandwidth_source"] and out["rows"][0]["miss"] == pytest.approx(0.0)
-    out = race.check_split(m, HW, NET, rows[3:])
+    out = race.check_split(race.RaceRun(m, HW, NET, rows[3:]))
     assert "nothing fitted" in out["bandwidth_source"] and all(r["held_out"] for r in out["rows"])
 
 

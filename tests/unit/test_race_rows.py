@@ -1,6 +1,6 @@
-"""bench race's rows (coordinator/bench/race.py): the merge of rows from separate calls, compared
-again (`bench race --merge`: on a GPU host each row runs in its own call), and the slow gaps a row
-reports."""
+"""bench race's rows (coordinator/bench/race_rows.py): the merge of rows from separate calls,
+compared again (`bench race --merge`: on a GPU host each row runs in its own call), and the slow
+gaps a row reports."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 
 import pytest
 from moe_cluster.proto.errors import UserError
-from moe_cluster.coordinator.bench.race import merge, timing
+from moe_cluster.coordinator.bench.race_rows import merge, timing
 
 from conftest import assert_one_line_error, cli_in_process
 

@@ -15,7 +15,7 @@ from moe_cluster.coordinator.serve import openai as openai_api
 from moe_cluster.coordinator.serve.api_error import ApiError
 from moe_cluster.coordinator.serve.generation import Generation
 from moe_cluster.coordinator.serve.api import ServingOptions
-from moe_cluster.coordinator.serve.cluster import Outcome
+from moe_cluster.coordinator.serve.requests import Outcome
 from moe_cluster.coordinator.serve.tools import FieldError
 from moe_cluster.node.sampling import sample_tokens
 from moe_cluster.proto.errors import error_for, ErrorKind
