@@ -115,6 +115,8 @@ def _ours(
         reports = run_nodes(
             tasks,
             spec.nodes,
+            # a step of long prompts on a busy machine can outlast the default 60 s watchdog
+            timeout_s=spec.timeout_s,
             transport=transport,
             gpus=spec.gpus,
             mlx_backend=spec.mlx_backend,
