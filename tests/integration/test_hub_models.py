@@ -77,7 +77,8 @@ def test_run_resumes_a_stopped_download_then_runs_offline(hf, monkeypatch):
     """The first run: shard 1's connection drops halfway (the client resumes it with a Range
     request from the last chunk it wrote, in the run; chunks of 256 KiB here instead of the
     client's 10 MiB, so a 4 MB shard has some), shard 2 answers 500: the run stops, one line.
-    The second fetches shard 2 alone and generates. Offline, the third asks the hub nothing."""
+    The second fetches shard 2 and the files the first never started, and generates. Offline,
+    the third asks the hub nothing."""
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 256 << 10)
@@ -90,12 +91,15 @@ def test_run_resumes_a_stopped_download_then_runs_offline(hf, monkeypatch):
     assert f"downloading {REPO} stopped (HTTP 500" in last and "run again to resume" in last, last
     ((path, asked),) = hf.ranges()
     assert path.endswith(SHARDS[0]) and int(asked.removeprefix("bytes=").rstrip("-")) > 0, asked
-    assert hf.gets().count(SHARDS[0]) == 2 and set(hf.gets()) == NEEDED
+    first = hf.gets()
+    # the client cancels the files not yet started when one fails: which those are is timing
+    assert first.count(SHARDS[0]) == 2 and SHARDS[1] in first and set(first) <= NEEDED, first
+    arrived = set(first) - {SHARDS[1]}
 
     hf.reset()
     r = cli_in_process(*args)
     assert r.returncode == 0, r.stderr
-    assert hf.gets() == [SHARDS[1]]  # what had arrived stayed in the cache
+    assert sorted(hf.gets()) == sorted(NEEDED - arrived)  # what had arrived stayed in the cache
     assert len(json.loads(r.stdout)["tokens"]) == 4
 
     hf.reset()
