@@ -45,7 +45,7 @@ from .kv import kv_bytes_per_token, kv_reserve
 from .lanes import Lane, shortest
 from .moe.telemetry import StepTimes
 from .scheduler import admissions, emit, prefill_passes
-from .speculate import speculation
+from .speculate import COOL_STEPS, speculation
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class BatchLimits:
     max_batch: int = 8  # sequences running at once
     prefill_budget: int = 512  # prompt tokens prefilled per step while other sequences decode
     kv_budget_bytes: int = 0  # KV of running sequences plus the prompt cache; 0: no limit
-    speculative: str = "off"  # node.speculate.MODES
+    speculative: str = "off"  # node.speculate.MODES (the cluster's default: auto)
     draft_tokens: int = 4  # drafts a step verifies per sequence at most, where speculation is on
     draft_model: str = ""  # speculative "draft": the draft checkpoint (read on rank 0 only)
     overlap: bool = False  # two micro-batches per decode step (node/overlap.py)
@@ -98,6 +98,9 @@ class Sequence:
     drafts: int = 0  # drafts per step at most; 0: one token per step
     allowance: int = 0  # drafts this step may verify (speculate.adapt), from agreed steps only
     cool: int = 0  # steps left without drafts after its guesses kept failing
+    rest: int = 0  # the steps it rests after its next failed probe (speculate.adapt)
+    tried: int = 0  # guesses its latest step verified (0: a plain step)
+    judged: int = 0  # guesses of the step whose tokens this step agrees on
     pending: list[int] = field(default_factory=list)  # emitted last step; the last: next input
     pending_logits: list = field(default_factory=list)  # their rows (record_logits)
     # attention by stream: the rank that alone attends for it and holds its KV (-1: every rank)
@@ -345,12 +348,12 @@ class RunningBatch:
             active = list(self._active)
             cancels = [s.cancel for s in active]
         decoding = list(self._decoding)
+        guessing = self._guessing(decoding)
         # what this step agrees on: each decoding sequence's tokens of last step (lazy: sampled,
-        # not read) or, speculating, those it emitted (read on the host already); a stream another
-        # rank owns has none here
+        # not read) or, after a verifying step, those it emitted (read on the host already); a
+        # stream another rank owns has none here
         previous = [
-            None if not s.local else list(s.pending) if self.draft_max else s.token
-            for s in decoding
+            None if not s.local else list(s.pending) if s.pending else s.token for s in decoding
         ]
         layout = Layout(queue, len(active), len(decoding), self.slots)
         vote = None if alone else layout.encode(held, cancels, previous)
@@ -366,12 +369,9 @@ class RunningBatch:
         cold = self._shapes.get(shape, 0) < 2
         with waiting(c, f"batch step {self._steps}", cold), mx.stream(_generation_stream()):
             self._prefill(joining, bool(decoding))
-            logits_before = [
-                s.pending_logits if self.draft_max else [s.prev_logits] for s in decoding
-            ]
-            if self.draft_max:
-                if decoding:
-                    self._verify(decoding)
+            logits_before = [s.pending_logits if s.pending else [s.prev_logits] for s in decoding]
+            if guessing:
+                self._verify(decoding)
             else:
                 sampled = self._decode(decoding)
                 if sampled is not None:
@@ -456,7 +456,9 @@ class RunningBatch:
         def inputs(rows: list[Sequence]) -> mx.array:
             return mx.concatenate(
                 [
-                    s.token.reshape(-1)[:1].astype(mx.uint32)
+                    mx.array([s.pending[-1]], mx.uint32)  # after a verifying step
+                    if s.pending
+                    else s.token.reshape(-1)[:1].astype(mx.uint32)
                     if s.token is not None
                     else mx.array([s.first_input], mx.uint32)
                     for s in rows
@@ -480,9 +482,28 @@ class RunningBatch:
         sampled = sampling.sample_tokens(rows, logits)
         for i, s in enumerate(rows):
             s.token = sampled[i : i + 1] if len(rows) > 1 else sampled
+            s.pending, s.pending_logits = [], []
             if s.req.record_logits:
                 s.logits = logits[i]
         return sampled
+
+    def _guessing(self, decoding: list[Sequence]) -> bool:
+        """Whether this step verifies guesses: a sequence may guess (an allowance, from agreed
+        steps), and every row's caches can drop what a step that wide rejects (speculate.room).
+        Else it runs as without speculation: its graph is built before the last step's tokens are
+        read. A verifying step reads its rows' last tokens first (one synchronous step)."""
+        from .speculate import room
+
+        width = 1 + max((s.allowance for s in decoding), default=0)
+        lanes = [lane for lane in (self._shared, *self._lanes) if lane.rows]
+        ok = width > 1 and all(room(lane.cache, width) for lane in lanes)
+        for s in decoding:
+            s.judged, s.tried = s.tried, (s.allowance if ok else 0)
+            if ok and s.local and s.token is not None:  # sampled by a plain step, not read yet
+                s.pending = [int(s.token.reshape(-1)[0].item())]
+                s.pending_logits = [s.logits] if s.req.record_logits else []
+                s.token = None
+        return ok
 
     def _verify(self, decoding: list[Sequence]) -> None:
         """A speculative step (Speculator.step) over this rank's rows, every row as wide as the
@@ -547,7 +568,9 @@ class RunningBatch:
             else:
                 stats.generation_seconds = now - s.t_first
             if s.drafts:  # the agreed tokens say how many of its guesses held: the next allowance
-                s.allowance, s.cool = adapt(s.allowance, s.cool, len(tokens) - 1, s.drafts)
+                s.allowance, s.cool, s.rest = adapt(
+                    s.allowance, s.cool, s.judged, len(tokens) - 1, s.drafts, s.rest
+                )
             e = emit(
                 tokens,
                 eos=frozenset(s.req.eos_token_ids),
@@ -629,7 +652,7 @@ class RunningBatch:
                 s.cache = cache if cache is not None else make_prompt_cache(self.model)
             wanted = s.req.draft_tokens
             s.drafts = self.draft_max if wanted is None else min(wanted, self.draft_max)
-            s.allowance = s.drafts
+            s.allowance, s.rest = s.drafts, COOL_STEPS
             prompt = list(s.req.prompt)
             s.todo = prompt[covered:-1]
             s.first_input = prompt[-1]
