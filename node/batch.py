@@ -494,21 +494,31 @@ class RunningBatch:
         read. A verifying step reads its rows' last tokens first (one synchronous step)."""
         from .speculate import room
 
-        width = 1 + max((s.allowance for s in decoding), default=0)
+        width = self._width(decoding)
         lanes = [lane for lane in (self._shared, *self._lanes) if lane.rows]
         ok = width > 1 and all(room(lane.cache, width) for lane in lanes)
         for s in decoding:
-            s.judged, s.tried = s.tried, (s.allowance if ok else 0)
+            s.judged, s.tried = s.tried, (min(s.allowance, width - 1) if ok else 0)
             if ok and s.local and s.token is not None:  # sampled by a plain step, not read yet
                 s.pending = [int(s.token.reshape(-1)[0].item())]
                 s.pending_logits = [s.logits] if s.req.record_logits else []
                 s.token = None
         return ok
 
+    def _width(self, decoding: list[Sequence]) -> int:
+        """Positions per row of a verifying step: 1 + the widest allowance. With `auto`, the
+        batch's rows share `draft_tokens` guesses a step: every verified position costs compute,
+        and the step's all-reduces, the cost guesses save, are already shared by its rows (at
+        8 streams and 4 drafts a step guesses nothing)."""
+        widest = max((s.allowance for s in decoding), default=0)
+        if self.limits.speculative == "auto":
+            widest = min(widest, self.draft_max // max(1, len(decoding)))
+        return 1 + widest
+
     def _verify(self, decoding: list[Sequence]) -> None:
         """A speculative step (Speculator.step) over this rank's rows, every row as wide as the
         widest allowance of every rank's decoding sequences (what the ranks agreed)."""
-        width = 1 + max(s.allowance for s in decoding)
+        width = self._width(decoding)
         self._tally.decoded, self._tally.positions = len(decoding), len(decoding) * width
 
         def verify(lane: Lane) -> None:

@@ -170,16 +170,21 @@ class Speculator:
         self.drafter = drafter  # rank 0's, in mode "draft"
 
     def step(self, lane, model, width: int, tally) -> None:
-        """One verifying forward pass of the rows of `lane`, each `width` positions wide (1 + the
-        widest allowance, whatever each sequence found to guess: the step's shape then depends only
-        on what the ranks agreed, never on a token not yet agreed)."""
+        """One verifying forward pass of the rows of `lane`, each `width` positions wide
+        (node/batch.py `_width`: from the allowances), whatever each sequence found to guess: the
+        step's shape then depends only on what the ranks agreed, never on a token not yet
+        agreed."""
         from . import sampling
 
         decoding = lane.rows
         histories = [[*s.req.prompt, *s.fed, *s.pending] for s in decoding]
         # no guess past max_tokens: the step's own token is the last one a sequence may still need
         wanted = [
-            min(s.allowance, max(0, s.req.sampling.max_tokens - len(h) + len(s.req.prompt) - 1))
+            min(
+                s.allowance,
+                width - 1,
+                max(0, s.req.sampling.max_tokens - len(h) + len(s.req.prompt) - 1),
+            )
             for s, h in zip(decoding, histories)
         ]
         drafts = self._drafts(decoding, histories, wanted)
