@@ -99,9 +99,8 @@ _ROLLS_BACK = {
 }
 # why the others cannot, one line each
 _WHY_NOT = {
-    "ArraysCache": "a recurrent state (linear attention / SSM) is one state, not one per position: "
-    "dropping a rejected draft needs the state after each verified position, which mlx-lm's "
-    "recurrent kernels do not return",
+    "ArraysCache": "a recurrent state is one state, not one per verified position (mlx-lm's "
+    "linear-attention and SSM kernels return only the last)",
 }
 
 

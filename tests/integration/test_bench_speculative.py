@@ -70,26 +70,8 @@ def test_bench_auto_alternates_with_off_alone_and_as_8_streams():
     streams at once each way, every stream with the tokens of decoding without drafts. At 8 streams
     and 4 drafts a step, auto's batch guesses nothing (node/batch.py `_width`): one step, 8 tokens,
     as off."""
-    r = cli(
-        "bench",
-        "decode",
-        "--model",
-        "demo",
-        "--nodes",
-        "2",
-        "--speculative",
-        "auto",
-        "--spoil",
-        "0",
-        "--streams",
-        "8",
-        "--max-tokens",
-        "16",
-        "--rounds",
-        "1",
-        "--json",
-        timeout=300,
-    )
+    args = "--speculative auto --spoil 0 --streams 8 --max-tokens 16 --rounds 1 --json"
+    r = cli("bench", "decode", "--model", "demo", "--nodes", "2", *args.split(), timeout=300)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     (run,) = out["runs"]

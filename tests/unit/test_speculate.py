@@ -3,6 +3,8 @@ the keys a sampled sequence draws with, and which caches can drop a rejected tai
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 
@@ -58,7 +60,7 @@ def test_kv_and_windowed_caches_roll_back_and_a_recurrent_state_says_why_not():
     assert can_roll_back([KVCache(), CacheList(KVCache(), RotatingKVCache(16))]) is None
     assert can_roll_back([ChunkedKVCache(8)]) is None
     why = can_roll_back([KVCache(), ArraysCache(2), CacheList(KVCache(), RotatingKVCache(16))])
-    assert why.startswith("its caches (ArraysCache) cannot drop rejected drafts: a recurrent")
+    assert why.startswith("its caches (ArraysCache) cannot drop rejected drafts: a recurrent state")
 
 
 def test_a_window_has_room_for_a_step_while_nothing_it_drops_has_left_it():
@@ -114,3 +116,37 @@ def test_the_allowance_halves_on_failed_guesses_rests_then_probes_and_comes_back
     assert adapt(0, 0, 0, 0, 4, MAX_COOL)[2] == MAX_COOL
     assert adapt(1, 0, 1, 1, 4, 32) == (4, 0, COOL_STEPS)  # a guess held: all back
     assert adapt(0, 9, 1, 1, 4, 32) == (4, 0, COOL_STEPS)
+
+
+def test_auto_is_quietly_off_where_it_cannot_run_and_an_explicit_mode_says_so_too():
+    """`auto` is the default: a recurrent state, two micro-batches or attention by stream turn it
+    off with the reason (for the node's status), never an error; on plain caches it is on."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    from moe_cluster.node.batch import BatchLimits
+    from moe_cluster.node.speculate import speculation
+
+    two = SimpleNamespace(world_size=2, rank=1)
+    auto = BatchLimits(speculative="auto")
+    assert speculation(auto, two, [KVCache(), RotatingKVCache(8)], 300)[:2] == (4, None)
+    for limits, cache, why in (
+        (
+            auto,
+            [ArraysCache(2)],
+            "its caches (ArraysCache) cannot drop rejected drafts: a recurrent state",
+        ),
+        (replace(auto, overlap=True), [KVCache()], "overlap: true runs two micro-batches"),
+        (replace(auto, attention="by-stream"), [KVCache()], "attention: by-stream"),
+        (replace(auto, speculative="prompt-lookup"), [ArraysCache(2)], "its caches (ArraysCache)"),
+    ):
+        draft_max, off, spec = speculation(limits, two, cache, 300)
+        assert draft_max == 0 and spec is None and off.startswith(why), off
+    # explicitly asked for, prompt lookup runs by stream (each owner drafts its own streams)
+    assert (
+        speculation(
+            replace(auto, speculative="prompt-lookup", attention="by-stream"), two, [KVCache()], 300
+        )[1]
+        is None
+    )
