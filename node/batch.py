@@ -154,7 +154,9 @@ class RunningBatch:
         self.draft_max, self.speculation_off, self._speculator = speculation(
             limits, self.collective, make_prompt_cache(self.model), vocab
         )
-        self.slots = 1 + self.draft_max  # tokens a decoding sequence rides per step
+        # tokens a decoding sequence's vote carries: what it emitted last step, as wide as that
+        # step (one token after a plain step: the vote then weighs what it weighs without drafts)
+        self.slots = 1
         self.overlap_off = None  # why a node asked to overlap micro-batches cannot, for its status
         self._interleave = None  # node/overlap.py, where the collective is not a graph operation
         lanes = 1
@@ -356,6 +358,8 @@ class RunningBatch:
             None if not s.local else list(s.pending) if s.pending else s.token for s in decoding
         ]
         layout = Layout(queue, len(active), len(decoding), self.slots)
+        width = self._width(decoding) if guessing else 1
+        self.slots = width  # what the next step's vote carries per sequence
         vote = None if alone else layout.encode(held, cancels, previous)
         if vote is not None:
             c.ride(vote)
@@ -365,7 +369,7 @@ class RunningBatch:
         # first's graph: on a fresh GPU host the first decode steps of a 94-layer model build
         # theirs for longer than a stall's bound
         joining = [s for s in active if s.state == "prefill"]
-        shape = self._shape(joining, decoding)
+        shape = self._shape(joining, decoding, width)
         cold = self._shapes.get(shape, 0) < 2
         with waiting(c, f"batch step {self._steps}", cold), mx.stream(_generation_stream()):
             self._prefill(joining, bool(decoding))
@@ -438,11 +442,13 @@ class RunningBatch:
                 if not s.todo:
                     s.state = "decode"  # its last prompt token goes in with the next decode step
 
-    def _shape(self, joining: list[Sequence], decoding: list[Sequence]) -> tuple[int, int]:
+    def _shape(
+        self, joining: list[Sequence], decoding: list[Sequence], width: int
+    ) -> tuple[int, int]:
         """What decides the kernels a step builds: its first prefill chunk's length (rounded up to a
-        power of two; 0: none) and the rows it decodes."""
+        power of two; 0: none) and the positions it decodes."""
         first = min(self._chunk(joining[0]), len(joining[0].todo)) if joining else 0
-        return (1 << (first - 1).bit_length() if first else 0, len(decoding) * self.slots)
+        return (1 << (first - 1).bit_length() if first else 0, len(decoding) * width)
 
     def _chunk(self, s: Sequence) -> int:
         return max(1, min(s.req.prefill_step, self.limits.prefill_budget))
