@@ -190,6 +190,11 @@ def _summary(
             else "off"
         ]
         t["ratio_vs_off"] = t["tps"] / ref["tps"] if ref["tps"] else None
+        # each round's ratio against the baseline's same round (run beside it), their median: a
+        # machine whose speed drifts during the run moves both sides of one round alike
+        t["ratio_rounds_median"] = statistics.median(
+            a / b for a, b in zip(t["rounds_tps"], ref["rounds_tps"]) if b
+        )
         t["tokens_equal_off"] = t["tokens"] == ref["tokens"]
     return {
         "nodes": nodes,

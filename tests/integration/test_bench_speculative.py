@@ -47,7 +47,7 @@ def test_bench_speculative_sweeps_acceptance_with_the_tokens_of_decoding_without
     ]
     for t in rows.values():
         assert t["tokens_equal_off"] and t["same_tokens_every_round"] and len(t["tokens"]) == 16, t
-        assert t["tps"] > 0 and t["ratio_vs_off"] > 0, t
+        assert t["tps"] > 0 and t["ratio_vs_off"] > 0 and t["ratio_rounds_median"] > 0, t
     off, right, wrong = (
         rows["off"],
         rows["prediction, 0% spoiled"],
