@@ -274,6 +274,12 @@ def speculation(limits, collective, cache: list, vocab: int):
                 f"attention: {limits.attention} (a verifying step is as wide as its widest "
                 "stream on every node; prompt-lookup turns it on)"
             )
+    windowed = {"RotatingKVCache", "ChunkedKVCache"} & {type(c).__name__ for c in _leaves(cache)}
+    if not why and windowed and limits.attention != "replicated" and collective.world_size > 1:
+        # whether a window has room is read from its cache, which by stream only the owner holds:
+        # the nodes could not agree on a step's width
+        why = f"its caches ({', '.join(sorted(windowed))}) are windows, and by stream only a "
+        why += "stream's owner knows how full its window is"
     if why:
         log = logging.getLogger(__name__)
         (log.info if mode == "auto" else log.warning)("speculative decoding is off: %s", why)

@@ -143,6 +143,10 @@ def test_auto_is_quietly_off_where_it_cannot_run_and_an_explicit_mode_says_so_to
     ):
         draft_max, off, spec = speculation(limits, two, cache, 300)
         assert draft_max == 0 and spec is None and off.startswith(why), off
+    # by stream a window's fill is its owner's alone: prompt lookup there only on plain caches
+    lookup_by_stream = replace(auto, speculative="prompt-lookup", attention="by-stream")
+    why = speculation(lookup_by_stream, two, [KVCache(), RotatingKVCache(8)], 300)[1]
+    assert why.startswith("its caches (RotatingKVCache) are windows, and by stream"), why
     # explicitly asked for, prompt lookup runs by stream (each owner drafts its own streams)
     assert (
         speculation(
