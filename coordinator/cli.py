@@ -308,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --speculative: comma list of shares of the predicted output to spoil, from 0 (every "
         "draft holds) to 1 (none does); default 0,0.1,0.25,0.5,1",
     )
+    b.add_argument(
+        "--streams",
+        type=_positive_int,
+        default=1,
+        help="with --speculative: also the plain prompt as this many streams at once, with and "
+        "without speculation (the batch's tok/s)",
+    )
     b.add_argument("--json", action="store_true")
     b.set_defaults(handler="moe_cluster.coordinator.bench.decode:main")
 

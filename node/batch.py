@@ -45,7 +45,7 @@ from .kv import kv_bytes_per_token, kv_reserve
 from .lanes import Lane, shortest
 from .moe.telemetry import StepTimes
 from .scheduler import admissions, emit, prefill_passes
-from .speculate import speculation
+from .speculate import COOL_STEPS, speculation
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class BatchLimits:
     max_batch: int = 8  # sequences running at once
     prefill_budget: int = 512  # prompt tokens prefilled per step while other sequences decode
     kv_budget_bytes: int = 0  # KV of running sequences plus the prompt cache; 0: no limit
-    speculative: str = "off"  # node.speculate.MODES
+    speculative: str = "off"  # node.speculate.MODES (the cluster's default: auto)
     draft_tokens: int = 4  # drafts a step verifies per sequence at most, where speculation is on
     draft_model: str = ""  # speculative "draft": the draft checkpoint (read on rank 0 only)
     overlap: bool = False  # two micro-batches per decode step (node/overlap.py)
@@ -98,6 +98,9 @@ class Sequence:
     drafts: int = 0  # drafts per step at most; 0: one token per step
     allowance: int = 0  # drafts this step may verify (speculate.adapt), from agreed steps only
     cool: int = 0  # steps left without drafts after its guesses kept failing
+    rest: int = 0  # the steps it rests after its next failed probe (speculate.adapt)
+    tried: int = 0  # guesses its latest step verified (0: a plain step)
+    judged: int = 0  # guesses of the step whose tokens this step agrees on
     pending: list[int] = field(default_factory=list)  # emitted last step; the last: next input
     pending_logits: list = field(default_factory=list)  # their rows (record_logits)
     # attention by stream: the rank that alone attends for it and holds its KV (-1: every rank)
@@ -151,7 +154,9 @@ class RunningBatch:
         self.draft_max, self.speculation_off, self._speculator = speculation(
             limits, self.collective, make_prompt_cache(self.model), vocab
         )
-        self.slots = 1 + self.draft_max  # tokens a decoding sequence rides per step
+        # tokens a decoding sequence's vote carries: what it emitted last step, as wide as that
+        # step (one token after a plain step: the vote then weighs what it weighs without drafts)
+        self.slots = 1
         self.overlap_off = None  # why a node asked to overlap micro-batches cannot, for its status
         self._interleave = None  # node/overlap.py, where the collective is not a graph operation
         lanes = 1
@@ -345,14 +350,16 @@ class RunningBatch:
             active = list(self._active)
             cancels = [s.cancel for s in active]
         decoding = list(self._decoding)
+        guessing = self._guessing(decoding)
         # what this step agrees on: each decoding sequence's tokens of last step (lazy: sampled,
-        # not read) or, speculating, those it emitted (read on the host already); a stream another
-        # rank owns has none here
+        # not read) or, after a verifying step, those it emitted (read on the host already); a
+        # stream another rank owns has none here
         previous = [
-            None if not s.local else list(s.pending) if self.draft_max else s.token
-            for s in decoding
+            None if not s.local else list(s.pending) if s.pending else s.token for s in decoding
         ]
         layout = Layout(queue, len(active), len(decoding), self.slots)
+        width = self._width(decoding) if guessing else 1
+        self.slots = width  # what the next step's vote carries per sequence
         vote = None if alone else layout.encode(held, cancels, previous)
         if vote is not None:
             c.ride(vote)
@@ -362,16 +369,13 @@ class RunningBatch:
         # first's graph: on a fresh GPU host the first decode steps of a 94-layer model build
         # theirs for longer than a stall's bound
         joining = [s for s in active if s.state == "prefill"]
-        shape = self._shape(joining, decoding)
+        shape = self._shape(joining, decoding, width)
         cold = self._shapes.get(shape, 0) < 2
         with waiting(c, f"batch step {self._steps}", cold), mx.stream(_generation_stream()):
             self._prefill(joining, bool(decoding))
-            logits_before = [
-                s.pending_logits if self.draft_max else [s.prev_logits] for s in decoding
-            ]
-            if self.draft_max:
-                if decoding:
-                    self._verify(decoding)
+            logits_before = [s.pending_logits if s.pending else [s.prev_logits] for s in decoding]
+            if guessing:
+                self._verify(decoding)
             else:
                 sampled = self._decode(decoding)
                 if sampled is not None:
@@ -438,11 +442,13 @@ class RunningBatch:
                 if not s.todo:
                     s.state = "decode"  # its last prompt token goes in with the next decode step
 
-    def _shape(self, joining: list[Sequence], decoding: list[Sequence]) -> tuple[int, int]:
+    def _shape(
+        self, joining: list[Sequence], decoding: list[Sequence], width: int
+    ) -> tuple[int, int]:
         """What decides the kernels a step builds: its first prefill chunk's length (rounded up to a
-        power of two; 0: none) and the rows it decodes."""
+        power of two; 0: none) and the positions it decodes."""
         first = min(self._chunk(joining[0]), len(joining[0].todo)) if joining else 0
-        return (1 << (first - 1).bit_length() if first else 0, len(decoding) * self.slots)
+        return (1 << (first - 1).bit_length() if first else 0, len(decoding) * width)
 
     def _chunk(self, s: Sequence) -> int:
         return max(1, min(s.req.prefill_step, self.limits.prefill_budget))
@@ -456,7 +462,9 @@ class RunningBatch:
         def inputs(rows: list[Sequence]) -> mx.array:
             return mx.concatenate(
                 [
-                    s.token.reshape(-1)[:1].astype(mx.uint32)
+                    mx.array([s.pending[-1]], mx.uint32)  # after a verifying step
+                    if s.pending
+                    else s.token.reshape(-1)[:1].astype(mx.uint32)
                     if s.token is not None
                     else mx.array([s.first_input], mx.uint32)
                     for s in rows
@@ -480,14 +488,43 @@ class RunningBatch:
         sampled = sampling.sample_tokens(rows, logits)
         for i, s in enumerate(rows):
             s.token = sampled[i : i + 1] if len(rows) > 1 else sampled
+            s.pending, s.pending_logits = [], []
             if s.req.record_logits:
                 s.logits = logits[i]
         return sampled
 
+    def _guessing(self, decoding: list[Sequence]) -> bool:
+        """Whether this step verifies guesses: a sequence may guess (an allowance, from agreed
+        steps), and every row's caches can drop what a step that wide rejects (speculate.room).
+        Else it runs as without speculation: its graph is built before the last step's tokens are
+        read. A verifying step reads its rows' last tokens first (one synchronous step)."""
+        from .speculate import room
+
+        width = self._width(decoding)
+        lanes = [lane for lane in (self._shared, *self._lanes) if lane.rows]
+        ok = width > 1 and all(room(lane.cache, width) for lane in lanes)
+        for s in decoding:
+            s.judged, s.tried = s.tried, (min(s.allowance, width - 1) if ok else 0)
+            if ok and s.local and s.token is not None:  # sampled by a plain step, not read yet
+                s.pending = [int(s.token.reshape(-1)[0].item())]
+                s.pending_logits = [s.logits] if s.req.record_logits else []
+                s.token = None
+        return ok
+
+    def _width(self, decoding: list[Sequence]) -> int:
+        """Positions per row of a verifying step: 1 + the widest allowance. With `auto`, the
+        batch's rows share `draft_tokens` guesses a step: every verified position costs compute,
+        and the step's all-reduces, the cost guesses save, are already shared by its rows (at
+        8 streams and 4 drafts a step guesses nothing)."""
+        widest = max((s.allowance for s in decoding), default=0)
+        if self.limits.speculative == "auto":
+            widest = min(widest, self.draft_max // max(1, len(decoding)))
+        return 1 + widest
+
     def _verify(self, decoding: list[Sequence]) -> None:
         """A speculative step (Speculator.step) over this rank's rows, every row as wide as the
         widest allowance of every rank's decoding sequences (what the ranks agreed)."""
-        width = 1 + max(s.allowance for s in decoding)
+        width = self._width(decoding)
         self._tally.decoded, self._tally.positions = len(decoding), len(decoding) * width
 
         def verify(lane: Lane) -> None:
@@ -547,7 +584,9 @@ class RunningBatch:
             else:
                 stats.generation_seconds = now - s.t_first
             if s.drafts:  # the agreed tokens say how many of its guesses held: the next allowance
-                s.allowance, s.cool = adapt(s.allowance, s.cool, len(tokens) - 1, s.drafts)
+                s.allowance, s.cool, s.rest = adapt(
+                    s.allowance, s.cool, s.judged, len(tokens) - 1, s.drafts, s.rest
+                )
             e = emit(
                 tokens,
                 eos=frozenset(s.req.eos_token_ids),
@@ -629,7 +668,7 @@ class RunningBatch:
                 s.cache = cache if cache is not None else make_prompt_cache(self.model)
             wanted = s.req.draft_tokens
             s.drafts = self.draft_max if wanted is None else min(wanted, self.draft_max)
-            s.allowance = s.drafts
+            s.allowance, s.rest = s.drafts, COOL_STEPS
             prompt = list(s.req.prompt)
             s.todo = prompt[covered:-1]
             s.first_input = prompt[-1]

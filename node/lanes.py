@@ -32,7 +32,7 @@ class Lane:
         cache = (
             self.cache
             if len(self.rows) == 1 and s.cache is self.cache
-            else [c.extract(i) for c in self.cache]
+            else [_extract(c, i) for c in self.cache]
         )
         keep = [j for j in range(len(self.rows)) if j != i]
         self.rows.pop(i)
@@ -45,6 +45,18 @@ class Lane:
 
     def forward(self, model, inputs: mx.array) -> mx.array:
         return model(inputs, cache=self.cache)
+
+
+def _extract(c, i: int):
+    """Row i of a batched cache as a lone one; an empty one where the batch was never fed (its
+    rows all joined before their first step and one leaves: mlx-lm's `extract` reads the keys)."""
+    from mlx_lm.models.cache import BatchRotatingKVCache, CacheList, KVCache, RotatingKVCache
+
+    if type(c) is CacheList:
+        return CacheList(*(_extract(x, i) for x in c.caches))
+    if getattr(c, "keys", 0) is None:
+        return RotatingKVCache(c.max_size) if type(c) is BatchRotatingKVCache else KVCache()
+    return c.extract(i)
 
 
 def shortest(lanes: list[Lane]) -> Lane:

@@ -14,7 +14,8 @@ over several positions summing in another order than one over a single position.
 
 Rejected positions leave the KV cache before the next step (`rollback`): a lone sequence's cache is
 trimmed; in a batch's left-padded cache each row's own rejected tail is rolled into its padding.
-Caches that cannot be rolled back (a recurrent state, a rotating window) keep speculation off.
+A rotating or chunked window rolls back while the dropped positions are still in it (`room`,
+per step); a recurrent state cannot, and keeps speculation off.
 """
 
 from __future__ import annotations
@@ -79,34 +80,79 @@ def _occurrences(a: np.ndarray, gram: np.ndarray) -> np.ndarray:
     return np.flatnonzero(hit)
 
 
+def _leaves(caches):
+    """Every layer's caches, a CacheList's (two attentions in one layer) one by one."""
+    from mlx_lm.models.cache import CacheList
+
+    for c in caches:
+        yield from _leaves(c.caches) if type(c) is CacheList else (c,)
+
+
+# caches whose last positions can be dropped: plain KV (which mlx-lm's batched cache merges into),
+# and the windowed ones while the dropped positions are still in their window (`room`)
+_ROLLS_BACK = {
+    "KVCache",
+    "BatchKVCache",
+    "RotatingKVCache",
+    "BatchRotatingKVCache",
+    "ChunkedKVCache",
+}
+# why the others cannot, one line each
+_WHY_NOT = {
+    "ArraysCache": "a recurrent state is one state, not one per verified position (mlx-lm's "
+    "linear-attention and SSM kernels return only the last)",
+}
+
+
 def can_roll_back(cache: list) -> str | None:
-    """None where every layer's cache can drop a rejected tail (plain KV caches, which mlx-lm's
-    batched cache merges into, alone or in a CacheList); else why not, naming the cache types."""
-    from mlx_lm.models.cache import CacheList, KVCache
-
-    def leaves(caches):  # a CacheList (two attentions in one layer) trims and rolls each of its own
-        for c in caches:
-            yield from leaves(c.caches) if type(c) is CacheList else (c,)
-
-    others = sorted({type(c).__name__ for c in leaves(cache) if type(c) is not KVCache})
+    """None where every layer's cache can drop a rejected tail; else why not, naming the cache
+    types."""
+    others = sorted({type(c).__name__ for c in _leaves(cache)} - _ROLLS_BACK)
     if others:
-        return f"its caches ({', '.join(others)}) cannot drop rejected drafts"
+        why = "; ".join(_WHY_NOT[n] for n in others if n in _WHY_NOT)
+        return f"its caches ({', '.join(others)}) cannot drop rejected drafts" + (
+            f": {why}" if why else ""
+        )
     return None
+
+
+def room(cache: list, width: int) -> bool:
+    """Whether a step `width` positions wide can be rolled back in every layer's cache: a rotating
+    window only while nothing has left it yet (mlx-lm's `is_trimmable`) after the step; a chunked
+    one while the step stays in its current chunk. Every rank's caches of a replicated sequence
+    are alike, so every rank answers alike."""
+    for c in _leaves(cache):
+        name = type(c).__name__
+        if name == "RotatingKVCache" and c.offset + width >= c.max_size:
+            return False
+        if name == "BatchRotatingKVCache" and c._offset + width >= c.max_size:
+            return False
+        if name == "ChunkedKVCache" and c.offset + width > c.start_position + c.chunk_size:
+            return False
+    return True
 
 
 def rollback(cache: list, drop: Sequence[int]) -> None:
     """Remove the last `drop[i]` positions of row i from every layer's cache (a lone sequence's
-    KVCache, or a batch's BatchKVCache)."""
+    cache, or a batch's batched one)."""
     if not any(drop):
         return
     common = min(drop)
     extra = [d - common for d in drop]
-    for c in cache:
+    for c in _leaves(cache):
         if common:
             c.trim(common)
         if any(extra):  # left-padded rows: each row's rejected tail rolls round into its padding
-            c.prepare(right_padding=extra)
+            # the rotating batch cache rolls each row by (its offset - length): length = -extra
+            c.prepare(right_padding=extra, lengths=[-e for e in extra])
             c.finalize()
+
+
+def auto_source(model) -> str:
+    """What `speculative: auto` drafts with for `model`: prompt lookup and the request's
+    `prediction`. (Where a checkpoint keeps its own multi-token-prediction layers, those are the
+    draft instead: the one place that choice is made.)"""
+    return "prompt-lookup"
 
 
 class Speculator:
@@ -123,16 +169,21 @@ class Speculator:
         self.drafter = drafter  # rank 0's, in mode "draft"
 
     def step(self, lane, model, width: int, tally) -> None:
-        """One verifying forward pass of the rows of `lane`, each `width` positions wide (1 + the
-        widest allowance, whatever each sequence found to guess: the step's shape then depends only
-        on what the ranks agreed, never on a token not yet agreed)."""
+        """One verifying forward pass of the rows of `lane`, each `width` positions wide
+        (node/batch.py `_width`: from the allowances), whatever each sequence found to guess: the
+        step's shape then depends only on what the ranks agreed, never on a token not yet
+        agreed."""
         from . import sampling
 
         decoding = lane.rows
         histories = [[*s.req.prompt, *s.fed, *s.pending] for s in decoding]
         # no guess past max_tokens: the step's own token is the last one a sequence may still need
         wanted = [
-            min(s.allowance, max(0, s.req.sampling.max_tokens - len(h) + len(s.req.prompt) - 1))
+            min(
+                s.allowance,
+                width - 1,
+                max(0, s.req.sampling.max_tokens - len(h) + len(s.req.prompt) - 1),
+            )
             for s, h in zip(decoding, histories)
         ]
         drafts = self._drafts(decoding, histories, wanted)
@@ -203,7 +254,9 @@ class Speculator:
 
 def speculation(limits, collective, cache: list, vocab: int):
     """A running batch's speculation (node/batch.py BatchLimits): (drafts a step verifies at most,
-    why speculation is off where it was asked for, the Speculator or None)."""
+    why speculation is off where it was asked for, the Speculator or None). `auto` is quietly off
+    where it cannot run (it is the default): a family whose caches cannot roll back, two
+    micro-batches per step, attention by stream; an explicit mode there is off with a warning."""
     import logging
 
     from ..proto.errors import UserError
@@ -212,33 +265,59 @@ def speculation(limits, collective, cache: list, vocab: int):
     if not draft_max:
         return 0, None, None
     why = can_roll_back(cache)
+    mode = limits.speculative
+    if mode == "auto" and not why:
+        if limits.overlap and collective.world_size > 1 and limits.max_batch > 1:
+            why = "overlap: true runs two micro-batches per step, and a verifying step is one pass"
+        elif limits.attention != "replicated" and collective.world_size > 1:
+            why = (
+                f"attention: {limits.attention} (a verifying step is as wide as its widest "
+                "stream on every node; prompt-lookup turns it on)"
+            )
+    windowed = {"RotatingKVCache", "ChunkedKVCache"} & {type(c).__name__ for c in _leaves(cache)}
+    if not why and windowed and limits.attention != "replicated" and collective.world_size > 1:
+        # whether a window has room is read from its cache, which by stream only the owner holds:
+        # the nodes could not agree on a step's width
+        why = f"its caches ({', '.join(sorted(windowed))}) are windows, and by stream only a "
+        why += "stream's owner knows how full its window is"
     if why:
-        logging.getLogger(__name__).warning("speculative decoding is off: %s", why)
+        log = logging.getLogger(__name__)
+        (log.info if mode == "auto" else log.warning)("speculative decoding is off: %s", why)
         return 0, why, None
     drafter = None  # speculative "draft": the draft model, on rank 0
-    if limits.speculative == "draft" and collective.rank == 0:
+    if mode == "draft" and collective.rank == 0:
         if not limits.draft_model:
             raise UserError("speculative: draft needs a draft model (serving.draft_model)")
         drafter = Drafter(limits.draft_model, vocab)
-    return draft_max, None, Speculator(limits.speculative, draft_max, collective, drafter)
+    return draft_max, None, Speculator(mode, draft_max, collective, drafter)
 
 
-COOL_STEPS = 8  # steps without guesses after they kept failing, before one is tried again
+COOL_STEPS = 8  # steps without guesses after they first failed, before one is tried again
+MAX_COOL = 64  # the longest rest: each failed probe doubles it up to this
 
 
-def adapt(allowance: int, cool: int, accepted: int, limit: int) -> tuple[int, int]:
-    """(allowance, cool) for a sequence's next step, from how many guesses of an agreed step held.
+def adapt(
+    allowance: int, cool: int, tried: int, accepted: int, limit: int, rest: int = COOL_STEPS
+) -> tuple[int, int, int]:
+    """(allowance, cool, rest) for a sequence's next step, from the agreed outcome of an earlier
+    step that verified `tried` guesses of which `accepted` held (the agreement comes a step late).
 
-    A step verifies 1 + allowance positions however few guesses hold, so guesses that fail cost:
-    the allowance halves when none held, and at zero stays there for COOL_STEPS steps, then one
-    guess probes again; once one holds, the whole allowance (`limit`) is back. Every rank computes
-    it from the same agreed tokens, so every rank gives the step the same width."""
+    A step verifies 1 + allowance positions however few guesses hold, and a step that guesses reads
+    its tokens before the next is built, so guesses that fail cost: the allowance halves when none
+    held; at zero the sequence steps as without speculation for `rest` steps, then one guess
+    probes again, and each failed probe doubles the rest (up to MAX_COOL). Once one holds, the
+    whole allowance (`limit`) is back. Every rank computes it from the same agreed tokens, so
+    every rank gives the step the same width."""
+    if accepted:
+        return limit, 0, COOL_STEPS
+    if tried == 0 or allowance == 0:  # nothing learnt, or resting already: the rest runs out
+        if allowance:
+            return allowance, 0, rest  # a probe is under way: its outcome comes next step
+        return (1, 0, rest) if cool <= 1 else (0, cool - 1, rest)
+    allowance //= 2
     if allowance == 0:
-        return (1, 0) if cool <= 1 else (0, cool - 1)
-    if accepted == 0:
-        allowance //= 2
-        return allowance, COOL_STEPS if allowance == 0 else 0
-    return limit, 0
+        return 0, rest, min(2 * rest, MAX_COOL)
+    return allowance, 0, rest
 
 
 @dataclass

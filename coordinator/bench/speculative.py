@@ -6,7 +6,8 @@ same checkpoint) is sent as the request's predicted output with a share of its t
 which sweeps the rate at which drafts hold from all to none, so tok/s against acceptance is a
 measured curve. Two natural scenarios sit beside it: the plain prompt (drafts from its own
 n-grams) and the prompt followed by its continuation and the prompt again, the case where prompt
-lookup is meant to pay on a model that repeats what it read.
+lookup is meant to pay on a model that repeats what it read. With `--streams B`, the plain prompt
+also runs as B streams at once, with and without speculation (the batch's tok/s).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class SpeculativeBench:
     spoil: tuple[float, ...] = SPOIL
     gpus: bool = False
     draft_model: str = ""  # mode "draft": its checkpoint
+    streams: int = 1  # > 1: also the plain prompt as this many streams at once, off and on
 
 
 def spoiled(tokens: list[int], share: float, vocab: int, seed: int = 0) -> tuple[int, ...]:
@@ -52,7 +54,7 @@ def scenarios(
 ) -> list[dict]:
     """(name, prompt ids, prediction ids, speculative mode) of every scenario, the baseline first."""
     off = {"scenario": "off", "prompt": tuple(ids), "prediction": (), "mode": "off"}
-    name = "draft model" if spec.mode == "draft" else "prompt lookup"
+    name = {"draft": "draft model", "auto": "auto"}.get(spec.mode, "prompt lookup")
     rows = [
         off,
         {**off, "scenario": name, "mode": spec.mode},
@@ -68,9 +70,11 @@ def scenarios(
             "prompt": (*ids, *continuation, *ids),
         },
     ]
-    for share in (
-        spec.spoil if spec.mode == "prompt-lookup" else ()
-    ):  # a draft model ignores predictions
+    if spec.streams > 1:
+        many = {**off, "streams": spec.streams}
+        rows.append({**many, "scenario": f"off, {spec.streams} streams"})
+        rows.append({**many, "scenario": f"{name}, {spec.streams} streams", "mode": spec.mode})
+    for share in spec.spoil if spec.mode != "draft" else ():  # a draft model ignores predictions
         rows.append(
             {
                 **off,
@@ -125,6 +129,7 @@ def run(spec: SpeculativeBench) -> dict:
                     draft_tokens=spec.draft_tokens,
                     prediction=r["prediction"],
                     draft_model=draft if r["mode"] == "draft" else "",
+                    streams=(r["prompt"],) * r["streams"] if r.get("streams") else None,
                 )
                 for _ in range(spec.rounds + 1)
                 for r in rows
@@ -149,12 +154,15 @@ def _summary(
     table = []
     for j, r in enumerate(rows):
         runs = [reports[i * per + j][0] for i in range(1, rounds + 1)]
+        if r.get("streams"):
+            runs = [_as_one(x) for x in runs]
         tps = [x["generation_tps"] for x in runs]
         f = runs[-1]["figures"]
         generated = len(runs[-1]["tokens"])
         table.append(
             {
                 "scenario": r["scenario"],
+                "streams": r.get("streams", 1),
                 "speculative": runs[-1]["speculative"],
                 "tps": statistics.median(tps),
                 "rounds_tps": tps,
@@ -165,7 +173,7 @@ def _summary(
                 "allreduces_per_token": f["steps"] * layers / generated if generated else None,
                 # every round, every node: the same tokens; with the prompt alone, stock's
                 "same_tokens_every_round": all(
-                    reports[i * per + j][k]["tokens"] == runs[-1]["tokens"]
+                    _flat(reports[i * per + j][k]["tokens"]) == runs[-1]["tokens"]
                     for i in range(1, rounds + 1)
                     for k in range(nodes)
                 ),
@@ -175,15 +183,48 @@ def _summary(
     base = {t["scenario"]: t for t in table}
     for t in table:
         ref = base[
-            "off, the continuation in the prompt" if "in the prompt" in t["scenario"] else "off"
+            "off, the continuation in the prompt"
+            if "in the prompt" in t["scenario"]
+            else f"off, {t['streams']} streams"
+            if t["streams"] > 1
+            else "off"
         ]
         t["ratio_vs_off"] = t["tps"] / ref["tps"] if ref["tps"] else None
+        # each round's ratio against the baseline's same round (run beside it), their median: a
+        # machine whose speed drifts during the run moves both sides of one round alike
+        t["ratio_rounds_median"] = statistics.median(
+            a / b for a, b in zip(t["rounds_tps"], ref["rounds_tps"]) if b
+        )
         t["tokens_equal_off"] = t["tokens"] == ref["tokens"]
     return {
         "nodes": nodes,
         "transport": transport,
         "tokens_equal_stock": base["off"]["tokens"] == continuation,
         "rows": table,
+    }
+
+
+def _flat(tokens: list) -> list[int]:
+    """A report's tokens: one stream's, or every stream's one after another."""
+    return [t for x in tokens for t in x] if tokens and isinstance(tokens[0], list) else tokens
+
+
+def _as_one(report: dict) -> dict:
+    """A streams pass (node/sim.py) read as one request: every stream's tokens, their tok/s over
+    the batch's decode steps (once every stream has its first token), their figures summed, and
+    the batch's steps as its decode steps (one all-reduce per MoE layer each)."""
+    tokens = report["tokens"]
+    figures = report["figures"]
+    decoded = sum(len(t) for t in tokens) - len(tokens)
+    return {
+        "tokens": _flat(tokens),
+        "generation_tps": decoded / report["decode_seconds"] if report["decode_seconds"] else 0.0,
+        "speculative": report.get("speculative", ""),
+        "figures": {
+            "drafted": sum(f["drafted"] for f in figures),
+            "accepted": sum(f["accepted"] for f in figures),
+            "steps": report["decode_steps"] + 1,  # and the step that gave the first tokens
+        },
     }
 
 
@@ -213,6 +254,7 @@ def main(args, nodes: tuple[int, ...], transports: tuple[str, ...], prompt: str)
         spoil,
         args.gpus,
         args.draft_model or "",
+        args.streams,
     )
     out = run(spec)
     if args.json:

@@ -343,7 +343,11 @@ class Api:
     async def status(self, request: web.Request) -> web.Response:
         # requests that ended well (not failed, not cancelled), as /metrics counts them
         return web.json_response(
-            {**self.cluster.status(), "requests_completed": self.metrics.requests["ok"]}
+            {
+                **self.cluster.status(),
+                "requests_completed": self.metrics.requests["ok"],
+                "speculative": self.metrics.speculation(),
+            }
         )
 
     async def experts(self, request: web.Request) -> web.Response:

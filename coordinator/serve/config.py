@@ -113,8 +113,10 @@ class ServingConfig:
     recovery_wait: Duration = Duration(RECOVERY_WAIT_S)
     max_resumes: int = MAX_RESUMES  # times one request may resume after a lost node; 0: never
     # one step verifies drafted tokens (node/speculate.py): fewer all-reduces per token where the
-    # drafts hold; off until measured on for a model and a link (docs/speculative.md)
-    speculative: Literal[SPECULATIVE_MODES] = "off"
+    # drafts hold. auto: prompt lookup and the request's prediction wherever the family's caches
+    # can drop rejected drafts, each sequence guessing only while its guesses hold; quietly off
+    # elsewhere, saying why in status (docs/speculative.md)
+    speculative: Literal[SPECULATIVE_MODES] = "auto"
     draft_tokens: int = 4  # drafts a step verifies per sequence at most (1..16)
     draft_model: str = (
         ""  # speculative: draft: a small checkpoint with the model's tokenizer, on rank 0

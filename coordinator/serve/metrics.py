@@ -164,6 +164,18 @@ class Metrics:
             if t.generation_s:
                 self.last_generation_tps = len(o.tokens) / t.generation_s
 
+    def speculation(self) -> dict:
+        """Drafts verified and accepted, and MoE all-reduces per generated token, since the start
+        (what /v1/cluster/status and the dashboard show)."""
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance": self.accepted / self.drafted if self.drafted else 0.0,
+            "allreduces_per_token": (
+                self.decode_allreduces / self.generated_tokens if self.generated_tokens else 0.0
+            ),
+        }
+
     def render(self, cluster) -> str:
         s = cluster.status()
         lines = [
@@ -189,6 +201,13 @@ class Metrics:
             "layers); over moe_cluster_generated_tokens_total: all-reduces per generated token.",
             "# TYPE moe_cluster_decode_allreduces_total counter",
             f"moe_cluster_decode_allreduces_total {self.decode_allreduces}",
+            "# HELP moe_cluster_speculative_acceptance Share of drafted tokens accepted, since the start.",
+            "# TYPE moe_cluster_speculative_acceptance gauge",
+            f"moe_cluster_speculative_acceptance {self.speculation()['acceptance']:.4f}",
+            "# HELP moe_cluster_decode_allreduces_per_token MoE all-reduces per generated token, since "
+            "the start (one step per token: the MoE layers).",
+            "# TYPE moe_cluster_decode_allreduces_per_token gauge",
+            f"moe_cluster_decode_allreduces_per_token {self.speculation()['allreduces_per_token']:.4f}",
             "# HELP moe_cluster_prompt_tokens_per_second Prompt throughput of the last request.",
             "# TYPE moe_cluster_prompt_tokens_per_second gauge",
             f"moe_cluster_prompt_tokens_per_second {self.last_prompt_tps:.3f}",

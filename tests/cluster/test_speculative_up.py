@@ -127,3 +127,47 @@ def test_a_draft_model_through_up_guesses_on_the_first_node_only(tmp_path):
         assert (
             spec["accepted"] == spec["drafted"] > 0 and spec["decode_steps"] <= TOKENS // 4 + 2
         ), spec
+
+
+def test_auto_is_the_default_and_status_shows_acceptance_and_all_reduces_per_token(tmp_path):
+    """No `speculative` in cluster.yaml: every node runs `auto`; a request whose `prediction` holds
+    its output is decoded at under half the MoE layers' all-reduces per token, stock's tokens;
+    requests of different lengths at once all finish with stock's tokens; status, /metrics and the
+    dashboard's data give the acceptance and the all-reduces per token."""
+    from mlx_lm.tokenizer_utils import load
+
+    tok = load(MODEL_DIR)
+    stock = {p: stock_tokens(MODEL_DIR, p, TOKENS) for p in PROMPTS}
+    with cluster(tmp_path, yaml_for(2)) as (url, proc, lines):
+        status = http(url, "/v1/cluster/status")[1]
+        assert [n["speculative"] for n in status["nodes"]] == ["auto, 4 drafts"] * 2, status
+        assert status["speculative"]["drafted"] == 0, status["speculative"]
+        predicted = {"type": "content", "content": tok.decode(stock[PROMPTS[0]])}
+        fast = _complete(url, PROMPTS[0], prediction=predicted)["moe_cluster"]
+        assert fast["tokens"] == stock[PROMPTS[0]]
+        assert fast["speculative"]["allreduces_per_token"] <= 0.5 * MOE_LAYERS, fast
+
+        def one(i: int) -> tuple[int, list[int], list[int]]:  # 1 to 32 tokens, at once
+            n = [1, 5, 32, 12, 2, 32, 7, 20][i]
+            out = _complete(url, PROMPTS[i % 4], max_tokens=n)["moe_cluster"]["tokens"]
+            return i, out, stock[PROMPTS[i % 4]][:n]
+
+        with ThreadPoolExecutor(8) as pool:
+            for i, got, want in pool.map(one, range(8)):
+                assert got == want, i
+
+        spec = http(url, "/v1/cluster/status")[1]["speculative"]
+        assert spec["drafted"] >= spec["accepted"] >= TOKENS // 2, spec
+        assert 0 < spec["acceptance"] <= 1 and 0 < spec["allreduces_per_token"] < MOE_LAYERS, spec
+        metrics = http(url, "/metrics")[1]
+        gauges = dict(
+            line.split()
+            for line in metrics.splitlines()
+            if line.startswith("moe_cluster_") and "{" not in line
+        )
+        assert float(gauges["moe_cluster_speculative_acceptance"]) == pytest.approx(
+            spec["acceptance"], abs=1e-3
+        )
+        assert float(gauges["moe_cluster_decode_allreduces_per_token"]) == pytest.approx(
+            spec["allreduces_per_token"], abs=1e-3
+        )

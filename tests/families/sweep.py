@@ -183,3 +183,62 @@ class _Gathered(nn.Module):
             out.append(y[at : at + n].reshape(x.shape))
             at += n
         return out
+
+
+def check_speculative(path: Path, steps: int = 12) -> dict:
+    """The running batch with `speculative: auto` (the default) against one token per step, at one
+    node (what rolls back is each node's own cache, the same at any N): two greedy sequences in one
+    batch, a repeating prompt with a half-spoiled prediction of its output and PROMPT alone (its
+    drafts from its own n-grams), so that drafts are accepted and rejected. -> the batch's mode
+    ("off: why" where the family cannot roll back), drafts, whether the tokens match and the
+    largest |Δlogit| of any step."""
+    from moe_cluster.node.batch import BatchLimits
+    from moe_cluster.node.collective.base import LocalCollective
+    from moe_cluster.node.moe.load import load_shard
+    from moe_cluster.node.runtime import GenerateResult, NodeRuntime
+    from moe_cluster.proto.records import GenerateRequest, Sampling
+
+    class Sink:
+        def __init__(self):
+            self.error = None
+
+        def tokens(self, ids):
+            pass
+
+        def done(self, result):
+            pass
+
+        def failed(self, exc):
+            self.error = exc
+
+    sharded = load_shard(str(path), None, 0, collective=LocalCollective())
+
+    def run(limits: BatchLimits, predictions: list[tuple]) -> tuple[list, str]:
+        rt = NodeRuntime(sharded, limits=limits)
+        prompts = [tuple(PROMPT[:4] * 3), tuple(PROMPT)]
+        results, sinks = [], []
+        for i, (prompt, pred) in enumerate(zip(prompts, predictions)):
+            req = GenerateRequest(
+                f"r{i}", prompt, Sampling(max_tokens=steps), record_logits=True, prediction=pred
+            )
+            results.append(GenerateResult())
+            sinks.append(Sink())
+            rt.batch.submit(req, i + 1, sinks[-1], results[-1])
+        while rt.batch.busy():
+            rt.batch.step()
+        assert all(s.error is None for s in sinks), [s.error for s in sinks]
+        return results, rt.batch.speculation()
+
+    base, _ = run(BatchLimits(max_batch=2), [(), ()])
+    half = tuple(t if i % 2 else (t + 1) % 64 for i, t in enumerate(base[0].tokens))
+    spec, mode = run(BatchLimits(max_batch=2, speculative="auto"), [half, ()])
+    return {
+        "mode": mode,
+        "drafted": sum(r.figures.drafted for r in spec),
+        "tokens_match": [r.tokens for r in spec] == [r.tokens for r in base],
+        "max_abs_logit_diff": max(
+            float(np.max(np.abs(x - y)))
+            for s, b in zip(spec, base)
+            for x, y in zip(s.logits, b.logits)
+        ),
+    }

@@ -17,16 +17,10 @@ pytestmark = pytest.mark.integration
 
 WRONG, REFUSED = tiny.WRONG, tiny.REFUSED
 PROMPT = "To be, or not to be"
-# families whose caches hold a recurrent state or a window: no speculation (node/speculate.py)
-NO_ROLLBACK = {
-    "kimi_linear",
-    "kimi_k3",
-    "qwen3_5_moe",
-    "longcat_flash_ngram",  # ArraysCache
-    "gemma4_text",
-    "step3p5",
-    "llama4",
-}  # a rotating or chunked window
+# families whose caches hold a recurrent state (ArraysCache): no speculation (node/speculate.py);
+# the rotating (gemma4_text, step3p5) and chunked (llama4) windows speculate while the prompt and
+# its output are still in them, as here
+NO_ROLLBACK = {"kimi_linear", "kimi_k3", "qwen3_5_moe", "longcat_flash_ngram"}
 
 
 def moe_cluster(*args: str) -> subprocess.CompletedProcess:
@@ -48,7 +42,8 @@ def checkpoints(tmp_path_factory):
 def test_simulate_two_node_processes_equal_stock(family, checkpoints, capsys):
     """`simulate` through the command's own entry point, in this process (its two node processes are
     real, spawned as from the CLI): a subprocess each only added an interpreter and MLX import.
-    With speculation on: its steps verify drafts, so the check also covers rolling them back."""
+    With speculation on (`auto`, the default): its steps verify drafts, so the check also covers
+    rolling them back."""
     from moe_cluster.coordinator.cli import main
 
     code = main(
@@ -65,7 +60,7 @@ def test_simulate_two_node_processes_equal_stock(family, checkpoints, capsys):
             "--check",
             "--json",
             "--speculative",
-            "prompt-lookup",
+            "auto",
         ]
     )
     r = capsys.readouterr()
@@ -81,7 +76,7 @@ def test_simulate_two_node_processes_equal_stock(family, checkpoints, capsys):
     if family in NO_ROLLBACK:
         assert spec["mode"].startswith("off: its caches (") and spec["drafted"] == 0, spec
     else:
-        assert spec["mode"] == "prompt-lookup, 4 drafts" and spec["drafted"] > 0, spec
+        assert spec["mode"] == "auto, 4 drafts" and spec["drafted"] > 0, spec
 
 
 @pytest.mark.parametrize("family", [f for f in tiny.families() if tiny.needs_metal(f)])

@@ -152,3 +152,38 @@ def test_a_legacy_mxfp8_config_loads_as_stock_does(tmp_path):
     assert got["max_abs_logit_diff"] <= sweep.QUANT_TOLERANCE, got["max_abs_logit_diff"]
     model, _ = describe_path(str(path))
     assert model.weights == "experts mxfp8"
+
+
+# families whose caches cannot drop a rejected draft: a recurrent state (ArraysCache), or
+# deepseek_v41's own LayerCache; auto is off for them, saying why
+NO_ROLLBACK = {
+    "bailing_hybrid",
+    "bailing_moe_linear",
+    "bailing_moe_v3",
+    "deepseek_v41",
+    "granitemoehybrid",
+    "jamba",
+    "kimi_k3",
+    "kimi_linear",
+    "lfm2_moe",
+    "longcat_flash_ngram",
+    "nemotron_h",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_auto_speculation_gives_one_token_steps_or_says_why_not(family, tmp_path):
+    """`speculative: auto` in the running batch: where the family's caches can drop positions
+    (plain, rotating and chunked windows), drafts are verified and rolled back and every token and
+    logit is that of one token per step; elsewhere it is off, naming the cache."""
+    _runnable(family)
+    got = sweep.check_speculative(sweep.checkpoint(family, tmp_path))
+    assert got["tokens_match"], (family, got)
+    assert got["max_abs_logit_diff"] <= sweep.TOLERANCE, (family, got)
+    if family in NO_ROLLBACK:
+        assert got["mode"].startswith("off: its caches (") and got["drafted"] == 0, (family, got)
+    else:
+        assert got["mode"] == "auto, 4 drafts" and got["drafted"] > 0, (family, got)

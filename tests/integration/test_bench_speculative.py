@@ -47,7 +47,7 @@ def test_bench_speculative_sweeps_acceptance_with_the_tokens_of_decoding_without
     ]
     for t in rows.values():
         assert t["tokens_equal_off"] and t["same_tokens_every_round"] and len(t["tokens"]) == 16, t
-        assert t["tps"] > 0 and t["ratio_vs_off"] > 0, t
+        assert t["tps"] > 0 and t["ratio_vs_off"] > 0 and t["ratio_rounds_median"] > 0, t
     off, right, wrong = (
         rows["off"],
         rows["prediction, 0% spoiled"],
@@ -65,10 +65,44 @@ def test_bench_speculative_sweeps_acceptance_with_the_tokens_of_decoding_without
     )
 
 
+def test_bench_auto_alternates_with_off_alone_and_as_8_streams():
+    """`--speculative auto --streams 8`: the rows of auto beside off's, and the plain prompt as 8
+    streams at once each way, every stream with the tokens of decoding without drafts. At 8 streams
+    and 4 drafts a step, auto's batch guesses nothing (node/batch.py `_width`): one step, 8 tokens,
+    as off."""
+    args = "--speculative auto --spoil 0 --streams 8 --max-tokens 16 --rounds 1 --json"
+    r = cli("bench", "decode", "--model", "demo", "--nodes", "2", *args.split(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    (run,) = out["runs"]
+    rows = {t["scenario"]: t for t in run["rows"]}
+    assert list(rows) == [
+        "off",
+        "auto",
+        "auto, the continuation in the prompt",
+        "off, the continuation in the prompt",
+        "off, 8 streams",
+        "auto, 8 streams",
+        "prediction, 0% spoiled",
+    ]
+    for t in rows.values():
+        assert t["tokens_equal_off"] and t["same_tokens_every_round"], t
+    many, off_many = rows["auto, 8 streams"], rows["off, 8 streams"]
+    assert many["streams"] == 8 and len(many["tokens"]) == 8 * 16, many
+    assert many["speculative"] == "auto, 4 drafts" and many["drafted"] == 0, many
+    assert many["decode_steps"] == off_many["decode_steps"] == 16, many
+    right = rows["prediction, 0% spoiled"]
+    assert right["acceptance"] == 1.0 and right["allreduces_per_token"] <= 0.5 * out["moe_layers"]
+
+
 def test_bench_speculative_refuses_bad_options():
     assert_one_line_error(
         cli("bench", "decode", "--model", "demo", "--spoil", "0.5"),
-        "--spoil and --draft-model need --speculative",
+        "--spoil, --draft-model and --streams need --speculative",
+    )
+    assert_one_line_error(
+        cli("bench", "decode", "--model", "demo", "--streams", "8"),
+        "--spoil, --draft-model and --streams need --speculative",
     )
     assert_one_line_error(
         cli("bench", "decode", "--model", "demo", "--speculative", "draft"),

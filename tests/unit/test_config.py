@@ -128,7 +128,7 @@ BAD = [
     (
         "nodes:\n  - name: a\nserving:\n  speculative: guess",
         4,
-        ["serving.speculative", "off, prompt-lookup, draft"],
+        ["serving.speculative", "off, auto, prompt-lookup, draft"],
     ),
     ("nodes:\n  - name: a\nserving:\n  draft_tokens: 17", 4, ["serving.draft_tokens", "1 to 16"]),
     (

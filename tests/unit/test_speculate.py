@@ -3,6 +3,8 @@ the keys a sampled sequence draws with, and which caches can drop a rejected tai
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 
@@ -46,12 +48,32 @@ def test_the_key_chain_is_the_keys_of_one_draw_at_a_time():
         assert mx.array_equal(sub, subs[j]).item() and mx.array_equal(k, keys[j]).item()
 
 
-def test_only_plain_kv_caches_roll_back():
-    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+def test_kv_and_windowed_caches_roll_back_and_a_recurrent_state_says_why_not():
+    from mlx_lm.models.cache import (
+        ArraysCache,
+        CacheList,
+        ChunkedKVCache,
+        KVCache,
+        RotatingKVCache,
+    )
 
-    assert can_roll_back([KVCache(), CacheList(KVCache(), KVCache())]) is None
+    assert can_roll_back([KVCache(), CacheList(KVCache(), RotatingKVCache(16))]) is None
+    assert can_roll_back([ChunkedKVCache(8)]) is None
     why = can_roll_back([KVCache(), ArraysCache(2), CacheList(KVCache(), RotatingKVCache(16))])
-    assert why == "its caches (ArraysCache, RotatingKVCache) cannot drop rejected drafts"
+    assert why.startswith("its caches (ArraysCache) cannot drop rejected drafts: a recurrent state")
+
+
+def test_a_window_has_room_for_a_step_while_nothing_it_drops_has_left_it():
+    from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
+
+    from moe_cluster.node.speculate import room
+
+    r = RotatingKVCache(16)
+    r.update_and_fetch(mx.zeros((1, 1, 10, 4)), mx.zeros((1, 1, 10, 4)))
+    assert room([KVCache(), r], 5) and not room([KVCache(), r], 6)  # 10 + 6 fills the window
+    c = ChunkedKVCache(8)
+    c.update_and_fetch(mx.zeros((1, 1, 5, 4)), mx.zeros((1, 1, 5, 4)))
+    assert room([c], 3) and not room([c], 4)
 
 
 @pytest.mark.parametrize("drop", [[0, 0], [2, 2], [0, 3], [3, 1]])
@@ -77,15 +99,58 @@ def test_rollback_leaves_each_row_as_if_only_its_kept_positions_were_fed(drop):
 
 
 def test_the_allowance_halves_on_failed_guesses_rests_then_probes_and_comes_back_whole():
-    from moe_cluster.node.speculate import COOL_STEPS, adapt
+    from moe_cluster.node.speculate import COOL_STEPS, MAX_COOL, adapt
 
-    state = (4, 0)
-    seen = []
+    state = (4, 0, COOL_STEPS)
+    seen, tried = [], 4
     for _ in range(3 + COOL_STEPS):  # nothing ever holds
-        state = adapt(*state, accepted=0, limit=4)
+        state = adapt(*state[:2], tried, 0, 4, state[2])
+        tried = state[0]
         seen.append(state[0])
+    assert seen[:3] == [2, 1, 0] and seen[3:-1] == [0] * (COOL_STEPS - 1) and seen[-1] == 1
+    assert state[2] == 2 * COOL_STEPS  # the next rest is longer
+    # the probe's outcome comes a step late: the step before it (no guess) teaches nothing
+    assert adapt(1, 0, 0, 0, 4, 16) == (1, 0, 16)
+    assert adapt(1, 0, 1, 0, 4, 16) == (0, 16, 32)  # the probe failed: rest longer
+    assert adapt(0, 16, 1, 0, 4, 32) == (0, 15, 32)  # a late failure while resting: no new rest
+    assert adapt(0, 0, 0, 0, 4, MAX_COOL)[2] == MAX_COOL
+    assert adapt(1, 0, 1, 1, 4, 32) == (4, 0, COOL_STEPS)  # a guess held: all back
+    assert adapt(0, 9, 1, 1, 4, 32) == (4, 0, COOL_STEPS)
+
+
+def test_auto_is_quietly_off_where_it_cannot_run_and_an_explicit_mode_says_so_too():
+    """`auto` is the default: a recurrent state, two micro-batches or attention by stream turn it
+    off with the reason (for the node's status), never an error; on plain caches it is on."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    from moe_cluster.node.batch import BatchLimits
+    from moe_cluster.node.speculate import speculation
+
+    two = SimpleNamespace(world_size=2, rank=1)
+    auto = BatchLimits(speculative="auto")
+    assert speculation(auto, two, [KVCache(), RotatingKVCache(8)], 300)[:2] == (4, None)
+    for limits, cache, why in (
+        (
+            auto,
+            [ArraysCache(2)],
+            "its caches (ArraysCache) cannot drop rejected drafts: a recurrent state",
+        ),
+        (replace(auto, overlap=True), [KVCache()], "overlap: true runs two micro-batches"),
+        (replace(auto, attention="by-stream"), [KVCache()], "attention: by-stream"),
+        (replace(auto, speculative="prompt-lookup"), [ArraysCache(2)], "its caches (ArraysCache)"),
+    ):
+        draft_max, off, spec = speculation(limits, two, cache, 300)
+        assert draft_max == 0 and spec is None and off.startswith(why), off
+    # by stream a window's fill is its owner's alone: prompt lookup there only on plain caches
+    lookup_by_stream = replace(auto, speculative="prompt-lookup", attention="by-stream")
+    why = speculation(lookup_by_stream, two, [KVCache(), RotatingKVCache(8)], 300)[1]
+    assert why.startswith("its caches (RotatingKVCache) are windows, and by stream"), why
+    # explicitly asked for, prompt lookup runs by stream (each owner drafts its own streams)
     assert (
-        seen[:3] == [2, 1, 0] and seen[3:-1] == [0] * (COOL_STEPS - 1) and seen[-1] == 1
-    )  # then a probe
-    assert adapt(1, 0, accepted=1, limit=4) == (4, 0)  # a guess held: the whole allowance again
-    assert adapt(4, 0, accepted=2, limit=4) == (4, 0)
+        speculation(
+            replace(auto, speculative="prompt-lookup", attention="by-stream"), two, [KVCache()], 300
+        )[1]
+        is None
+    )

@@ -98,6 +98,9 @@ function drawStats(status, metrics) {
   const req = (o) => one(metrics, "moe_cluster_requests_total", {outcome: o}) || 0;
   $("requests").textContent = `${req("ok")} / ${req("error")} / ${req("cancelled")}`;
   $("tokens").textContent = one(metrics, "moe_cluster_generated_tokens_total") || 0;
+  const spec = status.speculative;
+  $("acceptance").textContent = spec && spec.drafted ? `${Math.round(100 * spec.acceptance)}%` : "–";
+  $("allreduces").textContent = spec && spec.allreduces_per_token ? spec.allreduces_per_token.toFixed(2) : "–";
 }
 
 function drawNodes(status, metrics) {
