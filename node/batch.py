@@ -149,7 +149,7 @@ class RunningBatch:
         self.limits = limits
         self.kv_per_token = kv_bytes_per_token(self.model)
         self.draft_max, self.speculation_off, self._speculator = speculation(
-            limits, self.collective, make_prompt_cache(self.model), vocab
+            limits, self.collective, make_prompt_cache(self.model), vocab, sharded
         )
         self.slots = 1 + self.draft_max  # tokens a decoding sequence rides per step
         self.overlap_off = None  # why a node asked to overlap micro-batches cannot, for its status
@@ -429,7 +429,10 @@ class RunningBatch:
             else:
                 (i, n) = chunks[at]
                 s = joining[i]
-                self.model(mx.array(s.todo[:n], dtype=mx.uint32)[None], cache=s.cache)
+                if self._speculator is not None and self._speculator.mtp is not None:
+                    self._speculator.prefill(self.model, s, n)  # the MTP layer reads it too
+                else:
+                    self.model(mx.array(s.todo[:n], dtype=mx.uint32)[None], cache=s.cache)
                 mx.eval([x.state for x in s.cache])
             for i, n in chunks:  # every rank follows every stream's prompt
                 s = joining[i]

@@ -32,7 +32,7 @@ class Lane:
         cache = (
             self.cache
             if len(self.rows) == 1 and s.cache is self.cache
-            else [c.extract(i) for c in self.cache]
+            else [_extract(c, i) for c in self.cache]
         )
         keep = [j for j in range(len(self.rows)) if j != i]
         self.rows.pop(i)
@@ -45,6 +45,16 @@ class Lane:
 
     def forward(self, model, inputs: mx.array) -> mx.array:
         return model(inputs, cache=self.cache)
+
+
+def _extract(c, i: int):
+    """Row `i` of a batched cache as its own; an empty cache where the batch's never held keys (an
+    MTP layer's cache before its first feed: mlx-lm's extract would index None)."""
+    if getattr(c, "keys", True) is None:
+        from mlx_lm.models.cache import KVCache
+
+        return KVCache()
+    return c.extract(i)
 
 
 def shortest(lanes: list[Lane]) -> Lane:
