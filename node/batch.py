@@ -170,11 +170,11 @@ class RunningBatch:
         self.rank, self._world = self.collective.rank, self.collective.world_size
         self._streams = None  # node/streams.py: where a stream may have one owner
         if limits.attention != "replicated" and self._world > 1:
-            if limits.speculative == "draft" and self.draft_max:
+            if limits.speculative in ("draft", "mtp") and self.draft_max:
                 raise UserError(
-                    f"speculative: draft drafts on the first node for every stream; it cannot run "
-                    f"with attention: {limits.attention} (prompt-lookup can, or attention: "
-                    "replicated)"
+                    f"speculative: {limits.speculative} drafts are read from the first node for "
+                    f"every stream; it cannot run with attention: {limits.attention} "
+                    "(prompt-lookup can, or attention: replicated)"
                 )
             from .streams import StreamPasses
 

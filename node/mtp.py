@@ -49,8 +49,11 @@ def _weight_source(path: Path, config: dict) -> dict:
     from .checkpoint import Checkpoint, read_header
 
     prefix = f"model.layers.{int(config['num_hidden_layers'])}."
-    found = {k: v for k, v in Checkpoint.open(path, download=False).tensors.items()
-             if k.startswith(prefix)}
+    found = {
+        k: v
+        for k, v in Checkpoint.open(path, download=False).tensors.items()
+        if k.startswith(prefix)
+    }
     side = path / SIDE_FILE
     if not found and side.exists():
         found = {k: v for k, v in read_header(side).items() if k.startswith(prefix)}

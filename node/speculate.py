@@ -120,9 +120,7 @@ class Speculator:
     draft model on rank 0 (`Drafter`), whose guesses every rank reads from one explicit agreement.
     """
 
-    def __init__(
-        self, mode: str, draft_max: int, collective, drafter: "Drafter | None", mtp=None
-    ):
+    def __init__(self, mode: str, draft_max: int, collective, drafter: "Drafter | None", mtp=None):
         self.mode = mode
         self.draft_max = draft_max
         self.collective = collective

@@ -52,7 +52,7 @@ def scenarios(
 ) -> list[dict]:
     """(name, prompt ids, prediction ids, speculative mode) of every scenario, the baseline first."""
     off = {"scenario": "off", "prompt": tuple(ids), "prediction": (), "mode": "off"}
-    name = "draft model" if spec.mode == "draft" else "prompt lookup"
+    name = {"draft": "draft model", "mtp": "MTP layer"}.get(spec.mode, "prompt lookup")
     rows = [
         off,
         {**off, "scenario": name, "mode": spec.mode},
