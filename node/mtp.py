@@ -197,3 +197,56 @@ def carry_cache(model: nn.Module) -> None:
     own = getattr(model, "make_cache", None)
     n = len(model.layers)
     model.make_cache = lambda: (own() if own else [KVCache() for _ in range(n)]) + [KVCache()]
+
+
+class _Layers(nn.Module):
+    """The MTP block as the one layer of a model, for the structure rule (moe/structure.py)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.layers = [block]
+
+
+def shard_experts(drafter: Drafter, sharded, layer: int) -> str:
+    """Give the MTP block's routed experts the cluster's treatment of any MoE layer: this node keeps
+    its even share, the block becomes a `ClusterMoE` whose output is all-reduced once per call
+    (one more all-reduce per draft, every rank alike). Where it cannot (one node, a quantized
+    bank), the block keeps every expert and drafts on each node alone; what was done, for the log."""
+    import dataclasses
+
+    from ..proto.placement import Placement
+    from .moe.experts import ExpertShard, ShardLinear
+    from .moe.layer import ClusterMoE, install, owns_dense_terms
+    from .moe.structure import find_moe_blocks, get_bank
+
+    c = sharded.collective
+    if c.world_size == 1 or not sharded.layers:
+        return "every expert on this node"
+    holder = _Layers(drafter.mtp.block)
+    (b,) = find_moe_blocks(holder)
+    bank = get_bank(b.block, b.bank.attr)
+    projs = {p: getattr(bank, p) for p in b.projections}
+    if any("scales" in m for m in projs.values()):
+        return "every expert on this node (a quantized MTP bank is not sharded)"
+    b = dataclasses.replace(b, layer=layer)
+    placement = Placement.even({layer: b.num_experts}, c.world_size)
+    local = list(placement.layers[layer][c.rank])
+    idx = mx.array(local)
+    shard = ExpertShard(
+        layer,
+        local,
+        placement.holders(layer, b.num_experts),
+        {
+            p: ShardLinear(m.weight[idx], bias=m["bias"][idx] if "bias" in m else None)
+            for p, m in projs.items()
+        },
+        b.kind,
+        b.activation,
+        sharded.state,
+    )
+    mx.eval(shard.parameters())
+    cluster = ClusterMoE(
+        b, shard, sharded.layers[0].combine, owns_dense_terms(layer, c.rank, c.world_size)
+    )
+    install(drafter.mtp.block, b.path.removeprefix("layers.0."), cluster)
+    return f"{len(local)} of its {b.num_experts} experts on this node, all-reduced"

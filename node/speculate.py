@@ -265,6 +265,8 @@ def speculation(limits, collective, cache: list, vocab: int, sharded=None):
 
         mtp = mtp_layer.load(sharded.model, sharded.config, sharded.path)
         mtp_layer.carry_cache(sharded.model)
+        how = mtp_layer.shard_experts(mtp, sharded, int(sharded.config["num_hidden_layers"]))
+        logging.getLogger(__name__).info("speculative: mtp: the MTP layer holds %s", how)
     return draft_max, None, Speculator(limits.speculative, draft_max, collective, drafter, mtp)
 
 
