@@ -549,7 +549,9 @@ class RunningBatch:
                 stats.prompt_seconds = now - s.t_start
             else:
                 stats.generation_seconds = now - s.t_first
-            if s.drafts:  # the agreed tokens say how many of its guesses held: the next allowance
+            # the agreed tokens say how many of its guesses held: the next allowance (the model's
+            # own MTP layer drafts as well on any text: it keeps its allowance)
+            if s.drafts and self.limits.speculative != "mtp":
                 s.allowance, s.cool = adapt(s.allowance, s.cool, len(tokens) - 1, s.drafts)
             e = emit(
                 tokens,

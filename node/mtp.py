@@ -214,6 +214,8 @@ def shard_experts(drafter: Drafter, sharded, layer: int) -> str:
     bank), the block keeps every expert and drafts on each node alone; what was done, for the log."""
     import dataclasses
 
+    from mlx.utils import tree_flatten, tree_unflatten
+
     from ..proto.placement import Placement
     from .moe.experts import ExpertShard, ShardLinear
     from .moe.layer import ClusterMoE, install, owns_dense_terms
@@ -223,7 +225,9 @@ def shard_experts(drafter: Drafter, sharded, layer: int) -> str:
     if c.world_size == 1 or not sharded.layers:
         return "every expert on this node"
     holder = _Layers(drafter.mtp.block)
+    loaded = tree_flatten(holder.parameters())
     (b,) = find_moe_blocks(holder)
+    holder.update(tree_unflatten(loaded))  # the structure probe drew its own weights
     bank = get_bank(b.block, b.bank.attr)
     projs = {p: getattr(bank, p) for p in b.projections}
     if any("scales" in m for m in projs.values()):

@@ -226,7 +226,7 @@ class Speculator:
                 for s, h, k in zip(decoding, histories, wanted)
             ]
         c = self.collective
-        if c.world_size == 1:
+        if c.world_size == 1 or not any(wanted):  # `wanted` is agreed: no rank asks the others
             return guesses
         k = self.draft_max
         values = [g + 1 for mine in guesses for g in (mine + [-1] * (k - len(mine)))]
