@@ -125,6 +125,8 @@ def mtp_weights(model: nn.Module, config: dict, n: int) -> dict:
     from ..mtp import MTP
 
     out: dict = {}
+    if not n:
+        return out
     first = int(config["num_hidden_layers"])
     for i in range(n):
         layer = first + i
