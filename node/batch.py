@@ -429,8 +429,8 @@ class RunningBatch:
             else:
                 (i, n) = chunks[at]
                 s = joining[i]
-                if self._speculator is not None and self._speculator.mtp is not None:
-                    self._speculator.prefill(self.model, s, n)  # the MTP layer reads it too
+                if getattr(self._speculator, "mtp", None) is not None:  # it reads prompts too
+                    self._speculator.prefill(self.model, s, n)
                 else:
                     self.model(mx.array(s.todo[:n], dtype=mx.uint32)[None], cache=s.cache)
                 mx.eval([x.state for x in s.cache])
@@ -549,8 +549,8 @@ class RunningBatch:
                 stats.prompt_seconds = now - s.t_start
             else:
                 stats.generation_seconds = now - s.t_first
-            # the agreed tokens say how many of its guesses held: the next allowance (the model's
-            # own MTP layer drafts as well on any text: it keeps its allowance)
+            # the agreed tokens say how many guesses held: the next allowance (not mtp's: a model's
+            # own MTP layer guesses as well on any text)
             if s.drafts and self.limits.speculative != "mtp":
                 s.allowance, s.cool = adapt(s.allowance, s.cool, len(tokens) - 1, s.drafts)
             e = emit(
