@@ -212,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of training sequences that hold a passage twice, to teach copying "
         "(default: the shipped model's)",
     )
+    p.add_argument(
+        "--mtp",
+        action="store_true",
+        help="train a multi-token-prediction layer for the model in --out (the draft of "
+        "speculative: mtp), leaving the model as it is",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler="moe_cluster.coordinator.dev.demo:train_demo")
 

@@ -152,7 +152,7 @@ class RunningBatch:
         self.limits = limits
         self.kv_per_token = kv_bytes_per_token(self.model)
         self.draft_max, self.speculation_off, self._speculator = speculation(
-            limits, self.collective, make_prompt_cache(self.model), vocab
+            limits, self.collective, make_prompt_cache(self.model), vocab, sharded
         )
         # tokens a decoding sequence's vote carries: what it emitted last step, as wide as that
         # step (one token after a plain step: the vote then weighs what it weighs without drafts)
@@ -175,11 +175,11 @@ class RunningBatch:
         self.rank, self._world = self.collective.rank, self.collective.world_size
         self._streams = None  # node/streams.py: where a stream may have one owner
         if limits.attention != "replicated" and self._world > 1:
-            if limits.speculative == "draft" and self.draft_max:
+            if limits.speculative in ("draft", "mtp") and self.draft_max:
                 raise UserError(
-                    f"speculative: draft drafts on the first node for every stream; it cannot run "
-                    f"with attention: {limits.attention} (prompt-lookup can, or attention: "
-                    "replicated)"
+                    f"speculative: {limits.speculative} drafts are read from the first node for "
+                    f"every stream; it cannot run with attention: {limits.attention} "
+                    "(prompt-lookup can, or attention: replicated)"
                 )
             from .streams import StreamPasses
 
@@ -433,7 +433,10 @@ class RunningBatch:
             else:
                 (i, n) = chunks[at]
                 s = joining[i]
-                self.model(mx.array(s.todo[:n], dtype=mx.uint32)[None], cache=s.cache)
+                if getattr(self._speculator, "mtp", None) is not None:  # it reads prompts too
+                    self._speculator.prefill(self.model, s, n)
+                else:
+                    self.model(mx.array(s.todo[:n], dtype=mx.uint32)[None], cache=s.cache)
                 mx.eval([x.state for x in s.cache])
             for i, n in chunks:  # every rank follows every stream's prompt
                 s = joining[i]
@@ -583,7 +586,9 @@ class RunningBatch:
                 stats.prompt_seconds = now - s.t_start
             else:
                 stats.generation_seconds = now - s.t_first
-            if s.drafts:  # the agreed tokens say how many of its guesses held: the next allowance
+            # the agreed tokens say how many of its guesses held: the next allowance (not an MTP
+            # layer's: a model's own MTP layer guesses as well on any text)
+            if s.drafts and self._speculator.mtp is None:
                 s.allowance, s.cool, s.rest = adapt(
                     s.allowance, s.cool, s.judged, len(tokens) - 1, s.drafts, s.rest
                 )

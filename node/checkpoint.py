@@ -68,6 +68,7 @@ _MX_TO_ST = {
 CHECKPOINT_FILES = (
     "*.json",
     "model*.safetensors",
+    "mtp.safetensors",  # MTP layers kept beside the model's weights (node/mtp.py)
     "tokenizer.model",
     "*.tiktoken",
     "tiktoken.model",

@@ -505,6 +505,8 @@ def _streams_pass(index: int, i: int, task: SimTask, sharded, runtime, beat) -> 
         "peak_kv_bytes": peak_kv,
         "micro_batches": runtime.batch.micro_batches(),
         "speculative": runtime.batch.speculation(),
+        "drafted": sum(r.figures.drafted for r in results),
+        "accepted": sum(r.figures.accepted for r in results),
         # all-reduces that travelled while the other micro-batch computed (node/overlap.py)
         "overlapped": runtime.batch.overlapped(),
         # this pass's seconds of them in flight, and of those waited for

@@ -16,6 +16,10 @@ Rejected positions leave the KV cache before the next step (`rollback`): a lone 
 trimmed; in a batch's left-padded cache each row's own rejected tail is rolled into its padding.
 A rotating or chunked window rolls back while the dropped positions are still in it (`room`,
 per step); a recurrent state cannot, and keeps speculation off.
+
+With `mtp` the guesses are the model's own MTP layer's (node/mtp.py), fed each step with the
+verified positions' hidden states; its cache is the last of each sequence's and rolls back with
+the model's.
 """
 
 from __future__ import annotations
@@ -162,11 +166,13 @@ class Speculator:
     draft model on rank 0 (`Drafter`), whose guesses every rank reads from one explicit agreement.
     """
 
-    def __init__(self, mode: str, draft_max: int, collective, drafter: "Drafter | None"):
+    def __init__(self, mode: str, draft_max: int, collective, drafter: "Drafter | None", mtp=None):
         self.mode = mode
         self.draft_max = draft_max
         self.collective = collective
         self.drafter = drafter  # rank 0's, in mode "draft"
+        self.mtp = mtp  # every rank's, in mode "mtp" (node/mtp.py Drafter)
+        self.next: dict[int, list[int]] = {}  # mode "mtp": seq -> its guesses for its next step
 
     def step(self, lane, model, width: int, tally) -> None:
         """One verifying forward pass of the rows of `lane`, each `width` positions wide
@@ -191,8 +197,17 @@ class Speculator:
         for s, mine in zip(decoding, drafts):
             first = s.pending[-1] if s.pending else s.first_input
             rows.append([first, *mine] + [first] * (width - 1 - len(mine)))
-        logits = lane.forward(model, mx.array(rows, dtype=mx.uint32))
+        inputs = mx.array(rows, dtype=mx.uint32)
+        if self.mtp is None:
+            logits = lane.forward(model, inputs)
+        else:  # the hidden states too: the MTP layer drafts from them
+            hidden = model.model(inputs, cache=lane.cache)
+            logits = self.mtp.head(hidden)
         chosen, keys = sampling.sample_positions(decoding, logits, drafts)
+        if self.mtp is not None:
+            # position j of each row pairs its hidden state with the model's token there: the
+            # accepted ones are the next inputs, the rest is rolled back with the model's rows
+            drafted = self.mtp.feed(chosen.astype(mx.uint32), hidden, lane.cache[-1])
         chosen = np.array(chosen).tolist()
         drop = []
         for i, s in enumerate(decoding):
@@ -215,9 +230,29 @@ class Speculator:
             if self.drafter is not None:
                 self.drafter.keep(s.seq, len(histories[i]) + v.accepted)
         rollback(lane.cache, drop)
+        if self.mtp is not None:  # the next step's guesses, from each row's last accepted position
+            at = mx.array([width - 1 - d for d in drop])
+            self._remember(decoding, drafted[mx.arange(len(decoding)), at], lane.cache[-1])
+
+    def prefill(self, model, s, n: int) -> None:
+        """Sequence `s`'s next `n` prompt tokens into its cache, the MTP layer's too (each
+        position with the prompt token after it); after its last chunk, its first guesses."""
+        last = n >= len(s.todo)
+        after = s.todo[1 : n + 1] + ([s.first_input] if last else [])
+        hidden = model.model(mx.array(s.todo[:n], dtype=mx.uint32)[None], cache=s.cache)
+        drafted = self.mtp.feed(mx.array(after, dtype=mx.uint32)[None], hidden, s.cache[-1])
+        if last and self.draft_max:
+            self._remember([s], drafted[:, -1], s.cache[-1])
+
+    def _remember(self, decoding: list, h: mx.array, cache) -> None:
+        """Each sequence's next guesses (`draft_max`), from block outputs `h` (B, hidden)."""
+        chain = self.mtp.chain(self.mtp.guess(h), h, self.draft_max, cache)
+        rows = np.array(mx.stack(chain, axis=1)).tolist()
+        for s, row in zip(decoding, rows):
+            self.next[s.seq] = row
 
     def _drafts(self, decoding: list, histories: list[list[int]], wanted: list[int]) -> list:
-        if self.mode == "draft":
+        if self.mode in ("draft", "mtp"):
             return self._guessed(decoding, histories, wanted)
         out = []
         for s, history, k in zip(decoding, histories, wanted):
@@ -234,12 +269,15 @@ class Speculator:
         every rank reads rank 0's from one explicit agreement (the others put zeros)."""
         from .collective.base import agree
 
-        guesses = [
-            self.drafter.guess(s.seq, h, k) if self.drafter is not None and k else []
-            for s, h, k in zip(decoding, histories, wanted)
-        ]
+        if self.mtp is not None:  # every rank drafted; rank 0's guesses are the ones fed
+            guesses = [self.next.get(s.seq, [])[:k] for s, k in zip(decoding, wanted)]
+        else:
+            guesses = [
+                self.drafter.guess(s.seq, h, k) if self.drafter is not None and k else []
+                for s, h, k in zip(decoding, histories, wanted)
+            ]
         c = self.collective
-        if c.world_size == 1:
+        if c.world_size == 1 or not any(wanted):  # `wanted` is agreed: no rank asks the others
             return guesses
         k = self.draft_max
         values = [g + 1 for mine in guesses for g in (mine + [-1] * (k - len(mine)))]
@@ -250,9 +288,10 @@ class Speculator:
         """Sequence `seq` ended: the draft forgets it."""
         if self.drafter is not None:
             self.drafter.drop(seq)
+        self.next.pop(seq, None)
 
 
-def speculation(limits, collective, cache: list, vocab: int):
+def speculation(limits, collective, cache: list, vocab: int, sharded=None):
     """A running batch's speculation (node/batch.py BatchLimits): (drafts a step verifies at most,
     why speculation is off where it was asked for, the Speculator or None). `auto` is quietly off
     where it cannot run (it is the default): a family whose caches cannot roll back, two
@@ -289,7 +328,15 @@ def speculation(limits, collective, cache: list, vocab: int):
         if not limits.draft_model:
             raise UserError("speculative: draft needs a draft model (serving.draft_model)")
         drafter = Drafter(limits.draft_model, vocab)
-    return draft_max, None, Speculator(mode, draft_max, collective, drafter)
+    mtp = None
+    if mode == "mtp":
+        from . import mtp as mtp_layer
+
+        mtp = mtp_layer.load(sharded.model, sharded.config, sharded.path)
+        mtp_layer.carry_cache(sharded.model)
+        how = mtp_layer.shard_experts(mtp, sharded, int(sharded.config["num_hidden_layers"]))
+        logging.getLogger(__name__).info("speculative: mtp: the MTP layer holds %s", how)
+    return draft_max, None, Speculator(mode, draft_max, collective, drafter, mtp)
 
 
 COOL_STEPS = 8  # steps without guesses after they first failed, before one is tried again

@@ -190,7 +190,7 @@ class TlsFiles:
 KEEPALIVES = ("none", "lru", "busy")
 # How a node picks its decode route (node/moe/route.py): timed at load, or forced (benchmarks)
 DECODE_ROUTES = ("measure", "skip", "device", "host")
-SPECULATIVE_MODES = ("off", "auto", "prompt-lookup", "draft")  # node/speculate.py
+SPECULATIVE_MODES = ("off", "auto", "prompt-lookup", "draft", "mtp")  # node/speculate.py
 ATTENTION_MODES = ("replicated", "by-stream", "auto")  # who attends for a stream (node/batch.py)
 DRAFT_LIMIT = 16  # the most drafts one step verifies per sequence
 NODE_STATES = ("idle", "loading", "ready", "busy", "failed", "stopping")

@@ -54,7 +54,9 @@ def scenarios(
 ) -> list[dict]:
     """(name, prompt ids, prediction ids, speculative mode) of every scenario, the baseline first."""
     off = {"scenario": "off", "prompt": tuple(ids), "prediction": (), "mode": "off"}
-    name = {"draft": "draft model", "auto": "auto"}.get(spec.mode, "prompt lookup")
+    name = {"draft": "draft model", "auto": "auto", "mtp": "MTP layer"}.get(
+        spec.mode, "prompt lookup"
+    )
     rows = [
         off,
         {**off, "scenario": name, "mode": spec.mode},

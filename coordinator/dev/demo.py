@@ -72,6 +72,8 @@ def train_demo(args) -> int:
     from ...node.demo.train import TrainConfig, train_demo as train
 
     logging.getLogger("moe_cluster.node.demo.train").setLevel(logging.INFO)
+    if args.mtp:
+        return _train_mtp(args)
     tc = TrainConfig(seed=args.seed)
     if args.steps:
         tc = replace(tc, steps=args.steps, warmup=min(tc.warmup, max(1, args.steps // 10)))
@@ -85,4 +87,26 @@ def train_demo(args) -> int:
             {k: report[k] for k in ("parameters", "bytes", "val_perplexity")} | {"out": args.out}
         )
     )
+    return 0
+
+
+def _train_mtp(args) -> int:
+    import logging
+
+    from ...node.demo.train_mtp import MTPTrainConfig, train_mtp
+
+    logging.getLogger("moe_cluster.node.demo.train_mtp").setLevel(logging.INFO)
+    out = Path(args.out)
+    if not (out / "config.json").exists():
+        raise UserError(f"train-demo --mtp trains a layer for a model: {out} has no config.json")
+    tc = MTPTrainConfig(seed=args.seed)
+    if args.steps:
+        tc = replace(tc, steps=args.steps, warmup=min(tc.warmup, max(1, args.steps // 10)))
+    if args.batch:
+        tc = replace(tc, batch=args.batch)
+    if args.repeat is not None:
+        tc = replace(tc, repeat=args.repeat)
+    report = train_mtp(out, tc)
+    last = report["history"][-1] if report["history"] else {}
+    print(json.dumps({"out": args.out, "parameters": report["parameters"], **last}))
     return 0

@@ -115,7 +115,8 @@ class ServingConfig:
     # one step verifies drafted tokens (node/speculate.py): fewer all-reduces per token where the
     # drafts hold. auto: prompt lookup and the request's prediction wherever the family's caches
     # can drop rejected drafts, each sequence guessing only while its guesses hold; quietly off
-    # elsewhere, saying why in status (docs/speculative.md)
+    # elsewhere, saying why in status (docs/speculative.md); mtp: the checkpoint's own
+    # multi-token-prediction layers draft (node/mtp.py)
     speculative: Literal[SPECULATIVE_MODES] = "auto"
     draft_tokens: int = 4  # drafts a step verifies per sequence at most (1..16)
     draft_model: str = (
@@ -246,13 +247,13 @@ def _check(c: ClusterConfig, root: yaml.Node, r: Reader, model_key: str = "model
             find_node(root, "mlx_backend"), "mlx_backend", "applies only with transport: mlx"
         )
     s = c.serving
-    if s.attention != "replicated" and (s.overlap or s.speculative == "draft"):
-        what = "overlap: true" if s.overlap else "speculative: draft"
+    if s.attention != "replicated" and (s.overlap or s.speculative in ("draft", "mtp")):
+        what = "overlap: true" if s.overlap else f"speculative: {s.speculative}"
         raise r.fail(
             find_node(root, "serving", "attention"),
             "serving.attention",
             f"{s.attention} cannot run with {what} (every node's rows go in one pass, and a draft "
-            "model drafts on one node for every stream); use attention: replicated",
+            "is read from the first node for every stream); use attention: replicated",
         )
     if not c.timeouts.coordinator > 2 * max(c.timeouts.heartbeat, 1.0):
         # a heartbeat waits up to max(heartbeat, 1 s) for its answer, then the next one comes
@@ -401,6 +402,13 @@ def _check(c: ClusterConfig, root: yaml.Node, r: Reader, model_key: str = "model
             "serving.draft_model",
             "the draft model is read on the first node's machine; checkpoint: coordinator ships only "
             "the model (copy the draft there and use checkpoint: every-node)",
+        )
+    if c.serving.speculative == "mtp" and c.checkpoint == "coordinator":
+        raise r.fail(
+            find_node(root, "serving", "speculative"),
+            "serving.speculative",
+            "mtp reads the checkpoint's MTP layer on every node; checkpoint: coordinator ships only "
+            "each node's shard of the model (use checkpoint: every-node)",
         )
     if (
         draft

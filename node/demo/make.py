@@ -119,6 +119,28 @@ def build_model(spec: DemoSpec, vocab: int) -> tuple[nn.Module, dict]:
     return model, config
 
 
+def mtp_weights(model: nn.Module, config: dict, n: int) -> dict:
+    """`n` random MTP layers (node/mtp.py) as a released checkpoint stores them after the decoder's,
+    `model.layers.{num_hidden_layers + i}.*`, with their copies of the embedding and the head."""
+    from ..mtp import MTP
+
+    out: dict = {}
+    if not n:
+        return out
+    first = int(config["num_hidden_layers"])
+    for i in range(n):
+        layer = first + i
+        mtp = MTP(type(model.model.layers[-1])(model.args, layer), config["hidden_size"], 1e-6)
+        _scale_init(mtp)
+        mtp.set_dtype(model.model.embed_tokens.weight.dtype)
+        for k, v in tree_flatten(mtp.parameters()):
+            out[f"model.layers.{layer}.{k.removeprefix('block.')}"] = v
+        out[f"model.layers.{layer}.embed_tokens.weight"] = model.model.embed_tokens.weight
+        head = getattr(model, "lm_head", None) or model.model.embed_tokens
+        out[f"model.layers.{layer}.shared_head.head.weight"] = head.weight
+    return out
+
+
 def _scale_init(model: nn.Module) -> None:
     """Give embeddings a unit-ish scale so random models have spread-out logits (no near-ties).
 
@@ -171,6 +193,7 @@ def make_checkpoint(spec: DemoSpec, out: Path) -> dict:
     if spec.quantize:
         config = quantize(model, config, spec.quantize, spec.mixed_bits)
     weights = dict(tree_flatten(model.parameters()))
+    weights.update(mtp_weights(model, config, int(config.get("num_nextn_predict_layers") or 0)))
     if spec.layout == "hf":
         weights = ARCHS[spec.arch].to_hf(weights, config)
         if spec.arch == "gpt_oss":

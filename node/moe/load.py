@@ -84,6 +84,7 @@ class ShardedModel:
     info: ShardInfo
     collective: Collective = field(default_factory=LocalCollective)
     layers: list[ClusterMoE] = field(default_factory=list)  # empty when nothing is sharded
+    path: str = ""  # the checkpoint's folder (node/mtp.py reads its MTP layers from it)
 
     def moe_layers(self) -> dict[int, int]:
         return {b.layer: b.num_experts for b in self.blocks}
@@ -629,7 +630,9 @@ def load_shard(
         resident_experts / 1e6,
         info.load_seconds,
     )
-    return ShardedModel(model, config, blocks, placement, state, info, collective, layers)
+    return ShardedModel(
+        model, config, blocks, placement, state, info, collective, layers, str(ckpt.path)
+    )
 
 
 def _wire_prefetch(
@@ -758,6 +761,7 @@ def load_unsharded(model_spec: str) -> ShardedModel:
         ShardState(0, 1, "none"),
         info,
         LocalCollective(),
+        path=str(ckpt.path),
     )
 
 

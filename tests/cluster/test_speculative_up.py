@@ -171,3 +171,20 @@ def test_auto_is_the_default_and_status_shows_acceptance_and_all_reduces_per_tok
         assert float(gauges["moe_cluster_decode_allreduces_per_token"]) == pytest.approx(
             spec["allreduces_per_token"], abs=1e-3
         )
+
+
+def test_the_demos_mtp_layer_drafts_through_up_with_stock_tokens(tmp_path):
+    """`speculative: mtp` on the demo (its trained MTP head): every node says so, a lone request
+    and a batch give stock's tokens, and the drafts hold."""
+    stock = {p: stock_tokens(MODEL_DIR, p, TOKENS) for p in PROMPTS}
+    extra = "serving:\n  speculative: mtp\n  draft_tokens: 2\n  max_batch: 8\n"
+    with cluster(tmp_path, yaml_for(2, extra=extra)) as (url, proc, lines):
+        nodes = http(url, "/v1/cluster/status")[1]["nodes"]
+        assert [n["speculative"] for n in nodes] == ["mtp, 2 drafts"] * 2, nodes
+        alone = _complete(url, PROMPTS[0])["moe_cluster"]
+        assert alone["tokens"] == stock[PROMPTS[0]]
+        spec = alone["speculative"]
+        assert spec["accepted"] >= 0.4 * spec["drafted"] > 0, spec
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            outs = list(pool.map(lambda p: _complete(url, p)["moe_cluster"], PROMPTS))
+        assert [o["tokens"] for o in outs] == [stock[p] for p in PROMPTS]

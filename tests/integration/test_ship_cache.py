@@ -667,7 +667,7 @@ def test_the_coordinator_hashes_a_checkpoint_once_and_again_only_what_changed(tm
     assert len(list(digests.glob("*.jsonl"))) == 1
     second = ship_once(tmp_path / "b")
     assert second.bytes_sent()["t0"] == sent and second.digests.hashed_bytes == 0
-    (f,) = src.glob("*.safetensors")
+    f = src / "model.safetensors"  # the demo's weights (its MTP layer is in mtp.safetensors)
     os.utime(f)  # a checkpoint written since (its mtime moved): its digests are not trusted
     third = ship_once(tmp_path / "c")
     assert third.digests.hashed_bytes >= sent

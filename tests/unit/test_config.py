@@ -151,6 +151,16 @@ BAD = [
         6,
         ["serving.draft_model", "checkpoint: coordinator ships only the model"],
     ),
+    (
+        "nodes:\n  - name: a\ncheckpoint: coordinator\nserving:\n  speculative: mtp",
+        5,
+        ["serving.speculative", "checkpoint: coordinator ships only each node's shard"],
+    ),
+    (
+        "nodes:\n  - name: a\nserving:\n  attention: by-stream\n  speculative: mtp",
+        4,
+        ["serving.attention", "cannot run with speculative: mtp"],
+    ),
     ("nodes:\n  - name: a\nnodes:\n  - name: b", 3, ["nodes", "given twice"]),
     (
         "nodes:\n  - name: a\nplacement:\n  replicate: maybe",

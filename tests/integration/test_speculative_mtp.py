@@ -1,0 +1,131 @@
+"""`speculative: mtp` in real node processes: the checkpoint's own multi-token-prediction layer
+drafts (node/mtp.py) and every node verifies, with the tokens and float32 logits of decoding one
+token per step. On a DeepSeek-V3-shaped checkpoint in Hugging Face's layout whose safetensors hold
+an MTP layer (`model.layers.61.*`, dropped by mlx-lm's sanitize) at N = 2 and 3, greedy and seeded,
+alone (against stock mlx-lm) and in a batch of prompts of different lengths (against the same
+batch without speculation); and on the demo with its trained MTP head, whose drafts hold."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import cli
+from moe_cluster.coordinator.dev.simulate import run_nodes
+from moe_cluster.node.demo import MODEL_DIR
+from moe_cluster.node.sim import SimTask
+from moe_cluster.proto.records import Sampling
+
+SEEDED = ("--temperature", "1", "--seed", "3")
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """61 decoder layers (mlx-lm's DeepSeek-V3 sanitize drops `model.layers.61.*`, the released
+    model's MTP layer), the last three MoE, and one MTP layer with its own routed experts."""
+    out = tmp_path_factory.mktemp("dsv3-mtp")
+    config = {"num_nextn_predict_layers": 1, "first_k_dense_replace": 58}
+    r = cli(
+        "demo-model", "--arch", "deepseek_v3", "--out", str(out), "--layout", "hf",
+        "--layers", "61", "--experts", "8", "--top-k", "2", "--hidden", "64",
+        "--config", json.dumps(config),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def _simulate(model, nodes: int, *extra: str) -> dict:
+    r = cli(
+        "simulate", "--model", str(model), "--nodes", str(nodes), "--transport", "envoy",
+        "--prompt", "To be, or not to be", "--max-tokens", "16", "--check",
+        "--speculative", "mtp", "--draft-tokens", "2", "--json", *extra,
+        timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("nodes", [2, 3])
+@pytest.mark.parametrize("sampling", [(), SEEDED], ids=["greedy", "seeded"])
+def test_mtp_drafts_on_a_deepseek_v3_checkpoint_give_stock_tokens_and_logits(
+    deepseek, nodes, sampling
+):
+    out = _simulate(deepseek, nodes, *sampling)
+    assert out["tokens_match"] and out["compared_steps"] == 16, out
+    assert out["max_abs_logit_diff"] <= 1e-4, out["max_abs_logit_diff"]
+    spec = out["speculative"]
+    assert spec["mode"] == "mtp, 2 drafts" and spec["drafted"] > 0, spec
+
+
+def test_the_demos_trained_mtp_head_drafts_what_the_model_says():
+    out = _simulate("demo", 2)
+    assert out["tokens_match"] and out["max_abs_logit_diff"] <= 1e-4, out
+    spec = out["speculative"]
+    assert spec["accepted"] >= 0.4 * spec["drafted"] > 0, spec  # a random head holds ~0
+    assert spec["steps"] < 16, spec
+
+
+TEXTS = (
+    "To be, or not to be, that is the question:",
+    "Now is the winter",
+    "O",
+    "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him.",
+    "All the world's a stage,",
+)
+
+
+@pytest.mark.parametrize(
+    "model,nodes,sampling",
+    [("deepseek", 3, Sampling(max_tokens=12, temperature=1.0, seed=5)), ("demo", 2, None)],
+    ids=["deepseek-3-seeded", "demo-2-greedy"],
+)
+def test_mtp_in_a_batch_of_prompts_of_different_lengths_keeps_each_streams_output(
+    deepseek, model, nodes, sampling
+):
+    """The MTP layer's cache rides with each sequence's (merged, rolled back, extracted when a
+    row leaves: a one-token prompt's is fed first at its first decode step)."""
+    from mlx_lm.tokenizer_utils import load
+
+    path = str(deepseek if model == "deepseek" else MODEL_DIR)
+    tok = load(MODEL_DIR)
+    prompts = tuple(tuple(tok.encode(t, add_special_tokens=False)) for t in TEXTS)
+    assert len(prompts[2]) == 1
+    sampling = sampling or Sampling(max_tokens=12)
+    tasks = [
+        SimTask(
+            path,
+            prompts[0],
+            sampling,
+            keepalive="none",
+            streams=prompts,
+            speculative=mode,
+            draft_tokens=3,
+            record_logits=True,
+        )
+        for mode in ("off", "mtp")
+    ]
+    off, on = (ranks[0] for ranks in run_nodes(tasks, nodes, transport="envoy", timeout_s=240))
+    assert on["speculative"] == "mtp, 3 drafts" and on["drafted"] > 0, on["speculative"]
+    if model == "demo":  # rows accept different numbers of drafts: each rolls back its own tail
+        assert on["accepted"] > 0, on["accepted"]
+    assert on["tokens"] == off["tokens"] and all(len(t) == 12 for t in on["tokens"])
+    for a, b in zip(on["logits"], off["logits"]):
+        assert len(a) == len(b) == 12
+        assert max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(a, b)) <= 1e-4
+
+
+def test_a_checkpoint_without_mtp_layers_is_refused_in_one_line(tmp_path):
+    r = cli(
+        "demo-model", "--arch", "qwen3_moe", "--out", str(tmp_path), "--hidden", "64",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    r = cli(
+        "simulate", "--model", str(tmp_path), "--nodes", "1", "--prompt", "hi",
+        "--max-tokens", "2", "--speculative", "mtp",
+    )  # fmt: skip
+    assert r.returncode != 0
+    lines = [line for line in r.stderr.splitlines() if "MTP" in line]
+    assert lines and "needs a checkpoint with MTP layers" in lines[-1], r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
