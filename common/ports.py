@@ -72,3 +72,19 @@ def check_port_free(host: str, port: int, hint: str = "") -> None:
             raise OSError(
                 f"cannot listen on {host}:{port}: {exc.strerror}" + (f" ({hint})" if hint else "")
             ) from None
+
+
+def default_ip() -> str:
+    """This host's address on its default route (127.0.0.1 where it has none)."""
+    import socket
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        s.connect(
+            ("10.255.255.255", 1)
+        )  # no packet is sent: this only picks the outgoing interface
+        return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
+    finally:
+        s.close()

@@ -546,7 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="where shards the coordinator ships are kept (default ~/.cache/moe-cluster/shards)",
     )
     p.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
-    p.set_defaults(handler="moe_cluster.node.agent:main")
+    p.set_defaults(handler="moe_cluster.node.start:main")
 
     p = sub.add_parser(
         "cache", help="shards the coordinator shipped to this node: list, verify or remove them"

@@ -20,6 +20,7 @@ from typing import Callable
 import grpc
 
 from ..common.auth import SecretInterceptor, server_credentials
+from ..common.ports import default_ip
 from ..proto import CHANNEL_OPTIONS, convert
 from ..proto import node_pb2_grpc as npb_grpc
 from ..proto.errors import (
@@ -35,19 +36,18 @@ from ..proto.errors import (
 from . import adopt, lifecycle
 from .device import DeviceInfo, device_info, release_memory
 from .lifecycle import NodeState
+from .generate_events import QueueSink, done_figures, node_error
 from .link_bench import LinkBench
+from .status_reply import node_status
 from ..common.worker import Worker
 from ..proto.records import (
     DEFAULT_KV_RESERVE,
-    ExpertCacheLayer,
     GenerateDone,
     GeneratedTokens,
     Health,
-    LayerRouting,
     LoadProgress,
     Memory,
     NodeError,
-    NodeStatus,
     Timings,
 )
 
@@ -94,6 +94,20 @@ class NodeAgent(npb_grpc.NodeServicer):
         self._driving: asyncio.Future | None = None  # the worker stepping the running batch
         self._stop: asyncio.Event | None = None
         self.link = LinkBench(config.host)  # `bench link`'s measurements from this node
+        self._preimporting: threading.Thread | None = None
+
+    def start_preimport(self) -> None:
+        """Import mlx-lm's heavy dependencies on a thread while the agent waits for its first load
+        (`_preimport`)."""
+        self._preimporting = threading.Thread(target=_preimport, name="preimport", daemon=True)
+        self._preimporting.start()
+
+    def join_preimport(self) -> None:
+        """Wait for the preimport thread: transformers' lazy module, imported by a second thread
+        while the first is still inside it, raises ImportError ("cannot import name
+        'AutoTokenizer'")."""
+        if self._preimporting is not None:
+            self._preimporting.join()
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -156,59 +170,17 @@ class NodeAgent(npb_grpc.NodeServicer):
     async def Status(self, request, context):
         # not a sign of the coordinator: anyone holding the secret may watch a node
         self._watch_collective()
-        s = NodeStatus(
-            state=self.state,
-            model=self.load_spec.model if self.load_spec else "",
-            rank=self.load_spec.rank if self.load_spec else 0,
-            world_size=self.load_spec.world_size if self.load_spec else 1,
-            memory=self._memory(),
-            device=self.device.device,
-            backend=_transport_name(self.load_spec.transport) if self.load_spec else "",
-            experts_per_layer=dict(self.sharded.info.experts_per_layer) if self.sharded else {},
-            counters=self.sharded.state.report() if self.sharded else {},
-            allreduce=_allreduce_histogram(self.sharded.state) if self.sharded else None,
-            routing=tuple(
-                LayerRouting(layer, held, tokens)
-                for layer, (held, tokens) in self.sharded.state.routing(fold=False).items()
+        return convert.status_to_proto(
+            node_status(
+                self.state,
+                self.load_spec,
+                self._memory(),
+                self.device.device,
+                self.sharded,
+                self.runtime,
+                time.monotonic() - self.started,
             )
-            if self.sharded
-            else (),
-            expert_cache=tuple(
-                ExpertCacheLayer(
-                    layer,
-                    c.capacity,
-                    c.local,
-                    c.hits,
-                    c.misses,
-                    c.bytes_read,
-                    c.read_seconds,
-                    c.prefetched,
-                    c.prefetch_hits,
-                    c.prefetch_bytes,
-                )
-                for layer, c in sorted(self.sharded.state.cache.items())
-            )
-            if self.sharded
-            else (),
-            route=self.sharded.state.route.route
-            if self.sharded and self.sharded.state.route
-            else "",
-            route_us=dict(self.sharded.state.route.times_us)
-            if self.sharded and self.sharded.state.route
-            else {},
-            speculative=self.runtime.batch.speculation() if self.runtime else "",
-            micro_batches=self.runtime.batch.micro_batches() if self.runtime else "",
-            route_host_from=(self.sharded.state.route.host_from or 0)
-            if self.sharded and self.sharded.state.route
-            else 0,
-            uptime_s=time.monotonic() - self.started,
-            pid=os.getpid(),
-            queue_depth=sum(self.runtime.batch.running()) if self.runtime else 0,
-            streams=self.runtime.batch.streams()[0] if self.runtime else 0,
-            kv_bytes=self.runtime.batch.streams()[1] if self.runtime else 0,
-            attention=self.load_spec.attention if self.load_spec else "",
         )
-        return convert.status_to_proto(s)
 
     def _idle(self) -> None:
         if self.runtime is not None and self.runtime.batch.busy():
@@ -247,7 +219,7 @@ class NodeAgent(npb_grpc.NodeServicer):
         ship_address = _ship_address(spec, context.peer())
 
         def load():
-            _join_preimport()  # transformers imported on two threads at once fails on one of them
+            self.join_preimport()  # transformers imported on two threads at once fails on one of them
             from .runtime import NodeRuntime
             from .moe.load import load_shard, load_unsharded
             from .collective.specs import make_collective
@@ -436,7 +408,7 @@ class NodeAgent(npb_grpc.NodeServicer):
                 request, prefill_step=self.load_spec.prefill_step
             )
             # refused before MLX sees it (a bad id can crash the process)
-            seq = self.runtime.batch.submit(req, None, _QueueSink(loop, events), result)
+            seq = self.runtime.batch.submit(req, None, QueueSink(loop, events), result)
         except MoeClusterError as exc:
             await context.abort(grpc_code(exc.kind), str(exc))
         rid = req.request_id
@@ -485,7 +457,7 @@ class NodeAgent(npb_grpc.NodeServicer):
                         # computed per layer) are the node's, in its status, not this request's
                         counters={
                             "peak_memory_bytes": float(_peak_memory()),
-                            **_figures(result.figures, len(self.sharded.moe_layers())),
+                            **done_figures(result.figures, len(self.sharded.moe_layers())),
                         },
                     )
                 )
@@ -622,7 +594,7 @@ class NodeAgent(npb_grpc.NodeServicer):
                 addr = c.advertise or (
                     interface_addresses(list(c.interfaces))[0]
                     if c.interfaces
-                    else (c.host if c.host not in ("0.0.0.0", "") else _default_ip())
+                    else (c.host if c.host not in ("0.0.0.0", "") else default_ip())
                 )
                 from importlib.metadata import version
 
@@ -656,16 +628,6 @@ class NodeAgent(npb_grpc.NodeServicer):
             self._worker.close()
 
 
-def _figures(f, moe_layers: int) -> dict[str, float]:
-    """A request's own decoding figures (node/batch.py SequenceFigures), for GenerateDone."""
-    return {
-        "decode_steps": float(f.steps),
-        "drafted": float(f.drafted),
-        "accepted": float(f.accepted),
-        "moe_layers": float(moe_layers),
-    }
-
-
 def _limits(spec):
     from .batch import BatchLimits
 
@@ -681,35 +643,6 @@ def _limits(spec):
     )
 
 
-class _QueueSink:
-    """A sequence's results, handed from the worker thread to its Generate call's event loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue):
-        self._loop, self._events = loop, events
-
-    def _put(self, kind: str, value) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._events.put_nowait, (kind, value))
-        except RuntimeError:  # the loop is closed: nobody listens any more
-            pass
-
-    def tokens(self, ids: list[int]) -> None:
-        self._put("tokens", ids)
-
-    def done(self, result) -> None:
-        self._put("done", result)
-
-    def failed(self, exc: BaseException) -> None:
-        self._put("failed", exc)
-
-
-def node_error(exc: BaseException, rank: int) -> NodeError:
-    """What the coordinator hears of a failure: the kind, and the text (a bug's text names its type)."""
-    kind = kind_of(exc)
-    message = str(exc) if kind is not ErrorKind.INTERNAL else f"{type(exc).__name__}: {exc}"
-    return NodeError(kind, message, rank)
-
-
 def _ship_address(spec, peer: str) -> str:
     """host:port of the coordinator's Ship service: ":port" means the host this Load came from."""
     if spec.ship is None:
@@ -721,50 +654,10 @@ def _ship_address(spec, peer: str) -> str:
     return peer_host(peer) + spec.ship.address
 
 
-def _allreduce_histogram(state):
-    """The all-reduce latencies a loaded model's ShardState has counted, as the Status record."""
-    from ..proto.records import AllreduceHistogram
-    from .moe.experts import ALLREDUCE_BUCKETS
-
-    return AllreduceHistogram(
-        tuple(ALLREDUCE_BUCKETS), tuple(state.allreduce_counts), state.allreduce_seconds
-    )
-
-
 def _peak_memory() -> int:
     import mlx.core as mx
 
     return int(mx.get_peak_memory())
-
-
-def _transport_name(spec) -> str:
-    name = type(spec).__name__.lower()
-    return name[:-4] if name.endswith("spec") else name
-
-
-def _default_ip() -> str:
-    import socket
-
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        s.connect(
-            ("10.255.255.255", 1)
-        )  # no packet is sent: this only picks the outgoing interface
-        return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
-    finally:
-        s.close()
-
-
-_preimporting: threading.Thread | None = None
-
-
-def _join_preimport() -> None:
-    """Wait for _preimport's thread: transformers' lazy module, imported by a second thread while
-    the first is still inside it, raises ImportError ("cannot import name 'AutoTokenizer'")."""
-    if _preimporting is not None:
-        _preimporting.join()
 
 
 def _preimport() -> None:
@@ -776,54 +669,3 @@ def _preimport() -> None:
         from . import preimport  # noqa: F401
     except Exception:  # noqa: BLE001 - the load imports them again and names the error
         logger.debug("importing mlx-lm's dependencies ahead of a load failed", exc_info=True)
-
-
-def main(args) -> int:
-    """`moe-cluster node` entry point."""
-    import sys
-
-    from ..common.auth import SECRET_ENV
-
-    if args.exit_with_parent:
-        from ..common.process import die_with_parent
-
-        die_with_parent(os.getppid(), "node")
-    secret = os.environ.get(SECRET_ENV, "")
-    if args.secret_file:
-        from pathlib import Path
-
-        try:
-            secret = Path(args.secret_file).expanduser().read_text().strip()
-        except OSError as exc:
-            raise UserError(f"--secret-file {args.secret_file}: {exc.strerror or exc}") from None
-    import socket
-
-    config = AgentConfig(
-        name=args.name or socket.gethostname().split(".")[0],
-        host=args.host,
-        port=args.port,
-        advertise=args.advertise or "",
-        cluster=args.cluster,
-        secret=secret,
-        mdns=not args.no_mdns,
-        interfaces=tuple(args.interface or ()),
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_ca=args.tls_ca,
-        memory_bytes=args.memory,
-        cache_dir=args.cache_dir or "",
-    )
-    agent = NodeAgent(config)
-    global _preimporting
-    _preimporting = threading.Thread(target=_preimport, name="preimport", daemon=True)
-    _preimporting.start()
-
-    def ready(port: int) -> None:
-        # one machine-readable line for whoever launched us
-        print(f"moe-cluster node {config.name} ready on port {port}", flush=True)
-        sys.stdout.flush()
-
-    from ..common.process import run_grpc_loop
-
-    run_grpc_loop(lambda: agent.serve(ready))
-    return 0

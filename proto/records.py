@@ -7,6 +7,7 @@ proto.placement.Placement.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
@@ -391,6 +392,12 @@ class ExpertCacheLayer:
     prefetched: int = 0  # reads started ahead of the layer's routing (from the routing profile)
     prefetch_hits: int = 0  # misses whose bytes a prefetch had already read
     prefetch_bytes: int = 0  # bytes read by prefetches, used or not
+
+    @classmethod
+    def of(cls, layer: int, counts) -> "ExpertCacheLayer":
+        """Layer `layer`'s record from anything with these fields (a cache's counters, a message)."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "layer"]
+        return cls(layer, **{n: getattr(counts, n) for n in names})
 
 
 @dataclass(frozen=True)

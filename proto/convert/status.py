@@ -102,21 +102,7 @@ def status_from_proto(msg: npb.NodeStatus) -> NodeStatus:
         if msg.HasField("allreduce")
         else None,
         routing=tuple(LayerRouting(r.layer, tuple(r.held), tuple(r.tokens)) for r in msg.routing),
-        expert_cache=tuple(
-            ExpertCacheLayer(
-                c.layer,
-                c.capacity,
-                c.local,
-                c.hits,
-                c.misses,
-                c.bytes_read,
-                c.read_seconds,
-                c.prefetched,
-                c.prefetch_hits,
-                c.prefetch_bytes,
-            )
-            for c in msg.expert_cache
-        ),
+        expert_cache=tuple(ExpertCacheLayer.of(c.layer, c) for c in msg.expert_cache),
         route=msg.route,
         route_us=dict(sorted(msg.route_us.items())),
         speculative=msg.speculative,
