@@ -21,6 +21,12 @@ order at every step. Alone (one node) there is nothing to agree and no round tri
 
 A lone decoding sequence keeps its own KV cache (the stock path's bytes), two or more share
 mlx-lm's batched caches (node/lanes.py); speculative steps verify guesses (node/speculate.py).
+
+Over 700 lines, on purpose: what is left here is one state machine, `RunningBatch`, whose phases
+(admit, prefill, decode or verify, settle, finish) read and write the same per-sequence state in
+one order; each idea they call (the plan, the vote, lanes, sampling, speculation, streams, the
+two micro-batches) already lives in its own module above. Cut further, the phases would pass
+that state between files rather than read as one step.
 """
 
 from __future__ import annotations

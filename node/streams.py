@@ -12,7 +12,8 @@ import mlx.core as mx
 
 from ..proto.errors import UserError
 from .moe.combine import StreamCombine
-from .moe.load import activation_dtype, set_combine
+from .moe.load import set_combine
+from .moe.reference import activation_dtype
 
 
 class StreamPasses:

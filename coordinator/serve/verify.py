@@ -3,7 +3,7 @@
 After `Load`, every node is sent the same probe input of a MoE layer and answers its share of
 that layer's output; the shares are summed in rank order in float32, as the all-reduce sums them,
 and compared with the stock block's output, which the coordinator computes from the checkpoint
-reading only the experts the probe selects (node.moe.load.Reference). A mismatch beyond the
+reading only the experts the probe selects (node.moe.reference.Reference). A mismatch beyond the
 dtype's tolerance stops `up` naming the layer: it catches a node whose shard differs from the
 checkpoint, an mlx-lm upgrade, or a family the structure rule misread, that no test saw.
 """
@@ -50,7 +50,7 @@ def pick_layers(layers: Sequence[int], most: int = MAX_LAYERS) -> list[int]:
 async def check_load(members, desc, timeout_s: float = 60.0) -> list[LayerCheck]:
     """Probe every member (in rank order) on a few MoE layers of the described checkpoint
     (node.describe.ModelDescription); raises LoadCheckError on a mismatch."""
-    from ...node.moe.load import Reference
+    from ...node.moe.reference import Reference
 
     ref = Reference(desc)
     model_path = desc.checkpoint.path

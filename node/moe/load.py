@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import sys
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -26,38 +25,24 @@ from ...proto.errors import UserError
 from ...proto.placement import Placement
 from ..checkpoint import (
     Checkpoint,
-    CheckpointError,
-    TensorInfo,
-    _physical_rows,
     check_runnable,
     read_tensor,
 )
-from ..describe import PARAMS, ModelDescription, MoELayer, Quantization, describe, expert_quant
+from ..describe import ModelDescription, describe
 from ..collective.base import Capabilities, Collective, LocalCollective
-from . import families, skip_gemv
+from . import skip_gemv
 from . import route as decode_route
 from ...proto.expert_cache import ExpertCacheSpec, auto_budget
 from ...proto.records import DEFAULT_KV_RESERVE, DEFAULT_PROMPT_CACHE
+from .reference import activation_dtype
 from ..device import ieee_float32, metal_info, on_cuda, on_metal
-from .expert_cache import (
-    CacheStats,
-    LayerCache,
-    Part,
-    Staging,
-    choose_resident,
-    read_parts,
-    read_pool,
-)
-from .experts import ExpertShard, NodeConfig, ShardLinear, ShardState
+from .experts import ExpertShard, NodeConfig, ShardState
 from .combine import Combine, combine_for
 from .layer import ClusterMoE, InProcessCluster, install, owns_dense_terms
-from .structure import MoEBlock, rebind, set_bank
+from .structure import MoEBlock, rebind
+from .shard_experts import ShardError, make_shard, quantize_replicated
 
 logger = logging.getLogger(__name__)
-
-
-class ShardError(CheckpointError):
-    """A checkpoint or placement that cannot be sharded, with the reason."""
 
 
 @dataclass(frozen=True)
@@ -106,313 +91,6 @@ class ShardedModel:
         with ieee_float32(dtype):  # as the reference is computed: the check holds float32 to 1e-4
             y = moe.partial(mx.array(x)[None].astype(dtype))
             return np.array(y[0].astype(mx.float32))
-
-
-def activation_dtype(block: nn.Module, bank_attr: str) -> mx.Dtype:
-    """The dtype a block computes in: that of its own floating-point parameters (a quantized
-    module's scales), the bank's aside; float32 when it has none."""
-    floating = (mx.float32, mx.float16, mx.bfloat16)
-    head = bank_attr.split(".")[0]
-    for key, v in tree_flatten(block.parameters()):
-        if key.split(".")[0] != head and v.dtype in floating:
-            return v.dtype
-    return mx.float32
-
-
-class _Selection(nn.Module):
-    """Stands in for a bank to learn which experts a block selects: records them, answers zeros."""
-
-    def __init__(self, out_dims: int):
-        super().__init__()
-        self._out_dims = out_dims
-        self.selected: set[int] = set()
-
-    def __call__(self, x, inds, *args, **kwargs):
-        self.selected.update(int(e) for e in np.unique(np.array(inds)))
-        return mx.zeros(inds.shape + (self._out_dims,), dtype=x.dtype)
-
-
-class Reference:
-    """Stock output of a checkpoint's MoE blocks, computed without loading the model: the reference
-    of the load-time check.
-
-    Per block it reads its own weights (router, shared experts, norms) through the family's sanitize
-    and quantization, and only the experts the input selects, by byte range.
-    """
-
-    def __init__(self, desc: ModelDescription):
-        self.desc = desc
-        self.ckpt = desc.checkpoint
-        self.model, blocks = desc.new_model()
-        self.blocks = {b.layer: b for b in blocks}
-
-    def layers(self) -> list[int]:
-        """MoE layers a probe can run (a block called with its routing from outside cannot)."""
-        return [l for l, b in sorted(self.blocks.items()) if not b.routed_call]
-
-    def hidden(self) -> int:
-        """Width of the MoE blocks' input."""
-        return next(iter(self.blocks.values())).width if self.blocks else 0
-
-    def dtype(self, layer: int) -> str:
-        b = self.blocks[layer]
-        return str(activation_dtype(b.block, b.bank_attr)).removeprefix("mlx.core.")
-
-    def outputs(self, layers: Sequence[int], x: np.ndarray) -> dict[int, np.ndarray]:
-        """{layer: stock block output} for x (tokens, hidden) float32, as float32."""
-        ckpt, desc = self.ckpt, self.desc
-        expert_keys = desc.expert_keys()
-        bank_prefixes = tuple(b.bank_path + "." for b in self.blocks.values())
-        wanted = tuple(self.blocks[l].path + "." for l in layers)
-        weights = {}
-        for key, info in ckpt.tensors.items():
-            own = (
-                key.startswith(wanted)
-                and key not in expert_keys
-                and not key.startswith(bank_prefixes)
-            )
-            weights[key] = (
-                read_tensor(info) if own else mx.zeros(info.shape, info.mx_dtype)
-            )  # lazy, never evaluated
-        if hasattr(self.model, "sanitize"):
-            weights = self.model.sanitize(weights)
-        _quantize_replicated(self.model, desc.quant, weights, bank_prefixes)
-        self.model.load_weights(
-            [
-                (k, v)
-                for k, v in weights.items()
-                if k.startswith(wanted) and not k.startswith(bank_prefixes)
-            ],
-            strict=False,
-        )
-        out = {}
-        for layer in layers:
-            b = self.blocks[layer]
-            dtype = activation_dtype(b.block, b.bank_attr)
-            with ieee_float32(dtype):  # as the nodes compute their shares of the check
-                xa = mx.array(x)[None].astype(dtype)
-                selection = _Selection(b.bank.out_dims)
-                set_bank(b.block, b.bank_attr, selection)
-                b.forward(b.block, xa)
-                holders = {
-                    e: (0,) if e in selection.selected else (1,) for e in range(b.num_experts)
-                }
-                shard = _make_shard(
-                    desc, b, sorted(selection.selected), holders, ShardState(0, 2, "none")
-                )
-                set_bank(b.block, b.bank_attr, shard)
-                out[layer] = np.array(b.forward(b.block, xa)[0].astype(mx.float32))
-        return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Expert tensors in the checkpoint
-
-
-def _expert_tensors(
-    ckpt: Checkpoint, b: MoEBlock, m: MoELayer
-) -> dict[str, dict[str, TensorInfo | dict[int, TensorInfo]]]:
-    """{projection: {param: the stacked (E, ...) tensor, or {expert: its own tensor}}} of block `b`
-    (the generic layouts, as the description names them; a family that stores its experts
-    otherwise reads them itself)."""
-    t = ckpt.tensors
-    out: dict[str, dict] = {}
-    for proj in b.projections:
-        for param in PARAMS:
-            name = m.tensors.get((proj, param))
-            if name is None:
-                continue
-            if "{e}" not in name:
-                stacked = t[name]
-                if stacked.shape[0] != b.num_experts:
-                    raise ShardError(
-                        f"{stacked.key}: leading dimension {stacked.shape[0]} is not the expert "
-                        f"count {b.num_experts}"
-                    )
-                out.setdefault(proj, {})[param] = stacked
-                continue
-            found = {e: t[name.format(e=e)] for e in range(b.num_experts) if name.format(e=e) in t}
-            out.setdefault(proj, {})[param] = found
-        if "weight" not in out.get(proj, {}):
-            raise ShardError(
-                f"layer {b.layer}: cannot find the expert weights of {proj} in {ckpt.path} "
-                f"(looked for {b.bank_path}.{proj}.weight and {b.path}.experts.<e>.{proj}.weight)"
-            )
-    return out
-
-
-def _read_local(
-    ckpt: Checkpoint, b: MoEBlock, m: MoELayer, local: Sequence[int]
-) -> dict[str, dict[str, mx.array]]:
-    """{projection: {param: (E_local, ...)}} for the local experts of block `b`, by byte range."""
-    special = families.read_experts(ckpt, b, local)
-    if special is not None:
-        return special
-    out: dict[str, dict[str, mx.array]] = {}
-    for proj, params in _expert_tensors(ckpt, b, m).items():
-        for param, src in params.items():
-            if isinstance(src, TensorInfo):
-                out.setdefault(proj, {})[param] = read_tensor(src, local) if local else None
-                continue
-            missing = [e for e in local if e not in src]
-            if missing:
-                raise ShardError(
-                    f"layer {b.layer}: no tensor for experts {missing} of {proj}.{param} "
-                    f"under {b.path}.experts.*"
-                )
-            stacked = mx.stack([read_tensor(src[e]) for e in local]) if local else None
-            if stacked is not None:
-                mx.eval(stacked)  # frees the per-expert reads now, not at the end of the layer
-            out.setdefault(proj, {})[param] = stacked
-    return out
-
-
-def _expert_parts(
-    ckpt: Checkpoint, b: MoEBlock, m: MoELayer, shard: ExpertShard
-) -> Callable[[int], list[Part]]:
-    """local index -> the byte ranges of that expert, one per tensor of the shard's slots (in
-    `_slot_tensors` order): what an expert cache reads on a miss."""
-    if families.read_experts(ckpt, b, []) is not None:
-        raise ShardError(
-            f"layer {b.layer}: the expert cache reads experts by byte range, and this checkpoint "
-            f"stores them fused ({ckpt.path}); convert it with mlx_lm.convert or set expert_cache: off"
-        )
-    tensors = _expert_tensors(ckpt, b, m)
-    order = [tensors[proj][param] for proj, param in _slot_keys(shard)]
-    ids = shard.global_ids
-
-    def parts(i: int) -> list[Part]:
-        e, out = ids[i], []
-        for src in order:
-            if isinstance(src, TensorInfo):
-                (row,) = _physical_rows(src, [e])
-                rb = src.row_bytes()
-                out.append(Part(str(src.file), src.start + row * rb, rb))
-            else:
-                out.append(Part(str(src[e].file), src[e].start, src[e].nbytes))
-        return out
-
-    return parts
-
-
-def _slot_keys(shard: ExpertShard) -> list[tuple[str, str]]:
-    """(projection, param) of every tensor an expert slot spans, in a fixed order."""
-    return [
-        (proj, param)
-        for proj in sorted(shard.children())
-        if isinstance(shard[proj], ShardLinear)
-        for param in PARAMS
-        if param in shard[proj]
-    ]
-
-
-def _attach_cache(
-    ckpt: Checkpoint,
-    b: MoEBlock,
-    m: MoELayer,
-    shard: ExpertShard,
-    resident: Sequence[int],
-    pinned: Sequence[int],
-    staging: Staging,
-) -> LayerCache:
-    """Give `shard` (whose projections hold the experts `resident`, by local index) its cache; take
-    every local expert's checksum on the way (each is read once, then dropped)."""
-    parts_of = _expert_parts(ckpt, b, m, shard)
-    views = []
-    for proj, param in _slot_keys(shard):
-        arr = shard[proj][param]
-        views.append(
-            np.frombuffer(memoryview(arr).cast("B"), dtype=np.uint8).reshape(arr.shape[0], -1)
-        )
-    n_local = len(shard.global_ids)
-    sizes = [p.nbytes for p in parts_of(0)]
-    if sizes != [v.shape[1] for v in views]:
-        raise ShardError(
-            f"layer {b.layer}: an expert's bytes on disk {sizes} do not match its slots "
-            f"{[v.shape[1] for v in views]}; the expert cache cannot read it by byte range"
-        )
-    cache = LayerCache(
-        b.layer, n_local, views, parts_of, resident, pinned, CacheStats(), read_pool(), staging
-    )
-    cache.fingerprint(
-        dict(
-            enumerate(
-                read_pool().map(lambda i: zlib.crc32(read_parts(parts_of(i))), range(n_local))
-            )
-        )
-    )
-    shard.attach_cache(cache, ahead=b.top_k)
-    return cache
-
-
-# ---------------------------------------------------------------------------------------------
-# Quantization, as mlx-lm's load_model does it
-
-
-def _quantize_replicated(
-    model: nn.Module, quant: Quantization | None, weights: dict, shard_prefixes: tuple[str, ...]
-) -> None:
-    if quant is None:
-        return
-    quant.require_applied()
-    from mlx_lm.utils import infer_quant_config
-
-    def predicate(path, m):
-        if path.startswith(shard_prefixes) or not hasattr(m, "to_quantized"):
-            return False  # a bank, or a dense term another node runs (a Zero)
-        if path in quant.overrides:
-            return quant.overrides[path]
-        if f"{path}.scales" not in weights:
-            return False
-        return infer_quant_config(path, m, weights)
-
-    nn.quantize(
-        model,
-        group_size=quant.group_size,
-        bits=quant.bits,
-        mode=quant.mode,
-        class_predicate=predicate,
-    )
-
-
-def _make_shard(
-    desc: ModelDescription,
-    b: MoEBlock,
-    local: Sequence[int],
-    holders,
-    state: ShardState,
-    capacity: int | None = None,
-    heat: tuple[Sequence[float], int] | None = None,
-) -> ExpertShard:
-    """The ExpertShard of block `b` holding experts `local`, read by byte range and evaluated; with
-    `capacity` below len(local), only that many resident (the hottest by `heat`, the profile's
-    (selections per expert, tokens)), the rest read on a miss."""
-    ckpt, m = desc.checkpoint, desc.layer(b.layer)
-    cached = capacity is not None and capacity < len(local)
-    if cached:
-        local_heat = np.array([heat[0][e] for e in local], dtype=np.float64) if heat else None
-        resident, pinned = choose_resident(capacity, local_heat, heat[1] if heat else 0)
-        params = _read_local(ckpt, b, m, [local[i] for i in resident])
-    else:
-        params = _read_local(ckpt, b, m, local)
-    projections = {}
-    for proj in b.projections:
-        p = {k: v for k, v in params[proj].items() if v is not None}
-        if not local:
-            projections[proj] = ShardLinear(mx.zeros((0, 1, 1)))
-            continue
-        projections[proj] = ShardLinear(
-            p["weight"],
-            scales=p.get("scales"),
-            biases=p.get("biases"),
-            bias=p.get("bias"),
-            quant=expert_quant(desc.quant, m, proj, p),
-        )
-    shard = ExpertShard(b.layer, local, holders, projections, b.kind, b.activation, state)
-    mx.eval(shard.parameters())
-    if cached:
-        _attach_cache(ckpt, b, m, shard, resident, pinned, state.staging)
-    return shard
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,7 +222,7 @@ def load_shard(
     resident_experts = 0
     layers: list[ClusterMoE] = []
     for b in blocks:
-        shard = _make_shard(
+        shard = make_shard(
             desc,
             b,
             placement.layers[b.layer][rank],
@@ -559,7 +237,7 @@ def load_shard(
     _wire_prefetch(blocks, [layer.shard for layer in layers], profile, prefetch)
 
     # 3. Quantize and load the replicated part, then check that nothing is missing or left over.
-    _quantize_replicated(model, desc.quant, weights, bank_prefixes)
+    quantize_replicated(model, desc.quant, weights, bank_prefixes)
     model.eval()
     params = dict(tree_flatten(model.parameters()))
     shard_params = {k: v for k, v in params.items() if k.startswith(bank_prefixes)}

@@ -78,7 +78,7 @@ def decode_input(block, bank_attr: str, width: int, rows: int = 1) -> mx.array:
     """A decode step's input to a MoE block, evaluated: `rows` tokens of one position, in the
     dtype the block computes in (an astype to the same dtype adds nothing, to another one adds a
     kernel: the count depends on it)."""
-    from .load import activation_dtype
+    from .reference import activation_dtype
 
     x = mx.random.normal((rows, 1, width), key=mx.random.key(0))
     x = x.astype(activation_dtype(block, bank_attr))
@@ -134,7 +134,7 @@ class SkipStandIn:
 
     def install(self, sharded) -> None:
         from . import kernels
-        from .load import activation_dtype
+        from .reference import activation_dtype
 
         kernels.skip_proj = self
         for m in sharded.layers:
