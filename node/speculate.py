@@ -152,13 +152,6 @@ def rollback(cache: list, drop: Sequence[int]) -> None:
             c.finalize()
 
 
-def auto_source(model) -> str:
-    """What `speculative: auto` drafts with for `model`: prompt lookup and the request's
-    `prediction`. (Where a checkpoint keeps its own multi-token-prediction layers, those are the
-    draft instead: the one place that choice is made.)"""
-    return "prompt-lookup"
-
-
 class Speculator:
     """A running batch's speculative steps (`serving.speculative`): each decoding sequence feeds its
     next input and up to its own allowance of guesses; what the model agrees with is emitted, the
