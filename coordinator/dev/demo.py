@@ -74,13 +74,7 @@ def train_demo(args) -> int:
     logging.getLogger("moe_cluster.node.demo.train").setLevel(logging.INFO)
     if args.mtp:
         return _train_mtp(args)
-    tc = TrainConfig(seed=args.seed)
-    if args.steps:
-        tc = replace(tc, steps=args.steps, warmup=min(tc.warmup, max(1, args.steps // 10)))
-    if args.batch:
-        tc = replace(tc, batch=args.batch)
-    if args.repeat is not None:
-        tc = replace(tc, repeat=args.repeat)
+    tc = _flags(TrainConfig(seed=args.seed), args)
     report = train(Path(args.out), tc)
     print(
         json.dumps(
@@ -99,14 +93,20 @@ def _train_mtp(args) -> int:
     out = Path(args.out)
     if not (out / "config.json").exists():
         raise UserError(f"train-demo --mtp trains a layer for a model: {out} has no config.json")
-    tc = MTPTrainConfig(seed=args.seed)
+    tc = _flags(MTPTrainConfig(seed=args.seed), args)
+    report = train_mtp(out, tc)
+    last = report["history"][-1] if report["history"] else {}
+    print(json.dumps({"out": args.out, "parameters": report["parameters"], **last}))
+    return 0
+
+
+def _flags(tc, args):
+    """A training config (the model's or its MTP layer's) with `train-demo`'s --steps, --batch and
+    --repeat where given."""
     if args.steps:
         tc = replace(tc, steps=args.steps, warmup=min(tc.warmup, max(1, args.steps // 10)))
     if args.batch:
         tc = replace(tc, batch=args.batch)
     if args.repeat is not None:
         tc = replace(tc, repeat=args.repeat)
-    report = train_mtp(out, tc)
-    last = report["history"][-1] if report["history"] else {}
-    print(json.dumps({"out": args.out, "parameters": report["parameters"], **last}))
-    return 0
+    return tc
