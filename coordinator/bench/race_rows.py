@@ -37,11 +37,23 @@ TRANSPORT = {
 
 
 def timing(streams: int, t0: float, tokens: list[list[int]], times: list[list[float]]) -> dict:
-    """The row's figures from each stream's token times (all rows are counted by this one rule)."""
+    """The row's figures from each stream's token times (all rows are counted by this one rule).
+
+    The decode step is the mean gap between a stream's tokens while all `streams` run: from the
+    last stream's first token to the first stream's last. A scheduler that prefills a joining
+    stream between the others' decode steps (ours) puts that prefill in the gaps before it;
+    one that prefills every prompt first (mlx-lm's BatchGenerator) puts none there: counting
+    every gap would compare prefill with decode. Where that window holds no gap (streams that
+    never all ran at once), every gap counts, and `decode_window` says so."""
     gaps = [b - a for ts in times for a, b in zip(ts, ts[1:])]
     firsts = [ts[0] - t0 for ts in times if ts]
     last = max((ts[-1] for ts in times if ts), default=t0)
-    step = statistics.mean(gaps) if gaps else None
+    ran = [ts for ts in times if ts]
+    lo = max((ts[0] for ts in ran), default=t0)
+    hi = min((ts[-1] for ts in ran), default=t0)
+    steady = [b - a for ts in times for a, b in zip(ts, ts[1:]) if a >= lo and b <= hi]
+    window = "all running" if steady else "all gaps"
+    step = statistics.mean(steady or gaps) if gaps else None
     return {
         "streams": streams,
         "generated": sum(len(t) for t in tokens),
@@ -49,6 +61,10 @@ def timing(streams: int, t0: float, tokens: list[list[int]], times: list[list[fl
         "ttft_max_s": max(firsts, default=None),
         "step_s": step,  # mean gap between a stream's tokens: one decode step of the batch
         "decode_tps": streams / step if step else None,  # all streams together, decode steps only
+        "decode_window": window,
+        "decode_gaps": len(steady or gaps),
+        # every gap, joining streams' prefill included
+        "step_s_all_gaps": statistics.mean(gaps) if gaps else None,
         "aggregate_tps": sum(len(t) for t in tokens) / (last - t0)
         if last > t0
         else None,  # prefill included

@@ -107,8 +107,26 @@ def test_a_stall_once_a_pass_is_reported_where_it_fell_and_what_it_cost() -> Non
     assert slow["count"] == 1 and slow["of"] == 18
     assert slow["longest"] == [{"stream": 1, "token": 3, "s": pytest.approx(0.3)}]
     assert slow["added_to_mean_step_s"] == pytest.approx(0.25 / 18)
-    assert row["step_s"] == pytest.approx(0.05 + 0.25 / 18)  # the mean the stall moved
+    assert row["step_s_all_gaps"] == pytest.approx(0.05 + 0.25 / 18)  # the mean the stall moved
+    # while both run (to stream 0's last token at 0.45 s): its 9 gaps and stream 1's first 4
+    assert row["step_s"] == pytest.approx((12 * 0.05 + 0.3) / 13)
+    assert row["decode_window"] == "all running" and row["decode_gaps"] == 13
     assert row["itl_p50_s"] == pytest.approx(0.05)
+
+
+def test_the_decode_step_counts_only_the_gaps_while_every_stream_runs() -> None:
+    # stream 0 decodes at 50 ms a step; stream 1's 1 s prefill runs between two of its steps, then
+    # both decode at 80 ms a step: the prefill gap and stream 0's steps alone are not the batch's
+    s0 = [0.05 * i for i in range(4)] + [1.15 + 0.08 * i for i in range(10)]
+    s1 = [1.15 + 0.08 * i for i in range(10)]
+    row = timing(2, 0.0, [[0] * len(s0), [0] * len(s1)], [s0, s1])
+    assert row["step_s"] == pytest.approx(0.08)
+    assert row["decode_tps"] == pytest.approx(2 / 0.08)
+    assert (row["decode_window"], row["decode_gaps"]) == ("all running", 18)
+    assert row["step_s_all_gaps"] > 0.11  # the prefill counted as a step
+    # never all running at once: every gap counts, and the row says so
+    apart = timing(2, 0.0, [[0, 0], [0, 0]], [[0.0, 0.1], [0.5, 0.6]])
+    assert apart["decode_window"] == "all gaps" and apart["step_s"] == pytest.approx(0.1)
 
 
 def test_steady_steps_report_no_slow_gap() -> None:
