@@ -17,7 +17,7 @@ os.environ.setdefault(
 importcache.install()  # before anything imports mlx_lm (and so transformers)
 
 from ..proto.errors import ErrorKind, MoeClusterError, UserError  # noqa: E402 - after the grpc setting
-from ..proto.records import DRAFT_LIMIT, KEEPALIVES, SPECULATIVE_MODES  # noqa: E402 - no mlx: cheap commands stay cheap
+from ..proto.records import DRAFT_LIMIT, KEEPALIVES, MTP_EXPERTS, SPECULATIVE_MODES  # noqa: E402 - no mlx: cheap commands stay cheap
 
 # Quiet third-party chatter (transformers warns that PyTorch is absent; we never need it).
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -90,6 +90,13 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
         "--draft-model",
         default=None,
         help="with --speculative draft: a small checkpoint with the model's tokenizer, or 'demo'",
+    )
+    p.add_argument(
+        "--mtp-experts",
+        choices=MTP_EXPERTS,
+        default="auto",
+        help="with --speculative mtp: the MTP layer's routed experts whole on every node, or "
+        "sharded (serving.mtp_experts)",
     )
 
 

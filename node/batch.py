@@ -68,6 +68,7 @@ class BatchLimits:
     # replicated: every node attends for every stream; by-stream: each stream's owner alone (the
     # request's `owner`); auto: as the request says (the coordinator chooses per stream)
     attention: str = "replicated"
+    mtp_experts: str = "auto"  # speculative "mtp": its routed experts at N > 1 (node/mtp.py)
 
 
 class Sink(Protocol):
@@ -266,7 +267,10 @@ class RunningBatch:
     def speculation(self) -> str:
         """What the node's status says of speculative decoding."""
         if self.draft_max:
-            return f"{self.limits.speculative}, {self.draft_max} drafts"
+            held = self._speculator.mtp_experts
+            return f"{self.limits.speculative}, {self.draft_max} drafts" + (
+                f", MTP experts {held}" if held else ""
+            )
         return f"off: {self.speculation_off}" if self.speculation_off else "off"
 
     def busy(self) -> bool:

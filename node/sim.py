@@ -38,6 +38,7 @@ class SimTask:
     draft_tokens: int = 4
     prediction: tuple[int, ...] = ()  # the output expected (drafts), for the request(s)
     draft_model: str = ""  # speculative "draft": its checkpoint
+    mtp_experts: str = "auto"  # speculative "mtp": its routed experts at N > 1 (MTP_EXPERTS)
     overlap: bool = False  # two micro-batches per decode step (node/overlap.py)
     # decode routes (node/moe/route.py) to alternate: each repeat runs the request once per route,
     # in this order, forced on every MoE layer first, so that routes are compared within one load
@@ -224,6 +225,7 @@ def _serve(job: SimJob, index: int, task: SimTask, sharded, beat) -> dict:
             speculative=task.speculative,
             draft_tokens=task.draft_tokens,
             draft_model=task.draft_model,
+            mtp_experts=task.mtp_experts,
             overlap=task.overlap,
             attention=task.attention,
         ),
@@ -397,6 +399,7 @@ def _run_streams(index: int, task: SimTask, sharded, beat) -> dict:
             speculative=task.speculative,
             draft_tokens=task.draft_tokens,
             draft_model=task.draft_model,
+            mtp_experts=task.mtp_experts,
             overlap=task.overlap,
             attention=task.attention,
         ),

@@ -159,13 +159,24 @@ class Speculator:
     draft model on rank 0 (`Drafter`), whose guesses every rank reads from one explicit agreement.
     """
 
-    def __init__(self, mode: str, draft_max: int, collective, drafter: "Drafter | None", mtp=None):
+    def __init__(
+        self,
+        mode: str,
+        draft_max: int,
+        collective,
+        drafter: "Drafter | None",
+        mtp=None,
+        mtp_experts: str = "",
+    ):
         self.mode = mode
         self.draft_max = draft_max
         self.collective = collective
         self.drafter = drafter  # rank 0's, in mode "draft"
         self.mtp = mtp  # every rank's, in mode "mtp" (node/mtp.py Drafter)
         self.next: dict[int, list[int]] = {}  # mode "mtp": seq -> its guesses for its next step
+        # mode "mtp": where the MTP layer's routed experts live, "whole" (each node drafts alone)
+        # or "sharded" (its feed and each chained draft all-reduce); node/mtp.py holding
+        self.mtp_experts = mtp_experts
 
     def step(self, lane, model, width: int, tally) -> None:
         """One verifying forward pass of the rows of `lane`, each `width` positions wide
@@ -259,7 +270,13 @@ class Speculator:
         self, decoding: list, histories: list[list[int]], wanted: list[int]
     ) -> list[list[int]]:
         """The draft model's guesses, `wanted[i]` for sequence i at most: rank 0 makes them, and
-        every rank reads rank 0's from one explicit agreement (the others put zeros)."""
+        every rank reads rank 0's from one explicit agreement (the others put zeros).
+
+        The MTP layer drafts on every rank, whole or sharded, and its guesses are still read from
+        rank 0: ranks on different hardware may round its block differently and guess apart, and
+        a step's inputs must be the same on every rank. The agreement cannot ride on a round trip
+        the step makes already: the guesses exist only after the previous step's last all-reduce,
+        and the next step's first one comes after its inputs have been embedded and attended."""
         from .collective.base import agree
 
         if self.mtp is not None:  # every rank drafted; rank 0's guesses are the ones fed
@@ -321,15 +338,17 @@ def speculation(limits, collective, cache: list, vocab: int, sharded=None):
         if not limits.draft_model:
             raise UserError("speculative: draft needs a draft model (serving.draft_model)")
         drafter = Drafter(limits.draft_model, vocab)
-    mtp = None
+    mtp, held = None, ""
     if mode == "mtp":
         from . import mtp as mtp_layer
 
         mtp = mtp_layer.load(sharded.model, sharded.config, sharded.path)
         mtp_layer.carry_cache(sharded.model)
-        how = mtp_layer.shard_experts(mtp, sharded, int(sharded.config["num_hidden_layers"]))
+        held, how = mtp_layer.shard_experts(
+            mtp, sharded, int(sharded.config["num_hidden_layers"]), limits.mtp_experts
+        )
         logging.getLogger(__name__).info("speculative: mtp: the MTP layer holds %s", how)
-    return draft_max, None, Speculator(mode, draft_max, collective, drafter, mtp)
+    return draft_max, None, Speculator(mode, draft_max, collective, drafter, mtp, held)
 
 
 COOL_STEPS = 8  # steps without guesses after they first failed, before one is tried again

@@ -37,6 +37,7 @@ class SpeculativeBench:
     gpus: bool = False
     draft_model: str = ""  # mode "draft": its checkpoint
     streams: int = 1  # > 1: also the plain prompt as this many streams at once, off and on
+    mtp_experts: str = "auto"  # mode "mtp": its routed experts at N > 1 (serving.mtp_experts)
 
 
 def spoiled(tokens: list[int], share: float, vocab: int, seed: int = 0) -> tuple[int, ...]:
@@ -76,7 +77,8 @@ def scenarios(
         many = {**off, "streams": spec.streams}
         rows.append({**many, "scenario": f"off, {spec.streams} streams"})
         rows.append({**many, "scenario": f"{name}, {spec.streams} streams", "mode": spec.mode})
-    for share in spec.spoil if spec.mode != "draft" else ():  # a draft model ignores predictions
+    # a draft model and the MTP layer ignore predictions
+    for share in spec.spoil if spec.mode not in ("draft", "mtp") else ():
         rows.append(
             {
                 **off,
@@ -98,6 +100,8 @@ def run(spec: SpeculativeBench) -> dict:
     if (spec.mode == "draft") != bool(spec.draft_model):
         raise UserError("--speculative draft and --draft-model go together")
     draft = str(Checkpoint.open(spec.draft_model).path) if spec.draft_model else ""
+    if spec.mtp_experts != "auto" and spec.mode != "mtp":
+        raise UserError(f"--mtp-experts {spec.mtp_experts} needs --speculative mtp")
     tokenizer = load_tokenizer(ckpt.path)
     from ..dev.run_local import encode_prompt
 
@@ -117,6 +121,7 @@ def run(spec: SpeculativeBench) -> dict:
         "max_tokens": spec.max_tokens,
         "rounds": spec.rounds,
         "draft_tokens": spec.draft_tokens,
+        "mtp_experts": spec.mtp_experts,
         "moe_layers": layers,
         "runs": [],
     }
@@ -131,6 +136,7 @@ def run(spec: SpeculativeBench) -> dict:
                     draft_tokens=spec.draft_tokens,
                     prediction=r["prediction"],
                     draft_model=draft if r["mode"] == "draft" else "",
+                    mtp_experts=spec.mtp_experts if r["mode"] == "mtp" else "auto",
                     streams=(r["prompt"],) * r["streams"] if r.get("streams") else None,
                 )
                 for _ in range(spec.rounds + 1)
@@ -257,6 +263,7 @@ def main(args, nodes: tuple[int, ...], transports: tuple[str, ...], prompt: str)
         args.gpus,
         args.draft_model or "",
         args.streams,
+        args.mtp_experts,
     )
     out = run(spec)
     if args.json:
