@@ -78,6 +78,15 @@ def _draft_tokens(text: str) -> int:
     return n
 
 
+def _mtp_experts(text: str) -> str:
+    bad = [h for h in text.split(",") if h not in MTP_EXPERTS]
+    if bad or len(set(text.split(","))) != len(text.split(",")):
+        raise argparse.ArgumentTypeError(
+            f"expected {', '.join(MTP_EXPERTS)} or a list of them, each once (got {text})"
+        )
+    return text
+
+
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative",
@@ -93,10 +102,11 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--mtp-experts",
-        choices=MTP_EXPERTS,
+        type=_mtp_experts,
         default="auto",
         help="with --speculative mtp: the MTP layer's routed experts whole on every node, or "
-        "sharded (serving.mtp_experts)",
+        "sharded (serving.mtp_experts: auto, whole, sharded); bench decode alternates a list "
+        "(whole,sharded)",
     )
 
 

@@ -388,6 +388,8 @@ def _draft_path(req: SimRequest) -> str:
 
 
 def _mtp_experts(req: SimRequest) -> str:
+    if "," in req.mtp_experts:
+        raise UserError(f"simulate takes one --mtp-experts (got {req.mtp_experts})")
     if req.mtp_experts != "auto" and req.speculative != "mtp":
         raise UserError(f"--mtp-experts {req.mtp_experts} needs --speculative mtp")
     return req.mtp_experts

@@ -110,6 +110,10 @@ def test_bench_speculative_refuses_bad_options():
         ),
         "--mtp-experts whole needs --speculative mtp",
     )
+    r = cli(
+        "bench", "decode", "--model", "demo", "--speculative", "mtp", "--mtp-experts", "whole,half"
+    )
+    assert r.returncode == 2 and "auto, whole, sharded or a list of them" in r.stderr, r.stderr
     assert_one_line_error(
         cli("bench", "decode", "--model", "demo", "--speculative", "draft"),
         "--speculative draft and --draft-model go together",
