@@ -95,18 +95,21 @@ TEXTS = (
 
 
 @pytest.mark.parametrize(
-    "model,nodes,sampling,holding",
+    "model,nodes,sampling,holding,disagree",
     [
-        ("deepseek", 3, Sampling(max_tokens=12, temperature=1.0, seed=5), "sharded"),
-        ("demo", 2, None, "whole"),
+        ("deepseek", 3, Sampling(max_tokens=12, temperature=1.0, seed=5), "sharded", False),
+        ("demo", 2, None, "whole", False),
+        ("demo", 3, None, "whole", True),
     ],
-    ids=["deepseek-3-seeded-sharded", "demo-2-greedy-whole"],
+    ids=["deepseek-3-seeded-sharded", "demo-2-greedy-whole", "demo-3-greedy-whole-disagree"],
 )
 def test_mtp_in_a_batch_of_prompts_of_different_lengths_keeps_each_streams_output(
-    deepseek, model, nodes, sampling, holding
+    deepseek, model, nodes, sampling, holding, disagree
 ):
     """The MTP layer's cache rides with each sequence's (merged, rolled back, extracted when a
-    row leaves: a one-token prompt's is fed first at its first decode step)."""
+    row leaves: a one-token prompt's is fed first at its first decode step). `disagree`: the last
+    node feeds guesses of its own at every other step, as a node that rounds differently would:
+    only the guesses every node fed are verified, and every token still holds."""
     from mlx_lm.tokenizer_utils import load
 
     path = str(deepseek if model == "deepseek" else MODEL_DIR)
@@ -125,6 +128,7 @@ def test_mtp_in_a_batch_of_prompts_of_different_lengths_keeps_each_streams_outpu
             draft_tokens=3,
             record_logits=True,
             mtp_experts=holding if mode == "mtp" else "auto",
+            disagree=disagree and mode == "mtp",
         )
         for mode in ("off", "mtp")
     ]
