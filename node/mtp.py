@@ -221,8 +221,8 @@ def holding(asked: str, bank_bytes: int, node_bytes: int) -> str:
     routed bank, `node_bytes` this node's routed experts of the model's layers.
 
     Whole, each node drafts alone: the MTP layer's feed and each chained draft cost no all-reduce
-    (with 2 drafts, two of a step's round trips; on the demo's 4 MoE layers, 7 become 5), for
-    (1 - 1/N) of one layer's bank more on every node. Sharded, no node holds more than its share."""
+    (with 2 drafts, two a step: on the demo's 4 MoE layers a step pays 4, not 6), for (1 - 1/N)
+    of one layer's bank more on every node. Sharded, no node holds more than its share."""
     if asked != "auto":
         return asked
     return "whole" if bank_bytes <= max(WHOLE_SHARE * node_bytes, SMALL_BANK) else "sharded"

@@ -194,7 +194,7 @@ DECODE_ROUTES = ("measure", "skip", "device", "host")
 SPECULATIVE_MODES = ("off", "auto", "prompt-lookup", "draft", "mtp")  # node/speculate.py
 ATTENTION_MODES = ("replicated", "by-stream", "auto")  # who attends for a stream (node/batch.py)
 DRAFT_LIMIT = 16  # the most drafts one step verifies per sequence
-# where the MTP layer's routed experts live at N > 1 (node/mtp.py hold_experts)
+# where the MTP layer's routed experts live at N > 1 (node/mtp.py holding)
 MTP_EXPERTS = ("auto", "whole", "sharded")
 NODE_STATES = ("idle", "loading", "ready", "busy", "failed", "stopping")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")

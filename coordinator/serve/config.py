@@ -125,7 +125,7 @@ class ServingConfig:
     )
     # speculative: mtp at N > 1: the MTP layer's routed experts on every node (whole: its drafts
     # need no all-reduce) or split like any MoE layer's (sharded); auto: whole where they are
-    # small beside this node's experts (node/mtp.py hold_experts)
+    # small beside this node's experts (node/mtp.py holding)
     mtp_experts: Literal[MTP_EXPERTS] = "auto"
     # two micro-batches per decode step: one half's all-reduce travels while the other half
     # computes its layer (node/overlap.py); off until measured on (docs/speculative.md)
