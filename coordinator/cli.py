@@ -17,7 +17,7 @@ os.environ.setdefault(
 importcache.install()  # before anything imports mlx_lm (and so transformers)
 
 from ..proto.errors import ErrorKind, MoeClusterError, UserError  # noqa: E402 - after the grpc setting
-from ..proto.records import DRAFT_LIMIT, KEEPALIVES, SPECULATIVE_MODES  # noqa: E402 - no mlx: cheap commands stay cheap
+from ..proto.records import DRAFT_LIMIT, KEEPALIVES, MTP_EXPERTS, SPECULATIVE_MODES  # noqa: E402 - no mlx: cheap commands stay cheap
 
 # Quiet third-party chatter (transformers warns that PyTorch is absent; we never need it).
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -78,6 +78,15 @@ def _draft_tokens(text: str) -> int:
     return n
 
 
+def _mtp_experts(text: str) -> str:
+    bad = [h for h in text.split(",") if h not in MTP_EXPERTS]
+    if bad or len(set(text.split(","))) != len(text.split(",")):
+        raise argparse.ArgumentTypeError(
+            f"expected {', '.join(MTP_EXPERTS)} or a list of them, each once (got {text})"
+        )
+    return text
+
+
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative",
@@ -90,6 +99,14 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
         "--draft-model",
         default=None,
         help="with --speculative draft: a small checkpoint with the model's tokenizer, or 'demo'",
+    )
+    p.add_argument(
+        "--mtp-experts",
+        type=_mtp_experts,
+        default="auto",
+        help="with --speculative mtp: the MTP layer's routed experts whole on every node, or "
+        "sharded (serving.mtp_experts: auto, whole, sharded); bench decode alternates a list "
+        "(whole,sharded)",
     )
 
 

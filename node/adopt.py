@@ -12,7 +12,8 @@ as before. What must match, and why:
 - how it reaches its peers: `transport` (every envoy address, ports, TLS files, timeouts; the mlx
   hostfile and backend): its envoy, or its `mx.distributed` group, was started with these;
 - what the load built around the weights: `keepalive`, `route` (timed at load), `expert_cache`
-  and `heat` (the resident set), `prompt_cache_bytes`, `draft_model` and `speculative`;
+  and `heat` (the resident set), `prompt_cache_bytes`, `draft_model`, `speculative` and
+  `mtp_experts` (the MTP layer's experts, whole or sharded);
 - how its running batch was made: `max_batch`, `prefill_budget`, `kv_budget_bytes`,
   `prefill_step`, `draft_tokens`, `overlap`, `attention` (by stream, each MoE layer's exchange is
   built for it at load).

@@ -639,6 +639,7 @@ def _limits(spec):
         spec.draft_model,
         spec.overlap,
         spec.attention,
+        spec.mtp_experts,
     )
 
 

@@ -9,9 +9,12 @@ trip where the step runs no MoE layer:
     queue    the admission numbers of the requests this rank holds queued, smallest first (0: none)
     cancel   per running sequence, 1 where it was cancelled on this rank
     tokens   per decoding sequence, the tokens it emitted last step, each + 1 (0: none), `slots` each
+    guesses  per decoding sequence, the guesses this rank feeds this step, each + 1 (0: none),
+             `guesses` each: the MTP layer's (node/speculate.py), made on every rank and fed
+             before they are agreed; what is read back is the prefix on which every rank's agree
 
 Its shape depends only on what was agreed before (the running and decoding sequences, the batch's
-limits), so every rank lays it out alike.
+limits, whether the step verifies guesses), so every rank lays it out alike.
 """
 
 from __future__ import annotations
@@ -31,19 +34,30 @@ class Layout:
     active: int  # running sequences: a cancel flag each
     decoding: int  # decoding sequences: `slots` tokens each
     slots: int  # tokens a decoding sequence emits per step at most (1 + its drafts)
+    guesses: int = 0  # guesses a decoding sequence feeds this step at most, where they ride
 
     @property
     def size(self) -> int:
-        return self.queue + self.active + self.decoding * self.slots
+        return self.queue + self.active + self.decoding * (self.slots + self.guesses)
 
-    def encode(self, held: list[int], cancels: list[bool], tokens: list) -> mx.array:
+    def encode(
+        self, held: list[int], cancels: list[bool], tokens: list, guesses: list | None = None
+    ) -> mx.array:
         """This rank's vote as an int32 vector (lazy where a token is: nothing waits on the host).
         `tokens[i]`: decoding sequence i's emitted tokens (a list, or a lazy array whose first
-        element is its one token), or None where it has none yet."""
-        if len(held) > self.queue or len(cancels) != self.active or len(tokens) != self.decoding:
+        element is its one token), or None where it has none yet. `guesses[i]`: the guesses
+        sequence i feeds this step on this rank, where the layout has room for them."""
+        guesses = guesses if guesses is not None else [[]] * self.decoding
+        if (
+            len(held) > self.queue
+            or len(cancels) != self.active
+            or len(tokens) != self.decoding
+            or len(guesses) != self.decoding
+            or any(len(g) > self.guesses for g in guesses)
+        ):
             raise ValueError(
-                f"a vote of {len(held)} queued, {len(cancels)} cancel flags and {len(tokens)} "
-                f"token rows does not fit {self}"
+                f"a vote of {len(held)} queued, {len(cancels)} cancel flags, {len(tokens)} "
+                f"token rows and guesses {[len(g) for g in guesses]} does not fit {self}"
             )
         head = [*held, *[0] * (self.queue - len(held)), *(int(bool(c)) for c in cancels)]
         parts = [mx.array(head, dtype=mx.int32)]
@@ -57,6 +71,9 @@ class Layout:
                 if len(t) > self.slots:
                     raise ValueError(f"{len(t)} tokens do not fit {self.slots} slots")
                 parts.append(mx.array([v + 1 for v in t] + [0] * (self.slots - len(t)), mx.int32))
+        if self.guesses:
+            rows = [[v + 1 for v in g] + [0] * (self.guesses - len(g)) for g in guesses]
+            parts.append(mx.array([v for row in rows for v in row], mx.int32))
         return mx.concatenate(parts) if len(parts) > 1 else parts[0]
 
     def read(
@@ -93,7 +110,18 @@ class Layout:
                 mismatches[i], got = exc, []
             got = tuple(t for t in got if t >= 0)
             tokens.append(got or None)
-        return Agreed(tuple(held), cancels, tuple(tokens), mismatches)
+        base += self.decoding * self.slots
+        guesses = []
+        for i in range(self.decoding if self.guesses else 0):
+            at = base + i * self.guesses
+            common = []  # the guesses up to the first slot where some rank's differ, or none is
+            for j in range(self.guesses):
+                mine = {row[at + j] for row in rows}
+                if len(mine) > 1 or 0 in mine:
+                    break
+                common.append(mine.pop() - 1)
+            guesses.append(tuple(common))
+        return Agreed(tuple(held), cancels, tuple(tokens), mismatches, tuple(guesses))
 
 
 @dataclass(frozen=True)
@@ -104,6 +132,8 @@ class Agreed:
     cancel: tuple[bool, ...]  # per running sequence: cancelled on some rank
     tokens: tuple[tuple[int, ...] | None, ...]  # per decoding sequence (None: none yet)
     mismatches: dict = field(default_factory=dict)  # decoding index -> TokenMismatch
+    # per decoding sequence, where guesses ride: the prefix of its guesses every rank fed
+    guesses: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def alone(cls, held: list[int], cancels: list[bool], tokens: list) -> "Agreed":

@@ -3,7 +3,7 @@ other nodes (continuous batching).
 
 One step, on every node:
 
-    vote   = (queued ids held, cancel flags, tokens emitted last step)    # node/agreement.py
+    vote   = (queued ids held, cancel flags, tokens emitted last step, MTP guesses)  # agreement.py
     ride(vote)                        # on the step's first MoE all-reduce: no round trip of its own
     for (sequence, n) in prefill_chunks(joining):                       # node/scheduler.py
         model(its next n prompt tokens)                                 # (1, n) -> its own KV
@@ -68,6 +68,7 @@ class BatchLimits:
     # replicated: every node attends for every stream; by-stream: each stream's owner alone (the
     # request's `owner`); auto: as the request says (the coordinator chooses per stream)
     attention: str = "replicated"
+    mtp_experts: str = "auto"  # speculative "mtp": its routed experts at N > 1 (node/mtp.py)
 
 
 class Sink(Protocol):
@@ -266,7 +267,10 @@ class RunningBatch:
     def speculation(self) -> str:
         """What the node's status says of speculative decoding."""
         if self.draft_max:
-            return f"{self.limits.speculative}, {self.draft_max} drafts"
+            held = self._speculator.mtp_experts
+            return f"{self.limits.speculative}, {self.draft_max} drafts" + (
+                f", MTP experts {held}" if held else ""
+            )
         return f"off: {self.speculation_off}" if self.speculation_off else "off"
 
     def busy(self) -> bool:
@@ -363,12 +367,30 @@ class RunningBatch:
         previous = [
             None if not s.local else list(s.pending) if s.pending else s.token for s in decoding
         ]
-        layout = Layout(queue, len(active), len(decoding), self.slots)
+        # the MTP layer's guesses, made on every rank, ride this step's vote (speculate.py)
+        riding = self._speculator.riding(decoding) if guessing and not alone else None
+        guesses = self.draft_max if riding is not None else 0
+        layout = Layout(queue, len(active), len(decoding), self.slots, guesses)
         width = self._width(decoding) if guessing else 1
         self.slots = width  # what the next step's vote carries per sequence
-        vote = None if alone else layout.encode(held, cancels, previous)
+        vote = None if alone else layout.encode(held, cancels, previous, riding)
         if vote is not None:
             c.ride(vote)
+        settled: list[Agreed] = []
+
+        def settle() -> Agreed:
+            """What every rank voted: the ride came back with the step's first MoE all-reduce
+            (else one round trip); read once, by a verifying step before it accepts guesses."""
+            if not settled:
+                settled.append(
+                    layout.read(
+                        c.settle() or agree(c, vote),
+                        [s.req.request_id for s in decoding],
+                        [len(s.fed) for s in decoding],
+                        [s.owner for s in decoding],
+                    )
+                )
+            return settled[0]
 
         # mx.distributed cannot time out: the whole step is watched (MLX may block in async_eval
         # too). The first two steps of a shape may build kernels, and the second waits for the
@@ -381,22 +403,13 @@ class RunningBatch:
             self._prefill(joining, bool(decoding))
             logits_before = [s.pending_logits if s.pending else [s.prev_logits] for s in decoding]
             if guessing:
-                self._verify(decoding)
+                self._verify(decoding, settle if riding is not None else None)
             else:
                 sampled = self._decode(decoding)
                 if sampled is not None:
                     mx.async_eval(sampled)
-            agreement = None if alone else (c.settle() or agree(c, vote))
+            agreed = Agreed.alone(held, cancels, previous) if alone else settle()
 
-        if alone:
-            agreed = Agreed.alone(held, cancels, previous)
-        else:
-            agreed = layout.read(
-                agreement,
-                [s.req.request_id for s in decoding],
-                [len(s.fed) for s in decoding],
-                [s.owner for s in decoding],
-            )
         for i, exc in agreed.mismatches.items():
             decoding[i].error = exc
         self._steps += 1
@@ -530,14 +543,15 @@ class RunningBatch:
             widest = min(widest, self.draft_max // max(1, len(decoding)))
         return 1 + widest
 
-    def _verify(self, decoding: list[Sequence]) -> None:
+    def _verify(self, decoding: list[Sequence], settle: Callable[[], Agreed] | None) -> None:
         """A speculative step (Speculator.step) over this rank's rows, every row as wide as the
-        widest allowance of every rank's decoding sequences (what the ranks agreed)."""
+        widest allowance of every rank's decoding sequences (what the ranks agreed). `settle`:
+        where guesses ride the step's vote, what the ranks voted."""
         width = self._width(decoding)
         self._tally.decoded, self._tally.positions = len(decoding), len(decoding) * width
 
         def verify(lane: Lane) -> None:
-            self._speculator.step(lane, self.model, width, self._tally)
+            self._speculator.step(lane, self.model, width, self._tally, settle)
 
         if self._streams is not None:
             self._stream_passes(decoding, width, verify)

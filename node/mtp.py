@@ -207,11 +207,33 @@ class _Layers(nn.Module):
         self.layers = [block]
 
 
-def shard_experts(drafter: Drafter, sharded, layer: int) -> str:
-    """Give the MTP block's routed experts the cluster's treatment of any MoE layer: this node keeps
-    its even share, the block becomes a `ClusterMoE` whose output is all-reduced once per call
-    (one more all-reduce per draft, every rank alike). Where it cannot (one node, a quantized
-    bank), the block keeps every expert and drafts on each node alone; what was done, for the log."""
+# `auto` keeps the MTP layer's routed experts whole on every node where they add little to what
+# the node holds: at most a quarter of its own routed experts' bytes (DeepSeek-V3's MTP layer
+# beside a node's share of its 58 MoE layers: N / 58, whole up to N = 14), or a bank this small
+# outright, below any machine's margin (the demo's: 2 MB)
+WHOLE_SHARE = 0.25
+SMALL_BANK = 64 << 20  # bytes
+
+
+def holding(asked: str, bank_bytes: int, node_bytes: int) -> str:
+    """Where the MTP layer's routed experts live at N > 1, "whole" or "sharded", for
+    `serving.mtp_experts` `asked` (proto/records.py MTP_EXPERTS): `bank_bytes` the layer's whole
+    routed bank, `node_bytes` this node's routed experts of the model's layers.
+
+    Whole, each node drafts alone: the MTP layer's feed and each chained draft cost no all-reduce
+    (with 2 drafts, two a step: on the demo's 4 MoE layers a step pays 4, not 6), for (1 - 1/N)
+    of one layer's bank more on every node. Sharded, no node holds more than its share."""
+    if asked != "auto":
+        return asked
+    return "whole" if bank_bytes <= max(WHOLE_SHARE * node_bytes, SMALL_BANK) else "sharded"
+
+
+def shard_experts(drafter: Drafter, sharded, layer: int, asked: str = "auto") -> tuple[str, str]:
+    """Give the MTP block's routed experts the holding `asked` (`holding`): kept whole, the block
+    drafts on each node alone; sharded, it gets the cluster's treatment of any MoE layer: this
+    node keeps its even share, the block becomes a `ClusterMoE` whose output is all-reduced once
+    per call (one more all-reduce per draft, every rank alike). One node, or a quantized bank,
+    keeps every expert. -> ("whole" or "sharded", what was done, for the log)."""
     import dataclasses
 
     from mlx.utils import tree_flatten, tree_unflatten
@@ -223,15 +245,23 @@ def shard_experts(drafter: Drafter, sharded, layer: int) -> str:
 
     c = sharded.collective
     if c.world_size == 1 or not sharded.layers:
-        return "every expert on this node"
+        return "whole", "every expert on this node"
     holder = _Layers(drafter.mtp.block)
     loaded = tree_flatten(holder.parameters())
     (b,) = find_moe_blocks(holder)
     holder.update(tree_unflatten(loaded))  # the structure probe drew its own weights
     bank = get_bank(b.block, b.bank.attr)
     projs = {p: getattr(bank, p) for p in b.projections}
+    size = sum(v.nbytes for m in projs.values() for _, v in tree_flatten(m.parameters()))
+    mine = sharded.info.expert_bytes
+    chosen = holding(asked, size, mine)
+    if chosen == "whole":
+        return "whole", (
+            f"every expert on this node ({size / 2**20:.1f} MiB beside this node's "
+            f"{mine / 2**20:.1f} MiB of experts, mtp_experts: {asked}): no all-reduce"
+        )
     if any("scales" in m for m in projs.values()):
-        return "every expert on this node (a quantized MTP bank is not sharded)"
+        return "whole", "every expert on this node (a quantized MTP bank is not sharded)"
     b = dataclasses.replace(b, layer=layer)
     placement = Placement.even({layer: b.num_experts}, c.world_size)
     local = list(placement.layers[layer][c.rank])
@@ -253,4 +283,7 @@ def shard_experts(drafter: Drafter, sharded, layer: int) -> str:
         b, shard, sharded.layers[0].combine, owns_dense_terms(layer, c.rank, c.world_size)
     )
     install(drafter.mtp.block, b.path.removeprefix("layers.0."), cluster)
-    return f"{len(local)} of its {b.num_experts} experts on this node, all-reduced"
+    return "sharded", (
+        f"{len(local)} of its {b.num_experts} experts on this node, all-reduced "
+        f"(mtp_experts: {asked})"
+    )

@@ -38,6 +38,10 @@ class SimTask:
     draft_tokens: int = 4
     prediction: tuple[int, ...] = ()  # the output expected (drafts), for the request(s)
     draft_model: str = ""  # speculative "draft": its checkpoint
+    mtp_experts: str = "auto"  # speculative "mtp": its routed experts at N > 1 (MTP_EXPERTS)
+    # tests: the last rank feeds MTP guesses of its own at every other step, as a node that rounds
+    # differently would (the guesses ride the vote: only what every rank fed is verified)
+    disagree: bool = False
     overlap: bool = False  # two micro-batches per decode step (node/overlap.py)
     # decode routes (node/moe/route.py) to alternate: each repeat runs the request once per route,
     # in this order, forced on every MoE layer first, so that routes are compared within one load
@@ -224,10 +228,13 @@ def _serve(job: SimJob, index: int, task: SimTask, sharded, beat) -> dict:
             speculative=task.speculative,
             draft_tokens=task.draft_tokens,
             draft_model=task.draft_model,
+            mtp_experts=task.mtp_experts,
             overlap=task.overlap,
             attention=task.attention,
         ),
     )
+    if task.disagree:
+        _disagree(runtime)
     result, wall = None, 0.0
     by_route: dict[str, dict] = {}
     # alternated routes: a first pass over them all warms each one up (its kernels compiled, its
@@ -271,6 +278,26 @@ def _serve(job: SimJob, index: int, task: SimTask, sharded, beat) -> dict:
         "speculative": runtime.batch.speculation(),
         "routes": by_route,
     }
+
+
+def _disagree(runtime) -> None:
+    """SimTask.disagree: the last rank's MTP guesses differ from the others' (their last one
+    moved) at every other verifying step."""
+    c = runtime.sharded.collective
+    if c.rank != c.world_size - 1:
+        return
+    speculator = runtime.batch._speculator
+    riding, steps = speculator.riding, [0]
+
+    def own(decoding: list):
+        steps[0] += 1
+        for s in decoding if steps[0] % 2 else ():
+            row = speculator.next.get(s.seq, [])
+            if row:
+                speculator.next[s.seq] = [*row[:-1], (row[-1] + 1) % runtime.vocab]
+        return riding(decoding)
+
+    speculator.riding = own
 
 
 def _owner(attention: str, j: int, world: int) -> int:
@@ -397,10 +424,13 @@ def _run_streams(index: int, task: SimTask, sharded, beat) -> dict:
             speculative=task.speculative,
             draft_tokens=task.draft_tokens,
             draft_model=task.draft_model,
+            mtp_experts=task.mtp_experts,
             overlap=task.overlap,
             attention=task.attention,
         ),
     )
+    if task.disagree:
+        _disagree(runtime)
     out: dict = {}
     for i in range(task.repeats):
         out = _streams_pass(index, i, task, sharded, runtime, beat)

@@ -19,7 +19,8 @@ per step); a recurrent state cannot, and keeps speculation off.
 
 With `mtp` the guesses are the model's own MTP layer's (node/mtp.py), fed each step with the
 verified positions' hidden states; its cache is the last of each sequence's and rolls back with
-the model's.
+the model's. Every rank drafts, and its guesses ride the step's vote: each rank verifies only the
+prefix on which every rank's guesses agree (`Speculator.step`), with no round trip of their own.
 """
 
 from __future__ import annotations
@@ -159,19 +160,46 @@ class Speculator:
     draft model on rank 0 (`Drafter`), whose guesses every rank reads from one explicit agreement.
     """
 
-    def __init__(self, mode: str, draft_max: int, collective, drafter: "Drafter | None", mtp=None):
+    def __init__(
+        self,
+        mode: str,
+        draft_max: int,
+        collective,
+        drafter: "Drafter | None",
+        mtp=None,
+        mtp_experts: str = "",
+    ):
         self.mode = mode
         self.draft_max = draft_max
         self.collective = collective
         self.drafter = drafter  # rank 0's, in mode "draft"
         self.mtp = mtp  # every rank's, in mode "mtp" (node/mtp.py Drafter)
         self.next: dict[int, list[int]] = {}  # mode "mtp": seq -> its guesses for its next step
+        # mode "mtp": where the MTP layer's routed experts live, "whole" (each node drafts alone)
+        # or "sharded" (its feed and each chained draft all-reduce); node/mtp.py holding
+        self.mtp_experts = mtp_experts
 
-    def step(self, lane, model, width: int, tally) -> None:
+    def riding(self, decoding: list) -> list[list[int]] | None:
+        """The guesses this rank feeds each decoding sequence at its next verifying step, where
+        they ride that step's vote (the MTP layer's, at N > 1); None where they are agreed
+        otherwise (`_guessed`) or need no agreement (prompt lookup, from agreed tokens)."""
+        if self.mtp is None or self.collective.world_size == 1:
+            return None
+        return [self.next.get(s.seq, []) for s in decoding]
+
+    def step(self, lane, model, width: int, tally, settle=None) -> None:
         """One verifying forward pass of the rows of `lane`, each `width` positions wide
         (node/batch.py `_width`: from the allowances), whatever each sequence found to guess: the
         step's shape then depends only on what the ranks agreed, never on a token not yet
-        agreed."""
+        agreed.
+
+        `settle` (where the MTP layer's guesses ride the step's vote, `riding`): each rank feeds
+        its own guesses, and reads back, once the forward pass has carried the vote, the prefix on
+        which every rank's guesses agree; only that prefix is verified. A position's output
+        depends on the inputs up to it alone (causal attention; each routed expert sees each
+        position apart), so up to the last position of that prefix every rank computed what it
+        would have computed from agreed guesses, and the rest is never accepted and is rolled
+        back. Ranks that round alike (every node of one kind) agree on every guess."""
         from . import sampling
 
         decoding = lane.rows
@@ -196,6 +224,9 @@ class Speculator:
         else:  # the hidden states too: the MTP layer drafts from them
             hidden = model.model(inputs, cache=lane.cache)
             logits = self.mtp.head(hidden)
+        if settle is not None:  # only what every rank fed is verified
+            agreed = settle().guesses
+            drafts = [mine[: len(every)] for mine, every in zip(drafts, agreed)]
         chosen, keys = sampling.sample_positions(decoding, logits, drafts)
         if self.mtp is not None:
             # position j of each row pairs its hidden state with the model's token there: the
@@ -259,11 +290,14 @@ class Speculator:
         self, decoding: list, histories: list[list[int]], wanted: list[int]
     ) -> list[list[int]]:
         """The draft model's guesses, `wanted[i]` for sequence i at most: rank 0 makes them, and
-        every rank reads rank 0's from one explicit agreement (the others put zeros)."""
+        every rank reads rank 0's from one explicit agreement (the others put zeros). The MTP
+        layer's are every rank's own: they ride the step's vote instead (`step`)."""
         from .collective.base import agree
 
-        if self.mtp is not None:  # every rank drafted; rank 0's guesses are the ones fed
+        if self.mtp is not None:  # every rank drafted
             guesses = [self.next.get(s.seq, [])[:k] for s, k in zip(decoding, wanted)]
+            if self.collective.world_size > 1:  # they ride the step's vote (`riding`, `step`)
+                return guesses
         else:
             guesses = [
                 self.drafter.guess(s.seq, h, k) if self.drafter is not None and k else []
@@ -321,15 +355,17 @@ def speculation(limits, collective, cache: list, vocab: int, sharded=None):
         if not limits.draft_model:
             raise UserError("speculative: draft needs a draft model (serving.draft_model)")
         drafter = Drafter(limits.draft_model, vocab)
-    mtp = None
+    mtp, held = None, ""
     if mode == "mtp":
         from . import mtp as mtp_layer
 
         mtp = mtp_layer.load(sharded.model, sharded.config, sharded.path)
         mtp_layer.carry_cache(sharded.model)
-        how = mtp_layer.shard_experts(mtp, sharded, int(sharded.config["num_hidden_layers"]))
+        held, how = mtp_layer.shard_experts(
+            mtp, sharded, int(sharded.config["num_hidden_layers"]), limits.mtp_experts
+        )
         logging.getLogger(__name__).info("speculative: mtp: the MTP layer holds %s", how)
-    return draft_max, None, Speculator(mode, draft_max, collective, drafter, mtp)
+    return draft_max, None, Speculator(mode, draft_max, collective, drafter, mtp, held)
 
 
 COOL_STEPS = 8  # steps without guesses after they first failed, before one is tried again

@@ -194,6 +194,8 @@ DECODE_ROUTES = ("measure", "skip", "device", "host")
 SPECULATIVE_MODES = ("off", "auto", "prompt-lookup", "draft", "mtp")  # node/speculate.py
 ATTENTION_MODES = ("replicated", "by-stream", "auto")  # who attends for a stream (node/batch.py)
 DRAFT_LIMIT = 16  # the most drafts one step verifies per sequence
+# where the MTP layer's routed experts live at N > 1 (node/mtp.py holding)
+MTP_EXPERTS = ("auto", "whole", "sharded")
 NODE_STATES = ("idle", "loading", "ready", "busy", "failed", "stopping")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -260,6 +262,7 @@ class LoadSpec:
     draft_model: str = (
         ""  # speculative: draft: the draft checkpoint, on rank 0's machine (rank 0 only)
     )
+    mtp_experts: str = "auto"  # MTP_EXPERTS: speculative "mtp"'s routed experts at N > 1
     overlap: bool = False  # two micro-batches per decode step (node/overlap.py)
     attention: str = "replicated"  # ATTENTION_MODES (node/batch.py BatchLimits.attention)
     # seconds without a call of the coordinator after which the node drops its running sequences
@@ -275,6 +278,7 @@ class LoadSpec:
                 f"orphan_after_s must be a finite number >= 0 (got {self.orphan_after_s})"
             )
         _check(self.route, DECODE_ROUTES, "route")
+        _check(self.mtp_experts, MTP_EXPERTS, "mtp_experts")
         if self.max_batch < 1 or self.prefill_budget < 1:
             raise UserError(
                 f"max_batch ({self.max_batch}) and prefill_budget ({self.prefill_budget}) must be at least 1"

@@ -84,8 +84,8 @@ def main(args) -> int:
         from .speculative import main as speculative
 
         return speculative(args, nodes, transports, args.prompt or DEFAULT_PROMPT)
-    if args.spoil is not None or args.draft_model or args.streams > 1:
-        raise UserError("--spoil, --draft-model and --streams need --speculative")
+    if args.spoil is not None or args.draft_model or args.streams > 1 or args.mtp_experts != "auto":
+        raise UserError("--spoil, --draft-model, --mtp-experts and --streams need --speculative")
     caches = tuple(c for c in (args.expert_cache or "").split(",") if c)
     for c in caches:
         ExpertCacheSpec.parse(c)

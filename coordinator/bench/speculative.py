@@ -37,6 +37,8 @@ class SpeculativeBench:
     gpus: bool = False
     draft_model: str = ""  # mode "draft": its checkpoint
     streams: int = 1  # > 1: also the plain prompt as this many streams at once, off and on
+    # mode "mtp": its routed experts at N > 1 (serving.mtp_experts), each alternated with the rest
+    mtp_experts: tuple[str, ...] = ("auto",)
 
 
 def spoiled(tokens: list[int], share: float, vocab: int, seed: int = 0) -> tuple[int, ...]:
@@ -57,15 +59,22 @@ def scenarios(
     name = {"draft": "draft model", "auto": "auto", "mtp": "MTP layer"}.get(
         spec.mode, "prompt lookup"
     )
+    # mode "mtp" with several holdings of its experts: each its own rows, alternated with the rest
+    held = spec.mtp_experts if spec.mode == "mtp" else ("auto",)
+    named = [(f"{name}, experts {h}" if len(held) > 1 else name, h) for h in held]
     rows = [
         off,
-        {**off, "scenario": name, "mode": spec.mode},
-        {
-            **off,
-            "scenario": f"{name}, the continuation in the prompt",
-            "mode": spec.mode,
-            "prompt": (*ids, *continuation, *ids),
-        },
+        *({**off, "scenario": n, "mode": spec.mode, "mtp_experts": h} for n, h in named),
+        *(
+            {
+                **off,
+                "scenario": f"{n}, the continuation in the prompt",
+                "mode": spec.mode,
+                "prompt": (*ids, *continuation, *ids),
+                "mtp_experts": h,
+            }
+            for n, h in named
+        ),
         {
             **off,
             "scenario": "off, the continuation in the prompt",
@@ -76,7 +85,8 @@ def scenarios(
         many = {**off, "streams": spec.streams}
         rows.append({**many, "scenario": f"off, {spec.streams} streams"})
         rows.append({**many, "scenario": f"{name}, {spec.streams} streams", "mode": spec.mode})
-    for share in spec.spoil if spec.mode != "draft" else ():  # a draft model ignores predictions
+    # a draft model and the MTP layer ignore predictions
+    for share in spec.spoil if spec.mode not in ("draft", "mtp") else ():
         rows.append(
             {
                 **off,
@@ -98,6 +108,8 @@ def run(spec: SpeculativeBench) -> dict:
     if (spec.mode == "draft") != bool(spec.draft_model):
         raise UserError("--speculative draft and --draft-model go together")
     draft = str(Checkpoint.open(spec.draft_model).path) if spec.draft_model else ""
+    if spec.mtp_experts != ("auto",) and spec.mode != "mtp":
+        raise UserError(f"--mtp-experts {','.join(spec.mtp_experts)} needs --speculative mtp")
     tokenizer = load_tokenizer(ckpt.path)
     from ..dev.run_local import encode_prompt
 
@@ -117,6 +129,7 @@ def run(spec: SpeculativeBench) -> dict:
         "max_tokens": spec.max_tokens,
         "rounds": spec.rounds,
         "draft_tokens": spec.draft_tokens,
+        "mtp_experts": spec.mtp_experts,
         "moe_layers": layers,
         "runs": [],
     }
@@ -131,6 +144,7 @@ def run(spec: SpeculativeBench) -> dict:
                     draft_tokens=spec.draft_tokens,
                     prediction=r["prediction"],
                     draft_model=draft if r["mode"] == "draft" else "",
+                    mtp_experts=r.get("mtp_experts", "auto"),
                     streams=(r["prompt"],) * r["streams"] if r.get("streams") else None,
                 )
                 for _ in range(spec.rounds + 1)
@@ -173,6 +187,13 @@ def _summary(
                 "decode_steps": f["steps"],
                 "acceptance": f["accepted"] / f["drafted"] if f["drafted"] else None,
                 "allreduces_per_token": f["steps"] * layers / generated if generated else None,
+                # counted: every MoE call of rank 0's decode steps (each one all-reduce), the MTP
+                # layer's too where its experts are sharded
+                "moe_calls_per_token": (
+                    sum(c["calls"] for c in runs[-1]["layer_counters"].values()) / generated
+                    if generated and "layer_counters" in runs[-1]
+                    else None
+                ),
                 # every round, every node: the same tokens; with the prompt alone, stock's
                 "same_tokens_every_round": all(
                     _flat(reports[i * per + j][k]["tokens"]) == runs[-1]["tokens"]
@@ -257,6 +278,7 @@ def main(args, nodes: tuple[int, ...], transports: tuple[str, ...], prompt: str)
         args.gpus,
         args.draft_model or "",
         args.streams,
+        tuple(args.mtp_experts.split(",")),
     )
     out = run(spec)
     if args.json:

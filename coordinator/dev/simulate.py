@@ -51,6 +51,7 @@ class SimRequest:
     draft_tokens: int = 4
     prediction: str = ""  # the output expected: drafts for speculation
     draft_model: str = ""  # speculative "draft": its checkpoint
+    mtp_experts: str = "auto"  # speculative "mtp": its routed experts at N > 1
 
 
 def _transport_spec(
@@ -329,6 +330,7 @@ def simulate(req: SimRequest) -> dict:
         draft_tokens=req.draft_tokens,
         prediction=prediction,
         draft_model=_draft_path(req),
+        mtp_experts=_mtp_experts(req),
     )
     reports = run_nodes([task], req.nodes, timeout_s=req.timeout_s, transport=req.transport)[0]
     r0 = reports[0]
@@ -348,6 +350,9 @@ def simulate(req: SimRequest) -> dict:
                     "active_memory_bytes",
                 )
             }
+            # per MoE layer this node shards (the MTP layer's too, where it is sharded): its
+            # calls, each one all-reduce, over the decode steps
+            | {"moe_calls": {k: c["calls"] for k, c in rep["layer_counters"].items()}}
             for rep in reports
         ],
         "counters": {
@@ -380,6 +385,14 @@ def _draft_path(req: SimRequest) -> str:
             "--speculative draft needs --draft-model (a checkpoint with the model's tokenizer)"
         )
     return str(Checkpoint.open(req.draft_model).path)
+
+
+def _mtp_experts(req: SimRequest) -> str:
+    if "," in req.mtp_experts:
+        raise UserError(f"simulate takes one --mtp-experts (got {req.mtp_experts})")
+    if req.mtp_experts != "auto" and req.speculative != "mtp":
+        raise UserError(f"--mtp-experts {req.mtp_experts} needs --speculative mtp")
+    return req.mtp_experts
 
 
 def cache_summary(per_node: list[dict]) -> dict:
@@ -426,6 +439,7 @@ def main(args) -> int:
         draft_tokens=args.draft_tokens,
         prediction=args.prediction or "",
         draft_model=args.draft_model or "",
+        mtp_experts=args.mtp_experts,
     )
     out = simulate(req)
     if args.json:

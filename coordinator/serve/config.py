@@ -25,6 +25,7 @@ from ...proto.records import (
     DEFAULT_PROMPT_CACHE,
     DRAFT_LIMIT,
     KEEPALIVES,
+    MTP_EXPERTS,
     SPECULATIVE_MODES,
     TlsFiles,
 )
@@ -122,6 +123,10 @@ class ServingConfig:
     draft_model: str = (
         ""  # speculative: draft: a small checkpoint with the model's tokenizer, on rank 0
     )
+    # speculative: mtp at N > 1: the MTP layer's routed experts on every node (whole: its drafts
+    # need no all-reduce) or split like any MoE layer's (sharded); auto: whole where they are
+    # small beside this node's experts (node/mtp.py holding)
+    mtp_experts: Literal[MTP_EXPERTS] = "auto"
     # two micro-batches per decode step: one half's all-reduce travels while the other half
     # computes its layer (node/overlap.py); off until measured on (docs/speculative.md)
     overlap: bool = False
@@ -402,6 +407,12 @@ def _check(c: ClusterConfig, root: yaml.Node, r: Reader, model_key: str = "model
             "serving.draft_model",
             "the draft model is read on the first node's machine; checkpoint: coordinator ships only "
             "the model (copy the draft there and use checkpoint: every-node)",
+        )
+    if c.serving.mtp_experts != "auto" and c.serving.speculative != "mtp":
+        raise r.fail(
+            find_node(root, "serving", "mtp_experts"),
+            "serving.mtp_experts",
+            f"{c.serving.mtp_experts} needs speculative: mtp (got {c.serving.speculative})",
         )
     if c.serving.speculative == "mtp" and c.checkpoint == "coordinator":
         raise r.fail(

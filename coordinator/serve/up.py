@@ -376,6 +376,7 @@ class Up:
                 speculative=c.serving.speculative,
                 draft_tokens=c.serving.draft_tokens,
                 draft_model=_draft_model(c) if m.rank == 0 else "",
+                mtp_experts=c.serving.mtp_experts,
                 overlap=c.serving.overlap,
                 attention=c.serving.attention,
                 orphan_after_s=c.timeouts.coordinator,

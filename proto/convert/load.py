@@ -127,6 +127,7 @@ def load_request_to_proto(spec: LoadSpec) -> npb.LoadRequest:
         speculative=spec.speculative,
         draft_tokens=spec.draft_tokens,
         draft_model=spec.draft_model,
+        mtp_experts=spec.mtp_experts,
         overlap=spec.overlap,
         attention=spec.attention,
         orphan_after_s=spec.orphan_after_s,
@@ -153,6 +154,16 @@ def _speculative(mode: str) -> str:
             f"LoadRequest.speculative {mode!r} is not one of {', '.join(SPECULATIVE_MODES)}"
         )
     return mode or "off"
+
+
+def _mtp_experts(holding: str) -> str:
+    from ..records import MTP_EXPERTS
+
+    if holding and holding not in MTP_EXPERTS:
+        raise ConvertError(
+            f"LoadRequest.mtp_experts {holding!r} is not one of {', '.join(MTP_EXPERTS)}"
+        )
+    return holding or "auto"
 
 
 def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any = None) -> LoadSpec:
@@ -191,6 +202,7 @@ def load_request_from_proto(msg: npb.LoadRequest, *, secret: str = "", tls: Any 
         speculative=_speculative(msg.speculative),
         draft_tokens=msg.draft_tokens or LoadSpec.draft_tokens,
         draft_model=msg.draft_model,
+        mtp_experts=_mtp_experts(msg.mtp_experts),
         overlap=msg.overlap,
         attention=msg.attention or "replicated",
         orphan_after_s=msg.orphan_after_s,

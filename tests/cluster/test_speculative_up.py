@@ -180,7 +180,7 @@ def test_the_demos_mtp_layer_drafts_through_up_with_stock_tokens(tmp_path):
     extra = "serving:\n  speculative: mtp\n  draft_tokens: 2\n  max_batch: 8\n"
     with cluster(tmp_path, yaml_for(2, extra=extra)) as (url, proc, lines):
         nodes = http(url, "/v1/cluster/status")[1]["nodes"]
-        assert [n["speculative"] for n in nodes] == ["mtp, 2 drafts"] * 2, nodes
+        assert [n["speculative"] for n in nodes] == ["mtp, 2 drafts, MTP experts whole"] * 2, nodes
         alone = _complete(url, PROMPTS[0])["moe_cluster"]
         assert alone["tokens"] == stock[PROMPTS[0]]
         spec = alone["speculative"]

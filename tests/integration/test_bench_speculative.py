@@ -98,12 +98,22 @@ def test_bench_auto_alternates_with_off_alone_and_as_8_streams():
 def test_bench_speculative_refuses_bad_options():
     assert_one_line_error(
         cli("bench", "decode", "--model", "demo", "--spoil", "0.5"),
-        "--spoil, --draft-model and --streams need --speculative",
+        "--spoil, --draft-model, --mtp-experts and --streams need --speculative",
     )
     assert_one_line_error(
         cli("bench", "decode", "--model", "demo", "--streams", "8"),
-        "--spoil, --draft-model and --streams need --speculative",
+        "--spoil, --draft-model, --mtp-experts and --streams need --speculative",
     )
+    assert_one_line_error(
+        cli(
+            "bench", "decode", "--model", "demo", "--speculative", "auto", "--mtp-experts", "whole"
+        ),
+        "--mtp-experts whole needs --speculative mtp",
+    )
+    r = cli(
+        "bench", "decode", "--model", "demo", "--speculative", "mtp", "--mtp-experts", "whole,half"
+    )
+    assert r.returncode == 2 and "auto, whole, sharded or a list of them" in r.stderr, r.stderr
     assert_one_line_error(
         cli("bench", "decode", "--model", "demo", "--speculative", "draft"),
         "--speculative draft and --draft-model go together",

@@ -2,8 +2,9 @@
 drafts (node/mtp.py) and every node verifies, with the tokens and float32 logits of decoding one
 token per step. On a DeepSeek-V3-shaped checkpoint in Hugging Face's layout whose safetensors hold
 an MTP layer (`model.layers.61.*`, dropped by mlx-lm's sanitize) at N = 2 and 3, greedy and seeded,
-alone (against stock mlx-lm) and in a batch of prompts of different lengths (against the same
-batch without speculation); and on the demo with its trained MTP head, whose drafts hold."""
+its routed experts whole on every node and sharded (`mtp_experts`), alone (against stock mlx-lm)
+and in a batch of prompts of different lengths (against the same batch without speculation); and
+on the demo with its trained MTP head, whose drafts hold."""
 
 from __future__ import annotations
 
@@ -47,24 +48,41 @@ def _simulate(model, nodes: int, *extra: str) -> dict:
     return json.loads(r.stdout)
 
 
-@pytest.mark.parametrize("nodes", [2, 3])
-@pytest.mark.parametrize("sampling", [(), SEEDED], ids=["greedy", "seeded"])
+def _held(out: dict, holding: str, mtp_layer: int) -> None:
+    """Every node says where the MTP layer's routed experts are, and made no MoE call (each an
+    all-reduce) for it where they are whole; one or more per decode step where they are sharded."""
+    assert out["speculative"]["mode"] == f"mtp, 2 drafts, MTP experts {holding}", out
+    for node in out["nodes"]:
+        calls = node["moe_calls"]
+        if holding == "whole":
+            assert str(mtp_layer) not in calls, calls
+        else:
+            model = max(v for k, v in calls.items() if k != str(mtp_layer))
+            assert calls[str(mtp_layer)] >= model > 0, calls  # a feed each step, at least
+
+
+@pytest.mark.parametrize(
+    "nodes,sampling,holding",
+    [(2, (), "whole"), (2, SEEDED, "sharded"), (3, (), "sharded"), (3, SEEDED, "whole")],
+    ids=["2-greedy-whole", "2-seeded-sharded", "3-greedy-sharded", "3-seeded-whole"],
+)
 def test_mtp_drafts_on_a_deepseek_v3_checkpoint_give_stock_tokens_and_logits(
-    deepseek, nodes, sampling
+    deepseek, nodes, sampling, holding
 ):
-    out = _simulate(deepseek, nodes, *sampling)
+    out = _simulate(deepseek, nodes, *sampling, "--mtp-experts", holding)
     assert out["tokens_match"] and out["compared_steps"] == 16, out
     assert out["max_abs_logit_diff"] <= 1e-4, out["max_abs_logit_diff"]
-    spec = out["speculative"]
-    assert spec["mode"] == "mtp, 2 drafts" and spec["drafted"] > 0, spec
+    assert out["speculative"]["drafted"] > 0, out["speculative"]
+    _held(out, holding, 61)
 
 
 def test_the_demos_trained_mtp_head_drafts_what_the_model_says():
-    out = _simulate("demo", 2)
+    out = _simulate("demo", 2)  # auto: its 2 MB bank stays whole
     assert out["tokens_match"] and out["max_abs_logit_diff"] <= 1e-4, out
     spec = out["speculative"]
     assert spec["accepted"] >= 0.4 * spec["drafted"] > 0, spec  # a random head holds ~0
     assert spec["steps"] < 16, spec
+    _held(out, "whole", 4)
 
 
 TEXTS = (
@@ -77,15 +95,21 @@ TEXTS = (
 
 
 @pytest.mark.parametrize(
-    "model,nodes,sampling",
-    [("deepseek", 3, Sampling(max_tokens=12, temperature=1.0, seed=5)), ("demo", 2, None)],
-    ids=["deepseek-3-seeded", "demo-2-greedy"],
+    "model,nodes,sampling,holding,disagree",
+    [
+        ("deepseek", 3, Sampling(max_tokens=12, temperature=1.0, seed=5), "sharded", False),
+        ("demo", 2, None, "whole", False),
+        ("demo", 3, None, "whole", True),
+    ],
+    ids=["deepseek-3-seeded-sharded", "demo-2-greedy-whole", "demo-3-greedy-whole-disagree"],
 )
 def test_mtp_in_a_batch_of_prompts_of_different_lengths_keeps_each_streams_output(
-    deepseek, model, nodes, sampling
+    deepseek, model, nodes, sampling, holding, disagree
 ):
     """The MTP layer's cache rides with each sequence's (merged, rolled back, extracted when a
-    row leaves: a one-token prompt's is fed first at its first decode step)."""
+    row leaves: a one-token prompt's is fed first at its first decode step). `disagree`: the last
+    node feeds guesses of its own at every other step, as a node that rounds differently would:
+    only the guesses every node fed are verified, and every token still holds."""
     from mlx_lm.tokenizer_utils import load
 
     path = str(deepseek if model == "deepseek" else MODEL_DIR)
@@ -103,11 +127,14 @@ def test_mtp_in_a_batch_of_prompts_of_different_lengths_keeps_each_streams_outpu
             speculative=mode,
             draft_tokens=3,
             record_logits=True,
+            mtp_experts=holding if mode == "mtp" else "auto",
+            disagree=disagree and mode == "mtp",
         )
         for mode in ("off", "mtp")
     ]
     off, on = (ranks[0] for ranks in run_nodes(tasks, nodes, transport="envoy", timeout_s=240))
-    assert on["speculative"] == "mtp, 3 drafts" and on["drafted"] > 0, on["speculative"]
+    assert on["speculative"] == f"mtp, 3 drafts, MTP experts {holding}", on["speculative"]
+    assert on["drafted"] > 0
     if model == "demo":  # rows accept different numbers of drafts: each rolls back its own tail
         assert on["accepted"] > 0, on["accepted"]
     assert on["tokens"] == off["tokens"] and all(len(t) == 12 for t in on["tokens"])

@@ -47,6 +47,7 @@ DIFFERENT = {
     "speculative": "prompt-lookup",
     "draft_tokens": 2,
     "draft_model": "/models/draft",
+    "mtp_experts": "whole",
     "overlap": True,
     "attention": "by-stream",
 }

@@ -1,5 +1,6 @@
 """The step's agreement (node/agreement.py): a vote encodes and reads back by part, on a summing
-transport's slots too, and the scheduler's pure decisions (node/scheduler.py)."""
+transport's slots too (the MTP layer's guesses as the prefix every rank fed), and the scheduler's
+pure decisions (node/scheduler.py)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,23 @@ def test_a_vote_reads_back_by_part_through_the_summed_slots():
     assert got.tokens == ((7, 0, 123456), None)
     assert not got.mismatches
     assert layout.size == 4 + 3 + 2 * 3 == len(layout.encode(held_a, [0, 0, 0], tokens))
+
+
+def test_guesses_read_back_as_the_prefix_every_rank_fed():
+    """The MTP layer's guesses, made on every rank: a step verifies only what every rank fed."""
+    layout = Layout(queue=1, active=3, decoding=3, slots=1, guesses=3)
+    tokens = [[4], [4], [4]]
+    a = ([], [False] * 3, tokens, [[5, 9, 2], [3, 1, 1], [7, 7]])
+    b = ([], [False] * 3, tokens, [[5, 8, 2], [3, 1, 1], []])
+    got = layout.read(_votes(layout, a, b), ["r1", "r2", "r3"], [0, 0, 0])
+    assert got.guesses == ((5,), (3, 1, 1), ())  # up to the first that differs, or is missing
+    assert got.tokens == ((4,), (4,), (4,)) and not got.mismatches
+    assert layout.size == 1 + 3 + 3 * (1 + 3) == len(layout.encode(*a))
+    plain = Layout(queue=1, active=1, decoding=1, slots=1)
+    got = plain.read(_votes(plain, ([], [False], [[4]])), ["r"], [0])
+    assert got.guesses == ()  # a step whose guesses do not ride carries none
+    with pytest.raises(ValueError, match="does not fit"):
+        layout.encode([], [False] * 3, tokens, [[1, 2, 3, 4], [], []])
 
 
 def test_a_lazy_token_rides_as_itself():

@@ -157,6 +157,16 @@ BAD = [
         ["serving.speculative", "checkpoint: coordinator ships only each node's shard"],
     ),
     (
+        "nodes:\n  - name: a\nserving:\n  mtp_experts: whole",
+        4,
+        ["serving.mtp_experts", "whole needs speculative: mtp (got auto)"],
+    ),
+    (
+        "nodes:\n  - name: a\nserving:\n  speculative: mtp\n  mtp_experts: half",
+        5,
+        ["serving.mtp_experts", "auto, whole, sharded"],
+    ),
+    (
         "nodes:\n  - name: a\nserving:\n  attention: by-stream\n  speculative: mtp",
         4,
         ["serving.attention", "cannot run with speculative: mtp"],

@@ -91,6 +91,15 @@ def test_load_request_envoy():
     )
     with pytest.raises(ValueError, match="route"):
         LoadSpec("/models/dbrx", 1, 2, transport, PLACEMENT, route="fastest")
+    whole = LoadSpec("/models/dbrx", 1, 2, transport, speculative="mtp", mtp_experts="whole")
+    assert (
+        convert.load_request_from_proto(
+            wire(convert.load_request_to_proto(whole)), secret="s", tls=tls
+        )
+        == whole
+    )
+    with pytest.raises(ValueError, match="mtp_experts must be one of auto, whole, sharded"):
+        LoadSpec("/models/dbrx", 1, 2, transport, mtp_experts="half")
 
 
 def test_load_request_mlx_and_defaults():

@@ -1,12 +1,13 @@
-"""node/mtp.py's choice of the MTP draft (what `auto` asks), and a lane whose rows hold a cache
-never fed (an MTP layer's before its first feed): the row leaves with an empty cache."""
+"""node/mtp.py's choice of the MTP draft (what `auto` asks) and of where its routed experts live,
+and a lane whose rows hold a cache never fed (an MTP layer's before its first feed): the row leaves
+with an empty cache."""
 
 from __future__ import annotations
 
 import json
 
 from moe_cluster.node.lanes import Lane
-from moe_cluster.node.mtp import has_mtp
+from moe_cluster.node.mtp import SMALL_BANK, has_mtp, holding
 
 
 class _Row:
@@ -39,3 +40,19 @@ def test_mtp_is_chosen_where_the_checkpoint_has_mtp_layers(tmp_path):
     for f in ("model.safetensors",):
         (tmp_path / f).write_bytes((MODEL_DIR / f).read_bytes())
     assert not has_mtp(config, tmp_path)  # declared, but its weights are not there
+
+
+def test_auto_keeps_the_mtp_experts_whole_where_they_are_small_beside_the_nodes():
+    mib = 1 << 20
+    # DeepSeek-V3-sized: one layer's bank against a node's share of 58 such layers
+    bank = 11 * 1024 * mib
+    assert holding("auto", bank, 58 * bank // 2) == "whole"  # N = 2
+    assert holding("auto", bank, 58 * bank // 14) == "whole"  # N = 14: a quarter at most
+    assert holding("auto", bank, 58 * bank // 16) == "sharded"
+    # a small bank stays whole whatever its share (the demo's: 2 MB beside 4 MB at N = 2)
+    assert holding("auto", 2 * mib, 4 * mib) == "whole"
+    assert holding("auto", SMALL_BANK, 0) == "whole"
+    assert holding("auto", SMALL_BANK + 1, 4 * SMALL_BANK) == "sharded"
+    # what is asked is what is done
+    assert holding("sharded", 2 * mib, 58 * bank) == "sharded"
+    assert holding("whole", bank, 0) == "whole"
