@@ -25,6 +25,7 @@ from ...proto.errors import UserError
 from .output import emitted
 from .race_rows import AUTO_ROWS, OVERLAP_ROWS, ROWS, merge
 from .race_run import RaceBench, run
+from .decode import _route
 from .serve import _ints
 
 
@@ -100,6 +101,13 @@ def add_arguments(p) -> None:
         metavar="N",
         help="each stream's prompt N tokens long (its text repeated): attention's share of a step "
         "grows with the context; default: the short prompts",
+    )
+    p.add_argument(
+        "--route",
+        default=None,
+        metavar="ROUTE",
+        help="ours: the decode route every node takes (cluster.yaml's `route:`: skip, device, host "
+        "or measure); default: each node measures its own at load",
     )
     p.add_argument(
         "--rounds", type=int, default=1, help="timed rounds after one warm-up (the last is kept)"
@@ -192,6 +200,7 @@ def _spec(args) -> RaceBench:
         prompt_tokens=_prompt_tokens(args.prompt_tokens),
         kv_budget=_kv_budget(args.kv_budget),
         alternate=max(1, args.alternate),
+        route=_route(args.route),
     )
 
 

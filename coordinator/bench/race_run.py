@@ -48,6 +48,9 @@ class RaceBench:
     # every row this many times, the rows in turn each time: a drifting machine slows them alike;
     # each row's decode_tps is then the median of its passes (all of them in decode_tps_passes)
     alternate: int = 1
+    route: str | None = (
+        None  # ours: every node's decode route (cluster.yaml's `route:`); None: measure
+    )
 
 
 def prompt_ids(tokenizer, count: int, tokens: int | None = None) -> list[list[int]]:
@@ -98,6 +101,7 @@ def _ours(
             # transport mlx's step is one graph whose timers see nothing: a synced pass splits it
             synced_pass=transport == "mlx",
             reuse_load=i > 0,  # one load serves the row's every batch (no resident experts)
+            route=spec.route,
         )
         for i, b in enumerate(spec.streams)
     ]

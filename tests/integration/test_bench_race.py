@@ -43,6 +43,8 @@ def test_bench_race_runs_every_row_and_the_rows_agree(make_ckpt, tmp_path):
         ",".join(ROWS),
         "--bandwidth",
         "20",
+        "--route",
+        "device",
         "--plot",
         str(plot),
         "--json",
@@ -67,9 +69,10 @@ def test_bench_race_runs_every_row_and_the_rows_agree(make_ckpt, tmp_path):
             row["decode_tps"] > 0 and row["ttft_s"] > 0 and row["itl_p99_s"] >= row["itl_p50_s"] > 0
         )
         assert row["bytes_per_node_per_step"] > 0 and row["bound"]["decode_tps"] > 0, row
-        if name.startswith("ours"):  # rank 0's MoE layer counted, unless its route is the host's
+        if name.startswith("ours"):  # every node took the route --route forced
+            assert row["route"].startswith("device, forced"), (name, row["route"])
             ops = row["primitives_per_moe_layer"]
-            assert ops is None or ops["primitives"] >= ops["kernels"] > 0, ops
+            assert ops["primitives"] >= ops["kernels"] > 0, ops  # the device route is counted
         # transport mlx's step is one graph: a pass synced at each MoE layer splits its time, with
         # the same tokens; the envoy's own timers see its layers already
         synced = row.get("synced_breakdown_per_step_s")
@@ -128,6 +131,7 @@ def test_bench_race_refuses_bad_input_in_one_line():
         cli("bench", "race", "--model", "demo", "--rows", "ours_mlx,nope"), "--rows", "nope"
     )
     assert_one_line_error(cli("bench", "race", "--model", "demo", "--nodes", "1"), "--nodes")
+    assert_one_line_error(cli("bench", "race", "--model", "demo", "--route", "fast"), "--route")
     assert_one_line_error(cli("bench", "race", "--model", "demo", "--streams", "1,x"), "--streams")
 
 
