@@ -235,12 +235,17 @@ def _download(repo, kw, commit, todo, need, report: Report, cancel: threading.Ev
     lock = threading.Lock()
     report(state)
 
+    ended = threading.Event()  # set under `lock` once this thread tells the outcome
+
     def on_bytes(n: int) -> None:  # on the hub's worker threads
         nonlocal state
+        # reported under the lock: a worker still finishing a chunk after the stop must not print
+        # a progress line after the line that ends the download
         with lock:
+            if ended.is_set():
+                return
             state = replace(state, done_bytes=state.done_bytes + n, elapsed_s=time.monotonic() - t0)
-            now = state
-        report(now)
+            report(state)
 
     out: dict = {}
 
@@ -261,6 +266,8 @@ def _download(repo, kw, commit, todo, need, report: Report, cancel: threading.Ev
         # each file stops at its next chunk; one whose connection stalls only when the client's
         # read times out (HF_HUB_DOWNLOAD_TIMEOUT): this line does not wait for it
         thread.join(5)
+    with lock:
+        ended.set()
     error = out.get("error")
     if "path" in out:
         return Path(out["path"])

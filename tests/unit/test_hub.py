@@ -89,3 +89,44 @@ def test_progress_line():
     assert (
         Transfer("org/x", None, 3, 10, 10, 1.0).line() == "downloading org/x: 10 B of 10 B (100%)"
     )
+
+
+def test_no_progress_line_follows_the_line_that_ends_a_stopped_download(monkeypatch, tmp_path):
+    """A worker of the hub client that finishes its chunk after the download was stopped (hf's
+    thread pool outlives the snapshot's thread) reports nothing more: the interrupted line stays
+    the last one."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from moe_cluster.node import hub
+
+    cancel, late = threading.Event(), threading.Event()
+
+    def snapshot(*, on_bytes=None, cancel=None, **kw):
+        on_bytes(10)  # a first chunk
+
+        def straggler():  # passed its stop check before the stop, reports after the raise
+            cancel.wait(5)
+            time.sleep(0.3)
+            on_bytes(90)
+            late.set()
+
+        threading.Thread(target=straggler, daemon=True).start()
+        cancel.wait(5)
+        raise hub._Stop()
+
+    monkeypatch.setattr(hub, "_snapshot", snapshot)
+    monkeypatch.setattr(hub, "cache_dir", lambda: tmp_path)
+    seen = []
+
+    def report(t):
+        seen.append(t.done_bytes)
+        if t.done_bytes:  # after the first chunk, the user presses Ctrl-C
+            cancel.set()
+
+    todo = [SimpleNamespace(local_path=str(tmp_path / "shard.safetensors"), file_size=100)]
+    with pytest.raises(hub.DownloadInterrupted, match="10 B of 100 B"):
+        hub._download(RepoId("org/x"), {}, "abc", todo, 100, report, cancel)
+    assert late.wait(5)
+    assert seen == [0, 10]  # nothing after the stop
