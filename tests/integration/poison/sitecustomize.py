@@ -28,16 +28,16 @@ class _Poison(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             load(module)
-            real = module.sample_one
+            real = module.draw  # every sampled token's, one per step or per verified position
 
-            def sample_one(s, logprobs):
+            def draw(s, logprobs, key):
                 if s.req.sampling.seed == int(SEED) and len(s.fed) >= AFTER:
                     raise RuntimeError(
                         f"poisoned sampler of request {s.req.request_id} (test fault)"
                     )
-                return real(s, logprobs)
+                return real(s, logprobs, key)
 
-            module.sample_one = sample_one
+            module.draw = draw
 
         spec.loader.exec_module = exec_module
         return spec
