@@ -360,7 +360,8 @@ class RunningBatch:
             active = list(self._active)
             cancels = [s.cancel for s in active]
         decoding = list(self._decoding)
-        guessing = self._guessing(decoding)
+        width = self._guessing(decoding)
+        guessing = width > 1
         # what this step agrees on: each decoding sequence's tokens of last step (lazy: sampled,
         # not read) or, after a verifying step, those it emitted (read on the host already); a
         # stream another rank owns has none here
@@ -371,7 +372,6 @@ class RunningBatch:
         riding = self._speculator.riding(decoding) if guessing and not alone else None
         guesses = self.draft_max if riding is not None else 0
         layout = Layout(queue, len(active), len(decoding), self.slots, guesses)
-        width = self._width(decoding) if guessing else 1
         self.slots = width  # what the next step's vote carries per sequence
         vote = None if alone else layout.encode(held, cancels, previous, riding)
         if vote is not None:
@@ -403,7 +403,7 @@ class RunningBatch:
             self._prefill(joining, bool(decoding))
             logits_before = [s.pending_logits if s.pending else [s.prev_logits] for s in decoding]
             if guessing:
-                self._verify(decoding, settle if riding is not None else None)
+                self._verify(decoding, width, settle if riding is not None else None)
             else:
                 sampled = self._decode(decoding)
                 if sampled is not None:
@@ -452,8 +452,9 @@ class RunningBatch:
             else:
                 (i, n) = chunks[at]
                 s = joining[i]
-                if getattr(self._speculator, "mtp", None) is not None:  # it reads prompts too
-                    self._speculator.prefill(self.model, s, n)
+                spec = self._speculator
+                if getattr(spec, "mtp", None) is not None and s.seq not in spec.stale:
+                    spec.prefill(self.model, s, n)  # the MTP layer reads prompts too
                 else:
                     self.model(mx.array(s.todo[:n], dtype=mx.uint32)[None], cache=s.cache)
                 mx.eval([x.state for x in s.cache])
@@ -495,6 +496,13 @@ class RunningBatch:
 
         self._tally.decoded = self._tally.positions = len(decoding)
         lanes = [lane for lane in self._lanes if lane.rows]
+        # `auto` drawing on the MTP layer feeds it at a plain step while the batch is narrow
+        # enough to guess again (Speculator.plain); a wider batch leaves it behind (`missed`)
+        spec = self._speculator
+        feeding = spec is not None and spec.auto_mtp and self._streams is None
+        if feeding and self.draft_max // len(decoding) == 0:
+            spec.missed(decoding)
+            feeding = False
         if self._streams is not None:
             outs = self._stream_passes(
                 decoding, 1, lambda lane: lane.forward(self.model, inputs(lane.rows))[:, -1, :]
@@ -502,6 +510,8 @@ class RunningBatch:
             if not outs:
                 return None  # this rank attends for none of them: its experts served the others
             logits = mx.concatenate(outs) if len(outs) > 1 else outs[0]
+        elif len(lanes) == 1 and feeding:  # the MTP layer reads this step too
+            logits = spec.plain(lanes[0], self.model, inputs(lanes[0].rows))
         elif len(lanes) == 1:
             logits = lanes[0].forward(self.model, inputs(lanes[0].rows))[:, -1, :]
         else:
@@ -513,25 +523,36 @@ class RunningBatch:
             s.pending, s.pending_logits = [], []
             if s.req.record_logits:
                 s.logits = logits[i]
+        if feeding:
+            spec.fed(rows, sampled)
         return sampled
 
-    def _guessing(self, decoding: list[Sequence]) -> bool:
-        """Whether this step verifies guesses: a sequence may guess (an allowance, from agreed
-        steps), and every row's caches can drop what a step that wide rejects (speculate.room).
-        Else it runs as without speculation: its graph is built before the last step's tokens are
-        read. A verifying step reads its rows' last tokens first (one synchronous step)."""
+    def _guessing(self, decoding: list[Sequence]) -> int:
+        """This step's positions per row: > 1 where it verifies guesses, as a sequence may guess
+        (an allowance, from agreed steps) and every row's caches can drop what a step that wide
+        rejects (speculate.room); 1 where it runs as without speculation, its graph built before
+        the last step's tokens are read. A verifying step reads its rows' last tokens first (one
+        synchronous step). With `auto` drawing on the MTP layer, the step is only as wide as the
+        longest guess a row has (Speculator.candidates: their lengths follow from agreed state)."""
         from .speculate import room
 
         width = self._width(decoding)
         lanes = [lane for lane in (self._shared, *self._lanes) if lane.rows]
         ok = width > 1 and all(room(lane.cache, width) for lane in lanes)
         for s in decoding:
-            s.judged, s.tried = s.tried, (min(s.allowance, width - 1) if ok else 0)
             if ok and s.local and s.token is not None:  # sampled by a plain step, not read yet
                 s.pending = [int(s.token.reshape(-1)[0].item())]
                 s.pending_logits = [s.logits] if s.req.record_logits else []
                 s.token = None
-        return ok
+        tried = [min(s.allowance, width - 1) if ok else 0 for s in decoding]
+        if ok and self._speculator is not None and self._speculator.auto_mtp:
+            (lane,) = self._lanes  # speculation keeps one lane; auto is off by stream
+            found = self._speculator.candidates(lane, decoding)
+            tried = [min(t, len(g)) for t, g in zip(tried, found)]
+            width = 1 + max(tried, default=0)
+        for s, t in zip(decoding, tried):
+            s.judged, s.tried = s.tried, t
+        return width if ok else 1
 
     def _width(self, decoding: list[Sequence]) -> int:
         """Positions per row of a verifying step: 1 + the widest allowance. With `auto`, the
@@ -543,11 +564,12 @@ class RunningBatch:
             widest = min(widest, self.draft_max // max(1, len(decoding)))
         return 1 + widest
 
-    def _verify(self, decoding: list[Sequence], settle: Callable[[], Agreed] | None) -> None:
-        """A speculative step (Speculator.step) over this rank's rows, every row as wide as the
-        widest allowance of every rank's decoding sequences (what the ranks agreed). `settle`:
-        where guesses ride the step's vote, what the ranks voted."""
-        width = self._width(decoding)
+    def _verify(
+        self, decoding: list[Sequence], width: int, settle: Callable[[], Agreed] | None
+    ) -> None:
+        """A speculative step (Speculator.step) over this rank's rows, every row `width` positions
+        wide (`_guessing`: from what the ranks agreed). `settle`: where guesses ride the step's
+        vote, what the ranks voted."""
         self._tally.decoded, self._tally.positions = len(decoding), len(decoding) * width
 
         def verify(lane: Lane) -> None:
@@ -606,9 +628,9 @@ class RunningBatch:
                 stats.prompt_seconds = now - s.t_start
             else:
                 stats.generation_seconds = now - s.t_first
-            # the agreed tokens say how many of its guesses held: the next allowance (not an MTP
-            # layer's: a model's own MTP layer guesses as well on any text)
-            if s.drafts and self._speculator.mtp is None:
+            # the agreed tokens say how many of its guesses held: the next allowance (not with
+            # `mtp`, asked for: a model's own MTP layer guesses as well on any text)
+            if s.drafts and self._speculator.mode != "mtp":
                 s.allowance, s.cool, s.rest = adapt(
                     s.allowance, s.cool, s.judged, len(tokens) - 1, s.drafts, s.rest
                 )
@@ -691,6 +713,8 @@ class RunningBatch:
             s.result.cached_tokens = covered
             if s.local:
                 s.cache = cache if cache is not None else make_prompt_cache(self.model)
+            if self._speculator is not None and self._speculator.auto_mtp:
+                self._speculator.admit(s, covered, wide=len(self._active) > self.draft_max)
             wanted = s.req.draft_tokens
             s.drafts = self.draft_max if wanted is None else min(wanted, self.draft_max)
             s.allowance, s.rest = s.drafts, COOL_STEPS

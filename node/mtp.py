@@ -194,9 +194,12 @@ def carry_cache(model: nn.Module) -> None:
     its last entry; the model's layers zip with theirs and leave it alone."""
     from mlx_lm.models.cache import KVCache
 
+    if getattr(model, "_carries_mtp_cache", False):  # a model loaded once, run again
+        return
     own = getattr(model, "make_cache", None)
     n = len(model.layers)
     model.make_cache = lambda: (own() if own else [KVCache() for _ in range(n)]) + [KVCache()]
+    model._carries_mtp_cache = True
 
 
 class _Layers(nn.Module):

@@ -19,7 +19,9 @@ per step); a recurrent state cannot, and keeps speculation off.
 
 With `mtp` the guesses are the model's own MTP layer's (node/mtp.py), fed each step with the
 verified positions' hidden states; its cache is the last of each sequence's and rolls back with
-the model's. Every rank drafts, and its guesses ride the step's vote: each rank verifies only the
+the model's. With `auto` on a checkpoint that has one, the layer guesses where the prediction and
+prompt lookup have nothing (`Speculator.candidates`), fed at every step while the batch is narrow
+enough to guess, plain steps included (`plain`, `fed`). Every rank drafts, and its guesses ride the step's vote: each rank verifies only the
 prefix on which every rank's guesses agree (`Speculator.step`), with no round trip of their own.
 """
 
@@ -34,15 +36,20 @@ import numpy as np
 from ..proto.records import DRAFT_LIMIT, SPECULATIVE_MODES as MODES  # noqa: F401 - re-exported
 
 MAX_NGRAM = 3  # the longest suffix looked up; longer matches are rarer and the drafts no better
+# `auto`'s guesses from the MTP layer a step at most: chained past the layer's depth of one they
+# hold less (the demo at N = 2 over the envoy, `mtp`: 71% of 2 held, x2.0 `off`; 48% of 4, x1.5)
+MTP_DRAFTS = 2
 
 
-def lookup(history: Sequence[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
+def lookup(
+    history: Sequence[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1
+) -> list[int]:
     """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix n-gram of
-    `history` (n from `max_ngram` down to 1); [] where no suffix occurred before."""
+    `history` (n from `max_ngram` down to `min_ngram`); [] where no suffix occurred before."""
     if k <= 0 or len(history) < 2:
         return []
     a = np.asarray(history, dtype=np.int64)
-    for n in range(min(max_ngram, len(a) - 1), 0, -1):
+    for n in range(min(max_ngram, len(a) - 1), min_ngram - 1, -1):
         found = _occurrences(a[:-1], a[len(a) - n :])
         if found.size:
             start = int(found[-1]) + n
@@ -178,6 +185,15 @@ class Speculator:
         # mode "mtp": where the MTP layer's routed experts live, "whole" (each node drafts alone)
         # or "sharded" (its feed and each chained draft all-reduce); node/mtp.py holding
         self.mtp_experts = mtp_experts
+        # `auto` where the checkpoint has an MTP layer: a row's guesses are the request's
+        # prediction's, else prompt lookup's, else the MTP layer's (`candidates`)
+        self.auto_mtp = mode == "auto" and mtp is not None
+        self.found: dict[int, list[int]] = {}  # auto_mtp: seq -> its guesses this step
+        # auto_mtp: seq -> the MTP block's output at its last position fed, the next guesses
+        # made from it only for a row that has none from the prompt (`candidates`)
+        self.last: dict[int, mx.array] = {}
+        self.stale: set[int] = set()  # seqs whose MTP cache missed positions (`missed`)
+        self._plain = None  # (lane, hidden states) of the plain step under way (`plain`, `fed`)
 
     def riding(self, decoding: list) -> list[list[int]] | None:
         """The guesses this rank feeds each decoding sequence at its next verifying step, where
@@ -185,7 +201,7 @@ class Speculator:
         otherwise (`_guessed`) or need no agreement (prompt lookup, from agreed tokens)."""
         if self.mtp is None or self.collective.world_size == 1:
             return None
-        return [self.next.get(s.seq, []) for s in decoding]
+        return [(self.found if self.auto_mtp else self.next).get(s.seq, []) for s in decoding]
 
     def step(self, lane, model, width: int, tally, settle=None) -> None:
         """One verifying forward pass of the rows of `lane`, each `width` positions wide
@@ -256,7 +272,11 @@ class Speculator:
         rollback(lane.cache, drop)
         if self.mtp is not None:  # the next step's guesses, from each row's last accepted position
             at = mx.array([width - 1 - d for d in drop])
-            self._remember(decoding, drafted[mx.arange(len(decoding)), at], lane.cache[-1])
+            h = drafted[mx.arange(len(decoding)), at]
+            if self.auto_mtp:
+                self._keep(decoding, h)
+            else:
+                self._remember(decoding, h, lane.cache[-1])
 
     def prefill(self, model, s, n: int) -> None:
         """Sequence `s`'s next `n` prompt tokens into its cache, the MTP layer's too (each
@@ -265,17 +285,92 @@ class Speculator:
         after = s.todo[1 : n + 1] + ([s.first_input] if last else [])
         hidden = model.model(mx.array(s.todo[:n], dtype=mx.uint32)[None], cache=s.cache)
         drafted = self.mtp.feed(mx.array(after, dtype=mx.uint32)[None], hidden, s.cache[-1])
-        if last and self.draft_max:
+        if last and self.auto_mtp:
+            self._keep([s], drafted[:, -1])
+        elif last and self.draft_max:
             self._remember([s], drafted[:, -1], s.cache[-1])
 
-    def _remember(self, decoding: list, h: mx.array, cache) -> None:
-        """Each sequence's next guesses (`draft_max`), from block outputs `h` (B, hidden)."""
-        chain = self.mtp.chain(self.mtp.guess(h), h, self.draft_max, cache)
+    def _keep(self, rows: list, h: mx.array) -> None:
+        """auto_mtp: the MTP block's outputs `h` (B, hidden) at each row's last position fed,
+        computed with the step (its feed fills the MTP cache); guesses follow where wanted."""
+        mx.async_eval(h)
+        for i, s in enumerate(rows):
+            self.last[s.seq] = h[i]
+
+    def _remember(self, decoding: list, h: mx.array, cache, keep=None) -> None:
+        """Each sequence's next guesses (`draft_max`; MTP_DRAFTS with `auto`), from block outputs
+        `h` (B, hidden) of the rows of `cache`; only those of `keep` where given."""
+        k = min(self.draft_max, MTP_DRAFTS) if self.auto_mtp else self.draft_max
+        chain = self.mtp.chain(self.mtp.guess(h), h, k, cache)
         rows = np.array(mx.stack(chain, axis=1)).tolist()
         for s, row in zip(decoding, rows):
-            self.next[s.seq] = row
+            if keep is None or s.seq in keep:
+                self.next[s.seq] = row
+
+    def candidates(self, lane, decoding: list) -> list[list[int]]:
+        """`auto` drawing on the MTP layer: each decoding row's guesses this step (its last token
+        read): the request's prediction's, else prompt lookup's from a suffix of 2 tokens or more
+        (a lone token's match guesses worse than the model's own layer), else the MTP layer's
+        where its cache missed no position. Their lengths follow from agreed tokens and state
+        alone, so every rank sizes the step alike; the MTP layer's contents ride the vote."""
+        self.found = {}
+        for s in decoding:
+            history = [*s.req.prompt, *s.fed, *s.pending]
+            done = len(history) - len(s.req.prompt)
+            k = self.draft_max
+            self.found[s.seq] = predicted(s.req.prediction, history, done, k) or lookup(
+                history, k, min_ngram=2
+            )
+        wanted = {
+            s.seq
+            for s in decoding
+            if not self.found[s.seq] and s.seq not in self.stale and s.seq in self.last
+        }
+        if wanted:  # the MTP layer's guesses, for these rows only
+            outs = [self.last.get(s.seq) if s.seq in wanted else None for s in lane.rows]
+            like = next(h for h in outs if h is not None)
+            # the chain runs over the lane's whole batched cache, trimmed back after it: the
+            # other rows feed zeros, and their guesses are not kept
+            h = mx.stack([mx.zeros_like(like) if x is None else x for x in outs])
+            self._remember(lane.rows, h, lane.cache[-1], keep=wanted)
+            for seq in wanted:
+                self.found[seq] = self.next.pop(seq)
+        return [self.found[s.seq] for s in decoding]
+
+    def plain(self, lane, model, inputs: mx.array) -> mx.array:
+        """A plain step's logits (B, vocab) for `auto` drawing on the MTP layer: the model's hidden
+        states are kept for the layer's feed once the step's tokens are sampled (`fed`)."""
+        hidden = model.model(inputs, cache=lane.cache)
+        self._plain = (lane, hidden)
+        return self.mtp.head(hidden)[:, -1, :]
+
+    def fed(self, rows: list, sampled: mx.array) -> None:
+        """Feed a plain step's positions (hidden state, the token sampled after it) into the MTP
+        cache, lazily with the step; the next guesses follow from it when a row guesses again."""
+        lane, hidden = self._plain
+        self._plain = None
+        tokens = sampled.reshape(-1, 1).astype(mx.uint32)
+        self._keep(rows, self.mtp.feed(tokens, hidden, lane.cache[-1])[:, -1])
+
+    def admit(self, s, covered: int, wide: bool) -> None:
+        """auto_mtp: a sequence admitted into a batch too wide to guess (it would miss the
+        layer's feed at its first step), or whose cached prefix (`covered` tokens) the MTP cache
+        does not hold alike, never drafts with the layer, and its prompt is not fed to it."""
+        held = getattr(s.cache[-1], "offset", covered) if s.cache else covered
+        if wide or held != covered:
+            self.missed([s])
+
+    def missed(self, decoding: list) -> None:
+        """A plain step in a batch too wide to guess leaves the MTP layer unfed (its feed would
+        cost every step of a busy node): these rows' MTP cache misses a position, and their
+        guesses come from the prompt or the prediction alone from now on."""
+        for s in decoding:
+            self.stale.add(s.seq)
+            self.last.pop(s.seq, None)
 
     def _drafts(self, decoding: list, histories: list[list[int]], wanted: list[int]) -> list:
+        if self.auto_mtp:  # found before the step was sized (`candidates`)
+            return [self.found.get(s.seq, [])[:k] for s, k in zip(decoding, wanted)]
         if self.mode in ("draft", "mtp"):
             return self._guessed(decoding, histories, wanted)
         out = []
@@ -316,6 +411,9 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.drop(seq)
         self.next.pop(seq, None)
+        self.found.pop(seq, None)
+        self.last.pop(seq, None)
+        self.stale.discard(seq)
 
 
 def speculation(limits, collective, cache: list, vocab: int, sharded=None):
@@ -356,10 +454,17 @@ def speculation(limits, collective, cache: list, vocab: int, sharded=None):
             raise UserError("speculative: draft needs a draft model (serving.draft_model)")
         drafter = Drafter(limits.draft_model, vocab)
     mtp, held = None, ""
-    if mode == "mtp":
-        from . import mtp as mtp_layer
+    from . import mtp as mtp_layer
 
+    if mode == "auto" and sharded is not None:
+        try:  # `auto` draws on the checkpoint's own MTP layer where it has one
+            if mtp_layer.has_mtp(sharded.config, sharded.path):
+                mtp = mtp_layer.load(sharded.model, sharded.config, sharded.path)
+        except (UserError, OSError) as e:  # quietly (auto is the default); e.g. a shipped shard
+            logging.getLogger(__name__).info("speculative: auto without the MTP layer: %s", e)
+    elif mode == "mtp":
         mtp = mtp_layer.load(sharded.model, sharded.config, sharded.path)
+    if mtp is not None:
         mtp_layer.carry_cache(sharded.model)
         held, how = mtp_layer.shard_experts(
             mtp, sharded, int(sharded.config["num_hidden_layers"]), limits.mtp_experts

@@ -140,7 +140,9 @@ def test_auto_is_the_default_and_status_shows_acceptance_and_all_reduces_per_tok
     stock = {p: stock_tokens(MODEL_DIR, p, TOKENS) for p in PROMPTS}
     with cluster(tmp_path, yaml_for(2)) as (url, proc, lines):
         status = http(url, "/v1/cluster/status")[1]
-        assert [n["speculative"] for n in status["nodes"]] == ["auto, 4 drafts"] * 2, status
+        assert [n["speculative"] for n in status["nodes"]] == [
+            "auto, 4 drafts, MTP experts whole"
+        ] * 2, status
         assert status["speculative"]["drafted"] == 0, status["speculative"]
         predicted = {"type": "content", "content": tok.decode(stock[PROMPTS[0]])}
         fast = _complete(url, PROMPTS[0], prediction=predicted)["moe_cluster"]

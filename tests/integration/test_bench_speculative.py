@@ -89,7 +89,9 @@ def test_bench_auto_alternates_with_off_alone_and_as_8_streams():
         assert t["tokens_equal_off"] and t["same_tokens_every_round"], t
     many, off_many = rows["auto, 8 streams"], rows["off, 8 streams"]
     assert many["streams"] == 8 and len(many["tokens"]) == 8 * 16, many
-    assert many["speculative"] == "auto, 4 drafts" and many["drafted"] == 0, many
+    # once the 8 decode together nothing is guessed (the first to finish its prompt may guess
+    # while the others still read theirs): off's steps
+    assert many["speculative"] == "auto, 4 drafts, MTP experts whole", many
     assert many["decode_steps"] == off_many["decode_steps"] == 16, many
     right = rows["prediction, 0% spoiled"]
     assert right["acceptance"] == 1.0 and right["allreduces_per_token"] <= 0.5 * out["moe_layers"]

@@ -76,6 +76,19 @@ def test_mtp_drafts_on_a_deepseek_v3_checkpoint_give_stock_tokens_and_logits(
     _held(out, holding, 61)
 
 
+@pytest.mark.parametrize("nodes,sampling", [(2, ()), (3, SEEDED)], ids=["2-greedy", "3-seeded"])
+def test_auto_draws_on_the_mtp_layer_with_stock_tokens_and_logits(deepseek, nodes, sampling):
+    """`auto`, the default, where the checkpoint has an MTP layer: every node loads it and drafts
+    with it where prompt lookup has no guess. This head is random: its guesses fail, `adapt` rests
+    them, and the plain steps between still feed the layer (Speculator.plain) for the probes
+    after them; every token and logit is stock's either way."""
+    out = _simulate(deepseek, nodes, *sampling, "--speculative", "auto")
+    assert out["speculative"]["mode"] == "auto, 2 drafts, MTP experts whole", out["speculative"]
+    assert out["tokens_match"] and out["compared_steps"] == 16, out
+    assert out["max_abs_logit_diff"] <= 1e-4, out["max_abs_logit_diff"]
+    assert out["speculative"]["drafted"] > 0, out["speculative"]
+
+
 def test_the_demos_trained_mtp_head_drafts_what_the_model_says():
     out = _simulate("demo", 2)  # auto: its 2 MB bank stays whole
     assert out["tokens_match"] and out["max_abs_logit_diff"] <= 1e-4, out
@@ -95,21 +108,28 @@ TEXTS = (
 
 
 @pytest.mark.parametrize(
-    "model,nodes,sampling,holding,disagree",
+    "model,nodes,sampling,holding,disagree,mode",
     [
-        ("deepseek", 3, Sampling(max_tokens=12, temperature=1.0, seed=5), "sharded", False),
-        ("demo", 2, None, "whole", False),
-        ("demo", 3, None, "whole", True),
+        ("deepseek", 3, Sampling(max_tokens=12, temperature=1.0, seed=5), "sharded", False, "mtp"),
+        ("demo", 2, None, "whole", False, "mtp"),
+        ("demo", 3, None, "whole", True, "mtp"),
+        ("demo", 2, None, "whole", False, "auto"),
     ],
-    ids=["deepseek-3-seeded-sharded", "demo-2-greedy-whole", "demo-3-greedy-whole-disagree"],
+    ids=[
+        "deepseek-3-seeded-sharded",
+        "demo-2-greedy-whole",
+        "demo-3-greedy-whole-disagree",
+        "demo-2-greedy-auto",
+    ],
 )
 def test_mtp_in_a_batch_of_prompts_of_different_lengths_keeps_each_streams_output(
-    deepseek, model, nodes, sampling, holding, disagree
+    deepseek, model, nodes, sampling, holding, disagree, mode
 ):
     """The MTP layer's cache rides with each sequence's (merged, rolled back, extracted when a
     row leaves: a one-token prompt's is fed first at its first decode step). `disagree`: the last
     node feeds guesses of its own at every other step, as a node that rounds differently would:
-    only the guesses every node fed are verified, and every token still holds."""
+    only the guesses every node fed are verified, and every token still holds. With `auto` the
+    batch's 5 rows share 8 drafts a step: each guesses one, from the prompt or the MTP layer."""
     from mlx_lm.tokenizer_utils import load
 
     path = str(deepseek if model == "deepseek" else MODEL_DIR)
@@ -117,6 +137,7 @@ def test_mtp_in_a_batch_of_prompts_of_different_lengths_keeps_each_streams_outpu
     prompts = tuple(tuple(tok.encode(t, add_special_tokens=False)) for t in TEXTS)
     assert len(prompts[2]) == 1
     sampling = sampling or Sampling(max_tokens=12)
+    drafts = 8 if mode == "auto" else 3
     tasks = [
         SimTask(
             path,
@@ -124,16 +145,16 @@ def test_mtp_in_a_batch_of_prompts_of_different_lengths_keeps_each_streams_outpu
             sampling,
             keepalive="none",
             streams=prompts,
-            speculative=mode,
-            draft_tokens=3,
+            speculative=m,
+            draft_tokens=drafts,
             record_logits=True,
-            mtp_experts=holding if mode == "mtp" else "auto",
-            disagree=disagree and mode == "mtp",
+            mtp_experts=holding if m != "off" else "auto",
+            disagree=disagree and m != "off",
         )
-        for mode in ("off", "mtp")
+        for m in ("off", mode)
     ]
     off, on = (ranks[0] for ranks in run_nodes(tasks, nodes, transport="envoy", timeout_s=240))
-    assert on["speculative"] == f"mtp, 3 drafts, MTP experts {holding}", on["speculative"]
+    assert on["speculative"] == f"{mode}, {drafts} drafts, MTP experts {holding}", on["speculative"]
     assert on["drafted"] > 0
     if model == "demo":  # rows accept different numbers of drafts: each rolls back its own tail
         assert on["accepted"] > 0, on["accepted"]

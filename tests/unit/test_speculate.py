@@ -154,3 +154,43 @@ def test_auto_is_quietly_off_where_it_cannot_run_and_an_explicit_mode_says_so_to
         )[1]
         is None
     )
+
+
+def test_auto_with_an_mtp_layer_guesses_from_the_prediction_then_lookup_then_the_layer():
+    """`auto` where the checkpoint has an MTP layer (Speculator.candidates): the request's
+    prediction first, then prompt lookup from a suffix of 2 tokens or more, then the MTP layer's
+    guesses (MTP_DRAFTS at most), none from a layer whose cache missed a position (`missed`)."""
+    from types import SimpleNamespace as NS
+
+    from moe_cluster.node.speculate import MTP_DRAFTS, Speculator
+
+    assert lookup([5, 6, 1, 2, 5], 3, min_ngram=2) == []  # only a lone token matched
+    assert lookup([1, 2, 3, 9, 1, 2], 3, min_ngram=2) == [3, 9, 1]
+
+    class Layer:  # the MTP layer's guesses: the block output's first value, then counting up
+        def guess(self, h):
+            return h[:, 0].astype(mx.int32)
+
+        def chain(self, first, h, k, cache):
+            return [first + j for j in range(k)]
+
+    spec = Speculator("auto", 4, NS(world_size=1), None, mtp=Layer())
+    assert spec.auto_mtp and MTP_DRAFTS == 2
+
+    def seq(n, prompt, fed=(), prediction=()):
+        req = NS(prompt=list(prompt), prediction=list(prediction))
+        return NS(seq=n, req=req, fed=list(fed), pending=[])
+
+    rows = [
+        seq(1, [7, 8, 9], prediction=[40, 41, 42]),  # the prediction's start
+        seq(2, [1, 2, 3, 9, 1, 2]),  # a 2-gram occurred before: lookup
+        seq(3, [5, 6, 1, 2, 5]),  # a lone token only: the layer's guesses
+        seq(4, [5, 6, 1, 2, 5]),  # the same, its MTP cache behind: nothing
+    ]
+    spec.last = {n: mx.array([20.0 + n]) for n in (1, 2, 3, 4)}  # what each row fed last
+    spec.missed([rows[3]])
+    got = spec.candidates(NS(rows=rows, cache=[None]), rows)
+    assert got == [[40, 41, 42], [3, 9, 1, 2], [23, 24], []]
+    assert spec.riding(rows) is None  # one node: nothing to vote on
+    spec.drop(4)
+    assert 4 not in spec.stale and 4 not in spec.found
