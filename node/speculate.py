@@ -130,14 +130,12 @@ def can_roll_back(cache: list) -> str | None:
 
 def room(cache: list, width: int) -> bool:
     """Whether a step `width` positions wide can be rolled back in every layer's cache: a rotating
-    window only while nothing has left it yet (mlx-lm's `is_trimmable`) after the step; a chunked
-    one while the step stays in its current chunk. Every rank's caches of a replicated sequence
-    are alike, so every rank answers alike."""
+    window always, for a step no wider than it (`_drop_tail`); a chunked one while the step stays
+    in its current chunk. It depends on the step and the chunks' fill only, which every rank of a
+    replicated sequence holds alike, so every rank answers alike."""
     for c in _leaves(cache):
         name = type(c).__name__
-        if name == "RotatingKVCache" and c.offset + width >= c.max_size:
-            return False
-        if name == "BatchRotatingKVCache" and c._offset + width >= c.max_size:
+        if name in ("RotatingKVCache", "BatchRotatingKVCache") and width > c.max_size:
             return False
         if name == "ChunkedKVCache" and c.offset + width > c.start_position + c.chunk_size:
             return False
@@ -152,12 +150,41 @@ def rollback(cache: list, drop: Sequence[int]) -> None:
     common = min(drop)
     extra = [d - common for d in drop]
     for c in _leaves(cache):
-        if common:
+        if common and type(c).__name__ in ("RotatingKVCache", "BatchRotatingKVCache"):
+            _drop_tail(c, common)
+        elif common:
             c.trim(common)
         if any(extra):  # left-padded rows: each row's rejected tail rolls round into its padding
             # the rotating batch cache rolls each row by (its offset - length): length = -extra
             c.prepare(right_padding=extra, lengths=[-e for e in extra])
             c.finalize()
+
+
+def _drop_tail(c, n: int) -> None:
+    """Drop the last `n` positions of a rotating window just fed several (a verifying step). Its
+    multi-position update left its keys in temporal order, the window's `max_size - 1` before the
+    step and the step's own (mlx-lm's `_update_concat`), so cutting the tail leaves what feeding
+    only the kept positions would have left, past the window's first turn too (mlx-lm's `trim`
+    only moves the write position, which is right only before the window first turns)."""
+    kept = c.keys.shape[2] - n
+    c.keys, c.values = c.keys[..., :kept, :], c.values[..., :kept, :]
+    c._idx = kept
+    if type(c).__name__ == "RotatingKVCache":
+        c.offset -= n
+    else:
+        c._offset -= n
+        c.offset = c.offset - n
+
+
+def _in_order(cache: list) -> None:
+    """Put every batched rotating window that has turned into temporal order before a step of
+    several positions. mlx-lm's `BatchRotatingKVCache.make_mask` sizes such a step's mask from
+    the window's write position, while its update first puts the window in order and trims it
+    from its length: on a turned window the mask then hides each left-padded row's oldest key.
+    In order, both read the same length (what its update would have done first anyway)."""
+    for c in _leaves(cache):
+        if type(c).__name__ == "BatchRotatingKVCache" and c.rotated:
+            c._temporal_order()
 
 
 class Speculator:
@@ -235,6 +262,7 @@ class Speculator:
             first = s.pending[-1] if s.pending else s.first_input
             rows.append([first, *mine] + [first] * (width - 1 - len(mine)))
         inputs = mx.array(rows, dtype=mx.uint32)
+        _in_order(lane.cache)
         if self.mtp is None:
             logits = lane.forward(model, inputs)
         else:  # the hidden states too: the MTP layer drafts from them
@@ -438,12 +466,12 @@ def speculation(limits, collective, cache: list, vocab: int, sharded=None):
                 f"attention: {limits.attention} (a verifying step is as wide as its widest "
                 "stream on every node; prompt-lookup turns it on)"
             )
-    windowed = {"RotatingKVCache", "ChunkedKVCache"} & {type(c).__name__ for c in _leaves(cache)}
-    if not why and windowed and limits.attention != "replicated" and collective.world_size > 1:
-        # whether a window has room is read from its cache, which by stream only the owner holds:
-        # the nodes could not agree on a step's width
-        why = f"its caches ({', '.join(sorted(windowed))}) are windows, and by stream only a "
-        why += "stream's owner knows how full its window is"
+    chunked = {"ChunkedKVCache"} & {type(c).__name__ for c in _leaves(cache)}
+    if not why and chunked and limits.attention != "replicated" and collective.world_size > 1:
+        # whether a chunk has room is read from its cache, which by stream only the owner holds:
+        # the nodes could not agree on a step's width (a rotating window's room is the step's)
+        why = "its caches (ChunkedKVCache) are chunked windows, and by stream only a stream's "
+        why += "owner knows how full its chunk is"
     if why:
         log = logging.getLogger(__name__)
         (log.info if mode == "auto" else log.warning)("speculative decoding is off: %s", why)

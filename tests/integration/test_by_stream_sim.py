@@ -74,3 +74,35 @@ def test_eight_streams_each_get_stock_tokens_and_logits(
     assert alone[0]["tokens"] == stock[1][0]
     worst = max(float(np.max(np.abs(a - b))) for a, b in zip(alone[0]["logits"], stock[1][1]))
     assert worst <= 1e-4, worst
+
+
+def test_prompt_lookup_by_stream_speculates_past_a_rotating_window(make_ckpt):
+    """`speculative: prompt-lookup` by stream on a family with sliding windows (gpt_oss: 128
+    positions): a window rolls back past its first turn, so its room is the step's alone
+    (speculate.room) and the owners agree on each step's width. A stream whose prompt crosses
+    the window, drafting from its repeats, keeps the tokens and logits it gets without drafts."""
+    path = str(make_ckpt("gpt_oss"))
+    long = tuple(list(range(5, 25)) * 7)[:124]
+    prompts = (long, (7, 8, 9, 10), long[:40])
+    tasks = [
+        SimTask(
+            path,
+            prompts[0],
+            Sampling(max_tokens=TOKENS),
+            keepalive="none",
+            streams=prompts,
+            record_logits=True,
+            attention="by-stream",
+            speculative=mode,
+            draft_tokens=3,
+        )
+        for mode in ("off", "prompt-lookup")
+    ]
+    off, on = run_nodes(tasks, 2, transport="envoy")
+    assert on[0]["speculative"] == "prompt-lookup, 3 drafts", on[0]["speculative"]
+    assert sum(r["drafted"] for r in on) > 0
+    assert on[0]["tokens"] == off[0]["tokens"]
+    for j in range(len(prompts)):
+        owner = _owner("by-stream", j, 2)
+        pairs = zip(on[owner]["logits"][j], off[owner]["logits"][j])
+        assert max(float(np.max(np.abs(a - b))) for a, b in pairs) <= 1e-4, j

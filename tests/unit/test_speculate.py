@@ -63,14 +63,14 @@ def test_kv_and_windowed_caches_roll_back_and_a_recurrent_state_says_why_not():
     assert why.startswith("its caches (ArraysCache) cannot drop rejected drafts: a recurrent state")
 
 
-def test_a_window_has_room_for_a_step_while_nothing_it_drops_has_left_it():
+def test_a_window_has_room_for_a_step_no_wider_than_it_and_a_chunk_while_the_step_stays_in_it():
     from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
 
     from moe_cluster.node.speculate import room
 
     r = RotatingKVCache(16)
     r.update_and_fetch(mx.zeros((1, 1, 10, 4)), mx.zeros((1, 1, 10, 4)))
-    assert room([KVCache(), r], 5) and not room([KVCache(), r], 6)  # 10 + 6 fills the window
+    assert room([KVCache(), r], 16) and not room([KVCache(), r], 17)  # its turn rolls back too
     c = ChunkedKVCache(8)
     c.update_and_fetch(mx.zeros((1, 1, 5, 4)), mx.zeros((1, 1, 5, 4)))
     assert room([c], 3) and not room([c], 4)
@@ -123,7 +123,7 @@ def test_auto_is_quietly_off_where_it_cannot_run_and_an_explicit_mode_says_so_to
     off with the reason (for the node's status), never an error; on plain caches it is on."""
     from types import SimpleNamespace
 
-    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
 
     from moe_cluster.node.batch import BatchLimits
     from moe_cluster.node.speculate import speculation
@@ -143,10 +143,12 @@ def test_auto_is_quietly_off_where_it_cannot_run_and_an_explicit_mode_says_so_to
     ):
         draft_max, off, spec = speculation(limits, two, cache, 300)
         assert draft_max == 0 and spec is None and off.startswith(why), off
-    # by stream a window's fill is its owner's alone: prompt lookup there only on plain caches
+    # by stream a chunk's fill is its owner's alone: prompt lookup there on plain caches and
+    # rotating windows (whose room is the step's: speculate.room), not on chunked ones
     lookup_by_stream = replace(auto, speculative="prompt-lookup", attention="by-stream")
-    why = speculation(lookup_by_stream, two, [KVCache(), RotatingKVCache(8)], 300)[1]
-    assert why.startswith("its caches (RotatingKVCache) are windows, and by stream"), why
+    why = speculation(lookup_by_stream, two, [KVCache(), ChunkedKVCache(8)], 300)[1]
+    assert why.startswith("its caches (ChunkedKVCache) are chunked windows, and by stream"), why
+    assert speculation(lookup_by_stream, two, [KVCache(), RotatingKVCache(8)], 300)[:2] == (4, None)
     # explicitly asked for, prompt lookup runs by stream (each owner drafts its own streams)
     assert (
         speculation(
@@ -194,3 +196,69 @@ def test_auto_with_an_mtp_layer_guesses_from_the_prediction_then_lookup_then_the
     assert spec.riding(rows) is None  # one node: nothing to vote on
     spec.drop(4)
     assert 4 not in spec.stale and 4 not in spec.found
+
+
+def _attend(q: mx.array, cache, k: mx.array) -> mx.array:
+    """A query's attention output after feeding key (= value) `k` into `cache` (its own mask)."""
+    mask = cache.make_mask(1)
+    keys, values = cache.update_and_fetch(k, k)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=1.0, mask=mask)
+
+
+@pytest.mark.parametrize("drop", [[1, 1], [0, 3], [3, 1], [2, 0]])
+def test_a_rotating_window_rolls_back_past_its_first_turn(drop):
+    """A window of 8 fed 13 positions (past its first turn; one row 6 shorter), then a verifying step of 4 of which
+    each row drops its last drop[i]: each of the step's positions attends to the window a
+    one-token-at-a-time decode gives it (the turned batched window put in order first, `_in_order`),
+    and after the rollback the next token attends to what it would have attended to had only the
+    kept positions been fed, one at a time, row by row (lone and batched windows)."""
+    from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
+
+    from moe_cluster.node.speculate import _in_order, room
+
+    mx.random.seed(1)
+    keys = mx.random.normal((2, 1, 18, 4))
+    q = mx.random.normal((1, 1, 1, 4))
+
+    def reference(row: int, upto: int, at: int) -> mx.array:  # positions [start, upto), then at
+        ref = RotatingKVCache(8)
+        for j in range(6 if row == 0 else 0, upto):
+            ref.update_and_fetch(
+                keys[row : row + 1, :, j : j + 1], keys[row : row + 1, :, j : j + 1]
+            )
+        return _attend(q, ref, keys[row : row + 1, :, at : at + 1])[0]
+
+    batch = BatchRotatingKVCache(8, [6, 0])  # row 0 is 6 shorter: 6 positions of left padding
+    lone = RotatingKVCache(8)
+    for c, k in ((batch, keys), (lone, keys[1:])):
+        c.update_and_fetch(k[:, :, :5], k[:, :, :5])  # a prompt in two chunks
+        c.update_and_fetch(k[:, :, 5:9], k[:, :, 5:9])
+        for j in range(9, 13):  # decoding, past the window's turn
+            c.update_and_fetch(k[:, :, j : j + 1], k[:, :, j : j + 1])
+        assert room([c], 4) and not room([c], 9)
+    _in_order([batch])
+    mask = batch.make_mask(4)
+    window, _ = batch.update_and_fetch(keys[:, :, 13:17], keys[:, :, 13:17])  # a verifying step
+    lone.update_and_fetch(keys[1:, :, 13:17], keys[1:, :, 13:17])
+    step = mx.fast.scaled_dot_product_attention(
+        mx.concatenate([q, q]) * mx.ones((2, 1, 4, 4)), window, window, scale=1.0, mask=mask
+    )
+    for row in range(2):
+        for i in range(4):
+            assert mx.allclose(step[row, :, i], reference(row, 13 + i, 13 + i)[:, 0], atol=1e-6)
+    rollback([batch], drop)
+    rollback([lone], drop[1:])
+    got = _attend(mx.concatenate([q, q]), batch, keys[:, :, 17:18])
+    alone = _attend(q, lone, keys[1:, :, 17:18])
+    for row in range(2):
+        # the kept positions, then the next token's key in the place of the first dropped one
+        kept = 17 - drop[row]
+        ref = RotatingKVCache(8)
+        for j in range(6 if row == 0 else 0, kept):
+            ref.update_and_fetch(
+                keys[row : row + 1, :, j : j + 1], keys[row : row + 1, :, j : j + 1]
+            )
+        want = _attend(q, ref, keys[row : row + 1, :, 17:18])
+        assert mx.allclose(got[row], want[0], atol=1e-6).item(), row
+        if row == 1:
+            assert mx.allclose(alone[0], want[0], atol=1e-6).item()
