@@ -367,7 +367,15 @@ class EnvoyCollective(HostCollective):
         step = envoy.send(sent, self._cold_now())
         out = self._summed(envoy.collect_parts(step).parts, dtype, extra, partial)
         mx.eval(out)
-        stamps = (entered, on_host, exchange.sent_ns, exchange.complete_ns, time.perf_counter_ns())
+        ex = exchange
+        stamps = (
+            entered,
+            on_host,
+            ex.writing_ns,
+            ex.sent_ns,
+            ex.complete_ns,
+            time.perf_counter_ns(),
+        )
         self.trace.append(trace.record(step, stamps, exchange.arrivals(step)))
         return out
 

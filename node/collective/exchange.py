@@ -120,7 +120,7 @@ class PeerExchange:
         # `bench allreduce --trace` (trace.py): perf_counter_ns stamps of the
         # latest step (this node's frame out, the step's last partial in) and of each frame read
         self.stamps = False
-        self.sent_ns = self.complete_ns = 0
+        self.writing_ns = self.sent_ns = self.complete_ns = 0
         self._arrived: dict[tuple[str, int, int], int] = {}
 
     def describe(self, rank: int) -> str:
@@ -215,6 +215,8 @@ class PeerExchange:
         self._sent_at = time.monotonic()
         self._pending = (step, layer, limit_s)
         total = len(head) + body.nbytes
+        if self.stamps:
+            self.writing_ns = time.perf_counter_ns()
         for ch in list(self._channels.values()):
             if each is not None:
                 body = memoryview(each[ch.rank].reshape(-1)).cast("B")

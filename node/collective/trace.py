@@ -6,8 +6,10 @@ directly. Tracing is chosen once, when the node starts its transport (`EnvoySpec
 untraced, each stamp point is a single test of a flag.
 
 Each node keeps one `record` per all-reduce: when it entered the all-reduce, had its partial on
-the host, had written its frame to every peer, had every peer's partial in and had the sum on the
-device, then when each rank's frame was read here (0 for its own). `hops` joins the ranks'
+the host, began writing its frame, had written it to every peer, had every peer's partial in and
+had the sum on the device, then when each rank's frame was read here (0 for its own). A peer's
+frame can be read before its writer stamps the write's end (the writer may be descheduled as its
+write returns), never before the write began: the wire hop starts there. `hops` joins the ranks'
 records by step.
 """
 
@@ -15,13 +17,13 @@ from __future__ import annotations
 
 import numpy as np
 
-FIELDS = ("entered", "on_host", "sent", "complete", "on_device")  # the node's stamps, in order
+FIELDS = ("entered", "on_host", "writing", "sent", "complete", "on_device")  # the node's stamps
 
 # (name, what it covers); the order of the table
 HOPS = (
     ("node: partial to the host", "the partial evaluated and exported to numpy (to_wire)"),
     ("node: frame out", "this rank's frame made and written to every peer's socket"),
-    ("wire: peer's frame in", "a peer's frame written -> read here (send, wake-up, read, checks)"),
+    ("wire: peer's frame in", "a peer begins writing its frame -> read here (send, wake-up, read)"),
     ("node: wait for the last partial", "own frame out -> every peer's partial in"),
     ("node: sum to the device", "every partial in -> their sum an evaluated mx.array"),
     ("late peer", "this node's frame out -> the last node's (how long every node must wait)"),
@@ -53,9 +55,9 @@ def hops(records: dict[int, list[tuple[int, ...]]], skip: int = 0) -> dict[str, 
     for ranks in by_step.values():
         if len(ranks) != n:
             continue  # a step some rank did not finish (it failed there)
-        last_sent = max(r[2] for r in ranks.values())
+        last_sent = max(r[3] for r in ranks.values())
         for rank, r in ranks.items():
-            entered, on_host, sent, complete, on_device = r[:k]
+            entered, on_host, _, sent, complete, on_device = r[:k]
             arrived = r[k:]
 
             def us(a: int, b: int) -> float:
@@ -75,7 +77,7 @@ def hops(records: dict[int, list[tuple[int, ...]]], skip: int = 0) -> dict[str, 
                 ),
             )
             out["wire: peer's frame in"].extend(
-                us(ranks[p][2], arrived[p])
+                us(ranks[p][2], arrived[p])  # from when p began writing
                 for p in ranks
                 if p != rank and p < len(arrived) and arrived[p]
             )

@@ -191,7 +191,7 @@ def test_bench_allreduce_trace_stamps_every_hop_on_one_clock():
     assert list(hops) == [name for name, _ in trace.HOPS]
     for h in hops.values():
         # every step of both ranks stamped (the warm-up left out), and no hop negative: both
-        # nodes' stamps are on one clock and each is taken where the hop's cause precedes it
+        # nodes' stamps are on one clock and each hop starts where its cause precedes its end
         assert h["samples"] == 2 * iters, h
         assert 0 <= h["p50_us"] <= h["p90_us"], h
     assert hops["total"]["p50_us"] >= hops["after the last frame out"]["p50_us"]
