@@ -482,8 +482,15 @@ class PeerExchange:
             raise self._fail(self._disconnected(ch.rank, why))
 
     def peer_lost(self, rank: int, why: str) -> None:
-        """The envoy saw the peer go (`LOST`): close its socket; the step fails if it needed it."""
+        """The envoy saw the peer go (`LOST`): close its socket; the step fails if it needed it.
+        What the socket holds is read first: a peer that finished its last step wrote its frame
+        before it closed, and its envoy's news can come before the frame is read here."""
         ch = self._channels.get(rank)
+        end = time.monotonic() + _FLUSH_S
+        while ch is not None and self._needs(ch) and not ch.out and time.monotonic() < end:
+            select.select([ch.sock], [], [], max(end - time.monotonic(), 0))
+            self._read(ch)  # the frame, or the end of the stream (the step fails naming it)
+            ch = self._channels.get(rank)
         needed = ch is not None and self._needs(ch)
         self.lost(rank, why)
         if needed:

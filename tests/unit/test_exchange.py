@@ -239,3 +239,30 @@ def test_a_peer_without_a_channel_fails_the_step_with_why():
         a.close()
         b.close()
         node.close()
+
+
+def test_a_peer_lost_after_writing_its_frame_still_counts_for_the_step():
+    """A peer that finished its last step closes; its envoy's LOST can reach this node before the
+    frame it wrote is read here: the frame still completes the step, and only a frame missing
+    when the stream ends fails it."""
+    nodes = _mesh(2)
+    try:
+        for node in nodes:
+            node.x.begin("r")
+        nodes[0].x.send(Outgoing(_partial(0, 0, 8), "float32", (8,), 0), 0, 5.0)
+        nodes[1].x.send(Outgoing(_partial(1, 0, 8), "float32", (8,), 0), 0, 5.0)
+        nodes[0].x.collect()
+        nodes[0].x.lost(1, "node closing")  # rank 0 is done and gone
+        nodes[1].x.peer_lost(0, "envoy closing")  # before rank 0's frame was read here
+        assert np.array_equal(nodes[1].x.collect(), _partial(0, 0, 8) + _partial(1, 0, 8))
+        # a step whose frame never came fails at the stream's end, naming the peer
+        a, b = socket.socketpair()
+        nodes[1].x.install(0, os.dup(a.fileno()), b"")
+        a.close()
+        nodes[1].x.send(Outgoing(_partial(1, 1, 8), "float32", (8,), 0), 1, 5.0)
+        b.close()  # the peer goes without writing its frame
+        with pytest.raises(StepError, match=r"rank 0 \(10.0.0.1:7000\) disconnected"):
+            nodes[1].x.peer_lost(0, "envoy closing")
+    finally:
+        for node in nodes:
+            node.close()
