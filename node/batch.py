@@ -500,7 +500,7 @@ class RunningBatch:
         # enough to guess again (Speculator.plain); a wider batch leaves it behind (`missed`)
         spec = self._speculator
         feeding = spec is not None and spec.auto_mtp and self._streams is None
-        if feeding and self.draft_max // len(decoding) == 0:
+        if feeding and not self._each_guesses(len(decoding)):
             spec.missed(decoding)
             feeding = False
         if self._streams is not None:
@@ -561,8 +561,13 @@ class RunningBatch:
         8 streams and 4 drafts a step guesses nothing)."""
         widest = max((s.allowance for s in decoding), default=0)
         if self.limits.speculative == "auto":
-            widest = min(widest, self.draft_max // max(1, len(decoding)))
+            widest = min(widest, self._each_guesses(len(decoding)))
         return 1 + widest
+
+    def _each_guesses(self, rows: int) -> int:
+        """`auto`'s guesses a step for each of `rows` sequences, `draft_tokens` shared out
+        (`_width`): 0 where the batch is wider than that."""
+        return self.draft_max // max(1, rows)
 
     def _verify(
         self, decoding: list[Sequence], width: int, settle: Callable[[], Agreed] | None
@@ -714,7 +719,7 @@ class RunningBatch:
             if s.local:
                 s.cache = cache if cache is not None else make_prompt_cache(self.model)
             if self._speculator is not None and self._speculator.auto_mtp:
-                self._speculator.admit(s, covered, wide=len(self._active) > self.draft_max)
+                self._speculator.admit(s, covered, wide=not self._each_guesses(len(self._active)))
             wanted = s.req.draft_tokens
             s.drafts = self.draft_max if wanted is None else min(wanted, self.draft_max)
             s.allowance, s.rest = s.drafts, COOL_STEPS

@@ -21,8 +21,9 @@ With `mtp` the guesses are the model's own MTP layer's (node/mtp.py), fed each s
 verified positions' hidden states; its cache is the last of each sequence's and rolls back with
 the model's. With `auto` on a checkpoint that has one, the layer guesses where the prediction and
 prompt lookup have nothing (`Speculator.candidates`), fed at every step while the batch is narrow
-enough to guess, plain steps included (`plain`, `fed`). Every rank drafts, and its guesses ride the step's vote: each rank verifies only the
-prefix on which every rank's guesses agree (`Speculator.step`), with no round trip of their own.
+enough to guess, plain steps included (`plain`, `fed`). Every rank drafts, and its guesses ride
+the step's vote: each rank verifies only the prefix on which every rank's guesses agree
+(`Speculator.step`), with no round trip of their own.
 """
 
 from __future__ import annotations

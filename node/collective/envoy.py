@@ -367,13 +367,12 @@ class EnvoyCollective(HostCollective):
         step = envoy.send(sent, self._cold_now())
         out = self._summed(envoy.collect_parts(step).parts, dtype, extra, partial)
         mx.eval(out)
-        ex = exchange
         stamps = (
             entered,
             on_host,
-            ex.writing_ns,
-            ex.sent_ns,
-            ex.complete_ns,
+            exchange.writing_ns,
+            exchange.sent_ns,
+            exchange.complete_ns,
             time.perf_counter_ns(),
         )
         self.trace.append(trace.record(step, stamps, exchange.arrivals(step)))
