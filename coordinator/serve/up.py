@@ -110,6 +110,25 @@ async def run_up(c: ClusterConfig, *, log_dir: Path) -> int:
         await up.close()
 
 
+FIRST_TRIES = 3  # a node's first status, asked again where it could not be reached (`first_status`)
+
+
+async def first_status(client: NodeClient, tries: int = FIRST_TRIES, pause_s: float = 0.5):
+    """A node's status asked right after it said it serves: where its port refuses the call
+    (gRPC UNAVAILABLE, a loaded host that has not accepted yet) it is asked again, `tries` times
+    in all, `pause_s` apart and longer each time; any other failure, or the last, is the answer."""
+    import grpc
+
+    for attempt in range(tries):
+        try:
+            return await client.status()
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code != grpc.StatusCode.UNAVAILABLE or attempt == tries - 1:
+                raise
+            await asyncio.sleep(pause_s * (attempt + 1))
+
+
 class Up:
     """One `up`, phase by phase: each phase a method, what it made kept for the next and for
     `close` (which undoes whatever ran, in reverse)."""
@@ -317,7 +336,7 @@ class Up:
         ]
         for m in members:
             try:
-                s = await m.client.status()
+                s = await first_status(m.client)
             except Exception as exc:  # noqa: BLE001 - any failure to reach a node is the same answer
                 from .client import describe_rpc_error
 
