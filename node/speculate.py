@@ -326,15 +326,26 @@ class Speculator:
         for i, s in enumerate(rows):
             self.last[s.seq] = h[i]
 
-    def _remember(self, decoding: list, h: mx.array, cache, keep=None) -> None:
-        """Each sequence's next guesses (`draft_max`; MTP_DRAFTS with `auto`), from block outputs
-        `h` (B, hidden) of the rows of `cache`; only those of `keep` where given."""
+    def _remember(self, decoding: list, h: mx.array, cache) -> None:
+        """Each sequence's next guesses, from block outputs `h` (B, hidden) of the rows of
+        `cache`."""
+        for s, row in zip(decoding, self._chain(h, cache)):
+            self.next[s.seq] = row
+
+    def _chain(self, h: mx.array, cache) -> list[list[int]]:
+        """Per row of `cache`, the MTP layer's guesses (`draft_max`; MTP_DRAFTS with `auto`)
+        from block outputs `h` (B, hidden)."""
         k = min(self.draft_max, MTP_DRAFTS) if self.auto_mtp else self.draft_max
         chain = self.mtp.chain(self.mtp.guess(h), h, k, cache)
-        rows = np.array(mx.stack(chain, axis=1)).tolist()
-        for s, row in zip(decoding, rows):
-            if keep is None or s.seq in keep:
-                self.next[s.seq] = row
+        return np.array(mx.stack(chain, axis=1)).tolist()
+
+    @staticmethod
+    def _from_prompt(s, history: list[int], k: int, min_ngram: int = 1) -> list[int]:
+        """Up to `k` guesses from the request's prediction, else prompt lookup."""
+        done = len(history) - len(s.req.prompt)
+        return predicted(s.req.prediction, history, done, k) or lookup(
+            history, k, min_ngram=min_ngram
+        )
 
     def candidates(self, lane, decoding: list) -> list[list[int]]:
         """`auto` drawing on the MTP layer: each decoding row's guesses this step (its last token
@@ -342,14 +353,10 @@ class Speculator:
         (a lone token's match guesses worse than the model's own layer), else the MTP layer's
         where its cache missed no position. Their lengths follow from agreed tokens and state
         alone, so every rank sizes the step alike; the MTP layer's contents ride the vote."""
-        self.found = {}
-        for s in decoding:
-            history = [*s.req.prompt, *s.fed, *s.pending]
-            done = len(history) - len(s.req.prompt)
-            k = self.draft_max
-            self.found[s.seq] = predicted(s.req.prediction, history, done, k) or lookup(
-                history, k, min_ngram=2
-            )
+        self.found = {
+            s.seq: self._from_prompt(s, [*s.req.prompt, *s.fed, *s.pending], self.draft_max, 2)
+            for s in decoding
+        }
         wanted = {
             s.seq
             for s in decoding
@@ -361,9 +368,9 @@ class Speculator:
             # the chain runs over the lane's whole batched cache, trimmed back after it: the
             # other rows feed zeros, and their guesses are not kept
             h = mx.stack([mx.zeros_like(like) if x is None else x for x in outs])
-            self._remember(lane.rows, h, lane.cache[-1], keep=wanted)
-            for seq in wanted:
-                self.found[seq] = self.next.pop(seq)
+            for s, row in zip(lane.rows, self._chain(h, lane.cache[-1])):
+                if s.seq in wanted:
+                    self.found[s.seq] = row
         return [self.found[s.seq] for s in decoding]
 
     def plain(self, lane, model, inputs: mx.array) -> mx.array:
@@ -402,13 +409,10 @@ class Speculator:
             return [self.found.get(s.seq, [])[:k] for s, k in zip(decoding, wanted)]
         if self.mode in ("draft", "mtp"):
             return self._guessed(decoding, histories, wanted)
-        out = []
-        for s, history, k in zip(decoding, histories, wanted):
-            done = len(history) - len(s.req.prompt)
-            out.append(
-                (predicted(s.req.prediction, history, done, k) or lookup(history, k)) if k else []
-            )
-        return out
+        return [
+            self._from_prompt(s, history, k) if k else []
+            for s, history, k in zip(decoding, histories, wanted)
+        ]
 
     def _guessed(
         self, decoding: list, histories: list[list[int]], wanted: list[int]
