@@ -169,7 +169,7 @@ class Gather:
             if r.inds.size >= SORTED_FROM:
                 return self._sorted(rows, r.slots)
             return self.mlp(rows, r.slots, None).squeeze(-2)
-        rows = x.reshape(*x.shape[:-1], 1, 1, x.shape[-1])  # the same, laid out plainly (_rows)
+        rows = _rows(x, 2)  # the same, laid out plainly
         mine, safe = r.mine, r.safe  # uint32, as gather_mm takes it: no cast
         # keepalive none: another node's positions repeat a slot read anyway (the highest selected
         # here, safe's 0 at theirs; slot 0 where none is): a repeated expert's weights come from
@@ -271,7 +271,7 @@ class HostRows:
         xf = x.reshape(-1, x.shape[-1])
         ys, src, base = [], np.full(h.positions_total, -1, dtype=np.int64), 0
         for rows in h.rounds():
-            tokens = _rows(xf[mx.array(rows.tokens.astype(np.int32))])
+            tokens = _rows(xf[mx.array(rows.tokens.astype(np.int32))], 1)
             slots = mx.array(rows.slots.astype(np.uint32))
             y = self.mlp(tokens, slots, groups(rows.slots))[:, 0, :]
             h.reading(y)  # evaluated before the next miss overwrites a slot it reads
@@ -285,12 +285,12 @@ class HostRows:
         return y[mx.array(src.astype(np.int32))].reshape(out_shape)
 
 
-def _rows(x: mx.array) -> mx.array:
-    """Rows (M, D) as gather_mm's (M, 1, D), by reshape: MLX's CPU backend multiplies a
-    `[:, None, :]` or expand_dims view of the same rows through a BLAS call about half as fast
-    (OpenBLAS, 8 MoE layers of 64 rows through 512 x 192 experts: 68 ms against 34; with the
-    reference BLAS both forms run alike; docs/race.md)."""
-    return x.reshape(x.shape[0], 1, x.shape[-1])
+def _rows(x: mx.array, axes: int) -> mx.array:
+    """Rows (..., D) as gather_mm takes them, `axes` axes of 1 before D, by reshape: MLX's CPU
+    backend multiplies a `[:, None, :]` or expand_dims view of the same rows through a BLAS call
+    about half as fast (OpenBLAS, 8 MoE layers of 64 rows through 512 x 192 experts: 68 ms against
+    34; with the reference BLAS both forms run alike; docs/race.md)."""
+    return x.reshape(*x.shape[:-1], *(1,) * axes, x.shape[-1])
 
 
 def groups(slots: np.ndarray) -> list[tuple[int, int, int]]:
