@@ -110,6 +110,13 @@ def add_arguments(p) -> None:
         "or measure); default: each node measures its own at load",
     )
     p.add_argument(
+        "--placement",
+        default=None,
+        metavar="FILE",
+        help="ours: the experts each node holds, a placement JSON as `simulate --placement` takes "
+        "(replicas allowed); default: an even split",
+    )
+    p.add_argument(
         "--rounds", type=int, default=1, help="timed rounds after one warm-up (the last is kept)"
     )
     p.add_argument(
@@ -201,6 +208,7 @@ def _spec(args) -> RaceBench:
         kv_budget=_kv_budget(args.kv_budget),
         alternate=max(1, args.alternate),
         route=_route(args.route),
+        placement=args.placement,
     )
 
 

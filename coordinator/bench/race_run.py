@@ -5,6 +5,7 @@ physical bound (race_rows.py compares the rows)."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from ...proto.errors import MoeClusterError, UserError
@@ -51,6 +52,7 @@ class RaceBench:
     route: str | None = (
         None  # ours: every node's decode route (cluster.yaml's `route:`); None: measure
     )
+    placement: str | None = None  # ours: a placement file every row loads; None: an even split
 
 
 def prompt_ids(tokenizer, count: int, tokens: int | None = None) -> list[list[int]]:
@@ -75,6 +77,7 @@ def _ours(
     prompts: list[list[int]],
     moe_layers: int,
     eos: tuple[int, ...],
+    placement_json: dict | None = None,
 ) -> list[dict]:
     from ...node.sim import SimTask
     from ..dev.simulate import run_nodes
@@ -87,6 +90,7 @@ def _ours(
             path,
             tuple(prompts[0]),
             sampling,
+            placement_json,
             keepalive="none",
             eos_token_ids=eos,  # every row stops where stock's stream_generate does
             repeats=spec.rounds + 1,  # the first warms up, as the peers do
@@ -325,6 +329,30 @@ def bounds(spec: RaceBench, model, rows: list[dict], coll: dict) -> None:
             )
 
 
+def _placement(spec: RaceBench, ckpt) -> dict | None:
+    """The placement file's JSON for ours' rows, checked against the model; None: none given."""
+    if spec.placement is None:
+        return None
+    from ...node.describe import describe
+    from ..dev.simulate import checked_placement
+
+    return checked_placement(spec.placement, spec.nodes, describe(ckpt))
+
+
+def _placement_summary(path: str | None, placement: dict | None) -> dict:
+    """Where ours' experts were: the file, and the most experts a node held in a layer and how
+    many of a layer's experts were held by more than one node (replicas)."""
+    if placement is None:
+        return {"file": None, "split": "even"}
+    layers = placement["layers"].values()
+    held = [len(es) for ranks in layers for es in ranks.values()]
+    copies = [
+        sum(n > 1 for n in Counter(e for es in ranks.values() for e in es).values())
+        for ranks in layers
+    ]
+    return {"file": path, "most_held": max(held, default=0), "replicated": max(copies, default=0)}
+
+
 def run(spec: RaceBench) -> dict:
     from mlx_lm.utils import load_tokenizer
 
@@ -338,13 +366,14 @@ def run(spec: RaceBench) -> dict:
     tokenizer = load_tokenizer(ckpt.path, eos_token_ids=ckpt.config.get("eos_token_id"))
     prompts = prompt_ids(tokenizer, max(spec.streams), spec.prompt_tokens)
     eos = tuple(sorted(tokenizer.eos_token_ids or ()))
+    placement = _placement(spec, ckpt)  # refused before any process starts
     stock = _stock(spec, path, prompts)
     passes: list[list[dict]] = []
     for _ in range(spec.alternate):
         rows: list[dict] = []
         for name in spec.rows:
             rows += (
-                _ours(spec, path, name, prompts, model.moe_layers, eos)
+                _ours(spec, path, name, prompts, model.moe_layers, eos, placement)
                 if name in TRANSPORT
                 else _peer(spec, path, name, prompts)
             )
@@ -376,6 +405,7 @@ def run(spec: RaceBench) -> dict:
             "weights": model.weights,
         },
         "collective": coll,
+        "placement": _placement_summary(spec.placement, placement),
         "stock": {k: v for k, v in stock.items() if k != "tokens"} | {"ran": "tokens" in stock},
         "agreement": agree,
         "rows": rows,

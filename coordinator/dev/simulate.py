@@ -293,6 +293,14 @@ def compare(tokens: list[int], logits: list, ref_tokens: list[int], ref_logits: 
     return out
 
 
+def checked_placement(path: str | Path, nodes: int, desc) -> dict:
+    """A placement file's JSON for `nodes` node processes, checked against the model (`desc`:
+    node.describe's), so that a bad one is refused before any process starts."""
+    placement = Placement.from_json(Path(path), nodes)
+    placement.check(desc.moe_layers())
+    return placement.to_json()
+
+
 def simulate(req: SimRequest) -> dict:
     from ...node.describe import describe
     from .run_local import encode_prompt
@@ -305,9 +313,7 @@ def simulate(req: SimRequest) -> dict:
     desc = describe(ckpt)
     desc.require_moe()  # a checkpoint with no MoE layers is refused before any process starts
     if req.placement is not None:
-        placement = Placement.from_json(Path(req.placement), req.nodes)
-        placement.check(desc.moe_layers())
-        placement_json = placement.to_json()
+        placement_json = checked_placement(req.placement, req.nodes, desc)
     tokenizer = _tokenizer(ckpt.path)
     ids = encode_prompt(tokenizer, req.prompt)
     eos = tuple(tokenizer.eos_token_ids)

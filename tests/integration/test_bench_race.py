@@ -133,6 +133,54 @@ def test_bench_race_refuses_bad_input_in_one_line():
     assert_one_line_error(cli("bench", "race", "--model", "demo", "--nodes", "1"), "--nodes")
     assert_one_line_error(cli("bench", "race", "--model", "demo", "--route", "fast"), "--route")
     assert_one_line_error(cli("bench", "race", "--model", "demo", "--streams", "1,x"), "--streams")
+    assert_one_line_error(
+        cli("bench", "race", "--model", "demo", "--placement", "/nonexistent/p.json"),
+        "/nonexistent/p.json",
+    )
+
+
+@pytest.mark.slow  # ~15 s: one row of 2 processes and stock, with and without the file
+def test_bench_race_runs_ours_on_the_placement_given(make_ckpt, tmp_path):
+    """--placement: ours' nodes hold the experts the file says, replicas too (every node then
+    assigns each selected copy by the same rule), and still give stock's tokens."""
+    ckpt = make_ckpt("qwen3_moe", layers=3, experts=8, top_k=2)
+    # experts 1-6 of every layer on both nodes, 0 and 7 on one each
+    layers = {str(l): {"0": list(range(7)), "1": list(range(1, 8))} for l in range(3)}
+    placement = tmp_path / "placement.json"
+    placement.write_text(json.dumps({"layers": layers}))
+
+    def race(*extra):
+        r = cli(
+            "bench",
+            "race",
+            "--model",
+            str(ckpt),
+            "--nodes",
+            "2",
+            "--streams",
+            "3",
+            "--max-tokens",
+            "8",
+            "--rows",
+            "ours_by_stream",
+            *extra,
+            "--json",
+            timeout=600,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout)
+        (row,) = out["rows"]
+        assert "error" not in row and row["same_as_stock"], row
+        return out, row
+
+    even_out, even = race()
+    out, row = race("--placement", str(placement))
+    assert even_out["placement"] == {"file": None, "split": "even"}
+    assert out["placement"] == {"file": str(placement), "most_held": 7, "replicated": 6}
+    assert row["tokens"] == even["tokens"]
+    # the same calls, each selected copy given to the node with fewer: in every call the busier
+    # node computes at most the experts it did under the even split, and in some fewer
+    assert 0 < row["expected_experts_measured"] < even["expected_experts_measured"], (row, even)
 
 
 def test_agreement_names_the_row_and_stream_that_differ():
