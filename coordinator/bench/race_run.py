@@ -77,7 +77,7 @@ def _ours(
     prompts: list[list[int]],
     moe_layers: int,
     eos: tuple[int, ...],
-    placement_json: dict | None = None,
+    placement: tuple[str, dict] | None = None,
 ) -> list[dict]:
     from ...node.sim import SimTask
     from ..dev.simulate import run_nodes
@@ -90,7 +90,7 @@ def _ours(
             path,
             tuple(prompts[0]),
             sampling,
-            placement_json,
+            placement[1] if placement else None,
             keepalive="none",
             eos_token_ids=eos,  # every row stops where stock's stream_generate does
             repeats=spec.rounds + 1,  # the first warms up, as the peers do
@@ -114,6 +114,8 @@ def _ours(
     entry = {
         "name": name,
         "nodes": spec.nodes,
+        # on the row, not the race: `--merge` joins rows of calls that may have placed differently
+        "placement": _placement_summary(placement),
         "transport": transport,
         "backend": mlx_backend(spec.gpus, spec.mlx_backend)
         if transport == "mlx"
@@ -329,21 +331,23 @@ def bounds(spec: RaceBench, model, rows: list[dict], coll: dict) -> None:
             )
 
 
-def _placement(spec: RaceBench, ckpt) -> dict | None:
-    """The placement file's JSON for ours' rows, checked against the model; None: none given."""
+def _placement(spec: RaceBench, ckpt) -> tuple[str, dict] | None:
+    """(the file, its placement's JSON) for ours' rows, checked against the model; None: none
+    given."""
     if spec.placement is None:
         return None
     from ...node.describe import describe
     from ..dev.simulate import checked_placement
 
-    return checked_placement(spec.placement, spec.nodes, describe(ckpt))
+    return spec.placement, checked_placement(spec.placement, spec.nodes, describe(ckpt))
 
 
-def _placement_summary(path: str | None, placement: dict | None) -> dict:
+def _placement_summary(placement: tuple[str, dict] | None) -> dict:
     """Where ours' experts were: the file, and the most experts a node held in a layer and how
     many of a layer's experts were held by more than one node (replicas)."""
     if placement is None:
         return {"file": None, "split": "even"}
+    path, placement = placement
     layers = placement["layers"].values()
     held = [len(es) for ranks in layers for es in ranks.values()]
     copies = [
@@ -405,7 +409,6 @@ def run(spec: RaceBench) -> dict:
             "weights": model.weights,
         },
         "collective": coll,
-        "placement": _placement_summary(spec.placement, placement),
         "stock": {k: v for k, v in stock.items() if k != "tokens"} | {"ran": "tokens" in stock},
         "agreement": agree,
         "rows": rows,
