@@ -162,15 +162,18 @@ def _ours(
                 # one MoE layer of a batch-1 step on rank 0's route (node/moe/opcount.py); None
                 # where that route reads the routing on the host
                 "primitives_per_moe_layer": r0.get("primitives_per_moe_layer"),
-                **_synced(r0),
+                **_synced(reps),
             }
         )
     return rows
 
 
-def _synced(r0: dict) -> dict:
+def _synced(reps: list[dict]) -> dict:
     """Rank 0's synced pass (SimTask.synced_pass), per decode step: its step time, its timers'
-    split of it (`breakdown`), and whether it gave the timed pass's tokens; {} where none ran."""
+    split of it (`breakdown`), and whether it gave the timed pass's tokens; and every rank's wait
+    on the collectives per step (one node always behind shows as the others waiting, a late peer
+    by turns as all waiting alike); {} where none ran."""
+    r0 = reps[0]
     synced = r0.get("synced")
     if not synced:
         return {}
@@ -182,6 +185,9 @@ def _synced(r0: dict) -> dict:
         "synced_step_s": step,
         "synced_breakdown_per_step_s": breakdown(synced["timers"], steps, step),
         "synced_same_tokens": synced["tokens"] == r0["tokens"],
+        "synced_wait_per_rank_s": [
+            r["synced"]["timers"]["collective"] / max(r["synced"]["decode_steps"], 1) for r in reps
+        ],
     }
 
 

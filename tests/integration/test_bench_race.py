@@ -79,6 +79,9 @@ def test_bench_race_runs_every_row_and_the_rows_agree(make_ckpt, tmp_path):
         if name == "ours_mlx":
             assert row["synced_same_tokens"] and row["synced_step_s"] > 0, row
             assert all(synced[k] > 0 for k in ("attention_router", "experts", "collective_wait"))
+            # every rank's wait, rank 0's the breakdown's
+            waits = row["synced_wait_per_rank_s"]
+            assert len(waits) == 2 and waits[0] == synced["collective_wait"], waits
         else:
             assert synced is None, name
     for b in ("1", "3"):
@@ -177,6 +180,7 @@ def test_bench_race_runs_ours_on_the_placement_given(make_ckpt, tmp_path):
     assert even["placement"] == {"file": None, "split": "even"}
     assert row["placement"] == {"file": str(placement), "most_held": 7, "replicated": 6}
     assert row["tokens"] == even["tokens"]
+    assert all(len(r["synced_wait_per_rank_s"]) == 2 for r in (row, even))
     # the same calls, each selected copy given to the node with fewer: in every call the busier
     # node computes at most the experts it did under the even split, and in some fewer
     assert 0 < row["expected_experts_measured"] < even["expected_experts_measured"], (row, even)
