@@ -5,10 +5,10 @@ physical bound (race_rows.py compares the rows)."""
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 from ...proto.errors import MoeClusterError, UserError
+from ...proto.placement import Placement
 from ...proto.records import Sampling
 from .race_rows import (
     AUTO_ROWS,
@@ -77,7 +77,7 @@ def _ours(
     prompts: list[list[int]],
     moe_layers: int,
     eos: tuple[int, ...],
-    placement: tuple[str, dict] | None = None,
+    placement: tuple[str, Placement, dict[int, int]] | None = None,
 ) -> list[dict]:
     from ...node.sim import SimTask
     from ..dev.simulate import run_nodes
@@ -90,7 +90,7 @@ def _ours(
             path,
             tuple(prompts[0]),
             sampling,
-            placement[1] if placement else None,
+            placement[1].to_json() if placement else None,
             keepalive="none",
             eos_token_ids=eos,  # every row stops where stock's stream_generate does
             repeats=spec.rounds + 1,  # the first warms up, as the peers do
@@ -337,28 +337,27 @@ def bounds(spec: RaceBench, model, rows: list[dict], coll: dict) -> None:
             )
 
 
-def _placement(spec: RaceBench, ckpt) -> tuple[str, dict] | None:
-    """(the file, its placement's JSON) for ours' rows, checked against the model; None: none
-    given."""
+def _placement(spec: RaceBench, ckpt) -> tuple[str, Placement, dict[int, int]] | None:
+    """(the file, its placement, the model's {MoE layer: experts}) for ours' rows, checked against
+    the model; None: none given."""
     if spec.placement is None:
         return None
     from ...node.describe import describe
     from ..dev.simulate import checked_placement
 
-    return spec.placement, checked_placement(spec.placement, spec.nodes, describe(ckpt))
+    desc = describe(ckpt)
+    return spec.placement, checked_placement(spec.placement, spec.nodes, desc), desc.moe_layers()
 
 
-def _placement_summary(placement: tuple[str, dict] | None) -> dict:
+def _placement_summary(placement: tuple[str, Placement, dict[int, int]] | None) -> dict:
     """Where ours' experts were: the file, and the most experts a node held in a layer and how
     many of a layer's experts were held by more than one node (replicas)."""
     if placement is None:
         return {"file": None, "split": "even"}
-    path, placement = placement
-    layers = placement["layers"].values()
-    held = [len(es) for ranks in layers for es in ranks.values()]
+    path, p, experts = placement
+    held = [n for r in range(p.world_size) for n in p.experts_per_layer(r).values()]
     copies = [
-        sum(n > 1 for n in Counter(e for es in ranks.values() for e in es).values())
-        for ranks in layers
+        sum(len(rs) > 1 for rs in p.holders(layer, n).values()) for layer, n in experts.items()
     ]
     return {"file": path, "most_held": max(held, default=0), "replicated": max(copies, default=0)}
 

@@ -293,12 +293,12 @@ def compare(tokens: list[int], logits: list, ref_tokens: list[int], ref_logits: 
     return out
 
 
-def checked_placement(path: str | Path, nodes: int, desc) -> dict:
-    """A placement file's JSON for `nodes` node processes, checked against the model (`desc`:
+def checked_placement(path: str | Path, nodes: int, desc) -> Placement:
+    """A placement file for `nodes` node processes, checked against the model (`desc`:
     node.describe's), so that a bad one is refused before any process starts."""
     placement = Placement.from_json(Path(path), nodes)
     placement.check(desc.moe_layers())
-    return placement.to_json()
+    return placement
 
 
 def simulate(req: SimRequest) -> dict:
@@ -313,7 +313,7 @@ def simulate(req: SimRequest) -> dict:
     desc = describe(ckpt)
     desc.require_moe()  # a checkpoint with no MoE layers is refused before any process starts
     if req.placement is not None:
-        placement_json = checked_placement(req.placement, req.nodes, desc)
+        placement_json = checked_placement(req.placement, req.nodes, desc).to_json()
     tokenizer = _tokenizer(ckpt.path)
     ids = encode_prompt(tokenizer, req.prompt)
     eos = tuple(tokenizer.eos_token_ids)
