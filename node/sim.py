@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from ..proto.errors import ErrorKind, kind_of
 from ..proto.records import Sampling
 from .device import release_memory
+from . import cores
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class SimJob:
     world_size: int
     collective: object  # a transport spec (node.transports: ShmSpec, EnvoySpec or MlxSpec)
     tasks: tuple[SimTask, ...]
+    cores: tuple[int, ...] | None = None  # the cores this node runs on (node/cores.py); None: any
 
 
 TICK = "a step"  # Beats.tick's beat: a step done inside a phase
@@ -128,6 +130,7 @@ def run(job: SimJob, results) -> None:
     """Process entry point: puts one dict per task on `results` ("error" and its "kind" set if one
     failed), and Beats while it works."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    cores.pin(job.cores)  # before the collective starts its threads
     try:
         collective = _collective(job)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as a value
@@ -364,6 +367,7 @@ def _report(job: SimJob, index: int, sharded) -> dict:
     return {
         "rank": job.rank,
         "task": index,
+        "cores": cores.usable(),  # where this node's threads ran
         "experts_per_layer": {str(k): v for k, v in info.experts_per_layer.items()},
         "resident_weight_bytes": info.resident_weight_bytes,
         "replicated_bytes": info.replicated_bytes,

@@ -146,6 +146,12 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--hardware", default=None, help="or a hardware preset of `plan` for it")
     p.add_argument(
+        "--no-pin",
+        action="store_true",
+        help="leave every row's processes wherever the OS puts them (default: process r of a row "
+        "on its own share of this machine's cores, as N machines; not with --gpus)",
+    )
+    p.add_argument(
         "--no-stock",
         action="store_true",
         help="do not run stock mlx-lm (default: where it fits one device)",
@@ -209,6 +215,7 @@ def _spec(args) -> RaceBench:
         alternate=max(1, args.alternate),
         route=_route(args.route),
         placement=args.placement,
+        pin=not args.no_pin,
     )
 
 

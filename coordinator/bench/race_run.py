@@ -53,6 +53,15 @@ class RaceBench:
         None  # ours: every node's decode route (cluster.yaml's `route:`); None: measure
     )
     placement: str | None = None  # ours: a placement file every row loads; None: an even split
+    # every row's process r on its own share of the cores (node/cores.py), as N machines would be;
+    # not with --gpus, whose hosts were never measured so
+    pin: bool = True
+
+    def cores(self) -> list[tuple[int, ...]] | None:
+        """Each process's cores in every row; None: not pinned (off, GPUs, or too few cores)."""
+        from ...node.cores import shares
+
+        return shares(self.nodes) if self.pin and not self.gpus else None
 
 
 def prompt_ids(tokenizer, count: int, tokens: int | None = None) -> list[list[int]]:
@@ -130,6 +139,7 @@ def _ours(
             transport=transport,
             gpus=spec.gpus,
             mlx_backend=spec.mlx_backend,
+            cores=spec.cores(),
         )
     except (MoeClusterError, UserError, OSError, RuntimeError) as exc:
         return [
@@ -156,6 +166,7 @@ def _ours(
                 "peak_running": r0.get("peak_running"),
                 "peak_streams_per_node": [r.get("peak_streams") for r in reps],
                 "peak_kv_bytes_per_node": [r.get("peak_kv_bytes") for r in reps],
+                "cores_per_node": [r.get("cores") for r in reps],  # where each node's threads ran
                 # rank 0's micro-batch all-reduces: seconds in flight, seconds of it waited for
                 "overlap_s": (r0.get("overlap_in_flight_s", 0.0), r0.get("overlap_waited_s", 0.0)),
                 "route": r0.get("route"),  # rank 0's decode route and where wide calls go
@@ -205,12 +216,14 @@ def _peer(spec: RaceBench, path: str, name: str, prompts: list[list[int]]) -> li
         gpus=spec.gpus,
         mode=PEER_MODE[name],
         streams=tuple(tuple(tuple(p) for p in prompts[:b]) for b in multi),
+        cores=spec.cores(),
     )
     entry = {
         "name": name,
         "nodes": spec.nodes,
         "backend": got.get("backend"),
         "mlx_lm_name": got["name"],
+        "cores_per_node": got.get("cores"),
         **{k: got[k] for k in ("nccl_error", "nccl_where") if k in got},
     }
     if "error" in got:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ...common import importcache
 from ...common.ports import free_ports
+from ...node.cores import pin, usable
 
 MODES = {"tensor": "mlx_lm_tensor_parallel", "pipeline": "mlx_lm_pipeline"}
 
@@ -125,11 +126,13 @@ def _worker(
     backend: str,
     mode: str = "tensor",
     streams: tuple[tuple[tuple[int, ...], ...], ...] = (),
+    cores: tuple[int, ...] | None = None,
 ) -> None:
     os.environ.update(env, MLX_HOSTFILE=hostfile, MLX_RANK=str(rank))
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     importcache.install()  # a spawned worker imports mlx-lm, and with it transformers, afresh
+    pin(cores)  # as ours' nodes are (node/cores.py), before MLX starts its threads
     try:
         import mlx.core as mx
         from mlx_lm.generate import stream_generate
@@ -158,6 +161,7 @@ def _worker(
         out.put(
             {
                 "rank": rank,
+                "cores": usable(),
                 "tps": statistics.median(speeds),
                 "tokens": tokens,
                 "t0": t0,
@@ -187,16 +191,18 @@ def measure(
     backend: str | None = None,
     mode: str = "tensor",
     streams: tuple[tuple[tuple[int, ...], ...], ...] = (),
+    cores: list[tuple[int, ...]] | None = None,
 ) -> dict:
     """{"name", "nodes", "backend", "tps", "tokens", "t0", "times", "streams"} of rank 0, or
     {"name", "nodes", "error", "where"}. `gpus`: process r on GPU r; `backend`: mx.distributed's, by
     default NCCL where MLX's CUDA build has it, else the ring over TCP. NCCL that fails falls back
     to the ring, its error kept as "nccl_error". `mode`: tensor or pipeline; `streams`: prompt sets
-    to run through BatchGenerator after the single-prompt rounds (one entry each in "streams")."""
+    to run through BatchGenerator after the single-prompt rounds (one entry each in "streams").
+    `cores`: rank r's threads on cores[r] (node/cores.py); "cores" answers where each rank ran."""
     why = supports(model_path, mode)
     if why:
         return {"name": MODES[mode], "nodes": nodes, "error": why}
-    peer = {"mode": mode, "streams": streams}
+    peer = {"mode": mode, "streams": streams, "cores": cores}
     if backend is None:
         from ...node.collective.mlx import mlx_backend
 
@@ -228,6 +234,7 @@ def _measure(
     backend: str,
     mode: str = "tensor",
     streams: tuple = (),
+    cores: list[tuple[int, ...]] | None = None,
 ) -> dict:
     entry = {"name": MODES[mode], "nodes": nodes, "backend": backend}
     ctx = mp.get_context("spawn")
@@ -258,6 +265,7 @@ def _measure(
                     backend,
                     mode,
                     streams,
+                    cores[r] if cores else None,
                 ),
             )
             for r in range(nodes)
@@ -291,4 +299,8 @@ def _measure(
             "where": "; ".join(f"rank {r['rank']}: {r.get('where', '')}" for r in failed),
         }
     r0 = reports[0]
-    return {**entry, **{k: r0[k] for k in ("tps", "tokens", "t0", "times", "streams")}}
+    return {
+        **entry,
+        **{k: r0[k] for k in ("tps", "tokens", "t0", "times", "streams")},
+        "cores": [reports[r]["cores"] for r in range(nodes)],
+    }

@@ -95,6 +95,7 @@ def run_nodes(
     transport: str = "shm",
     gpus: bool = False,
     mlx_backend: str = "auto",
+    cores: list[tuple[int, ...]] | None = None,
 ) -> list[list[dict]]:
     """Spawn the node processes, run every task on all of them, return reports[task][rank].
 
@@ -102,6 +103,7 @@ def run_nodes(
     `transport` is how the nodes all-reduce: shm, envoy (an envoy child per node) or mlx.
     `gpus`: bind node r to GPU r (CUDA_VISIBLE_DEVICES, inherited by the spawned process).
     `mlx_backend`: with transport mlx, `ring` forces the ring where NCCL would be picked.
+    `cores`: node r's threads on cores[r] (node/cores.py shares); None: wherever the OS puts them.
     """
     if nodes < 1:
         raise UserError(f"--nodes must be at least 1 (got {nodes})")
@@ -116,7 +118,7 @@ def run_nodes(
     procs = []
     try:
         for rank in range(nodes):
-            job = SimJob(rank, nodes, spec, tuple(tasks))
+            job = SimJob(rank, nodes, spec, tuple(tasks), cores[rank] if cores else None)
             procs.append(start_node(ctx, rank, (job, results), rank if gpus else None))
         reports = collect(results, procs, nodes * len(tasks), _phase_s(timeout_s))
         return [[reports[(t, r)] for r in range(nodes)] for t in range(len(tasks))]

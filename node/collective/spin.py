@@ -15,6 +15,8 @@ import os
 import time
 from typing import Callable
 
+from ..cores import usable
+
 SPIN_MAX_S = 1e-3  # seconds a waiter spins at most
 MIN_CORES = 4  # fewer cores than the nodes of a machine and some room: never spin
 MIN_IDLE = 2.0  # cores left idle by the load average (which counts spinners themselves)
@@ -27,11 +29,8 @@ def spin_allowed(cores: int, load: float) -> bool:
 
 
 def usable_cores() -> int:
-    try:
-        # Linux: what this process may run on (cgroups, taskset)
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
+    """How many cores this process may run on (a node pinned to its share: that share)."""
+    return len(usable()) or os.cpu_count() or 1
 
 
 class SpinPolicy:

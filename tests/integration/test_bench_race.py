@@ -10,6 +10,8 @@ import json
 import pytest
 from conftest import assert_one_line_error, cli
 
+from moe_cluster.node.cores import shares, usable
+
 # with ours over the envoy in two micro-batches per step beside it (node/overlap.py), and with
 # attention by stream over the envoy
 ROWS = (
@@ -127,6 +129,12 @@ def test_bench_race_runs_every_row_and_the_rows_agree(make_ckpt, tmp_path):
     kv = replicated["peak_kv_bytes_per_node"]
     assert mine["peak_kv_bytes_per_node"] == [kv[0] * 2 // 3, kv[1] // 3], (kv, mine)
     assert plot.stat().st_size > 0
+    # every row's process r ran on its own share of the cores (node/cores.py), ours and mlx-lm's
+    want = shares(2)
+    pinned = [list(c) for c in want] if want else [usable()] * 2
+    assert {name: row["cores_per_node"] for (name, _), row in got.items()} == {
+        name: pinned for name in ROWS
+    }
 
 
 def test_bench_race_refuses_bad_input_in_one_line():
@@ -175,11 +183,14 @@ def test_bench_race_runs_ours_on_the_placement_given(make_ckpt, tmp_path):
         assert "error" not in row and row["same_as_stock"], row
         return row
 
-    even = race()
+    even = race("--no-pin")
     row = race("--placement", str(placement))
     assert even["placement"] == {"file": None, "split": "even"}
     assert row["placement"] == {"file": str(placement), "most_held": 7, "replicated": 6}
     assert row["tokens"] == even["tokens"]
+    want = shares(2)
+    assert even["cores_per_node"] == [usable()] * 2  # --no-pin: wherever the OS puts them
+    assert row["cores_per_node"] == ([list(c) for c in want] if want else [usable()] * 2)
     assert all(len(r["synced_wait_per_rank_s"]) == 2 for r in (row, even))
     # the same calls, each selected copy given to the node with fewer: in every call the busier
     # node computes at most the experts it did under the even split, and in some fewer
