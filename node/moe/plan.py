@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from .telemetry import ShardState
 
 _STAMP_SPAN = 1 << 16  # keepalive's recency counts restart this often (Recency.touch)
+_UNHELD = -2  # HostPlan's owner of an expert no node holds
 
 
 @dataclass(frozen=True)
@@ -357,7 +358,12 @@ class Hosted:
             # fillers were picked resident; loading `chunk` may have evicted some
             if slot_of is not None:
                 extra = [s for s in extra if slot_of[s] >= 0]
-            sel = np.flatnonzero(np.isin(local, chunk))
+            # one round without a cache: every position is in it
+            sel = (
+                np.flatnonzero(np.isin(local, chunk))
+                if cache is not None
+                else np.arange(len(local))
+            )
             row_local = np.concatenate([local[sel], np.asarray(extra, dtype=np.int64)])
             row_slots = slot_of[row_local] if slot_of is not None else row_local
             row_tokens = np.concatenate([positions[sel] // k, np.zeros(len(extra), dtype=np.int64)])
@@ -384,6 +390,12 @@ class HostPlan:
     ):
         self.cfg, self._state, self.recency = cfg, state, recency
         self._slot = cfg.slot_table()
+        # each expert's one holder, -1 where several hold it (routing.assign picks per call): with
+        # no replicas a call's assignment is a lookup, not a loop over its experts
+        self._owner = np.full(cfg.num_experts, _UNHELD, dtype=np.int64)
+        for e, rs in cfg.holders.items():
+            self._owner[e] = rs[0] if len(rs) == 1 else -1
+        self._replicas = any(len(rs) > 1 for rs in cfg.holders.values())
         self.cache = cache
         self._ahead = max(int(ahead), 1)
 
@@ -393,18 +405,19 @@ class HostPlan:
         flat = np.array(inds).reshape(-1, inds.shape[-1])  # host sync: tiny
         state.timers.attention_router += time.perf_counter() - t0
         state.count_routed(cfg.layer, flat)
-        chosen = assign(np.unique(flat).tolist(), cfg.holders)
-        mine = sorted(int(self._slot[e]) for e, r in chosen.items() if r == cfg.rank)
+        selected = np.unique(flat)
+        rank_of = self._ranks(selected)  # (num_experts,): the rank computing each selected expert
+        counts = np.bincount(rank_of[selected], minlength=cfg.world_size)
+        mine = np.sort(self._slot[selected[rank_of[selected] == cfg.rank]]).tolist()
         # the misses are read from here on, while the rest of the call is set up
         if cache is not None:
             cache.fetch(mine[: cache.capacity])
-        counts = per_rank(chosen, cfg.world_size)
-        fillers = self._fillers(mine, max(counts))
-        if cfg.global_ids:
+        fillers = self._fillers(mine, int(counts.max()))
+        if cfg.global_ids and cfg.keepalive != "none":  # the stamps are read for fillers only
             computed = np.zeros(len(cfg.global_ids), dtype=bool)
             computed[mine + fillers] = True
             self.recency.touch(mx.array(computed))
-        state.count_call(cfg.layer, len(mine), len(fillers), max(counts), flat.size)
+        state.count_call(cfg.layer, len(mine), len(fillers), int(counts.max()), flat.size)
         if not mine and not fillers:
             if cache is not None:
                 cache.drop_staged()
@@ -413,8 +426,7 @@ class HostPlan:
         # expert; rows sorted by slot so each expert's tokens are contiguous (gather_mm's
         # sorted path, or one matmul per expert).
         flat1 = flat.reshape(-1)
-        here = np.array([e for e, r in chosen.items() if r == cfg.rank], dtype=flat1.dtype)
-        positions = np.flatnonzero(np.isin(flat1, here))
+        positions = np.flatnonzero(rank_of[flat1] == cfg.rank)
         return Hosted(
             inds,
             positions,
@@ -425,6 +437,21 @@ class HostPlan:
             self._ahead,
             flat.shape[1],
         )
+
+    def _ranks(self, selected: np.ndarray) -> np.ndarray:
+        """The rank computing each expert (num_experts,) under routing.assign for a call that
+        selects `selected` (sorted, distinct); -1 for replicated experts it does not select."""
+        owner = self._owner
+        outside = (selected < 0) | (selected >= len(owner))
+        if outside.any() or (owner[selected[~outside]] == _UNHELD).any():
+            bad = selected[outside][0] if outside.any() else selected[owner[selected] == _UNHELD][0]
+            raise KeyError(f"expert {int(bad)} is held by no node")
+        if not self._replicas:
+            return owner
+        chosen = assign(selected.tolist(), self.cfg.holders)
+        rank_of = owner.copy()
+        rank_of[list(chosen)] = list(chosen.values())
+        return rank_of
 
     def _fillers(self, mine: list[int], cluster_max: int) -> list[int]:
         policy = self.cfg.keepalive
