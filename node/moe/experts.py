@@ -22,6 +22,7 @@ from ...proto.errors import UserError
 from .expert_cache import LayerCache
 from .kernels import (
     SORTED_FROM,
+    CountedRows,
     ExpertMLP,
     Gather,
     HostRows,
@@ -32,7 +33,7 @@ from .kernels import (
     out_dim,
     skip_fits,
 )
-from .plan import HostPlan, Recency, ShardConfig, device_plan
+from .plan import CountedPlan, HostPlan, Recency, ShardConfig, device_plan
 from .telemetry import ALLREDUCE_BUCKETS, LayerCounters, NodeConfig, ShardState, Timers
 
 __all__ = [
@@ -98,9 +99,9 @@ class ExpertShard(nn.Module):
         self.mlp = ExpertMLP([projections[n] for n in names], kind, activation)
         self.recency = Recency(len(self.config.global_ids))
         self.device_plan = device_plan(self.config, state, self.recency)
-        self.host_plan = HostPlan(self.config, state, self.recency)
         # kernels as plain attributes: a dict on an nn.Module would be walked as a parameter tree
-        self.gather, self.host_rows = Gather(self.mlp), HostRows(self.mlp)
+        self.gather = Gather(self.mlp)
+        self._host_read()
         self.skip: Skip | None = None  # use_skip
         self._next: LayerCache | None = None  # prefetch_into
         self._next_candidates: tuple[int, ...] = ()
@@ -157,20 +158,36 @@ class ExpertShard(nn.Module):
         """The kernel a decode call of this route takes (kernels.py)."""
         return self._step.kernel
 
-    def host_only(self) -> None:
-        """Read every call's routing on the host (what an expert cache needs; tests compare the
-        device routes against it)."""
+    def _host_read(self, cache: LayerCache | None = None, ahead: int = 1) -> None:
+        """The host read's plan and kernel: where the device plans a call (no expert cache, no
+        fillers to pick), the device sorts the rows and the host reads only their count
+        (CountedPlan); otherwise the host reads the routing and plans in numpy (HostPlan)."""
+        dp = self.device_plan
+        if cache is None and self.config.world_size > 1 and dp is not None and dp.recency is None:
+            if self.mlp.gathered:
+                local = len(self.config.global_ids)
+                self.host_plan, self.host_rows = (
+                    CountedPlan(dp, self._state, local),
+                    CountedRows(self.mlp),
+                )
+                return
+        self.host_plan = HostPlan(self.config, self._state, self.recency, cache, ahead)
+        self.host_rows = HostRows(self.mlp)
+
+    def host_only(self, cache: LayerCache | None = None, ahead: int = 1) -> None:
+        """Read every call's routing on the host and plan it there (what an expert cache needs;
+        tests compare the device routes against it)."""
         self.device_plan = None
         self.skip = None
+        self._host_read(cache, ahead)
         self.set_route("host")
 
     def attach_cache(self, cache: LayerCache, ahead: int = 1) -> None:
         """Keep only `cache.capacity` experts resident (the projections hold that many slots): the
         host reads the routing to learn the misses, so the device-routed path is off. `ahead`: how
         many of a later round's misses are read while an earlier round computes."""
-        self.host_plan = HostPlan(self.config, self._state, self.recency, cache, ahead)
         self._state.cache[self.layer] = cache.stats
-        self.host_only()
+        self.host_only(cache, ahead)
 
     def prefetch_into(
         self, cache: LayerCache | None, candidates: Sequence[int], depth: int

@@ -16,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 
 from . import qskip, skip_gemv
-from .plan import Hosted, Routed
+from .plan import Counted, Hosted, Routed
 
 # How the local experts are multiplied: one gather_mm for all rows, or one matmul per expert
 # where MLX has no gather_mm for the dtype (its CPU backend, bfloat16/float16: _gather_mm_ok).
@@ -287,6 +287,32 @@ class HostRows:
         src[src < 0] = base
         y = mx.concatenate(ys + [mx.zeros((1, ys[0].shape[-1]), dtype=ys[0].dtype)], axis=0)
         return y[mx.array(src.astype(np.int32))].reshape(out_shape)
+
+
+class CountedRows:
+    """The counted call (plan.CountedPlan): this node's positions, sorted by slot on the device, as
+    rows through the MLP, HostRows's rows in HostRows's order; every other position takes a zero
+    row. The host knows only how many rows there are."""
+
+    name = "host"
+
+    def __init__(self, mlp: ExpertMLP):
+        self.mlp = mlp
+
+    def __call__(self, x: mx.array, c: Counted) -> mx.array:
+        out_shape = tuple(c.inds.shape) + (x.shape[-1],)
+        if c.n == 0:
+            return mx.zeros(out_shape, dtype=x.dtype)
+        mine = c.order[: c.n]
+        xf = x.reshape(-1, x.shape[-1])
+        rows = _rows(xf[mine // c.inds.shape[-1]], 1)
+        y = self.mlp(rows, c.slots[mine].astype(mx.uint32), None)[:, 0, :]
+        mx.async_eval(y)  # as HostRows: the experts run while Python builds what follows
+        # each position's row among the sorted ones; another node's positions the zero row after
+        # them
+        place = mx.minimum(mx.argsort(c.order), c.n)
+        y = mx.concatenate([y, mx.zeros((1, y.shape[-1]), dtype=y.dtype)], axis=0)
+        return y[place].reshape(out_shape)
 
 
 def _rows(x: mx.array, axes: int) -> mx.array:

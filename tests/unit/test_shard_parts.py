@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from moe_cluster.node.moe import experts, kernels, plan, route
-from moe_cluster.node.moe.kernels import Gather, HostRows, Skip
-from moe_cluster.node.moe.plan import Alone, HostPlan, Replicas, ShardConfig, Table
+from moe_cluster.node.moe.kernels import CountedRows, Gather, HostRows, Skip
+from moe_cluster.node.moe.plan import Alone, CountedPlan, HostPlan, Replicas, ShardConfig, Table
 from moe_cluster.proto.placement import Placement
 
 from test_experts import _PARTLY, _TWO, D, E, K, _bank, _shards
@@ -58,10 +58,50 @@ def test_setting_the_route_swaps_the_kernel_and_keeps_the_plan():
     assert type(shard.kernel) is Skip and shard.plan is device
     assert shard.kernel.fallback is shard.gather  # another input dtype takes gather_mm
     route.choose([shard], [K], "host")
-    assert type(shard.kernel) is HostRows and shard.plan is shard.host_plan
+    # the device plans this shard's calls: the host reads only how many rows are its own
+    assert type(shard.kernel) is CountedRows and shard.plan is shard.host_plan
+    assert type(shard.plan) is CountedPlan and shard.plan.device is device
     with shard.trying("device"):
         assert shard.kernel is shard.gather and shard.plan is device
-    assert shard.route == "host" and type(shard.kernel) is HostRows
+    assert shard.route == "host" and type(shard.kernel) is CountedRows
+    shard.host_only()  # the host plans every call: the numpy plan
+    assert type(shard.plan) is HostPlan and type(shard.kernel) is HostRows
+
+
+@pytest.mark.parametrize(
+    "placement, keepalive, counted",
+    [
+        (EVEN2, "none", True),
+        (_TWO, "none", True),  # replicas everywhere: the device assigns them (Replicas)
+        (EVEN2, "lru", False),  # fillers: the host picks them beside the rows
+        (_PARTLY, "none", False),  # replicas on 2 of 3: the host assigns them
+    ],
+    ids=["table", "replicas", "lru", "partly"],
+)
+def test_the_host_read_is_counted_where_the_device_plans(placement, keepalive, counted):
+    """Where the device plans a call, the host read takes only the count of this node's rows, and
+    every node's partial is the numpy plan's to the bit: for calls of one token, a batch, a prompt,
+    and calls that select none of this node's experts."""
+    rng = np.random.default_rng(7)
+    shards, planned = _shards(_bank(), placement, keepalive), _shards(_bank(), placement, keepalive)
+    for shard, numpy_shard in zip(shards, planned):
+        shard.set_route("host")
+        assert (type(shard.plan) is CountedPlan) is counted, type(shard.plan)
+        numpy_shard.host_only()
+    theirs = [e for e in range(E) if e not in shards[0].global_ids]
+    calls = [
+        rng.choice(E, K, replace=False).reshape(1, 1, K),
+        np.stack([rng.choice(E, K, replace=False) for _ in range(16)])[:, None],
+        np.stack([rng.choice(E, K, replace=False) for _ in range(40)])[None],
+        np.array(theirs[:K])[None, None],  # nothing here for rank 0 where no replica is
+    ]
+    for inds in calls:
+        inds = mx.array(inds.astype(np.uint32))
+        x = mx.array(rng.standard_normal(inds.shape[:-1] + (D,)).astype(np.float32))
+        for shard, numpy_shard in zip(shards, planned):
+            counted_y = np.array(shard(x, inds))
+            np.testing.assert_array_equal(counted_y, np.array(numpy_shard(x, inds)))
+            assert counted_y.shape == tuple(inds.shape) + (shard.mlp.last.weight.shape[1],)
 
 
 @pytest.mark.parametrize("keepalive", ["none", "lru"])
