@@ -159,20 +159,16 @@ class ExpertShard(nn.Module):
         return self._step.kernel
 
     def _host_read(self, cache: LayerCache | None = None, ahead: int = 1) -> None:
-        """The host read's plan and kernel: where the device plans a call (no expert cache, no
-        fillers to pick), the device sorts the rows and the host reads only their count
-        (CountedPlan); otherwise the host reads the routing and plans in numpy (HostPlan)."""
+        """The host read's plan and kernel: where the device plans a call (no expert cache, keepalive
+        none or lru), the device sorts the rows and the host reads only their count (CountedPlan);
+        otherwise the host reads the routing and plans in numpy (HostPlan)."""
         dp = self.device_plan
-        if cache is None and self.config.world_size > 1 and dp is not None and dp.recency is None:
-            if self.mlp.gathered:
-                local = len(self.config.global_ids)
-                self.host_plan, self.host_rows = (
-                    CountedPlan(dp, self._state, local),
-                    CountedRows(self.mlp),
-                )
-                return
-        self.host_plan = HostPlan(self.config, self._state, self.recency, cache, ahead)
-        self.host_rows = HostRows(self.mlp)
+        if cache is None and dp is not None and self.config.world_size > 1 and self.mlp.gathered:
+            self.host_plan = CountedPlan(dp, self._state, len(self.config.global_ids))
+            self.host_rows = CountedRows(self.mlp)
+        else:
+            self.host_plan = HostPlan(self.config, self._state, self.recency, cache, ahead)
+            self.host_rows = HostRows(self.mlp)
 
     def host_only(self, cache: LayerCache | None = None, ahead: int = 1) -> None:
         """Read every call's routing on the host and plan it there (what an expert cache needs;

@@ -290,9 +290,9 @@ class HostRows:
 
 
 class CountedRows:
-    """The counted call (plan.CountedPlan): this node's positions, sorted by slot on the device, as
-    rows through the MLP, HostRows's rows in HostRows's order; every other position takes a zero
-    row. The host knows only how many rows there are."""
+    """The counted call (plan.CountedPlan): this node's positions and keepalive's fillers, sorted by
+    slot on the device, as rows through the MLP, HostRows's rows in HostRows's order; every other
+    position takes a zero row. The host knows only how many rows there are."""
 
     name = "host"
 
@@ -308,9 +308,9 @@ class CountedRows:
         rows = _rows(xf[mine // c.inds.shape[-1]], 1)
         y = self.mlp(rows, c.slots[mine].astype(mx.uint32), None)[:, 0, :]
         mx.async_eval(y)  # as HostRows: the experts run while Python builds what follows
-        # each position's row among the sorted ones; another node's positions the zero row after
-        # them
-        place = mx.minimum(mx.argsort(c.order), c.n)
+        # each position's row among the sorted ones; the zero row after them where the output is
+        # another node's (fillers' rows included)
+        place = mx.where(c.mine, mx.argsort(c.order), c.n)
         y = mx.concatenate([y, mx.zeros((1, y.shape[-1]), dtype=y.dtype)], axis=0)
         return y[place].reshape(out_shape)
 

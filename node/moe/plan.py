@@ -85,7 +85,8 @@ class Routed:
     position (-1 where another node computes it), `safe` the same with 0 there (uint32), and
     `mine` whether this node computes it (None when alone: every position is ours, `slots` given);
     `fill` (..., k) the slot such a position reads instead (keepalive lru), None where none was
-    chosen."""
+    chosen, and `filling` (..., k) where that slot is one of the call's fillers (the others repeat
+    an expert read anyway)."""
 
     def __init__(
         self,
@@ -95,6 +96,7 @@ class Routed:
         fill: mx.array | None = None,
     ):
         self.inds, self.fill, self._tables = inds, fill, tables
+        self.filling: mx.array | None = None
         if slots is not None:
             self.slots = slots
 
@@ -157,7 +159,8 @@ class Recency:
         ranks: mx.array,
         selected: mx.array,
         rank: int,
-    ) -> mx.array:
+        rows: bool = False,
+    ) -> tuple[mx.array, mx.array | None]:
         """Keepalive lru on the device (`away` (..., k) int32: 1 at the positions another node
         computes; `present`: the experts this call selects; `ranks`: expert x rank, who computes it;
         `selected` (local,): the local slots computed here): the slot each position another node
@@ -165,25 +168,27 @@ class Recency:
         node (min(cluster max, its experts)), the extra ones its least recently used; the rest
         repeat an expert already read. Another node's positions always suffice: the busiest node's
         experts all sit at positions that are not ours. Its outputs are zeroed by the kernel; only
-        the weights' reads matter, and what it holds at this node's own positions is never read."""
+        the weights' reads matter, and what it holds at this node's own positions is never read.
+        `rows`: also where fill is a filler (CountedPlan computes a row for each), else None."""
         if self.calls >= _STAMP_SPAN:  # as touch: the counts restart, older stamps shifted down
             self.calls -= _STAMP_SPAN // 2
             self.stamp = mx.maximum(self.stamp - _STAMP_SPAN // 2, 0)
         self.calls += 1
-        if rank not in _LRU_FILL:
-            _LRU_FILL[rank] = mx.compile(partial(_lru_fill, rank=rank))
-        fill, self.stamp = _LRU_FILL[rank](
+        if (rank, rows) not in _LRU_FILL:
+            _LRU_FILL[rank, rows] = mx.compile(partial(_lru_fill, rank=rank, rows=rows))
+        fill, self.stamp, *filling = _LRU_FILL[rank, rows](
             away, present, ranks, selected, self.stamp, mx.array(self.calls), self._slots
         )
-        return fill
+        return fill, filling[0] if rows else None
 
 
-_LRU_FILL: dict[int, Callable] = {}  # rank -> _lru_fill compiled, shared by every layer
+# (rank, rows) -> _lru_fill compiled, shared by every layer
+_LRU_FILL: dict[tuple[int, bool], Callable] = {}
 
 
-def _lru_fill(away, present, ranks, selected, stamp, calls, slots, rank: int):
+def _lru_fill(away, present, ranks, selected, stamp, calls, slots, rank: int, rows: bool):
     """Recency.fill's arithmetic, a pure function compiled once per shape (its elementwise runs
-    fused): (the filler of each position, the stamps after this call)."""
+    fused): (the filler of each position, the stamps after this call[, the fillers' positions])."""
     local = slots.shape[0]
     per_rank = (present[:, None] & ranks).sum(axis=0)  # distinct experts per rank (int32)
     n_mine = per_rank[rank : rank + 1]  # a slice: a view, where an index would gather
@@ -195,7 +200,10 @@ def _lru_fill(away, present, ranks, selected, stamp, calls, slots, rank: int):
     repeat = mx.where(n_mine > 0, mx.argmax(selected), order[:1])  # a slot read anyway
     fill = mx.where(nth < want, order[mx.minimum(nth, local - 1)], repeat)
     computed = selected | (mx.argsort(order) < want)
-    return fill.reshape(away.shape), mx.where(computed, calls, stamp)
+    out = (fill.reshape(away.shape), mx.where(computed, calls, stamp))
+    if not rows:  # the device route's graph: nothing it does not read
+        return out
+    return (*out, ((away.reshape(-1) > 0) & (nth < want)).reshape(away.shape))
 
 
 class Alone:
@@ -230,14 +238,15 @@ class Table:
             # expert -> its rank, one-hot (num_experts, world): distinct experts per rank in one sum
             self._ranks = mx.array(self.rank_of[:, None] == np.arange(cfg.world_size))
 
-    def __call__(self, inds: mx.array) -> Routed:
+    def __call__(self, inds: mx.array, rows: bool = False) -> Routed:
+        """`rows`: the fillers' positions too (Routed.filling), for CountedPlan."""
         self._state.note(self._layer, inds, self.rank_of)
         r = Routed(inds, self.tables)
         if self.recency is not None:
             present = selected_experts(inds, self._experts)
             # every local expert has this node as its one holder: selected here if present
-            r.fill = self.recency.fill(
-                r.away, present, self._ranks, present[self._local], self._rank
+            r.fill, r.filling = self.recency.fill(
+                r.away, present, self._ranks, present[self._local], self._rank, rows
             )
         return r
 
@@ -259,7 +268,8 @@ class Replicas:
             # each call's ranks, one-hot against the ranks
             self._world = mx.array(np.arange(cfg.world_size, dtype=np.int32))
 
-    def __call__(self, inds: mx.array) -> Routed:
+    def __call__(self, inds: mx.array, rows: bool = False) -> Routed:
+        """`rows`: as Table's."""
         present = selected_experts(inds, self._experts)
         rank_of = self.rule(inds, present)
         here = rank_of == self._rank
@@ -274,7 +284,9 @@ class Replicas:
         if self.recency is not None:
             ranks = rank_of[:, None] == self._world
             selected = (present & here)[self._local]
-            r.fill = self.recency.fill(r.away, present, ranks, selected, self._rank)
+            r.fill, r.filling = self.recency.fill(
+                r.away, present, ranks, selected, self._rank, rows
+            )
         return r
 
 
@@ -471,45 +483,53 @@ class HostPlan:
 
 
 class Counted:
-    """A counted plan's answer for one call: the device plan's `routed`, each position's local slot
-    `slots` (flat, -1 where another node computes it), the positions sorted by (slot, position)
-    with this node's first (`order`, on the device), and how many are this node's (`n`, read)."""
+    """A counted plan's answer for one call: the routing indices `inds`; per position (flat), the
+    slot its row reads (`slots`: its own expert's, or keepalive's filler) and whether its output is
+    this node's (`mine`); the positions sorted by (slot, position) with the rows first (`order`, on
+    the device), and how many rows there are (`n`, read)."""
 
-    def __init__(self, routed: Routed, slots: mx.array, order: mx.array, n: int):
-        self.inds, self.slots, self.order, self.n = routed.inds, slots, order, n
+    def __init__(self, inds: mx.array, slots: mx.array, mine: mx.array, order: mx.array, n: int):
+        self.inds, self.slots, self.mine, self.order, self.n = inds, slots, mine, order, n
 
 
 class CountedPlan:
     """The host read where the device can plan (every expert has one holder or all of them,
-    keepalive none, no expert cache): the device plan (Table, Replicas) assigns every position and
-    the device sorts this node's by slot, as HostPlan's numpy does; the host reads only how many
-    there are, the one number that fixes the rows' shape. Python's part of the read is a few graph
-    operations, so the node's MLX worker, idle from the read until the experts are handed to it,
-    waits less (one rank by stream, 16 streams of 1,024 positions on the CPU: 0.39 ms a layer from
-    the read to the experts' start with HostPlan, docs/race.md). The counts are the device plan's
-    (ShardState.note)."""
+    keepalive none or lru, no expert cache): the device plan (Table, Replicas) assigns every
+    position and picks keepalive lru's fillers, the device sorts this node's rows by slot (its
+    positions, then one per filler), as HostPlan's numpy does, and the host reads only how many
+    rows there are, the one number that fixes their shape. Python's part of the read is a few
+    graph operations, so the node's MLX worker, idle from the read until the experts are handed to
+    it, waits less (one rank by stream, 16 streams of 1,024 positions on the CPU: 0.39 ms a layer
+    from the read to the experts' start with HostPlan, 0.17 with this; docs/race.md). The counts
+    and the stamps are the device plan's (ShardState.note, Recency.fill)."""
 
-    cache = recency = None  # in the host plan's place: no expert cache, no fillers to stamp
+    cache = None  # in the host plan's place: never an expert cache here
 
     def __init__(self, device: Table | Replicas, state: ShardState, local: int):
         self.device, self._state, self._local = device, state, local
+        self.recency = device.recency
         self._positions: dict[int, mx.array] = {}  # positions of a call -> arange, made once
 
     def __call__(self, inds: mx.array) -> Counted:
-        r = self.device(inds)
+        r = self.device(inds, rows=True)
         slots = r.slots.reshape(-1)
+        mine = slots >= 0
+        if r.fill is None:
+            rows = mine
+        else:  # a filler's row reads its slot, its output is not this node's
+            rows = mine | r.filling.reshape(-1)
+            slots = mx.where(mine, slots, r.fill.reshape(-1))
         p = slots.size
         if p not in self._positions:
             self._positions[p] = mx.arange(p, dtype=mx.int32 if self._fits(p) else mx.int64)
-        mine = slots >= 0
-        # slot-major, then position: HostPlan's rows in HostPlan's order; the others' last
+        # slot-major, then position: HostPlan's rows in HostPlan's order; the rest last
         key = slots.astype(self._positions[p].dtype) * p + self._positions[p]
-        order = mx.argsort(mx.where(mine, key, self._local * p))
-        count = mine.sum()
+        order = mx.argsort(mx.where(rows, key, self._local * p))
+        count = rows.sum()
         t0 = time.perf_counter()
         n = count.item()  # host sync: one number
         self._state.timers.attention_router += time.perf_counter() - t0
-        return Counted(r, slots, order, n)
+        return Counted(r.inds, slots, mine, order, n)
 
     def _fits(self, p: int) -> bool:
         return (self._local + 1) * p < 2**31

@@ -73,15 +73,18 @@ def test_setting_the_route_swaps_the_kernel_and_keeps_the_plan():
     [
         (EVEN2, "none", True),
         (_TWO, "none", True),  # replicas everywhere: the device assigns them (Replicas)
-        (EVEN2, "lru", False),  # fillers: the host picks them beside the rows
+        (EVEN2, "lru", True),  # the device picks the fillers: a row each
+        (_TWO, "lru", True),
         (_PARTLY, "none", False),  # replicas on 2 of 3: the host assigns them
+        (EVEN2, "busy", False),  # busy's fillers are the host's
     ],
-    ids=["table", "replicas", "lru", "partly"],
+    ids=["table", "replicas", "lru", "replicas-lru", "partly", "busy"],
 )
 def test_the_host_read_is_counted_where_the_device_plans(placement, keepalive, counted):
     """Where the device plans a call, the host read takes only the count of this node's rows, and
-    every node's partial is the numpy plan's to the bit: for calls of one token, a batch, a prompt,
-    and calls that select none of this node's experts."""
+    every node's partial is the numpy plan's to the bit, keepalive lru's fillers and recency the
+    same: for calls of one token, a batch, a prompt, and calls that select none of this node's
+    experts."""
     rng = np.random.default_rng(7)
     shards, planned = _shards(_bank(), placement, keepalive), _shards(_bank(), placement, keepalive)
     for shard, numpy_shard in zip(shards, planned):
@@ -101,6 +104,8 @@ def test_the_host_read_is_counted_where_the_device_plans(placement, keepalive, c
         for shard, numpy_shard in zip(shards, planned):
             counted_y = np.array(shard(x, inds))
             np.testing.assert_array_equal(counted_y, np.array(numpy_shard(x, inds)))
+            assert shard.lru == numpy_shard.lru  # the same experts computed, fillers included
+            assert shard.telemetry.means() == numpy_shard.telemetry.means()
             assert counted_y.shape == tuple(inds.shape) + (shard.mlp.last.weight.shape[1],)
 
 
