@@ -1,6 +1,6 @@
 """How a shard's local experts compute, chosen once at load: the matmul of each projection
 (gather_mm, gather_qmm or one matmul per expert), and the kernel of a routed call (every position
-through a slot, a skip kernel, or rows grouped on the host).
+through a slot, a skip kernel, or rows grouped by slot, on the host or, counted, on the device).
 
 A kernel takes the input and what the shard's slot plan (plan.py) made of the routing indices,
 `kernel(x, plan(inds))`, and returns the shard's output, (..., k, out), zeros at the positions

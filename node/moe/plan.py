@@ -7,8 +7,9 @@ as array operations (`Replicas`: every expert has one holder or all of them). Ke
 either (`Recency.fill`): the positions another node computes take this node's least recently used
 experts, on the device. Otherwise the host reads the indices (`HostPlan`), assigns the experts,
 picks keepalive's fillers, and an expert cache (expert_cache.py) fills its slots round by round.
-A call that computes only its own rows where the device can plan it (`CountedPlan`) has the device
-sort them and the host read only how many there are.
+Where the device can plan a call the host must still shape (`CountedPlan`: a prompt, a wide batch),
+the device sorts its rows (its positions and keepalive lru's fillers) and the host reads only how
+many there are.
 """
 
 from __future__ import annotations
@@ -535,6 +536,5 @@ class CountedPlan:
         return (self._local + 1) * p < 2**31
 
 
-Plan = Callable[
-    [mx.array], "Routed | Hosted | Counted"
-]  # a shard's slot plan: routing indices -> its slots
+# a shard's slot plan: routing indices -> its slots
+Plan = Callable[[mx.array], "Routed | Hosted | Counted"]
