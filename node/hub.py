@@ -163,12 +163,34 @@ def fetch(
         if todo:
             need = sum(f.file_size or 0 for f in todo)
             _check_disk(repo, need)
-            return _download(repo, kw, commit, todo, need, report, cancel or threading.Event())
-        return Path(_snapshot(**kw, revision=commit))  # all cached: no request
+            path = _download(repo, kw, commit, todo, need, report, cancel or threading.Event())
+        else:
+            path = Path(_snapshot(**kw, revision=commit))  # all cached: no request
+        _record_ref(repo, commit)
+        return path
     except (HubError, DownloadStopped, DownloadInterrupted):
         raise
     except Exception as exc:  # noqa: BLE001 - the hub client's errors, each told as one line
         raise explain(exc, repo) from exc
+
+
+def _record_ref(repo: RepoId, commit: str) -> None:
+    """Record in the cache's refs/ which commit the revision asked for (a branch or tag; none: the
+    default branch) named, as the hub client does when it downloads by that name, so that an
+    offline run finds the snapshot by it. We download by commit, and huggingface_hub 2.5 no longer
+    records it on the dry run that resolved it (2.4 did)."""
+    from huggingface_hub import constants
+
+    name = repo.revision or constants.DEFAULT_REVISION
+    if name == commit:
+        return
+    ref = repo_cache(repo) / "refs" / name
+    if ref.is_file() and ref.read_text() == commit:
+        return
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    part = ref.with_name(ref.name + ".part")
+    part.write_text(commit)
+    part.replace(ref)  # at once: a reader never sees half a hash
 
 
 def _snapshot(*, on_bytes: Callable[[int], None] | None = None, cancel=None, **kw) -> str:
