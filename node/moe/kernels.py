@@ -303,10 +303,10 @@ class CountedRows:
         out_shape = tuple(c.inds.shape) + (x.shape[-1],)
         if c.n == 0:
             return mx.zeros(out_shape, dtype=x.dtype)
-        mine = c.order[: c.n]
+        computed = c.order[: c.n]  # the positions with a row: this node's and its fillers
         xf = x.reshape(-1, x.shape[-1])
-        rows = _rows(xf[mine // c.inds.shape[-1]], 1)
-        y = self.mlp(rows, c.slots[mine].astype(mx.uint32), None)[:, 0, :]
+        rows = _rows(xf[computed // c.inds.shape[-1]], 1)
+        y = self.mlp(rows, c.slots[computed].astype(mx.uint32), None)[:, 0, :]
         mx.async_eval(y)  # as HostRows: the experts run while Python builds what follows
         # each position's row among the sorted ones; the zero row after them where the output is
         # another node's (fillers' rows included)
