@@ -170,8 +170,10 @@ def cancelled(url: str) -> float:
 
 
 def wait_cancelled(url: str, want: float) -> None:
-    """Wait until `want` requests are counted as cancelled, and check no more are."""
-    wait_for(lambda: cancelled(url) >= want, 5, f"{want:g} cancellations counted")
+    """Wait until `want` requests are counted as cancelled, and check no more are. A cancel is
+    counted after its nodes stop, which on a loaded 2-core runner has taken over 5 s: the bound is
+    for a count that never comes, not a speed."""
+    wait_for(lambda: cancelled(url) >= want, 30, f"{want:g} cancellations counted")
     assert cancelled(url) == want
 
 
