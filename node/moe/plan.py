@@ -508,7 +508,6 @@ class CountedPlan:
 
     def __init__(self, device: Table | Replicas, state: ShardState, local: int):
         self.device, self._state, self._local = device, state, local
-        self.recency = device.recency
         self._positions: dict[int, mx.array] = {}  # positions of a call -> arange, made once
 
     def __call__(self, inds: mx.array) -> Counted:
