@@ -238,6 +238,8 @@ class MlxCollective(Epochs):
             gathered = self._last = self._all_gather(payload[None])  # (N, nbytes + 4 n) uint8
             parts = gathered[:, :nbytes].view(rows.dtype)
             self._rider.carried(lambda: _agreement(gathered, nbytes))
+        if all(n == most for n in counts):  # no padding: the rows are in rank order already
+            return parts.reshape(-1, width)
         parts = parts.reshape(self.world_size, most, width)
         return mx.concatenate([parts[r, :n] for r, n in enumerate(counts)])
 
@@ -250,15 +252,11 @@ class MlxCollective(Epochs):
         width, n = partial.shape[-1], counts[self.rank]
         start = sum(counts[: self.rank])
         if self._scatters:
-            most, blocks, at = max(counts), [], 0
-            for c in counts:
-                block = partial[at : at + c]
-                if c < most:
-                    block = mx.concatenate([block, mx.zeros((most - c, width), partial.dtype)])
-                blocks.append(block)
-                at += c
-            x = self._after_last(mx.concatenate(blocks).astype(mx.float32))
-            out = self._last = mx.distributed.sum_scatter(x, group=self.group)  # (most, width)
+            most = max(counts)
+            # each rank's block of rows, padded to the largest count; none to pad: `partial` itself
+            x = partial if all(c == most for c in counts) else _blocks(partial, counts, most)
+            x = self._after_last(x.astype(mx.float32))
+            out = self._last = self._sum_scatter(x)  # (most, width)
             return out[:n].astype(partial.dtype)
         rows = partial.shape[0]
         gathered = self._last = self._all_gather(self._after_last(partial.reshape(1, -1)))
@@ -297,6 +295,9 @@ class MlxCollective(Epochs):
 
     def _all_sum(self, x: mx.array) -> mx.array:
         return mx.distributed.all_sum(x, group=self.group)
+
+    def _sum_scatter(self, x: mx.array) -> mx.array:
+        return mx.distributed.sum_scatter(x, group=self.group)
 
     def ride(self, values: mx.array) -> None:
         self._rider.ride(values)
@@ -346,6 +347,18 @@ class GraphOnly(MlxCollective):
 
     def _all_sum(self, x: mx.array) -> mx.array:
         return x * self.world_size  # one primitive, as the backend's all_sum
+
+
+def _blocks(rows: mx.array, counts: tuple[int, ...], most: int) -> mx.array:
+    """Each rank's `counts[r]` consecutive rows of `rows`, padded with zeros to `most` rows."""
+    blocks, at = [], 0
+    for c in counts:
+        block = rows[at : at + c]
+        if c < most:
+            block = mx.concatenate([block, mx.zeros((most - c, rows.shape[-1]), rows.dtype)])
+        blocks.append(block)
+        at += c
+    return mx.concatenate(blocks)
 
 
 def _agreement(gathered: mx.array, nbytes: int) -> Agreement:

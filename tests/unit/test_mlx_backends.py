@@ -17,7 +17,7 @@ from moe_cluster.node.collective.base import (
     read_slots,
     ride_slots,
 )
-from moe_cluster.node.collective.mlx import MlxCollective, write_hostfile
+from moe_cluster.node.collective.mlx import GraphOnly, MlxCollective, write_hostfile
 from moe_cluster.node.collective.specs import MlxSpec
 from moe_cluster.proto.errors import UserError
 
@@ -189,3 +189,67 @@ def test_the_ring_can_be_forced_where_nccl_would_be_picked(monkeypatch):
         parse_config("transport: mlx\nmlx_backend: mpi\n" + nodes)
     with pytest.raises(ConfigError, match="mlx_backend: applies only with transport: mlx"):
         parse_config("mlx_backend: ring\n" + nodes)
+
+
+class _Exchange(GraphOnly):
+    """One rank of a world whose collectives are played twice: the first time each rank notes
+    what it hands the backend (the answer is zeros of the right shape), the second time the
+    backend's answer is made from every rank's noted input, as the ring or NCCL would give it."""
+
+    def __init__(self, rank: int, world: int, scatters: bool, noted: dict):
+        super().__init__(rank, world)
+        self._scatters = scatters
+        self.noted = noted  # call number -> {rank: what that rank handed the backend}
+        self.calls = 0
+
+    def _answer(self, x: mx.array, make) -> mx.array:
+        self._last = None  # each call here stands alone: no order to keep between them
+        every = self.noted.setdefault(self.calls, {})
+        every.setdefault(self.rank, x)
+        self.calls += 1
+        if len(every) < self.world_size:
+            return mx.zeros_like(make([x] * self.world_size))
+        return make([every[r] for r in range(self.world_size)])
+
+    def _all_gather(self, x):
+        return self._answer(x, mx.concatenate)
+
+    def _sum_scatter(self, x):
+        block = x.shape[0] // self.world_size
+        return self._answer(
+            x, lambda every: rank_order_sum(every)[self.rank * block : (self.rank + 1) * block]
+        )
+
+
+@pytest.mark.parametrize("scatters", [False, True], ids=["ring", "nccl"])
+@pytest.mark.parametrize("counts", [(8, 8), (8, 6), (0, 3), (3, 5, 4), (4, 4, 4)])
+def test_by_streams_gather_and_scatter_give_every_rank_its_rows(counts, scatters):
+    """Attention by stream's two collectives on every rank, the backend's answer made from what
+    every rank handed it: the gather is every rank's rows in rank order, the scatter each rank's
+    rows of the summed partials; without padding (every rank brings as many rows) the gather is a
+    view of the backend's answer, no copy."""
+    import numpy as np
+
+    from moe_cluster.node.moe.opcount import kernels, primitives
+
+    world, width, total = len(counts), 16, sum(counts)
+    rng = np.random.default_rng(sum(counts))
+    rows = [mx.array(rng.standard_normal((n, width)).astype(np.float32)) for n in counts]
+    partials = [mx.array(rng.standard_normal((total, width)).astype(np.float32)) for _ in counts]
+    noted: dict = {}
+    ranks = [_Exchange(r, world, scatters, noted) for r in range(world)]
+    for c in ranks:  # the first play notes every rank's input
+        c.all_gather(rows[c.rank], counts, 0), c.reduce_scatter(partials[c.rank], counts, 0)
+    want_rows = np.concatenate([np.array(x) for x in rows])
+    summed = np.array(rank_order_sum(partials))
+    for c in ranks:
+        c.calls = 0
+        gathered = c.all_gather(rows[c.rank], counts, 0)
+        if len(set(counts)) == 1:
+            assert kernels(primitives(gathered)) == 1  # the backend's gather alone
+        assert np.array_equal(np.array(gathered), want_rows)
+        start = sum(counts[: c.rank])
+        mine = c.reduce_scatter(partials[c.rank], counts, 0)
+        np.testing.assert_allclose(
+            np.array(mine), summed[start : start + counts[c.rank]], rtol=0, atol=1e-6
+        )
