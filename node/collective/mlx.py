@@ -225,9 +225,7 @@ class MlxCollective(Epochs):
         if self.group is None:
             return rows
         width, most = rows.shape[-1], max(counts)
-        if rows.shape[0] != most:
-            rows = mx.concatenate([rows, mx.zeros((most - rows.shape[0], width), rows.dtype)])
-        flat = self._after_last(rows.reshape(1, -1))
+        flat = self._after_last(_padded(rows, most).reshape(1, -1))
         ride = self._rider.take(layer)
         if ride is None:
             parts = self._last = self._all_gather(flat)  # (N, most * width)
@@ -349,16 +347,17 @@ class GraphOnly(MlxCollective):
         return x * self.world_size  # one primitive, as the backend's all_sum
 
 
+def _padded(rows: mx.array, most: int) -> mx.array:
+    """`rows` with zero rows after them up to `most` (the backend gathers equal shapes)."""
+    if rows.shape[0] == most:
+        return rows
+    return mx.concatenate([rows, mx.zeros((most - rows.shape[0], rows.shape[-1]), rows.dtype)])
+
+
 def _blocks(rows: mx.array, counts: tuple[int, ...], most: int) -> mx.array:
-    """Each rank's `counts[r]` consecutive rows of `rows`, padded with zeros to `most` rows."""
-    blocks, at = [], 0
-    for c in counts:
-        block = rows[at : at + c]
-        if c < most:
-            block = mx.concatenate([block, mx.zeros((most - c, rows.shape[-1]), rows.dtype)])
-        blocks.append(block)
-        at += c
-    return mx.concatenate(blocks)
+    """Each rank's `counts[r]` consecutive rows of `rows`, padded to `most` rows."""
+    starts = [sum(counts[:r]) for r in range(len(counts))]
+    return mx.concatenate([_padded(rows[a : a + c], most) for a, c in zip(starts, counts)])
 
 
 def _agreement(gathered: mx.array, nbytes: int) -> Agreement:
