@@ -212,6 +212,22 @@ class ExpertShard(nn.Module):
         """Offer the skip route for inputs of `dtype` (enable_skip_gemv, where its check passed)."""
         self.skip = Skip(self.mlp, dtype, self.gather)
 
+    def slice_inputs(self, slices: int) -> bool:
+        """Store the last projection (down, fc2) in `slices` slices of its input dimension
+        (ShardLinear.slice_inputs; 1: whole again). False where it cannot be: alone (a lone node
+        stays stock's op for op), an expert cache (it writes whole experts into their slots), a skip
+        kernel (it reads the weight as stored), or a weight gather_mm does not multiply."""
+        last = self.mlp.last
+        if slices != 1 and (
+            self.config.world_size == 1
+            or self.cache is not None
+            or self.skip is not None
+            or not last.can_slice(slices)
+        ):
+            return False
+        last.slice_inputs(slices)
+        return True
+
     @contextmanager
     def trying(self, route: str):
         """Calls on `route` that leave the layer as it was: its route, keepalive's recency, and no

@@ -25,6 +25,12 @@ from .plan import Counted, Hosted, Routed
 # batches (DBRX experts on an H200: 1.07 ms vs 0.17 ms per call; `bench expert-step`'s `sorted`
 # column times it).
 SORTED_FROM = 64
+# A projection stored in slices of its input dimension (ShardLinear.slice_inputs) multiplies calls
+# below this many rows as one gather_mm over every (row, slice), unsorted, and wider ones (a prompt)
+# slice by slice, each told its rows are sorted, as a prompt's thousands of rows need: on a 2-vCPU
+# EPYC with OpenBLAS the one call beat the slice-by-slice form in a node's MoE layer by 6% at 64
+# rows and 3% at 256.
+SLICED_AS_ONE_BELOW = 256
 
 Groups = Sequence[tuple[int, int, int]]  # [(slot, start, end)]: runs of equal slot in sorted rows
 
@@ -53,6 +59,7 @@ class ShardLinear(nn.Module):
         if bias is not None:
             self.bias = bias
         self.quant = dict(quant) if quant else None  # {"group_size", "bits", "mode"}
+        self.slices = 1  # the weight's input dimension is stored in this many slices
         # chosen once: this runs three times per MoE layer per token, on the step's critical path
         self.per_expert = _per_expert(weight.dtype, quant is not None)
         self._biased = bias is not None
@@ -101,12 +108,62 @@ class ShardLinear(nn.Module):
         )
 
     def _gather_mm(self, x: mx.array, slots: mx.array, groups, sorted_indices=None) -> mx.array:
+        sort = x.shape[0] >= SORTED_FROM if sorted_indices is None else sorted_indices
+        if self.slices > 1:
+            return self._sliced(x, slots, sort)
         return mx.gather_mm(
-            x,
-            self["weight"].swapaxes(-1, -2),
-            rhs_indices=slots,
-            sorted_indices=x.shape[0] >= SORTED_FROM if sorted_indices is None else sorted_indices,
+            x, self["weight"].swapaxes(-1, -2), rhs_indices=slots, sorted_indices=sort
         )
+
+    def can_slice(self, slices: int) -> bool:
+        """Whether the weight can be stored in `slices` slices of its input dimension: a plain
+        (unquantized) weight multiplied by gather_mm, its input dimension divisible."""
+        w = self["weight"]
+        return (
+            self.quant is None
+            and not self.per_expert
+            and w.ndim == 3
+            and w.shape[0] > 0
+            and (w.shape[-1] * self.slices) % slices == 0
+        )
+
+    def slice_inputs(self, slices: int) -> None:
+        """Store the weight (E, out, in) as `slices` slices of its input dimension, (E * slices,
+        out, in / slices), slice j of expert e at e * slices + j (1: whole again). A call then sums
+        the slices' products (same values, float32 sums in another order). Why: route.py
+        choose_slices, which keeps this only where a node's decode call measured faster."""
+        if slices == self.slices:
+            return
+        w = self["weight"]
+        e, out, k = w.shape[0] // self.slices, w.shape[1], w.shape[2]
+        whole = w.reshape(e, self.slices, out, k).transpose(0, 2, 1, 3).reshape(e, out, -1)
+        inner = whole.shape[-1]
+        w = whole.reshape(e, out, slices, inner // slices).transpose(0, 2, 1, 3)
+        self.weight = mx.contiguous(w.reshape(e * slices, out, inner // slices))
+        mx.eval(self.weight)
+        self.slices = slices
+
+    def _sliced(self, x: mx.array, slots: mx.array, sort: bool) -> mx.array:
+        """x through the sliced weight: the slices' products summed, slice 0 first."""
+        p, w = self.slices, self["weight"]
+        k = w.shape[-1]
+        rows = x.shape[0]
+        if x.ndim == 3 and slots.shape == (rows,) and rows < SLICED_AS_ONE_BELOW:
+            # every (row, slice) as a row of its own, slice j of a row next to slice j + 1
+            at = (slots[:, None] * p + mx.arange(p, dtype=slots.dtype)).reshape(-1)
+            y = mx.gather_mm(x.reshape(rows * p, 1, k), w.swapaxes(-1, -2), rhs_indices=at)
+            return y.reshape(rows, p, -1).sum(axis=1, keepdims=True)
+        by_slice = w.reshape(-1, p, *w.shape[1:])
+        y = None
+        for j in range(p):
+            part = mx.gather_mm(
+                x[..., j * k : (j + 1) * k],
+                by_slice[:, j].swapaxes(-1, -2),
+                rhs_indices=slots,
+                sorted_indices=sort,
+            )
+            y = part if y is None else y + part
+        return y
 
     def _one(self, x: mx.array, slot: int) -> mx.array:
         """Rows of one expert through its (maybe quantized) matrix."""

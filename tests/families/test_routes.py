@@ -72,6 +72,8 @@ def test_the_route_is_forced_from_the_environment(tmp_path, monkeypatch, caplog)
         # a forced route is not timed at one row; where its wide calls go (a batch against the
         # host read) is measured, as for a chosen route
         assert tokens > 1, ("a forced route timed at one row", route)
+        if tokens == decode_route.SLICE_TOKENS:  # the down projection's slices, timed after
+            return 1e-3
         timed.append(route)
         return 1e-3 if route == "host" else 1e-4
 
@@ -121,3 +123,28 @@ def test_a_node_keeps_the_route_it_measured_fastest_and_logs_the_times(
     }
     tokens, _ = tiny.decode(sm.model, sweep.PROMPT, sweep.STEPS)  # timing calls left nothing behind
     assert tokens == tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)[0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_down_projection_kept_in_slices_gives_stocks_tokens(
+    family, tmp_path, monkeypatch, caplog
+):
+    """Where the slices measure faster, every layer is sliced (DBRX's experts too: the shard stacks
+    its per-expert list) and the tokens and logits stay stock's."""
+    path = sweep.checkpoint(family, tmp_path)
+
+    def fake(shard, r, top_k, tokens):
+        if tokens != decode_route.SLICE_TOKENS:
+            return 1e-4 if r == "device" else 3e-4
+        return 1e-4 if shard.mlp.last.slices > 1 else 3e-4
+
+    monkeypatch.setattr(decode_route, "time_route", fake)
+    with caplog.at_level(logging.INFO, logger="moe_cluster.node.moe.load"):
+        sm = load_in_process(str(path), 2, keepalive="none", route=None)
+    sliced = {layer.shard.mlp.last.slices for rank in _ranks(sm) for layer in rank}
+    assert sliced == {decode_route.SLICES}, sliced
+    assert f"the down projection in {decode_route.SLICES} slices" in caplog.text
+    ref_tokens, ref_logits = tiny.stock_tokens(path, sweep.PROMPT, sweep.STEPS)
+    tokens, logits = tiny.decode(sm.model, sweep.PROMPT, sweep.STEPS)
+    assert tokens == ref_tokens
+    assert float(abs(logits - ref_logits).max()) <= sweep.TOLERANCE

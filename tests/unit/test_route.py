@@ -9,10 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from moe_cluster.node.moe import route
+from moe_cluster.node.moe import kernels, route
 from moe_cluster.proto.errors import UserError
 from moe_cluster.proto.placement import Placement
-from test_experts import E, _bank, _shards
+from test_experts import D, E, F, K, _bank, _shards
 
 
 def _two(keepalive="none", layers=1):
@@ -268,3 +268,70 @@ def test_routes_forced_in_turn_share_the_loads_hand_off(monkeypatch):
     force_route(sharded, "host")
     force_route(sharded, "device")  # ... and kept
     assert sharded.state.route.host_from == 32 * top_k and calls == []
+
+
+def _slice_timer(sliced_s, whole_s, calls=None):
+    """Seconds of a batch call by how the timed shard's down projection is stored; one row: the
+    routes tie (the device route is kept)."""
+
+    def timer(shard, r, top_k, tokens):
+        if tokens == 1:
+            return 1e-4
+        if tokens != route.SLICE_TOKENS:
+            return 1.0 if r == "host" else 1e-3  # the hand-off: the host read never wins
+        if calls is not None:
+            calls.append(shard.mlp.last.slices)
+        return sliced_s if shard.mlp.last.slices > 1 else whole_s
+
+    return timer
+
+
+@pytest.mark.parametrize("sliced_s, want", [(0.9e-3, route.SLICES), (0.97e-3, 1)])
+def test_the_down_projection_is_sliced_where_it_measured_faster(sliced_s, want):
+    shards, calls = _two(layers=3), []
+    before = [np.array(s.mlp.last.weight) for s in shards]
+    choice = route.choose(shards, [3] * 3, "measure", timer=_slice_timer(sliced_s, 1e-3))
+    choice = route.choose_slices(shards, [3] * 3, choice, timer=_slice_timer(sliced_s, 1e-3, calls))
+    # one layer timed, whole and sliced in turn; every layer stored as chosen
+    assert calls == [1, route.SLICES] * route.SLICE_ROUNDS
+    assert choice.slices == want and [s.mlp.last.slices for s in shards] == [want] * 3
+    assert choice.slices_us == {1: 1000.0, route.SLICES: round(sliced_s * 1e6, 1)}
+    kept = f"in {want} slices" if want > 1 else "whole"
+    assert f"the down projection {kept} (µs at {route.SLICE_TOKENS} tokens" in choice.describe()
+    if want == 1:  # whole again: the weights as they were, to the bit
+        for s, w in zip(shards, before):
+            assert np.array_equal(np.array(s.mlp.last.weight), w)
+    for s in shards:  # gate and up stay whole
+        assert s.mlp.projections[0].slices == s.mlp.projections[1].slices == 1
+
+
+def test_nothing_is_sliced_or_timed_where_no_layer_can_be():
+    alone = _shards(_bank(), Placement.even({0: E}, 1), "lru")[0]
+    quantized = _two()[0]
+    quantized.mlp.last.quant = {"group_size": 32, "bits": 4, "mode": "affine"}
+    for shard in (alone, quantized):
+        choice = route.RouteChoice("device", "measured")
+        got = route.choose_slices([shard], [3], choice, timer=lambda *a: pytest.fail("timed"))
+        assert got is choice and shard.mlp.last.slices == 1
+        assert shard.slice_inputs(route.SLICES) is False
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 200])
+@pytest.mark.parametrize("r", ["device", "host"])
+def test_a_sliced_down_projection_gives_the_same_partials(r, tokens):
+    """Decode sizes (every row and slice in one call) and a prompt's (slice by slice, sorted)."""
+    bank = _bank()
+    rng = np.random.default_rng(5)
+    x = mx.array(rng.standard_normal((1, tokens, D)).astype(np.float32))
+    inds = mx.array(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)])[None])
+    shards = _shards(bank, Placement.even({0: E}, 2), "none")
+    whole = []
+    for s in shards:
+        s.set_route(r, None)
+        whole.append(np.array(s(x, inds)))
+    for s, want in zip(shards, whole):
+        assert s.slice_inputs(route.SLICES)
+        assert s.mlp.last.weight.shape == (E // 2 * route.SLICES, D, F // route.SLICES)
+        np.testing.assert_allclose(np.array(s(x, inds)), want, rtol=1e-5, atol=1e-6)
+    if tokens == 200:  # wide enough for the slice-by-slice form
+        assert tokens * K // 2 >= kernels.SLICED_AS_ONE_BELOW
