@@ -249,7 +249,8 @@ def load_shard(
             f"{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}{' ...' if len(extra) > 5 else ''}"
         )
     model.load_weights(list(weights.items()) + list(shard_params.items()), strict=True)
-    del weights
+    # a shard may re-lay its weights below (choose_slices): no reference to the old ones stays here
+    del weights, params, shard_params
     mx.eval(model.parameters())
     for b, layer in zip(blocks, layers):
         install(model, b.path, layer)
