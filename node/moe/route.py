@@ -16,10 +16,10 @@ cluster.yaml's `route: skip|device|host` forces one (benchmarks); `measure` (the
 
 At N > 1 the node then times the same layer's decode call of a small batch with the down projection
 (fc2) stored whole and in SLICES slices of its input dimension (choose_slices), and keeps the slices
-where they take at most SLICE_GAIN of the whole weight's time. On a 2-vCPU EPYC through OpenBLAS, a float32 down projection of
-192 inputs multiplied in two slices of 96 took a MoE layer of 16 streams from 4.7 to 4.1 ms (the
-same bytes read; a tensor-parallel rank's half-width experts get the same for free); elsewhere the
-timing may find nothing and the weights stay as they are.
+where they take at most SLICE_GAIN of the whole weight's time. On a 2-vCPU EPYC through OpenBLAS,
+a float32 down projection of 192 inputs multiplied in two slices of 96 took a MoE layer of 16
+streams from 4.7 to 4.1 ms (the same bytes read; a tensor-parallel rank's half-width experts have
+that shape for free); elsewhere the timing may find nothing and the weights stay as they are.
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ REPEATS = 7
 HANDOFF_TOKENS = (8, 32, 128, 512)  # batch rows at which a device route is timed against the host
 HANDOFF_REPEATS = 3
 # The down projection's slices (ExpertShard.slice_inputs): two, as four measured no faster in decode
-# and 7% slower on a prompt; timed at SLICE_TOKENS tokens (a batch of streams), in turn SLICE_ROUNDS times (medians), and
-# kept when they take at most SLICE_GAIN of the whole weight's time
+# and 7% slower on a prompt; timed at SLICE_TOKENS tokens (a batch of streams), whole and sliced in
+# turn SLICE_ROUNDS times (medians), kept when they take at most SLICE_GAIN of the whole's time
 SLICES = 2
 SLICE_TOKENS = 16
 SLICE_ROUNDS = 5
