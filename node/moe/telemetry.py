@@ -307,14 +307,18 @@ class ShardState:
         known = (ids >= 0) & (ids < np.array([len(t) for t in tables])[table_of_call[call]])
         # a family's sentinel ids are no expert
         call, ids, layer_of = call[known], ids[known], layer_of[known]
-        for i, layer in enumerate(layers):  # per-expert selections (the routing heat map)
-            self.count_routed(layer, ids[layer_of == i])
+        # per-expert selections (the routing heat map), every layer in one count
+        heat = np.bincount(layer_of * width + ids, minlength=len(layers) * width)
+        for i, layer in enumerate(layers):
+            r = self.routed[layer]
+            n = min(len(r), width)
+            r[:n] += heat[i * width : i * width + n]
         # each call's distinct experts, then how many of them each rank computes
-        key = np.unique(call * width + ids)
-        call_of, expert_of = key // width, key % width
+        present = np.zeros((len(done), width), dtype=bool)
+        present[call, ids] = True
         rank_table = np.stack([np.pad(t.astype(np.int64), (0, width - len(t))) for t in tables])
-        counts = np.zeros((len(done), self.world_size), dtype=np.int64)
-        np.add.at(counts, (call_of, rank_table[table_of_call[call_of], expert_of]), 1)
+        ranks = rank_table[table_of_call]  # (calls, width): the rank computing each expert
+        counts = np.stack([(present & (ranks == r)).sum(axis=1) for r in range(self.world_size)], 1)
         calls = np.bincount(layer_of_call, minlength=len(layers))
         mine = np.bincount(layer_of_call, weights=counts[:, self.rank], minlength=len(layers))
         biggest = np.bincount(layer_of_call, weights=counts.max(axis=1), minlength=len(layers))

@@ -388,6 +388,27 @@ def test_folding_many_device_routed_calls_at_once_counts_as_one_at_a_time():
         together.counters == alone.counters and sum(c.calls for c in alone.counters.values()) == 300
     )
     assert all((together.routed[layer] == alone.routed[layer]).all() for layer in tables)
+    # and both are the counts made by hand: per call its distinct experts, by the rank computing them
+    for layer, table in tables.items():
+        mine = biggest = positions = calls_here = 0
+        heat = np.zeros(16, dtype=np.int64)
+        for lay, inds in calls:
+            if lay != layer:
+                continue
+            ids = np.array(inds).reshape(-1)
+            per_rank = np.bincount(table[np.unique(ids)], minlength=3)
+            calls_here, positions = calls_here + 1, positions + ids.size
+            mine, biggest = mine + per_rank[1], biggest + per_rank.max()
+            heat += np.bincount(ids, minlength=16)
+        c = together.counters[layer]
+        assert (c.calls, c.selected, c.computed, c.cluster_max, c.positions) == (
+            calls_here,
+            mine,
+            mine,
+            biggest,
+            positions,
+        )
+        assert (together.routed[layer] == heat).all()
 
 
 def _reference_skip_gemv(x, w, slots, per_x):
