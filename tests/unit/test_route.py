@@ -286,8 +286,14 @@ def _slice_timer(sliced_s, whole_s, calls=None):
     return timer
 
 
+@pytest.fixture
+def any_size(monkeypatch):
+    """Experts of any size are timed for slices (these tests' are far below the floor)."""
+    monkeypatch.setattr(route, "SLICE_FROM_BYTES", 0)
+
+
 @pytest.mark.parametrize("sliced_s, want", [(0.9e-3, route.SLICES), (0.97e-3, 1)])
-def test_the_down_projection_is_sliced_where_it_measured_faster(sliced_s, want):
+def test_the_down_projection_is_sliced_where_it_measured_faster(sliced_s, want, any_size):
     shards, calls = _two(layers=3), []
     before = [np.array(s.mlp.last.weight) for s in shards]
     choice = route.choose(shards, [3] * 3, "measure", timer=_slice_timer(sliced_s, 1e-3))
@@ -305,7 +311,7 @@ def test_the_down_projection_is_sliced_where_it_measured_faster(sliced_s, want):
         assert s.mlp.projections[0].slices == s.mlp.projections[1].slices == 1
 
 
-def test_nothing_is_sliced_or_timed_where_no_layer_can_be():
+def test_nothing_is_sliced_or_timed_where_no_layer_can_be(any_size):
     alone = _shards(_bank(), Placement.even({0: E}, 1), "lru")[0]
     quantized = _two()[0]
     quantized.mlp.last.quant = {"group_size": 32, "bits": 4, "mode": "affine"}
@@ -314,6 +320,20 @@ def test_nothing_is_sliced_or_timed_where_no_layer_can_be():
         got = route.choose_slices([shard], [3], choice, timer=lambda *a: pytest.fail("timed"))
         assert got is choice and shard.mlp.last.slices == 1
         assert shard.slice_inputs(route.SLICES) is False
+
+
+def test_experts_below_the_floor_are_not_timed_and_stay_whole(monkeypatch):
+    """A down projection of fewer bytes an expert than SLICE_FROM_BYTES is not timed, one at the
+    floor is."""
+    shard = _two()[0]
+    per_expert = D * F * 4  # float32 (E, D, F)
+    choice = route.RouteChoice("device", "measured")
+    monkeypatch.setattr(route, "SLICE_FROM_BYTES", per_expert + 1)
+    got = route.choose_slices([shard], [3], choice, timer=lambda *a: pytest.fail("timed"))
+    assert got is choice and shard.mlp.last.slices == 1
+    monkeypatch.setattr(route, "SLICE_FROM_BYTES", per_expert)
+    got = route.choose_slices([shard], [3], choice, timer=_slice_timer(0.5e-3, 1e-3))
+    assert got.slices == route.SLICES and shard.mlp.last.slices == route.SLICES
 
 
 @pytest.mark.parametrize("tokens", [1, 6, 200])
