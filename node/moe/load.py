@@ -276,13 +276,10 @@ def load_shard(
             if why == {None}
             else f"no skip kernel where it does not apply: {sorted(w for w in why if w)}",
         )
-    state.route = decode_route.choose(
-        [layer.shard for layer in layers], [b.top_k or 1 for b in blocks], how
-    )
+    shards, top_k = [layer.shard for layer in layers], [b.top_k or 1 for b in blocks]
+    state.route = decode_route.choose(shards, top_k, how)
     if how == "measure":  # a forced route (a benchmark, a test) pins the weights' layout too
-        state.route = decode_route.choose_slices(
-            [layer.shard for layer in layers], [b.top_k or 1 for b in blocks], state.route
-        )
+        state.route = decode_route.choose_slices(shards, top_k, state.route)
     logger.info("rank %d decode route: %s", rank, state.route.describe())
     if world > 1:
         # each rank chooses alone, so a cluster that stalls must show what each chose: on stderr,

@@ -17,10 +17,11 @@ cluster.yaml's `route: skip|device|host` forces one (benchmarks); `measure` (the
 At N > 1, where the route is measured, the node then times the same layer's decode call of a small
 batch with the down projection (fc2) stored whole and in SLICES slices of its input dimension
 (choose_slices), and keeps the slices where they take at most SLICE_GAIN of the whole weight's
-time; a forced route keeps the weights whole, as a benchmark or a test that pins the path needs. On a 2-vCPU EPYC through OpenBLAS,
-a float32 down projection of 192 inputs multiplied in two slices of 96 took a MoE layer of 16
-streams from 4.7 to 4.1 ms (the same bytes read; a tensor-parallel rank's half-width experts have
-that shape for free); elsewhere the timing may find nothing and the weights stay as they are.
+time; a forced route keeps the weights whole, as a benchmark or a test that pins the path needs.
+On a 2-vCPU EPYC through OpenBLAS, a float32 down projection of 192 inputs multiplied in two slices
+of 96 took a MoE layer of 16 streams from 4.7 to 4.1 ms (the same bytes read; a tensor-parallel
+rank's half-width experts have that shape for free); elsewhere the timing may find nothing and the
+weights stay as they are.
 """
 
 from __future__ import annotations
